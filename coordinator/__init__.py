@@ -1,0 +1,1 @@
+"""The somatize coordinator: worker registry, jobs, strategies over ``TransportContext``."""

@@ -1,0 +1,49 @@
+"""Error codes and the exceptions of the wire layer.
+
+Exception tree::
+
+    ProtocolError            anything wrong with bytes or messages that crossed a boundary
+    └── FrameError           a frame that is truncated, malformed or carries an unsupported value
+
+Remote failures travel as data (:class:`ErrorInfo` inside a reply), never as pickled exceptions;
+the receiving side turns them back into its own package's exception types.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ErrorCode(StrEnum):
+    """What went wrong, as a stable string that travels in ``error.code``."""
+
+    BAD_REQUEST = "bad_request"  # a message that failed validation or named an unknown kind
+    BAD_FRAME = "bad_frame"  # bytes that are not a frame of the codec
+    FILTER_ERROR = "filter_error"  # user code (fit/forward/loss) raised
+    UNKNOWN_NODE = "unknown_node"  # a node id that is not loaded
+    NOT_FITTED = "not_fitted"  # forward of a node that has no state yet
+    NO_GRADIENTS = "no_gradients"  # a node without parameters, or whose parameters have no grad
+    GRADIENT_MISMATCH = "gradient_mismatch"  # names or shapes that are not the same model
+    STATE_MISMATCH = "state_mismatch"  # a state that does not fit the node
+    DAEMON_CRASHED = "daemon_crashed"  # the filter daemon died while (or before) answering
+    TIMEOUT = "timeout"  # no answer within the request's timeout
+    INTERNAL = "internal"  # a bug on the answering side
+
+
+class ErrorInfo(BaseModel):
+    """The payload of an error reply: what happened, in words and in a code."""
+
+    code: ErrorCode
+    message: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProtocolError(Exception):
+    """Root of the errors raised by :mod:`protocol`."""
+
+
+class FrameError(ProtocolError):
+    """A frame that cannot be encoded or decoded; the message says what and where."""

@@ -1,0 +1,204 @@
+"""Filters: the unit a graph is made of.
+
+A :class:`Filter` learns in ``fit(x, y=None) -> state`` and applies what it learned in
+``forward(x, state) -> output``. Its state is *returned*, never kept on ``self``, so the same filter
+object can be shipped to a worker, fitted there, and its state carried back and forth on the wire.
+
+A :class:`TorchFilter` wraps a ``torch.nn.Module`` and learns by gradient descent; its state is the
+module's ``state_dict`` (tensors). It is trained by :class:`worker.engine.Engine`, the one training
+loop used in-process and in the filter daemon.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+if TYPE_CHECKING:
+    from somatize.graph import Graph
+
+LossSpec = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerSpec = str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "mse": F.mse_loss,
+    "l1": F.l1_loss,
+    "cross_entropy": F.cross_entropy,
+    "nll": F.nll_loss,
+    "bce_with_logits": F.binary_cross_entropy_with_logits,
+}
+_REGRESSION_LOSSES = {"mse", "l1", "bce_with_logits"}
+_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def snake_case(name: str) -> str:
+    """``StandardScaler`` -> ``standard_scaler``; the default node id of a filter class."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+class Filter:
+    """A unit of a graph: ``fit`` learns a state, ``forward`` applies it.
+
+    Subclass and override both. The defaults make an identity filter with an empty state.
+    """
+
+    #: The node id chosen with :meth:`named`; ``None`` lets the graph derive one.
+    name: str | None = None
+    #: Trained by gradient descent by the engine (see :class:`TorchFilter`).
+    differentiable: bool = False
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        """Learn from ``x`` (and labels ``y``) and return the state ``forward`` needs."""
+        return {}
+
+    def forward(self, x: Any, state: Any) -> Any:
+        """Apply the learned ``state`` to ``x``."""
+        return x
+
+    def named(self, name: str) -> Self:
+        """Choose this filter's node id in a graph (default: its class name in snake case)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a node id is a non-empty string, not {name!r}")
+        self.name = name
+        return self
+
+    def default_name(self) -> str:
+        """The node id used when none was chosen with :meth:`named`."""
+        return snake_case(type(self).__name__)
+
+    def __rshift__(self, other: Filter | Graph) -> Graph:
+        from somatize.graph import Graph
+
+        return Graph([self]) >> other
+
+
+class TorchFilter(Filter):
+    """A filter that wraps a ``torch.nn.Module`` and learns by gradient descent.
+
+    Args:
+        module: the model; its current weights are the initial weights of training.
+        loss: ``"mse"``, ``"l1"``, ``"cross_entropy"``, ``"nll"``, ``"bce_with_logits"``, or a
+            callable ``(output, y) -> scalar tensor``. Only the last filter of a chain of
+            TorchFilters has its loss used.
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"``, or a callable ``(params) -> Optimizer``.
+        lr: learning rate of a named optimizer.
+        batch_size: rows per optimizer step (``None``: all rows in one batch).
+        epochs: passes over the data.
+        shuffle: permute the rows every epoch (a ``torch.Generator`` seeded with ``seed``);
+            otherwise take them in order.
+        seed: seeds the shuffling and, during training, torch's default generator (dropout...).
+        optimizer_options: extra keyword arguments of a named optimizer (``momentum=0.9``...).
+
+    Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``) are those of the last
+    TorchFilter of a chain; each filter keeps its own optimizer and ``lr``.
+    """
+
+    differentiable = True
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        loss: LossSpec = "mse",
+        optimizer: OptimizerSpec = "sgd",
+        lr: float = 0.01,
+        batch_size: int | None = 32,
+        epochs: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        optimizer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
+        if isinstance(loss, str) and loss not in _LOSSES:
+            raise ValueError(
+                f"unknown loss {loss!r}; choose one of {sorted(_LOSSES)} or a callable"
+            )
+        if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)} "
+                "or a callable"
+            )
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if epochs < 0:
+            raise ValueError(f"epochs must not be negative, not {epochs}")
+        self.module = module
+        self.loss = loss
+        self.optimizer = optimizer
+        self.lr = lr
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self.optimizer_options = dict(optimizer_options or {})
+
+    def default_name(self) -> str:
+        return snake_case(type(self.module).__name__)
+
+    # -- what the engine calls ----------------------------------------------------------------
+
+    def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over ``params``; the engine makes it once and keeps it."""
+        if callable(self.optimizer):
+            return self.optimizer(params)
+        optimizer_class: Any = _OPTIMIZERS[self.optimizer]
+        return optimizer_class(params, lr=self.lr, **self.optimizer_options)  # type: ignore[no-any-return]
+
+    def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch."""
+        if callable(self.loss):
+            return self.loss(output, y)
+        if self.loss in _REGRESSION_LOSSES:
+            y = y.to(output.dtype)
+            if y.shape != output.shape and y.numel() == output.numel():
+                y = y.reshape(output.shape)  # (n,) labels against an (n, 1) output
+        return _LOSSES[self.loss](output, y)
+
+    def prepare_input(self, x: Any) -> torch.Tensor:
+        """``x`` as a tensor; floating input is cast to the module's floating dtype."""
+        tensor = torch.as_tensor(x)
+        dtype = self._float_dtype()
+        if tensor.is_floating_point() and dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        return tensor
+
+    def prepare_target(self, y: Any) -> torch.Tensor:
+        """``y`` as a tensor (its dtype is settled against the output in :meth:`compute_loss`)."""
+        return torch.as_tensor(y)
+
+    def forward(self, x: Any, state: Any) -> Any:
+        """Run the module on ``x`` with the weights in ``state`` (eval mode, no gradient)."""
+        x = self.prepare_input(x)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                if state is None or not state:
+                    return self.module(x)
+                return functional_call(self.module, dict(state), (x,))
+        finally:
+            self.module.train(was_training)
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        """Train a copy of this filter alone, as a one-node graph, and return its state."""
+        from somatize.graph import Graph
+
+        graph = Graph([self])
+        return graph.fit(x, y).states[graph.node_ids[0]]
+
+    def _float_dtype(self) -> torch.dtype | None:
+        for p in itertools.chain(self.module.parameters(), self.module.buffers()):
+            if p.is_floating_point():
+                return p.dtype
+        return None

@@ -1,0 +1,138 @@
+"""Graphs of filters: built with ``a >> b``, fitted in-process with :meth:`Graph.fit`.
+
+A graph is a chain of filters with stable node ids: the id a filter was given with
+``Filter.named``, else its default name (snake case of its class, or of its module's class for a
+``TorchFilter``), made unique in graph order with ``_2``, ``_3``... The ids are what states,
+gradients and partitions are keyed by everywhere, locally and on the wire.
+
+:meth:`Graph.fit` trains copies of the filters with :class:`worker.engine.Engine` — the same engine
+the filter daemon runs — and returns a :class:`FittedGraph`; the graph's own filters (and the
+initial weights of its modules) are left untouched, so one graph can be fitted many times, locally
+and distributed, from the same starting point.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from somatize.errors import GraphError
+from somatize.filters import Filter
+from worker.engine import Engine
+
+
+class Graph:
+    """An ordered chain of filters with stable node ids."""
+
+    def __init__(self, filters: list[Filter]) -> None:
+        seen: set[int] = set()
+        for f in filters:
+            if not isinstance(f, Filter):
+                raise GraphError(f"a graph is made of Filters, not {type(f).__name__}")
+            if id(f) in seen:
+                raise GraphError(
+                    f"the same {type(f).__name__} object appears twice in the graph; "
+                    "use two instances"
+                )
+            seen.add(id(f))
+        self._filters = list(filters)
+        self._ids = _assign_ids(self._filters)
+
+    def __rshift__(self, other: Filter | Graph) -> Graph:
+        if isinstance(other, Graph):
+            return Graph(self._filters + other._filters)
+        if isinstance(other, Filter):
+            return Graph([*self._filters, other])
+        return NotImplemented
+
+    @property
+    def node_ids(self) -> list[str]:
+        """Node ids in graph order."""
+        return list(self._ids)
+
+    def items(self) -> Iterator[tuple[str, Filter]]:
+        """``(node_id, filter)`` pairs in graph order."""
+        return iter(zip(self._ids, self._filters, strict=True))
+
+    def __getitem__(self, node_id: str) -> Filter:
+        try:
+            return self._filters[self._ids.index(node_id)]
+        except ValueError:
+            raise KeyError(f"no node {node_id!r} in the graph (nodes: {self._ids})") from None
+
+    def __len__(self) -> int:
+        return len(self._filters)
+
+    def __repr__(self) -> str:
+        return " >> ".join(self._ids) or "Graph([])"
+
+    def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None) -> FittedGraph:
+        """Train the graph in this process and return the fitted graph.
+
+        Plain filters are fitted in order on all rows; each run of TorchFilters trains as one
+        autograd graph (see :meth:`worker.engine.Engine.batched_fit`).
+
+        Args:
+            x: input rows (numpy array, torch tensor, or whatever the first filter takes).
+            y: labels, row-aligned with ``x``.
+            batch_size: overrides the TorchFilters' own ``batch_size``.
+        """
+        engine = Engine()
+        engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
+        result = engine.batched_fit(self.node_ids, x, y, batch_size=batch_size)
+        return FittedGraph(self, result.states, epoch_losses=result.epoch_losses)
+
+
+class FittedGraph:
+    """A graph together with a learned state for every node.
+
+    Attributes:
+        graph: the graph that was fitted.
+        states: each node's state by node id (a TorchFilter's is its module's ``state_dict``).
+        epoch_losses: mean training loss of each epoch, when the graph trained a TorchFilter.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        states: Mapping[str, Any],
+        *,
+        epoch_losses: list[float] | None = None,
+    ) -> None:
+        missing = [node_id for node_id in graph.node_ids if node_id not in states]
+        if missing:
+            raise GraphError(f"a fitted graph needs a state for every node; missing {missing}")
+        self.graph = graph
+        self.states = dict(states)
+        self.epoch_losses = list(epoch_losses or [])
+
+    def forward(self, x: Any) -> Any:
+        """Run ``x`` through the graph with the learned states, in this process."""
+        engine = Engine()
+        engine.load(dict(self.graph.items()))
+        return engine.composite_forward(self.graph.node_ids, x, self.states)
+
+    def __repr__(self) -> str:
+        return f"FittedGraph({self.graph!r})"
+
+
+def _assign_ids(filters: list[Filter]) -> list[str]:
+    chosen = [f.name for f in filters if f.name is not None]
+    duplicates = sorted({n for n in chosen if chosen.count(n) > 1})
+    if duplicates:
+        raise GraphError(f"node ids must be unique; {duplicates} named more than once")
+    taken = set(chosen)
+    ids = []
+    for f in filters:
+        if f.name is not None:
+            ids.append(f.name)
+            continue
+        base = f.default_name()
+        candidate, n = base, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{base}_{n}"
+        taken.add(candidate)
+        ids.append(candidate)
+    return ids

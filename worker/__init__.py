@@ -1,0 +1,1 @@
+"""The worker side: the agent, the filter-daemon supervisor, the daemon and its engine."""

@@ -1,0 +1,489 @@
+"""The filter execution engine: fit, forward and train a chain of filters in one process.
+
+This is the code that runs user filters, wherever they run: ``graph.fit`` in the user's process
+builds an :class:`Engine` over copies of the graph's filters, and the filter daemon
+(:mod:`worker.daemon`) holds one :class:`Engine` per job and maps each command onto one method.
+There is no second copy of the training loop anywhere.
+
+Two kinds of filter are told apart by duck typing, so that this module needs nothing from the SDK:
+
+* a *plain* filter has ``fit(x, y) -> state`` and ``forward(x, state) -> output``; its state is
+  whatever ``fit`` returned and the engine keeps it;
+* a *differentiable* filter (the SDK's ``TorchFilter``) has ``differentiable = True`` and the
+  members of :class:`DifferentiableFilter`; its state is its module's ``state_dict`` and the engine
+  trains it by gradient descent with a persistent optimizer (moments survive across calls).
+
+A chain is cut into *segments*: each plain filter alone, and each maximal run of consecutive
+differentiable filters, which trains as one autograd graph (one loss, on the run's last filter;
+every filter of the run steps its own optimizer).
+
+The gradient primitives follow the lessons of the original runtime (reference §6.2): ``fit`` and
+``composite_fit`` of a differentiable filter run forward, loss and backward but never step — whoever
+owns the round owns the step; ``apply_gradients`` writes a gradient and steps the persistent
+optimizer; no gradient at all is an error, never an empty success.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+
+
+@runtime_checkable
+class DifferentiableFilter(Protocol):
+    """What the engine needs from a filter it trains by gradient descent."""
+
+    differentiable: bool
+    module: torch.nn.Module
+    epochs: int
+    batch_size: int | None
+    shuffle: bool
+    seed: int
+
+    def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer: ...
+
+    def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def prepare_input(self, x: Any) -> torch.Tensor: ...
+
+    def prepare_target(self, y: Any) -> torch.Tensor: ...
+
+    def forward(self, x: Any, state: Any) -> Any: ...
+
+
+def is_differentiable(f: Any) -> bool:
+    """True for a filter the engine trains by gradient descent."""
+    return bool(getattr(f, "differentiable", False)) and isinstance(
+        getattr(f, "module", None), torch.nn.Module
+    )
+
+
+@dataclass
+class FitResult:
+    """What a fit command produced.
+
+    Attributes:
+        output: the chain's output on the fitted data (``None`` for a single-node ``fit``).
+        states: each fitted node's state, by node id.
+        loss: the loss of the last differentiable run (mean over the last epoch for a training
+            loop), ``None`` when no differentiable filter was involved.
+        rows: how many rows were fitted on.
+        epoch_losses: for a training loop, the mean loss of each epoch, in order.
+    """
+
+    output: Any
+    states: dict[str, Any]
+    loss: float | None
+    rows: int
+    epoch_losses: list[float] = field(default_factory=list)
+
+
+_UNSET: Any = object()
+
+
+@dataclass
+class _Node:
+    node_id: str
+    filter: Any
+    state: Any = _UNSET  # plain filters only: what fit returned
+    optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def differentiable(self) -> bool:
+        return is_differentiable(self.filter)
+
+
+def num_rows(x: Any) -> int:
+    """Rows of a batch: the first dimension of an array/tensor, or ``len()``."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    try:
+        return len(x)
+    except TypeError as exc:
+        raise EngineError(
+            ErrorCode.BAD_REQUEST, f"input of type {type(x).__name__} has no rows"
+        ) from exc
+
+
+class Engine:
+    """Filters by node id (in graph order), their states and their persistent optimizers."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, _Node] = {}
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, filters: Mapping[str, Any]) -> None:
+        """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order)."""
+        self._nodes = {node_id: _Node(node_id, f) for node_id, f in filters.items()}
+
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    def filter(self, node_id: str) -> Any:
+        """The loaded filter object of ``node_id``."""
+        return self._node(node_id).filter
+
+    # -- fit ----------------------------------------------------------------------------------
+
+    def fit(self, node_id: str, x: Any, y: Any = None) -> FitResult:
+        """Fit one node on ``x``: a plain filter's ``fit``, or one gradient pass (no step)."""
+        node = self._node(node_id)
+        if node.differentiable:
+            loss = self._backward_run([node], x, y)[1]
+            return FitResult(None, self.get_state([node_id]), loss, num_rows(x))
+        node.state = node.filter.fit(x, y)
+        return FitResult(None, {node_id: node.state}, None, num_rows(x))
+
+    def composite_fit(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+        """One pass over a chain: plain filters fit then forward; each differentiable run does one
+        forward, loss and backward over all of ``x`` and leaves its gradients on the parameters,
+        without stepping (a data-parallel replica's half of a step)."""
+        nodes = self._chain(node_ids, x, y)
+        out, loss = x, None
+        for segment in _segments(nodes):
+            if segment[0].differentiable:
+                out, loss = self._backward_run(segment, out, y)
+            else:
+                out = self._fit_plain(segment[0], out, y)
+        return FitResult(out, self.get_state(node_ids), loss, num_rows(x))
+
+    def batched_fit(
+        self, node_ids: Sequence[str], x: Any, y: Any = None, batch_size: int | None = None
+    ) -> FitResult:
+        """Train a chain to completion: what ``graph.fit`` does.
+
+        Plain filters are fitted on all rows, in order, each feeding the next. A differentiable run
+        trains for the epochs of its last filter, in batches of ``batch_size`` (default: the last
+        filter's), one optimizer step of every filter in the run per batch, on the mean loss of the
+        batch. With ``shuffle`` the rows of each epoch are permuted by a ``torch.Generator``
+        seeded with the filter's ``seed``; without it they are taken in order.
+        """
+        nodes = self._chain(node_ids, x, y)
+        out, loss, epoch_losses = x, None, []
+        for segment in _segments(nodes):
+            if segment[0].differentiable:
+                epoch_losses = self._train_run(segment, out, y, batch_size)
+                loss = epoch_losses[-1] if epoch_losses else None
+                out = self._forward_segment(segment, out)
+            else:
+                out = self._fit_plain(segment[0], out, y)
+        return FitResult(out, self.get_state(node_ids), loss, num_rows(x), epoch_losses)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, node_id: str, x: Any, state: Any = None) -> Any:
+        """``forward`` of one node with ``state``, or with the state it holds."""
+        node = self._node(node_id)
+        return node.filter.forward(x, self._state_for(node) if state is None else state)
+
+    def composite_forward(
+        self, node_ids: Sequence[str], x: Any, states: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Forward ``x`` through a chain, each node with ``states[id]`` or its held state."""
+        for node in self._chain(node_ids, x):
+            if states is not None and node.node_id in states:
+                x = node.filter.forward(x, states[node.node_id])
+            else:
+                x = node.filter.forward(x, self._state_for(node))
+        return x
+
+    # -- state --------------------------------------------------------------------------------
+
+    def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
+        """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
+        copies of its tensors), a plain filter's fit result."""
+        out: dict[str, Any] = {}
+        for node in self._select(node_ids):
+            if node.differentiable:
+                sd = node.filter.module.state_dict()
+                out[node.node_id] = {k: v.detach().clone() for k, v in sd.items()}
+            else:
+                out[node.node_id] = self._state_for(node)
+        return out
+
+    def set_state(self, states: Mapping[str, Any]) -> None:
+        """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""
+        nodes = [self._node(node_id) for node_id in states]
+        for node in nodes:
+            state = states[node.node_id]
+            if node.differentiable:
+                _load_module_state(node, state)
+            else:
+                node.state = state
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def get_gradients(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The gradients left by the last ``fit``/``composite_fit``, by node and parameter name.
+
+        ``node_ids=None`` means every differentiable node. The tensors are the live ``.grad``
+        tensors (the engine always replaces, never mutates, a gradient): copy them to keep them
+        across a later backward.
+
+        Raises:
+            EngineError: ``NO_GRADIENTS`` for a node that is not differentiable, has no trainable
+                parameters, or has parameters without a gradient (no backward ran).
+        """
+        if node_ids is None:
+            nodes = [n for n in self._nodes.values() if n.differentiable]
+            if not nodes:
+                raise EngineError(ErrorCode.NO_GRADIENTS, "no differentiable filter is loaded")
+        else:
+            nodes = self._select(node_ids)
+        out: dict[str, dict[str, Any]] = {}
+        for node in nodes:
+            if not node.differentiable:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r} is not differentiable: it has no gradients",
+                    {"node_id": node.node_id},
+                )
+            params = _trainable(node)
+            if not params:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r} has no trainable parameters",
+                    {"node_id": node.node_id},
+                )
+            missing = [name for name, p in params.items() if p.grad is None]
+            if missing:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r}: no gradient on {missing} "
+                    "(run fit or composite_fit with labels first)",
+                    {"node_id": node.node_id, "parameters": missing},
+                )
+            out[node.node_id] = {name: p.grad for name, p in params.items()}
+        return out
+
+    def apply_gradients(self, gradients: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        """Write ``gradients`` onto the parameters and step each node's persistent optimizer.
+
+        Every node and tensor is checked before anything is written, so a mismatch leaves the
+        model untouched.
+
+        Returns:
+            How many parameters were stepped, by node id.
+
+        Raises:
+            EngineError: ``GRADIENT_MISMATCH`` when names or shapes are not the same model,
+                ``NO_GRADIENTS`` for an empty gradient set.
+        """
+        if not gradients:
+            raise EngineError(ErrorCode.NO_GRADIENTS, "apply_gradients was given no gradients")
+        plan: list[tuple[_Node, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+        for node_id, grads in gradients.items():
+            node = self._node(node_id)
+            params = _trainable(node) if node.differentiable else {}
+            if not params:
+                raise EngineError(
+                    ErrorCode.GRADIENT_MISMATCH,
+                    f"node {node_id!r} has no trainable parameters to apply gradients to",
+                    {"node_id": node_id},
+                )
+            _check_same_names(node_id, "gradients", set(grads), set(params))
+            pairs = []
+            for name, p in params.items():
+                g = torch.as_tensor(grads[name])
+                if tuple(g.shape) != tuple(p.shape):
+                    raise EngineError(
+                        ErrorCode.GRADIENT_MISMATCH,
+                        f"node {node_id!r}, parameter {name!r}: gradient has shape "
+                        f"{list(g.shape)}, parameter has {list(p.shape)}",
+                        {"node_id": node_id, "parameter": name},
+                    )
+                pairs.append((p, g))
+            plan.append((node, pairs))
+        applied: dict[str, int] = {}
+        for node, pairs in plan:
+            for p, g in pairs:
+                p.grad = g.to(dtype=p.dtype, device=p.device)
+            self._optimizer(node).step()
+            applied[node.node_id] = len(pairs)
+        return applied
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _node(self, node_id: str) -> _Node:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise EngineError(
+                ErrorCode.UNKNOWN_NODE,
+                f"node {node_id!r} is not loaded (loaded: {list(self._nodes)})",
+                {"node_id": node_id},
+            ) from None
+
+    def _select(self, node_ids: Sequence[str] | None) -> list[_Node]:
+        return list(self._nodes.values()) if node_ids is None else [self._node(n) for n in node_ids]
+
+    def _chain(self, node_ids: Sequence[str], x: Any, y: Any = None) -> list[_Node]:
+        nodes = self._select(node_ids)
+        if not nodes:
+            raise EngineError(ErrorCode.BAD_REQUEST, "an empty chain of nodes was given")
+        if y is not None and num_rows(x) != num_rows(y):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"x has {num_rows(x)} rows and y has {num_rows(y)}: they must match",
+            )
+        return nodes
+
+    def _state_for(self, node: _Node) -> Any:
+        if node.differentiable:
+            return node.filter.module.state_dict()
+        if node.state is _UNSET:
+            raise EngineError(
+                ErrorCode.NOT_FITTED,
+                f"node {node.node_id!r} has no state: fit it or set its state first",
+                {"node_id": node.node_id},
+            )
+        return node.state
+
+    def _fit_plain(self, node: _Node, x: Any, y: Any) -> Any:
+        node.state = node.filter.fit(x, y)
+        return node.filter.forward(x, node.state)
+
+    def _optimizer(self, node: _Node) -> torch.optim.Optimizer:
+        """The node's optimizer, made on first use and kept (its moments survive)."""
+        if node.optimizer is None:
+            node.optimizer = node.filter.make_optimizer(list(_trainable(node).values()))
+        return node.optimizer
+
+    def _run_loss(self, run: list[_Node], x: torch.Tensor, y: torch.Tensor) -> Any:
+        """Forward ``x`` through the run in training mode; the loss of its last filter."""
+        out = x
+        for node in run:
+            node.filter.module.train()
+            out = node.filter.module(out)
+        return run[-1].filter.compute_loss(out, y), out
+
+    def _backward_run(self, run: list[_Node], x: Any, y: Any) -> tuple[Any, float]:
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: fitting it needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        for node in run:
+            node.filter.module.zero_grad(set_to_none=True)
+        xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
+        loss, out = self._run_loss(run, xt, yt)
+        loss.backward()
+        return out.detach(), float(loss.detach())
+
+    def _train_run(self, run: list[_Node], x: Any, y: Any, batch_size: int | None) -> list[float]:
+        last = run[-1].filter
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: training it needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        xt, yt = run[0].filter.prepare_input(x), last.prepare_target(y)
+        n = num_rows(xt)
+        size = batch_size or last.batch_size or n
+        optimizers = [self._optimizer(node) for node in run]
+        epoch_losses = []
+        # Seeded, and without touching the caller's global RNG: dropout and friends inside the
+        # modules draw from the forked default generator.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(last.seed)
+            order = torch.Generator().manual_seed(last.seed)
+            for _ in range(last.epochs):
+                total = 0.0
+                for index in _batches(n, size, order if last.shuffle else None):
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    loss, _ = self._run_loss(run, xt[index], yt[index])
+                    loss.backward()
+                    for opt in optimizers:
+                        opt.step()
+                    total += float(loss.detach()) * _len(index, n)
+                epoch_losses.append(total / n if n else float("nan"))
+        return epoch_losses
+
+    def _forward_segment(self, run: list[_Node], x: Any) -> Any:
+        for node in run:
+            x = node.filter.forward(x, node.filter.module.state_dict())
+        return x
+
+
+def _segments(nodes: list[_Node]) -> Iterator[list[_Node]]:
+    """Each plain node alone; each maximal run of differentiable nodes together."""
+    for differentiable, group in itertools.groupby(nodes, key=lambda n: n.differentiable):
+        if differentiable:
+            yield list(group)
+        else:
+            yield from ([n] for n in group)
+
+
+def _batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
+    """Row indices of each batch of one epoch: slices in order, or a seeded permutation."""
+    if order is None:
+        for start in range(0, n, size):
+            yield slice(start, min(start + size, n))
+        return
+    perm = torch.randperm(n, generator=order)
+    for start in range(0, n, size):
+        yield perm[start : start + size]
+
+
+def _len(index: Any, n: int) -> int:
+    if isinstance(index, slice):
+        return len(range(*index.indices(n)))
+    return int(index.numel())
+
+
+def _trainable(node: _Node) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in node.filter.module.named_parameters() if p.requires_grad}
+
+
+def _check_same_names(node_id: str, what: str, given: set[str], expected: set[str]) -> None:
+    if given != expected:
+        raise EngineError(
+            ErrorCode.GRADIENT_MISMATCH if what == "gradients" else ErrorCode.STATE_MISMATCH,
+            f"node {node_id!r}: {what} are not for the same model: missing "
+            f"{sorted(expected - given)}, unexpected {sorted(given - expected)}",
+            {
+                "node_id": node_id,
+                "missing": sorted(expected - given),
+                "unexpected": sorted(given - expected),
+            },
+        )
+
+
+def _load_module_state(node: _Node, state: Any) -> None:
+    module: torch.nn.Module = node.filter.module
+    if not isinstance(state, Mapping):
+        raise EngineError(
+            ErrorCode.STATE_MISMATCH,
+            f"node {node.node_id!r} is differentiable: its state is a mapping of tensors, "
+            f"not {type(state).__name__}",
+            {"node_id": node.node_id},
+        )
+    current = module.state_dict()
+    _check_same_names(node.node_id, "state keys", set(state), set(current))
+    converted = {}
+    for key, value in state.items():
+        tensor = torch.as_tensor(value) if isinstance(value, np.ndarray | np.generic) else value
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != current[key].shape:
+            shape = list(getattr(tensor, "shape", [])) if tensor is not None else None
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH,
+                f"node {node.node_id!r}, key {key!r}: state has shape {shape}, "
+                f"module has {list(current[key].shape)}",
+                {"node_id": node.node_id, "key": key},
+            )
+        converted[key] = tensor
+    module.load_state_dict(converted)
