@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks.<name>`` prints figures next to a plain-copy anchor."""
