@@ -1,0 +1,327 @@
+"""The daemon's request handling and the pipe framing, in-process: no subprocess, no event loop.
+
+:class:`worker.daemon.Daemon` turns one request frame into one reply message, so every error path
+of the protocol is checked here directly; ``test_daemon.py`` proves the same over real pipes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import somatize as sz
+from protocol.codec import decode, encode, encode_frame
+from protocol.daemon import (
+    LENGTH,
+    FitRequest,
+    FrameReader,
+    FrameWriter,
+    OkReply,
+    allocate_fast,
+    allocate_paged,
+    reply_adapter,
+    request_adapter,
+    request_fields,
+)
+from protocol.errors import ErrorCode, FrameError
+from protocol.filters import dump_filter
+from worker.daemon import Daemon
+
+
+class Center:
+    def fit(self, x, y=None):
+        return {"mean": x.mean(0)}
+
+    def forward(self, x, state):
+        return x - state["mean"]
+
+
+class Explode:
+    def fit(self, x, y=None):
+        return {}
+
+    def forward(self, x, state):
+        return self._deep(x)
+
+    def _deep(self, x):
+        raise ZeroDivisionError("exploded in forward")
+
+
+class Opaque:
+    """A filter whose state the codec cannot carry."""
+
+    def fit(self, x, y=None):
+        return {"thing": object()}
+
+    def forward(self, x, state):
+        return x
+
+
+def _ask(daemon: Daemon, **message) -> dict:
+    """One request through ``handle``, from a writable frame as the daemon reads them."""
+    return daemon.handle(bytearray(encode_frame(message)))
+
+
+def _error(reply: dict) -> dict:
+    assert reply["ok"] is False, reply
+    return reply["error"]
+
+
+@pytest.fixture
+def daemon() -> Daemon:
+    d = Daemon()
+    reply = _ask(
+        d,
+        id=1,
+        cmd="load",
+        filters={"center": dump_filter(Center()), "explode": dump_filter(Explode())},
+    )
+    assert reply == {"id": 1, "ok": True, "result": ["center", "explode"]}
+    return d
+
+
+# -- the request path ----------------------------------------------------------------------------
+
+
+def test_a_request_is_answered_with_its_id(daemon):
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    reply = _ask(daemon, id=41, cmd="fit", node_id="center", x=x)
+    assert reply["id"] == 41 and reply["ok"] is True
+    assert set(reply["result"]) == {"output", "states", "loss", "rows", "epoch_losses"}
+    np.testing.assert_array_equal(reply["result"]["states"]["center"]["mean"], [2.0, 3.0])
+    assert _ask(daemon, id=42, cmd="ping") == {"id": 42, "ok": True, "result": None}
+
+
+def test_bytes_that_are_not_a_frame_get_bad_frame_with_id_minus_one(daemon):
+    error = _error(reply := daemon.handle(bytearray(b"\x05\x00\x00\x00nope")))
+    assert reply["id"] == -1
+    assert error["code"] == ErrorCode.BAD_FRAME
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"id": 3, "cmd": "launch"}, "cmd"),
+        ({"id": 3}, "cmd"),
+        ({"id": 3, "cmd": "fit", "x": 1}, "node_id"),
+        ({"id": 3, "cmd": "fit", "node_id": 7, "x": 1}, "node_id"),
+        ({"id": 3, "cmd": "ping", "colour": "red"}, "colour"),
+        ({"id": 3, "cmd": "batched_fit", "node_ids": ["a"], "x": 1, "batch_size": 0}, "batch_size"),
+        ({"id": 3, "cmd": "composite_fit", "node_ids": [], "x": 1}, "node_ids"),
+        ({"id": 3, "cmd": "load", "filters": {"a": "not bytes"}}, "filters.a"),
+        ({"id": 3, "cmd": "apply_gradients", "gradients": {"a": 1}}, "gradients.a"),
+    ],
+)
+def test_an_invalid_request_gets_bad_request_naming_the_field(daemon, message, field):
+    reply = daemon.handle(bytearray(encode_frame(message)))
+    error = _error(reply)
+    assert reply["id"] == 3
+    assert error["code"] == ErrorCode.BAD_REQUEST
+    assert error["detail"]["field"] == field
+    assert field in error["message"]
+
+
+@pytest.mark.parametrize("message", [[1, 2], "ping", {"cmd": "ping"}, {"id": "7", "cmd": "ping"}])
+def test_a_request_without_a_usable_id_is_answered_with_id_minus_one(daemon, message):
+    reply = daemon.handle(bytearray(encode_frame(message)))
+    assert reply["id"] == -1
+    assert _error(reply)["code"] == ErrorCode.BAD_REQUEST
+
+
+def test_an_engine_refusal_keeps_its_code(daemon):
+    error = _error(_ask(daemon, id=5, cmd="forward", node_id="missing", x=[1.0]))
+    assert error["code"] == ErrorCode.UNKNOWN_NODE
+    error = _error(_ask(daemon, id=6, cmd="forward", node_id="center", x=np.ones(2)))
+    assert error["code"] == ErrorCode.NOT_FITTED
+
+
+def test_a_filter_that_raises_in_a_chain_is_named_with_its_traceback(daemon):
+    x = np.ones((2, 2), dtype=np.float32)
+    reply = _ask(daemon, id=9, cmd="composite_fit", node_ids=["center", "explode"], x=x)
+    error = _error(reply)
+    assert error["code"] == ErrorCode.FILTER_ERROR
+    assert error["detail"]["node_id"] == "explode"
+    assert error["detail"]["type"] == "ZeroDivisionError"
+    assert error["detail"]["cmd"] == "composite_fit"
+    assert "_deep" in error["detail"]["traceback"]
+    assert "exploded in forward" in error["message"]
+
+
+def test_a_torch_module_that_raises_is_blamed_on_its_node():
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            raise RuntimeError("module failed")
+
+    d = Daemon()
+    filters = {"c": dump_filter(Center()), "net": dump_filter(sz.TorchFilter(Broken()))}
+    _ask(d, id=1, cmd="load", filters=filters)
+    x = np.ones((4, 2), dtype=np.float32)
+    error = _error(_ask(d, id=2, cmd="batched_fit", node_ids=["c", "net"], x=x, y=x))
+    assert error["detail"]["node_id"] == "net"
+    assert "module failed" in error["message"]
+
+
+def test_a_filter_that_cannot_be_unpickled_is_named_and_the_old_ones_stay(daemon):
+    filters = {"good": dump_filter(Center()), "bad": b"\x80\x05not a pickle"}
+    error = _error(_ask(daemon, id=2, cmd="load", filters=filters))
+    assert error["code"] == ErrorCode.FILTER_ERROR
+    assert error["detail"]["node_id"] == "bad"
+    assert "traceback" in error["detail"]
+    assert daemon.engine.node_ids == ["center", "explode"]
+
+
+def test_a_filter_calling_sys_exit_is_an_error_not_an_exit():
+    class Quitter:
+        def fit(self, x, y=None):
+            raise SystemExit(4)
+
+    d = Daemon()
+    _ask(d, id=1, cmd="load", filters={"q": dump_filter(Quitter())})
+    error = _error(_ask(d, id=2, cmd="fit", node_id="q", x=[1.0]))
+    assert error["code"] == ErrorCode.FILTER_ERROR
+    assert error["detail"]["type"] == "SystemExit"
+
+
+def test_a_result_the_codec_cannot_carry_becomes_an_error_reply():
+    d = Daemon()
+    _ask(d, id=1, cmd="load", filters={"o": dump_filter(Opaque())})
+    reply = decode(
+        bytearray(
+            b"".join(
+                d.respond(
+                    bytearray(encode_frame({"id": 2, "cmd": "fit", "node_id": "o", "x": [1.0]}))
+                )
+            )
+        )
+    )
+    assert reply["id"] == 2
+    assert _error(reply)["code"] == ErrorCode.FILTER_ERROR
+    assert "cannot be sent back" in reply["error"]["message"]
+
+
+def test_shutdown_answers_then_stops(daemon):
+    assert _ask(daemon, id=8, cmd="shutdown") == {"id": 8, "ok": True, "result": None}
+    assert daemon.stopping
+
+
+def test_decoded_tensors_reach_the_filter_as_writable_zero_copy_views():
+    class Probe:
+        def fit(self, x, y=None):
+            x.add_(1)  # would fail (or warn) on a read-only buffer
+            self.address = x.untyped_storage().data_ptr()
+            return {}
+
+        def forward(self, x, state):
+            return x
+
+    d = Daemon()
+    _ask(d, id=1, cmd="load", filters={"p": dump_filter(Probe())})
+    frame = bytearray(encode_frame({"id": 2, "cmd": "fit", "node_id": "p", "x": torch.zeros(64)}))
+    assert d.handle(frame)["ok"] is True
+    base = np.frombuffer(frame, np.uint8).ctypes.data
+    assert base <= d.engine.filter("p").address < base + len(frame)
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+
+def test_request_fields_is_shallow_so_tensors_are_not_copied():
+    x = torch.ones(3)
+    request = request_adapter.validate_python({"id": 1, "cmd": "fit", "node_id": "a", "x": x})
+    assert isinstance(request, FitRequest)
+    assert request.x is x
+    fields = request_fields(request)
+    assert fields["x"] is x
+    assert fields == {"id": 1, "cmd": "fit", "node_id": "a", "x": x, "y": None}
+
+
+def test_replies_are_told_apart_by_ok():
+    assert isinstance(reply_adapter.validate_python({"id": 1, "ok": True, "result": 3}), OkReply)
+    error = reply_adapter.validate_python(
+        {"id": 1, "ok": False, "error": {"code": "timeout", "message": "late"}}
+    )
+    assert error.error.code == ErrorCode.TIMEOUT
+
+
+# -- framing ------------------------------------------------------------------------------------
+
+
+def _frames_through_pipe(frames: list[bytes], rng: random.Random) -> list[bytes]:
+    """Write ``frames`` with a FrameWriter and read them back with a FrameReader, both moving
+    random amounts at a time, as a pipe would."""
+    writer = FrameWriter()
+    for frame in frames:
+        writer.add([frame[: len(frame) // 2], memoryview(frame)[len(frame) // 2 :]])
+    stream = bytearray()
+    while not writer.done:
+        chunk = b"".join(bytes(v) for v in writer.buffers(limit=rng.randint(1, 3)))
+        n = rng.randint(0, len(chunk))
+        stream += chunk[:n]
+        writer.advance(n)
+    reader, out, pos = FrameReader(), [], 0
+    while pos < len(stream):
+        target = reader.buffer()
+        n = min(len(target), rng.randint(1, 50), len(stream) - pos)
+        target[:n] = stream[pos : pos + n]
+        pos += n
+        frame = reader.advance(n)
+        if frame is not None:
+            out.append(bytes(frame))
+    assert not reader.mid_frame
+    return out
+
+
+def test_frames_survive_arbitrary_partial_reads_and_writes():
+    rng = random.Random(7)
+    frames = [bytes(rng.randbytes(rng.randint(0, 300))) for _ in range(40)]
+    assert _frames_through_pipe(frames, rng) == frames
+
+
+def test_the_writer_prefixes_each_frame_with_its_u64_length():
+    writer = FrameWriter(encode({"a": np.arange(3)}))
+    data = b"".join(bytes(v) for v in writer.buffers(limit=100))
+    (length,) = LENGTH.unpack(data[:8])
+    assert length == len(data) - 8
+    assert decode(data[8:])["a"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("allocate", [allocate_paged, allocate_fast])
+@pytest.mark.parametrize("size", [10, 3 << 20])
+def test_frames_decode_to_writable_zero_copy_tensors_with_either_allocator(allocate, size):
+    tensor = torch.arange(size // 4, dtype=torch.float32)
+    data = b"".join(bytes(v) for v in FrameWriter(encode({"t": tensor})).buffers(limit=100))
+    reader = FrameReader(allocate=allocate)
+    target = reader.buffer()
+    target[:8] = data[:8]
+    assert reader.advance(8) is None
+    target = reader.buffer()
+    target[:] = data[8:]
+    frame = reader.advance(len(data) - 8)
+    assert frame is not None and not frame.readonly
+    decoded = decode(frame)["t"]
+    assert torch.equal(decoded, tensor)
+    address = np.frombuffer(frame, np.uint8).ctypes.data
+    assert address <= decoded.data_ptr() < address + frame.nbytes
+    decoded.add_(1)  # writable: the frame is the tensor's memory
+
+
+def test_an_impossible_length_prefix_is_a_frame_error():
+    reader = FrameReader(max_frame=1000)
+    reader.buffer()[:8] = LENGTH.pack(1001)
+    with pytest.raises(FrameError, match="exceeds"):
+        reader.advance(8)
+
+
+def test_a_reader_in_the_middle_of_a_frame_says_so():
+    reader = FrameReader()
+    assert not reader.mid_frame
+    reader.buffer()[:3] = b"\x01\x00\x00"
+    reader.advance(3)
+    assert reader.mid_frame
