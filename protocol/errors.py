@@ -30,6 +30,14 @@ class ErrorCode(StrEnum):
     STATE_MISMATCH = "state_mismatch"  # a state that does not fit the node
     DAEMON_CRASHED = "daemon_crashed"  # the filter daemon died while (or before) answering
     TIMEOUT = "timeout"  # no answer within the request's timeout
+    VERSION_MISMATCH = "version_mismatch"  # the peer speaks another protocol version
+    UNAUTHORIZED = "unauthorized"  # a missing or wrong token
+    TOO_LARGE = "too_large"  # a message over the size limit
+    WORKER_LOST = "worker_lost"  # a worker disconnected or stopped heartbeating mid-job
+    UNKNOWN_JOB = "unknown_job"  # a job id the coordinator (or agent) does not know
+    NO_WORKERS = "no_workers"  # no registered worker can ever match the job's needs
+    CANCELLED = "cancelled"  # the job was cancelled
+    SHUTTING_DOWN = "shutting_down"  # the coordinator is stopping
     INTERNAL = "internal"  # a bug on the answering side
 
 

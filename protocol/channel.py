@@ -1,0 +1,411 @@
+"""One message connection, whatever carries it: ids, replies, streams, chunking, validation.
+
+The coordinator, the worker agent and the client all speak :mod:`protocol.messages` over a
+WebSocket; this module is what they share, so that request/reply matching, chunking of large
+frames and the answer to a bad message exist once. It knows nothing of ``websockets``: it drives
+any object with ``async send(bytes | list of bytes-like)``, ``async recv() -> bytes`` and
+``async close(code, reason)`` (a ``websockets`` connection is one).
+
+(``protocol`` otherwise holds no asyncio: this module is the exception, because the three
+packages that need it may not import each other.)
+
+* :meth:`Channel.request` sends a message with a fresh ``id`` and waits, with a timeout, for the
+  message whose ``reply_to`` is that id; an :class:`~protocol.messages.Error` reply raises
+  :class:`RemoteError`. :meth:`Channel.stream` does the same for a request answered by several
+  messages, ending at the first ``ack``/``result``/``error``.
+* Every other incoming message goes to the ``handler`` in a task of its own, so a slow request
+  never holds up heartbeats or replies behind it; what the handler returns is sent as the reply.
+* A frame larger than :data:`~protocol.messages.CHUNK_BYTES` is sent as chunks and reassembled
+  into a writable buffer (tensors decode zero-copy over it); other messages may interleave.
+* A message that is not a frame, or fails validation, is answered with an ``error`` reply that
+  names the field; the connection stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from protocol import PROTOCOL_VERSION
+from protocol.codec import decode, encode, frame_nbytes
+from protocol.errors import ErrorCode, ErrorInfo, FrameError, ProtocolError
+from protocol.messages import (
+    CHUNK_BYTES,
+    REPLY_KINDS,
+    Chunk,
+    Error,
+    message_adapter,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 34
+"""Largest reassembled message accepted (16 GiB) unless the owner of the channel says less."""
+
+
+class Transport(Protocol):
+    """What a :class:`Channel` needs from a connection (a ``websockets`` connection fits)."""
+
+    async def send(self, message: Any) -> None: ...
+
+    async def recv(self) -> Any: ...
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+
+class RemoteError(ProtocolError):
+    """The peer answered a request with an ``error`` reply."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+        self.code = info.code
+
+
+class ChannelClosed(ProtocolError):
+    """The connection closed before the reply came (``reason`` says why, when known)."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+
+class BadMessage(ProtocolError):
+    """An incoming message that is not a frame or not a valid message."""
+
+    def __init__(self, info: ErrorInfo, reply_to: int | None) -> None:
+        super().__init__(info.message)
+        self.info = info
+        self.reply_to = reply_to
+
+
+Handler = Callable[[Any], Awaitable[BaseModel | None]]
+
+_ANSWER_KINDS = REPLY_KINDS | {"job_event"}
+
+
+def dump(message: BaseModel) -> dict[str, Any]:
+    """A message as the dict the codec encodes (tensors are passed through, not copied)."""
+    return message.model_dump()
+
+
+class Reassembler:
+    """Joins :class:`Chunk` messages back into frames: no I/O, one per connection."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._streams: dict[int, tuple[bytearray, int]] = {}
+
+    def add(self, chunk: Chunk) -> bytearray | None:
+        """Take one chunk; the whole frame once its last byte arrived, else ``None``."""
+        if chunk.stream not in self._streams:
+            if chunk.total > self.max_bytes:
+                raise FrameError(
+                    f"chunked message of {chunk.total} bytes exceeds the limit of "
+                    f"{self.max_bytes} bytes"
+                )
+            if chunk.offset != 0 or chunk.total <= 0:
+                raise FrameError(
+                    f"chunk stream {chunk.stream} starts at offset {chunk.offset} of "
+                    f"{chunk.total} bytes: a stream starts at 0 of a positive total"
+                )
+            self._streams[chunk.stream] = (bytearray(chunk.total), 0)
+        buffer, received = self._streams[chunk.stream]
+        end = chunk.offset + len(chunk.data)
+        if chunk.offset != received or chunk.total != len(buffer) or end > len(buffer):
+            del self._streams[chunk.stream]
+            raise FrameError(
+                f"chunk stream {chunk.stream}: got bytes {chunk.offset}..{end} of {chunk.total}, "
+                f"expected the next at {received} of {len(buffer)}"
+            )
+        buffer[chunk.offset : end] = chunk.data
+        if end < len(buffer):
+            self._streams[chunk.stream] = (buffer, end)
+            return None
+        del self._streams[chunk.stream]
+        return buffer
+
+
+def parse(payload: bytes | bytearray | memoryview) -> Any:
+    """Decode and validate one frame into a message.
+
+    Raises:
+        BadMessage: with the error reply to send (``reply_to`` when the id could be read).
+    """
+    try:
+        raw = decode(payload)
+    except FrameError as exc:
+        raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
+    reply_to = raw.get("id") if isinstance(raw, dict) else None
+    reply_to = reply_to if isinstance(reply_to, int) and not isinstance(reply_to, bool) else None
+    try:
+        return message_adapter.validate_python(raw)
+    except ValidationError as exc:
+        raise BadMessage(_validation_info(exc, raw), reply_to) from exc
+
+
+def _validation_info(exc: ValidationError, raw: Any) -> ErrorInfo:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    loc = list(first["loc"])
+    if loc and loc[0] == kind:  # the union's tag leads the location: drop it
+        loc = loc[1:]
+    where = ".".join(str(p) for p in loc)
+    if first.get("type") == "union_tag_invalid":
+        message = f"unknown message kind {kind!r}"
+    elif first.get("type") == "union_tag_not_found":
+        message = "message has no 'kind'"
+    else:
+        message = f"invalid {kind or 'message'}: field {where!r}: {first['msg']}"
+    detail = {"errors": [{"loc": [str(p) for p in e["loc"]], "msg": e["msg"]} for e in errors]}
+    return ErrorInfo(code=ErrorCode.BAD_REQUEST, message=message, detail=detail)
+
+
+def check_version(payload: bytes | bytearray | memoryview) -> None:
+    """Refuse a hello from another protocol version, before reading anything else of it."""
+    try:
+        raw = decode(payload)
+    except FrameError:
+        return  # parse() reports it
+    version = raw.get("v") if isinstance(raw, dict) else None
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"protocol version mismatch: peer speaks {version!r}, this side speaks "
+            f"{PROTOCOL_VERSION}"
+        )
+
+
+class Channel:
+    """Requests, replies and handled messages over one :class:`Transport`.
+
+    Args:
+        transport: the connection.
+        name: for logs and errors (``"worker w1"``, ``"coordinator"``...).
+        handler: called with each incoming message that is not a reply; its return value (a
+            message) is sent with ``reply_to`` set. ``None``: incoming requests are refused.
+        max_message_bytes: largest reassembled message accepted.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        name: str,
+        handler: Handler | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.transport = transport
+        self.name = name
+        self.handler = handler
+        self._reassembler = Reassembler(max_message_bytes)
+        self._next_id = 0
+        self._next_stream = 0
+        self._waiting: dict[int, asyncio.Queue[Any]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def send(self, message: BaseModel) -> None:
+        """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``."""
+        parts = encode(dump(message))
+        size = frame_nbytes(parts)
+        if self.closed.is_set():
+            raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
+        if size <= CHUNK_BYTES:
+            async with self._send_lock:
+                await self.transport.send(b"".join(parts))
+            self.bytes_out += size
+            return
+        self._next_stream += 1
+        stream = self._next_stream
+        frame = memoryview(b"".join(parts))
+        for offset in range(0, size, CHUNK_BYTES):
+            piece = frame[offset : offset + CHUNK_BYTES]
+            chunk = Chunk(stream=stream, offset=offset, total=size, data=bytes(piece))
+            # One lock per chunk, not per message: a heartbeat or reply may pass in between.
+            async with self._send_lock:
+                await self.transport.send(encode_small(chunk))
+        self.bytes_out += size
+
+    async def reply(self, to: Any, message: BaseModel) -> None:
+        """Send ``message`` as the reply to ``to``."""
+        await self.send(message.model_copy(update={"reply_to": to.id, "id": self.next_id()}))
+
+    async def request(self, message: BaseModel, timeout: float) -> Any:  # noqa: ASYNC109
+        """Send ``message`` and return its reply.
+
+        Raises:
+            RemoteError: the reply was an ``error``.
+            TimeoutError: no reply within ``timeout`` seconds.
+            ChannelClosed: the connection closed first.
+        """
+        async for reply in self.stream(message, timeout):
+            return reply
+        raise ChannelClosed(f"{self.name}: no reply")  # pragma: no cover - stream always yields
+
+    async def stream(self, message: BaseModel, timeout: float | None) -> AsyncIterator[Any]:  # noqa: ASYNC109
+        """Send ``message`` and yield its replies until an ``ack``, ``result`` or ``error``.
+
+        ``timeout`` bounds the wait for each reply (``None``: no bound, for event streams).
+        """
+        request_id = self.next_id()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._waiting[request_id] = queue
+        try:
+            await self.send(message.model_copy(update={"id": request_id}))
+            while True:
+                async with asyncio.timeout(timeout):
+                    reply = await queue.get()
+                if isinstance(reply, BaseException):
+                    raise reply
+                if isinstance(reply, Error):
+                    raise RemoteError(reply.error)
+                yield reply
+                if reply.kind in REPLY_KINDS:
+                    return
+        finally:
+            self._waiting.pop(request_id, None)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def receive(self, *, first: bool = False) -> Any:
+        """Read the next message directly, for a handshake, before :meth:`run`.
+
+        Args:
+            first: this is the connection's first message (a hello): refuse another protocol
+                version before validating anything else of it.
+
+        Raises:
+            VersionMismatch: ``first`` and the peer speaks another version.
+            BadMessage: the message is not a frame or not valid.
+        """
+        while True:
+            payload = await self.transport.recv()
+            if first and not isinstance(payload, str):
+                check_version(payload)
+            message = self._take(payload)
+            if message is not None:
+                return message
+
+    def _take(self, payload: Any) -> Any:
+        if isinstance(payload, str):
+            raise BadMessage(
+                ErrorInfo(code=ErrorCode.BAD_FRAME, message="text message: frames are binary"),
+                None,
+            )
+        self.bytes_in += len(payload)
+        message = parse(payload)
+        if isinstance(message, Chunk):
+            try:
+                frame = self._reassembler.add(message)
+            except FrameError as exc:
+                raise BadMessage(
+                    ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), message.id
+                ) from exc
+            return None if frame is None else parse(frame)
+        return message
+
+    async def run(self) -> None:
+        """Read until the connection closes: route replies, hand the rest to the handler."""
+        try:
+            while True:
+                try:
+                    payload = await self.transport.recv()
+                except Exception as exc:  # the transport's own "connection closed"
+                    self.close_reason = self.close_reason or str(exc) or type(exc).__name__
+                    return
+                try:
+                    message = self._take(payload)
+                except BadMessage as exc:
+                    log.info("%s: bad message: %s", self.name, exc.info.message)
+                    self._spawn(self._send_error(exc.info, exc.reply_to))
+                    continue
+                if message is not None:
+                    self._route(message)
+        finally:
+            self._shut()
+
+    def _route(self, message: Any) -> None:
+        if message.kind not in _ANSWER_KINDS:
+            self._spawn(self._handle(message))
+            return
+        queue = None if message.reply_to is None else self._waiting.get(message.reply_to)
+        if queue is not None:
+            queue.put_nowait(message)
+        else:  # a late answer to a request that gave up, or an error about a frame we sent
+            self.on_unsolicited(message)
+
+    def on_unsolicited(self, message: Any) -> None:
+        """An answer nobody waits for; logged (replace to observe them)."""
+        log.info("%s: unsolicited %s (reply_to=%s)", self.name, message.kind, message.reply_to)
+
+    async def _handle(self, message: Any) -> None:
+        if self.handler is None:
+            info = ErrorInfo(
+                code=ErrorCode.BAD_REQUEST, message=f"{self.name} takes no {message.kind!r}"
+            )
+            await self._send_error(info, message.id)
+            return
+        try:
+            reply = await self.handler(message)
+        except RemoteError as exc:
+            await self._send_error(exc.info, message.id)
+            return
+        except ProtocolError as exc:
+            await self._send_error(
+                ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc)), message.id
+            )
+            return
+        except Exception as exc:
+            log.exception("%s: handler of %s failed", self.name, message.kind)
+            info = ErrorInfo(
+                code=ErrorCode.INTERNAL,
+                message=f"{type(exc).__name__} while handling {message.kind}: {exc}",
+            )
+            await self._send_error(info, message.id)
+            return
+        if reply is not None:
+            await self.reply(message, reply)
+
+    async def _send_error(self, info: ErrorInfo, reply_to: int | None) -> None:
+        with contextlib.suppress(ChannelClosed):
+            await self.send(Error(id=self.next_id(), reply_to=reply_to, error=info))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _shut(self) -> None:
+        self.closed.set()
+        failure = ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
+        for queue in self._waiting.values():
+            queue.put_nowait(failure)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the connection; waiting requests fail with :class:`ChannelClosed`."""
+        self.close_reason = self.close_reason or reason or "closed by this side"
+        with contextlib.suppress(Exception):
+            await self.transport.close(code, reason)
+        for task in list(self._tasks):
+            task.cancel()
+        self._shut()
+
+
+def encode_small(message: BaseModel) -> bytes:
+    """Encode a message known to fit one WebSocket message."""
+    return b"".join(encode(dump(message)))

@@ -1,0 +1,281 @@
+"""The messages between coordinator, worker agents and clients.
+
+Every WebSocket message is one binary frame of :mod:`protocol.codec` whose body is a message
+dict: ``{"v": 1, "kind": ..., "id": ..., "reply_to": ..., ...}``. Tensors ride inside the body and
+travel as raw buffers. ``kind`` selects one model of the union below (one class per kind); a
+message that fails validation is answered with an :class:`Error` naming the field, and the
+connection stays up. ``v`` is checked once, on the first message of a connection (the hello): a
+different version is refused with both versions named.
+
+Conversation shapes:
+
+* worker agent → coordinator: :class:`WorkerHello` → :class:`Welcome`; then :class:`Heartbeat`
+  every ``heartbeat_interval``; the coordinator sends :class:`OpenJob`, :class:`Call`,
+  :class:`CloseJob` (each answered by :class:`Ack`, :class:`Result` or :class:`Error`) and
+  :class:`Shutdown` when it goes away.
+* client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
+  :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
+  the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
+  states), :class:`Cancel` (→ :class:`Ack`), :class:`ListJobs` and :class:`Status`
+  (→ :class:`Result`).
+* a message too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
+  :class:`Chunk` messages (see :mod:`protocol.channel`); other messages, heartbeats included,
+  may go in between.
+
+A :class:`Call` carries one filter-daemon command (:mod:`protocol.daemon`, without its ``id``):
+the strategies' vocabulary (fit, get/set state, get/apply gradients, ...) is the daemon's, and
+the agent forwards it to the job's daemon unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, TypeAdapter
+
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ErrorInfo
+
+CHUNK_BYTES = 1 << 20
+"""Frames larger than this travel as :class:`Chunk` messages of this size: ``websockets`` moves
+~1 MB messages several times faster than one huge one, and heartbeats can pass in between."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: StrictInt = PROTOCOL_VERSION
+    id: StrictInt = 0
+    reply_to: StrictInt | None = None
+
+
+# -- handshake and liveness --------------------------------------------------------------------
+
+
+class Capabilities(BaseModel):
+    """What a worker has: what placement can match on and what a person wants to see."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int
+    memory_bytes: int
+    torch: str
+    cuda_devices: list[str] = Field(default_factory=list)
+    python: str
+    cloudpickle: str
+    platform: str = ""
+
+
+class WorkerHello(_Message):
+    """First message of an agent: who it is (an id it keeps across reconnects) and what it has."""
+
+    kind: Literal["worker_hello"] = "worker_hello"
+    worker_id: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    capabilities: Capabilities
+    peer_address: str | None = None
+
+
+class ClientHello(_Message):
+    """First message of a client."""
+
+    kind: Literal["client_hello"] = "client_hello"
+    name: str | None = None
+
+
+class Welcome(_Message):
+    """The coordinator's answer to a hello: the id to use and the heartbeat contract."""
+
+    kind: Literal["welcome"] = "welcome"
+    worker_id: str | None = None
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    server: str
+
+
+class Heartbeat(_Message):
+    """An agent is alive; sent every ``heartbeat_interval`` even while its daemon computes."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    sent_at: float
+    job_id: str | None = None
+
+
+class Shutdown(_Message):
+    """The coordinator is going away (the agent reconnects with backoff)."""
+
+    kind: Literal["shutdown"] = "shutdown"
+    reason: str
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+class Ack(_Message):
+    """A request that returns nothing succeeded."""
+
+    kind: Literal["ack"] = "ack"
+
+
+class Result(_Message):
+    """A request succeeded with a value."""
+
+    kind: Literal["result"] = "result"
+    result: Any = None
+
+
+class Error(_Message):
+    """A request failed: ``error.code`` says how, ``error.message`` what and where."""
+
+    kind: Literal["error"] = "error"
+    error: ErrorInfo
+
+
+# -- coordinator → agent -----------------------------------------------------------------------
+
+
+class OpenJob(_Message):
+    """Start a filter daemon for ``job_id`` and load the job's filters into it."""
+
+    kind: Literal["open_job"] = "open_job"
+    job_id: str
+    filters: dict[str, StrictBytes]
+    threads: int | None = None
+
+
+class Call(_Message):
+    """One filter-daemon command (:mod:`protocol.daemon`, without ``id``) for ``job_id``."""
+
+    kind: Literal["call"] = "call"
+    job_id: str
+    request: dict[str, Any]
+    timeout: float | None = None
+
+
+class CloseJob(_Message):
+    """Stop ``job_id``'s daemon (also how a running command is cancelled)."""
+
+    kind: Literal["close_job"] = "close_job"
+    job_id: str
+
+
+# -- client → coordinator ----------------------------------------------------------------------
+
+
+class GraphSpec(BaseModel):
+    """A graph as the coordinator sees it: node ids in order and opaque pickled filters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_ids: Annotated[list[str], Field(min_length=1)]
+    filters: dict[str, StrictBytes]
+
+
+class StrategySpec(BaseModel):
+    """A strategy by name with its options (see :mod:`coordinator.strategies`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Submit(_Message):
+    """Queue a job: train ``graph`` on ``x``/``y`` with ``strategy``."""
+
+    kind: Literal["submit"] = "submit"
+    graph: GraphSpec
+    x: Any
+    y: Any = None
+    strategy: StrategySpec
+
+
+class Watch(_Message):
+    """Stream the events of ``job_id`` after ``after_seq`` until the job ends."""
+
+    kind: Literal["watch"] = "watch"
+    job_id: str
+    after_seq: int = 0
+
+
+class JobEvent(_Message):
+    """One event of a job: queued, placed, progress, succeeded, failed, cancelled..."""
+
+    kind: Literal["job_event"] = "job_event"
+    job_id: str
+    seq: int
+    time: float
+    event: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class GetResult(_Message):
+    """The trained states of a finished job (``wait`` seconds for it to finish, at most)."""
+
+    kind: Literal["get_result"] = "get_result"
+    job_id: str
+    wait: float = 0.0
+
+
+class Cancel(_Message):
+    """Cancel a queued or running job."""
+
+    kind: Literal["cancel"] = "cancel"
+    job_id: str
+
+
+class ListJobs(_Message):
+    """The newest jobs, as records."""
+
+    kind: Literal["list_jobs"] = "list_jobs"
+    limit: int = 50
+
+
+class Status(_Message):
+    """Workers and jobs at a glance."""
+
+    kind: Literal["status"] = "status"
+
+
+# -- transport ---------------------------------------------------------------------------------
+
+
+class Chunk(_Message):
+    """One piece of a frame larger than :data:`CHUNK_BYTES`.
+
+    ``stream`` numbers the large message on its connection, ``offset`` is where ``data`` goes in
+    the reassembled frame of ``total`` bytes; the frame is complete when all bytes arrived.
+    """
+
+    kind: Literal["chunk"] = "chunk"
+    stream: int
+    offset: int
+    total: int
+    data: StrictBytes
+
+
+Message = Annotated[
+    WorkerHello
+    | ClientHello
+    | Welcome
+    | Heartbeat
+    | Shutdown
+    | Ack
+    | Result
+    | Error
+    | OpenJob
+    | Call
+    | CloseJob
+    | Submit
+    | Watch
+    | JobEvent
+    | GetResult
+    | Cancel
+    | ListJobs
+    | Status
+    | Chunk,
+    Field(discriminator="kind"),
+]
+message_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+
+REPLY_KINDS = frozenset({"ack", "result", "error"})

@@ -1,0 +1,127 @@
+"""protocol.channel over a real WebSocket pair on loopback: replies, streams, chunks, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import websockets
+
+from protocol.channel import Channel, RemoteError
+from protocol.codec import encode_frame
+from protocol.errors import ErrorCode, ErrorInfo
+from protocol.messages import CHUNK_BYTES, Ack, Heartbeat, JobEvent, Result, Status, Watch
+from tests.conftest import timeout_unit
+
+UNIT = timeout_unit()
+
+
+async def _pair(handler):
+    """A server channel with ``handler`` and a client channel to it, over loopback."""
+    ready: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+
+    async def serve(ws):
+        channel = Channel(ws, "server", handler)
+        ready.set_result(channel)
+        await channel.run()
+
+    server = await websockets.serve(
+        serve, "127.0.0.1", 0, max_size=2 * CHUNK_BYTES, compression=None
+    )
+    port = server.sockets[0].getsockname()[1]
+    ws = await websockets.connect(
+        f"ws://127.0.0.1:{port}", max_size=2 * CHUNK_BYTES, compression=None
+    )
+    client = Channel(ws, "client")
+    reader = asyncio.ensure_future(client.run())
+    return server, client, reader, await ready
+
+
+async def _close(server, client, reader):
+    await client.close()
+    reader.cancel()
+    server.close()
+    await server.wait_closed()
+
+
+def test_request_reply_and_a_large_tensor_in_chunks():
+    big = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)  # 3 MiB: four chunks
+
+    async def handler(message):
+        if isinstance(message, Status):
+            return Result(result={"echo": big, "small": np.arange(3)})
+        raise RemoteError(ErrorInfo(code=ErrorCode.BAD_REQUEST, message="nope"))
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            reply = await client.request(Status(), timeout=10 * UNIT)
+            assert torch.equal(reply.result["echo"], big)
+            assert reply.result["small"].tolist() == [0, 1, 2]
+            with pytest.raises(RemoteError, match="nope"):
+                await client.request(Heartbeat(sent_at=0.0), timeout=10 * UNIT)
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+def test_a_stream_of_events_ends_with_an_ack():
+    async def handler(message):
+        channel = served[0]
+        for seq in (1, 2, 3):
+            await channel.reply(message, JobEvent(job_id="j", seq=seq, time=0.0, event="progress"))
+        return Ack()
+
+    served: list[Channel] = []
+
+    async def main():
+        server, client, reader, channel = await _pair(handler)
+        served.append(channel)
+        try:
+            kinds = [m.kind async for m in client.stream(Watch(job_id="j"), 10 * UNIT)]
+            assert kinds == ["job_event", "job_event", "job_event", "ack"]
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "text"),
+    [
+        (b"\x00\x01garbage", ErrorCode.BAD_FRAME, "frame"),
+        (
+            encode_frame({"kind": "launch_missiles", "id": 5}),
+            ErrorCode.BAD_REQUEST,
+            "unknown message kind 'launch_missiles'",
+        ),
+        (
+            encode_frame({"kind": "heartbeat", "id": 6, "sent_at": "soon"}),
+            ErrorCode.BAD_REQUEST,
+            "field 'sent_at'",
+        ),
+        (encode_frame({"id": 7}), ErrorCode.BAD_REQUEST, "no 'kind'"),
+    ],
+)
+def test_bad_messages_get_an_error_reply_and_the_connection_stays_up(payload, code, text):
+    async def handler(message):
+        return Result(result="fine")
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            errors: asyncio.Queue = asyncio.Queue()
+            client.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
+            await client.transport.send(payload)
+            error = await asyncio.wait_for(errors.get(), 10 * UNIT)
+            assert error.error.code == code
+            assert text in error.error.message
+            reply = await client.request(Status(), timeout=10 * UNIT)
+            assert reply.result == "fine"
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
