@@ -391,6 +391,8 @@ class Channel:
         task.add_done_callback(self._tasks.discard)
 
     def _shut(self) -> None:
+        if self.closed.is_set():
+            return
         self.closed.set()
         failure = ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
         for queue in self._waiting.values():
@@ -399,11 +401,13 @@ class Channel:
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Close the connection; waiting requests fail with :class:`ChannelClosed`."""
         self.close_reason = self.close_reason or reason or "closed by this side"
-        with contextlib.suppress(Exception):
-            await self.transport.close(code, reason)
+        # Fail the waiters first: closing the transport may take its close timeout when the
+        # peer is gone, and nobody should wait on a connection this side has given up on.
+        self._shut()
         for task in list(self._tasks):
             task.cancel()
-        self._shut()
+        with contextlib.suppress(Exception):
+            await self.transport.close(code, reason)
 
 
 def encode_small(message: BaseModel) -> bytes:

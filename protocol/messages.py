@@ -152,6 +152,12 @@ class Call(_Message):
     timeout: float | None = None
 
 
+class Probe(_Message):
+    """Ping the worker's warm filter daemon: the no-op round trip through every hop."""
+
+    kind: Literal["probe"] = "probe"
+
+
 class CloseJob(_Message):
     """Stop ``job_id``'s daemon (also how a running command is cancelled)."""
 
@@ -237,6 +243,13 @@ class Status(_Message):
     kind: Literal["status"] = "status"
 
 
+class Ping(_Message):
+    """A no-op: answered by the coordinator, or (``worker_id``) by that worker's daemon."""
+
+    kind: Literal["ping"] = "ping"
+    worker_id: str | None = None
+
+
 # -- transport ---------------------------------------------------------------------------------
 
 
@@ -265,6 +278,7 @@ Message = Annotated[
     | Error
     | OpenJob
     | Call
+    | Probe
     | CloseJob
     | Submit
     | Watch
@@ -273,6 +287,7 @@ Message = Annotated[
     | Cancel
     | ListJobs
     | Status
+    | Ping
     | Chunk,
     Field(discriminator="kind"),
 ]

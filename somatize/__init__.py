@@ -14,11 +14,33 @@ The SDK's surface::
     fitted = graph.fit(x, y)
     out = fitted.forward(x_test)
     fitted.states["mlp"]            # the module's state_dict (tensors)
+
+    with sz.connect("ws://127.0.0.1:8765") as client:   # the same graph, on a worker
+        job = client.submit(graph, x, y, strategy=sz.Local())
+        fitted = job.result()
 """
 
-from somatize.errors import GraphError, SomatizeError
+from somatize.client import Client, Job, JobEventInfo, connect
+from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
+from somatize.strategies import Local, Strategy
 
-__all__ = ["Filter", "FittedGraph", "Graph", "GraphError", "SomatizeError", "TorchFilter"]
+__all__ = [
+    "Client",
+    "ClientError",
+    "ConnectionFailed",
+    "Filter",
+    "FittedGraph",
+    "Graph",
+    "GraphError",
+    "Job",
+    "JobEventInfo",
+    "JobFailed",
+    "Local",
+    "SomatizeError",
+    "Strategy",
+    "TorchFilter",
+    "connect",
+]
 __version__ = "0.1.0"

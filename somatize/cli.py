@@ -1,9 +1,61 @@
-"""The ``somatize`` command line."""
+"""The ``somatize`` command line.
+
+Commands::
+
+    somatize demo [--epochs N]                   train the digits demo in this process
+    somatize submit FILE.py [--no-wait]          submit the job FILE.py defines, follow it
+    somatize status                              workers and jobs
+    somatize jobs [--limit N]                    the newest jobs
+    somatize result ID [--save PATH] [--wait S]  a finished job's states
+
+The commands that talk to a coordinator take ``--coordinator URL`` (default
+``$SOMATIZE_COORDINATOR``, else ``ws://127.0.0.1:8765``), ``--token`` (default
+``$SOMATIZE_TOKEN``) and ``--timeout SECONDS`` (connection and replies, default 30).
+
+Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a usage error or
+a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
+
+A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`` (a
+:class:`~somatize.Graph`) and ``x``, and optionally ``y`` and ``strategy`` (default
+:class:`~somatize.Local`)::
+
+    import numpy as np, torch, somatize as sz
+
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
+    y = (x.sum(1) > 0).astype(np.int64)
+    graph = sz.Graph([sz.TorchFilter(torch.nn.Linear(8, 2), loss="cross_entropy", epochs=5)])
+    strategy = sz.Local(tag="gpu")
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from somatize.client import Client, Job
+    from somatize.graph import Graph
+    from somatize.strategies import Strategy
+
+DEFAULT_COORDINATOR = "ws://127.0.0.1:8765"
+
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command that cannot run as asked: printed as one line, exit code 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,16 +65,374 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="train scikit-learn's digits and print held-out accuracy")
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+
+    remote = argparse.ArgumentParser(add_help=False)
+    group = remote.add_argument_group("coordinator")
+    group.add_argument(
+        "--coordinator",
+        metavar="URL",
+        default=os.environ.get("SOMATIZE_COORDINATOR") or DEFAULT_COORDINATOR,
+        help="the coordinator's URL (default: $SOMATIZE_COORDINATOR, else %(default)s)",
+    )
+    group.add_argument(
+        "--token",
+        default=os.environ.get("SOMATIZE_TOKEN") or None,
+        help="the client token (default: $SOMATIZE_TOKEN)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="most seconds to wait for the connection and each reply (default 30)",
+    )
+
+    submit = sub.add_parser(
+        "submit",
+        parents=[remote],
+        help="submit the job a Python file defines and follow it",
+        description="Run FILE (it defines graph, x, and optionally y and strategy), submit the "
+        "job, print its id and follow its progress until it ends.",
+    )
+    submit.add_argument("file", metavar="FILE.py", help="the job file")
+    submit.add_argument(
+        "--no-wait", action="store_true", help="print the job id and return at once"
+    )
+
+    sub.add_parser("status", parents=[remote], help="show workers and jobs")
+
+    jobs = sub.add_parser("jobs", parents=[remote], help="list the newest jobs")
+    jobs.add_argument("--limit", type=_positive_int, default=50, help="how many (default 50)")
+
+    result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
+    result.add_argument("job_id", metavar="ID", help="the job's id")
+    result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
+    result.add_argument(
+        "--wait",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for a running job to finish (default 0: do not wait)",
+    )
     return parser
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``somatize`` command line; returns the exit code."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from somatize.demo import run_local
 
         run_local(epochs=args.epochs)
-    return 0
+        return EXIT_OK
+
+    from rich.console import Console
+
+    from somatize.errors import ClientError, JobFailed
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        return _COMMANDS[args.command](args, Console(highlight=False), err)
+    except UsageError as exc:
+        err.print(f"somatize: {exc}", markup=False, soft_wrap=True)
+    except (ClientError, TimeoutError, ValueError) as exc:
+        err.print(f"somatize {args.command}: {exc}", markup=False, soft_wrap=True)
+    except JobFailed as exc:
+        _print_failure(err, exc)
+        return EXIT_JOB_FAILED
+    except KeyboardInterrupt:
+        err.print("somatize: interrupted", markup=False, soft_wrap=True)
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    from somatize.client import connect
+
+    return connect(args.coordinator, args.token, timeout=args.timeout)
+
+
+# -- submit ------------------------------------------------------------------------------------
+
+
+def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
+    """Run a job file and return its ``graph``, ``x``, ``y`` and ``strategy``.
+
+    Raises:
+        UsageError: no such file, the file raised, or it lacks a name or defines a wrong one.
+    """
+    from somatize.graph import Graph
+    from somatize.strategies import Local, Strategy
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{path}: no such file")
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)  # the file's own helper modules, as `python FILE` would see them
+    try:
+        namespace = runpy.run_path(str(file), run_name="__somatize_job__")
+    except Exception as exc:
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        raise UsageError(f"{path} raised {type(exc).__name__} while loading:\n{trace}") from exc
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    missing = [name for name in ("graph", "x") if name not in namespace]
+    if missing:
+        raise UsageError(
+            f"{path} does not define {' and '.join(missing)}: a job file defines graph "
+            "(a somatize.Graph) and x, and optionally y and strategy"
+        )
+    graph = namespace["graph"]
+    if not isinstance(graph, Graph):
+        raise UsageError(
+            f"{path}: graph must be a somatize.Graph (a >> b, or somatize.Graph([f])), "
+            f"not {type(graph).__name__}"
+        )
+    strategy = namespace.get("strategy", Local())
+    if not isinstance(strategy, Strategy):
+        raise UsageError(
+            f"{path}: strategy must be a somatize strategy (somatize.Local...), "
+            f"not {type(strategy).__name__}"
+        )
+    return graph, namespace["x"], namespace.get("y"), strategy
+
+
+def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
+    graph, x, y, strategy = load_job_file(args.file)
+    with _connect(args) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        out.print(job.id, markup=False, soft_wrap=True)
+        if args.no_wait:
+            return EXIT_OK
+        started = time.monotonic()
+        try:
+            end = _follow(job, err)
+        except KeyboardInterrupt:
+            err.print(
+                f"stopped following job {job.id}; it goes on (somatize result {job.id})",
+                markup=False,
+                soft_wrap=True,
+            )
+            return EXIT_INTERRUPTED
+        if end is None:
+            err.print(
+                f"job {job.id}: the event stream ended before the job", markup=False, soft_wrap=True
+            )
+            return EXIT_USAGE
+        if end.event != "succeeded":
+            from somatize.client import failure_of
+
+            _print_failure(err, failure_of(job.id, end))
+            return EXIT_JOB_FAILED
+        err.print(
+            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s",
+            markup=False,
+            soft_wrap=True,
+        )
+        return EXIT_OK
+
+
+def _follow(job: Job, err: Console) -> Any:
+    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task(f"job {job.id}", total=None, info="submitted")
+        for event in job.events():
+            if event.event == "queued":
+                progress.update(task, info="queued")
+            elif event.event == "placed":
+                workers = ", ".join(str(w) for w in event.data.get("workers", [])) or "?"
+                progress.update(task, info=f"placed on {workers}")
+            elif event.event == "progress":
+                epochs, epoch = event.data.get("epochs"), event.data.get("epoch")
+                if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
+                    progress.update(task, total=epochs, completed=min(epoch, epochs))
+                progress.update(task, info=progress_text(event.data))
+            elif event.terminal:
+                if event.event == "succeeded":
+                    total = progress.tasks[0].total or 1
+                    progress.update(task, total=total, completed=total)
+                progress.update(task, info=event.event)
+                return event
+    return None
+
+
+def _print_failure(err: Console, exc: Any) -> None:
+    err.print(str(exc), markup=False, soft_wrap=True)
+    trace = exc.traceback
+    if trace:
+        err.print(trace.rstrip(), markup=False, soft_wrap=True)
+
+
+# -- status, jobs, result ----------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    with _connect(args) as client:
+        status = client.status()
+    workers = Table(title="workers", title_justify="left")
+    for column in ("id", "tags", "state", "heartbeat", "job"):
+        workers.add_column(column, no_wrap=column == "id")
+    for w in status.get("workers", []):
+        age = w.get("last_heartbeat_age")
+        workers.add_row(
+            str(w.get("id", "")),
+            ", ".join(str(t) for t in w.get("tags") or []),
+            str(w.get("state", "")),
+            f"{age:.1f} s ago" if isinstance(age, int | float) else "",
+            str(w.get("job_id") or ""),
+        )
+    out.print(workers)
+    out.print(_jobs_table(status.get("jobs", [])))
+    return EXIT_OK
+
+
+def _jobs(args: argparse.Namespace, out: Console, err: Console) -> int:
+    with _connect(args) as client:
+        records = client.jobs(limit=args.limit)
+    out.print(_jobs_table(records))
+    return EXIT_OK
+
+
+def _jobs_table(records: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="jobs", title_justify="left")
+    for column in ("id", "strategy", "state", "progress", "duration"):
+        table.add_column(column, no_wrap=column == "id")  # ids are copied from here: keep whole
+    now = time.time()
+    for r in records:
+        progress = r.get("progress")
+        state = str(r.get("state", ""))
+        if state == "failed" and isinstance(r.get("error"), dict):
+            state = f"failed ({r['error'].get('code', '?')})"
+        table.add_row(
+            str(r.get("id", "")),
+            str(r.get("strategy", "")),
+            state,
+            progress_text(progress) if isinstance(progress, dict) else "",
+            duration_text(r, now),
+        )
+    return table
+
+
+def progress_text(data: dict[str, Any]) -> str:
+    """``{"phase": "train", "epoch": 2, "epochs": 5, "step": 10, "loss": 0.1}`` in words.
+
+    Known keys come first in a fixed order, then any other scalar (lists such as the epoch
+    losses are left out: a table cell is no place for them).
+    """
+    parts = []
+    if data.get("phase"):
+        parts.append(str(data["phase"]))
+    epoch, epochs = data.get("epoch"), data.get("epochs")
+    if epoch is not None:
+        parts.append(f"epoch {epoch}" + (f"/{epochs}" if epochs is not None else ""))
+    elif epochs is not None:
+        parts.append(f"{epochs} epochs")
+    if data.get("step") is not None:
+        parts.append(f"step {data['step']}")
+    loss = data.get("loss")
+    if isinstance(loss, int | float):
+        parts.append(f"loss {loss:.4g}")
+    shown = {"phase", "epoch", "epochs", "step", "loss"}
+    parts += [
+        f"{k} {v}"
+        for k, v in data.items()
+        if k not in shown and isinstance(v, str | int | float) and not isinstance(v, bool)
+    ]
+    return " ".join(parts)
+
+
+def duration_text(record: dict[str, Any], now: float) -> str:
+    """How long a job ran (or has been running, or waiting, when it did not start)."""
+    created, started, finished = (record.get(k) for k in ("created", "started", "finished"))
+    if isinstance(started, int | float):
+        end = finished if isinstance(finished, int | float) else now
+        return f"{max(end - started, 0.0):.1f} s"
+    if isinstance(created, int | float) and not isinstance(finished, int | float):
+        return f"waiting {max(now - created, 0.0):.0f} s"
+    return ""
+
+
+def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    with _connect(args) as client:
+        try:
+            states = client.job(args.job_id).states(timeout=args.wait)
+        except TimeoutError as exc:
+            err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
+            return EXIT_JOB_FAILED
+    table = Table(title=f"job {args.job_id}", title_justify="left")
+    for column in ("node", "key", "shape", "dtype"):
+        table.add_column(column, no_wrap=column != "dtype")
+    for node_id, state in states.items():
+        rows = list(describe_state(state)) or [("", "", "(empty)")]
+        for key, shape, dtype in rows:
+            table.add_row(node_id, key, shape, dtype)
+            node_id = ""
+    out.print(table)
+    if args.save:
+        import torch
+
+        torch.save(states, args.save)
+        err.print(
+            f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
+        )
+    return EXIT_OK
+
+
+def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """``(key, shape, dtype)`` of each leaf of a state (nested dicts and lists flattened)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from describe_state(value, f"{prefix}.{key}" if prefix else str(key))
+        return
+    if isinstance(state, list | tuple):
+        for i, value in enumerate(state):
+            yield from describe_state(value, f"{prefix}[{i}]")
+        return
+    shape, dtype = getattr(state, "shape", None), getattr(state, "dtype", None)
+    if shape is not None and dtype is not None:
+        yield prefix, str(tuple(int(n) for n in shape)), str(dtype)
+    else:
+        text = repr(state)
+        yield prefix, "", type(state).__name__ + (f" {text}" if len(text) <= 40 else "")
+
+
+_COMMANDS = {"submit": _submit, "status": _status, "jobs": _jobs, "result": _result}
 
 
 if __name__ == "__main__":

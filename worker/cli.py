@@ -1,27 +1,142 @@
-"""The ``somatize-worker`` command line (the agent itself lands with the coordinator)."""
+"""The ``somatize-worker`` command line: a worker agent, until a signal stops it.
+
+::
+
+    somatize-worker --connect ws://HOST:PORT [--id NAME] [--tag T ...] [--threads N]
+                    [--token-file FILE] [--log-level LEVEL]
+
+Lifecycle: startup → serve → shutdown. The first SIGTERM or SIGINT stops accepting work, closes
+the filter daemons (a call still running is answered with an error) and the connection, and exits
+with status 0. A second one kills the daemons and exits at once, with status 1, for when the
+orderly way hangs. The loop is uvloop's when uvloop can be imported, plain asyncio's otherwise.
+
+The token comes from ``--token-file`` or else the ``SOMATIZE_WORKER_TOKEN`` environment variable
+(never from the command line, where ``ps`` would show it to every user of the machine).
+
+Exit status: 0 stopped by a signal; 1 refused by the coordinator (another protocol version, a
+wrong token: retrying cannot help) or forced out by a second signal; 2 bad usage.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
+from collections.abc import Callable
+
+from worker.agent import Agent, RegistrationRefused
+
+__all__ = ["main"]
+
+log = logging.getLogger("worker.cli")
+
+TOKEN_ENV = "SOMATIZE_WORKER_TOKEN"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="somatize-worker",
-        description="Connect to a coordinator and run filters for its jobs (not yet available in "
-        "this version: only the filter daemon, `python -m worker.daemon`, is).",
+        description="Connect to a somatize coordinator and run the filters of its jobs.",
     )
-    parser.add_argument("--connect", metavar="URL", help="ws://HOST:PORT of the coordinator")
-    parser.add_argument("--id", help="this worker's id (kept across reconnects)")
-    parser.add_argument("--tag", action="append", default=[], help="a tag jobs can select")
+    parser.add_argument(
+        "--connect", metavar="URL", required=True, help="the coordinator, ws://HOST:PORT"
+    )
+    parser.add_argument("--id", help="this worker's id (default: the coordinator chooses one)")
+    parser.add_argument(
+        "--tag", action="append", default=[], help="a tag jobs can select (repeatable)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per filter daemon, when a job names none (default: all cores)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"file holding the worker token (default: ${TOKEN_ENV}, if set)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: INFO)",
+    )
     return parser
 
 
+def _token(parser: argparse.ArgumentParser, token_file: str | None) -> str | None:
+    if token_file is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        parser.error(f"cannot read the token file: {exc}")
+    if not token:
+        parser.error(f"the token file {token_file} is empty")
+    return token
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (about half the latency per message), else ``None``."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _on_signal(agent: Agent, sig: signal.Signals) -> None:
+    if not agent.stopping:
+        log.info("received %s: stopping (send it again to force)", sig.name)
+        agent.stop()
+        return
+    log.warning("received %s again: killing the filter daemons and exiting now", sig.name)
+    agent.kill_daemons()
+    os._exit(1)  # forced: no cleanup that could hang is waited for
+
+
+async def _serve(agent: Agent) -> int:
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, _on_signal, agent, sig)
+    try:
+        await agent.run()
+    except RegistrationRefused:
+        return 1  # the agent logged why
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    log.info("worker %s stopped", agent.worker_id or "(never registered)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    _parser().parse_args(argv)
-    print("somatize-worker: the worker agent is not available in this version", file=sys.stderr)
-    return 2
+    """Run the agent; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    token = _token(parser, args.token_file)
+    try:
+        agent = Agent(
+            args.connect, worker_id=args.id, tags=args.tag, threads=args.threads, token=token
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(_serve(agent))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""``StrategyContext``: what a strategy sees of the workers of its job.
+
+The async counterpart of the original runtime's ``StrategyContext`` (``seeds/``): a strategy asks
+for fits, states and gradients by worker *index* and never touches a socket. Every method is built
+on one primitive, :meth:`StrategyContext.call`, which runs one filter-daemon command
+(:mod:`protocol.daemon`) on one worker; two implementations provide it:
+
+* :class:`TransportContext` — live workers over their WebSocket connections (the agent forwards
+  each command to the job's filter daemon);
+* :class:`InMemoryContext` — in-process workers, each a :class:`worker.daemon.Daemon` over its own
+  engine, every request and reply passing through the frame codec as on the wire.
+
+Both run the same strategies and the same conformance tests. Calls to different workers run
+concurrently (``asyncio.gather``); calls to one worker are serialised by its daemon.
+
+A failed call raises :class:`WorkerCallError` naming the worker, with the remote ``code``,
+``message`` and ``detail`` (a filter's traceback, for one): remote failures are data, and the
+strategy decides whether a round can go on without that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from coordinator.errors import CoordinatorError
+from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorCode, ErrorInfo
+
+DEFAULT_CALL_TIMEOUT = 600.0
+"""Seconds one command may take on a worker unless the job says otherwise."""
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """A worker as strategies know it: an id, and tags that partitions can be pinned to."""
+
+    id: str
+    tags: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a partition must run: a worker ``id``, or any worker carrying ``tag``."""
+
+    id: str | None = None
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.id is None) == (self.tag is None):
+            raise ValueError("a target names exactly one of a worker id or a tag")
+
+    def __str__(self) -> str:
+        return f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
+
+
+class WorkerCallError(CoordinatorError):
+    """A command failed on a worker: the worker's error, or the worker was lost."""
+
+    def __init__(self, worker_id: str, info: ErrorInfo) -> None:
+        super().__init__(f"worker {worker_id!r}: {info.message}")
+        self.worker_id = worker_id
+        self.info = info
+        self.code = info.code
+
+    def to_info(self) -> ErrorInfo:
+        """The error as a job failure: the worker named in the message and the detail."""
+        detail = {**self.info.detail, "worker_id": self.worker_id}
+        return ErrorInfo(code=self.info.code, message=str(self), detail=detail)
+
+
+class TargetError(CoordinatorError):
+    """A target that no worker of the context answers to."""
+
+
+class StrategyContext(ABC):
+    """The workers of one job, by index, and the commands a strategy can run on them."""
+
+    def __init__(self, workers: Sequence[WorkerIdentity], timeout: float = DEFAULT_CALL_TIMEOUT):
+        self.workers = list(workers)
+        self.timeout = timeout
+
+    def num_workers(self) -> int:
+        """How many workers the job has."""
+        return len(self.workers)
+
+    @abstractmethod
+    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
+        """Run one daemon command (``{"cmd": ..., ...}``) on a worker and return its result.
+
+        Raises:
+            WorkerCallError: the command failed there, timed out, or the worker was lost.
+        """
+
+    async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
+        """Load the job's pickled filters (node id → bytes, graph order) on a worker."""
+        await self.call(worker_idx, {"cmd": "load", "filters": dict(filters)})
+
+    async def execute_on_worker(
+        self,
+        worker_idx: int,
+        node_ids: Sequence[str],
+        x: Any,
+        y: Any = None,
+        batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """Train the chain ``node_ids`` on a worker to completion; returns what the fit gave
+        (``states``, ``loss``, ``epoch_losses``, ``rows``; ``output`` is not sent back)."""
+        result: dict[str, Any] = await self.call(
+            worker_idx,
+            {
+                "cmd": "batched_fit",
+                "node_ids": list(node_ids),
+                "x": x,
+                "y": y,
+                "batch_size": batch_size,
+            },
+        )
+        result.pop("output", None)
+        return result
+
+    async def get_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+        """States of ``node_ids`` on a worker, read over the wire now."""
+        states: dict[str, Any] = await self.call(
+            worker_idx, {"cmd": "get_state", "node_ids": list(node_ids)}
+        )
+        return states
+
+    async def set_state(self, worker_idx: int, states: Mapping[str, Any]) -> None:
+        """Load states on a worker (what a later :meth:`get_state` there returns)."""
+        await self.call(worker_idx, {"cmd": "set_state", "states": dict(states)})
+
+    async def get_gradients(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+        """Gradients left on a worker by its last gradient pass, by node and parameter."""
+        grads: dict[str, Any] = await self.call(
+            worker_idx, {"cmd": "get_gradients", "node_ids": list(node_ids)}
+        )
+        return grads
+
+    async def apply_gradients(self, worker_idx: int, gradients: Mapping[str, Any]) -> None:
+        """Write gradients on a worker and step its persistent optimizers."""
+        await self.call(worker_idx, {"cmd": "apply_gradients", "gradients": dict(gradients)})
+
+    async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+        """A worker's state read now, over the wire — never recalled from an earlier fit.
+
+        After ``apply_gradients`` the two differ; the original runtime returned the recalled one
+        and discarded the last step of training (reference §6.2, lesson 1).
+        """
+        return await self.get_state(worker_idx, node_ids)
+
+    async def execute_partition(
+        self, worker_idx: int, node_ids: Sequence[str], x: Any, y: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """One pass of part of the graph on a worker: its output and the states it learned."""
+        result = await self.call(
+            worker_idx, {"cmd": "composite_fit", "node_ids": list(node_ids), "x": x, "y": y}
+        )
+        return result["output"], result["states"]
+
+    def worker_for(self, target: Target) -> int:
+        """The index of the worker that answers to ``target`` (by id, or the first with the tag).
+
+        Raises:
+            TargetError: no worker matches; the message lists the ids and tags that exist.
+        """
+        for idx, worker in enumerate(self.workers):
+            if target.id is not None and worker.id == target.id:
+                return idx
+            if target.tag is not None and target.tag in worker.tags:
+                return idx
+        ids = [w.id for w in self.workers]
+        tags = sorted(set(itertools.chain.from_iterable(w.tags for w in self.workers)))
+        raise TargetError(f"no worker answers to {target}: workers {ids}, tags {tags}")
+
+
+class FrameHandler(Protocol):
+    """What an in-memory worker is: a request frame in, reply frame parts out
+    (:class:`worker.daemon.Daemon` is one)."""
+
+    def respond(self, frame: bytes | bytearray | memoryview) -> list[bytes | memoryview]: ...
+
+
+class InMemoryContext(StrategyContext):
+    """Workers that are in-process daemons: the real command handling, no processes or sockets.
+
+    Each request and reply goes through the frame codec, as on the wire, so a strategy gets
+    copies, never the worker's live tensors. Commands run in threads: calls to different workers
+    overlap as they would across machines.
+
+    Args:
+        workers: the workers' identities, or how many anonymous ones (``mem-0``, ``mem-1``...).
+        make_daemon: makes one worker's daemon; pass :class:`worker.daemon.Daemon` (the
+            coordinator does not import worker code itself).
+        timeout: seconds one command may take.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerIdentity] | int,
+        make_daemon: Callable[[], FrameHandler],
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+    ) -> None:
+        if isinstance(workers, int):
+            workers = [WorkerIdentity(f"mem-{i}") for i in range(workers)]
+        super().__init__(workers, timeout)
+        self.daemons = [make_daemon() for _ in self.workers]
+        self._locks = [asyncio.Lock() for _ in self.workers]
+        self._ids = itertools.count(1)
+
+    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
+        worker = self.workers[worker_idx]
+        frame = bytearray(encode_frame({**request, "id": next(self._ids)}))
+        async with self._locks[worker_idx]:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    reply_frame = await asyncio.to_thread(self._run, worker_idx, frame)
+            except TimeoutError:
+                info = ErrorInfo(
+                    code=ErrorCode.TIMEOUT,
+                    message=f"{request.get('cmd')} did not finish within {self.timeout}s",
+                )
+                raise WorkerCallError(worker.id, info) from None
+        reply = decode(reply_frame)
+        if not reply["ok"]:
+            raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
+        return reply["result"]
+
+    def _run(self, worker_idx: int, frame: bytearray) -> bytearray:
+        parts = self.daemons[worker_idx].respond(frame)
+        return bytearray(b"".join(parts))

@@ -1,0 +1,340 @@
+"""Jobs: queued, placed on workers, run by their strategy, recorded in the store.
+
+A submitted job waits in a FIFO queue until enough idle workers match its strategy's
+:class:`~coordinator.strategies.Placement`; a job that cannot be placed yet does not hold up later
+jobs that can. Running, it owns its workers until it ends, whatever way it ends: its daemons are
+closed and its workers freed in one ``finally``.
+
+Every change of a job is an event in the store (``queued``, ``placed``, ``progress``,
+``succeeded``, ``failed``, ``cancelled``) and is pushed to the clients watching it. A job is
+``succeeded`` only once its strategy returned the states read back from the workers and they are
+stored with the state change, in one transaction.
+
+The store is SQLite: every call into it runs in a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.context import DEFAULT_CALL_TIMEOUT, WorkerCallError
+from coordinator.registry import Registry, WorkerRecord, WorkerState
+from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
+from coordinator.strategies import JobInputs, Strategy, StrategyOptionsError, strategy_from_spec
+from coordinator.transport import TransportContext
+from protocol.channel import RemoteError
+from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorCode, ErrorInfo
+from protocol.messages import Submit
+
+log = logging.getLogger(__name__)
+
+TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
+
+
+def remote(code: ErrorCode, message: str, **detail: Any) -> RemoteError:
+    """An error reply to send to the client."""
+    return RemoteError(ErrorInfo(code=code, message=message, detail=detail))
+
+
+def record_dict(record: JobRecord) -> dict[str, Any]:
+    """A job record as it travels to clients."""
+    out = dataclasses.asdict(record)
+    out["state"] = str(record.state)
+    return out
+
+
+@dataclass
+class _Job:
+    id: str
+    strategy: Strategy
+    inputs: JobInputs
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    workers: list[WorkerRecord] = field(default_factory=list)
+    stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
+
+
+class JobManager:
+    """The queue, the running jobs and their event streams.
+
+    Args:
+        store: the job store (SQLite).
+        registry: the workers.
+        call_timeout: seconds one command of a job may take on a worker.
+        job_threads: torch threads of each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` for every successful worker command.
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        registry: Registry,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        job_threads: int | None = None,
+        observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.call_timeout = call_timeout
+        self.job_threads = job_threads
+        self.observe = observe
+        self._jobs: dict[str, _Job] = {}
+        self._queue: list[str] = []
+        self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        self._wake = asyncio.Event()
+        self.accepting = True
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Something changed that may let a queued job start."""
+        self._wake.set()
+
+    async def schedule_forever(self) -> None:
+        """Place queued jobs whenever workers or jobs change."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._place()
+
+    def _place(self) -> None:
+        for job_id in list(self._queue):
+            job = self._jobs[job_id]
+            placement = job.strategy.placement()
+            fits = [w for w in self.registry.idle() if placement.accepts(w.identity)]
+            if len(fits) < placement.workers:
+                continue
+            chosen = fits[: placement.workers]
+            for worker in chosen:
+                worker.state = WorkerState.BUSY
+                worker.job_id = job_id
+            job.workers = chosen
+            self._queue.remove(job_id)
+            job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
+
+    # -- client requests ----------------------------------------------------------------------
+
+    async def submit(self, msg: Submit) -> str:
+        """Validate and queue a job; returns its id."""
+        if not self.accepting:
+            raise remote(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
+        try:
+            strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
+        except StrategyOptionsError as exc:
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+        missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
+        if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
+            raise remote(
+                ErrorCode.BAD_REQUEST,
+                f"graph.filters must hold exactly the nodes of graph.node_ids; missing {missing}",
+            )
+        filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
+        summary = {
+            "node_ids": msg.graph.node_ids,
+            "strategy": msg.strategy.model_dump(),
+            "rows": _rows(msg.x),
+            "placement": strategy.placement().describe(),
+        }
+        record = await asyncio.to_thread(self.store.create, strategy.name, summary)
+        job = _Job(record.id, strategy, JobInputs(msg.graph.node_ids, filters, msg.x, msg.y))
+        self._jobs[job.id] = job
+        self._queue.append(job.id)
+        await self._emit(job.id, "queued", {"placement": summary["placement"]})
+        self.kick()
+        return job.id
+
+    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
+        """The job's events after ``after_seq``, live until its terminal event."""
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        live = job_id in self._jobs
+        if live:  # subscribe before reading the history, so nothing falls in between
+            self._watchers.setdefault(job_id, set()).add(queue)
+        try:
+            try:
+                history = await asyncio.to_thread(self.store.events, job_id, after_seq)
+            except UnknownJob:
+                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+            last = after_seq
+            for event in history:
+                yield event
+                last = event.seq
+                if event.kind in TERMINAL_EVENTS:
+                    return
+            if not live:
+                return  # it ended before (or the coordinator restarted): the history is all
+            while True:
+                event = await queue.get()
+                if event.seq <= last:
+                    continue
+                yield event
+                last = event.seq
+                if event.kind in TERMINAL_EVENTS:
+                    return
+        finally:
+            if live:
+                self._watchers.get(job_id, set()).discard(queue)
+
+    async def result(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """The states of a succeeded job, waiting up to ``wait`` seconds for it to end."""
+        job = self._jobs.get(job_id)
+        if job is not None and wait > 0:
+            try:
+                async with asyncio.timeout(wait):
+                    await job.done.wait()
+            except TimeoutError:
+                pass
+        record = await self._record(job_id)
+        if record.state is JobState.SUCCEEDED:
+            blob = await asyncio.to_thread(self.store.result, job_id)
+            states = await asyncio.to_thread(decode, bytearray(blob))
+            return {"job_id": job_id, "states": states, "record": record_dict(record)}
+        if record.state.terminal:
+            error = record.error or {"code": "internal", "message": "no error recorded"}
+            raise remote(
+                _code(error.get("code")),
+                f"job {job_id} {record.state}: {error.get('message')}",
+                **{**error.get("detail", {}), "job_id": job_id, "state": str(record.state)},
+            )
+        raise remote(
+            ErrorCode.NOT_FINISHED,
+            f"job {job_id} is still {record.state}",
+            job_id=job_id,
+            state=str(record.state),
+        )
+
+    async def cancel(self, job_id: str) -> None:
+        """Cancel a queued or running job; it ends ``cancelled``."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            record = await self._record(job_id)
+            raise remote(
+                ErrorCode.BAD_REQUEST,
+                f"job {job_id} already ended ({record.state}): nothing to cancel",
+                job_id=job_id,
+            )
+        info = ErrorInfo(code=ErrorCode.CANCELLED, message="cancelled by the client")
+        await self._stop(job, info)
+
+    async def records(self, limit: int = 50) -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(self.store.list, None, limit)
+        return [record_dict(r) for r in records]
+
+    async def counts(self) -> dict[JobState, int]:
+        return await asyncio.to_thread(self.store.counts)
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop taking jobs; give running ones ``grace`` seconds, then fail what is left."""
+        self.accepting = False
+        running = [j.done.wait() for j in self._jobs.values() if j.task is not None]
+        if running:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.gather(*running)
+            except TimeoutError:
+                pass
+        info = ErrorInfo(
+            code=ErrorCode.SHUTTING_DOWN, message="the coordinator shut down before the job ended"
+        )
+        await asyncio.gather(*(self._stop(j, info) for j in list(self._jobs.values())))
+
+    # -- internals ----------------------------------------------------------------------------
+
+    async def _stop(self, job: _Job, info: ErrorInfo) -> None:
+        if job.task is None:  # still queued
+            self._queue.remove(job.id)
+            self._jobs.pop(job.id, None)
+            await self._end(job, info)
+            return
+        job.stop_reason = info
+        job.task.cancel()
+        await job.done.wait()
+
+    async def _run(self, job: _Job) -> None:
+        ctx = TransportContext(
+            job.id, job.workers, self.call_timeout, self.job_threads, observe=self.observe
+        )
+        ids = [w.id for w in job.workers]
+        try:
+            await asyncio.to_thread(self.store.start, job.id, ids)
+            await self._emit(job.id, "placed", {"workers": ids})
+
+            async def emit(event: str, data: dict[str, Any]) -> None:
+                await self._emit(job.id, event, data)
+
+            states = await job.strategy.run(ctx, job.inputs, emit)
+            frame = await asyncio.to_thread(encode_frame, states)
+            await asyncio.to_thread(self.store.succeed, job.id, frame)
+            await self._emit(job.id, "succeeded", {"nodes": sorted(states)})
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled here: the job ends, the task returns normally
+            await self._end(job, job.stop_reason or _internal("the job's task was cancelled"))
+        except WorkerCallError as exc:
+            log.info("job %s failed: %s", job.id, exc)
+            await self._end(job, exc.to_info())
+        except Exception as exc:
+            log.exception("job %s failed on the coordinator", job.id)
+            await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
+        finally:
+            await ctx.close()
+            for worker in job.workers:
+                if worker.job_id == job.id:
+                    worker.job_id = None
+                    if worker.state is WorkerState.BUSY:
+                        worker.state = WorkerState.IDLE
+            self._jobs.pop(job.id, None)
+            job.done.set()
+            self.kick()
+
+    async def _end(self, job: _Job, info: ErrorInfo) -> None:
+        """Record a job's unsuccessful end (failed, or cancelled by the client)."""
+        data = {"code": str(info.code), "message": info.message, "detail": info.detail}
+        if info.code is ErrorCode.CANCELLED:
+            await asyncio.to_thread(self.store.cancel, job.id, info.message)
+            await self._emit(job.id, "cancelled", data)
+        else:
+            await asyncio.to_thread(
+                self.store.fail, job.id, str(info.code), info.message, info.detail
+            )
+            await self._emit(job.id, "failed", data)
+        job.done.set()
+
+    async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
+        if event == "progress":
+            await asyncio.to_thread(self.store.progress, job_id, data)
+        recorded = await asyncio.to_thread(self.store.add_event, job_id, event, data)
+        for queue in self._watchers.get(job_id, ()):
+            queue.put_nowait(recorded)
+
+    async def _record(self, job_id: str) -> JobRecord:
+        try:
+            return await asyncio.to_thread(self.store.get, job_id)
+        except UnknownJob:
+            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+
+
+def _internal(message: str) -> ErrorInfo:
+    return ErrorInfo(code=ErrorCode.INTERNAL, message=message)
+
+
+def _code(code: Any) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
+def _rows(x: Any) -> int | None:
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    return len(x) if isinstance(x, list | tuple) else None

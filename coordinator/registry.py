@@ -1,0 +1,180 @@
+"""The worker registry: who is connected, what they have, and whether they are still alive.
+
+A worker keeps its id across reconnects: the id it asked for in its hello, or the one the
+coordinator gave it the first time. A record outlives its connection (state ``lost`` or
+``offline``) so that a worker coming back is the same worker, and ``somatize status`` can show
+what happened to it.
+
+Liveness is the heartbeat: :meth:`Registry.reap` (called periodically by the server) declares a
+worker silent for longer than the heartbeat timeout ``lost`` and closes its connection, which
+fails every command waiting on it — so a job learns within the timeout, not never.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from coordinator.context import WorkerIdentity
+from coordinator.errors import CoordinatorError
+from protocol.channel import Channel
+from protocol.messages import Capabilities
+
+
+class WorkerState(StrEnum):
+    IDLE = "idle"  # connected, no job
+    BUSY = "busy"  # connected, running a job
+    LOST = "lost"  # stopped heartbeating, or its connection broke during a job
+    OFFLINE = "offline"  # disconnected cleanly
+
+
+class DuplicateWorker(CoordinatorError):
+    """A hello with the id of a worker that is still connected."""
+
+
+@dataclass
+class WorkerRecord:
+    """One worker: identity, capabilities, connection and liveness."""
+
+    id: str
+    tags: frozenset[str]
+    capabilities: Capabilities
+    channel: Channel | None
+    state: WorkerState = WorkerState.IDLE
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    connected_at: float = field(default_factory=time.time)
+    job_id: str | None = None
+    reason: str = ""  # why it is lost or offline
+    connections: int = 1
+
+    @property
+    def identity(self) -> WorkerIdentity:
+        return WorkerIdentity(self.id, self.tags)
+
+    @property
+    def connected(self) -> bool:
+        return self.channel is not None and not self.channel.closed.is_set()
+
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        """The record as ``somatize status`` shows it."""
+        now = time.monotonic() if now is None else now
+        return {
+            "id": self.id,
+            "tags": sorted(self.tags),
+            "state": str(self.state),
+            "last_heartbeat_age": round(now - self.last_heartbeat, 3),
+            "job_id": self.job_id,
+            "reason": self.reason,
+            "connections": self.connections,
+            "capabilities": self.capabilities.model_dump(),
+        }
+
+
+class Registry:
+    """Workers by id.
+
+    Args:
+        heartbeat_timeout: seconds of silence after which a connected worker is lost.
+        on_change: called after any change that can let a queued job start.
+    """
+
+    def __init__(self, heartbeat_timeout: float, on_change: Callable[[], None] = lambda: None):
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_change = on_change
+        self._workers: dict[str, WorkerRecord] = {}
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def attach(
+        self,
+        worker_id: str | None,
+        tags: list[str],
+        capabilities: Capabilities,
+        channel: Channel,
+    ) -> WorkerRecord:
+        """Register a worker's new connection; a known id gets its record back.
+
+        Raises:
+            DuplicateWorker: a worker with that id is connected right now.
+        """
+        if worker_id is None:
+            worker_id = self._new_id()
+        record = self._workers.get(worker_id)
+        if record is not None and record.connected:
+            raise DuplicateWorker(
+                f"a worker with id {worker_id!r} is already connected; choose another --id"
+            )
+        if record is None:
+            record = WorkerRecord(worker_id, frozenset(tags), capabilities, channel)
+            self._workers[worker_id] = record
+        else:
+            record.tags = frozenset(tags)
+            record.capabilities = capabilities
+            record.channel = channel
+            record.connections += 1
+            record.connected_at = time.time()
+        record.state = WorkerState.IDLE
+        record.job_id = None
+        record.reason = ""
+        record.last_heartbeat = time.monotonic()
+        self.on_change()
+        return record
+
+    def heartbeat(self, record: WorkerRecord) -> None:
+        record.last_heartbeat = time.monotonic()
+
+    def detach(self, record: WorkerRecord, channel: Channel, reason: str) -> None:
+        """The connection ``channel`` of ``record`` ended (unless a newer one replaced it)."""
+        if record.channel is not channel:
+            return
+        record.channel = None
+        if record.state is not WorkerState.LOST:
+            record.state = WorkerState.LOST if record.job_id else WorkerState.OFFLINE
+            record.reason = reason
+        self.on_change()
+
+    def idle(self) -> list[WorkerRecord]:
+        """Connected workers without a job, in registration order."""
+        return [w for w in self._workers.values() if w.connected and w.state is WorkerState.IDLE]
+
+    def reap(self, now: float | None = None) -> list[WorkerRecord]:
+        """Declare connected workers silent past the heartbeat timeout lost; returns them.
+
+        The caller closes their connections (which fails their pending commands).
+        """
+        now = time.monotonic() if now is None else now
+        lost = []
+        for record in self._workers.values():
+            silent = now - record.last_heartbeat
+            if record.connected and silent > self.heartbeat_timeout:
+                record.state = WorkerState.LOST
+                record.reason = (
+                    f"no heartbeat for {silent:.1f}s (timeout {self.heartbeat_timeout}s)"
+                )
+                lost.append(record)
+        if lost:
+            self.on_change()
+        return lost
+
+    def counts(self) -> dict[WorkerState, int]:
+        counts = dict.fromkeys(WorkerState, 0)
+        for record in self._workers.values():
+            counts[record.state] += 1
+        return counts
+
+    def _new_id(self) -> str:
+        while True:
+            worker_id = f"w-{secrets.token_hex(3)}"
+            if worker_id not in self._workers:
+                return worker_id

@@ -1,0 +1,64 @@
+"""Local: the whole graph on one worker, all the data — the distributed path's baseline.
+
+The result equals ``graph.fit`` in the client's process: the worker's daemon runs the same
+engine on the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Self
+
+from coordinator.context import StrategyContext
+from coordinator.strategies.base import (
+    Emit,
+    JobInputs,
+    Placement,
+    Strategy,
+    StrategyOptionsError,
+    check_options,
+)
+
+
+class Local(Strategy):
+    """One worker, optionally pinned by id (``worker``) or by ``tag``."""
+
+    name = "local"
+
+    def __init__(self, worker: str | None = None, tag: str | None = None) -> None:
+        self.worker = worker
+        self.tag = tag
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        check_options(cls.name, options, {"worker", "tag"})
+        for key in ("worker", "tag"):
+            value = options.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StrategyOptionsError(
+                    f"local: {key} must be a non-empty string, not {value!r}"
+                )
+        return cls(worker=options.get("worker"), tag=options.get("tag"))
+
+    def placement(self) -> Placement:
+        return Placement(workers=1, worker_id=self.worker, tag=self.tag)
+
+    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        # 1. Ship the filters to the worker's daemon.
+        await emit("progress", {"phase": "loading", "nodes": len(job.node_ids)})
+        await ctx.load(0, job.filters)
+        # 2. Train the whole chain there, as graph.fit would.
+        await emit("progress", {"phase": "training"})
+        fit = await ctx.execute_on_worker(0, job.node_ids, job.x, job.y)
+        losses = fit.get("epoch_losses") or []
+        await emit(
+            "progress",
+            {
+                "phase": "trained",
+                "loss": fit.get("loss"),
+                "epochs": len(losses),
+                "epoch_losses": losses,
+            },
+        )
+        # 3. The states, read back over the wire.
+        return await ctx.read_back_state(0, job.node_ids)

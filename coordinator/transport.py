@@ -1,0 +1,109 @@
+"""``TransportContext``: a job's workers over their live WebSocket connections.
+
+Each command becomes a :class:`~protocol.messages.Call` on the worker's connection; the agent runs
+it on the job's filter daemon and answers with a ``result`` or a typed ``error``. Loading a job's
+filters is an :class:`~protocol.messages.OpenJob` (the agent starts a fresh daemon for the job).
+
+A worker that disconnects or stops heartbeating has its connection closed by the server, which
+fails its pending command at once with ``worker_lost``: a strategy waiting on a dead worker learns
+within the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerCallError
+from coordinator.registry import WorkerRecord
+from protocol.channel import ChannelClosed, RemoteError
+from protocol.errors import ErrorCode, ErrorInfo
+from protocol.messages import Call, CloseJob, OpenJob
+
+CLOSE_TIMEOUT = 10.0
+"""Seconds to wait for an agent to stop a job's daemon before giving up on it."""
+
+NETWORK_MARGIN = 5.0
+"""Extra seconds the coordinator waits beyond a command's own timeout, for the reply to travel."""
+
+
+class TransportContext(StrategyContext):
+    """The workers of job ``job_id``, reached through their registry records.
+
+    Args:
+        job_id: the job the commands belong to (the agent keeps one daemon per job).
+        workers: the records of the workers placed on the job, in strategy index order.
+        timeout: seconds one command may take on a worker.
+        threads: torch threads for each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` after each successful command (metrics).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        workers: Sequence[WorkerRecord],
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        threads: int | None = None,
+        observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+    ) -> None:
+        super().__init__([w.identity for w in workers], timeout)
+        self.job_id = job_id
+        self.records = list(workers)
+        self.threads = threads
+        self.observe = observe
+
+    async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
+        """Start the job's daemon on the worker and load the filters into it."""
+        message = OpenJob(job_id=self.job_id, filters=dict(filters), threads=self.threads)
+        await self._request(worker_idx, message, "open_job")
+
+    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
+        message = Call(job_id=self.job_id, request=dict(request), timeout=self.timeout)
+        reply = await self._request(worker_idx, message, str(request.get("cmd")))
+        return reply.result
+
+    async def close(self) -> None:
+        """Stop the job's daemon on every worker still connected (best effort, bounded)."""
+
+        async def close_one(record: WorkerRecord) -> None:
+            if record.channel is None:
+                return
+            # Gone or stuck: the job is over either way.
+            with contextlib.suppress(RemoteError, ChannelClosed, TimeoutError):
+                await record.channel.request(CloseJob(job_id=self.job_id), CLOSE_TIMEOUT)
+
+        await asyncio.gather(*(close_one(r) for r in self.records))
+
+    async def _request(self, worker_idx: int, message: Any, cmd: str) -> Any:
+        record = self.records[worker_idx]
+        channel = record.channel
+        if channel is None or channel.closed.is_set():
+            raise WorkerCallError(record.id, _lost(record, cmd))
+        started = time.perf_counter()
+        try:
+            reply = await channel.request(message, self.timeout + NETWORK_MARGIN)
+        except RemoteError as exc:
+            raise WorkerCallError(record.id, exc.info) from None
+        except ChannelClosed:
+            raise WorkerCallError(record.id, _lost(record, cmd)) from None
+        except TimeoutError:
+            info = ErrorInfo(
+                code=ErrorCode.TIMEOUT,
+                message=f"{cmd} for job {self.job_id} got no answer within {self.timeout}s",
+                detail={"cmd": cmd},
+            )
+            raise WorkerCallError(record.id, info) from None
+        self.observe(cmd, time.perf_counter() - started)
+        return reply
+
+
+def _lost(record: WorkerRecord, cmd: str) -> ErrorInfo:
+    reason = record.reason or "its connection closed"
+    return ErrorInfo(
+        code=ErrorCode.WORKER_LOST,
+        message=f"lost during {cmd}: {reason}",
+        detail={"cmd": cmd, "reason": reason},
+    )

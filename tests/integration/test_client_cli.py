@@ -1,0 +1,291 @@
+"""The client SDK and the ``somatize`` CLI against a real coordinator and real workers.
+
+One cluster per module (``somatize-coordinator`` and two ``somatize-worker`` subprocesses, see
+:mod:`tests.integration.cluster`), stopped at the end whatever happened. Every wait is bounded by
+a multiple of the test time unit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import somatize as sz
+from tests.conftest import timeout_unit
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.integration
+
+UNIT = timeout_unit()
+BIN = Path(sys.executable).parent
+
+
+class Center(sz.Filter):
+    """Subtracts the column means (a plain filter, shipped by value from this test module)."""
+
+    def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
+        return {"mean": np.asarray(x, dtype=np.float32).mean(0)}
+
+    def forward(self, x: Any, state: Any) -> Any:
+        return np.asarray(x, dtype=np.float32) - state["mean"]
+
+
+class Boom(sz.Filter):
+    """A filter whose fit raises."""
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        raise ValueError("boom in Boom.fit")
+
+
+class Sleepy(sz.Filter):
+    """A filter whose fit takes far longer than any test waits."""
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        time.sleep(3600)
+        return {}
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(192, 8)).astype(np.float32) + 3.0
+    y = (x[:, :3].sum(1) > 9.0).astype(np.int64) + (x[:, 3] > 3.0).astype(np.int64)
+    return x, y
+
+
+def _mlp_graph() -> sz.Graph:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    net = sz.TorchFilter(
+        mlp, loss="cross_entropy", optimizer="sgd", lr=0.1, batch_size=32, epochs=3, seed=0
+    )
+    return Center().named("center") >> net.named("mlp")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A coordinator and workers ``w1``, ``w2`` (tag ``cpu``), for the whole module."""
+    c = Cluster(tmp_path_factory.mktemp("client") / "state")
+    try:
+        c.start_coordinator()
+        c.start_worker("w1", "cpu")
+        c.start_worker("w2", "cpu")
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def client(live: Cluster) -> Iterator[sz.Client]:
+    with sz.connect(live.url, timeout=20 * UNIT) as c:
+        yield c
+
+
+def _leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _leaves(value, f"{prefix}.{key}")
+    else:
+        yield prefix, state
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+    a, b = torch.as_tensor(np.asarray(a)), torch.as_tensor(np.asarray(b))
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def test_a_local_job_trains_like_graph_fit(client):
+    x, y = _data()
+    graph = _mlp_graph()
+    job = client.submit(graph, x, y, strategy=sz.Local())
+
+    fitted = job.result(timeout=120 * UNIT)
+    reference = graph.fit(x, y)
+
+    assert isinstance(fitted, sz.FittedGraph) and fitted.graph is graph
+    assert sorted(fitted.states) == sorted(reference.states) == ["center", "mlp"]
+    for node_id in graph.node_ids:
+        remote, local = (
+            dict(_leaves(fitted.states[node_id])),
+            dict(_leaves(reference.states[node_id])),
+        )
+        assert sorted(remote) == sorted(local), node_id
+        for key in local:
+            assert _max_abs_diff(remote[key], local[key]) <= 1e-6, (node_id, key)
+    np.testing.assert_allclose(fitted.epoch_losses, reference.epoch_losses, rtol=0, atol=1e-6)
+    assert len(fitted.epoch_losses) == 3
+    out = fitted.forward(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.forward(x)), atol=1e-5)
+
+    record = job.status()
+    assert record["state"] == "succeeded" and record["strategy"] == "local"
+
+
+def test_events_run_from_queued_to_succeeded_in_order(client):
+    x, y = _data()
+    job = client.submit(_mlp_graph(), x, y, strategy=sz.Local(worker="w2"))
+    events = list(job.events(timeout=120 * UNIT))
+
+    names = [e.event for e in events]
+    assert names[:2] == ["queued", "placed"], names
+    assert names[-1] == "succeeded" and events[-1].terminal
+    assert all(not e.terminal for e in events[:-1])
+    assert set(names[2:-1]) <= {"progress"}, names
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert all(a.time <= b.time for a, b in itertools.pairwise(events))
+    assert events[1].data["workers"] == ["w2"]
+    # Replayed after the end, from any point, the same events.
+    assert [e.seq for e in job.events(after_seq=1)] == [e.seq for e in events[1:]]
+
+
+def test_a_filter_that_raises_fails_the_job_with_its_traceback(client):
+    x, y = _data()
+    job = client.submit(Center() >> Boom(), x, y)
+    with pytest.raises(sz.JobFailed) as exc:
+        job.result(timeout=60 * UNIT)
+    assert exc.value.job_id == job.id
+    assert exc.value.code == "filter_error"
+    assert "boom in Boom.fit" in exc.value.message
+    assert exc.value.traceback is not None
+    assert "ValueError: boom in Boom.fit" in exc.value.traceback
+    assert job.status()["state"] == "failed"
+
+
+def test_cancelling_a_long_job_ends_it_cancelled(client, live):
+    x, y = _data()
+    job = client.submit(sz.Graph([Sleepy()]), x, y, strategy=sz.Local(worker="w1"))
+    for event in job.events(timeout=60 * UNIT):  # until the filter is running on w1
+        if event.event == "progress" and event.data.get("phase") == "training":
+            break
+        assert not event.terminal, event
+    job.cancel()
+    with pytest.raises(sz.JobFailed, match="was cancelled") as exc:
+        job.result(timeout=30 * UNIT)
+    assert exc.value.code == "cancelled"
+    assert [e.event for e in job.events(timeout=10 * UNIT)][-1] == "cancelled"
+    live.wait_connected("w1")  # the worker is idle again: its daemon was stopped
+
+
+# -- the command line --------------------------------------------------------------------------
+
+JOB_FILE = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import somatize as sz
+
+    class Scale(sz.Filter):
+        def fit(self, x, y=None):
+            return {"scale": np.abs(x).max(0) + 1e-6}
+
+        def forward(self, x, state):
+            return (x / state["scale"]).astype(np.float32)
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    torch.manual_seed(0)
+    net = sz.TorchFilter(torch.nn.Linear(4, 2), loss="cross_entropy", lr=0.5, epochs={epochs})
+    graph = Scale() >> net.named("linear")
+    strategy = sz.Local(tag="cpu")
+    """
+)
+
+FAILING_JOB_FILE = textwrap.dedent(
+    """
+    import numpy as np
+    import somatize as sz
+
+    class Broken(sz.Filter):
+        def fit(self, x, y=None):
+            raise KeyError("no such column in Broken.fit")
+
+    x = np.zeros((8, 2), dtype=np.float32)
+    graph = sz.Graph([Broken()])
+    """
+)
+
+
+def _somatize(live: Cluster, *args: str, seconds: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
+    env.pop("SOMATIZE_TOKEN", None)
+    return subprocess.run(
+        [str(BIN / "somatize"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=seconds * UNIT,
+        check=False,
+    )
+
+
+def test_cli_submit_jobs_and_result(live, tmp_path):
+    job_file = tmp_path / "job.py"
+    job_file.write_text(JOB_FILE.replace("{epochs}", "4"))
+
+    submitted = _somatize(live, "submit", str(job_file))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    assert job_id and len(job_id.split()) == 1, submitted.stdout
+    assert f"job {job_id} succeeded" in submitted.stderr
+
+    listed = _somatize(live, "jobs", seconds=30)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if job_id in line)
+    assert "succeeded" in row and "local" in row
+
+    status = _somatize(live, "status", seconds=30)
+    assert status.returncode == 0, status.stderr
+    assert "w1" in status.stdout and "w2" in status.stdout and job_id in status.stdout
+
+    saved = tmp_path / "states.pt"
+    result = _somatize(live, "result", job_id, "--save", str(saved), seconds=30)
+    assert result.returncode == 0, result.stderr
+    assert "scale" in result.stdout and "linear" in result.stdout
+    assert "weight" in result.stdout and "(2, 4)" in result.stdout
+    states = torch.load(saved, weights_only=False)
+    assert sorted(states) == ["linear", "scale"]
+    assert tuple(states["linear"]["weight"].shape) == (2, 4)
+
+
+def test_cli_submit_no_wait_then_result_waits(live, tmp_path):
+    job_file = tmp_path / "job.py"
+    job_file.write_text(JOB_FILE.replace("{epochs}", "2"))
+    submitted = _somatize(live, "submit", "--no-wait", str(job_file))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    result = _somatize(live, "result", job_id, "--wait", str(60 * UNIT))
+    assert result.returncode == 0, result.stderr
+    assert "linear" in result.stdout
+
+
+def test_cli_submit_of_a_failing_job_exits_1_with_the_traceback(live, tmp_path):
+    job_file = tmp_path / "broken.py"
+    job_file.write_text(FAILING_JOB_FILE)
+    submitted = _somatize(live, "submit", str(job_file))
+    assert submitted.returncode == 1, (submitted.stdout, submitted.stderr)
+    job_id = submitted.stdout.strip()
+    assert f"job {job_id} failed: [filter_error]" in submitted.stderr
+    assert "no such column in Broken.fit" in submitted.stderr
+    assert "Traceback" in submitted.stderr and "KeyError" in submitted.stderr
+
+    result = _somatize(live, "result", job_id, seconds=30)
+    assert result.returncode == 1
+    assert "filter_error" in result.stderr
+
+
+def test_cli_result_of_an_unknown_job_exits_2(live):
+    result = _somatize(live, "result", "no-such-job", seconds=30)
+    assert result.returncode == 2
+    assert "unknown_job" in result.stderr and "Traceback" not in result.stderr

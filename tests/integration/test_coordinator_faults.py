@@ -1,0 +1,193 @@
+"""The coordinator with real agents and daemons: lost workers, bad input, versions, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import websockets
+
+import somatize as sz
+from protocol.channel import Channel
+from protocol.codec import encode_frame
+from protocol.errors import ErrorCode
+from protocol.messages import ClientHello, Status
+from tests.integration.cluster import UNIT, cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class Sleepy(sz.Filter):
+    def fit(self, x, y=None):
+        time.sleep(60)
+        return {}
+
+
+class Center(sz.Filter):
+    def fit(self, x, y=None):
+        return {"mean": x.mean(0)}
+
+    def forward(self, x, state):
+        return x - state["mean"]
+
+
+def _quick_graph() -> sz.Graph:
+    torch.manual_seed(0)
+    return Center().named("center") >> sz.TorchFilter(
+        torch.nn.Linear(3, 1), lr=0.1, epochs=2
+    ).named("lin")
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    return x, x.sum(1, keepdims=True)
+
+
+def test_a_worker_killed_mid_job_fails_the_job_naming_it_and_nothing_else(tmp_path):
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(
+            sz.Graph([Sleepy().named("sleepy")]), np.zeros((4, 2)), strategy=sz.Local(worker="w1")
+        )
+        for event in job.events(timeout=30 * UNIT):
+            if event.event == "progress" and event.data.get("phase") == "training":
+                break
+        killed_at = time.monotonic()
+        c.send_signal(c.workers["w1"], signal.SIGKILL)
+        with pytest.raises(sz.JobFailed) as failure:
+            job.result(timeout=30 * UNIT)
+        took = time.monotonic() - killed_at
+        assert failure.value.code == "worker_lost"
+        assert "'w1'" in failure.value.message
+        assert took < c.heartbeat[1] + 5 * UNIT
+        # The coordinator and the other worker are unaffected.
+        x, y = _data()
+        graph = _quick_graph()
+        fitted = client.submit(graph, x, y, strategy=sz.Local()).result(timeout=60 * UNIT)
+        expected = graph.fit(x, y)
+        torch.testing.assert_close(
+            fitted.states["lin"]["weight"], expected.states["lin"]["weight"], rtol=0, atol=1e-6
+        )
+        workers = {w["id"]: w for w in client.status()["workers"]}
+        assert workers["w1"]["state"] == "lost"
+        assert workers["w2"]["state"] == "idle"
+
+
+def _raw_client(url: str):
+    """A client speaking the wire by hand, to send what the SDK never would."""
+
+    async def connect():
+        ws = await websockets.connect(f"{url}/client", compression=None, max_size=1 << 24)
+        return ws
+
+    return connect()
+
+
+def test_malformed_messages_and_unknown_kinds_get_errors_and_the_connection_stays(tmp_path):
+    async def main(url):
+        ws = await _raw_client(url)
+        try:
+            await exchange(ws)
+        finally:
+            await ws.close()
+
+    async def exchange(ws):
+        channel = Channel(ws, "raw client")
+        await channel.send(ClientHello(name="fuzzy"))
+        welcome = await channel.receive()
+        assert welcome.kind == "welcome"
+        for payload, code, text in [
+            (b"\xff\xff\xff\x7fnot a frame", ErrorCode.BAD_FRAME, "frame"),
+            (
+                encode_frame({"v": 1, "kind": "fire_the_workers", "id": 9}),
+                ErrorCode.BAD_REQUEST,
+                "unknown message kind",
+            ),
+            (
+                encode_frame({"v": 1, "kind": "get_result", "id": 10}),
+                ErrorCode.BAD_REQUEST,
+                "job_id",
+            ),
+            (
+                encode_frame(
+                    {
+                        "kind": "welcome",
+                        "id": 11,
+                        "heartbeat_interval": 1.0,
+                        "heartbeat_timeout": 2.0,
+                        "server": "me",
+                    }
+                ),
+                ErrorCode.BAD_REQUEST,
+                "takes no 'welcome' from a client",
+            ),
+        ]:
+            await ws.send(payload)
+            reply = await asyncio.wait_for(channel.receive(), 10 * UNIT)
+            assert reply.kind == "error", reply
+            assert reply.error.code == code
+            assert text in reply.error.message
+        # Still the same, working connection.
+        await channel.send(Status(id=12))
+        status = await asyncio.wait_for(channel.receive(), 10 * UNIT)
+        assert status.kind == "result" and status.reply_to == 12
+
+    with cluster(tmp_path, {}) as c:
+        asyncio.run(main(c.url))
+        assert c.healthy()
+
+
+def test_a_hello_of_another_protocol_version_is_refused_naming_both(tmp_path):
+    async def main(url):
+        ws = await _raw_client(url)
+        try:
+            await exchange(ws)
+        finally:
+            await ws.close()
+
+    async def exchange(ws):
+        await ws.send(
+            encode_frame({"v": 99, "kind": "client_hello", "id": 1, "from_the": "future"})
+        )
+        channel = Channel(ws, "old client")
+        reply = await asyncio.wait_for(channel.receive(), 10 * UNIT)
+        assert reply.kind == "error"
+        assert reply.error.code == ErrorCode.VERSION_MISMATCH
+        assert "99" in reply.error.message and "1" in reply.error.message
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10 * UNIT)
+
+    with cluster(tmp_path, {}) as c:
+        asyncio.run(main(c.url))
+
+
+def test_a_restarted_coordinator_keeps_finished_results_and_workers_come_back(tmp_path):
+    x, y = _data()
+    graph = _quick_graph()
+    with cluster(tmp_path, {"w1": ("cpu",)}) as c:
+        with sz.connect(c.url) as client:
+            job = client.submit(graph, x, y)
+            before = job.result(timeout=60 * UNIT).states
+            running = client.submit(sz.Graph([Sleepy().named("sleepy")]), np.zeros((2, 2)))
+            wait_for(
+                lambda: running.status()["state"] == "running", 30 * UNIT, "the second job to run"
+            )
+        assert c.stop_coordinator(signal.SIGKILL) != 0  # no chance to clean up
+        c.start_coordinator()
+        with sz.connect(c.url) as client:
+            after = client.job(job.id).states(timeout=10 * UNIT)
+            for key, value in before["lin"].items():
+                assert torch.equal(after["lin"][key], value)
+            record = client.job(running.id).status()
+            assert record["state"] == "failed"
+            assert record["error"]["code"] == "coordinator_restarted"
+        c.wait_connected("w1")  # the agent reconnected by itself, under its id
+        with sz.connect(c.url) as client:
+            again = client.submit(graph, x, y).result(timeout=60 * UNIT)
+        torch.testing.assert_close(
+            again.states["lin"]["weight"], before["lin"]["weight"], rtol=0, atol=0
+        )

@@ -1,0 +1,518 @@
+"""The client SDK and the ``somatize`` CLI without a real coordinator.
+
+Strategies' validation, URL handling, argument parsing, job files, the "coordinator unreachable"
+path, and the client's protocol logic against a small fake coordinator (a
+:class:`~protocol.channel.Channel` on a loopback WebSocket that answers from a script).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import websockets
+
+import somatize as sz
+from protocol.channel import Channel, RemoteError, encode_small
+from protocol.codec import encode_frame
+from protocol.errors import ErrorCode, ErrorInfo
+from protocol.messages import (
+    CHUNK_BYTES,
+    Ack,
+    Chunk,
+    ClientHello,
+    Error,
+    JobEvent,
+    Result,
+    Welcome,
+)
+from somatize import cli
+from somatize.client import client_url
+from tests.conftest import timeout_unit
+
+UNIT = timeout_unit()
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+
+def test_local_spec_leaves_out_unset_options():
+    assert sz.Local().spec().model_dump() == {"name": "local", "options": {}}
+    assert sz.Local(worker="w1").spec().options == {"worker": "w1"}
+    assert sz.Local(tag="gpu").spec().options == {"tag": "gpu"}
+    assert isinstance(sz.Local(), sz.Strategy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"worker": ""}, "worker must be a non-empty string"),
+        ({"worker": 3}, "worker must be a non-empty string or None, not 3"),
+        ({"tag": "  "}, "tag must be a non-empty string"),
+        ({"worker": "w1", "tag": "gpu"}, "not both"),
+    ],
+)
+def test_local_refuses_bad_arguments(kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        sz.Local(**kwargs)
+
+
+def test_local_is_frozen():
+    strategy = sz.Local(worker="w1")
+    with pytest.raises(AttributeError):
+        strategy.worker = "w2"  # type: ignore[misc]
+
+
+# -- URLs and arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        ("ws://127.0.0.1:8765", "ws://127.0.0.1:8765/client"),
+        ("ws://127.0.0.1:8765/", "ws://127.0.0.1:8765/client"),
+        ("127.0.0.1:8765", "ws://127.0.0.1:8765/client"),
+        ("wss://example.org/somatize/client", "wss://example.org/somatize/client"),
+    ],
+)
+def test_client_url(given, url):
+    assert client_url(given) == url
+
+
+@pytest.mark.parametrize(
+    ("given", "text"),
+    [("http://h:1", "starts with ws:// or wss://"), ("", "non-empty"), ("ws://h:x", "bad port")],
+)
+def test_client_url_refuses(given, text):
+    with pytest.raises(ValueError, match=text):
+        client_url(given)
+
+
+def test_cli_arguments_and_their_environment_defaults(monkeypatch):
+    monkeypatch.delenv("SOMATIZE_COORDINATOR", raising=False)
+    monkeypatch.delenv("SOMATIZE_TOKEN", raising=False)
+    args = cli._parser().parse_args(["submit", "job.py"])
+    assert (args.file, args.no_wait, args.coordinator, args.token) == (
+        "job.py",
+        False,
+        "ws://127.0.0.1:8765",
+        None,
+    )
+
+    monkeypatch.setenv("SOMATIZE_COORDINATOR", "ws://elsewhere:1")
+    monkeypatch.setenv("SOMATIZE_TOKEN", "s3cret")
+    args = cli._parser().parse_args(["result", "j1", "--save", "out.pt"])
+    assert (args.job_id, args.save, args.wait) == ("j1", "out.pt", 0.0)
+    assert (args.coordinator, args.token) == ("ws://elsewhere:1", "s3cret")
+
+    args = cli._parser().parse_args(
+        ["submit", "--no-wait", "job.py", "--coordinator", "ws://h:2", "--token", "t"]
+    )
+    assert (args.no_wait, args.coordinator, args.token) == (True, "ws://h:2", "t")
+    assert cli._parser().parse_args(["jobs", "--limit", "3"]).limit == 3
+    assert cli._parser().parse_args(["status"]).command == "status"
+    assert cli._parser().parse_args(["demo"]).epochs == 20
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["jobs", "--limit", "0"], ["result"], ["submit"], ["nope"], ["status", "--timeout", "0"]],
+)
+def test_cli_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", [["status"], ["jobs"], ["result", "j1"]])
+def test_cli_coordinator_unreachable_is_one_line_and_exit_2(command, capsys):
+    url = f"ws://127.0.0.1:{_closed_port()}"
+    assert cli.main([*command, "--coordinator", url, "--timeout", str(5 * UNIT)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert f"cannot reach the coordinator at {url}/client" in lines[0]
+    assert "connection refused" in lines[0]
+    assert "Traceback" not in captured.err
+
+
+def test_connect_to_a_closed_port_raises_connection_failed():
+    port = _closed_port()
+    with pytest.raises(sz.ConnectionFailed, match="connection refused") as exc:
+        sz.connect(f"ws://127.0.0.1:{port}", timeout=5 * UNIT)
+    assert isinstance(exc.value, ConnectionError)
+
+
+def test_connect_checks_its_arguments():
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        sz.connect("ws://127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match="token must be a non-empty string"):
+        sz.connect("ws://127.0.0.1:1", token="")
+
+
+# -- job files ---------------------------------------------------------------------------------
+
+JOB_FILE = """
+import numpy as np
+import torch
+import somatize as sz
+
+class Double(sz.Filter):
+    def forward(self, x, state):
+        return x * 2
+
+x = np.ones((4, 2), dtype=np.float32)
+{extra}
+"""
+
+
+def _job_file(tmp_path: Path, extra: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(JOB_FILE.format(extra=extra))
+    return str(path)
+
+
+def test_submit_a_file_without_graph_is_a_clear_usage_error(tmp_path, capsys):
+    path = _job_file(tmp_path, "")
+    # The file is checked before connecting: no coordinator is needed for this error.
+    assert cli.main(["submit", path, "--coordinator", f"ws://127.0.0.1:{_closed_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} does not define graph:" in err
+    assert "a job file defines graph (a somatize.Graph) and x" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "text"),
+    [
+        ("graph = Double()", "graph must be a somatize.Graph"),
+        ("graph = sz.Graph([Double()])\ndel x", "does not define x"),
+        ("graph = sz.Graph([Double()])\nstrategy = 'local'", "strategy must be a somatize"),
+        ("raise RuntimeError('broken job file')", "raised RuntimeError while loading"),
+    ],
+)
+def test_job_file_errors(tmp_path, extra, text):
+    with pytest.raises(cli.UsageError, match=text):
+        cli.load_job_file(_job_file(tmp_path, extra))
+
+
+def test_job_file_defaults(tmp_path):
+    graph, x, y, strategy = cli.load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])"))
+    assert graph.node_ids == ["double"]
+    assert x.shape == (4, 2) and y is None
+    assert strategy == sz.Local()
+    with pytest.raises(cli.UsageError, match="no such file"):
+        cli.load_job_file(str(tmp_path / "missing.py"))
+
+
+def test_state_and_progress_descriptions():
+    state = {"w": torch.zeros(2, 3), "b": np.zeros(3, dtype=np.float32), "n": 3, "l": [None]}
+    assert list(cli.describe_state(state)) == [
+        ("w", "(2, 3)", "torch.float32"),
+        ("b", "(3,)", "float32"),
+        ("n", "", "int 3"),
+        ("l[0]", "", "NoneType None"),
+    ]
+    text = cli.progress_text({"phase": "train", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5})
+    assert text == "train epoch 2/5 step 7 loss 0.5"
+    text = cli.progress_text({"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2})
+    assert text == "trained 3 epochs nodes 2"
+    record = {"created": 10.0, "started": 12.0, "finished": 15.5}
+    assert cli.duration_text(record, now=100.0) == "3.5 s"
+    assert (
+        cli.duration_text({"created": 10.0, "started": None, "finished": None}, 20)
+        == "waiting 10 s"
+    )
+
+
+# -- the client against a fake coordinator -----------------------------------------------------
+
+Script = Callable[[Channel, Any], Any]
+
+
+class FakeCoordinator:
+    """A loopback WebSocket server in a thread of its own; ``script(channel, message)`` answers
+    each client request (return a reply, raise :class:`RemoteError`, or stream with
+    ``channel.reply``)."""
+
+    def __init__(self, script: Script, hello: Callable[[Any], Any] | None = None) -> None:
+        self.script = script
+        self.hello = hello or (
+            lambda m: Welcome(heartbeat_interval=1, heartbeat_timeout=5, server="fake")
+        )
+        self.headers: list[Any] = []
+        self.requests: list[Any] = []
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10 * UNIT)
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+
+        def record(connection, request):
+            self.headers.append(request.headers)
+
+        async with websockets.serve(
+            self._serve,
+            "127.0.0.1",
+            0,
+            compression=None,
+            max_size=4 * CHUNK_BYTES,
+            process_request=record,
+        ) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+            await self._stop.wait()
+
+    async def _serve(self, ws) -> None:
+        channel = Channel(ws, "fake client link")
+        hello = await channel.receive(first=True)
+        assert isinstance(hello, ClientHello)
+        reply = self.hello(hello)
+        if reply is None:
+            await ws.close()
+            return
+        await channel.reply(hello, reply)
+
+        async def handle(message):
+            self.requests.append(message)
+            result = self.script(channel, message)
+            return await result if asyncio.iscoroutine(result) else result
+
+        channel.handler = handle
+        await channel.run()
+
+    def close(self) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10 * UNIT)
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[..., FakeCoordinator]]:
+    made: list[FakeCoordinator] = []
+
+    def make(script: Script, hello: Callable[[Any], Any] | None = None) -> FakeCoordinator:
+        made.append(FakeCoordinator(script, hello))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def _graph() -> sz.Graph:
+    torch.manual_seed(0)
+    return sz.Graph([sz.TorchFilter(torch.nn.Linear(2, 1), epochs=1).named("lin")])
+
+
+STATES = {"lin": {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}}
+
+
+def _job_script(end: str, end_data: dict[str, Any]) -> Script:
+    async def script(channel: Channel, message: Any) -> Any:
+        if message.kind == "submit":
+            return Result(result={"job_id": "j1"})
+        if message.kind == "watch":
+            events = [
+                ("queued", {}),
+                ("placed", {"workers": ["w1"]}),
+                ("progress", {"epoch": 1, "epochs": 1, "loss": 0.25}),
+                (end, end_data),
+            ]
+            for seq, (event, data) in enumerate(events, 1):
+                if seq > message.after_seq:
+                    await channel.reply(
+                        message, JobEvent(job_id="j1", seq=seq, time=seq, event=event, data=data)
+                    )
+            return Ack()
+        if message.kind == "get_result":
+            if end != "succeeded":
+                raise RemoteError(ErrorInfo(code=end_data["code"], message="job j1 ended"))
+            return Result(result={"job_id": "j1", "states": STATES, "record": {}})
+        if message.kind == "cancel":
+            return Ack()
+        raise RemoteError(ErrorInfo(code=ErrorCode.BAD_REQUEST, message=message.kind))
+
+    return script
+
+
+def test_submit_events_and_result(fake):
+    server = fake(_job_script("succeeded", {}))
+    graph = _graph()
+    x, y = np.ones((4, 2), dtype=np.float32), np.zeros(4, dtype=np.float32)
+    with sz.connect(server.url, token="s3cret", timeout=10 * UNIT) as client:
+        assert client.server == "fake"
+        job = client.submit(graph, x, y, strategy=sz.Local(tag="cpu"))
+        assert job.id == "j1"
+        events = list(job.events(timeout=10 * UNIT))
+        assert [e.event for e in events] == ["queued", "placed", "progress", "succeeded"]
+        assert [e.seq for e in events] == [1, 2, 3, 4] and events[-1].terminal
+        assert [e.event for e in job.events(after_seq=2)] == ["progress", "succeeded"]
+        fitted = job.result(timeout=10 * UNIT)
+        assert isinstance(fitted, sz.FittedGraph) and fitted.graph is graph
+        torch.testing.assert_close(fitted.states["lin"]["weight"], torch.ones(1, 2))
+        assert set(job.states(timeout=0)) == {"lin"}
+
+        by_id = client.job("j1")
+        with pytest.raises(sz.GraphError, match=r"use job.states\(\)"):
+            by_id.result()
+        assert isinstance(by_id.result(graph=graph), sz.FittedGraph)
+
+    submit = server.requests[0]
+    assert submit.graph.node_ids == ["lin"] and set(submit.graph.filters) == {"lin"}
+    assert submit.strategy.model_dump() == {"name": "local", "options": {"tag": "cpu"}}
+    np.testing.assert_array_equal(submit.x, x)
+    assert server.headers[0]["Authorization"] == "Bearer s3cret"
+
+
+def test_a_failed_job_raises_job_failed_with_the_traceback(fake):
+    detail = {"traceback": "Traceback (most recent call last):\n  ValueError: boom"}
+    server = fake(
+        _job_script("failed", {"code": "filter_error", "message": "boom", "detail": detail})
+    )
+    with sz.connect(server.url, timeout=10 * UNIT) as client:
+        job = client.submit(_graph(), np.ones((4, 2), dtype=np.float32))
+        for timeout in (10 * UNIT, 0):
+            with pytest.raises(sz.JobFailed) as exc:
+                job.result(timeout=timeout)
+            assert (exc.value.job_id, exc.value.code, exc.value.message) == (
+                "j1",
+                "filter_error",
+                "boom",
+            )
+            assert "ValueError: boom" in exc.value.traceback
+            assert str(exc.value) == "job j1 failed: [filter_error] boom"
+
+
+def test_a_cancelled_job_raises_job_failed_cancelled(fake):
+    data = {"code": "cancelled", "message": "cancelled by the client", "detail": {}}
+    server = fake(_job_script("cancelled", data))
+    with sz.connect(server.url, timeout=10 * UNIT) as client:
+        job = client.job("j1")
+        job.cancel()
+        with pytest.raises(sz.JobFailed, match="job j1 was cancelled") as exc:
+            job.states()
+        assert exc.value.code == "cancelled"
+
+
+def test_a_refused_hello_names_the_reason(fake):
+    def refuse(hello):
+        return Error(error=ErrorInfo(code=ErrorCode.UNAUTHORIZED, message="wrong token"))
+
+    server = fake(lambda channel, message: None, hello=refuse)
+    with pytest.raises(sz.ConnectionFailed, match=r"refused the connection: \[unauthorized\]"):
+        sz.connect(server.url, timeout=10 * UNIT)
+
+
+def test_a_version_mismatch_names_both_versions(fake):
+    server = fake(
+        lambda channel, message: None,
+        hello=lambda m: Welcome(v=99, heartbeat_interval=1, heartbeat_timeout=5, server="future"),
+    )
+    with pytest.raises(sz.ConnectionFailed, match="peer speaks 99, this side speaks 1"):
+        sz.connect(server.url, timeout=10 * UNIT)
+
+
+def test_a_request_without_an_answer_times_out_clearly(fake):
+    async def never(channel, message):
+        await asyncio.sleep(3600)
+
+    server = fake(never)
+    with (
+        sz.connect(server.url, timeout=0.5 * UNIT) as client,
+        pytest.raises(TimeoutError, match="did not answer 'status' within"),
+    ):
+        client.status()
+
+
+def test_a_dead_connection_raises_instead_of_hanging(fake):
+    async def hang_up(channel, message):
+        if message.kind == "watch":
+            await channel.reply(
+                message, JobEvent(job_id="j1", seq=1, time=1.0, event="queued", data={})
+            )
+        await channel.close(1011, "gone")
+
+    server = fake(hang_up)
+    with sz.connect(server.url, timeout=10 * UNIT) as client:
+        events = client.job("j1").events()
+        assert next(events).event == "queued"
+        with pytest.raises(sz.ConnectionFailed, match="lost the connection"):
+            next(events)
+        with pytest.raises(sz.ConnectionFailed):
+            client.jobs()
+
+
+def test_an_unknown_job_is_a_client_error(fake):
+    def script(channel, message):
+        raise RemoteError(ErrorInfo(code=ErrorCode.UNKNOWN_JOB, message="no job 'nope'"))
+
+    server = fake(script)
+    with sz.connect(server.url, timeout=10 * UNIT) as client:
+        with pytest.raises(sz.ClientError, match="no job 'nope'") as exc:
+            client.job("nope").states(timeout=0)
+        assert exc.value.code == "unknown_job"
+        with pytest.raises(sz.ClientError, match="no job"):
+            list(client.job("nope").events())
+
+
+def test_submit_takes_a_graph_and_a_strategy(fake):
+    server = fake(lambda channel, message: None)
+    with sz.connect(server.url, timeout=10 * UNIT) as client:
+        with pytest.raises(TypeError, match=r"submit takes a somatize\.Graph"):
+            client.submit(sz.Filter(), np.ones(2))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="strategy must be a somatize strategy"):
+            client.submit(_graph(), np.ones(2), strategy="local")  # type: ignore[arg-type]
+    with pytest.raises(sz.ClientError, match="closed"):
+        client.status()
+
+
+def test_a_large_reply_arriving_slowly_is_waited_for_but_a_stall_times_out(fake):
+    big = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)  # 3 MiB: four chunks
+
+    async def slow(channel, message):
+        reply = Result(id=channel.next_id(), reply_to=message.id, result={"states": {"b": big}})
+        frame = encode_frame(reply.model_dump())
+        pieces = range(0, len(frame), CHUNK_BYTES)
+        if message.kind == "status":  # stall after the first chunk
+            pieces = pieces[:1]
+        for offset in pieces:
+            chunk = Chunk(
+                stream=message.id,
+                offset=offset,
+                total=len(frame),
+                data=frame[offset : offset + CHUNK_BYTES],
+            )
+            await channel.transport.send(encode_small(chunk))
+            await asyncio.sleep(0.3 * UNIT)  # each chunk inside the client's 0.5-unit timeout
+        await asyncio.sleep(3600)
+
+    server = fake(slow)
+    with sz.connect(server.url, timeout=0.5 * UNIT) as client:
+        started = time.monotonic()
+        states = client.job("j1").states(timeout=0)
+        assert time.monotonic() - started > 0.5 * UNIT  # longer than one timeout, yet waited
+        torch.testing.assert_close(states["b"], big)
+        with pytest.raises(TimeoutError, match="did not answer 'status'"):
+            client.status()
