@@ -221,6 +221,9 @@ class JobManager:
         info = ErrorInfo(code=ErrorCode.CANCELLED, message="cancelled by the client")
         await self._stop(job, info)
 
+    async def record(self, job_id: str) -> dict[str, Any]:
+        return record_dict(await self._record(job_id))
+
     async def records(self, limit: int = 50) -> list[dict[str, Any]]:
         records = await asyncio.to_thread(self.store.list, None, limit)
         return [record_dict(r) for r in records]

@@ -112,6 +112,7 @@ class Coordinator:
             "watch": self.on_watch,
             "get_result": self.on_get_result,
             "cancel": self.on_cancel,
+            "get_job": self.on_get_job,
             "list_jobs": self.on_list_jobs,
             "status": self.on_status,
             "ping": self.on_ping,
@@ -345,6 +346,10 @@ class Coordinator:
         assert self.jobs is not None
         await self.jobs.cancel(message.job_id)
         return Ack()
+
+    async def on_get_job(self, channel: Channel, message: Any) -> Any:
+        assert self.jobs is not None
+        return Result(result={"record": await self.jobs.record(message.job_id)})
 
     async def on_list_jobs(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None

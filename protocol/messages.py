@@ -16,8 +16,9 @@ Conversation shapes:
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
-  states), :class:`Cancel` (→ :class:`Ack`), :class:`ListJobs` and :class:`Status`
-  (→ :class:`Result`).
+  states), :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
+  (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
+  one).
 * a message too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
   :class:`Chunk` messages (see :mod:`protocol.channel`); other messages, heartbeats included,
   may go in between.
@@ -230,6 +231,13 @@ class Cancel(_Message):
     job_id: str
 
 
+class GetJob(_Message):
+    """One job's record."""
+
+    kind: Literal["get_job"] = "get_job"
+    job_id: str
+
+
 class ListJobs(_Message):
     """The newest jobs, as records."""
 
@@ -285,6 +293,7 @@ Message = Annotated[
     | JobEvent
     | GetResult
     | Cancel
+    | GetJob
     | ListJobs
     | Status
     | Ping

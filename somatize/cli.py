@@ -63,8 +63,15 @@ def _parser() -> argparse.ArgumentParser:
         prog="somatize", description="Train graphs of filters, in-process or across machines."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = sub.add_parser("demo", help="train scikit-learn's digits and print held-out accuracy")
+    demo = sub.add_parser(
+        "demo",
+        help="train scikit-learn's digits in-process and on an embedded local cluster",
+    )
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+    demo.add_argument("--workers", type=int, default=2, help="local workers (default 2)")
+    demo.add_argument(
+        "--in-process", action="store_true", help="only train in this process (no cluster)"
+    )
 
     remote = argparse.ArgumentParser(add_help=False)
     group = remote.add_argument_group("coordinator")
@@ -142,9 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``somatize`` command line; returns the exit code."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from somatize.demo import run_local
+        from somatize.demo import run, run_local
 
-        run_local(epochs=args.epochs)
+        try:
+            if args.in_process:
+                run_local(epochs=args.epochs)
+            else:
+                run(workers=args.workers, epochs=args.epochs)
+        except KeyboardInterrupt:
+            print("somatize demo: interrupted; every process it started was stopped")
+            return EXIT_INTERRUPTED
         return EXIT_OK
 
     from rich.console import Console
@@ -228,7 +242,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             return EXIT_OK
         started = time.monotonic()
         try:
-            end = _follow(job, err)
+            end = follow(job, err)
         except KeyboardInterrupt:
             err.print(
                 f"stopped following job {job.id}; it goes on (somatize result {job.id})",
@@ -254,7 +268,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
         return EXIT_OK
 
 
-def _follow(job: Job, err: Console) -> Any:
+def follow(job: Job, err: Console) -> Any:
     """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import math
 import threading
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -46,10 +47,12 @@ from protocol.messages import (
     Cancel,
     ClientHello,
     Error,
+    GetJob,
     GetResult,
     GraphSpec,
     JobEvent,
     ListJobs,
+    Ping,
     Result,
     Shutdown,
     Status,
@@ -460,6 +463,13 @@ class Client:
             raise ClientError(f"the coordinator answered status with {reply!r}")
         return dict(reply.result)
 
+    def ping(self, worker_id: str | None = None) -> float:
+        """Seconds of one no-op round trip: to the coordinator, or with ``worker_id`` on through
+        that worker's agent to its filter daemon and back."""
+        started = time.perf_counter()
+        self._call(Ping(worker_id=worker_id))
+        return time.perf_counter() - started
+
     # -- what Job uses -----------------------------------------------------------------------
 
     async def _watch(self, job_id: str, after_seq: int) -> AsyncGenerator[JobEventInfo, None]:
@@ -674,22 +684,9 @@ class Job:
 
     def status(self) -> dict[str, Any]:
         """The job's record: ``id``, ``state``, ``strategy``, times, ``workers``, ``progress``,
-        ``error``, ``summary``.
-
-        Raises:
-            ClientError: the job is not among the coordinator's newest jobs.
-        """
-        for record in self._client.jobs(limit=_STATUS_SCAN):
-            if isinstance(record, dict) and record.get("id") == self.id:
-                return record
-        raise ClientError(
-            f"job {self.id} is not among the coordinator's newest {_STATUS_SCAN} jobs",
-            code=str(ErrorCode.UNKNOWN_JOB),
-        )
-
-
-_STATUS_SCAN = 1000
-"""How many of the newest job records :meth:`Job.status` looks through."""
+        ``error``, ``summary``."""
+        record = _result_field(self._client._call(GetJob(job_id=self.id)), "record", "get_job")
+        return dict(record)
 
 
 async def _bounded(coro: Coroutine[Any, Any, T], timeout: float | None) -> T:  # noqa: ASYNC109

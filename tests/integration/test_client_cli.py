@@ -289,3 +289,14 @@ def test_cli_result_of_an_unknown_job_exits_2(live):
     result = _somatize(live, "result", "no-such-job", seconds=30)
     assert result.returncode == 2
     assert "unknown_job" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ping_goes_through_the_coordinator_and_a_workers_daemon(client):
+    assert client.ping() > 0
+    assert client.ping("w1") > 0  # client → coordinator → agent → its spare daemon → back
+    with pytest.raises(sz.ClientError, match="no connected worker 'nobody'"):
+        client.ping("nobody")
+    job = client.submit(_mlp_graph(), *_data())
+    job.wait(timeout=60 * UNIT)
+    record = job.status()
+    assert record["id"] == job.id and record["state"] == "succeeded"

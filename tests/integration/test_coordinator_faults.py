@@ -191,3 +191,39 @@ def test_a_restarted_coordinator_keeps_finished_results_and_workers_come_back(tm
         torch.testing.assert_close(
             again.states["lin"]["weight"], before["lin"]["weight"], rtol=0, atol=0
         )
+
+
+def test_sigterm_drains_the_coordinator_failing_the_running_job_with_the_reason(tmp_path):
+    with cluster(tmp_path, {"w1": ()}) as c:
+        with sz.connect(c.url) as client:
+            job = client.submit(sz.Graph([Sleepy().named("sleepy")]), np.zeros((2, 2)))
+            wait_for(lambda: job.status()["state"] == "running", 30 * UNIT, "the job to run")
+        started = time.monotonic()
+        assert c.stop_coordinator(signal.SIGTERM) == 0
+        assert time.monotonic() - started < 20 * UNIT  # the grace (2 s) plus closing, not forever
+        c.start_coordinator()
+        with sz.connect(c.url) as client:
+            record = client.job(job.id).status()
+        assert record["state"] == "failed"
+        assert record["error"]["code"] == "shutting_down"
+        assert "shut down" in record["error"]["message"]
+
+
+def test_a_large_input_travels_in_chunks_while_heartbeats_keep_the_worker_alive(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1 << 20, 16)).astype(np.float32)  # 64 MiB: 64 chunks each way
+    y = x[:, :1] * 2.0
+    graph = sz.Graph(
+        [sz.TorchFilter(torch.nn.Linear(16, 1), lr=0.01, batch_size=None, epochs=1).named("lin")]
+    )
+    with (
+        cluster(tmp_path, {"w1": ()}, heartbeat_interval=0.2, heartbeat_timeout=1.5) as c,
+        sz.connect(c.url) as client,
+    ):
+        fitted = client.submit(graph, x, y).result(timeout=120 * UNIT)
+        expected = graph.fit(x, y)
+        torch.testing.assert_close(
+            fitted.states["lin"]["weight"], expected.states["lin"]["weight"], rtol=0, atol=1e-6
+        )
+        workers = {w["id"]: w for w in client.status()["workers"]}
+        assert workers["w1"]["state"] == "idle"  # never declared lost while 64 MiB moved

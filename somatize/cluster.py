@@ -1,0 +1,198 @@
+"""A coordinator and workers on this machine, as real processes: the embedded default.
+
+``somatize demo`` runs on one, and so do the integration tests: ``somatize-coordinator`` and
+``somatize-worker`` are started exactly as a person would start them on separate machines, on
+loopback, each in a session of its own so that stopping one also stops its filter daemons. Every
+process is stopped when the cluster closes, whatever happened (``with LocalCluster(...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from somatize.client import connect
+from somatize.errors import SomatizeError
+
+T = TypeVar("T")
+
+BIN = Path(sys.executable).parent
+"""Where the console scripts of this environment are."""
+
+
+class ClusterError(SomatizeError):
+    """A process of the local cluster did not start (its log is named in the message)."""
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now, on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], T | None], seconds: float, what: str) -> T:
+    """Poll ``condition`` until it returns something truthy, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {seconds:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LocalCluster:
+    """One coordinator and its workers as subprocesses on 127.0.0.1.
+
+    Args:
+        state_dir: the coordinator's ``--state-dir`` (default: a temporary directory).
+        port: the coordinator's port (default: a free one).
+        heartbeat_interval, heartbeat_timeout: the coordinator's heartbeat contract.
+        job_threads: torch threads of each job daemon.
+        logs: where each process's output goes (default: ``<state_dir>/../logs``).
+        startup: seconds a process may take to come up.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path | None = None,
+        *,
+        port: int | None = None,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 3.0,
+        job_threads: int = 1,
+        logs: Path | None = None,
+        startup: float = 60.0,
+    ) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
+        base = Path(self._tmp.name) if self._tmp is not None else None
+        self.state_dir = state_dir if state_dir is not None else Path(str(base)) / "state"
+        self.port = port if port is not None else free_port()
+        self.url = f"ws://127.0.0.1:{self.port}"
+        self.heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self.job_threads = job_threads
+        self.logs = logs if logs is not None else self.state_dir.parent / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.startup = startup
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        # The child keeps its own copy of the log's descriptor: the parent's closes right away.
+        with open(self.logs / f"{name}.log", "ab") as log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def start_coordinator(self) -> None:
+        """Start the coordinator and wait until ``/healthz`` answers."""
+        interval, timeout = self.heartbeat
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                str(BIN / "somatize-coordinator"),
+                *("--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir)),
+                *("--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout)),
+                *("--job-threads", str(self.job_threads), "--grace", "2"),
+            ],
+        )
+        self._wait(self.coordinator, "coordinator", self.healthy)
+
+    def start_worker(self, worker_id: str, *tags: str, threads: int | None = None) -> None:
+        """Start a worker agent and wait until the coordinator lists it idle."""
+        argv = [str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
+        argv += ["--threads", str(threads or self.job_threads)]
+        for tag in tags:
+            argv += ["--tag", tag]
+        proc = self._spawn(f"worker-{worker_id}", argv)
+        self.workers[worker_id] = proc
+        self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) == "idle")
+
+    def _wait(self, proc: subprocess.Popen[bytes], name: str, ready: Callable[[], bool]) -> None:
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise ClusterError(
+                    f"{name} exited with status {proc.returncode}; see {self.logs / name}.log"
+                )
+            return ready()
+
+        wait_for(up, self.startup, f"{name} to start (its log: {self.logs / name}.log)")
+
+    def healthy(self) -> bool:
+        """``GET /healthz`` answers 200."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def worker_state(self, worker_id: str) -> str | None:
+        """The coordinator's view of a worker (``idle``, ``busy``, ``lost``...), if it knows it."""
+        return (self.worker(worker_id) or {}).get("state")
+
+    def worker(self, worker_id: str) -> dict[str, Any] | None:
+        """The coordinator's record of a worker, if it knows it."""
+        with connect(self.url, timeout=10) as client:
+            for worker in client.status()["workers"]:
+                if worker["id"] == worker_id:
+                    return dict(worker)
+        return None
+
+    def send_signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        """Signal a process and everything in its session (an agent's daemons too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    def stop_coordinator(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stop the coordinator with ``sig``; its exit status."""
+        assert self.coordinator is not None
+        self.send_signal(self.coordinator, sig)
+        code = self.coordinator.wait(timeout=timeout)
+        self.coordinator = None
+        return code
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every process: SIGTERM, then SIGKILL what is still there after ``timeout``."""
+        procs = [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]
+        for proc in procs:
+            self.send_signal(proc, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.send_signal(proc, signal.SIGKILL)
+                proc.wait(timeout=timeout)
+        self.workers.clear()
+        self.coordinator = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
