@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITE = ("codec", "daemon")
+SUITE = ("codec", "daemon", "roundtrip", "fleet")
 
 
 def main(argv: list[str] | None = None) -> int:

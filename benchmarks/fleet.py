@@ -8,15 +8,18 @@ first one at a random point of the first interval) and reads and ignores anythin
 opened 50 at a time, so the handshake storm stays bounded. Measured:
 
 - *register*: wall time from the first dial to the N-th ``Welcome``;
-- *memory*: the coordinator's RSS (``VmRSS``) with only the benchmark's SDK client connected,
-  and with the N agents connected and idle for ~10 s, heartbeating → bytes per connection;
-  plus the coordinator's CPU share over those 10 s (the cost of N heartbeats);
-- *status*: ``client.status()`` lists N workers ``idle``, none ``lost`` (asserted), and the
-  oldest ``last_heartbeat_age``;
-- *ping*: the SDK's ``client.ping()`` (client → coordinator) one every 5 ms during the 10 s hold,
-  p50/p99, next to the same series against the idle coordinator before the agents came. The SDK
-  client runs in a thread of this process, beside the agents' loop: the loaded figure includes
-  that contention (on 2 cores).
+- *memory*: the coordinator's RSS (``VmRSS``) with only the benchmark's two client connections
+  open, and after the N agents have been connected and idle for ~10 s, heartbeating → bytes per
+  connection; plus the coordinator's CPU share over those 10 s (the cost of N heartbeats);
+- *ping*: then, for 5 s while the agents go on heartbeating, ``Ping()`` round trips (client →
+  coordinator) over a client ``Channel`` on the agents' own event loop, in bursts of 100 back to
+  back every 0.25 s, p50/p99; next to the same bursts for 2 s against the coordinator before the
+  agents came. (Bursts, not pings spread evenly: on this machine a request that wakes three idle
+  processes costs ~3x a back-to-back one, which would swamp the figure.) The loaded figure
+  includes this process sending the heartbeats of N agents on the same loop;
+- *status*: ``client.status()`` (the SDK, in a thread) lists N workers ``idle`` right after
+  registering and again at the end, none ``lost``, and no agent's connection was closed
+  (asserted); plus the oldest ``last_heartbeat_age`` at the end.
 
 The anchor for the memory is a bare ``websockets`` server on uvloop
 (:data:`benchmarks.roundtrip.BARE_SERVER` in ``hold`` mode: it reads and drops messages) holding N
@@ -41,8 +44,17 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.protocol import State
 
 import somatize as sz
-from benchmarks.roundtrip import MAX_SIZE, Processes, cpu_seconds, free_port, rss_bytes, summary
-from protocol.channel import encode_small, parse
+from benchmarks.roundtrip import (
+    MAX_SIZE,
+    Processes,
+    client_channel,
+    cpu_seconds,
+    free_port,
+    ping,
+    rss_bytes,
+    summary,
+)
+from protocol.channel import Channel, encode_small, parse
 from protocol.messages import Capabilities, Heartbeat, Welcome, WorkerHello
 
 AGENTS = 1_000
@@ -50,8 +62,10 @@ BATCH = 50
 HEARTBEAT_INTERVAL = 2.0
 HEARTBEAT_TIMEOUT = 10.0
 HOLD_SECONDS = 10.0
-PING_EVERY = 0.005
+PING_BURST = 100
+PING_EVERY = 0.25
 IDLE_PING_SECONDS = 2.0
+LOADED_PING_SECONDS = 5.0
 CAPABILITIES = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3.11", cloudpickle="3")
 
 
@@ -107,7 +121,7 @@ class Fleet:
             await ws.send(_hello(i))
             if self.welcome:
                 async with asyncio.timeout(30):
-                    reply = parse(await ws.recv())
+                    reply = parse(await ws.recv(decode=False))
                 if not isinstance(reply, Welcome) or reply.worker_id != f"sim-{i}":
                     raise RuntimeError(
                         f"sim-{i}: the coordinator answered the hello with {reply!r}"
@@ -152,13 +166,16 @@ class Fleet:
         await asyncio.gather(*(close_one(ws) for ws in self.connections), return_exceptions=True)
 
 
-def _paced_pings(client: sz.Client, seconds: float, every: float) -> list[float]:
-    """``client.ping()`` every ``every`` seconds for ``seconds``: the round trips."""
+async def _ping_bursts(channel: Channel, seconds: float) -> list[float]:
+    """Round trips of ``Ping()``: :data:`PING_BURST` back to back every :data:`PING_EVERY` s."""
     times = []
     deadline = time.perf_counter() + seconds
-    while (now := time.perf_counter()) < deadline:
-        times.append(client.ping())
-        time.sleep(max(0.0, now + every - time.perf_counter()))
+    while (burst_start := time.perf_counter()) < deadline:
+        for _ in range(PING_BURST):
+            start = time.perf_counter()
+            await ping(channel)
+            times.append(time.perf_counter() - start)
+        await asyncio.sleep(max(0.0, burst_start + PING_EVERY - time.perf_counter()))
     return times
 
 
@@ -179,7 +196,14 @@ def _check(census: dict[str, Any], n: int, when: str) -> None:
 async def _coordinator_side(
     client: sz.Client, url: str, pid: int, n: int, batch: int, hold: float
 ) -> dict[str, Any]:
-    idle_pings = await asyncio.to_thread(_paced_pings, client, IDLE_PING_SECONDS, PING_EVERY)
+    async with client_channel(url) as channel:
+        return await _measure_coordinator(client, channel, url, pid, n, batch, hold)
+
+
+async def _measure_coordinator(
+    client: sz.Client, channel: Channel, url: str, pid: int, n: int, batch: int, hold: float
+) -> dict[str, Any]:
+    idle_pings = await _ping_bursts(channel, IDLE_PING_SECONDS)
     await asyncio.sleep(1.0)
     rss_before = rss_bytes(pid)
     fleet = Fleet(f"{url}/worker", welcome=True)
@@ -188,9 +212,10 @@ async def _coordinator_side(
         registered = await asyncio.to_thread(_census, client)
         _check(registered, n, "right after registering")
         cpu_start, wall_start = cpu_seconds(pid), time.perf_counter()
-        loaded_pings = await asyncio.to_thread(_paced_pings, client, hold, PING_EVERY)
+        await asyncio.sleep(hold)
         cpu_share = (cpu_seconds(pid) - cpu_start) / (time.perf_counter() - wall_start)
         rss_loaded = rss_bytes(pid)
+        loaded_pings = await _ping_bursts(channel, LOADED_PING_SECONDS)
         held = await asyncio.to_thread(_census, client)
         dropped = fleet.dropped()
         _check(held, n, f"after {hold:.0f} s of heartbeats")
@@ -316,7 +341,7 @@ def main() -> None:
     ):
         p = ours[key]
         print(
-            f"  SDK ping, {label:24} x{p['count']:<5} p50 {p['p50_us']:7.1f} µs   "
+            f"  Ping(), {label:26} x{p['count']:<5} p50 {p['p50_us']:7.1f} µs   "
             f"p99 {p['p99_us']:7.1f} µs   mean {p['mean_us']:7.1f} µs"
         )
     for line in results["log_problems"]:

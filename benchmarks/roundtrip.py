@@ -1,8 +1,9 @@
 """The round trip of a no-op request through a real cluster, next to bare ``websockets`` anchors.
 
 ``python -m benchmarks.roundtrip`` starts a real ``somatize-coordinator`` and one real
-``somatize-worker`` (``--id bench --threads 1``) as subprocesses on 127.0.0.1 and times, 5,000
-times each after a warm-up of 200:
+``somatize-worker`` (``--id bench --threads 1``) as subprocesses on 127.0.0.1 and times 5,000
+round trips of each path below, ours and the anchors', in 5 interleaved rounds of 1,000 (each
+after a warm-up of 200), so that a slow spell of the machine hits every path alike:
 
 - *a. through every hop*: ``Ping(worker_id="bench")``: client → coordinator → worker agent → its
   filter daemon (pipes) → and back;
@@ -13,8 +14,9 @@ user sees, including the hand-off to and from the SDK's event-loop thread), and 
 program on uvloop driving a :class:`protocol.channel.Channel` over its own ``websockets``
 connection (``await channel.request(Ping(...))``).
 
-The anchors run in the same process, at the same time, with the same client loop, on bare
-``websockets`` (uvloop) processes: no codec, no pydantic, no daemon pipes. *echo* is one
+The anchors are timed in the same run, interleaved with ours, by the same kind of client (uvloop,
+``websockets``), against bare ``websockets`` processes on uvloop: no codec, no pydantic, no daemon
+pipes. *echo* is one
 WebSocket hop to a server that sends each 64-byte binary message back (anchor of b); *chain* is
 client → relay → relay → echo, each relay a process forwarding bytes both ways: 3 WebSocket hops
 through 4 processes, like client → coordinator → agent → daemon (whose last hop is a pipe in
@@ -41,7 +43,8 @@ import tempfile
 import time
 import types
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from protocol.messages import ClientHello, Ping, Result, Welcome
 
 ROUND_TRIPS = 5_000
 WARMUP = 200
+ROUNDS = 5
 WORKER_ID = "bench"
 ANCHOR_BYTES = 64
 REQUEST_TIMEOUT = 60.0  # the first probe waits for the worker's spare daemon to import torch
@@ -155,7 +159,7 @@ def summary(times: list[float]) -> dict[str, float]:
 class Processes:
     """Subprocesses in sessions of their own, each logging to a file; all killed on exit.
 
-    On an exception (Ctrl-C included) the tail of every log is printed to stderr first.
+    On an exception (but Ctrl-C) the tail of every log is printed to stderr first.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -172,7 +176,7 @@ class Processes:
         exc: BaseException | None,
         tb: types.TracebackType | None,
     ) -> None:
-        if exc is not None:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
             for name in self.procs:
                 print(f"--- tail of {name}'s log ---\n{self.tail(name)}", file=sys.stderr)
         self.close()
@@ -280,8 +284,9 @@ async def _timed(call: Callable[[], Awaitable[Any]], n: int, warmup: int) -> lis
     return times
 
 
-async def _wire_times(url: str, n: int, warmup: int) -> dict[str, list[float]]:
-    """Both pings over one ``Channel`` of our own: ``{"worker": ..., "coordinator": ...}``."""
+@contextlib.asynccontextmanager
+async def client_channel(url: str) -> AsyncIterator[Channel]:
+    """A client :class:`Channel` to the coordinator at ``url``, past the hello, running."""
     async with connect(f"{url}/client", compression=None, max_size=MAX_SIZE) as ws:
         channel = Channel(ws, "benchmark")
         await channel.send(ClientHello(name="benchmark"))
@@ -290,19 +295,32 @@ async def _wire_times(url: str, n: int, warmup: int) -> dict[str, list[float]]:
             raise RuntimeError(f"the coordinator answered the hello with {welcome!r}")
         reader = asyncio.ensure_future(channel.run())
         try:
-            results: dict[str, list[float]] = {}
-            for key, ping in (("worker", Ping(worker_id=WORKER_ID)), ("coordinator", Ping())):
-
-                async def request(ping: Ping = ping) -> None:
-                    reply = await channel.request(ping, REQUEST_TIMEOUT)
-                    if not isinstance(reply, Result):
-                        raise RuntimeError(f"ping answered with {reply!r}")
-
-                results[key] = await _timed(request, n, warmup)
-            return results
+            yield channel
         finally:
             await channel.close()
             await reader
+
+
+async def ping(channel: Channel, worker_id: str | None = None) -> None:
+    """One ``Ping`` request over ``channel``, answered by a ``Result``."""
+    reply = await channel.request(Ping(worker_id=worker_id), REQUEST_TIMEOUT)
+    if not isinstance(reply, Result):
+        raise RuntimeError(f"ping answered with {reply!r}")
+
+
+async def _async_round(
+    url: str, echo_url: str, chain_url: str, n: int, warmup: int
+) -> dict[str, list[float]]:
+    """One round of the asyncio paths: both pings over a ``Channel`` of our own, both anchors."""
+    async with client_channel(url) as channel:
+        wire_worker = await _timed(lambda: ping(channel, WORKER_ID), n, warmup)
+        wire_coordinator = await _timed(lambda: ping(channel), n, warmup)
+    return {
+        "wire_worker": wire_worker,
+        "wire_coordinator": wire_coordinator,
+        "echo_1hop": await _echo_times(echo_url, n, warmup),
+        "chain_3hop": await _echo_times(chain_url, n, warmup),
+    }
 
 
 async def _echo_times(url: str, n: int, warmup: int) -> list[float]:
@@ -318,11 +336,12 @@ async def _echo_times(url: str, n: int, warmup: int) -> list[float]:
         return await _timed(echo, n, warmup)
 
 
-def run(n: int = ROUND_TRIPS, warmup: int = WARMUP) -> dict[str, Any]:
-    """Time ``n`` no-op round trips per path (after ``warmup``), ours and the anchors'.
+def run(n: int = ROUND_TRIPS, warmup: int = WARMUP, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Time ``n`` no-op round trips per path, ours and the anchors', in ``rounds`` interleaved
+    rounds (each path's share of a round after ``warmup`` untimed ones).
 
     Returns:
-        ``{"n", "warmup", "frame_bytes": {"ping_worker", "ping", "anchor"}, "sdk_worker",
+        ``{"n", "warmup", "rounds", "frame_bytes": {"ping_worker", "ping", "anchor"}, "sdk_worker",
         "wire_worker", "chain_3hop", "sdk_coordinator", "wire_coordinator", "echo_1hop",
         "ratios", "log_problems"}``: each path a :func:`summary` (``count``, ``p50_us``,
         ``p99_us``, ``mean_us``); ``ratios`` maps ``<path>_vs_<anchor>`` to ``{"p50", "mean"}``
@@ -343,7 +362,7 @@ def run(n: int = ROUND_TRIPS, warmup: int = WARMUP) -> dict[str, Any]:
         procs.spawn_bare("relay2", "relay", relay2_port, f"ws://127.0.0.1:{echo_port}")
         procs.spawn_bare("relay1", "relay", relay1_port, f"ws://127.0.0.1:{relay2_port}")
 
-        results: dict[str, Any] = {"n": n, "warmup": warmup}
+        results: dict[str, Any] = {"n": n, "warmup": warmup, "rounds": rounds}
         with sz.connect(url, timeout=REQUEST_TIMEOUT) as client:
 
             def worker_idle() -> bool:
@@ -351,17 +370,16 @@ def run(n: int = ROUND_TRIPS, warmup: int = WARMUP) -> dict[str, Any]:
                 return any(w["id"] == WORKER_ID and w["state"] == "idle" for w in workers)
 
             procs.wait_for(worker_idle, 60, f"worker {WORKER_ID} to register")
-            results["sdk_worker"] = summary(_sdk_times(client, WORKER_ID, n, warmup))
-            results["sdk_coordinator"] = summary(_sdk_times(client, None, n, warmup))
-        wire = uvloop.run(_wire_times(url, n, warmup))
-        results["wire_worker"] = summary(wire["worker"])
-        results["wire_coordinator"] = summary(wire["coordinator"])
-        results["echo_1hop"] = summary(
-            uvloop.run(_echo_times(f"ws://127.0.0.1:{echo_port}", n, warmup))
-        )
-        results["chain_3hop"] = summary(
-            uvloop.run(_echo_times(f"ws://127.0.0.1:{relay1_port}", n, warmup))
-        )
+            times: dict[str, list[float]] = defaultdict(list)
+            echo_url, chain_url = (f"ws://127.0.0.1:{p}" for p in (echo_port, relay1_port))
+            for count in (n // rounds + (r < n % rounds) for r in range(rounds)):
+                times["sdk_worker"] += _sdk_times(client, WORKER_ID, count, warmup)
+                times["sdk_coordinator"] += _sdk_times(client, None, count, warmup)
+                measured = uvloop.run(_async_round(url, echo_url, chain_url, count, warmup))
+                for key, values in measured.items():
+                    times[key] += values
+        for key, values in times.items():
+            results[key] = summary(values)
 
         results["ratios"] = {
             f"{ours}_vs_{anchor}": {
@@ -392,7 +410,8 @@ def main() -> None:
     results = run()
     frames = results["frame_bytes"]
     print(
-        f"no-op round trips on 127.0.0.1, x{results['n']} after {results['warmup']} warm-up "
+        f"no-op round trips on 127.0.0.1, x{results['n']} in {results['rounds']} rounds "
+        f"(each after {results['warmup']} warm-up) "
         f"(coordinator + worker --threads 1; ping frames {frames['ping_worker']} B / "
         f"{frames['ping']} B, anchor {frames['anchor']} B)"
     )

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # websockets logs every connection at INFO; ours already says what matters, once.
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(_main(args))
     return 0

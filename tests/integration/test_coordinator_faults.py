@@ -227,3 +227,21 @@ def test_a_large_input_travels_in_chunks_while_heartbeats_keep_the_worker_alive(
         )
         workers = {w["id"]: w for w in client.status()["workers"]}
         assert workers["w1"]["state"] == "idle"  # never declared lost while 64 MiB moved
+
+
+def test_a_silent_worker_is_lost_after_the_heartbeat_timeout_and_its_job_fails(tmp_path):
+    with cluster(tmp_path, {"w1": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(sz.Graph([Sleepy().named("sleepy")]), np.zeros((2, 2)))
+        wait_for(lambda: job.status()["state"] == "running", 30 * UNIT, "the job to run")
+        frozen_at = time.monotonic()
+        c.send_signal(c.workers["w1"], signal.SIGSTOP)  # alive, connected, and silent
+        try:
+            with pytest.raises(sz.JobFailed) as failure:
+                job.result(timeout=30 * UNIT)
+            took = time.monotonic() - frozen_at
+        finally:
+            c.send_signal(c.workers["w1"], signal.SIGCONT)
+        assert failure.value.code == "worker_lost"
+        assert "no heartbeat" in failure.value.message
+        timeout = c.heartbeat[1]
+        assert timeout <= took < timeout + 5 * UNIT
