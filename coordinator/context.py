@@ -41,6 +41,7 @@ class WorkerIdentity:
 
     id: str
     tags: frozenset[str] = field(default_factory=frozenset)
+    datasets: Mapping[str, int] = field(default_factory=dict)  # local datasets: name → rows
 
 
 @dataclass(frozen=True)

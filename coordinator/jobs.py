@@ -25,7 +25,14 @@ from typing import Any
 from coordinator.context import DEFAULT_CALL_TIMEOUT, WorkerCallError
 from coordinator.registry import Registry, WorkerRecord, WorkerState
 from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
-from coordinator.strategies import JobInputs, Strategy, StrategyOptionsError, strategy_from_spec
+from coordinator.strategies import (
+    JobInputs,
+    Placement,
+    Strategy,
+    StrategyFailed,
+    StrategyOptionsError,
+    strategy_from_spec,
+)
 from coordinator.transport import TransportContext
 from protocol.channel import RemoteError
 from protocol.codec import decode, encode_frame
@@ -106,7 +113,7 @@ class JobManager:
     def _place(self) -> None:
         for job_id in list(self._queue):
             job = self._jobs[job_id]
-            placement = job.strategy.placement()
+            placement = _placement(job.strategy, job.inputs)
             fits = [w for w in self.registry.idle() if placement.accepts(w.identity)]
             if len(fits) < placement.workers:
                 continue
@@ -135,14 +142,28 @@ class JobManager:
                 f"graph.filters must hold exactly the nodes of graph.node_ids; missing {missing}",
             )
         filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
+        if (msg.x is None) == (msg.dataset is None):
+            raise remote(
+                ErrorCode.BAD_REQUEST,
+                "a job trains on data it sends (x, y) or on the workers' own dataset, "
+                "exactly one of the two",
+            )
+        inputs = JobInputs(
+            msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset
+        )
+        try:
+            strategy.validate(inputs)
+        except StrategyOptionsError as exc:
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
             "rows": _rows(msg.x),
-            "placement": strategy.placement().describe(),
+            "dataset": msg.dataset,
+            "placement": _placement(strategy, inputs).describe(),
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
-        job = _Job(record.id, strategy, JobInputs(msg.graph.node_ids, filters, msg.x, msg.y))
+        job = _Job(record.id, strategy, inputs)
         self._jobs[job.id] = job
         self._queue.append(job.id)
         await self._emit(job.id, "queued", {"placement": summary["placement"]})
@@ -284,6 +305,9 @@ class JobManager:
         except WorkerCallError as exc:
             log.info("job %s failed: %s", job.id, exc)
             await self._end(job, exc.to_info())
+        except StrategyFailed as exc:
+            log.info("job %s failed: %s", job.id, exc)
+            await self._end(job, exc.info)
         except Exception as exc:
             log.exception("job %s failed on the coordinator", job.id)
             await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
@@ -323,6 +347,14 @@ class JobManager:
             return await asyncio.to_thread(self.store.get, job_id)
         except UnknownJob:
             raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+
+
+def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:
+    """The strategy's placement, also requiring the job's dataset on every worker."""
+    placement = strategy.placement()
+    if inputs.dataset is None:
+        return placement
+    return dataclasses.replace(placement, dataset=inputs.dataset)
 
 
 def _internal(message: str) -> ErrorInfo:

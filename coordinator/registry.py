@@ -50,10 +50,11 @@ class WorkerRecord:
     job_id: str | None = None
     reason: str = ""  # why it is lost or offline
     connections: int = 1
+    datasets: dict[str, int] = field(default_factory=dict)
 
     @property
     def identity(self) -> WorkerIdentity:
-        return WorkerIdentity(self.id, self.tags)
+        return WorkerIdentity(self.id, self.tags, dict(self.datasets))
 
     @property
     def connected(self) -> bool:
@@ -70,6 +71,7 @@ class WorkerRecord:
             "job_id": self.job_id,
             "reason": self.reason,
             "connections": self.connections,
+            "datasets": dict(self.datasets),
             "capabilities": self.capabilities.model_dump(),
         }
 
@@ -102,6 +104,7 @@ class Registry:
         tags: list[str],
         capabilities: Capabilities,
         channel: Channel,
+        datasets: dict[str, int] | None = None,
     ) -> WorkerRecord:
         """Register a worker's new connection; a known id gets its record back.
 
@@ -124,6 +127,7 @@ class Registry:
             record.channel = channel
             record.connections += 1
             record.connected_at = time.time()
+        record.datasets = dict(datasets or {})
         record.state = WorkerState.IDLE
         record.job_id = None
         record.reason = ""

@@ -260,7 +260,9 @@ class Coordinator:
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
         try:
-            record = self.registry.attach(hello.worker_id, hello.tags, hello.capabilities, channel)
+            record = self.registry.attach(
+                hello.worker_id, hello.tags, hello.capabilities, channel, hello.datasets
+            )
         except DuplicateWorker as exc:
             await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
             return

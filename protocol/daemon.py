@@ -27,10 +27,21 @@ import mmap
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBytes, StrictInt, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    StrictBytes,
+    StrictInt,
+    TypeAdapter,
+    model_validator,
+)
 
 from protocol.errors import ErrorInfo, FrameError
 
@@ -42,6 +53,7 @@ __all__ = [
     "CompositeForwardRequest",
     "DaemonReply",
     "DaemonRequest",
+    "DataSource",
     "ErrorReply",
     "FitRequest",
     "ForwardRequest",
@@ -49,11 +61,13 @@ __all__ = [
     "FrameWriter",
     "GetGradientsRequest",
     "GetStateRequest",
+    "GradientsRequest",
     "LoadRequest",
     "OkReply",
     "PingRequest",
     "SetStateRequest",
     "ShutdownRequest",
+    "StageRequest",
     "allocate_fast",
     "allocate_paged",
     "reply_adapter",
@@ -105,23 +119,60 @@ class ForwardRequest(_Request):
     state: Any = None
 
 
-class CompositeFitRequest(_Request):
+class DataSource(_Request):
+    """Data given inline (``x``, ``y``) or by the name it was staged under (``data``), optionally
+    only some of its ``rows``."""
+
+    x: Any = None
+    y: Any = None
+    data: str | None = None
+    rows: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if self.data is None and self.rows is not None:
+            raise ValueError("rows select from staged data: give data as well")
+        if self.data is not None and (self.x is not None or self.y is not None):
+            raise ValueError("give the data inline (x, y) or by name (data), not both")
+        return self
+
+
+class CompositeFitRequest(DataSource):
     """One pass over a chain of nodes: plain filters fit then forward; torch: one backward."""
 
     cmd: Literal["composite_fit"]
     node_ids: Annotated[list[str], Field(min_length=1)]
-    x: Any
-    y: Any = None
 
 
-class BatchedFitRequest(_Request):
-    """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``."""
+class BatchedFitRequest(DataSource):
+    """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``.
+
+    ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term."""
 
     cmd: Literal["batched_fit"]
     node_ids: Annotated[list[str], Field(min_length=1)]
-    x: Any
-    y: Any = None
     batch_size: PositiveInt | None = None
+    epochs: NonNegativeInt | None = None
+    prox_mu: NonNegativeFloat = 0.0
+
+
+class StageRequest(_Request):
+    """Keep data under ``name`` for later commands: sent inline (``x``, ``y``), or a dataset of
+    the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``)."""
+
+    cmd: Literal["stage"]
+    name: str
+    x: Any = None
+    y: Any = None
+    dataset: str | None = None
+
+
+class GradientsRequest(DataSource):
+    """A data-parallel replica's half of a step: forward, loss and backward over the rows (plain
+    filters apply the state they hold), then the gradients of the chain's torch nodes."""
+
+    cmd: Literal["gradients"]
+    node_ids: Annotated[list[str], Field(min_length=1)]
 
 
 class CompositeForwardRequest(_Request):
@@ -184,6 +235,8 @@ DaemonRequest = Annotated[
     | SetStateRequest
     | GetGradientsRequest
     | ApplyGradientsRequest
+    | StageRequest
+    | GradientsRequest
     | PingRequest
     | ShutdownRequest,
     Field(discriminator="cmd"),

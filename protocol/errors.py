@@ -37,6 +37,8 @@ class ErrorCode(StrEnum):
     UNKNOWN_JOB = "unknown_job"  # a job id the coordinator (or agent) does not know
     NO_WORKERS = "no_workers"  # no registered worker can ever match the job's needs
     CANCELLED = "cancelled"  # the job was cancelled
+    AGGREGATION_MISMATCH = "aggregation_mismatch"  # contributions that are not the same model
+    NOT_ENOUGH_WORKERS = "not_enough_workers"  # a round where fewer than min_workers answered
     NOT_FINISHED = "not_finished"  # a result asked for before the job ended
     SHUTTING_DOWN = "shutting_down"  # the coordinator is stopping
     COORDINATOR_RESTARTED = "coordinator_restarted"  # the job was running when it restarted

@@ -75,6 +75,7 @@ class WorkerHello(_Message):
     tags: list[str] = Field(default_factory=list)
     capabilities: Capabilities
     peer_address: str | None = None
+    datasets: dict[str, int] = Field(default_factory=dict)  # its local datasets: name → rows
 
 
 class ClientHello(_Message):
@@ -169,13 +170,28 @@ class CloseJob(_Message):
 # -- client → coordinator ----------------------------------------------------------------------
 
 
+class NodeInfo(BaseModel):
+    """What the coordinator may know of a node without unpickling it: whether it trains by
+    gradient descent, and then its training settings (those of a ``TorchFilter``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    differentiable: bool = False
+    epochs: int | None = None
+    batch_size: int | None = None
+    shuffle: bool | None = None
+    seed: int | None = None
+
+
 class GraphSpec(BaseModel):
-    """A graph as the coordinator sees it: node ids in order and opaque pickled filters."""
+    """A graph as the coordinator sees it: node ids in order, opaque pickled filters, and what
+    the client declares of each node (the coordinator never unpickles a filter)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node_ids: Annotated[list[str], Field(min_length=1)]
     filters: dict[str, StrictBytes]
+    nodes: dict[str, NodeInfo] = Field(default_factory=dict)
 
 
 class StrategySpec(BaseModel):
@@ -192,8 +208,9 @@ class Submit(_Message):
 
     kind: Literal["submit"] = "submit"
     graph: GraphSpec
-    x: Any
+    x: Any = None
     y: Any = None
+    dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
     strategy: StrategySpec
 
 

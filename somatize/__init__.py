@@ -24,12 +24,13 @@ from somatize.client import Client, Job, JobEventInfo, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
-from somatize.strategies import Local, Strategy
+from somatize.strategies import DataParallel, Local, Strategy, WorkerData
 
 __all__ = [
     "Client",
     "ClientError",
     "ConnectionFailed",
+    "DataParallel",
     "Filter",
     "FittedGraph",
     "Graph",
@@ -41,6 +42,7 @@ __all__ = [
     "SomatizeError",
     "Strategy",
     "TorchFilter",
+    "WorkerData",
     "connect",
 ]
 __version__ = "0.1.0"

@@ -52,6 +52,7 @@ from protocol.messages import (
     GraphSpec,
     JobEvent,
     ListJobs,
+    NodeInfo,
     Ping,
     Result,
     Shutdown,
@@ -62,7 +63,7 @@ from protocol.messages import (
 )
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 from somatize.graph import FittedGraph, Graph
-from somatize.strategies import Local, Strategy
+from somatize.strategies import Local, Strategy, WorkerData
 
 __all__ = [
     "TERMINAL_EVENTS",
@@ -423,10 +424,16 @@ class Client:
             except Exception as exc:
                 exc.add_note(f"while pickling the filter of node {node_id!r} for submission")
                 raise
+        dataset = x.name if isinstance(x, WorkerData) else None
+        if dataset is not None:
+            if y is not None:
+                raise ValueError("with WorkerData the labels are the workers' own: y must be None")
+            x = None
         message = Submit(
-            graph=GraphSpec(node_ids=graph.node_ids, filters=filters),
+            graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=graph_info(graph)),
             x=x,
             y=y,
+            dataset=dataset,
             strategy=strategy.spec(),
         )
         nbytes = sum(len(b) for b in filters.values()) + _nbytes(x) + _nbytes(y)
@@ -497,6 +504,24 @@ class Client:
                 return end
             raise TimeoutError(f"job {job_id} did not finish within {timeout} s") from None
         return end
+
+
+def graph_info(graph: Graph) -> dict[str, NodeInfo]:
+    """What the coordinator is told of each node (it never unpickles the filters): whether it
+    trains by gradient descent, and then its training settings."""
+    info = {}
+    for node_id, f in graph.items():
+        if getattr(f, "differentiable", False):
+            info[node_id] = NodeInfo(
+                differentiable=True,
+                epochs=getattr(f, "epochs", None),
+                batch_size=getattr(f, "batch_size", None),
+                shuffle=getattr(f, "shuffle", None),
+                seed=getattr(f, "seed", None),
+            )
+        else:
+            info[node_id] = NodeInfo()
+    return info
 
 
 def _describe(exc: BaseException, timeout: float) -> str:

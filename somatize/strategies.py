@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from protocol.messages import StrategySpec
 
-__all__ = ["Local", "Strategy"]
+__all__ = ["DataParallel", "Local", "Strategy", "WorkerData"]
 
 
 class Strategy(ABC):
@@ -67,3 +67,50 @@ class Local(Strategy):
 
     def options(self) -> dict[str, Any]:
         return {k: v for k, v in (("worker", self.worker), ("tag", self.tag)) if v is not None}
+
+
+@dataclass(frozen=True)
+class DataParallel(Strategy):
+    """Synchronous data-parallel SGD over ``workers`` replicas (gradient all-reduce).
+
+    Each global batch — exactly the batch ``graph.fit`` takes, by the last TorchFilter's
+    ``batch_size``, ``shuffle`` and ``seed`` — is split across the replicas with its labels; the
+    coordinator averages their gradients weighted by slice size and every replica takes the same
+    step with its own persistent optimizer. With a mean-reduced loss and no randomness in the
+    model, the result equals ``graph.fit``. Plain filters before the first TorchFilter are fitted
+    per shard and their states averaged by rows.
+
+    Args:
+        workers: how many replicas (workers) to train on.
+        tag: only workers with this tag (default: any idle workers).
+    """
+
+    workers: int
+    tag: str | None = None
+
+    name: ClassVar[str] = "data_parallel"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
+        _check_selector("tag", self.tag)
+
+    def options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"workers": self.workers}
+        if self.tag is not None:
+            options["tag"] = self.tag
+        return options
+
+
+@dataclass(frozen=True)
+class WorkerData:
+    """A job's input that stays on the workers: each trains on its own dataset called ``name``
+    (``somatize-worker --data NAME=PATH``, an ``.npz`` with ``x`` and ``y``)::
+
+        client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10))
+    """
+
+    name: str
+
+    def __post_init__(self) -> None:
+        _check_selector("name", self.name)

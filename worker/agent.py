@@ -46,8 +46,9 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -73,6 +74,8 @@ from protocol.messages import (
     WorkerHello,
 )
 from worker.capabilities import detect
+from worker.datasets import environment as dataset_environment
+from worker.datasets import rows
 from worker.errors import DaemonError, WorkerError
 from worker.supervisor import DaemonSupervisor
 
@@ -204,6 +207,8 @@ class Agent:
         startup_timeout: seconds a daemon may take to start and load a job's filters.
         call_timeout: seconds a ``call`` without its own ``timeout`` may take.
         python: the interpreter that runs the daemons.
+        datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
+            readable by the job daemons (the data itself never leaves this machine).
         spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
             filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
 
@@ -230,6 +235,7 @@ class Agent:
         call_timeout: float = 3600.0,
         python: str = sys.executable,
         spare: bool = True,
+        datasets: Mapping[str, Path] | None = None,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -244,6 +250,8 @@ class Agent:
         self.call_timeout = call_timeout
         self.python = python
         self.spare = spare
+        self.datasets = dict(datasets or {})
+        self._dataset_rows = {name: rows(path) for name, path in self.datasets.items()}
         self._spare: asyncio.Task[DaemonSupervisor] | None = None
         self._worker_id = worker_id
         self._token = token
@@ -436,6 +444,7 @@ class Agent:
             worker_id=self._worker_id,
             tags=self.tags,
             capabilities=self._capabilities,
+            datasets=self._dataset_rows,
         )
         async with asyncio.timeout(self.open_timeout):
             await channel.send(hello)
@@ -614,6 +623,7 @@ class Agent:
         supervisor = DaemonSupervisor(
             python=self.python,
             threads=threads or self.threads,
+            env=dataset_environment(self.datasets),
             default_timeout=self.startup_timeout,
         )
         self._daemons.add(supervisor)

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 
 from worker.agent import Agent, RegistrationRefused
+from worker.datasets import parse_data_option
 
 __all__ = ["main"]
 
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch threads per filter daemon, when a job names none (default: all cores)",
+    )
+    parser.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a local dataset jobs can train on by name: an .npz with x (and y); repeatable",
     )
     parser.add_argument(
         "--token-file",
@@ -130,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     token = _token(parser, args.token_file)
     try:
+        datasets = parse_data_option(args.data)
         agent = Agent(
-            args.connect, worker_id=args.id, tags=args.tag, threads=args.threads, token=token
+            args.connect,
+            worker_id=args.id,
+            tags=args.tag,
+            threads=args.threads,
+            token=token,
+            datasets=datasets,
         )
     except ValueError as exc:
         parser.error(str(exc))

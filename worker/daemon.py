@@ -51,16 +51,19 @@ from protocol.daemon import (
     FrameWriter,
     GetGradientsRequest,
     GetStateRequest,
+    GradientsRequest,
     LoadRequest,
     PingRequest,
     SetStateRequest,
     ShutdownRequest,
+    StageRequest,
     allocate_fast,
     request_adapter,
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError
 from protocol.filters import load_filter
-from worker.engine import Engine
+from worker.datasets import load_dataset
+from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
 
 __all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
@@ -109,6 +112,8 @@ class Daemon:
             "set_state": self.on_set_state,
             "get_gradients": self.on_get_gradients,
             "apply_gradients": self.on_apply_gradients,
+            "stage": self.on_stage,
+            "gradients": self.on_gradients,
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
         }
@@ -185,10 +190,40 @@ class Daemon:
         return self.engine.forward(req.node_id, req.x, req.state)
 
     def on_composite_fit(self, req: CompositeFitRequest) -> dict[str, Any]:
-        return _plain(self.engine.composite_fit(req.node_ids, req.x, req.y))
+        return _plain(self.engine.composite_fit(req.node_ids, *self._data(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
-        return _plain(self.engine.batched_fit(req.node_ids, req.x, req.y, req.batch_size))
+        x, y = self._data(req)
+        result = self.engine.batched_fit(
+            req.node_ids, x, y, req.batch_size, epochs=req.epochs, prox_mu=req.prox_mu
+        )
+        return _plain(result)
+
+    def on_stage(self, req: StageRequest) -> dict[str, Any]:
+        x, y = req.x, req.y
+        if req.dataset is not None:
+            if x is not None or y is not None:
+                raise EngineError(
+                    ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
+                )
+            x, y = load_dataset(req.dataset)
+        return {"rows": self.engine.stage(req.name, x, y)}
+
+    def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
+        result = self.engine.gradient_pass(req.node_ids, *self._data(req))
+        torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
+        return {
+            "loss": result.loss,
+            "rows": result.rows,
+            "gradients": self.engine.get_gradients(torch_nodes),
+        }
+
+    def _data(
+        self, req: CompositeFitRequest | BatchedFitRequest | GradientsRequest
+    ) -> tuple[Any, Any]:
+        if req.data is None:
+            return req.x, req.y
+        return self.engine.staged(req.data, req.rows)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
         return self.engine.composite_forward(req.node_ids, req.x, req.states)

@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 
@@ -119,6 +120,7 @@ class Engine:
 
     def __init__(self) -> None:
         self._nodes: dict[str, _Node] = {}
+        self._staged: dict[str, tuple[Any, Any]] = {}
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -133,6 +135,43 @@ class Engine:
     def filter(self, node_id: str) -> Any:
         """The loaded filter object of ``node_id``."""
         return self._node(node_id).filter
+
+    # -- staged data --------------------------------------------------------------------------
+
+    def stage(self, name: str, x: Any, y: Any = None) -> int:
+        """Keep ``x`` (and ``y``) under ``name`` for later commands; returns the row count.
+
+        Data-parallel and federated jobs send a worker its data once and then only name rows
+        of it, so that per step only gradients (or per round only states) cross the wire.
+        """
+        if y is not None and num_rows(x) != num_rows(y):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"x has {num_rows(x)} rows and y has {num_rows(y)}: they must match",
+            )
+        self._staged[name] = (x, y)
+        return num_rows(x)
+
+    def staged(self, name: str, rows: Sequence[int] | None = None) -> tuple[Any, Any]:
+        """The data staged under ``name``, or its ``rows`` (in that order)."""
+        try:
+            x, y = self._staged[name]
+        except KeyError:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"no data staged as {name!r} (staged: {sorted(self._staged)})",
+            ) from None
+        if rows is None:
+            return x, y
+        n = num_rows(x)
+        index = np.asarray(rows, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= n):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"rows of {name!r} must lie in [0, {n}); "
+                f"got {int(index.min())}..{int(index.max())}",
+            )
+        return _take(x, index), None if y is None else _take(y, index)
 
     # -- fit ----------------------------------------------------------------------------------
 
@@ -158,8 +197,29 @@ class Engine:
                 out = self._fit_plain(segment[0], out, y)
         return FitResult(out, self.get_state(node_ids), loss, num_rows(x))
 
+    def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+        """A replica's half of a data-parallel step: plain filters only *apply* the state they
+        hold (fitted once, before training), each differentiable run does one forward, loss and
+        backward over ``x`` and leaves its gradients on the parameters. No step, no states."""
+        nodes = self._chain(node_ids, x, y)
+        out, loss = x, None
+        for segment in _segments(nodes):
+            if segment[0].differentiable:
+                out, loss = self._backward_run(segment, out, y)
+            else:
+                node = segment[0]
+                out = node.filter.forward(out, self._state_for(node))
+        return FitResult(None, {}, loss, num_rows(x))
+
     def batched_fit(
-        self, node_ids: Sequence[str], x: Any, y: Any = None, batch_size: int | None = None
+        self,
+        node_ids: Sequence[str],
+        x: Any,
+        y: Any = None,
+        batch_size: int | None = None,
+        *,
+        epochs: int | None = None,
+        prox_mu: float = 0.0,
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -168,12 +228,17 @@ class Engine:
         filter's), one optimizer step of every filter in the run per batch, on the mean loss of the
         batch. With ``shuffle`` the rows of each epoch are permuted by a ``torch.Generator``
         seeded with the filter's ``seed``; without it they are taken in order.
+
+        ``epochs`` overrides the filters' own (a federated round's local epochs); ``prox_mu``
+        adds FedProx's proximal term (Li et al. 2020) to every batch's loss:
+        ``mu / 2 * ||w - w_start||^2`` over the run's parameters, ``w_start`` being the weights
+        this call started from (the round's global model).
         """
         nodes = self._chain(node_ids, x, y)
         out, loss, epoch_losses = x, None, []
         for segment in _segments(nodes):
             if segment[0].differentiable:
-                epoch_losses = self._train_run(segment, out, y, batch_size)
+                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu)
                 loss = epoch_losses[-1] if epoch_losses else None
                 out = self._forward_segment(segment, out)
             else:
@@ -382,7 +447,15 @@ class Engine:
         loss.backward()
         return out.detach(), float(loss.detach())
 
-    def _train_run(self, run: list[_Node], x: Any, y: Any, batch_size: int | None) -> list[float]:
+    def _train_run(
+        self,
+        run: list[_Node],
+        x: Any,
+        y: Any,
+        batch_size: int | None,
+        epochs: int | None = None,
+        prox_mu: float = 0.0,
+    ) -> list[float]:
         last = run[-1].filter
         if y is None:
             raise EngineError(
@@ -394,18 +467,23 @@ class Engine:
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
         optimizers = [self._optimizer(node) for node in run]
+        params = [p for node in run for p in _trainable(node).values()]
+        anchor = [p.detach().clone() for p in params] if prox_mu else []
         epoch_losses = []
         # Seeded, and without touching the caller's global RNG: dropout and friends inside the
         # modules draw from the forked default generator.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(last.seed)
-            order = torch.Generator().manual_seed(last.seed)
-            for _ in range(last.epochs):
+            order = generator(last.seed)
+            for _ in range(last.epochs if epochs is None else epochs):
                 total = 0.0
-                for index in _batches(n, size, order if last.shuffle else None):
+                for index in batches(n, size, order if last.shuffle else None):
                     for opt in optimizers:
                         opt.zero_grad(set_to_none=True)
                     loss, _ = self._run_loss(run, xt[index], yt[index])
+                    if prox_mu:
+                        gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
+                        loss = loss + prox_mu / 2 * gap
                     loss.backward()
                     for opt in optimizers:
                         opt.step()
@@ -419,6 +497,13 @@ class Engine:
         return x
 
 
+def _take(data: Any, index: np.ndarray[Any, Any]) -> Any:
+    """Rows ``index`` of an array or tensor (a copy: the staged data stays as it was)."""
+    if isinstance(data, torch.Tensor):
+        return data[torch.from_numpy(index)]
+    return np.asarray(data)[index]
+
+
 def _segments(nodes: list[_Node]) -> Iterator[list[_Node]]:
     """Each plain node alone; each maximal run of differentiable nodes together."""
     for differentiable, group in itertools.groupby(nodes, key=lambda n: n.differentiable):
@@ -426,17 +511,6 @@ def _segments(nodes: list[_Node]) -> Iterator[list[_Node]]:
             yield list(group)
         else:
             yield from ([n] for n in group)
-
-
-def _batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
-    """Row indices of each batch of one epoch: slices in order, or a seeded permutation."""
-    if order is None:
-        for start in range(0, n, size):
-            yield slice(start, min(start + size, n))
-        return
-    perm = torch.randperm(n, generator=order)
-    for start in range(0, n, size):
-        yield perm[start : start + size]
 
 
 def _len(index: Any, n: int) -> int:

@@ -19,20 +19,24 @@ from coordinator.strategies.base import (
     JobInputs,
     Placement,
     Strategy,
+    StrategyFailed,
     StrategyOptionsError,
     strategy_from_spec,
 )
+from coordinator.strategies.data_parallel import DataParallel
 from coordinator.strategies.local import Local
 
-STRATEGIES: dict[str, type[Strategy]] = {"local": Local}
+STRATEGIES: dict[str, type[Strategy]] = {"local": Local, "data_parallel": DataParallel}
 
 __all__ = [
     "STRATEGIES",
+    "DataParallel",
     "Emit",
     "JobInputs",
     "Local",
     "Placement",
     "Strategy",
+    "StrategyFailed",
     "StrategyOptionsError",
     "strategy_from_spec",
 ]

@@ -2,30 +2,51 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypeVar
 
 from coordinator.context import StrategyContext, WorkerIdentity
 from coordinator.errors import CoordinatorError
+from protocol.errors import ErrorCode, ErrorInfo
+from protocol.messages import NodeInfo
+
+T = TypeVar("T")
 
 Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 """``await emit(event, data)``: record a job event (``"progress"`` with step, loss...)."""
 
 
 class StrategyOptionsError(CoordinatorError):
-    """A strategy that does not exist, or an option it does not take or cannot accept."""
+    """A strategy that does not exist, an option it does not take or cannot accept, or a job it
+    cannot run (refused when the job is submitted)."""
+
+
+class StrategyFailed(CoordinatorError):
+    """A running strategy cannot go on; ``info`` is the job's failure (code, message, detail)."""
+
+    def __init__(self, code: ErrorCode, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.info = ErrorInfo(code=code, message=message, detail=detail)
 
 
 @dataclass(frozen=True)
 class JobInputs:
-    """What a job trains: the graph (node ids, pickled filters) and its data."""
+    """What a job trains: the graph (node ids, pickled filters, what the client declared of each
+    node) and its data — sent along (``x``, ``y``) or each worker's own (``dataset``)."""
 
     node_ids: list[str]
     filters: dict[str, bytes]
     x: Any
     y: Any
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    dataset: str | None = None
+
+    def differentiable(self) -> list[str]:
+        """The nodes that train by gradient descent, in graph order."""
+        return [n for n in self.node_ids if self.nodes.get(n, NodeInfo()).differentiable]
 
 
 @dataclass(frozen=True)
@@ -35,9 +56,12 @@ class Placement:
     workers: int
     worker_id: str | None = None
     tag: str | None = None
+    dataset: str | None = None
 
     def accepts(self, worker: WorkerIdentity) -> bool:
         if self.worker_id is not None and worker.id != self.worker_id:
+            return False
+        if self.dataset is not None and self.dataset not in worker.datasets:
             return False
         return self.tag is None or self.tag in worker.tags
 
@@ -47,6 +71,8 @@ class Placement:
             what += f" with id {self.worker_id!r}"
         if self.tag is not None:
             what += f" tagged {self.tag!r}"
+        if self.dataset is not None:
+            what += f" with dataset {self.dataset!r}"
         return what
 
 
@@ -64,9 +90,28 @@ class Strategy(ABC):
     def placement(self) -> Placement:
         """The workers this strategy needs."""
 
+    def validate(self, job: JobInputs) -> None:  # noqa: B027 - a hook: most accept any job
+        """Refuse, with :class:`StrategyOptionsError`, a job this strategy cannot run (checked
+        when it is submitted, before it waits for workers)."""
+
     @abstractmethod
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         """Train and return the final states by node id."""
+
+
+async def concurrently(*calls: Awaitable[T]) -> list[T]:
+    """Await per-worker calls concurrently; the first failure cancels the others and is raised.
+
+    (``asyncio.gather`` alone would leave the other calls running, orphaned, after a failure.)
+    """
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def check_options(name: str, options: Mapping[str, Any], allowed: set[str]) -> None:

@@ -1,0 +1,30 @@
+"""The batching rule shared by the engine and the coordinator's strategies.
+
+One epoch of ``n`` rows in batches of ``size``: in order (``slice(start, start + size)``) or, with
+a ``torch.Generator``, in the order of one ``torch.randperm(n, generator=...)`` drawn per epoch
+(the last batch may be shorter). ``graph.fit`` trains on exactly these batches, and
+``DataParallel`` splits exactly these batches across its replicas, which is why the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
+    """Row indices of each batch of one epoch: slices in order, or a seeded permutation."""
+    if order is None:
+        for start in range(0, n, size):
+            yield slice(start, min(start + size, n))
+        return
+    perm = torch.randperm(n, generator=order)
+    for start in range(0, n, size):
+        yield perm[start : start + size]
+
+
+def generator(seed: int) -> torch.Generator:
+    """The generator that orders the epochs of a run seeded with ``seed``."""
+    return torch.Generator().manual_seed(seed)
