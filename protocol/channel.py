@@ -15,8 +15,9 @@ packages that need it may not import each other.)
   messages, ending at the first ``ack``/``result``/``error``.
 * Every other incoming message goes to the ``handler`` in a task of its own, so a slow request
   never holds up heartbeats or replies behind it; what the handler returns is sent as the reply.
-* A frame larger than :data:`~protocol.messages.CHUNK_BYTES` is sent as chunks and reassembled
-  into a writable buffer (tensors decode zero-copy over it); other messages may interleave.
+* A frame larger than :data:`~protocol.messages.CHUNK_BYTES` is sent as chunk messages cut
+  straight from the codec's parts (:func:`chunk_messages`) and reassembled into a writable buffer
+  (tensors decode zero-copy over it); other messages may interleave.
 * A message that is not a frame, or fails validation, is answered with an ``error`` reply that
   names the field; the connection stays up.
 """
@@ -26,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -37,7 +39,6 @@ from protocol.errors import ErrorCode, ErrorInfo, FrameError, ProtocolError
 from protocol.messages import (
     CHUNK_BYTES,
     REPLY_KINDS,
-    Chunk,
     Error,
     message_adapter,
 )
@@ -94,40 +95,78 @@ def dump(message: BaseModel) -> dict[str, Any]:
     return message.model_dump()
 
 
+CHUNK_MAGIC = b"\xff\xff\xff\xffSZCK"
+"""First bytes of a chunk message. A frame never starts so: its first four bytes are its header
+length, and a 4 GiB header is refused by the codec."""
+_CHUNK_HEAD = struct.Struct("<8sQQQ")  # magic, stream, offset, total
+
+
+def chunk_messages(parts: Sequence[bytes | memoryview], stream: int) -> Iterator[bytes]:
+    """The WebSocket messages that carry a frame larger than :data:`CHUNK_BYTES`.
+
+    Each is ``magic | u64 stream | u64 offset | u64 total | up to CHUNK_BYTES of the frame``,
+    cut straight out of the codec's parts: the frame is never joined whole, and no model is
+    validated per chunk.
+    """
+    total = frame_nbytes(parts)
+    views = [memoryview(p).cast("B") for p in parts]
+    offset, index, start = 0, 0, 0
+    while offset < total:
+        pieces: list[bytes | memoryview] = [_CHUNK_HEAD.pack(CHUNK_MAGIC, stream, offset, total)]
+        room = CHUNK_BYTES
+        while room and index < len(views):
+            view = views[index]
+            piece = view[start : start + room]
+            pieces.append(piece)
+            room -= len(piece)
+            start += len(piece)
+            if start == len(view):
+                index, start = index + 1, 0
+        offset += CHUNK_BYTES - room
+        yield b"".join(pieces)
+
+
 class Reassembler:
-    """Joins :class:`Chunk` messages back into frames: no I/O, one per connection."""
+    """Joins chunk messages back into frames: no I/O, one per connection."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._streams: dict[int, tuple[bytearray, int]] = {}
 
-    def add(self, chunk: Chunk) -> bytearray | None:
-        """Take one chunk; the whole frame once its last byte arrived, else ``None``."""
-        if chunk.stream not in self._streams:
-            if chunk.total > self.max_bytes:
+    def add(self, payload: bytes | bytearray | memoryview) -> bytearray | None:
+        """Take one chunk message; the whole frame once its last byte arrived, else ``None``.
+
+        Raises:
+            FrameError: a malformed chunk, a stream over the size limit, or bytes out of order.
+        """
+        if len(payload) < _CHUNK_HEAD.size:
+            raise FrameError(f"chunk of {len(payload)} bytes is shorter than its header")
+        _, stream, offset, total = _CHUNK_HEAD.unpack_from(payload)
+        data = memoryview(payload)[_CHUNK_HEAD.size :]
+        if stream not in self._streams:
+            if total > self.max_bytes:
                 raise FrameError(
-                    f"chunked message of {chunk.total} bytes exceeds the limit of "
-                    f"{self.max_bytes} bytes"
+                    f"chunked message of {total} bytes exceeds the limit of {self.max_bytes} bytes"
                 )
-            if chunk.offset != 0 or chunk.total <= 0:
+            if offset != 0 or total == 0:
                 raise FrameError(
-                    f"chunk stream {chunk.stream} starts at offset {chunk.offset} of "
-                    f"{chunk.total} bytes: a stream starts at 0 of a positive total"
+                    f"chunk stream {stream} starts at offset {offset} of {total} bytes: "
+                    "a stream starts at 0 of a positive total"
                 )
-            self._streams[chunk.stream] = (bytearray(chunk.total), 0)
-        buffer, received = self._streams[chunk.stream]
-        end = chunk.offset + len(chunk.data)
-        if chunk.offset != received or chunk.total != len(buffer) or end > len(buffer):
-            del self._streams[chunk.stream]
+            self._streams[stream] = (bytearray(total), 0)
+        buffer, received = self._streams[stream]
+        end = offset + len(data)
+        if offset != received or total != len(buffer) or end > len(buffer):
+            del self._streams[stream]
             raise FrameError(
-                f"chunk stream {chunk.stream}: got bytes {chunk.offset}..{end} of {chunk.total}, "
+                f"chunk stream {stream}: got bytes {offset}..{end} of {total}, "
                 f"expected the next at {received} of {len(buffer)}"
             )
-        buffer[chunk.offset : end] = chunk.data
+        buffer[offset:end] = data
         if end < len(buffer):
-            self._streams[chunk.stream] = (buffer, end)
+            self._streams[stream] = (buffer, end)
             return None
-        del self._streams[chunk.stream]
+        del self._streams[stream]
         return buffer
 
 
@@ -231,14 +270,10 @@ class Channel:
             self.bytes_out += size
             return
         self._next_stream += 1
-        stream = self._next_stream
-        frame = memoryview(b"".join(parts))
-        for offset in range(0, size, CHUNK_BYTES):
-            piece = frame[offset : offset + CHUNK_BYTES]
-            chunk = Chunk(stream=stream, offset=offset, total=size, data=bytes(piece))
+        for chunk in chunk_messages(parts, self._next_stream):
             # One lock per chunk, not per message: a heartbeat or reply may pass in between.
             async with self._send_lock:
-                await self.transport.send(encode_small(chunk))
+                await self.transport.send(chunk)
         self.bytes_out += size
 
     async def reply(self, to: Any, message: BaseModel) -> None:
@@ -308,16 +343,13 @@ class Channel:
                 None,
             )
         self.bytes_in += len(payload)
-        message = parse(payload)
-        if isinstance(message, Chunk):
-            try:
-                frame = self._reassembler.add(message)
-            except FrameError as exc:
-                raise BadMessage(
-                    ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), message.id
-                ) from exc
-            return None if frame is None else parse(frame)
-        return message
+        if payload[: len(CHUNK_MAGIC)] != CHUNK_MAGIC:
+            return parse(payload)
+        try:
+            frame = self._reassembler.add(payload)
+        except FrameError as exc:
+            raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
+        return None if frame is None else parse(frame)
 
     async def run(self) -> None:
         """Read until the connection closes: route replies, hand the rest to the handler."""

@@ -147,13 +147,15 @@ class CompositeFitRequest(DataSource):
 class BatchedFitRequest(DataSource):
     """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``.
 
-    ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term."""
+    ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
+    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones."""
 
     cmd: Literal["batched_fit"]
     node_ids: Annotated[list[str], Field(min_length=1)]
     batch_size: PositiveInt | None = None
     epochs: NonNegativeInt | None = None
     prox_mu: NonNegativeFloat = 0.0
+    reset_optimizer: bool = False
 
 
 class StageRequest(_Request):

@@ -19,9 +19,9 @@ Conversation shapes:
   states), :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
   (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
   one).
-* a message too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
-  :class:`Chunk` messages (see :mod:`protocol.channel`); other messages, heartbeats included,
-  may go in between.
+* a frame too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
+  chunk messages (raw bytes with a fixed header, see :mod:`protocol.channel`); other messages,
+  heartbeats included, may go in between.
 
 A :class:`Call` carries one filter-daemon command (:mod:`protocol.daemon`, without its ``id``):
 the strategies' vocabulary (fit, get/set state, get/apply gradients, ...) is the daemon's, and
@@ -38,7 +38,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorInfo
 
 CHUNK_BYTES = 1 << 20
-"""Frames larger than this travel as :class:`Chunk` messages of this size: ``websockets`` moves
+"""Frames larger than this travel as chunk messages of this size: ``websockets`` moves
 ~1 MB messages several times faster than one huge one, and heartbeats can pass in between."""
 
 
@@ -278,20 +278,6 @@ class Ping(_Message):
 # -- transport ---------------------------------------------------------------------------------
 
 
-class Chunk(_Message):
-    """One piece of a frame larger than :data:`CHUNK_BYTES`.
-
-    ``stream`` numbers the large message on its connection, ``offset`` is where ``data`` goes in
-    the reassembled frame of ``total`` bytes; the frame is complete when all bytes arrived.
-    """
-
-    kind: Literal["chunk"] = "chunk"
-    stream: int
-    offset: int
-    total: int
-    data: StrictBytes
-
-
 Message = Annotated[
     WorkerHello
     | ClientHello
@@ -313,8 +299,7 @@ Message = Annotated[
     | GetJob
     | ListJobs
     | Status
-    | Ping
-    | Chunk,
+    | Ping,
     Field(discriminator="kind"),
 ]
 message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -125,3 +125,41 @@ def test_bad_messages_get_an_error_reply_and_the_connection_stays_up(payload, co
             await _close(server, client, reader)
 
     asyncio.run(main())
+
+
+def test_chunks_are_cut_across_the_codec_parts_and_reassemble_exactly():
+    from protocol.channel import CHUNK_MAGIC, Reassembler, chunk_messages
+    from protocol.codec import decode, encode
+
+    value = {
+        "a": np.arange(CHUNK_BYTES // 8 + 3, dtype=np.float64),
+        "b": b"x" * 1000,
+        "c": torch.ones(7),
+    }
+    parts = encode(value)
+    chunks = list(chunk_messages(parts, stream=7))
+    assert all(c.startswith(CHUNK_MAGIC) for c in chunks)
+    assert len(chunks) == 2
+    reassembler = Reassembler(max_bytes=1 << 30)
+    assert reassembler.add(chunks[0]) is None
+    frame = reassembler.add(chunks[1])
+    assert frame == b"".join(parts)
+    got = decode(frame)
+    assert np.array_equal(got["a"], value["a"]) and got["b"] == value["b"]
+
+
+def test_bad_chunks_are_frame_errors():
+    from protocol.channel import Reassembler, chunk_messages
+    from protocol.errors import FrameError
+
+    chunks = list(chunk_messages([bytes(3 * CHUNK_BYTES)], stream=1))
+    with pytest.raises(FrameError, match="starts at offset"):
+        Reassembler(1 << 30).add(chunks[1])
+    reassembler = Reassembler(1 << 30)
+    reassembler.add(chunks[0])
+    with pytest.raises(FrameError, match="expected the next at"):
+        reassembler.add(chunks[2])
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        Reassembler(CHUNK_BYTES).add(chunks[0])
+    with pytest.raises(FrameError, match="shorter than its header"):
+        Reassembler(1 << 30).add(chunks[0][:10])

@@ -21,13 +21,12 @@ import torch
 import websockets
 
 import somatize as sz
-from protocol.channel import Channel, RemoteError, encode_small
+from protocol.channel import Channel, RemoteError, chunk_messages
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,
-    Chunk,
     ClientHello,
     Error,
     JobEvent,
@@ -494,17 +493,11 @@ def test_a_large_reply_arriving_slowly_is_waited_for_but_a_stall_times_out(fake)
     async def slow(channel, message):
         reply = Result(id=channel.next_id(), reply_to=message.id, result={"states": {"b": big}})
         frame = encode_frame(reply.model_dump())
-        pieces = range(0, len(frame), CHUNK_BYTES)
+        chunks = list(chunk_messages([frame], stream=message.id))
         if message.kind == "status":  # stall after the first chunk
-            pieces = pieces[:1]
-        for offset in pieces:
-            chunk = Chunk(
-                stream=message.id,
-                offset=offset,
-                total=len(frame),
-                data=frame[offset : offset + CHUNK_BYTES],
-            )
-            await channel.transport.send(encode_small(chunk))
+            chunks = chunks[:1]
+        for chunk in chunks:
+            await channel.transport.send(chunk)
             await asyncio.sleep(0.3 * UNIT)  # each chunk inside the client's 0.5-unit timeout
         await asyncio.sleep(3600)
 
