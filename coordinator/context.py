@@ -119,6 +119,7 @@ class StrategyContext(ABC):
                 "x": x,
                 "y": y,
                 "batch_size": batch_size,
+                "return_output": False,
             },
         )
         result.pop("output", None)

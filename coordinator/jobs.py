@@ -117,7 +117,7 @@ class JobManager:
             fits = [w for w in self.registry.idle() if placement.accepts(w.identity)]
             if len(fits) < placement.workers:
                 continue
-            chosen = fits[: placement.workers]
+            chosen = fits if placement.all_matching else fits[: placement.workers]
             for worker in chosen:
                 worker.state = WorkerState.BUSY
                 worker.job_id = job_id

@@ -156,6 +156,7 @@ class BatchedFitRequest(DataSource):
     epochs: NonNegativeInt | None = None
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
+    return_output: bool = True  # False: the chain's output on the data stays on the worker
 
 
 class StageRequest(_Request):

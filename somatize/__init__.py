@@ -24,13 +24,29 @@ from somatize.client import Client, Job, JobEventInfo, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
-from somatize.strategies import DataParallel, Local, Strategy, WorkerData
+from somatize.strategies import (
+    DataParallel,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    FedYogi,
+    Local,
+    ServerOptimizer,
+    Strategy,
+    WorkerData,
+)
 
 __all__ = [
     "Client",
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedProx",
+    "FedYogi",
     "Filter",
     "FittedGraph",
     "Graph",
@@ -39,6 +55,7 @@ __all__ = [
     "JobEventInfo",
     "JobFailed",
     "Local",
+    "ServerOptimizer",
     "SomatizeError",
     "Strategy",
     "TorchFilter",

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -117,12 +117,23 @@ class LocalCluster:
         )
         self._wait(self.coordinator, "coordinator", self.healthy)
 
-    def start_worker(self, worker_id: str, *tags: str, threads: int | None = None) -> None:
-        """Start a worker agent and wait until the coordinator lists it idle."""
+    def start_worker(
+        self,
+        worker_id: str,
+        *tags: str,
+        threads: int | None = None,
+        data: Mapping[str, Path] | None = None,
+    ) -> None:
+        """Start a worker agent and wait until the coordinator lists it idle.
+
+        ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``).
+        """
         argv = [str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
         for tag in tags:
             argv += ["--tag", tag]
+        for name, path in (data or {}).items():
+            argv += ["--data", f"{name}={path}"]
         proc = self._spawn(f"worker-{worker_id}", argv)
         self.workers[worker_id] = proc
         self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) == "idle")

@@ -10,13 +10,25 @@ on the coordinator (:mod:`coordinator.strategies`)::
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from protocol.messages import StrategySpec
 
-__all__ = ["DataParallel", "Local", "Strategy", "WorkerData"]
+__all__ = [
+    "DataParallel",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedProx",
+    "FedYogi",
+    "Local",
+    "ServerOptimizer",
+    "Strategy",
+    "WorkerData",
+]
 
 
 class Strategy(ABC):
@@ -114,3 +126,228 @@ class WorkerData:
 
     def __post_init__(self) -> None:
         _check_selector("name", self.name)
+
+
+# -- federated ----------------------------------------------------------------------------------
+
+
+def _real(owner: str, argument: str, value: object) -> float:
+    """``value`` as a float, if it is a finite real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {argument} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _positive(owner: str, argument: str, value: object) -> None:
+    if _real(owner, argument, value) <= 0:
+        raise ValueError(f"{owner}: {argument} must be > 0, not {value!r}")
+
+
+def _decay(owner: str, argument: str, value: object) -> None:
+    if not 0 <= _real(owner, argument, value) < 1:
+        raise ValueError(f"{owner}: {argument} must be in [0, 1), not {value!r}")
+
+
+def _positive_int(owner: str, argument: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}: {argument} must be a positive integer, not {value!r}")
+
+
+class ServerOptimizer(ABC):
+    """What the coordinator does with a round's average (Reddi et al. 2021, "Adaptive Federated
+    Optimization"): with x_t the global model and x̄ the round's row-weighted average of the
+    client models, it steps on the pseudo-gradient Δ_t = x̄ − x_t. Without one (the default)
+    the average is the next global model, x_{t+1} = x̄, as in FedAvg."""
+
+    #: The optimizer's name on the wire.
+    name: ClassVar[str]
+
+    def options(self) -> dict[str, Any]:
+        """``{"name": ..., hyperparameter: value, ...}``, as the strategy sends it."""
+        return {"name": self.name, **{k: float(v) for k, v in vars(self).items()}}
+
+
+@dataclass(frozen=True)
+class FedAvgM(ServerOptimizer):
+    """Server momentum (Hsu et al. 2019): m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t.
+
+    Args:
+        lr: η, the server learning rate (> 0).
+        momentum: β, in [0, 1).
+    """
+
+    lr: float = 1.0
+    momentum: float = 0.9
+
+    name: ClassVar[str] = "fedavgm"
+
+    def __post_init__(self) -> None:
+        _positive("FedAvgM", "lr", self.lr)
+        _decay("FedAvgM", "momentum", self.momentum)
+
+
+@dataclass(frozen=True)
+class _Adaptive(ServerOptimizer):
+    lr: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _positive(owner, "lr", self.lr)
+        _decay(owner, "beta1", self.beta1)
+        _decay(owner, "beta2", self.beta2)
+        _positive(owner, "tau", self.tau)
+
+
+@dataclass(frozen=True)
+class FedAdam(_Adaptive):
+    """Adam on the server (Reddi et al. 2021, Algorithm 2): m_t = β1 m_{t−1} + (1 − β1) Δ_t;
+    v_t = β2 v_{t−1} + (1 − β2) Δ_t²; x_{t+1} = x_t + η m_t / (√v_t + τ); v_{−1} = τ².
+
+    Args:
+        lr: η, the server learning rate (> 0).
+        beta1: β1, in [0, 1).
+        beta2: β2, in [0, 1).
+        tau: τ, the adaptivity (> 0).
+    """
+
+    name: ClassVar[str] = "fedadam"
+
+
+@dataclass(frozen=True)
+class FedYogi(_Adaptive):
+    """Yogi on the server (Reddi et al. 2021, Algorithm 2): as :class:`FedAdam` but
+    v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²).
+
+    Args:
+        lr: η, the server learning rate (> 0).
+        beta1: β1, in [0, 1).
+        beta2: β2, in [0, 1).
+        tau: τ, the adaptivity (> 0).
+    """
+
+    name: ClassVar[str] = "fedyogi"
+
+
+def _check_federated(owner: str, s: FedAvg | FedProx) -> None:
+    _positive_int(owner, "rounds", s.rounds)
+    _positive_int(owner, "local_epochs", s.local_epochs)
+    _positive_int(owner, "min_workers", s.min_workers)
+    if not 0 < _real(owner, "fraction", s.fraction) <= 1:
+        raise ValueError(f"{owner}: fraction must be in (0, 1], not {s.fraction!r}")
+    if s.workers is not None:
+        _positive_int(owner, "workers", s.workers)
+        if s.workers < s.min_workers:
+            raise ValueError(
+                f"{owner}: workers ({s.workers}) must be at least min_workers ({s.min_workers})"
+            )
+    _check_selector("tag", s.tag)
+    if s.server is not None and not isinstance(s.server, ServerOptimizer):
+        raise ValueError(
+            f"{owner}: server must be FedAvgM(...), FedAdam(...), FedYogi(...) or None, "
+            f"not {s.server!r}"
+        )
+    if not isinstance(s.seed, int) or isinstance(s.seed, bool) or s.seed < 0:
+        raise ValueError(f"{owner}: seed must be a non-negative integer, not {s.seed!r}")
+
+
+def _federated_options(s: FedAvg | FedProx) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "rounds": s.rounds,
+        "local_epochs": s.local_epochs,
+        "fraction": float(s.fraction),
+        "min_workers": s.min_workers,
+        "seed": s.seed,
+    }
+    if s.workers is not None:
+        options["workers"] = s.workers
+    if s.tag is not None:
+        options["tag"] = s.tag
+    if s.server is not None:
+        options["server"] = s.server.options()
+    return options
+
+
+@dataclass(frozen=True)
+class FedAvg(Strategy):
+    """Federated averaging (McMahan et al. 2017, Algorithm 1): rounds of local training.
+
+    Each round the coordinator selects max(``min_workers``, ⌈``fraction`` · K⌉) of the K
+    workers (a draw seeded with ``seed`` + round), sends them the global model, each trains
+    ``local_epochs`` epochs on its data with a fresh optimizer (its TorchFilters' own optimizer,
+    ``lr`` and ``batch_size``), and the new global model is their average weighted by rows,
+    stepped through ``server`` if one is given. The data is the workers' own
+    (``sz.WorkerData(name)``) or the rows sent, split in contiguous shards. Workers that fail in
+    a round are dropped from it and named in its event; the round fails when fewer than
+    ``min_workers`` answered. Plain filters are fitted by each worker on its own data and their
+    states averaged by rows.
+
+    Args:
+        rounds: communication rounds.
+        local_epochs: epochs of local training per round.
+        fraction: C, the share of the workers selected each round, in (0, 1].
+        min_workers: the least number of workers a round needs answers from.
+        workers: how many workers to reserve (default: every idle matching worker when the job
+            starts, at least ``min_workers``).
+        tag: only workers with this tag.
+        server: a server optimizer (:class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi`);
+            default: plain averaging.
+        seed: seeds the selection of workers.
+
+    Raises:
+        ValueError: an argument out of range or of the wrong type.
+    """
+
+    rounds: int
+    local_epochs: int = 1
+    fraction: float = 1.0
+    min_workers: int = 1
+    workers: int | None = None
+    tag: str | None = None
+    server: ServerOptimizer | None = None
+    seed: int = 0
+
+    name: ClassVar[str] = "fedavg"
+
+    def __post_init__(self) -> None:
+        _check_federated("FedAvg", self)
+
+    def options(self) -> dict[str, Any]:
+        return _federated_options(self)
+
+
+@dataclass(frozen=True)
+class FedProx(Strategy):
+    """FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks"): FedAvg
+    whose workers add the proximal term μ/2 ‖w − w_t‖² to every local batch's loss, w_t being
+    the round's global model, which keeps local models near it on heterogeneous data.
+
+    Args:
+        mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed: as
+            :class:`FedAvg`.
+
+    Raises:
+        ValueError: an argument out of range or of the wrong type.
+    """
+
+    mu: float
+    rounds: int
+    local_epochs: int = 1
+    fraction: float = 1.0
+    min_workers: int = 1
+    workers: int | None = None
+    tag: str | None = None
+    server: ServerOptimizer | None = None
+    seed: int = 0
+
+    name: ClassVar[str] = "fedprox"
+
+    def __post_init__(self) -> None:
+        _positive("FedProx", "mu", self.mu)
+        _check_federated("FedProx", self)
+
+    def options(self) -> dict[str, Any]:
+        return {"mu": float(self.mu), **_federated_options(self)}

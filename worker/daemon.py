@@ -195,8 +195,16 @@ class Daemon:
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
         x, y = self._data(req)
         result = self.engine.batched_fit(
-            req.node_ids, x, y, req.batch_size, epochs=req.epochs, prox_mu=req.prox_mu
+            req.node_ids,
+            x,
+            y,
+            req.batch_size,
+            epochs=req.epochs,
+            prox_mu=req.prox_mu,
+            reset_optimizer=req.reset_optimizer,
         )
+        if not req.return_output:
+            result.output = None  # predictions on (perhaps private) data: not to be sent back
         return _plain(result)
 
     def on_stage(self, req: StageRequest) -> dict[str, Any]:

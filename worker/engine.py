@@ -220,6 +220,7 @@ class Engine:
         *,
         epochs: int | None = None,
         prox_mu: float = 0.0,
+        reset_optimizer: bool = False,
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -232,9 +233,14 @@ class Engine:
         ``epochs`` overrides the filters' own (a federated round's local epochs); ``prox_mu``
         adds FedProx's proximal term (Li et al. 2020) to every batch's loss:
         ``mu / 2 * ||w - w_start||^2`` over the run's parameters, ``w_start`` being the weights
-        this call started from (the round's global model).
+        this call started from (the round's global model). ``reset_optimizer`` drops the chain's
+        kept optimizers first, so training starts from fresh ones (no momentum or moments left
+        from earlier calls): a federated client's optimizer lives for one round.
         """
         nodes = self._chain(node_ids, x, y)
+        if reset_optimizer:
+            for node in nodes:
+                node.optimizer = None
         out, loss, epoch_losses = x, None, []
         for segment in _segments(nodes):
             if segment[0].differentiable:

@@ -24,14 +24,19 @@ from coordinator.strategies.base import (
     strategy_from_spec,
 )
 from coordinator.strategies.data_parallel import DataParallel
+from coordinator.strategies.fedavg import FedAvg, FedProx
 from coordinator.strategies.local import Local
 
-STRATEGIES: dict[str, type[Strategy]] = {"local": Local, "data_parallel": DataParallel}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx)
+}
 
 __all__ = [
     "STRATEGIES",
     "DataParallel",
     "Emit",
+    "FedAvg",
+    "FedProx",
     "JobInputs",
     "Local",
     "Placement",

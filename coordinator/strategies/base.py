@@ -51,12 +51,17 @@ class JobInputs:
 
 @dataclass(frozen=True)
 class Placement:
-    """How many workers a strategy needs, and which qualify (by id and tags)."""
+    """How many workers a strategy needs, and which qualify (by id and tags).
+
+    With ``all_matching`` the job takes every idle worker that qualifies when it starts, and
+    ``workers`` is the least it starts with.
+    """
 
     workers: int
     worker_id: str | None = None
     tag: str | None = None
     dataset: str | None = None
+    all_matching: bool = False
 
     def accepts(self, worker: WorkerIdentity) -> bool:
         if self.worker_id is not None and worker.id != self.worker_id:
@@ -67,6 +72,8 @@ class Placement:
 
     def describe(self) -> str:
         what = f"{self.workers} worker{'s' if self.workers != 1 else ''}"
+        if self.all_matching:
+            what = f"every idle worker (at least {self.workers})"
         if self.worker_id is not None:
             what += f" with id {self.worker_id!r}"
         if self.tag is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from somatize.cluster import LocalCluster, wait_for
@@ -37,14 +37,18 @@ class Cluster(LocalCluster):
 
 @contextlib.contextmanager
 def cluster(
-    tmp_path: Path, workers: dict[str, tuple[str, ...]], **kwargs: float
+    tmp_path: Path,
+    workers: dict[str, tuple[str, ...]],
+    data: Mapping[str, Mapping[str, Path]] | None = None,
+    **kwargs: float,
 ) -> Iterator[Cluster]:
-    """A started cluster with ``workers`` (id → tags); everything is stopped on exit."""
+    """A started cluster with ``workers`` (id → tags), each with its ``data`` (id → dataset name
+    → ``.npz`` path) if given; everything is stopped on exit."""
     c = Cluster(tmp_path / "state", **kwargs)
     try:
         c.start_coordinator()
         for worker_id, tags in workers.items():
-            c.start_worker(worker_id, *tags)
+            c.start_worker(worker_id, *tags, data=(data or {}).get(worker_id))
         yield c
     finally:
         c.close()

@@ -325,3 +325,36 @@ def test_a_reader_in_the_middle_of_a_frame_says_so():
     reader.buffer()[:3] = b"\x01\x00\x00"
     reader.advance(3)
     assert reader.mid_frame
+
+
+def test_batched_fit_can_keep_its_output_on_the_worker():
+    """A federated client's predictions on its private data must not travel back."""
+    import numpy as np
+    import torch
+
+    import somatize as sz
+    from protocol.codec import decode, encode_frame
+    from protocol.filters import dump_filter
+    from worker.daemon import Daemon
+
+    daemon = Daemon()
+    load = {
+        "id": 1,
+        "cmd": "load",
+        "filters": {"lin": dump_filter(sz.TorchFilter(torch.nn.Linear(2, 1)))},
+    }
+    assert decode(b"".join(daemon.respond(bytearray(encode_frame(load)))))["ok"]
+    x, y = np.ones((4, 2), np.float32), np.ones((4, 1), np.float32)
+    for keep, expect_output in ((True, True), (False, False)):
+        request = {
+            "id": 2,
+            "cmd": "batched_fit",
+            "node_ids": ["lin"],
+            "x": x,
+            "y": y,
+            "return_output": keep,
+        }
+        reply = decode(b"".join(daemon.respond(bytearray(encode_frame(request)))))
+        assert reply["ok"], reply
+        assert (reply["result"]["output"] is not None) is expect_output
+        assert set(reply["result"]["states"]) == {"lin"}

@@ -1,0 +1,114 @@
+"""FedAvg on live workers that train on their own data (``somatize-worker --data local=PATH``):
+the same answer as independent local trainings averaged by hand, and a worker killed mid-job
+dropped while the others finish."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import somatize as sz
+from tests.coordinator.test_fedavg import (
+    SIZES,
+    assert_model,
+    center_of,
+    graph,
+    reference_rounds,
+    shards,
+)
+from tests.integration.cluster import UNIT, Cluster, cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+IDS = ("w1", "w2", "w3")
+
+
+class Pause(sz.Filter):
+    """Takes its time fitting, so that a worker can be killed while a job runs."""
+
+    def fit(self, x, y=None):
+        time.sleep(0.5)
+        return {}
+
+    def forward(self, x, state):
+        return x
+
+
+def write_datasets(directory: Path) -> tuple[list, dict[str, dict[str, Path]]]:
+    """Each worker's ``local`` dataset (30, 50 and 80 rows) as an ``.npz`` file."""
+    data = shards()
+    paths = {}
+    for worker_id, (x, y) in zip(IDS, data, strict=True):
+        path = directory / f"{worker_id}.npz"
+        np.savez(path, x=x, y=y)
+        paths[worker_id] = {"local": path}
+    return data, paths
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> Iterator[tuple[Cluster, list]]:
+    """One cluster for the module (its start is most of the time): the tests below run in file
+    order, and the last one kills w2."""
+    directory = tmp_path_factory.mktemp("fedavg")
+    data, paths = write_datasets(directory)
+    with cluster(directory, {w: () for w in IDS}, data=paths) as c:
+        yield c, data
+
+
+def rounds_of(job: sz.Job) -> list[dict]:
+    return [e.data for e in job.events(timeout=30 * UNIT) if e.data.get("phase") == "round"]
+
+
+def test_live_fedavg_on_worker_data_equals_the_hand_averaged_local_trainings(live):
+    c, data = live
+    expected = reference_rounds(data, 3, epochs=2)
+    with sz.connect(c.url) as client:
+        strategy = sz.FedAvg(rounds=3, local_epochs=2)
+        job = client.submit(graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        assert_model(fitted.states, expected[-1][0])
+        np.testing.assert_allclose(
+            fitted.states["center"]["mean"], center_of(data, [0, 1, 2]), rtol=1e-6
+        )
+        # Round after round: each round's loss is that of local trainings from the hand-computed
+        # model of the round before.
+        events = rounds_of(job)
+        assert [e["round"] for e in events] == [1, 2, 3]
+        for event, (_, loss, _) in zip(events, expected, strict=True):
+            assert sorted(event["workers"]) == list(IDS) and event["dropped"] == {}
+            assert event["rows"] == sum(SIZES)
+            assert event["loss"] == pytest.approx(loss, abs=1e-6)
+        assert sorted(job.status()["workers"]) == list(IDS)  # workers=None: every idle one
+
+
+def test_live_fedavg_goes_on_without_a_worker_killed_mid_job(live):
+    c, data = live
+    g = graph(Pause().named("pause"))
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:  # idle again after the previous job
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        strategy = sz.FedAvg(rounds=5, min_workers=2)
+        job = client.submit(g, sz.WorkerData("local"), strategy=strategy)
+        wait_for(
+            lambda: (job.status()["progress"] or {}).get("round", 0) >= 1, 60 * UNIT, "round 1"
+        )
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        fitted = job.result(timeout=60 * UNIT)
+
+        events = rounds_of(job)
+        assert [e["round"] for e in events] == [1, 2, 3, 4, 5]
+        dropped = [e for e in events if "w2" in e["dropped"]]
+        assert len(dropped) == 1, events  # dropped once, then never selected again
+        assert dropped[0]["dropped"]["w2"].startswith("worker_lost: ")
+        after = events.index(dropped[0])
+        assert all("w2" not in e["workers"] for e in events[after:])
+        assert all("w2" not in e["selected"] for e in events[after + 1 :])
+        # What it learned is what the workers that answered each round learned, averaged.
+        answered = {e["round"]: sorted(IDS.index(w) for w in e["workers"]) for e in events}
+        expected = reference_rounds(data, 5, epochs=1, select=answered.__getitem__)
+        assert_model(fitted.states, expected[-1][0])
