@@ -22,10 +22,11 @@ tensors, 5.8M parameters, 23.3 MB) of 2 contributors, measured piece by piece an
 
 Figures are medians in ms over :data:`REPS` repetitions after warm-up, in :data:`ROUNDS`
 interleaved rounds (our job, the averaging, the compute, the transport, gloo), pooled, so that a
-slow spell of the machine hits every figure alike. Everything runs on
-loopback on this machine's cores. Every process started here is killed at the end (also on
-Ctrl-C); their logs are printed if the run fails. :mod:`benchmarks.data_parallel` reuses the
-helpers (the model, the torch scripts, the job runner, the transport anchor).
+slow spell of the machine hits every figure alike; how many cores other processes kept busy
+meanwhile is printed too. Everything runs on loopback on this machine's cores. Every process
+started here is killed at the end (also on Ctrl-C); the cluster's logs are printed if the run
+fails. :mod:`benchmarks.data_parallel` reuses the helpers (the model, the torch scripts, the job
+runner, the transport anchor).
 """
 
 from __future__ import annotations

@@ -435,3 +435,33 @@ def test_tree_helpers():
     doubled = tree_map(lambda leaf: leaf * 2 if isinstance(leaf, float) else leaf, tree)
     assert doubled["f"]["mu"] == 3.0 and doubled["f"]["name"] == "x"
     assert isinstance(doubled["f"]["pair"], tuple)
+
+
+def test_the_fast_native_dtype_mean_agrees_with_the_precise_one_to_float32_resolution():
+    rng = np.random.default_rng(3)
+    trees = [
+        (
+            f"w{i}",
+            float(w),
+            {
+                "m": {
+                    "a": torch.from_numpy(rng.normal(size=(300, 7)).astype(np.float32)),
+                    "b": rng.normal(size=5),
+                }
+            },
+        )
+        for i, w in enumerate((3, 5, 8))
+    ]
+    frozen = trees[1][2]["m"]["b"].copy()
+    frozen.flags.writeable = False  # as decoded from a read-only frame: the slow path folds it
+    trees[1][2]["m"]["b"] = frozen
+    fast = weighted_mean(trees, precise=False)
+    exact = weighted_mean(trees)
+    assert isinstance(fast["m"]["a"], torch.Tensor) and fast["m"]["a"].dtype == torch.float32
+    assert fast["m"]["b"].dtype == np.float64
+    torch.testing.assert_close(fast["m"]["a"], exact["m"]["a"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fast["m"]["b"], exact["m"]["b"], rtol=1e-12)
+    by_hand = (
+        3 * trees[0][2]["m"]["a"] + 5 * trees[1][2]["m"]["a"] + 8 * trees[2][2]["m"]["a"]
+    ) / 16
+    torch.testing.assert_close(fast["m"]["a"], by_hand, rtol=1e-6, atol=1e-6)
