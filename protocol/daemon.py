@@ -176,6 +176,7 @@ class GradientsRequest(DataSource):
 
     cmd: Literal["gradients"]
     node_ids: Annotated[list[str], Field(min_length=1)]
+    apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
 
 
 class CompositeForwardRequest(_Request):

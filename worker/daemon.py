@@ -218,6 +218,8 @@ class Daemon:
         return {"rows": self.engine.stage(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
+        if req.apply is not None:  # finish the previous step first: one round trip per step
+            self.engine.apply_gradients(req.apply)
         result = self.engine.gradient_pass(req.node_ids, *self._data(req))
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
         return {

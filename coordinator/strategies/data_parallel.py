@@ -140,18 +140,19 @@ class DataParallel(Strategy):
             await concurrently(*(ctx.set_state(i, averaged) for i in replicas))
 
         # 3. Synchronous SGD: each slice's gradient, their weighted mean, one step everywhere.
+        #    A step's mean travels with the next step's request (one round trip a step); the
+        #    last mean, and any a replica with no rows in a step would miss, go on their own.
         total_steps = steps_per_epoch * training.epochs
+        mean: Any = None
         plan = schedule(n, len(replicas), training)
         for done, (epoch, _, slices) in enumerate(plan, start=1):
             active = [i for i in replicas if len(slices[i])]
-            results = await concurrently(
-                *(
-                    self._call(
-                        ctx, i, "gradients", job.node_ids, np.searchsorted(held[i], slices[i])
-                    )
-                    for i in active
-                )
-            )
+            idle = [i for i in replicas if not len(slices[i])]
+            local = {i: np.searchsorted(held[i], slices[i]) for i in active}
+            calls = [self._call(ctx, i, "gradients", job.node_ids, local[i], mean) for i in active]
+            if mean is not None:
+                calls += [ctx.apply_gradients(i, mean) for i in idle]
+            results = (await concurrently(*calls))[: len(active)]
             weights = [len(slices[i]) for i in active]
             grads = [
                 (ids[i], w, r["gradients"])
@@ -159,11 +160,12 @@ class DataParallel(Strategy):
             ]
             # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
             mean = _average(grads, precise=False)
-            await concurrently(*(ctx.apply_gradients(i, mean) for i in replicas))
             losses = [w * float(r["loss"]) for w, r in zip(weights, results, strict=True)]
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
             progress |= {"step": done, "steps": total_steps, "loss": sum(losses) / sum(weights)}
             await emit("progress", progress)
+        if mean is not None:
+            await concurrently(*(ctx.apply_gradients(i, mean) for i in replicas))
 
         # 4. The final states, read back over the wire from every replica: they must agree.
         states = await concurrently(*(ctx.read_back_state(i, job.node_ids) for i in replicas))
@@ -198,10 +200,14 @@ class DataParallel(Strategy):
         await ctx.call(i, {"cmd": "stage", "name": STAGED, "x": job.x[rows], "y": job.y[rows]})
 
     @staticmethod
-    async def _call(ctx: StrategyContext, i: int, cmd: str, nodes: list[str], rows: Any) -> Any:
+    async def _call(
+        ctx: StrategyContext, i: int, cmd: str, nodes: list[str], rows: Any, apply: Any = None
+    ) -> Any:
         """A command on replica ``i``'s staged rows (positions in what it holds)."""
-        rows = np.asarray(rows).tolist()
-        return await ctx.call(i, {"cmd": cmd, "node_ids": nodes, "data": STAGED, "rows": rows})
+        request = {"cmd": cmd, "node_ids": nodes, "data": STAGED, "rows": np.asarray(rows).tolist()}
+        if apply is not None:
+            request["apply"] = apply
+        return await ctx.call(i, request)
 
 
 def _average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:

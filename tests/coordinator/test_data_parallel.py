@@ -146,3 +146,11 @@ def test_jobs_data_parallel_cannot_run_are_refused_up_front():
         DataParallel(2).validate(inputs(graph_for("sgd"), x, None))
     with pytest.raises(StrategyOptionsError, match="workers must be a positive integer, not 0"):
         DataParallel.from_options({"workers": 0})
+
+
+def test_a_replica_with_no_rows_in_a_step_still_takes_the_step():
+    x, y = dataset(n=65)  # the last batch of each epoch has 1 row: replica 2 sits it out
+    states, _ = run_in_memory(graph_for("sgd"), x, y, 2)
+    expected = reference_training(x, y, "sgd")
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(states["mlp"][key]), value, rtol=0, atol=1e-5)
