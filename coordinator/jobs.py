@@ -114,10 +114,11 @@ class JobManager:
         for job_id in list(self._queue):
             job = self._jobs[job_id]
             placement = _placement(job.strategy, job.inputs)
-            fits = [w for w in self.registry.idle() if placement.accepts(w.identity)]
-            if len(fits) < placement.workers:
+            idle = self.registry.idle()
+            picks = placement.choose([w.identity for w in idle])
+            if picks is None:
                 continue
-            chosen = fits if placement.all_matching else fits[: placement.workers]
+            chosen = [idle[i] for i in picks]
             for worker in chosen:
                 worker.state = WorkerState.BUSY
                 worker.job_id = job_id
@@ -155,6 +156,7 @@ class JobManager:
             strategy.validate(inputs)
         except StrategyOptionsError as exc:
             raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+        self._check_targets(_placement(strategy, inputs))
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
@@ -169,6 +171,20 @@ class JobManager:
         await self._emit(job.id, "queued", {"placement": summary["placement"]})
         self.kick()
         return job.id
+
+    def _check_targets(self, placement: Placement) -> None:
+        """Refuse a pinned placement no known worker could ever take (instead of queueing it
+        forever), listing the workers and tags that exist."""
+        known = [w.identity for w in self.registry]
+        for slot in placement.slots:
+            if not any(
+                w.id == slot.id if slot.id is not None else slot.tag in w.tags for w in known
+            ):
+                tags = sorted({t for w in known for t in w.tags})
+                raise remote(
+                    ErrorCode.NO_WORKERS,
+                    f"no worker answers to {slot}: workers {[w.id for w in known]}, tags {tags}",
+                )
 
     async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, live until its terminal event."""

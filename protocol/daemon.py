@@ -67,7 +67,10 @@ __all__ = [
     "PingRequest",
     "SetStateRequest",
     "ShutdownRequest",
+    "StageBackwardRequest",
+    "StageForwardRequest",
     "StageRequest",
+    "StageStepRequest",
     "allocate_fast",
     "allocate_paged",
     "reply_adapter",
@@ -179,6 +182,43 @@ class GradientsRequest(DataSource):
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
 
 
+class StageForwardRequest(DataSource):
+    """A pipeline stage's forward of micro-batch ``micro`` (ModelParallel, GPipe).
+
+    Plain filters apply their held state, the differentiable run goes forward in training mode
+    and what its backward needs is kept under ``micro``. ``first``: the input needs no gradient;
+    ``last``: labels are required and the loss, times ``scale`` (the micro-batch's share of the
+    global batch's rows), is kept. Returns the activation, or ``{"loss", "rows"}`` when ``last``.
+    """
+
+    cmd: Literal["stage_forward"]
+    node_ids: Annotated[list[str], Field(min_length=1)]
+    micro: NonNegativeInt
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    first: bool = False
+    last: bool = False
+
+
+class StageBackwardRequest(_Request):
+    """A pipeline stage's backward of micro-batch ``micro``; gradients accumulate.
+
+    ``grad_output`` is the gradient of the stage's output (``None`` on the last stage, which
+    backpropagates its loss). Returns the gradient of the stage's input (``None`` on the first)."""
+
+    cmd: Literal["stage_backward"]
+    micro: NonNegativeInt
+    grad_output: Any = None
+
+
+class StageStepRequest(_Request):
+    """End a pipeline global batch: one step of each node's optimizer, then zeroed gradients.
+
+    Returns the number of parameters stepped."""
+
+    cmd: Literal["stage_step"]
+    node_ids: Annotated[list[str], Field(min_length=1)]
+
+
 class CompositeForwardRequest(_Request):
     """Forward ``x`` through a chain of nodes, optionally with explicit states by node id."""
 
@@ -241,6 +281,9 @@ DaemonRequest = Annotated[
     | ApplyGradientsRequest
     | StageRequest
     | GradientsRequest
+    | StageForwardRequest
+    | StageBackwardRequest
+    | StageStepRequest
     | PingRequest
     | ShutdownRequest,
     Field(discriminator="cmd"),

@@ -25,6 +25,8 @@ __all__ = [
     "FedProx",
     "FedYogi",
     "Local",
+    "ModelParallel",
+    "Partition",
     "ServerOptimizer",
     "Strategy",
     "WorkerData",
@@ -351,3 +353,73 @@ class FedProx(Strategy):
 
     def options(self) -> dict[str, Any]:
         return {"mu": float(self.mu), **_federated_options(self)}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One pipeline stage: a contiguous run of node ids, pinned to a worker by id or by tag."""
+
+    node_ids: tuple[str, ...] | list[str]
+    worker: str | None = None
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        ids = list(self.node_ids)
+        if not ids or not all(isinstance(n, str) and n for n in ids):
+            raise ValueError(f"a partition names one or more node ids, not {self.node_ids!r}")
+        object.__setattr__(self, "node_ids", tuple(ids))
+        _check_selector("worker", self.worker)
+        _check_selector("tag", self.tag)
+        if (self.worker is None) == (self.tag is None):
+            raise ValueError(
+                f"pin partition {ids} to a worker id or a tag, exactly one "
+                f"(worker={self.worker!r}, tag={self.tag!r})"
+            )
+
+    def option(self) -> dict[str, Any]:
+        pinned = {"worker": self.worker} if self.worker is not None else {"tag": self.tag}
+        return {"node_ids": list(self.node_ids), **pinned}
+
+
+@dataclass(frozen=True)
+class ModelParallel(Strategy):
+    """Pipeline-parallel training: the graph split in ``partitions``, each on its own worker.
+
+    Every global batch (the batch ``graph.fit`` would take) is cut into ``micro_batches`` that
+    flow stage to stage; the last stage computes the loss; gradients flow back; each stage steps
+    its optimizer once per global batch (GPipe). The result equals ``graph.fit``.
+
+    Args:
+        partitions: the stages, in graph order; together they hold every node exactly once.
+        micro_batches: micro-batches per global batch.
+        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+    """
+
+    partitions: tuple[Partition, ...] | list[Partition]
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+
+    name: ClassVar[str] = "model_parallel"
+
+    def __post_init__(self) -> None:
+        parts = list(self.partitions)
+        if not parts or not all(isinstance(p, Partition) for p in parts):
+            raise ValueError("partitions must be a non-empty list of somatize.Partition")
+        object.__setattr__(self, "partitions", tuple(parts))
+        if (
+            not isinstance(self.micro_batches, int)
+            or isinstance(self.micro_batches, bool)
+            or self.micro_batches < 1
+        ):
+            raise ValueError(
+                f"micro_batches must be a positive integer, not {self.micro_batches!r}"
+            )
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule must be 'gpipe' or '1f1b', not {self.schedule!r}")
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "partitions": [p.option() for p in self.partitions],
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+        }

@@ -56,7 +56,10 @@ from protocol.daemon import (
     PingRequest,
     SetStateRequest,
     ShutdownRequest,
+    StageBackwardRequest,
+    StageForwardRequest,
     StageRequest,
+    StageStepRequest,
     allocate_fast,
     request_adapter,
 )
@@ -114,6 +117,9 @@ class Daemon:
             "apply_gradients": self.on_apply_gradients,
             "stage": self.on_stage,
             "gradients": self.on_gradients,
+            "stage_forward": self.on_stage_forward,
+            "stage_backward": self.on_stage_backward,
+            "stage_step": self.on_stage_step,
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
         }
@@ -228,8 +234,21 @@ class Daemon:
             "gradients": self.engine.get_gradients(torch_nodes),
         }
 
+    def on_stage_forward(self, req: StageForwardRequest) -> Any:
+        x, y = self._data(req)
+        return self.engine.stage_forward(
+            req.node_ids, req.micro, x, y, req.scale, req.last, first=req.first
+        )
+
+    def on_stage_backward(self, req: StageBackwardRequest) -> torch.Tensor | None:
+        return self.engine.stage_backward(req.micro, req.grad_output)
+
+    def on_stage_step(self, req: StageStepRequest) -> int:
+        return self.engine.stage_step(req.node_ids)
+
     def _data(
-        self, req: CompositeFitRequest | BatchedFitRequest | GradientsRequest
+        self,
+        req: CompositeFitRequest | BatchedFitRequest | GradientsRequest | StageForwardRequest,
     ) -> tuple[Any, Any]:
         if req.data is None:
             return req.x, req.y

@@ -26,9 +26,10 @@ from coordinator.strategies.base import (
 from coordinator.strategies.data_parallel import DataParallel
 from coordinator.strategies.fedavg import FedAvg, FedProx
 from coordinator.strategies.local import Local
+from coordinator.strategies.model_parallel import ModelParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx)
+    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx, ModelParallel)
 }
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "FedProx",
     "JobInputs",
     "Local",
+    "ModelParallel",
     "Placement",
     "Strategy",
     "StrategyFailed",

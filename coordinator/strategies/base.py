@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
-from coordinator.context import StrategyContext, WorkerIdentity
+from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import CoordinatorError
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import NodeInfo
@@ -54,7 +54,9 @@ class Placement:
     """How many workers a strategy needs, and which qualify (by id and tags).
 
     With ``all_matching`` the job takes every idle worker that qualifies when it starts, and
-    ``workers`` is the least it starts with.
+    ``workers`` is the least it starts with. With ``slots`` each worker is pinned on its own (a
+    pipeline stage to a worker id or tag): the job takes one distinct idle worker per slot, in
+    slot order.
     """
 
     workers: int
@@ -62,6 +64,22 @@ class Placement:
     tag: str | None = None
     dataset: str | None = None
     all_matching: bool = False
+    slots: tuple[Target, ...] = ()
+
+    def choose(self, idle: Sequence[WorkerIdentity]) -> list[int] | None:
+        """Indices into ``idle`` of the workers to take, or ``None`` when they are not there."""
+        fits = [i for i, w in enumerate(idle) if self.accepts(w)]
+        if not self.slots:
+            if len(fits) < self.workers:
+                return None
+            return fits if self.all_matching else fits[: self.workers]
+        chosen: list[int] = []
+        for slot in self.slots:
+            match = next((i for i in fits if i not in chosen and _answers(idle[i], slot)), None)
+            if match is None:
+                return None
+            chosen.append(match)
+        return chosen
 
     def accepts(self, worker: WorkerIdentity) -> bool:
         if self.worker_id is not None and worker.id != self.worker_id:
@@ -80,7 +98,13 @@ class Placement:
             what += f" tagged {self.tag!r}"
         if self.dataset is not None:
             what += f" with dataset {self.dataset!r}"
+        if self.slots:
+            what += ": " + ", ".join(str(slot) for slot in self.slots)
         return what
+
+
+def _answers(worker: WorkerIdentity, target: Target) -> bool:
+    return worker.id == target.id if target.id is not None else target.tag in worker.tags
 
 
 class Strategy(ABC):

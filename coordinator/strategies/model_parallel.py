@@ -1,0 +1,310 @@
+"""ModelParallel: the graph split in stages on different workers, trained as a pipeline.
+
+Partitions tile the graph — every node in exactly one, each a contiguous run in graph order, in
+graph order — and each is pinned to a worker by id or tag. Every global batch (the batch
+``graph.fit`` would take) is cut into M micro-batches that flow forward stage to stage; the last
+stage computes the loss; the gradient of the loss with respect to each stage's input flows back;
+each stage accumulates its parameter gradients over the micro-batches and steps its optimizer once
+per global batch (GPipe, Huang et al. 2019). The order of the actions on each stage is a
+:class:`~coordinator.strategies.schedule.Schedule` (GPipe, or 1F1B), data checked before any work
+starts; :func:`run_schedule` executes it, each action waiting only for the actions it depends on,
+so micro-batches overlap across stages.
+
+Plain filters may only come before the first TorchFilter: they are fitted in a first pass over
+the data and then held fixed (stages made only of them are applied once, up front).
+
+Activations and their gradients travel through the coordinator here (the relay); direct
+stage-to-stage peer links are the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+
+from coordinator.context import StrategyContext, Target, WorkerCallError
+from coordinator.strategies.base import (
+    Emit,
+    JobInputs,
+    Placement,
+    Strategy,
+    StrategyFailed,
+    StrategyOptionsError,
+    check_options,
+    concurrently,
+)
+from coordinator.strategies.data_parallel import Training, schedule
+from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The nodes of one stage and where it runs."""
+
+    node_ids: tuple[str, ...]
+    target: Target
+
+
+def check_partitions(node_ids: Sequence[str], partitions: Sequence[Partition]) -> None:
+    """Refuse partitions that do not tile the graph, naming the node and partitions involved."""
+    if not partitions:
+        raise StrategyOptionsError("model_parallel needs at least one partition")
+    owner: dict[str, int] = {}
+    for p, partition in enumerate(partitions):
+        if not partition.node_ids:
+            raise StrategyOptionsError(f"partition {p} is empty")
+        for node in partition.node_ids:
+            if node not in node_ids:
+                raise StrategyOptionsError(
+                    f"partition {p} names {node!r}, which is not in the graph (nodes: "
+                    f"{list(node_ids)})"
+                )
+            if node in owner:
+                raise StrategyOptionsError(
+                    f"node {node!r} is in partitions {owner[node]} and {p}: a node belongs to "
+                    "exactly one"
+                )
+            owner[node] = p
+    orphans = [n for n in node_ids if n not in owner]
+    if orphans:
+        raise StrategyOptionsError(f"nodes {orphans} are in no partition: partitions must tile")
+    order = [owner[n] for n in node_ids]
+    if order != sorted(order):
+        first = next(i for i in range(1, len(order)) if order[i] < order[i - 1])
+        raise StrategyOptionsError(
+            f"partitions must be contiguous runs in graph order: node {node_ids[first]!r} "
+            f"(partition {order[first]}) comes after {node_ids[first - 1]!r} (partition "
+            f"{order[first - 1]})"
+        )
+
+
+class ModelParallel(Strategy):
+    """A pipeline over ``partitions`` with ``micro_batches`` micro-batches per global batch."""
+
+    name = "model_parallel"
+
+    def __init__(
+        self, partitions: Sequence[Partition], micro_batches: int = 1, order: str = "gpipe"
+    ) -> None:
+        self.partitions = list(partitions)
+        self.micro_batches = micro_batches
+        self.order = order
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        check_options(cls.name, options, {"partitions", "micro_batches", "schedule"})
+        raw = options.get("partitions")
+        if not isinstance(raw, list) or not raw:
+            raise StrategyOptionsError("model_parallel: partitions must be a non-empty list")
+        partitions = []
+        for p, item in enumerate(raw):
+            if not isinstance(item, Mapping):
+                raise StrategyOptionsError(f"model_parallel: partition {p} must be a mapping")
+            nodes, worker, tag = item.get("node_ids"), item.get("worker"), item.get("tag")
+            if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+                raise StrategyOptionsError(f"partition {p}: node_ids must be a list of node ids")
+            try:
+                target = Target(id=worker, tag=tag)
+            except ValueError:
+                raise StrategyOptionsError(
+                    f"partition {p} must be pinned to a worker id or a tag (exactly one)"
+                ) from None
+            partitions.append(Partition(tuple(nodes), target))
+        micro = options.get("micro_batches", 1)
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+            raise StrategyOptionsError(
+                f"model_parallel: micro_batches must be a positive integer, not {micro!r}"
+            )
+        order = options.get("schedule", "gpipe")
+        if order not in SCHEDULES:
+            raise StrategyOptionsError(
+                f"model_parallel: schedule must be one of {sorted(SCHEDULES)}, not {order!r}"
+            )
+        return cls(partitions, micro, order)
+
+    def placement(self) -> Placement:
+        return Placement(
+            workers=len(self.partitions), slots=tuple(p.target for p in self.partitions)
+        )
+
+    def validate(self, job: JobInputs) -> None:
+        self._plan(job)
+
+    def _plan(self, job: JobInputs) -> tuple[list[str], Training]:
+        """The differentiable nodes and the training settings; or why the job cannot run."""
+        check_partitions(job.node_ids, self.partitions)
+        torch_nodes = job.differentiable()
+        if not torch_nodes:
+            raise StrategyOptionsError("model_parallel trains TorchFilters and this graph has none")
+        first = job.node_ids.index(torch_nodes[0])
+        late = [n for n in job.node_ids[first:] if n not in torch_nodes]
+        if late:
+            raise StrategyOptionsError(
+                f"model_parallel fits plain filters only before the first TorchFilter; {late} "
+                f"come after {torch_nodes[0]!r}"
+            )
+        if job.y is None or job.dataset is not None:
+            raise StrategyOptionsError("model_parallel trains on data the client sends, with y")
+        return torch_nodes, Training.of(job.nodes[torch_nodes[-1]])
+
+    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        torch_nodes, training = self._plan(job)
+        stages = [list(p.node_ids) for p in self.partitions]
+        ids = [w.id for w in ctx.workers]
+
+        # 1. Each stage's worker loads only its own nodes.
+        await emit("progress", {"phase": "loading", "stages": len(stages)})
+        await self._guard(
+            ids,
+            stages,
+            concurrently(
+                *(ctx.load(s, {n: job.filters[n] for n in nodes}) for s, nodes in enumerate(stages))
+            ),
+        )
+
+        # 2. Plain filters (before the first TorchFilter): fitted in one pass over the data, then
+        #    held. Stages made only of them are applied here, once: the pipeline starts after.
+        x = job.x
+        first_stage = next(s for s, nodes in enumerate(stages) if set(nodes) & set(torch_nodes))
+        for s, nodes in enumerate(stages[: first_stage + 1]):
+            plain = [n for n in nodes if n not in torch_nodes]
+            if plain:
+                fit = await self._guard(
+                    ids,
+                    stages,
+                    ctx.call(s, {"cmd": "composite_fit", "node_ids": plain, "x": x}),
+                    stage=s,
+                )
+                if s < first_stage:
+                    x = fit["output"]
+        pipeline = list(range(first_stage, len(stages)))
+        plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
+        await self._guard(
+            ids,
+            stages,
+            ctx.call(first_stage, {"cmd": "stage", "name": "train", "x": x}),
+            stage=first_stage,
+        )
+
+        # 3. Training: every global batch through the schedule, then one step on every stage.
+        n = int(x.shape[0])
+        batches = schedule(n, self.micro_batches, training)
+        for steps, (epoch, _, micro) in enumerate(batches, start=1):
+            micro = [m for m in micro if len(m)]
+            losses = await self._guard(
+                ids,
+                stages,
+                run_schedule(
+                    ctx, plan, pipeline, stages, micro, job.y, n_total=sum(len(m) for m in micro)
+                ),
+            )
+            await self._guard(
+                ids,
+                stages,
+                concurrently(
+                    *(ctx.call(s, {"cmd": "stage_step", "node_ids": stages[s]}) for s in pipeline)
+                ),
+            )
+            rows = [len(m) for m in micro]
+            loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
+            await emit(
+                "progress",
+                {
+                    "phase": "training",
+                    "epoch": epoch + 1,
+                    "epochs": training.epochs,
+                    "step": steps,
+                    "loss": loss,
+                },
+            )
+
+        # 4. The states of every stage, read back over the wire.
+        parts = await self._guard(
+            ids,
+            stages,
+            concurrently(*(ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))),
+        )
+        return {node: state for part in parts for node, state in part.items()}
+
+    @staticmethod
+    async def _guard(
+        ids: list[str], stages: list[list[str]], work: Any, stage: int | None = None
+    ) -> Any:
+        """Await ``work``; a worker's failure becomes the job's, naming the stage and worker."""
+        try:
+            return await work
+        except WorkerCallError as exc:
+            s = ids.index(exc.worker_id) if stage is None and exc.worker_id in ids else stage
+            where = f"stage {s} {stages[s]}" if s is not None else "a stage"
+            info = exc.to_info()
+            raise StrategyFailed(
+                info.code,
+                f"{where} on worker {exc.worker_id!r}: {exc.info.message}",
+                **{**info.detail, "stage": s},
+            ) from exc
+
+
+async def run_schedule(
+    ctx: StrategyContext,
+    plan: Schedule,
+    pipeline: list[int],
+    stages: list[list[str]],
+    micro: list[np.ndarray[Any, Any]],
+    y: Any,
+    n_total: int,
+) -> list[float]:
+    """One global batch through ``plan``: each stage runs its actions in order, each action
+    waiting for what it needs (the activation from the stage before, the gradient from the stage
+    after). Returns the unscaled loss of each micro-batch.
+
+    The relay: each activation and gradient comes back to the coordinator and goes on to the
+    next stage from here.
+    """
+    loop = asyncio.get_running_loop()
+    count = len(micro)
+    acts = {(k, m): loop.create_future() for k in range(len(pipeline)) for m in range(count)}
+    grads = {(k, m): loop.create_future() for k in range(len(pipeline)) for m in range(count)}
+    losses: list[float] = [0.0] * count
+    last = len(pipeline) - 1
+
+    async def stage_worker(k: int) -> None:
+        s = pipeline[k]
+        for action in plan.actions[k]:
+            m = action.micro
+            if m >= count:
+                continue  # a short batch has fewer micro-batches than the schedule
+            if action.kind == "F":
+                request: dict[str, Any] = {
+                    "cmd": "stage_forward",
+                    "node_ids": stages[s],
+                    "micro": m,
+                }
+                if k == 0:
+                    request |= {"data": "train", "rows": micro[m].tolist(), "first": True}
+                else:
+                    request["x"] = await acts[(k - 1, m)]
+                if k == last:
+                    request |= {"y": y[micro[m]], "scale": len(micro[m]) / n_total, "last": True}
+                    result = await ctx.call(s, request)
+                    losses[m] = float(result["loss"])
+                    acts[(k, m)].set_result(None)
+                else:
+                    acts[(k, m)].set_result(await ctx.call(s, request))
+            else:
+                grad = None if k == last else await grads[(k + 1, m)]
+                result = await ctx.call(
+                    s, {"cmd": "stage_backward", "micro": m, "grad_output": grad}
+                )
+                grads[(k, m)].set_result(result)
+
+    await concurrently(*(stage_worker(k) for k in range(len(pipeline))))
+    return losses
+
+
+__all__ = ["ModelParallel", "Partition", "check_partitions", "run_schedule"]

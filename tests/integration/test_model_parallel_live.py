@@ -1,0 +1,83 @@
+"""ModelParallel on live stage workers (activations relayed through the coordinator)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+import somatize as sz
+from tests.coordinator.test_model_parallel import dataset, graph, reference
+from tests.integration.cluster import UNIT, cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class SlowTanh(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.3)
+        return torch.tanh(x)
+
+
+def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_path):
+    x, y = dataset()
+    workers = {"w0": ("stage0",), "w1": ("stage1",), "w2": ("stage2",)}
+    with cluster(tmp_path, workers) as c, sz.connect(c.url) as client:
+        for partitions, micro in [
+            (
+                [
+                    sz.Partition(["center", "a"], tag="stage0"),
+                    sz.Partition(["b", "c"], tag="stage1"),
+                ],
+                4,
+            ),
+            (
+                [
+                    sz.Partition(["center", "a"], worker="w2"),
+                    sz.Partition(["b"], tag="stage1"),
+                    sz.Partition(["c"], tag="stage0"),
+                ],
+                1,
+            ),
+        ]:
+            job = client.submit(graph(), x, y, strategy=sz.ModelParallel(partitions, micro))
+            fitted = job.result(timeout=120 * UNIT)
+            expected = reference(x, y)
+            for node in "abc":
+                for key, value in expected[node].items():
+                    torch.testing.assert_close(fitted.states[node][key], value, rtol=0, atol=1e-5)
+            placed = job.status()["workers"]
+            assert placed == [
+                p.worker or {"stage0": "w0", "stage1": "w1"}[p.tag] for p in partitions
+            ]
+        with pytest.raises(
+            sz.ClientError,
+            match=r"no worker answers to tag 'gpu'.*tags \['stage0', 'stage1', 'stage2'\]",
+        ):
+            client.submit(
+                graph(),
+                x,
+                y,
+                strategy=sz.ModelParallel([sz.Partition(["center", "a", "b", "c"], tag="gpu")]),
+            )
+
+
+def test_a_stage_worker_killed_mid_step_fails_the_job_naming_stage_and_worker(tmp_path):
+    x, y = dataset(n=64)
+    torch.manual_seed(0)
+    g = sz.TorchFilter(torch.nn.Linear(5, 6)).named("head") >> sz.TorchFilter(
+        torch.nn.Sequential(SlowTanh(), torch.nn.Linear(6, 2)), batch_size=8, epochs=20
+    ).named("tail")
+    parts = [sz.Partition(["head"], worker="w0"), sz.Partition(["tail"], worker="w1")]
+    with cluster(tmp_path, {"w0": (), "w1": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(g, x, y, strategy=sz.ModelParallel(parts, micro_batches=2))
+        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 1, 60 * UNIT, "a step")
+        c.send_signal(c.workers["w1"], signal.SIGKILL)
+        with pytest.raises(sz.JobFailed) as failure:
+            job.result(timeout=30 * UNIT)
+        assert failure.value.code == "worker_lost"
+        assert "stage 1 ['tail'] on worker 'w1'" in failure.value.message
+        wait_for(lambda: c.worker_state("w0") == "idle", 15 * UNIT, "w0 to be freed")
+        assert c.healthy()
