@@ -89,6 +89,9 @@ class StrategyContext(ABC):
         """How many workers the job has."""
         return len(self.workers)
 
+    #: Whether workers can pass tensors to each other (:meth:`links`, ``routed`` calls).
+    supports_peer_links = False
+
     @abstractmethod
     async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
         """Run one daemon command (``{"cmd": ..., ...}``) on a worker and return its result.
@@ -96,6 +99,27 @@ class StrategyContext(ABC):
         Raises:
             WorkerCallError: the command failed there, timed out, or the worker was lost.
         """
+
+    async def routed(
+        self,
+        worker_idx: int,
+        request: Mapping[str, Any],
+        *,
+        input_from: str | None = None,
+        input_field: str = "x",
+        output_to: tuple[int, str] | None = None,
+    ) -> Any:
+        """A command whose input comes from, or whose result goes to, another worker's mailbox
+        (``output_to``: the receiving worker's index and the key), not through the strategy.
+
+        Raises:
+            NotImplementedError: this context cannot pass tensors between workers.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no peer links")
+
+    async def links(self, worker_idx: int, peers: Sequence[int]) -> dict[str, Any]:
+        """Tell a worker which workers it exchanges tensors with; ``{"direct", "relay"}``."""
+        raise NotImplementedError(f"{type(self).__name__} has no peer links")
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Load the job's pickled filters (node id → bytes, graph order) on a worker."""

@@ -17,6 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         self.retired_in = 0
         self.retired_out = 0
+        self.relayed = 0  # payload bytes of tensors relayed between workers
         self._latency: dict[str, list[int]] = {}
         self._latency_sum: dict[str, float] = {}
 
@@ -54,6 +55,9 @@ class Metrics:
             "# HELP somatize_sent_bytes_total Bytes sent in messages.",
             "# TYPE somatize_sent_bytes_total counter",
             f"somatize_sent_bytes_total {self.retired_out + sum(c.bytes_out for c in live)}",
+            "# HELP somatize_relayed_bytes_total Tensor bytes relayed between workers.",
+            "# TYPE somatize_relayed_bytes_total counter",
+            f"somatize_relayed_bytes_total {self.relayed}",
             "# HELP somatize_worker_call_seconds Round trip of job commands on workers.",
             "# TYPE somatize_worker_call_seconds histogram",
         ]

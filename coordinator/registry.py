@@ -51,6 +51,7 @@ class WorkerRecord:
     reason: str = ""  # why it is lost or offline
     connections: int = 1
     datasets: dict[str, int] = field(default_factory=dict)
+    peer_address: str | None = None  # where other workers can dial it for tensors
 
     @property
     def identity(self) -> WorkerIdentity:
@@ -105,6 +106,7 @@ class Registry:
         capabilities: Capabilities,
         channel: Channel,
         datasets: dict[str, int] | None = None,
+        peer_address: str | None = None,
     ) -> WorkerRecord:
         """Register a worker's new connection; a known id gets its record back.
 
@@ -128,6 +130,7 @@ class Registry:
             record.connections += 1
             record.connected_at = time.time()
         record.datasets = dict(datasets or {})
+        record.peer_address = peer_address
         record.state = WorkerState.IDLE
         record.job_id = None
         record.reason = ""

@@ -21,7 +21,7 @@ from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerCal
 from coordinator.registry import WorkerRecord
 from protocol.channel import ChannelClosed, RemoteError
 from protocol.errors import ErrorCode, ErrorInfo
-from protocol.messages import Call, CloseJob, OpenJob
+from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
 
 CLOSE_TIMEOUT = 10.0
 """Seconds to wait for an agent to stop a job's daemon before giving up on it."""
@@ -60,10 +60,40 @@ class TransportContext(StrategyContext):
         message = OpenJob(job_id=self.job_id, filters=dict(filters), threads=self.threads)
         await self._request(worker_idx, message, "open_job")
 
+    supports_peer_links = True
+
     async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
         message = Call(job_id=self.job_id, request=dict(request), timeout=self.timeout)
         reply = await self._request(worker_idx, message, str(request.get("cmd")))
         return reply.result
+
+    async def routed(
+        self,
+        worker_idx: int,
+        request: Mapping[str, Any],
+        *,
+        input_from: str | None = None,
+        input_field: str = "x",
+        output_to: tuple[int, str] | None = None,
+    ) -> Any:
+        route = None
+        if output_to is not None:
+            route = PeerRoute(worker=self.records[output_to[0]].id, key=output_to[1])
+        message = Call(
+            job_id=self.job_id,
+            request=dict(request),
+            timeout=self.timeout,
+            input_from=input_from,
+            input_field=input_field,
+            output_to=route,
+        )
+        reply = await self._request(worker_idx, message, str(request.get("cmd")))
+        return reply.result
+
+    async def links(self, worker_idx: int, peers: Sequence[int]) -> dict[str, Any]:
+        addresses = {self.records[i].id: self.records[i].peer_address for i in peers}
+        reply = await self._request(worker_idx, Links(job_id=self.job_id, peers=addresses), "links")
+        return dict(reply.result)
 
     async def close(self) -> None:
         """Stop the job's daemon on every worker still connected (best effort, bounded)."""

@@ -44,6 +44,7 @@ from protocol.messages import (
     CHUNK_BYTES,
     Ack,
     ClientHello,
+    Deliver,
     Error,
     JobEvent,
     Probe,
@@ -56,6 +57,8 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 
 SERVER = "somatize-coordinator/0.1.0"
+RELAY_TIMEOUT = 60.0
+"""Seconds a worker has to take a relayed tensor into its mailbox."""
 PROBE_TIMEOUT = 60.0
 """Seconds a worker has to answer a ping (its spare daemon may still be starting)."""
 HANDSHAKE_TIMEOUT = 10.0
@@ -261,7 +264,12 @@ class Coordinator:
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
         try:
             record = self.registry.attach(
-                hello.worker_id, hello.tags, hello.capabilities, channel, hello.datasets
+                hello.worker_id,
+                hello.tags,
+                hello.capabilities,
+                channel,
+                hello.datasets,
+                hello.peer_address,
             )
         except DuplicateWorker as exc:
             await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
@@ -293,9 +301,26 @@ class Coordinator:
         if message.kind == "heartbeat":
             self.registry.heartbeat(record)
             return None
+        if message.kind == "deliver":
+            await self._relay(record, message)
+            return None
         raise remote(
             ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a worker"
         )
+
+    async def _relay(self, sender: WorkerRecord, message: Deliver) -> None:
+        """Forward a tensor between two workers with no direct link: the payload stays an opaque
+        frame (its tensors are not decoded here)."""
+        target = self.registry.get(message.to)
+        if target is None or target.channel is None:
+            log.warning("relay from %s: no connected worker %r", sender.id, message.to)
+            return
+        try:
+            await target.channel.request(message.model_copy(update={"id": 0}), RELAY_TIMEOUT)
+        except (RemoteError, ChannelClosed, TimeoutError) as exc:
+            log.warning("relay %s -> %s (%s) failed: %s", sender.id, message.to, message.key, exc)
+            return
+        self.metrics.relayed += len(message.payload)
 
     async def _serve_client(self, channel: Channel, hello: ClientHello) -> None:
         channel.name = f"client {hello.name or channel.name}"

@@ -145,13 +145,59 @@ class OpenJob(_Message):
     threads: int | None = None
 
 
+class PeerRoute(BaseModel):
+    """Where a command's result goes instead of back to the coordinator: the mailbox ``key`` of
+    worker ``worker`` (over the direct peer link, or relayed by the coordinator)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    worker: str
+    key: str
+
+
 class Call(_Message):
-    """One filter-daemon command (:mod:`protocol.daemon`, without ``id``) for ``job_id``."""
+    """One filter-daemon command (:mod:`protocol.daemon`, without ``id``) for ``job_id``.
+
+    Pipeline stages pass tensors to each other, not through the coordinator: ``input_from``
+    names a mailbox key whose delivered value becomes ``request[input_field]`` (the agent waits
+    for it), and ``output_to`` sends the command's result to another worker's mailbox instead of
+    replying with it (the reply is then ``{"delivered": bytes sent}``).
+    """
 
     kind: Literal["call"] = "call"
     job_id: str
     request: dict[str, Any]
     timeout: float | None = None
+    input_from: str | None = None
+    input_field: str = "x"
+    output_to: PeerRoute | None = None
+
+
+class Links(_Message):
+    """The peers a worker exchanges tensors with for ``job_id``: worker id → its peer address
+    (``ws://HOST:PORT``), or ``None`` when it has none (then the coordinator relays)."""
+
+    kind: Literal["links"] = "links"
+    job_id: str
+    peers: dict[str, str | None]
+
+
+class Deliver(_Message):
+    """A tensor for worker ``to``'s mailbox: ``payload`` is an encoded frame, opaque on the way
+    (a relaying coordinator forwards it without decoding the tensors)."""
+
+    kind: Literal["deliver"] = "deliver"
+    job_id: str
+    to: str
+    key: str
+    payload: StrictBytes
+
+
+class PeerHello(_Message):
+    """First message on a peer link: which worker dials, for which job."""
+
+    kind: Literal["peer_hello"] = "peer_hello"
+    worker_id: str
 
 
 class Probe(_Message):
@@ -289,6 +335,9 @@ Message = Annotated[
     | Error
     | OpenJob
     | Call
+    | Links
+    | Deliver
+    | PeerHello
     | Probe
     | CloseJob
     | Submit

@@ -123,13 +123,18 @@ class LocalCluster:
         *tags: str,
         threads: int | None = None,
         data: Mapping[str, Path] | None = None,
+        peer_link: bool = False,
     ) -> None:
         """Start a worker agent and wait until the coordinator lists it idle.
 
-        ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``).
+        ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``);
+        ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
+        loopback port.
         """
         argv = [str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
+        if peer_link:
+            argv += ["--peer-listen", f"127.0.0.1:{free_port()}"]
         for tag in tags:
             argv += ["--tag", tag]
         for name, path in (data or {}).items():

@@ -17,10 +17,15 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   retrying cannot fix (:data:`FATAL_CODES`, or HTTP 401/403 on the upgrade) ends :meth:`run` with
   :class:`RegistrationRefused`; anything else is retried.
 * **Serve.** Requests are dispatched through a handler table (``open_job``, ``call``,
-  ``close_job``, ``shutdown``); each runs in a task of the channel's, so a long ``call`` never
-  holds up another job, a reply or a heartbeat. Heartbeats go out every ``heartbeat_interval``
-  from their own task; daemon I/O never blocks the loop (see :mod:`worker.supervisor`), so they
-  keep flowing while a filter computes.
+  ``close_job``, ``links``, ``deliver``, ``probe``, ``shutdown``); each runs in a task of the
+  channel's, so a long ``call`` never holds up another job, a reply or a heartbeat. Heartbeats
+  go out every ``heartbeat_interval`` from their own task; daemon I/O never blocks the loop (see
+  :mod:`worker.supervisor`), so they keep flowing while a filter computes.
+* **Pipeline tensors** (:mod:`worker.peer`). With ``peer_listen`` the agent serves ``/peer``
+  and announces it in the hello; ``links`` makes it dial the job's peers. A ``call`` with
+  ``output_to`` sends its result, encoded, to that worker's mailbox — over the direct link, or
+  as a ``deliver`` to the coordinator, which relays it — and one with ``input_from`` waits for
+  its mailbox key before running. A job's mailbox goes with the job.
 * **Teardown** (the connection dropped, a heartbeat could not be sent within
   ``heartbeat_timeout``, the coordinator sent ``shutdown``, or :meth:`Agent.stop`): every daemon
   is closed first — a running call is cancelled, which kills its daemon, and its error reply still
@@ -54,9 +59,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import InvalidStatus, WebSocketException
 
 from protocol.channel import Channel, RemoteError
+from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
 from protocol.messages import (
     CHUNK_BYTES,
@@ -64,9 +71,12 @@ from protocol.messages import (
     Call,
     Capabilities,
     CloseJob,
+    Deliver,
     Error,
     Heartbeat,
+    Links,
     OpenJob,
+    PeerHello,
     Probe,
     Result,
     Shutdown,
@@ -77,6 +87,7 @@ from worker.capabilities import detect
 from worker.datasets import environment as dataset_environment
 from worker.datasets import rows
 from worker.errors import DaemonError, WorkerError
+from worker.peer import Mailbox, MailboxDropped, PeerLinks
 from worker.supervisor import DaemonSupervisor
 
 __all__ = [
@@ -211,6 +222,12 @@ class Agent:
             readable by the job daemons (the data itself never leaves this machine).
         spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
             filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
+        peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
+            tensors directly (port 0: any free port). The hello announces it as
+            ``ws://HOST:PORT``, with ``127.0.0.1`` for a wildcard host (``0.0.0.0``/``::``/empty):
+            a wildcard is not an address a peer can dial, and loopback is what tests use — pass
+            the machine's reachable address to span machines. ``None``: no direct links; every
+            tensor for this worker is relayed by the coordinator.
 
     One :meth:`run` per agent: its events belong to the loop that runs it.
     """
@@ -236,6 +253,7 @@ class Agent:
         python: str = sys.executable,
         spare: bool = True,
         datasets: Mapping[str, Path] | None = None,
+        peer_listen: str | None = None,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -267,9 +285,19 @@ class Agent:
         self._handling = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.peer_listen = peer_listen
+        if peer_listen is not None:
+            _split_host_port(peer_listen)  # a ValueError now, not at run()
+        self._peer_address: str | None = None
+        self._peer_server: Server | None = None
+        self._channel: Channel | None = None
+        self._mailbox = Mailbox()
+        self._links = PeerLinks(lambda: self._worker_id, open_timeout=min(open_timeout, 3.0))
         self._handlers: dict[str, Handler] = {
             "open_job": self.on_open_job,
             "call": self.on_call,
+            "links": self.on_links,
+            "deliver": self.on_deliver,
             "close_job": self.on_close_job,
             "probe": self.on_probe,
             "shutdown": self.on_shutdown,
@@ -293,6 +321,16 @@ class Agent:
         return {job_id: job.supervisor for job_id, job in self._jobs.items()}
 
     @property
+    def peer_address(self) -> str | None:
+        """``ws://HOST:PORT`` of the ``/peer`` endpoint while it listens, else ``None``."""
+        return self._peer_address
+
+    @property
+    def mailbox(self) -> Mailbox:
+        """Tensors delivered to this worker, until a call takes them."""
+        return self._mailbox
+
+    @property
     def stopping(self) -> bool:
         """True once :meth:`stop` was called."""
         return self._stopping.is_set()
@@ -312,6 +350,8 @@ class Agent:
             # detect() may import torch (CUDA devices): keep it off the loop.
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect)
+        if self.peer_listen is not None:
+            await self._start_peer_server(self.peer_listen)
         try:
             while not self._stopping.is_set():
                 try:
@@ -332,6 +372,8 @@ class Agent:
                         await self._stopping.wait()
         finally:
             await self._close_jobs()  # a backstop: each connection's teardown already did it
+            await self._links.close()
+            await self._stop_peer_server()
 
     def stop(self) -> None:
         """Stop accepting work, close the daemons and the connection; :meth:`run` then returns.
@@ -371,6 +413,7 @@ class Agent:
     async def _session(self) -> None:
         ws = await self._dial()
         channel = Channel(ws, f"coordinator {self.url}", self._dispatch)
+        self._channel = channel
         self._session_over = asyncio.Event()
         reader: asyncio.Task[None] | None = None
         reason = "handshake failed"
@@ -407,6 +450,9 @@ class Agent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(reader, self.close_timeout)
             await self._close_jobs()  # one that opened while the connection closed
+            self._mailbox.clear()
+            await self._links.close()
+            self._channel = None
             if was_connected:
                 log.info("disconnected from %s: %s", self.url, reason)
 
@@ -444,6 +490,7 @@ class Agent:
             worker_id=self._worker_id,
             tags=self.tags,
             capabilities=self._capabilities,
+            peer_address=self._peer_address,
             datasets=self._dataset_rows,
         )
         async with asyncio.timeout(self.open_timeout):
@@ -579,7 +626,12 @@ class Agent:
             raise RemoteError(self._unknown_job(message.job_id))
         cmd = str(message.request.get("cmd"))
         timeout = self.call_timeout if message.timeout is None else message.timeout
-        task = _owned_task(job.supervisor.request(message.request, timeout))
+        request = message.request
+        if message.input_from is not None:
+            payload = await self._take_input(job, message.input_from, timeout, cmd)
+            # A bytearray: the tensors decode zero-copy over it and stay writable.
+            request = {**request, message.input_field: decode(bytearray(payload))}
+        task = _owned_task(job.supervisor.request(request, timeout))
         job.calls.add(task)
         task.add_done_callback(job.calls.discard)
         try:
@@ -594,7 +646,123 @@ class Agent:
             ) from None
         except DaemonError as exc:
             raise self._job_error(job, cmd, exc) from exc
+        if message.output_to is not None:
+            return await self._deliver_output(
+                job, message.output_to.worker, message.output_to.key, result
+            )
         return Result(result=result)
+
+    async def _take_input(self, job: _Job, key: str, timeout: float, cmd: str) -> bytes:  # noqa: ASYNC109
+        try:
+            return await self._mailbox.take(job.job_id, key, timeout)
+        except TimeoutError:
+            raise RemoteError(
+                self._job_info(
+                    job, ErrorCode.TIMEOUT, f"waiting {timeout}s for input {key!r}", cmd=cmd
+                )
+            ) from None
+        except MailboxDropped:
+            raise RemoteError(
+                self._job_info(job, ErrorCode.CANCELLED, f"closed while waiting for {key!r}")
+            ) from None
+
+    async def _deliver_output(self, job: _Job, to: str, key: str, result: Any) -> Result:
+        """Send a call's result to worker ``to``'s mailbox: directly, else through the
+        coordinator (which relays it)."""
+        payload = encode_frame(result)
+        deliver = Deliver(job_id=job.job_id, to=to, key=key, payload=payload)
+        if not await self._links.send(to, deliver):
+            channel = self._channel
+            if channel is None:
+                raise RemoteError(
+                    self._job_info(job, ErrorCode.WORKER_LOST, f"unable to deliver {key!r}")
+                )
+            await channel.send(deliver.model_copy(update={"id": channel.next_id()}))
+        return Result(result={"delivered": len(payload)})
+
+    async def on_links(self, message: Links) -> Result:
+        """Open direct links to the job's peers that have an address; say which work."""
+        direct: list[str] = []
+        relay: list[str] = []
+        for worker_id, address in message.peers.items():
+            if address is not None and await self._links.connect(worker_id, address):
+                direct.append(worker_id)
+            else:
+                relay.append(worker_id)
+        log.info("job %s: direct links %s, relayed %s", message.job_id, direct, relay)
+        return Result(result={"direct": direct, "relay": relay})
+
+    async def on_deliver(self, message: Deliver) -> Ack:
+        """A tensor relayed by the coordinator: into the mailbox."""
+        self._mailbox.put(message.job_id, message.key, message.payload)
+        return Ack()
+
+    # -- the peer endpoint --------------------------------------------------------------------
+
+    async def _start_peer_server(self, listen: str) -> None:
+        host, port = _split_host_port(listen)
+        self._peer_server = await serve(
+            self._peer_connection,
+            host or None,
+            port,
+            compression=None,
+            max_size=4 * CHUNK_BYTES,
+            ping_interval=self.ping_interval,
+            ping_timeout=self.ping_timeout,
+            close_timeout=self.close_timeout,
+        )
+        bound = next(iter(self._peer_server.sockets)).getsockname()[1]
+        shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        shown = f"[{shown}]" if ":" in shown else shown
+        self._peer_address = f"ws://{shown}:{bound}"
+        log.info("serving peer links on %s (announced as %s)", listen, self._peer_address)
+
+    async def _stop_peer_server(self) -> None:
+        server, self._peer_server = self._peer_server, None
+        self._peer_address = None
+        if server is not None:
+            server.close()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.close_timeout):
+                    await server.wait_closed()
+
+    async def _peer_connection(self, ws: ServerConnection) -> None:
+        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s."""
+        if ws.request is None or ws.request.path != "/peer":
+            await ws.close(1008, "not found: peer links are at /peer")
+            return
+        channel = Channel(ws, "peer (incoming)", self._on_peer_message)
+        try:
+            async with asyncio.timeout(self.open_timeout):
+                hello = await channel.receive(first=True)
+        except (TimeoutError, ProtocolError) as exc:
+            log.info("peer link refused: %s", exc)
+            await channel.close(1008, "expected a peer_hello")
+            return
+        except Exception:  # the connection went during the hello
+            return
+        if not isinstance(hello, PeerHello):
+            info = ErrorInfo(
+                code=ErrorCode.BAD_REQUEST,
+                message=f"a peer link starts with peer_hello, not {hello.kind!r}",
+            )
+            await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
+            await channel.close(1008, "expected a peer_hello")
+            return
+        await channel.reply(hello, Ack())
+        log.info("peer link from worker %s", hello.worker_id)
+        await channel.run()
+
+    async def _on_peer_message(self, message: Any) -> Ack:
+        if not isinstance(message, Deliver):
+            raise RemoteError(
+                ErrorInfo(
+                    code=ErrorCode.BAD_REQUEST,
+                    message=f"a peer link carries deliver messages, not {message.kind!r}",
+                )
+            )
+        self._mailbox.put(message.job_id, message.key, message.payload)
+        return Ack()
 
     async def on_close_job(self, message: CloseJob) -> Ack:
         """Close the job's daemon (cancelling a running call); an unknown job is already closed."""
@@ -690,6 +858,7 @@ class Agent:
         return Result(result={"worker_id": self._worker_id, "daemon_pid": supervisor.pid})
 
     async def _close_job(self, job: _Job) -> None:
+        self._mailbox.drop(job.job_id)
         for task in list(job.calls):
             task.cancel()  # the supervisor kills a daemon whose request is cancelled
         opening = job.opening
@@ -768,6 +937,18 @@ def _cancelling() -> bool:
     """True when the current task itself is being cancelled (not merely what it awaited)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _split_host_port(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → ``(host, port)``.
+
+    Raises:
+        ValueError: no port, or one that is not a number in 0..65535.
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"not HOST:PORT: {listen!r}")
+    return host.strip("[]"), int(port)
 
 
 def _close_reason(reason: str) -> str:

@@ -3,7 +3,7 @@
 ::
 
     somatize-worker --connect ws://HOST:PORT [--id NAME] [--tag T ...] [--threads N]
-                    [--token-file FILE] [--log-level LEVEL]
+                    [--token-file FILE] [--peer-listen HOST:PORT] [--log-level LEVEL]
 
 Lifecycle: startup → serve → shutdown. The first SIGTERM or SIGINT stops accepting work, closes
 the filter daemons (a call still running is answered with an error) and the connection, and exits
@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         "--token-file",
         metavar="FILE",
         help=f"file holding the worker token (default: ${TOKEN_ENV}, if set)",
+    )
+    parser.add_argument(
+        "--peer-listen",
+        metavar="HOST:PORT",
+        help="serve direct pipeline links to other workers here (port 0: any free port; "
+        "a 0.0.0.0 host is announced as 127.0.0.1). Default: none, the coordinator relays",
     )
     parser.add_argument(
         "--log-level",
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             token=token,
             datasets=datasets,
+            peer_listen=args.peer_listen,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -13,8 +13,11 @@ so micro-batches overlap across stages.
 Plain filters may only come before the first TorchFilter: they are fitted in a first pass over
 the data and then held fixed (stages made only of them are applied once, up front).
 
-Activations and their gradients travel through the coordinator here (the relay); direct
-stage-to-stage peer links are the next step.
+Over live workers, activations and their gradients go worker to worker: each stage's agent dials
+its neighbours' peer address (``somatize-worker --peer-listen``) and the receiving agent waits for
+the tensor in its mailbox (:func:`run_linked_schedule`); a worker with no peer address gets them
+relayed by the coordinator, which forwards the frames without decoding the tensors. Contexts with
+no peer links (in-memory workers) pass them through the strategy (:func:`run_schedule`).
 """
 
 from __future__ import annotations
@@ -185,6 +188,20 @@ class ModelParallel(Strategy):
                     x = fit["output"]
         pipeline = list(range(first_stage, len(stages)))
         plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
+        linked = ctx.supports_peer_links and len(pipeline) > 1
+        if linked:
+            # Neighbours dial each other; without a peer address the coordinator relays.
+            neighbours = [[p for p in (s - 1, s + 1) if p in pipeline] for s in pipeline]
+            routes = await self._guard(
+                ids,
+                stages,
+                concurrently(
+                    *(ctx.links(s, near) for s, near in zip(pipeline, neighbours, strict=True))
+                ),
+            )
+            direct = sorted({w for r in routes for w in r.get("direct", [])})
+            relayed = sorted({w for r in routes for w in r.get("relay", [])})
+            await emit("progress", {"phase": "linked", "direct": direct, "relay": relayed})
         await self._guard(
             ids,
             stages,
@@ -197,12 +214,12 @@ class ModelParallel(Strategy):
         batches = schedule(n, self.micro_batches, training)
         for steps, (epoch, _, micro) in enumerate(batches, start=1):
             micro = [m for m in micro if len(m)]
+            runner = run_linked_schedule if linked else run_schedule
+            rows_in_batch = sum(len(m) for m in micro)
             losses = await self._guard(
                 ids,
                 stages,
-                run_schedule(
-                    ctx, plan, pipeline, stages, micro, job.y, n_total=sum(len(m) for m in micro)
-                ),
+                runner(ctx, plan, pipeline, stages, micro, job.y, rows_in_batch, batch=steps),
             )
             await self._guard(
                 ids,
@@ -258,6 +275,7 @@ async def run_schedule(
     micro: list[np.ndarray[Any, Any]],
     y: Any,
     n_total: int,
+    batch: int = 0,
 ) -> list[float]:
     """One global batch through ``plan``: each stage runs its actions in order, each action
     waiting for what it needs (the activation from the stage before, the gradient from the stage
@@ -307,4 +325,66 @@ async def run_schedule(
     return losses
 
 
-__all__ = ["ModelParallel", "Partition", "check_partitions", "run_schedule"]
+async def run_linked_schedule(
+    ctx: StrategyContext,
+    plan: Schedule,
+    pipeline: list[int],
+    stages: list[list[str]],
+    micro: list[np.ndarray[Any, Any]],
+    y: Any,
+    n_total: int,
+    batch: int = 0,
+) -> list[float]:
+    """One global batch through ``plan`` with tensors going worker to worker.
+
+    Each stage is sent its actions in order; an activation goes from stage k straight into
+    stage k+1's mailbox (``act/<batch>/<m>``) and its gradient back into stage k's
+    (``grad/<batch>/<m>``), over the peer link or relayed, and the receiving agent waits for it.
+    The coordinator sees only the last stage's losses.
+    """
+    count = len(micro)
+    losses: list[float] = [0.0] * count
+    last = len(pipeline) - 1
+
+    async def stage_worker(k: int) -> None:
+        s = pipeline[k]
+        for action in plan.actions[k]:
+            m = action.micro
+            if m >= count:
+                continue
+            act, grad = f"act/{batch}/{m}", f"grad/{batch}/{m}"
+            if action.kind == "F":
+                request: dict[str, Any] = {
+                    "cmd": "stage_forward",
+                    "node_ids": stages[s],
+                    "micro": m,
+                }
+                if k == 0:
+                    request |= {"data": "train", "rows": micro[m].tolist(), "first": True}
+                if k == last:
+                    request |= {"y": y[micro[m]], "scale": len(micro[m]) / n_total, "last": True}
+                    result = await ctx.routed(s, request, input_from=act)
+                    losses[m] = float(result["loss"])
+                elif k == 0:
+                    await ctx.routed(s, request, output_to=(pipeline[k + 1], act))
+                else:
+                    await ctx.routed(s, request, input_from=act, output_to=(pipeline[k + 1], act))
+            else:
+                request = {"cmd": "stage_backward", "micro": m}
+                source = None if k == last else grad
+                target = None if k == 0 else (pipeline[k - 1], grad)
+                await ctx.routed(
+                    s, request, input_from=source, input_field="grad_output", output_to=target
+                )
+
+    await concurrently(*(stage_worker(k) for k in range(len(pipeline))))
+    return losses
+
+
+__all__ = [
+    "ModelParallel",
+    "Partition",
+    "check_partitions",
+    "run_linked_schedule",
+    "run_schedule",
+]

@@ -40,15 +40,17 @@ def cluster(
     tmp_path: Path,
     workers: dict[str, tuple[str, ...]],
     data: Mapping[str, Mapping[str, Path]] | None = None,
+    peer_links: bool = False,
     **kwargs: float,
 ) -> Iterator[Cluster]:
     """A started cluster with ``workers`` (id → tags), each with its ``data`` (id → dataset name
-    → ``.npz`` path) if given; everything is stopped on exit."""
+    → ``.npz`` path) if given, listening for peer links if ``peer_links``; everything is stopped
+    on exit."""
     c = Cluster(tmp_path / "state", **kwargs)
     try:
         c.start_coordinator()
         for worker_id, tags in workers.items():
-            c.start_worker(worker_id, *tags, data=(data or {}).get(worker_id))
+            c.start_worker(worker_id, *tags, data=(data or {}).get(worker_id), peer_link=peer_links)
         yield c
     finally:
         c.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -15,16 +16,25 @@ from tests.integration.cluster import UNIT, cluster, wait_for
 pytestmark = pytest.mark.integration
 
 
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
 class SlowTanh(torch.nn.Module):
     def forward(self, x):
         time.sleep(0.3)
         return torch.tanh(x)
 
 
-def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_path):
+@pytest.mark.parametrize("peer_links", [True, False], ids=["direct", "relay"])
+def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_path, peer_links):
     x, y = dataset()
     workers = {"w0": ("stage0",), "w1": ("stage1",), "w2": ("stage2",)}
-    with cluster(tmp_path, workers) as c, sz.connect(c.url) as client:
+    with cluster(tmp_path, workers, peer_links=peer_links) as c, sz.connect(c.url) as client:
         for partitions, micro in [
             (
                 [
@@ -48,10 +58,16 @@ def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_pat
             for node in "abc":
                 for key, value in expected[node].items():
                     torch.testing.assert_close(fitted.states[node][key], value, rtol=0, atol=1e-5)
+            linked = [e for e in job.events() if e.data.get("phase") == "linked"]
+            assert linked, "live stages exchange tensors worker to worker"
+            assert bool(linked[0].data["direct"]) is peer_links
+            assert bool(linked[0].data["relay"]) is not peer_links
             placed = job.status()["workers"]
             assert placed == [
                 p.worker or {"stage0": "w0", "stage1": "w1"}[p.tag] for p in partitions
             ]
+        relayed = _metric(c.port, "somatize_relayed_bytes_total")
+        assert (relayed > 0) is not peer_links  # direct links bypass the coordinator entirely
         with pytest.raises(
             sz.ClientError,
             match=r"no worker answers to tag 'gpu'.*tags \['stage0', 'stage1', 'stage2'\]",

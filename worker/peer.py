@@ -1,0 +1,194 @@
+"""Worker-to-worker tensor exchange for pipeline stages: a mailbox and the outgoing peer links.
+
+A pipeline stage's output goes straight to the worker running the next stage, as a ``Deliver``
+(an encoded frame, opaque on the way) for a mailbox ``key`` of a job. It travels over a direct
+peer link when the two workers can reach each other (:class:`PeerLinks`, a WebSocket to the
+other agent's ``/peer`` endpoint), and is relayed by the coordinator otherwise; either way it
+ends in the receiving agent's :class:`Mailbox`, where the ``call`` naming that key as its
+``input_from`` waits for it.
+
+A peer link is one ``websockets`` connection driven by a :class:`~protocol.channel.Channel`: the
+dialing side sends ``PeerHello`` first and waits for the ``Ack``; every ``Deliver`` after it is a
+request answered by ``Ack`` (so "sent" means "in the peer's mailbox").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from websockets.asyncio.client import connect
+
+from protocol.channel import Channel
+from protocol.errors import ProtocolError
+from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
+
+__all__ = ["Mailbox", "MailboxDropped", "PeerLinks"]
+
+log = logging.getLogger(__name__)
+
+
+class MailboxDropped(Exception):
+    """The job's mailbox was dropped (the job closed, the connection went) while waiting."""
+
+
+class Mailbox:
+    """Delivered payloads by ``(job_id, key)``; each is taken once, whichever comes first.
+
+    No I/O: :meth:`put` is what a ``deliver`` (direct or relayed) does, :meth:`take` what a
+    ``call`` with ``input_from`` waits on.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _slot(self, job_id: str, key: str) -> asyncio.Future[bytes]:
+        slot = self._slots.get((job_id, key))
+        if slot is None:
+            slot = asyncio.get_running_loop().create_future()
+            self._slots[(job_id, key)] = slot
+        return slot
+
+    def put(self, job_id: str, key: str, payload: bytes) -> None:
+        """Deliver ``payload`` to ``key`` (a second delivery not yet taken replaces the first)."""
+        slot = self._slot(job_id, key)
+        if slot.done():
+            log.warning("job %s: key %r delivered again before it was taken", job_id, key)
+            slot = asyncio.get_running_loop().create_future()
+            self._slots[(job_id, key)] = slot
+        slot.set_result(payload)
+
+    async def take(self, job_id: str, key: str, timeout: float | None) -> bytes:  # noqa: ASYNC109
+        """The payload of ``key``, once delivered; it is then forgotten.
+
+        Raises:
+            TimeoutError: nothing within ``timeout`` seconds (the slot stays for a late put).
+            MailboxDropped: :meth:`drop` of the job while waiting.
+        """
+        slot = self._slot(job_id, key)
+        async with asyncio.timeout(timeout):
+            # Shielded: a timed-out or cancelled waiter must not cancel the slot itself.
+            payload = await asyncio.shield(slot)
+        if self._slots.get((job_id, key)) is slot:
+            del self._slots[(job_id, key)]
+        return payload
+
+    def drop(self, job_id: str) -> None:
+        """Forget ``job_id``'s entries; its waiters fail with :class:`MailboxDropped`."""
+        for slot_key in [k for k in self._slots if k[0] == job_id]:
+            self._fail(self._slots.pop(slot_key), f"job {job_id!r}: mailbox dropped")
+
+    def clear(self) -> None:
+        """Forget every job's entries (the agent's connection went)."""
+        for slot in self._slots.values():
+            self._fail(slot, "mailbox cleared")
+        self._slots.clear()
+
+    @staticmethod
+    def _fail(slot: asyncio.Future[bytes], why: str) -> None:
+        if not slot.done():
+            slot.set_exception(MailboxDropped(why))
+            slot.exception()  # read here: no "exception never retrieved" when nobody waits
+
+
+class PeerLinks:
+    """This agent's outgoing links to other workers, by worker id.
+
+    Args:
+        own_id: this worker's id, for the ``PeerHello`` (read at each connect: the coordinator
+            may assign it after construction).
+        open_timeout: seconds for the TCP connect, the upgrade and the hello's ``Ack``.
+        send_timeout: seconds a ``Deliver`` may take to be acknowledged.
+    """
+
+    def __init__(
+        self,
+        own_id: Callable[[], str | None],
+        open_timeout: float = 3.0,
+        send_timeout: float = 60.0,
+    ) -> None:
+        self._own_id = own_id
+        self.open_timeout = open_timeout
+        self.send_timeout = send_timeout
+        self._links: dict[str, tuple[Channel, asyncio.Task[None]]] = {}
+
+    def linked(self, worker_id: str) -> bool:
+        """Whether a live link to ``worker_id`` exists."""
+        link = self._links.get(worker_id)
+        return link is not None and not link[0].closed.is_set()
+
+    async def connect(self, worker_id: str, address: str) -> bool:
+        """Open (or keep) a link to ``worker_id`` at ``address`` (``ws://HOST:PORT``).
+
+        Returns ``False``, never raises, when the peer cannot be reached or refuses the hello
+        within ``open_timeout``.
+        """
+        if self.linked(worker_id):
+            return True
+        await self.drop(worker_id)
+        url = address.rstrip("/") + "/peer"
+        channel: Channel | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            async with asyncio.timeout(self.open_timeout):
+                ws = await connect(
+                    url,
+                    compression=None,
+                    max_size=4 * CHUNK_BYTES,
+                    open_timeout=self.open_timeout,
+                    close_timeout=self.open_timeout,
+                )
+                channel = Channel(ws, f"peer {worker_id}")
+                reader = asyncio.ensure_future(channel.run())
+                reply = await channel.request(
+                    PeerHello(worker_id=self._own_id() or ""), self.open_timeout
+                )
+            if not isinstance(reply, Ack):
+                raise ProtocolError(f"the peer answered the hello with {reply.kind!r}")
+        except Exception as exc:  # unreachable, refused, not a peer: no link, never a raise
+            log.info("no direct link to worker %s at %s: %s", worker_id, url, exc)
+            if channel is not None:
+                await channel.close(1000, "peer hello failed")
+            if reader is not None:
+                reader.cancel()
+                await asyncio.wait({reader})
+            return False
+        assert reader is not None
+        self._links[worker_id] = (channel, reader)
+        log.info("direct link to worker %s at %s", worker_id, url)
+        return True
+
+    async def send(self, worker_id: str, message: Deliver) -> bool:
+        """Send ``message`` over the link to ``worker_id``; ``False`` when there is no live link
+        or the peer did not acknowledge it (the caller then relays through the coordinator)."""
+        if not self.linked(worker_id):
+            return False
+        channel = self._links[worker_id][0]
+        try:
+            reply = await channel.request(message, self.send_timeout)
+        except (ProtocolError, TimeoutError) as exc:
+            log.warning("direct delivery to worker %s failed: %s", worker_id, exc)
+            await self.drop(worker_id)
+            return False
+        return isinstance(reply, Ack)
+
+    async def drop(self, worker_id: str) -> None:
+        """Close the link to ``worker_id``, if any."""
+        link = self._links.pop(worker_id, None)
+        if link is None:
+            return
+        channel, reader = link
+        await channel.close(1000, "link dropped")
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({reader})
+
+    async def close(self) -> None:
+        """Close every link."""
+        for worker_id in list(self._links):
+            await self.drop(worker_id)
