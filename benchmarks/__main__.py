@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITE = ("codec", "daemon", "roundtrip", "fleet", "data_parallel", "allreduce")
+SUITE = ("codec", "daemon", "roundtrip", "fleet", "data_parallel", "allreduce", "pipeline")
 
 
 def main(argv: list[str] | None = None) -> int:

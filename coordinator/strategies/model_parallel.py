@@ -15,9 +15,9 @@ the data and then held fixed (stages made only of them are applied once, up fron
 
 Over live workers, activations and their gradients go worker to worker: each stage's agent dials
 its neighbours' peer address (``somatize-worker --peer-listen``) and the receiving agent waits for
-the tensor in its mailbox (:func:`run_linked_schedule`); a worker with no peer address gets them
+the tensor in its mailbox (:class:`WorkerToWorker`); a worker with no peer address gets them
 relayed by the coordinator, which forwards the frames without decoding the tensors. Contexts with
-no peer links (in-memory workers) pass them through the strategy (:func:`run_schedule`).
+no peer links (in-memory workers) pass them through the strategy (:class:`ThroughStrategy`).
 """
 
 from __future__ import annotations
@@ -214,13 +214,9 @@ class ModelParallel(Strategy):
         batches = schedule(n, self.micro_batches, training)
         for steps, (epoch, _, micro) in enumerate(batches, start=1):
             micro = [m for m in micro if len(m)]
-            runner = run_linked_schedule if linked else run_schedule
-            rows_in_batch = sum(len(m) for m in micro)
-            losses = await self._guard(
-                ids,
-                stages,
-                runner(ctx, plan, pipeline, stages, micro, job.y, rows_in_batch, batch=steps),
-            )
+            batch = GlobalBatch(pipeline, stages, micro, job.y, steps)
+            exchange = WorkerToWorker(ctx, batch) if linked else ThroughStrategy(ctx, batch)
+            losses = await self._guard(ids, stages, run_schedule(plan, batch, exchange))
             await self._guard(
                 ids,
                 stages,
@@ -267,124 +263,120 @@ class ModelParallel(Strategy):
             ) from exc
 
 
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One global batch of a pipeline: its micro-batches' rows and the labels."""
+
+    pipeline: list[int]  # the stages that train, in order
+    stages: list[list[str]]  # node ids of every stage
+    micro: list[np.ndarray[Any, Any]]  # row indices of each micro-batch
+    y: Any
+    index: int  # which global batch (keys of the tensors in flight)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(m) for m in self.micro)
+
+    def forward_request(self, k: int, m: int) -> dict[str, Any]:
+        """``stage_forward`` of micro-batch ``m`` on pipeline stage ``k``, less its input."""
+        request: dict[str, Any] = {
+            "cmd": "stage_forward",
+            "node_ids": self.stages[self.pipeline[k]],
+            "micro": m,
+        }
+        if k == 0:
+            request |= {"data": "train", "rows": self.micro[m].tolist(), "first": True}
+        if k == len(self.pipeline) - 1:
+            rows = self.micro[m]
+            request |= {"y": self.y[rows], "scale": len(rows) / self.rows, "last": True}
+        return request
+
+
+class ThroughStrategy:
+    """Activations and gradients come back to the coordinator and go on from here (contexts
+    whose workers cannot reach each other, like in-memory ones)."""
+
+    def __init__(self, ctx: StrategyContext, batch: GlobalBatch) -> None:
+        self.ctx, self.batch = ctx, batch
+        loop = asyncio.get_running_loop()
+        keys = [(k, m) for k in range(len(batch.pipeline)) for m in range(len(batch.micro))]
+        self.acts: dict[tuple[int, int], asyncio.Future[Any]] = {
+            key: loop.create_future() for key in keys
+        }
+        self.grads: dict[tuple[int, int], asyncio.Future[Any]] = {
+            key: loop.create_future() for key in keys
+        }
+
+    async def forward(self, k: int, m: int) -> Any:
+        request = self.batch.forward_request(k, m)
+        if k > 0:
+            request["x"] = await self.acts[(k - 1, m)]
+        result = await self.ctx.call(self.batch.pipeline[k], request)
+        self.acts[(k, m)].set_result(result)
+        return result
+
+    async def backward(self, k: int, m: int) -> None:
+        last = k == len(self.batch.pipeline) - 1
+        grad = None if last else await self.grads[(k + 1, m)]
+        request = {"cmd": "stage_backward", "micro": m, "grad_output": grad}
+        self.grads[(k, m)].set_result(await self.ctx.call(self.batch.pipeline[k], request))
+
+
+class WorkerToWorker:
+    """An activation goes from stage k straight into stage k+1's mailbox (``act/<batch>/<m>``)
+    and its gradient back into stage k's (``grad/<batch>/<m>``), over the peer link or relayed;
+    the receiving agent waits for it. The coordinator sees only the last stage's losses."""
+
+    def __init__(self, ctx: StrategyContext, batch: GlobalBatch) -> None:
+        self.ctx, self.batch = ctx, batch
+
+    async def forward(self, k: int, m: int) -> Any:
+        pipeline, key = self.batch.pipeline, f"act/{self.batch.index}/{m}"
+        source = None if k == 0 else key
+        target = None if k == len(pipeline) - 1 else (pipeline[k + 1], key)
+        request = self.batch.forward_request(k, m)
+        return await self.ctx.routed(pipeline[k], request, input_from=source, output_to=target)
+
+    async def backward(self, k: int, m: int) -> None:
+        pipeline, key = self.batch.pipeline, f"grad/{self.batch.index}/{m}"
+        source = None if k == len(pipeline) - 1 else key
+        target = None if k == 0 else (pipeline[k - 1], key)
+        request = {"cmd": "stage_backward", "micro": m}
+        await self.ctx.routed(
+            pipeline[k], request, input_from=source, input_field="grad_output", output_to=target
+        )
+
+
 async def run_schedule(
-    ctx: StrategyContext,
-    plan: Schedule,
-    pipeline: list[int],
-    stages: list[list[str]],
-    micro: list[np.ndarray[Any, Any]],
-    y: Any,
-    n_total: int,
-    batch: int = 0,
+    plan: Schedule, batch: GlobalBatch, exchange: ThroughStrategy | WorkerToWorker
 ) -> list[float]:
-    """One global batch through ``plan``: each stage runs its actions in order, each action
-    waiting for what it needs (the activation from the stage before, the gradient from the stage
-    after). Returns the unscaled loss of each micro-batch.
-
-    The relay: each activation and gradient comes back to the coordinator and goes on to the
-    next stage from here.
-    """
-    loop = asyncio.get_running_loop()
-    count = len(micro)
-    acts = {(k, m): loop.create_future() for k in range(len(pipeline)) for m in range(count)}
-    grads = {(k, m): loop.create_future() for k in range(len(pipeline)) for m in range(count)}
+    """One global batch through ``plan``: each stage runs its actions in order, each waiting
+    only for what it needs, so micro-batches overlap across stages. Returns the unscaled loss of
+    each micro-batch (from the last stage)."""
+    count, last = len(batch.micro), len(batch.pipeline) - 1
     losses: list[float] = [0.0] * count
-    last = len(pipeline) - 1
 
-    async def stage_worker(k: int) -> None:
-        s = pipeline[k]
+    async def stage(k: int) -> None:
         for action in plan.actions[k]:
-            m = action.micro
-            if m >= count:
-                continue  # a short batch has fewer micro-batches than the schedule
-            if action.kind == "F":
-                request: dict[str, Any] = {
-                    "cmd": "stage_forward",
-                    "node_ids": stages[s],
-                    "micro": m,
-                }
-                if k == 0:
-                    request |= {"data": "train", "rows": micro[m].tolist(), "first": True}
-                else:
-                    request["x"] = await acts[(k - 1, m)]
-                if k == last:
-                    request |= {"y": y[micro[m]], "scale": len(micro[m]) / n_total, "last": True}
-                    result = await ctx.call(s, request)
-                    losses[m] = float(result["loss"])
-                    acts[(k, m)].set_result(None)
-                else:
-                    acts[(k, m)].set_result(await ctx.call(s, request))
-            else:
-                grad = None if k == last else await grads[(k + 1, m)]
-                result = await ctx.call(
-                    s, {"cmd": "stage_backward", "micro": m, "grad_output": grad}
-                )
-                grads[(k, m)].set_result(result)
-
-    await concurrently(*(stage_worker(k) for k in range(len(pipeline))))
-    return losses
-
-
-async def run_linked_schedule(
-    ctx: StrategyContext,
-    plan: Schedule,
-    pipeline: list[int],
-    stages: list[list[str]],
-    micro: list[np.ndarray[Any, Any]],
-    y: Any,
-    n_total: int,
-    batch: int = 0,
-) -> list[float]:
-    """One global batch through ``plan`` with tensors going worker to worker.
-
-    Each stage is sent its actions in order; an activation goes from stage k straight into
-    stage k+1's mailbox (``act/<batch>/<m>``) and its gradient back into stage k's
-    (``grad/<batch>/<m>``), over the peer link or relayed, and the receiving agent waits for it.
-    The coordinator sees only the last stage's losses.
-    """
-    count = len(micro)
-    losses: list[float] = [0.0] * count
-    last = len(pipeline) - 1
-
-    async def stage_worker(k: int) -> None:
-        s = pipeline[k]
-        for action in plan.actions[k]:
-            m = action.micro
-            if m >= count:
+            if action.micro >= count:
+                continue  # a short last batch has fewer micro-batches than the schedule
+            if action.kind == "B":
+                await exchange.backward(k, action.micro)
                 continue
-            act, grad = f"act/{batch}/{m}", f"grad/{batch}/{m}"
-            if action.kind == "F":
-                request: dict[str, Any] = {
-                    "cmd": "stage_forward",
-                    "node_ids": stages[s],
-                    "micro": m,
-                }
-                if k == 0:
-                    request |= {"data": "train", "rows": micro[m].tolist(), "first": True}
-                if k == last:
-                    request |= {"y": y[micro[m]], "scale": len(micro[m]) / n_total, "last": True}
-                    result = await ctx.routed(s, request, input_from=act)
-                    losses[m] = float(result["loss"])
-                elif k == 0:
-                    await ctx.routed(s, request, output_to=(pipeline[k + 1], act))
-                else:
-                    await ctx.routed(s, request, input_from=act, output_to=(pipeline[k + 1], act))
-            else:
-                request = {"cmd": "stage_backward", "micro": m}
-                source = None if k == last else grad
-                target = None if k == 0 else (pipeline[k - 1], grad)
-                await ctx.routed(
-                    s, request, input_from=source, input_field="grad_output", output_to=target
-                )
+            result = await exchange.forward(k, action.micro)
+            if k == last:
+                losses[action.micro] = float(result["loss"])
 
-    await concurrently(*(stage_worker(k) for k in range(len(pipeline))))
+    await concurrently(*(stage(k) for k in range(len(batch.pipeline))))
     return losses
 
 
 __all__ = [
+    "GlobalBatch",
     "ModelParallel",
     "Partition",
+    "ThroughStrategy",
+    "WorkerToWorker",
     "check_partitions",
-    "run_linked_schedule",
     "run_schedule",
 ]
