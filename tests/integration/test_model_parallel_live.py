@@ -35,23 +35,13 @@ def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_pat
     x, y = dataset()
     workers = {"w0": ("stage0",), "w1": ("stage1",), "w2": ("stage2",)}
     with cluster(tmp_path, workers, peer_links=peer_links) as c, sz.connect(c.url) as client:
-        for partitions, micro in [
-            (
-                [
-                    sz.Partition(["center", "a"], tag="stage0"),
-                    sz.Partition(["b", "c"], tag="stage1"),
-                ],
-                4,
-            ),
-            (
-                [
-                    sz.Partition(["center", "a"], worker="w2"),
-                    sz.Partition(["b"], tag="stage1"),
-                    sz.Partition(["c"], tag="stage0"),
-                ],
-                1,
-            ),
-        ]:
+        two = [sz.Partition(["center", "a"], tag="stage0"), sz.Partition(["b", "c"], tag="stage1")]
+        three = [
+            sz.Partition(["center", "a"], worker="w2"),
+            sz.Partition(["b"], tag="stage1"),
+            sz.Partition(["c"], tag="stage0"),
+        ]
+        for partitions, micro in [(two, 1), (two, 4), (three, 1), (three, 4)]:
             job = client.submit(graph(), x, y, strategy=sz.ModelParallel(partitions, micro))
             fitted = job.result(timeout=120 * UNIT)
             expected = reference(x, y)
