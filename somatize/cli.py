@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="train scikit-learn's digits in-process and on an embedded local cluster",
     )
-    demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+    demo.add_argument("--epochs", type=int, default=10, help="training epochs (default 10)")
     demo.add_argument("--workers", type=int, default=2, help="local workers (default 2)")
     demo.add_argument(
         "--in-process", action="store_true", help="only train in this process (no cluster)"

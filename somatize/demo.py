@@ -2,8 +2,9 @@
 local cluster, side by side.
 
 ``somatize demo`` trains the graph with ``graph.fit`` (the reference), then starts an embedded
-coordinator and N workers as real processes on 127.0.0.1, trains the same graph there through the
-coordinator, and prints the held-out accuracy of both: distribution must not change the answer.
+coordinator and N workers as real processes on 127.0.0.1, trains the same graph there with
+DataParallel, FedAvg and a 2-stage ModelParallel, each with a live progress bar, and prints the
+held-out accuracy of each beside the reference: distribution must not change the answer.
 It ends with the commands that run the same thing on separate machines. Ctrl-C stops every
 process it started.
 """
@@ -20,6 +21,7 @@ import torch
 
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import Graph
+from somatize.strategies import Strategy
 
 
 class Standardize(Filter):
@@ -55,22 +57,31 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Digits:
     return Digits(x[train], y[train], x[test], y[test])
 
 
-def digits_graph(epochs: int = 20, seed: int = 0) -> Graph:
-    """Standardize >> MLP(64-128-10), SGD with momentum, cross-entropy."""
+def digits_graph(epochs: int = 10, seed: int = 0) -> Graph:
+    """Standardize >> hidden (Linear 64-128, ReLU) >> head (Linear 128-10): SGD with momentum,
+    cross-entropy. Two TorchFilters so that the graph can also be split in two pipeline stages;
+    in-process they train as one autograd graph."""
     torch.manual_seed(seed)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    net = TorchFilter(
-        mlp,
-        loss="cross_entropy",
-        optimizer="sgd",
-        lr=0.05,
-        batch_size=64,
-        epochs=epochs,
-        shuffle=True,
-        seed=seed,
-        optimizer_options={"momentum": 0.9},
+    hidden = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU())
+    head = torch.nn.Linear(128, 10)
+    settings: dict[str, Any] = {
+        "optimizer": "sgd",
+        "lr": 0.05,
+        "optimizer_options": {"momentum": 0.9},
+    }
+    return (
+        Standardize().named("standardize")
+        >> TorchFilter(hidden, **settings).named("hidden")
+        >> TorchFilter(
+            head,
+            loss="cross_entropy",
+            batch_size=64,
+            epochs=epochs,
+            shuffle=True,
+            seed=seed,
+            **settings,
+        ).named("head")
     )
-    return Standardize().named("standardize") >> net.named("mlp")
 
 
 def accuracy(output: Any, y: np.ndarray) -> float:
@@ -79,50 +90,86 @@ def accuracy(output: Any, y: np.ndarray) -> float:
     return float((predicted == y).mean())
 
 
-def run(workers: int = 2, epochs: int = 20) -> dict[str, float]:
-    """The demo: in-process reference, then the same job on an embedded cluster.
+def strategies(workers: int) -> list[tuple[str, Strategy]]:
+    """What the demo runs on the cluster, with how it is shown."""
+    from somatize.strategies import DataParallel, FedAvg, ModelParallel, Partition
+
+    stages = [
+        Partition(["standardize", "hidden"], worker="worker-1"),
+        Partition(["head"], worker=f"worker-{min(2, workers)}"),
+    ]
+    return [
+        (f"DataParallel, {workers} workers", DataParallel(workers=workers)),
+        (
+            f"FedAvg, {workers} workers, 10 rounds",
+            FedAvg(rounds=10, local_epochs=1, workers=workers),
+        ),
+        ("ModelParallel, 2 stages, M=4", ModelParallel(stages, micro_batches=4)),
+    ]
+
+
+def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
+    """The demo: the in-process reference, then each strategy on an embedded cluster.
 
     Returns:
-        Held-out accuracy by how it was trained (``"in-process"``, ``"local"``).
+        Held-out accuracy by how the graph was trained.
     """
     from rich.console import Console
 
     from somatize.cli import follow
     from somatize.client import connect
     from somatize.cluster import LocalCluster
-    from somatize.strategies import Local
 
+    if workers < 2:
+        raise ValueError("the demo needs at least 2 workers")
     console = Console(highlight=False)
     data = load_digits()
     console.print(f"digits: {len(data.x_train)} training images, {len(data.x_test)} held out")
-    accuracies = {"in-process": run_local(epochs, quiet=True, data=data)}
-    console.print(f"in-process graph.fit: held-out accuracy {accuracies['in-process']:.1%}")
+    accuracies = {"in-process (graph.fit)": run_local(epochs, quiet=True, data=data)}
+    console.print(
+        f"in-process graph.fit: held-out accuracy {accuracies['in-process (graph.fit)']:.1%}"
+    )
 
     threads = max(1, (os.cpu_count() or 1) // workers)
+    timings: dict[str, float] = {}
     with LocalCluster(job_threads=threads) as cluster:
         console.print(f"starting a coordinator on {cluster.url} and {workers} workers ...")
         cluster.start_coordinator()
         for i in range(workers):
-            cluster.start_worker(f"worker-{i + 1}", threads=threads)
-        graph = digits_graph(epochs=epochs)
+            cluster.start_worker(f"worker-{i + 1}", threads=threads, peer_link=True)
         with connect(cluster.url) as client:
-            job = client.submit(graph, data.x_train, data.y_train, strategy=Local())
-            follow(job, console)
-            fitted = job.result(timeout=600)
-        accuracies["local"] = accuracy(fitted.forward(data.x_test), data.y_test)
+            for label, strategy in strategies(workers):
+                console.print(f"[bold]{label}[/bold]")
+                started = time.perf_counter()
+                job = client.submit(
+                    digits_graph(epochs=epochs), data.x_train, data.y_train, strategy=strategy
+                )
+                follow(job, console)
+                fitted = job.result(timeout=600)
+                timings[label] = time.perf_counter() - started
+                accuracies[label] = accuracy(fitted.forward(data.x_test), data.y_test)
     console.print()
-    console.print(f"{'trained':<32}{'held-out accuracy':>18}")
-    console.print(f"{'in-process (graph.fit)':<32}{accuracies['in-process']:>18.1%}")
-    console.print(f"{'Local, on one worker':<32}{accuracies['local']:>18.1%}")
+    console.print(f"{'trained':<40}{'held-out accuracy':>18}{'time':>8}")
+    for label, acc in accuracies.items():
+        took = f"{timings[label]:.1f} s" if label in timings else ""
+        console.print(f"{label:<40}{acc:>18.1%}{took:>8}")
+    console.print(
+        "DataParallel and ModelParallel train exactly what graph.fit trains; "
+        "FedAvg averages local trainings.",
+        soft_wrap=True,
+    )
     console.print()
-    console.print("The same on separate machines:")
+    console.print("The same on separate machines (the worker line on each worker machine):")
     console.print("  somatize-coordinator --listen 0.0.0.0:8765 --state-dir /var/lib/somatize")
-    console.print("  somatize-worker --connect ws://COORDINATOR:8765      # on each worker machine")
+    console.print(
+        "  somatize-worker --connect ws://COORDINATOR:8765 --peer-listen 0.0.0.0:9000",
+        soft_wrap=True,
+    )
     console.print("  somatize submit job.py --coordinator ws://COORDINATOR:8765")
     return accuracies
 
 
-def run_local(epochs: int = 20, *, quiet: bool = False, data: Digits | None = None) -> float:
+def run_local(epochs: int = 10, *, quiet: bool = False, data: Digits | None = None) -> float:
     """Train in-process, print the result (unless ``quiet``), return held-out accuracy."""
     data = data if data is not None else load_digits()
     graph = digits_graph(epochs=epochs)
