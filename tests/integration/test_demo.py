@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -54,3 +56,34 @@ def test_the_demo_trains_every_strategy_on_a_local_cluster_next_to_graph_fit():
     assert held_out("FedAvg, 2 workers, 10 rounds") > 50.0
     assert "somatize-worker --connect ws://COORDINATOR:8765" in out.stdout
     assert _marked(marker) == [], "the demo left processes behind"
+
+
+def test_ctrl_c_stops_the_demo_and_everything_it_started():
+    marker = f"SOMATIZE_DEMO_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    script = Path(sys.executable).parent / "somatize"
+    proc = subprocess.Popen(
+        [str(script), "demo", "--epochs", "50"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the cluster runs a job
+            if "DataParallel, 2 workers" in line:
+                break
+        time.sleep(1.0)
+        assert len(_marked(marker)) > 3  # the coordinator, two agents and their daemons
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60 * timeout_unit())[0]
+        assert proc.returncode == 130, rest
+        assert "interrupted" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 15 * timeout_unit()
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked(marker) == [], "Ctrl-C left processes behind"
