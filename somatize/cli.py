@@ -35,7 +35,7 @@ import runpy
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,10 +110,16 @@ def _parser() -> argparse.ArgumentParser:
 
     jobs = sub.add_parser("jobs", parents=[remote], help="list the newest jobs")
     jobs.add_argument("--limit", type=_positive_int, default=50, help="how many (default 50)")
+    jobs.add_argument(
+        "--watch", action="store_true", help="follow live (refreshed every second; Ctrl-C stops)"
+    )
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
     result.add_argument("job_id", metavar="ID", help="the job's id")
     result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
+    result.add_argument(
+        "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
+    )
     result.add_argument(
         "--wait",
         type=_non_negative_float,
@@ -334,9 +340,15 @@ def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def _jobs(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
-        records = client.jobs(limit=args.limit)
-    out.print(_jobs_table(records))
-    return EXIT_OK
+        if not args.watch:
+            out.print(_jobs_table(client.jobs(limit=args.limit)))
+            return EXIT_OK
+        from rich.live import Live
+
+        with Live(_jobs_table(client.jobs(limit=args.limit)), console=out) as live:
+            while True:  # until Ctrl-C (the caller turns it into exit code 130)
+                time.sleep(1.0)
+                live.update(_jobs_table(client.jobs(limit=args.limit)))
 
 
 def _jobs_table(records: list[dict[str, Any]]) -> Any:
@@ -418,6 +430,11 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             table.add_row(node_id, key, shape, dtype)
             node_id = ""
     out.print(table)
+    if args.plot:
+        with _connect(args) as client:
+            points = loss_curve(client.job(args.job_id).events(timeout=client.timeout))
+        plot_loss(points, args.plot, title=f"job {args.job_id}")
+        err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.save:
         import torch
 
@@ -426,6 +443,41 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
         )
     return EXIT_OK
+
+
+def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
+    """``(step, loss)`` of each progress event that carries a loss (a federated round, or an
+    epoch's losses when a job reports only those at its end)."""
+    points: list[tuple[float, float]] = []
+    for event in events:
+        data = event.data if hasattr(event, "data") else {}
+        if event.event != "progress":
+            continue
+        if isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
+            x = data.get("step") or data.get("round") or len(points) + 1
+            points.append((float(x), float(data["loss"])))
+        elif isinstance(data.get("epoch_losses"), list):
+            points.extend((float(i + 1), float(v)) for i, v in enumerate(data["epoch_losses"]))
+    return points
+
+
+def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
+    """Save the loss curve as an image (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if points:
+        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:

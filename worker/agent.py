@@ -254,6 +254,7 @@ class Agent:
         spare: bool = True,
         datasets: Mapping[str, Path] | None = None,
         peer_listen: str | None = None,
+        peer_advertise: str | None = None,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -286,6 +287,7 @@ class Agent:
         self._idle = asyncio.Event()
         self._idle.set()
         self.peer_listen = peer_listen
+        self.peer_advertise = peer_advertise  # HOST:PORT other workers dial (behind NAT, Docker)
         if peer_listen is not None:
             _split_host_port(peer_listen)  # a ValueError now, not at run()
         self._peer_address: str | None = None
@@ -715,6 +717,8 @@ class Agent:
         shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
         self._peer_address = f"ws://{shown}:{bound}"
+        if self.peer_advertise is not None:
+            self._peer_address = f"ws://{self.peer_advertise}"
         log.info("serving peer links on %s (announced as %s)", listen, self._peer_address)
 
     async def _stop_peer_server(self) -> None:

@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "a 0.0.0.0 host is announced as 127.0.0.1). Default: none, the coordinator relays",
     )
     parser.add_argument(
+        "--peer-advertise",
+        metavar="HOST:PORT",
+        help="the address other workers dial for --peer-listen, when it differs from it "
+        "(a container's service name, a NAT's public address)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             token=token,
             datasets=datasets,
             peer_listen=args.peer_listen,
+            peer_advertise=args.peer_advertise,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -300,3 +301,32 @@ def test_ping_goes_through_the_coordinator_and_a_workers_daemon(client):
     job.wait(timeout=60 * UNIT)
     record = job.status()
     assert record["id"] == job.id and record["state"] == "succeeded"
+
+
+def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_path):
+    x, y = _data()
+    job = client.submit(_mlp_graph(), x, y, strategy=sz.DataParallel(workers=2))
+    job.wait(timeout=120 * UNIT)
+    png = tmp_path / "loss.png"
+    plotted = _somatize(live, "result", job.id, "--plot", str(png), seconds=60)
+    assert plotted.returncode == 0, plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "loss curve (18 points)" in plotted.stderr  # 3 epochs x 6 steps of 32 rows
+
+    env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
+    watcher = subprocess.Popen(
+        [str(BIN / "somatize"), "jobs", "--watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        time.sleep(2.5 * UNIT)
+        watcher.send_signal(signal.SIGINT)
+        out, _ = watcher.communicate(timeout=20 * UNIT)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 130
+    assert job.id in out

@@ -1,0 +1,262 @@
+"""docker-compose.yml: its structure, then its topology run as local processes (no Docker).
+
+Each service's ``command`` runs as a subprocess on loopback, in dependency order, with the
+compose names mapped to this machine: the host ``coordinator`` → ``127.0.0.1``, port 8765 → a
+free port, ``/state`` → a temporary directory, ``/app/`` → the repository, and each
+``--peer-listen 0.0.0.0:9000`` → a free loopback port. The coordinator must answer its own
+healthcheck URL before the workers start, the workers must be listed before the ``job`` service
+runs, and the job must exit 0. Every process group is killed at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import somatize as sz
+from somatize.cluster import free_port, wait_for
+from tests.conftest import timeout_unit
+
+pytestmark = pytest.mark.integration
+
+UNIT = timeout_unit()
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+COMPOSE = ROOT / "docker-compose.yml"
+SERVICES = {"coordinator", "worker-1", "worker-2", "stage-0", "stage-1", "job"}
+WORKERS = ("worker-1", "worker-2", "stage-0", "stage-1")
+HEALTHZ = re.compile(r"http://(?:127\.0\.0\.1|localhost):8765/healthz")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    with COMPOSE.open(encoding="utf-8") as f:
+        document = yaml.safe_load(f)
+    assert isinstance(document, dict)
+    return document
+
+
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(compose["services"])
+
+
+def healthcheck_url(service: dict[str, Any]) -> str:
+    test = service["healthcheck"]["test"]
+    text = test if isinstance(test, str) else " ".join(test)
+    match = HEALTHZ.search(text)
+    assert match, f"the coordinator's healthcheck does not GET /healthz: {text}"
+    return match.group(0)
+
+
+# -- structure -----------------------------------------------------------------------------------
+
+
+def test_services_and_commands(compose: dict[str, Any]) -> None:
+    found = services(compose)
+    assert set(found) >= SERVICES
+    for name in SERVICES:
+        command = found[name]["command"]
+        assert isinstance(command, list), f"{name}: keep the command a list"
+        assert all(isinstance(arg, str) for arg in command), f"{name}: quote numbers"
+    assert found["coordinator"]["command"][0] == "somatize-coordinator"
+    for name in WORKERS:
+        command = found[name]["command"]
+        assert command[0] == "somatize-worker"
+        assert command[command.index("--connect") + 1] == "ws://coordinator:8765"
+        assert command[command.index("--id") + 1] == name
+        depends = found[name]["depends_on"]
+        assert depends["coordinator"]["condition"] == "service_healthy"
+    for name, tag in [("stage-0", "stage0"), ("stage-1", "stage1")]:
+        command = found[name]["command"]
+        assert command[command.index("--tag") + 1] == tag
+        assert command[command.index("--peer-listen") + 1] == "0.0.0.0:9000"
+    job = found["job"]
+    assert job["command"][:2] == ["somatize", "submit"]
+    assert job["restart"] == "no"
+    assert job["depends_on"]["coordinator"]["condition"] == "service_healthy"
+    assert (ROOT / "examples" / "digits_job.py").is_file()
+
+
+def test_coordinator_health_and_state_volume(compose: dict[str, Any]) -> None:
+    coordinator = services(compose)["coordinator"]
+    healthcheck_url(coordinator)
+    assert "8765:8765" in [str(p) for p in coordinator["ports"]]
+    mounts = [str(v).split(":") for v in coordinator["volumes"]]
+    named = [source for source, target, *_ in mounts if target == "/state"]
+    assert named, "the coordinator's /state is not a volume"
+    assert named[0] in (compose.get("volumes") or {}), "the /state volume is not a named volume"
+
+
+def test_no_literal_tokens() -> None:
+    text = COMPOSE.read_text(encoding="utf-8")
+    values = re.findall(r"^\s*-?\s*(SOMATIZE_\w*TOKEN)\s*[:=]\s*(.*?)\s*$", text, re.MULTILINE)
+    assert values, "the tokens are not passed through"
+    for name, value in values:
+        assert value == f"${{{name}:-}}", f"{name} must come from the environment, not {value!r}"
+    assert "--token" not in text
+
+
+# -- the topology, as local processes ----------------------------------------------------------
+
+
+def order(found: dict[str, dict[str, Any]]) -> list[str]:
+    """The services, each after those it depends on."""
+    done: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"dependency cycle: {[*path, name]}"
+        if name in done:
+            return
+        for dep in found[name].get("depends_on") or {}:
+            visit(dep, (*path, name))
+        done.append(name)
+
+    for name in sorted(found):
+        visit(name, ())
+    return done
+
+
+def localise(command: list[str], port: int, state: Path) -> list[str]:
+    """A service's command with the compose names mapped to this machine."""
+    argv = []
+    peer = f"127.0.0.1:{free_port()}"  # the service's peer port, as listened on and announced
+    for i, arg in enumerate(command):
+        previous = command[i - 1] if i else ""
+        if previous == "--listen" and arg == "0.0.0.0:8765":
+            arg = f"127.0.0.1:{port}"
+        elif (
+            previous == "--peer-listen" and arg == "0.0.0.0:9000"
+        ) or previous == "--peer-advertise":
+            arg = peer
+        arg = arg.replace("ws://coordinator:8765", f"ws://127.0.0.1:{port}")
+        if arg == "/state":
+            arg = str(state)
+        elif arg.startswith("/app/"):
+            arg = str(ROOT / arg.removeprefix("/app/"))
+        argv.append(arg)
+    argv[0] = str(BIN / argv[0])
+    assert not any("coordinator:" in a or "0.0.0.0" in a or a.startswith("/app") for a in argv)
+    return argv
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def listed(url: str, worker_ids: list[str]) -> bool:
+    with sz.connect(url, timeout=10) as client:
+        states = {w["id"]: w.get("state") for w in client.status()["workers"]}
+    return all(states.get(w) == "idle" for w in worker_ids)
+
+
+def stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    for proc in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=10 * UNIT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10 * UNIT)
+    for proc in procs.values():  # the daemons of each session too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def spawned() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        yield procs
+    finally:
+        stop(procs)
+
+
+def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
+    found = services(compose)
+    port = free_port()
+    url = f"ws://127.0.0.1:{port}"
+    state = tmp_path / "state"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**os.environ, "SOMATIZE_COORDINATOR": url}
+    env.pop("SOMATIZE_TOKEN", None)
+    env.pop("SOMATIZE_WORKER_TOKEN", None)
+    health = healthcheck_url(found["coordinator"]).replace(":8765/", f":{port}/")
+    started = time.monotonic()
+
+    def log_of(name: str) -> str:
+        path = logs / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    with spawned() as procs:
+
+        def alive_and(ready: bool) -> bool:
+            for other, proc in procs.items():
+                if proc.poll() is not None:
+                    raise AssertionError(f"{other} exited {proc.returncode}:\n{log_of(other)}")
+            return ready
+
+        servers = [name for name in order(found) if name != "job"]
+        for name in servers:
+            argv = localise(found[name]["command"], port, state)
+            with (logs / f"{name}.log").open("ab") as log:
+                procs[name] = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            if name == "coordinator":
+                wait_for(lambda: alive_and(healthy(health)), 60 * UNIT, "/healthz")
+        workers = [name for name in servers if name != "coordinator"]
+        assert sorted(workers) == sorted(WORKERS)
+        wait_for(lambda: alive_and(listed(url, workers)), 60 * UNIT, "the workers")
+
+        argv = localise(found["job"]["command"], port, state)
+        job = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=env,
+            timeout=180 * UNIT,
+            check=False,
+        )
+        output = (job.stdout + job.stderr).decode(errors="replace")
+        assert job.returncode == 0, output
+        job_id = job.stdout.decode().split()[0]
+
+        jobs = subprocess.run(
+            [str(BIN / "somatize"), "jobs", "--coordinator", url],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env={**env, "COLUMNS": "200"},
+            timeout=30 * UNIT,
+            check=False,
+        )
+        table = jobs.stdout.decode(errors="replace")
+        assert jobs.returncode == 0, table + jobs.stderr.decode(errors="replace")
+        rows = [line for line in table.splitlines() if job_id in line]
+        assert rows and "succeeded" in rows[0], table
+        assert "data_parallel" in rows[0], table
+    print(f"compose topology ran its job in {time.monotonic() - started:.1f} s")
