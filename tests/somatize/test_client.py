@@ -118,7 +118,7 @@ def test_cli_arguments_and_their_environment_defaults(monkeypatch):
     assert (args.no_wait, args.coordinator, args.token) == (True, "ws://h:2", "t")
     assert cli._parser().parse_args(["jobs", "--limit", "3"]).limit == 3
     assert cli._parser().parse_args(["status"]).command == "status"
-    assert cli._parser().parse_args(["demo"]).epochs == 20
+    assert cli._parser().parse_args(["demo"]).epochs == 10
 
 
 @pytest.mark.parametrize(
