@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -56,6 +57,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds running jobs get to finish on shutdown",
     )
+    parser.add_argument(
+        "--worker-token-file",
+        metavar="FILE",
+        help="the token workers must present (default: $SOMATIZE_WORKER_TOKEN)",
+    )
+    parser.add_argument(
+        "--client-token-file",
+        metavar="FILE",
+        help="the token clients must present (default: $SOMATIZE_TOKEN)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without tokens: anyone who reaches the port can "
+        "run code on every worker",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -76,8 +93,40 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def _token(path: str | None, variable: str) -> str | None:
+    if path is None:
+        return os.environ.get(variable) or None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"somatize-coordinator: cannot read the token file {path}: {exc}") from exc
+    if not token:
+        raise SystemExit(f"somatize-coordinator: the token file {path} is empty")
+    return token
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 async def _main(args: argparse.Namespace) -> None:
     host, port = _split(args.listen)
+    worker_token = _token(args.worker_token_file, "SOMATIZE_WORKER_TOKEN")
+    client_token = _token(args.client_token_file, "SOMATIZE_TOKEN")
+    if not _loopback(host) and not args.insecure and not (worker_token and client_token):
+        raise SystemExit(
+            f"somatize-coordinator: refusing to listen on {host} without tokens: a client can run "
+            "code on every worker. Give --worker-token-file and --client-token-file (or "
+            "SOMATIZE_WORKER_TOKEN and SOMATIZE_TOKEN), or --insecure to accept the risk."
+        )
+    if worker_token is not None and worker_token == client_token:
+        raise SystemExit(
+            "somatize-coordinator: the worker and client tokens must differ (a worker token "
+            "must not be able to submit jobs)"
+        )
     coordinator = Coordinator(
         host,
         port,
@@ -86,6 +135,8 @@ async def _main(args: argparse.Namespace) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         call_timeout=args.call_timeout,
         job_threads=args.job_threads,
+        worker_token=worker_token,
+        client_token=client_token,
     )
     await coordinator.start()
     print(f"somatize-coordinator listening on ws://{host}:{coordinator.port}", flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import http
 import logging
 import time
@@ -78,6 +79,10 @@ class Coordinator:
         call_timeout: seconds one command of a job may take on a worker.
         job_threads: torch threads of each job's daemon (``None``: the agent's default).
         max_message_bytes: largest (reassembled) message accepted from a peer.
+        worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
+            must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
+            upgrade, before any message is read. ``None``: that path is open (loopback only; the
+            CLI refuses otherwise unless ``--insecure``). A worker token cannot submit jobs.
     """
 
     def __init__(
@@ -91,6 +96,8 @@ class Coordinator:
         call_timeout: float = 3600.0,
         job_threads: int | None = None,
         max_message_bytes: int = 1 << 34,
+        worker_token: str | None = None,
+        client_token: str | None = None,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
@@ -102,6 +109,7 @@ class Coordinator:
         self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.max_message_bytes = max_message_bytes
+        self.tokens = {"/worker": worker_token, "/client": client_token}
         self.metrics = Metrics()
         self.registry = Registry(heartbeat_timeout)
         self.store: JobStore | None = None
@@ -215,6 +223,13 @@ class Coordinator:
             response.headers["Content-Type"] = "text/plain; version=0.0.4"
             return response
         if path in ("/worker", "/client"):
+            if not _authorized(request, self.tokens[path]):
+                log.info(
+                    "refused %s on %s: missing or wrong token", connection.remote_address, path
+                )
+                return connection.respond(
+                    http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
+                )
             return None  # go on with the WebSocket handshake
         return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
 
@@ -412,6 +427,16 @@ class Coordinator:
                 "jobs": await self.jobs.records(50),
             }
         )
+
+
+def _authorized(request: Request, token: str | None) -> bool:
+    """Whether the upgrade carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+    if token is None:
+        return True
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    expected, offered = token.encode(), given.strip().encode()
+    return scheme.lower() == "bearer" and hmac.compare_digest(expected, offered)
 
 
 __all__ = ["Coordinator", "RemoteError", "record_dict"]

@@ -160,12 +160,15 @@ def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
     )
     console.print()
     console.print("The same on separate machines (the worker line on each worker machine):")
-    console.print("  somatize-coordinator --listen 0.0.0.0:8765 --state-dir /var/lib/somatize")
-    console.print(
-        "  somatize-worker --connect ws://COORDINATOR:8765 --peer-listen 0.0.0.0:9000",
-        soft_wrap=True,
-    )
-    console.print("  somatize submit job.py --coordinator ws://COORDINATOR:8765")
+    for line in (
+        "  somatize-coordinator --listen 0.0.0.0:8765 --state-dir /var/lib/somatize "
+        "--worker-token-file worker.token --client-token-file client.token",
+        "  somatize-worker --connect ws://COORDINATOR:8765 --token-file worker.token "
+        "--peer-listen 0.0.0.0:9000 --peer-advertise THIS-HOST:9000",
+        "  SOMATIZE_TOKEN=$(cat client.token) somatize submit job.py "
+        "--coordinator ws://COORDINATOR:8765",
+    ):
+        console.print(line, soft_wrap=True, markup=False)
     return accuracies
 
 

@@ -159,8 +159,11 @@ def healthy(url: str) -> bool:
         return False
 
 
+CLIENT_TOKEN, WORKER_TOKEN = "client-secret-for-the-test", "worker-secret-for-the-test"
+
+
 def listed(url: str, worker_ids: list[str]) -> bool:
-    with sz.connect(url, timeout=10) as client:
+    with sz.connect(url, token=CLIENT_TOKEN, timeout=10) as client:
         states = {w["id"]: w.get("state") for w in client.status()["workers"]}
     return all(states.get(w) == "idle" for w in worker_ids)
 
@@ -197,9 +200,13 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
     state = tmp_path / "state"
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {**os.environ, "SOMATIZE_COORDINATOR": url}
-    env.pop("SOMATIZE_TOKEN", None)
-    env.pop("SOMATIZE_WORKER_TOKEN", None)
+    # As `docker compose` would pass them from the environment or an .env file.
+    env = {
+        **os.environ,
+        "SOMATIZE_COORDINATOR": url,
+        "SOMATIZE_TOKEN": CLIENT_TOKEN,
+        "SOMATIZE_WORKER_TOKEN": WORKER_TOKEN,
+    }
     health = healthcheck_url(found["coordinator"]).replace(":8765/", f":{port}/")
     started = time.monotonic()
 

@@ -1,0 +1,126 @@
+"""Tokens: checked on the upgrade, before any message; separate for workers and clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import somatize as sz
+from somatize.cluster import free_port, wait_for
+from tests.conftest import timeout_unit
+
+pytestmark = pytest.mark.integration
+
+UNIT = timeout_unit()
+BIN = Path(sys.executable).parent
+CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
+
+
+def _start(argv: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
+    environment = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k} | env
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+
+
+def _stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10 * UNIT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(tmp_path):
+    port = free_port()
+    url = f"ws://127.0.0.1:{port}"
+    coordinator = _start(
+        [
+            str(BIN / "somatize-coordinator"),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        tmp_path / "coordinator.log",
+        SOMATIZE_TOKEN=CLIENT,
+        SOMATIZE_WORKER_TOKEN=WORKER,
+    )
+    procs = [coordinator]
+    try:
+        wait_for(lambda: _healthy(port), 30 * UNIT, "/healthz (open without a token)")
+        for token in (None, "wrong", WORKER):  # no token, a wrong one, the workers' one
+            with pytest.raises(sz.ConnectionFailed, match=r"401|token"):
+                sz.connect(url, token=token, timeout=10 * UNIT)
+        with sz.connect(url, token=CLIENT, timeout=10 * UNIT) as client:
+            assert client.status()["workers"] == []
+
+        wrong = _start(
+            [str(BIN / "somatize-worker"), "--connect", url, "--id", "intruder"],
+            tmp_path / "intruder.log",
+            SOMATIZE_WORKER_TOKEN=CLIENT,  # a client token: refused
+        )
+        procs.append(wrong)
+        assert wrong.wait(timeout=30 * UNIT) == 1  # refused for good: no retry loop
+        right = _start(
+            [str(BIN / "somatize-worker"), "--connect", url, "--id", "w1", "--threads", "1"],
+            tmp_path / "w1.log",
+            SOMATIZE_WORKER_TOKEN=WORKER,
+        )
+        procs.append(right)
+
+        def registered() -> bool:
+            with sz.connect(url, token=CLIENT, timeout=10 * UNIT) as client:
+                return [w["id"] for w in client.status()["workers"]] == ["w1"]
+
+        wait_for(registered, 30 * UNIT, "w1 to register with its token")
+    finally:
+        _stop(*procs)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "refusing to listen on 10.0.0.1 without tokens"),
+        ({"SOMATIZE_TOKEN": CLIENT}, "refusing to listen on 10.0.0.1 without tokens"),
+        ({"SOMATIZE_TOKEN": CLIENT, "SOMATIZE_WORKER_TOKEN": CLIENT}, "must differ"),
+    ],
+)
+def test_the_coordinator_will_not_listen_beyond_loopback_without_tokens(tmp_path, env, message):
+    # Refused before anything is bound: no traffic leaves this machine.
+    environment = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k} | env
+    out = subprocess.run(
+        [
+            str(BIN / "somatize-coordinator"),
+            "--listen",
+            "10.0.0.1:8765",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=60 * UNIT,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert message in out.stderr
