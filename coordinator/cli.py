@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="the token clients must present (default: $SOMATIZE_TOKEN)",
     )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve wss:// with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument(
         "--insecure",
         action="store_true",
@@ -127,6 +130,17 @@ async def _main(args: argparse.Namespace) -> None:
             "somatize-coordinator: the worker and client tokens must differ (a worker token "
             "must not be able to submit jobs)"
         )
+    tls = None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("somatize-coordinator: --tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(
+                f"somatize-coordinator: cannot load the TLS certificate: {exc}"
+            ) from exc
     coordinator = Coordinator(
         host,
         port,
@@ -137,9 +151,11 @@ async def _main(args: argparse.Namespace) -> None:
         job_threads=args.job_threads,
         worker_token=worker_token,
         client_token=client_token,
+        tls=tls,
     )
     await coordinator.start()
-    print(f"somatize-coordinator listening on ws://{host}:{coordinator.port}", flush=True)
+    scheme = "wss" if tls is not None else "ws"
+    print(f"somatize-coordinator listening on {scheme}://{host}:{coordinator.port}", flush=True)
     loop = asyncio.get_running_loop()
     stopping: list[Any] = []
 

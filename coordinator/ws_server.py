@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import http
 import logging
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class Coordinator:
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
             upgrade, before any message is read. ``None``: that path is open (loopback only; the
             CLI refuses otherwise unless ``--insecure``). A worker token cannot submit jobs.
+        tls: serve ``wss://`` (and ``https://`` health and metrics) with this context.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Coordinator:
         max_message_bytes: int = 1 << 34,
         worker_token: str | None = None,
         client_token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
@@ -110,6 +113,7 @@ class Coordinator:
         self.job_threads = job_threads
         self.max_message_bytes = max_message_bytes
         self.tokens = {"/worker": worker_token, "/client": client_token}
+        self.tls = tls
         self.metrics = Metrics()
         self.registry = Registry(heartbeat_timeout)
         self.store: JobStore | None = None
@@ -151,6 +155,7 @@ class Coordinator:
             self.port,
             compression=None,
             max_size=WS_MAX_SIZE,
+            ssl=self.tls,
             process_request=self._http,
             open_timeout=HANDSHAKE_TIMEOUT,
             ping_interval=max(self.heartbeat_interval, 1.0) * 5,

@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the client token (default: $SOMATIZE_TOKEN)",
     )
     group.add_argument(
+        "--ca-file",
+        default=os.environ.get("SOMATIZE_CA_FILE") or None,
+        help="certificate(s) to trust for wss:// (default: $SOMATIZE_CA_FILE, else the system's)",
+    )
+    group.add_argument(
         "--timeout",
         type=_positive_float,
         default=30.0,
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 def _connect(args: argparse.Namespace) -> Client:
     from somatize.client import connect
 
-    return connect(args.coordinator, args.token, timeout=args.timeout)
+    return connect(args.coordinator, args.token, timeout=args.timeout, ca_file=args.ca_file)
 
 
 # -- submit ------------------------------------------------------------------------------------

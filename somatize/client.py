@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import ssl
 import threading
 import time
 import urllib.parse
@@ -117,7 +118,9 @@ class JobEventInfo:
         return self.event in TERMINAL_EVENTS
 
 
-def connect(url: str, token: str | None = None, *, timeout: float = 30.0) -> Client:
+def connect(
+    url: str, token: str | None = None, *, timeout: float = 30.0, ca_file: str | None = None
+) -> Client:
     """Connect to a coordinator.
 
     Args:
@@ -125,6 +128,7 @@ def connect(url: str, token: str | None = None, *, timeout: float = 30.0) -> Cli
             no path; a bare ``HOST:PORT`` means ``ws://``).
         token: the client token, sent as ``Authorization: Bearer <token>``.
         timeout: seconds to wait for the connection, and for each request's reply.
+        ca_file: for ``wss://``, the certificate(s) to trust (default: the system's).
 
     Returns:
         A connected :class:`Client`; also a context manager that closes it.
@@ -133,7 +137,7 @@ def connect(url: str, token: str | None = None, *, timeout: float = 30.0) -> Cli
         ConnectionFailed: the coordinator cannot be reached or refused the handshake.
         ValueError: a malformed URL, token or timeout.
     """
-    return Client(url, token, timeout=timeout)
+    return Client(url, token, timeout=timeout, ca_file=ca_file)
 
 
 def client_url(url: str) -> str:
@@ -221,7 +225,14 @@ class Client:
     its bytes keep coming.
     """
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        ca_file: str | None = None,
+    ) -> None:
         if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         if token is not None and (not isinstance(token, str) or not token):
@@ -230,6 +241,7 @@ class Client:
         self.timeout = float(timeout)
         self.server = ""
         self._token = token
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self._channel: Channel | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
@@ -248,6 +260,7 @@ class Client:
         try:
             ws = await websockets.connect(
                 self.url,
+                **_tls(self.url, self._ssl),
                 additional_headers=headers,
                 compression=None,
                 max_size=4 * CHUNK_BYTES,
@@ -754,3 +767,9 @@ def _epoch_losses(result: dict[str, Any]) -> list[float] | None:
         if isinstance(losses, list) and all(isinstance(v, int | float) for v in losses):
             return [float(v) for v in losses]
     return None
+
+
+def _tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """``ssl=`` for :func:`websockets.connect`: a custom context for ``wss://`` only (the
+    system's trust store otherwise)."""
+    return {"ssl": context} if context is not None and url.startswith("wss:") else {}

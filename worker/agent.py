@@ -49,6 +49,7 @@ import logging
 import os
 import random
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -255,6 +256,7 @@ class Agent:
         datasets: Mapping[str, Path] | None = None,
         peer_listen: str | None = None,
         peer_advertise: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -288,6 +290,8 @@ class Agent:
         self._idle.set()
         self.peer_listen = peer_listen
         self.peer_advertise = peer_advertise  # HOST:PORT other workers dial (behind NAT, Docker)
+        # For wss://: the certificate(s) to trust (a coordinator's own CA); None: the system's.
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
         if peer_listen is not None:
             _split_host_port(peer_listen)  # a ValueError now, not at run()
         self._peer_address: str | None = None
@@ -463,6 +467,7 @@ class Agent:
         try:
             return await connect(
                 self.url,
+                **_tls(self.url, self._ssl),
                 additional_headers=headers,
                 compression=None,
                 # Larger frames arrive as Chunk messages of CHUNK_BYTES (plus their header).
@@ -963,3 +968,9 @@ def _close_reason(reason: str) -> str:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """``ssl=`` for :func:`websockets.connect`: a custom context for ``wss://`` only (the
+    system's trust store otherwise)."""
+    return {"ssl": context} if context is not None and url.startswith("wss:") else {}

@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
         "a 0.0.0.0 host is announced as 127.0.0.1). Default: none, the coordinator relays",
     )
     parser.add_argument(
+        "--ca-file",
+        metavar="FILE",
+        help="certificate(s) to trust for a wss:// coordinator (default: the system's)",
+    )
+    parser.add_argument(
         "--peer-advertise",
         metavar="HOST:PORT",
         help="the address other workers dial for --peer-listen, when it differs from it "
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             datasets=datasets,
             peer_listen=args.peer_listen,
             peer_advertise=args.peer_advertise,
+            ca_file=args.ca_file,
         )
     except ValueError as exc:
         parser.error(str(exc))

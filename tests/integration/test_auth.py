@@ -124,3 +124,88 @@ def test_the_coordinator_will_not_listen_beyond_loopback_without_tokens(tmp_path
     )
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def test_tls_with_a_certificate_the_test_makes(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    port = free_port()
+    url = f"wss://127.0.0.1:{port}"
+    coordinator = _start(
+        [
+            str(BIN / "somatize-coordinator"),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+        ],
+        tmp_path / "coordinator.log",
+        SOMATIZE_TOKEN=CLIENT,
+        SOMATIZE_WORKER_TOKEN=WORKER,
+    )
+    procs = [coordinator]
+    try:
+
+        def up() -> bool:
+            try:
+                sz.connect(url, token=CLIENT, timeout=2, ca_file=str(cert)).close()
+                return True
+            except sz.ConnectionFailed:
+                return coordinator.poll() is None and False
+
+        wait_for(up, 30 * UNIT, "the coordinator on wss://")
+        worker = _start(
+            [
+                str(BIN / "somatize-worker"),
+                "--connect",
+                url,
+                "--id",
+                "w1",
+                "--threads",
+                "1",
+                "--ca-file",
+                str(cert),
+            ],
+            tmp_path / "w1.log",
+            SOMATIZE_WORKER_TOKEN=WORKER,
+        )
+        procs.append(worker)
+
+        def registered() -> bool:
+            with sz.connect(url, token=CLIENT, timeout=10 * UNIT, ca_file=str(cert)) as client:
+                return [w["id"] for w in client.status()["workers"]] == ["w1"]
+
+        wait_for(registered, 30 * UNIT, "w1 to register over wss://")
+        # A client that does not trust the certificate, or speaks plain ws://, gets nowhere.
+        with pytest.raises(sz.ConnectionFailed, match=r"(?i)certificate"):
+            sz.connect(url, token=CLIENT, timeout=10 * UNIT)
+        with pytest.raises(sz.ConnectionFailed):
+            sz.connect(f"ws://127.0.0.1:{port}", token=CLIENT, timeout=5 * UNIT)
+    finally:
+        _stop(*procs)
