@@ -257,5 +257,5 @@ class InMemoryContext(StrategyContext):
         return reply["result"]
 
     def _run(self, worker_idx: int, frame: bytearray) -> bytearray:
-        parts = self.daemons[worker_idx].respond(frame)
-        return bytearray(b"".join(parts))
+        # One copy into a writable buffer (decoded tensors are views over it), as on the wire.
+        return bytearray().join(self.daemons[worker_idx].respond(frame))

@@ -336,7 +336,7 @@ class Coordinator:
             log.warning("relay from %s: no connected worker %r", sender.id, message.to)
             return
         try:
-            await target.channel.request(message.model_copy(update={"id": 0}), RELAY_TIMEOUT)
+            await target.channel.request(message, RELAY_TIMEOUT)  # request() gives it a new id
         except (RemoteError, ChannelClosed, TimeoutError) as exc:
             log.warning("relay %s -> %s (%s) failed: %s", sender.id, message.to, message.key, exc)
             return
