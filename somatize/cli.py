@@ -293,7 +293,8 @@ def follow(job: Job, err: Console) -> Any:
         task = progress.add_task(f"job {job.id}", total=None, info="submitted")
         for event in job.events():
             if event.event == "queued":
-                progress.update(task, info="queued")
+                needs = event.data.get("placement")
+                progress.update(task, info=f"queued: waiting for {needs}" if needs else "queued")
             elif event.event == "placed":
                 workers = ", ".join(str(w) for w in event.data.get("workers", [])) or "?"
                 progress.update(task, info=f"placed on {workers}")
@@ -368,12 +369,17 @@ def _jobs_table(records: list[dict[str, Any]]) -> Any:
         state = str(r.get("state", ""))
         if state == "failed" and isinstance(r.get("error"), dict):
             state = f"failed ({r['error'].get('code', '?')})"
+        text = progress_text(progress) if isinstance(progress, dict) else ""
+        summary = r.get("summary")
+        if (
+            state == "queued"
+            and not text
+            and isinstance(summary, dict)
+            and summary.get("placement")
+        ):
+            text = f"waiting for {summary['placement']}"  # why it has not started
         table.add_row(
-            str(r.get("id", "")),
-            str(r.get("strategy", "")),
-            state,
-            progress_text(progress) if isinstance(progress, dict) else "",
-            duration_text(r, now),
+            str(r.get("id", "")), str(r.get("strategy", "")), state, text, duration_text(r, now)
         )
     return table
 

@@ -330,3 +330,20 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
             watcher.kill()
     assert watcher.returncode == 130
     assert job.id in out
+
+
+def test_a_job_waiting_for_workers_says_what_it_waits_for(live, client, tmp_path):
+    """A job whose placement no idle worker fits stays queued, and the CLI says why."""
+    job_file = tmp_path / "job.py"
+    job_file.write_text(
+        JOB_FILE.replace("{epochs}", "1").replace('sz.Local(tag="cpu")', 'sz.Local(tag="gpu")')
+    )
+    submitted = _somatize(live, "submit", "--no-wait", str(job_file), seconds=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    try:
+        listed = _somatize(live, "jobs", seconds=30)
+        row = next(line for line in listed.stdout.splitlines() if job_id in line)
+        assert "queued" in row and "waiting for 1 worker tagged 'gpu'" in row, row
+    finally:
+        client.job(job_id).cancel()
