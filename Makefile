@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Debian's chromium: the status page's test drives it (tests/integration/test_status_page.py).
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup browser demo test lint typecheck bench clean
 
 setup: $(STAMP)
 
@@ -12,6 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# Installs chromium when it is missing (about a minute: ~115 MB of packages), else does nothing.
+browser:
+	@test -x $(CHROMIUM) || { \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends chromium; }
 
 demo: setup
 	$(BIN)/somatize demo
@@ -23,7 +33,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint typecheck
+test: lint typecheck browser
 	$(BIN)/pytest
 
 bench: setup

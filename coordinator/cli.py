@@ -66,10 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--client-token-file",
         metavar="FILE",
-        help="the token clients must present (default: $SOMATIZE_TOKEN)",
+        help="the token clients must present, also asked for by the status page and /metrics "
+        "(default: $SOMATIZE_TOKEN)",
     )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve wss:// with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument(
+        "--public-status",
+        action="store_true",
+        help="serve the status page (/), /api/status and /metrics without the client token, "
+        "e.g. to a Prometheus scraper on a trusted network (default: with a client token they "
+        "need it, as a bearer token or as the password of HTTP Basic; /healthz is always open)",
+    )
     parser.add_argument(
         "--insecure",
         action="store_true",
@@ -152,6 +160,7 @@ async def _main(args: argparse.Namespace) -> None:
         worker_token=worker_token,
         client_token=client_token,
         tls=tls,
+        public_status=args.public_status,
     )
     await coordinator.start()
     scheme = "wss" if tls is not None else "ws"

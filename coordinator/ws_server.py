@@ -2,7 +2,10 @@
 
 * ``ws://HOST:PORT/worker`` — worker agents (:class:`~protocol.messages.WorkerHello` first);
 * ``ws://HOST:PORT/client`` — clients (:class:`~protocol.messages.ClientHello` first);
-* ``GET /healthz`` — ``ok`` while the coordinator serves; ``GET /metrics`` — Prometheus text.
+* ``GET /healthz`` — ``ok`` while the coordinator serves (always open);
+* ``GET /metrics`` — Prometheus text; ``GET /`` — a live status page polling ``GET /api/status``
+  (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
+  or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``.
 
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
 jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
@@ -16,6 +19,8 @@ This module and the other ``ws_*`` modules are the only ones of the coordinator 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import http
@@ -25,12 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from coordinator.jobs import JobManager, record_dict, remote
 from coordinator.metrics import Metrics
 from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
+from coordinator.status_page import CSP, PAGE
 from coordinator.store import JobStore
 from protocol import PROTOCOL_VERSION
 from protocol.channel import (
@@ -67,6 +74,10 @@ HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to send its hello."""
 WS_MAX_SIZE = 4 * CHUNK_BYTES
 """Largest single WebSocket message; anything bigger travels as chunks."""
+REALM = "somatize"
+"""The HTTP Basic realm a browser is asked to log in to (any user name, the client token)."""
+STATUS_JOBS = 50
+"""How many of the latest jobs a status snapshot lists."""
 
 
 class Coordinator:
@@ -84,7 +95,9 @@ class Coordinator:
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
             upgrade, before any message is read. ``None``: that path is open (loopback only; the
             CLI refuses otherwise unless ``--insecure``). A worker token cannot submit jobs.
-        tls: serve ``wss://`` (and ``https://`` health and metrics) with this context.
+        tls: serve ``wss://`` (and ``https://`` health, metrics and status) with this context.
+        public_status: serve ``/``, ``/api/status`` and ``/metrics`` without the client token
+            (for a scraper on a trusted network). ``/healthz`` is always open.
     """
 
     def __init__(
@@ -101,6 +114,7 @@ class Coordinator:
         worker_token: str | None = None,
         client_token: str | None = None,
         tls: ssl.SSLContext | None = None,
+        public_status: bool = False,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
@@ -114,6 +128,7 @@ class Coordinator:
         self.max_message_bytes = max_message_bytes
         self.tokens = {"/worker": worker_token, "/client": client_token}
         self.tls = tls
+        self.public_status = public_status
         self.metrics = Metrics()
         self.registry = Registry(heartbeat_timeout)
         self.store: JobStore | None = None
@@ -218,15 +233,15 @@ class Coordinator:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "ok\n")
-        if path == "/metrics":
-            assert self.jobs is not None
-            counts = await self.jobs.counts()
-            workers = {str(k): v for k, v in self.registry.counts().items()}
-            jobs = {str(k): v for k, v in counts.items()}
-            text = self.metrics.render(workers, jobs, self._channels)
-            response = connection.respond(http.HTTPStatus.OK, text)
-            response.headers["Content-Type"] = "text/plain; version=0.0.4"
-            return response
+        if path in ("/", "/api/status", "/metrics"):
+            token = None if self.public_status else self.tokens["/client"]
+            if not _authorized(request, token, basic=True):
+                return _unauthorized(connection, path)
+            if path == "/":
+                return _page(connection)
+            if path == "/api/status":
+                return _json(connection, await self.status())
+            return await self._metrics(connection)
         if path in ("/worker", "/client"):
             if not _authorized(request, self.tokens[path]):
                 log.info(
@@ -237,6 +252,27 @@ class Coordinator:
                 )
             return None  # go on with the WebSocket handshake
         return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
+
+    async def _metrics(self, connection: ServerConnection) -> Response:
+        assert self.jobs is not None
+        counts = await self.jobs.counts()
+        workers = {str(k): v for k, v in self.registry.counts().items()}
+        jobs = {str(k): v for k, v in counts.items()}
+        text = self.metrics.render(workers, jobs, self._channels)
+        return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
+
+    async def status(self) -> dict[str, Any]:
+        """What ``somatize status`` and the status page show: every worker's summary and the
+        latest jobs' records (state, progress, error), with the server's name and clock (the page
+        measures durations against it, not against the browser's)."""
+        assert self.jobs is not None
+        now = time.monotonic()
+        return {
+            "server": SERVER,
+            "time": time.time(),
+            "workers": [w.summary(now) for w in self.registry],
+            "jobs": await self.jobs.records(STATUS_JOBS),
+        }
 
     # -- connections --------------------------------------------------------------------------
 
@@ -424,24 +460,62 @@ class Coordinator:
         return Result(result=reply.result)
 
     async def on_status(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        now = time.monotonic()
-        return Result(
-            result={
-                "workers": [w.summary(now) for w in self.registry],
-                "jobs": await self.jobs.records(50),
-            }
-        )
+        return Result(result=await self.status())
 
 
-def _authorized(request: Request, token: str | None) -> bool:
-    """Whether the upgrade carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+def _authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` — or, with ``basic``, HTTP
+    Basic credentials whose password is the token (RFC 7617; the user name is not looked at) —
+    compared in constant time. ``token`` ``None``: anyone is."""
     if token is None:
         return True
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    expected, offered = token.encode(), given.strip().encode()
-    return scheme.lower() == "bearer" and hmac.compare_digest(expected, offered)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    offered = given.strip().encode()
+    if scheme.lower() == "basic" and basic:
+        try:
+            decoded = base64.b64decode(offered, validate=True)
+        except (binascii.Error, ValueError):
+            return False
+        offered = decoded.partition(b":")[2]
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.encode(), offered)
+
+
+def _unauthorized(connection: ServerConnection, path: str) -> Response:
+    """``401`` that makes a browser ask for the client token (as the password)."""
+    log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
+    response = connection.respond(
+        http.HTTPStatus.UNAUTHORIZED,
+        f"{path} needs the client token: 'Authorization: Bearer TOKEN', or any user name and "
+        "the token as password\n",
+    )
+    response.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+    return response
+
+
+def _respond(connection: ServerConnection, content_type: str, body: str) -> Response:
+    """``200`` with ``body`` as ``content_type``, that no cache keeps (a status goes stale in a
+    second)."""
+    response = connection.respond(http.HTTPStatus.OK, body)
+    del response.headers["Content-Type"]  # respond() says text/plain; a second one would clash
+    response.headers["Content-Type"] = content_type
+    response.headers["Cache-Control"] = "no-store"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+def _page(connection: ServerConnection) -> Response:
+    """The status page, allowed to load nothing from anywhere else and to sit in no frame."""
+    response = _respond(connection, "text/html; charset=utf-8", PAGE)
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+    return response
+
+
+def _json(connection: ServerConnection, value: Any) -> Response:
+    return _respond(connection, "application/json", orjson.dumps(value).decode())
 
 
 __all__ = ["Coordinator", "RemoteError", "record_dict"]

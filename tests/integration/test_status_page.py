@@ -1,0 +1,145 @@
+"""The coordinator's status page in a real headless browser (Debian's chromium).
+
+The page is opened before any job exists and must then show, without being reloaded, both
+workers and the jobs run meanwhile with their final state, progress and error, as the client SDK
+reads them. A screenshot of it is kept in ``artifacts/status-page.png`` for a person to look at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import struct
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+import somatize as sz
+from tests.coordinator.test_data_parallel import dataset, graph_for
+from tests.coordinator.test_http import running
+from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
+from tests.integration.cluster import UNIT, cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "status-page.png"
+TABLES = """(() => {
+  const connection = document.getElementById("conn-text");
+  if (connection === null) return null;  // still about:blank, or not our page
+  const table = (id) => {
+    const names = Array.from(document.querySelectorAll(`#${id} thead th`), (th) => th.textContent);
+    return Array.from(document.querySelectorAll(`#${id} tbody tr`), (tr) =>
+      Object.fromEntries(Array.from(tr.cells, (td, i) => [names[i], td.innerText.trim()])));
+  };
+  return {
+    workers: table("workers"),
+    jobs: table("jobs"),
+    connection: connection.textContent,
+    text: document.body.innerText,
+  };
+})()"""
+"""The page as the tests read it: each table's rows as ``{column: text}`` (null before it loads)."""
+
+
+class Broken(sz.Filter):
+    """A filter whose fit fails, for a job with an error to show."""
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        raise ValueError("broken on purpose")
+
+
+def _needs_chromium() -> None:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the status page is tested in Debian's chromium. "
+            "Install it with `make browser` (apt-get install --no-install-recommends chromium)."
+        )
+
+
+def _shown(page: Page) -> dict[str, Any]:
+    """The page's tables once it loaded and has a status (else ``{}``)."""
+    value: dict[str, Any] | None = page.evaluate(TABLES)
+    return value if value is not None and value["connection"] == "live" else {}
+
+
+def test_the_status_page_follows_workers_and_jobs_live(tmp_path):
+    _needs_chromium()
+    ARTIFACT.unlink(missing_ok=True)  # no stale picture passes for this run's
+    browser = chromium(tmp_path / "profile", tmp_path / "chromium.log", 30 * UNIT)
+    with cluster(tmp_path, {"w1": ("cpu",), "w2": ("cpu",)}) as c, browser as page:
+        page.open(f"http://127.0.0.1:{c.port}/")
+        try:
+            _follow_two_jobs(c.url, page)
+        finally:  # also when a check failed: the picture shows what the page showed
+            with contextlib.suppress(BrowserError, TimeoutError, ConnectionClosed):
+                ARTIFACT.parent.mkdir(exist_ok=True)
+                ARTIFACT.write_bytes(page.screenshot())
+
+    png = ARTIFACT.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert struct.unpack(">II", png[16:24]) == (WIDTH, HEIGHT)
+    pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
+    colours = np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)
+    assert len(colours) > 50, f"a nearly blank screenshot: {len(colours)} colours"
+
+
+def _follow_two_jobs(url: str, page: Page) -> None:
+    """With the page open on a cluster of ``w1`` and ``w2``: run a job that succeeds and one
+    that fails, and check the page shows both as the SDK reads them, without a reload."""
+    before = wait_for(
+        lambda: (s := _shown(page)) and len(s["workers"]) == 2 and s,
+        20 * UNIT,
+        "the page to list both workers",
+    )
+    assert {w["Worker"]: w["State"] for w in before["workers"]} == {"w1": "idle", "w2": "idle"}
+    assert before["jobs"] == [] and "No job has been submitted yet." in before["text"]
+    page.evaluate("window.loadedOnce = true")  # gone if the page were reloaded
+
+    x, y = dataset()
+    with sz.connect(url) as client:
+        job = client.submit(graph_for("sgd", epochs=1), x, y, strategy=sz.DataParallel(2))
+        broken = client.submit(sz.Graph([Broken()]), x, y, strategy=sz.Local())
+        job.result(timeout=120 * UNIT)
+        with pytest.raises(sz.JobFailed):
+            broken.result(timeout=60 * UNIT)
+        record, status = job.status(), client.status()
+
+    def ended() -> dict[str, Any] | None:
+        s = _shown(page)
+        states = {j["Job"]: j["State"] for j in s.get("jobs", [])}
+        return s if states == {job.id: "succeeded", broken.id: "failed"} else None
+
+    after = wait_for(ended, 10 * UNIT, "the page to show both jobs ended")
+    assert page.evaluate("window.loadedOnce") is True  # updated in place
+    rows = {j["Job"]: j for j in after["jobs"]}
+    done, progress = rows[job.id], record["progress"]
+    assert done["Strategy"] == record["strategy"] == "data_parallel"
+    assert f"epoch {progress['epochs']}/{progress['epochs']}" in done["Progress"]
+    assert f"step {progress['steps']}/{progress['steps']}" in done["Progress"]
+    assert float(done["Loss"]) == pytest.approx(progress["loss"], rel=1e-3)
+    assert sorted(done["Workers"].split(", ")) == sorted(record["workers"]) == ["w1", "w2"]
+    assert done["Error"] == ""
+    assert rows[broken.id]["Error"].startswith("filter_error")
+    assert "broken on purpose" in rows[broken.id]["Error"]
+    cpus = {w["id"]: str(w["capabilities"]["cpus"]) for w in status["workers"]}
+    for w in after["workers"]:
+        assert (w["State"], w["Job"], w["Tags"]) == ("idle", "—", "cpu")
+        assert w["CPUs"] == cpus[w["Worker"]]
+
+
+def test_a_browser_logs_in_with_the_client_token_as_password(tmp_path):
+    _needs_chromium()
+    browser = chromium(tmp_path / "profile", tmp_path / "chromium.log", 30 * UNIT)
+    with running(tmp_path, client_token="s3cret-client", worker_token="w") as url, browser as page:
+        # As a person would type it; the page's own requests then carry the same credentials.
+        page.open(url.replace("http://", "http://anyone:s3cret-client@") + "/")
+        shown = wait_for(
+            lambda: _shown(page),
+            20 * UNIT,
+            "the page to load its status with the browser's credentials",
+        )
+        assert "No worker has connected yet." in shown["text"]
