@@ -224,7 +224,7 @@ class DataParallel(Strategy):
         if mean is not None:
             run.phase, run.step = "finishing", None
 
-            async def finish(i: int, fresh: bool, mean: Any = mean) -> None:
+            async def finish(i: int, fresh: bool) -> None:
                 if not fresh:
                     await ctx.apply_gradients(i, mean)
 

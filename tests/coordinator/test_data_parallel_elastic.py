@@ -142,3 +142,23 @@ def test_elastic_options_are_checked():
     for bad in (0, -1, float("inf"), True, "10"):
         with pytest.raises(StrategyOptionsError, match="elastic_timeout must be a positive"):
             DataParallel.from_options({"workers": 2, "elastic": True, "elastic_timeout": bad})
+
+
+def test_a_step_that_loses_its_replica_every_time_fails_after_a_bounded_number_of_recoveries():
+    """A replica that dies again as soon as it is restored (a filter that kills its worker on
+    those rows, say) must not be replaced forever."""
+    x, y = dataset()
+    ctx = InMemoryContext(2, Daemon, spares=10)
+
+    async def emit(event, data):
+        if (event == "progress" and data.get("step") == 5) or event == "worker_restored":
+            ctx.lose(1, "killed again")
+
+    strategy = DataParallel(2, elastic=True, elastic_timeout=5)
+    with pytest.raises(StrategyFailed) as failure:
+        asyncio.run(strategy.run(ctx, inputs(graph_for("sgd"), x, y), emit))
+    info = failure.value.info
+    assert info.code is ErrorCode.WORKER_LOST
+    assert info.message.startswith("step 6: replicas were lost 3 times over; the last: worker")
+    assert "killed again" in info.message
+    assert ctx.spares == 10 - 3
