@@ -125,7 +125,8 @@ class LocalCluster:
         data: Mapping[str, Path] | None = None,
         peer_link: bool = False,
     ) -> None:
-        """Start a worker agent and wait until the coordinator lists it idle.
+        """Start a worker agent and wait until the coordinator lists it connected: idle, or
+        busy when a job took it at once (a job waiting for a replacement, or a queued one).
 
         ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``);
         ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
@@ -141,7 +142,8 @@ class LocalCluster:
             argv += ["--data", f"{name}={path}"]
         proc = self._spawn(f"worker-{worker_id}", argv)
         self.workers[worker_id] = proc
-        self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) == "idle")
+        connected = ("idle", "busy")
+        self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) in connected)
 
     def _wait(self, proc: subprocess.Popen[bytes], name: str, ready: Callable[[], bool]) -> None:
         def up() -> bool:

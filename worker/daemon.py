@@ -50,10 +50,12 @@ from protocol.daemon import (
     FrameReader,
     FrameWriter,
     GetGradientsRequest,
+    GetOptimizerStateRequest,
     GetStateRequest,
     GradientsRequest,
     LoadRequest,
     PingRequest,
+    SetOptimizerStateRequest,
     SetStateRequest,
     ShutdownRequest,
     StageBackwardRequest,
@@ -113,6 +115,8 @@ class Daemon:
             "composite_forward": self.on_composite_forward,
             "get_state": self.on_get_state,
             "set_state": self.on_set_state,
+            "get_optimizer_state": self.on_get_optimizer_state,
+            "set_optimizer_state": self.on_set_optimizer_state,
             "get_gradients": self.on_get_gradients,
             "apply_gradients": self.on_apply_gradients,
             "stage": self.on_stage,
@@ -262,6 +266,12 @@ class Daemon:
 
     def on_set_state(self, req: SetStateRequest) -> None:
         self.engine.set_state(req.states)
+
+    def on_get_optimizer_state(self, req: GetOptimizerStateRequest) -> dict[str, Any]:
+        return self.engine.get_optimizer_state(req.node_ids)
+
+    def on_set_optimizer_state(self, req: SetOptimizerStateRequest) -> None:
+        self.engine.set_optimizer_state(req.states)
 
     def on_get_gradients(self, req: GetGradientsRequest) -> dict[str, dict[str, Any]]:
         return self.engine.get_gradients(req.node_ids)
