@@ -280,6 +280,8 @@ class Daemon:
         return self.engine.apply_gradients(req.gradients)
 
     def on_ping(self, req: PingRequest) -> None:
+        if req.warm:
+            warm_up_optimizers()
         return None
 
     def on_shutdown(self, req: ShutdownRequest) -> None:
@@ -482,6 +484,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     return args
+
+
+def warm_up_optimizers() -> None:
+    """Build and step one throwaway optimizer: what torch does once per process before the first
+    optimizer works (importing ``torch._dynamo``) happens now."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    param.grad = torch.zeros(1)
+    optimizer.step()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
