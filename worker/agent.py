@@ -61,9 +61,9 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import InvalidStatus, WebSocketException
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from protocol.channel import Channel, RemoteError
+from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel, RemoteError
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
 from protocol.messages import (
@@ -257,6 +257,8 @@ class Agent:
         peer_listen: str | None = None,
         peer_advertise: str | None = None,
         ca_file: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -269,6 +271,10 @@ class Agent:
         self.close_timeout = close_timeout
         self.startup_timeout = startup_timeout
         self.call_timeout = call_timeout
+        if max_message_bytes < 1 or max_inflight < 1:
+            raise ValueError("max_message_bytes and max_inflight must be positive")
+        self.max_message_bytes = max_message_bytes
+        self.max_inflight = max_inflight
         self.python = python
         self.spare = spare
         self.datasets = dict(datasets or {})
@@ -298,7 +304,11 @@ class Agent:
         self._peer_server: Server | None = None
         self._channel: Channel | None = None
         self._mailbox = Mailbox()
-        self._links = PeerLinks(lambda: self._worker_id, open_timeout=min(open_timeout, 3.0))
+        self._links = PeerLinks(
+            lambda: self._worker_id,
+            open_timeout=min(open_timeout, 3.0),
+            max_message_bytes=max_message_bytes,
+        )
         self._handlers: dict[str, Handler] = {
             "open_job": self.on_open_job,
             "call": self.on_call,
@@ -418,7 +428,7 @@ class Agent:
 
     async def _session(self) -> None:
         ws = await self._dial()
-        channel = Channel(ws, f"coordinator {self.url}", self._dispatch)
+        channel = self._channel_over(ws, f"coordinator {self.url}", self._dispatch)
         self._channel = channel
         self._session_over = asyncio.Event()
         reader: asyncio.Task[None] | None = None
@@ -714,6 +724,7 @@ class Agent:
             port,
             compression=None,
             max_size=4 * CHUNK_BYTES,
+            open_timeout=self.open_timeout,
             ping_interval=self.ping_interval,
             ping_timeout=self.ping_timeout,
             close_timeout=self.close_timeout,
@@ -736,31 +747,49 @@ class Agent:
                     await server.wait_closed()
 
     async def _peer_connection(self, ws: ServerConnection) -> None:
-        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s."""
+        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s.
+
+        The same limits as on the coordinator's link: ``open_timeout`` for the upgrade and
+        again for the hello, ``max_message_bytes`` and ``max_inflight``.
+        """
         if ws.request is None or ws.request.path != "/peer":
-            await ws.close(1008, "not found: peer links are at /peer")
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.close_timeout):
+                    await ws.close(1008, "not found: peer links are at /peer")
             return
-        channel = Channel(ws, "peer (incoming)", self._on_peer_message)
+        channel = self._channel_over(ws, "peer (incoming)", self._on_peer_message)
+        try:
+            await self._serve_peer(channel)
+        except (ConnectionClosed, ProtocolError) as exc:  # the peer went: nothing to answer
+            log.info("peer link closed: %s", exc)
+        finally:
+            await channel.close(1000, "peer link over")
+
+    async def _serve_peer(self, channel: Channel) -> None:
         try:
             async with asyncio.timeout(self.open_timeout):
                 hello = await channel.receive(first=True)
         except (TimeoutError, ProtocolError) as exc:
             log.info("peer link refused: %s", exc)
-            await channel.close(1008, "expected a peer_hello")
-            return
-        except Exception:  # the connection went during the hello
+            await channel.close(1008, f"expected a peer_hello: {exc}")
             return
         if not isinstance(hello, PeerHello):
             info = ErrorInfo(
                 code=ErrorCode.BAD_REQUEST,
                 message=f"a peer link starts with peer_hello, not {hello.kind!r}",
             )
-            await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
+            async with asyncio.timeout(self.close_timeout):
+                await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
             await channel.close(1008, "expected a peer_hello")
             return
-        await channel.reply(hello, Ack())
+        async with asyncio.timeout(self.close_timeout):
+            await channel.reply(hello, Ack())
         log.info("peer link from worker %s", hello.worker_id)
         await channel.run()
+
+    def _channel_over(self, ws: Any, name: str, handler: Handler) -> Channel:
+        """A channel with this agent's limits."""
+        return Channel(ws, name, handler, self.max_message_bytes, self.max_inflight)
 
     async def _on_peer_message(self, message: Any) -> Ack:
         if not isinstance(message, Deliver):

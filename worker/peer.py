@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from websockets.asyncio.client import connect
 
-from protocol.channel import Channel
+from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
 
@@ -104,6 +104,7 @@ class PeerLinks:
             may assign it after construction).
         open_timeout: seconds for the TCP connect, the upgrade and the hello's ``Ack``.
         send_timeout: seconds a ``Deliver`` may take to be acknowledged.
+        max_message_bytes: largest message accepted from a peer.
     """
 
     def __init__(
@@ -111,10 +112,12 @@ class PeerLinks:
         own_id: Callable[[], str | None],
         open_timeout: float = 3.0,
         send_timeout: float = 60.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._own_id = own_id
         self.open_timeout = open_timeout
         self.send_timeout = send_timeout
+        self.max_message_bytes = max_message_bytes
         self._links: dict[str, tuple[Channel, asyncio.Task[None]]] = {}
 
     def linked(self, worker_id: str) -> bool:
@@ -143,7 +146,7 @@ class PeerLinks:
                     open_timeout=self.open_timeout,
                     close_timeout=self.open_timeout,
                 )
-                channel = Channel(ws, f"peer {worker_id}")
+                channel = Channel(ws, f"peer {worker_id}", None, self.max_message_bytes)
                 reader = asyncio.ensure_future(channel.run())
                 reply = await channel.request(
                     PeerHello(worker_id=self._own_id() or ""), self.open_timeout
