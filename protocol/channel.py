@@ -481,26 +481,27 @@ class Channel:
             )
         size = len(payload)
         self.bytes_in += size
-        if payload[: len(CHUNK_MAGIC)] != CHUNK_MAGIC:
-            if size > self.max_message_bytes:
-                raise BadMessage(self._too_large(f"message of {size} bytes exceeds"), None)
-            return parse(payload)
         try:
+            if payload[: len(CHUNK_MAGIC)] != CHUNK_MAGIC:
+                if size > self.max_message_bytes:
+                    raise MessageTooLarge(
+                        f"message of {size} bytes exceeds the limit of "
+                        f"{self.max_message_bytes} bytes",
+                        *_peek_ids(memoryview(payload)),
+                    )
+                return parse(payload)
             frame = self._reassembler.add(payload)
         except MessageTooLarge as exc:
             self._fail_waiter(exc)
-            info = ErrorInfo(code=ErrorCode.TOO_LARGE, message=str(exc))
+            info = ErrorInfo(
+                code=ErrorCode.TOO_LARGE,
+                message=str(exc),
+                detail={"limit": self.max_message_bytes},
+            )
             raise BadMessage(info, exc.reply_to) from exc
         except FrameError as exc:
             raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
         return None if frame is None else parse(frame)
-
-    def _too_large(self, what: str) -> ErrorInfo:
-        return ErrorInfo(
-            code=ErrorCode.TOO_LARGE,
-            message=f"{what} the limit of {self.max_message_bytes} bytes",
-            detail={"limit": self.max_message_bytes},
-        )
 
     def _fail_waiter(self, exc: MessageTooLarge) -> None:
         """A refused message that answers one of our requests fails that request now."""
