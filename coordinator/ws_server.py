@@ -33,6 +33,7 @@ import logging
 import math
 import ssl
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -446,22 +447,24 @@ class Coordinator:
 
     async def on_watch(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
-        async for event in self.jobs.watch(message.job_id, message.after_seq):
-            await channel.reply(
-                message,
-                JobEvent(
-                    job_id=event.job_id,
-                    seq=event.seq,
-                    time=event.time,
-                    event=event.kind,
-                    data=event.data,
-                ),
-            )
+        async with _while_open(channel):
+            async for event in self.jobs.watch(message.job_id, message.after_seq):
+                await channel.reply(
+                    message,
+                    JobEvent(
+                        job_id=event.job_id,
+                        seq=event.seq,
+                        time=event.time,
+                        event=event.kind,
+                        data=event.data,
+                    ),
+                )
         return Ack()
 
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
-        return Result(result=await self.jobs.result(message.job_id, message.wait))
+        async with _while_open(channel):
+            return Result(result=await self.jobs.result(message.job_id, message.wait))
 
     async def on_cancel(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
@@ -506,6 +509,20 @@ class Coordinator:
                 "jobs": await self.jobs.records(50),
             }
         )
+
+
+@contextlib.asynccontextmanager
+async def _while_open(channel: Channel) -> AsyncIterator[None]:
+    """Cancel the body when ``channel``'s connection ends: a client's wait (a watch of a job
+    that stays queued, a long ``get_result``) must not outlive the client."""
+    task = asyncio.current_task()
+    assert task is not None
+    closed = asyncio.ensure_future(channel.closed.wait())
+    closed.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
+    try:
+        yield
+    finally:
+        closed.cancel()
 
 
 def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:

@@ -88,7 +88,7 @@ from worker.capabilities import detect
 from worker.datasets import environment as dataset_environment
 from worker.datasets import rows
 from worker.errors import DaemonError, WorkerError
-from worker.peer import Mailbox, MailboxDropped, PeerLinks
+from worker.peer import Mailbox, MailboxDropped, MailboxFull, PeerLinks
 from worker.supervisor import DaemonSupervisor
 
 __all__ = [
@@ -711,7 +711,17 @@ class Agent:
 
     async def on_deliver(self, message: Deliver) -> Ack:
         """A tensor relayed by the coordinator: into the mailbox."""
-        self._mailbox.put(message.job_id, message.key, message.payload)
+        return self._put(message)
+
+    def _put(self, message: Deliver) -> Ack:
+        """Into the mailbox, if its job is open here: a delivery for another job (unknown, or
+        closed already) would sit there forever."""
+        if message.job_id not in self._jobs:
+            raise RemoteError(self._unknown_job(message.job_id))
+        try:
+            self._mailbox.put(message.job_id, message.key, message.payload)
+        except MailboxFull as exc:
+            raise RemoteError(ErrorInfo(code=ErrorCode.BUSY, message=str(exc))) from None
         return Ack()
 
     # -- the peer endpoint --------------------------------------------------------------------
@@ -799,8 +809,7 @@ class Agent:
                     message=f"a peer link carries deliver messages, not {message.kind!r}",
                 )
             )
-        self._mailbox.put(message.job_id, message.key, message.payload)
-        return Ack()
+        return self._put(message)
 
     async def on_close_job(self, message: CloseJob) -> Ack:
         """Close the job's daemon (cancelling a running call); an unknown job is already closed."""

@@ -210,7 +210,7 @@ def test_the_chunked_messages_in_progress_together_stay_within_the_limits():
     reassembler = Reassembler(max_bytes=2 * CHUNK_BYTES)
     first, second = chunks(1), chunks(2)
     assert reassembler.add(first[0]) is None
-    with pytest.raises(MessageTooLarge, match="with the .* bytes of the 1 in progress"):
+    with pytest.raises(MessageTooLarge, match=r"with the \d+ bytes of the 1 in progress"):
         reassembler.add(second[0])
     assert reassembler.add(first[1]) is not None
     third = chunks(3)
@@ -285,7 +285,7 @@ def test_a_single_message_over_a_small_limit_is_too_large():
         server, client, reader, _ = await _limited_pair(handler, max_message_bytes=1000)
         try:
             assert (await client.request(Status(), timeout=10 * UNIT)).result == "fine"
-            with pytest.raises(RemoteError, match="message of .* bytes exceeds") as refused:
+            with pytest.raises(RemoteError, match=r"message of \d+ bytes exceeds") as refused:
                 await client.request(Call(job_id="j", request={"pad": "x" * 2000}), 10 * UNIT)
             assert refused.value.code == ErrorCode.TOO_LARGE
             assert (await client.request(Status(), timeout=10 * UNIT)).result == "fine"
@@ -298,38 +298,41 @@ def test_a_single_message_over_a_small_limit_is_too_large():
 def test_requests_beyond_max_inflight_are_busy_at_once_and_heartbeats_never_are():
     from protocol.messages import Call
 
-    release = asyncio.Event()
+    release, two_held, three_beats = asyncio.Event(), asyncio.Event(), asyncio.Event()
     beats: list[float] = []
+    held: list[int] = []
 
     async def handler(message):
         if isinstance(message, Heartbeat):
             beats.append(message.sent_at)
+            if len(beats) == 3:
+                three_beats.set()
             return None
+        held.append(message.request["n"])
+        if len(held) == 2:
+            two_held.set()
         await release.wait()
         return Result(result=message.request["n"])
 
     async def main():
         server, client, reader, served = await _limited_pair(handler, max_inflight=2)
         try:
-            held = [
+            holding = [
                 asyncio.ensure_future(client.request(Call(job_id="j", request={"n": n}), 30))
                 for n in (0, 1)
             ]
-            async with asyncio.timeout(10 * UNIT):
-                while served.inflight < 2:
-                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(two_held.wait(), 10 * UNIT)
+            assert served.inflight == 2
             async with asyncio.timeout(10 * UNIT):
                 with pytest.raises(RemoteError, match="2 requests in flight") as busy:
                     await client.request(Call(job_id="j", request={"n": 2}), timeout=30)
             assert busy.value.code == ErrorCode.BUSY
             for sent_at in (1.0, 2.0, 3.0):
                 await client.send(Heartbeat(sent_at=sent_at))
-            async with asyncio.timeout(10 * UNIT):
-                while len(beats) < 3:
-                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(three_beats.wait(), 10 * UNIT)
             assert beats == [1.0, 2.0, 3.0] and served.refused_busy == 1
             release.set()
-            assert [(await h).result for h in held] == [0, 1]
+            assert [(await h).result for h in holding] == [0, 1]
             reply = await client.request(Call(job_id="j", request={"n": 3}), timeout=10 * UNIT)
             assert reply.result == 3 and served.inflight == 0
         finally:
