@@ -28,6 +28,7 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import somatize as sz
+from coordinator.ws_server import Coordinator
 from protocol.channel import CHUNK_MAGIC, Channel, RemoteError
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -35,6 +36,7 @@ from protocol.messages import (
     Capabilities,
     ClientHello,
     Deliver,
+    GetResult,
     Heartbeat,
     Status,
     Watch,
@@ -344,3 +346,42 @@ def _status(url: str) -> dict[str, Any]:
 def _heartbeat_age(url: str, worker_id: str) -> float:
     (worker,) = [w for w in _status(url)["workers"] if w["id"] == worker_id]
     return float(worker["last_heartbeat_age"])
+
+
+def test_a_clients_waits_end_with_its_connection(tmp_path):
+    """A watch of a job that stays queued, a long get_result: gone when the client goes."""
+
+    async def main() -> None:
+        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        await coordinator.start()
+        assert coordinator.jobs is not None
+        url = f"ws://127.0.0.1:{coordinator.port}"
+        try:
+            job_id = await asyncio.to_thread(_queued_job, url)
+            async with _raw(url, "/client", ClientHello(name="leaver")) as (_, channel):
+                reader = asyncio.ensure_future(channel.run())
+                events = channel.stream(Watch(job_id=job_id), None)
+                assert (await asyncio.wait_for(anext(events), 10 * UNIT)).event == "queued"
+                waiting = asyncio.ensure_future(
+                    channel.request(GetResult(job_id=job_id, wait=3600.0), 3600.0)
+                )
+                (served,) = [c for c in coordinator._channels if c.name == "client leaver"]
+                await _eventually(lambda: served.inflight == 2)
+                assert coordinator.jobs._watchers[job_id]
+            await reader
+            waiting.cancel()
+            # Both handlers ended with the connection.
+            await _eventually(lambda: not (served.inflight or coordinator.jobs._watchers[job_id]))
+        finally:
+            await coordinator.stop(1.0)
+
+    asyncio.run(main())
+
+
+async def _eventually(condition: Any, seconds: float = 10 * UNIT) -> None:
+    """Wait until ``condition()`` holds (state of this process: nothing to await on)."""
+    async with asyncio.timeout(seconds):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.01)
