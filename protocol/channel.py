@@ -65,6 +65,8 @@ ERROR_REPLY_TIMEOUT = 30.0
 MAX_OPEN_STREAMS = 64
 """Chunked messages in progress at once on one connection (a sender has one per concurrent
 send of a large message)."""
+_MAX_REPORTED_ERRORS = 20
+"""Validation errors listed in an error reply's detail (the count of the rest follows)."""
 _REFUSED_MEMORY = 1024
 """Refused chunk streams remembered, so that their later chunks are dropped without an error."""
 
@@ -302,18 +304,33 @@ def _validation_info(exc: ValidationError, raw: Any) -> ErrorInfo:
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0] if errors else {"loc": (), "msg": str(exc)}
     kind = raw.get("kind") if isinstance(raw, dict) else None
+    name = kind if isinstance(kind, str) else None  # a peer's kind may be anything
     loc = list(first["loc"])
-    if loc and loc[0] == kind:  # the union's tag leads the location: drop it
+    if loc and name is not None and loc[0] == name:  # the union's tag leads the location
         loc = loc[1:]
-    where = ".".join(str(p) for p in loc)
+    where = _preview(".".join(str(p) for p in loc))
     if first.get("type") == "union_tag_invalid":
-        message = f"unknown message kind {kind!r}"
+        message = f"unknown message kind {_preview(kind)}"
     elif first.get("type") == "union_tag_not_found":
         message = "message has no 'kind'"
     else:
-        message = f"invalid {kind or 'message'}: field {where!r}: {first['msg']}"
-    detail = {"errors": [{"loc": [str(p) for p in e["loc"]], "msg": e["msg"]} for e in errors]}
+        message = f"invalid {name[:60] if name else 'message'}: field {where}: {first['msg']}"
+    # Bounded, whatever the message: an error reply never echoes a peer's megabytes back.
+    detail: dict[str, Any] = {
+        "errors": [
+            {"loc": [_preview(str(p)) for p in e["loc"][:8]], "msg": e["msg"][:200]}
+            for e in errors[:_MAX_REPORTED_ERRORS]
+        ]
+    }
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        detail["more"] = len(errors) - _MAX_REPORTED_ERRORS
     return ErrorInfo(code=ErrorCode.BAD_REQUEST, message=message, detail=detail)
+
+
+def _preview(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (it goes into an error message)."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_version(payload: bytes | bytearray | memoryview) -> None:
@@ -323,9 +340,11 @@ def check_version(payload: bytes | bytearray | memoryview) -> None:
     except FrameError:
         return  # parse() reports it
     version = raw.get("v") if isinstance(raw, dict) else None
-    if version != PROTOCOL_VERSION:
+    # An int that is not a bool: ``v`` may be anything a peer sent (an array, whose ``!=`` is
+    # an array too).
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise VersionMismatch(
-            f"protocol version mismatch: peer speaks {version!r}, this side speaks "
+            f"protocol version mismatch: peer speaks {_preview(version)}, this side speaks "
             f"{PROTOCOL_VERSION}"
         )
 
@@ -384,22 +403,32 @@ class Channel:
         return self._next_id
 
     async def send(self, message: BaseModel) -> None:
-        """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``."""
+        """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``.
+
+        Raises:
+            ChannelClosed: the connection is closed (or closed while sending).
+        """
         parts = encode(dump(message))
         size = frame_nbytes(parts)
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
         if size <= CHUNK_BYTES:
             async with self._send_lock:
-                await self.transport.send(b"".join(parts))
+                await self._write(b"".join(parts))
             self.bytes_out += size
             return
         self._next_stream += 1
         for chunk in chunk_messages(parts, self._next_stream):
             # One lock per chunk, not per message: a heartbeat or reply may pass in between.
             async with self._send_lock:
-                await self.transport.send(chunk)
+                await self._write(chunk)
         self.bytes_out += size
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.transport.send(data)
+        except Exception as exc:  # the transport's own "connection closed"
+            raise ChannelClosed(f"{self.name}: connection closed while sending: {exc}") from exc
 
     async def reply(self, to: Any, message: BaseModel) -> None:
         """Send ``message`` as the reply to ``to``."""
@@ -539,7 +568,10 @@ class Channel:
         """Send a refusal; ``False`` (and the connection closed) if the peer does not take it."""
         try:
             async with asyncio.timeout(self.reply_timeout):
-                await self._send_error(info, reply_to)
+                await self.send(Error(id=self.next_id(), reply_to=reply_to, error=info))
+        except ChannelClosed as exc:
+            self.close_reason = self.close_reason or str(exc)
+            return False
         except TimeoutError:
             reason = f"the peer did not read an error reply within {self.reply_timeout:g}s"
             log.warning("%s: %s: disconnecting", self.name, reason)
@@ -583,6 +615,8 @@ class Channel:
     async def _handle(self, message: Any) -> None:
         try:
             await self._handle_one(message)
+        except ChannelClosed as exc:  # the reply had nowhere to go
+            log.info("%s: no reply to %s: %s", self.name, message.kind, exc)
         finally:
             self.inflight -= 1
 

@@ -81,7 +81,7 @@ pytestmark = pytest.mark.integration
 
 log = logging.getLogger(__name__)
 
-FUZZ_EXAMPLES = 700
+FUZZ_EXAMPLES = 600
 """Hypothesis examples (each one to five messages, then a sentinel)."""
 BOUND = 10 * UNIT
 """Seconds the answer to a sentinel, or the close of the connection, may take."""
@@ -564,4 +564,5 @@ def test_random_and_mutated_frames_get_errors_or_clean_closes_and_a_job_still_su
         )
         logs = {name: (c.logs / f"{name}.log").read_text() for name in ("coordinator", "worker-w1")}
         for name, text in logs.items():
-            assert "Traceback" not in text, f"{name} logged a traceback:\n{text[-4000:]}"
+            at = text.find("Traceback")
+            assert at < 0, f"{name} logged a traceback:\n{text[max(0, at - 1500) : at + 3000]}"

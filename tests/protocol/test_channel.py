@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 import websockets
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from protocol.channel import Channel, RemoteError
 from protocol.codec import encode_frame
@@ -371,3 +373,45 @@ def test_a_peer_that_floods_bad_messages_and_reads_no_reply_is_disconnected():
         assert not channel._tasks
 
     asyncio.run(main())
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=3000)
+    | st.binary(max_size=16)
+    | st.builds(np.arange, st.integers(0, 5)),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    body=st.dictionaries(
+        st.sampled_from(["v", "kind", "id", "reply_to", "sent_at", "job_id"])
+        | st.text(max_size=300),
+        _values | st.sampled_from(["status", "heartbeat", "get_result", "ping"]),
+        max_size=6,
+    )
+)
+@example(body={"v": np.arange(3), "kind": "client_hello"})  # once an uncaught ValueError
+@example(body={"kind": "ping", "id": 1, "x" * 3000: 1})
+def test_any_decoded_body_is_refused_with_a_typed_bounded_error(body):
+    from protocol.channel import BadMessage, VersionMismatch, check_version, parse
+
+    frame = encode_frame(body)
+    try:
+        check_version(frame)
+    except VersionMismatch as exc:
+        assert len(str(exc)) < 200
+    try:
+        parse(frame)
+    except BadMessage as exc:
+        assert exc.info.code == ErrorCode.BAD_REQUEST
+        assert len(exc.info.message) < 400
+        assert len(encode_frame(exc.info.model_dump())) < 16_000
