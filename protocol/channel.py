@@ -244,7 +244,7 @@ class Reassembler:
         if why is None:
             try:
                 buffer = mmap.mmap(-1, total)
-            except OSError as exc:  # the kernel will not reserve it (overcommit policy)
+            except (OSError, OverflowError) as exc:  # the kernel will not reserve it
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:
                 self._streams[stream] = _Stream(buffer)

@@ -770,7 +770,7 @@ class Agent:
         channel = self._channel_over(ws, "peer (incoming)", self._on_peer_message)
         try:
             await self._serve_peer(channel)
-        except (ConnectionClosed, ProtocolError) as exc:  # the peer went: nothing to answer
+        except (ConnectionClosed, ProtocolError, TimeoutError) as exc:  # gone, or not reading
             log.info("peer link closed: %s", exc)
         finally:
             await channel.close(1000, "peer link over")
