@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coordinator.ws_server import Coordinator
+from coordinator.ws_server import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS, Coordinator
+from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,8 +85,61 @@ def _parser() -> argparse.ArgumentParser:
         help="allow listening beyond loopback without tokens: anyone who reaches the port can "
         "run code on every worker",
     )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help="largest message accepted, reassembled from its chunks; a larger one is refused "
+        f"with a too_large error before it is buffered (default {DEFAULT_MAX_MESSAGE_BYTES}: "
+        "2 GiB)",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=_positive_int,
+        default=DEFAULT_MAX_INFLIGHT,
+        metavar="N",
+        help="requests handled at once per connection; one more gets a busy error "
+        f"(default {DEFAULT_MAX_INFLIGHT})",
+    )
+    parser.add_argument(
+        "--max-pending-connections",
+        type=_positive_int,
+        default=MAX_PENDING_CONNECTIONS,
+        metavar="N",
+        help="connections that have not sent their hello yet beyond which new upgrades get "
+        f"HTTP 503 (default {MAX_PENDING_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=_positive_float,
+        default=HANDSHAKE_TIMEOUT,
+        metavar="S",
+        help="seconds a new connection has for the upgrade and its hello "
+        f"(default {HANDSHAKE_TIMEOUT:g})",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def _split(listen: str) -> tuple[str, int]:
@@ -157,6 +211,10 @@ async def _main(args: argparse.Namespace) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         call_timeout=args.call_timeout,
         job_threads=args.job_threads,
+        max_message_bytes=args.max_message_bytes,
+        max_inflight=args.max_inflight,
+        max_pending_connections=args.max_pending_connections,
+        handshake_timeout=args.handshake_timeout,
         worker_token=worker_token,
         client_token=client_token,
         tls=tls,

@@ -17,7 +17,9 @@ class Metrics:
     def __init__(self) -> None:
         self.retired_in = 0
         self.retired_out = 0
+        self.retired_busy = 0
         self.relayed = 0  # payload bytes of tensors relayed between workers
+        self.refused_upgrades = 0  # upgrades answered 503: too many connections without a hello
         self._latency: dict[str, list[int]] = {}
         self._latency_sum: dict[str, float] = {}
 
@@ -31,12 +33,14 @@ class Metrics:
         """Keep the byte counts of a connection that ended."""
         self.retired_in += channel.bytes_in
         self.retired_out += channel.bytes_out
+        self.retired_busy += channel.refused_busy
 
     def render(
         self,
         workers: Mapping[str, int],
         jobs: Mapping[str, int],
         channels: Iterable[Channel],
+        pending: int = 0,
     ) -> str:
         live = list(channels)
         lines = [
@@ -49,6 +53,15 @@ class Metrics:
             "# HELP somatize_connections Open WebSocket connections.",
             "# TYPE somatize_connections gauge",
             f"somatize_connections {len(live)}",
+            "# HELP somatize_pending_connections Connections that have not completed their hello.",
+            "# TYPE somatize_pending_connections gauge",
+            f"somatize_pending_connections {pending}",
+            "# HELP somatize_refused_upgrades_total Upgrades refused (503): too many pending.",
+            "# TYPE somatize_refused_upgrades_total counter",
+            f"somatize_refused_upgrades_total {self.refused_upgrades}",
+            "# HELP somatize_busy_refusals_total Requests refused: too many in flight.",
+            "# TYPE somatize_busy_refusals_total counter",
+            f"somatize_busy_refusals_total {self.retired_busy + sum(c.refused_busy for c in live)}",
             "# HELP somatize_received_bytes_total Bytes received in messages.",
             "# TYPE somatize_received_bytes_total counter",
             f"somatize_received_bytes_total {self.retired_in + sum(c.bytes_in for c in live)}",

@@ -7,6 +7,16 @@
   (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
   or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``.
 
+Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
+an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
+has ``handshake_timeout`` for the upgrade and the hello together (a half-sent HTTP request is
+dropped then), and beyond ``max_pending_connections`` pending ones a new upgrade is answered
+``503`` before any message is read. One WebSocket message holds at most :data:`WS_MAX_SIZE`
+bytes (more: closed with 1009), one message reassembled from chunks at most
+``max_message_bytes`` (more: ``too_large``, refused from its first chunk), and each connection
+handles at most ``max_inflight`` requests at once (more: ``busy``); see
+:class:`~protocol.channel.Channel`.
+
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
 jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
 waits; :meth:`stop` drains — it stops accepting jobs, gives running jobs a grace period, fails what
@@ -25,13 +35,16 @@ import contextlib
 import hmac
 import http
 import logging
+import math
 import ssl
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from coordinator.jobs import JobManager, record_dict, remote
@@ -41,11 +54,14 @@ from coordinator.status_page import CSP, PAGE
 from coordinator.store import JobStore
 from protocol import PROTOCOL_VERSION
 from protocol.channel import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MAX_MESSAGE_BYTES,
     BadMessage,
     Channel,
     ChannelClosed,
     RemoteError,
     VersionMismatch,
+    close_reason,
     encode_small,
 )
 from protocol.errors import ErrorCode, ErrorInfo
@@ -71,7 +87,9 @@ RELAY_TIMEOUT = 60.0
 PROBE_TIMEOUT = 60.0
 """Seconds a worker has to answer a ping (its spare daemon may still be starting)."""
 HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a new connection has to send its hello."""
+"""Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
+MAX_PENDING_CONNECTIONS = 64
+"""Default number of connections without a hello yet beyond which upgrades get ``503``."""
 WS_MAX_SIZE = 4 * CHUNK_BYTES
 """Largest single WebSocket message; anything bigger travels as chunks."""
 REALM = "somatize"
@@ -91,6 +109,10 @@ class Coordinator:
         call_timeout: seconds one command of a job may take on a worker.
         job_threads: torch threads of each job's daemon (``None``: the agent's default).
         max_message_bytes: largest (reassembled) message accepted from a peer.
+        max_inflight: requests handled at once per connection (one more: ``busy``).
+        max_pending_connections: connections without a hello beyond which an upgrade gets
+            ``503`` (they are counted from the TCP accept).
+        handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
         worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
             upgrade, before any message is read. ``None``: that path is open (loopback only; the
@@ -110,7 +132,10 @@ class Coordinator:
         heartbeat_timeout: float = 10.0,
         call_timeout: float = 3600.0,
         job_threads: int | None = None,
-        max_message_bytes: int = 1 << 34,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        max_pending_connections: int = MAX_PENDING_CONNECTIONS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         worker_token: str | None = None,
         client_token: str | None = None,
         tls: ssl.SSLContext | None = None,
@@ -118,6 +143,10 @@ class Coordinator:
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
+        if min(max_message_bytes, max_inflight, max_pending_connections) < 1:
+            raise ValueError("message, in-flight and pending-connection limits must be positive")
+        if handshake_timeout <= 0:
+            raise ValueError("the handshake timeout must be positive")
         self.host = host
         self.port = port
         self.state_dir = Path(state_dir)
@@ -126,6 +155,10 @@ class Coordinator:
         self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.max_message_bytes = max_message_bytes
+        self.max_inflight = max_inflight
+        self.max_pending_connections = max_pending_connections
+        self.handshake_timeout = handshake_timeout
+        self._pending: dict[ServerConnection, float] = {}  # → the loop time of its TCP accept
         self.tokens = {"/worker": worker_token, "/client": client_token}
         self.tls = tls
         self.public_status = public_status
@@ -173,7 +206,8 @@ class Coordinator:
             max_size=WS_MAX_SIZE,
             ssl=self.tls,
             process_request=self._http,
-            open_timeout=HANDSHAKE_TIMEOUT,
+            open_timeout=self.handshake_timeout,
+            create_connection=_counted(self._pending),
             ping_interval=max(self.heartbeat_interval, 1.0) * 5,
             ping_timeout=self.heartbeat_timeout * 2,
             server_header=SERVER,
@@ -248,6 +282,8 @@ class Coordinator:
                 return _json(connection, await self.status())
             return await self._metrics(connection)
         if path in ("/worker", "/client"):
+            if len(self._pending) > self.max_pending_connections:  # this one is counted too
+                return self._busy(connection)
             if not _authorized(request, self.tokens[path]):
                 log.info(
                     "refused %s on %s: missing or wrong token", connection.remote_address, path
@@ -263,7 +299,7 @@ class Coordinator:
         counts = await self.jobs.counts()
         workers = {str(k): v for k, v in self.registry.counts().items()}
         jobs = {str(k): v for k, v in counts.items()}
-        text = self.metrics.render(workers, jobs, self._channels)
+        text = self.metrics.render(workers, jobs, self._channels, len(self._pending))
         return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
 
     async def status(self) -> dict[str, Any]:
@@ -279,25 +315,39 @@ class Coordinator:
             "jobs": await self.jobs.records(STATUS_JOBS),
         }
 
+    def _busy(self, connection: ServerConnection) -> Response:
+        """``503`` for an upgrade beyond ``max_pending_connections``, before any message."""
+        self.metrics.refused_upgrades += 1
+        log.warning(
+            "refused %s: %d connections are waiting for their hello (limit %d)",
+            connection.remote_address,
+            len(self._pending) - 1,
+            self.max_pending_connections,
+        )
+        response = connection.respond(
+            http.HTTPStatus.SERVICE_UNAVAILABLE,
+            f"too many connections waiting for their hello (the limit is "
+            f"{self.max_pending_connections}); retry in a few seconds\n",
+        )
+        response.headers["Retry-After"] = str(math.ceil(self.handshake_timeout))
+        return response
+
     # -- connections --------------------------------------------------------------------------
 
     async def _connection(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
         is_worker = path == "/worker"
-        channel = Channel(ws, f"{path[1:]} {ws.remote_address}", None, self.max_message_bytes)
+        channel = Channel(
+            ws,
+            f"{path[1:]} {ws.remote_address}",
+            None,
+            self.max_message_bytes,
+            self.max_inflight,
+        )
         self._channels.add(channel)
         try:
-            try:
-                async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                    hello = await channel.receive(first=True)
-            except TimeoutError:
-                await ws.close(4008, "no hello within the handshake timeout")
-                return
-            except VersionMismatch as exc:
-                await self._refuse(ws, ErrorCode.VERSION_MISMATCH, str(exc))
-                return
-            except BadMessage as exc:
-                await self._refuse(ws, exc.info.code, exc.info.message)
+            hello = await self._hello(ws, channel)
+            if hello is None:
                 return
             expected = WorkerHello if is_worker else ClientHello
             if not isinstance(hello, expected):
@@ -309,9 +359,33 @@ class Coordinator:
                 await self._serve_worker(channel, hello)
             else:
                 await self._serve_client(channel, hello)
+        except (ConnectionClosed, ChannelClosed) as exc:  # the peer went: nothing to answer
+            log.info("%s: connection closed: %s", channel.name, exc)
         finally:
+            self._pending.pop(ws, None)
             self.metrics.retire(channel)
             self._channels.discard(channel)
+
+    async def _hello(self, ws: ServerConnection, channel: Channel) -> Any:
+        """The connection's first message, read by ``handshake_timeout`` after its TCP accept;
+        ``None`` when it was refused (and the connection closed). It stops being pending."""
+        loop = asyncio.get_running_loop()
+        deadline = self._pending.get(ws, loop.time()) + self.handshake_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await channel.receive(first=True)
+        except TimeoutError:
+            log.info("refused %s: no hello within the handshake timeout", ws.remote_address)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.handshake_timeout):
+                    await ws.close(4008, "no hello within the handshake timeout")
+        except VersionMismatch as exc:
+            await self._refuse(ws, ErrorCode.VERSION_MISMATCH, str(exc))
+        except BadMessage as exc:
+            await self._refuse(ws, exc.info.code, exc.info.message)
+        finally:
+            self._pending.pop(ws, None)
+        return None
 
     async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
         log.info("refused %s: %s", ws.remote_address, message)
@@ -319,8 +393,9 @@ class Coordinator:
             error=ErrorInfo(code=code, message=message, detail={"server_version": PROTOCOL_VERSION})
         )
         with contextlib.suppress(Exception):
-            await ws.send(encode_small(error))
-            await ws.close(4002, message[:120])
+            async with asyncio.timeout(self.handshake_timeout):
+                await ws.send(encode_small(error))
+                await ws.close(4002, close_reason(message))
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
         try:
@@ -413,22 +488,24 @@ class Coordinator:
 
     async def on_watch(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
-        async for event in self.jobs.watch(message.job_id, message.after_seq):
-            await channel.reply(
-                message,
-                JobEvent(
-                    job_id=event.job_id,
-                    seq=event.seq,
-                    time=event.time,
-                    event=event.kind,
-                    data=event.data,
-                ),
-            )
+        async with _while_open(channel):
+            async for event in self.jobs.watch(message.job_id, message.after_seq):
+                await channel.reply(
+                    message,
+                    JobEvent(
+                        job_id=event.job_id,
+                        seq=event.seq,
+                        time=event.time,
+                        event=event.kind,
+                        data=event.data,
+                    ),
+                )
         return Ack()
 
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
-        return Result(result=await self.jobs.result(message.job_id, message.wait))
+        async with _while_open(channel):
+            return Result(result=await self.jobs.result(message.job_id, message.wait))
 
     async def on_cancel(self, channel: Channel, message: Any) -> Any:
         assert self.jobs is not None
@@ -466,6 +543,37 @@ class Coordinator:
 
     async def on_status(self, channel: Channel, message: Any) -> Any:
         return Result(result=await self.status())
+
+
+@contextlib.asynccontextmanager
+async def _while_open(channel: Channel) -> AsyncIterator[None]:
+    """Cancel the body when ``channel``'s connection ends: a client's wait (a watch of a job
+    that stays queued, a long ``get_result``) must not outlive the client."""
+    task = asyncio.current_task()
+    assert task is not None
+    closed = asyncio.ensure_future(channel.closed.wait())
+    closed.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
+    try:
+        yield
+    finally:
+        closed.cancel()
+
+
+def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:
+    """A :class:`ServerConnection` class whose connections are in ``pending`` (with the loop
+    time of their TCP accept) from the accept until they are taken out or close: idle sockets
+    and half-sent upgrades count, not only upgraded connections."""
+
+    class Counted(ServerConnection):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            pending[self] = self.loop.time()
+            super().connection_made(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            pending.pop(self, None)
+            super().connection_lost(exc)
+
+    return Counted
 
 
 def _authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:

@@ -4,6 +4,7 @@ Exception tree::
 
     ProtocolError            anything wrong with bytes or messages that crossed a boundary
     └── FrameError           a frame that is truncated, malformed or carries an unsupported value
+        └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
 
 Remote failures travel as data (:class:`ErrorInfo` inside a reply), never as pickled exceptions;
 the receiving side turns them back into its own package's exception types.
@@ -33,6 +34,7 @@ class ErrorCode(StrEnum):
     VERSION_MISMATCH = "version_mismatch"  # the peer speaks another protocol version
     UNAUTHORIZED = "unauthorized"  # a missing or wrong token
     TOO_LARGE = "too_large"  # a message over the size limit
+    BUSY = "busy"  # too many requests in flight on this connection: retry after a reply
     WORKER_LOST = "worker_lost"  # a worker disconnected or stopped heartbeating mid-job
     UNKNOWN_JOB = "unknown_job"  # a job id the coordinator (or agent) does not know
     NO_WORKERS = "no_workers"  # no registered worker can ever match the job's needs
@@ -59,3 +61,17 @@ class ProtocolError(Exception):
 
 class FrameError(ProtocolError):
     """A frame that cannot be encoded or decoded; the message says what and where."""
+
+
+class MessageTooLarge(FrameError):
+    """A message over the receiver's size limit, refused before its buffer was allocated.
+
+    ``reply_to`` is the message's ``id`` and ``answers`` its ``reply_to``, when they could be
+    read from its first bytes: the error reply can then name the request, and a reply that is
+    refused can fail the request waiting for it.
+    """
+
+    def __init__(self, message: str, reply_to: int | None = None, answers: int | None = None):
+        super().__init__(message)
+        self.reply_to = reply_to
+        self.answers = answers

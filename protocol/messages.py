@@ -42,6 +42,13 @@ CHUNK_BYTES = 1 << 20
 ~1 MB messages several times faster than one huge one, and heartbeats can pass in between."""
 
 
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A duration a receiver waits or schedules by: finite and not negative (a NaN or an infinity
+would reach ``asyncio.timeout``)."""
+Interval = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A period: finite and positive."""
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -90,8 +97,8 @@ class Welcome(_Message):
 
     kind: Literal["welcome"] = "welcome"
     worker_id: str | None = None
-    heartbeat_interval: float
-    heartbeat_timeout: float
+    heartbeat_interval: Interval
+    heartbeat_timeout: Interval
     server: str
 
 
@@ -167,7 +174,7 @@ class Call(_Message):
     kind: Literal["call"] = "call"
     job_id: str
     request: dict[str, Any]
-    timeout: float | None = None
+    timeout: Seconds | None = None
     input_from: str | None = None
     input_field: str = "x"
     output_to: PeerRoute | None = None
@@ -284,7 +291,7 @@ class GetResult(_Message):
 
     kind: Literal["get_result"] = "get_result"
     job_id: str
-    wait: float = 0.0
+    wait: Seconds = 0.0
 
 
 class Cancel(_Message):
@@ -305,7 +312,7 @@ class ListJobs(_Message):
     """The newest jobs, as records."""
 
     kind: Literal["list_jobs"] = "list_jobs"
-    limit: int = 50
+    limit: Annotated[int, Field(ge=0)] = 50
 
 
 class Status(_Message):

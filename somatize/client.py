@@ -548,6 +548,9 @@ def _describe(exc: BaseException, timeout: float) -> str:
         status = exc.response.status_code
         if status in (401, 403):
             return f"HTTP {status}: the coordinator refused the token"
+        if status == 503:  # too many connections waiting for their hello: a retry may pass
+            said = (exc.response.body or b"").decode(errors="replace").strip()[:200]
+            return f"HTTP 503: the coordinator is busy: {said}"
         return f"HTTP {status} (is this a somatize coordinator?)"
     return str(exc) or type(exc).__name__
 

@@ -103,6 +103,7 @@ class LocalCluster:
         self.startup = startup
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.peer_addresses: dict[str, str] = {}  # worker id → its /peer endpoint's ws://
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -156,7 +157,9 @@ class LocalCluster:
         argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
         if peer_link:
-            argv += ["--peer-listen", f"127.0.0.1:{free_port()}"]
+            port = free_port()
+            argv += ["--peer-listen", f"127.0.0.1:{port}"]
+            self.peer_addresses[worker_id] = f"ws://127.0.0.1:{port}"
         for tag in tags:
             argv += ["--tag", tag]
         for name, path in (data or {}).items():

@@ -67,9 +67,9 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import InvalidStatus, WebSocketException
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from protocol.channel import Channel, RemoteError
+from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel, RemoteError
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
 from protocol.messages import (
@@ -94,7 +94,7 @@ from worker.capabilities import detect
 from worker.datasets import environment as dataset_environment
 from worker.datasets import rows
 from worker.errors import DaemonError, WorkerError
-from worker.peer import Mailbox, MailboxDropped, PeerLinks
+from worker.peer import Mailbox, MailboxDropped, MailboxFull, PeerLinks
 from worker.supervisor import DaemonSupervisor
 
 __all__ = [
@@ -268,6 +268,8 @@ class Agent:
         peer_listen: str | None = None,
         peer_advertise: str | None = None,
         ca_file: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.url = worker_url(url)
         self.tags = list(tags)
@@ -280,6 +282,10 @@ class Agent:
         self.close_timeout = close_timeout
         self.startup_timeout = startup_timeout
         self.call_timeout = call_timeout
+        if max_message_bytes < 1 or max_inflight < 1:
+            raise ValueError("max_message_bytes and max_inflight must be positive")
+        self.max_message_bytes = max_message_bytes
+        self.max_inflight = max_inflight
         self.python = python
         self.spare = spare
         self.datasets = dict(datasets or {})
@@ -309,7 +315,11 @@ class Agent:
         self._peer_server: Server | None = None
         self._channel: Channel | None = None
         self._mailbox = Mailbox()
-        self._links = PeerLinks(lambda: self._worker_id, open_timeout=min(open_timeout, 3.0))
+        self._links = PeerLinks(
+            lambda: self._worker_id,
+            open_timeout=min(open_timeout, 3.0),
+            max_message_bytes=max_message_bytes,
+        )
         self._handlers: dict[str, Handler] = {
             "open_job": self.on_open_job,
             "call": self.on_call,
@@ -429,7 +439,7 @@ class Agent:
 
     async def _session(self) -> None:
         ws = await self._dial()
-        channel = Channel(ws, f"coordinator {self.url}", self._dispatch)
+        channel = self._channel_over(ws, f"coordinator {self.url}", self._dispatch)
         self._channel = channel
         self._session_over = asyncio.Event()
         reader: asyncio.Task[None] | None = None
@@ -753,7 +763,17 @@ class Agent:
 
     async def on_deliver(self, message: Deliver) -> Ack:
         """A tensor relayed by the coordinator: into the mailbox."""
-        self._mailbox.put(message.job_id, message.key, message.payload)
+        return self._put(message)
+
+    def _put(self, message: Deliver) -> Ack:
+        """Into the mailbox, if its job is open here: a delivery for another job (unknown, or
+        closed already) would sit there forever."""
+        if message.job_id not in self._jobs:
+            raise RemoteError(self._unknown_job(message.job_id))
+        try:
+            self._mailbox.put(message.job_id, message.key, message.payload)
+        except MailboxFull as exc:
+            raise RemoteError(ErrorInfo(code=ErrorCode.BUSY, message=str(exc))) from None
         return Ack()
 
     # -- the peer endpoint --------------------------------------------------------------------
@@ -766,6 +786,7 @@ class Agent:
             port,
             compression=None,
             max_size=4 * CHUNK_BYTES,
+            open_timeout=self.open_timeout,
             ping_interval=self.ping_interval,
             ping_timeout=self.ping_timeout,
             close_timeout=self.close_timeout,
@@ -788,31 +809,49 @@ class Agent:
                     await server.wait_closed()
 
     async def _peer_connection(self, ws: ServerConnection) -> None:
-        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s."""
+        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s.
+
+        The same limits as on the coordinator's link: ``open_timeout`` for the upgrade and
+        again for the hello, ``max_message_bytes`` and ``max_inflight``.
+        """
         if ws.request is None or ws.request.path != "/peer":
-            await ws.close(1008, "not found: peer links are at /peer")
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.close_timeout):
+                    await ws.close(1008, "not found: peer links are at /peer")
             return
-        channel = Channel(ws, "peer (incoming)", self._on_peer_message)
+        channel = self._channel_over(ws, "peer (incoming)", self._on_peer_message)
+        try:
+            await self._serve_peer(channel)
+        except (ConnectionClosed, ProtocolError, TimeoutError) as exc:  # gone, or not reading
+            log.info("peer link closed: %s", exc)
+        finally:
+            await channel.close(1000, "peer link over")
+
+    async def _serve_peer(self, channel: Channel) -> None:
         try:
             async with asyncio.timeout(self.open_timeout):
                 hello = await channel.receive(first=True)
         except (TimeoutError, ProtocolError) as exc:
             log.info("peer link refused: %s", exc)
-            await channel.close(1008, "expected a peer_hello")
-            return
-        except Exception:  # the connection went during the hello
+            await channel.close(1008, f"expected a peer_hello: {exc}")
             return
         if not isinstance(hello, PeerHello):
             info = ErrorInfo(
                 code=ErrorCode.BAD_REQUEST,
                 message=f"a peer link starts with peer_hello, not {hello.kind!r}",
             )
-            await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
+            async with asyncio.timeout(self.close_timeout):
+                await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
             await channel.close(1008, "expected a peer_hello")
             return
-        await channel.reply(hello, Ack())
+        async with asyncio.timeout(self.close_timeout):
+            await channel.reply(hello, Ack())
         log.info("peer link from worker %s", hello.worker_id)
         await channel.run()
+
+    def _channel_over(self, ws: Any, name: str, handler: Handler) -> Channel:
+        """A channel with this agent's limits."""
+        return Channel(ws, name, handler, self.max_message_bytes, self.max_inflight)
 
     async def _on_peer_message(self, message: Any) -> Ack:
         if not isinstance(message, Deliver):
@@ -822,8 +861,7 @@ class Agent:
                     message=f"a peer link carries deliver messages, not {message.kind!r}",
                 )
             )
-        self._mailbox.put(message.job_id, message.key, message.payload)
-        return Ack()
+        return self._put(message)
 
     async def on_close_job(self, message: CloseJob) -> Ack:
         """Close the job's daemon (cancelling a running call); an unknown job is already closed."""

@@ -4,6 +4,7 @@
 
     somatize-worker --connect ws://HOST:PORT [--id NAME] [--tag T ...] [--threads N]
                     [--token-file FILE] [--peer-listen HOST:PORT] [--log-level LEVEL]
+                    [--max-message-bytes N] [--max-inflight N]
 
 Lifecycle: startup → serve → shutdown. The first SIGTERM or SIGINT stops accepting work, closes
 the filter daemons (a call still running is answered with an error) and the connection, and exits
@@ -27,6 +28,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from worker.agent import Agent, RegistrationRefused
 from worker.datasets import parse_data_option
 
@@ -83,6 +85,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="the address other workers dial for --peer-listen, when it differs from it "
         "(a container's service name, a NAT's public address)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help="largest message accepted from the coordinator or a peer, reassembled from its "
+        f"chunks (default {DEFAULT_MAX_MESSAGE_BYTES}: 2 GiB); a larger one gets too_large",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT,
+        metavar="N",
+        help="requests handled at once per connection; one more gets a busy error "
+        f"(default {DEFAULT_MAX_INFLIGHT})",
     )
     parser.add_argument(
         "--log-level",
@@ -148,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.max_message_bytes < 1 or args.max_inflight < 1:
+        parser.error("--max-message-bytes and --max-inflight must be at least 1")
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,
@@ -166,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             peer_listen=args.peer_listen,
             peer_advertise=args.peer_advertise,
             ca_file=args.ca_file,
+            max_message_bytes=args.max_message_bytes,
+            max_inflight=args.max_inflight,
         )
     except ValueError as exc:
         parser.error(str(exc))

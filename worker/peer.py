@@ -21,17 +21,26 @@ from collections.abc import Callable
 
 from websockets.asyncio.client import connect
 
-from protocol.channel import Channel
+from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
 
-__all__ = ["Mailbox", "MailboxDropped", "PeerLinks"]
+__all__ = ["MAILBOX_ENTRIES", "Mailbox", "MailboxDropped", "MailboxFull", "PeerLinks"]
 
 log = logging.getLogger(__name__)
 
 
+MAILBOX_ENTRIES = 4096
+"""Deliveries a mailbox holds untaken, all jobs together (a pipeline holds a few per
+micro-batch); one more is refused rather than held."""
+
+
 class MailboxDropped(Exception):
     """The job's mailbox was dropped (the job closed, the connection went) while waiting."""
+
+
+class MailboxFull(Exception):
+    """A delivery refused: the mailbox already holds :data:`MAILBOX_ENTRIES` untaken ones."""
 
 
 class Mailbox:
@@ -41,7 +50,8 @@ class Mailbox:
     ``call`` with ``input_from`` waits on.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int = MAILBOX_ENTRIES) -> None:
+        self.max_entries = max_entries
         self._slots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
 
     def __len__(self) -> int:
@@ -55,7 +65,16 @@ class Mailbox:
         return slot
 
     def put(self, job_id: str, key: str, payload: bytes) -> None:
-        """Deliver ``payload`` to ``key`` (a second delivery not yet taken replaces the first)."""
+        """Deliver ``payload`` to ``key`` (a second delivery not yet taken replaces the first).
+
+        Raises:
+            MailboxFull: ``key`` is new and ``max_entries`` are held already.
+        """
+        if (job_id, key) not in self._slots and len(self._slots) >= self.max_entries:
+            raise MailboxFull(
+                f"the mailbox holds {len(self._slots)} deliveries nobody took (the limit is "
+                f"{self.max_entries}); {key!r} of job {job_id!r} refused"
+            )
         slot = self._slot(job_id, key)
         if slot.done():
             log.warning("job %s: key %r delivered again before it was taken", job_id, key)
@@ -104,6 +123,7 @@ class PeerLinks:
             may assign it after construction).
         open_timeout: seconds for the TCP connect, the upgrade and the hello's ``Ack``.
         send_timeout: seconds a ``Deliver`` may take to be acknowledged.
+        max_message_bytes: largest message accepted from a peer.
     """
 
     def __init__(
@@ -111,10 +131,12 @@ class PeerLinks:
         own_id: Callable[[], str | None],
         open_timeout: float = 3.0,
         send_timeout: float = 60.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._own_id = own_id
         self.open_timeout = open_timeout
         self.send_timeout = send_timeout
+        self.max_message_bytes = max_message_bytes
         self._links: dict[str, tuple[Channel, asyncio.Task[None]]] = {}
 
     def linked(self, worker_id: str) -> bool:
@@ -143,7 +165,7 @@ class PeerLinks:
                     open_timeout=self.open_timeout,
                     close_timeout=self.open_timeout,
                 )
-                channel = Channel(ws, f"peer {worker_id}")
+                channel = Channel(ws, f"peer {worker_id}", None, self.max_message_bytes)
                 reader = asyncio.ensure_future(channel.run())
                 reply = await channel.request(
                     PeerHello(worker_id=self._own_id() or ""), self.open_timeout

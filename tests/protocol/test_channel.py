@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 import websockets
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from protocol.channel import Channel, RemoteError
 from protocol.codec import encode_frame
@@ -163,3 +165,253 @@ def test_bad_chunks_are_frame_errors():
         Reassembler(CHUNK_BYTES).add(chunks[0])
     with pytest.raises(FrameError, match="shorter than its header"):
         Reassembler(1 << 30).add(chunks[0][:10])
+
+
+# -- limits -------------------------------------------------------------------------------------
+
+
+def _chunks_of(message, stream: int) -> list[bytes]:
+    from protocol.channel import chunk_messages, dump
+    from protocol.codec import encode
+
+    return list(chunk_messages(encode(dump(message)), stream))
+
+
+def test_a_chunked_message_over_the_limit_is_refused_on_its_first_chunk_and_the_rest_dropped():
+    from protocol.channel import Reassembler
+    from protocol.errors import MessageTooLarge
+    from protocol.messages import Call
+
+    big = Call(id=41, reply_to=7, job_id="j", request={"x": np.zeros(3 * CHUNK_BYTES, np.uint8)})
+    chunks = _chunks_of(big, stream=1)
+    assert len(chunks) == 4
+    reassembler = Reassembler(max_bytes=2 * CHUNK_BYTES)
+    with pytest.raises(MessageTooLarge, match="exceeds the limit of 2097152 bytes") as refused:
+        reassembler.add(chunks[0])
+    # Whom to tell, read from the frame's header in the first chunk; nothing was reserved.
+    assert (refused.value.reply_to, refused.value.answers) == (41, 7)
+    assert reassembler.pending_bytes == 0
+    assert [reassembler.add(c) for c in chunks[1:]] == [None, None, None]  # no error per chunk
+    small = _chunks_of(Call(id=42, job_id="j", request={"x": np.ones(CHUNK_BYTES, np.uint8)}), 1)
+    assert reassembler.add(small[0]) is None  # the stream id is free again after its last chunk
+    assert reassembler.pending_bytes > CHUNK_BYTES
+    frame = reassembler.add(small[1])
+    assert frame is not None and not frame.readonly
+    assert reassembler.pending_bytes == 0
+
+
+def test_the_chunked_messages_in_progress_together_stay_within_the_limits():
+    from protocol.channel import Reassembler
+    from protocol.errors import MessageTooLarge
+    from protocol.messages import Call
+
+    def chunks(stream: int) -> list[bytes]:
+        x = np.zeros(CHUNK_BYTES + CHUNK_BYTES // 2, np.uint8)
+        return _chunks_of(Call(id=stream, job_id="j", request={"x": x}), stream)
+
+    reassembler = Reassembler(max_bytes=2 * CHUNK_BYTES)
+    first, second = chunks(1), chunks(2)
+    assert reassembler.add(first[0]) is None
+    with pytest.raises(MessageTooLarge, match=r"with the \d+ bytes of the 1 in progress"):
+        reassembler.add(second[0])
+    assert reassembler.add(first[1]) is not None
+    third = chunks(3)
+    assert reassembler.add(third[0]) is None  # room again once the first completed
+
+    counted = Reassembler(max_bytes=1 << 30, max_streams=2)
+    assert counted.add(chunks(1)[0]) is None and counted.add(chunks(2)[0]) is None
+    with pytest.raises(MessageTooLarge, match="2 are already in progress"):
+        counted.add(chunks(3)[0])
+
+
+async def _limited_pair(handler, **limits):
+    """A server channel with ``limits`` and a client channel to it."""
+    ready: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+
+    async def serve(ws):
+        channel = Channel(ws, "server", handler, **limits)
+        ready.set_result(channel)
+        await channel.run()
+
+    server = await websockets.serve(
+        serve, "127.0.0.1", 0, max_size=2 * CHUNK_BYTES, compression=None
+    )
+    port = server.sockets[0].getsockname()[1]
+    ws = await websockets.connect(
+        f"ws://127.0.0.1:{port}", max_size=2 * CHUNK_BYTES, compression=None
+    )
+    client = Channel(ws, "client", max_message_bytes=2 * CHUNK_BYTES)
+    reader = asyncio.ensure_future(client.run())
+    return server, client, reader, await ready
+
+
+def test_too_large_requests_and_replies_fail_at_once_and_the_connection_stays_up():
+    from protocol.messages import Call
+
+    async def handler(message):
+        if message.request.get("big"):
+            return Result(result=np.zeros(3 * CHUNK_BYTES, np.uint8))  # over the client's limit
+        return Result(result="fine")
+
+    async def main():
+        server, client, reader, served = await _limited_pair(
+            handler, max_message_bytes=2 * CHUNK_BYTES
+        )
+        try:
+            x = np.zeros(3 * CHUNK_BYTES, np.uint8)
+            # Answered by the first chunk's refusal: well before the request's own timeout.
+            async with asyncio.timeout(10 * UNIT):
+                with pytest.raises(RemoteError, match="exceeds the limit") as refused:
+                    await client.request(Call(job_id="j", request={"x": x}), timeout=60)
+            assert refused.value.code == ErrorCode.TOO_LARGE
+            async with asyncio.timeout(10 * UNIT):
+                with pytest.raises(RemoteError, match="reply refused") as reply_refused:
+                    await client.request(Call(job_id="j", request={"big": True}), timeout=60)
+            assert reply_refused.value.code == ErrorCode.TOO_LARGE
+            reply = await client.request(Call(job_id="j", request={}), timeout=10 * UNIT)
+            assert reply.result == "fine"
+            assert served._reassembler.pending_bytes == 0
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+def test_a_single_message_over_a_small_limit_is_too_large():
+    from protocol.messages import Call
+
+    async def handler(message):
+        return Result(result="fine")
+
+    async def main():
+        server, client, reader, _ = await _limited_pair(handler, max_message_bytes=1000)
+        try:
+            assert (await client.request(Status(), timeout=10 * UNIT)).result == "fine"
+            with pytest.raises(RemoteError, match=r"message of \d+ bytes exceeds") as refused:
+                await client.request(Call(job_id="j", request={"pad": "x" * 2000}), 10 * UNIT)
+            assert refused.value.code == ErrorCode.TOO_LARGE
+            assert (await client.request(Status(), timeout=10 * UNIT)).result == "fine"
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+def test_requests_beyond_max_inflight_are_busy_at_once_and_heartbeats_never_are():
+    from protocol.messages import Call
+
+    release, two_held, three_beats = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    beats: list[float] = []
+    held: list[int] = []
+
+    async def handler(message):
+        if isinstance(message, Heartbeat):
+            beats.append(message.sent_at)
+            if len(beats) == 3:
+                three_beats.set()
+            return None
+        held.append(message.request["n"])
+        if len(held) == 2:
+            two_held.set()
+        await release.wait()
+        return Result(result=message.request["n"])
+
+    async def main():
+        server, client, reader, served = await _limited_pair(handler, max_inflight=2)
+        try:
+            holding = [
+                asyncio.ensure_future(client.request(Call(job_id="j", request={"n": n}), 30))
+                for n in (0, 1)
+            ]
+            await asyncio.wait_for(two_held.wait(), 10 * UNIT)
+            assert served.inflight == 2
+            async with asyncio.timeout(10 * UNIT):
+                with pytest.raises(RemoteError, match="2 requests in flight") as busy:
+                    await client.request(Call(job_id="j", request={"n": 2}), timeout=30)
+            assert busy.value.code == ErrorCode.BUSY
+            for sent_at in (1.0, 2.0, 3.0):
+                await client.send(Heartbeat(sent_at=sent_at))
+            await asyncio.wait_for(three_beats.wait(), 10 * UNIT)
+            assert beats == [1.0, 2.0, 3.0] and served.refused_busy == 1
+            release.set()
+            assert [(await h).result for h in holding] == [0, 1]
+            reply = await client.request(Call(job_id="j", request={"n": 3}), timeout=10 * UNIT)
+            assert reply.result == 3 and served.inflight == 0
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+class _Unread:
+    """A transport whose peer sends bad messages and never reads a reply: ``send`` never
+    completes (what a full socket buffer looks like from here)."""
+
+    def __init__(self) -> None:
+        self.closed_with: tuple[int, str] | None = None
+
+    async def send(self, message):
+        await asyncio.Event().wait()
+
+    async def recv(self):
+        await asyncio.sleep(0)
+        return b"\x00\x01not a frame"
+
+    async def close(self, code=1000, reason=""):
+        self.closed_with = (code, reason)
+
+
+def test_a_peer_that_floods_bad_messages_and_reads_no_reply_is_disconnected():
+    async def main():
+        transport = _Unread()
+        channel = Channel(transport, "flooded", reply_timeout=0.2 * UNIT)
+        async with asyncio.timeout(10 * UNIT):
+            await channel.run()  # returns: it does not pile up replies forever
+        assert channel.closed.is_set()
+        assert "did not read an error reply" in channel.close_reason
+        assert transport.closed_with is not None and transport.closed_with[0] == 1008
+        assert not channel._tasks
+
+    asyncio.run(main())
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=3000)
+    | st.binary(max_size=16)
+    | st.builds(np.arange, st.integers(0, 5)),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    body=st.dictionaries(
+        st.sampled_from(["v", "kind", "id", "reply_to", "sent_at", "job_id"])
+        | st.text(max_size=300),
+        _values | st.sampled_from(["status", "heartbeat", "get_result", "ping"]),
+        max_size=6,
+    )
+)
+@example(body={"v": np.arange(3), "kind": "client_hello"})  # once an uncaught ValueError
+@example(body={"kind": "ping", "id": 1, "x" * 3000: 1})
+def test_any_decoded_body_is_refused_with_a_typed_bounded_error(body):
+    from protocol.channel import BadMessage, VersionMismatch, check_version, parse
+
+    frame = encode_frame(body)
+    try:
+        check_version(frame)
+    except VersionMismatch as exc:
+        assert len(str(exc)) < 200
+    try:
+        parse(frame)
+    except BadMessage as exc:
+        assert exc.info.code == ErrorCode.BAD_REQUEST
+        assert len(exc.info.message) < 400
+        assert len(encode_frame(exc.info.model_dump())) < 16_000

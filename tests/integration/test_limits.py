@@ -1,0 +1,387 @@
+"""The coordinator's limits, on a real ``somatize-coordinator`` started with small ones.
+
+Pending connections (idle sockets, half-sent upgrades, upgrades without a hello) are bounded in
+number and in time; a message over ``--max-message-bytes`` is refused from its first chunk; a
+request beyond ``--max-inflight`` is ``busy``; heartbeats never are; and after each breach the
+coordinator keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+import somatize as sz
+from coordinator.ws_server import Coordinator
+from protocol.channel import CHUNK_MAGIC, Channel, RemoteError
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    CHUNK_BYTES,
+    Capabilities,
+    ClientHello,
+    Deliver,
+    GetResult,
+    Heartbeat,
+    Status,
+    Watch,
+    WorkerHello,
+)
+from somatize.cluster import free_port, wait_for
+from tests.conftest import timeout_unit
+
+pytestmark = pytest.mark.integration
+
+UNIT = timeout_unit()
+BIN = Path(sys.executable).parent
+PENDING = 4
+HANDSHAKE = 1.0 * UNIT
+MAX_BYTES = 3 * CHUNK_BYTES
+INFLIGHT = 4
+
+
+class Mean(sz.Filter):
+    def fit(self, x, y=None):
+        return {"mean": x.mean(0)}
+
+    def forward(self, x, state):
+        return x - state["mean"]
+
+
+CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpickle="3")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A coordinator with small limits (its own flags), shared by the tests of this module."""
+    tmp = tmp_path_factory.mktemp("limits")
+    port = free_port()
+    argv = [
+        str(BIN / "somatize-coordinator"),
+        *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state")),
+        *("--max-pending-connections", str(PENDING), "--handshake-timeout", str(HANDSHAKE)),
+        *("--max-message-bytes", str(MAX_BYTES), "--max-inflight", str(INFLIGHT)),
+        *("--heartbeat-interval", "0.5", "--heartbeat-timeout", str(30 * UNIT)),
+    ]
+    env = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k}
+    with (tmp / "coordinator.log").open("ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        wait_for(lambda: _healthy(port), 30 * UNIT, "the coordinator to listen")
+        yield f"ws://127.0.0.1:{port}"
+        assert proc.poll() is None, "the coordinator died"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20 * UNIT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@contextlib.asynccontextmanager
+async def _raw(url: str, path: str, hello: Any) -> AsyncIterator[tuple[Any, Channel]]:
+    """A hand-driven connection to ``path`` after its hello: the websocket and a channel."""
+    ws = await websockets.connect(f"{url}{path}", compression=None, max_size=1 << 24)
+    channel = Channel(ws, f"raw {path}")
+    try:
+        await channel.send(hello)
+        async with asyncio.timeout(10 * UNIT):
+            welcome = await channel.receive()
+        assert welcome.kind == "welcome", welcome
+        yield ws, channel
+    finally:
+        await ws.close()
+
+
+def _chunk_head(stream: int, offset: int, total: int) -> bytes:
+    return struct.pack("<8sQQQ", CHUNK_MAGIC, stream, offset, total)
+
+
+async def _closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closes ``sock`` (reads return EOF); fails after ``seconds``."""
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    sock.setblocking(False)
+    async with asyncio.timeout(seconds):
+        while True:
+            try:
+                data = await loop.sock_recv(sock, 4096)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+    return time.monotonic() - started
+
+
+def test_pending_connections_beyond_the_limit_get_503_until_the_handshake_timeout_frees_them(url):
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        idle = []
+        for _ in range(PENDING):  # TCP only: not a byte sent
+            sock = socket.socket()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", _port(url)))
+            idle.append(sock)
+        await asyncio.sleep(0.1 * UNIT)  # accepted by the server
+        with pytest.raises(InvalidStatus) as refused:
+            await websockets.connect(f"{url}/client", open_timeout=10 * UNIT)
+        assert refused.value.response.status_code == 503
+        assert b"too many connections waiting for their hello" in refused.value.response.body
+        assert refused.value.response.headers["Retry-After"] == str(int(np.ceil(HANDSHAKE)))
+        # The SDK says why; health checks are not held up.
+        with pytest.raises(sz.ConnectionFailed, match="HTTP 503: the coordinator is busy"):
+            await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT)
+        assert await asyncio.to_thread(_healthy, _port(url))
+        # The handshake timeout drops the idle sockets, counted from their accept...
+        took = await asyncio.gather(*(_closed_within(s, HANDSHAKE + 5 * UNIT) for s in idle))
+        assert max(took) <= HANDSHAKE + 2 * UNIT
+        for sock in idle:
+            sock.close()
+        # ...and then a client connects as usual.
+        with await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT) as client:
+            assert client.status()["workers"] == []
+
+        # Upgrades that never say hello count as well, and are closed with the reason.
+        silent = [await websockets.connect(f"{url}/worker") for _ in range(PENDING)]
+        with pytest.raises(InvalidStatus, match="503"):
+            await websockets.connect(f"{url}/worker", open_timeout=10 * UNIT)
+        for ws in silent:
+            with pytest.raises(ConnectionClosed) as closed:
+                async with asyncio.timeout(HANDSHAKE + 5 * UNIT):
+                    await ws.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4008
+            assert "no hello within the handshake timeout" in closed.value.rcvd.reason
+        with await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT) as client:
+            assert client.status()["workers"] == []
+
+    asyncio.run(main())
+
+
+def test_a_half_sent_http_request_is_dropped_within_the_handshake_timeout(url):
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", _port(url)))
+        await loop.sock_sendall(sock, b"GET /client HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgr")
+        took = await _closed_within(sock, HANDSHAKE + 5 * UNIT)
+        sock.close()
+        assert took <= HANDSHAKE + 2 * UNIT
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("path", ["/client", "/worker"])
+def test_messages_over_the_limits_are_refused_and_the_coordinator_keeps_serving(url, path):
+    hello = (
+        ClientHello(name="big")
+        if path == "/client"
+        else WorkerHello(worker_id="big", capabilities=CAPS)
+    )
+
+    async def main() -> None:
+        async with _raw(url, path, hello) as (ws, channel):
+            reader = asyncio.ensure_future(channel.run())
+            errors: asyncio.Queue[Any] = asyncio.Queue()
+            channel.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
+            # A chunk header announcing more than --max-message-bytes: refused at once, no
+            # buffer reserved, and the announced stream's later chunks are dropped silently.
+            await ws.send(_chunk_head(5, 0, MAX_BYTES + 1) + bytes(64))
+            error = await asyncio.wait_for(errors.get(), 10 * UNIT)
+            assert error.error.code == ErrorCode.TOO_LARGE
+            assert f"exceeds the limit of {MAX_BYTES} bytes" in error.error.message
+            await ws.send(_chunk_head(5, 64, MAX_BYTES + 1) + bytes(64))
+            # A real request over the limit, sent in chunks, fails at once, naming the request.
+            big = Deliver(job_id="j", to="nobody", key="k", payload=bytes(MAX_BYTES))
+            with pytest.raises(RemoteError, match="exceeds the limit") as refused:
+                await channel.request(big, timeout=30 * UNIT)
+            assert refused.value.code == ErrorCode.TOO_LARGE
+            assert errors.empty()  # nothing about the dropped chunk
+            # The same connection still works.
+            if path == "/client":
+                reply = await channel.request(Status(), timeout=10 * UNIT)
+                assert reply.kind == "result"
+            # One WebSocket message over its 4 MiB: closed with 1009 (message too big).
+            await ws.send(bytes(4 * CHUNK_BYTES + 1))
+            async with asyncio.timeout(10 * UNIT):
+                await reader
+            assert ws.close_code == 1009
+        workers = (await asyncio.to_thread(_status, url))["workers"]  # it still serves
+        assert ("big" in [w["id"] for w in workers]) == (path == "/worker")
+
+    asyncio.run(main())
+
+
+def test_the_sdk_reports_a_submission_over_the_limit_as_too_large(url):
+    x = np.zeros((MAX_BYTES // 8 + 1, 1))
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        graph = sz.Graph([Mean().named("f")])
+        with pytest.raises(sz.ClientError, match="exceeds the limit") as refused:
+            client.submit(graph, x)
+        assert refused.value.code == "too_large"
+        assert client.status()["workers"] is not None
+
+
+def test_requests_beyond_max_inflight_are_busy_and_the_connection_stays_usable(url):
+    async def main() -> None:
+        async with _raw(url, "/client", ClientHello(name="watcher")) as (_, channel):
+            reader = asyncio.ensure_future(channel.run())
+            job_id = await asyncio.to_thread(_queued_job, url)
+            # Watching a queued job holds a request in flight until it ends: once its first
+            # event came, each of these is in flight.
+            watches = []
+            for _ in range(INFLIGHT):
+                events = channel.stream(Watch(job_id=job_id), None)
+                first = await asyncio.wait_for(anext(events), 10 * UNIT)
+                assert first.event == "queued"
+                watches.append(asyncio.ensure_future(_drain(events)))
+            with pytest.raises(RemoteError) as refused:
+                await channel.request(Status(), timeout=10 * UNIT)
+            busy = refused.value
+            assert busy.code == ErrorCode.BUSY
+            assert f"the limit is {INFLIGHT}" in busy.info.message
+            await asyncio.to_thread(_cancel, url, job_id)  # the watches end...
+            async with asyncio.timeout(10 * UNIT):
+                assert [await w for w in watches] == ["cancelled"] * INFLIGHT
+            reply = await channel.request(Status(), timeout=10 * UNIT)  # ...and it serves again
+            assert reply.kind == "result"
+            await channel.close()
+            await reader
+
+    asyncio.run(main())
+
+
+def test_heartbeats_are_never_busy_on_the_worker_path(url):
+    async def main() -> None:
+        async with (
+            _raw(url, "/worker", WorkerHello(worker_id="mute", capabilities=CAPS)) as _,
+            _raw(url, "/worker", WorkerHello(worker_id="chatty", capabilities=CAPS)) as (_, w),
+        ):
+            reader = asyncio.ensure_future(w.run())
+            # Relays to a worker that never acknowledges stay in flight on chatty's connection.
+            for n in range(INFLIGHT):
+                await w.send(
+                    Deliver(id=w.next_id(), job_id="j", to="mute", key=f"{n}", payload=b"")
+                )
+            busy = None
+            async with asyncio.timeout(10 * UNIT):
+                while busy is None:
+                    try:
+                        await w.request(
+                            Deliver(job_id="j", to="mute", key="more", payload=b""), 1 * UNIT
+                        )
+                    except RemoteError as exc:
+                        busy = exc
+                    except TimeoutError:
+                        continue
+            assert busy.code == ErrorCode.BUSY
+            before = await asyncio.to_thread(_heartbeat_age, url, "chatty")
+            await w.send(Heartbeat(id=w.next_id(), sent_at=time.time()))
+            after = await asyncio.to_thread(_heartbeat_age, url, "chatty")
+            async with asyncio.timeout(10 * UNIT):  # it counts, though the connection is busy
+                while after >= before:
+                    await asyncio.sleep(0.05)
+                    after = await asyncio.to_thread(_heartbeat_age, url, "chatty")
+            await w.close()
+            await reader
+
+    asyncio.run(main())
+
+
+async def _drain(stream: Any) -> str:
+    last = ""
+    async for message in stream:
+        last = getattr(message, "event", last)
+    return last
+
+
+def _queued_job(url: str) -> str:
+    """A job that stays queued: there is no worker."""
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        job = client.submit(sz.Graph([Mean().named("f")]), np.zeros((2, 2)))
+        return str(job.id)
+
+
+def _cancel(url: str, job_id: str) -> None:
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        client.job(job_id).cancel()
+
+
+def _status(url: str) -> dict[str, Any]:
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        return dict(client.status())
+
+
+def _heartbeat_age(url: str, worker_id: str) -> float:
+    (worker,) = [w for w in _status(url)["workers"] if w["id"] == worker_id]
+    return float(worker["last_heartbeat_age"])
+
+
+def test_a_clients_waits_end_with_its_connection(tmp_path):
+    """A watch of a job that stays queued, a long get_result: gone when the client goes."""
+
+    async def main() -> None:
+        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        await coordinator.start()
+        assert coordinator.jobs is not None
+        url = f"ws://127.0.0.1:{coordinator.port}"
+        try:
+            job_id = await asyncio.to_thread(_queued_job, url)
+            async with _raw(url, "/client", ClientHello(name="leaver")) as (_, channel):
+                reader = asyncio.ensure_future(channel.run())
+                events = channel.stream(Watch(job_id=job_id), None)
+                assert (await asyncio.wait_for(anext(events), 10 * UNIT)).event == "queued"
+                waiting = asyncio.ensure_future(
+                    channel.request(GetResult(job_id=job_id, wait=3600.0), 3600.0)
+                )
+                (served,) = [c for c in coordinator._channels if c.name == "client leaver"]
+                await _eventually(lambda: served.inflight == 2)
+                assert coordinator.jobs._watchers[job_id]
+            await reader
+            waiting.cancel()
+            # Both handlers ended with the connection.
+            await _eventually(lambda: not (served.inflight or coordinator.jobs._watchers[job_id]))
+        finally:
+            await coordinator.stop(1.0)
+
+    asyncio.run(main())
+
+
+async def _eventually(condition: Any, seconds: float = 10 * UNIT) -> None:
+    """Wait until ``condition()`` holds (state of this process: nothing to await on)."""
+    async with asyncio.timeout(seconds):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.01)
