@@ -111,9 +111,10 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     def ended() -> dict[str, Any] | None:
         s = _shown(page)
         states = {j["Job"]: j["State"] for j in s.get("jobs", [])}
-        return s if states == {job.id: "succeeded", broken.id: "failed"} else None
+        idle = all(w["State"] == "idle" for w in s.get("workers", []))
+        return s if states == {job.id: "succeeded", broken.id: "failed"} and idle else None
 
-    after = wait_for(ended, 10 * UNIT, "the page to show both jobs ended")
+    after = wait_for(ended, 20 * UNIT, "the page to show both jobs ended and the workers idle")
     assert page.evaluate("window.loadedOnce") is True  # updated in place
     rows = {j["Job"]: j for j in after["jobs"]}
     done, progress = rows[job.id], record["progress"]
