@@ -7,21 +7,26 @@ below (or the named ones) on a :class:`somatize.cluster.LocalCluster` — a real
 ``docs/reliability.md``: the fault, how it was injected, what the system did, and two times:
 
 - *detection*: from the fault to the first sign of it the system gives — the coordinator lists
-  the worker ``lost``, or the job's ``failed`` event (its time as the coordinator recorded it);
-- *recovery*: from the fault, or from its repair (the link back up, the process restarted as a
-  supervisor would), to the system doing work again — the worker back ``idle`` under the same
-  id, the job's next round, or the next job succeeding.
+  the worker ``lost``, or the job's ``failed`` or (elastic) ``worker_lost`` event (its time as
+  the coordinator recorded it);
+- *recovery*: from the fault, its detection, or its repair (the link back up, the process
+  restarted as a supervisor would), to the system doing work again — the worker back ``idle``
+  under the same id, the job's next round, an elastic job's failed step done again on the
+  restored replica, or the next job succeeding.
 
 Every row says which of these it measured; waits poll every :data:`POLL` s. Each scenario also
 asserts what the system must do (as its test does, named in the table) and the run fails
-otherwise: a figure is written only for a fault that was survived.
+otherwise: a figure is written only for a fault that was survived. The elastic rows check the
+job's result against an in-process ``graph.fit`` of the same graph and data, and give the
+largest difference.
 
 Scenarios share a cluster of their kind (:data:`KINDS`: ``loopback``, three workers with a local
 dataset each; ``short_call``, one worker under ``--call-timeout`` :data:`CALL_TIMEOUT`;
 ``netns``, one worker in a network namespace behind a veth pair, :mod:`tests.integration.netns`,
 root only — otherwise its rows say why they did not run), started once, because starting
 processes that import torch is most of the time on a small machine; a scenario leaves it as it
-found it (a killed worker restarted, every worker idle). Adding a scenario is one function of a
+found it (a killed worker restarted, every worker idle), and each begins once every worker's
+spare filter daemon is up (:meth:`Site.settle`). Adding a scenario is one function of a
 :class:`Site` returning an :class:`Outcome`, decorated with :func:`scenario` and its kind.
 Every process is stopped at the end, also on a failure (whose log tails are printed) or Ctrl-C.
 """
@@ -56,6 +61,12 @@ CALL_TIMEOUT = 3.0
 """``--call-timeout`` of the hung-daemon scenario's coordinator (the others keep the default)."""
 BLIP = 1.0
 """Seconds the link is down in the below-the-timeout scenario."""
+ELASTIC_DELAY = 0.03
+"""Seconds each forward of the elastic rows' model sleeps: 30 steps of ~0.1 s, a kill lands
+mid-training."""
+ELASTIC_MATCH = 1e-5
+"""The largest difference from ``graph.fit`` an elastic run may show (float32 sums in another
+order; the same bound as its tests)."""
 POLL = 0.02
 WAIT = 60.0
 """The longest any single wait of a scenario may take before the run fails."""
@@ -144,6 +155,16 @@ class Site:
 
     def client(self) -> sz.Client:
         return self.cluster.client(timeout=WAIT)
+
+    def settle(self) -> None:
+        """Wait until every worker is idle with its spare filter daemon up (a ping through each
+        waits for it): a scenario's times are then its fault's, not the start-up of a daemon
+        that the previous scenario's job made the agent start anew (seconds under load, and
+        more than ``--call-timeout`` :data:`CALL_TIMEOUT` for a job opened meanwhile)."""
+        with self.client() as client:
+            until(lambda: all_idle(client), "every worker idle")
+            for worker_id in workers_of(client):
+                client.ping(worker_id)
 
     def restart(self, client: sz.Client, worker_id: str) -> float:
         """Start a killed worker again (as a supervisor would), with its data; seconds until it
@@ -323,6 +344,95 @@ def agent_gave_up(c: LocalCluster, worker_id: str, after: float) -> float | None
     return None
 
 
+def elastic_graph() -> sz.Graph:
+    """Center >> a slowed MLP under Adam (its optimizer state must be copied too): 96 rows in
+    batches of 16 for 5 epochs, shuffled, 30 steps."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        SlowLinear(6, 16, ELASTIC_DELAY), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+    net = sz.TorchFilter(
+        mlp, loss="cross_entropy", optimizer="adam", lr=0.01, batch_size=16, epochs=5, seed=11
+    )
+    return Center().named("center") >> net.named("mlp")
+
+
+def elastic_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(96, 6)) * 2 + 1).astype(np.float32)
+    return x, (x @ rng.normal(size=(6, 3))).argmax(1).astype(np.int64)
+
+
+def elastic_job(client: sz.Client) -> tuple[sz.Job, list[str]]:
+    """An elastic DataParallel(2) job of :func:`elastic_graph` past its third step; its
+    workers."""
+    x, y = elastic_data()
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=WAIT)
+    job = client.submit(elastic_graph(), x, y, strategy=strategy)
+    progressed(job, "step", 3)
+    return job, list(job.status()["workers"])
+
+
+def event(events: list[sz.JobEventInfo], kind: str, **match: Any) -> sz.JobEventInfo:
+    """The first of ``events`` of ``kind`` whose data holds ``match``."""
+    for e in events:
+        if e.event == kind and all(e.data.get(k) == v for k, v in match.items()):
+            return e
+    raise AssertionError(f"no {kind} event with {match}: {[(e.event, e.data) for e in events]}")
+
+
+@dataclass
+class Elastic:
+    """How an elastic job came through the loss of ``victim``: its events, checked."""
+
+    lost: sz.JobEventInfo
+    replaced: sz.JobEventInfo
+    restored: sz.JobEventInfo
+    resumed: sz.JobEventInfo
+    """The progress event of the step that failed: done again, on the restored replica."""
+    steps: int
+    diff: float
+    """Largest absolute difference of any state from an in-process ``graph.fit``."""
+
+
+def largest_difference(states: dict[str, Any], expected: dict[str, Any]) -> float:
+    """The largest absolute difference between two graphs' states, over ``expected``'s keys."""
+    return max(
+        float(np.abs(np.asarray(states[n][k], np.float64) - np.asarray(v, np.float64)).max())
+        for n, state_ in expected.items()
+        for k, v in state_.items()
+    )
+
+
+def came_through(job: sz.Job, victim: str, replacement: str, survivor: str) -> Elastic:
+    """Check an elastic job lost ``victim``, took ``replacement``, restored it from ``survivor``,
+    did every step once in order and ended equal to ``graph.fit`` of the same graph and data."""
+    fitted = job.result(timeout=WAIT)
+    events = list(job.events(timeout=WAIT))
+    lost = event(events, "worker_lost", worker=victim, code="worker_lost")
+    replaced = event(events, "worker_replaced", lost=victim, worker=replacement)
+    restored = event(events, "worker_restored", worker=replacement)
+    if restored.data["from"] != survivor:
+        raise AssertionError(f"{replacement} restored from {restored.data['from']}, not {survivor}")
+    steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
+    total = int(event(events, "progress", step=1).data["steps"])
+    if steps != list(range(1, total + 1)):
+        raise AssertionError(f"the steps were not each done once, in order: {steps}")
+    x, y = elastic_data()
+    graph = elastic_graph()
+    net = graph["mlp"]
+    assert isinstance(net, sz.TorchFilter)
+    initial = {"mlp": {k: v.clone() for k, v in net.module.state_dict().items()}}
+    expected = graph.fit(x, y).states
+    diff = largest_difference(fitted.states, expected)
+    if not diff <= ELASTIC_MATCH:
+        raise AssertionError(f"the elastic result differs from graph.fit by {diff:.3g}")
+    if not largest_difference(expected, initial) > 1000 * ELASTIC_MATCH:
+        raise AssertionError("graph.fit hardly moved the weights: the comparison shows nothing")
+    resumed = event(events, "progress", step=lost.data["step"])
+    return Elastic(lost, replaced, restored, resumed, total, diff)
+
+
 # -- the scenarios -------------------------------------------------------------------------------
 
 
@@ -429,6 +539,77 @@ def worker_killed_mid_pipeline(site: Site) -> Outcome:
         "restart → w2 idle",
         "test_model_parallel_live.py::test_a_stage_worker_killed_mid_step_fails_the_job_naming_"
         "stage_and_worker",
+    )
+
+
+@scenario("loopback")
+def elastic_replica_replaced(site: Site) -> Outcome:
+    c = site.cluster
+    with site.client() as client:
+        job, (survivor, victim) = elastic_job(client)
+        (spare,) = set(c.workers) - {survivor, victim}
+        killed = time.time()
+        c.send_signal(c.workers[victim], signal.SIGKILL)
+        run = came_through(job, victim, spare, survivor)
+        until(lambda: state(client, survivor) == "idle", f"{survivor} freed")
+        site.restart(client, victim)  # left as found: three idle workers
+    step = run.lost.data["step"]
+    return Outcome(
+        "replica killed mid-training, elastic, a spare idle",
+        f"SIGKILL to {victim}'s agent (and daemons) after step 3 of an elastic DataParallel(2) "
+        f"job ({run.steps} steps, Adam) on 3 workers: {survivor}, {victim} and idle {spare}",
+        f"`worker_lost` for {victim} at step {step}; replaced {victim} by {spare}, restored it "
+        f"from {survivor} (model and optimizer state; `worker_restored` "
+        f"{run.restored.time - run.lost.time:.2f} s after the loss), resumed step {step}; job "
+        f"succeeded, each step done once; result equals graph.fit (max abs diff "
+        f"{run.diff:.1e})",
+        run.lost.time - killed,
+        "kill → `worker_lost`",
+        run.resumed.time - run.lost.time,
+        f"`worker_lost` → failed step {step} done",
+        "test_data_parallel_live.py::test_elastic_replaces_a_killed_replica_with_a_spare_and_"
+        "restarts_a_crashed_daemon",
+    )
+
+
+@scenario("loopback")
+def elastic_replica_reconnected(site: Site) -> Outcome:
+    c = site.cluster
+    with site.client() as client:
+        hold = sleepy_job(client, "w3", seconds=WAIT)  # no spare: only the lost worker can come
+        job, (survivor, victim) = elastic_job(client)
+        before = workers_of(client)[victim]["connections"]
+        killed = time.time()
+        c.send_signal(c.workers[victim], signal.SIGKILL)
+        c.workers[victim].wait(timeout=WAIT)
+        until(lambda: state(client, victim) == "lost", f"{victim} lost")
+        restarted = time.time()
+        c.start_worker(victim, threads=1, data=site.data.get(victim))
+        connected = time.time()  # start_worker returns once the coordinator lists it
+        run = came_through(job, victim, victim, survivor)
+        hold.cancel()
+        until(lambda: all_idle(client), "every worker idle")
+        if workers_of(client)[victim]["connections"] != before + 1:
+            raise AssertionError(f"{victim} did not come back as the same record")
+    step = run.lost.data["step"]
+    return Outcome(
+        "replica killed mid-training, elastic, no spare",
+        f"w3 held by a Local job; SIGKILL to {victim}'s agent (and daemons) after step 3 of "
+        f"the same elastic DataParallel(2) job on {survivor}, {victim}; {victim} started again "
+        f"under its id once listed lost ({restarted - killed:.2f} s after the kill)",
+        f"`worker_lost` for {victim} at step {step}; the job waited for a worker; {victim} "
+        f"reconnected {connected - restarted:.2f} s after the restart (a new process importing "
+        f"torch), was given back to the job, waited for its new filter daemon to start and "
+        f"was restored from "
+        f"{survivor} (`worker_restored` {run.restored.time - restarted:.2f} s after the "
+        f"restart), resumed step {step}; job succeeded, each step done once; result equals "
+        f"graph.fit (max abs diff {run.diff:.1e})",
+        run.lost.time - killed,
+        "kill → `worker_lost`",
+        run.resumed.time - restarted,
+        f"restart → failed step {step} done",
+        "test_data_parallel_live.py::test_elastic_takes_back_the_lost_worker_before_a_queued_job_"
+        "then_fails_when_none_comes",
     )
 
 
@@ -634,9 +815,16 @@ def _cpu() -> str:
 
 
 def render(
-    rows: list[Outcome], skipped: dict[str, str], started_at: dt.datetime, command: str
+    rows: list[Outcome],
+    skipped: dict[str, str],
+    started_at: dt.datetime,
+    command: str,
+    load_at_start: float,
 ) -> str:
-    """``docs/reliability.md``: the settings, the table, the longest detection."""
+    """``docs/reliability.md``: the settings, the table, the longest detection.
+
+    ``load_at_start`` is the 1-minute load average when the run began: the times are wall
+    times on a machine that may be shared, and the load says how much."""
     took = (dt.datetime.now(dt.UTC) - started_at).total_seconds()
     load = os.getloadavg()
     detections = [(r.detection_s, r.fault, r.detected) for r in rows if not r.startup]
@@ -651,8 +839,8 @@ def render(
         "",
         f"- Date: {started_at:%Y-%m-%d %H:%M} UTC; command: `{command}` ({took:.0f} s in all)",
         f"- Machine: {_cpu()}, {os.cpu_count()} cores, {platform.platform()}, Python "
-        f"{platform.python_version()}; load average {load[0]:.1f} at the end (the machine "
-        "was shared)",
+        f"{platform.python_version()}; load average {load_at_start:.1f} at the start, "
+        f"{load[0]:.1f} at the end (the machine was shared: every time here is wall time)",
         f"- Heartbeats every {HEARTBEAT_INTERVAL:g} s, timeout {HEARTBEAT_TIMEOUT:g} s "
         f"(`--heartbeat-interval {HEARTBEAT_INTERVAL:g} --heartbeat-timeout "
         f"{HEARTBEAT_TIMEOUT:g}`); the agents ping the coordinator on the same schedule; "
@@ -716,6 +904,7 @@ def run(names: Sequence[str], scratch: Path) -> tuple[list[Outcome], dict[str, s
                     if site is None:
                         starts += 1
                         site = KINDS[kind](scratch / f"{kind}-{starts}", stack)
+                    site.settle()
                     outcome = SCENARIOS[name][1](site)
                 except Skipped as exc:
                     skipped[name] = str(exc)
@@ -747,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
     began = dt.datetime.now(dt.UTC)
+    load_at_start = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         scratch = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         rows, skipped, failures = run(args.names or list(SCENARIOS), scratch)
@@ -757,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m benchmarks.faults", *given])
-    args.out.write_text(render(rows, skipped, began, command))
+    args.out.write_text(render(rows, skipped, began, command, load_at_start))
     print(f"wrote {args.out}")
     return 0
 
