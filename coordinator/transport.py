@@ -33,6 +33,10 @@ from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
 CLOSE_TIMEOUT = 10.0
 """Seconds to wait for an agent to stop a job's daemon before giving up on it."""
 
+OPEN_TIMEOUT = 120.0
+"""Least seconds a worker has for ``open_job``, whatever the call timeout: it starts the job's
+daemon (a new Python importing torch: seconds on a loaded machine) or waits for its warm spare."""
+
 NETWORK_MARGIN = 5.0
 """Extra seconds the coordinator waits beyond a command's own timeout, for the reply to travel."""
 
@@ -71,7 +75,7 @@ class TransportContext(StrategyContext):
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Start the job's daemon on the worker and load the filters into it."""
         message = OpenJob(job_id=self.job_id, filters=dict(filters), threads=self.threads)
-        await self._request(worker_idx, message, "open_job")
+        await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))
 
     supports_peer_links = True
 
@@ -132,14 +136,22 @@ class TransportContext(StrategyContext):
         records = {id(r): r for r in self.records + self.replaced}  # a lost one may be back
         await asyncio.gather(*(close_one(r) for r in records.values()))
 
-    async def _request(self, worker_idx: int, message: Any, cmd: str) -> Any:
+    async def _request(
+        self,
+        worker_idx: int,
+        message: Any,
+        cmd: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> Any:
+        """``message`` to the worker, answered within ``timeout`` (default: the call timeout)."""
+        timeout = self.timeout if timeout is None else timeout
         record = self.records[worker_idx]
         channel = record.channel
         if channel is None or channel.closed.is_set():
             raise WorkerCallError(record.id, _lost(record, cmd))
         started = time.perf_counter()
         try:
-            reply = await channel.request(message, self.timeout + NETWORK_MARGIN)
+            reply = await channel.request(message, timeout + NETWORK_MARGIN)
         except RemoteError as exc:
             raise WorkerCallError(record.id, exc.info) from None
         except ChannelClosed:
@@ -147,7 +159,7 @@ class TransportContext(StrategyContext):
         except TimeoutError:
             info = ErrorInfo(
                 code=ErrorCode.TIMEOUT,
-                message=f"{cmd} for job {self.job_id} got no answer within {self.timeout}s",
+                message=f"{cmd} for job {self.job_id} got no answer within {timeout}s",
                 detail={"cmd": cmd},
             )
             raise WorkerCallError(record.id, info) from None
