@@ -78,6 +78,10 @@ class TargetError(CoordinatorError):
     """A target that no worker of the context answers to."""
 
 
+class NoReplacement(CoordinatorError):
+    """No worker came to take a lost one's place within the time given."""
+
+
 class StrategyContext(ABC):
     """The workers of one job, by index, and the commands a strategy can run on them."""
 
@@ -170,6 +174,19 @@ class StrategyContext(ABC):
         )
         return grads
 
+    async def get_optimizer_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+        """The persistent optimizers of differentiable nodes on a worker, read now (node →
+        ``state_dict()``, ``None`` before the first step)."""
+        states: dict[str, Any] = await self.call(
+            worker_idx, {"cmd": "get_optimizer_state", "node_ids": list(node_ids)}
+        )
+        return states
+
+    async def set_optimizer_state(self, worker_idx: int, states: Mapping[str, Any]) -> None:
+        """Give a worker's nodes optimizers loaded with ``states`` (from
+        :meth:`get_optimizer_state` on another worker)."""
+        await self.call(worker_idx, {"cmd": "set_optimizer_state", "states": dict(states)})
+
     async def apply_gradients(self, worker_idx: int, gradients: Mapping[str, Any]) -> None:
         """Write gradients on a worker and step its persistent optimizers."""
         await self.call(worker_idx, {"cmd": "apply_gradients", "gradients": dict(gradients)})
@@ -190,6 +207,18 @@ class StrategyContext(ABC):
             worker_idx, {"cmd": "composite_fit", "node_ids": list(node_ids), "x": x, "y": y}
         )
         return result["output"], result["states"]
+
+    async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109
+        """Put a fresh worker at ``worker_idx`` in place of a lost one, and return it.
+
+        The replacement is an idle worker that matches the job's placement — a new one, or the
+        lost one reconnecting — reserved for this job from then on. Nothing is loaded on it:
+        the strategy brings it to where the others are.
+
+        Raises:
+            NoReplacement: none came within ``timeout`` seconds (or this context has none).
+        """
+        raise NoReplacement(f"{type(self).__name__} cannot replace workers")
 
     def worker_for(self, target: Target) -> int:
         """The index of the worker that answers to ``target`` (by id, or the first with the tag).
@@ -226,6 +255,8 @@ class InMemoryContext(StrategyContext):
         make_daemon: makes one worker's daemon; pass :class:`worker.daemon.Daemon` (the
             coordinator does not import worker code itself).
         timeout: seconds one command may take.
+        spares: how many more workers :meth:`replace` can bring in (``mem-N``, ``mem-N+1``...)
+            in place of workers lost with :meth:`lose`.
     """
 
     def __init__(
@@ -233,32 +264,67 @@ class InMemoryContext(StrategyContext):
         workers: Sequence[WorkerIdentity] | int,
         make_daemon: Callable[[], FrameHandler],
         timeout: float = DEFAULT_CALL_TIMEOUT,
+        spares: int = 0,
     ) -> None:
         if isinstance(workers, int):
             workers = [WorkerIdentity(f"mem-{i}") for i in range(workers)]
         super().__init__(workers, timeout)
+        self.make_daemon = make_daemon
         self.daemons = [make_daemon() for _ in self.workers]
+        self.spares = spares
+        self._gone: dict[str, str] = {}  # worker id → why it is lost
         self._locks = [asyncio.Lock() for _ in self.workers]
         self._ids = itertools.count(1)
+        self._names = itertools.count(len(self.workers))
+
+    def lose(self, worker_idx: int, reason: str = "its connection closed") -> None:
+        """The in-memory counterpart of a worker's connection closing: the call it is running
+        (whose reply is thrown away) and every later one fail with ``worker_lost``."""
+        self._gone[self.workers[worker_idx].id] = reason
+
+    async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109
+        if self.spares <= 0:
+            await asyncio.sleep(timeout)  # nothing can arrive: wait as a live context would
+            raise NoReplacement(f"no worker came within {timeout:g}s")
+        self.spares -= 1
+        identity = WorkerIdentity(f"mem-{next(self._names)}")
+        self.workers[worker_idx] = identity
+        self.daemons[worker_idx] = self.make_daemon()
+        self._locks[worker_idx] = asyncio.Lock()
+        return identity
 
     async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
         worker = self.workers[worker_idx]
         frame = bytearray(encode_frame({**request, "id": next(self._ids)}))
+        daemon = self.daemons[worker_idx]
         async with self._locks[worker_idx]:
+            self._check_alive(worker, request)
             try:
                 async with asyncio.timeout(self.timeout):
-                    reply_frame = await asyncio.to_thread(self._run, worker_idx, frame)
+                    reply_frame = await asyncio.to_thread(self._run, daemon, frame)
             except TimeoutError:
                 info = ErrorInfo(
                     code=ErrorCode.TIMEOUT,
                     message=f"{request.get('cmd')} did not finish within {self.timeout}s",
                 )
                 raise WorkerCallError(worker.id, info) from None
+            self._check_alive(worker, request)
         reply = decode(reply_frame)
         if not reply["ok"]:
             raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
         return reply["result"]
 
-    def _run(self, worker_idx: int, frame: bytearray) -> bytearray:
+    def _check_alive(self, worker: WorkerIdentity, request: Mapping[str, Any]) -> None:
+        if worker.id in self._gone:
+            reason = self._gone[worker.id]
+            info = ErrorInfo(
+                code=ErrorCode.WORKER_LOST,
+                message=f"lost during {request.get('cmd')}: {reason}",
+                detail={"cmd": request.get("cmd"), "reason": reason},
+            )
+            raise WorkerCallError(worker.id, info)
+
+    @staticmethod
+    def _run(daemon: FrameHandler, frame: bytearray) -> bytearray:
         # One copy into a writable buffer (decoded tensors are views over it), as on the wire.
-        return bytearray().join(self.daemons[worker_idx].respond(frame))
+        return bytearray().join(daemon.respond(frame))

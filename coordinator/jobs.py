@@ -3,7 +3,9 @@
 A submitted job waits in a FIFO queue until enough idle workers match its strategy's
 :class:`~coordinator.strategies.Placement`; a job that cannot be placed yet does not hold up later
 jobs that can. Running, it owns its workers until it ends, whatever way it ends: its daemons are
-closed and its workers freed in one ``finally``.
+closed and its workers freed in one ``finally``. A running job that lost a worker and can go on
+(elastic DataParallel) *recruits* a replacement: the next idle worker that matches its placement
+is reserved for it before any queued job is placed, and is freed with the job's others.
 
 Every change of a job is an event in the store (``queued``, ``placed``, ``progress``,
 ``succeeded``, ``failed``, ``cancelled``) and is pushed to the clients watching it. A job is
@@ -67,6 +69,15 @@ class _Job:
     stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
 
 
+@dataclass
+class _Recruit:
+    """A running job waiting for a worker to replace one it lost."""
+
+    job: _Job
+    placement: Placement
+    found: asyncio.Future[WorkerRecord]
+
+
 class JobManager:
     """The queue, the running jobs and their event streams.
 
@@ -93,6 +104,7 @@ class JobManager:
         self.observe = observe
         self._jobs: dict[str, _Job] = {}
         self._queue: list[str] = []
+        self._recruits: list[_Recruit] = []  # served before the queue
         self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
         self._wake = asyncio.Event()
         self.accepting = True
@@ -111,6 +123,19 @@ class JobManager:
             self._place()
 
     def _place(self) -> None:
+        # Running jobs waiting for a replacement first: they hold workers and made progress.
+        for recruit in list(self._recruits):
+            if recruit.found.done():  # gave up waiting
+                self._recruits.remove(recruit)
+                continue
+            worker = next(
+                (w for w in self.registry.idle() if recruit.placement.accepts(w.identity)), None
+            )
+            if worker is None:
+                continue
+            self._reserve(recruit.job, [worker])
+            self._recruits.remove(recruit)
+            recruit.found.set_result(worker)
         for job_id in list(self._queue):
             job = self._jobs[job_id]
             placement = _placement(job.strategy, job.inputs)
@@ -118,13 +143,42 @@ class JobManager:
             picks = placement.choose([w.identity for w in idle])
             if picks is None:
                 continue
-            chosen = [idle[i] for i in picks]
-            for worker in chosen:
-                worker.state = WorkerState.BUSY
-                worker.job_id = job_id
-            job.workers = chosen
+            self._reserve(job, [idle[i] for i in picks])
             self._queue.remove(job_id)
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
+
+    def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
+        for worker in workers:
+            worker.state = WorkerState.BUSY
+            worker.job_id = job.id
+            if worker not in job.workers:  # a lost worker may come back as its own replacement
+                job.workers.append(worker)
+
+    async def recruit(self, job_id: str, timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
+        """Wait up to ``timeout`` seconds for an idle worker that matches the running job's
+        placement and reserve it for the job (ahead of queued jobs); ``None`` if none came.
+
+        The worker joins the job's workers, so it is freed with them when the job ends."""
+        job = self._jobs[job_id]
+        recruit = _Recruit(
+            job,
+            _placement(job.strategy, job.inputs),
+            asyncio.get_running_loop().create_future(),
+        )
+        self._recruits.append(recruit)
+        self._place()  # one may be idle already
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(recruit.found)
+        except TimeoutError:
+            # It may have been found in the very iteration the time ran out: take it.
+            found = recruit.found
+            return found.result() if found.done() and not found.cancelled() else None
+        finally:
+            if not recruit.found.done():
+                recruit.found.cancel()
+            if recruit in self._recruits:
+                self._recruits.remove(recruit)
 
     # -- client requests ----------------------------------------------------------------------
 
@@ -298,8 +352,16 @@ class JobManager:
         await job.done.wait()
 
     async def _run(self, job: _Job) -> None:
+        async def recruit(timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
+            return await self.recruit(job.id, timeout)
+
         ctx = TransportContext(
-            job.id, job.workers, self.call_timeout, self.job_threads, observe=self.observe
+            job.id,
+            job.workers,
+            self.call_timeout,
+            self.job_threads,
+            observe=self.observe,
+            recruit=recruit,
         )
         ids = [w.id for w in job.workers]
         try:

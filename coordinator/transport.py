@@ -6,7 +6,8 @@ filters is an :class:`~protocol.messages.OpenJob` (the agent starts a fresh daem
 
 A worker that disconnects or stops heartbeating has its connection closed by the server, which
 fails its pending command at once with ``worker_lost``: a strategy waiting on a dead worker learns
-within the heartbeat timeout.
+within the heartbeat timeout. A strategy that can go on (elastic DataParallel) asks for a
+replacement with :meth:`TransportContext.replace`; the job manager reserves it for the job.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerCallError
+from coordinator.context import (
+    DEFAULT_CALL_TIMEOUT,
+    NoReplacement,
+    StrategyContext,
+    WorkerCallError,
+    WorkerIdentity,
+)
 from coordinator.registry import WorkerRecord
 from protocol.channel import ChannelClosed, RemoteError
 from protocol.errors import ErrorCode, ErrorInfo
@@ -39,6 +46,9 @@ class TransportContext(StrategyContext):
         timeout: seconds one command may take on a worker.
         threads: torch threads for each job daemon (``None``: the agent's default).
         observe: called with ``(command, seconds)`` after each successful command (metrics).
+        recruit: waits up to the given seconds for an idle worker that matches the job's
+            placement and reserves it for the job (:meth:`JobManager.recruit`); ``None``
+            (the default) means lost workers are never replaced.
     """
 
     def __init__(
@@ -48,12 +58,15 @@ class TransportContext(StrategyContext):
         timeout: float = DEFAULT_CALL_TIMEOUT,
         threads: int | None = None,
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+        recruit: Callable[[float], Awaitable[WorkerRecord | None]] | None = None,
     ) -> None:
         super().__init__([w.identity for w in workers], timeout)
         self.job_id = job_id
         self.records = list(workers)
         self.threads = threads
         self.observe = observe
+        self.recruit = recruit
+        self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Start the job's daemon on the worker and load the filters into it."""
@@ -97,6 +110,17 @@ class TransportContext(StrategyContext):
         reply = await self._request(worker_idx, Links(job_id=self.job_id, peers=addresses), "links")
         return dict(reply.result)
 
+    async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109
+        if self.recruit is None:
+            raise NoReplacement("this job's workers are not replaced when lost")
+        record = await self.recruit(timeout)
+        if record is None:
+            raise NoReplacement(f"no worker came within {timeout:g}s")
+        self.replaced.append(self.records[worker_idx])
+        self.records[worker_idx] = record
+        self.workers[worker_idx] = record.identity
+        return record.identity
+
     async def close(self) -> None:
         """Stop the job's daemon on every worker still connected (best effort, bounded)."""
 
@@ -107,7 +131,8 @@ class TransportContext(StrategyContext):
             with contextlib.suppress(RemoteError, ChannelClosed, TimeoutError):
                 await record.channel.request(CloseJob(job_id=self.job_id), CLOSE_TIMEOUT)
 
-        await asyncio.gather(*(close_one(r) for r in self.records))
+        records = {id(r): r for r in self.records + self.replaced}  # a lost one may be back
+        await asyncio.gather(*(close_one(r) for r in records.values()))
 
     async def _request(self, worker_idx: int, message: Any, cmd: str) -> Any:
         record = self.records[worker_idx]

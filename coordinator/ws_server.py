@@ -136,6 +136,7 @@ class Coordinator:
         self._server: Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: set[Channel] = set()
+        self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
         self._stopped = asyncio.Event()
         self._client_handlers = {
             "submit": self.on_submit,
@@ -225,7 +226,11 @@ class Coordinator:
             for record in self.registry.reap():
                 log.warning("worker %s lost: %s", record.id, record.reason)
                 if record.channel is not None:
-                    await record.channel.close(4000, "heartbeat timeout")
+                    # Not awaited: over a dead link the closing handshake takes its whole
+                    # timeout, and the next silent worker must not wait for it to be reaped.
+                    task = asyncio.ensure_future(record.channel.close(4000, "heartbeat timeout"))
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
 
     # -- HTTP ---------------------------------------------------------------------------------
 

@@ -60,11 +60,13 @@ __all__ = [
     "FrameReader",
     "FrameWriter",
     "GetGradientsRequest",
+    "GetOptimizerStateRequest",
     "GetStateRequest",
     "GradientsRequest",
     "LoadRequest",
     "OkReply",
     "PingRequest",
+    "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
     "StageBackwardRequest",
@@ -242,6 +244,22 @@ class SetStateRequest(_Request):
     states: dict[str, Any]
 
 
+class GetOptimizerStateRequest(_Request):
+    """Read the persistent optimizers of some differentiable nodes: node → the optimizer's
+    ``state_dict()`` (moments, step counts, hyperparameters), ``None`` before its first step."""
+
+    cmd: Literal["get_optimizer_state"]
+    node_ids: Annotated[list[str], Field(min_length=1)]
+
+
+class SetOptimizerStateRequest(_Request):
+    """Give nodes fresh optimizers loaded with what ``get_optimizer_state`` returned elsewhere:
+    a replacement replica resumes with the survivors' momentum and moments."""
+
+    cmd: Literal["set_optimizer_state"]
+    states: dict[str, Any]
+
+
 class GetGradientsRequest(_Request):
     """Read the gradients the last backward left on the parameters: node → name → tensor."""
 
@@ -257,9 +275,15 @@ class ApplyGradientsRequest(_Request):
 
 
 class PingRequest(_Request):
-    """Do nothing and answer: liveness and round-trip time."""
+    """Do nothing and answer: liveness and round-trip time.
+
+    With ``warm`` the daemon first builds and steps a throwaway torch optimizer: torch's one-time
+    optimizer set-up (it imports ``torch._dynamo``: one to several seconds) is then paid by an
+    idle spare daemon, not by the first step of the job that takes it.
+    """
 
     cmd: Literal["ping"]
+    warm: bool = False
 
 
 class ShutdownRequest(_Request):
@@ -277,6 +301,8 @@ DaemonRequest = Annotated[
     | CompositeForwardRequest
     | GetStateRequest
     | SetStateRequest
+    | GetOptimizerStateRequest
+    | SetOptimizerStateRequest
     | GetGradientsRequest
     | ApplyGradientsRequest
     | StageRequest
@@ -311,7 +337,7 @@ class OkReply(BaseModel):
 
     ``fit``, ``composite_fit`` and ``batched_fit`` return the engine's ``FitResult`` as a dict
     (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``); ``load`` the node ids;
-    ``set_state``, ``ping`` and ``shutdown`` ``None``.
+    ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

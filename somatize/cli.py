@@ -303,6 +303,8 @@ def follow(job: Job, err: Console) -> Any:
                 if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
                     progress.update(task, total=epochs, completed=min(epoch, epochs))
                 progress.update(task, info=progress_text(event.data))
+            elif event.event in ("worker_lost", "worker_replaced"):
+                progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
                 if event.event == "succeeded":
                     total = progress.tasks[0].total or 1
@@ -382,6 +384,13 @@ def _jobs_table(records: list[dict[str, Any]]) -> Any:
             str(r.get("id", "")), str(r.get("strategy", "")), state, text, duration_text(r, now)
         )
     return table
+
+
+def replica_text(event: str, data: dict[str, Any]) -> str:
+    """An elastic job's replica event, in a few words."""
+    if event == "worker_lost":
+        return f"lost worker {data.get('worker')} ({data.get('code')}); waiting for a replacement"
+    return f"worker {data.get('worker')} replaces {data.get('lost')}"
 
 
 def progress_text(data: dict[str, Any]) -> str:

@@ -102,9 +102,11 @@ class JobEventInfo:
         seq: position in the job's events, from 1.
         time: when it happened (Unix seconds).
         event: ``"queued"``, ``"placed"``, ``"progress"``, ``"succeeded"``, ``"failed"`` or
-            ``"cancelled"``.
+            ``"cancelled"``; an elastic job also tells ``"worker_lost"``,
+            ``"worker_replaced"`` and ``"worker_restored"``.
         data: what the event says (``{"workers": [...]}`` when placed; ``phase``, ``epoch``,
-            ``step``, ``loss``... on progress; ``code``, ``message``, ``detail`` when failed).
+            ``step``, ``loss``... on progress; ``code``, ``message``, ``detail`` when failed;
+            ``worker``, ``replica``, ``step`` and ``lost`` or ``from`` for a replica).
     """
 
     seq: int

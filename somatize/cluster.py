@@ -17,12 +17,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from somatize.client import connect
+from somatize.client import Client, connect
 from somatize.errors import SomatizeError
 
 T = TypeVar("T")
@@ -35,10 +35,10 @@ class ClusterError(SomatizeError):
     """A process of the local cluster did not start (its log is named in the message)."""
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now, on loopback."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now, on ``host`` (loopback by default)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -64,6 +64,11 @@ class LocalCluster:
         job_threads: torch threads of each job daemon.
         logs: where each process's output goes (default: ``<state_dir>/../logs``).
         startup: seconds a process may take to come up.
+        host: the address the coordinator listens on and everyone dials (default loopback).
+            Beyond loopback the coordinator wants both tokens.
+        worker_token, client_token: the bearer tokens of ``/worker`` and ``/client`` (given to
+            the processes in their environment, never on a command line).
+        call_timeout: the coordinator's ``--call-timeout`` (default: its own).
     """
 
     def __init__(
@@ -76,13 +81,22 @@ class LocalCluster:
         job_threads: int = 1,
         logs: Path | None = None,
         startup: float = 60.0,
+        host: str = "127.0.0.1",
+        worker_token: str | None = None,
+        client_token: str | None = None,
+        call_timeout: float | None = None,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
         base = Path(self._tmp.name) if self._tmp is not None else None
         self.state_dir = state_dir if state_dir is not None else Path(str(base)) / "state"
-        self.port = port if port is not None else free_port()
-        self.url = f"ws://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self._authority = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self.url = f"ws://{self._authority}"
         self.heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self.worker_token = worker_token
+        self.client_token = client_token
+        self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.logs = logs if logs is not None else self.state_dir.parent / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -92,7 +106,9 @@ class LocalCluster:
 
     # -- processes ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         # The child keeps its own copy of the log's descriptor: the parent's closes right away.
         with open(self.logs / f"{name}.log", "ab") as log:
             return subprocess.Popen(
@@ -101,20 +117,23 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, **env} if env else None,
             )
 
     def start_coordinator(self) -> None:
         """Start the coordinator and wait until ``/healthz`` answers."""
         interval, timeout = self.heartbeat
-        self.coordinator = self._spawn(
-            "coordinator",
-            [
-                str(BIN / "somatize-coordinator"),
-                *("--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir)),
-                *("--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout)),
-                *("--job-threads", str(self.job_threads), "--grace", "2"),
-            ],
-        )
+        argv = [
+            str(BIN / "somatize-coordinator"),
+            *("--listen", f"{self.host}:{self.port}", "--state-dir", str(self.state_dir)),
+            *("--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout)),
+            *("--job-threads", str(self.job_threads), "--grace", "2"),
+        ]
+        if self.call_timeout is not None:
+            argv += ["--call-timeout", str(self.call_timeout)]
+        tokens = {"SOMATIZE_WORKER_TOKEN": self.worker_token, "SOMATIZE_TOKEN": self.client_token}
+        env = {name: value for name, value in tokens.items() if value is not None}
+        self.coordinator = self._spawn("coordinator", argv, env)
         self._wait(self.coordinator, "coordinator", self.healthy)
 
     def start_worker(
@@ -124,14 +143,17 @@ class LocalCluster:
         threads: int | None = None,
         data: Mapping[str, Path] | None = None,
         peer_link: bool = False,
+        prefix: Sequence[str] = (),
     ) -> None:
-        """Start a worker agent and wait until the coordinator lists it idle.
+        """Start a worker agent and wait until the coordinator lists it connected: idle, or
+        busy when a job took it at once (a job waiting for a replacement, or a queued one).
 
         ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``);
         ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
-        loopback port.
+        loopback port; ``prefix`` goes before the command (``ip netns exec NS``: the worker in
+        another network namespace).
         """
-        argv = [str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
+        argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
         if peer_link:
             argv += ["--peer-listen", f"127.0.0.1:{free_port()}"]
@@ -139,9 +161,11 @@ class LocalCluster:
             argv += ["--tag", tag]
         for name, path in (data or {}).items():
             argv += ["--data", f"{name}={path}"]
-        proc = self._spawn(f"worker-{worker_id}", argv)
+        token = {"SOMATIZE_WORKER_TOKEN": self.worker_token} if self.worker_token else None
+        proc = self._spawn(f"worker-{worker_id}", argv, token)
         self.workers[worker_id] = proc
-        self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) == "idle")
+        connected = ("idle", "busy")
+        self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) in connected)
 
     def _wait(self, proc: subprocess.Popen[bytes], name: str, ready: Callable[[], bool]) -> None:
         def up() -> bool:
@@ -156,7 +180,7 @@ class LocalCluster:
     def healthy(self) -> bool:
         """``GET /healthz`` answers 200."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"http://{self._authority}/healthz", timeout=1) as r:
                 return bool(r.status == 200)
         except OSError:
             return False
@@ -167,11 +191,15 @@ class LocalCluster:
 
     def worker(self, worker_id: str) -> dict[str, Any] | None:
         """The coordinator's record of a worker, if it knows it."""
-        with connect(self.url, timeout=10) as client:
+        with self.client() as client:
             for worker in client.status()["workers"]:
                 if worker["id"] == worker_id:
                     return dict(worker)
         return None
+
+    def client(self, timeout: float = 10.0) -> Client:
+        """A client of this cluster's coordinator (with the client token, if there is one)."""
+        return connect(self.url, self.client_token, timeout=timeout)
 
     def send_signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         """Signal a process and everything in its session (an agent's daemons too)."""

@@ -94,13 +94,31 @@ class DataParallel(Strategy):
     model, the result equals ``graph.fit``. Plain filters before the first TorchFilter are fitted
     per shard and their states averaged by rows.
 
+    A replica whose worker is lost fails the job at once (``worker_lost``, naming the worker),
+    unless ``elastic``: then the step in flight is abandoned, the job waits up to
+    ``elastic_timeout`` seconds for a replacement (an idle worker that matches, or the lost one
+    reconnecting; a crashed daemon is restarted on its own worker), copies a surviving
+    replica's weights and optimizer state (momentum, moments, step counts) onto it and resumes
+    from the step that failed — so the result is still the one ``graph.fit`` gives. The job's
+    events say what happened (``worker_lost``, ``worker_replaced``, ``worker_restored``). No
+    replacement in time fails it with ``not_enough_workers``; every replica lost at once leaves
+    nothing to copy and fails it with ``worker_lost``.
+
     Args:
         workers: how many replicas (workers) to train on.
         tag: only workers with this tag (default: any idle workers).
+        elastic: replace a lost replica and go on instead of failing.
+        elastic_timeout: seconds an elastic job waits for a replacement worker.
+
+    Raises:
+        ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
+            ``elastic`` not a bool or ``elastic_timeout`` not a positive number.
     """
 
     workers: int
     tag: str | None = None
+    elastic: bool = False
+    elastic_timeout: float = 60.0
 
     name: ClassVar[str] = "data_parallel"
 
@@ -108,11 +126,17 @@ class DataParallel(Strategy):
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         _check_selector("tag", self.tag)
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"elastic must be True or False, not {self.elastic!r}")
+        _positive("DataParallel", "elastic_timeout", self.elastic_timeout)
 
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"workers": self.workers}
         if self.tag is not None:
             options["tag"] = self.tag
+        if self.elastic:
+            options["elastic"] = True
+            options["elastic_timeout"] = float(self.elastic_timeout)
         return options
 
 

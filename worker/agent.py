@@ -26,8 +26,14 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   ``output_to`` sends its result, encoded, to that worker's mailbox — over the direct link, or
   as a ``deliver`` to the coordinator, which relays it — and one with ``input_from`` waits for
   its mailbox key before running. A job's mailbox goes with the job.
+* **A dead link.** Heartbeats only go one way, so the agent also pings the coordinator (a
+  WebSocket ping) every heartbeat interval; when no pong has come for ``heartbeat_timeout`` —
+  the cable was cut, a firewall drops the packets, the coordinator's host froze — the connection
+  is given up (:class:`LinkDead`) the way the coordinator gives up on a silent worker, and the
+  agent dials again until the link is back.
 * **Teardown** (the connection dropped, a heartbeat could not be sent within
-  ``heartbeat_timeout``, the coordinator sent ``shutdown``, or :meth:`Agent.stop`): every daemon
+  ``heartbeat_timeout``, no pong within it, the coordinator sent ``shutdown``, or
+  :meth:`Agent.stop`): every daemon
   is closed first — a running call is cancelled, which kills its daemon, and its error reply still
   goes out if the connection is up — then the connection is closed. The coordinator fails the
   jobs of a worker it lost; a job never survives its connection here.
@@ -97,6 +103,7 @@ __all__ = [
     "AgentError",
     "Backoff",
     "HandshakeFailed",
+    "LinkDead",
     "RegistrationRefused",
     "worker_url",
 ]
@@ -120,6 +127,10 @@ class AgentError(WorkerError):
 
 class HandshakeFailed(AgentError):
     """The coordinator answered the hello with something other than a welcome."""
+
+
+class LinkDead(AgentError):
+    """The coordinator answered no ping for longer than the heartbeat timeout."""
 
 
 class RegistrationRefused(AgentError):
@@ -442,7 +453,7 @@ class Agent:
                 interval,
             )
             reader = asyncio.ensure_future(channel.run())
-            reason = await self._serve(channel, reader, interval, welcome.heartbeat_timeout)
+            reason = await self._serve(channel, ws, reader, interval, welcome.heartbeat_timeout)
         finally:
             # -- teardown: daemons first, so that the calls they fail can still be answered
             was_connected = self._connected.is_set()
@@ -517,30 +528,71 @@ class Agent:
     async def _serve(
         self,
         channel: Channel,
+        ws: ClientConnection,
         reader: asyncio.Task[None],
         interval: float,
         heartbeat_timeout: float,
     ) -> str:
         """Wait until the connection ends, and say why."""
         beats = asyncio.ensure_future(self._heartbeat(channel, interval, heartbeat_timeout))
+        link = asyncio.ensure_future(self._watch_link(ws, interval, heartbeat_timeout))
         stopped = asyncio.ensure_future(self._stopping.wait())
         over = asyncio.ensure_future(self._session_over.wait())
+        ours = (beats, link, stopped, over)
         try:
-            await asyncio.wait({reader, beats, stopped, over}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, *ours}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # Not the reader: it must keep running so the teardown's error replies can go out.
-            for task in (beats, stopped, over):
+            for task in ours:
                 task.cancel()
-            await asyncio.wait({beats, stopped, over})
+            await asyncio.wait(ours)
         if stopped.done() and not stopped.cancelled():
             return "the worker is stopping"
         if over.done() and not over.cancelled():
             return f"the coordinator is shutting down ({self._shutdown_reason})"
+        if link.done() and not link.cancelled() and isinstance(link.exception(), LinkDead):
+            return str(link.exception())
         if beats.done() and not beats.cancelled() and (exc := beats.exception()) is not None:
             if isinstance(exc, TimeoutError):
                 return f"a heartbeat could not be sent within {heartbeat_timeout}s"
             return f"a heartbeat could not be sent: {_describe(exc)}"
         return f"connection lost ({channel.close_reason or 'closed'})"
+
+    async def _watch_link(self, ws: ClientConnection, interval: float, timeout: float) -> None:  # noqa: ASYNC109
+        """Ping the coordinator every ``interval`` seconds; raise :class:`LinkDead` once no pong
+        has come for ``timeout`` seconds.
+
+        Heartbeats go one way, and a cut link fails no send until the kernel's buffers fill:
+        with nothing to wait for, an agent would sit on a dead connection for as long as TCP
+        retries (many minutes). A pong is the answer to wait for — any pong, since one
+        acknowledges every ping before it (RFC 6455 §5.5.3) — under the coordinator's own
+        contract: silent for longer than the heartbeat timeout is gone.
+        """
+        loop = asyncio.get_running_loop()
+        interval = max(interval, 0.01)
+        answered = loop.time()
+
+        def on_pong(waiter: asyncio.Future[float]) -> None:
+            nonlocal answered
+            # exception() also marks a ping failed by the connection's end as retrieved.
+            if not waiter.cancelled() and waiter.exception() is None:
+                answered = loop.time()
+
+        while True:
+            silent = loop.time() - answered
+            if silent > timeout:
+                dead = LinkDead(
+                    f"the coordinator answered no ping for {silent:.1f}s (timeout {timeout}s)"
+                )
+                log.warning("giving up the connection to %s: %s", self.url, dead)
+                raise dead
+            try:
+                async with asyncio.timeout(timeout):
+                    waiter = await ws.ping()
+            except TimeoutError:
+                raise LinkDead(f"a ping could not be sent within {timeout}s") from None
+            asyncio.ensure_future(waiter).add_done_callback(on_pong)  # a future already
+            await asyncio.sleep(interval)
 
     async def _heartbeat(self, channel: Channel, interval: float, timeout: float) -> None:  # noqa: ASYNC109
         """Send a heartbeat every ``interval`` seconds; raise when one cannot go out in time."""
@@ -829,6 +881,9 @@ class Agent:
 
         async def start() -> DaemonSupervisor:
             await supervisor.start()
+            # torch's one-time optimizer set-up, while nothing waits (a job's open_job that comes
+            # meanwhile waits for it, which costs it nothing: its first step would pay it).
+            await supervisor.request({"cmd": "ping", "warm": True}, self.call_timeout)
             return supervisor
 
         self._spare = _owned_task(start())

@@ -50,10 +50,12 @@ from protocol.daemon import (
     FrameReader,
     FrameWriter,
     GetGradientsRequest,
+    GetOptimizerStateRequest,
     GetStateRequest,
     GradientsRequest,
     LoadRequest,
     PingRequest,
+    SetOptimizerStateRequest,
     SetStateRequest,
     ShutdownRequest,
     StageBackwardRequest,
@@ -113,6 +115,8 @@ class Daemon:
             "composite_forward": self.on_composite_forward,
             "get_state": self.on_get_state,
             "set_state": self.on_set_state,
+            "get_optimizer_state": self.on_get_optimizer_state,
+            "set_optimizer_state": self.on_set_optimizer_state,
             "get_gradients": self.on_get_gradients,
             "apply_gradients": self.on_apply_gradients,
             "stage": self.on_stage,
@@ -263,6 +267,12 @@ class Daemon:
     def on_set_state(self, req: SetStateRequest) -> None:
         self.engine.set_state(req.states)
 
+    def on_get_optimizer_state(self, req: GetOptimizerStateRequest) -> dict[str, Any]:
+        return self.engine.get_optimizer_state(req.node_ids)
+
+    def on_set_optimizer_state(self, req: SetOptimizerStateRequest) -> None:
+        self.engine.set_optimizer_state(req.states)
+
     def on_get_gradients(self, req: GetGradientsRequest) -> dict[str, dict[str, Any]]:
         return self.engine.get_gradients(req.node_ids)
 
@@ -270,6 +280,8 @@ class Daemon:
         return self.engine.apply_gradients(req.gradients)
 
     def on_ping(self, req: PingRequest) -> None:
+        if req.warm:
+            warm_up_optimizers()
         return None
 
     def on_shutdown(self, req: ShutdownRequest) -> None:
@@ -472,6 +484,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     return args
+
+
+def warm_up_optimizers() -> None:
+    """Build and step one throwaway optimizer: what torch does once per process before the first
+    optimizer works (importing ``torch._dynamo``) happens now."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    param.grad = torch.zeros(1)
+    optimizer.step()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

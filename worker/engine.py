@@ -311,6 +311,56 @@ class Engine:
             else:
                 node.state = state
 
+    def get_optimizer_state(self, node_ids: Sequence[str]) -> dict[str, Any]:
+        """Each differentiable node's persistent optimizer, as its ``state_dict()``: momentum
+        buffers, Adam moments, step counts and the hyperparameters of its groups; ``None`` for an
+        optimizer not made yet (no step taken).
+
+        With :meth:`get_state` this is all a replica is: an elastic data-parallel job brings a
+        replacement worker to a survivor's exact point with the pair (the tensors are the live
+        ones: the reply is encoded before the next command can step them).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a node that is not differentiable.
+        """
+        out: dict[str, Any] = {}
+        for node in self._select(node_ids):
+            self._check_trains(node)
+            out[node.node_id] = None if node.optimizer is None else node.optimizer.state_dict()
+        return out
+
+    def set_optimizer_state(self, states: Mapping[str, Any]) -> None:
+        """Replace nodes' optimizers by fresh ones loaded with ``states`` (as
+        :meth:`get_optimizer_state` returns them; ``None`` drops the optimizer, so the next step
+        makes a new one). Every state is loaded before any node's optimizer is replaced.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a node that is not differentiable,
+                ``STATE_MISMATCH`` for a state that is not of this node's optimizer.
+        """
+        made: dict[str, torch.optim.Optimizer | None] = {}
+        for node_id, state in states.items():
+            node = self._node(node_id)
+            self._check_trains(node)
+            if state is None:
+                made[node_id] = None
+                continue
+            params = _trainable(node)
+            optimizer = node.filter.make_optimizer(list(params.values()))
+            try:
+                optimizer.load_state_dict(_cloned(state))
+            except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"node {node_id!r}: the optimizer state does not fit its "
+                    f"{type(optimizer).__name__}: {type(exc).__name__}: {exc}",
+                    {"node_id": node_id},
+                ) from exc
+            _check_optimizer_shapes(node_id, optimizer, params)
+            made[node_id] = optimizer
+        for node_id, optimizer in made.items():
+            self._nodes[node_id].optimizer = optimizer
+
     # -- gradients ----------------------------------------------------------------------------
 
     def get_gradients(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -624,6 +674,14 @@ class Engine:
             )
         return node.state
 
+    def _check_trains(self, node: _Node) -> None:
+        if not node.differentiable:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {node.node_id!r} is not differentiable: it has no optimizer",
+                {"node_id": node.node_id},
+            )
+
     def _fit_plain(self, node: _Node, x: Any, y: Any) -> Any:
         node.state = node.filter.fit(x, y)
         return node.filter.forward(x, node.state)
@@ -750,6 +808,37 @@ def _len(index: Any, n: int) -> int:
     if isinstance(index, slice):
         return len(range(*index.indices(n)))
     return int(index.numel())
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor (or array) copied into memory of its own: an optimizer must
+    not keep views over a received frame."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, Mapping):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _check_optimizer_shapes(
+    node_id: str, optimizer: torch.optim.Optimizer, params: Mapping[str, torch.nn.Parameter]
+) -> None:
+    """torch loads an optimizer state of another model's shapes without a word (and fails at
+    the next step): every per-parameter tensor that is not a scalar must have its parameter's
+    shape."""
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"node {node_id!r}, parameter {name!r}: optimizer state {key!r} has shape "
+                    f"{list(value.shape)}, parameter has {list(p.shape)}",
+                    {"node_id": node_id, "parameter": name, "key": key},
+                )
 
 
 def _trainable(node: _Node) -> dict[str, torch.nn.Parameter]:

@@ -45,10 +45,17 @@ OPTIMIZERS = {
 }
 
 
-def graph_for(optimizer: str, epochs: int = 3, batch_size: int = 32, shuffle: bool = False):
+def graph_for(
+    optimizer: str,
+    epochs: int = 3,
+    batch_size: int = 32,
+    shuffle: bool = False,
+    module: torch.nn.Module | None = None,
+):
+    """Center >> the MLP (``module``: another with its parameters and maths) as a TorchFilter."""
     options, _ = OPTIMIZERS[optimizer]
     net = sz.TorchFilter(
-        model(),
+        model() if module is None else module,
         loss="cross_entropy",
         optimizer=optimizer,
         lr=0.05 if optimizer == "sgd" else 0.01,

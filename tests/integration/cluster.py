@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from somatize.cluster import LocalCluster, wait_for
 from tests.conftest import timeout_unit
@@ -18,13 +19,18 @@ class Cluster(LocalCluster):
     """A :class:`LocalCluster` whose waits scale with ``SOMATIZE_TEST_TIMEOUT_SCALE``."""
 
     def __init__(
-        self, state_dir: Path, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0
+        self,
+        state_dir: Path,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 3.0,
+        **options: Any,
     ):
         super().__init__(
             state_dir,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             startup=60 * UNIT,
+            **options,
         )
 
     def wait_connected(self, worker_id: str) -> dict[str, object]:
@@ -41,7 +47,7 @@ def cluster(
     workers: dict[str, tuple[str, ...]],
     data: Mapping[str, Mapping[str, Path]] | None = None,
     peer_links: bool = False,
-    **kwargs: float,
+    **kwargs: Any,
 ) -> Iterator[Cluster]:
     """A started cluster with ``workers`` (id → tags), each with its ``data`` (id → dataset name
     → ``.npz`` path) if given, listening for peer links if ``peer_links``; everything is stopped

@@ -229,7 +229,9 @@ def test_a_large_input_travels_in_chunks_while_heartbeats_keep_the_worker_alive(
         assert workers["w1"]["state"] == "idle"  # never declared lost while 64 MiB moved
 
 
-def test_a_silent_worker_is_lost_after_the_heartbeat_timeout_and_its_job_fails(tmp_path):
+def test_a_silent_worker_is_lost_after_the_heartbeat_timeout_and_comes_back_under_its_id(
+    tmp_path,
+):
     with cluster(tmp_path, {"w1": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(sz.Graph([Sleepy().named("sleepy")]), np.zeros((2, 2)))
         wait_for(lambda: job.status()["state"] == "running", 30 * UNIT, "the job to run")
@@ -246,3 +248,16 @@ def test_a_silent_worker_is_lost_after_the_heartbeat_timeout_and_its_job_fails(t
         interval, timeout = c.heartbeat
         # Silence counts from the last heartbeat, up to one interval before the freeze.
         assert timeout - interval <= took < timeout + 5 * UNIT
+        # Thawed, the agent finds its connection closed and dials again, under the same id.
+        wait_for(
+            lambda: (c.worker("w1") or {}).get("connections") == 2,
+            30 * UNIT,
+            "w1 to reconnect",
+        )
+        record = c.wait_connected("w1")
+        assert record["state"] == "idle" and record["reason"] == ""
+        x = _data()[0]
+        again = client.submit(
+            sz.Graph([Center().named("center")]), x, strategy=sz.Local("w1")
+        ).result(timeout=60 * UNIT)
+        np.testing.assert_allclose(again.states["center"]["mean"], x.mean(0), rtol=1e-6)

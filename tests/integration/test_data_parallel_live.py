@@ -3,14 +3,23 @@ failure when a replica dies."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
+from tests.coordinator.test_data_parallel import (
+    Center,
+    dataset,
+    graph_for,
+    model,
+    reference_training,
+)
 from tests.integration.cluster import UNIT, cluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -59,3 +68,126 @@ def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path):
         assert "'w2'" in failure.value.message
         # The other replica is stopped and freed, not left computing for a dead job.
         wait_for(lambda: c.worker_state("w1") == "idle", 15 * UNIT, "w1 to be freed")
+
+
+# -- elastic --------------------------------------------------------------------------------------
+
+DELAY = 0.03
+"""Seconds each forward of the slow model sleeps: steps long enough to kill a worker mid-run."""
+
+
+class SlowSequential(torch.nn.Sequential):
+    """The reference MLP (same parameter names and maths), slowed down."""
+
+    def forward(self, x):
+        time.sleep(DELAY)
+        return super().forward(x)
+
+
+def slow_graph(optimizer: str, epochs: int, batch_size: int) -> sz.Graph:
+    return graph_for(optimizer, epochs, batch_size, module=SlowSequential(*model()))
+
+
+def events_of(job) -> list:
+    return list(job.events(timeout=30 * UNIT))
+
+
+def first(events, kind, **match):
+    return next(
+        e for e in events if e.event == kind and all(e.data.get(k) == v for k, v in match.items())
+    )
+
+
+def step_reached(job, step: int) -> bool:
+    return (job.status()["progress"] or {}).get("step", 0) >= step
+
+
+def daemons_of(agent: subprocess.Popen) -> list[int]:
+    """The pids of an agent's filter daemons (its children)."""
+    pids = []
+    for task in Path(f"/proc/{agent.pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def test_elastic_replaces_a_killed_replica_with_a_spare_and_restarts_a_crashed_daemon(tmp_path):
+    """2 replicas + a spare: the replica killed mid-training is replaced by the spare, a daemon
+    killed later is restarted on its own worker; the result is still single-process training's."""
+    x, y = dataset(n=96)
+    graph = slow_graph("adam", epochs=5, batch_size=16)  # 6 steps an epoch, 30 in all
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT)
+    with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: step_reached(job, 3), 60 * UNIT, "step 3")
+        killed_at = time.time()
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        c.workers["w2"].wait(timeout=10 * UNIT)
+        wait_for(lambda: step_reached(job, 10), 60 * UNIT, "step 10")
+        for pid in daemons_of(c.workers["w1"]):
+            os.kill(pid, signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = events_of(job)
+
+    for key, value in reference_training(x, y, "adam", epochs=5, batch_size=16).items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    lost = first(events, "worker_lost", worker="w2")
+    assert lost.data["code"] == "worker_lost"
+    replaced = first(events, "worker_replaced", lost="w2")
+    assert replaced.data["worker"] == "w3"
+    restored = first(events, "worker_restored", worker="w3")
+    assert restored.data["from"] == "w1"
+    resumed = first(events, "progress", step=lost.data["step"])
+    crashed = first(events, "worker_lost", worker="w1")
+    assert crashed.data["code"] == "daemon_crashed"
+    assert first(events, "worker_replaced", lost="w1").data["worker"] == "w1"
+    assert first(events, "worker_restored", worker="w1").data["from"] == "w3"
+    steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
+    assert steps == list(range(1, 31))  # each step once, in order: resumed, not skipped or redone
+    print(
+        f"\nelastic DataParallel, SIGKILL of a replica's agent (step {lost.data['step']}): "
+        f"detected {lost.time - killed_at:.3f} s after the kill; replacement reserved "
+        f"{replaced.time - lost.time:.3f} s, restored {restored.time - lost.time:.3f} s and the "
+        f"failed step completed {resumed.time - lost.time:.3f} s after detection"
+    )
+
+
+def test_elastic_takes_back_the_lost_worker_before_a_queued_job_then_fails_when_none_comes(
+    tmp_path,
+):
+    """The lost worker reconnecting is reserved for the waiting job ahead of a queued one; later,
+    with no worker to come, an elastic job fails once ``elastic_timeout`` has passed."""
+    x, y = dataset(n=96)
+    graph = slow_graph("sgd", epochs=4, batch_size=16)
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT)
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: step_reached(job, 3), 60 * UNIT, "step 3")
+        queued = client.submit(sz.Graph([Center().named("c")]), x, strategy=sz.Local())
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        c.workers["w2"].wait(timeout=10 * UNIT)
+        wait_for(lambda: c.worker_state("w2") == "lost", 10 * UNIT, "w2 to be lost")
+        c.start_worker("w2")  # the same id reconnecting: it goes to the waiting job
+        fitted = job.result(timeout=120 * UNIT)
+        queued.result(timeout=60 * UNIT)
+        events, queued_events = events_of(job), events_of(queued)
+
+        short = sz.DataParallel(2, elastic=True, elastic_timeout=1.0)
+        doomed = client.submit(graph, x, y, strategy=short)
+        wait_for(lambda: step_reached(doomed, 1), 60 * UNIT, "step 1")
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        with pytest.raises(sz.JobFailed) as failure:
+            doomed.result(timeout=60 * UNIT)
+        doomed_events = events_of(doomed)
+        wait_for(lambda: c.worker_state("w1") == "idle", 15 * UNIT, "w1 to be freed")
+
+    for key, value in reference_training(x, y, "sgd", epochs=4, batch_size=16).items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert first(events, "worker_replaced", lost="w2").data["worker"] == "w2"
+    # The queued job got a worker only once the elastic job had ended.
+    assert first(queued_events, "placed").time >= first(events, "succeeded").time
+
+    assert failure.value.code == "not_enough_workers"
+    assert "lost its worker 'w2'" in failure.value.message
+    assert "waited 1s for a replacement (2 workers) and none came" in failure.value.message
+    lost, failed = first(doomed_events, "worker_lost", worker="w2"), first(doomed_events, "failed")
+    assert failed.time - lost.time >= 1.0

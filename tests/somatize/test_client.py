@@ -64,6 +64,21 @@ def test_local_refuses_bad_arguments(kwargs, text):
         sz.Local(**kwargs)
 
 
+def test_data_parallel_sends_the_elastic_options_only_when_elastic():
+    assert sz.DataParallel(2).spec().options == {"workers": 2}
+    elastic = sz.DataParallel(2, tag="cpu", elastic=True, elastic_timeout=5)
+    assert elastic.spec().options == {
+        "workers": 2,
+        "tag": "cpu",
+        "elastic": True,
+        "elastic_timeout": 5.0,
+    }
+    with pytest.raises(ValueError, match="elastic must be True or False, not 'yes'"):
+        sz.DataParallel(2, elastic="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="elastic_timeout must be > 0, not 0"):
+        sz.DataParallel(2, elastic=True, elastic_timeout=0)
+
+
 def test_local_is_frozen():
     strategy = sz.Local(worker="w1")
     with pytest.raises(AttributeError):
@@ -231,6 +246,12 @@ def test_state_and_progress_descriptions():
     assert text == "train epoch 2/5 step 7 loss 0.5"
     text = cli.progress_text({"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2})
     assert text == "trained 3 epochs nodes 2"
+    lost = {"worker": "w2", "code": "worker_lost", "replica": 1, "step": 5}
+    assert cli.replica_text("worker_lost", lost) == (
+        "lost worker w2 (worker_lost); waiting for a replacement"
+    )
+    replaced = {"worker": "w3", "lost": "w2", "replica": 1}
+    assert cli.replica_text("worker_replaced", replaced) == "worker w3 replaces w2"
     record = {"created": 10.0, "started": 12.0, "finished": 15.5}
     assert cli.duration_text(record, now=100.0) == "3.5 s"
     assert (

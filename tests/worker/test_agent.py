@@ -111,11 +111,18 @@ class StandIn:
     Args:
         refuse: answer every hello with this error instead of a welcome.
         assign: prefix of the ids given to agents that ask for none (``<assign>-<n>``).
+        heartbeat_timeout: the welcome's heartbeat timeout.
     """
 
-    def __init__(self, refuse: ErrorInfo | None = None, assign: str = "w-assigned") -> None:
+    def __init__(
+        self,
+        refuse: ErrorInfo | None = None,
+        assign: str = "w-assigned",
+        heartbeat_timeout: float = 20 * HEARTBEAT,
+    ) -> None:
         self.refuse = refuse
         self.assign = assign
+        self.heartbeat_timeout = heartbeat_timeout
         self.hellos: list[WorkerHello] = []
         self.upgrades: list[tuple[str, str | None]] = []  # (path, Authorization header)
         self.heartbeats: list[tuple[float, Heartbeat]] = []  # (monotonic arrival, message)
@@ -137,7 +144,7 @@ class StandIn:
             reply_to=hello.id,
             worker_id=hello.worker_id or f"{self.assign}-{len(self.hellos)}",
             heartbeat_interval=HEARTBEAT,
-            heartbeat_timeout=20 * HEARTBEAT,
+            heartbeat_timeout=self.heartbeat_timeout,
             server="stand-in",
         )
         await channel.send(welcome)
@@ -363,6 +370,39 @@ def test_heartbeats_keep_flowing_while_a_daemon_computes():
         assert max(gaps) < 2 * HEARTBEAT, gaps
 
     drive(main)
+
+
+def test_a_coordinator_that_answers_no_ping_is_given_up_within_the_timeout_and_dialled_again(
+    caplog,
+):
+    timeout = 4 * HEARTBEAT
+    stand_in = StandIn(heartbeat_timeout=timeout)
+    frozen_at = 0.0
+
+    async def main() -> None:
+        nonlocal frozen_at
+        async with running(stand_in, close_timeout=0.5 * UNIT) as agent:
+            first = await stand_in.next_channel()
+            await open_job(first, "j", center=Center())
+            pid = agent.jobs["j"].pid
+            assert pid is not None
+            # A frozen peer: it reads nothing more, so no pong, no close frame, no FIN.
+            first.transport.transport.pause_reading()  # type: ignore[attr-defined]
+            frozen_at = time.time()
+            second = await stand_in.next_channel()
+            assert gone(pid)  # the job's daemon went with the connection
+            error = await call_error(second, "j", "ping")
+            assert error.code == ErrorCode.UNKNOWN_JOB  # a job does not outlive its connection
+            first.transport.transport.abort()  # type: ignore[attr-defined]
+
+    drive(main)
+    # When the agent gave up: its log record's time. The last pong came up to one interval
+    # before the freeze, and the check runs every interval.
+    (gave_up,) = [r for r in caplog.records if "answered no ping" in r.getMessage()]
+    assert timeout - HEARTBEAT <= gave_up.created - frozen_at < timeout + 2 * HEARTBEAT + UNIT / 2
+    first_hello, second_hello = stand_in.hellos
+    assert first_hello.worker_id is None
+    assert second_hello.worker_id == "w-assigned-1"
 
 
 # -- jobs ---------------------------------------------------------------------------------------
