@@ -112,9 +112,12 @@ class StrategyContext(ABC):
         input_from: str | None = None,
         input_field: str = "x",
         output_to: tuple[int, str] | None = None,
+        seq: int | None = None,
     ) -> Any:
         """A command whose input comes from, or whose result goes to, another worker's mailbox
         (``output_to``: the receiving worker's index and the key), not through the strategy.
+        With ``seq`` (0, 1, 2, ... per worker and job) the worker runs such commands strictly
+        in that order, so a caller may send many at once (:class:`~protocol.messages.Call`).
 
         Raises:
             NotImplementedError: this context cannot pass tensors between workers.

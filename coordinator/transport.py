@@ -92,6 +92,7 @@ class TransportContext(StrategyContext):
         input_from: str | None = None,
         input_field: str = "x",
         output_to: tuple[int, str] | None = None,
+        seq: int | None = None,
     ) -> Any:
         route = None
         if output_to is not None:
@@ -103,6 +104,7 @@ class TransportContext(StrategyContext):
             input_from=input_from,
             input_field=input_field,
             output_to=route,
+            seq=seq,
         )
         reply = await self._request(worker_idx, message, str(request.get("cmd")))
         return reply.result

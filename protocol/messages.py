@@ -169,6 +169,12 @@ class Call(_Message):
     names a mailbox key whose delivered value becomes ``request[input_field]`` (the agent waits
     for it), and ``output_to`` sends the command's result to another worker's mailbox instead of
     replying with it (the reply is then ``{"delivered": bytes sent}``).
+
+    ``seq`` orders a job's calls on the worker: the calls carrying one run strictly in ``seq``
+    order (0, 1, 2, … per job), each starting when the one before has finished on the daemon. A
+    pipeline stage's whole schedule can so be sent at once and run back to back, with no round
+    trip to the coordinator between two micro-batches. After a sequenced call fails, the later
+    ones fail at once.
     """
 
     kind: Literal["call"] = "call"
@@ -178,6 +184,7 @@ class Call(_Message):
     input_from: str | None = None
     input_field: str = "x"
     output_to: PeerRoute | None = None
+    seq: int | None = Field(default=None, ge=0)
 
 
 class Links(_Message):

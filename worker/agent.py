@@ -94,7 +94,7 @@ from worker.capabilities import detect
 from worker.datasets import environment as dataset_environment
 from worker.datasets import rows
 from worker.errors import DaemonError, WorkerError
-from worker.peer import Mailbox, MailboxDropped, MailboxFull, PeerLinks
+from worker.peer import CallOrder, Mailbox, MailboxDropped, MailboxFull, OutOfOrder, PeerLinks
 from worker.supervisor import DaemonSupervisor
 
 __all__ = [
@@ -205,6 +205,7 @@ class _Job:
     supervisor: DaemonSupervisor
     opening: asyncio.Task[None] | None = None
     calls: set[asyncio.Task[Any]] = field(default_factory=set)
+    order: CallOrder = field(default_factory=CallOrder)  # its sequenced calls (Call.seq)
 
 
 class Agent:
@@ -684,7 +685,8 @@ class Agent:
         return Ack()
 
     async def on_call(self, message: Call) -> Result:
-        """Forward one daemon command of the job and return its result."""
+        """Forward one daemon command of the job and return its result (sequenced calls wait
+        for their turn, see :class:`~worker.peer.CallOrder`)."""
         job = self._jobs.get(message.job_id)
         if job is not None and job.opening is not None and not job.opening.done():
             # Normally the coordinator waits for open_job's ack; if not, wait for the daemon
@@ -695,6 +697,24 @@ class Agent:
             raise RemoteError(self._unknown_job(message.job_id))
         cmd = str(message.request.get("cmd"))
         timeout = self.call_timeout if message.timeout is None else message.timeout
+        if message.seq is None:
+            result = await self._run_call(job, message, cmd, timeout)
+        else:
+            try:
+                async with job.order.turn(message.seq, cmd, timeout):
+                    result = await self._run_call(job, message, cmd, timeout)
+            except OutOfOrder as exc:
+                raise RemoteError(
+                    self._job_info(job, ErrorCode.CANCELLED, str(exc), cmd=cmd)
+                ) from None
+        if message.output_to is not None:
+            return await self._deliver_output(
+                job, message.output_to.worker, message.output_to.key, result
+            )
+        return Result(result=result)
+
+    async def _run_call(self, job: _Job, message: Call, cmd: str, timeout: float) -> Any:  # noqa: ASYNC109
+        """Take the call's input from the mailbox if it names one, then run it on the daemon."""
         request = message.request
         if message.input_from is not None:
             payload = await self._take_input(job, message.input_from, timeout, cmd)
@@ -706,7 +726,7 @@ class Agent:
         try:
             # Shielded: close_job cancels the task itself (which kills the daemon), and a
             # cancelled handler (the connection went) leaves it to the teardown.
-            result = await asyncio.shield(task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             if not task.cancelled() or _cancelling():
                 raise
@@ -715,11 +735,6 @@ class Agent:
             ) from None
         except DaemonError as exc:
             raise self._job_error(job, cmd, exc) from exc
-        if message.output_to is not None:
-            return await self._deliver_output(
-                job, message.output_to.worker, message.output_to.key, result
-            )
-        return Result(result=result)
 
     async def _take_input(self, job: _Job, key: str, timeout: float, cmd: str) -> bytes:  # noqa: ASYNC109
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from websockets.asyncio.client import connect
 
@@ -25,7 +25,15 @@ from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
 
-__all__ = ["MAILBOX_ENTRIES", "Mailbox", "MailboxDropped", "MailboxFull", "PeerLinks"]
+__all__ = [
+    "MAILBOX_ENTRIES",
+    "CallOrder",
+    "Mailbox",
+    "MailboxDropped",
+    "MailboxFull",
+    "OutOfOrder",
+    "PeerLinks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,58 @@ class Mailbox:
         if not slot.done():
             slot.set_exception(MailboxDropped(why))
             slot.exception()  # read here: no "exception never retrieved" when nobody waits
+
+
+class OutOfOrder(Exception):
+    """A sequenced call cannot run: an earlier one failed, or its turn did not come in time."""
+
+
+class CallOrder:
+    """Runs one job's sequenced calls (``Call.seq``) strictly in order: 0, 1, 2, ...
+
+    A pipeline stage's schedule arrives all at once; each call waits here for its turn, so the
+    daemon runs the stage's actions back to back in schedule order, whatever order the messages'
+    handlers happen to run in. The turn passes on when the daemon has answered (the output may
+    still be on its way to the next stage). After a failure every later call fails at once:
+    running it on a daemon that missed a step would compute garbage.
+    """
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._failed: str | None = None
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, seq: int, what: str, timeout: float | None) -> AsyncIterator[None]:  # noqa: ASYNC109
+        """Hold the turn of call ``seq`` (``what`` names it in errors) for the ``async with``
+        body; wait at most ``timeout`` seconds for it.
+
+        Raises:
+            OutOfOrder: an earlier call failed, ``seq`` was already used, or the turn did not
+                come within ``timeout``.
+        """
+        async with self._changed:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(lambda: self._next >= seq or bool(self._failed))
+            except TimeoutError:
+                raise OutOfOrder(
+                    f"{what} (call {seq}) waited {timeout}s for call {self._next} to finish"
+                ) from None
+            if self._failed is not None:
+                raise OutOfOrder(f"{what} (call {seq}) not run: {self._failed}")
+            if self._next != seq:
+                raise OutOfOrder(f"{what}: call {seq} was already run (next is {self._next})")
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            async with self._changed:
+                if not done:
+                    self._failed = f"call {seq} ({what}) failed"
+                self._next = seq + 1
+                self._changed.notify_all()
 
 
 class PeerLinks:

@@ -23,7 +23,8 @@ no peer links (in-memory workers) pass them through the strategy (:class:`Throug
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -41,7 +42,7 @@ from coordinator.strategies.base import (
     concurrently,
 )
 from coordinator.strategies.data_parallel import Training, schedule
-from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
+from coordinator.strategies.schedule import Action, Schedule, gpipe, one_f_one_b
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
@@ -212,10 +213,13 @@ class ModelParallel(Strategy):
         # 3. Training: every global batch through the schedule, then one step on every stage.
         n = int(x.shape[0])
         batches = schedule(n, self.micro_batches, training)
+        sequence = {s: itertools.count() for s in pipeline}  # Call.seq of each stage's worker
         for steps, (epoch, _, micro) in enumerate(batches, start=1):
             micro = [m for m in micro if len(m)]
             batch = GlobalBatch(pipeline, stages, micro, job.y, steps)
-            exchange = WorkerToWorker(ctx, batch) if linked else ThroughStrategy(ctx, batch)
+            exchange: ThroughStrategy | WorkerToWorker = (
+                WorkerToWorker(ctx, batch, sequence) if linked else ThroughStrategy(ctx, batch)
+            )
             losses = await self._guard(ids, stages, run_schedule(plan, batch, exchange))
             await self._guard(
                 ids,
@@ -294,7 +298,10 @@ class GlobalBatch:
 
 class ThroughStrategy:
     """Activations and gradients come back to the coordinator and go on from here (contexts
-    whose workers cannot reach each other, like in-memory ones)."""
+    whose workers cannot reach each other, like in-memory ones). Each stage sends its next action
+    when the last one has answered."""
+
+    sequenced = False
 
     def __init__(self, ctx: StrategyContext, batch: GlobalBatch) -> None:
         self.ctx, self.batch = ctx, batch
@@ -307,7 +314,10 @@ class ThroughStrategy:
             key: loop.create_future() for key in keys
         }
 
-    async def forward(self, k: int, m: int) -> Any:
+    def next_seq(self, k: int) -> int | None:
+        return None
+
+    async def forward(self, k: int, m: int, seq: int | None = None) -> Any:
         request = self.batch.forward_request(k, m)
         if k > 0:
             request["x"] = await self.acts[(k - 1, m)]
@@ -315,7 +325,7 @@ class ThroughStrategy:
         self.acts[(k, m)].set_result(result)
         return result
 
-    async def backward(self, k: int, m: int) -> None:
+    async def backward(self, k: int, m: int, seq: int | None = None) -> None:
         last = k == len(self.batch.pipeline) - 1
         grad = None if last else await self.grads[(k + 1, m)]
         request = {"cmd": "stage_backward", "micro": m, "grad_output": grad}
@@ -325,26 +335,49 @@ class ThroughStrategy:
 class WorkerToWorker:
     """An activation goes from stage k straight into stage k+1's mailbox (``act/<batch>/<m>``)
     and its gradient back into stage k's (``grad/<batch>/<m>``), over the peer link or relayed;
-    the receiving agent waits for it. The coordinator sees only the last stage's losses."""
+    the receiving agent waits for it. The coordinator sees only the last stage's losses.
 
-    def __init__(self, ctx: StrategyContext, batch: GlobalBatch) -> None:
-        self.ctx, self.batch = ctx, batch
+    The calls are sequenced (``Call.seq``, numbered per stage worker by ``sequence``): each stage
+    gets its actions up to :data:`WINDOW` ahead and runs them back to back in schedule order, with
+    no round trip to the coordinator between two micro-batches.
+    """
 
-    async def forward(self, k: int, m: int) -> Any:
+    sequenced = True
+
+    def __init__(
+        self, ctx: StrategyContext, batch: GlobalBatch, sequence: Mapping[int, Iterator[int]]
+    ) -> None:
+        self.ctx, self.batch, self.sequence = ctx, batch, sequence
+
+    def next_seq(self, k: int) -> int | None:
+        return next(self.sequence[self.batch.pipeline[k]])
+
+    async def forward(self, k: int, m: int, seq: int | None = None) -> Any:
         pipeline, key = self.batch.pipeline, f"act/{self.batch.index}/{m}"
         source = None if k == 0 else key
         target = None if k == len(pipeline) - 1 else (pipeline[k + 1], key)
         request = self.batch.forward_request(k, m)
-        return await self.ctx.routed(pipeline[k], request, input_from=source, output_to=target)
+        return await self.ctx.routed(
+            pipeline[k], request, input_from=source, output_to=target, seq=seq
+        )
 
-    async def backward(self, k: int, m: int) -> None:
+    async def backward(self, k: int, m: int, seq: int | None = None) -> None:
         pipeline, key = self.batch.pipeline, f"grad/{self.batch.index}/{m}"
         source = None if k == len(pipeline) - 1 else key
         target = None if k == 0 else (pipeline[k - 1], key)
         request = {"cmd": "stage_backward", "micro": m}
         await self.ctx.routed(
-            pipeline[k], request, input_from=source, input_field="grad_output", output_to=target
+            pipeline[k],
+            request,
+            input_from=source,
+            input_field="grad_output",
+            output_to=target,
+            seq=seq,
         )
+
+
+WINDOW = 8
+"""Sequenced actions a stage may have outstanding on its worker at once."""
 
 
 async def run_schedule(
@@ -356,16 +389,39 @@ async def run_schedule(
     count, last = len(batch.micro), len(batch.pipeline) - 1
     losses: list[float] = [0.0] * count
 
+    async def act(k: int, action: Action, seq: int | None) -> None:
+        if action.kind == "B":
+            await exchange.backward(k, action.micro, seq)
+            return
+        result = await exchange.forward(k, action.micro, seq)
+        if k == last:
+            losses[action.micro] = float(result["loss"])
+
     async def stage(k: int) -> None:
-        for action in plan.actions[k]:
-            if action.micro >= count:
-                continue  # a short last batch has fewer micro-batches than the schedule
-            if action.kind == "B":
-                await exchange.backward(k, action.micro)
-                continue
-            result = await exchange.forward(k, action.micro)
-            if k == last:
-                losses[action.micro] = float(result["loss"])
+        actions = [a for a in plan.actions[k] if a.micro < count]  # a short last batch
+        if not exchange.sequenced:
+            for action in actions:
+                await act(k, action, None)
+            return
+        window = asyncio.Semaphore(WINDOW)
+
+        async def windowed(action: Action, seq: int | None) -> None:
+            try:
+                await act(k, action, seq)
+            finally:
+                window.release()
+
+        issued: list[asyncio.Future[None]] = []
+        try:
+            for action in actions:  # numbered in schedule order, sent up to WINDOW ahead
+                await window.acquire()
+                issued.append(asyncio.ensure_future(windowed(action, exchange.next_seq(k))))
+            await asyncio.gather(*issued)
+        except BaseException:
+            for task in issued:
+                task.cancel()
+            await asyncio.gather(*issued, return_exceptions=True)
+            raise
 
     await concurrently(*(stage(k) for k in range(len(batch.pipeline))))
     return losses

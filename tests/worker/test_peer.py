@@ -23,7 +23,7 @@ from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
 from tests.worker.test_agent import UNIT, Center, StandIn, children, drive, listening, open_job
 from worker.agent import Agent, Backoff
-from worker.peer import Mailbox, MailboxDropped, PeerLinks
+from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 
 pytestmark = pytest.mark.integration
 
@@ -201,5 +201,52 @@ def test_an_unreachable_peer_is_false_not_an_error() -> None:
         assert not await links.connect("B", f"ws://127.0.0.1:{free_port()}")
         assert not await links.send("B", Deliver(job_id="j", to="B", key="k", payload=b""))
         await links.close()
+
+    drive(main)
+
+
+def test_sequenced_calls_run_in_seq_order_whatever_order_they_arrive_in() -> None:
+    async def main() -> None:
+        order, ran = CallOrder(), []
+
+        async def call(seq: int) -> None:
+            async with order.turn(seq, f"cmd{seq}", 5):
+                ran.append(("start", seq))
+                await asyncio.sleep(0.01 * (3 - seq))  # the earlier ones are the slower ones
+                ran.append(("end", seq))
+
+        await asyncio.gather(*(call(seq) for seq in (3, 1, 2, 0)))
+        assert ran == [(edge, seq) for seq in range(4) for edge in ("start", "end")]
+
+    drive(main)
+
+
+def test_after_a_sequenced_call_fails_the_later_ones_fail_at_once() -> None:
+    async def main() -> None:
+        order = CallOrder()
+        async with order.turn(0, "stage_forward", 1):
+            pass
+        with pytest.raises(RuntimeError, match="daemon died"):
+            async with order.turn(1, "stage_backward", 1):
+                raise RuntimeError("daemon died")
+        with pytest.raises(OutOfOrder, match=r"call 2\) not run: call 1 \(stage_backward\) failed"):
+            async with order.turn(2, "stage_forward", 1):
+                raise AssertionError("must not run")
+        fresh = CallOrder()
+        async with fresh.turn(0, "stage_forward", 1):
+            pass
+        with pytest.raises(OutOfOrder, match="already run"):
+            async with fresh.turn(0, "a call numbered twice", 1):
+                raise AssertionError("must not run")
+
+    drive(main)
+
+
+def test_a_sequenced_call_whose_turn_never_comes_times_out_naming_the_missing_call() -> None:
+    async def main() -> None:
+        order = CallOrder()
+        with pytest.raises(OutOfOrder, match=r"waited 0\.05s for call 0"):
+            async with order.turn(1, "stage_step", 0.05):
+                raise AssertionError("must not run")
 
     drive(main)
