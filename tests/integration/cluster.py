@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from tests.conftest import timeout_unit
 
 UNIT = timeout_unit()
 
-__all__ = ["UNIT", "Cluster", "cluster", "wait_for"]
+__all__ = ["UNIT", "Cluster", "cluster", "healthy", "wait_for"]
 
 
 class Cluster(LocalCluster):
@@ -60,3 +61,12 @@ def cluster(
         yield c
     finally:
         c.close()
+
+
+def healthy(port: int) -> bool:
+    """Whether a coordinator on 127.0.0.1:``port`` answers ``GET /healthz`` with 200 now."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 import somatize as sz
 from somatize.cluster import free_port, wait_for
 from tests.conftest import timeout_unit
+from tests.integration.cluster import healthy
 
 pytestmark = pytest.mark.integration
 
@@ -42,14 +42,6 @@ def _stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
-
-
 def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(tmp_path):
     port = free_port()
     url = f"ws://127.0.0.1:{port}"
@@ -67,7 +59,7 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
     )
     procs = [coordinator]
     try:
-        wait_for(lambda: _healthy(port), 30 * UNIT, "/healthz (open without a token)")
+        wait_for(lambda: healthy(port), 30 * UNIT, "/healthz (open without a token)")
         for token in (None, "wrong", WORKER):  # no token, a wrong one, the workers' one
             with pytest.raises(sz.ConnectionFailed, match=r"401|token"):
                 sz.connect(url, token=token, timeout=10 * UNIT)

@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from protocol.messages import (
 )
 from somatize.cluster import free_port, wait_for
 from tests.conftest import timeout_unit
+from tests.integration.cluster import healthy
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     try:
-        wait_for(lambda: _healthy(port), 30 * UNIT, "the coordinator to listen")
+        wait_for(lambda: healthy(port), 30 * UNIT, "the coordinator to listen")
         yield f"ws://127.0.0.1:{port}"
         assert proc.poll() is None, "the coordinator died"
     finally:
@@ -95,14 +95,6 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 def _port(url: str) -> int:
@@ -162,7 +154,7 @@ def test_pending_connections_beyond_the_limit_get_503_until_the_handshake_timeou
         # The SDK says why; health checks are not held up.
         with pytest.raises(sz.ConnectionFailed, match="HTTP 503: the coordinator is busy"):
             await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT)
-        assert await asyncio.to_thread(_healthy, _port(url))
+        assert await asyncio.to_thread(healthy, _port(url))
         # The handshake timeout drops the idle sockets, counted from their accept...
         took = await asyncio.gather(*(_closed_within(s, HANDSHAKE + 5 * UNIT) for s in idle))
         assert max(took) <= HANDSHAKE + 2 * UNIT
