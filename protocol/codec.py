@@ -62,19 +62,29 @@ What comes back:
 :func:`encode` does not copy buffers either: its memoryviews point into the caller's arrays
 (after making them contiguous and little-endian where needed), so an array must not be changed
 until its frame has been written out.
+
+torch is imported lazily: a value can only hold a tensor once its owner imported torch, so the
+encoder looks for tensors only then, and the decoder imports torch at the first ``"torch"``
+buffer it meets. A process that never handles a tensor (a coordinator relaying numpy states, a
+tool reading frames) never pays torch's import time and memory (~230 MiB).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
+import sys
 from collections.abc import Iterable
-from typing import Any, Final, TypeAlias
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
 import orjson
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from protocol.errors import FrameError
 
@@ -131,15 +141,28 @@ _COMMON_DTYPES: Final = (
 _NP_DTYPES: Final[dict[str, np.dtype[Any]]] = {
     name: np.dtype(name).newbyteorder("<") for name in _COMMON_DTYPES
 }
-_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
-    name: getattr(torch, name) for name in (*_COMMON_DTYPES, "bfloat16")
+_TORCH_DTYPE_NAMES: Final = frozenset((*_COMMON_DTYPES, "bfloat16"))
+_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NP_DTYPES.items()} | {
+    "bfloat16": 2
 }
-_TORCH_NAMES: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _TORCH_DTYPES.items()}
-_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _TORCH_DTYPES.items()}
 _LIBS: Final = ("np", "np_scalar", "torch")
 
 _BUF_KEYS: Final = frozenset({"$buf", "dtype", "shape", "lib"})
 _HEADER_KEYS: Final = frozenset({"v", "bufs", "body"})
+
+
+def _loaded_torch() -> ModuleType | None:
+    """torch if this process imported it (no value can hold a tensor otherwise), else ``None``."""
+    return sys.modules.get("torch")
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """torch's dtypes by name, both ways (importing torch now if need be)."""
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in _TORCH_DTYPE_NAMES}
+    return by_name, {dtype: name for name, dtype in by_name.items()}
 
 
 class _Located(Exception):
@@ -225,7 +248,8 @@ class _Encoder:
             raise
 
     def walk_other(self, obj: Any, depth: int) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = _loaded_torch()
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self.tensor(obj)
         if isinstance(obj, np.generic):
             if obj.dtype.name in _NP_DTYPES:
@@ -276,12 +300,15 @@ class _Encoder:
         return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "np"}
 
     def tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        import torch  # loaded already: the value holds a tensor
+
+        _, names = _torch_dtypes()
         if tensor.layout != torch.strided:
             raise _Located(f"unsupported tensor layout {tensor.layout} (only dense tensors)")
         if tensor.is_quantized or tensor.is_nested or tensor.is_meta:
             kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else "meta"
             raise _Located(f"unsupported {kind} tensor")
-        name = _TORCH_NAMES.get(tensor.dtype)
+        name = names.get(tensor.dtype)
         if name is None:
             raise _Located(f"unsupported tensor dtype {tensor.dtype}")
         shape = list(tensor.shape)
@@ -451,7 +478,8 @@ class _Decoder:
         lib, name, shape = spec["lib"], spec["dtype"], spec["shape"]
         if lib not in _LIBS:
             raise _Located(f"buffer {index}: unknown lib {_preview(lib)}")
-        if type(name) is not str or name not in (_TORCH_DTYPES if lib == "torch" else _NP_DTYPES):
+        known = _TORCH_DTYPE_NAMES if lib == "torch" else _NP_DTYPES
+        if type(name) is not str or name not in known:
             raise _Located(f"buffer {index}: unsupported {lib} dtype {_preview(name)}")
         if (
             type(shape) is not list
@@ -473,14 +501,17 @@ class _Decoder:
             )
         offset = self.offsets[index]
         if lib == "torch":
-            return self.tensor(_TORCH_DTYPES[name], shape, count, offset, length)
+            return self.tensor(name, shape, count, offset, length)
         array = np.frombuffer(self.frame, dtype=_NP_DTYPES[name], count=count, offset=offset)
         array = array.reshape(shape)
         return array[()] if lib == "np_scalar" else array
 
     def tensor(
-        self, dtype: torch.dtype, shape: list[int], count: int, offset: int, length: int
+        self, name: str, shape: list[int], count: int, offset: int, length: int
     ) -> torch.Tensor:
+        import torch  # the first torch buffer of this process imports it
+
+        dtype = _torch_dtypes()[0][name]
         if count == 0:  # torch.frombuffer refuses empty buffers
             return torch.empty(shape, dtype=dtype)
         if self.frame.readonly:
