@@ -58,6 +58,17 @@ SUITE = (
 EXTRA = ("daemon",)
 """Benchmarks that run only when named (not part of the suite's table)."""
 
+SUITE_ARGS: dict[str, dict[str, Any]] = {
+    "transport": {"repeats": 5},
+    "roundtrip": {"n": 3000, "rounds": 3},
+    "allreduce": {"steps": 10, "reps": 10, "rounds": 1},
+    "data_parallel": {"steps": 10, "rounds": 1},
+    "pipeline": {"steps": 6, "reps": 5, "rounds": 1},
+}
+"""``run()`` arguments of the suite: fewer repetitions than a module's own default (``python -m
+benchmarks.allreduce``) for the heaviest ones, so that the whole suite stays under 10 minutes
+on a 2-core machine; the sizes are the issue's."""
+
 QUICK: dict[str, dict[str, Any]] = {
     "codec": {"size_bytes": 16 << 20, "repeats": 2},
     "transport": {"size_bytes": 8 << 20, "repeats": 2},
@@ -98,7 +109,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def run_one(name: str, quick: bool) -> tuple[list[Row], dict[str, Any]]:
     """Run benchmark ``name``; its rows and its full results."""
     module = importlib.import_module(f"benchmarks.{name}")
-    results = module.run(**(QUICK[name] if quick else {}))
+    results = module.run(**(QUICK if quick else SUITE_ARGS).get(name, {}))
     return list(module.rows(results)), results
 
 

@@ -67,6 +67,10 @@ HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to send its hello."""
 WS_MAX_SIZE = 4 * CHUNK_BYTES
 """Largest single WebSocket message; anything bigger travels as chunks."""
+BULK_SENDS = 16
+"""Chunked messages the coordinator writes at once over all its connections (see
+:class:`~protocol.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers keeps
+~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait behind all of it."""
 
 
 class Coordinator:
@@ -121,6 +125,7 @@ class Coordinator:
         self._server: Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: set[Channel] = set()
+        self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
         self._stopped = asyncio.Event()
         self._client_handlers = {
             "submit": self.on_submit,
@@ -243,7 +248,13 @@ class Coordinator:
     async def _connection(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
         is_worker = path == "/worker"
-        channel = Channel(ws, f"{path[1:]} {ws.remote_address}", None, self.max_message_bytes)
+        channel = Channel(
+            ws,
+            f"{path[1:]} {ws.remote_address}",
+            None,
+            self.max_message_bytes,
+            bulk_gate=self._bulk_gate,
+        )
         self._channels.add(channel)
         try:
             try:

@@ -241,6 +241,11 @@ class Channel:
         handler: called with each incoming message that is not a reply; its return value (a
             message) is sent with ``reply_to`` set. ``None``: incoming requests are refused.
         max_message_bytes: largest reassembled message accepted.
+        bulk_gate: shared by the owner's channels, bounds how many messages larger than
+            ``CHUNK_BYTES`` they write at once (``None``: no bound). Each chunked message holds
+            a slot until its last chunk has left the send buffer, so a fan-out of a large model
+            to many peers buffers a few copies at a time instead of one per peer, and the
+            owner's other messages do not queue behind all of them.
     """
 
     def __init__(
@@ -249,14 +254,17 @@ class Channel:
         name: str,
         handler: Handler | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        bulk_gate: asyncio.Semaphore | None = None,
     ) -> None:
         self.transport = transport
+        self.bulk_gate = bulk_gate
         self.name = name
         self.handler = handler
         self._reassembler = Reassembler(max_message_bytes)
         self._next_id = 0
         self._next_stream = 0
-        self._waiting: dict[int, asyncio.Queue[Any]] = {}
+        # The waiter of each request: a future for one reply, a queue for a stream of them.
+        self._waiting: dict[int, asyncio.Future[Any] | asyncio.Queue[Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
@@ -270,9 +278,15 @@ class Channel:
         self._next_id += 1
         return self._next_id
 
-    async def send(self, message: BaseModel) -> None:
-        """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``."""
-        parts = encode(dump(message))
+    async def send(self, message: BaseModel, **fields: Any) -> None:
+        """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``.
+
+        ``fields`` are sent instead of the message's own (``id``, ``reply_to``): cheaper than a
+        copy of the model for every request and reply.
+        """
+        body = dump(message)
+        body.update(fields)
+        parts = encode(body)
         size = frame_nbytes(parts)
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
@@ -282,15 +296,16 @@ class Channel:
             self.bytes_out += size
             return
         self._next_stream += 1
-        for chunk in chunk_messages(parts, self._next_stream):
-            # One lock per chunk, not per message: a heartbeat or reply may pass in between.
-            async with self._send_lock:
-                await self.transport.send(chunk)
+        async with self.bulk_gate or contextlib.nullcontext():
+            for chunk in chunk_messages(parts, self._next_stream):
+                # One lock per chunk, not per message: a heartbeat or reply may pass in between.
+                async with self._send_lock:
+                    await self.transport.send(chunk)
         self.bytes_out += size
 
     async def reply(self, to: Any, message: BaseModel) -> None:
         """Send ``message`` as the reply to ``to``."""
-        await self.send(message.model_copy(update={"reply_to": to.id, "id": self.next_id()}))
+        await self.send(message, reply_to=to.id, id=self.next_id())
 
     async def request(self, message: BaseModel, timeout: float) -> Any:  # noqa: ASYNC109
         """Send ``message`` and return its reply.
@@ -300,9 +315,20 @@ class Channel:
             TimeoutError: no reply within ``timeout`` seconds.
             ChannelClosed: the connection closed first.
         """
-        async for reply in self.stream(message, timeout):
-            return reply
-        raise ChannelClosed(f"{self.name}: no reply")  # pragma: no cover - stream always yields
+        request_id = self.next_id()
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        try:
+            await self.send(message, id=request_id)
+            async with asyncio.timeout(timeout):
+                reply = await waiter
+        finally:
+            self._waiting.pop(request_id, None)
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, Error):
+            raise RemoteError(reply.error)
+        return reply
 
     async def stream(self, message: BaseModel, timeout: float | None) -> AsyncIterator[Any]:  # noqa: ASYNC109
         """Send ``message`` and yield its replies until an ``ack``, ``result`` or ``error``.
@@ -313,7 +339,7 @@ class Channel:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._waiting[request_id] = queue
         try:
-            await self.send(message.model_copy(update={"id": request_id}))
+            await self.send(message, id=request_id)
             while True:
                 async with asyncio.timeout(timeout):
                     reply = await queue.get()
@@ -387,9 +413,11 @@ class Channel:
         if message.kind not in _ANSWER_KINDS:
             self._spawn(self._handle(message))
             return
-        queue = None if message.reply_to is None else self._waiting.get(message.reply_to)
-        if queue is not None:
-            queue.put_nowait(message)
+        waiter = None if message.reply_to is None else self._waiting.get(message.reply_to)
+        if isinstance(waiter, asyncio.Queue):
+            waiter.put_nowait(message)
+        elif waiter is not None and not waiter.done():
+            waiter.set_result(message)
         else:  # a late answer to a request that gave up, or an error about a frame we sent
             self.on_unsolicited(message)
 
@@ -439,8 +467,11 @@ class Channel:
             return
         self.closed.set()
         failure = ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
-        for queue in self._waiting.values():
-            queue.put_nowait(failure)
+        for waiter in self._waiting.values():
+            if isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait(failure)
+            elif not waiter.done():
+                waiter.set_result(failure)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Close the connection; waiting requests fail with :class:`ChannelClosed`."""

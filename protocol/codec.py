@@ -147,6 +147,9 @@ _ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NP_DTYPES
 }
 _LIBS: Final = ("np", "np_scalar", "torch")
 
+_SMALL_HEADER: Final = 4096
+"""Headers up to this size are checked for the plain fast path of :func:`decode`."""
+
 _BUF_KEYS: Final = frozenset({"$buf", "dtype", "shape", "lib"})
 _HEADER_KEYS: Final = frozenset({"v", "bufs", "body"})
 
@@ -574,6 +577,13 @@ def _buffer_layout(frame: memoryview, start: int, lengths: Any) -> list[int]:
     return offsets
 
 
+def _plain(header: bytes) -> bool:
+    """Whether a header's body needs no walk: no ``"$`` anywhere (so no tagged value and no
+    escaped key), and fewer openers than the depth limit (so nothing nested too deep). Small
+    messages (hellos, pings, replies without tensors) are decoded by orjson alone."""
+    return b'"$' not in header and header.count(b"[") + header.count(b"{") <= _MAX_DEPTH
+
+
 def decode(frame: bytes | bytearray | memoryview) -> Any:
     """Decode one frame, viewing its arrays over ``frame`` without copying them.
 
@@ -601,8 +611,11 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
             f"frame truncated: header length is {header_len} bytes, frame has {size - 4} "
             "bytes after the length prefix"
         )
+    raw: bytes | memoryview = view[_PREFIX.size : start]
+    if header_len <= _SMALL_HEADER:
+        raw = view[_PREFIX.size : start].tobytes()  # cheap, and bytes can be searched
     try:
-        header = orjson.loads(view[_PREFIX.size : start])
+        header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise FrameError(f"header is not valid JSON: {e}") from None
     if type(header) is not dict or header.keys() != _HEADER_KEYS:
@@ -611,6 +624,8 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
         raise FrameError(
             f"unsupported frame version {_preview(header['v'])} (this codec reads {FRAME_VERSION})"
         )
+    if start == size and header["bufs"] == [] and isinstance(raw, bytes) and _plain(raw):
+        return header["body"]  # orjson's tree is the value: nothing tagged, nothing too deep
     lengths = header["bufs"]
     offsets = _buffer_layout(view, start, lengths)
     decoder = _Decoder(view, offsets, lengths)

@@ -678,3 +678,24 @@ def test_torch_is_imported_at_the_first_tensor_only(tmp_path: Any, unit: float) 
     )
     assert out.returncode == 0, out.stderr
     assert orjson.loads(out.stdout) == [1.5, -2.0, 3.25]
+
+
+def test_small_plain_values_and_their_look_alikes_decode_exactly() -> None:
+    """Small headers without tags are returned as orjson parsed them; anything that looks like a
+    tag, or nests deeper than the limit, takes the full walk and comes back exactly."""
+    for value in (
+        {"kind": "ping", "id": 3, "reply_to": None, "worker_id": "w1", "ok": True, "x": 1.5},
+        {"text": "$not a tag", "quoted": 'say "$hi"', "list": [1, [2, [3]]]},
+        {"$key": 1, "k": ("a", 2)},
+        [[[[]]]],
+    ):
+        assert decode(encode_frame(value)) == value
+    for depth, fine in ((252, True), (260, False)):
+        nested = ("[" * depth + "]" * depth).encode()
+        header = b'{"v":1,"bufs":[],"body":{"a":' + nested + b"}}"
+        frame = struct.pack("<I", len(header)) + header
+        if fine:
+            assert decode(frame) == {"a": orjson.loads(nested)}
+        else:
+            with pytest.raises(FrameError, match="nested more than"):
+                decode(frame)
