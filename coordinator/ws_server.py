@@ -210,8 +210,15 @@ class Coordinator:
         log.info("coordinator stopped")
 
     async def _reap_forever(self) -> None:
+        period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(self.heartbeat_interval, self.heartbeat_timeout / 4))
+            woke = loop.time() + period
+            await asyncio.sleep(period)
+            if loop.time() - woke > period:
+                # The loop itself was held up (importing torch for a first job, a long fold):
+                # the heartbeats that waited meanwhile are read before anyone is judged silent.
+                continue
             for record in self.registry.reap():
                 log.warning("worker %s lost: %s", record.id, record.reason)
                 if record.channel is not None:
