@@ -15,6 +15,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,4 +256,4 @@ def now() -> str:
 
 def command_line(argv: Sequence[str]) -> str:
     """How this run was started, as one would type it."""
-    return " ".join(["python -m benchmarks", *argv])
+    return shlex.join(["python", "-m", "benchmarks", *argv])
