@@ -216,3 +216,30 @@ def test_a_shared_bulk_gate_bounds_the_chunked_messages_written_at_once():
     most, last = asyncio.run(peak(gate))
     assert most == 2
     assert last == ["small"] + ["chunk"] * 4
+
+
+def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message():
+    """A coordinator with a thousand idle connections must not hold each one's last reply (a
+    1 MB state) until that connection's next heartbeat."""
+    import gc
+    import weakref
+
+    big = torch.ones(CHUNK_BYTES // 2)  # 2 MiB: chunked
+
+    async def handler(message):
+        return Result(result={"state": big})
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            reply = await client.request(Status(), timeout=10 * UNIT)
+            received = weakref.ref(reply.result["state"])
+            assert torch.equal(reply.result["state"], big)
+            del reply
+            await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
+            gc.collect()
+            assert received() is None
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
