@@ -328,6 +328,30 @@ class _Encoder:
         return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "torch"}
 
 
+def _plain_tree(obj: Any, depth: int) -> bool:
+    """Whether ``obj`` is its own body: only ``str``, ``bool``, ``None``, 64-bit ``int``, finite
+    ``float``, ``list`` and ``dict`` with ``str`` keys not starting with ``$`` (exact types),
+    not too deep. Then orjson writes it as it is and the walk that builds a tagged copy is
+    skipped: most messages (hellos, pings, heartbeats, replies without tensors) are such."""
+    cls = type(obj)
+    if cls is str or cls is bool or obj is None:
+        return True
+    if cls is int:
+        return bool(_INT_MIN <= obj <= _INT_MAX)
+    if cls is float:
+        return math.isfinite(obj)
+    if depth >= _MAX_DEPTH:
+        return False
+    if cls is dict:
+        for key, value in obj.items():
+            if type(key) is not str or key.startswith("$") or not _plain_tree(value, depth + 1):
+                return False
+        return True
+    if cls is list:
+        return all(_plain_tree(item, depth + 1) for item in obj)
+    return False
+
+
 def encode(obj: Any) -> list[Part]:
     """Encode ``obj`` as the parts of one frame, without copying its buffers.
 
@@ -345,7 +369,7 @@ def encode(obj: Any) -> list[Part]:
     """
     encoder = _Encoder()
     try:
-        body = encoder.walk(obj, 0)
+        body = obj if _plain_tree(obj, 0) else encoder.walk(obj, 0)
     except _Located as e:
         raise FrameError(f"cannot encode {e.where()}: {e.message}") from None
     buffers = encoder.buffers

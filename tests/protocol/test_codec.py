@@ -681,13 +681,15 @@ def test_torch_is_imported_at_the_first_tensor_only(tmp_path: Any, unit: float) 
 
 
 def test_small_plain_values_and_their_look_alikes_decode_exactly() -> None:
-    """Small headers without tags are returned as orjson parsed them; anything that looks like a
-    tag, or nests deeper than the limit, takes the full walk and comes back exactly."""
+    """Plain trees are written and read by orjson alone; anything that looks like a tag, has no
+    JSON form of its own (big ints, non-finite floats, tuples, numpy scalars) or nests deeper
+    than the limit takes the full walk both ways and comes back exactly."""
     for value in (
         {"kind": "ping", "id": 3, "reply_to": None, "worker_id": "w1", "ok": True, "x": 1.5},
         {"text": "$not a tag", "quoted": 'say "$hi"', "list": [1, [2, [3]]]},
         {"$key": 1, "k": ("a", 2)},
         [[[[]]]],
+        {"big": 2**70, "small": -(2**63) - 1, "inf": float("inf"), "f": np.float64(0.5)},
     ):
         assert decode(encode_frame(value)) == value
     for depth, fine in ((252, True), (260, False)):
