@@ -60,7 +60,6 @@ EXTRA = ("daemon",)
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
     "transport": {"repeats": 5},
-    "roundtrip": {"n": 3000, "rounds": 3},
     "allreduce": {"steps": 10, "reps": 10, "rounds": 1},
     "data_parallel": {"steps": 10, "rounds": 1},
     "pipeline": {"steps": 6, "reps": 5, "rounds": 1},
