@@ -13,8 +13,9 @@ Usage::
     python -m benchmarks --quick          # small sizes, few repetitions: a smoke run, not written
 
 A module can still be run alone with its own detailed print-out: ``python -m
-benchmarks.codec``. A benchmark that fails is reported (and the exit status is 1); the others
-still run.
+benchmarks.codec``; the suite runs the heaviest ones with fewer repetitions than that
+(:data:`SUITE_ARGS`) to stay under 10 minutes on 2 cores. A benchmark that fails is reported
+(and the exit status is 1); the others still run.
 """
 
 from __future__ import annotations
