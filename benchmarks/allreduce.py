@@ -52,6 +52,7 @@ import uvloop
 from websockets.asyncio.client import connect
 
 import somatize as sz
+from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, cpu_seconds, free_port, port_open
 from coordinator.strategies.aggregate import weighted_mean
 from somatize.cluster import LocalCluster
@@ -476,6 +477,23 @@ def run(steps: int = STEPS, reps: int = REPS, rounds: int = ROUNDS) -> dict[str,
         for key in ("weighted_mean", "ws_1_client", "ws_2_clients", "gloo")
     }
     return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The suite's row: our all-reduce step next to gloo's ``all_reduce`` of the same tensors."""
+    mb = results["grad_bytes"] / 1e6
+    return [
+        Row(
+            bench="all-reduce",
+            name=f"DataParallel(2) step of {mb:.1f} MB gradients, 1 row/replica",
+            ours=results["ours"]["step"]["p50_ms"],
+            unit="ms",
+            anchor=results["gloo"]["p50_ms"],
+            anchor_name="gloo all_reduce, 2 processes",
+            target=Target("<=", 1.5, text="<= 1.5 x gloo"),
+            note=f"bare ws 2 clients {results['ws_2_clients']['p50_ms']:.0f} ms",
+        )
+    ]
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.report import Row, Target
 from protocol.codec import decode, encode, encode_frame, frame_nbytes
 
 SIZE_BYTES = 256 * 2**20
@@ -99,6 +100,25 @@ def run(size_bytes: int = SIZE_BYTES, repeats: int = REPEATS) -> dict[str, Any]:
         figures["transport_vs_copy"] = figures["transport_gbps"] / copy_gbps
         results[name] = figures
     return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The suite's rows: encode + write + decode of each library next to ``np.copyto``."""
+    size_mb = results["size_bytes"] / 2**20
+    copy_gbps = results["copy"]["gbps"]
+    return [
+        Row(
+            bench="codec",
+            name=f"{lib} encode+write+decode {size_mb:.0f} MB float32",
+            ours=results[lib]["transport_gbps"],
+            unit="GB/s",
+            anchor=copy_gbps,
+            anchor_name="np.copyto (memcpy)",
+            target=Target(">=", 0.5, text=">= 0.5 x memcpy"),
+            note=f"decode alone {results[lib]['decode_s'] * 1e6:.0f} µs",
+        )
+        for lib in ("numpy", "torch")
+    ]
 
 
 def main() -> None:

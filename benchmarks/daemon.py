@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import uvloop
 
+from benchmarks.report import Row
 from protocol.filters import dump_filter
 from somatize import TorchFilter
 from worker.supervisor import DaemonSupervisor
@@ -134,6 +135,32 @@ def run(pings: int = PINGS, features: int = FEATURES, repeats: int = REPEATS) ->
         "copy": {"seconds", "mb_per_s"}}``.
     """
     return uvloop.run(_measure(pings, features, repeats))
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Gradients out of and into the daemon next to a memory copy of the same bytes."""
+    grads, copy = results["gradients"], results["copy"]
+    mb = grads["bytes"] / 1e6
+    ping = results["ping"]
+    return [
+        Row(
+            bench="daemon",
+            name=f"get_gradients {mb:.0f} MB out of the daemon",
+            ours=grads["out_mb_per_s"],
+            unit="MB/s",
+            anchor=copy["mb_per_s"],
+            anchor_name="np.copyto",
+            note=f"ping p50 {ping['p50_us']:.0f} µs",
+        ),
+        Row(
+            bench="daemon",
+            name=f"apply_gradients {mb:.0f} MB into the daemon",
+            ours=grads["in_mb_per_s"],
+            unit="MB/s",
+            anchor=copy["mb_per_s"],
+            anchor_name="np.copyto",
+        ),
+    ]
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ from benchmarks.allreduce import (
     time_websockets,
     time_weighted_mean,
 )
+from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 
 STEPS = 20
@@ -127,6 +128,22 @@ def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
         },
     }
     return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The suite's row: our data-parallel step next to DDP's."""
+    return [
+        Row(
+            bench="data-parallel",
+            name=f"MLP step, {GLOBAL_BATCH // WORKERS} rows x {WORKERS} workers",
+            ours=results["ours"]["step"]["p50_ms"],
+            unit="ms",
+            anchor=results["ddp"]["p50_ms"],
+            anchor_name="torch DDP over gloo, 2 processes",
+            target=Target("<=", 1.3, text="<= 1.3 x DDP"),
+            note=f"one process {results['single']['p50_ms']:.0f} ms",
+        )
+    ]
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ from benchmarks.allreduce import (
     run_torch,
     time_websockets,
 )
+from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 from coordinator.strategies.schedule import gpipe
 from somatize.cluster import LocalCluster
@@ -222,6 +223,46 @@ def run(steps: int = STEPS, rounds: int = ROUNDS, reps: int = REPS) -> dict[str,
         "activation": activation,
         "micro": micro,
     }
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The suite's rows: the step for each M next to one process, the M=8 speed-up, and the
+    activation throughput next to bare websockets."""
+    micro = results["micro"]
+    out = [
+        Row(
+            bench="pipeline",
+            name=f"2-stage MLP step, M={m}",
+            ours=r["step"]["p50_ms"],
+            unit="ms",
+            anchor=micro["single"]["p50_ms"],
+            anchor_name="same model, one process",
+            note=f"GPipe bubble {r['bubble']:.2f}",
+        )
+        for m, r in micro["by_m"].items()
+    ]
+    out.append(
+        Row(
+            bench="pipeline",
+            name="speed-up of M=8 over M=1",
+            ours=micro["speedup_8_vs_1"],
+            unit="x",
+            target=Target(">=", 1.4, on="ours", text=">= 1.4 x faster"),
+        )
+    )
+    act = results["activation"]
+    for path in ("direct", "relay"):
+        out.append(
+            Row(
+                bench="pipeline",
+                name=f"activations + gradients, {path}",
+                ours=act["mb_s"][path],
+                unit="MB/s",
+                anchor=act["mb_s"]["ws"],
+                anchor_name="bare websockets up and back",
+            )
+        )
+    return out
 
 
 def main() -> None:

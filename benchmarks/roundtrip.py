@@ -52,6 +52,7 @@ import uvloop
 from websockets.asyncio.client import connect
 
 import somatize as sz
+from benchmarks.report import Row, Target
 from protocol.channel import Channel, encode_small
 from protocol.messages import ClientHello, Ping, Result, Welcome
 
@@ -404,6 +405,33 @@ def run(n: int = ROUND_TRIPS, warmup: int = WARMUP, rounds: int = ROUNDS) -> dic
         procs.close()
         results["log_problems"] = {name: procs.problems(name) for name in ("coordinator", "worker")}
     return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The suite's rows: p50 and p99 of each path next to the bare chain or echo."""
+    out = []
+    paths = (
+        ("wire_worker", "chain_3hop", "no-op client→coordinator→agent→daemon", "ws 3-hop chain"),
+        ("sdk_worker", "chain_3hop", "same through the SDK client.ping", "ws 3-hop chain"),
+        ("wire_coordinator", "echo_1hop", "no-op client→coordinator", "ws 1-hop echo"),
+    )
+    for key, anchor, name, anchor_name in paths:
+        for stat in ("p50", "p99"):
+            target = None
+            if key == "wire_worker" and stat == "p50":
+                target = Target("<=", 2.0, text="<= 2 x bare echo")
+            out.append(
+                Row(
+                    bench="latency",
+                    name=f"{name} {stat}",
+                    ours=results[key][f"{stat}_us"],
+                    unit="µs",
+                    anchor=results[anchor][f"{stat}_us"],
+                    anchor_name=f"{anchor_name} {stat}",
+                    target=target,
+                )
+            )
+    return out
 
 
 def main() -> None:

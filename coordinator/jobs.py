@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,6 +368,10 @@ class JobManager:
         ids = [w.id for w in job.workers]
         try:
             await asyncio.to_thread(self.store.start, job.id, ids)
+            if "torch" not in sys.modules:
+                # The workers will answer with tensors: import torch now, in a thread, rather
+                # than on the event loop when the first one is decoded (a second or more).
+                await asyncio.to_thread(importlib.import_module, "torch")
             await self._emit(job.id, "placed", {"workers": ids})
 
             async def emit(event: str, data: dict[str, Any]) -> None:

@@ -96,6 +96,10 @@ REALM = "somatize"
 """The HTTP Basic realm a browser is asked to log in to (any user name, the client token)."""
 STATUS_JOBS = 50
 """How many of the latest jobs a status snapshot lists."""
+BULK_SENDS = 16
+"""Chunked messages the coordinator writes at once over all its connections (see
+:class:`~protocol.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers keeps
+~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait behind all of it."""
 
 
 class Coordinator:
@@ -170,6 +174,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: set[Channel] = set()
         self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
+        self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
         self._stopped = asyncio.Event()
         self._client_handlers = {
             "submit": self.on_submit,
@@ -255,8 +260,15 @@ class Coordinator:
         log.info("coordinator stopped")
 
     async def _reap_forever(self) -> None:
+        period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(self.heartbeat_interval, self.heartbeat_timeout / 4))
+            woke = loop.time() + period
+            await asyncio.sleep(period)
+            if loop.time() - woke > period:
+                # The loop itself was held up (importing torch for a first job, a long fold):
+                # the heartbeats that waited meanwhile are read before anyone is judged silent.
+                continue
             for record in self.registry.reap():
                 log.warning("worker %s lost: %s", record.id, record.reason)
                 if record.channel is not None:
@@ -343,6 +355,7 @@ class Coordinator:
             None,
             self.max_message_bytes,
             self.max_inflight,
+            bulk_gate=self._bulk_gate,
         )
         self._channels.add(channel)
         try:

@@ -9,9 +9,10 @@ a ``torch.Generator``, in the order of one ``torch.randperm(n, generator=...)`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported when a generator is made: the coordinator may never need torch
+    import torch
 
 
 def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
@@ -20,6 +21,8 @@ def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
         for start in range(0, n, size):
             yield slice(start, min(start + size, n))
         return
+    import torch
+
     perm = torch.randperm(n, generator=order)
     for start in range(0, n, size):
         yield perm[start : start + size]
@@ -27,4 +30,6 @@ def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
 
 def generator(seed: int) -> torch.Generator:
     """The generator that orders the epochs of a run seeded with ``seed``."""
+    import torch
+
     return torch.Generator().manual_seed(seed)

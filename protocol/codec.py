@@ -62,19 +62,29 @@ What comes back:
 :func:`encode` does not copy buffers either: its memoryviews point into the caller's arrays
 (after making them contiguous and little-endian where needed), so an array must not be changed
 until its frame has been written out.
+
+torch is imported lazily: a value can only hold a tensor once its owner imported torch, so the
+encoder looks for tensors only then, and the decoder imports torch at the first ``"torch"``
+buffer it meets. A process that never handles a tensor (a coordinator relaying numpy states, a
+tool reading frames) never pays torch's import time and memory (~230 MiB).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
+import sys
 from collections.abc import Iterable
-from typing import Any, Final, TypeAlias
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
 import orjson
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from protocol.errors import FrameError
 
@@ -131,15 +141,31 @@ _COMMON_DTYPES: Final = (
 _NP_DTYPES: Final[dict[str, np.dtype[Any]]] = {
     name: np.dtype(name).newbyteorder("<") for name in _COMMON_DTYPES
 }
-_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
-    name: getattr(torch, name) for name in (*_COMMON_DTYPES, "bfloat16")
+_TORCH_DTYPE_NAMES: Final = frozenset((*_COMMON_DTYPES, "bfloat16"))
+_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NP_DTYPES.items()} | {
+    "bfloat16": 2
 }
-_TORCH_NAMES: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _TORCH_DTYPES.items()}
-_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _TORCH_DTYPES.items()}
 _LIBS: Final = ("np", "np_scalar", "torch")
+
+_SMALL_HEADER: Final = 4096
+"""Headers up to this size are checked for the plain fast path of :func:`decode`."""
 
 _BUF_KEYS: Final = frozenset({"$buf", "dtype", "shape", "lib"})
 _HEADER_KEYS: Final = frozenset({"v", "bufs", "body"})
+
+
+def _loaded_torch() -> ModuleType | None:
+    """torch if this process imported it (no value can hold a tensor otherwise), else ``None``."""
+    return sys.modules.get("torch")
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """torch's dtypes by name, both ways (importing torch now if need be)."""
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in _TORCH_DTYPE_NAMES}
+    return by_name, {dtype: name for name, dtype in by_name.items()}
 
 
 class _Located(Exception):
@@ -225,7 +251,8 @@ class _Encoder:
             raise
 
     def walk_other(self, obj: Any, depth: int) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = _loaded_torch()
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self.tensor(obj)
         if isinstance(obj, np.generic):
             if obj.dtype.name in _NP_DTYPES:
@@ -276,12 +303,15 @@ class _Encoder:
         return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "np"}
 
     def tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        import torch  # loaded already: the value holds a tensor
+
+        _, names = _torch_dtypes()
         if tensor.layout != torch.strided:
             raise _Located(f"unsupported tensor layout {tensor.layout} (only dense tensors)")
         if tensor.is_quantized or tensor.is_nested or tensor.is_meta:
             kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else "meta"
             raise _Located(f"unsupported {kind} tensor")
-        name = _TORCH_NAMES.get(tensor.dtype)
+        name = names.get(tensor.dtype)
         if name is None:
             raise _Located(f"unsupported tensor dtype {tensor.dtype}")
         shape = list(tensor.shape)
@@ -296,6 +326,30 @@ class _Encoder:
         except RuntimeError as e:  # exotic tensors (functorch wrappers, subclasses) refuse
             raise _Located(f"cannot read the bytes of a {tensor.dtype} tensor: {e}") from None
         return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "torch"}
+
+
+def _plain_tree(obj: Any, depth: int) -> bool:
+    """Whether ``obj`` is its own body: only ``str``, ``bool``, ``None``, 64-bit ``int``, finite
+    ``float``, ``list`` and ``dict`` with ``str`` keys not starting with ``$`` (exact types),
+    not too deep. Then orjson writes it as it is and the walk that builds a tagged copy is
+    skipped: most messages (hellos, pings, heartbeats, replies without tensors) are such."""
+    cls = type(obj)
+    if cls is str or cls is bool or obj is None:
+        return True
+    if cls is int:
+        return bool(_INT_MIN <= obj <= _INT_MAX)
+    if cls is float:
+        return math.isfinite(obj)
+    if depth >= _MAX_DEPTH:
+        return False
+    if cls is dict:
+        for key, value in obj.items():
+            if type(key) is not str or key.startswith("$") or not _plain_tree(value, depth + 1):
+                return False
+        return True
+    if cls is list:
+        return all(_plain_tree(item, depth + 1) for item in obj)
+    return False
 
 
 def encode(obj: Any) -> list[Part]:
@@ -315,7 +369,7 @@ def encode(obj: Any) -> list[Part]:
     """
     encoder = _Encoder()
     try:
-        body = encoder.walk(obj, 0)
+        body = obj if _plain_tree(obj, 0) else encoder.walk(obj, 0)
     except _Located as e:
         raise FrameError(f"cannot encode {e.where()}: {e.message}") from None
     buffers = encoder.buffers
@@ -451,7 +505,8 @@ class _Decoder:
         lib, name, shape = spec["lib"], spec["dtype"], spec["shape"]
         if lib not in _LIBS:
             raise _Located(f"buffer {index}: unknown lib {_preview(lib)}")
-        if type(name) is not str or name not in (_TORCH_DTYPES if lib == "torch" else _NP_DTYPES):
+        known = _TORCH_DTYPE_NAMES if lib == "torch" else _NP_DTYPES
+        if type(name) is not str or name not in known:
             raise _Located(f"buffer {index}: unsupported {lib} dtype {_preview(name)}")
         if (
             type(shape) is not list
@@ -473,14 +528,17 @@ class _Decoder:
             )
         offset = self.offsets[index]
         if lib == "torch":
-            return self.tensor(_TORCH_DTYPES[name], shape, count, offset, length)
+            return self.tensor(name, shape, count, offset, length)
         array = np.frombuffer(self.frame, dtype=_NP_DTYPES[name], count=count, offset=offset)
         array = array.reshape(shape)
         return array[()] if lib == "np_scalar" else array
 
     def tensor(
-        self, dtype: torch.dtype, shape: list[int], count: int, offset: int, length: int
+        self, name: str, shape: list[int], count: int, offset: int, length: int
     ) -> torch.Tensor:
+        import torch  # the first torch buffer of this process imports it
+
+        dtype = _torch_dtypes()[0][name]
         if count == 0:  # torch.frombuffer refuses empty buffers
             return torch.empty(shape, dtype=dtype)
         if self.frame.readonly:
@@ -543,6 +601,13 @@ def _buffer_layout(frame: memoryview, start: int, lengths: Any) -> list[int]:
     return offsets
 
 
+def _plain(header: bytes) -> bool:
+    """Whether a header's body needs no walk: no ``"$`` anywhere (so no tagged value and no
+    escaped key), and fewer openers than the depth limit (so nothing nested too deep). Small
+    messages (hellos, pings, replies without tensors) are decoded by orjson alone."""
+    return b'"$' not in header and header.count(b"[") + header.count(b"{") <= _MAX_DEPTH
+
+
 def decode(frame: bytes | bytearray | memoryview) -> Any:
     """Decode one frame, viewing its arrays over ``frame`` without copying them.
 
@@ -570,8 +635,11 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
             f"frame truncated: header length is {header_len} bytes, frame has {size - 4} "
             "bytes after the length prefix"
         )
+    raw: bytes | memoryview = view[_PREFIX.size : start]
+    if header_len <= _SMALL_HEADER:
+        raw = view[_PREFIX.size : start].tobytes()  # cheap, and bytes can be searched
     try:
-        header = orjson.loads(view[_PREFIX.size : start])
+        header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise FrameError(f"header is not valid JSON: {e}") from None
     if type(header) is not dict or header.keys() != _HEADER_KEYS:
@@ -580,6 +648,8 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
         raise FrameError(
             f"unsupported frame version {_preview(header['v'])} (this codec reads {FRAME_VERSION})"
         )
+    if start == size and header["bufs"] == [] and isinstance(raw, bytes) and _plain(raw):
+        return header["body"]  # orjson's tree is the value: nothing tagged, nothing too deep
     lengths = header["bufs"]
     offsets = _buffer_layout(view, start, lengths)
     decoder = _Decoder(view, offsets, lengths)

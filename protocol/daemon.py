@@ -162,6 +162,7 @@ class BatchedFitRequest(DataSource):
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
     return_output: bool = True  # False: the chain's output on the data stays on the worker
+    return_states: bool = True  # False: the caller reads them later (get_state), when it can
 
 
 class StageRequest(_Request):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the
+    # first one it meets, which takes seconds: do it now, not mid-job between two heartbeats.
+    importlib.import_module("torch")
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(_serve(agent))
 

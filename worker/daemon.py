@@ -215,6 +215,8 @@ class Daemon:
         )
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back
+        if not req.return_states:
+            result.states = {}  # the caller pulls them with get_state when it has room
         return _plain(result)
 
     def on_stage(self, req: StageRequest) -> dict[str, Any]:

@@ -40,12 +40,15 @@ from __future__ import annotations
 import copy
 import math
 import reprlib
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported only where a tensor is at hand: see _is_tensor
+    import torch
 
 from coordinator.errors import CoordinatorError
 
@@ -60,13 +63,14 @@ LeafKind: TypeAlias = Literal["float", "complex", "integer", "bool"]
 _CHUNK = 1 << 15
 """Elements folded per step of a large leaf: the float64 scratch (256 KiB) stays in cache."""
 
-_NUMPY_OF_TORCH: dict[torch.dtype, np.dtype[Any]] = {
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-    torch.complex64: np.dtype(np.complex64),
-    torch.complex128: np.dtype(np.complex128),
+_NUMPY_OF_TORCH: dict[str, np.dtype[Any]] = {
+    "torch.float16": np.dtype(np.float16),
+    "torch.float32": np.dtype(np.float32),
+    "torch.float64": np.dtype(np.float64),
+    "torch.complex64": np.dtype(np.complex64),
+    "torch.complex128": np.dtype(np.complex128),
 }
+"""numpy dtypes of torch's, by ``str(tensor.dtype)``."""
 
 _KIND_OF_NUMPY: dict[str, LeafKind] = {
     "f": "float",
@@ -91,10 +95,17 @@ class AggregationError(CoordinatorError):
 # Leaves ---------------------------------------------------------------------------------------
 
 
+def _is_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a torch tensor, without importing torch: no value can be one unless
+    this process imported it (a coordinator averaging numpy states never does)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def leaf_kind(leaf: Any) -> LeafKind | None:
     """The numeric kind of a leaf, or ``None`` for a non-numeric leaf (or a container)."""
-    if isinstance(leaf, torch.Tensor):
-        if leaf.dtype == torch.bool:
+    if _is_tensor(leaf):
+        if leaf.dtype is sys.modules["torch"].bool:
             return "bool"
         if leaf.is_complex():
             return "complex"
@@ -113,7 +124,7 @@ def leaf_kind(leaf: Any) -> LeafKind | None:
 
 def leaf_shape(leaf: Any) -> tuple[int, ...]:
     """The shape of a numeric leaf; ``()`` for scalars."""
-    if isinstance(leaf, torch.Tensor | np.ndarray | np.generic):
+    if _is_tensor(leaf) or isinstance(leaf, np.ndarray | np.generic):
         return tuple(leaf.shape)
     return ()
 
@@ -124,7 +135,9 @@ def to_numpy(leaf: Any) -> np.ndarray[Any, Any]:
     torch tensors are viewed through ``Tensor.numpy(force=True)``; ``bfloat16``, which numpy
     lacks, is widened to float32 (exactly). Python ints too large for int64 become object arrays.
     """
-    if isinstance(leaf, torch.Tensor):
+    if _is_tensor(leaf):
+        import torch
+
         tensor: torch.Tensor = leaf
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.detach().to(torch.float32)
@@ -137,8 +150,8 @@ def to_numpy(leaf: Any) -> np.ndarray[Any, Any]:
 
 def numpy_dtype(template: Any) -> np.dtype[Any]:
     """The numpy dtype that holds a float or complex leaf's values (float32 for bfloat16)."""
-    if isinstance(template, torch.Tensor):
-        return _NUMPY_OF_TORCH.get(template.dtype, np.dtype(np.float32))
+    if _is_tensor(template):
+        return _NUMPY_OF_TORCH.get(str(template.dtype), np.dtype(np.float32))
     if isinstance(template, np.ndarray | np.generic):
         return template.dtype
     return np.dtype(np.float64)
@@ -158,7 +171,9 @@ def like(template: Any, array: np.ndarray[Any, Any]) -> Any:
         out = np.empty(shape, dtype=dtype)
         np.copyto(out, array.reshape(shape), casting="same_kind")
         array = out
-    if isinstance(template, torch.Tensor):
+    if _is_tensor(template):
+        import torch
+
         tensor = torch.from_numpy(array)
         if tensor.dtype != template.dtype:  # bfloat16, by way of float32
             tensor = tensor.to(template.dtype)
@@ -172,7 +187,7 @@ def like(template: Any, array: np.ndarray[Any, Any]) -> Any:
 
 def copy_leaf(leaf: Any) -> Any:
     """An independent copy of a leaf (arrays and tensors copied, immutables shared)."""
-    if isinstance(leaf, torch.Tensor):
+    if _is_tensor(leaf):
         return leaf.detach().clone()
     if isinstance(leaf, np.ndarray):
         return leaf.copy()
@@ -216,7 +231,7 @@ def numel(tree: Tree) -> int:
     """How many numbers ``tree`` holds: array and tensor sizes, 1 per numeric scalar."""
     total = 0
     for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
+        if _is_tensor(leaf):
             total += leaf.numel()
         elif isinstance(leaf, np.ndarray | np.generic):
             total += leaf.size
@@ -237,7 +252,7 @@ def format_path(path: Path) -> str:
 
 def describe(value: Any) -> str:
     """A short description of a leaf or container, for messages."""
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         return f"a torch {str(value.dtype).removeprefix('torch.')} tensor of shape {_shape(value)}"
     if isinstance(value, np.ndarray):
         article = "an" if value.dtype.name.startswith("i") else "a"  # an int64, a uint8
@@ -473,6 +488,8 @@ class _MeanLeaf(_Node):
         if self.sum is None:
             if not acc.precise and flat.dtype.kind == "f" and flat.dtype.itemsize >= 4:
                 # Σ in the leaf's own dtype, with torch's fused multi-threaded kernels.
+                import torch
+
                 self.sum = torch.mul(torch.as_tensor(flat), weight).numpy()
                 self.native = True
                 return
@@ -481,6 +498,8 @@ class _MeanLeaf(_Node):
         total = self.sum
         if self.native and flat.dtype == total.dtype and flat.flags.writeable:
             # Σ += w·x in one fused, multi-threaded torch kernel over the same memory.
+            import torch
+
             torch.from_numpy(total).add_(torch.from_numpy(flat), alpha=weight)
             return
         # Σ += w·x chunk by chunk through a cached scratch buffer: no full-size temporary.
@@ -497,6 +516,8 @@ class _MeanLeaf(_Node):
         if self.native:  # summed in its own dtype (not precise)
             # The sum becomes the mean in place: no second full-size buffer to fault in.
             mean, self.sum = self.sum, None
+            import torch
+
             torch.from_numpy(mean).div_(total)
             return like(self.first, mean.reshape(self.shape))
         out = np.empty(self.shape, dtype=numpy_dtype(self.first))

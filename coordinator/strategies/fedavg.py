@@ -30,11 +30,14 @@ staged in its filter daemon once per job. Each round:
 * ClientUpdate: the global model is *sent* to each selected worker (``set_state``), which trains
   ``local_epochs`` epochs on its staged data with a fresh optimizer (``batched_fit`` with
   ``reset_optimizer``; batches, optimizer and ``lr`` are its TorchFilters' own) and answers with
-  its states and row count n_k;
-* aggregation: the mean of the answers weighted by n_k over those who answered
-  (:func:`~coordinator.strategies.aggregate.weighted_mean`), then the server optimizer
-  (:mod:`~coordinator.strategies.server_opt`: plain averaging by default, or FedAvgM, FedAdam,
-  FedYogi after Reddi et al. 2021) steps from w_t towards that mean on the TorchFilters' states.
+  its row count n_k; its trained states are then pulled (``get_state``), at most ``FETCHES``
+  workers at a time, however many train at once;
+* aggregation: the mean of the states weighted by n_k over those who answered, each folded
+  into an :class:`~coordinator.strategies.aggregate.Accumulator` as it arrives (so the
+  coordinator holds a few client states at a time, not m, and averages while it receives), then
+  the server optimizer (:mod:`~coordinator.strategies.server_opt`: plain averaging by default,
+  or FedAvgM, FedAdam, FedYogi after Reddi et al. 2021) steps from w_t towards that mean on the
+  TorchFilters' states.
 
 Plain filters (a ``Center`` before the network) have no state to start from: each client fits
 them on its own data in every round, as ``graph.fit`` would, and their global state is the
@@ -53,6 +56,7 @@ trains. The final model is set on a worker and read back over the wire.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +66,7 @@ import numpy as np
 
 from coordinator.context import StrategyContext, WorkerCallError
 from coordinator.strategies import server_opt
-from coordinator.strategies.aggregate import AggregationError, weighted_mean
+from coordinator.strategies.aggregate import Accumulator, AggregationError
 from coordinator.strategies.base import (
     Emit,
     JobInputs,
@@ -80,6 +84,10 @@ STAGED = "local"
 
 OPTIONS = {"rounds", "local_epochs", "fraction", "min_workers", "workers", "tag", "server", "seed"}
 """The options FedAvg takes (FedProx takes ``mu`` as well)."""
+
+FETCHES = 16
+"""Trained states pulled from the workers at once: the coordinator holds at most this many
+client states (arriving or being folded into the mean), however many workers train."""
 
 _REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
 """Failures after which the worker's daemon is gone, with the job's filters and data."""
@@ -256,9 +264,14 @@ class FedAvg(Strategy):
         for r in range(1, self.rounds + 1):
             # 3. Select m of the usable workers; set up again those whose daemon died.
             selected = self._select(r, workers)
-            # 4. ClientUpdate on each, concurrently: w_t goes out, trained states come back.
+            # 4. ClientUpdate on each, concurrently: w_t goes out, trained states come back and
+            #    are folded into the weighted mean as they arrive (one state held, not m).
+            mean, fetch = Accumulator(), asyncio.Semaphore(FETCHES)
             replies = await concurrently(
-                *(self._client_update(ctx, job, shards, workers, i, global_state) for i in selected)
+                *(
+                    self._client_update(ctx, job, shards, workers, i, global_state, mean, fetch, r)
+                    for i in selected
+                )
             )
             answered = [(i, reply) for i, reply in replies if not isinstance(reply, str)]
             dropped = {workers.ids[i]: reply for i, reply in replies if isinstance(reply, str)}
@@ -272,10 +285,7 @@ class FedAvg(Strategy):
                     dropped=dropped,
                 )
             # 5. w_{t+1}: the row-weighted mean, through the server optimizer for TorchFilters.
-            averaged = _aggregate(
-                f"round {r}",
-                [(workers.ids[i], reply["rows"], reply["states"]) for i, reply in answered],
-            )
+            averaged = mean.result()
             global_state = self._server_step(server, r, global_state, averaged, torch_nodes)
             rows = sum(int(reply["rows"]) for _, reply in answered)
             loss = sum(int(reply["rows"]) * float(reply["loss"]) for _, reply in answered)
@@ -394,8 +404,20 @@ class FedAvg(Strategy):
         workers: _Workers,
         i: int,
         global_state: dict[str, Any],
+        mean: Accumulator,
+        fetch: asyncio.Semaphore,
+        r: int,
     ) -> tuple[int, dict[str, Any] | str]:
-        """ClientUpdate(k, w_t) on worker ``i``: its fit result, or why it dropped out."""
+        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``: its
+        rows and loss, or why it dropped out.
+
+        Every selected worker trains at once; their states are then pulled ``fetch`` at a
+        time (``get_state``), not sent with the fit's reply: m workers finishing together
+        would otherwise push m states into the coordinator's memory at once.
+
+        Raises:
+            StrategyFailed: its states cannot be averaged with the others' (round ``r`` fails).
+        """
         if i in workers.stale:
             failed = await self._setup(ctx, job, shards, workers, [i])
             if failed:
@@ -414,11 +436,20 @@ class FedAvg(Strategy):
                     "prox_mu": self.prox_mu,
                     "reset_optimizer": True,
                     "return_output": False,  # the model's outputs on private data stay there
+                    "return_states": False,  # pulled below, a few workers at a time
                 },
             )
+            async with fetch:
+                states = await ctx.get_state(i, job.node_ids)
+                try:
+                    mean.add(workers.ids[i], fit["rows"], states)
+                except AggregationError as exc:
+                    raise StrategyFailed(
+                        ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {exc}"
+                    ) from exc
         except WorkerCallError as exc:
             return i, workers.drop(i, exc)
-        return i, {"rows": fit["rows"], "states": fit["states"], "loss": fit["loss"]}
+        return i, {"rows": fit["rows"], "loss": fit["loss"]}
 
     def _server_step(
         self,
@@ -518,13 +549,6 @@ def _server_spec(strategy: str, spec: Any) -> tuple[str, dict[str, Any]]:
         )
     options = {key: value for key, value in spec.items() if key != "name"}
     return spec["name"], options
-
-
-def _aggregate(where: str, contributions: Sequence[tuple[str, float, Any]]) -> Any:
-    try:
-        return weighted_mean(contributions)
-    except AggregationError as exc:
-        raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, f"{where}: {exc}") from exc
 
 
 def _rows(x: Any) -> int | None:

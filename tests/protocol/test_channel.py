@@ -415,3 +415,83 @@ def test_any_decoded_body_is_refused_with_a_typed_bounded_error(body):
         assert exc.info.code == ErrorCode.BAD_REQUEST
         assert len(exc.info.message) < 400
         assert len(encode_frame(exc.info.model_dump())) < 16_000
+
+
+class _Recording:
+    """A transport that takes a little while per send and records which chunked messages are
+    being written at the same time, over every transport sharing ``open``."""
+
+    def __init__(self, open_streams: set[tuple[int, int]], peak: list[int], n: int) -> None:
+        self.open, self.peak, self.n = open_streams, peak, n
+        self.sent: list[str] = []
+
+    async def send(self, message):
+        from protocol.channel import _CHUNK_HEAD, CHUNK_MAGIC
+
+        if message[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
+            _, stream, offset, total = _CHUNK_HEAD.unpack_from(message)
+            self.open.add((self.n, stream))
+            self.peak[0] = max(self.peak[0], len(self.open))
+            self.sent.append("chunk")
+            await asyncio.sleep(0.001)
+            if offset + len(message) - _CHUNK_HEAD.size == total:
+                self.open.discard((self.n, stream))
+        else:
+            self.sent.append("small")
+            await asyncio.sleep(0)
+
+    async def recv(self):
+        await asyncio.Future()
+
+    async def close(self, code=1000, reason=""):
+        pass
+
+
+def test_a_shared_bulk_gate_bounds_the_chunked_messages_written_at_once():
+    big = Result(result=torch.zeros(3 * CHUNK_BYTES // 4))  # four chunks each
+
+    async def peak(gate):
+        open_streams: set[tuple[int, int]] = set()
+        seen = [0]
+        transports = [_Recording(open_streams, seen, n) for n in range(5)]
+        channels = [Channel(t, f"c{n}", bulk_gate=gate) for n, t in enumerate(transports)]
+        sends = [asyncio.ensure_future(c.send(big)) for c in channels]
+        await asyncio.sleep(0)
+        # A small message of a channel waiting at the gate goes out at once.
+        await channels[4].send(Heartbeat(sent_at=0.0))
+        await asyncio.gather(*sends)
+        return seen[0], transports[4].sent
+
+    most, last = asyncio.run(peak(None))
+    assert most == 5 and last[0] == "chunk"
+    gate = asyncio.Semaphore(2)
+    most, last = asyncio.run(peak(gate))
+    assert most == 2
+    assert last == ["small"] + ["chunk"] * 4
+
+
+def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message():
+    """A coordinator with a thousand idle connections must not hold each one's last reply (a
+    1 MB state) until that connection's next heartbeat."""
+    import gc
+    import weakref
+
+    big = torch.ones(CHUNK_BYTES // 2)  # 2 MiB: chunked
+
+    async def handler(message):
+        return Result(result={"state": big})
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            reply = await client.request(Status(), timeout=10 * UNIT)
+            received = weakref.ref(reply.result["state"])
+            assert torch.equal(reply.result["state"], big)
+            del reply
+            await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
+            gc.collect()
+            assert received() is None
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())

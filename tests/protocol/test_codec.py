@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import struct
+import subprocess
+import sys
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -638,3 +640,64 @@ def test_deeply_nested_headers_raise_frame_error() -> None:
         header = b'{"v":1,"bufs":[],"body":' + body + b"}"
         with pytest.raises(FrameError):
             decode(struct.pack("<I", len(header)) + header)
+
+
+# -- torch is imported lazily -------------------------------------------------------------------
+
+_NO_TORCH_CHILD = """
+import sys
+import numpy as np
+import coordinator.ws_server  # the whole coordinator: it must start without torch
+from coordinator.strategies.aggregate import weighted_mean
+from protocol.codec import decode, encode_frame
+state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+back = decode(bytearray(encode_frame(state)))
+mean = weighted_mean([("a", 1, back), ("b", 3, {"w": back["w"] + 4})])
+assert np.array_equal(mean["w"], np.arange(6, dtype=np.float32).reshape(2, 3) + 3)
+assert "torch" not in sys.modules, "torch was imported"
+frame = open(sys.argv[1], "rb").read()
+tensor = decode(bytearray(frame))["t"]  # the first torch buffer imports torch now
+import torch
+assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16
+print(tensor.float().tolist())
+"""
+
+
+def test_torch_is_imported_at_the_first_tensor_only(tmp_path: Any, unit: float) -> None:
+    """A process that handles numpy values only (the coordinator averaging numpy states) never
+    imports torch; the first torch buffer it decodes does, and comes back as a tensor."""
+    values = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    path = tmp_path / "frame"
+    path.write_bytes(encode_frame({"t": values}))
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60 * unit,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert orjson.loads(out.stdout) == [1.5, -2.0, 3.25]
+
+
+def test_small_plain_values_and_their_look_alikes_decode_exactly() -> None:
+    """Plain trees are written and read by orjson alone; anything that looks like a tag, has no
+    JSON form of its own (big ints, non-finite floats, tuples, numpy scalars) or nests deeper
+    than the limit takes the full walk both ways and comes back exactly."""
+    for value in (
+        {"kind": "ping", "id": 3, "reply_to": None, "worker_id": "w1", "ok": True, "x": 1.5},
+        {"text": "$not a tag", "quoted": 'say "$hi"', "list": [1, [2, [3]]]},
+        {"$key": 1, "k": ("a", 2)},
+        [[[[]]]],
+        {"big": 2**70, "small": -(2**63) - 1, "inf": float("inf"), "f": np.float64(0.5)},
+    ):
+        assert decode(encode_frame(value)) == value
+    for depth, fine in ((252, True), (260, False)):
+        nested = ("[" * depth + "]" * depth).encode()
+        header = b'{"v":1,"bufs":[],"body":{"a":' + nested + b"}}"
+        frame = struct.pack("<I", len(header)) + header
+        if fine:
+            assert decode(frame) == {"a": orjson.loads(nested)}
+        else:
+            with pytest.raises(FrameError, match="nested more than"):
+                decode(frame)

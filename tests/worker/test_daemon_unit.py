@@ -355,8 +355,14 @@ def test_batched_fit_can_keep_its_output_on_the_worker():
             "x": x,
             "y": y,
             "return_output": keep,
+            "return_states": keep,
         }
         reply = decode(b"".join(daemon.respond(bytearray(encode_frame(request)))))
         assert reply["ok"], reply
         assert (reply["result"]["output"] is not None) is expect_output
-        assert set(reply["result"]["states"]) == {"lin"}
+        assert set(reply["result"]["states"]) == ({"lin"} if keep else set())
+        assert reply["result"]["rows"] == 4
+    # The states left out are the ones get_state reads afterwards.
+    request = {"id": 3, "cmd": "get_state", "node_ids": ["lin"]}
+    reply = decode(b"".join(daemon.respond(bytearray(encode_frame(request)))))
+    assert set(reply["result"]["lin"]) == {"weight", "bias"}
