@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.ws_server import Coordinator
+from protocol.memory import keep_freed_memory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,6 +185,7 @@ def _one_maths_thread() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    keep_freed_memory()
     _one_maths_thread()
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -27,6 +27,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from protocol.memory import keep_freed_memory
 from worker.agent import Agent, RegistrationRefused
 from worker.datasets import parse_data_option
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    keep_freed_memory()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(_serve(agent))
 

@@ -65,6 +65,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError
 from protocol.filters import load_filter
+from protocol.memory import keep_freed_memory
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
@@ -477,6 +478,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the daemon on this process's stdin/stdout until shutdown, EOF or orphaning."""
     args = _parse_args(argv)
+    keep_freed_memory()
     channel = take_stdio()
     # A segfault in user code prints the Python stack to the worker log before the process dies.
     faulthandler.enable(file=sys.stderr)
