@@ -432,6 +432,26 @@ def test_large_frames_cross_through_shared_memory_both_ways(daemon):
     daemon.load(center=Center())
 
 
+def _shared_fds() -> list[str]:
+    """This process's open shared-memory regions (memfds), by their targets."""
+    targets = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("/memfd:somatize-"):
+                targets.append(target)
+    return targets
+
+
+def test_a_daemons_shared_memory_goes_with_it():
+    before = len(_shared_fds())
+    with _driving() as driver:
+        assert len(_shared_fds()) == before + 2  # one region each way
+        driver.run(driver.supervisor.restart())  # a new daemon, new regions
+        assert len(_shared_fds()) == before + 2
+    assert len(_shared_fds()) == before
+
+
 # -- user code misbehaving (the daemon stays up) ------------------------------------------------
 
 
