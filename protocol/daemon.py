@@ -579,9 +579,13 @@ class FrameWriter:
         views = [v for v in views if v.nbytes]
         total = sum(v.nbytes for v in views)
         if self._shared is not None and total >= SHARED_MIN_BYTES:
-            self._shared.write(views)
-            self._views.append(memoryview(LENGTH.pack(total | SHARED_FLAG)))
-            return
+            try:
+                self._shared.write(views)
+            except (OSError, ValueError):
+                pass  # no memory for the region: this frame goes down the pipe instead
+            else:
+                self._views.append(memoryview(LENGTH.pack(total | SHARED_FLAG)))
+                return
         self._views.append(memoryview(LENGTH.pack(total)))
         self._views.extend(views)
 

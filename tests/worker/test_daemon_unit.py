@@ -445,3 +445,13 @@ def test_a_shared_region_cannot_be_shrunk_under_its_reader():
         os.ftruncate(into.fd, 0)  # sealed: a daemon cannot make the agent's mapping fault
     out.close()
     into.close()
+
+
+def test_a_frame_the_region_cannot_take_goes_down_the_pipe():
+    out, into = _region_pair()
+    os.close(out.fd)  # the writer's region is unusable (as if memory ran out)
+    frame = bytes(SHARED_MIN_BYTES)
+    writer = FrameWriter([frame], shared=out)
+    frames, piped = _through(writer, FrameReader(shared=into))
+    assert frames == [frame] and piped == 8 + len(frame)
+    into.close()
