@@ -21,8 +21,9 @@ still to send (tensor bytes go from their own memory to the pipe, never joined i
 ``bytes``).
 
 Large frames can skip the pipe: with a :class:`SharedRegion` per direction (a memfd both
-processes map, set up by the supervisor), a frame of at least :data:`SHARED_MIN_BYTES` is copied
-into the region and only its length goes down the pipe, flagged with :data:`SHARED_FLAG`::
+processes map, set up by the supervisor), a frame of :data:`SHARED_MIN_BYTES` to
+:data:`SHARED_MAX_BYTES` is copied into the region and only its length goes down the pipe,
+flagged with :data:`SHARED_FLAG`::
 
     u64 little-endian (SHARED_FLAG | frame length)  (the frame is in the region, from byte 0)
 
@@ -105,6 +106,10 @@ SHARED_FLAG = 1 << 63
 
 SHARED_MIN_BYTES = 256 << 10
 """Frames from this size on go through the shared region when there is one."""
+
+SHARED_MAX_BYTES = 32 << 20
+"""Larger frames still go down the pipe: a copy in or out of the region is one call (~3 ms for
+32 MiB), and an event loop must not stall on a GB-sized one; the pipe moves them in slices."""
 
 HEAP_FRAME_BYTES = 32 << 20
 """Frames up to this size are read into heap memory by :func:`allocate_paged` (see there)."""
@@ -559,8 +564,8 @@ class FrameWriter:
     Usage: ``writer.add(parts)`` with the codec's ``encode(obj)`` parts, then write
     ``writer.buffers()`` (e.g. with ``os.writev``) and report the count with ``advance(n)`` until
     ``writer.done``. Nothing is copied: partial writes only re-slice the views. With ``shared``,
-    a frame of at least :data:`SHARED_MIN_BYTES` is copied into that region at once and only its
-    flagged length is queued.
+    a frame of :data:`SHARED_MIN_BYTES` to :data:`SHARED_MAX_BYTES` is copied into that region at
+    once and only its flagged length is queued.
     """
 
     def __init__(
@@ -578,7 +583,7 @@ class FrameWriter:
         views = [memoryview(p).cast("B") for p in parts]
         views = [v for v in views if v.nbytes]
         total = sum(v.nbytes for v in views)
-        if self._shared is not None and total >= SHARED_MIN_BYTES:
+        if self._shared is not None and SHARED_MIN_BYTES <= total <= SHARED_MAX_BYTES:
             try:
                 self._shared.write(views)
             except (OSError, ValueError):

@@ -19,7 +19,7 @@ The event loop never blocks on the pipes: both ends are non-blocking and driven 
 ``loop.add_reader``/``add_writer``, a bounded amount of bytes per callback. A reply is read
 straight into a writable buffer of its own (so decoded tensors are zero-copy views over it), and
 a request is written with ``os.writev`` from the codec's memoryviews (tensor bytes go from their own
-memory into the pipe, never joined). Frames of a MiB or so and up go through two shared-memory
+memory into the pipe, never joined). Frames of 256 KiB to 32 MiB go through two shared-memory
 regions instead (:class:`~protocol.daemon.SharedRegion`, one per direction, created here and
 inherited by the daemon): one copy in, one copy out, no kernel pipe pages. Only process creation
 and reaping, which can block, run in the default executor.

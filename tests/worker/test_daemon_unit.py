@@ -18,6 +18,7 @@ from protocol.codec import decode, encode, encode_frame
 from protocol.daemon import (
     LENGTH,
     SHARED_FLAG,
+    SHARED_MAX_BYTES,
     SHARED_MIN_BYTES,
     FitRequest,
     FrameReader,
@@ -443,6 +444,16 @@ def test_a_shared_region_cannot_be_shrunk_under_its_reader():
     out.write([memoryview(bytes(SHARED_MIN_BYTES))])
     with pytest.raises(PermissionError):
         os.ftruncate(into.fd, 0)  # sealed: a daemon cannot make the agent's mapping fault
+    out.close()
+    into.close()
+
+
+def test_a_frame_over_the_shared_limit_goes_down_the_pipe():
+    out, into = _region_pair()
+    frame = bytes(SHARED_MAX_BYTES + 1)  # one copy of it would stall an event loop too long
+    frames, piped = _through(FrameWriter([frame], shared=out), FrameReader(shared=into))
+    assert frames == [frame] and piped == 8 + len(frame)
+    assert out.frames == 0
     out.close()
     into.close()
 
