@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 
 from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.memory import keep_freed_memory
 from worker.agent import Agent, RegistrationRefused
 from worker.datasets import parse_data_option
 
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the
     # first one it meets, which takes seconds: do it now, not mid-job between two heartbeats.
     importlib.import_module("torch")
+    keep_freed_memory()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(_serve(agent))
 

@@ -57,6 +57,7 @@ from protocol.daemon import (
     PingRequest,
     SetOptimizerStateRequest,
     SetStateRequest,
+    SharedRegion,
     ShutdownRequest,
     StageBackwardRequest,
     StageForwardRequest,
@@ -67,6 +68,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError
 from protocol.filters import load_filter
+from protocol.memory import keep_freed_memory
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
@@ -384,14 +386,21 @@ def _exception_info(exc: BaseException, what: str, cmd: str) -> ErrorInfo:
 
 
 class PipeChannel:
-    """Blocking, length-prefixed frames over a pair of file descriptors."""
+    """Blocking, length-prefixed frames over a pair of file descriptors.
 
-    def __init__(self, read_fd: int, write_fd: int) -> None:
+    ``shared``: the supervisor's shared-memory regions ``(requests, replies)``, for large frames
+    (see :mod:`protocol.daemon`); ``None``: everything goes through the pipes.
+    """
+
+    def __init__(
+        self, read_fd: int, write_fd: int, shared: tuple[SharedRegion, SharedRegion] | None = None
+    ) -> None:
         self.read_fd = read_fd
         self.write_fd = write_fd
+        self._replies = shared[1] if shared else None
         # Blocking reads on a process of its own: the faster allocator's occasional long page
         # fault stalls nobody else.
-        self._reader = FrameReader(allocate=allocate_fast)
+        self._reader = FrameReader(allocate=allocate_fast, shared=shared[0] if shared else None)
 
     def read_frame(self) -> memoryview | None:
         """The next frame, or ``None`` at a clean EOF (between two frames).
@@ -411,14 +420,14 @@ class PipeChannel:
 
     def write_frame(self, parts: Sequence[bytes | memoryview]) -> None:
         """Write one frame made of ``parts``, gathering them with ``writev`` (no joining copy)."""
-        writer = FrameWriter(parts)
+        writer = FrameWriter(parts, shared=self._replies)
         while not writer.done:
             writer.advance(os.writev(self.write_fd, writer.buffers()))
 
 
-def take_stdio() -> PipeChannel:
+def take_stdio(shared: tuple[SharedRegion, SharedRegion] | None = None) -> PipeChannel:
     """Keep fds 0/1 as the protocol channel; give user code stderr and ``/dev/null`` instead."""
-    channel = PipeChannel(os.dup(0), os.dup(1))  # dup'ed fds are non-inheritable (PEP 446)
+    channel = PipeChannel(os.dup(0), os.dup(1), shared)  # dup'ed: non-inheritable (PEP 446)
     sys.stdout.flush()
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -482,9 +491,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.cpu_count() or 1,
         help="torch intra-op threads: this daemon's share of the machine (default: all cores)",
     )
+    parser.add_argument(
+        "--shared",
+        metavar="IN,OUT",
+        help="file descriptors of the supervisor's shared-memory regions for large requests "
+        "and replies (default: every frame through the pipes)",
+    )
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.shared is not None:
+        fds = args.shared.split(",")
+        if len(fds) != 2 or not all(fd.isdigit() for fd in fds):
+            parser.error(f"--shared takes two file descriptors, IN,OUT, not {args.shared!r}")
+        for fd in fds:
+            try:
+                os.set_inheritable(int(fd), False)  # not for processes a filter starts
+            except OSError as exc:
+                parser.error(f"--shared: file descriptor {fd} is not usable: {exc}")
+        args.shared = (SharedRegion(int(fds[0])), SharedRegion(int(fds[1])))
     return args
 
 
@@ -500,7 +525,8 @@ def warm_up_optimizers() -> None:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the daemon on this process's stdin/stdout until shutdown, EOF or orphaning."""
     args = _parse_args(argv)
-    channel = take_stdio()
+    keep_freed_memory()
+    channel = take_stdio(args.shared)
     # A segfault in user code prints the Python stack to the worker log before the process dies.
     faulthandler.enable(file=sys.stderr)
     start_watchdog(os.getppid())

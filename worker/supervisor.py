@@ -19,8 +19,10 @@ The event loop never blocks on the pipes: both ends are non-blocking and driven 
 ``loop.add_reader``/``add_writer``, a bounded amount of bytes per callback. A reply is read
 straight into a writable buffer of its own (so decoded tensors are zero-copy views over it), and
 a request is written with ``os.writev`` from the codec's memoryviews (tensor bytes go from their own
-memory into the pipe, never joined). Only process creation and reaping, which can block, run in
-the default executor.
+memory into the pipe, never joined). Frames of 256 KiB to 32 MiB go through two shared-memory
+regions instead (:class:`~protocol.daemon.SharedRegion`, one per direction, created here and
+inherited by the daemon): one copy in, one copy out, no kernel pipe pages. Only process creation
+and reaping, which can block, run in the default executor.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from protocol.daemon import (
     FrameReader,
     FrameWriter,
     OkReply,
+    SharedRegion,
     reply_adapter,
     request_fields,
 )
@@ -80,7 +83,12 @@ class _Child:
     gets its return code and the supervisor's ``_on_exit`` fails the pending request, if any.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], supervisor: DaemonSupervisor) -> None:
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        supervisor: DaemonSupervisor,
+        shared: tuple[SharedRegion, SharedRegion] | None = None,
+    ) -> None:
         assert popen.stdin is not None and popen.stdout is not None
         self.popen = popen
         self.pid = popen.pid
@@ -88,8 +96,10 @@ class _Child:
         self._loop = asyncio.get_running_loop()
         self._write_fd = popen.stdin.fileno()
         self._read_fd = popen.stdout.fileno()
-        self._reader = FrameReader()
-        self._writer = FrameWriter()
+        self.shared = shared
+        """``(to the daemon, from the daemon)`` shared-memory regions, or ``None``: pipes only."""
+        self._reader = FrameReader(shared=shared[1] if shared else None)
+        self._writer = self._new_writer()
         self._writing = False
         self.eof = False
         self.killed = False
@@ -107,6 +117,9 @@ class _Child:
         return not (self.eof or self.killed) and self.popen.returncode is None
 
     # -- writing ------------------------------------------------------------------------------
+
+    def _new_writer(self) -> FrameWriter:
+        return FrameWriter(shared=self.shared[0] if self.shared else None)
 
     def send(self, parts: list[bytes | memoryview]) -> None:
         """Queue one frame and write what the pipe takes now; the rest goes when it drains."""
@@ -128,7 +141,7 @@ class _Child:
         except OSError as exc:
             # EPIPE: the daemon is gone. EOF on its stdout reports how; make sure it comes.
             log.debug("filter daemon %d: write failed: %s", self.pid, exc)
-            self._writer = FrameWriter()
+            self._writer = self._new_writer()
             self.kill()
         if self._writer.done and self._writing:
             self._loop.remove_writer(self._write_fd)
@@ -173,6 +186,8 @@ class _Child:
         for stream in (self.popen.stdin, self.popen.stdout):
             if stream is not None:
                 stream.close()
+        for region in self.shared or ():
+            region.close()
         if reap.cancelled() or reap.exception() is not None:
             log.error("filter daemon %d could not be reaped: %r", self.pid, reap)
             returncode = -signal.SIGKILL
@@ -207,7 +222,9 @@ def _reap(popen: subprocess.Popen[bytes]) -> int:
         return popen.wait()
 
 
-def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[bytes]:
     """Start the daemon process (blocking: fork/exec; run in an executor)."""
     return subprocess.Popen(
         argv,
@@ -216,10 +233,23 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         stderr=None,  # inherited: user prints and tracebacks go to the worker's log
         env=env,
         close_fds=True,
+        pass_fds=pass_fds,
         # Its own session: a Ctrl-C meant for the agent must not hit the daemon mid-request;
         # the agent decides when it stops (and the daemon's watchdog follows the agent).
         start_new_session=True,
     )
+
+
+def _shared_regions() -> tuple[SharedRegion, SharedRegion] | None:
+    """The two regions of a new daemon (to it, from it), or ``None`` without memfds."""
+    to_daemon = SharedRegion.create("somatize-to-daemon")
+    from_daemon = SharedRegion.create("somatize-from-daemon")
+    if to_daemon is None or from_daemon is None:
+        for region in (to_daemon, from_daemon):
+            if region is not None:
+                region.close()
+        return None
+    return to_daemon, from_daemon
 
 
 def _describe_exit(returncode: int) -> tuple[str, dict[str, Any]]:
@@ -275,6 +305,12 @@ class DaemonSupervisor:
     def pid(self) -> int | None:
         """The pid of the running daemon, ``None`` if there is none."""
         return self._child.pid if self._child is not None and self._child.alive else None
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes the current daemon and this side moved through shared memory (both ways)."""
+        shared = self._child.shared if self._child is not None else None
+        return sum(region.nbytes for region in shared or ())
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -463,20 +499,27 @@ class DaemonSupervisor:
         if self._child is not None and self._child.alive:
             raise RuntimeError("the filter daemon is already running; use restart()")
         argv = [self.python, "-m", "worker.daemon", "--threads", str(self.threads)]
+        shared = _shared_regions()
+        fds: tuple[int, ...] = ()
+        if shared is not None:
+            fds = (shared[0].fd, shared[1].fd)
+            argv += ["--shared", f"{fds[0]},{fds[1]}"]
         env = {**os.environ, **self.env}
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if _SOURCE_ROOT not in paths:
             env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
         loop = asyncio.get_running_loop()
         try:
-            popen = await loop.run_in_executor(None, _spawn, argv, env)
+            popen = await loop.run_in_executor(None, _spawn, argv, env, fds)
         except OSError as exc:
+            for region in shared or ():
+                region.close()
             raise DaemonCrashed(
                 ErrorCode.DAEMON_CRASHED,
                 f"cannot start the filter daemon with {self.python}: {exc}",
                 {"argv": argv},
             ) from exc
-        self._child = _Child(popen, self)
+        self._child = _Child(popen, self, shared)
         self._last_exit = {}
         log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
         await self._request({"cmd": "ping"}, self.default_timeout)

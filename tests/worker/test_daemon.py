@@ -418,6 +418,40 @@ def test_a_100_mb_gradient_set_ships_out_and_back(daemon):
     daemon.load(center=Center())  # let the daemon drop 200 MB
 
 
+def test_large_frames_cross_through_shared_memory_both_ways(daemon):
+    module = _linear(d=1024, out=1024)  # a 4 MB weight: over SHARED_MIN_BYTES
+    daemon.load(big=sz.TorchFilter(module))
+    before = daemon.supervisor.shared_bytes
+    state = daemon("get_state")["big"]  # a large reply
+    _assert_states_equal(state, module.state_dict())
+    changed = {k: v + 1 for k, v in state.items()}
+    daemon("set_state", states={"big": changed})  # a large request
+    _assert_states_equal(daemon("get_state")["big"], changed)
+    moved = daemon.supervisor.shared_bytes - before
+    assert moved >= 3 * module.weight.nbytes  # two replies and one request, none by the pipe
+    daemon.load(center=Center())
+
+
+def _shared_fds() -> list[str]:
+    """This process's open shared-memory regions (memfds), by their targets."""
+    targets = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("/memfd:somatize-"):
+                targets.append(target)
+    return targets
+
+
+def test_a_daemons_shared_memory_goes_with_it():
+    before = len(_shared_fds())
+    with _driving() as driver:
+        assert len(_shared_fds()) == before + 2  # one region each way
+        driver.run(driver.supervisor.restart())  # a new daemon, new regions
+        assert len(_shared_fds()) == before + 2
+    assert len(_shared_fds()) == before
+
+
 # -- user code misbehaving (the daemon stays up) ------------------------------------------------
 
 
