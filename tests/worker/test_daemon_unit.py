@@ -373,7 +373,6 @@ def test_batched_fit_can_keep_its_output_on_the_worker():
     assert set(reply["result"]["lin"]) == {"weight", "bias"}
 
 
-
 # -- shared memory --------------------------------------------------------------------------------
 
 
