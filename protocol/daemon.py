@@ -306,15 +306,9 @@ class ApplyGradientsRequest(_Request):
 
 
 class PingRequest(_Request):
-    """Do nothing and answer: liveness and round-trip time.
-
-    With ``warm`` the daemon first builds and steps a throwaway torch optimizer: torch's one-time
-    optimizer set-up (it imports ``torch._dynamo``: one to several seconds) is then paid by an
-    idle spare daemon, not by the first step of the job that takes it.
-    """
+    """Do nothing and answer: liveness and round-trip time."""
 
     cmd: Literal["ping"]
-    warm: bool = False
 
 
 class ShutdownRequest(_Request):

@@ -919,9 +919,6 @@ class Agent:
 
         async def start() -> DaemonSupervisor:
             await supervisor.start()
-            # torch's one-time optimizer set-up, while nothing waits (a job's open_job that comes
-            # meanwhile waits for it, which costs it nothing: its first step would pay it).
-            await supervisor.request({"cmd": "ping", "warm": True}, self.call_timeout)
             return supervisor
 
         self._spare = _owned_task(start())

@@ -284,8 +284,6 @@ class Daemon:
         return self.engine.apply_gradients(req.gradients)
 
     def on_ping(self, req: PingRequest) -> None:
-        if req.warm:
-            warm_up_optimizers()
         return None
 
     def on_shutdown(self, req: ShutdownRequest) -> None:
@@ -511,15 +509,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 parser.error(f"--shared: file descriptor {fd} is not usable: {exc}")
         args.shared = (SharedRegion(int(fds[0])), SharedRegion(int(fds[1])))
     return args
-
-
-def warm_up_optimizers() -> None:
-    """Build and step one throwaway optimizer: what torch does once per process before the first
-    optimizer works (importing ``torch._dynamo``) happens now."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=0.0)
-    param.grad = torch.zeros(1)
-    optimizer.step()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -98,8 +98,6 @@ def test_a_request_is_answered_with_its_id(daemon):
     assert set(reply["result"]) == {"output", "states", "loss", "rows", "epoch_losses"}
     np.testing.assert_array_equal(reply["result"]["states"]["center"]["mean"], [2.0, 3.0])
     assert _ask(daemon, id=42, cmd="ping") == {"id": 42, "ok": True, "result": None}
-    # A warm ping (what an agent sends its spare daemon) answers the same, optimizer set up.
-    assert _ask(daemon, id=43, cmd="ping", warm=True) == {"id": 43, "ok": True, "result": None}
 
 
 def test_bytes_that_are_not_a_frame_get_bad_frame_with_id_minus_one(daemon):
