@@ -491,13 +491,7 @@ class Agent:
                 self.url,
                 **_tls(self.url, self._ssl),
                 additional_headers=headers,
-                compression=None,
-                # Larger frames arrive as Chunk messages of CHUNK_BYTES (plus their header).
-                max_size=4 * CHUNK_BYTES,
-                open_timeout=self.open_timeout,
-                ping_interval=self.ping_interval,
-                ping_timeout=self.ping_timeout,
-                close_timeout=self.close_timeout,
+                **self._ws_options(),
             )
         except InvalidStatus as exc:
             status = exc.response.status_code
@@ -793,18 +787,25 @@ class Agent:
 
     # -- the peer endpoint --------------------------------------------------------------------
 
+    def _ws_options(self) -> dict[str, Any]:
+        """The websockets settings of both of this agent's endpoints (the coordinator link and
+        ``/peer``): larger frames arrive as chunk messages of CHUNK_BYTES (plus their header)."""
+        return {
+            "compression": None,
+            "max_size": 4 * CHUNK_BYTES,
+            "open_timeout": self.open_timeout,
+            "ping_interval": self.ping_interval,
+            "ping_timeout": self.ping_timeout,
+            "close_timeout": self.close_timeout,
+        }
+
     async def _start_peer_server(self, listen: str) -> None:
         host, port = _split_host_port(listen)
         self._peer_server = await serve(
             self._peer_connection,
             host or None,
             port,
-            compression=None,
-            max_size=4 * CHUNK_BYTES,
-            open_timeout=self.open_timeout,
-            ping_interval=self.ping_interval,
-            ping_timeout=self.ping_timeout,
-            close_timeout=self.close_timeout,
+            **self._ws_options(),
         )
         bound = next(iter(self._peer_server.sockets)).getsockname()[1]
         shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -367,18 +367,10 @@ class FedAvg(Strategy):
         self, ctx: StrategyContext, workers: _Workers, torch_nodes: list[str]
     ) -> dict[str, Any]:
         """The TorchFilters' states on the first worker that answers."""
-        errors: dict[str, str] = {}
-        for i in workers.usable():
-            if i in workers.stale:
-                continue
-            try:
-                return await ctx.get_state(i, torch_nodes)
-            except WorkerCallError as exc:
-                errors[workers.ids[i]] = workers.drop(i, exc)
-        raise StrategyFailed(
-            ErrorCode.NOT_ENOUGH_WORKERS,
-            f"no worker could give the initial model; {_listed(errors)}",
-            dropped=errors,
+        return await _on_first_answering(
+            workers,
+            lambda i: ctx.get_state(i, torch_nodes),
+            "no worker could give the initial model",
         )
 
     def _select(self, r: int, workers: _Workers) -> list[int]:
@@ -477,19 +469,13 @@ class FedAvg(Strategy):
         global_state: dict[str, Any],
     ) -> dict[str, Any]:
         """Set the final model on a worker and read it back (the next one if that one fails)."""
-        errors: dict[str, str] = {}
-        for i in workers.usable():
-            if i in workers.stale:
-                continue
-            try:
-                await ctx.set_state(i, global_state)
-                return await ctx.read_back_state(i, job.node_ids)
-            except WorkerCallError as exc:
-                errors[workers.ids[i]] = workers.drop(i, exc)
-        raise StrategyFailed(
-            ErrorCode.NOT_ENOUGH_WORKERS,
-            f"no worker is left to read the final model back from; {_listed(errors)}",
-            dropped=errors,
+
+        async def read_back(i: int) -> dict[str, Any]:
+            await ctx.set_state(i, global_state)
+            return await ctx.read_back_state(i, job.node_ids)
+
+        return await _on_first_answering(
+            workers, read_back, "no worker is left to read the final model back from"
         )
 
     def _check_enough(self, workers: _Workers, failed: Mapping[str, str], phase: str) -> None:
@@ -560,6 +546,24 @@ def _rows(x: Any) -> int | None:
 
 def _named(workers: _Workers, by_index: Mapping[int, str]) -> dict[str, str]:
     return {workers.ids[i]: why for i, why in by_index.items()}
+
+
+async def _on_first_answering(
+    workers: _Workers, call: Callable[[int], Awaitable[dict[str, Any]]], failure: str
+) -> dict[str, Any]:
+    """``call`` on the usable, up-to-date workers in turn until one answers; each that fails is
+    dropped. None answering is ``not_enough_workers``: ``failure`` and why each failed."""
+    errors: dict[str, str] = {}
+    for i in workers.usable():
+        if i in workers.stale:
+            continue
+        try:
+            return await call(i)
+        except WorkerCallError as exc:
+            errors[workers.ids[i]] = workers.drop(i, exc)
+    raise StrategyFailed(
+        ErrorCode.NOT_ENOUGH_WORKERS, f"{failure}; {_listed(errors)}", dropped=errors
+    )
 
 
 def _listed(reasons: Mapping[str, str]) -> str:
