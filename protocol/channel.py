@@ -43,13 +43,33 @@ from pydantic import BaseModel, ValidationError
 
 from protocol import PROTOCOL_VERSION
 from protocol.codec import decode, encode, frame_nbytes
-from protocol.errors import ErrorCode, ErrorInfo, FrameError, MessageTooLarge, ProtocolError
+from protocol.errors import (
+    BadMessage,
+    ChannelClosed,
+    ErrorCode,
+    ErrorInfo,
+    FrameError,
+    MessageTooLarge,
+    ProtocolError,
+    RemoteError,
+    RequestRefused,
+    VersionMismatch,
+)
 from protocol.messages import (
     CHUNK_BYTES,
     REPLY_KINDS,
     Error,
     message_adapter,
 )
+
+__all__ = [
+    "BadMessage",
+    "Channel",
+    "ChannelClosed",
+    "RemoteError",
+    "RequestRefused",
+    "VersionMismatch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,32 +99,6 @@ class Transport(Protocol):
     async def recv(self) -> Any: ...
 
     async def close(self, code: int = 1000, reason: str = "") -> None: ...
-
-
-class RemoteError(ProtocolError):
-    """The peer answered a request with an ``error`` reply."""
-
-    def __init__(self, info: ErrorInfo) -> None:
-        super().__init__(info.message)
-        self.info = info
-        self.code = info.code
-
-
-class ChannelClosed(ProtocolError):
-    """The connection closed before the reply came (``reason`` says why, when known)."""
-
-
-class VersionMismatch(ProtocolError):
-    """The peer speaks another protocol version."""
-
-
-class BadMessage(ProtocolError):
-    """An incoming message that is not a frame or not a valid message."""
-
-    def __init__(self, info: ErrorInfo, reply_to: int | None) -> None:
-        super().__init__(info.message)
-        self.info = info
-        self.reply_to = reply_to
 
 
 Handler = Callable[[Any], Awaitable[BaseModel | None]]
@@ -676,7 +670,7 @@ class Channel:
             return
         try:
             reply = await self.handler(message)
-        except RemoteError as exc:
+        except (RequestRefused, RemoteError) as exc:
             await self._send_error(exc.info, message.id)
             return
         except ProtocolError as exc:

@@ -3,8 +3,17 @@
 Exception tree::
 
     ProtocolError            anything wrong with bytes or messages that crossed a boundary
-    └── FrameError           a frame that is truncated, malformed or carries an unsupported value
-        └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
+    ├── FrameError           a frame that is truncated, malformed or carries an unsupported value
+    │   └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
+    ├── BadMessage           an incoming message that is not a frame or not a valid message
+    ├── VersionMismatch      the peer speaks another protocol version
+    ├── ChannelClosed        the connection closed before the reply came
+    ├── RemoteError          the peer answered a request with an ``error`` reply (its fault)
+    └── RequestRefused       raised by a handler of ours: answer this request with an ``error``
+
+:class:`RemoteError` is what a requester sees of the peer's refusal; :class:`RequestRefused` is
+how a handler refuses (the channel turns it into the ``error`` reply). They carry the same
+:class:`ErrorInfo`, but one is the other side's word and the other is ours.
 
 Remote failures travel as data (:class:`ErrorInfo` inside a reply), never as pickled exceptions;
 the receiving side turns them back into its own package's exception types.
@@ -75,3 +84,43 @@ class MessageTooLarge(FrameError):
         super().__init__(message)
         self.reply_to = reply_to
         self.answers = answers
+
+
+class BadMessage(ProtocolError):
+    """An incoming message that is not a frame or not a valid message."""
+
+    def __init__(self, info: ErrorInfo, reply_to: int | None) -> None:
+        super().__init__(info.message)
+        self.info = info
+        self.reply_to = reply_to
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+
+class ChannelClosed(ProtocolError):
+    """The connection closed before the reply came (``reason`` says why, when known)."""
+
+
+class RemoteError(ProtocolError):
+    """The peer answered a request with an ``error`` reply."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+        self.code = info.code
+
+
+class RequestRefused(ProtocolError):
+    """Raised by a request handler to answer with an ``error`` reply carrying ``info``."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+        self.code = info.code
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str, **detail: Any) -> RequestRefused:
+        """A refusal built from its parts."""
+        return cls(ErrorInfo(code=code, message=message, detail=detail))
