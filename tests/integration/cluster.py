@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from somatize.cluster import LocalCluster, wait_for
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 
-UNIT = timeout_unit()
-
-__all__ = ["UNIT", "Cluster", "cluster", "healthy", "wait_for"]
+__all__ = ["Cluster", "cluster", "healthy", "wait_for"]
 
 
 class Cluster(LocalCluster):

@@ -12,12 +12,11 @@ import pytest
 
 import somatize as sz
 from somatize.cluster import free_port, wait_for
-from tests.conftest import timeout_unit
 from tests.integration.cluster import healthy
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
-UNIT = timeout_unit()
 BIN = Path(sys.executable).parent
 CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
 

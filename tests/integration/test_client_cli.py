@@ -23,12 +23,11 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.conftest import timeout_unit
 from tests.integration.cluster import Cluster
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
-UNIT = timeout_unit()
 BIN = Path(sys.executable).parent
 
 

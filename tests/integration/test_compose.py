@@ -27,11 +27,10 @@ import yaml
 
 import somatize as sz
 from somatize.cluster import free_port, wait_for
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
-UNIT = timeout_unit()
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSE = ROOT / "docker-compose.yml"

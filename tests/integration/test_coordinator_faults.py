@@ -16,23 +16,10 @@ from protocol.channel import Channel
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode
 from protocol.messages import ClientHello, Status
-from tests.integration.cluster import UNIT, cluster, wait_for
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT, Center, Sleepy
 
 pytestmark = pytest.mark.integration
-
-
-class Sleepy(sz.Filter):
-    def fit(self, x, y=None):
-        time.sleep(60)
-        return {}
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def _quick_graph() -> sz.Graph:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import somatize as sz
-from tests.integration.cluster import UNIT, Cluster, cluster, wait_for
+from tests.integration.cluster import Cluster, cluster, wait_for
+from tests.utils import UNIT, Center
 
 pytestmark = pytest.mark.integration
 
@@ -34,14 +35,6 @@ class Marked(sz.Filter):
         Path(self.path).write_text(str(os.getpid()))
         time.sleep(self.seconds)
         return {}
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ import torch
 
 import somatize as sz
 from tests.coordinator.test_data_parallel import (
-    Center,
     dataset,
     graph_for,
     model,
     reference_training,
 )
-from tests.integration.cluster import UNIT, cluster, wait_for
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT, Center
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ def test_the_demo_trains_every_strategy_on_a_local_cluster_next_to_graph_fit():
         env=env,
         capture_output=True,
         text=True,
-        timeout=300 * timeout_unit(),
+        timeout=300 * UNIT,
     )
     assert out.returncode == 0, out.stderr + out.stdout
 
@@ -77,13 +77,13 @@ def test_ctrl_c_stops_the_demo_and_everything_it_started():
         time.sleep(1.0)
         assert len(_marked(marker)) > 3  # the coordinator, two agents and their daemons
         proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=60 * timeout_unit())[0]
+        rest = proc.communicate(timeout=60 * UNIT)[0]
         assert proc.returncode == 130, rest
         assert "interrupted" in rest
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 15 * timeout_unit()
+    deadline = time.monotonic() + 15 * UNIT
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked(marker) == [], "Ctrl-C left processes behind"

@@ -21,7 +21,8 @@ from tests.coordinator.test_fedavg import (
     reference_rounds,
     shards,
 )
-from tests.integration.cluster import UNIT, Cluster, cluster, wait_for
+from tests.integration.cluster import Cluster, cluster, wait_for
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 

@@ -75,7 +75,8 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
-from tests.integration.cluster import UNIT, cluster, wait_for
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT, Center
 
 pytestmark = pytest.mark.integration
 
@@ -495,14 +496,6 @@ async def _close(link: _Link) -> None:
 
 
 # -- the test -----------------------------------------------------------------------------------
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def test_random_and_mutated_frames_get_errors_or_clean_closes_and_a_job_still_succeeds(

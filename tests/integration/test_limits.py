@@ -42,25 +42,16 @@ from protocol.messages import (
     WorkerHello,
 )
 from somatize.cluster import free_port, wait_for
-from tests.conftest import timeout_unit
 from tests.integration.cluster import healthy
+from tests.utils import UNIT, Center
 
 pytestmark = pytest.mark.integration
 
-UNIT = timeout_unit()
 BIN = Path(sys.executable).parent
 PENDING = 4
 HANDSHAKE = 1.0 * UNIT
 MAX_BYTES = 3 * CHUNK_BYTES
 INFLIGHT = 4
-
-
-class Mean(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpickle="3")
@@ -238,7 +229,7 @@ def test_messages_over_the_limits_are_refused_and_the_coordinator_keeps_serving(
 def test_the_sdk_reports_a_submission_over_the_limit_as_too_large(url):
     x = np.zeros((MAX_BYTES // 8 + 1, 1))
     with sz.connect(url, timeout=10 * UNIT) as client:
-        graph = sz.Graph([Mean().named("f")])
+        graph = sz.Graph([Center().named("f")])
         with pytest.raises(sz.ClientError, match="exceeds the limit") as refused:
             client.submit(graph, x)
         assert refused.value.code == "too_large"
@@ -321,7 +312,7 @@ async def _drain(stream: Any) -> str:
 def _queued_job(url: str) -> str:
     """A job that stays queued: there is no worker."""
     with sz.connect(url, timeout=10 * UNIT) as client:
-        job = client.submit(sz.Graph([Mean().named("f")]), np.zeros((2, 2)))
+        job = client.submit(sz.Graph([Center().named("f")]), np.zeros((2, 2)))
         return str(job.id)
 
 

@@ -11,7 +11,8 @@ import torch
 
 import somatize as sz
 from tests.coordinator.test_model_parallel import dataset, graph, reference
-from tests.integration.cluster import UNIT, cluster, wait_for
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 

@@ -17,18 +17,13 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.integration.cluster import UNIT, Cluster, cluster, wait_for
+from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.integration.netns import Netns, NetnsUnavailable
+from tests.utils import UNIT, Sleepy
 
 pytestmark = pytest.mark.integration
 
 CLIENT, WORKER = "netcut-client-token-0123", "netcut-worker-token-3210"
-
-
-class Sleepy(sz.Filter):
-    def fit(self, x, y=None):
-        time.sleep(60)
-        return {}
 
 
 @pytest.fixture

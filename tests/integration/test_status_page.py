@@ -22,7 +22,8 @@ import somatize as sz
 from tests.coordinator.test_data_parallel import dataset, graph_for
 from tests.coordinator.test_http import running
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
-from tests.integration.cluster import UNIT, cluster, wait_for
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,56 @@
+"""What many test modules share: the unit of test time and the filters their jobs run.
+
+Every timeout in the tests is a multiple of one unit, scaled by ``SOMATIZE_TEST_TIMEOUT_SCALE``
+(default 1) so a slow machine stretches them all at once instead of a test growing bare sleeps.
+
+The filters are pickled by value (this module is the user's own code to
+:func:`protocol.filters.dump_filter`), so a worker runs them without importing ``tests``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import somatize as sz
+
+
+def timeout_unit() -> float:
+    """One unit of test time, in seconds."""
+    return float(os.environ.get("SOMATIZE_TEST_TIMEOUT_SCALE", "1"))
+
+
+UNIT = timeout_unit()
+""":func:`timeout_unit`, read once when the tests are collected."""
+
+
+class Center(sz.Filter):
+    """Subtracts the column means seen in fit."""
+
+    def fit(self, x, y=None):
+        return {"mean": x.mean(0)}
+
+    def forward(self, x, state):
+        return x - state["mean"]
+
+
+class Sleepy(sz.Filter):
+    """A fit that takes a minute: a job that stays running while a test breaks something."""
+
+    def fit(self, x, y=None):
+        time.sleep(60)
+        return {}
+
+
+class Boom:
+    """A plain filter whose fit raises ``ValueError("boom in fit")`` one call deep (in
+    ``explode``), so the traceback shows a frame of the filter's own."""
+
+    def fit(self, x, y=None):
+        return self.explode()
+
+    def explode(self):
+        raise ValueError("boom in fit")
+
+    def forward(self, x, state):
+        return x
