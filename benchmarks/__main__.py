@@ -54,7 +54,7 @@ SUITE = (
     "data_parallel",
     "pipeline",
 )
-"""The benchmarks of the issue, in the order they run."""
+"""The benchmarks of the suite, in the order they run."""
 
 EXTRA = ("daemon",)
 """Benchmarks that run only when named (not part of the suite's table)."""
@@ -67,7 +67,7 @@ SUITE_ARGS: dict[str, dict[str, Any]] = {
 }
 """``run()`` arguments of the suite: fewer repetitions than a module's own default (``python -m
 benchmarks.allreduce``) for the heaviest ones, so that the whole suite stays under 10 minutes
-on a 2-core machine; the sizes are the issue's."""
+on a 2-core machine; the sizes are the full ones."""
 
 QUICK: dict[str, dict[str, Any]] = {
     "codec": {"size_bytes": 16 << 20, "repeats": 2},

@@ -40,28 +40,39 @@ run fails.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import math
-import random
-import resource
-import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import uvloop
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.protocol import State
+from websockets.asyncio.client import connect
 
 import somatize as sz
+from benchmarks.fleet_measure import (
+    FANOUT,
+    PROBE,
+    RssSampler,
+    latency,
+    peak_rss_bytes,
+    probe_samples,
+    raise_fd_limit,
+)
+from benchmarks.fleet_sim import (
+    DATASET,
+    HEARTBEAT_INTERVAL,
+    NODE,
+    Fleet,
+    expected_mean,
+    side,
+    state_nbytes,
+)
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import (
-    MAX_SIZE,
     Processes,
     client_channel,
     cpu_seconds,
@@ -71,13 +82,11 @@ from benchmarks.roundtrip import (
     rss_bytes,
     summary,
 )
-from protocol.channel import Channel, RemoteError, encode_small, parse
-from protocol.errors import ErrorCode, ErrorInfo
-from protocol.messages import Ack, Capabilities, Heartbeat, Result, Welcome, WorkerHello
+from protocol.channel import Channel, encode_small
+from protocol.messages import Heartbeat
 
 AGENTS = 1_000
 BATCH = 50
-HEARTBEAT_INTERVAL = 2.0
 HEARTBEAT_TIMEOUT = 10.0
 HOLD_SECONDS = 6.0
 PING_BURST = 100
@@ -86,324 +95,8 @@ IDLE_PING_SECONDS = 2.0
 LOADED_PING_SECONDS = 3.0
 STATE_BYTES = 1 << 20
 """The model's weight matrix (``Linear(512, 512)``: 1 MiB, plus 2 KiB of bias)."""
-NODE = "model"
-DATASET = "sim"
-VARIANTS = 4
-"""Sim ``i`` trains its state to all ``(i % VARIANTS) + 1``: the mean is known in advance."""
 PROBE_EVERY = 0.02
 JOB_TIMEOUT = 300.0
-CAPABILITIES = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3.11", cloudpickle="3")
-
-PROBE = """
-import asyncio, sys, time
-import uvloop
-from websockets.asyncio.client import connect
-from protocol.channel import encode_small, parse
-from protocol.messages import Capabilities, Heartbeat, WorkerHello
-
-URL, OUT, EVERY = sys.argv[1], sys.argv[2], float(sys.argv[3])
-CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3.11", cloudpickle="3")
-
-async def main():
-    async with connect(URL, compression=None, max_size=4 << 20) as ws:
-        hello = WorkerHello(worker_id="probe", tags=["probe"], capabilities=CAPS)
-        await ws.send(encode_small(hello))
-        parse(await ws.recv())
-        with open(OUT, "a") as out:
-            while True:
-                sent = time.time()
-                await ws.send(encode_small(Heartbeat(sent_at=sent)))
-                latency = await asyncio.wait_for(await ws.ping(), 60)
-                out.write(f"{sent} {latency}\\n")
-                out.flush()
-                await asyncio.sleep(EVERY)
-
-uvloop.run(main())
-"""
-"""The heartbeat probe: ``python -c PROBE URL OUT EVERY`` registers as worker ``probe`` and
-appends ``<time sent> <pong latency s>`` to ``OUT`` every ``EVERY`` s until killed."""
-
-FANOUT = """
-import asyncio, sys, time
-import uvloop
-from websockets.asyncio.server import serve
-
-PORT, NBYTES = int(sys.argv[1]), int(sys.argv[2])
-PAYLOAD = bytes(NBYTES)
-agents = {}
-
-async def handler(ws):
-    first = await ws.recv()
-    if first == b"control":
-        async for _ in ws:  # one round per message
-            start = time.perf_counter()
-            async def one(ws, replies):
-                await ws.send(PAYLOAD)
-                await replies.get()
-            await asyncio.gather(*(one(w, q) for w, q in list(agents.items())))
-            await ws.send(str(time.perf_counter() - start).encode())
-        return
-    replies = agents[ws] = asyncio.Queue()
-    try:
-        async for message in ws:  # heartbeats are dropped, replies handed to the round
-            if len(message) == NBYTES:
-                replies.put_nowait(message)
-    finally:
-        del agents[ws]
-
-async def main():
-    async with serve(handler, "127.0.0.1", PORT, compression=None, max_size=None):
-        await asyncio.Future()
-
-uvloop.run(main())
-"""
-"""The anchor: ``python -c FANOUT PORT NBYTES``, a bare ``websockets`` server on uvloop that holds
-agents' connections (dropping what they send) and, for each message of a connection whose first
-message is ``control``, sends ``NBYTES`` to every agent, waits for ``NBYTES`` back from each and
-answers with the seconds it took. It imports nothing of ours (nor torch)."""
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's RLIMIT_NOFILE soft limit to the hard limit (children inherit it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
-def peak_rss_bytes(pid: int) -> int:
-    """The peak resident set size of process ``pid`` so far (``VmHWM``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
-
-
-class RssSampler:
-    """Samples a process's RSS and CPU time, and this process's CPU time, every ``every`` s in
-    a thread: the peak RSS and the CPU seconds spent in any time window."""
-
-    def __init__(self, pid: int, every: float = 0.01) -> None:
-        self.pid = pid
-        self.every = every
-        self.samples: list[tuple[float, int, float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                sample = (time.time(), rss_bytes(self.pid), cpu_seconds(self.pid))
-                self.samples.append((*sample, time.process_time()))
-            except (OSError, RuntimeError):  # the process is gone
-                return
-
-    def peak(self, start: float, stop: float) -> int:
-        return max((s[1] for s in self.samples if start <= s[0] <= stop), default=0)
-
-    def cpu(self, start: float, stop: float) -> tuple[float, float]:
-        """CPU seconds of the process and of this one between ``start`` and ``stop``."""
-        inside = [s for s in self.samples if start <= s[0] <= stop]
-        if len(inside) < 2:
-            return math.nan, math.nan
-        return inside[-1][2] - inside[0][2], inside[-1][3] - inside[0][3]
-
-
-def side(state_bytes: int) -> int:
-    """The width of the square ``Linear`` whose weight is ``state_bytes`` of float32."""
-    return max(1, math.isqrt(state_bytes // 4))
-
-
-def state_nbytes(state_bytes: int) -> int:
-    """The bytes of the tensors of the model state (weight and bias)."""
-    width = side(state_bytes)
-    return 4 * (width * width + width)
-
-
-def rows_of(i: int) -> int:
-    return 100 + i % 3
-
-
-def trained(width: int, variant: int) -> dict[str, torch.Tensor]:
-    """Variant ``variant``'s trained state: every number ``variant + 1``."""
-    value = float(variant + 1)
-    return {"weight": torch.full((width, width), value), "bias": torch.full((width,), value)}
-
-
-def expected_mean(n: int) -> float:
-    """The rows-weighted mean of the N sims' trained states (each a constant)."""
-    weights = [rows_of(i) for i in range(n)]
-    return sum(w * (i % VARIANTS + 1) for i, w in enumerate(weights)) / sum(weights)
-
-
-class SimAgent:
-    """The job side of one simulated agent: answers as an agent with a daemon would, in memory.
-
-    Args:
-        i: its number (``sim-<i>``).
-        states: the trained states by variant, shared by every sim (encoding does not copy them).
-        initial: what ``get_state`` answers before any ``set_state``.
-    """
-
-    def __init__(self, i: int, states: list[dict[str, torch.Tensor]], initial: Any) -> None:
-        self.i = i
-        self.rows = rows_of(i)
-        self.trained = states[i % VARIANTS]
-        self.state: Any = initial
-
-    async def handle(self, message: Any) -> Any:
-        if message.kind in ("open_job", "close_job"):
-            return Ack()
-        if message.kind == "call":
-            return Result(result=self.call(message.request))
-        raise RemoteError(
-            ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"sim takes no {message.kind!r}")
-        )
-
-    def call(self, request: dict[str, Any]) -> Any:
-        cmd = request.get("cmd")
-        if cmd == "stage":
-            return {"rows": self.rows}
-        if cmd == "get_state":
-            return {node: self.state for node in request["node_ids"]}
-        if cmd == "set_state":
-            self.state = request["states"][NODE]
-            return None
-        if cmd == "batched_fit":
-            self.state = self.trained
-            return {
-                "rows": self.rows,
-                "states": {NODE: self.trained} if request.get("return_states", True) else {},
-                "loss": 1.0 / (1 + self.i % VARIANTS),
-                "epoch_losses": [1.0],
-                "output": None,
-            }
-        raise RemoteError(
-            ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"sim runs no command {cmd!r}")
-        )
-
-
-class Fleet:
-    """N simulated agents on this event loop: dial, hello, heartbeat, answer job messages.
-
-    Args:
-        url: the ``/worker`` endpoint (or a bare server).
-        welcome: expect a ``Welcome`` after the hello (the bare anchor sends nothing).
-        state_bytes: the size of the model state a sim trains.
-        bare: answer every message of ``state_bytes`` with as many bytes (the anchor's round),
-            instead of speaking the protocol.
-    """
-
-    def __init__(self, url: str, welcome: bool, state_bytes: int, bare: bool = False) -> None:
-        self.url = url
-        self.welcome = welcome
-        self.bare = bare
-        self.state_bytes = state_bytes
-        width = side(state_bytes)
-        self.states = [trained(width, k) for k in range(VARIANTS)]
-        self.initial = {"weight": torch.zeros(width, width), "bias": torch.zeros(width)}
-        self.payload = bytes(state_nbytes(state_bytes))
-        self.connections: list[ClientConnection] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def open(self, n: int, batch: int) -> float:
-        """Connect ``n`` agents, ``batch`` handshakes at a time; seconds until all welcomed."""
-        gate = asyncio.Semaphore(batch)
-        start = time.perf_counter()
-        await asyncio.gather(*(self._open_one(i, gate) for i in range(n)))
-        return time.perf_counter() - start
-
-    def _hello(self, i: int) -> bytes:
-        hello = WorkerHello(
-            worker_id=f"sim-{i}",
-            tags=["sim"],
-            capabilities=CAPABILITIES,
-            datasets={DATASET: rows_of(i)},
-        )
-        return encode_small(hello)
-
-    async def _open_one(self, i: int, gate: asyncio.Semaphore) -> None:
-        async with gate:
-            # As the real agent dials: its keepalive pings on too (20 s), here never due.
-            ws = await connect(
-                self.url,
-                compression=None,
-                max_size=None if self.bare else MAX_SIZE,
-                open_timeout=30,
-                ping_interval=20.0,
-                ping_timeout=20.0,
-            )
-            self.connections.append(ws)
-            await ws.send(self._hello(i))
-            if self.welcome:
-                async with asyncio.timeout(30):
-                    reply = parse(await ws.recv(decode=False))
-                if not isinstance(reply, Welcome) or reply.worker_id != f"sim-{i}":
-                    raise RuntimeError(
-                        f"sim-{i}: the coordinator answered the hello with {reply!r}"
-                    )
-        agent = SimAgent(i, self.states, self.initial)
-        self._spawn(self._bare(ws) if self.bare else self._live(ws, agent))
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _live(self, ws: ClientConnection, agent: SimAgent) -> None:
-        channel = Channel(ws, f"sim-{agent.i}", agent.handle)
-        reader = asyncio.ensure_future(channel.run())
-        await self._heartbeat(reader, lambda: channel.send(Heartbeat(sent_at=time.time())))
-
-    async def _bare(self, ws: ClientConnection) -> None:
-        async def answer() -> None:
-            async for message in ws:
-                if len(message) == len(self.payload):
-                    await ws.send(self.payload)
-
-        reader = asyncio.ensure_future(answer())
-        heartbeat = encode_small(Heartbeat(sent_at=time.time()))
-        await self._heartbeat(reader, lambda: ws.send(heartbeat))
-
-    async def _heartbeat(
-        self, reader: asyncio.Future[None], send: Callable[[], Awaitable[None]]
-    ) -> None:
-        try:
-            await asyncio.wait({reader}, timeout=random.uniform(0, HEARTBEAT_INTERVAL))
-            while not reader.done():
-                await send()
-                await asyncio.wait({reader}, timeout=HEARTBEAT_INTERVAL * random.uniform(0.9, 1.1))
-        except Exception:  # the connection closed under a send: counted in dropped()
-            pass
-        finally:
-            reader.cancel()
-
-    def dropped(self) -> list[str]:
-        """Why each connection that is no longer open closed (before :meth:`close`)."""
-        return [
-            f"{ws.close_code} {ws.close_reason}"
-            for ws in self.connections
-            if ws.state is not State.OPEN
-        ]
-
-    async def close(self, batch: int) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        gate = asyncio.Semaphore(batch)
-
-        async def close_one(ws: ClientConnection) -> None:
-            async with gate:
-                await ws.close()
-
-        await asyncio.gather(*(close_one(ws) for ws in self.connections), return_exceptions=True)
 
 
 async def _ping_bursts(channel: Channel, seconds: float) -> list[float]:
@@ -453,28 +146,6 @@ def _fedavg_job(client: sz.Client, state_bytes: int) -> dict[str, Any]:
     return {"submitted": submitted, "stamps": stamps, "states": states}
 
 
-def _probe_samples(path: Path, start: float, stop: float) -> list[float]:
-    """The probe's pong latencies (s) of the pings sent between ``start`` and ``stop``."""
-    samples = []
-    for line in path.read_text().splitlines():
-        sent, latency = (float(v) for v in line.split())
-        if start <= sent <= stop:
-            samples.append(latency)
-    return samples
-
-
-def _latency(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    if not ordered:
-        return {"count": 0, "p50_ms": math.nan, "p99_ms": math.nan, "max_ms": math.nan}
-    return {
-        "count": len(ordered),
-        "p50_ms": statistics.median(ordered) * 1e3,
-        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
-        "max_ms": ordered[-1] * 1e3,
-    }
-
-
 async def _coordinator_side(
     procs: Processes,
     client: sz.Client,
@@ -518,15 +189,6 @@ async def _coordinator_side(
             procs.stop("probe")
         finally:
             await fleet.close(batch)
-    stamps = job["stamps"]
-    model = job["states"][NODE]
-    expected = expected_mean(n)
-    for name, tensor in model.items():
-        if not torch.allclose(tensor, torch.full_like(tensor, expected), rtol=1e-6, atol=0):
-            raise AssertionError(
-                f"the averaged {name} is not the rows-weighted mean {expected!r}: "
-                f"{tensor.flatten()[:3].tolist()} ..."
-            )
     return {
         "register_s": register_s,
         "rss_before": rss_before,
@@ -537,28 +199,54 @@ async def _coordinator_side(
         "max_heartbeat_age": after["max_heartbeat_age"],
         "ping_idle": summary(idle_pings),
         "ping_loaded": summary(loaded_pings),
-        "fedavg": {
-            "state_bytes": sum(t.numel() * 4 for t in model.values()),
-            "setup_s": stamps["staged"] - job["submitted"],
-            "round_s": stamps["round"] - stamps["staged"],
-            "read_back_s": stamps["succeeded"] - stamps["round"],
-            "job_s": stamps["succeeded"] - job["submitted"],
-            "mean": expected,
-            "peak_rss": peak_rss_bytes(pid),
-            "peak_rss_setup": sampler.peak(job["submitted"], stamps["staged"]),
-            "peak_rss_round": sampler.peak(stamps["staged"], stamps["round"]),
-            "cpu_round": dict(
-                zip(
-                    ("coordinator", "sims"),
-                    sampler.cpu(stamps["staged"], stamps["round"]),
-                    strict=True,
-                )
-            ),
-            "heartbeat_idle": _latency(_probe_samples(probe_out, hold_start, hold_stop)),
-            "heartbeat_round": _latency(
-                _probe_samples(probe_out, stamps["staged"], stamps["round"])
-            ),
-        },
+        "fedavg": _fedavg_figures(job, n, pid, sampler, probe_out, (hold_start, hold_stop)),
+    }
+
+
+def _check_mean(model: dict[str, torch.Tensor], expected: float) -> None:
+    """Raise unless every number of the averaged ``model`` is the rows-weighted ``expected``."""
+    for name, tensor in model.items():
+        if not torch.allclose(tensor, torch.full_like(tensor, expected), rtol=1e-6, atol=0):
+            raise AssertionError(
+                f"the averaged {name} is not the rows-weighted mean {expected!r}: "
+                f"{tensor.flatten()[:3].tolist()} ..."
+            )
+
+
+def _fedavg_figures(
+    job: dict[str, Any],
+    n: int,
+    pid: int,
+    sampler: RssSampler,
+    probe_out: Path,
+    hold: tuple[float, float],
+) -> dict[str, Any]:
+    """The FedAvg job's figures, its model checked first: the phases' times from its events,
+    the coordinator's memory and CPU from ``sampler``, the probe's latencies while the fleet was
+    held idle (``hold``: its start and stop, wall times) and during the round."""
+    stamps = job["stamps"]
+    model = job["states"][NODE]
+    expected = expected_mean(n)
+    _check_mean(model, expected)
+    return {
+        "state_bytes": sum(t.numel() * 4 for t in model.values()),
+        "setup_s": stamps["staged"] - job["submitted"],
+        "round_s": stamps["round"] - stamps["staged"],
+        "read_back_s": stamps["succeeded"] - stamps["round"],
+        "job_s": stamps["succeeded"] - job["submitted"],
+        "mean": expected,
+        "peak_rss": peak_rss_bytes(pid),
+        "peak_rss_setup": sampler.peak(job["submitted"], stamps["staged"]),
+        "peak_rss_round": sampler.peak(stamps["staged"], stamps["round"]),
+        "cpu_round": dict(
+            zip(
+                ("coordinator", "sims"),
+                sampler.cpu(stamps["staged"], stamps["round"]),
+                strict=True,
+            )
+        ),
+        "heartbeat_idle": latency(probe_samples(probe_out, *hold)),
+        "heartbeat_round": latency(probe_samples(probe_out, stamps["staged"], stamps["round"])),
     }
 
 
@@ -719,7 +407,9 @@ def rows(results: dict[str, Any]) -> list[Row]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # No options: the parser gives ``--help`` (this docstring) and refuses stray arguments.
+    argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__).parse_args(argv)
     results = run()
     ours, anchor = results["coordinator"], results["anchor"]
     fed = ours["fedavg"]

@@ -2,9 +2,9 @@
 
 Each benchmark module turns what its ``run()`` measured into :class:`Row` objects (its
 ``rows(results)``): our figure, the anchor's figure measured in the same run, their ratio
-``ours / anchor`` and, when the issue sets one, a :class:`Target` on that ratio or on our figure.
-:func:`render_markdown` and :func:`to_json` write what ``python -m benchmarks`` measured, with
-the date, the machine (:func:`machine`) and the exact command.
+``ours / anchor`` and, where the row is held to one, a :class:`Target` on that ratio or on our
+figure. :func:`render_markdown` and :func:`to_json` write what ``python -m benchmarks``
+measured, with the date, the machine (:func:`machine`) and the exact command.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ Op = Literal[">=", "<=", "<"]
 
 @dataclass(frozen=True)
 class Target:
-    """A bound the issue sets on a row: on the ratio ``ours / anchor`` or on our figure.
+    """A bound a row is held to: on the ratio ``ours / anchor`` or on our figure.
 
     Args:
         op: ``">="``, ``"<="`` or ``"<"``.
         bound: the bound, in the unit of what is bounded.
         on: ``"ratio"`` or ``"ours"``.
-        text: how the issue says it, for the report ("≥ 0.5 × memcpy").
+        text: how the report states it ("≥ 0.5 × memcpy").
     """
 
     op: Op
@@ -71,9 +71,9 @@ class Row:
         ours: our figure, in ``unit``.
         unit: ``"GB/s"``, ``"ms"``, ``"µs"``, ``"MiB"``, ``"s"``...
         anchor: the anchor's figure in the same unit, measured in the same run (``None`` when
-            the row has no anchor, e.g. a figure bounded by the issue alone).
+            the row has no anchor, e.g. a figure bounded by its target alone).
         anchor_name: what the anchor is (``"np.copyto"``).
-        target: the issue's bound on this row, if any.
+        target: the bound this row is held to, if any.
         note: context printed beside the row (a bubble fraction, a p99...).
     """
 

@@ -77,7 +77,7 @@ DELAY = 0.03
 
 
 class SlowSequential(torch.nn.Sequential):
-    """The reference MLP (same parameter names and maths), slowed down."""
+    """The MLP of :func:`model` (same parameter names and maths), slowed down."""
 
     def forward(self, x):
         time.sleep(DELAY)
