@@ -117,8 +117,9 @@ def test_the_coordinator_will_not_listen_beyond_loopback_without_tokens(tmp_path
     assert message in out.stderr
 
 
-def test_tls_with_a_certificate_the_test_makes(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with openssl for one day."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
         [
             "openssl",
@@ -142,6 +143,11 @@ def test_tls_with_a_certificate_the_test_makes(tmp_path):
         capture_output=True,
         timeout=60,
     )
+    return cert, key
+
+
+def test_tls_with_a_certificate_the_test_makes(tmp_path):
+    cert, key = _self_signed(tmp_path)
     port = free_port()
     url = f"wss://127.0.0.1:{port}"
     coordinator = _start(
