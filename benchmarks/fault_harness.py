@@ -24,6 +24,7 @@ import torch
 import somatize as sz
 from somatize.cluster import LocalCluster
 from tests.integration.netns import Netns, NetnsUnavailable
+from tests.utils import Center
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 3.0
@@ -58,14 +59,6 @@ class Sleepy(sz.Filter):
             Path(self.pid_file).write_text(str(os.getpid()))
         time.sleep(self.seconds)
         return {}
-
-
-class Center(sz.Filter):
-    def fit(self, x: Any, y: Any = None) -> Any:
-        return {"mean": x.mean(0)}
-
-    def forward(self, x: Any, state: Any) -> Any:
-        return x - state["mean"]
 
 
 class SlowLinear(torch.nn.Module):

@@ -17,7 +17,6 @@ from benchmarks.fault_harness import (
     CALL_TIMEOUT,
     KINDS,
     WAIT,
-    Center,
     Outcome,
     Site,
     Sleepy,
@@ -35,6 +34,7 @@ from benchmarks.fault_harness import (
     until,
     workers_of,
 )
+from tests.utils import Center
 
 SCENARIOS: dict[str, tuple[str, Callable[[Site], Outcome]]] = {}
 """The scenarios by name: the kind of cluster each runs on (a key of :data:`KINDS`) and its

@@ -1,4 +1,5 @@
-"""ModelParallel on live stage workers (activations relayed through the coordinator)."""
+"""ModelParallel on live stage workers: the same answer as the unsplit model, activations sent
+worker to worker or relayed through the coordinator, and a clear failure when a stage dies."""
 
 from __future__ import annotations
 
