@@ -1,5 +1,6 @@
-"""The faults :mod:`benchmarks.faults` injects: one function of a :class:`Site` a scenario,
-returning its row, registered with the kind of cluster it runs on by :func:`scenario`."""
+"""The faults :mod:`benchmarks.faults` injects. Each scenario is one function of a :class:`Site`
+returning its row (an :class:`Outcome`), registered by :func:`scenario` with the kind of cluster
+it runs on."""
 
 from __future__ import annotations
 
