@@ -16,8 +16,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.protocol import State
 
 from benchmarks.roundtrip import MAX_SIZE
-from protocol.channel import Channel, RemoteError, encode_small, parse
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.channel import Channel, encode_small, parse
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Ack, Capabilities, Heartbeat, Result, Welcome, WorkerHello
 
 HEARTBEAT_INTERVAL = 2.0
@@ -75,7 +75,7 @@ class SimAgent:
             return Ack()
         if message.kind == "call":
             return Result(result=self.call(message.request))
-        raise RemoteError(
+        raise RequestRefused(
             ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"sim takes no {message.kind!r}")
         )
 
@@ -97,7 +97,7 @@ class SimAgent:
                 "epoch_losses": [1.0],
                 "output": None,
             }
-        raise RemoteError(
+        raise RequestRefused(
             ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"sim runs no command {cmd!r}")
         )
 

@@ -28,8 +28,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import somatize as sz
 from coordinator.ws_server import Coordinator
-from protocol.channel import CHUNK_MAGIC, Channel, RemoteError
-from protocol.errors import ErrorCode
+from protocol.channel import CHUNK_MAGIC, Channel
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
     Capabilities,
