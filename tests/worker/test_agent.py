@@ -34,7 +34,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 import somatize as sz
 from protocol.channel import Channel, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
@@ -51,7 +51,7 @@ from protocol.messages import (
     WorkerHello,
 )
 from tests.conftest import timeout_unit
-from worker.agent import Agent, Backoff, RegistrationRefused, worker_url
+from worker.agent import Agent, AgentConfig, Backoff, RegistrationRefused, worker_url
 
 pytestmark = pytest.mark.integration
 
@@ -155,7 +155,7 @@ class StandIn:
         if isinstance(message, Heartbeat):
             self.heartbeats.append((time.monotonic(), message))
             return
-        raise RemoteError(ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"no {message.kind}"))
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, f"no {message.kind}")
 
     async def next_channel(self) -> Channel:
         """The channel of the next agent that completed the hello."""
@@ -177,8 +177,8 @@ async def listening(stand_in: StandIn) -> AsyncIterator[str]:
 async def running(stand_in: StandIn, **options: Any) -> AsyncIterator[Agent]:
     """An agent connected to ``stand_in``, stopped (and checked to stop cleanly) on exit."""
     async with listening(stand_in) as url:
-        options = {"threads": 1, "backoff": Backoff(0.02 * UNIT, 0.2 * UNIT), **options}
-        agent = Agent(url, **options)
+        backoff = options.pop("backoff", Backoff(0.02 * UNIT, 0.2 * UNIT))
+        agent = Agent(AgentConfig(url, **{"threads": 1, **options}), backoff=backoff)
         run = asyncio.ensure_future(agent.run())
         try:
             yield agent
@@ -322,7 +322,7 @@ def test_a_version_mismatch_on_hello_stops_the_agent_without_retrying():
 
     async def main() -> None:
         async with listening(stand_in) as url:
-            agent = Agent(url, backoff=Backoff(0.01, 0.01))
+            agent = Agent(AgentConfig(url), backoff=Backoff(0.01, 0.01))
             with pytest.raises(RegistrationRefused) as info:
                 await asyncio.wait_for(agent.run(), 10 * UNIT)
             assert info.value.info.code == ErrorCode.VERSION_MISMATCH
@@ -336,7 +336,7 @@ def test_stop_interrupts_the_reconnection_backoff():
     async def main() -> None:
         async with listening(StandIn()) as url:
             pass  # the port is closed again: every attempt is refused
-        agent = Agent(url, backoff=Backoff(10 * UNIT, 10 * UNIT))
+        agent = Agent(AgentConfig(url), backoff=Backoff(10 * UNIT, 10 * UNIT))
         run = asyncio.ensure_future(agent.run())
         await asyncio.sleep(0.2 * UNIT)  # let it fail once and enter the (long) backoff
         started = time.monotonic()
