@@ -21,7 +21,7 @@ import torch
 from protocol.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
-from tests.worker.test_agent import UNIT, Center, StandIn, children, drive, listening, open_job
+from tests.worker.standin import UNIT, Center, StandIn, children, drive, listening, open_job
 from worker.agent import Agent, AgentConfig, Backoff
 from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 
