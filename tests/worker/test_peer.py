@@ -1,7 +1,7 @@
 """Pipeline tensors between two in-process agents: direct peer links and the coordinator relay.
 
 Real sockets and real filter daemons: two :class:`~worker.agent.Agent` s serve ``/peer`` on
-loopback and talk to one coordinator stand-in (``tests/worker/test_agent.py``'s, which also
+loopback and talk to one coordinator stand-in (:mod:`tests.worker.standin`'s, which also
 records the ``deliver`` messages an agent sends it for relaying).
 """
 
