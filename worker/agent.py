@@ -40,9 +40,9 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   agent dials again until the link is back.
 * **Teardown** (the connection dropped, a heartbeat could not be sent within
   ``heartbeat_timeout``, no pong within it, the coordinator sent ``shutdown``, or
-  :meth:`Agent.stop`): every daemon
-  is closed first — a running call is cancelled, which kills its daemon, and its error reply still
-  goes out if the connection is up — then the connection is closed. The coordinator fails the
+  :meth:`Agent.stop`): every daemon is closed first — a running call is cancelled, which kills
+  its daemon, and its error reply still goes out if the connection is up — then the connection
+  is closed. The coordinator fails the
   jobs of a worker it lost; a job never survives its connection here.
 * **Backoff.** Exponential with full jitter (:class:`Backoff`), reset by every successful
   handshake; :meth:`Agent.stop` interrupts it.
