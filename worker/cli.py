@@ -31,8 +31,10 @@ from collections.abc import Callable
 
 from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.memory import keep_freed_memory
-from worker.agent import Agent, RegistrationRefused
+from worker.agent import Agent
+from worker.config import AgentConfig
 from worker.datasets import parse_data_option
+from worker.errors import RegistrationRefused
 
 __all__ = ["main"]
 
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     token = _token(parser, args.token_file)
     try:
         datasets = parse_data_option(args.data)
-        agent = Agent(
+        config = AgentConfig(
             args.connect,
             worker_id=args.id,
             tags=args.tag,
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
         )
+        agent = Agent(config)
     except ValueError as exc:
         parser.error(str(exc))
     # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the

@@ -3,6 +3,15 @@
 Exception tree::
 
     WorkerError                  root of everything raised by :mod:`worker`
+    ├── AgentError               a connection attempt failed in a way the agent understands
+    │   ├── HandshakeFailed      the hello was answered by something other than a welcome
+    │   ├── LinkDead             the coordinator answered no ping within the heartbeat timeout
+    │   └── RegistrationRefused  refused for good (another protocol version, a wrong token)
+    ├── InvalidTransition        the agent's lifecycle was asked for a step its state forbids
+    ├── PipelineError            a pipeline stage's input or turn could not be had
+    │   ├── MailboxDropped       the job's mailbox went while a call waited on it
+    │   ├── MailboxFull          a delivery refused: too many held untaken
+    │   └── OutOfOrder           a sequenced call cannot run (an earlier one failed, too late)
     ├── EngineError              the engine refused a request (unknown node, no gradients, ...):
     │                            carries an :class:`~protocol.errors.ErrorCode`
     └── DaemonError              a request to the filter daemon did not succeed
@@ -13,6 +22,9 @@ Exception tree::
 A :class:`DaemonError` that is not one of its subclasses is a *remote* failure reported by a live
 daemon (a filter that raised, a refused command): its ``code``, ``message`` and ``detail`` are the
 daemon's :class:`~protocol.errors.ErrorInfo`, ``detail["traceback"]`` holds the user traceback.
+
+A request the agent refuses is answered by raising :class:`~protocol.errors.RequestRefused`
+(the wire layer's, not one of these): these are the worker's own failures.
 """
 
 from __future__ import annotations
@@ -24,6 +36,50 @@ from protocol.errors import ErrorCode, ErrorInfo
 
 class WorkerError(Exception):
     """Root of the errors raised by :mod:`worker`."""
+
+
+class AgentError(WorkerError):
+    """A connection attempt failed in a way the agent understands (it retries)."""
+
+
+class HandshakeFailed(AgentError):
+    """The coordinator answered the hello with something other than a welcome."""
+
+
+class LinkDead(AgentError):
+    """The coordinator answered no ping for longer than the heartbeat timeout."""
+
+
+class RegistrationRefused(AgentError):
+    """The coordinator refused this worker for good (another protocol version, a wrong token).
+
+    ``info`` is the coordinator's error; :meth:`~worker.agent.Agent.run` raises this instead of
+    retrying.
+    """
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(f"{info.code}: {info.message}")
+        self.info = info
+
+
+class InvalidTransition(WorkerError):
+    """A lifecycle step its current state does not allow (a bug in the agent, not the peer)."""
+
+
+class PipelineError(WorkerError):
+    """A pipeline stage's input or turn could not be had."""
+
+
+class MailboxDropped(PipelineError):
+    """The job's mailbox was dropped (the job closed, the connection went) while waiting."""
+
+
+class MailboxFull(PipelineError):
+    """A delivery refused: the mailbox already holds its limit of untaken ones."""
+
+
+class OutOfOrder(PipelineError):
+    """A sequenced call cannot run: an earlier one failed, or its turn did not come in time."""
 
 
 class _CodedError(WorkerError):

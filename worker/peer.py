@@ -24,6 +24,7 @@ from websockets.asyncio.client import connect
 from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
+from worker.errors import MailboxDropped, MailboxFull, OutOfOrder
 
 __all__ = [
     "MAILBOX_ENTRIES",
@@ -41,14 +42,6 @@ log = logging.getLogger(__name__)
 MAILBOX_ENTRIES = 4096
 """Deliveries a mailbox holds untaken, all jobs together (a pipeline holds a few per
 micro-batch); one more is refused rather than held."""
-
-
-class MailboxDropped(Exception):
-    """The job's mailbox was dropped (the job closed, the connection went) while waiting."""
-
-
-class MailboxFull(Exception):
-    """A delivery refused: the mailbox already holds :data:`MAILBOX_ENTRIES` untaken ones."""
 
 
 class Mailbox:
@@ -121,10 +114,6 @@ class Mailbox:
         if not slot.done():
             slot.set_exception(MailboxDropped(why))
             slot.exception()  # read here: no "exception never retrieved" when nobody waits
-
-
-class OutOfOrder(Exception):
-    """A sequenced call cannot run: an earlier one failed, or its turn did not come in time."""
 
 
 class CallOrder:

@@ -82,14 +82,16 @@ def _filters(graph: sz.Graph) -> dict[str, bytes]:
 
 @contextlib.asynccontextmanager
 async def _transport_context(tmp_path) -> AsyncIterator[StrategyContext]:
-    from worker.agent import Agent
+    from worker.agent import Agent, AgentConfig
 
     coordinator = Coordinator(
         "127.0.0.1", 0, tmp_path / "state", heartbeat_interval=0.5, heartbeat_timeout=5.0
     )
     await coordinator.start()
     url = f"ws://127.0.0.1:{coordinator.port}"
-    agents = [Agent(url, worker_id=w.id, tags=sorted(w.tags), threads=1) for w in WORKERS]
+    agents = [
+        Agent(AgentConfig(url, worker_id=w.id, tags=sorted(w.tags), threads=1)) for w in WORKERS
+    ]
     tasks = [asyncio.create_task(a.run()) for a in agents]
     try:
         async with asyncio.timeout(30 * UNIT):

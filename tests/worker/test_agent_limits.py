@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from protocol.channel import CHUNK_MAGIC, Channel, RemoteError, encode_small
 from protocol.errors import ErrorCode
 from protocol.messages import CHUNK_BYTES, Ack, Call, CloseJob, Deliver, PeerHello
-from tests.worker.test_agent import (
+from tests.worker.standin import (
     UNIT,
     Center,
     StandIn,
@@ -37,7 +37,7 @@ from tests.worker.test_peer import free_port
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["no_process_left"]  # the fixture of test_agent: no daemon is left behind
+__all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
 
 LIMIT = 2 * CHUNK_BYTES
 

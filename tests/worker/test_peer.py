@@ -1,7 +1,7 @@
 """Pipeline tensors between two in-process agents: direct peer links and the coordinator relay.
 
 Real sockets and real filter daemons: two :class:`~worker.agent.Agent` s serve ``/peer`` on
-loopback and talk to one coordinator stand-in (``tests/worker/test_agent.py``'s, which also
+loopback and talk to one coordinator stand-in (:mod:`tests.worker.standin`'s, which also
 records the ``deliver`` messages an agent sends it for relaying).
 """
 
@@ -21,8 +21,8 @@ import torch
 from protocol.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
-from tests.worker.test_agent import UNIT, Center, StandIn, children, drive, listening, open_job
-from worker.agent import Agent, Backoff
+from tests.worker.standin import UNIT, Center, StandIn, children, drive, listening, open_job
+from worker.agent import Agent, AgentConfig, Backoff
 from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 
 pytestmark = pytest.mark.integration
@@ -66,14 +66,14 @@ async def two_agents(stand_in: StandIn) -> AsyncIterator[tuple[Agent, Channel, A
         agents, runs, channels = [], [], []
         try:
             for name in ("A", "B"):
-                agent = Agent(
+                config = AgentConfig(
                     url,
                     worker_id=name,
                     threads=1,
                     spare=False,
-                    backoff=Backoff(0.02 * UNIT, 0.2 * UNIT),
                     peer_listen=f"127.0.0.1:{free_port()}",
                 )
+                agent = Agent(config, backoff=Backoff(0.02 * UNIT, 0.2 * UNIT))
                 agents.append(agent)
                 runs.append(asyncio.ensure_future(agent.run()))
                 channels.append(await stand_in.next_channel())  # one at a time: A's, then B's

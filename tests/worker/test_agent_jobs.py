@@ -1,0 +1,182 @@
+"""The worker agent's jobs against a coordinator stand-in: open, call, fail, crash, close, stop.
+
+Real sockets and real filter daemons (see :mod:`tests.worker.standin`); every test checks that
+no process of it is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import pytest
+import torch
+
+import somatize as sz
+from protocol.channel import RemoteError
+from protocol.errors import ErrorCode
+from protocol.messages import Ack, CloseJob, Status
+from tests.worker.standin import (
+    UNIT,
+    Boom,
+    Center,
+    Die,
+    Sleep,
+    StandIn,
+    call,
+    call_error,
+    drive,
+    gone,
+    no_process_left,
+    open_job,
+    running,
+)
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
+
+# -- jobs ---------------------------------------------------------------------------------------
+
+
+def test_batched_fit_over_the_wire_matches_graph_fit():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 3, generator=g)
+    torch.manual_seed(0)
+    net = sz.TorchFilter(torch.nn.Linear(4, 3), lr=0.1, batch_size=8, epochs=3, seed=1)
+    fitted = (Center().named("center") >> copy.deepcopy(net).named("lin")).fit(x, y)
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in):
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", center=Center(), lin=net)
+            result = await call(channel, "j", "batched_fit", node_ids=["center", "lin"], x=x, y=y)
+        assert result["rows"] == 32 and len(result["epoch_losses"]) == 3
+        assert set(result["states"]["lin"]) == set(fitted.states["lin"])
+        for key, value in fitted.states["lin"].items():
+            torch.testing.assert_close(result["states"]["lin"][key], value, rtol=0, atol=0)
+        torch.testing.assert_close(result["states"]["center"]["mean"], x.mean(0))
+        assert result["loss"] == pytest.approx(fitted.epoch_losses[-1], rel=1e-6)
+
+    drive(main)
+
+
+def test_a_filter_that_raises_is_an_error_reply_and_the_next_call_works():
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in, worker_id="w-1"):
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", boom=Boom(), center=Center())
+            error = await call_error(channel, "j", "fit", node_id="boom", x=torch.ones(2, 2))
+            assert error.code == ErrorCode.FILTER_ERROR
+            assert "boom in fit" in error.message
+            assert "in explode" in error.detail["traceback"]
+            assert error.detail["worker_id"] == "w-1" and error.detail["job_id"] == "j"
+
+            result = await call(channel, "j", "fit", node_id="center", x=torch.ones(2, 2))
+            torch.testing.assert_close(result["states"]["center"]["mean"], torch.ones(2))
+
+    drive(main)
+
+
+def test_a_killed_daemon_is_daemon_crashed_until_the_job_is_opened_again():
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in, worker_id="w-crash") as agent:
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", die=Die(), center=Center())
+            first_pid = agent.jobs["j"].pid
+            assert first_pid is not None
+
+            error = await call_error(channel, "j", "fit", node_id="die", x=[1.0])
+            assert error.code == ErrorCode.DAEMON_CRASHED
+            assert error.detail["signal"] == "SIGKILL"
+            assert error.detail["worker_id"] == "w-crash" and error.detail["job_id"] == "j"
+            assert gone(first_pid)
+            # Never a silent success afterwards, not even for a harmless command.
+            again = await call_error(channel, "j", "fit", node_id="center", x=torch.ones(1, 2))
+            assert again.code == ErrorCode.DAEMON_CRASHED
+            assert again.detail["job_id"] == "j"
+
+            await open_job(channel, "j", center=Center())
+            assert agent.jobs["j"].pid not in (None, first_pid)
+            result = await call(channel, "j", "fit", node_id="center", x=torch.ones(1, 2))
+            assert set(result["states"]) == {"center"}
+
+    drive(main)
+
+
+def test_unknown_jobs_and_unknown_kinds_get_typed_errors():
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in, worker_id="w-1"):
+            channel = await stand_in.next_channel()
+            error = await call_error(channel, "nope", "ping")
+            assert error.code == ErrorCode.UNKNOWN_JOB
+            assert error.detail == {"worker_id": "w-1", "job_id": "nope", "open_jobs": []}
+            assert "nope" in error.message and "w-1" in error.message
+
+            assert isinstance(await channel.request(CloseJob(job_id="nope"), 5 * UNIT), Ack)
+            with pytest.raises(RemoteError) as info:
+                await channel.request(Status(), 5 * UNIT)
+            assert info.value.code == ErrorCode.BAD_REQUEST
+            assert "status" in info.value.info.message
+
+    drive(main)
+
+
+def test_close_job_during_a_long_call_fails_the_call():
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in) as agent:
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", sleep=Sleep(60))
+            pid = agent.jobs["j"].pid
+            assert pid is not None
+            pending = asyncio.ensure_future(call(channel, "j", "fit", node_id="sleep", x=[1.0]))
+            await asyncio.sleep(0.3 * UNIT)  # the daemon is inside fit now
+            assert not pending.done()
+
+            started = time.monotonic()
+            assert isinstance(await channel.request(CloseJob(job_id="j"), 10 * UNIT), Ack)
+            with pytest.raises(RemoteError) as info:
+                await asyncio.wait_for(pending, 10 * UNIT)
+            assert info.value.code == ErrorCode.CANCELLED
+            assert info.value.info.detail["job_id"] == "j"
+            assert time.monotonic() - started < 5 * UNIT
+            assert gone(pid) and agent.jobs == {}
+
+    drive(main)
+
+
+def test_stop_answers_a_running_call_with_an_error_and_refuses_new_jobs():
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in) as agent:
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", sleep=Sleep(60))
+            pid = agent.jobs["j"].pid
+            assert pid is not None
+            pending = asyncio.ensure_future(call(channel, "j", "fit", node_id="sleep", x=[1.0]))
+            await asyncio.sleep(0.3 * UNIT)  # the daemon is inside fit now
+
+            agent.stop()
+            # Sent at once: it arrives while the daemons are being closed, before the goodbye.
+            late = asyncio.ensure_future(open_job(channel, "k", sleep=Sleep(1)))
+            with pytest.raises(RemoteError) as info:
+                await asyncio.wait_for(pending, 10 * UNIT)
+            assert info.value.code == ErrorCode.CANCELLED  # answered, not cut off
+            with pytest.raises(RemoteError) as refused:
+                await asyncio.wait_for(late, 10 * UNIT)
+            assert refused.value.code == ErrorCode.SHUTTING_DOWN
+            await asyncio.wait_for(channel.closed.wait(), 10 * UNIT)
+            assert gone(pid)
+
+    drive(main)

@@ -1,0 +1,120 @@
+"""The ``somatize-worker`` console script against a coordinator stand-in: one signal stops it
+cleanly, a second forces it out, and no daemon is left behind either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.worker.standin import (
+    UNIT,
+    Center,
+    StandIn,
+    children,
+    drive,
+    gone,
+    listening,
+    no_process_left,
+    open_job,
+)
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
+
+# -- the console script -------------------------------------------------------------------------
+
+
+def test_somatize_worker_registers_and_a_sigterm_stops_it_with_no_daemon_left(tmp_path):
+    script = Path(sys.executable).parent / "somatize-worker"
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    log_path = tmp_path / "worker.log"
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with listening(stand_in) as url:
+            with log_path.open("wb") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    str(script),
+                    *("--connect", url, "--id", "cli-1", "--tag", "a", "--tag", "b"),
+                    *("--threads", "1", "--token-file", str(token_file)),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                )
+            try:
+                channel = await stand_in.next_channel()
+                await open_job(channel, "j", center=Center())
+                daemons = children(proc.pid)
+                assert len(daemons) == 2  # the job's, and the spare started for the next job
+
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(20 * UNIT):
+                    assert await proc.wait() == 0
+                await asyncio.wait_for(channel.closed.wait(), 5 * UNIT)
+                assert all(gone(pid) for pid in daemons)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+    drive(main)
+    (hello,) = stand_in.hellos
+    assert hello.worker_id == "cli-1" and hello.tags == ["a", "b"]
+    assert stand_in.upgrades == [("/worker", "Bearer t0ken")]
+    log = log_path.read_text()
+    for line in ("connected to", "job j: opened", "received SIGTERM", "disconnected from"):
+        assert line in log, log
+
+
+def test_a_second_sigterm_forces_the_exit_and_kills_the_daemons():
+    script = Path(sys.executable).parent / "somatize-worker"
+    stand_in = StandIn()
+    daemons: list[int] = []
+
+    async def main() -> None:
+        async with listening(stand_in) as url:
+            proc = await asyncio.create_subprocess_exec(
+                str(script),
+                *("--connect", url, "--id", "cli-2", "--threads", "1", "--log-level", "ERROR"),
+                stdin=subprocess.DEVNULL,
+            )
+            try:
+                channel = await stand_in.next_channel()
+                await open_job(channel, "j", center=Center())
+                daemons.extend(children(proc.pid))  # the job's daemon and the spare
+                # A stopped daemon cannot answer "shutdown": the orderly stop now waits for
+                # its close timeout (5 s), which the second signal cuts short.
+                for daemon in daemons:
+                    os.kill(daemon, signal.SIGSTOP)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5 * UNIT)
+                assert proc.returncode is None
+                started = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(5 * UNIT):
+                    assert await proc.wait() == 1
+                assert time.monotonic() - started < 2 * UNIT
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+    try:
+        drive(main)
+    finally:
+        deadline = time.monotonic() + 5 * UNIT
+        while not all(gone(pid) for pid in daemons) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        left = [pid for pid in daemons if not gone(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)  # stopped and orphaned, it would outlive the test run
+    assert daemons and not left, "the second signal kills the daemons"

@@ -1,0 +1,127 @@
+"""The worker agent's settings: one dataclass, built by :mod:`worker.cli` and passed whole.
+
+:class:`AgentConfig` checks what it can at construction (a ``ValueError`` then, which the CLI
+turns into a usage error, rather than at :meth:`~worker.agent.Agent.run`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.messages import Capabilities
+
+__all__ = ["AgentConfig", "split_host_port", "worker_url"]
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What a worker agent connects to, announces and allows.
+
+    Args:
+        url: the coordinator, ``ws://HOST:PORT`` (``/worker`` is appended when there is no path).
+        worker_id: the id to ask for; ``None`` lets the coordinator choose. Either way the id of
+            the last welcome is asked for again on every reconnection.
+        tags: what jobs can select this worker by.
+        threads: torch threads per daemon when ``open_job`` names none (default: all cores).
+        token: sent as ``Authorization: Bearer <token>`` on the WebSocket upgrade.
+        heartbeat_interval_override: heartbeat period instead of the welcome's.
+        reconnect: ``False``: :meth:`~worker.agent.Agent.run` returns when the first connection
+            ends.
+        capabilities: what the hello reports (default: :func:`~worker.capabilities.detect`).
+        open_timeout: seconds for the TCP connect, the upgrade, and the hello/welcome exchange.
+        ping_interval: seconds between WebSocket pings (``websockets``' own keepalive, a second
+            line of defence behind the heartbeats); ``None`` disables them.
+        ping_timeout: seconds a ping may go unanswered before the connection is dropped.
+        close_timeout: seconds each closing step may take (closing handshake, daemon shutdown,
+            in-flight replies).
+        startup_timeout: seconds a daemon may take to start and load a job's filters.
+        call_timeout: seconds a ``call`` without its own ``timeout`` may take.
+        python: the interpreter that runs the daemons.
+        spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
+            filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
+        datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
+            readable by the job daemons (the data itself never leaves this machine).
+        peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
+            tensors directly (port 0: any free port). The hello announces it as
+            ``ws://HOST:PORT``, with ``127.0.0.1`` for a wildcard host (``0.0.0.0``/``::``/empty):
+            a wildcard is not an address a peer can dial, and loopback is what tests use — pass
+            the machine's reachable address to span machines. ``None``: no direct links; every
+            tensor for this worker is relayed by the coordinator.
+        peer_advertise: the ``HOST:PORT`` other workers dial instead (behind NAT, in Docker).
+        ca_file: for ``wss://``, the certificate(s) to trust (a coordinator's own CA); ``None``:
+            the system's.
+        max_message_bytes: largest message accepted from the coordinator or a peer.
+        max_inflight: requests handled at once per connection.
+
+    Raises:
+        ValueError: a URL that is not a coordinator's, a ``peer_listen`` that is not
+            ``HOST:PORT``, or a limit that is not positive.
+    """
+
+    url: str
+    worker_id: str | None = None
+    tags: Sequence[str] = ()
+    threads: int | None = None
+    token: str | None = None
+    heartbeat_interval_override: float | None = None
+    reconnect: bool = True
+    capabilities: Capabilities | None = None
+    open_timeout: float = 10.0
+    ping_interval: float | None = 20.0
+    ping_timeout: float | None = 20.0
+    close_timeout: float = 5.0
+    startup_timeout: float = 60.0
+    call_timeout: float = 3600.0
+    python: str = sys.executable
+    spare: bool = True
+    datasets: Mapping[str, Path] = field(default_factory=dict)
+    peer_listen: str | None = None
+    peer_advertise: str | None = None
+    ca_file: str | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+
+    def __post_init__(self) -> None:
+        worker_url(self.url)
+        if self.max_message_bytes < 1 or self.max_inflight < 1:
+            raise ValueError("max_message_bytes and max_inflight must be positive")
+        if self.peer_listen is not None:
+            split_host_port(self.peer_listen)
+
+    @property
+    def endpoint(self) -> str:
+        """The coordinator's ``/worker`` URL (see :func:`worker_url`)."""
+        return worker_url(self.url)
+
+
+def worker_url(url: str) -> str:
+    """The agents' endpoint of a coordinator URL: ``ws://h:p`` → ``ws://h:p/worker``.
+
+    A URL with a path is used as it is; one without a scheme gets ``ws://``.
+
+    Raises:
+        ValueError: not a ``ws://`` or ``wss://`` URL with a host.
+    """
+    parts = urlsplit(url if "://" in url else f"ws://{url}")
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise ValueError(f"not a coordinator URL: {url!r} (expected ws://HOST:PORT or wss://...)")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/worker")
+    return urlunsplit(parts)
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → ``(host, port)``.
+
+    Raises:
+        ValueError: no port, or one that is not a number in 0..65535.
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"not HOST:PORT: {listen!r}")
+    return host.strip("[]"), int(port)

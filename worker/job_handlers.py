@@ -1,0 +1,327 @@
+"""The agent's job requests: ``open_job``, ``call``, ``links``, ``deliver``, ``close_job``, ...
+
+A job is one daemon (from :class:`~worker.spare.DaemonPool`) and the tasks working on it. A
+``call`` forwards one daemon command; with ``input_from`` it first waits for that mailbox key,
+with ``output_to`` its result goes, encoded, to that worker's mailbox — over a direct peer link
+(:class:`~worker.peer.PeerLinks`), or as a ``deliver`` the coordinator relays. Sequenced calls
+(``Call.seq``) take their turn through the job's :class:`~worker.peer.CallOrder`.
+
+A refused request raises :class:`~protocol.errors.RequestRefused`, which the channel sends as
+the error reply; a daemon's own error keeps its code, message and detail, plus ``worker_id``
+and ``job_id``. A job's mailbox entries go with the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.channel import Channel
+from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
+from protocol.messages import Ack, Call, CloseJob, Deliver, Links, OpenJob, Probe, Result
+from worker.config import AgentConfig
+from worker.errors import DaemonError, MailboxDropped, MailboxFull, OutOfOrder
+from worker.lifecycle import Lifecycle
+from worker.peer import CallOrder, Mailbox, PeerLinks
+from worker.spare import DaemonPool
+from worker.supervisor import DaemonSupervisor
+from worker.tasks import cancelling, owned_task
+
+__all__ = ["JobHandlers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One open job: its daemon and the tasks working on it (owned here, not by a handler)."""
+
+    job_id: str
+    supervisor: DaemonSupervisor
+    opening: asyncio.Task[None] | None = None
+    calls: set[asyncio.Task[Any]] = field(default_factory=set)
+    order: CallOrder = field(default_factory=CallOrder)  # its sequenced calls (Call.seq)
+
+
+class JobHandlers:
+    """The open jobs of one agent and the requests that work on them.
+
+    Args:
+        config: the agent's settings (call and close timeouts, default threads).
+        pool: where the jobs' daemons come from.
+        links: the direct links to other workers, for ``links`` and ``output_to``.
+        lifecycle: whether a job may open now.
+        worker_id: this worker's id, for error messages (it may change at a welcome).
+        coordinator: the coordinator's channel while connected, to relay deliveries.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        pool: DaemonPool,
+        links: PeerLinks,
+        lifecycle: Lifecycle,
+        worker_id: Callable[[], str | None],
+        coordinator: Callable[[], Channel | None],
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._links = links
+        self._lifecycle = lifecycle
+        self._worker_id = worker_id
+        self._coordinator = coordinator
+        self.jobs: dict[str, _Job] = {}
+        self.mailbox = Mailbox()
+
+    # -- open and close -----------------------------------------------------------------------
+
+    async def open_job(self, message: OpenJob) -> Ack:
+        """Start a daemon for the job (replacing one of the same id) and load its filters."""
+        self._refuse_unless_accepting(message.job_id)
+        while (previous := self.jobs.pop(message.job_id, None)) is not None:
+            log.info("job %s: opened again; closing its previous daemon", message.job_id)
+            await self._close_job(previous)
+        self._refuse_unless_accepting(message.job_id)  # stop() may have come meanwhile
+        supervisor = await self._pool.take(message.threads)
+        fresh = supervisor is None
+        if supervisor is None:
+            supervisor = self._pool.new(message.threads)
+        self._pool.prewarm()
+        job = _Job(message.job_id, supervisor)
+        job.opening = owned_task(self._open(job, message.filters, start=fresh))
+        self.jobs[job.job_id] = job
+        try:
+            # Shielded: the job owns the opening (see _close_job), this handler only waits.
+            await asyncio.shield(job.opening)
+        except asyncio.CancelledError as exc:
+            if not job.opening.cancelled() or cancelling():
+                raise
+            raise RequestRefused(
+                self._job_info(job, ErrorCode.CANCELLED, "closed while opening")
+            ) from exc
+        except DaemonError as exc:
+            if self.jobs.get(job.job_id) is job:
+                del self.jobs[job.job_id]
+            await self._pool.close(supervisor)
+            raise self._job_error(job, "open_job", exc) from exc
+        log.info(
+            "job %s: opened (daemon pid %s, %d filters, %d threads)",
+            job.job_id,
+            supervisor.pid,
+            len(message.filters),
+            supervisor.threads,
+        )
+        return Ack()
+
+    async def _open(self, job: _Job, filters: dict[str, bytes], start: bool) -> None:
+        if start:
+            await job.supervisor.start()
+        await job.supervisor.request({"cmd": "load", "filters": filters})
+
+    async def close_job(self, message: CloseJob) -> Ack:
+        """Close the job's daemon (cancelling a running call); an unknown job is already closed."""
+        job = self.jobs.pop(message.job_id, None)
+        if job is not None:
+            await self._close_job(job)
+            log.info("job %s: closed", job.job_id)
+        return Ack()
+
+    async def close_all(self) -> None:
+        """Close every open job (the connection is going)."""
+        jobs = list(self.jobs.values())
+        self.jobs.clear()
+        if jobs:
+            await asyncio.gather(*(self._close_job(job) for job in jobs))
+            log.info("closed %d job(s): %s", len(jobs), ", ".join(job.job_id for job in jobs))
+
+    async def _close_job(self, job: _Job) -> None:
+        self.mailbox.drop(job.job_id)
+        for task in list(job.calls):
+            task.cancel()  # the supervisor kills a daemon whose request is cancelled
+        opening = job.opening
+        # Cancelling while the process is being spawned would lose it (the fork finishes in an
+        # executor thread nobody waits on): wait for the pid, then cancel the ping/load, which
+        # kills it.
+        while opening is not None and not opening.done():
+            if job.supervisor.pid is not None:
+                opening.cancel()
+            await asyncio.wait({opening}, timeout=0.02)
+        await self._pool.close(job.supervisor)
+
+    def current_job(self) -> str | None:
+        """The job to name in heartbeats: the newest with a call running, else the newest open."""
+        jobs = list(reversed(self.jobs.values()))
+        busy = [job for job in jobs if job.calls]
+        return (busy or jobs)[0].job_id if jobs else None
+
+    # -- calls --------------------------------------------------------------------------------
+
+    async def call(self, message: Call) -> Result:
+        """Forward one daemon command of the job and return its result (sequenced calls wait
+        for their turn, see :class:`~worker.peer.CallOrder`)."""
+        job = self.jobs.get(message.job_id)
+        if job is not None and job.opening is not None and not job.opening.done():
+            # Normally the coordinator waits for open_job's ack; if not, wait for the daemon
+            # rather than fail with "not running". asyncio.wait never cancels the opening.
+            await asyncio.wait({job.opening})
+            job = self.jobs.get(message.job_id)
+        if job is None:
+            raise RequestRefused(self._unknown_job(message.job_id))
+        cmd = str(message.request.get("cmd"))
+        timeout = self._config.call_timeout if message.timeout is None else message.timeout
+        if message.seq is None:
+            result = await self._run_call(job, message, cmd, timeout)
+        else:
+            try:
+                async with job.order.turn(message.seq, cmd, timeout):
+                    result = await self._run_call(job, message, cmd, timeout)
+            except OutOfOrder as exc:
+                raise RequestRefused(
+                    self._job_info(job, ErrorCode.CANCELLED, str(exc), cmd=cmd)
+                ) from exc
+        if message.output_to is not None:
+            return await self._deliver_output(
+                job, message.output_to.worker, message.output_to.key, result
+            )
+        return Result(result=result)
+
+    async def _run_call(self, job: _Job, message: Call, cmd: str, timeout: float) -> Any:  # noqa: ASYNC109
+        """Take the call's input from the mailbox if it names one, then run it on the daemon."""
+        request = message.request
+        if message.input_from is not None:
+            payload = await self._take_input(job, message.input_from, timeout, cmd)
+            # A bytearray: the tensors decode zero-copy over it and stay writable.
+            request = {**request, message.input_field: decode(bytearray(payload))}
+        task = owned_task(job.supervisor.request(request, timeout))
+        job.calls.add(task)
+        task.add_done_callback(job.calls.discard)
+        try:
+            # Shielded: close_job cancels the task itself (which kills the daemon), and a
+            # cancelled handler (the connection went) leaves it to the teardown.
+            return await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if not task.cancelled() or cancelling():
+                raise
+            raise RequestRefused(
+                self._job_info(job, ErrorCode.CANCELLED, f"closed while running {cmd}", cmd=cmd)
+            ) from exc
+        except DaemonError as exc:
+            raise self._job_error(job, cmd, exc) from exc
+
+    async def _take_input(self, job: _Job, key: str, timeout: float, cmd: str) -> bytes:  # noqa: ASYNC109
+        try:
+            return await self.mailbox.take(job.job_id, key, timeout)
+        except TimeoutError as exc:
+            raise RequestRefused(
+                self._job_info(
+                    job, ErrorCode.TIMEOUT, f"waiting {timeout}s for input {key!r}", cmd=cmd
+                )
+            ) from exc
+        except MailboxDropped as exc:
+            raise RequestRefused(
+                self._job_info(job, ErrorCode.CANCELLED, f"closed while waiting for {key!r}")
+            ) from exc
+
+    async def _deliver_output(self, job: _Job, to: str, key: str, result: Any) -> Result:
+        """Send a call's result to worker ``to``'s mailbox: directly, else through the
+        coordinator (which relays it)."""
+        payload = encode_frame(result)
+        deliver = Deliver(job_id=job.job_id, to=to, key=key, payload=payload)
+        if not await self._links.send(to, deliver):
+            channel = self._coordinator()
+            if channel is None:
+                raise RequestRefused(
+                    self._job_info(job, ErrorCode.WORKER_LOST, f"unable to deliver {key!r}")
+                )
+            await channel.send(deliver.model_copy(update={"id": channel.next_id()}))
+        return Result(result={"delivered": len(payload)})
+
+    # -- pipeline links and deliveries --------------------------------------------------------
+
+    async def links(self, message: Links) -> Result:
+        """Open direct links to the job's peers that have an address; say which work."""
+        direct: list[str] = []
+        relay: list[str] = []
+        for worker_id, address in message.peers.items():
+            if address is not None and await self._links.connect(worker_id, address):
+                direct.append(worker_id)
+            else:
+                relay.append(worker_id)
+        log.info("job %s: direct links %s, relayed %s", message.job_id, direct, relay)
+        return Result(result={"direct": direct, "relay": relay})
+
+    async def deliver(self, message: Deliver) -> Ack:
+        """A tensor relayed by the coordinator: into the mailbox."""
+        return self.put(message)
+
+    def put(self, message: Deliver) -> Ack:
+        """Into the mailbox, if its job is open here: a delivery for another job (unknown, or
+        closed already) would sit there forever.
+
+        Raises:
+            RequestRefused: the job is not open here, or the mailbox is full.
+        """
+        if message.job_id not in self.jobs:
+            raise RequestRefused(self._unknown_job(message.job_id))
+        try:
+            self.mailbox.put(message.job_id, message.key, message.payload)
+        except MailboxFull as exc:
+            raise RequestRefused(ErrorInfo(code=ErrorCode.BUSY, message=str(exc))) from exc
+        return Ack()
+
+    # -- the spare daemon ---------------------------------------------------------------------
+
+    async def probe(self, message: Probe) -> Result:
+        """Ping the spare daemon: the no-op round trip through coordinator, agent and daemon."""
+        try:
+            supervisor = await self._pool.ping_spare()
+        except DaemonError as exc:
+            raise RequestRefused(exc.info()) from exc
+        if supervisor is None:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"worker {self._worker_id()} keeps no spare daemon to probe",
+            )
+        return Result(result={"worker_id": self._worker_id(), "daemon_pid": supervisor.pid})
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _refuse_unless_accepting(self, job_id: str) -> None:
+        if not self._lifecycle.accepting:
+            worker_id = self._worker_id()
+            raise RequestRefused.of(
+                ErrorCode.SHUTTING_DOWN,
+                f"worker {worker_id} is shutting down: job {job_id!r} refused",
+                worker_id=worker_id,
+                job_id=job_id,
+            )
+
+    def _unknown_job(self, job_id: str) -> ErrorInfo:
+        open_jobs = sorted(self.jobs)
+        worker_id = self._worker_id()
+        return ErrorInfo(
+            code=ErrorCode.UNKNOWN_JOB,
+            message=f"worker {worker_id} has no open job {job_id!r} (open: {open_jobs})",
+            detail={"worker_id": worker_id, "job_id": job_id, "open_jobs": open_jobs},
+        )
+
+    def _job_info(self, job: _Job, code: ErrorCode, what: str, **detail: Any) -> ErrorInfo:
+        log.warning("job %s: %s", job.job_id, what)
+        worker_id = self._worker_id()
+        return ErrorInfo(
+            code=code,
+            message=f"job {job.job_id!r} on worker {worker_id} was {what}",
+            detail={**detail, "worker_id": worker_id, "job_id": job.job_id},
+        )
+
+    def _job_error(self, job: _Job, cmd: str, exc: DaemonError) -> RequestRefused:
+        """A daemon error as the reply: its own code, message and detail, plus where."""
+        info = exc.info()
+        first_line = info.message.splitlines()[0] if info.message else ""
+        log.warning("job %s: %s failed: %s: %s", job.job_id, cmd, info.code, first_line)
+        detail = {**info.detail, "worker_id": self._worker_id(), "job_id": job.job_id}
+        return RequestRefused(info.model_copy(update={"detail": detail}))

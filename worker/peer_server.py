@@ -1,0 +1,115 @@
+"""The agent's ``/peer`` endpoint: where other workers deliver pipeline tensors directly.
+
+The incoming side of :class:`~worker.peer.PeerLinks`: a peer sends ``PeerHello`` first
+(answered by ``Ack``), then ``Deliver`` requests, each answered by ``Ack`` once it is in this
+agent's mailbox. The limits are those of the coordinator's link: ``open_timeout`` for the
+upgrade and again for the hello, ``max_message_bytes`` and ``max_inflight``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from protocol.channel import Channel
+from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RequestRefused
+from protocol.messages import Ack, Deliver, Error, PeerHello
+from worker.config import AgentConfig, split_host_port
+from worker.link import channel_over, ws_options
+
+__all__ = ["PeerServer"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerServer:
+    """Serves ``/peer`` on ``config.peer_listen`` while started.
+
+    Args:
+        config: the agent's settings (``peer_listen``, ``peer_advertise``, limits, timeouts).
+        put: what a delivery does (the agent's mailbox); raises
+            :class:`~protocol.errors.RequestRefused` to refuse it.
+    """
+
+    def __init__(self, config: AgentConfig, put: Callable[[Deliver], Ack]) -> None:
+        self._config = config
+        self._put = put
+        self._server: Server | None = None
+        self.address: str | None = None
+        """``ws://HOST:PORT`` as announced in the hello while listening, else ``None``."""
+
+    async def start(self) -> None:
+        """Listen on ``peer_listen``; :attr:`address` is then what peers dial."""
+        config = self._config
+        assert config.peer_listen is not None
+        host, port = split_host_port(config.peer_listen)
+        self._server = await serve(self._connection, host or None, port, **ws_options(config))
+        bound = next(iter(self._server.sockets)).getsockname()[1]
+        shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        shown = f"[{shown}]" if ":" in shown else shown
+        self.address = f"ws://{shown}:{bound}"
+        if config.peer_advertise is not None:
+            self.address = f"ws://{config.peer_advertise}"
+        log.info("serving peer links on %s (announced as %s)", config.peer_listen, self.address)
+
+    async def stop(self) -> None:
+        """Stop listening (within ``close_timeout``)."""
+        server, self._server = self._server, None
+        self.address = None
+        if server is not None:
+            server.close()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._config.close_timeout):
+                    await server.wait_closed()
+
+    async def _connection(self, ws: ServerConnection) -> None:
+        """One incoming peer link: ``PeerHello`` (answered by ``Ack``), then ``Deliver``s."""
+        if ws.request is None or ws.request.path != "/peer":
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._config.close_timeout):
+                    await ws.close(1008, "not found: peer links are at /peer")
+            return
+        channel = channel_over(ws, "peer (incoming)", self._on_message, self._config)
+        try:
+            await self._serve(channel)
+        except (ConnectionClosed, ProtocolError, TimeoutError) as exc:  # gone, or not reading
+            log.info("peer link closed: %s", exc)
+        finally:
+            await channel.close(1000, "peer link over")
+
+    async def _serve(self, channel: Channel) -> None:
+        config = self._config
+        try:
+            async with asyncio.timeout(config.open_timeout):
+                hello = await channel.receive(first=True)
+        except (TimeoutError, ProtocolError) as exc:
+            log.info("peer link refused: %s", exc)
+            await channel.close(1008, f"expected a peer_hello: {exc}")
+            return
+        if not isinstance(hello, PeerHello):
+            info = ErrorInfo(
+                code=ErrorCode.BAD_REQUEST,
+                message=f"a peer link starts with peer_hello, not {hello.kind!r}",
+            )
+            async with asyncio.timeout(config.close_timeout):
+                await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
+            await channel.close(1008, "expected a peer_hello")
+            return
+        async with asyncio.timeout(config.close_timeout):
+            await channel.reply(hello, Ack())
+        log.info("peer link from worker %s", hello.worker_id)
+        await channel.run()
+
+    async def _on_message(self, message: Any) -> Ack:
+        if not isinstance(message, Deliver):
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"a peer link carries deliver messages, not {message.kind!r}",
+            )
+        return self._put(message)
