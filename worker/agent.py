@@ -71,6 +71,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel, RemoteError
 from protocol.codec import decode, encode_frame
+from protocol.daemon import LoadRequest, PingRequest
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
 from protocol.messages import (
     CHUNK_BYTES,
@@ -714,7 +715,7 @@ class Agent:
             payload = await self._take_input(job, message.input_from, timeout, cmd)
             # A bytearray: the tensors decode zero-copy over it and stay writable.
             request = {**request, message.input_field: decode(bytearray(payload))}
-        task = _owned_task(job.supervisor.request(request, timeout))
+        task = _owned_task(job.supervisor.request_dict(request, timeout))
         job.calls.add(task)
         task.add_done_callback(job.calls.discard)
         try:
@@ -898,7 +899,7 @@ class Agent:
     async def _open(self, job: _Job, filters: dict[str, bytes], start: bool) -> None:
         if start:
             await job.supervisor.start()
-        await job.supervisor.request({"cmd": "load", "filters": filters})
+        await job.supervisor.request(LoadRequest(id=0, cmd="load", filters=filters))
 
     # -- the spare daemon ---------------------------------------------------------------------
 
@@ -963,7 +964,7 @@ class Agent:
         spare = self._spare
         try:
             supervisor = await asyncio.shield(spare)
-            await supervisor.request({"cmd": "ping"}, self.startup_timeout)
+            await supervisor.request(PingRequest(id=0, cmd="ping"), self.startup_timeout)
         except DaemonError as exc:
             if self._spare is spare:  # it is broken: the next probe or job starts another
                 self._spare = None

@@ -64,3 +64,10 @@ class DaemonTimeout(DaemonError):
 
 class DaemonNotRunning(DaemonError):
     """A request was made while no daemon is running."""
+
+
+# -- the engine's, the daemon's and the supervisor's (helper "engine") -------------------------
+
+
+class DaemonAlreadyRunning(WorkerError, RuntimeError):
+    """:meth:`~worker.supervisor.DaemonSupervisor.start` while its daemon runs (use restart)."""

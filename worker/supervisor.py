@@ -40,20 +40,31 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from protocol.codec import decode, encode
 from protocol.daemon import (
+    DaemonRequest,
     ErrorReply,
     FrameReader,
     FrameWriter,
+    LoadRequest,
     OkReply,
+    PingRequest,
     SharedRegion,
+    ShutdownRequest,
     reply_adapter,
     request_fields,
 )
-from protocol.errors import ErrorCode, FrameError
-from worker.errors import DaemonCrashed, DaemonError, DaemonNotRunning, DaemonTimeout
+from protocol.errors import ErrorCode, FrameError, RequestRefused
+from worker.commands import parse_command
+from worker.errors import (
+    DaemonAlreadyRunning,
+    DaemonCrashed,
+    DaemonError,
+    DaemonNotRunning,
+    DaemonTimeout,
+)
 
 __all__ = ["DaemonSupervisor"]
 
@@ -73,6 +84,9 @@ REAP_SECONDS = 5.0
 # The directory holding the ``worker`` and ``protocol`` packages: put on the child's PYTHONPATH so
 # ``python -m worker.daemon`` imports this very code whatever the cwd and the interpreter.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+_PING = PingRequest(id=0, cmd="ping")
+_SHUTDOWN = ShutdownRequest(id=0, cmd="shutdown")
 
 
 class _Child:
@@ -291,7 +305,7 @@ class DaemonSupervisor:
         self._child: _Child | None = None
         self._lock = asyncio.Lock()
         self._next_id = 0
-        self._last_load: dict[str, Any] | None = None
+        self._last_load: LoadRequest | None = None
         self._last_exit: dict[str, Any] = {}
 
     # -- properties ---------------------------------------------------------------------------
@@ -318,7 +332,7 @@ class DaemonSupervisor:
         """Spawn the daemon and wait until it answers a ``ping`` (torch imported, ready).
 
         Raises:
-            RuntimeError: a daemon is already running (use :meth:`restart`).
+            DaemonAlreadyRunning: a daemon is already running (use :meth:`restart`).
             DaemonCrashed: it could not be spawned, or died while starting (its stderr, in the
                 worker log, says why: a missing package, a bad interpreter...).
             DaemonTimeout: it did not become ready within ``default_timeout``.
@@ -340,7 +354,7 @@ class DaemonSupervisor:
                 await self._kill(self._child)
             await self._start()
             if self._last_load is not None:
-                await self._request(dict(self._last_load), self.default_timeout)
+                await self._request(self._last_load, self.default_timeout)
 
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 (the API's own bound)
         """Ask the daemon to shut down, wait up to ``timeout`` seconds, then kill it."""
@@ -351,7 +365,7 @@ class DaemonSupervisor:
             async with asyncio.timeout(timeout), self._lock:
                 if child.alive:
                     with contextlib.suppress(DaemonError):
-                        await self._request({"cmd": "shutdown"}, timeout)
+                        await self._request(_SHUTDOWN, timeout)
                     await asyncio.shield(child.exited)
         except TimeoutError:
             log.warning("filter daemon %d did not shut down within %ss", child.pid, timeout)
@@ -376,15 +390,14 @@ class DaemonSupervisor:
 
     async def request(
         self,
-        req: Mapping[str, Any] | BaseModel,
+        req: DaemonRequest,
         timeout: float | None = None,  # noqa: ASYNC109 (per request, and it kills on expiry)
     ) -> Any:
         """Send one request and return the ``result`` of its reply.
 
         Args:
-            req: a request model of :mod:`protocol.daemon`, or the same as a dict
-                (``{"cmd": "fit", "node_id": ..., "x": ...}``); its ``id`` is set here.
-                The daemon validates it, so an invalid request comes back as a ``BAD_REQUEST``.
+            req: a request model of :mod:`protocol.daemon`; its ``id`` is replaced by the
+                supervisor's own numbering.
             timeout: seconds to wait for the reply (default: ``default_timeout``).
 
         Raises:
@@ -397,15 +410,37 @@ class DaemonSupervisor:
 
         Cancelling the call kills the daemon, for the same reason as a timeout.
         """
-        message = dict(request_fields(req) if isinstance(req, BaseModel) else req)
         async with self._lock:
-            return await self._request(
-                message, self.default_timeout if timeout is None else timeout
-            )
+            return await self._request(req, self.default_timeout if timeout is None else timeout)
 
-    async def _request(self, message: dict[str, Any], seconds: float) -> Any:
+    async def request_dict(
+        self,
+        command: Mapping[str, Any],
+        timeout: float | None = None,  # noqa: ASYNC109 (as request's)
+    ) -> Any:
+        """:meth:`request` for a command given as a dict (``{"cmd": "fit", "node_id": ...}``,
+        as a job's calls reach the agent): validated into its model first.
+
+        Raises:
+            DaemonError: as :meth:`request`; a command that does not validate is refused with
+                the ``BAD_REQUEST`` the daemon itself would answer (naming the field), and
+                nothing is sent.
+        """
+        async with self._lock:
+            await self._live_child(str(command.get("cmd")))  # a dead daemon is told first
+            try:
+                req = parse_command(command)
+            except RequestRefused as exc:
+                raise DaemonError.from_info(exc.info) from exc
+            return await self._request(req, self.default_timeout if timeout is None else timeout)
+
+    async def _live_child(self, cmd: str) -> _Child:
+        """The running daemon, to answer ``cmd``.
+
+        Raises:
+            DaemonNotRunning: there is none (saying how the last one ended, if it did).
+        """
         child = self._child
-        cmd = str(message.get("cmd"))
         if child is None or not child.alive:
             if child is not None:
                 await self._kill(child)  # and reap it, so the error can say how it ended
@@ -413,7 +448,13 @@ class DaemonSupervisor:
             raise DaemonNotRunning(
                 ErrorCode.DAEMON_CRASHED, f"no filter daemon is running to answer {cmd}", detail
             )
+        return child
+
+    async def _request(self, req: DaemonRequest, seconds: float) -> Any:
+        cmd = req.cmd
+        child = await self._live_child(cmd)
         self._next_id += 1
+        message = request_fields(req)
         request_id = message["id"] = self._next_id
         parts = encode(message)
         future: asyncio.Future[OkReply | ErrorReply] = asyncio.get_running_loop().create_future()
@@ -440,8 +481,8 @@ class DaemonSupervisor:
             raise
         if isinstance(reply, ErrorReply):
             raise DaemonError.from_info(reply.error)
-        if cmd == "load":
-            self._last_load = {k: v for k, v in message.items() if k != "id"}
+        if isinstance(req, LoadRequest):
+            self._last_load = req
         return reply.result
 
     # -- callbacks from _Child (event loop thread) --------------------------------------------
@@ -497,7 +538,7 @@ class DaemonSupervisor:
 
     async def _start(self) -> None:
         if self._child is not None and self._child.alive:
-            raise RuntimeError("the filter daemon is already running; use restart()")
+            raise DaemonAlreadyRunning("the filter daemon is already running; use restart()")
         argv = [self.python, "-m", "worker.daemon", "--threads", str(self.threads)]
         shared = _shared_regions()
         fds: tuple[int, ...] = ()
@@ -522,7 +563,7 @@ class DaemonSupervisor:
         self._child = _Child(popen, self, shared)
         self._last_exit = {}
         log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
-        await self._request({"cmd": "ping"}, self.default_timeout)
+        await self._request(_PING, self.default_timeout)
 
     async def _kill(self, child: _Child) -> None:
         """Kill ``child`` if it still runs and wait until it is reaped."""

@@ -36,7 +36,14 @@ import uvloop
 
 import somatize as sz
 from protocol.codec import decode, encode
-from protocol.daemon import LENGTH, FitRequest, FrameReader, FrameWriter
+from protocol.daemon import (
+    LENGTH,
+    FitRequest,
+    FrameReader,
+    FrameWriter,
+    PingRequest,
+    ShutdownRequest,
+)
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.conftest import timeout_unit
@@ -143,7 +150,7 @@ class Driver:
         return self.loop.run_until_complete(awaitable)
 
     def __call__(self, cmd: str, timeout: float | None = None, **fields: Any) -> Any:
-        return self.run(self.supervisor.request({"cmd": cmd, **fields}, timeout))
+        return self.run(self.supervisor.request_dict({"cmd": cmd, **fields}, timeout))
 
     def load(self, **filters: Any) -> list[str]:
         return self("load", filters={k: dump_filter(f) for k, f in filters.items()})
@@ -556,7 +563,7 @@ def test_cancelling_a_request_kills_the_daemon(crashing):
 
     async def cancel_mid_request() -> None:
         task = asyncio.ensure_future(
-            crashing.supervisor.request({"cmd": "fit", "node_id": "hang", "x": [1]}, 30 * UNIT)
+            crashing.supervisor.request_dict({"cmd": "fit", "node_id": "hang", "x": [1]}, 30 * UNIT)
         )
         await asyncio.sleep(0.2 * UNIT)
         task.cancel()
@@ -608,9 +615,10 @@ _ORPHANING_PARENT = textwrap.dedent(
     async def main():
         daemon = DaemonSupervisor(threads=1)
         await daemon.start()
-        await daemon.request({"cmd": "load", "filters": {"hang": dump_filter(Hang(sys.argv[1]))}})
+        filters = {"hang": dump_filter(Hang(sys.argv[1]))}
+        await daemon.request_dict({"cmd": "load", "filters": filters})
         print(daemon.pid, flush=True)
-        await daemon.request({"cmd": "fit", "node_id": "hang", "x": [1]}, timeout=3600)
+        await daemon.request_dict({"cmd": "fit", "node_id": "hang", "x": [1]}, timeout=3600)
 
     asyncio.run(main())
     """
@@ -653,20 +661,20 @@ def test_start_ping_shutdown_on_a_plain_asyncio_loop():
         supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT)
         assert not supervisor.running and supervisor.pid is None
         with pytest.raises(DaemonNotRunning):
-            await supervisor.request({"cmd": "ping"})
+            await supervisor.request(PingRequest(id=0, cmd="ping"))
         async with supervisor:
             pid = supervisor.pid
             assert supervisor.running and pid is not None
             with pytest.raises(RuntimeError):
                 await supervisor.start()
-            assert await supervisor.request({"cmd": "shutdown"}) is None
+            assert await supervisor.request(ShutdownRequest(id=0, cmd="shutdown")) is None
             for _ in range(int(500 * UNIT)):
                 if not supervisor.running:
                     break
                 await asyncio.sleep(0.01)
             assert not supervisor.running
             with pytest.raises(DaemonNotRunning) as info:
-                await supervisor.request({"cmd": "ping"})
+                await supervisor.request(PingRequest(id=0, cmd="ping"))
             assert info.value.detail["returncode"] == 0  # a clean exit after the ack
         assert _gone(pid)
 
