@@ -75,7 +75,7 @@ class Training(Nodes):
         except KeyError:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"no data staged as {name!r} (staged: {sorted(self._held)})",
+                f"no data held under {name!r} (held: {sorted(self._held)})",
             ) from None
         if rows is None:
             return x, y
