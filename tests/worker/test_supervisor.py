@@ -204,6 +204,16 @@ def test_a_daemon_whose_parent_dies_exits_even_inside_a_filter(tmp_path):
 # -- lifecycle ----------------------------------------------------------------------------------
 
 
+def test_a_command_for_no_daemon_is_not_running_before_it_is_invalid():
+    async def scenario() -> None:
+        supervisor = DaemonSupervisor(threads=1)
+        with pytest.raises(DaemonNotRunning) as info:
+            await supervisor.request_dict({"cmd": "launch"})
+        assert info.value.detail["cmd"] == "launch"
+
+    asyncio.run(scenario())
+
+
 def test_start_ping_shutdown_on_a_plain_asyncio_loop():
     async def scenario() -> None:
         supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT)
