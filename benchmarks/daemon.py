@@ -37,11 +37,11 @@ REPEATS = 5
 
 async def _ping_times(daemon: DaemonSupervisor, count: int) -> list[float]:
     for _ in range(WARMUP):
-        await daemon.request({"cmd": "ping"})
+        await daemon.request_dict({"cmd": "ping"})
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        await daemon.request({"cmd": "ping"})
+        await daemon.request_dict({"cmd": "ping"})
         times.append(time.perf_counter() - start)
     return times
 
@@ -78,15 +78,16 @@ async def _measure(pings: int, features: int, repeats: int) -> dict[str, Any]:
 
         torch.manual_seed(0)
         module = torch.nn.Linear(features, features)
-        await daemon.request({"cmd": "load", "filters": {"big": dump_filter(TorchFilter(module))}})
+        filters = {"big": dump_filter(TorchFilter(module))}
+        await daemon.request_dict({"cmd": "load", "filters": filters})
         x, y = torch.randn(4, features), torch.randn(4, features)
-        await daemon.request({"cmd": "fit", "node_id": "big", "x": x, "y": y})
+        await daemon.request_dict({"cmd": "fit", "node_id": "big", "x": x, "y": y})
 
         out_s, stall_s = float("inf"), 0.0
         grads: dict[str, Any] = {}
         for _ in range(repeats):
             reply, seconds, stall = await _timed_with_stall(
-                daemon.request({"cmd": "get_gradients"})
+                daemon.request_dict({"cmd": "get_gradients"})
             )
             grads = reply["big"]
             out_s, stall_s = min(out_s, seconds), max(stall_s, stall)
@@ -95,7 +96,7 @@ async def _measure(pings: int, features: int, repeats: int) -> dict[str, Any]:
         in_s = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            await daemon.request({"cmd": "apply_gradients", "gradients": {"big": grads}})
+            await daemon.request_dict({"cmd": "apply_gradients", "gradients": {"big": grads}})
             in_s = min(in_s, time.perf_counter() - start)
 
     source = np.ones(nbytes // 4, dtype=np.float32)

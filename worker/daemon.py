@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from protocol.codec import decode, encode
 from protocol.daemon import (
@@ -64,11 +64,11 @@ from protocol.daemon import (
     StageRequest,
     StageStepRequest,
     allocate_fast,
-    request_adapter,
 )
-from protocol.errors import ErrorCode, ErrorInfo, FrameError
+from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
 from protocol.memory import keep_freed_memory
+from worker.commands import parse_request
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
@@ -85,14 +85,6 @@ WATCHDOG_INTERVAL = 0.2
 """Seconds between two checks of the parent pid."""
 
 Handler = Callable[[Any], Any]
-
-
-class _Refused(Exception):
-    """A request the daemon refuses with a ready-made error (e.g. a filter that cannot unpickle)."""
-
-    def __init__(self, info: ErrorInfo) -> None:
-        super().__init__(info.message)
-        self.info = info
 
 
 class Daemon:
@@ -144,13 +136,13 @@ class Daemon:
             return _error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)))
         request_id = _request_id(raw)
         try:
-            request = request_adapter.validate_python(raw)
-        except ValidationError as exc:
-            return _error(request_id, _bad_request(exc))
+            request = parse_request(raw)
+        except RequestRefused as exc:
+            return _error(request_id, exc.info)
         handler = self._handlers[request.cmd]
         try:
             result = handler(request)
-        except _Refused as exc:
+        except RequestRefused as exc:
             return _error(request_id, exc.info)
         except EngineError as exc:
             return _error(request_id, exc.info())
@@ -190,7 +182,7 @@ class Daemon:
             except Exception as exc:
                 info = _exception_info(exc, f"node {node_id!r} cannot be unpickled", "load")
                 info.detail["node_id"] = node_id
-                raise _Refused(info) from exc
+                raise RequestRefused(info) from exc
         self.engine.load(filters)
         self._filters = filters
         return self.engine.node_ids
@@ -222,6 +214,8 @@ class Daemon:
         return _plain(result)
 
     def on_stage(self, req: StageRequest) -> dict[str, Any]:
+        """Hold rows under ``req.name`` for later commands: the ones sent, or a dataset of this
+        worker's own; returns how many."""
         x, y = req.x, req.y
         if req.dataset is not None:
             if x is not None or y is not None:
@@ -229,7 +223,7 @@ class Daemon:
                     ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
                 )
             x, y = load_dataset(req.dataset)
-        return {"rows": self.engine.stage(req.name, x, y)}
+        return {"rows": self.engine.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
         if req.apply is not None:  # finish the previous step first: one round trip per step
@@ -260,7 +254,7 @@ class Daemon:
     ) -> tuple[Any, Any]:
         if req.data is None:
             return req.x, req.y
-        return self.engine.staged(req.data, req.rows)
+        return self.engine.held(req.data, req.rows)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
         return self.engine.composite_forward(req.node_ids, req.x, req.states)
@@ -341,30 +335,6 @@ def _request_id(raw: Any) -> int:
     """The request's ``id`` if it has a usable one, else -1 (the reply still goes out)."""
     value = raw.get("id") if isinstance(raw, Mapping) else None
     return value if type(value) is int else -1
-
-
-def _bad_request(exc: ValidationError) -> ErrorInfo:
-    """``BAD_REQUEST`` naming the offending field (``cmd`` for an unknown or missing command)."""
-    errors = exc.errors(include_url=False, include_input=False, include_context=False)
-    listed = []
-    for err in errors:
-        loc = [str(part) for part in err["loc"]]
-        kind = err["type"]
-        # A discriminated union puts the tag first in the location: ('fit', 'node_id').
-        field = ".".join(loc[1:]) if len(loc) > 1 else "cmd" if kind.startswith("union_tag") else ""
-        listed.append({"field": field, "message": err["msg"], "type": kind})
-    first = listed[0] if listed else {"field": "", "message": str(exc)}
-    if first["field"]:
-        message = f"invalid request: {first['field']}: {first['message']}"
-    else:
-        message = f"invalid request: {first['message']}"
-    if len(listed) > 1:
-        message += f" (and {len(listed) - 1} more)"
-    return ErrorInfo(
-        code=ErrorCode.BAD_REQUEST,
-        message=message,
-        detail={"field": first["field"], "errors": listed},
-    )
 
 
 def _exception_info(exc: BaseException, what: str, cmd: str) -> ErrorInfo:

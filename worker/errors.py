@@ -12,6 +12,7 @@ Exception tree::
     │   ├── MailboxDropped       the job's mailbox went while a call waited on it
     │   ├── MailboxFull          a delivery refused: too many held untaken
     │   └── OutOfOrder           a sequenced call cannot run (an earlier one failed, too late)
+    ├── DaemonAlreadyRunning     (also a RuntimeError) ``start`` on a supervisor already started
     ├── EngineError              the engine refused a request (unknown node, no gradients, ...):
     │                            carries an :class:`~protocol.errors.ErrorCode`
     └── DaemonError              a request to the filter daemon did not succeed
@@ -120,3 +121,7 @@ class DaemonTimeout(DaemonError):
 
 class DaemonNotRunning(DaemonError):
     """A request was made while no daemon is running."""
+
+
+class DaemonAlreadyRunning(WorkerError, RuntimeError):
+    """:meth:`~worker.supervisor.DaemonSupervisor.start` while its daemon runs (use restart)."""

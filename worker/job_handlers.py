@@ -21,6 +21,7 @@ from typing import Any
 
 from protocol.channel import Channel
 from protocol.codec import decode, encode_frame
+from protocol.daemon import LoadRequest
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Ack, Call, CloseJob, Deliver, Links, OpenJob, Probe, Result
 from worker.config import AgentConfig
@@ -120,7 +121,7 @@ class JobHandlers:
     async def _open(self, job: _Job, filters: dict[str, bytes], start: bool) -> None:
         if start:
             await job.supervisor.start()
-        await job.supervisor.request({"cmd": "load", "filters": filters})
+        await job.supervisor.request(LoadRequest(id=0, cmd="load", filters=filters))
 
     async def close_job(self, message: CloseJob) -> Ack:
         """Close the job's daemon (cancelling a running call); an unknown job is already closed."""
@@ -196,7 +197,7 @@ class JobHandlers:
             payload = await self._take_input(job, message.input_from, timeout, cmd)
             # A bytearray: the tensors decode zero-copy over it and stay writable.
             request = {**request, message.input_field: decode(bytearray(payload))}
-        task = owned_task(job.supervisor.request(request, timeout))
+        task = owned_task(job.supervisor.request_dict(request, timeout))
         job.calls.add(task)
         task.add_done_callback(job.calls.discard)
         try:

@@ -15,6 +15,7 @@ import os
 import signal
 from collections.abc import Callable
 
+from protocol.daemon import PingRequest
 from worker.config import AgentConfig
 from worker.datasets import environment as dataset_environment
 from worker.errors import DaemonError
@@ -98,7 +99,7 @@ class DaemonPool:
             return None
         try:
             supervisor = await asyncio.shield(spare)
-            await supervisor.request({"cmd": "ping"}, self._config.startup_timeout)
+            await supervisor.request(PingRequest(id=0, cmd="ping"), self._config.startup_timeout)
         except DaemonError:
             if self._spare is spare:
                 self._spare = None

@@ -112,7 +112,7 @@ def test_the_daemon_passes_prox_mu_epochs_and_reset_optimizer_through():
     daemon.engine.load(
         {"lin": sz.TorchFilter(copy.deepcopy(module), lr=0.1, batch_size=6, shuffle=False)}
     )
-    daemon.engine.stage("local", x, y)
+    daemon.engine.hold("local", x, y)
     request = {
         "id": 1,
         "cmd": "batched_fit",

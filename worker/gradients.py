@@ -1,0 +1,193 @@
+"""The optimizer state and the gradients of the loaded differentiable nodes.
+
+The gradient primitives never report an empty success: no gradient at all is an error. Fitting
+(:mod:`worker.training`) leaves gradients on the parameters without stepping, because whoever
+owns the round owns the step: :meth:`Gradients.apply_gradients` writes a gradient (the mean of
+the replicas', say) and steps the persistent optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+from worker.nodes import Node, Nodes, check_same_names, trainable
+
+
+class Gradients(Nodes):
+    """Reading and writing the optimizers and the gradients of differentiable nodes."""
+
+    def get_optimizer_state(self, node_ids: Sequence[str]) -> dict[str, Any]:
+        """Each differentiable node's persistent optimizer, as its ``state_dict()``: momentum
+        buffers, Adam moments, step counts and the hyperparameters of its groups; ``None`` for an
+        optimizer not made yet (no step taken).
+
+        With :meth:`get_state` this is all a replica is: an elastic data-parallel job brings a
+        replacement worker to a survivor's exact point with the pair (the tensors are the live
+        ones: the reply is encoded before the next command can step them).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a node that is not differentiable.
+        """
+        out: dict[str, Any] = {}
+        for node in self._select(node_ids):
+            self._check_trains(node)
+            out[node.node_id] = None if node.optimizer is None else node.optimizer.state_dict()
+        return out
+
+    def set_optimizer_state(self, states: Mapping[str, Any]) -> None:
+        """Replace nodes' optimizers by fresh ones loaded with ``states`` (as
+        :meth:`get_optimizer_state` returns them; ``None`` drops the optimizer, so the next step
+        makes a new one). Every state is loaded before any node's optimizer is replaced.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a node that is not differentiable,
+                ``STATE_MISMATCH`` for a state that is not of this node's optimizer.
+        """
+        made: dict[str, torch.optim.Optimizer | None] = {}
+        for node_id, state in states.items():
+            node = self._node(node_id)
+            self._check_trains(node)
+            if state is None:
+                made[node_id] = None
+                continue
+            params = trainable(node)
+            optimizer = node.filter.make_optimizer(list(params.values()))
+            try:
+                optimizer.load_state_dict(_cloned(state))
+            except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"node {node_id!r}: the optimizer state does not fit its "
+                    f"{type(optimizer).__name__}: {type(exc).__name__}: {exc}",
+                    {"node_id": node_id},
+                ) from exc
+            _check_optimizer_shapes(node_id, optimizer, params)
+            made[node_id] = optimizer
+        for node_id, optimizer in made.items():
+            self._nodes[node_id].optimizer = optimizer
+
+    def get_gradients(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The gradients left by the last ``fit``/``composite_fit``, by node and parameter name.
+
+        ``node_ids=None`` means every differentiable node. The tensors are the live ``.grad``
+        tensors (the engine always replaces, never mutates, a gradient): copy them to keep them
+        across a later backward.
+
+        Raises:
+            EngineError: ``NO_GRADIENTS`` for a node that is not differentiable, has no trainable
+                parameters, or has parameters without a gradient (no backward ran).
+        """
+        if node_ids is None:
+            nodes = [n for n in self._nodes.values() if n.differentiable]
+            if not nodes:
+                raise EngineError(ErrorCode.NO_GRADIENTS, "no differentiable filter is loaded")
+        else:
+            nodes = self._select(node_ids)
+        out: dict[str, dict[str, Any]] = {}
+        for node in nodes:
+            if not node.differentiable:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r} is not differentiable: it has no gradients",
+                    {"node_id": node.node_id},
+                )
+            params = trainable(node)
+            if not params:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r} has no trainable parameters",
+                    {"node_id": node.node_id},
+                )
+            missing = [name for name, p in params.items() if p.grad is None]
+            if missing:
+                raise EngineError(
+                    ErrorCode.NO_GRADIENTS,
+                    f"node {node.node_id!r}: no gradient on {missing} "
+                    "(run fit or composite_fit with labels first)",
+                    {"node_id": node.node_id, "parameters": missing},
+                )
+            out[node.node_id] = {name: p.grad for name, p in params.items()}
+        return out
+
+    def apply_gradients(self, gradients: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        """Write ``gradients`` onto the parameters and step each node's persistent optimizer.
+
+        Every node and tensor is checked before anything is written, so a mismatch leaves the
+        model untouched.
+
+        Returns:
+            How many parameters were stepped, by node id.
+
+        Raises:
+            EngineError: ``GRADIENT_MISMATCH`` when names or shapes are not the same model,
+                ``NO_GRADIENTS`` for an empty gradient set.
+        """
+        if not gradients:
+            raise EngineError(ErrorCode.NO_GRADIENTS, "apply_gradients was given no gradients")
+        plan: list[tuple[Node, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+        for node_id, grads in gradients.items():
+            node = self._node(node_id)
+            params = trainable(node) if node.differentiable else {}
+            if not params:
+                raise EngineError(
+                    ErrorCode.GRADIENT_MISMATCH,
+                    f"node {node_id!r} has no trainable parameters to apply gradients to",
+                    {"node_id": node_id},
+                )
+            check_same_names(node_id, "gradients", set(grads), set(params))
+            pairs = []
+            for name, p in params.items():
+                g = torch.as_tensor(grads[name])
+                if tuple(g.shape) != tuple(p.shape):
+                    raise EngineError(
+                        ErrorCode.GRADIENT_MISMATCH,
+                        f"node {node_id!r}, parameter {name!r}: gradient has shape "
+                        f"{list(g.shape)}, parameter has {list(p.shape)}",
+                        {"node_id": node_id, "parameter": name},
+                    )
+                pairs.append((p, g))
+            plan.append((node, pairs))
+        applied: dict[str, int] = {}
+        for node, pairs in plan:
+            for p, g in pairs:
+                p.grad = g.to(dtype=p.dtype, device=p.device)
+            self._optimizer(node).step()
+            applied[node.node_id] = len(pairs)
+        return applied
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor (or array) copied into memory of its own: an optimizer must
+    not keep views over a received frame."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, Mapping):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _check_optimizer_shapes(
+    node_id: str, optimizer: torch.optim.Optimizer, params: Mapping[str, torch.nn.Parameter]
+) -> None:
+    """torch loads an optimizer state of another model's shapes without a word (and fails at
+    the next step): every per-parameter tensor that is not a scalar must have its parameter's
+    shape."""
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"node {node_id!r}, parameter {name!r}: optimizer state {key!r} has shape "
+                    f"{list(value.shape)}, parameter has {list(p.shape)}",
+                    {"node_id": node_id, "parameter": name, "key": key},
+                )

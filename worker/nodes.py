@@ -1,0 +1,207 @@
+"""The loaded filters of an engine, and what every part of the engine needs from them.
+
+Two kinds of filter are told apart by duck typing, so that the engine needs nothing from the SDK:
+
+* a *plain* filter has ``fit(x, y) -> state`` and ``forward(x, state) -> output``; its state is
+  whatever ``fit`` returned and the engine keeps it;
+* a *differentiable* filter (the SDK's ``TorchFilter``) has ``differentiable = True`` and the
+  members of :class:`DifferentiableFilter`; its state is its module's ``state_dict`` and the engine
+  trains it by gradient descent with a persistent optimizer (moments survive across calls).
+
+A chain is cut into *segments*: each plain filter alone, and each maximal run of consecutive
+differentiable filters, which trains as one autograd graph (one loss, on the run's last filter;
+every filter of the run steps its own optimizer).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+
+UNSET: Any = object()
+"""The state of a plain filter that was neither fitted nor given a state."""
+
+
+@runtime_checkable
+class DifferentiableFilter(Protocol):
+    """What the engine needs from a filter it trains by gradient descent."""
+
+    differentiable: bool
+    module: torch.nn.Module
+    epochs: int
+    batch_size: int | None
+    shuffle: bool
+    seed: int
+
+    def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer: ...
+
+    def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def prepare_input(self, x: Any) -> torch.Tensor: ...
+
+    def prepare_target(self, y: Any) -> torch.Tensor: ...
+
+    def forward(self, x: Any, state: Any) -> Any: ...
+
+
+def is_differentiable(f: Any) -> bool:
+    """True for a filter the engine trains by gradient descent."""
+    return bool(getattr(f, "differentiable", False)) and isinstance(
+        getattr(f, "module", None), torch.nn.Module
+    )
+
+
+def num_rows(x: Any) -> int:
+    """Rows of a batch: the first dimension of an array/tensor, or ``len()``."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    try:
+        return len(x)
+    except TypeError as exc:
+        raise EngineError(
+            ErrorCode.BAD_REQUEST, f"input of type {type(x).__name__} has no rows"
+        ) from exc
+
+
+def check_same_rows(x: Any, y: Any) -> None:
+    """Refuse labels that do not have one row per input row."""
+    if y is not None and num_rows(x) != num_rows(y):
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"x has {num_rows(x)} rows and y has {num_rows(y)}: they must match",
+        )
+
+
+@dataclass
+class Node:
+    """One loaded filter, with what the engine keeps for it."""
+
+    node_id: str
+    filter: Any
+    state: Any = UNSET  # plain filters only: what fit returned
+    optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def differentiable(self) -> bool:
+        return is_differentiable(self.filter)
+
+
+class Nodes:
+    """Filters by node id, in graph order: looking them up, their states and their optimizers.
+
+    The base of the engine's parts (:mod:`worker.training`, :mod:`worker.gradients`,
+    :mod:`worker.pipeline_stage`), which all work on the same nodes.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, Node] = {}
+
+    def load(self, filters: Mapping[str, Any]) -> None:
+        """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order)."""
+        self._nodes = {node_id: Node(node_id, f) for node_id, f in filters.items()}
+
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    def filter(self, node_id: str) -> Any:
+        """The loaded filter object of ``node_id``."""
+        return self._node(node_id).filter
+
+    def _node(self, node_id: str) -> Node:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise EngineError(
+                ErrorCode.UNKNOWN_NODE,
+                f"node {node_id!r} is not loaded (loaded: {list(self._nodes)})",
+                {"node_id": node_id},
+            ) from None
+
+    def _select(self, node_ids: Sequence[str] | None) -> list[Node]:
+        return list(self._nodes.values()) if node_ids is None else [self._node(n) for n in node_ids]
+
+    def _chain(self, node_ids: Sequence[str], x: Any, y: Any = None) -> list[Node]:
+        nodes = self._select(node_ids)
+        if not nodes:
+            raise EngineError(ErrorCode.BAD_REQUEST, "an empty chain of nodes was given")
+        check_same_rows(x, y)
+        return nodes
+
+    def _state_for(self, node: Node) -> Any:
+        if node.differentiable:
+            return node.filter.module.state_dict()
+        if node.state is UNSET:
+            raise EngineError(
+                ErrorCode.NOT_FITTED,
+                f"node {node.node_id!r} has no state: fit it or set its state first",
+                {"node_id": node.node_id},
+            )
+        return node.state
+
+    def _check_trains(self, node: Node) -> None:
+        if not node.differentiable:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {node.node_id!r} is not differentiable: it has no optimizer",
+                {"node_id": node.node_id},
+            )
+
+    def _optimizer(self, node: Node) -> torch.optim.Optimizer:
+        """The node's optimizer, made on first use and kept (its moments survive)."""
+        if node.optimizer is None:
+            node.optimizer = node.filter.make_optimizer(list(trainable(node).values()))
+        return node.optimizer
+
+    def _train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
+        """Forward ``x`` through the run in training mode, building the autograd graph."""
+        out = x
+        for node in run:
+            node.filter.module.train()
+            out = node.filter.module(out)
+        return out
+
+
+def segments(nodes: list[Node]) -> Iterator[list[Node]]:
+    """Each plain node alone; each maximal run of differentiable nodes together."""
+    for differentiable, group in itertools.groupby(nodes, key=lambda n: n.differentiable):
+        if differentiable:
+            yield list(group)
+        else:
+            yield from ([n] for n in group)
+
+
+def trainable(node: Node) -> dict[str, torch.nn.Parameter]:
+    """The parameters of a differentiable node that take gradients, by name."""
+    return {n: p for n, p in node.filter.module.named_parameters() if p.requires_grad}
+
+
+def check_same_names(node_id: str, what: str, given: set[str], expected: set[str]) -> None:
+    """Refuse gradients or states whose names are not those of this node's model."""
+    if given != expected:
+        raise EngineError(
+            ErrorCode.GRADIENT_MISMATCH if what == "gradients" else ErrorCode.STATE_MISMATCH,
+            f"node {node_id!r}: {what} are not for the same model: missing "
+            f"{sorted(expected - given)}, unexpected {sorted(given - expected)}",
+            {
+                "node_id": node_id,
+                "missing": sorted(expected - given),
+                "unexpected": sorted(given - expected),
+            },
+        )
+
+
+def take(data: Any, index: np.ndarray[Any, Any]) -> Any:
+    """Rows ``index`` of an array or tensor (a copy: the held data stays as it was)."""
+    if isinstance(data, torch.Tensor):
+        return data[torch.from_numpy(index)]
+    return np.asarray(data)[index]

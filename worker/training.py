@@ -1,0 +1,316 @@
+"""Data held under a name, and fitting, forwarding and the states of a chain of filters.
+
+``fit`` and ``composite_fit`` of a differentiable filter run forward, loss and backward but never
+step: whoever owns the round owns the step (see :mod:`worker.gradients`). ``batched_fit`` is the
+whole training loop, what ``graph.fit`` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.batching import batches, generator
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+from worker.nodes import (
+    Node,
+    Nodes,
+    check_same_names,
+    check_same_rows,
+    num_rows,
+    segments,
+    take,
+    trainable,
+)
+
+
+@dataclass
+class FitResult:
+    """What a fit command produced.
+
+    Attributes:
+        output: the chain's output on the fitted data (``None`` for a single-node ``fit``).
+        states: each fitted node's state, by node id.
+        loss: the loss of the last differentiable run (mean over the last epoch for a training
+            loop), ``None`` when no differentiable filter was involved.
+        rows: how many rows were fitted on.
+        epoch_losses: for a training loop, the mean loss of each epoch, in order.
+    """
+
+    output: Any
+    states: dict[str, Any]
+    loss: float | None
+    rows: int
+    epoch_losses: list[float] = field(default_factory=list)
+
+
+class Training(Nodes):
+    """Rows held under a name; fit, forward and the states of the loaded nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: dict[str, tuple[Any, Any]] = {}
+
+    # -- data held under a name ---------------------------------------------------------------
+
+    def hold(self, name: str, x: Any, y: Any = None) -> int:
+        """Keep ``x`` (and ``y``) under ``name`` for later commands; returns the row count.
+
+        Data-parallel and federated jobs send a worker its data once and then only name rows
+        of it, so that per step only gradients (or per round only states) cross the wire.
+        """
+        check_same_rows(x, y)
+        self._held[name] = (x, y)
+        return num_rows(x)
+
+    def held(self, name: str, rows: Sequence[int] | None = None) -> tuple[Any, Any]:
+        """The data held under ``name``, or its ``rows`` (in that order)."""
+        try:
+            x, y = self._held[name]
+        except KeyError:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"no data held under {name!r} (held: {sorted(self._held)})",
+            ) from None
+        if rows is None:
+            return x, y
+        n = num_rows(x)
+        index = np.asarray(rows, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= n):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"rows of {name!r} must lie in [0, {n}); "
+                f"got {int(index.min())}..{int(index.max())}",
+            )
+        return take(x, index), None if y is None else take(y, index)
+
+    # -- fit ----------------------------------------------------------------------------------
+
+    def fit(self, node_id: str, x: Any, y: Any = None) -> FitResult:
+        """Fit one node on ``x``: a plain filter's ``fit``, or one gradient pass (no step)."""
+        node = self._node(node_id)
+        if node.differentiable:
+            loss = self._backward_run([node], x, y)[1]
+            return FitResult(None, self.get_state([node_id]), loss, num_rows(x))
+        node.state = node.filter.fit(x, y)
+        return FitResult(None, {node_id: node.state}, None, num_rows(x))
+
+    def composite_fit(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+        """One pass over a chain: plain filters fit then forward; each differentiable run does one
+        forward, loss and backward over all of ``x`` and leaves its gradients on the parameters,
+        without stepping (a data-parallel replica's half of a step)."""
+        nodes = self._chain(node_ids, x, y)
+        out, loss = x, None
+        for segment in segments(nodes):
+            if segment[0].differentiable:
+                out, loss = self._backward_run(segment, out, y)
+            else:
+                out = self._fit_plain(segment[0], out, y)
+        return FitResult(out, self.get_state(node_ids), loss, num_rows(x))
+
+    def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+        """A replica's half of a data-parallel step: plain filters only *apply* the state they
+        hold (fitted once, before training), each differentiable run does one forward, loss and
+        backward over ``x`` and leaves its gradients on the parameters. No step, no states."""
+        nodes = self._chain(node_ids, x, y)
+        out, loss = x, None
+        for segment in segments(nodes):
+            if segment[0].differentiable:
+                out, loss = self._backward_run(segment, out, y)
+            else:
+                node = segment[0]
+                out = node.filter.forward(out, self._state_for(node))
+        return FitResult(None, {}, loss, num_rows(x))
+
+    def batched_fit(
+        self,
+        node_ids: Sequence[str],
+        x: Any,
+        y: Any = None,
+        batch_size: int | None = None,
+        *,
+        epochs: int | None = None,
+        prox_mu: float = 0.0,
+        reset_optimizer: bool = False,
+    ) -> FitResult:
+        """Train a chain to completion: what ``graph.fit`` does.
+
+        Plain filters are fitted on all rows, in order, each feeding the next. A differentiable run
+        trains for the epochs of its last filter, in batches of ``batch_size`` (default: the last
+        filter's), one optimizer step of every filter in the run per batch, on the mean loss of the
+        batch. With ``shuffle`` the rows of each epoch are permuted by a ``torch.Generator``
+        seeded with the filter's ``seed``; without it they are taken in order.
+
+        ``epochs`` overrides the filters' own (a federated round's local epochs); ``prox_mu``
+        adds FedProx's proximal term (Li et al. 2020) to every batch's loss:
+        ``mu / 2 * ||w - w_start||^2`` over the run's parameters, ``w_start`` being the weights
+        this call started from (the round's global model). ``reset_optimizer`` drops the chain's
+        kept optimizers first, so training starts from fresh ones (no momentum or moments left
+        from earlier calls): a federated client's optimizer lives for one round.
+        """
+        nodes = self._chain(node_ids, x, y)
+        if reset_optimizer:
+            for node in nodes:
+                node.optimizer = None
+        out, loss, epoch_losses = x, None, []
+        for segment in segments(nodes):
+            if segment[0].differentiable:
+                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu)
+                loss = epoch_losses[-1] if epoch_losses else None
+                out = self._forward_segment(segment, out)
+            else:
+                out = self._fit_plain(segment[0], out, y)
+        return FitResult(out, self.get_state(node_ids), loss, num_rows(x), epoch_losses)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, node_id: str, x: Any, state: Any = None) -> Any:
+        """``forward`` of one node with ``state``, or with the state it holds."""
+        node = self._node(node_id)
+        return node.filter.forward(x, self._state_for(node) if state is None else state)
+
+    def composite_forward(
+        self, node_ids: Sequence[str], x: Any, states: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Forward ``x`` through a chain, each node with ``states[id]`` or its held state."""
+        for node in self._chain(node_ids, x):
+            if states is not None and node.node_id in states:
+                x = node.filter.forward(x, states[node.node_id])
+            else:
+                x = node.filter.forward(x, self._state_for(node))
+        return x
+
+    # -- state --------------------------------------------------------------------------------
+
+    def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
+        """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
+        copies of its tensors), a plain filter's fit result."""
+        out: dict[str, Any] = {}
+        for node in self._select(node_ids):
+            if node.differentiable:
+                sd = node.filter.module.state_dict()
+                out[node.node_id] = {k: v.detach().clone() for k, v in sd.items()}
+            else:
+                out[node.node_id] = self._state_for(node)
+        return out
+
+    def set_state(self, states: Mapping[str, Any]) -> None:
+        """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""
+        nodes = [self._node(node_id) for node_id in states]
+        for node in nodes:
+            state = states[node.node_id]
+            if node.differentiable:
+                _load_module_state(node, state)
+            else:
+                node.state = state
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _fit_plain(self, node: Node, x: Any, y: Any) -> Any:
+        node.state = node.filter.fit(x, y)
+        return node.filter.forward(x, node.state)
+
+    def _run_loss(self, run: list[Node], x: torch.Tensor, y: torch.Tensor) -> Any:
+        """Forward ``x`` through the run in training mode; the loss of its last filter."""
+        out = self._train_forward(run, x)
+        return run[-1].filter.compute_loss(out, y), out
+
+    def _backward_run(self, run: list[Node], x: Any, y: Any) -> tuple[Any, float]:
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: fitting it needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        for node in run:
+            node.filter.module.zero_grad(set_to_none=True)
+        xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
+        loss, out = self._run_loss(run, xt, yt)
+        loss.backward()
+        return out.detach(), float(loss.detach())
+
+    def _train_run(
+        self,
+        run: list[Node],
+        x: Any,
+        y: Any,
+        batch_size: int | None,
+        epochs: int | None = None,
+        prox_mu: float = 0.0,
+    ) -> list[float]:
+        last = run[-1].filter
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: training it needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        xt, yt = run[0].filter.prepare_input(x), last.prepare_target(y)
+        n = num_rows(xt)
+        size = batch_size or last.batch_size or n
+        optimizers = [self._optimizer(node) for node in run]
+        params = [p for node in run for p in trainable(node).values()]
+        anchor = [p.detach().clone() for p in params] if prox_mu else []
+        epoch_losses = []
+        # Seeded, and without touching the caller's global RNG: dropout and friends inside the
+        # modules draw from the forked default generator.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(last.seed)
+            order = generator(last.seed)
+            for _ in range(last.epochs if epochs is None else epochs):
+                total = 0.0
+                for index in batches(n, size, order if last.shuffle else None):
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    loss, _ = self._run_loss(run, xt[index], yt[index])
+                    if prox_mu:
+                        gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
+                        loss = loss + prox_mu / 2 * gap
+                    loss.backward()
+                    for opt in optimizers:
+                        opt.step()
+                    total += float(loss.detach()) * _len(index, n)
+                epoch_losses.append(total / n if n else float("nan"))
+        return epoch_losses
+
+    def _forward_segment(self, run: list[Node], x: Any) -> Any:
+        for node in run:
+            x = node.filter.forward(x, node.filter.module.state_dict())
+        return x
+
+
+def _len(index: Any, n: int) -> int:
+    if isinstance(index, slice):
+        return len(range(*index.indices(n)))
+    return int(index.numel())
+
+
+def _load_module_state(node: Node, state: Any) -> None:
+    module: torch.nn.Module = node.filter.module
+    if not isinstance(state, Mapping):
+        raise EngineError(
+            ErrorCode.STATE_MISMATCH,
+            f"node {node.node_id!r} is differentiable: its state is a mapping of tensors, "
+            f"not {type(state).__name__}",
+            {"node_id": node.node_id},
+        )
+    current = module.state_dict()
+    check_same_names(node.node_id, "state keys", set(state), set(current))
+    converted = {}
+    for key, value in state.items():
+        tensor = torch.as_tensor(value) if isinstance(value, np.ndarray | np.generic) else value
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != current[key].shape:
+            shape = list(getattr(tensor, "shape", [])) if tensor is not None else None
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH,
+                f"node {node.node_id!r}, key {key!r}: state has shape {shape}, "
+                f"module has {list(current[key].shape)}",
+                {"node_id": node.node_id, "key": key},
+            )
+        converted[key] = tensor
+    module.load_state_dict(converted)
