@@ -47,8 +47,6 @@ from protocol.daemon import (
     CompositeForwardRequest,
     FitRequest,
     ForwardRequest,
-    FrameReader,
-    FrameWriter,
     GetGradientsRequest,
     GetOptimizerStateRequest,
     GetStateRequest,
@@ -57,13 +55,11 @@ from protocol.daemon import (
     PingRequest,
     SetOptimizerStateRequest,
     SetStateRequest,
-    SharedRegion,
     ShutdownRequest,
     StageBackwardRequest,
     StageForwardRequest,
     StageRequest,
     StageStepRequest,
-    allocate_fast,
     request_adapter,
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError
@@ -72,6 +68,8 @@ from protocol.memory import keep_freed_memory
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
+from worker.pipe import FrameReader, FrameWriter
+from worker.shared_memory import SharedRegion, allocate_fast
 
 __all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
 

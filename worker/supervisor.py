@@ -43,17 +43,11 @@ from typing import Any, Self
 from pydantic import BaseModel, ValidationError
 
 from protocol.codec import decode, encode
-from protocol.daemon import (
-    ErrorReply,
-    FrameReader,
-    FrameWriter,
-    OkReply,
-    SharedRegion,
-    reply_adapter,
-    request_fields,
-)
+from protocol.daemon import ErrorReply, OkReply, reply_adapter, request_fields
 from protocol.errors import ErrorCode, FrameError
 from worker.errors import DaemonCrashed, DaemonError, DaemonNotRunning, DaemonTimeout
+from worker.pipe import FrameReader, FrameWriter
+from worker.shared_memory import SharedRegion
 
 __all__ = ["DaemonSupervisor"]
 

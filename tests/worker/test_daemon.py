@@ -36,11 +36,12 @@ import uvloop
 
 import somatize as sz
 from protocol.codec import decode, encode
-from protocol.daemon import LENGTH, FitRequest, FrameReader, FrameWriter
+from protocol.daemon import FitRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.conftest import timeout_unit
 from worker.errors import DaemonCrashed, DaemonError, DaemonNotRunning, DaemonTimeout
+from worker.pipe import LENGTH, FrameReader, FrameWriter
 from worker.supervisor import DaemonSupervisor
 
 pytestmark = pytest.mark.integration

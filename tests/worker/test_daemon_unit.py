@@ -15,25 +15,19 @@ import torch
 
 import somatize as sz
 from protocol.codec import decode, encode, encode_frame
-from protocol.daemon import (
+from protocol.daemon import FitRequest, OkReply, reply_adapter, request_adapter, request_fields
+from protocol.errors import ErrorCode, FrameError
+from protocol.filters import dump_filter
+from worker.daemon import Daemon
+from worker.pipe import (
     LENGTH,
     SHARED_FLAG,
     SHARED_MAX_BYTES,
     SHARED_MIN_BYTES,
-    FitRequest,
     FrameReader,
     FrameWriter,
-    OkReply,
-    SharedRegion,
-    allocate_fast,
-    allocate_paged,
-    reply_adapter,
-    request_adapter,
-    request_fields,
 )
-from protocol.errors import ErrorCode, FrameError
-from protocol.filters import dump_filter
-from worker.daemon import Daemon
+from worker.shared_memory import SharedRegion, allocate_fast, allocate_paged
 
 
 class Center:
