@@ -71,9 +71,10 @@ from benchmarks.roundtrip import (
     rss_bytes,
     summary,
 )
-from protocol.channel import Channel, RemoteError, encode_small, parse
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.asyncio.channel import Channel
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Ack, Capabilities, Heartbeat, Result, Welcome, WorkerHello
+from protocol.parsing import encode_small, parse
 
 AGENTS = 1_000
 BATCH = 50
@@ -98,7 +99,7 @@ PROBE = """
 import asyncio, sys, time
 import uvloop
 from websockets.asyncio.client import connect
-from protocol.channel import encode_small, parse
+from protocol.parsing import encode_small, parse
 from protocol.messages import Capabilities, Heartbeat, WorkerHello
 
 URL, OUT, EVERY = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -53,8 +53,9 @@ from websockets.asyncio.client import connect
 
 import somatize as sz
 from benchmarks.report import Row, Target
-from protocol.channel import Channel, encode_small
+from protocol.asyncio.channel import Channel
 from protocol.messages import ClientHello, Ping, Result, Welcome
+from protocol.parsing import encode_small
 
 ROUND_TRIPS = 5_000
 WARMUP = 200

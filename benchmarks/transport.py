@@ -41,7 +41,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, free_port
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.messages import CHUNK_BYTES, Call, Result
 
 SIZE_BYTES = 64 << 20
@@ -60,7 +60,7 @@ MODE, PORT, NBYTES = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tensor = torch.randn(NBYTES // 4, generator=torch.Generator().manual_seed(0))
 
 async def ours():
-    from protocol.channel import Channel
+    from protocol.asyncio.channel import Channel
     from protocol.messages import CHUNK_BYTES, Result
 
     async def handler(message):

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.ws_server import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS, Coordinator
-from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
-from protocol.memory import keep_freed_memory
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.asyncio.memory import keep_freed_memory
 
 
 def _parser() -> argparse.ArgumentParser:

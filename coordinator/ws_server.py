@@ -53,18 +53,16 @@ from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
 from coordinator.status_page import CSP, PAGE
 from coordinator.store import JobStore
 from protocol import PROTOCOL_VERSION
-from protocol.channel import (
-    DEFAULT_MAX_INFLIGHT,
-    DEFAULT_MAX_MESSAGE_BYTES,
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.websocket import close_reason
+from protocol.errors import (
     BadMessage,
-    Channel,
     ChannelClosed,
+    ErrorCode,
+    ErrorInfo,
     RemoteError,
     VersionMismatch,
-    close_reason,
-    encode_small,
 )
-from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,
@@ -78,6 +76,7 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
+from protocol.parsing import encode_small
 
 log = logging.getLogger(__name__)
 

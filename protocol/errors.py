@@ -7,9 +7,12 @@ Exception tree::
     │   └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
     ├── BadMessage           an incoming message that is not a frame or not a valid message
     ├── VersionMismatch      the peer speaks another protocol version
+    ├── UnexpectedReply      the peer answered with a kind of message this side did not ask for
     ├── ChannelClosed        the connection closed before the reply came
+    ├── SessionError         a session event its state does not allow (a bug of this side)
     ├── RemoteError          the peer answered a request with an ``error`` reply (its fault)
     └── RequestRefused       raised by a handler of ours: answer this request with an ``error``
+        └── UnexpectedHello  a connection's first message is not the hello this side expects
 
 :class:`RemoteError` is what a requester sees of the peer's refusal; :class:`RequestRefused` is
 how a handler refuses (the channel turns it into the ``error`` reply). They carry the same
@@ -99,6 +102,19 @@ class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
 
 
+class UnexpectedReply(ProtocolError):
+    """The peer answered with a message of another kind than the one this side waits for
+    (``kind`` is the one it sent)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class SessionError(ProtocolError):
+    """A session event that its current state does not allow: a bug of this side."""
+
+
 class ChannelClosed(ProtocolError):
     """The connection closed before the reply came (``reason`` says why, when known)."""
 
@@ -124,3 +140,12 @@ class RequestRefused(ProtocolError):
     def of(cls, code: ErrorCode, message: str, **detail: Any) -> RequestRefused:
         """A refusal built from its parts."""
         return cls(ErrorInfo(code=code, message=message, detail=detail))
+
+
+class UnexpectedHello(RequestRefused):
+    """A connection's first message is not the hello this side expects: refused with ``info``
+    (``reply_to`` is that message's id)."""
+
+    def __init__(self, info: ErrorInfo, reply_to: int | None) -> None:
+        super().__init__(info)
+        self.reply_to = reply_to

@@ -39,8 +39,8 @@ import torch
 import websockets
 from pydantic import BaseModel
 
-from protocol.channel import Channel, ChannelClosed, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
+from protocol.asyncio.channel import Channel
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, ProtocolError, RemoteError
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,

@@ -69,9 +69,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel, RemoteError
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.codec import decode, encode_frame
-from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
+from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import torch
 from pydantic import BaseModel, ValidationError
 
+from protocol.asyncio.memory import keep_freed_memory
 from protocol.codec import decode, encode
 from protocol.daemon import (
     ApplyGradientsRequest,
@@ -64,7 +65,6 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError
 from protocol.filters import load_filter
-from protocol.memory import keep_freed_memory
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError

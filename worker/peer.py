@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from websockets.asyncio.client import connect
 
-from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
 

@@ -11,9 +11,9 @@ import websockets
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol.channel import Channel, RemoteError
+from protocol.asyncio.channel import Channel
 from protocol.codec import encode_frame
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Heartbeat, JobEvent, Result, Status, Watch
 from tests.conftest import timeout_unit
 
@@ -130,7 +130,7 @@ def test_bad_messages_get_an_error_reply_and_the_connection_stays_up(payload, co
 
 
 def test_chunks_are_cut_across_the_codec_parts_and_reassemble_exactly():
-    from protocol.channel import CHUNK_MAGIC, Reassembler, chunk_messages
+    from protocol.chunking import CHUNK_MAGIC, Reassembler, chunk_messages
     from protocol.codec import decode, encode
 
     value = {
@@ -151,7 +151,7 @@ def test_chunks_are_cut_across_the_codec_parts_and_reassemble_exactly():
 
 
 def test_bad_chunks_are_frame_errors():
-    from protocol.channel import Reassembler, chunk_messages
+    from protocol.chunking import Reassembler, chunk_messages
     from protocol.errors import FrameError
 
     chunks = list(chunk_messages([bytes(3 * CHUNK_BYTES)], stream=1))
@@ -171,14 +171,15 @@ def test_bad_chunks_are_frame_errors():
 
 
 def _chunks_of(message, stream: int) -> list[bytes]:
-    from protocol.channel import chunk_messages, dump
+    from protocol.chunking import chunk_messages
     from protocol.codec import encode
+    from protocol.parsing import dump
 
     return list(chunk_messages(encode(dump(message)), stream))
 
 
 def test_a_chunked_message_over_the_limit_is_refused_on_its_first_chunk_and_the_rest_dropped():
-    from protocol.channel import Reassembler
+    from protocol.chunking import Reassembler
     from protocol.errors import MessageTooLarge
     from protocol.messages import Call
 
@@ -201,7 +202,7 @@ def test_a_chunked_message_over_the_limit_is_refused_on_its_first_chunk_and_the_
 
 
 def test_the_chunked_messages_in_progress_together_stay_within_the_limits():
-    from protocol.channel import Reassembler
+    from protocol.chunking import Reassembler
     from protocol.errors import MessageTooLarge
     from protocol.messages import Call
 
@@ -270,7 +271,7 @@ def test_too_large_requests_and_replies_fail_at_once_and_the_connection_stays_up
             assert reply_refused.value.code == ErrorCode.TOO_LARGE
             reply = await client.request(Call(job_id="j", request={}), timeout=10 * UNIT)
             assert reply.result == "fine"
-            assert served._reassembler.pending_bytes == 0
+            assert served._inbox.pending_bytes == 0
         finally:
             await _close(server, client, reader)
 
@@ -402,7 +403,8 @@ _values = st.recursive(
 @example(body={"v": np.arange(3), "kind": "client_hello"})  # once an uncaught ValueError
 @example(body={"kind": "ping", "id": 1, "x" * 3000: 1})
 def test_any_decoded_body_is_refused_with_a_typed_bounded_error(body):
-    from protocol.channel import BadMessage, VersionMismatch, check_version, parse
+    from protocol.errors import BadMessage, VersionMismatch
+    from protocol.parsing import check_version, parse
 
     frame = encode_frame(body)
     try:
@@ -426,7 +428,8 @@ class _Recording:
         self.sent: list[str] = []
 
     async def send(self, message):
-        from protocol.channel import _CHUNK_HEAD, CHUNK_MAGIC
+        from protocol.chunking import CHUNK_HEAD as _CHUNK_HEAD
+        from protocol.chunking import CHUNK_MAGIC
 
         if message[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
             _, stream, offset, total = _CHUNK_HEAD.unpack_from(message)

@@ -21,9 +21,10 @@ import torch
 import websockets
 
 import somatize as sz
-from protocol.channel import Channel, RemoteError, chunk_messages
+from protocol.asyncio.channel import Channel
+from protocol.chunking import chunk_messages
 from protocol.codec import encode_frame
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,

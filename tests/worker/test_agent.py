@@ -33,8 +33,8 @@ import uvloop
 from websockets.asyncio.server import ServerConnection, serve
 
 import somatize as sz
-from protocol.channel import Channel, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.asyncio.channel import Channel
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
