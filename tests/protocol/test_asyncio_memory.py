@@ -1,4 +1,4 @@
-"""protocol.memory: freed buffers are reused, not faulted in again.
+"""protocol.asyncio.memory: freed buffers are reused, not faulted in again.
 
 Each case runs in a fresh interpreter: malloc settings are process-wide, and the effect shows in
 the page faults of that process alone.
