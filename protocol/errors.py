@@ -5,6 +5,7 @@ Exception tree::
     ProtocolError            anything wrong with bytes or messages that crossed a boundary
     ├── FrameError           a frame that is truncated, malformed or carries an unsupported value
     │   └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
+    ├── Located              inside the codec only: a failure deep in a value, with its path
     ├── BadMessage           an incoming message that is not a frame or not a valid message
     ├── VersionMismatch      the peer speaks another protocol version
     ├── UnexpectedReply      the peer answered with a kind of message this side did not ask for
@@ -87,6 +88,23 @@ class MessageTooLarge(FrameError):
         super().__init__(message)
         self.reply_to = reply_to
         self.answers = answers
+
+
+class Located(ProtocolError):
+    """A failure inside a frame's body, with the path to it collected while unwinding.
+
+    The codec's own: :func:`protocol.codec.encode` and ``decode`` turn it into a
+    :class:`FrameError` naming where (``body['x'][2]``); it never leaves them.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+    def where(self) -> str:
+        """The path to the failure, from the body down."""
+        return "body" + "".join(reversed(self.path))
 
 
 class BadMessage(ProtocolError):
