@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.fleet`` starts a real ``somatize-coordinator`` (heartbeat every 2 s,
 timeout 10 s) and, from this one process on uvloop, connects N = 1,000 simulated agents to
-``/worker``: each a real WebSocket connection with a :class:`protocol.channel.Channel` on it,
+``/worker``: each a real WebSocket connection with a :class:`protocol.asyncio.channel.Channel` on it,
 that sends a real ``WorkerHello`` (``sim-<i>``, tag ``sim``, a dataset ``sim`` of 100-102 rows),
 reads the ``Welcome``, sends a ``Heartbeat`` every interval (jittered ±10 %, the first at a
 random point of the first interval) and answers the coordinator's job messages as an agent
@@ -82,8 +82,9 @@ from benchmarks.roundtrip import (
     rss_bytes,
     summary,
 )
-from protocol.channel import Channel, encode_small
+from protocol.asyncio.channel import Channel
 from protocol.messages import Heartbeat
+from protocol.parsing import encode_small
 
 AGENTS = 1_000
 BATCH = 50

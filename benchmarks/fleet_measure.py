@@ -17,7 +17,7 @@ PROBE = """
 import asyncio, sys, time
 import uvloop
 from websockets.asyncio.client import connect
-from protocol.channel import encode_small, parse
+from protocol.parsing import encode_small, parse
 from protocol.messages import Capabilities, Heartbeat, WorkerHello
 
 URL, OUT, EVERY = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -16,9 +16,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.protocol import State
 
 from benchmarks.roundtrip import MAX_SIZE
-from protocol.channel import Channel, encode_small, parse
+from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Ack, Capabilities, Heartbeat, Result, Welcome, WorkerHello
+from protocol.parsing import encode_small, parse
 
 HEARTBEAT_INTERVAL = 2.0
 NODE = "model"

@@ -11,7 +11,7 @@ after a warm-up of 200), so that a slow spell of the machine hits every path ali
 
 each measured two ways: *SDK*, the synchronous ``client.ping()`` of :mod:`somatize.client` (what a
 user sees, including the hand-off to and from the SDK's event-loop thread), and *wire*, an asyncio
-program on uvloop driving a :class:`protocol.channel.Channel` over its own ``websockets``
+program on uvloop driving a :class:`protocol.asyncio.channel.Channel` over its own ``websockets``
 connection (``await channel.request(Ping(...))``).
 
 The anchors are timed in the same run, interleaved with ours, by the same kind of client (uvloop,
@@ -53,8 +53,9 @@ from websockets.asyncio.client import connect
 
 import somatize as sz
 from benchmarks.report import Row, Target
-from protocol.channel import Channel, encode_small
+from protocol.asyncio.channel import Channel
 from protocol.messages import ClientHello, Ping, Result, Welcome
+from protocol.parsing import encode_small
 
 ROUND_TRIPS = 5_000
 WARMUP = 200

@@ -5,7 +5,7 @@ process to a coordinator process over 127.0.0.1, three ways, each a request answ
 tensor (the shape of a ``get_state`` or ``get_gradients`` call):
 
 - *ours*: this process plays the coordinator: a ``websockets`` server on uvloop with the
-  coordinator's settings (no compression, ``max_size`` 4 MB) and a :class:`protocol.channel.Channel`
+  coordinator's settings (no compression, ``max_size`` 4 MB) and a :class:`protocol.asyncio.channel.Channel`
   on the connection. The agent, a subprocess, dials it with the agent's settings and answers
   every ``Call`` with ``Result(result={"t": tensor})`` from a ``Channel`` handler: the codec
   encodes the tensor without copying it, the channel cuts the frame into 1 MB chunk messages,
@@ -41,7 +41,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, free_port
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.messages import CHUNK_BYTES, Call, Result
 
 SIZE_BYTES = 64 << 20
@@ -60,7 +60,7 @@ MODE, PORT, NBYTES = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tensor = torch.randn(NBYTES // 4, generator=torch.Generator().manual_seed(0))
 
 async def ours():
-    from protocol.channel import Channel
+    from protocol.asyncio.channel import Channel
     from protocol.messages import CHUNK_BYTES, Result
 
     async def handler(message):

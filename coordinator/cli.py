@@ -10,13 +10,13 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from coordinator.ws_server import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS, Coordinator
-from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
-from protocol.memory import keep_freed_memory
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.asyncio.loop import loop_factory
+from protocol.asyncio.memory import keep_freed_memory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,15 +148,6 @@ def _split(listen: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise SystemExit(f"somatize-coordinator: --listen takes HOST:PORT, not {listen!r}")
     return host.strip("[]"), int(port)
-
-
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when it is installed, else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return None
-    return uvloop.new_event_loop
 
 
 def _token(path: str | None, variable: str) -> str | None:

@@ -38,9 +38,8 @@ from coordinator.strategies import (
     strategy_from_spec,
 )
 from coordinator.transport import TransportContext
-from protocol.channel import RemoteError
 from protocol.codec import decode, encode_frame
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Submit
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 600.0)
 """Upper bounds (seconds) of the worker-command latency histogram."""

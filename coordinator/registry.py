@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.context import WorkerIdentity
 from coordinator.errors import CoordinatorError
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.messages import Capabilities
 
 

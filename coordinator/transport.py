@@ -26,8 +26,7 @@ from coordinator.context import (
     WorkerIdentity,
 )
 from coordinator.registry import WorkerRecord
-from protocol.channel import ChannelClosed, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
 
 CLOSE_TIMEOUT = 10.0

@@ -2,10 +2,8 @@
 
 * ``ws://HOST:PORT/worker`` — worker agents (:class:`~protocol.messages.WorkerHello` first);
 * ``ws://HOST:PORT/client`` — clients (:class:`~protocol.messages.ClientHello` first);
-* ``GET /healthz`` — ``ok`` while the coordinator serves (always open);
-* ``GET /metrics`` — Prometheus text; ``GET /`` — a live status page polling ``GET /api/status``
-  (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
-  or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``.
+* ``GET /healthz``, ``GET /metrics``, ``GET /`` and ``GET /api/status``: see
+  :mod:`coordinator.ws_http`, which also checks each upgrade's token.
 
 Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
 an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
@@ -15,7 +13,7 @@ dropped then), and beyond ``max_pending_connections`` pending ones a new upgrade
 bytes (more: closed with 1009), one message reassembled from chunks at most
 ``max_message_bytes`` (more: ``too_large``, refused from its first chunk), and each connection
 handles at most ``max_inflight`` requests at once (more: ``busy``); see
-:class:`~protocol.channel.Channel`.
+:class:`~protocol.asyncio.channel.Channel`.
 
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
 jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
@@ -23,54 +21,45 @@ waits; :meth:`stop` drains — it stops accepting jobs, gives running jobs a gra
 is left with the reason, tells workers it is going, closes connections and the store.
 
 This module and the other ``ws_*`` modules are the only ones of the coordinator that import
-``websockets``; the rest sees :class:`~protocol.channel.Channel` objects.
+``websockets``; the rest sees :class:`~protocol.asyncio.channel.Channel` objects.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import hmac
-import http
 import logging
-import math
 import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from coordinator.jobs import JobManager, record_dict, remote
+from coordinator.jobs import JobManager, record_dict
 from coordinator.metrics import Metrics
 from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
-from coordinator.status_page import CSP, PAGE
 from coordinator.store import JobStore
-from protocol import PROTOCOL_VERSION
-from protocol.channel import (
-    DEFAULT_MAX_INFLIGHT,
-    DEFAULT_MAX_MESSAGE_BYTES,
+from coordinator.ws_http import process_request
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.handshake import receive_hello, refuse_hello
+from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
+from protocol.errors import (
     BadMessage,
-    Channel,
     ChannelClosed,
+    ErrorCode,
     RemoteError,
+    RequestRefused,
+    UnexpectedHello,
     VersionMismatch,
-    close_reason,
-    encode_small,
 )
-from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import (
-    CHUNK_BYTES,
     Ack,
     ClientHello,
     Deliver,
-    Error,
     JobEvent,
     Probe,
     Result,
@@ -90,16 +79,12 @@ HANDSHAKE_TIMEOUT = 10.0
 """Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
 MAX_PENDING_CONNECTIONS = 64
 """Default number of connections without a hello yet beyond which upgrades get ``503``."""
-WS_MAX_SIZE = 4 * CHUNK_BYTES
-"""Largest single WebSocket message; anything bigger travels as chunks."""
-REALM = "somatize"
-"""The HTTP Basic realm a browser is asked to log in to (any user name, the client token)."""
 STATUS_JOBS = 50
 """How many of the latest jobs a status snapshot lists."""
 BULK_SENDS = 16
 """Chunked messages the coordinator writes at once over all its connections (see
-:class:`~protocol.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers keeps
-~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait behind all of it."""
+:class:`~protocol.asyncio.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers
+keeps ~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait behind all of it."""
 
 
 class Coordinator:
@@ -207,15 +192,15 @@ class Coordinator:
             self._connection,
             self.host,
             self.port,
-            compression=None,
-            max_size=WS_MAX_SIZE,
             ssl=self.tls,
             process_request=self._http,
-            open_timeout=self.handshake_timeout,
             create_connection=_counted(self._pending),
-            ping_interval=max(self.heartbeat_interval, 1.0) * 5,
-            ping_timeout=self.heartbeat_timeout * 2,
             server_header=SERVER,
+            **ws_options(
+                open_timeout=self.handshake_timeout,
+                ping_interval=max(self.heartbeat_interval, 1.0) * 5,
+                ping_timeout=self.heartbeat_timeout * 2,
+            ),
         )
         self.port = self._server.sockets[0].getsockname()[1] if self.port == 0 else self.port
         self._tasks = [
@@ -281,38 +266,17 @@ class Coordinator:
     # -- HTTP ---------------------------------------------------------------------------------
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
-        if path == "/healthz":
-            return connection.respond(http.HTTPStatus.OK, "ok\n")
-        if path in ("/", "/api/status", "/metrics"):
-            token = None if self.public_status else self.tokens["/client"]
-            if not _authorized(request, token, basic=True):
-                return _unauthorized(connection, path)
-            if path == "/":
-                return _page(connection)
-            if path == "/api/status":
-                return _json(connection, await self.status())
-            return await self._metrics(connection)
-        if path in ("/worker", "/client"):
-            if len(self._pending) > self.max_pending_connections:  # this one is counted too
-                return self._busy(connection)
-            if not _authorized(request, self.tokens[path]):
-                log.info(
-                    "refused %s on %s: missing or wrong token", connection.remote_address, path
-                )
-                return connection.respond(
-                    http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
-                )
-            return None  # go on with the WebSocket handshake
-        return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
+        return await process_request(self, connection, request)
 
-    async def _metrics(self, connection: ServerConnection) -> Response:
-        assert self.jobs is not None
-        counts = await self.jobs.counts()
-        workers = {str(k): v for k, v in self.registry.counts().items()}
-        jobs = {str(k): v for k, v in counts.items()}
-        text = self.metrics.render(workers, jobs, self._channels, len(self._pending))
-        return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
+    @property
+    def pending_connections(self) -> int:
+        """Connections accepted that have not said hello yet (this one included)."""
+        return len(self._pending)
+
+    @property
+    def channels(self) -> set[Channel]:
+        """Every connection's channel, hello or not."""
+        return self._channels
 
     async def status(self) -> dict[str, Any]:
         """What ``somatize status`` and the status page show: every worker's summary and the
@@ -326,23 +290,6 @@ class Coordinator:
             "workers": [w.summary(now) for w in self.registry],
             "jobs": await self.jobs.records(STATUS_JOBS),
         }
-
-    def _busy(self, connection: ServerConnection) -> Response:
-        """``503`` for an upgrade beyond ``max_pending_connections``, before any message."""
-        self.metrics.refused_upgrades += 1
-        log.warning(
-            "refused %s: %d connections are waiting for their hello (limit %d)",
-            connection.remote_address,
-            len(self._pending) - 1,
-            self.max_pending_connections,
-        )
-        response = connection.respond(
-            http.HTTPStatus.SERVICE_UNAVAILABLE,
-            f"too many connections waiting for their hello (the limit is "
-            f"{self.max_pending_connections}); retry in a few seconds\n",
-        )
-        response.headers["Retry-After"] = str(math.ceil(self.handshake_timeout))
-        return response
 
     # -- connections --------------------------------------------------------------------------
 
@@ -359,14 +306,8 @@ class Coordinator:
         )
         self._channels.add(channel)
         try:
-            hello = await self._hello(ws, channel)
+            hello = await self._hello(ws, channel, path, is_worker)
             if hello is None:
-                return
-            expected = WorkerHello if is_worker else ClientHello
-            if not isinstance(hello, expected):
-                first = "worker_hello" if is_worker else "client_hello"
-                message = f"{path} expects {first} first, got {hello.kind}"
-                await self._refuse(ws, ErrorCode.BAD_REQUEST, message)
                 return
             if isinstance(hello, WorkerHello):
                 await self._serve_worker(channel, hello)
@@ -379,14 +320,22 @@ class Coordinator:
             self.metrics.retire(channel)
             self._channels.discard(channel)
 
-    async def _hello(self, ws: ServerConnection, channel: Channel) -> Any:
-        """The connection's first message, read by ``handshake_timeout`` after its TCP accept;
-        ``None`` when it was refused (and the connection closed). It stops being pending."""
+    async def _hello(
+        self, ws: ServerConnection, channel: Channel, path: str, is_worker: bool
+    ) -> Any:
+        """The connection's hello, read by ``handshake_timeout`` after its TCP accept; ``None``
+        when it was refused (and the connection closed). It stops being pending."""
         loop = asyncio.get_running_loop()
         deadline = self._pending.get(ws, loop.time()) + self.handshake_timeout
+        expected = WorkerHello if is_worker else ClientHello
+        first = "worker_hello" if is_worker else "client_hello"
         try:
-            async with asyncio.timeout_at(deadline):
-                return await channel.receive(first=True)
+            return await receive_hello(
+                channel, expected, f"{path} expects {first} first, got {{kind}}", deadline=deadline
+            )
+        except UnexpectedHello as exc:
+            self._pending.pop(ws, None)  # a valid message: no longer waiting for a hello
+            await self._refuse(ws, exc.info.code, exc.info.message)
         except TimeoutError:
             log.info("refused %s: no hello within the handshake timeout", ws.remote_address)
             with contextlib.suppress(Exception):
@@ -402,13 +351,7 @@ class Coordinator:
 
     async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
         log.info("refused %s: %s", ws.remote_address, message)
-        error = Error(
-            error=ErrorInfo(code=code, message=message, detail={"server_version": PROTOCOL_VERSION})
-        )
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.handshake_timeout):
-                await ws.send(encode_small(error))
-                await ws.close(4002, close_reason(message))
+        await refuse_hello(ws, code, message, self.handshake_timeout)
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
         try:
@@ -453,7 +396,7 @@ class Coordinator:
         if message.kind == "deliver":
             await self._relay(record, message)
             return None
-        raise remote(
+        raise RequestRefused.of(
             ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a worker"
         )
 
@@ -487,7 +430,7 @@ class Coordinator:
     async def _on_client_message(self, channel: Channel, message: Any) -> Any:
         handler = self._client_handlers.get(message.kind)
         if handler is None:
-            raise remote(
+            raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a client"
             )
         return await handler(channel, message)
@@ -540,18 +483,20 @@ class Coordinator:
         record = self.registry.get(message.worker_id)
         if record is None or record.channel is None:
             known = [w.id for w in self.registry if w.connected]
-            raise remote(
+            raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 f"no connected worker {message.worker_id!r} (connected: {known})",
             )
         try:
             reply = await record.channel.request(Probe(), PROBE_TIMEOUT)
-        except TimeoutError:
-            raise remote(
+        except TimeoutError as exc:
+            raise RequestRefused.of(
                 ErrorCode.TIMEOUT, f"worker {record.id!r} did not answer within {PROBE_TIMEOUT}s"
-            ) from None
-        except ChannelClosed:
-            raise remote(ErrorCode.WORKER_LOST, f"worker {record.id!r} disconnected") from None
+            ) from exc
+        except ChannelClosed as exc:
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST, f"worker {record.id!r} disconnected"
+            ) from exc
         return Result(result=reply.result)
 
     async def on_status(self, channel: Channel, message: Any) -> Any:
@@ -589,59 +534,4 @@ def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:
     return Counted
 
 
-def _authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:
-    """Whether the request carries ``Authorization: Bearer <token>`` — or, with ``basic``, HTTP
-    Basic credentials whose password is the token (RFC 7617; the user name is not looked at) —
-    compared in constant time. ``token`` ``None``: anyone is."""
-    if token is None:
-        return True
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    offered = given.strip().encode()
-    if scheme.lower() == "basic" and basic:
-        try:
-            decoded = base64.b64decode(offered, validate=True)
-        except (binascii.Error, ValueError):
-            return False
-        offered = decoded.partition(b":")[2]
-    elif scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.encode(), offered)
-
-
-def _unauthorized(connection: ServerConnection, path: str) -> Response:
-    """``401`` that makes a browser ask for the client token (as the password)."""
-    log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
-    response = connection.respond(
-        http.HTTPStatus.UNAUTHORIZED,
-        f"{path} needs the client token: 'Authorization: Bearer TOKEN', or any user name and "
-        "the token as password\n",
-    )
-    response.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
-    return response
-
-
-def _respond(connection: ServerConnection, content_type: str, body: str) -> Response:
-    """``200`` with ``body`` as ``content_type``, that no cache keeps (a status goes stale in a
-    second)."""
-    response = connection.respond(http.HTTPStatus.OK, body)
-    del response.headers["Content-Type"]  # respond() says text/plain; a second one would clash
-    response.headers["Content-Type"] = content_type
-    response.headers["Cache-Control"] = "no-store"
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    return response
-
-
-def _page(connection: ServerConnection) -> Response:
-    """The status page, allowed to load nothing from anywhere else and to sit in no frame."""
-    response = _respond(connection, "text/html; charset=utf-8", PAGE)
-    response.headers["Content-Security-Policy"] = CSP
-    response.headers["Referrer-Policy"] = "no-referrer"
-    response.headers["X-Frame-Options"] = "DENY"
-    return response
-
-
-def _json(connection: ServerConnection, value: Any) -> Response:
-    return _respond(connection, "application/json", orjson.dumps(value).decode())
-
-
-__all__ = ["Coordinator", "RemoteError", "record_dict"]
+__all__ = ["WS_MAX_SIZE", "Coordinator", "RemoteError", "record_dict"]

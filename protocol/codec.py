@@ -66,27 +66,30 @@ until its frame has been written out.
 torch is imported lazily: a value can only hold a tensor once its owner imported torch, so the
 encoder looks for tensors only then, and the decoder imports torch at the first ``"torch"``
 buffer it meets. A process that never handles a tensor (a coordinator relaying numpy states, a
-tool reading frames) never pays torch's import time and memory (~230 MiB).
+tool reading frames) never pays torch's import time and memory (~230 MiB). The dtypes and the
+array specs are :mod:`protocol.arrays`'.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import struct
-import sys
 from collections.abc import Iterable
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import orjson
 
-if TYPE_CHECKING:
-    import torch
-
-from protocol.errors import FrameError
+from protocol.arrays import (
+    NP_DTYPES,
+    array_from,
+    loaded_torch,
+    ndarray_spec,
+    preview,
+    tensor_spec,
+)
+from protocol.errors import FrameError, Located
 
 __all__ = [
     "ALIGNMENT",
@@ -113,71 +116,17 @@ _INT_MAX: Final = 2**64 - 1
 # orjson refuses to write JSON nested 254 deep; refusing deeper input early keeps both sides
 # well inside Python's recursion limit.
 _MAX_DEPTH: Final = 254
-_MAX_RANK: Final = 64
 _MAX_HEADER: Final = 2**32 - 1
-_MAX_NBYTES: Final = 2**63 - 1
 _PREFIX: Final = struct.Struct("<I")
 _ZEROS: Final = bytes(ALIGNMENT)
 _HEX_INT: Final = re.compile(r"-?[0-9a-f]+")
 _NON_FINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-_COMMON_DTYPES: Final = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
-# Little-endian numpy dtypes by name.
-_NP_DTYPES: Final[dict[str, np.dtype[Any]]] = {
-    name: np.dtype(name).newbyteorder("<") for name in _COMMON_DTYPES
-}
-_TORCH_DTYPE_NAMES: Final = frozenset((*_COMMON_DTYPES, "bfloat16"))
-_ITEMSIZE: Final[dict[str, int]] = {name: dt.itemsize for name, dt in _NP_DTYPES.items()} | {
-    "bfloat16": 2
-}
-_LIBS: Final = ("np", "np_scalar", "torch")
 
 _SMALL_HEADER: Final = 4096
 """Headers up to this size are checked for the plain fast path of :func:`decode`."""
 
 _BUF_KEYS: Final = frozenset({"$buf", "dtype", "shape", "lib"})
 _HEADER_KEYS: Final = frozenset({"v", "bufs", "body"})
-
-
-def _loaded_torch() -> ModuleType | None:
-    """torch if this process imported it (no value can hold a tensor otherwise), else ``None``."""
-    return sys.modules.get("torch")
-
-
-@functools.cache
-def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    """torch's dtypes by name, both ways (importing torch now if need be)."""
-    import torch
-
-    by_name = {name: getattr(torch, name) for name in _TORCH_DTYPE_NAMES}
-    return by_name, {dtype: name for name, dtype in by_name.items()}
-
-
-class _Located(Exception):
-    """A failure inside the body, with the path to it collected while unwinding."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.path: list[str] = []
-
-    def where(self) -> str:
-        return "body" + "".join(reversed(self.path))
 
 
 def _align(offset: int) -> int:
@@ -206,7 +155,7 @@ class _Encoder:
 
     def walk(self, obj: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
-            raise _Located(f"value nested more than {_MAX_DEPTH} deep (or cyclic)")
+            raise Located(f"value nested more than {_MAX_DEPTH} deep (or cyclic)")
         cls = type(obj)
         if cls is str or cls is bool or obj is None:
             return obj
@@ -229,7 +178,7 @@ class _Encoder:
         for index, item in enumerate(items):
             try:
                 out.append(self.walk(item, depth + 1))
-            except _Located as e:
+            except Located as e:
                 e.path.append(f"[{index}]")
                 raise
         return out
@@ -246,30 +195,30 @@ class _Encoder:
             for key, value in obj.items():
                 pairs.append([self.walk(key, depth + 2), self.walk(value, depth + 2)])
             return {"$dict": pairs}
-        except _Located as e:
+        except Located as e:
             e.path.append(f"[{key!r}]")
             raise
 
     def walk_other(self, obj: Any, depth: int) -> Any:
-        torch = _loaded_torch()
+        torch = loaded_torch()
         if torch is not None and isinstance(obj, torch.Tensor):
-            return self.tensor(obj)
+            return tensor_spec(obj, self.add)
         if isinstance(obj, np.generic):
-            if obj.dtype.name in _NP_DTYPES:
-                spec = self.ndarray(np.asarray(obj))
+            if obj.dtype.name in NP_DTYPES:
+                spec = ndarray_spec(np.asarray(obj), self.add)
                 spec["lib"] = "np_scalar"
                 return spec
             if not isinstance(obj, str | bytes):  # np.str_ / np.bytes_ go on as str / bytes
-                raise _Located(f"unsupported numpy scalar dtype {obj.dtype.name!r}")
+                raise Located(f"unsupported numpy scalar dtype {obj.dtype.name!r}")
         if isinstance(obj, np.ndarray):
             if isinstance(obj, np.ma.MaskedArray):
-                raise _Located("unsupported type numpy.ma.MaskedArray (the mask would be lost)")
-            return self.ndarray(np.asarray(obj))
+                raise Located("unsupported type numpy.ma.MaskedArray (the mask would be lost)")
+            return ndarray_spec(np.asarray(obj), self.add)
         if isinstance(obj, memoryview):
             try:
                 flat = obj.cast("B") if obj.c_contiguous else memoryview(obj.tobytes())
             except ValueError as e:  # a released memoryview
-                raise _Located(f"unreadable memoryview: {e}") from None
+                raise Located(f"unreadable memoryview: {e}") from None
             return {"$bytes": self.add(flat)}
         # Subclasses of the builtins travel as their base type.
         if isinstance(obj, bool):  # pragma: no cover - bool cannot be subclassed
@@ -288,44 +237,7 @@ class _Encoder:
             return self.walk_items(obj, depth)
         if isinstance(obj, tuple):
             return {"$tuple": self.walk_items(obj, depth)}
-        raise _Located(f"unsupported type {_type_name(obj)}")
-
-    def ndarray(self, array: np.ndarray[Any, Any]) -> dict[str, Any]:
-        name = array.dtype.name
-        target = _NP_DTYPES.get(name)
-        if target is None:
-            raise _Located(f"unsupported numpy dtype {array.dtype.str!r} ({name})")
-        shape = list(array.shape)
-        if array.dtype != target:  # big-endian: swap into a little-endian copy
-            array = array.astype(target)
-        # reshape(-1) of a C-contiguous array is a view; ascontiguousarray copies only if needed.
-        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "np"}
-
-    def tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
-        import torch  # loaded already: the value holds a tensor
-
-        _, names = _torch_dtypes()
-        if tensor.layout != torch.strided:
-            raise _Located(f"unsupported tensor layout {tensor.layout} (only dense tensors)")
-        if tensor.is_quantized or tensor.is_nested or tensor.is_meta:
-            kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else "meta"
-            raise _Located(f"unsupported {kind} tensor")
-        name = names.get(tensor.dtype)
-        if name is None:
-            raise _Located(f"unsupported tensor dtype {tensor.dtype}")
-        shape = list(tensor.shape)
-        try:
-            flat = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-            if flat.numel() <= 1:
-                # torch calls a tensor of 0 or 1 elements contiguous whatever its stride
-                # (t[::5][:1]), and .view() to another element size needs stride 1.
-                flat = flat.as_strided(flat.shape, (1,))
-            # Viewing as bytes works for every dtype, bfloat16 included (.numpy() refuses it).
-            raw = flat.view(torch.uint8).numpy()
-        except RuntimeError as e:  # exotic tensors (functorch wrappers, subclasses) refuse
-            raise _Located(f"cannot read the bytes of a {tensor.dtype} tensor: {e}") from None
-        return {"$buf": self.add(raw.data), "dtype": name, "shape": shape, "lib": "torch"}
+        raise Located(f"unsupported type {_type_name(obj)}")
 
 
 def _plain_tree(obj: Any, depth: int) -> bool:
@@ -370,7 +282,7 @@ def encode(obj: Any) -> list[Part]:
     encoder = _Encoder()
     try:
         body = obj if _plain_tree(obj, 0) else encoder.walk(obj, 0)
-    except _Located as e:
+    except Located as e:
         raise FrameError(f"cannot encode {e.where()}: {e.message}") from None
     buffers = encoder.buffers
     try:
@@ -423,7 +335,7 @@ class _Decoder:
 
     def walk(self, node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
-            raise _Located(f"header nested more than {_MAX_DEPTH} deep")
+            raise Located(f"header nested more than {_MAX_DEPTH} deep")
         cls = type(node)
         if cls is list:
             return self.walk_items(node, depth)
@@ -435,7 +347,7 @@ class _Decoder:
             try:
                 for key, value in node.items():
                     out[key] = self.walk(value, depth + 1)
-            except _Located as e:
+            except Located as e:
                 e.path.append(f"[{key!r}]")
                 raise
             return out
@@ -447,7 +359,7 @@ class _Decoder:
         for index, item in enumerate(items):
             try:
                 out.append(self.walk(item, depth + 1))
-            except _Located as e:
+            except Located as e:
                 e.path.append(f"[{index}]")
                 raise
         return out
@@ -470,7 +382,7 @@ class _Decoder:
                 return bytes(self.frame[offset : offset + self.lengths[index]])
         elif keys == _BUF_KEYS:
             return self.array(node)
-        raise _Located(f"malformed tagged value {_preview(node)}")
+        raise Located(f"malformed tagged value {preview(node)}")
 
     def dict_pairs(self, pairs: list[Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
@@ -478,82 +390,37 @@ class _Decoder:
         try:
             for index, pair in enumerate(pairs):
                 if type(pair) is not list or len(pair) != 2:
-                    raise _Located(f"dict item is not a [key, value] pair: {_preview(pair)}")
+                    raise Located(f"dict item is not a [key, value] pair: {preview(pair)}")
                 key = self.walk(pair[0], depth + 3)
                 value = self.walk(pair[1], depth + 3)
                 try:
                     out[key] = value
                 except TypeError:
-                    raise _Located(f"unhashable dict key of type {_type_name(key)}") from None
+                    raise Located(f"unhashable dict key of type {_type_name(key)}") from None
                 if len(out) != index + 1:
-                    raise _Located(f"duplicate dict key {key!r}")
-        except _Located as e:
+                    raise Located(f"duplicate dict key {key!r}")
+        except Located as e:
             e.path.append(f"[$dict {index}]")
             raise
         return out
 
     def claim(self, index: Any) -> int:
         if type(index) is not int or not 0 <= index < len(self.lengths):
-            raise _Located(f"buffer index {_preview(index)} is not one of the {len(self.lengths)}")
+            raise Located(f"buffer index {preview(index)} is not one of the {len(self.lengths)}")
         if self.used[index]:
-            raise _Located(f"buffer {index} is referenced twice")
+            raise Located(f"buffer {index} is referenced twice")
         self.used[index] = True
         return index
 
     def array(self, spec: dict[str, Any]) -> Any:
         index = self.claim(spec["$buf"])
-        lib, name, shape = spec["lib"], spec["dtype"], spec["shape"]
-        if lib not in _LIBS:
-            raise _Located(f"buffer {index}: unknown lib {_preview(lib)}")
-        known = _TORCH_DTYPE_NAMES if lib == "torch" else _NP_DTYPES
-        if type(name) is not str or name not in known:
-            raise _Located(f"buffer {index}: unsupported {lib} dtype {_preview(name)}")
-        if (
-            type(shape) is not list
-            or len(shape) > _MAX_RANK
-            or not all(type(d) is int and d >= 0 for d in shape)
-        ):
-            raise _Located(f"buffer {index}: malformed shape {_preview(shape)}")
-        if lib == "np_scalar" and shape:
-            raise _Located(f"buffer {index}: a numpy scalar has shape [], not {shape}")
-        itemsize = _ITEMSIZE[name]
-        if math.prod(max(d, 1) for d in shape) * itemsize > _MAX_NBYTES:
-            raise _Located(f"buffer {index}: shape {shape} is too large")
-        count = math.prod(shape)
-        length = self.lengths[index]
-        if count * itemsize != length:
-            raise _Located(
-                f"buffer {index}: dtype {name!r} shape {shape} needs {count * itemsize} bytes, "
-                f"buffer has {length}"
-            )
-        offset = self.offsets[index]
-        if lib == "torch":
-            return self.tensor(name, shape, count, offset, length)
-        array = np.frombuffer(self.frame, dtype=_NP_DTYPES[name], count=count, offset=offset)
-        array = array.reshape(shape)
-        return array[()] if lib == "np_scalar" else array
-
-    def tensor(
-        self, name: str, shape: list[int], count: int, offset: int, length: int
-    ) -> torch.Tensor:
-        import torch  # the first torch buffer of this process imports it
-
-        dtype = _torch_dtypes()[0][name]
-        if count == 0:  # torch.frombuffer refuses empty buffers
-            return torch.empty(shape, dtype=dtype)
-        if self.frame.readonly:
-            # torch tensors are always writable: never alias an immutable buffer (and
-            # torch.frombuffer warns on one). Copy this tensor's bytes instead.
-            source: bytearray | memoryview = bytearray(self.frame[offset : offset + length])
-            offset = 0
-        else:
-            source = self.frame
-        return torch.frombuffer(source, dtype=dtype, count=count, offset=offset).reshape(shape)
-
-
-def _preview(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        return array_from(
+            self.frame,
+            index,
+            spec,
+            self.offsets[index],
+            self.lengths[index],
+        )
 
 
 def _frame_view(frame: bytes | bytearray | memoryview) -> memoryview:
@@ -573,7 +440,7 @@ def _frame_view(frame: bytes | bytearray | memoryview) -> memoryview:
 def _buffer_layout(frame: memoryview, start: int, lengths: Any) -> list[int]:
     """Offsets of the buffers, after checking the frame holds exactly them and zero padding."""
     if type(lengths) is not list or not all(type(n) is int and n >= 0 for n in lengths):
-        raise FrameError(f"header 'bufs' is not a list of byte counts: {_preview(lengths)}")
+        raise FrameError(f"header 'bufs' is not a list of byte counts: {preview(lengths)}")
     offsets: list[int] = []
     end = start
     for length in lengths:
@@ -643,10 +510,10 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     except orjson.JSONDecodeError as e:
         raise FrameError(f"header is not valid JSON: {e}") from None
     if type(header) is not dict or header.keys() != _HEADER_KEYS:
-        raise FrameError(f"header is not an object with keys v, bufs, body: {_preview(header)}")
+        raise FrameError(f"header is not an object with keys v, bufs, body: {preview(header)}")
     if header["v"] != FRAME_VERSION or type(header["v"]) is not int:
         raise FrameError(
-            f"unsupported frame version {_preview(header['v'])} (this codec reads {FRAME_VERSION})"
+            f"unsupported frame version {preview(header['v'])} (this codec reads {FRAME_VERSION})"
         )
     if start == size and header["bufs"] == [] and isinstance(raw, bytes) and _plain(raw):
         return header["body"]  # orjson's tree is the value: nothing tagged, nothing too deep
@@ -655,7 +522,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     decoder = _Decoder(view, offsets, lengths)
     try:
         value = decoder.walk(header["body"], 0)
-    except _Located as e:
+    except Located as e:
         raise FrameError(f"bad value at {e.where()}: {e.message}") from None
     except (ValueError, TypeError, RuntimeError, OverflowError) as e:
         # Belt and braces: the checks above should leave numpy and torch nothing to refuse.

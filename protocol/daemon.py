@@ -1,9 +1,8 @@
-"""The agent ↔ filter-daemon link: its messages and its framing over pipes.
+"""The agent ↔ filter-daemon link's messages.
 
 The worker agent drives one filter daemon (``python -m worker.daemon``) per job through the
-daemon's stdin/stdout. Each direction carries a stream of frames, each one preceded by its length::
-
-    u64 little-endian frame length | frame          (frame = protocol.codec)
+daemon's stdin/stdout; the frames that carry these messages, and the shared memory large ones
+take, are the worker's business (``worker.pipe``, ``worker.shared_memory``).
 
 A request is one of the command models below (``cmd`` names it, ``id`` is chosen by the agent); the
 daemon answers every request, in order, with an :class:`OkReply` or an :class:`ErrorReply` carrying
@@ -12,40 +11,12 @@ time: the daemon is a single thread running user code.
 
 Fields that carry data (``x``, ``y``, states, gradients, results) are typed ``Any`` so that pydantic
 never walks a tensor: the codec already decoded them, zero-copy, and validating them would copy.
-
-:class:`FrameReader` and :class:`FrameWriter` split and join that stream without doing any I/O
-themselves, so the blocking daemon and the non-blocking supervisor share them: the reader hands
-out the buffer the next bytes belong in (a frame is read straight into a writable buffer of its
-own, which keeps decoded tensors writable and zero-copy), the writer hands out the memoryviews
-still to send (tensor bytes go from their own memory to the pipe, never joined into one big
-``bytes``).
-
-Large frames can skip the pipe: with a :class:`SharedRegion` per direction (a memfd both
-processes map, set up by the supervisor), a frame of :data:`SHARED_MIN_BYTES` to
-:data:`SHARED_MAX_BYTES` is copied into the region and only its length goes down the pipe,
-flagged with :data:`SHARED_FLAG`::
-
-    u64 little-endian (SHARED_FLAG | frame length)  (the frame is in the region, from byte 0)
-
-The reader copies it out into a buffer of its own as soon as it reads that length. A pipe moves
-each byte twice through the kernel, in 4 KiB pages it allocates and frees (23 MB of gradients
-took the daemon ~5 ms to write and the agent ~3 ms to read); the region is one copy in and one
-copy out of memory that stays mapped. One frame per region at a time, which the protocol
-guarantees: a request is written only after the reply to the previous one was read, and a reply
-only after its request was.
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
-import os
-import struct
-from collections import deque
-from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, Self
 
-import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -59,10 +30,9 @@ from pydantic import (
     model_validator,
 )
 
-from protocol.errors import ErrorInfo, FrameError
+from protocol.errors import ErrorInfo
 
 __all__ = [
-    "MAX_FRAME_BYTES",
     "ApplyGradientsRequest",
     "BatchedFitRequest",
     "CompositeFitRequest",
@@ -73,8 +43,6 @@ __all__ = [
     "ErrorReply",
     "FitRequest",
     "ForwardRequest",
-    "FrameReader",
-    "FrameWriter",
     "GetGradientsRequest",
     "GetOptimizerStateRequest",
     "GetStateRequest",
@@ -84,38 +52,15 @@ __all__ = [
     "PingRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
-    "SharedRegion",
     "ShutdownRequest",
     "StageBackwardRequest",
     "StageForwardRequest",
     "StageRequest",
     "StageStepRequest",
-    "allocate_fast",
-    "allocate_paged",
     "reply_adapter",
     "request_adapter",
     "request_fields",
 ]
-
-LENGTH = struct.Struct("<Q")
-"""The length prefix in front of every frame on the daemon pipes."""
-
-MAX_FRAME_BYTES = 1 << 36
-"""Largest frame either side accepts (64 GiB): a longer length prefix means a garbled stream."""
-
-SHARED_FLAG = 1 << 63
-"""Set in a length prefix: the frame is in the direction's :class:`SharedRegion`, not the pipe."""
-
-SHARED_MIN_BYTES = 256 << 10
-"""Frames from this size on go through the shared region when there is one."""
-
-SHARED_MAX_BYTES = 32 << 20
-"""Larger frames still go down the pipe: a copy in or out of the region is one call (~3 ms for
-32 MiB), and an event loop must not stall on a GB-sized one; the pipe moves them in slices."""
-
-HEAP_FRAME_BYTES = 32 << 20
-"""Frames up to this size are read into heap memory by :func:`allocate_paged` (see there)."""
-
 
 # --------------------------------------------------------------------------------------------
 # Requests
@@ -386,250 +331,3 @@ DaemonReply = Annotated[OkReply | ErrorReply, Field(discriminator="ok")]
 """Any reply of the daemon, told apart by ``ok``."""
 
 reply_adapter: TypeAdapter[DaemonReply] = TypeAdapter(DaemonReply)
-
-
-# --------------------------------------------------------------------------------------------
-# Framing (no I/O: the caller reads into / writes from the buffers these hand out)
-
-
-def allocate_paged(nbytes: int) -> memoryview:
-    """A frame buffer for a reader on an event loop: cheap in steady state, no long stalls.
-
-    Frames up to :data:`HEAP_FRAME_BYTES` get a ``bytearray``: glibc serves blocks up to its
-    largest mmap threshold (32 MiB on 64-bit) from its heap once such a block has been freed, so
-    a frame of the size of the previous one lands in memory already faulted in. Reading a
-    23 MB gradient frame from a pipe measured 3 ms of CPU so, 17 ms into fresh pages: the
-    data-parallel steady state, one such frame per step. Larger frames get an anonymous
-    ``mmap``, whose pages are faulted in as the bytes arrive, 4 KiB at a time: ``bytearray(n)``
-    would zero-fill all of them first (~40 ms for 100 MB of fresh memory, at once) and numpy's
-    allocator asks for transparent huge pages, whose allocation can stall for milliseconds
-    (compaction) in the middle of one read.
-    """
-    return memoryview(bytearray(nbytes) if nbytes <= HEAP_FRAME_BYTES else mmap.mmap(-1, nbytes))
-
-
-def allocate_fast(nbytes: int) -> memoryview:
-    """A frame buffer for a reader that only blocks itself: uninitialised, huge pages allowed.
-
-    About twice the throughput of :func:`allocate_paged` for 100 MB frames, at the price of
-    occasional multi-millisecond page faults — fine for the daemon, not for an event loop.
-    """
-    return np.empty(nbytes, dtype=np.uint8).data
-
-
-class SharedRegion:
-    """One direction's shared memory between the agent and its daemon: a memfd both map.
-
-    The supervisor creates one per direction (:meth:`create`) and hands the daemon their file
-    descriptors. The region only grows (sealed against shrinking, so the other process cannot
-    make our mapping fault), to the largest frame sent so far, rounded up to a MiB; its pages
-    stay allocated for the next frame. :attr:`frames` and :attr:`nbytes` count what went through.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.frames = 0
-        self.nbytes = 0
-        self._map: mmap.mmap | None = None
-
-    @classmethod
-    def create(cls, name: str) -> SharedRegion | None:
-        """A new, empty region; ``None`` where there are no sealable memfds (not Linux)."""
-        try:
-            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except (AttributeError, OSError):
-            return None
-        try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-        except (AttributeError, OSError):
-            os.close(fd)
-            return None
-        return cls(fd)
-
-    def _mapping(self, nbytes: int, grow: bool) -> mmap.mmap:
-        size = os.fstat(self.fd).st_size
-        if size < nbytes:
-            if not grow:
-                raise FrameError(
-                    f"a frame of {nbytes} bytes in shared memory, which holds {size} bytes"
-                )
-            size = -(-nbytes // (1 << 20)) * (1 << 20)
-            os.ftruncate(self.fd, size)
-        if self._map is None or len(self._map) != size:
-            if self._map is not None:
-                self._map.close()
-            self._map = mmap.mmap(self.fd, size)
-        return self._map
-
-    def write(self, views: Iterable[memoryview]) -> int:
-        """Copy a frame (its parts, in order) to the start of the region; return its length."""
-        views = list(views)
-        total = sum(v.nbytes for v in views)
-        region = self._mapping(total, grow=True)
-        position = 0
-        for view in views:
-            region[position : position + view.nbytes] = view
-            position += view.nbytes
-        self.frames += 1
-        self.nbytes += total
-        return total
-
-    def read(self, nbytes: int, allocate: Callable[[int], memoryview]) -> memoryview:
-        """Copy the ``nbytes``-long frame at the start of the region into a new buffer.
-
-        Raises:
-            FrameError: the region is shorter than ``nbytes``.
-        """
-        region = self._mapping(nbytes, grow=False)
-        frame = allocate(nbytes)
-        with memoryview(region) as whole, whole[:nbytes] as source:
-            frame[:] = source
-        self.frames += 1
-        self.nbytes += nbytes
-        return frame
-
-    def close(self) -> None:
-        """Unmap and close (the daemon's side stays valid until it exits)."""
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class FrameReader:
-    """Cuts a byte stream into length-prefixed frames, each read straight into its own buffer.
-
-    Usage: read up to ``len(reader.buffer())`` bytes into ``reader.buffer()``, then call
-    ``reader.advance(n)``; it returns the frame once its last byte arrived. The frame is a
-    writable memoryview over a buffer of its own, which then belongs to the caller (the reader
-    starts a new one), so arrays and tensors decoded over it stay valid and are zero-copy.
-
-    Args:
-        max_frame: the largest frame accepted.
-        allocate: makes the writable, byte-format buffer of a frame of the given size (see
-            :func:`allocate_paged`, the default, and :func:`allocate_fast`).
-        shared: the region the other side writes large frames into (see the module docstring);
-            ``None``: every frame comes down the pipe.
-    """
-
-    def __init__(
-        self,
-        max_frame: int = MAX_FRAME_BYTES,
-        allocate: Callable[[int], memoryview] = allocate_paged,
-        shared: SharedRegion | None = None,
-    ) -> None:
-        self._max_frame = max_frame
-        self._allocate = allocate
-        self._shared = shared
-        self._prefix = bytearray(LENGTH.size)
-        self._frame: memoryview | None = None  # None while reading the length prefix
-        self._filled = 0
-
-    def buffer(self) -> memoryview:
-        """Where the next bytes of the stream go (never empty while a frame is incomplete)."""
-        if self._frame is None:
-            return memoryview(self._prefix)[self._filled :]
-        return self._frame[self._filled :]
-
-    @property
-    def mid_frame(self) -> bool:
-        """True when part of a frame (or of its prefix) has been read: EOF now is a truncation."""
-        return self._filled > 0 or self._frame is not None
-
-    def advance(self, nbytes: int) -> memoryview | None:
-        """Account for ``nbytes`` written into :meth:`buffer`; return the frame they completed.
-
-        Raises:
-            FrameError: the length prefix exceeds ``max_frame``, or no buffer that large can be
-                had; either way the stream cannot be followed any further.
-        """
-        self._filled += nbytes
-        if self._frame is None:
-            if self._filled < LENGTH.size:
-                return None
-            (length,) = LENGTH.unpack(self._prefix)
-            if length & SHARED_FLAG and self._shared is not None:
-                return self._take_shared(length ^ SHARED_FLAG)
-            if length > self._max_frame:
-                raise FrameError(f"frame length {length} exceeds the limit of {self._max_frame}")
-            try:
-                self._frame = self._allocate(length)
-            except (MemoryError, OSError) as exc:
-                raise FrameError(f"cannot allocate a frame of {length} bytes: {exc}") from exc
-            self._filled = 0
-            if length > 0:
-                return None
-        elif self._filled < self._frame.nbytes:
-            return None
-        frame, self._frame, self._filled = self._frame, None, 0
-        return frame
-
-    def _take_shared(self, length: int) -> memoryview:
-        assert self._shared is not None
-        if length > self._max_frame:
-            raise FrameError(f"frame length {length} exceeds the limit of {self._max_frame}")
-        self._filled = 0
-        try:
-            return self._shared.read(length, self._allocate)
-        except (MemoryError, OSError, ValueError) as exc:
-            raise FrameError(
-                f"cannot take a frame of {length} bytes from shared memory: {exc}"
-            ) from exc
-
-
-class FrameWriter:
-    """The bytes of length-prefixed frames still to be written, as a queue of memoryviews.
-
-    Usage: ``writer.add(parts)`` with the codec's ``encode(obj)`` parts, then write
-    ``writer.buffers()`` (e.g. with ``os.writev``) and report the count with ``advance(n)`` until
-    ``writer.done``. Nothing is copied: partial writes only re-slice the views. With ``shared``,
-    a frame of :data:`SHARED_MIN_BYTES` to :data:`SHARED_MAX_BYTES` is copied into that region at
-    once and only its flagged length is queued.
-    """
-
-    def __init__(
-        self,
-        parts: Iterable[bytes | bytearray | memoryview] = (),
-        shared: SharedRegion | None = None,
-    ) -> None:
-        self._views: deque[memoryview] = deque()
-        self._shared = shared
-        if parts:
-            self.add(parts)
-
-    def add(self, parts: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Queue one frame made of ``parts`` (their concatenation is the frame)."""
-        views = [memoryview(p).cast("B") for p in parts]
-        views = [v for v in views if v.nbytes]
-        total = sum(v.nbytes for v in views)
-        if self._shared is not None and SHARED_MIN_BYTES <= total <= SHARED_MAX_BYTES:
-            try:
-                self._shared.write(views)
-            except (OSError, ValueError):
-                pass  # no memory for the region: this frame goes down the pipe instead
-            else:
-                self._views.append(memoryview(LENGTH.pack(total | SHARED_FLAG)))
-                return
-        self._views.append(memoryview(LENGTH.pack(total)))
-        self._views.extend(views)
-
-    @property
-    def done(self) -> bool:
-        """True once every queued byte was reported written."""
-        return not self._views
-
-    def buffers(self, limit: int = 64) -> list[memoryview]:
-        """The next views to write, at most ``limit`` of them (stay under ``IOV_MAX``)."""
-        return [self._views[i] for i in range(min(limit, len(self._views)))]
-
-    def advance(self, nbytes: int) -> None:
-        """Drop ``nbytes`` from the front of the queue: they were written."""
-        while nbytes:
-            head = self._views[0]
-            if nbytes < head.nbytes:
-                self._views[0] = head[nbytes:]
-                return
-            nbytes -= head.nbytes
-            self._views.popleft()

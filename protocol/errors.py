@@ -5,11 +5,15 @@ Exception tree::
     ProtocolError            anything wrong with bytes or messages that crossed a boundary
     ├── FrameError           a frame that is truncated, malformed or carries an unsupported value
     │   └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
+    ├── Located              inside the codec only: a failure deep in a value, with its path
     ├── BadMessage           an incoming message that is not a frame or not a valid message
     ├── VersionMismatch      the peer speaks another protocol version
+    ├── UnexpectedReply      the peer answered with a kind of message this side did not ask for
     ├── ChannelClosed        the connection closed before the reply came
+    ├── SessionError         a session event its state does not allow (a bug of this side)
     ├── RemoteError          the peer answered a request with an ``error`` reply (its fault)
     └── RequestRefused       raised by a handler of ours: answer this request with an ``error``
+        └── UnexpectedHello  a connection's first message is not the hello this side expects
 
 :class:`RemoteError` is what a requester sees of the peer's refusal; :class:`RequestRefused` is
 how a handler refuses (the channel turns it into the ``error`` reply). They carry the same
@@ -86,6 +90,23 @@ class MessageTooLarge(FrameError):
         self.answers = answers
 
 
+class Located(ProtocolError):
+    """A failure inside a frame's body, with the path to it collected while unwinding.
+
+    The codec's own: :func:`protocol.codec.encode` and ``decode`` turn it into a
+    :class:`FrameError` naming where (``body['x'][2]``); it never leaves them.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+    def where(self) -> str:
+        """The path to the failure, from the body down."""
+        return "body" + "".join(reversed(self.path))
+
+
 class BadMessage(ProtocolError):
     """An incoming message that is not a frame or not a valid message."""
 
@@ -97,6 +118,19 @@ class BadMessage(ProtocolError):
 
 class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
+
+
+class UnexpectedReply(ProtocolError):
+    """The peer answered with a message of another kind than the one this side waits for
+    (``kind`` is the one it sent)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class SessionError(ProtocolError):
+    """A session event that its current state does not allow: a bug of this side."""
 
 
 class ChannelClosed(ProtocolError):
@@ -124,3 +158,12 @@ class RequestRefused(ProtocolError):
     def of(cls, code: ErrorCode, message: str, **detail: Any) -> RequestRefused:
         """A refusal built from its parts."""
         return cls(ErrorInfo(code=code, message=message, detail=detail))
+
+
+class UnexpectedHello(RequestRefused):
+    """A connection's first message is not the hello this side expects: refused with ``info``
+    (``reply_to`` is that message's id)."""
+
+    def __init__(self, info: ErrorInfo, reply_to: int | None) -> None:
+        super().__init__(info)
+        self.reply_to = reply_to

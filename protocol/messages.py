@@ -20,7 +20,7 @@ Conversation shapes:
   (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
   one).
 * a frame too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
-  chunk messages (raw bytes with a fixed header, see :mod:`protocol.channel`); other messages,
+  chunk messages (raw bytes with a fixed header, see :mod:`protocol.chunking`); other messages,
   heartbeats included, may go in between.
 
 A :class:`Call` carries one filter-daemon command (:mod:`protocol.daemon`, without its ``id``):

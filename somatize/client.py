@@ -11,7 +11,7 @@ A synchronous API for scripts and notebooks over the coordinator's ``/client`` W
         fitted = job.result()               # a FittedGraph, as graph.fit(x, y) returns
 
 Under the sync surface, one background thread per :class:`Client` runs an event loop (uvloop when
-it is installed) that owns the connection and its :class:`~protocol.channel.Channel`; each method
+it is installed) that owns the connection and its :class:`~protocol.asyncio.channel.Channel`; each method
 hands a coroutine to that loop and waits for it. Every wait is bounded: a request by the client's
 ``timeout`` (stretched for uploading a large submission, and while a large reply keeps arriving);
 an event stream or a job's end by the caller's ``timeout`` and, when that is ``None``, by the
@@ -39,8 +39,8 @@ import torch
 import websockets
 from pydantic import BaseModel
 
-from protocol.channel import Channel, ChannelClosed, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
+from protocol.asyncio.channel import Channel
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, ProtocolError, RemoteError
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,

@@ -2,7 +2,7 @@
 
 The agent dials out (so it works behind NAT), registers, heartbeats, and runs what the
 coordinator asks for in filter daemons (:class:`~worker.supervisor.DaemonSupervisor`). The
-conversation itself is :class:`~protocol.channel.Channel`'s; :class:`Agent` composes the rooms
+conversation itself is :class:`~protocol.asyncio.channel.Channel`'s; :class:`Agent` composes the rooms
 that do the rest:
 
 * :mod:`worker.config`: :class:`AgentConfig`, every setting, built by :mod:`worker.cli`;
@@ -65,7 +65,7 @@ from typing import Any
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect

@@ -29,8 +29,8 @@ import signal
 import sys
 from collections.abc import Callable
 
-from protocol.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
-from protocol.memory import keep_freed_memory
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.asyncio.memory import keep_freed_memory
 from worker.agent import Agent
 from worker.config import AgentConfig
 from worker.datasets import parse_data_option

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import torch
 from pydantic import BaseModel
 
+from protocol.asyncio.memory import keep_freed_memory
 from protocol.codec import decode, encode
 from protocol.daemon import (
     ApplyGradientsRequest,
@@ -47,8 +48,6 @@ from protocol.daemon import (
     CompositeForwardRequest,
     FitRequest,
     ForwardRequest,
-    FrameReader,
-    FrameWriter,
     GetGradientsRequest,
     GetOptimizerStateRequest,
     GetStateRequest,
@@ -57,21 +56,20 @@ from protocol.daemon import (
     PingRequest,
     SetOptimizerStateRequest,
     SetStateRequest,
-    SharedRegion,
     ShutdownRequest,
     StageBackwardRequest,
     StageForwardRequest,
     StageRequest,
     StageStepRequest,
-    allocate_fast,
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
-from protocol.memory import keep_freed_memory
 from worker.commands import parse_request
 from worker.datasets import load_dataset
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
+from worker.pipe import FrameReader, FrameWriter
+from worker.shared_memory import SharedRegion, allocate_fast
 
 __all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
 

@@ -7,7 +7,7 @@ amount of bytes per callback. A reply is read straight into a writable buffer of
 decoded tensors are zero-copy views over it), and a request is written with ``os.writev`` from
 the codec's memoryviews (tensor bytes go from their own memory into the pipe, never joined).
 Frames of 256 KiB to 32 MiB go through two shared-memory regions instead
-(:class:`~protocol.daemon.SharedRegion`, one per direction, created by the supervisor and
+(:class:`~worker.shared_memory.SharedRegion`, one per direction, created by the supervisor and
 inherited by the daemon): one copy in, one copy out, no kernel pipe pages. Only process creation
 and reaping, which can block, run in the default executor.
 """
@@ -24,8 +24,10 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from protocol.daemon import ErrorReply, FrameReader, FrameWriter, OkReply, SharedRegion
+from protocol.daemon import ErrorReply, OkReply
 from protocol.errors import FrameError
+from worker.pipe import FrameReader, FrameWriter
+from worker.shared_memory import SharedRegion
 
 __all__ = ["DaemonProcess", "describe_exit", "reap", "shared_regions", "spawn"]
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.daemon import LoadRequest
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused

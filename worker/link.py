@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
 from protocol.messages import CHUNK_BYTES, Error, Heartbeat, Welcome, WorkerHello
 from worker.config import AgentConfig

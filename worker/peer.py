@@ -7,7 +7,7 @@ other agent's ``/peer`` endpoint), and is relayed by the coordinator otherwise; 
 ends in the receiving agent's :class:`Mailbox`, where the ``call`` naming that key as its
 ``input_from`` waits for it.
 
-A peer link is one ``websockets`` connection driven by a :class:`~protocol.channel.Channel`: the
+A peer link is one ``websockets`` connection driven by a :class:`~protocol.asyncio.channel.Channel`: the
 dialing side sends ``PeerHello`` first and waits for the ``Ack``; every ``Deliver`` after it is a
 request answered by ``Ack`` (so "sent" means "in the peer's mailbox").
 """
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from websockets.asyncio.client import connect
 
-from protocol.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.errors import ProtocolError
 from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
 from worker.errors import MailboxDropped, MailboxFull, OutOfOrder

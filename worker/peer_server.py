@@ -17,7 +17,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RequestRefused
 from protocol.messages import Ack, Deliver, Error, PeerHello
 from worker.config import AgentConfig, split_host_port

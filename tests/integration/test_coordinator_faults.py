@@ -12,7 +12,7 @@ import torch
 import websockets
 
 import somatize as sz
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode
 from protocol.messages import ClientHello, Status

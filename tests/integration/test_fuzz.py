@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
-from protocol.channel import CHUNK_MAGIC, Reassembler, dump, parse
+from protocol.chunking import CHUNK_MAGIC, Reassembler
 from protocol.codec import encode
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import (
@@ -75,6 +75,7 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
+from protocol.parsing import dump, parse
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT, Center
 

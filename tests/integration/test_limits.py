@@ -28,7 +28,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import somatize as sz
 from coordinator.ws_server import Coordinator
-from protocol.channel import CHUNK_MAGIC, Channel
+from protocol.asyncio.channel import Channel
+from protocol.chunking import CHUNK_MAGIC
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,

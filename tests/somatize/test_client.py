@@ -2,7 +2,7 @@
 
 Strategies' validation, URL handling, argument parsing, job files, the "coordinator unreachable"
 path, and the client's protocol logic against a small fake coordinator (a
-:class:`~protocol.channel.Channel` on a loopback WebSocket that answers from a script).
+:class:`~protocol.asyncio.channel.Channel` on a loopback WebSocket that answers from a script).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch
 import websockets
 
 import somatize as sz
-from protocol.channel import Channel, RemoteError, chunk_messages
+from protocol.asyncio.channel import Channel
+from protocol.chunking import chunk_messages
 from protocol.codec import encode_frame
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,

@@ -1,7 +1,7 @@
 """The coordinator stand-in the agent's tests talk to, and their shared helpers.
 
 The stand-in (:class:`StandIn`) is a real peer, not a mock: a ``websockets`` server on loopback
-that speaks the real protocol through :class:`~protocol.channel.Channel` — it answers the hello,
+that speaks the real protocol through :class:`~protocol.asyncio.channel.Channel` — it answers the hello,
 records heartbeats, and sends ``open_job``/``call``/``close_job`` as the coordinator would. The
 agent runs in-process on uvloop, as the CLI does (:func:`running`, :func:`drive`).
 :func:`no_process_left` is the autouse fixture of the agent's test modules: each imports it.
@@ -25,8 +25,8 @@ import uvloop
 from websockets.asyncio.server import ServerConnection, serve
 
 import somatize as sz
-from protocol.channel import Channel, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
+from protocol.asyncio.channel import Channel
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import somatize as sz
-from protocol.channel import RemoteError
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Ack, CloseJob, Status
 from tests.worker.standin import (
     UNIT,

@@ -20,9 +20,11 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from protocol.channel import CHUNK_MAGIC, Channel, RemoteError, encode_small
-from protocol.errors import ErrorCode
+from protocol.asyncio.channel import Channel
+from protocol.chunking import CHUNK_MAGIC
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Call, CloseJob, Deliver, PeerHello
+from protocol.parsing import encode_small
 from tests.worker.standin import (
     UNIT,
     Center,

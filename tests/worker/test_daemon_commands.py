@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import somatize as sz
-from protocol.daemon import (
-    FitRequest,
-)
+from protocol.daemon import FitRequest
 from protocol.errors import ErrorCode
 from tests.worker.supervised import (
     UNIT,

@@ -14,17 +14,13 @@ from typing import Any
 import pytest
 
 from protocol.codec import decode, encode
-from protocol.daemon import (
-    LENGTH,
-    FrameReader,
-    FrameWriter,
-)
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.worker.supervised import (
     UNIT,
     Printer,
 )
+from worker.pipe import LENGTH, FrameReader, FrameWriter
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The daemon's request handling and the pipe framing, in-process: no subprocess, no event loop.
+"""The daemon's request handling, in-process: no subprocess, no event loop.
 
 :class:`worker.daemon.Daemon` turns one request frame into one reply message, so every error path
 of the protocol is checked here directly; ``test_daemon.py`` proves the same over real pipes.
@@ -6,32 +6,14 @@ of the protocol is checked here directly; ``test_daemon.py`` proves the same ove
 
 from __future__ import annotations
 
-import os
-import random
-
 import numpy as np
 import pytest
 import torch
 
 import somatize as sz
-from protocol.codec import decode, encode, encode_frame
-from protocol.daemon import (
-    LENGTH,
-    SHARED_FLAG,
-    SHARED_MAX_BYTES,
-    SHARED_MIN_BYTES,
-    FitRequest,
-    FrameReader,
-    FrameWriter,
-    OkReply,
-    SharedRegion,
-    allocate_fast,
-    allocate_paged,
-    reply_adapter,
-    request_adapter,
-    request_fields,
-)
-from protocol.errors import ErrorCode, FrameError
+from protocol.codec import decode, encode_frame
+from protocol.daemon import FitRequest, OkReply, reply_adapter, request_adapter, request_fields
+from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from worker.daemon import Daemon
 
@@ -255,83 +237,6 @@ def test_replies_are_told_apart_by_ok():
     assert error.error.code == ErrorCode.TIMEOUT
 
 
-# -- framing ------------------------------------------------------------------------------------
-
-
-def _frames_through_pipe(frames: list[bytes], rng: random.Random) -> list[bytes]:
-    """Write ``frames`` with a FrameWriter and read them back with a FrameReader, both moving
-    random amounts at a time, as a pipe would."""
-    writer = FrameWriter()
-    for frame in frames:
-        writer.add([frame[: len(frame) // 2], memoryview(frame)[len(frame) // 2 :]])
-    stream = bytearray()
-    while not writer.done:
-        chunk = b"".join(bytes(v) for v in writer.buffers(limit=rng.randint(1, 3)))
-        n = rng.randint(0, len(chunk))
-        stream += chunk[:n]
-        writer.advance(n)
-    reader, out, pos = FrameReader(), [], 0
-    while pos < len(stream):
-        target = reader.buffer()
-        n = min(len(target), rng.randint(1, 50), len(stream) - pos)
-        target[:n] = stream[pos : pos + n]
-        pos += n
-        frame = reader.advance(n)
-        if frame is not None:
-            out.append(bytes(frame))
-    assert not reader.mid_frame
-    return out
-
-
-def test_frames_survive_arbitrary_partial_reads_and_writes():
-    rng = random.Random(7)
-    frames = [bytes(rng.randbytes(rng.randint(0, 300))) for _ in range(40)]
-    assert _frames_through_pipe(frames, rng) == frames
-
-
-def test_the_writer_prefixes_each_frame_with_its_u64_length():
-    writer = FrameWriter(encode({"a": np.arange(3)}))
-    data = b"".join(bytes(v) for v in writer.buffers(limit=100))
-    (length,) = LENGTH.unpack(data[:8])
-    assert length == len(data) - 8
-    assert decode(data[8:])["a"].tolist() == [0, 1, 2]
-
-
-@pytest.mark.parametrize("allocate", [allocate_paged, allocate_fast])
-@pytest.mark.parametrize("size", [10, 3 << 20])
-def test_frames_decode_to_writable_zero_copy_tensors_with_either_allocator(allocate, size):
-    tensor = torch.arange(size // 4, dtype=torch.float32)
-    data = b"".join(bytes(v) for v in FrameWriter(encode({"t": tensor})).buffers(limit=100))
-    reader = FrameReader(allocate=allocate)
-    target = reader.buffer()
-    target[:8] = data[:8]
-    assert reader.advance(8) is None
-    target = reader.buffer()
-    target[:] = data[8:]
-    frame = reader.advance(len(data) - 8)
-    assert frame is not None and not frame.readonly
-    decoded = decode(frame)["t"]
-    assert torch.equal(decoded, tensor)
-    address = np.frombuffer(frame, np.uint8).ctypes.data
-    assert address <= decoded.data_ptr() < address + frame.nbytes
-    decoded.add_(1)  # writable: the frame is the tensor's memory
-
-
-def test_an_impossible_length_prefix_is_a_frame_error():
-    reader = FrameReader(max_frame=1000)
-    reader.buffer()[:8] = LENGTH.pack(1001)
-    with pytest.raises(FrameError, match="exceeds"):
-        reader.advance(8)
-
-
-def test_a_reader_in_the_middle_of_a_frame_says_so():
-    reader = FrameReader()
-    assert not reader.mid_frame
-    reader.buffer()[:3] = b"\x01\x00\x00"
-    reader.advance(3)
-    assert reader.mid_frame
-
-
 def test_batched_fit_can_keep_its_output_on_the_worker():
     """A federated client's predictions on its private data must not travel back."""
     import numpy as np
@@ -369,106 +274,3 @@ def test_batched_fit_can_keep_its_output_on_the_worker():
     request = {"id": 3, "cmd": "get_state", "node_ids": ["lin"]}
     reply = decode(b"".join(daemon.respond(bytearray(encode_frame(request)))))
     assert set(reply["result"]["lin"]) == {"weight", "bias"}
-
-
-# -- shared memory --------------------------------------------------------------------------------
-
-
-def _region_pair() -> tuple[SharedRegion, SharedRegion]:
-    """The writer's and the reader's view of one region, as two processes would hold it."""
-    region = SharedRegion.create("test")
-    assert region is not None, "memfds are Linux's, and so is this machine"
-    return region, SharedRegion(os.dup(region.fd))
-
-
-def _through(writer: FrameWriter, reader: FrameReader) -> tuple[list[bytes], int]:
-    """Move what ``writer`` queued to ``reader`` as a pipe would; the frames and pipe bytes."""
-    stream = b"".join(bytes(v) for v in writer.buffers(limit=1000))
-    writer.advance(len(stream))
-    frames, position = [], 0
-    while position < len(stream):
-        target = reader.buffer()
-        n = min(len(target), len(stream) - position)
-        target[:n] = stream[position : position + n]
-        position += n
-        frame = reader.advance(n)
-        if frame is not None:
-            frames.append(bytes(frame))
-    return frames, len(stream)
-
-
-def test_large_frames_go_through_shared_memory_and_small_ones_through_the_pipe():
-    out, into = _region_pair()
-    small = bytes(range(256)) * 4
-    large = np.random.default_rng(0).bytes(SHARED_MIN_BYTES + 12_345)
-    larger = np.random.default_rng(1).bytes(3 * SHARED_MIN_BYTES + 7)
-    writer, reader = FrameWriter(shared=out), FrameReader(shared=into)
-    for frame in (small, large, larger, large):  # the region grows, then is reused
-        writer.add([frame[:100], memoryview(frame)[100:]])
-        frames, piped = _through(writer, reader)
-        assert frames == [frame]
-        assert piped == (8 if len(frame) >= SHARED_MIN_BYTES else 8 + len(frame))
-    assert out.frames == into.frames == 3
-    assert out.nbytes == into.nbytes == 2 * len(large) + len(larger)
-    out.close()
-    into.close()
-
-
-def test_a_shared_frame_decodes_to_writable_tensors_independent_of_the_region():
-    out, into = _region_pair()
-    tensor = torch.arange(SHARED_MIN_BYTES, dtype=torch.float32)
-    writer, reader = FrameWriter(encode({"t": tensor}), shared=out), FrameReader(shared=into)
-    (frame,) = _through(writer, reader)[0]
-    decoded = decode(bytearray(frame))["t"]
-    assert torch.equal(decoded, tensor)
-    out.write([memoryview(bytes(out.nbytes))])  # the next frame overwrites the region
-    assert torch.equal(decoded, tensor)  # what was read is a copy
-    out.close()
-    into.close()
-
-
-def test_a_shared_frame_longer_than_the_region_is_a_frame_error():
-    out, into = _region_pair()
-    out.write([memoryview(bytes(SHARED_MIN_BYTES))])
-    reader = FrameReader(shared=into)
-    reader.buffer()[:8] = LENGTH.pack(SHARED_FLAG | (64 << 20))
-    with pytest.raises(FrameError, match="shared memory"):
-        reader.advance(8)
-    out.close()
-    into.close()
-
-
-def test_a_reader_without_shared_memory_refuses_a_shared_frame():
-    reader = FrameReader()
-    reader.buffer()[:8] = LENGTH.pack(SHARED_FLAG | 1000)
-    with pytest.raises(FrameError, match="exceeds"):
-        reader.advance(8)
-
-
-def test_a_shared_region_cannot_be_shrunk_under_its_reader():
-    out, into = _region_pair()
-    out.write([memoryview(bytes(SHARED_MIN_BYTES))])
-    with pytest.raises(PermissionError):
-        os.ftruncate(into.fd, 0)  # sealed: a daemon cannot make the agent's mapping fault
-    out.close()
-    into.close()
-
-
-def test_a_frame_over_the_shared_limit_goes_down_the_pipe():
-    out, into = _region_pair()
-    frame = bytes(SHARED_MAX_BYTES + 1)  # one copy of it would stall an event loop too long
-    frames, piped = _through(FrameWriter([frame], shared=out), FrameReader(shared=into))
-    assert frames == [frame] and piped == 8 + len(frame)
-    assert out.frames == 0
-    out.close()
-    into.close()
-
-
-def test_a_frame_the_region_cannot_take_goes_down_the_pipe():
-    out, into = _region_pair()
-    os.close(out.fd)  # the writer's region is unusable (as if memory ran out)
-    frame = bytes(SHARED_MIN_BYTES)
-    writer = FrameWriter([frame], shared=out)
-    frames, piped = _through(writer, FrameReader(shared=into))
-    assert frames == [frame] and piped == 8 + len(frame)
-    into.close()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from protocol.channel import Channel
+from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
 from tests.worker.standin import UNIT, Center, StandIn, children, drive, listening, open_job

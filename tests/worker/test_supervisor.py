@@ -15,10 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from protocol.daemon import (
-    PingRequest,
-    ShutdownRequest,
-)
+from protocol.daemon import PingRequest, ShutdownRequest
 from protocol.errors import ErrorCode
 from tests.worker.supervised import (
     UNIT,

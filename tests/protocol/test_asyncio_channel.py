@@ -1,4 +1,5 @@
-"""protocol.channel over a real WebSocket pair on loopback: replies, streams, chunks, bad input."""
+"""protocol.asyncio.channel over a real WebSocket pair on loopback: replies, streams, chunks, bad
+input, limits."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ import numpy as np
 import pytest
 import torch
 import websockets
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
-from protocol.channel import Channel, RemoteError
+from protocol.asyncio.channel import Channel
 from protocol.codec import encode_frame
-from protocol.errors import ErrorCode, ErrorInfo
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Heartbeat, JobEvent, Result, Status, Watch
 from tests.conftest import timeout_unit
 
@@ -129,101 +128,6 @@ def test_bad_messages_get_an_error_reply_and_the_connection_stays_up(payload, co
     asyncio.run(main())
 
 
-def test_chunks_are_cut_across_the_codec_parts_and_reassemble_exactly():
-    from protocol.channel import CHUNK_MAGIC, Reassembler, chunk_messages
-    from protocol.codec import decode, encode
-
-    value = {
-        "a": np.arange(CHUNK_BYTES // 8 + 3, dtype=np.float64),
-        "b": b"x" * 1000,
-        "c": torch.ones(7),
-    }
-    parts = encode(value)
-    chunks = list(chunk_messages(parts, stream=7))
-    assert all(c.startswith(CHUNK_MAGIC) for c in chunks)
-    assert len(chunks) == 2
-    reassembler = Reassembler(max_bytes=1 << 30)
-    assert reassembler.add(chunks[0]) is None
-    frame = reassembler.add(chunks[1])
-    assert frame == b"".join(parts)
-    got = decode(frame)
-    assert np.array_equal(got["a"], value["a"]) and got["b"] == value["b"]
-
-
-def test_bad_chunks_are_frame_errors():
-    from protocol.channel import Reassembler, chunk_messages
-    from protocol.errors import FrameError
-
-    chunks = list(chunk_messages([bytes(3 * CHUNK_BYTES)], stream=1))
-    with pytest.raises(FrameError, match="starts at offset"):
-        Reassembler(1 << 30).add(chunks[1])
-    reassembler = Reassembler(1 << 30)
-    reassembler.add(chunks[0])
-    with pytest.raises(FrameError, match="expected the next at"):
-        reassembler.add(chunks[2])
-    with pytest.raises(FrameError, match="exceeds the limit"):
-        Reassembler(CHUNK_BYTES).add(chunks[0])
-    with pytest.raises(FrameError, match="shorter than its header"):
-        Reassembler(1 << 30).add(chunks[0][:10])
-
-
-# -- limits -------------------------------------------------------------------------------------
-
-
-def _chunks_of(message, stream: int) -> list[bytes]:
-    from protocol.channel import chunk_messages, dump
-    from protocol.codec import encode
-
-    return list(chunk_messages(encode(dump(message)), stream))
-
-
-def test_a_chunked_message_over_the_limit_is_refused_on_its_first_chunk_and_the_rest_dropped():
-    from protocol.channel import Reassembler
-    from protocol.errors import MessageTooLarge
-    from protocol.messages import Call
-
-    big = Call(id=41, reply_to=7, job_id="j", request={"x": np.zeros(3 * CHUNK_BYTES, np.uint8)})
-    chunks = _chunks_of(big, stream=1)
-    assert len(chunks) == 4
-    reassembler = Reassembler(max_bytes=2 * CHUNK_BYTES)
-    with pytest.raises(MessageTooLarge, match="exceeds the limit of 2097152 bytes") as refused:
-        reassembler.add(chunks[0])
-    # Whom to tell, read from the frame's header in the first chunk; nothing was reserved.
-    assert (refused.value.reply_to, refused.value.answers) == (41, 7)
-    assert reassembler.pending_bytes == 0
-    assert [reassembler.add(c) for c in chunks[1:]] == [None, None, None]  # no error per chunk
-    small = _chunks_of(Call(id=42, job_id="j", request={"x": np.ones(CHUNK_BYTES, np.uint8)}), 1)
-    assert reassembler.add(small[0]) is None  # the stream id is free again after its last chunk
-    assert reassembler.pending_bytes > CHUNK_BYTES
-    frame = reassembler.add(small[1])
-    assert frame is not None and not frame.readonly
-    assert reassembler.pending_bytes == 0
-
-
-def test_the_chunked_messages_in_progress_together_stay_within_the_limits():
-    from protocol.channel import Reassembler
-    from protocol.errors import MessageTooLarge
-    from protocol.messages import Call
-
-    def chunks(stream: int) -> list[bytes]:
-        x = np.zeros(CHUNK_BYTES + CHUNK_BYTES // 2, np.uint8)
-        return _chunks_of(Call(id=stream, job_id="j", request={"x": x}), stream)
-
-    reassembler = Reassembler(max_bytes=2 * CHUNK_BYTES)
-    first, second = chunks(1), chunks(2)
-    assert reassembler.add(first[0]) is None
-    with pytest.raises(MessageTooLarge, match=r"with the \d+ bytes of the 1 in progress"):
-        reassembler.add(second[0])
-    assert reassembler.add(first[1]) is not None
-    third = chunks(3)
-    assert reassembler.add(third[0]) is None  # room again once the first completed
-
-    counted = Reassembler(max_bytes=1 << 30, max_streams=2)
-    assert counted.add(chunks(1)[0]) is None and counted.add(chunks(2)[0]) is None
-    with pytest.raises(MessageTooLarge, match="2 are already in progress"):
-        counted.add(chunks(3)[0])
-
-
 async def _limited_pair(handler, **limits):
     """A server channel with ``limits`` and a client channel to it."""
     ready: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
@@ -270,7 +174,7 @@ def test_too_large_requests_and_replies_fail_at_once_and_the_connection_stays_up
             assert reply_refused.value.code == ErrorCode.TOO_LARGE
             reply = await client.request(Call(job_id="j", request={}), timeout=10 * UNIT)
             assert reply.result == "fine"
-            assert served._reassembler.pending_bytes == 0
+            assert served._inbox.pending_bytes == 0
         finally:
             await _close(server, client, reader)
 
@@ -375,48 +279,6 @@ def test_a_peer_that_floods_bad_messages_and_reads_no_reply_is_disconnected():
     asyncio.run(main())
 
 
-_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats()
-    | st.text(max_size=3000)
-    | st.binary(max_size=16)
-    | st.builds(np.arange, st.integers(0, 5)),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children)
-    ),
-    max_leaves=8,
-)
-
-
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(
-    body=st.dictionaries(
-        st.sampled_from(["v", "kind", "id", "reply_to", "sent_at", "job_id"])
-        | st.text(max_size=300),
-        _values | st.sampled_from(["status", "heartbeat", "get_result", "ping"]),
-        max_size=6,
-    )
-)
-@example(body={"v": np.arange(3), "kind": "client_hello"})  # once an uncaught ValueError
-@example(body={"kind": "ping", "id": 1, "x" * 3000: 1})
-def test_any_decoded_body_is_refused_with_a_typed_bounded_error(body):
-    from protocol.channel import BadMessage, VersionMismatch, check_version, parse
-
-    frame = encode_frame(body)
-    try:
-        check_version(frame)
-    except VersionMismatch as exc:
-        assert len(str(exc)) < 200
-    try:
-        parse(frame)
-    except BadMessage as exc:
-        assert exc.info.code == ErrorCode.BAD_REQUEST
-        assert len(exc.info.message) < 400
-        assert len(encode_frame(exc.info.model_dump())) < 16_000
-
-
 class _Recording:
     """A transport that takes a little while per send and records which chunked messages are
     being written at the same time, over every transport sharing ``open``."""
@@ -426,7 +288,8 @@ class _Recording:
         self.sent: list[str] = []
 
     async def send(self, message):
-        from protocol.channel import _CHUNK_HEAD, CHUNK_MAGIC
+        from protocol.chunking import CHUNK_HEAD as _CHUNK_HEAD
+        from protocol.chunking import CHUNK_MAGIC
 
         if message[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
             _, stream, offset, total = _CHUNK_HEAD.unpack_from(message)

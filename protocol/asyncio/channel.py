@@ -1,30 +1,30 @@
-"""One message connection, whatever carries it: ids, replies, streams, chunking, validation.
+"""One message connection over asyncio, whatever carries it: ids, replies, streams.
 
 The coordinator, the worker agent and the client all speak :mod:`protocol.messages` over a
-WebSocket; this module is what they share, so that request/reply matching, chunking of large
-frames and the answer to a bad message exist once. It knows nothing of ``websockets``: it drives
-any object with ``async send(bytes | list of bytes-like)``, ``async recv() -> bytes`` and
-``async close(code, reason)`` (a ``websockets`` connection is one).
-
-(``protocol`` otherwise holds no asyncio: this module is the exception, because the three
-packages that need it may not import each other.)
+WebSocket; this is what they share, so that request/reply matching and the answer to a bad message
+exist once. It feeds what the transport receives to the sans-I/O core (:class:`~protocol.inbox.
+Inbox`: chunks, limits, validation; :class:`~protocol.session.Session`: the connection's state)
+and writes out what it sends (:func:`~protocol.chunking.chunk_messages`). It knows nothing of
+``websockets``: it drives any object with ``async send(bytes | list of bytes-like)``,
+``async recv() -> bytes`` and ``async close(code, reason)`` (a ``websockets`` connection is one).
 
 * :meth:`Channel.request` sends a message with a fresh ``id`` and waits, with a timeout, for the
   message whose ``reply_to`` is that id; an :class:`~protocol.messages.Error` reply raises
   :class:`RemoteError`. :meth:`Channel.stream` does the same for a request answered by several
   messages, ending at the first ``ack``/``result``/``error``.
 * Every other incoming message goes to the ``handler`` in a task of its own, so a slow request
-  never holds up heartbeats or replies behind it; what the handler returns is sent as the reply.
+  never holds up heartbeats or replies behind it; what the handler returns is sent as the reply,
+  and a :class:`~protocol.errors.RequestRefused` it raises as an ``error`` reply.
 * A frame larger than :data:`~protocol.messages.CHUNK_BYTES` is sent as chunk messages cut
-  straight from the codec's parts (:func:`chunk_messages`) and reassembled into a writable buffer
-  (tensors decode zero-copy over it); other messages may interleave.
+  straight from the codec's parts and reassembled on the other side; other messages may
+  interleave.
 * A message that is not a frame, or fails validation, is answered with an ``error`` reply that
   names the field; the connection stays up.
 * Limits, each a typed error reply with the connection kept: a message over
   ``max_message_bytes`` (``too_large``, refused from its first chunk's header, before its buffer
-  exists: see :class:`Reassembler`), a request beyond ``max_inflight`` being handled (``busy``;
-  heartbeats are always handled). A peer that does not read its error replies within
-  ``reply_timeout`` is disconnected instead of piling them up.
+  exists), a request beyond ``max_inflight`` being handled (``busy``; heartbeats are always
+  handled). A peer that does not read its error replies within ``reply_timeout`` is
+  disconnected instead of piling them up.
 """
 
 from __future__ import annotations
@@ -32,43 +32,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-import numpy as np
-import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from protocol import PROTOCOL_VERSION
-from protocol.codec import decode, encode, frame_nbytes
+from protocol.asyncio.websocket import close_reason
+from protocol.chunking import chunk_messages
+from protocol.codec import encode, frame_nbytes
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
     ErrorCode,
     ErrorInfo,
-    FrameError,
     MessageTooLarge,
     ProtocolError,
     RemoteError,
     RequestRefused,
-    VersionMismatch,
 )
-from protocol.messages import (
-    CHUNK_BYTES,
-    REPLY_KINDS,
-    Error,
-    message_adapter,
-)
+from protocol.inbox import Inbox, check_first
+from protocol.messages import CHUNK_BYTES, REPLY_KINDS, Error
+from protocol.parsing import dump
+from protocol.session import Event, Session
 
 __all__ = [
-    "BadMessage",
+    "DEFAULT_MAX_INFLIGHT",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "Channel",
-    "ChannelClosed",
-    "RemoteError",
-    "RequestRefused",
-    "VersionMismatch",
+    "Handler",
+    "Transport",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,13 +74,6 @@ NEVER_BUSY = frozenset({"heartbeat"})
 """Kinds handled whatever the number in flight: refusing a heartbeat would lose the worker."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
-MAX_OPEN_STREAMS = 64
-"""Chunked messages in progress at once on one connection (a sender has one per concurrent
-send of a large message)."""
-_MAX_REPORTED_ERRORS = 20
-"""Validation errors listed in an error reply's detail (the count of the rest follows)."""
-_REFUSED_MEMORY = 1024
-"""Refused chunk streams remembered, so that their later chunks are dropped without an error."""
 
 
 class Transport(Protocol):
@@ -104,255 +89,6 @@ class Transport(Protocol):
 Handler = Callable[[Any], Awaitable[BaseModel | None]]
 
 _ANSWER_KINDS = REPLY_KINDS | {"job_event"}
-
-
-def dump(message: BaseModel) -> dict[str, Any]:
-    """A message as the dict the codec encodes (tensors are passed through, not copied)."""
-    return message.model_dump()
-
-
-CHUNK_MAGIC = b"\xff\xff\xff\xffSZCK"
-"""First bytes of a chunk message. A frame never starts so: its first four bytes are its header
-length, and a 4 GiB header is refused by the codec."""
-_CHUNK_HEAD = struct.Struct("<8sQQQ")  # magic, stream, offset, total
-_PREFIX = struct.Struct("<I")  # a frame's header length
-
-
-def chunk_messages(parts: Sequence[bytes | memoryview], stream: int) -> Iterator[bytes]:
-    """The WebSocket messages that carry a frame larger than :data:`CHUNK_BYTES`.
-
-    Each is ``magic | u64 stream | u64 offset | u64 total | up to CHUNK_BYTES of the frame``,
-    cut straight out of the codec's parts: the frame is never joined whole, and no model is
-    validated per chunk.
-    """
-    total = frame_nbytes(parts)
-    views = [memoryview(p).cast("B") for p in parts]
-    offset, index, start = 0, 0, 0
-    while offset < total:
-        pieces: list[bytes | memoryview] = [_CHUNK_HEAD.pack(CHUNK_MAGIC, stream, offset, total)]
-        room = CHUNK_BYTES
-        while room and index < len(views):
-            view = views[index]
-            piece = view[start : start + room]
-            pieces.append(piece)
-            room -= len(piece)
-            start += len(piece)
-            if start == len(view):
-                index, start = index + 1, 0
-        offset += CHUNK_BYTES - room
-        yield b"".join(pieces)
-
-
-@dataclass
-class _Stream:
-    """A chunked message being received: its buffer and how far it is filled."""
-
-    buffer: memoryview
-    received: int = 0
-
-
-def frame_buffer(nbytes: int) -> memoryview:
-    """An uninitialised, writable buffer to reassemble a frame of ``nbytes`` into.
-
-    ``bytearray(n)`` zero-fills it first and so faults in every 4 KiB page at once (~150 ms for
-    64 MB on this project's VMs, as slow as the transfer itself); numpy's allocator leaves the
-    bytes uninitialised and asks for transparent huge pages, so the chunks' copies fault it in
-    2 MiB at a time, about ten times faster. Decoded tensors are views over it.
-    """
-    return np.empty(nbytes, dtype=np.uint8).data
-
-
-class Reassembler:
-    """Joins chunk messages back into frames: no I/O, one per connection.
-
-    Bounded by construction, whatever the peer announces:
-
-    * a stream whose announced total is over ``max_bytes`` is refused on its first chunk, before
-      any buffer exists; so is one that would take the announced totals of the streams in
-      progress over ``max_bytes``, or their number over ``max_streams``;
-    * a stream's buffer (:func:`frame_buffer`) is uninitialised memory of its announced size,
-      whose pages the kernel commits only as bytes are written into them: announcing a size
-      costs nothing until the bytes come (a ``bytearray`` would be zero-filled, committed, up
-      front);
-    * a stream that was refused (too large, out of order) has the rest of its chunks dropped
-      silently: one error per stream, not one per chunk.
-    """
-
-    def __init__(self, max_bytes: int, max_streams: int = MAX_OPEN_STREAMS) -> None:
-        self.max_bytes = max_bytes
-        self.max_streams = max_streams
-        self._streams: dict[int, _Stream] = {}
-        self._refused: dict[int, None] = {}  # insertion-ordered: the oldest is forgotten first
-
-    @property
-    def pending_bytes(self) -> int:
-        """The announced totals of the streams in progress."""
-        return sum(len(s.buffer) for s in self._streams.values())
-
-    def add(self, payload: bytes | bytearray | memoryview) -> memoryview | None:
-        """Take one chunk message; the whole frame once its last byte arrived, else ``None``.
-
-        The frame is a writable view (tensors decode zero-copy over it).
-
-        Raises:
-            MessageTooLarge: a new stream over the limits above (``reply_to``/``answers`` read
-                from its first bytes when they hold the frame's header).
-            FrameError: a malformed chunk or bytes out of order.
-        """
-        if len(payload) < _CHUNK_HEAD.size:
-            raise FrameError(f"chunk of {len(payload)} bytes is shorter than its header")
-        _, stream, offset, total = _CHUNK_HEAD.unpack_from(payload)
-        data = memoryview(payload)[_CHUNK_HEAD.size :]
-        end = offset + len(data)
-        if stream in self._refused:
-            if end >= total:  # its last chunk: the id may be used again
-                del self._refused[stream]
-            return None
-        current = self._streams.get(stream)
-        if current is None:
-            current = self._open(stream, offset, total, data)
-        size = len(current.buffer)
-        if offset != current.received or total != size or end > size:
-            del self._streams[stream]
-            self._refuse(stream, end < total)
-            raise FrameError(
-                f"chunk stream {stream}: got bytes {offset}..{end} of {total}, "
-                f"expected the next at {current.received} of {size}"
-            )
-        current.buffer[offset:end] = data
-        current.received = end
-        if end < size:
-            return None
-        del self._streams[stream]
-        return memoryview(current.buffer)
-
-    def _open(self, stream: int, offset: int, total: int, data: memoryview) -> _Stream:
-        more = offset + len(data) < total  # chunks of this stream will follow
-        if offset != 0 or total == 0:
-            self._refuse(stream, more)
-            raise FrameError(
-                f"chunk stream {stream} starts at offset {offset} of {total} bytes: "
-                "a stream starts at 0 of a positive total"
-            )
-        why = None
-        if total > self.max_bytes:
-            why = f"chunked message of {total} bytes exceeds the limit of {self.max_bytes} bytes"
-        elif len(self._streams) >= self.max_streams:
-            why = (
-                f"chunked message of {total} bytes refused: {len(self._streams)} are already in "
-                f"progress on this connection (the limit is {self.max_streams})"
-            )
-        elif (pending := self.pending_bytes) + total > self.max_bytes:
-            why = (
-                f"chunked message of {total} bytes refused: with the {pending} bytes of the "
-                f"{len(self._streams)} in progress it exceeds the limit of {self.max_bytes} bytes"
-            )
-        if why is None:
-            try:
-                buffer = frame_buffer(total)
-            except (MemoryError, ValueError) as exc:  # it cannot be had
-                why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
-            else:
-                self._streams[stream] = _Stream(buffer)
-                return self._streams[stream]
-        self._refuse(stream, more)
-        raise MessageTooLarge(why, *_peek_ids(data))
-
-    def _refuse(self, stream: int, more: bool) -> None:
-        """Drop the rest of ``stream``'s chunks (when ``more`` are to come) without an error."""
-        if not more:
-            return
-        self._refused[stream] = None
-        while len(self._refused) > _REFUSED_MEMORY:
-            del self._refused[next(iter(self._refused))]
-
-
-def _peek_ids(data: memoryview) -> tuple[int | None, int | None]:
-    """``id`` and ``reply_to`` of the message whose frame starts with ``data``, when ``data``
-    holds the frame's whole header (a chunk of a refused message: whom to tell)."""
-    if len(data) < _PREFIX.size:
-        return None, None
-    (length,) = _PREFIX.unpack_from(data)
-    if _PREFIX.size + length > len(data):
-        return None, None
-    try:
-        header = orjson.loads(data[_PREFIX.size : _PREFIX.size + length])
-    except orjson.JSONDecodeError:
-        return None, None
-    body = header.get("body") if isinstance(header, dict) else None
-    if not isinstance(body, dict):
-        return None, None
-    return _message_id(body.get("id")), _message_id(body.get("reply_to"))
-
-
-def _message_id(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def parse(payload: bytes | bytearray | memoryview) -> Any:
-    """Decode and validate one frame into a message.
-
-    Raises:
-        BadMessage: with the error reply to send (``reply_to`` when the id could be read).
-    """
-    try:
-        raw = decode(payload)
-    except FrameError as exc:
-        raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
-    reply_to = _message_id(raw.get("id")) if isinstance(raw, dict) else None
-    try:
-        return message_adapter.validate_python(raw)
-    except ValidationError as exc:
-        raise BadMessage(_validation_info(exc, raw), reply_to) from exc
-
-
-def _validation_info(exc: ValidationError, raw: Any) -> ErrorInfo:
-    errors = exc.errors(include_url=False, include_input=False)
-    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
-    kind = raw.get("kind") if isinstance(raw, dict) else None
-    name = kind if isinstance(kind, str) else None  # a peer's kind may be anything
-    loc = list(first["loc"])
-    if loc and name is not None and loc[0] == name:  # the union's tag leads the location
-        loc = loc[1:]
-    where = _preview(".".join(str(p) for p in loc))
-    if first.get("type") == "union_tag_invalid":
-        message = f"unknown message kind {_preview(kind)}"
-    elif first.get("type") == "union_tag_not_found":
-        message = "message has no 'kind'"
-    else:
-        message = f"invalid {name[:60] if name else 'message'}: field {where}: {first['msg']}"
-    # Bounded, whatever the message: an error reply never echoes a peer's megabytes back.
-    detail: dict[str, Any] = {
-        "errors": [
-            {"loc": [_preview(str(p)) for p in e["loc"][:8]], "msg": e["msg"][:200]}
-            for e in errors[:_MAX_REPORTED_ERRORS]
-        ]
-    }
-    if len(errors) > _MAX_REPORTED_ERRORS:
-        detail["more"] = len(errors) - _MAX_REPORTED_ERRORS
-    return ErrorInfo(code=ErrorCode.BAD_REQUEST, message=message, detail=detail)
-
-
-def _preview(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters (it goes into an error message)."""
-    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_version(payload: bytes | bytearray | memoryview) -> None:
-    """Refuse a hello from another protocol version, before reading anything else of it."""
-    try:
-        raw = decode(payload)
-    except FrameError:
-        return  # parse() reports it
-    version = raw.get("v") if isinstance(raw, dict) else None
-    # An int that is not a bool: ``v`` may be anything a peer sent (an array, whose ``!=`` is
-    # an array too).
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise VersionMismatch(
-            f"protocol version mismatch: peer speaks {_preview(version)}, this side speaks "
-            f"{PROTOCOL_VERSION}"
-        )
 
 
 class Channel:
@@ -399,7 +135,8 @@ class Channel:
         self.reply_timeout = reply_timeout
         self.inflight = 0
         self.refused_busy = 0
-        self._reassembler = Reassembler(max_message_bytes)
+        self.session = Session(name)
+        self._inbox = Inbox(max_message_bytes)
         self._next_id = 0
         self._next_stream = 0
         # The waiter of each request: a future for one reply, a queue for a stream of them.
@@ -408,8 +145,12 @@ class Channel:
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
         self.close_reason = ""
-        self.bytes_in = 0
         self.bytes_out = 0
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes received on this connection so far."""
+        return self._inbox.bytes_in
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -517,52 +258,24 @@ class Channel:
         """
         while True:
             payload = await self.transport.recv()
-            if first and isinstance(payload, bytes | bytearray | memoryview):
-                if payload[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
-                    info = ErrorInfo(
-                        code=ErrorCode.TOO_LARGE,
-                        message=f"a chunked first message: a hello fits in {CHUNK_BYTES} bytes",
-                    )
-                    raise BadMessage(info, None)
-                check_version(payload)
+            if first:
+                check_first(payload)
             message = self._take(payload)
             if message is not None:
                 return message
 
     def _take(self, payload: Any) -> Any:
-        """The message ``payload`` completes, or ``None`` (a chunk of one still coming).
+        """The message ``payload`` completes, or ``None``; a refused reply fails its request.
 
         Raises:
             BadMessage: with the error reply to send.
         """
-        if isinstance(payload, str):
-            raise BadMessage(
-                ErrorInfo(code=ErrorCode.BAD_FRAME, message="text message: frames are binary"),
-                None,
-            )
-        size = len(payload)
-        self.bytes_in += size
         try:
-            if payload[: len(CHUNK_MAGIC)] != CHUNK_MAGIC:
-                if size > self.max_message_bytes:
-                    raise MessageTooLarge(
-                        f"message of {size} bytes exceeds the limit of "
-                        f"{self.max_message_bytes} bytes",
-                        *_peek_ids(memoryview(payload)),
-                    )
-                return parse(payload)
-            frame = self._reassembler.add(payload)
-        except MessageTooLarge as exc:
-            self._fail_waiter(exc)
-            info = ErrorInfo(
-                code=ErrorCode.TOO_LARGE,
-                message=str(exc),
-                detail={"limit": self.max_message_bytes},
-            )
-            raise BadMessage(info, exc.reply_to) from exc
-        except FrameError as exc:
-            raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
-        return None if frame is None else parse(frame)
+            return self._inbox.take(payload)
+        except BadMessage as exc:
+            if isinstance(exc.__cause__, MessageTooLarge):
+                self._fail_waiter(exc.__cause__)
+            raise
 
     def _fail_waiter(self, exc: MessageTooLarge) -> None:
         """A refused message that answers one of our requests fails that request now."""
@@ -580,6 +293,7 @@ class Channel:
         floods them and does not read the answers is slowed down by its own unread replies, and
         disconnected when one cannot go out within ``reply_timeout``.
         """
+        self.session.handle(Event.READY)
         try:
             while True:
                 try:
@@ -601,7 +315,7 @@ class Channel:
                 del payload
                 message = None
         finally:
-            self._shut()
+            self._shut(Event.LOST)
 
     async def _answer(self, info: ErrorInfo, reply_to: int | None) -> bool:
         """Send a refusal; ``False`` (and the connection closed) if the peer does not take it."""
@@ -615,10 +329,11 @@ class Channel:
             reason = f"the peer did not read an error reply within {self.reply_timeout:g}s"
             log.warning("%s: %s: disconnecting", self.name, reason)
             self.close_reason = reason
-            self._shut()
+            self._shut(Event.CLOSE)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.reply_timeout):
                     await self.transport.close(1008, close_reason(reason))
+            self.session.handle(Event.CLOSED)
             return False
         return True
 
@@ -698,8 +413,10 @@ class Channel:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _shut(self) -> None:
-        if self.closed.is_set():
+    def _shut(self, event: Event) -> None:
+        """Advance the session; when that ends sending, fail every waiting request."""
+        self.session.handle(event)
+        if self.session.sending or self.closed.is_set():
             return
         self.closed.set()
         failure = ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
@@ -714,18 +431,9 @@ class Channel:
         self.close_reason = self.close_reason or reason or "closed by this side"
         # Fail the waiters first: closing the transport may take its close timeout when the
         # peer is gone, and nobody should wait on a connection this side has given up on.
-        self._shut()
+        self._shut(Event.CLOSE)
         for task in list(self._tasks):
             task.cancel()
         with contextlib.suppress(Exception):
             await self.transport.close(code, close_reason(reason))
-
-
-def close_reason(reason: str) -> str:
-    """``reason`` cut to what a WebSocket close frame carries (RFC 6455 §5.5: 123 bytes)."""
-    return reason.encode()[:123].decode(errors="ignore")
-
-
-def encode_small(message: BaseModel) -> bytes:
-    """Encode a message known to fit one WebSocket message."""
-    return b"".join(encode(dump(message)))
+        self.session.handle(Event.CLOSED)

@@ -1,4 +1,4 @@
-"""protocol.memory: freed buffers are reused, not faulted in again.
+"""protocol.asyncio.memory: freed buffers are reused, not faulted in again.
 
 Each case runs in a fresh interpreter: malloc settings are process-wide, and the effect shows in
 the page faults of that process alone.
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, resource, sys
-from protocol.memory import keep_freed_memory
+from protocol.asyncio.memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 
 def faults():

@@ -1,0 +1,147 @@
+"""The coordinator's plain HTTP endpoints, on the same port as its WebSockets.
+
+* ``GET /healthz`` — ``ok`` while the coordinator serves (always open);
+* ``GET /metrics`` — Prometheus text; ``GET /`` — a live status page polling ``GET /api/status``
+  (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
+  or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``;
+* an upgrade to ``/worker`` or ``/client`` is checked here before any message is read: its bearer
+  token (in constant time), and ``503`` beyond ``max_pending_connections`` connections waiting
+  for their hello.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import http
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Request, Response
+
+from coordinator.status_page import CSP, PAGE
+
+if TYPE_CHECKING:
+    from coordinator.ws_server import Coordinator
+
+__all__ = ["authorized", "process_request"]
+
+log = logging.getLogger(__name__)
+
+REALM = "somatize"
+"""The HTTP Basic realm a browser is asked to log in to (any user name, the client token)."""
+
+
+async def process_request(
+    server: Coordinator, connection: ServerConnection, request: Request
+) -> Response | None:
+    """Answer a plain HTTP request, or check an upgrade to ``/worker`` or ``/client`` (``None``:
+    go on with the WebSocket handshake); ``websockets``' ``process_request`` hook."""
+    path = request.path.split("?", 1)[0]
+    if path == "/healthz":
+        return connection.respond(http.HTTPStatus.OK, "ok\n")
+    if path in ("/", "/api/status", "/metrics"):
+        token = None if server.public_status else server.tokens["/client"]
+        if not authorized(request, token, basic=True):
+            return _unauthorized(connection, path)
+        if path == "/":
+            return _page(connection)
+        if path == "/api/status":
+            return _json(connection, await server.status())
+        return await _metrics(server, connection)
+    if path in ("/worker", "/client"):
+        if server.pending_connections > server.max_pending_connections:  # this one is counted too
+            return _busy(server, connection)
+        if not authorized(request, server.tokens[path]):
+            log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
+            return connection.respond(
+                http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
+            )
+        return None  # go on with the WebSocket handshake
+    return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
+
+
+async def _metrics(server: Coordinator, connection: ServerConnection) -> Response:
+    assert server.jobs is not None
+    counts = await server.jobs.counts()
+    workers = {str(k): v for k, v in server.registry.counts().items()}
+    jobs = {str(k): v for k, v in counts.items()}
+    text = server.metrics.render(workers, jobs, server.channels, server.pending_connections)
+    return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
+
+
+def _busy(server: Coordinator, connection: ServerConnection) -> Response:
+    """``503`` for an upgrade beyond ``max_pending_connections``, before any message."""
+    server.metrics.refused_upgrades += 1
+    log.warning(
+        "refused %s: %d connections are waiting for their hello (limit %d)",
+        connection.remote_address,
+        server.pending_connections - 1,
+        server.max_pending_connections,
+    )
+    response = connection.respond(
+        http.HTTPStatus.SERVICE_UNAVAILABLE,
+        f"too many connections waiting for their hello (the limit is "
+        f"{server.max_pending_connections}); retry in a few seconds\n",
+    )
+    response.headers["Retry-After"] = str(math.ceil(server.handshake_timeout))
+    return response
+
+
+def authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` — or, with ``basic``, HTTP
+    Basic credentials whose password is the token (RFC 7617; the user name is not looked at) —
+    compared in constant time. ``token`` ``None``: anyone is."""
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    offered = given.strip().encode()
+    if scheme.lower() == "basic" and basic:
+        try:
+            decoded = base64.b64decode(offered, validate=True)
+        except (binascii.Error, ValueError):
+            return False
+        offered = decoded.partition(b":")[2]
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.encode(), offered)
+
+
+def _unauthorized(connection: ServerConnection, path: str) -> Response:
+    """``401`` that makes a browser ask for the client token (as the password)."""
+    log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
+    response = connection.respond(
+        http.HTTPStatus.UNAUTHORIZED,
+        f"{path} needs the client token: 'Authorization: Bearer TOKEN', or any user name and "
+        "the token as password\n",
+    )
+    response.headers["WWW-Authenticate"] = f'Basic realm="{REALM}", charset="UTF-8"'
+    return response
+
+
+def _respond(connection: ServerConnection, content_type: str, body: str) -> Response:
+    """``200`` with ``body`` as ``content_type``, that no cache keeps (a status goes stale in a
+    second)."""
+    response = connection.respond(http.HTTPStatus.OK, body)
+    del response.headers["Content-Type"]  # respond() says text/plain; a second one would clash
+    response.headers["Content-Type"] = content_type
+    response.headers["Cache-Control"] = "no-store"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+def _page(connection: ServerConnection) -> Response:
+    """The status page, allowed to load nothing from anywhere else and to sit in no frame."""
+    response = _respond(connection, "text/html; charset=utf-8", PAGE)
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+    return response
+
+
+def _json(connection: ServerConnection, value: Any) -> Response:
+    return _respond(connection, "application/json", orjson.dumps(value).decode())

@@ -1,0 +1,76 @@
+"""The WebSocket settings every endpoint shares: options, TLS, close reasons.
+
+The coordinator's server, the agent's coordinator link and peer server, the peer links it dials
+and the client all use :func:`ws_options`, so that the frame size limit and compression are the
+same on both ends of every link (larger frames travel as chunk messages of
+:data:`~protocol.messages.CHUNK_BYTES`). Nothing here imports ``websockets``: these are the
+keyword arguments its ``connect()`` and ``serve()`` take.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+from protocol.messages import CHUNK_BYTES
+
+__all__ = ["WS_MAX_SIZE", "client_tls", "close_reason", "server_tls", "ws_options"]
+
+WS_MAX_SIZE = 4 * CHUNK_BYTES
+"""Largest single WebSocket message; anything bigger travels as chunks (a chunk plus its header
+fits with room to spare)."""
+
+OPEN_TIMEOUT = 10.0
+PING_INTERVAL = 20.0
+PING_TIMEOUT = 20.0
+CLOSE_TIMEOUT = 10.0
+"""The defaults of ``websockets`` itself, for an endpoint that does not choose."""
+
+CLOSE_REASON_BYTES = 123
+"""Longest reason a close frame carries (RFC 6455 §5.5: 125 bytes of payload, 2 of them the
+code)."""
+
+
+def ws_options(
+    *,
+    open_timeout: float | None = OPEN_TIMEOUT,
+    ping_interval: float | None = PING_INTERVAL,
+    ping_timeout: float | None = PING_TIMEOUT,
+    close_timeout: float | None = CLOSE_TIMEOUT,
+) -> dict[str, Any]:
+    """Keyword arguments for ``websockets``' ``connect()`` and ``serve()``.
+
+    No compression (tensor bytes do not compress, and deflate costs a copy per message) and
+    ``max_size`` :data:`WS_MAX_SIZE`; the timeouts are the endpoint's own (``None``: none).
+    """
+    return {
+        "compression": None,
+        "max_size": WS_MAX_SIZE,
+        "open_timeout": open_timeout,
+        "ping_interval": ping_interval,
+        "ping_timeout": ping_timeout,
+        "close_timeout": close_timeout,
+    }
+
+
+def client_tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """``ssl=`` for ``websockets``' ``connect()``: a custom context for ``wss://`` only (the
+    system's trust store otherwise, and none for ``ws://``)."""
+    return {"ssl": context} if context is not None and url.startswith("wss:") else {}
+
+
+def server_tls(cert: str, key: str) -> ssl.SSLContext:
+    """A server's TLS context from its certificate chain and private key (PEM files).
+
+    Raises:
+        OSError: a file cannot be read.
+        ssl.SSLError: the files are not a certificate and its key.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def close_reason(reason: str) -> str:
+    """``reason`` cut to what a WebSocket close frame carries (RFC 6455 §5.5: 123 bytes)."""
+    return reason.encode()[:CLOSE_REASON_BYTES].decode(errors="ignore")

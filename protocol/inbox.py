@@ -1,0 +1,93 @@
+"""What one connection receives, turned into messages: chunks joined, limits kept, no I/O.
+
+:class:`Inbox` takes each incoming WebSocket message as it is and returns the protocol message it
+completes (``None`` for a chunk of one still coming), or raises the
+:class:`~protocol.errors.BadMessage` whose error reply the owner sends. The first message of a
+connection is checked before anything else is read of it (:func:`check_first`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.chunking import Reassembler, is_chunk
+from protocol.errors import BadMessage, ErrorCode, ErrorInfo, FrameError, MessageTooLarge
+from protocol.messages import CHUNK_BYTES
+from protocol.parsing import check_version, parse, peek_ids
+
+__all__ = ["Inbox", "check_first"]
+
+
+def check_first(payload: Any) -> None:
+    """Refuse a connection's first message when it is chunked or speaks another version.
+
+    A hello fits one message: no buffer is reserved for a peer that has not said hello.
+
+    Raises:
+        BadMessage: a chunk (``too_large``).
+        VersionMismatch: the peer speaks another protocol version.
+    """
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        return  # take() refuses it
+    if is_chunk(payload):
+        info = ErrorInfo(
+            code=ErrorCode.TOO_LARGE,
+            message=f"a chunked first message: a hello fits in {CHUNK_BYTES} bytes",
+        )
+        raise BadMessage(info, None)
+    check_version(payload)
+
+
+class Inbox:
+    """One connection's incoming messages.
+
+    Args:
+        max_message_bytes: largest message accepted, whole or reassembled from its chunks (the
+            chunked ones in progress together, see :class:`~protocol.chunking.Reassembler`).
+    """
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.bytes_in = 0
+        self._reassembler = Reassembler(max_message_bytes)
+
+    @property
+    def pending_bytes(self) -> int:
+        """The announced totals of the chunked messages in progress."""
+        return self._reassembler.pending_bytes
+
+    def take(self, payload: Any) -> Any:
+        """The message ``payload`` completes, or ``None`` (a chunk of one still coming).
+
+        Raises:
+            BadMessage: with the error reply to send; caused by a
+                :class:`~protocol.errors.MessageTooLarge` when the message was refused for its
+                size (its ``answers`` names the request it would have answered).
+        """
+        if isinstance(payload, str):
+            raise BadMessage(
+                ErrorInfo(code=ErrorCode.BAD_FRAME, message="text message: frames are binary"),
+                None,
+            )
+        size = len(payload)
+        self.bytes_in += size
+        try:
+            if not is_chunk(payload):
+                if size > self.max_message_bytes:
+                    raise MessageTooLarge(
+                        f"message of {size} bytes exceeds the limit of "
+                        f"{self.max_message_bytes} bytes",
+                        *peek_ids(memoryview(payload)),
+                    )
+                return parse(payload)
+            frame = self._reassembler.add(payload)
+        except MessageTooLarge as exc:
+            info = ErrorInfo(
+                code=ErrorCode.TOO_LARGE,
+                message=str(exc),
+                detail={"limit": self.max_message_bytes},
+            )
+            raise BadMessage(info, exc.reply_to) from exc
+        except FrameError as exc:
+            raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
+        return None if frame is None else parse(frame)
