@@ -2,14 +2,15 @@
 
 ``python -m benchmarks.fleet`` starts a real ``somatize-coordinator`` (heartbeat every 2 s,
 timeout 10 s) and, from this one process on uvloop, connects N = 1,000 simulated agents to
-``/worker``: each a real WebSocket connection with a :class:`protocol.asyncio.channel.Channel` on it,
-that sends a real ``WorkerHello`` (``sim-<i>``, tag ``sim``, a dataset ``sim`` of 100-102 rows),
-reads the ``Welcome``, sends a ``Heartbeat`` every interval (jittered ±10 %, the first at a
-random point of the first interval) and answers the coordinator's job messages as an agent
-would, without a daemon (:class:`SimAgent`): ``open_job``/``close_job`` with an ``ack``, and the
-daemon commands FedAvg sends in ``call`` messages — ``stage``, ``get_state``, ``set_state``,
-``batched_fit`` — with results of the daemon's shape, over a 1 MB float32 state (torch tensors,
-as a daemon's ``state_dict``). They are opened 50 at a time. Measured:
+``/worker``: each a real WebSocket connection with a
+:class:`protocol.asyncio.channel.Channel` on it, that sends a real ``WorkerHello`` (``sim-<i>``, tag
+``sim``, a dataset ``sim`` of 100-102 rows), reads the ``Welcome``, sends a ``Heartbeat`` every
+interval (jittered ±10 %, the first at a random point of the first interval) and answers the
+coordinator's job messages as an agent would, without a daemon (:class:`SimAgent`):
+``open_job``/``close_job`` with an ``ack``, and the daemon commands FedAvg sends in ``call``
+messages — ``stage``, ``get_state``, ``set_state``, ``batched_fit`` — with results of the daemon's
+shape, over a 1 MB float32 state (torch tensors, as a daemon's ``state_dict``). They are opened 50
+at a time. Measured:
 
 - *register*: wall time from the first dial to the N-th ``Welcome``;
 - *idle memory*: the coordinator's RSS (``VmRSS``) before the agents and after they have been

@@ -5,12 +5,12 @@ process to a coordinator process over 127.0.0.1, three ways, each a request answ
 tensor (the shape of a ``get_state`` or ``get_gradients`` call):
 
 - *ours*: this process plays the coordinator: a ``websockets`` server on uvloop with the
-  coordinator's settings (no compression, ``max_size`` 4 MB) and a :class:`protocol.asyncio.channel.Channel`
-  on the connection. The agent, a subprocess, dials it with the agent's settings and answers
-  every ``Call`` with ``Result(result={"t": tensor})`` from a ``Channel`` handler: the codec
-  encodes the tensor without copying it, the channel cuts the frame into 1 MB chunk messages,
-  the coordinator reassembles them into one buffer and decodes the tensor over it. Timed from
-  ``channel.request(Call(...))`` to the decoded ``Result`` in hand;
+  coordinator's settings (no compression, ``max_size`` 4 MB) and a
+  :class:`protocol.asyncio.channel.Channel` on the connection. The agent, a subprocess, dials it
+  with the agent's settings and answers every ``Call`` with ``Result(result={"t": tensor})`` from a
+  ``Channel`` handler: the codec encodes the tensor without copying it, the channel cuts the frame
+  into 1 MB chunk messages, the coordinator reassembles them into one buffer and decodes the tensor
+  over it. Timed from ``channel.request(Call(...))`` to the decoded ``Result`` in hand;
 - *bare websockets*: the same two processes' roles with bare ``websockets`` (no codec, no
   chunk headers), two ways: the tensor's 64 MB as *one message* (``max_size=None``), and as
   *1 MB messages* (memoryview slices of the tensor, what ``websockets`` moves fastest) copied

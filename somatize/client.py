@@ -11,12 +11,12 @@ A synchronous API for scripts and notebooks over the coordinator's ``/client`` W
         fitted = job.result()               # a FittedGraph, as graph.fit(x, y) returns
 
 Under the sync surface, one background thread per :class:`Client` runs an event loop (uvloop when
-it is installed) that owns the connection and its :class:`~protocol.asyncio.channel.Channel`; each method
-hands a coroutine to that loop and waits for it. Every wait is bounded: a request by the client's
-``timeout`` (stretched for uploading a large submission, and while a large reply keeps arriving);
-an event stream or a job's end by the caller's ``timeout`` and, when that is ``None``, by the
-connection's keepalive pings, so a coordinator that dies or goes silent surfaces as
-:class:`~somatize.errors.ConnectionFailed` instead of a hang.
+it is installed) that owns the connection and its
+:class:`~protocol.asyncio.channel.Channel`; each method hands a coroutine to that loop and waits for
+it. Every wait is bounded: a request by the client's ``timeout`` (stretched for uploading a large
+submission, and while a large reply keeps arriving); an event stream or a job's end by the caller's
+``timeout`` and, when that is ``None``, by the connection's keepalive pings, so a coordinator that
+dies or goes silent surfaces as :class:`~somatize.errors.ConnectionFailed` instead of a hang.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The agent dials out (so it works behind NAT), registers, heartbeats, and runs what the
 coordinator asks for in filter daemons (:class:`~worker.supervisor.DaemonSupervisor`). The
-conversation itself is :class:`~protocol.asyncio.channel.Channel`'s; :class:`Agent` composes the rooms
+conversation itself is
+:class:`~protocol.asyncio.channel.Channel`'s; :class:`Agent` composes the rooms
 that do the rest:
 
 * :mod:`worker.config`: :class:`AgentConfig`, every setting, built by :mod:`worker.cli`;

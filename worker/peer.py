@@ -7,9 +7,10 @@ other agent's ``/peer`` endpoint), and is relayed by the coordinator otherwise; 
 ends in the receiving agent's :class:`Mailbox`, where the ``call`` naming that key as its
 ``input_from`` waits for it.
 
-A peer link is one ``websockets`` connection driven by a :class:`~protocol.asyncio.channel.Channel`: the
-dialing side sends ``PeerHello`` first and waits for the ``Ack``; every ``Deliver`` after it is a
-request answered by ``Ack`` (so "sent" means "in the peer's mailbox").
+A peer link is one ``websockets`` connection driven by a
+:class:`~protocol.asyncio.channel.Channel`: the dialing side sends ``PeerHello`` first and waits for
+the ``Ack``; every ``Deliver`` after it is a request answered by ``Ack`` (so "sent" means "in the
+peer's mailbox").
 """
 
 from __future__ import annotations

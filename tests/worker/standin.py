@@ -1,10 +1,11 @@
 """The coordinator stand-in the agent's tests talk to, and their shared helpers.
 
 The stand-in (:class:`StandIn`) is a real peer, not a mock: a ``websockets`` server on loopback
-that speaks the real protocol through :class:`~protocol.asyncio.channel.Channel` — it answers the hello,
-records heartbeats, and sends ``open_job``/``call``/``close_job`` as the coordinator would. The
-agent runs in-process on uvloop, as the CLI does (:func:`running`, :func:`drive`).
-:func:`no_process_left` is the autouse fixture of the agent's test modules: each imports it.
+that speaks the real protocol through
+:class:`~protocol.asyncio.channel.Channel` — it answers the hello, records heartbeats, and sends
+``open_job``/``call``/``close_job`` as the coordinator would. The agent runs in-process on uvloop,
+as the CLI does (:func:`running`, :func:`drive`). :func:`no_process_left` is the autouse fixture of
+the agent's test modules: each imports it.
 
 Every timeout is a multiple of ``timeout_unit()`` (``SOMATIZE_TEST_TIMEOUT_SCALE``).
 """
