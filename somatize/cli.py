@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from somatize.client import Client, Job
+    from somatize.client import Client
     from somatize.graph import Graph
+    from somatize.jobs import Job
     from somatize.strategies import Strategy
 
 DEFAULT_COORDINATOR = "ws://127.0.0.1:8765"
@@ -267,7 +268,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             )
             return EXIT_USAGE
         if end.event != "succeeded":
-            from somatize.client import failure_of
+            from somatize.jobs import failure_of
 
             _print_failure(err, failure_of(job.id, end))
             return EXIT_JOB_FAILED
