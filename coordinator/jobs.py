@@ -239,7 +239,7 @@ class JobManager:
         try:
             strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
         missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
         if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
             raise remote(
@@ -259,7 +259,7 @@ class JobManager:
         try:
             strategy.validate(inputs)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
         self._check_targets(_placement(strategy, inputs))
         summary = {
             "node_ids": msg.graph.node_ids,
@@ -299,8 +299,8 @@ class JobManager:
         try:
             try:
                 history = await asyncio.to_thread(self.store.events, job_id, after_seq)
-            except UnknownJob:
-                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+            except UnknownJob as exc:
+                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
             last = after_seq
             for event in history:
                 yield event
@@ -477,8 +477,8 @@ class JobManager:
     async def _record(self, job_id: str) -> JobRecord:
         try:
             return await asyncio.to_thread(self.store.get, job_id)
-        except UnknownJob:
-            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+        except UnknownJob as exc:
+            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
 
 
 def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:

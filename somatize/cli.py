@@ -39,6 +39,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from somatize.errors import UsageError
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -53,10 +55,6 @@ EXIT_OK = 0
 EXIT_JOB_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A command that cannot run as asked: printed as one line, exit code 2."""
 
 
 def _parser() -> argparse.ArgumentParser:

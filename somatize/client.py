@@ -188,9 +188,9 @@ class Client:
                     )
                 window, seen = timeout, channel.bytes_in
         except RemoteError as exc:
-            raise _client_error(exc.info) from None
+            raise _client_error(exc.info) from exc
         except ChannelClosed as exc:
-            raise self._lost(exc) from None
+            raise self._lost(exc) from exc
         finally:
             pending.cancel()
 
@@ -331,9 +331,9 @@ class Client:
                 if isinstance(message, JobEvent):
                     yield JobEventInfo(message.seq, message.time, message.event, message.data)
         except RemoteError as exc:
-            raise _client_error(exc.info) from None
+            raise _client_error(exc.info) from exc
         except ChannelClosed as exc:
-            raise self._lost(exc) from None
+            raise self._lost(exc) from exc
 
     async def _until_end(self, job_id: str, timeout: float | None) -> JobEventInfo | None:  # noqa: ASYNC109
         end = None
