@@ -12,6 +12,10 @@ Every change of a job is an event in the store (``queued``, ``placed``, ``progre
 ``succeeded`` only once its strategy returned the states read back from the workers and they are
 stored with the state change, in one transaction.
 
+A placed job runs on the strategy context its :data:`ContextFactory` makes from a
+:class:`PlacedJob` (its workers, timeouts, the recruit callback): the live workers over their
+connections (:func:`transport_context`) in the server, in-memory ones in the unit tests.
+
 The store is SQLite: every call into it runs in a thread, never on the event loop.
 """
 

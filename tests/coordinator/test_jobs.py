@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import somatize as sz
-from coordinator.context import InMemoryContext
+from coordinator.context import InMemoryContext, NoReplacement
 from coordinator.jobs import JobManager, PlacedJob
 from coordinator.registry import Registry, WorkerState
 from coordinator.store import JobState, JobStore
@@ -69,21 +69,48 @@ class GatedContext(InMemoryContext):
         return await super().call(worker_idx, request)
 
 
+class RecruitingContext(GatedContext):
+    """Loses replica 1's worker at its ``lose_at``-th gradient step, and replaces a lost worker
+    with the one the job manager recruits, as the live context does."""
+
+    lose_at = 3
+
+    def __init__(self, placed: PlacedJob, gate: Gate) -> None:
+        super().__init__(placed, gate)
+        self.steps = 0
+
+    async def call(self, worker_idx, request):
+        if request["cmd"] == "gradients" and worker_idx == 1:
+            self.steps += 1
+            if self.steps == self.lose_at:
+                self.lose(1, "killed by the test")
+        return await super().call(worker_idx, request)
+
+    async def replace(self, worker_idx, timeout):  # noqa: ASYNC109 - the context's interface
+        record = await self.placed.recruit(timeout)
+        if record is None:
+            raise NoReplacement(f"no worker came within {timeout:g}s")
+        self.workers[worker_idx] = record.identity
+        self.daemons[worker_idx] = self.make_daemon()
+        return record.identity
+
+
 class Harness:
     """A manager over a real store in ``tmp_path``, a hand-filled registry, gated contexts."""
 
-    def __init__(self, tmp_path, gate_open: bool = True) -> None:
+    def __init__(self, tmp_path, gate_open: bool = True, context=GatedContext) -> None:
         self.store = JobStore(tmp_path)
         self.registry = Registry(heartbeat_timeout=10.0)
         self.gate = Gate(gate_open)
         self.contexts: list[GatedContext] = []
+        self.context_class = context
         self.manager = JobManager(self.store, self.registry, context_factory=self._context)
         self.registry.on_change = self.manager.kick
         self.scheduler: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def _context(self, placed: PlacedJob):
-        ctx = GatedContext(placed, self.gate)
+        ctx = self.context_class(placed, self.gate)
         self.contexts.append(ctx)
         try:
             yield ctx
@@ -541,3 +568,41 @@ def test_an_idle_worker_is_recruited_at_once(tmp_path):
             assert found is spare and spare.job_id == job_id
 
     run(main())
+
+
+def test_an_elastic_job_gets_its_replacement_from_the_registry(tmp_path):
+    async def main():
+        async with Harness(tmp_path, context=RecruitingContext) as h:
+            h.worker("a", "dp")
+            h.worker("b", "dp")
+            job_id = await h.manager.submit(
+                _submit("data_parallel", graph=_graph_epochs(3), workers=2, tag="dp", elastic=True)
+            )
+            await h.events_until(job_id, "placed")
+            spare = h.worker("c", "dp")  # idle until the job asks for it
+            result = await h.manager.result(job_id, wait=30 * UNIT)
+            # Recovered exactly: what one process training on the same global batches learns.
+            x, y = _data()
+            expected = _graph_epochs(3).fit(x, y).states
+            for k, v in expected["lin"].items():
+                torch.testing.assert_close(result["states"]["lin"][k], v, rtol=0, atol=1e-5)
+            events = await h.events(job_id)
+            lost = [e.data for e in events if e.kind == "worker_lost"]
+            replaced = [e.data for e in events if e.kind == "worker_replaced"]
+            assert [(d["replica"], d["worker"], d["code"]) for d in lost] == [
+                (1, "b", "worker_lost")
+            ]
+            assert [(d["replica"], d["lost"], d["worker"]) for d in replaced] == [(1, "b", "c")]
+            assert [w.id for w in h.contexts[0].placed.workers] == ["a", "b", "c"]
+            # Freed with the job's others.
+            assert spare.state is WorkerState.IDLE and spare.job_id is None
+            assert h.store.get(job_id).state is JobState.SUCCEEDED
+
+    run(main())
+
+
+def _graph_epochs(epochs):
+    torch.manual_seed(0)
+    return Center().named("c") >> sz.TorchFilter(
+        torch.nn.Linear(3, 2), lr=0.1, batch_size=8, epochs=epochs, shuffle=False
+    ).named("lin")
