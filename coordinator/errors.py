@@ -90,3 +90,10 @@ class ResultTooLarge(StoreError):
 
 class StoreInUse(StoreError):
     """Another coordinator (or another open store in this process) holds the state directory."""
+
+
+# -- the worker registry (coordinator.registry) -----------------------------------------------
+
+
+class DuplicateWorker(CoordinatorError):
+    """A hello with the id of a worker that is still connected."""

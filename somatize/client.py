@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from protocol.channel import Channel, ChannelClosed, RemoteError
-from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
+from protocol.channel import Channel
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,

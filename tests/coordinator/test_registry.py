@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from coordinator.context import WorkerIdentity
-from coordinator.registry import DuplicateWorker, Registry, WorkerState
+from coordinator.errors import DuplicateWorker
+from coordinator.registry import Registry, WorkerState
 from protocol.messages import Capabilities
 
 CAPS = Capabilities(cpus=2, memory_bytes=1 << 30, torch="2", python="3.11", cloudpickle="3")
