@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds running jobs get to finish on shutdown",
     )
+    _security_options(parser)
+    _limit_options(parser)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _security_options(parser: argparse.ArgumentParser) -> None:
+    """Tokens, TLS, and who may see the status page."""
     parser.add_argument(
         "--worker-token-file",
         metavar="FILE",
@@ -86,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
         help="allow listening beyond loopback without tokens: anyone who reaches the port can "
         "run code on every worker",
     )
+
+
+def _limit_options(parser: argparse.ArgumentParser) -> None:
+    """What one message, one connection and the not-yet-greeted connections may take."""
     parser.add_argument(
         "--max-message-bytes",
         type=_positive_int,
@@ -119,8 +131,6 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a new connection has for the upgrade and its hello "
         f"(default {HANDSHAKE_TIMEOUT:g})",
     )
-    parser.add_argument("--log-level", default="INFO")
-    return parser
 
 
 def _positive_int(text: str) -> int:

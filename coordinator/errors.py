@@ -22,3 +22,78 @@ from __future__ import annotations
 
 class CoordinatorError(Exception):
     """Root of the errors raised by coordinator."""
+
+
+# -- the job store (coordinator.store) --------------------------------------------------------
+
+
+class StoreError(CoordinatorError):
+    """The job store refused a request or cannot be used."""
+
+
+class UnknownJob(StoreError, KeyError):
+    """No job has this id."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"unknown job {job_id!r}")
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would print the repr of the message, quotes and all.
+        return str(self.args[0])
+
+
+class DuplicateJob(StoreError):
+    """A job with this id already exists."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"a job with id {job_id!r} already exists")
+        self.job_id = job_id
+
+
+class InvalidTransition(StoreError):
+    """The job's state does not allow the request; a terminal job never changes again.
+
+    Args:
+        job_id: the job.
+        state: the state it is in.
+        transition: what was asked (``start``, ``succeed``, ``progress``...).
+        allowed: the states the request needs.
+    """
+
+    def __init__(self, job_id: str, state: str, transition: str, allowed: frozenset[str]) -> None:
+        needs = " or ".join(sorted(allowed))
+        super().__init__(
+            f"cannot {transition} job {job_id!r}: it is {state} ({transition} needs {needs})"
+        )
+        self.job_id = job_id
+        self.state = state
+        self.transition = transition
+
+
+class NoResult(StoreError):
+    """The job has no result because it has not succeeded."""
+
+    def __init__(self, job_id: str, state: str, error: dict[str, object] | None) -> None:
+        message = f"job {job_id!r} has no result: it is {state}"
+        if error is not None:
+            message += f" ({error.get('code')}: {error.get('message')})"
+        super().__init__(message)
+        self.job_id = job_id
+        self.state = state
+        self.error = error
+
+
+class ResultTooLarge(StoreError):
+    """A result larger than SQLite stores in one value (``SQLITE_LIMIT_LENGTH``)."""
+
+
+class StoreInUse(StoreError):
+    """Another coordinator (or another open store in this process) holds the state directory."""
+
+
+# -- the worker registry (coordinator.registry) -----------------------------------------------
+
+
+class DuplicateWorker(CoordinatorError):
+    """A hello with the id of a worker that is still connected."""

@@ -12,6 +12,10 @@ Every change of a job is an event in the store (``queued``, ``placed``, ``progre
 ``succeeded`` only once its strategy returned the states read back from the workers and they are
 stored with the state change, in one transaction.
 
+A placed job runs on the strategy context its :data:`ContextFactory` makes from a
+:class:`PlacedJob` (its workers, timeouts, the recruit callback): the live workers over their
+connections (:func:`transport_context`) in the server, in-memory ones in the unit tests.
+
 The store is SQLite: every call into it runs in a thread, never on the event loop.
 """
 
@@ -22,11 +26,12 @@ import dataclasses
 import importlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.context import DEFAULT_CALL_TIMEOUT, WorkerCallError
+from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerCallError
 from coordinator.registry import Registry, WorkerRecord, WorkerState
 from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
 from coordinator.strategies import (
@@ -39,7 +44,7 @@ from coordinator.strategies import (
 )
 from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
-from protocol.errors import ErrorCode, ErrorInfo, RemoteError
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
 
 log = logging.getLogger(__name__)
@@ -47,9 +52,52 @@ log = logging.getLogger(__name__)
 TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
 
 
-def remote(code: ErrorCode, message: str, **detail: Any) -> RemoteError:
-    """An error reply to send to the client."""
-    return RemoteError(ErrorInfo(code=code, message=message, detail=detail))
+def remote(code: ErrorCode, message: str, **detail: Any) -> RequestRefused:
+    """The refusal of a client's request, sent to it as an error reply."""
+    return RequestRefused.of(code, message, **detail)
+
+
+@dataclass(frozen=True)
+class PlacedJob:
+    """What a job's strategy context is made from, once the job has its workers.
+
+    Attributes:
+        job_id: the job.
+        workers: the registry records of its workers, in strategy index order.
+        timeout: seconds one command may take on a worker.
+        threads: torch threads of each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` for every successful worker command.
+        recruit: waits up to the given seconds for a worker to replace a lost one and reserves
+            it for the job (:meth:`JobManager.recruit`); ``None`` if none came.
+    """
+
+    job_id: str
+    workers: list[WorkerRecord]
+    timeout: float
+    threads: int | None
+    observe: Callable[[str, float], None]
+    recruit: Callable[[float], Awaitable[WorkerRecord | None]]
+
+
+ContextFactory = Callable[[PlacedJob], AbstractAsyncContextManager[StrategyContext]]
+"""Makes a placed job's strategy context; leaving it closes the job on its workers."""
+
+
+@asynccontextmanager
+async def transport_context(job: PlacedJob) -> AsyncIterator[StrategyContext]:
+    """The job's live workers over their connections (:class:`TransportContext`)."""
+    ctx = TransportContext(
+        job.job_id,
+        job.workers,
+        job.timeout,
+        job.threads,
+        observe=job.observe,
+        recruit=job.recruit,
+    )
+    try:
+        yield ctx
+    finally:
+        await ctx.close()
 
 
 def record_dict(record: JobRecord) -> dict[str, Any]:
@@ -88,6 +136,8 @@ class JobManager:
         call_timeout: seconds one command of a job may take on a worker.
         job_threads: torch threads of each job daemon (``None``: the agent's default).
         observe: called with ``(command, seconds)`` for every successful worker command.
+        context_factory: makes the strategy context of each job placed on its workers (the
+            live workers over their connections unless told otherwise).
     """
 
     def __init__(
@@ -97,12 +147,15 @@ class JobManager:
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         job_threads: int | None = None,
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+        *,
+        context_factory: ContextFactory = transport_context,
     ) -> None:
         self.store = store
         self.registry = registry
         self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.observe = observe
+        self.context_factory = context_factory
         self._jobs: dict[str, _Job] = {}
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
@@ -190,7 +243,7 @@ class JobManager:
         try:
             strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
         missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
         if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
             raise remote(
@@ -210,7 +263,7 @@ class JobManager:
         try:
             strategy.validate(inputs)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
         self._check_targets(_placement(strategy, inputs))
         summary = {
             "node_ids": msg.graph.node_ids,
@@ -250,8 +303,8 @@ class JobManager:
         try:
             try:
                 history = await asyncio.to_thread(self.store.events, job_id, after_seq)
-            except UnknownJob:
-                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+            except UnknownJob as exc:
+                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
             last = after_seq
             for event in history:
                 yield event
@@ -356,14 +409,24 @@ class JobManager:
         async def recruit(timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
             return await self.recruit(job.id, timeout)
 
-        ctx = TransportContext(
-            job.id,
-            job.workers,
-            self.call_timeout,
-            self.job_threads,
-            observe=self.observe,
-            recruit=recruit,
+        placed = PlacedJob(
+            job.id, job.workers, self.call_timeout, self.job_threads, self.observe, recruit
         )
+        try:
+            async with self.context_factory(placed) as ctx:
+                await self._train(job, ctx)
+        finally:
+            for worker in job.workers:
+                if worker.job_id == job.id:
+                    worker.job_id = None
+                    if worker.state is WorkerState.BUSY:
+                        worker.state = WorkerState.IDLE
+            self._jobs.pop(job.id, None)
+            job.done.set()
+            self.kick()
+
+    async def _train(self, job: _Job, ctx: StrategyContext) -> None:
+        """Run the job's strategy on ``ctx`` and record how it ended, whatever way it ends."""
         ids = [w.id for w in job.workers]
         try:
             await asyncio.to_thread(self.store.start, job.id, ids)
@@ -394,16 +457,6 @@ class JobManager:
         except Exception as exc:
             log.exception("job %s failed on the coordinator", job.id)
             await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
-        finally:
-            await ctx.close()
-            for worker in job.workers:
-                if worker.job_id == job.id:
-                    worker.job_id = None
-                    if worker.state is WorkerState.BUSY:
-                        worker.state = WorkerState.IDLE
-            self._jobs.pop(job.id, None)
-            job.done.set()
-            self.kick()
 
     async def _end(self, job: _Job, info: ErrorInfo) -> None:
         """Record a job's unsuccessful end (failed, or cancelled by the client)."""
@@ -428,8 +481,8 @@ class JobManager:
     async def _record(self, job_id: str) -> JobRecord:
         try:
             return await asyncio.to_thread(self.store.get, job_id)
-        except UnknownJob:
-            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from None
+        except UnknownJob as exc:
+            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
 
 
 def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:

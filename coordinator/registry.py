@@ -20,9 +20,11 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.context import WorkerIdentity
-from coordinator.errors import CoordinatorError
+from coordinator.errors import DuplicateWorker
 from protocol.asyncio.channel import Channel
 from protocol.messages import Capabilities
+
+__all__ = ["DuplicateWorker", "Registry", "WorkerRecord", "WorkerState"]
 
 
 class WorkerState(StrEnum):
@@ -30,10 +32,6 @@ class WorkerState(StrEnum):
     BUSY = "busy"  # connected, running a job
     LOST = "lost"  # stopped heartbeating, or its connection broke during a job
     OFFLINE = "offline"  # disconnected cleanly
-
-
-class DuplicateWorker(CoordinatorError):
-    """A hello with the id of a worker that is still connected."""
 
 
 @dataclass

@@ -7,26 +7,8 @@ code with no asyncio: the coordinator calls it through :func:`asyncio.to_thread`
 the store, one call at a time.
 
 The file is ``<state_dir>/jobs.sqlite3`` (WAL, ``synchronous=NORMAL``; ``FULL`` for the writes that
-end a job, so a job reported finished stays finished across a power cut). Schema, version 1
-(``PRAGMA user_version``)::
-
-    jobs     pk INTEGER PRIMARY KEY         insertion order: "newest first" never trusts clocks
-             id TEXT UNIQUE                 the public job id
-             state TEXT                     queued | running | succeeded | failed | cancelled
-             strategy TEXT
-             created REAL, started REAL?, finished REAL?      Unix times
-             workers TEXT                   JSON list of worker ids (set by start)
-             progress TEXT                  JSON object, replaced by each progress() call
-             error TEXT?                    JSON {"code", "message", "detail"} of failed/cancelled
-             summary TEXT                   JSON object the client gave at submission
-
-    events   (job_id, seq) PRIMARY KEY      seq counts from 1 per job
-             time REAL, kind TEXT, data TEXT (JSON object)
-
-    results  job_id TEXT PRIMARY KEY        one row per succeeded job, none for any other
-             state TEXT                     always 'succeeded': (job_id, state) is a deferred
-                                            foreign key to jobs (id, state)
-             data BLOB                      the opaque result frame
+end a job, so a job reported finished stays finished across a power cut); its tables are drawn
+in :mod:`coordinator.store_schema`.
 
 Invariants, enforced by the code and again by the schema (triggers, the deferred foreign key):
 a job in a terminal state (succeeded, failed, cancelled) never changes; a result row exists
@@ -49,7 +31,6 @@ from __future__ import annotations
 import builtins
 import json
 import sqlite3
-import sys
 import threading
 import time
 import uuid
@@ -58,9 +39,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import (
+    DuplicateJob,
+    InvalidTransition,
+    NoResult,
+    ResultTooLarge,
+    StoreError,
+    StoreInUse,
+    UnknownJob,
+)
+from coordinator.store_schema import DirLock, migrate
 
 __all__ = [
     "TERMINAL_STATES",
@@ -79,7 +69,6 @@ __all__ = [
 
 DB_NAME = "jobs.sqlite3"
 LOCK_NAME = "jobs.lock"
-SCHEMA_VERSION = 1
 RESTARTED = "coordinator_restarted"  # error code of the jobs recovered by JobStore.open
 CANCELLED = "cancelled"  # error code recorded with a cancelled job's reason
 
@@ -114,6 +103,11 @@ _TRANSITIONS: dict[str, tuple[frozenset[JobState], JobState]] = {
 }
 
 
+def _allowed(transition: str) -> frozenset[JobState]:
+    """The states ``transition`` may start from (a live one for any other request)."""
+    return _TRANSITIONS[transition][0] if transition in _TRANSITIONS else _LIVE_STATES
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """One job as stored. ``error`` is ``{"code", "message", "detail"}`` or None."""
@@ -139,136 +133,6 @@ class JobEvent:
     time: float
     kind: str
     data: dict[str, Any]
-
-
-class StoreError(CoordinatorError):
-    """The job store refused a request or cannot be used."""
-
-
-class UnknownJob(StoreError, KeyError):
-    """No job has this id."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"unknown job {job_id!r}")
-        self.job_id = job_id
-
-    def __str__(self) -> str:
-        # KeyError.__str__ would print the repr of the message, quotes and all.
-        return str(self.args[0])
-
-
-class DuplicateJob(StoreError):
-    """A job with this id already exists."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"a job with id {job_id!r} already exists")
-        self.job_id = job_id
-
-
-class InvalidTransition(StoreError):
-    """The job's state does not allow the request; a terminal job never changes again."""
-
-    def __init__(self, job_id: str, state: JobState, transition: str) -> None:
-        allowed = _TRANSITIONS[transition][0] if transition in _TRANSITIONS else _LIVE_STATES
-        needs = " or ".join(sorted(allowed))
-        super().__init__(
-            f"cannot {transition} job {job_id!r}: it is {state} ({transition} needs {needs})"
-        )
-        self.job_id = job_id
-        self.state = state
-        self.transition = transition
-
-
-class NoResult(StoreError):
-    """The job has no result because it has not succeeded."""
-
-    def __init__(self, record: JobRecord) -> None:
-        message = f"job {record.id!r} has no result: it is {record.state}"
-        if record.error is not None:
-            message += f" ({record.error.get('code')}: {record.error.get('message')})"
-        super().__init__(message)
-        self.job_id = record.id
-        self.state = record.state
-        self.error = record.error
-
-
-class ResultTooLarge(StoreError):
-    """A result larger than SQLite stores in one value (``SQLITE_LIMIT_LENGTH``)."""
-
-
-class StoreInUse(StoreError):
-    """Another coordinator (or another open store in this process) holds the state directory."""
-
-
-_SCHEMA = """
-CREATE TABLE jobs (
-    pk       INTEGER PRIMARY KEY,
-    id       TEXT NOT NULL UNIQUE,
-    state    TEXT NOT NULL
-             CHECK (state IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
-    strategy TEXT NOT NULL,
-    created  REAL NOT NULL,
-    started  REAL,
-    finished REAL,
-    workers  TEXT NOT NULL DEFAULT '[]',
-    progress TEXT NOT NULL DEFAULT '{}',
-    error    TEXT,
-    summary  TEXT NOT NULL,
-    UNIQUE (id, state)  -- the parent key of results' foreign key
-);
-CREATE INDEX jobs_by_state ON jobs (state, pk);
-
-CREATE TABLE events (
-    job_id TEXT NOT NULL REFERENCES jobs (id),
-    seq    INTEGER NOT NULL,
-    time   REAL NOT NULL,
-    kind   TEXT NOT NULL,
-    data   TEXT NOT NULL,
-    PRIMARY KEY (job_id, seq)
-) WITHOUT ROWID;
-
--- Not WITHOUT ROWID: blobopen() addresses a blob by rowid. The deferred foreign key on
--- (job_id, state) lets a transaction commit a result only if its job is succeeded by then.
-CREATE TABLE results (
-    job_id TEXT PRIMARY KEY,
-    state  TEXT NOT NULL DEFAULT 'succeeded' CHECK (state = 'succeeded'),
-    data   BLOB NOT NULL,
-    FOREIGN KEY (job_id, state) REFERENCES jobs (id, state) DEFERRABLE INITIALLY DEFERRED
-);
-
--- The invariants again, so that a bug here or a hand edit cannot break them silently. (No
--- trigger on results: one would make SQLite materialize the whole zeroblob in memory.)
-CREATE TRIGGER terminal_jobs_are_final BEFORE UPDATE ON jobs
-WHEN OLD.state IN ('succeeded', 'failed', 'cancelled')
-BEGIN
-    SELECT RAISE(ABORT, 'a terminal job never changes');
-END;
-
-CREATE TRIGGER succeeded_jobs_have_results BEFORE UPDATE OF state ON jobs
-WHEN NEW.state = 'succeeded' AND NOT EXISTS (SELECT 1 FROM results WHERE job_id = NEW.id)
-BEGIN
-    SELECT RAISE(ABORT, 'a job succeeds only together with its result');
-END;
-"""
-
-# Schema upgrades: _MIGRATIONS[v] turns version v into v + 1. Empty until version 2 exists.
-_MIGRATIONS: dict[int, str] = {}
-
-
-def _statements(script: str) -> Iterator[str]:
-    """The statements of ``script`` one by one (triggers hold ``;`` inside, so no plain split).
-
-    ``executescript`` would do it, but it commits any open transaction first, and the schema must
-    be created inside the transaction that checked the version.
-    """
-    pending = ""
-    for line in script.splitlines(keepends=True):
-        pending += line
-        if sqlite3.complete_statement(pending):
-            yield pending.strip()
-            pending = ""
-    if pending.strip():
-        raise ValueError(f"incomplete SQL statement: {pending.strip()!r}")
 
 
 _COLUMNS = "id, state, strategy, created, started, finished, workers, progress, error, summary"
@@ -299,35 +163,6 @@ def _error(code: str, message: str, detail: dict[str, Any] | None) -> dict[str, 
     return {"code": code, "message": message, "detail": dict(detail or {})}
 
 
-class _DirLock:
-    """An exclusive, non-blocking lock on a file, held until released or the process dies.
-
-    ``flock`` locks belong to the open file, so a second open of the same directory conflicts
-    even inside one process, and the kernel drops the lock when a crashed process's files close.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self._file: IO[bytes] | None = open(path, "a+b")  # noqa: SIM115 - held while open
-        if sys.platform != "win32":
-            import fcntl
-
-            try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._file.close()
-                self._file = None
-                raise StoreInUse(
-                    f"the state directory {path.parent} is in use by another coordinator "
-                    f"(lock {path.name} is held)"
-                ) from None
-        # Elsewhere there is no flock: the directory is simply not guarded.
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the file drops the lock
-            self._file = None
-
-
 class JobStore:
     """Jobs, their events and their results in ``<state_dir>/jobs.sqlite3``.
 
@@ -347,7 +182,7 @@ class JobStore:
         self.path = self.state_dir / DB_NAME
         self._clock = clock
         self._lock = threading.Lock()
-        self._dir_lock: _DirLock | None = None
+        self._dir_lock: DirLock | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         try:
             conn = sqlite3.connect(
@@ -366,7 +201,7 @@ class JobStore:
             conn.execute("PRAGMA foreign_keys = ON")
             # A large result passes through the WAL; let it shrink back after the checkpoint.
             conn.execute("PRAGMA journal_size_limit = 67108864")
-            self._migrate(conn)
+            migrate(conn, self.path)
         except BaseException as exc:
             conn.close()
             self._conn = None
@@ -392,7 +227,7 @@ class JobStore:
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         # Lock before anything else: recovering the jobs of a live coordinator would fail them.
-        dir_lock = _DirLock(state_dir / LOCK_NAME)
+        dir_lock = DirLock(state_dir / LOCK_NAME)
         try:
             store = cls(state_dir, clock=clock)
         except BaseException:
@@ -444,29 +279,6 @@ class JobStore:
             finally:
                 conn.rollback()
 
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"the job store {self.path} has schema version {version}, newer than this "
-                    f"coordinator's {SCHEMA_VERSION}: upgrade the coordinator"
-                )
-            if version < SCHEMA_VERSION:
-                if version == 0:
-                    script = _SCHEMA
-                else:
-                    script = "".join(_MIGRATIONS[v] for v in range(version, SCHEMA_VERSION))
-                for statement in _statements(script):
-                    conn.execute(statement)
-                # user_version lives in the database header, so it commits with the schema.
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.rollback()
-            raise
-
     def _get(self, conn: sqlite3.Connection, job_id: str) -> JobRecord:
         row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
@@ -480,7 +292,7 @@ class JobStore:
         allowed, target = _TRANSITIONS[transition]
         record = self._get(conn, job_id)
         if record.state not in allowed:
-            raise InvalidTransition(job_id, record.state, transition)
+            raise InvalidTransition(job_id, record.state, transition, _allowed(transition))
         columns["state"] = str(target)
         assignments = ", ".join(f"{name} = ?" for name in columns)
         conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*columns.values(), job_id))
@@ -550,7 +362,7 @@ class JobStore:
         with self._write() as conn:
             record = self._get(conn, job_id)
             if record.state.terminal:
-                raise InvalidTransition(job_id, record.state, "progress")
+                raise InvalidTransition(job_id, record.state, "progress", _allowed("progress"))
             conn.execute("UPDATE jobs SET progress = ? WHERE id = ?", (progress_json, job_id))
 
     def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> JobEvent:
@@ -594,7 +406,7 @@ class JobStore:
         ):
             record = self._get(conn, job_id)
             if record.state not in _TRANSITIONS["succeed"][0]:
-                raise InvalidTransition(job_id, record.state, "succeed")
+                raise InvalidTransition(job_id, record.state, "succeed", _allowed("succeed"))
             limit = conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
             if view.nbytes > limit:
                 raise ResultTooLarge(
@@ -666,7 +478,7 @@ class JobStore:
         with self._read() as conn:
             record = self._get(conn, job_id)
             if record.state is not JobState.SUCCEEDED:
-                raise NoResult(record)
+                raise NoResult(record.id, record.state, record.error)
             (rowid,) = conn.execute(
                 "SELECT rowid FROM results WHERE job_id = ?", (job_id,)
             ).fetchone()

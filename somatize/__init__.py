@@ -20,10 +20,11 @@ The SDK's surface::
         fitted = job.result()
 """
 
-from somatize.client import Client, Job, JobEventInfo, connect
+from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
+from somatize.jobs import Job, JobEventInfo
 from somatize.strategies import (
     DataParallel,
     FedAdam,

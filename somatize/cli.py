@@ -39,11 +39,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from somatize.errors import UsageError
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from somatize.client import Client, Job
+    from somatize.client import Client
     from somatize.graph import Graph
+    from somatize.jobs import Job
     from somatize.strategies import Strategy
 
 DEFAULT_COORDINATOR = "ws://127.0.0.1:8765"
@@ -52,10 +55,6 @@ EXIT_OK = 0
 EXIT_JOB_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A command that cannot run as asked: printed as one line, exit code 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -267,7 +266,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             )
             return EXIT_USAGE
         if end.event != "succeeded":
-            from somatize.client import failure_of
+            from somatize.jobs import failure_of
 
             _print_failure(err, failure_of(job.id, end))
             return EXIT_JOB_FAILED

@@ -10,46 +10,35 @@ A synchronous API for scripts and notebooks over the coordinator's ``/client`` W
             print(event.event, event.data)
         fitted = job.result()               # a FittedGraph, as graph.fit(x, y) returns
 
-Under the sync surface, one background thread per :class:`Client` runs an event loop (uvloop when
-it is installed) that owns the connection and its
+Under the sync surface, one background thread per :class:`Client` runs an event loop
+(:mod:`somatize.connection`) that owns the connection and its
 :class:`~protocol.asyncio.channel.Channel`; each method hands a coroutine to that loop and waits for
-it. Every wait is bounded: a request by the client's ``timeout`` (stretched for uploading a large
-submission, and while a large reply keeps arriving); an event stream or a job's end by the caller's
-``timeout`` and, when that is ``None``, by the connection's keepalive pings, so a coordinator that
-dies or goes silent surfaces as :class:`~somatize.errors.ConnectionFailed` instead of a hang.
+it; a job's handle and its events are in :mod:`somatize.jobs`. Every wait is bounded: a request by
+the client's ``timeout`` (stretched for uploading a large submission, and while a large reply keeps
+arriving); an event stream or a job's end by the caller's ``timeout`` and, when that is ``None``, by
+the connection's keepalive pings, so a coordinator that dies or goes silent surfaces as
+:class:`~somatize.errors.ConnectionFailed` instead of a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import math
 import ssl
-import threading
 import time
-import urllib.parse
-from collections.abc import AsyncGenerator, Coroutine, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
-import websockets
 from pydantic import BaseModel
 
 from protocol.asyncio.channel import Channel
-from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, ProtocolError, RemoteError
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
-    Ack,
-    Cancel,
-    ClientHello,
-    Error,
-    GetJob,
-    GetResult,
     GraphSpec,
     JobEvent,
     ListJobs,
@@ -60,10 +49,11 @@ from protocol.messages import (
     Status,
     Submit,
     Watch,
-    Welcome,
 )
-from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
-from somatize.graph import FittedGraph, Graph
+from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
+from somatize.errors import ClientError, ConnectionFailed
+from somatize.graph import Graph
+from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 from somatize.strategies import Local, Strategy, WorkerData
 
 __all__ = [
@@ -76,48 +66,9 @@ __all__ = [
     "failure_of",
 ]
 
-T = TypeVar("T")
-
-TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
-"""The events that end a job (and its event stream)."""
-
-_MARGIN = 5.0
-"""Extra seconds the calling thread waits beyond a coroutine's own timeout, so that the
-coroutine's clearer error, not the thread's, reports a timeout."""
-
 _MIN_UPLOAD_RATE = 1e6
 """Bytes per second a submission is expected to upload at, at least: its reply timeout grows
 by its size divided by this."""
-
-_KEEPALIVE = 20.0
-"""Seconds between keepalive pings, and to wait for their answer: a silent coordinator is
-declared lost within twice this."""
-
-
-@dataclass(frozen=True)
-class JobEventInfo:
-    """One event of a job, as the coordinator recorded it.
-
-    Attributes:
-        seq: position in the job's events, from 1.
-        time: when it happened (Unix seconds).
-        event: ``"queued"``, ``"placed"``, ``"progress"``, ``"succeeded"``, ``"failed"`` or
-            ``"cancelled"``; an elastic job also tells ``"worker_lost"``,
-            ``"worker_replaced"`` and ``"worker_restored"``.
-        data: what the event says (``{"workers": [...]}`` when placed; ``phase``, ``epoch``,
-            ``step``, ``loss``... on progress; ``code``, ``message``, ``detail`` when failed;
-            ``worker``, ``replica``, ``step`` and ``lost`` or ``from`` for a replica).
-    """
-
-    seq: int
-    time: float
-    event: str
-    data: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def terminal(self) -> bool:
-        """The job ended with this event."""
-        return self.event in TERMINAL_EVENTS
 
 
 def connect(
@@ -140,83 +91,6 @@ def connect(
         ValueError: a malformed URL, token or timeout.
     """
     return Client(url, token, timeout=timeout, ca_file=ca_file)
-
-
-def client_url(url: str) -> str:
-    """The ``/client`` WebSocket URL of a coordinator given as ``ws://HOST:PORT[/path]``."""
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"a coordinator URL is a non-empty string, not {url!r}")
-    url = url.strip()
-    if "://" not in url:
-        url = "ws://" + url
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("ws", "wss"):
-        raise ValueError(
-            f"a coordinator URL starts with ws:// or wss://, not {parts.scheme}:// ({url!r})"
-        )
-    try:
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError as exc:
-        raise ValueError(f"bad port in the coordinator URL {url!r}: {exc}") from None
-    if not parts.hostname:
-        raise ValueError(f"no host in the coordinator URL {url!r}")
-    path = parts.path if parts.path not in ("", "/") else "/client"
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-class _LoopThread:
-    """An event loop running in a daemon thread, and a way to run coroutines on it."""
-
-    def __init__(self) -> None:
-        self.loop = _new_loop()
-        self._thread = threading.Thread(target=self._main, name="somatize-client-loop", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            # What asyncio.run does on the way out: no task or generator left half-done.
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
-        """Run ``coro`` on the loop and wait for it at most ``timeout`` seconds."""
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("the somatize client cannot be called from its own event loop")
-        if not self._thread.is_alive():
-            coro.close()
-            raise ClientError("the client is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:  # (the built-in TimeoutError, since 3.11)
-            if future.done():  # the coroutine's own timeout, or it ended just now
-                return future.result()
-            future.cancel()
-            raise TimeoutError(f"{what}: no answer within {timeout:g} s") from None
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt while waiting: stop the coroutine too
-            raise
-
-    def stop(self, timeout: float) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout)
 
 
 class Client:
@@ -247,9 +121,9 @@ class Client:
         self._channel: Channel | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
         try:
-            self._loop.run(self._open(), self.timeout + _MARGIN, f"connecting to {self.url}")
+            self._loop.run(self._open(), self.timeout + MARGIN, f"connecting to {self.url}")
         except BaseException:
             self._loop.stop(self.timeout)
             self._closed = True
@@ -258,54 +132,10 @@ class Client:
     # -- connection --------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
-        try:
-            ws = await websockets.connect(
-                self.url,
-                **_tls(self.url, self._ssl),
-                additional_headers=headers,
-                compression=None,
-                max_size=4 * CHUNK_BYTES,
-                open_timeout=self.timeout,
-                ping_interval=_KEEPALIVE,
-                ping_timeout=_KEEPALIVE,
-                close_timeout=min(self.timeout, 5.0),
-            )
-        except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-            raise ConnectionFailed(
-                f"cannot reach the coordinator at {self.url}: {_describe(exc, self.timeout)}"
-            ) from exc
+        ws = await dial(self.url, self._token, self._ssl, self.timeout)
         channel = Channel(ws, "coordinator", self._handle)
-        try:
-            await channel.send(ClientHello(name="somatize"))
-            async with asyncio.timeout(self.timeout):
-                reply = await channel.receive(first=True)
-        except BaseException as exc:
-            await channel.close(1002, "handshake failed")
-            if isinstance(exc, TimeoutError):
-                raise ConnectionFailed(
-                    f"the coordinator at {self.url} did not answer the hello within "
-                    f"{self.timeout:g} s"
-                ) from None
-            if isinstance(exc, ProtocolError | websockets.exceptions.WebSocketException):
-                raise ConnectionFailed(
-                    f"the coordinator at {self.url} refused the connection: {exc}"
-                ) from exc
-            raise
-        if not isinstance(reply, Welcome):
-            await channel.close(1002, "handshake failed")
-            if isinstance(reply, Error):
-                raise ConnectionFailed(
-                    f"the coordinator at {self.url} refused the connection: "
-                    f"[{reply.error.code}] {reply.error.message}",
-                    code=str(reply.error.code),
-                    detail=reply.error.detail,
-                )
-            raise ConnectionFailed(
-                f"the coordinator at {self.url} answered the hello with {reply.kind!r}, "
-                "not 'welcome'"
-            )
-        self.server = reply.server
+        welcome = await handshake(channel, self.url, self.timeout)
+        self.server = welcome.server
         self._channel = channel
         self._reader = asyncio.ensure_future(channel.run())
 
@@ -314,9 +144,7 @@ class Client:
             if self._channel is not None:
                 self._channel.close_reason = f"the coordinator is shutting down: {message.reason}"
             return None
-        raise RemoteError(
-            ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"a client takes no {message.kind!r}")
-        )
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, f"a client takes no {message.kind!r}")
 
     def _lost(self, exc: BaseException) -> ConnectionFailed:
         return ConnectionFailed(f"lost the connection to the coordinator at {self.url}: {exc}")
@@ -360,9 +188,9 @@ class Client:
                     )
                 window, seen = timeout, channel.bytes_in
         except RemoteError as exc:
-            raise _client_error(exc.info) from None
+            raise _client_error(exc.info) from exc
         except ChannelClosed as exc:
-            raise self._lost(exc) from None
+            raise self._lost(exc) from exc
         finally:
             pending.cancel()
 
@@ -453,7 +281,7 @@ class Client:
         )
         nbytes = sum(len(b) for b in filters.values()) + _nbytes(x) + _nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)
-        job_id = _result_field(reply, "job_id", "submit")
+        job_id = result_field(reply, "job_id", "submit")
         if not isinstance(job_id, str):
             raise ClientError(f"the coordinator answered submit with a job id {job_id!r}")
         return Job(self, job_id, graph)
@@ -474,7 +302,7 @@ class Client:
         """The newest jobs' records, newest first (``id``, ``state``, ``strategy``, times...)."""
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive integer, not {limit!r}")
-        jobs = _result_field(self._call(ListJobs(limit=limit)), "jobs", "list_jobs")
+        jobs = result_field(self._call(ListJobs(limit=limit)), "jobs", "list_jobs")
         return list(jobs)
 
     def status(self) -> dict[str, Any]:
@@ -503,9 +331,9 @@ class Client:
                 if isinstance(message, JobEvent):
                     yield JobEventInfo(message.seq, message.time, message.event, message.data)
         except RemoteError as exc:
-            raise _client_error(exc.info) from None
+            raise _client_error(exc.info) from exc
         except ChannelClosed as exc:
-            raise self._lost(exc) from None
+            raise self._lost(exc) from exc
 
     async def _until_end(self, job_id: str, timeout: float | None) -> JobEventInfo | None:  # noqa: ASYNC109
         end = None
@@ -539,202 +367,8 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     return info
 
 
-def _describe(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is the coordinator running?)"
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout:g} s"
-    if isinstance(exc, websockets.exceptions.InvalidStatus):
-        status = exc.response.status_code
-        if status in (401, 403):
-            return f"HTTP {status}: the coordinator refused the token"
-        if status == 503:  # too many connections waiting for their hello: a retry may pass
-            said = (exc.response.body or b"").decode(errors="replace").strip()[:200]
-            return f"HTTP 503: the coordinator is busy: {said}"
-        return f"HTTP {status} (is this a somatize coordinator?)"
-    return str(exc) or type(exc).__name__
-
-
 def _client_error(info: ErrorInfo) -> ClientError:
     return ClientError(f"[{info.code}] {info.message}", code=str(info.code), detail=info.detail)
-
-
-def _result_field(reply: Any, key: str, request: str) -> Any:
-    if not isinstance(reply, Result) or not isinstance(reply.result, dict):
-        raise ClientError(f"the coordinator answered {request} with {reply!r}")
-    if key not in reply.result:
-        raise ClientError(f"the coordinator's answer to {request} has no {key!r}")
-    return reply.result[key]
-
-
-def failure_of(job_id: str, end: JobEventInfo) -> JobFailed:
-    """The :class:`JobFailed` of a job that ended with a ``failed`` or ``cancelled`` event."""
-    data = end.data
-    code = data.get("code") or ("cancelled" if end.event == "cancelled" else "failed")
-    message = data.get("message") or data.get("reason") or f"the job ended {end.event}"
-    detail = data.get("detail")
-    return JobFailed(job_id, str(code), str(message), detail if isinstance(detail, dict) else {})
-
-
-class Job:
-    """A submitted job: follow it, cancel it, fetch what it learned.
-
-    Attributes:
-        id: the job's id on the coordinator.
-        graph: the graph the job trains, when this handle knows it (see :meth:`Client.job`).
-    """
-
-    def __init__(self, client: Client, job_id: str, graph: Graph | None = None) -> None:
-        self._client = client
-        self.id = job_id
-        self.graph = graph
-
-    def __repr__(self) -> str:
-        return f"Job({self.id!r})"
-
-    def events(self, *, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEventInfo]:
-        """The job's events in order, from its first (or after ``after_seq``) to its end.
-
-        Events already recorded are replayed; the iterator then follows the job live and stops
-        after the terminal event (``succeeded``, ``failed`` or ``cancelled``).
-
-        Args:
-            after_seq: skip the events up to this sequence number.
-            timeout: most seconds to wait for each event (``None``: as long as the job runs and
-                the connection lives).
-
-        Raises:
-            TimeoutError: no event within ``timeout``.
-            ConnectionFailed: the connection was lost.
-        """
-        stream = self._client._watch(self.id, after_seq)
-
-        async def step() -> JobEventInfo | None:
-            try:
-                return await anext(stream)
-            except StopAsyncIteration:
-                return None
-
-        loop = self._client._loop
-        try:
-            while True:
-                wait = None if timeout is None else timeout + _MARGIN
-                try:
-                    event = loop.run(_bounded(step(), timeout), wait, f"events of job {self.id}")
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"job {self.id}: no event within {timeout:g} s"
-                        if timeout is not None
-                        else f"job {self.id}: the event stream stalled"
-                    ) from None
-                if event is None:
-                    return
-                yield event
-                if event.terminal:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                loop.run(stream.aclose(), self._client.timeout, "closing the event stream")
-
-    def wait(self, timeout: float | None = None) -> JobEventInfo:
-        """Wait for the job to end and return its terminal event (without raising on failure).
-
-        Raises:
-            TimeoutError: the job did not end within ``timeout`` seconds.
-            ConnectionFailed: the connection was lost.
-        """
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must not be negative, not {timeout!r}")
-        wait = None if timeout is None else timeout + _MARGIN
-        end = self._client._loop.run(
-            self._client._until_end(self.id, timeout), wait, f"waiting for job {self.id}"
-        )
-        if end is None:
-            raise ClientError(f"the event stream of job {self.id} ended before the job did")
-        return end
-
-    def states(self, timeout: float | None = None) -> dict[str, Any]:
-        """The trained state of every node, by node id, once the job succeeded.
-
-        Args:
-            timeout: most seconds to wait for the job to end (``None``: until it ends; ``0``:
-                do not wait, the job must have finished).
-
-        Raises:
-            JobFailed: the job failed or was cancelled.
-            TimeoutError: the job did not end within ``timeout`` seconds.
-            ClientError: the coordinator does not know the job.
-        """
-        states: dict[str, Any] = _writable(
-            dict(_result_field(self._fetch(timeout), "states", "get_result"))
-        )
-        return states
-
-    def result(self, timeout: float | None = None, *, graph: Graph | None = None) -> FittedGraph:
-        """The trained graph, once the job succeeded: what ``graph.fit(x, y)`` returns.
-
-        Args:
-            timeout: as in :meth:`states`.
-            graph: the job's graph, when this handle does not know it (:meth:`Client.job`).
-
-        Raises:
-            GraphError: the handle has no graph (fetched by id): use :meth:`states` or pass it.
-            JobFailed: the job failed or was cancelled.
-            TimeoutError: the job did not end within ``timeout`` seconds.
-        """
-        graph = graph if graph is not None else self.graph
-        if graph is None:
-            raise GraphError(
-                f"job {self.id} was opened by id, so its graph is unknown here: use "
-                "job.states() for the states by node id, or pass the graph "
-                "(job.result(graph=graph) or client.job(id, graph=graph))"
-            )
-        result = self._fetch(timeout).result
-        states = _writable(dict(_result_field(Result(result=result), "states", "get_result")))
-        return FittedGraph(graph, states, epoch_losses=_epoch_losses(result))
-
-    def _fetch(self, timeout: float | None) -> Result:
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must not be negative, not {timeout!r}")
-        if timeout != 0:
-            end = self.wait(timeout)
-            if end.event != "succeeded":
-                raise failure_of(self.id, end)
-        wait = 0.0 if timeout == 0 else self._client.timeout / 2
-        try:
-            reply = self._client._call(
-                GetResult(job_id=self.id, wait=wait), self._client.timeout + wait
-            )
-        except ClientError as exc:
-            if exc.code == ErrorCode.NOT_FINISHED:
-                raise TimeoutError(f"job {self.id} has not finished: {exc.message}") from None
-            if isinstance(exc, ConnectionFailed) or exc.code == ErrorCode.UNKNOWN_JOB:
-                raise
-            # The job ended without a result: its terminal event says how, in its own words.
-            end = self.wait(self._client.timeout)
-            if end.event != "succeeded":
-                raise failure_of(self.id, end) from None
-            raise
-        if not isinstance(reply, Result) or not isinstance(reply.result, dict):
-            raise ClientError(f"the coordinator answered get_result with {reply!r}")
-        return reply
-
-    def cancel(self) -> None:
-        """Cancel the job if it is queued or running (its end becomes ``cancelled``)."""
-        reply = self._client._call(Cancel(job_id=self.id))
-        if not isinstance(reply, Ack | Result):
-            raise ClientError(f"the coordinator answered cancel with {reply!r}")
-
-    def status(self) -> dict[str, Any]:
-        """The job's record: ``id``, ``state``, ``strategy``, times, ``workers``, ``progress``,
-        ``error``, ``summary``."""
-        record = _result_field(self._client._call(GetJob(job_id=self.id)), "record", "get_job")
-        return dict(record)
-
-
-async def _bounded(coro: Coroutine[Any, Any, T], timeout: float | None) -> T:  # noqa: ASYNC109
-    async with asyncio.timeout(timeout):
-        return await coro
 
 
 def _nbytes(value: Any) -> int:
@@ -743,38 +377,3 @@ def _nbytes(value: Any) -> int:
         return int(value.element_size() * value.nelement())
     nbytes = getattr(value, "nbytes", 0)
     return nbytes if isinstance(nbytes, int) else 0
-
-
-def _writable(value: Any) -> Any:
-    """``value`` with its read-only numpy arrays copied.
-
-    Arrays decoded from a small frame are views over immutable ``bytes``; a state handed to the
-    user should behave like one ``graph.fit`` returned (writable, no torch warning on
-    ``torch.as_tensor``). Torch tensors are always writable already.
-    """
-    if isinstance(value, np.ndarray):
-        return value if value.flags.writeable else value.copy()
-    if isinstance(value, dict):
-        return {k: _writable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_writable(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_writable(v) for v in value)
-    return value
-
-
-def _epoch_losses(result: dict[str, Any]) -> list[float] | None:
-    """The epoch losses a result carries: its own, or its record's last progress or summary."""
-    record = result.get("record")
-    record = record if isinstance(record, dict) else {}
-    for source in (result, record.get("progress"), record.get("summary")):
-        losses = source.get("epoch_losses") if isinstance(source, dict) else None
-        if isinstance(losses, list) and all(isinstance(v, int | float) for v in losses):
-            return [float(v) for v in losses]
-    return None
-
-
-def _tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
-    """``ssl=`` for :func:`websockets.connect`: a custom context for ``wss://`` only (the
-    system's trust store otherwise)."""
-    return {"ssl": context} if context is not None and url.startswith("wss:") else {}

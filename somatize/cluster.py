@@ -23,16 +23,12 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from somatize.client import Client, connect
-from somatize.errors import SomatizeError
+from somatize.errors import ClusterError
 
 T = TypeVar("T")
 
 BIN = Path(sys.executable).parent
 """Where the console scripts of this environment are."""
-
-
-class ClusterError(SomatizeError):
-    """A process of the local cluster did not start (its log is named in the message)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,10 +1,10 @@
 """The demo: scikit-learn's digits, a standardising filter, then an MLP — in-process and on a
 local cluster, side by side.
 
-``somatize demo`` trains the graph with ``graph.fit`` (the reference), then starts an embedded
-coordinator and N workers as real processes on 127.0.0.1, trains the same graph there with
-DataParallel, FedAvg and a 2-stage ModelParallel, each with a live progress bar, and prints the
-held-out accuracy of each beside the reference: distribution must not change the answer.
+``somatize demo`` trains the graph with ``graph.fit`` (the in-process baseline), then starts an
+embedded coordinator and N workers as real processes on 127.0.0.1, trains the same graph there
+with DataParallel, FedAvg and a 2-stage ModelParallel, each with a live progress bar, and prints
+the held-out accuracy of each beside the baseline's: distribution must not change the answer.
 It ends with the commands that run the same thing on separate machines. Ctrl-C stops every
 process it started.
 """
@@ -109,7 +109,7 @@ def strategies(workers: int) -> list[tuple[str, Strategy]]:
 
 
 def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
-    """The demo: the in-process reference, then each strategy on an embedded cluster.
+    """The demo: the in-process baseline, then each strategy on an embedded cluster.
 
     Returns:
         Held-out accuracy by how the graph was trained.

@@ -7,8 +7,11 @@ Exception tree::
     ├── ClientError          the coordinator refused a request (``code``, ``detail``)
     │   └── ConnectionFailed the coordinator cannot be reached, refused the handshake, or the
     │                        connection was lost (also a :class:`ConnectionError`)
-    └── JobFailed            a job failed or was cancelled (``job_id``, ``code``, ``message``,
-                             ``detail``: what the coordinator recorded)
+    ├── JobFailed            a job failed or was cancelled (``job_id``, ``code``, ``message``,
+    │                        ``detail``: what the coordinator recorded)
+    ├── UsageError           a ``somatize`` command that cannot run as asked (:mod:`somatize.cli`:
+    │                        one line, exit code 2)
+    └── ClusterError         a process of a :class:`~somatize.cluster.LocalCluster` did not start
 
 A request or a job that does not answer within the time given raises the built-in
 :class:`TimeoutError`. Errors raised while a graph trains in-process come from the engine
@@ -74,6 +77,14 @@ class JobFailed(SomatizeError):
         """The remote traceback of a filter that raised, when the coordinator sent one."""
         value = self.detail.get("traceback")
         return value if isinstance(value, str) else None
+
+
+class UsageError(SomatizeError):
+    """A command that cannot run as asked: printed as one line, exit code 2."""
+
+
+class ClusterError(SomatizeError):
+    """A process of the local cluster did not start (its log is named in the message)."""
 
 
 def _verb(code: str) -> str:

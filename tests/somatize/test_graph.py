@@ -55,7 +55,7 @@ def test_center_then_mlp_equals_plain_torch_loop_with_shuffling():
 
     fitted = graph.fit(x, y)
 
-    # The reference: centre by hand, then a plain loop with the documented batching rule.
+    # Expected: centre by hand, then a plain loop with the documented batching rule.
     xt = torch.as_tensor(x - x.mean(0))
     yt = torch.as_tensor(y)
     opt = torch.optim.SGD(reference_module.parameters(), lr=0.1)
@@ -90,7 +90,7 @@ def test_chain_of_torch_filters_trains_as_one_autograd_graph():
 
     fitted = graph.fit(x, y)
 
-    # Reference: rows in order, 16 at a time (the last batch has 6), one loss at the end,
+    # Expected: rows in order, 16 at a time (the last batch has 6), one loss at the end,
     # both optimizers step every batch.
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
     opt1 = torch.optim.SGD(ref_first.parameters(), lr=0.05, momentum=0.9)

@@ -1,0 +1,265 @@
+"""A submitted job as the SDK shows it: its handle (:class:`Job`) and its events.
+
+A :class:`Job` follows its job over its client's connection: the events as the coordinator
+recorded them, the job's end, and the trained states once it succeeded, as a
+:class:`~somatize.graph.FittedGraph` like the one ``graph.fit(x, y)`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from protocol.errors import ErrorCode
+from protocol.messages import Ack, Cancel, GetJob, GetResult, Result
+from somatize.connection import MARGIN
+from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
+from somatize.graph import FittedGraph, Graph
+
+if TYPE_CHECKING:
+    from somatize.client import Client
+
+T = TypeVar("T")
+
+TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
+"""The events that end a job (and its event stream)."""
+
+
+@dataclass(frozen=True)
+class JobEventInfo:
+    """One event of a job, as the coordinator recorded it.
+
+    Attributes:
+        seq: position in the job's events, from 1.
+        time: when it happened (Unix seconds).
+        event: ``"queued"``, ``"placed"``, ``"progress"``, ``"succeeded"``, ``"failed"`` or
+            ``"cancelled"``; an elastic job also tells ``"worker_lost"``,
+            ``"worker_replaced"`` and ``"worker_restored"``.
+        data: what the event says (``{"workers": [...]}`` when placed; ``phase``, ``epoch``,
+            ``step``, ``loss``... on progress; ``code``, ``message``, ``detail`` when failed;
+            ``worker``, ``replica``, ``step`` and ``lost`` or ``from`` for a replica).
+    """
+
+    seq: int
+    time: float
+    event: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        """The job ended with this event."""
+        return self.event in TERMINAL_EVENTS
+
+
+def failure_of(job_id: str, end: JobEventInfo) -> JobFailed:
+    """The :class:`JobFailed` of a job that ended with a ``failed`` or ``cancelled`` event."""
+    data = end.data
+    code = data.get("code") or ("cancelled" if end.event == "cancelled" else "failed")
+    message = data.get("message") or data.get("reason") or f"the job ended {end.event}"
+    detail = data.get("detail")
+    return JobFailed(job_id, str(code), str(message), detail if isinstance(detail, dict) else {})
+
+
+class Job:
+    """A submitted job: follow it, cancel it, fetch what it learned.
+
+    Attributes:
+        id: the job's id on the coordinator.
+        graph: the graph the job trains, when this handle knows it (see :meth:`Client.job`).
+    """
+
+    def __init__(self, client: Client, job_id: str, graph: Graph | None = None) -> None:
+        self._client = client
+        self.id = job_id
+        self.graph = graph
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def events(self, *, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEventInfo]:
+        """The job's events in order, from its first (or after ``after_seq``) to its end.
+
+        Events already recorded are replayed; the iterator then follows the job live and stops
+        after the terminal event (``succeeded``, ``failed`` or ``cancelled``).
+
+        Args:
+            after_seq: skip the events up to this sequence number.
+            timeout: most seconds to wait for each event (``None``: as long as the job runs and
+                the connection lives).
+
+        Raises:
+            TimeoutError: no event within ``timeout``.
+            ConnectionFailed: the connection was lost.
+        """
+        stream = self._client._watch(self.id, after_seq)
+
+        async def step() -> JobEventInfo | None:
+            try:
+                return await anext(stream)
+            except StopAsyncIteration:
+                return None
+
+        loop = self._client._loop
+        try:
+            while True:
+                wait = None if timeout is None else timeout + MARGIN
+                try:
+                    event = loop.run(_bounded(step(), timeout), wait, f"events of job {self.id}")
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"job {self.id}: no event within {timeout:g} s"
+                        if timeout is not None
+                        else f"job {self.id}: the event stream stalled"
+                    ) from None
+                if event is None:
+                    return
+                yield event
+                if event.terminal:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                loop.run(stream.aclose(), self._client.timeout, "closing the event stream")
+
+    def wait(self, timeout: float | None = None) -> JobEventInfo:
+        """Wait for the job to end and return its terminal event (without raising on failure).
+
+        Raises:
+            TimeoutError: the job did not end within ``timeout`` seconds.
+            ConnectionFailed: the connection was lost.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must not be negative, not {timeout!r}")
+        wait = None if timeout is None else timeout + MARGIN
+        end = self._client._loop.run(
+            self._client._until_end(self.id, timeout), wait, f"waiting for job {self.id}"
+        )
+        if end is None:
+            raise ClientError(f"the event stream of job {self.id} ended before the job did")
+        return end
+
+    def states(self, timeout: float | None = None) -> dict[str, Any]:
+        """The trained state of every node, by node id, once the job succeeded.
+
+        Args:
+            timeout: most seconds to wait for the job to end (``None``: until it ends; ``0``:
+                do not wait, the job must have finished).
+
+        Raises:
+            JobFailed: the job failed or was cancelled.
+            TimeoutError: the job did not end within ``timeout`` seconds.
+            ClientError: the coordinator does not know the job.
+        """
+        states: dict[str, Any] = _writable(
+            dict(result_field(self._fetch(timeout), "states", "get_result"))
+        )
+        return states
+
+    def result(self, timeout: float | None = None, *, graph: Graph | None = None) -> FittedGraph:
+        """The trained graph, once the job succeeded: what ``graph.fit(x, y)`` returns.
+
+        Args:
+            timeout: as in :meth:`states`.
+            graph: the job's graph, when this handle does not know it (:meth:`Client.job`).
+
+        Raises:
+            GraphError: the handle has no graph (fetched by id): use :meth:`states` or pass it.
+            JobFailed: the job failed or was cancelled.
+            TimeoutError: the job did not end within ``timeout`` seconds.
+        """
+        graph = graph if graph is not None else self.graph
+        if graph is None:
+            raise GraphError(
+                f"job {self.id} was opened by id, so its graph is unknown here: use "
+                "job.states() for the states by node id, or pass the graph "
+                "(job.result(graph=graph) or client.job(id, graph=graph))"
+            )
+        result = self._fetch(timeout).result
+        states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
+        return FittedGraph(graph, states, epoch_losses=_epoch_losses(result))
+
+    def _fetch(self, timeout: float | None) -> Result:
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must not be negative, not {timeout!r}")
+        if timeout != 0:
+            end = self.wait(timeout)
+            if end.event != "succeeded":
+                raise failure_of(self.id, end)
+        wait = 0.0 if timeout == 0 else self._client.timeout / 2
+        try:
+            reply = self._client._call(
+                GetResult(job_id=self.id, wait=wait), self._client.timeout + wait
+            )
+        except ClientError as exc:
+            if exc.code == ErrorCode.NOT_FINISHED:
+                raise TimeoutError(f"job {self.id} has not finished: {exc.message}") from None
+            if isinstance(exc, ConnectionFailed) or exc.code == ErrorCode.UNKNOWN_JOB:
+                raise
+            # The job ended without a result: its terminal event says how, in its own words.
+            end = self.wait(self._client.timeout)
+            if end.event != "succeeded":
+                raise failure_of(self.id, end) from None
+            raise
+        if not isinstance(reply, Result) or not isinstance(reply.result, dict):
+            raise ClientError(f"the coordinator answered get_result with {reply!r}")
+        return reply
+
+    def cancel(self) -> None:
+        """Cancel the job if it is queued or running (its end becomes ``cancelled``)."""
+        reply = self._client._call(Cancel(job_id=self.id))
+        if not isinstance(reply, Ack | Result):
+            raise ClientError(f"the coordinator answered cancel with {reply!r}")
+
+    def status(self) -> dict[str, Any]:
+        """The job's record: ``id``, ``state``, ``strategy``, times, ``workers``, ``progress``,
+        ``error``, ``summary``."""
+        record = result_field(self._client._call(GetJob(job_id=self.id)), "record", "get_job")
+        return dict(record)
+
+
+def result_field(reply: Any, key: str, request: str) -> Any:
+    """``reply.result[key]`` of a reply to ``request``, or a :class:`ClientError` saying what
+    the coordinator answered instead."""
+    if not isinstance(reply, Result) or not isinstance(reply.result, dict):
+        raise ClientError(f"the coordinator answered {request} with {reply!r}")
+    if key not in reply.result:
+        raise ClientError(f"the coordinator's answer to {request} has no {key!r}")
+    return reply.result[key]
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout: float | None) -> T:  # noqa: ASYNC109
+    async with asyncio.timeout(timeout):
+        return await coro
+
+
+def _writable(value: Any) -> Any:
+    """``value`` with its read-only numpy arrays copied.
+
+    Arrays decoded from a small frame are views over immutable ``bytes``; a state handed to the
+    user should behave like one ``graph.fit`` returned (writable, no torch warning on
+    ``torch.as_tensor``). Torch tensors are always writable already.
+    """
+    if isinstance(value, np.ndarray):
+        return value if value.flags.writeable else value.copy()
+    if isinstance(value, dict):
+        return {k: _writable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_writable(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_writable(v) for v in value)
+    return value
+
+
+def _epoch_losses(result: dict[str, Any]) -> list[float] | None:
+    """The epoch losses a result carries: its own, or its record's last progress or summary."""
+    record = result.get("record")
+    record = record if isinstance(record, dict) else {}
+    for source in (result, record.get("progress"), record.get("summary")):
+        losses = source.get("epoch_losses") if isinstance(source, dict) else None
+        if isinstance(losses, list) and all(isinstance(v, int | float) for v in losses):
+            return [float(v) for v in losses]
+    return None

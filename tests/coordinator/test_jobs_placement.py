@@ -1,0 +1,183 @@
+"""The job manager's queue and placement, with no sockets and no processes: which workers a
+job gets (tags, ids, datasets, slots, every matching one), in what order, why it waits, and
+what it is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.registry import WorkerState
+from protocol.errors import ErrorCode, RequestRefused
+from tests.coordinator.jobs_harness import (
+    UNIT,
+    Center,
+    Harness,
+    make_graph,
+    run,
+    submit,
+)
+
+# -- queueing and placement -------------------------------------------------------------------
+
+
+def test_a_job_waits_queued_with_its_reason_until_its_workers_come(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "cpu")
+            h.worker("b", "dp")
+            job_id = await h.manager.submit(submit("data_parallel", workers=2, tag="dp"))
+            await h.settle()
+            record = await h.manager.record(job_id)
+            assert record["state"] == "queued"
+            assert record["summary"]["placement"] == "2 workers tagged 'dp'"
+            events = await h.events_until(job_id, "queued")
+            assert events[0].data == {"placement": "2 workers tagged 'dp'"}
+            assert h.contexts == []
+
+            h.worker("c", "dp")  # the second one tagged dp: now it can start
+            result = await h.manager.result(job_id, wait=30 * UNIT)
+            assert sorted(result["states"]) == ["c", "lin"]
+            assert result["record"]["workers"] == ["b", "c"]
+            assert [w.id for w in h.contexts[0].placed.workers] == ["b", "c"]
+            assert h.contexts[0].closed
+
+    run(main())
+
+
+def test_a_job_that_cannot_start_does_not_hold_up_a_later_one_that_can(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "cpu")
+            first = await h.manager.submit(submit("local", tag="gpu"))  # no gpu idle
+            h.worker("g", "gpu")
+            h.registry.get("g").state = WorkerState.BUSY  # taken elsewhere
+            second = await h.manager.submit(submit("local", tag="cpu"))
+            await h.manager.result(second, wait=30 * UNIT)
+            assert (await h.manager.record(first))["state"] == "queued"
+            assert (await h.manager.record(second))["workers"] == ["a"]
+
+            h.registry.get("g").state = WorkerState.IDLE
+            h.manager.kick()
+            await h.manager.result(first, wait=30 * UNIT)
+            assert (await h.manager.record(first))["workers"] == ["g"]
+
+    run(main())
+
+
+def test_jobs_are_placed_in_submission_order(tmp_path):
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            first = await h.manager.submit(submit())
+            second = await h.manager.submit(submit())
+            h.worker("a")
+            await h.settle()
+            assert (await h.manager.record(first))["state"] == "running"
+            assert (await h.manager.record(second))["state"] == "queued"
+            assert h.registry.get("a").job_id == first
+            h.gate.event.set()
+            await h.manager.result(second, wait=30 * UNIT)
+            assert (await h.manager.record(second))["workers"] == ["a"]
+            # Freed after each job.
+            assert h.registry.get("a").state is WorkerState.IDLE
+            assert h.registry.get("a").job_id is None
+
+    run(main())
+
+
+def test_placement_by_worker_id_and_dataset(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", datasets={"mnist": 10})
+            h.worker("b")
+            by_id = await h.manager.submit(submit("local", worker="b"))
+            await h.manager.result(by_id, wait=30 * UNIT)
+            assert (await h.manager.record(by_id))["workers"] == ["b"]
+
+            h.worker("c")
+            msg = submit("local", graph=make_graph(Center().named("c")), dataset="mnist")
+            on_data = await h.manager.submit(msg)
+            record = await h.manager.record(on_data)
+            assert record["summary"]["placement"] == "1 worker with dataset 'mnist'"
+            await h.events_until(on_data, "placed")
+            assert (await h.manager.record(on_data))["workers"] == ["a"]
+
+    run(main())
+
+
+def test_slots_take_one_distinct_worker_each_in_slot_order(tmp_path):
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            h.worker("x", "s1")
+            h.worker("y", "s0", "s1")
+            msg = submit(
+                "model_parallel",
+                partitions=[{"node_ids": ["c"], "tag": "s0"}, {"node_ids": ["lin"], "tag": "s1"}],
+            )
+            job_id = await h.manager.submit(msg)
+            await h.settle()
+            # y is the only s0: it takes slot 0, and x the s1 slot although y also has s1.
+            assert [w.id for w in h.contexts[0].placed.workers] == ["y", "x"]
+            record = await h.manager.record(job_id)
+            assert record["summary"]["placement"] == "2 workers: tag 's0', tag 's1'"
+
+    run(main())
+
+
+def test_all_matching_takes_every_idle_worker_that_qualifies(tmp_path):
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            for name in ("a", "b", "c"):
+                h.worker(name, "fl")
+            h.worker("d", "other")
+            busy = h.worker("e", "fl")
+            busy.state = WorkerState.BUSY
+            job_id = await h.manager.submit(submit("fedavg", rounds=1, tag="fl", min_workers=2))
+            await h.settle()
+            assert [w.id for w in h.contexts[0].placed.workers] == ["a", "b", "c"]
+            record = await h.manager.record(job_id)
+            assert record["summary"]["placement"] == "every idle worker (at least 2) tagged 'fl'"
+            assert {w.id for w in h.registry if w.job_id == job_id} == {"a", "b", "c"}
+
+    run(main())
+
+
+def test_a_pinned_placement_no_known_worker_answers_is_refused(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "cpu")
+            msg = submit(
+                "model_parallel",
+                partitions=[
+                    {"node_ids": ["c"], "tag": "cpu"},
+                    {"node_ids": ["lin"], "worker": "z"},
+                ],
+            )
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(msg)
+            assert caught.value.info.code is ErrorCode.NO_WORKERS
+            assert str(caught.value.info.message) == (
+                "no worker answers to worker 'z': workers ['a'], tags ['cpu']"
+            )
+            assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+def test_bad_submissions_are_refused_before_they_are_stored(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            bad = [
+                submit("nonsense"),
+                submit("local", bogus=1),
+                submit("data_parallel", graph=make_graph(Center().named("c")), workers=2),
+            ]
+            for msg in bad:
+                with pytest.raises(RequestRefused) as caught:
+                    await h.manager.submit(msg)
+                assert caught.value.info.code is ErrorCode.BAD_REQUEST
+            neither = submit().model_copy(update={"x": None, "y": None})
+            with pytest.raises(RequestRefused, match="exactly one of the two"):
+                await h.manager.submit(neither)
+            assert h.store.list(None, 10) == []
+
+    run(main())
