@@ -17,6 +17,7 @@ from coordinator.ws_server import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS, Co
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
+from protocol.asyncio.websocket import server_tls
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -198,9 +199,8 @@ async def _main(args: argparse.Namespace) -> None:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("somatize-coordinator: --tls-cert and --tls-key go together")
     if args.tls_cert is not None:
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
-            tls.load_cert_chain(args.tls_cert, args.tls_key)
+            tls = server_tls(args.tls_cert, args.tls_key)
         except (OSError, ssl.SSLError) as exc:
             raise SystemExit(
                 f"somatize-coordinator: cannot load the TLS certificate: {exc}"

@@ -19,8 +19,11 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from protocol.asyncio.channel import Channel
-from protocol.errors import ProtocolError
-from protocol.messages import CHUNK_BYTES, ClientHello, Error, Welcome
+from protocol.asyncio.handshake import send_hello
+from protocol.asyncio.loop import loop_factory
+from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.errors import ProtocolError, RemoteError, UnexpectedReply
+from protocol.messages import ClientHello, Welcome
 from somatize.errors import ClientError, ConnectionFailed
 
 T = TypeVar("T")
@@ -57,11 +60,8 @@ def client_url(url: str) -> str:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    factory = loop_factory()
+    return factory() if factory is not None else asyncio.new_event_loop()
 
 
 class LoopThread:
@@ -115,13 +115,13 @@ def websocket_options(url: str, context: ssl.SSLContext | None, timeout: float) 
     """The options of the client's WebSocket (:func:`websockets.connect`): no compression, a
     bounded frame size, keepalive pings, and ``ssl=`` for ``wss://`` only."""
     return {
-        **_tls(url, context),
-        "compression": None,
-        "max_size": 4 * CHUNK_BYTES,
-        "open_timeout": timeout,
-        "ping_interval": _KEEPALIVE,
-        "ping_timeout": _KEEPALIVE,
-        "close_timeout": min(timeout, 5.0),
+        **client_tls(url, context),
+        **ws_options(
+            open_timeout=timeout,
+            ping_interval=_KEEPALIVE,
+            ping_timeout=_KEEPALIVE,
+            close_timeout=min(timeout, 5.0),
+        ),
     }
 
 
@@ -156,9 +156,24 @@ async def handshake(channel: Channel, url: str, timeout: float) -> Welcome:  # n
             welcome.
     """
     try:
-        await channel.send(ClientHello(name="somatize"))
-        async with asyncio.timeout(timeout):
-            reply = await channel.receive(first=True)
+        return await send_hello(
+            channel,
+            ClientHello(name="somatize"),
+            Welcome,
+            timeout,
+            peer=f"the coordinator at {url}",
+            first=True,
+        )
+    except RemoteError as exc:
+        await channel.close(1002, "handshake failed")
+        raise ConnectionFailed(
+            f"the coordinator at {url} refused the connection: [{exc.code}] {exc.info.message}",
+            code=str(exc.code),
+            detail=exc.info.detail,
+        ) from exc
+    except UnexpectedReply as exc:
+        await channel.close(1002, "handshake failed")
+        raise ConnectionFailed(f"{exc}, not 'welcome'") from exc
     except BaseException as exc:
         await channel.close(1002, "handshake failed")
         if isinstance(exc, TimeoutError):
@@ -170,19 +185,6 @@ async def handshake(channel: Channel, url: str, timeout: float) -> Welcome:  # n
                 f"the coordinator at {url} refused the connection: {exc}"
             ) from exc
         raise
-    if isinstance(reply, Welcome):
-        return reply
-    await channel.close(1002, "handshake failed")
-    if isinstance(reply, Error):
-        raise ConnectionFailed(
-            f"the coordinator at {url} refused the connection: "
-            f"[{reply.error.code}] {reply.error.message}",
-            code=str(reply.error.code),
-            detail=reply.error.detail,
-        )
-    raise ConnectionFailed(
-        f"the coordinator at {url} answered the hello with {reply.kind!r}, not 'welcome'"
-    )
 
 
 def _describe(exc: BaseException, timeout: float) -> str:
@@ -199,9 +201,3 @@ def _describe(exc: BaseException, timeout: float) -> str:
             return f"HTTP 503: the coordinator is busy: {said}"
         return f"HTTP {status} (is this a somatize coordinator?)"
     return str(exc) or type(exc).__name__
-
-
-def _tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
-    """``ssl=`` for :func:`websockets.connect`: a custom context for ``wss://`` only (the
-    system's trust store otherwise)."""
-    return {"ssl": context} if context is not None and url.startswith("wss:") else {}

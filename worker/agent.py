@@ -67,6 +67,7 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
 from protocol.asyncio.channel import Channel
+from protocol.asyncio.websocket import close_reason
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect
@@ -81,7 +82,6 @@ from worker.link import (
     Backoff,
     Handler,
     channel_over,
-    close_reason,
     describe,
     dial,
     handshake,

@@ -27,9 +27,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from worker.agent import Agent
 from worker.config import AgentConfig
@@ -127,15 +127,6 @@ def _token(parser: argparse.ArgumentParser, token_file: str | None) -> str | Non
     if not token:
         parser.error(f"the token file {token_file} is empty")
     return token
-
-
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is installed (about half the latency per message), else ``None``."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def _on_signal(agent: Agent, sig: signal.Signals) -> None:

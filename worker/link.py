@@ -21,8 +21,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
 from protocol.asyncio.channel import Channel
-from protocol.errors import ErrorCode, ErrorInfo, ProtocolError
-from protocol.messages import CHUNK_BYTES, Error, Heartbeat, Welcome, WorkerHello
+from protocol.asyncio.handshake import send_hello
+from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RemoteError, UnexpectedReply
+from protocol.messages import Heartbeat, Welcome, WorkerHello
 from worker.config import AgentConfig
 from worker.errors import HandshakeFailed, LinkDead, RegistrationRefused, WorkerError
 
@@ -31,14 +33,12 @@ __all__ = [
     "RETRYABLE",
     "Backoff",
     "Handler",
+    "agent_ws_options",
     "channel_over",
-    "close_reason",
     "describe",
     "dial",
     "handshake",
     "serve",
-    "tls",
-    "ws_options",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,28 +94,15 @@ class Backoff:
 # -- small helpers, one each ----------------------------------------------------------------------
 
 
-def ws_options(config: AgentConfig) -> dict[str, Any]:
+def agent_ws_options(config: AgentConfig) -> dict[str, Any]:
     """The websockets settings of both of an agent's endpoints (the coordinator link and
-    ``/peer``): larger frames arrive as chunk messages of CHUNK_BYTES (plus their header)."""
-    return {
-        "compression": None,
-        "max_size": 4 * CHUNK_BYTES,
-        "open_timeout": config.open_timeout,
-        "ping_interval": config.ping_interval,
-        "ping_timeout": config.ping_timeout,
-        "close_timeout": config.close_timeout,
-    }
-
-
-def tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
-    """``ssl=`` for :func:`websockets.connect`: a custom context for ``wss://`` only (the
-    system's trust store otherwise)."""
-    return {"ssl": context} if context is not None and url.startswith("wss:") else {}
-
-
-def close_reason(reason: str) -> str:
-    """``reason`` cut to what a WebSocket close frame carries (RFC 6455 §5.5: 123 bytes)."""
-    return reason.encode()[:123].decode(errors="ignore")
+    ``/peer``), with the agent's own timeouts."""
+    return ws_options(
+        open_timeout=config.open_timeout,
+        ping_interval=config.ping_interval,
+        ping_timeout=config.ping_timeout,
+        close_timeout=config.close_timeout,
+    )
 
 
 def describe(exc: BaseException) -> str:
@@ -143,7 +130,7 @@ async def dial(config: AgentConfig, context: ssl.SSLContext | None) -> ClientCon
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         return await connect(
-            url, **tls(url, context), additional_headers=headers, **ws_options(config)
+            url, **client_tls(url, context), additional_headers=headers, **agent_ws_options(config)
         )
     except InvalidStatus as exc:
         status = exc.response.status_code
@@ -166,18 +153,16 @@ async def handshake(channel: Channel, hello: WorkerHello, timeout: float) -> Wel
         RegistrationRefused: an error of :data:`FATAL_CODES`.
         HandshakeFailed: any other error, or another kind of reply.
     """
-    async with asyncio.timeout(timeout):
-        await channel.send(hello)
-        reply = await channel.receive()
-    if isinstance(reply, Welcome):
-        return reply
-    if isinstance(reply, Error):
-        if reply.error.code in FATAL_CODES:
-            raise RegistrationRefused(reply.error)
+    try:
+        return await send_hello(channel, hello, Welcome, timeout, peer="the coordinator")
+    except RemoteError as exc:
+        if exc.code in FATAL_CODES:
+            raise RegistrationRefused(exc.info) from exc
         raise HandshakeFailed(
-            f"the coordinator refused the hello: {reply.error.code}: {reply.error.message}"
-        )
-    raise HandshakeFailed(f"the coordinator answered the hello with {reply.kind!r}")
+            f"the coordinator refused the hello: {exc.code}: {exc.info.message}"
+        ) from exc
+    except UnexpectedReply as exc:
+        raise HandshakeFailed(str(exc)) from exc
 
 
 async def serve(

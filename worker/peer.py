@@ -23,8 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from websockets.asyncio.client import connect
 
 from protocol.asyncio.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.websocket import ws_options
 from protocol.errors import ProtocolError
-from protocol.messages import CHUNK_BYTES, Ack, Deliver, PeerHello
+from protocol.handshake import expect_reply
+from protocol.messages import Ack, Deliver, PeerHello
 from worker.errors import MailboxDropped, MailboxFull, OutOfOrder
 
 __all__ = [
@@ -210,18 +212,14 @@ class PeerLinks:
             async with asyncio.timeout(self.open_timeout):
                 ws = await connect(
                     url,
-                    compression=None,
-                    max_size=4 * CHUNK_BYTES,
-                    open_timeout=self.open_timeout,
-                    close_timeout=self.open_timeout,
+                    **ws_options(open_timeout=self.open_timeout, close_timeout=self.open_timeout),
                 )
                 channel = Channel(ws, f"peer {worker_id}", None, self.max_message_bytes)
                 reader = asyncio.ensure_future(channel.run())
                 reply = await channel.request(
                     PeerHello(worker_id=self._own_id() or ""), self.open_timeout
                 )
-            if not isinstance(reply, Ack):
-                raise ProtocolError(f"the peer answered the hello with {reply.kind!r}")
+            expect_reply(reply, Ack)
         except Exception as exc:  # unreachable, refused, not a peer: no link, never a raise
             log.info("no direct link to worker %s at %s: %s", worker_id, url, exc)
             if channel is not None:

@@ -18,10 +18,11 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from protocol.asyncio.channel import Channel
-from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RequestRefused
+from protocol.asyncio.handshake import receive_hello
+from protocol.errors import ErrorCode, ProtocolError, RequestRefused, UnexpectedHello
 from protocol.messages import Ack, Deliver, Error, PeerHello
 from worker.config import AgentConfig, split_host_port
-from worker.link import channel_over, ws_options
+from worker.link import agent_ws_options, channel_over
 
 __all__ = ["PeerServer"]
 
@@ -49,7 +50,7 @@ class PeerServer:
         config = self._config
         assert config.peer_listen is not None
         host, port = split_host_port(config.peer_listen)
-        self._server = await serve(self._connection, host or None, port, **ws_options(config))
+        self._server = await serve(self._connection, host or None, port, **agent_ws_options(config))
         bound = next(iter(self._server.sockets)).getsockname()[1]
         shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
@@ -85,21 +86,24 @@ class PeerServer:
 
     async def _serve(self, channel: Channel) -> None:
         config = self._config
+        deadline = asyncio.get_running_loop().time() + config.open_timeout
         try:
-            async with asyncio.timeout(config.open_timeout):
-                hello = await channel.receive(first=True)
+            hello = await receive_hello(
+                channel,
+                PeerHello,
+                "a peer link starts with peer_hello, not {kind!r}",
+                deadline=deadline,
+            )
+        except UnexpectedHello as exc:
+            async with asyncio.timeout(config.close_timeout):
+                await channel.send(
+                    Error(id=channel.next_id(), reply_to=exc.reply_to, error=exc.info)
+                )
+            await channel.close(1008, "expected a peer_hello")
+            return
         except (TimeoutError, ProtocolError) as exc:
             log.info("peer link refused: %s", exc)
             await channel.close(1008, f"expected a peer_hello: {exc}")
-            return
-        if not isinstance(hello, PeerHello):
-            info = ErrorInfo(
-                code=ErrorCode.BAD_REQUEST,
-                message=f"a peer link starts with peer_hello, not {hello.kind!r}",
-            )
-            async with asyncio.timeout(config.close_timeout):
-                await channel.send(Error(id=channel.next_id(), reply_to=hello.id, error=info))
-            await channel.close(1008, "expected a peer_hello")
             return
         async with asyncio.timeout(config.close_timeout):
             await channel.reply(hello, Ack())
