@@ -27,9 +27,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import NoReplacement, TargetError, WorkerCallError
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "FrameHandler",
+    "InMemoryContext",
+    "NoReplacement",
+    "StrategyContext",
+    "Target",
+    "TargetError",
+    "WorkerCallError",
+    "WorkerIdentity",
+]
 
 DEFAULT_CALL_TIMEOUT = 600.0
 """Seconds one command may take on a worker unless the job says otherwise."""
@@ -57,29 +69,6 @@ class Target:
 
     def __str__(self) -> str:
         return f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
-
-
-class WorkerCallError(CoordinatorError):
-    """A command failed on a worker: the worker's error, or the worker was lost."""
-
-    def __init__(self, worker_id: str, info: ErrorInfo) -> None:
-        super().__init__(f"worker {worker_id!r}: {info.message}")
-        self.worker_id = worker_id
-        self.info = info
-        self.code = info.code
-
-    def to_info(self) -> ErrorInfo:
-        """The error as a job failure: the worker named in the message and the detail."""
-        detail = {**self.info.detail, "worker_id": self.worker_id}
-        return ErrorInfo(code=self.info.code, message=str(self), detail=detail)
-
-
-class TargetError(CoordinatorError):
-    """A target that no worker of the context answers to."""
-
-
-class NoReplacement(CoordinatorError):
-    """No worker came to take a lost one's place within the time given."""
 
 
 class StrategyContext(ABC):

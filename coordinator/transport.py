@@ -18,13 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from coordinator.context import (
-    DEFAULT_CALL_TIMEOUT,
-    NoReplacement,
-    StrategyContext,
-    WorkerCallError,
-    WorkerIdentity,
-)
+from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
+from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.registry import WorkerRecord
 from protocol.channel import ChannelClosed, RemoteError
 from protocol.errors import ErrorCode, ErrorInfo

@@ -31,7 +31,6 @@ own, which would cost a full read of the model and optimizer at every step.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ from typing import Any, Self, TypeVar
 
 import numpy as np
 
-from coordinator.context import NoReplacement, StrategyContext, WorkerCallError
+from coordinator.context import StrategyContext
+from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import (
     Emit,
@@ -48,20 +48,18 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyFailed,
     StrategyOptionsError,
-    check_options,
     concurrently,
+    parse_options,
 )
 from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
 from protocol.messages import NodeInfo
+from protocol.strategy_options import DEFAULT_ELASTIC_TIMEOUT, DataParallelOptions
 
 T = TypeVar("T")
 
 STAGED = "train"
 """The name a replica's rows are staged under in its daemon."""
-
-DEFAULT_ELASTIC_TIMEOUT = 60.0
-"""Seconds an elastic job waits for a replacement worker unless it says otherwise."""
 
 RECOVERABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.DAEMON_CRASHED})
 """Failures an elastic job recovers from: the replica's state is gone, not wrong."""
@@ -122,32 +120,8 @@ class DataParallel(Strategy):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, {"workers", "tag", "elastic", "elastic_timeout"})
-        workers = options.get("workers")
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise StrategyOptionsError(
-                f"data_parallel: workers must be a positive integer, not {workers!r}"
-            )
-        tag = options.get("tag")
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise StrategyOptionsError(
-                f"data_parallel: tag must be a non-empty string, not {tag!r}"
-            )
-        elastic = options.get("elastic", False)
-        if not isinstance(elastic, bool):
-            raise StrategyOptionsError(f"data_parallel: elastic must be a boolean, not {elastic!r}")
-        timeout = options.get("elastic_timeout", DEFAULT_ELASTIC_TIMEOUT)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise StrategyOptionsError(
-                f"data_parallel: elastic_timeout must be a positive number of seconds, "
-                f"not {timeout!r}"
-            )
-        return cls(workers, tag, elastic, float(timeout))
+        checked = parse_options(DataParallelOptions, options)
+        return cls(checked.workers, checked.tag, checked.elastic, checked.elastic_timeout)
 
     def placement(self) -> Placement:
         return Placement(workers=self.workers, tag=self.tag)

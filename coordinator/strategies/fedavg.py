@@ -64,7 +64,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from coordinator.context import StrategyContext, WorkerCallError
+from coordinator.context import StrategyContext
+from coordinator.errors import WorkerCallError
 from coordinator.strategies import server_opt
 from coordinator.strategies.aggregate import Accumulator, AggregationError
 from coordinator.strategies.base import (
@@ -74,16 +75,14 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyFailed,
     StrategyOptionsError,
-    check_options,
     concurrently,
+    parse_options,
 )
 from protocol.errors import ErrorCode
+from protocol.strategy_options import FedAvgOptions, FedProxOptions
 
 STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
-
-OPTIONS = {"rounds", "local_epochs", "fraction", "min_workers", "workers", "tag", "server", "seed"}
-"""The options FedAvg takes (FedProx takes ``mu`` as well)."""
 
 FETCHES = 16
 """Trained states pulled from the workers at once: the coordinator holds at most this many
@@ -163,50 +162,7 @@ class FedAvg(Strategy):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, OPTIONS)
-        return cls(**cls._common(options))
-
-    @classmethod
-    def _common(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The options FedAvg and FedProx share, checked."""
-        name = cls.name
-        rounds = _positive_int(name, "rounds", options.get("rounds"))
-        local_epochs = _positive_int(name, "local_epochs", options.get("local_epochs", 1))
-        min_workers = _positive_int(name, "min_workers", options.get("min_workers", 1))
-        workers = options.get("workers")
-        if workers is not None:
-            workers = _positive_int(name, "workers", workers)
-            if workers < min_workers:
-                raise StrategyOptionsError(
-                    f"{name}: workers ({workers}) must be at least min_workers ({min_workers})"
-                )
-        fraction = options.get("fraction", 1.0)
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, int | float)
-            or not 0 < fraction <= 1
-        ):
-            raise StrategyOptionsError(
-                f"{name}: fraction must be a number in (0, 1], not {fraction!r}"
-            )
-        tag = options.get("tag")
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise StrategyOptionsError(f"{name}: tag must be a non-empty string, not {tag!r}")
-        seed = options.get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise StrategyOptionsError(f"{name}: seed must be a non-negative integer, not {seed!r}")
-        server, server_options = _server_spec(name, options.get("server"))
-        return {
-            "rounds": rounds,
-            "local_epochs": local_epochs,
-            "fraction": float(fraction),
-            "min_workers": min_workers,
-            "workers": workers,
-            "tag": tag,
-            "server": server,
-            "server_options": server_options,
-            "seed": seed,
-        }
+        return cls(**_arguments(parse_options(FedAvgOptions, options)))
 
     def _server_optimizer(self) -> server_opt.ServerOptimizer:
         """A new server optimizer (fresh moments) for one run."""
@@ -501,40 +457,28 @@ class FedProx(FedAvg):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, OPTIONS | {"mu"})
-        mu = options.get("mu")
-        if (
-            isinstance(mu, bool)
-            or not isinstance(mu, int | float)
-            or not math.isfinite(mu)
-            or mu <= 0
-        ):
-            raise StrategyOptionsError(
-                f"fedprox: mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)"
-            )
-        return cls(**cls._common(options), prox_mu=float(mu))
+        checked = parse_options(FedProxOptions, options)
+        return cls(**_arguments(checked), prox_mu=checked.mu)
 
 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _positive_int(strategy: str, key: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise StrategyOptionsError(f"{strategy}: {key} must be a positive integer, not {value!r}")
-    return value
-
-
-def _server_spec(strategy: str, spec: Any) -> tuple[str, dict[str, Any]]:
-    """``{"name": "fedadam", "lr": 0.01, ...}`` → the name and the hyperparameters."""
-    if spec is None:
-        return server_opt.FedAvgServer.name, {}
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-        raise StrategyOptionsError(
-            f"{strategy}: server must be an object with a name (one of "
-            f"{sorted(server_opt.OPTIMIZERS)}) and its options, not {spec!r}"
-        )
-    options = {key: value for key, value in spec.items() if key != "name"}
-    return spec["name"], options
+def _arguments(options: FedAvgOptions) -> dict[str, Any]:
+    """The constructor's arguments from checked options (the server split in name and
+    hyperparameters)."""
+    server = options.server_optimizer()
+    return {
+        "rounds": options.rounds,
+        "local_epochs": options.local_epochs,
+        "fraction": options.fraction,
+        "min_workers": options.min_workers,
+        "workers": options.workers,
+        "tag": options.tag,
+        "server": server.name,
+        "server_options": server.hyperparameters(),
+        "seed": options.seed,
+    }
 
 
 def _rows(x: Any) -> int | None:

@@ -30,7 +30,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from coordinator.context import StrategyContext, Target, WorkerCallError
+from coordinator.context import StrategyContext, Target
+from coordinator.errors import WorkerCallError
 from coordinator.strategies.base import (
     Emit,
     JobInputs,
@@ -38,11 +39,12 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyFailed,
     StrategyOptionsError,
-    check_options,
     concurrently,
+    parse_options,
 )
 from coordinator.strategies.data_parallel import Training, schedule
 from coordinator.strategies.schedule import Action, Schedule, gpipe, one_f_one_b
+from protocol.strategy_options import ModelParallelOptions
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
@@ -102,35 +104,11 @@ class ModelParallel(Strategy):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, {"partitions", "micro_batches", "schedule"})
-        raw = options.get("partitions")
-        if not isinstance(raw, list) or not raw:
-            raise StrategyOptionsError("model_parallel: partitions must be a non-empty list")
-        partitions = []
-        for p, item in enumerate(raw):
-            if not isinstance(item, Mapping):
-                raise StrategyOptionsError(f"model_parallel: partition {p} must be a mapping")
-            nodes, worker, tag = item.get("node_ids"), item.get("worker"), item.get("tag")
-            if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
-                raise StrategyOptionsError(f"partition {p}: node_ids must be a list of node ids")
-            try:
-                target = Target(id=worker, tag=tag)
-            except ValueError:
-                raise StrategyOptionsError(
-                    f"partition {p} must be pinned to a worker id or a tag (exactly one)"
-                ) from None
-            partitions.append(Partition(tuple(nodes), target))
-        micro = options.get("micro_batches", 1)
-        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
-            raise StrategyOptionsError(
-                f"model_parallel: micro_batches must be a positive integer, not {micro!r}"
-            )
-        order = options.get("schedule", "gpipe")
-        if order not in SCHEDULES:
-            raise StrategyOptionsError(
-                f"model_parallel: schedule must be one of {sorted(SCHEDULES)}, not {order!r}"
-            )
-        return cls(partitions, micro, order)
+        checked = parse_options(ModelParallelOptions, options)
+        partitions = [
+            Partition(p.node_ids, Target(id=p.worker, tag=p.tag)) for p in checked.partitions
+        ]
+        return cls(partitions, checked.micro_batches, checked.schedule)
 
     def placement(self) -> Placement:
         return Placement(

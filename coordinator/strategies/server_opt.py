@@ -31,8 +31,6 @@ for real numbers.
 
 from __future__ import annotations
 
-import inspect
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeAlias
@@ -49,6 +47,7 @@ from coordinator.strategies.aggregate import (
     like,
     to_numpy,
 )
+from protocol import strategy_options as so
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 
@@ -81,7 +80,8 @@ class ServerOptimizer(ABC):
     @property
     def options(self) -> dict[str, float]:
         """The hyperparameters: ``from_options(opt.name, opt.options)`` builds an equal one."""
-        return {key: getattr(self, key) for key in _option_names(type(self))}
+        public = {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        return so.server_options(self.name, public, so.Dialect.WIRE).hyperparameters()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
@@ -183,8 +183,8 @@ class FedAvgM(_MomentOptimizer):
 
     def __init__(self, lr: float = 1.0, momentum: float = 0.9) -> None:
         super().__init__()
-        self.lr = _positive(self, "lr", lr)
-        self.momentum = _fraction(self, "momentum", momentum)
+        checked = _checked(self, lr=lr, momentum=momentum)
+        self.lr, self.momentum = checked["lr"], checked["momentum"]
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return (np.zeros(shape),)
@@ -204,10 +204,9 @@ class _AdaptiveOptimizer(_MomentOptimizer):
         self, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
     ) -> None:
         super().__init__()
-        self.lr = _positive(self, "lr", lr)
-        self.beta1 = _fraction(self, "beta1", beta1)
-        self.beta2 = _fraction(self, "beta2", beta2)
-        self.tau = _positive(self, "tau", tau)
+        checked = _checked(self, lr=lr, beta1=beta1, beta2=beta2, tau=tau)
+        self.lr, self.beta1, self.beta2 = checked["lr"], checked["beta1"], checked["beta2"]
+        self.tau = checked["tau"]
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return np.zeros(shape), np.full(shape, self.tau**2)
@@ -269,44 +268,13 @@ def from_options(name: str, options: Mapping[str, Any]) -> ServerOptimizer:
     Raises:
         ValueError: an unknown name, an option it does not take, or a value out of range.
     """
-    try:
-        cls = OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown server optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
-        ) from None
-    allowed = _option_names(cls)
-    unknown = sorted(str(key) for key in options if key not in allowed)
-    if unknown:
-        takes = f"takes options {list(allowed)}" if allowed else "takes no options"
-        raise ValueError(f"server optimizer {name!r} {takes}; got unknown {unknown}")
-    return cls(**options)
+    checked = so.server_options(name, options, so.Dialect.WIRE)
+    return OPTIMIZERS[name](**checked.hyperparameters())
 
 
-def _option_names(cls: type[ServerOptimizer]) -> tuple[str, ...]:
-    """The keyword arguments of ``cls``'s constructor: its hyperparameters."""
-    parameters = inspect.signature(cls).parameters.values()
-    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _number(owner: ServerOptimizer, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{owner.name}: {key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _positive(owner: ServerOptimizer, key: str, value: Any) -> float:
-    number = _number(owner, key, value)
-    if number <= 0:
-        raise ValueError(f"{owner.name}: {key} must be > 0, got {value!r}")
-    return number
-
-
-def _fraction(owner: ServerOptimizer, key: str, value: Any) -> float:
-    number = _number(owner, key, value)
-    if not 0 <= number < 1:
-        raise ValueError(f"{owner.name}: {key} must be in [0, 1), got {value!r}")
-    return number
+def _checked(owner: ServerOptimizer, **hyperparameters: float) -> dict[str, float]:
+    """``owner``'s hyperparameters, checked by the options model clients are checked by."""
+    return so.server_options(owner.name, hyperparameters, so.Dialect.WIRE).hyperparameters()
 
 
 def _mismatch(path: Path, xbar: Any, x: Any) -> AggregationError:
