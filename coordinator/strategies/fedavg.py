@@ -1,4 +1,4 @@
-"""FedAvg and FedProx: federated averaging of models trained where the data is.
+"""FedAvg: federated averaging of models trained where the data is (FedProx: ``fedprox.py``).
 
 McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
 Data", Algorithm 1 (FederatedAveraging; K clients indexed by k, B the local minibatch size,
@@ -20,34 +20,20 @@ E the number of local epochs, η the learning rate)::
                 w ← w − η ∇ℓ(w; b)
         return w to server
 
-Here a client is a worker; its data P_k is either its own dataset (``WorkerData``: it never
-leaves the worker) or a contiguous shard of the rows the client sent (``numpy.array_split``),
-staged in its filter daemon once per job. Each round:
+Here a client is a worker; its data P_k is its own dataset (``WorkerData``: it never leaves the
+worker) or a contiguous shard of the rows the client sent, staged in its daemon once per job.
+Selection is ``sorted(default_rng(seed + t).choice(K, m, replace=False))`` over the usable
+workers, m = max(``min_workers``, ⌈``fraction`` · K⌉). ClientUpdate is ``batched_fit`` with a
+fresh optimizer (the TorchFilters' own optimizer, ``lr`` and batches) from w_t sent with
+``set_state``; the trained states are pulled (``get_state``) at most ``FETCHES`` at a time and
+folded into an :class:`~coordinator.strategies.aggregate.Accumulator` as they arrive, so the
+coordinator holds a few client states, not m. The server optimizer
+(:mod:`~coordinator.strategies.server_opt`: plain averaging, or FedAvgM, FedAdam, FedYogi after
+Reddi et al. 2021) then steps from w_t towards the mean on the TorchFilters' states. Plain
+filters (a ``Center`` before the network) are fitted by each client on its own data every round,
+as ``graph.fit`` would; their global state is the row-weighted mean of the clients'.
 
-* selection: m = max(``min_workers``, ⌈``fraction`` · K⌉) of the K workers still usable, namely
-  ``sorted(numpy.random.default_rng(seed + t).choice(K, m, replace=False))`` as positions in
-  the list of usable workers (placement order);
-* ClientUpdate: the global model is *sent* to each selected worker (``set_state``), which trains
-  ``local_epochs`` epochs on its staged data with a fresh optimizer (``batched_fit`` with
-  ``reset_optimizer``; batches, optimizer and ``lr`` are its TorchFilters' own) and answers with
-  its row count n_k; its trained states are then pulled (``get_state``), at most ``FETCHES``
-  workers at a time, however many train at once;
-* aggregation: the mean of the states weighted by n_k over those who answered, each folded
-  into an :class:`~coordinator.strategies.aggregate.Accumulator` as it arrives (so the
-  coordinator holds a few client states at a time, not m, and averages while it receives), then
-  the server optimizer (:mod:`~coordinator.strategies.server_opt`: plain averaging by default,
-  or FedAvgM, FedAdam, FedYogi after Reddi et al. 2021) steps from w_t towards that mean on the
-  TorchFilters' states.
-
-Plain filters (a ``Center`` before the network) have no state to start from: each client fits
-them on its own data in every round, as ``graph.fit`` would, and their global state is the
-row-weighted mean of the clients' states (for a ``Center``, the mean of all rows).
-
-FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks", Algorithm 2) is
-FedAvg whose clients minimise h_k(w; w_t) = F_k(w) + μ/2 ‖w − w_t‖²: the same rounds with the
-proximal term added to every local batch's loss (``batched_fit`` with ``prox_mu``).
-
-Workers that fail in a round are dropped from it (:mod:`~coordinator.strategies.cohort`); the
+Workers that fail in a round are dropped from it (:mod:`~coordinator.strategies.federated`); the
 round goes on if at least ``min_workers`` answered. The final model is set on a worker and read
 back over the wire.
 """
@@ -57,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Self
 
 import numpy as np
@@ -74,11 +59,19 @@ from coordinator.strategies.base import (
     concurrently,
     parse_options,
 )
-from coordinator.strategies.cohort import Cohort, DroppedWorker, contiguous_shards, listed, reasons
+from coordinator.strategies.federated import (
+    ClientUpdate,
+    Cohort,
+    DroppedWorker,
+    FederatedPosition,
+    contiguous_shards,
+    listed,
+    reasons,
+)
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
-from protocol.strategy_options import FedAvgOptions, FedProxOptions
+from protocol.strategy_options import FedAvgOptions
 
 STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
@@ -88,43 +81,10 @@ FETCHES = 16
 client states (arriving or being folded into the mean), however many workers train."""
 
 
-@dataclass
-class FederatedPosition:
-    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments) and
-    the cohort. The selection needs no RNG state of its own: round t draws with
-    ``default_rng(seed + t)``. The run loop reads and advances this; nothing else holds it."""
-
-    global_state: dict[str, Any]  # w_t
-    server: server_opt.ServerOptimizer
-    cohort: Cohort
-    round: int = 0  # rounds completed
-
-
-@dataclass(frozen=True)
-class ClientUpdate:
-    """What one selected worker's ClientUpdate gave: its rows n_k and mean loss."""
-
-    worker: int
-    rows: int
-    loss: float
-
-
 class FedAvg(Strategy):
-    """Federated averaging over the job's workers (see the module docstring).
-
-    Args:
-        rounds: communication rounds.
-        local_epochs: epochs each selected worker trains per round.
-        fraction: C, the share of the usable workers selected per round, in (0, 1].
-        min_workers: the least number of workers a round needs answers from.
-        workers: reserve this many workers; ``None`` takes every idle matching worker.
-        tag: only workers with this tag.
-        server: the server optimizer's name (``server_opt.OPTIMIZERS``); the default,
-            ``"fedavg"``, takes the average as it is.
-        server_options: its hyperparameters.
-        prox_mu: FedProx's μ (0 for FedAvg); see :class:`FedProx`.
-        seed: seeds the client selection (``default_rng(seed + round)``).
-    """
+    """Federated averaging over the job's workers; the options are ``somatize.FedAvg``'s, the
+    server optimizer given by name (``server_opt.OPTIMIZERS``) and hyperparameters, and
+    ``prox_mu`` FedProx's μ (0 for FedAvg)."""
 
     name = "fedavg"
 
@@ -155,7 +115,7 @@ class FedAvg(Strategy):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        return cls(**_arguments(parse_options(FedAvgOptions, options)))
+        return cls(**arguments(parse_options(FedAvgOptions, options)))
 
     def _server_optimizer(self) -> server_opt.ServerOptimizer:
         """A new server optimizer (fresh moments) for one run."""
@@ -221,7 +181,9 @@ class FedAvg(Strategy):
             )
             # w_{t+1} ← Σ (n_k / n) w^k_{t+1}, stepped through the server optimizer (Reddi et
             # al. 2021) for the TorchFilters.
-            at.global_state = self._server_step(at, r, mean.result(), torch_nodes)
+            at.global_state = server_opt.step_on(
+                at.server, at.global_state, mean.result(), torch_nodes, r
+            )
             at.round = r
             rows = sum(u.rows for u in answered)
             await emit(
@@ -246,8 +208,6 @@ class FedAvg(Strategy):
         return await cohort.first_answering(
             read_back, "no worker is left to read the final model back from"
         )
-
-    # -- phases -------------------------------------------------------------------------------
 
     def _select(self, r: int, cohort: Cohort) -> list[int]:
         """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
@@ -275,12 +235,9 @@ class FedAvg(Strategy):
         mean: Accumulator,
         fetch: asyncio.Semaphore,
     ) -> ClientUpdate | DroppedWorker:
-        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``: its
-        rows and loss, or why it dropped out.
-
-        Every selected worker trains at once; their states are then pulled ``fetch`` at a
-        time (``get_state``), not sent with the fit's reply: m workers finishing together
-        would otherwise push m states into the coordinator's memory at once.
+        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``; or why
+        it dropped out. The states are pulled ``fetch`` at a time, not sent with the fit's
+        reply: m workers finishing together would push m states into memory at once.
 
         Raises:
             StrategyFailed: its states cannot be averaged with the others' (the round fails).
@@ -315,37 +272,8 @@ class FedAvg(Strategy):
             return at.cohort.drop(i, exc)
         return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]))
 
-    def _server_step(
-        self, at: FederatedPosition, r: int, averaged: dict[str, Any], torch_nodes: list[str]
-    ) -> dict[str, Any]:
-        """w_{t+1}: the server optimizer's step on the TorchFilters, the mean for the rest."""
-        current = {n: at.global_state[n] for n in torch_nodes}
-        try:
-            stepped = at.server.step(current, {n: averaged[n] for n in torch_nodes})
-        except AggregationError as exc:
-            raise StrategyFailed(
-                ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {at.server.name}: {exc}"
-            ) from exc
-        return {**averaged, **stepped}
 
-
-class FedProx(FedAvg):
-    """FedAvg whose clients add μ/2 ‖w − w_t‖² to their loss (Li et al. 2020).
-
-    Args:
-        mu: μ > 0 (with μ = 0 this would be FedAvg: ask for FedAvg instead).
-        **kwargs: as :class:`FedAvg`.
-    """
-
-    name = "fedprox"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(FedProxOptions, options)
-        return cls(**_arguments(checked), prox_mu=checked.mu)
-
-
-def _arguments(options: FedAvgOptions) -> dict[str, Any]:
+def arguments(options: FedAvgOptions) -> dict[str, Any]:
     """The constructor's arguments from checked options (the server optimizer as its name and
     hyperparameters)."""
     server = options.server_optimizer()

@@ -3,8 +3,7 @@
 With x_t the global model and x̄ the round's average of the client models (weighted by example
 count, :func:`~coordinator.strategies.aggregate.weighted_mean`), the server treats
 Δ_t = x̄ − x_t as a pseudo-gradient and steps on it (Reddi et al. 2021, "Adaptive Federated
-Optimization", Algorithm 2, written with the average of the client updates, which is
-x̄ − x_t):
+Optimization", Algorithm 2, with the average of the client updates, x̄ − x_t):
 
 * :class:`FedAvgServer` — plain FedAvg (McMahan et al. 2017): x_{t+1} = x̄.
 * :class:`FedAvgM` — server momentum (Hsu et al. 2019, "Measuring the Effects of Non-Identical
@@ -24,19 +23,19 @@ BatchNorm ``num_batches_tracked``, a filter's name) have no gradient: they are t
 they are. Complex leaves are refused by the moment-based optimizers, whose rules are written
 for real numbers.
 
-:func:`from_options` builds one from a strategy's options (``"fedavg"``, ``"fedavgm"``,
-``"fedadam"``, ``"fedyogi"``), refusing unknown names, options and out-of-range values with a
-:class:`ValueError`.
+:func:`from_options` builds one by name and hyperparameters, checked by the options models
+clients are checked by (:mod:`protocol.strategy_options`); :func:`step_on` is a round's step.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import numpy as np
 
+from coordinator.errors import StrategyFailed
 from coordinator.strategies.aggregate import (
     AggregationError,
     Path,
@@ -48,6 +47,7 @@ from coordinator.strategies.aggregate import (
     to_numpy,
 )
 from protocol import strategy_options as so
+from protocol.errors import ErrorCode
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 
@@ -260,6 +260,19 @@ OPTIMIZERS: dict[str, type[ServerOptimizer]] = {
     cls.name: cls for cls in (FedAvgServer, FedAvgM, FedAdam, FedYogi)
 }
 """The server optimizers by the name a client gives."""
+
+
+def step_on(server: ServerOptimizer, x: Tree, xbar: Tree, nodes: Sequence[str], r: int) -> Tree:
+    """x_{t+1} after round ``r``: ``server``'s step on ``nodes`` (the TorchFilters), the mean
+    x̄ as it is for the others (plain filters, fitted anew each round); or ``StrategyFailed``."""
+    current = {n: x[n] for n in nodes}
+    try:
+        stepped = server.step(current, {n: xbar[n] for n in nodes})
+    except AggregationError as exc:
+        raise StrategyFailed(
+            ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {server.name}: {exc}"
+        ) from exc
+    return {**xbar, **stepped}
 
 
 def from_options(name: str, options: Mapping[str, Any]) -> ServerOptimizer:

@@ -23,8 +23,8 @@ from coordinator.strategies import (
     StrategyOptionsError,
     strategy_from_spec,
 )
-from coordinator.strategies.cohort import Cohort as _Workers
-from coordinator.strategies.cohort import DroppedWorker
+from coordinator.strategies.federated import Cohort as _Workers
+from coordinator.strategies.federated import DroppedWorker
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.filters import dump_filter
 from somatize.client import graph_info

@@ -1,5 +1,6 @@
-"""The workers of a federated run: who is usable, who must be set up again, who dropped out of
-a round and why.
+"""What a federated run keeps: where it stands (:class:`FederatedPosition`), its workers — who is
+usable, who must be set up again, who dropped out of a round and why (:class:`Cohort`) — and
+what each selected worker answered.
 
 A worker that fails in a round is dropped from that round (:class:`DroppedWorker`, reported in
 the round's event as ``{worker id: "code: message"}``). One whose connection is gone
@@ -18,6 +19,7 @@ import numpy as np
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
+from coordinator.strategies import server_opt
 from coordinator.strategies.base import JobInputs, concurrently
 from coordinator.strategies.steps import rows_of, set_up
 from protocol.daemon import StageRequest
@@ -28,6 +30,27 @@ Shards = list[tuple[Any, Any]]
 
 REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
 """Failures after which the worker's daemon is gone, with the job's filters and data."""
+
+
+@dataclass
+class FederatedPosition:
+    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments) and
+    the cohort. The selection needs no RNG state of its own: round t draws with
+    ``default_rng(seed + t)``. The run loop reads and advances this; nothing else holds it."""
+
+    global_state: dict[str, Any]  # w_t
+    server: server_opt.ServerOptimizer
+    cohort: Cohort
+    round: int = 0  # rounds completed
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """What one selected worker's ClientUpdate gave: its rows n_k and mean loss."""
+
+    worker: int
+    rows: int
+    loss: float
 
 
 @dataclass(frozen=True)
