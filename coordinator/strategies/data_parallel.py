@@ -98,21 +98,7 @@ class DataParallel(Strategy):
         if prefix:
             position.phase = "fitting"
             await emit("progress", {"phase": "fitting", "nodes": prefix})
-            shards = [np.searchsorted(held[i], sorted(first_epoch[i])).tolist() for i in replicas]
-            fitting = [i for i in replicas if shards[i]]
-
-            async def fit(i: int, fresh: bool) -> Any:
-                return await ctx.call(
-                    i, CompositeFitRequest(node_ids=prefix, data=STAGED, rows=shards[i])
-                )
-
-            fits = await run.on_all(fit, fitting)
-            averaged = _average([(run.ids[i], len(shards[i]), fits[i]["states"]) for i in fitting])
-
-            async def set_averaged(i: int, fresh: bool) -> None:
-                await ctx.set_state(i, averaged)
-
-            await run.on_all(set_averaged, replicas)
+            await _fit_prefix(run, prefix, first_epoch)
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
         # 3. Synchronous SGD (Goyal et al. 2017): each slice's gradient, their weighted mean,
@@ -187,6 +173,26 @@ class DataParallel(Strategy):
             return None
 
         return call
+
+
+async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[int]]) -> None:
+    """Fit the plain filters on each replica's share of the first epoch, then set their
+    row-weighted mean on every replica."""
+    held, replicas = run.position.held, range(len(run.position.held))
+    shards = [np.searchsorted(held[i], sorted(first_epoch[i])).tolist() for i in replicas]
+    fitting = [i for i in replicas if shards[i]]
+
+    async def fit(i: int, fresh: bool) -> Any:
+        request = CompositeFitRequest(node_ids=prefix, data=STAGED, rows=shards[i])
+        return await run.ctx.call(i, request)
+
+    fits = await run.on_all(fit, fitting)
+    averaged = _average([(run.ids[i], len(shards[i]), fits[i]["states"]) for i in fitting])
+
+    async def set_averaged(i: int, fresh: bool) -> None:
+        await run.ctx.set_state(i, averaged)
+
+    await run.on_all(set_averaged, replicas)
 
 
 def _shares(n: int, replicas: int, training: Training) -> tuple[list[Any], list[list[int]], int]:
