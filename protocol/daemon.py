@@ -48,6 +48,7 @@ from typing import Annotated, Any, Literal, Self
 import numpy as np
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -125,7 +126,8 @@ class _Request(BaseModel):
     """Fields every command has. Unknown fields are refused, so a typo is an error, not a no-op.
 
     ``cmd`` defaults to the command's own name (a sender writes ``GetStateRequest(node_ids=...)``);
-    ``id`` is the numbering sender's (the agent's supervisor), 0 until it numbers the request.
+    ``id`` is the numbering sender's (the agent's supervisor), 0 until it numbers the request;
+    one read off the pipe (:data:`request_adapter`) must have it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -345,7 +347,19 @@ DaemonRequest = Annotated[
 ]
 """Any request the daemon accepts, told apart by ``cmd``."""
 
-request_adapter: TypeAdapter[DaemonRequest] = TypeAdapter(DaemonRequest)
+
+def _numbered(raw: Any) -> Any:
+    """A request read off the pipe must carry its id: an absent one is given as ``None``, which
+    the strict ``id`` field refuses (a request built in code is numbered when it is sent)."""
+    if isinstance(raw, dict) and "id" not in raw:
+        return {**raw, "id": None}
+    return raw
+
+
+request_adapter: TypeAdapter[DaemonRequest] = TypeAdapter(
+    Annotated[DaemonRequest, BeforeValidator(_numbered)]
+)
+"""Validates a request as the daemon receives it (numbered)."""
 
 
 def command_fields(request: BaseModel) -> dict[str, Any]:
