@@ -1,7 +1,8 @@
 """How a job is spread over workers: the strategies' configuration objects.
 
-A strategy here is only configuration: it is checked when it is built (a bad argument is a
-:class:`ValueError` naming it) and travels to the coordinator as a
+A strategy here is only configuration: it is checked when it is built, by the options models the
+coordinator checks it with (:mod:`protocol.strategy_options`; a bad argument is a
+:class:`ValueError` naming it), and travels to the coordinator as a
 :class:`~protocol.messages.StrategySpec` (a name and JSON options). The strategies themselves run
 on the coordinator (:mod:`coordinator.strategies`)::
 

@@ -45,6 +45,7 @@ from coordinator.strategies.pipeline import (
 from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
 from coordinator.strategies.steps import Training, global_batches, plain_prefix
 from protocol.daemon import CompositeFitRequest, StageRequest, StageStepRequest
+from protocol.errors import ErrorCode
 from protocol.strategy_options import ModelParallelOptions
 
 T = TypeVar("T")
@@ -153,6 +154,15 @@ class ModelParallel(Strategy):
                 if s < first_stage:
                     x = fit["output"]
         pipeline = list(range(first_stage, len(stages)))
+        if len(pipeline) < 2:
+            # Its one stage_forward would take the rows by name and the labels inline, which a
+            # daemon refuses: the job fails as it would there, before any training.
+            raise StrategyFailed(
+                ErrorCode.BAD_REQUEST,
+                f"stage {first_stage} {stages[first_stage]}: a pipeline needs at least two "
+                "stages that train; for one, use Local or DataParallel",
+                stage=first_stage,
+            )
         plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
