@@ -1,9 +1,9 @@
 """``StrategyContext``: what a strategy sees of the workers of its job.
 
-The async counterpart of the original runtime's ``StrategyContext`` (``seeds/``): a strategy asks
-for fits, states and gradients by worker *index* and never touches a socket. Every method is built
-on one primitive, :meth:`StrategyContext.call`, which runs one filter-daemon command
-(:mod:`protocol.daemon`) on one worker; two implementations provide it:
+A strategy asks for fits, states and gradients by worker *index* and never touches a socket.
+Every method is built on one primitive, :meth:`StrategyContext.call`, which runs one
+filter-daemon command (a typed request of :mod:`protocol.daemon`) on one worker; two
+implementations provide it:
 
 * :class:`TransportContext` — live workers over their WebSocket connections (the agent forwards
   each command to the job's filter daemon);
@@ -27,9 +27,34 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import NoReplacement, TargetError, WorkerCallError
 from protocol.codec import decode, encode_frame
+from protocol.daemon import (
+    ApplyGradientsRequest,
+    BatchedFitRequest,
+    CompositeFitRequest,
+    DaemonRequest,
+    GetGradientsRequest,
+    GetOptimizerStateRequest,
+    GetStateRequest,
+    LoadRequest,
+    SetOptimizerStateRequest,
+    SetStateRequest,
+    request_fields,
+)
 from protocol.errors import ErrorCode, ErrorInfo
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "FrameHandler",
+    "InMemoryContext",
+    "NoReplacement",
+    "StrategyContext",
+    "Target",
+    "TargetError",
+    "WorkerCallError",
+    "WorkerIdentity",
+]
 
 DEFAULT_CALL_TIMEOUT = 600.0
 """Seconds one command may take on a worker unless the job says otherwise."""
@@ -59,29 +84,6 @@ class Target:
         return f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
 
 
-class WorkerCallError(CoordinatorError):
-    """A command failed on a worker: the worker's error, or the worker was lost."""
-
-    def __init__(self, worker_id: str, info: ErrorInfo) -> None:
-        super().__init__(f"worker {worker_id!r}: {info.message}")
-        self.worker_id = worker_id
-        self.info = info
-        self.code = info.code
-
-    def to_info(self) -> ErrorInfo:
-        """The error as a job failure: the worker named in the message and the detail."""
-        detail = {**self.info.detail, "worker_id": self.worker_id}
-        return ErrorInfo(code=self.info.code, message=str(self), detail=detail)
-
-
-class TargetError(CoordinatorError):
-    """A target that no worker of the context answers to."""
-
-
-class NoReplacement(CoordinatorError):
-    """No worker came to take a lost one's place within the time given."""
-
-
 class StrategyContext(ABC):
     """The workers of one job, by index, and the commands a strategy can run on them."""
 
@@ -97,8 +99,9 @@ class StrategyContext(ABC):
     supports_peer_links = False
 
     @abstractmethod
-    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
-        """Run one daemon command (``{"cmd": ..., ...}``) on a worker and return its result.
+    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
+        """Run one daemon command (a :mod:`protocol.daemon` request) on a worker and return
+        its result.
 
         Raises:
             WorkerCallError: the command failed there, timed out, or the worker was lost.
@@ -107,7 +110,7 @@ class StrategyContext(ABC):
     async def routed(
         self,
         worker_idx: int,
-        request: Mapping[str, Any],
+        request: DaemonRequest,
         *,
         input_from: str | None = None,
         input_field: str = "x",
@@ -130,7 +133,7 @@ class StrategyContext(ABC):
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Load the job's pickled filters (node id → bytes, graph order) on a worker."""
-        await self.call(worker_idx, {"cmd": "load", "filters": dict(filters)})
+        await self.call(worker_idx, LoadRequest(filters=dict(filters)))
 
     async def execute_on_worker(
         self,
@@ -142,35 +145,28 @@ class StrategyContext(ABC):
     ) -> dict[str, Any]:
         """Train the chain ``node_ids`` on a worker to completion; returns what the fit gave
         (``states``, ``loss``, ``epoch_losses``, ``rows``; ``output`` is not sent back)."""
-        result: dict[str, Any] = await self.call(
-            worker_idx,
-            {
-                "cmd": "batched_fit",
-                "node_ids": list(node_ids),
-                "x": x,
-                "y": y,
-                "batch_size": batch_size,
-                "return_output": False,
-            },
+        request = BatchedFitRequest(
+            node_ids=list(node_ids), x=x, y=y, batch_size=batch_size, return_output=False
         )
+        result: dict[str, Any] = await self.call(worker_idx, request)
         result.pop("output", None)
         return result
 
     async def get_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """States of ``node_ids`` on a worker, read over the wire now."""
         states: dict[str, Any] = await self.call(
-            worker_idx, {"cmd": "get_state", "node_ids": list(node_ids)}
+            worker_idx, GetStateRequest(node_ids=list(node_ids))
         )
         return states
 
     async def set_state(self, worker_idx: int, states: Mapping[str, Any]) -> None:
         """Load states on a worker (what a later :meth:`get_state` there returns)."""
-        await self.call(worker_idx, {"cmd": "set_state", "states": dict(states)})
+        await self.call(worker_idx, SetStateRequest(states=dict(states)))
 
     async def get_gradients(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """Gradients left on a worker by its last gradient pass, by node and parameter."""
         grads: dict[str, Any] = await self.call(
-            worker_idx, {"cmd": "get_gradients", "node_ids": list(node_ids)}
+            worker_idx, GetGradientsRequest(node_ids=list(node_ids))
         )
         return grads
 
@@ -178,24 +174,23 @@ class StrategyContext(ABC):
         """The persistent optimizers of differentiable nodes on a worker, read now (node →
         ``state_dict()``, ``None`` before the first step)."""
         states: dict[str, Any] = await self.call(
-            worker_idx, {"cmd": "get_optimizer_state", "node_ids": list(node_ids)}
+            worker_idx, GetOptimizerStateRequest(node_ids=list(node_ids))
         )
         return states
 
     async def set_optimizer_state(self, worker_idx: int, states: Mapping[str, Any]) -> None:
         """Give a worker's nodes optimizers loaded with ``states`` (from
         :meth:`get_optimizer_state` on another worker)."""
-        await self.call(worker_idx, {"cmd": "set_optimizer_state", "states": dict(states)})
+        await self.call(worker_idx, SetOptimizerStateRequest(states=dict(states)))
 
     async def apply_gradients(self, worker_idx: int, gradients: Mapping[str, Any]) -> None:
         """Write gradients on a worker and step its persistent optimizers."""
-        await self.call(worker_idx, {"cmd": "apply_gradients", "gradients": dict(gradients)})
+        await self.call(worker_idx, ApplyGradientsRequest(gradients=dict(gradients)))
 
     async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """A worker's state read now, over the wire — never recalled from an earlier fit.
 
-        After ``apply_gradients`` the two differ; the original runtime returned the recalled one
-        and discarded the last step of training (reference §6.2, lesson 1).
+        After ``apply_gradients`` the two differ: a recalled state would miss the last step.
         """
         return await self.get_state(worker_idx, node_ids)
 
@@ -203,9 +198,7 @@ class StrategyContext(ABC):
         self, worker_idx: int, node_ids: Sequence[str], x: Any, y: Any = None
     ) -> tuple[Any, dict[str, Any]]:
         """One pass of part of the graph on a worker: its output and the states it learned."""
-        result = await self.call(
-            worker_idx, {"cmd": "composite_fit", "node_ids": list(node_ids), "x": x, "y": y}
-        )
+        result = await self.call(worker_idx, CompositeFitRequest(node_ids=list(node_ids), x=x, y=y))
         return result["output"], result["states"]
 
     async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109
@@ -293,9 +286,9 @@ class InMemoryContext(StrategyContext):
         self._locks[worker_idx] = asyncio.Lock()
         return identity
 
-    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
+    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
         worker = self.workers[worker_idx]
-        frame = bytearray(encode_frame({**request, "id": next(self._ids)}))
+        frame = bytearray(encode_frame({**request_fields(request), "id": next(self._ids)}))
         daemon = self.daemons[worker_idx]
         async with self._locks[worker_idx]:
             self._check_alive(worker, request)
@@ -305,7 +298,7 @@ class InMemoryContext(StrategyContext):
             except TimeoutError:
                 info = ErrorInfo(
                     code=ErrorCode.TIMEOUT,
-                    message=f"{request.get('cmd')} did not finish within {self.timeout}s",
+                    message=f"{request.cmd} did not finish within {self.timeout}s",
                 )
                 raise WorkerCallError(worker.id, info) from None
             self._check_alive(worker, request)
@@ -314,13 +307,13 @@ class InMemoryContext(StrategyContext):
             raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
         return reply["result"]
 
-    def _check_alive(self, worker: WorkerIdentity, request: Mapping[str, Any]) -> None:
+    def _check_alive(self, worker: WorkerIdentity, request: DaemonRequest) -> None:
         if worker.id in self._gone:
             reason = self._gone[worker.id]
             info = ErrorInfo(
                 code=ErrorCode.WORKER_LOST,
-                message=f"lost during {request.get('cmd')}: {reason}",
-                detail={"cmd": request.get("cmd"), "reason": reason},
+                message=f"lost during {request.cmd}: {reason}",
+                detail={"cmd": request.cmd, "reason": reason},
             )
             raise WorkerCallError(worker.id, info)
 

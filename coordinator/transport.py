@@ -18,14 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from coordinator.context import (
-    DEFAULT_CALL_TIMEOUT,
-    NoReplacement,
-    StrategyContext,
-    WorkerCallError,
-    WorkerIdentity,
-)
+from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
+from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.registry import WorkerRecord
+from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
 
@@ -78,15 +74,15 @@ class TransportContext(StrategyContext):
 
     supports_peer_links = True
 
-    async def call(self, worker_idx: int, request: Mapping[str, Any]) -> Any:
-        message = Call(job_id=self.job_id, request=dict(request), timeout=self.timeout)
-        reply = await self._request(worker_idx, message, str(request.get("cmd")))
+    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
+        message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)
+        reply = await self._request(worker_idx, message, request.cmd)
         return reply.result
 
     async def routed(
         self,
         worker_idx: int,
-        request: Mapping[str, Any],
+        request: DaemonRequest,
         *,
         input_from: str | None = None,
         input_field: str = "x",
@@ -98,14 +94,14 @@ class TransportContext(StrategyContext):
             route = PeerRoute(worker=self.records[output_to[0]].id, key=output_to[1])
         message = Call(
             job_id=self.job_id,
-            request=dict(request),
+            request=command_fields(request),
             timeout=self.timeout,
             input_from=input_from,
             input_field=input_field,
             output_to=route,
             seq=seq,
         )
-        reply = await self._request(worker_idx, message, str(request.get("cmd")))
+        reply = await self._request(worker_idx, message, request.cmd)
         return reply.result
 
     async def links(self, worker_idx: int, peers: Sequence[int]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -67,24 +68,29 @@ __all__ = [
 
 
 class _Request(BaseModel):
-    """Fields every command has. Unknown fields are refused, so a typo is an error, not a no-op."""
+    """Fields every command has. Unknown fields are refused, so a typo is an error, not a no-op.
+
+    ``cmd`` defaults to the command's own name (a sender writes ``GetStateRequest(node_ids=...)``);
+    ``id`` is the numbering sender's (the agent's supervisor), 0 until it numbers the request;
+    one read off the pipe (:data:`request_adapter`) must have it.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: StrictInt  # strict: the id echoed in the reply is exactly the one that was sent
+    id: StrictInt = 0  # strict: the id echoed in the reply is exactly the one that was sent
 
 
 class LoadRequest(_Request):
     """Replace the loaded filters: node id → cloudpickle bytes, in graph order."""
 
-    cmd: Literal["load"]
+    cmd: Literal["load"] = "load"
     filters: dict[str, StrictBytes]
 
 
 class FitRequest(_Request):
     """Fit one node on ``x`` (and ``y``); a torch node runs forward+loss+backward, no step."""
 
-    cmd: Literal["fit"]
+    cmd: Literal["fit"] = "fit"
     node_id: str
     x: Any
     y: Any = None
@@ -93,7 +99,7 @@ class FitRequest(_Request):
 class ForwardRequest(_Request):
     """Run one node's forward on ``x`` with ``state`` (``None``: the state the node holds)."""
 
-    cmd: Literal["forward"]
+    cmd: Literal["forward"] = "forward"
     node_id: str
     x: Any
     state: Any = None
@@ -120,7 +126,7 @@ class DataSource(_Request):
 class CompositeFitRequest(DataSource):
     """One pass over a chain of nodes: plain filters fit then forward; torch: one backward."""
 
-    cmd: Literal["composite_fit"]
+    cmd: Literal["composite_fit"] = "composite_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
 
 
@@ -130,7 +136,7 @@ class BatchedFitRequest(DataSource):
     ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
     ``reset_optimizer`` trains with fresh optimizers instead of the kept ones."""
 
-    cmd: Literal["batched_fit"]
+    cmd: Literal["batched_fit"] = "batched_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
     batch_size: PositiveInt | None = None
     epochs: NonNegativeInt | None = None
@@ -144,7 +150,7 @@ class StageRequest(_Request):
     """Keep data under ``name`` for later commands: sent inline (``x``, ``y``), or a dataset of
     the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``)."""
 
-    cmd: Literal["stage"]
+    cmd: Literal["stage"] = "stage"
     name: str
     x: Any = None
     y: Any = None
@@ -155,7 +161,7 @@ class GradientsRequest(DataSource):
     """A data-parallel replica's half of a step: forward, loss and backward over the rows (plain
     filters apply the state they hold), then the gradients of the chain's torch nodes."""
 
-    cmd: Literal["gradients"]
+    cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
 
@@ -169,7 +175,7 @@ class StageForwardRequest(DataSource):
     global batch's rows), is kept. Returns the activation, or ``{"loss", "rows"}`` when ``last``.
     """
 
-    cmd: Literal["stage_forward"]
+    cmd: Literal["stage_forward"] = "stage_forward"
     node_ids: Annotated[list[str], Field(min_length=1)]
     micro: NonNegativeInt
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
@@ -183,7 +189,7 @@ class StageBackwardRequest(_Request):
     ``grad_output`` is the gradient of the stage's output (``None`` on the last stage, which
     backpropagates its loss). Returns the gradient of the stage's input (``None`` on the first)."""
 
-    cmd: Literal["stage_backward"]
+    cmd: Literal["stage_backward"] = "stage_backward"
     micro: NonNegativeInt
     grad_output: Any = None
 
@@ -193,14 +199,14 @@ class StageStepRequest(_Request):
 
     Returns the number of parameters stepped."""
 
-    cmd: Literal["stage_step"]
+    cmd: Literal["stage_step"] = "stage_step"
     node_ids: Annotated[list[str], Field(min_length=1)]
 
 
 class CompositeForwardRequest(_Request):
     """Forward ``x`` through a chain of nodes, optionally with explicit states by node id."""
 
-    cmd: Literal["composite_forward"]
+    cmd: Literal["composite_forward"] = "composite_forward"
     node_ids: Annotated[list[str], Field(min_length=1)]
     x: Any
     states: dict[str, Any] | None = None
@@ -209,14 +215,14 @@ class CompositeForwardRequest(_Request):
 class GetStateRequest(_Request):
     """Read the states of some nodes (``None``: all of them), as they are now."""
 
-    cmd: Literal["get_state"]
+    cmd: Literal["get_state"] = "get_state"
     node_ids: list[str] | None = None
 
 
 class SetStateRequest(_Request):
     """Load states (what ``get_state`` returned, or an aggregate of it) into the nodes."""
 
-    cmd: Literal["set_state"]
+    cmd: Literal["set_state"] = "set_state"
     states: dict[str, Any]
 
 
@@ -224,7 +230,7 @@ class GetOptimizerStateRequest(_Request):
     """Read the persistent optimizers of some differentiable nodes: node → the optimizer's
     ``state_dict()`` (moments, step counts, hyperparameters), ``None`` before its first step."""
 
-    cmd: Literal["get_optimizer_state"]
+    cmd: Literal["get_optimizer_state"] = "get_optimizer_state"
     node_ids: Annotated[list[str], Field(min_length=1)]
 
 
@@ -232,34 +238,34 @@ class SetOptimizerStateRequest(_Request):
     """Give nodes fresh optimizers loaded with what ``get_optimizer_state`` returned elsewhere:
     a replacement replica resumes with the survivors' momentum and moments."""
 
-    cmd: Literal["set_optimizer_state"]
+    cmd: Literal["set_optimizer_state"] = "set_optimizer_state"
     states: dict[str, Any]
 
 
 class GetGradientsRequest(_Request):
     """Read the gradients the last backward left on the parameters: node → name → tensor."""
 
-    cmd: Literal["get_gradients"]
+    cmd: Literal["get_gradients"] = "get_gradients"
     node_ids: list[str] | None = None
 
 
 class ApplyGradientsRequest(_Request):
     """Write gradients onto the parameters and step each node's persistent optimizer."""
 
-    cmd: Literal["apply_gradients"]
+    cmd: Literal["apply_gradients"] = "apply_gradients"
     gradients: dict[str, dict[str, Any]]
 
 
 class PingRequest(_Request):
     """Do nothing and answer: liveness and round-trip time."""
 
-    cmd: Literal["ping"]
+    cmd: Literal["ping"] = "ping"
 
 
 class ShutdownRequest(_Request):
     """Answer, then exit with status 0."""
 
-    cmd: Literal["shutdown"]
+    cmd: Literal["shutdown"] = "shutdown"
 
 
 DaemonRequest = Annotated[
@@ -286,7 +292,26 @@ DaemonRequest = Annotated[
 ]
 """Any request the daemon accepts, told apart by ``cmd``."""
 
-request_adapter: TypeAdapter[DaemonRequest] = TypeAdapter(DaemonRequest)
+
+def _numbered(raw: Any) -> Any:
+    """A request read off the pipe must carry its id: an absent one is given as ``None``, which
+    the strict ``id`` field refuses (a request built in code is numbered when it is sent)."""
+    if isinstance(raw, dict) and "id" not in raw:
+        return {**raw, "id": None}
+    return raw
+
+
+request_adapter: TypeAdapter[DaemonRequest] = TypeAdapter(
+    Annotated[DaemonRequest, BeforeValidator(_numbered)]
+)
+"""Validates a request as the daemon receives it (numbered)."""
+
+
+def command_fields(request: BaseModel) -> dict[str, Any]:
+    """A request as it travels before it is numbered (a coordinator's ``Call.request``): the
+    fields its sender set and its ``cmd``, no ``id``. Shallow, as :func:`request_fields`."""
+    names = (request.model_fields_set | {"cmd"}) - {"id"}
+    return {name: getattr(request, name) for name in type(request).model_fields if name in names}
 
 
 def request_fields(request: BaseModel) -> dict[str, Any]:

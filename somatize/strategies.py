@@ -1,7 +1,8 @@
 """How a job is spread over workers: the strategies' configuration objects.
 
-A strategy here is only configuration: it is checked when it is built (a bad argument is a
-:class:`ValueError` naming it) and travels to the coordinator as a
+A strategy here is only configuration: it is checked when it is built, by the options models the
+coordinator checks it with (:mod:`protocol.strategy_options`; a bad argument is a
+:class:`ValueError` naming it), and travels to the coordinator as a
 :class:`~protocol.messages.StrategySpec` (a name and JSON options). The strategies themselves run
 on the coordinator (:mod:`coordinator.strategies`)::
 
@@ -10,11 +11,11 @@ on the coordinator (:mod:`coordinator.strategies`)::
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from protocol import strategy_options as so
 from protocol.messages import StrategySpec
 
 __all__ = [
@@ -48,9 +49,14 @@ class Strategy(ABC):
         return StrategySpec(name=self.name, options=self.options())
 
 
-def _check_selector(argument: str, value: object) -> None:
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ValueError(f"{argument} must be a non-empty string or None, not {value!r}")
+def _arguments(instance: object) -> dict[str, Any]:
+    """A dataclass's arguments by name."""
+    return {f.name: getattr(instance, f.name) for f in fields(instance)}  # type: ignore[arg-type]
+
+
+def _checked(model: type[so.T], instance: object, **values: Any) -> so.T:
+    """``instance``'s arguments (and ``values`` in their place) checked by ``model``."""
+    return so.parse(model, _arguments(instance) | values, so.Dialect.SDK)
 
 
 @dataclass(frozen=True)
@@ -71,16 +77,10 @@ class Local(Strategy):
     name: ClassVar[str] = "local"
 
     def __post_init__(self) -> None:
-        _check_selector("worker", self.worker)
-        _check_selector("tag", self.tag)
-        if self.worker is not None and self.tag is not None:
-            raise ValueError(
-                f"pin a Local job to a worker or to a tag, not both "
-                f"(worker={self.worker!r}, tag={self.tag!r})"
-            )
+        _checked(so.LocalOptions, self)
 
     def options(self) -> dict[str, Any]:
-        return {k: v for k, v in (("worker", self.worker), ("tag", self.tag)) if v is not None}
+        return _checked(so.LocalOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -123,21 +123,10 @@ class DataParallel(Strategy):
     name: ClassVar[str] = "data_parallel"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
-        _check_selector("tag", self.tag)
-        if not isinstance(self.elastic, bool):
-            raise ValueError(f"elastic must be True or False, not {self.elastic!r}")
-        _positive("DataParallel", "elastic_timeout", self.elastic_timeout)
+        _checked(so.DataParallelOptions, self)
 
     def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"workers": self.workers}
-        if self.tag is not None:
-            options["tag"] = self.tag
-        if self.elastic:
-            options["elastic"] = True
-            options["elastic_timeout"] = float(self.elastic_timeout)
-        return options
+        return _checked(so.DataParallelOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -151,32 +140,10 @@ class WorkerData:
     name: str
 
     def __post_init__(self) -> None:
-        _check_selector("name", self.name)
+        _checked(so.WorkerDataOptions, self)
 
 
 # -- federated ----------------------------------------------------------------------------------
-
-
-def _real(owner: str, argument: str, value: object) -> float:
-    """``value`` as a float, if it is a finite real number (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{owner}: {argument} must be a finite number, not {value!r}")
-    return float(value)
-
-
-def _positive(owner: str, argument: str, value: object) -> None:
-    if _real(owner, argument, value) <= 0:
-        raise ValueError(f"{owner}: {argument} must be > 0, not {value!r}")
-
-
-def _decay(owner: str, argument: str, value: object) -> None:
-    if not 0 <= _real(owner, argument, value) < 1:
-        raise ValueError(f"{owner}: {argument} must be in [0, 1), not {value!r}")
-
-
-def _positive_int(owner: str, argument: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{owner}: {argument} must be a positive integer, not {value!r}")
 
 
 class ServerOptimizer(ABC):
@@ -188,9 +155,13 @@ class ServerOptimizer(ABC):
     #: The optimizer's name on the wire.
     name: ClassVar[str]
 
+    def __post_init__(self) -> None:
+        self.options()
+
     def options(self) -> dict[str, Any]:
         """``{"name": ..., hyperparameter: value, ...}``, as the strategy sends it."""
-        return {"name": self.name, **{k: float(v) for k, v in vars(self).items()}}
+        checked = so.server_options(self.name, _arguments(self), so.Dialect.SDK)
+        return {"name": self.name, **checked.hyperparameters()}
 
 
 @dataclass(frozen=True)
@@ -207,10 +178,6 @@ class FedAvgM(ServerOptimizer):
 
     name: ClassVar[str] = "fedavgm"
 
-    def __post_init__(self) -> None:
-        _positive("FedAvgM", "lr", self.lr)
-        _decay("FedAvgM", "momentum", self.momentum)
-
 
 @dataclass(frozen=True)
 class _Adaptive(ServerOptimizer):
@@ -218,13 +185,6 @@ class _Adaptive(ServerOptimizer):
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
-
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _positive(owner, "lr", self.lr)
-        _decay(owner, "beta1", self.beta1)
-        _decay(owner, "beta2", self.beta2)
-        _positive(owner, "tau", self.tau)
 
 
 @dataclass(frozen=True)
@@ -257,43 +217,15 @@ class FedYogi(_Adaptive):
     name: ClassVar[str] = "fedyogi"
 
 
-def _check_federated(owner: str, s: FedAvg | FedProx) -> None:
-    _positive_int(owner, "rounds", s.rounds)
-    _positive_int(owner, "local_epochs", s.local_epochs)
-    _positive_int(owner, "min_workers", s.min_workers)
-    if not 0 < _real(owner, "fraction", s.fraction) <= 1:
-        raise ValueError(f"{owner}: fraction must be in (0, 1], not {s.fraction!r}")
-    if s.workers is not None:
-        _positive_int(owner, "workers", s.workers)
-        if s.workers < s.min_workers:
-            raise ValueError(
-                f"{owner}: workers ({s.workers}) must be at least min_workers ({s.min_workers})"
-            )
-    _check_selector("tag", s.tag)
+def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:
+    """The options of a FedAvg or FedProx, checked; the server optimizer must be an SDK one."""
     if s.server is not None and not isinstance(s.server, ServerOptimizer):
         raise ValueError(
-            f"{owner}: server must be FedAvgM(...), FedAdam(...), FedYogi(...) or None, "
-            f"not {s.server!r}"
+            f"{type(s).__name__}: server must be FedAvgM(...), FedAdam(...), FedYogi(...) or "
+            f"None, not {s.server!r}"
         )
-    if not isinstance(s.seed, int) or isinstance(s.seed, bool) or s.seed < 0:
-        raise ValueError(f"{owner}: seed must be a non-negative integer, not {s.seed!r}")
-
-
-def _federated_options(s: FedAvg | FedProx) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "rounds": s.rounds,
-        "local_epochs": s.local_epochs,
-        "fraction": float(s.fraction),
-        "min_workers": s.min_workers,
-        "seed": s.seed,
-    }
-    if s.workers is not None:
-        options["workers"] = s.workers
-    if s.tag is not None:
-        options["tag"] = s.tag
-    if s.server is not None:
-        options["server"] = s.server.options()
-    return options
+    server = s.server.options() if s.server is not None else None
+    return _checked(model, s, server=server)
 
 
 @dataclass(frozen=True)
@@ -338,10 +270,10 @@ class FedAvg(Strategy):
     name: ClassVar[str] = "fedavg"
 
     def __post_init__(self) -> None:
-        _check_federated("FedAvg", self)
+        _federated(so.FedAvgOptions, self)
 
     def options(self) -> dict[str, Any]:
-        return _federated_options(self)
+        return _federated(so.FedAvgOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -372,11 +304,10 @@ class FedProx(Strategy):
     name: ClassVar[str] = "fedprox"
 
     def __post_init__(self) -> None:
-        _positive("FedProx", "mu", self.mu)
-        _check_federated("FedProx", self)
+        _federated(so.FedProxOptions, self)
 
     def options(self) -> dict[str, Any]:
-        return {"mu": float(self.mu), **_federated_options(self)}
+        return _federated(so.FedProxOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -388,21 +319,12 @@ class Partition:
     tag: str | None = None
 
     def __post_init__(self) -> None:
-        ids = list(self.node_ids)
-        if not ids or not all(isinstance(n, str) and n for n in ids):
-            raise ValueError(f"a partition names one or more node ids, not {self.node_ids!r}")
-        object.__setattr__(self, "node_ids", tuple(ids))
-        _check_selector("worker", self.worker)
-        _check_selector("tag", self.tag)
-        if (self.worker is None) == (self.tag is None):
-            raise ValueError(
-                f"pin partition {ids} to a worker id or a tag, exactly one "
-                f"(worker={self.worker!r}, tag={self.tag!r})"
-            )
+        checked = _checked(so.PartitionOptions, self)
+        object.__setattr__(self, "node_ids", checked.node_ids)
 
     def option(self) -> dict[str, Any]:
-        pinned = {"worker": self.worker} if self.worker is not None else {"tag": self.tag}
-        return {"node_ids": list(self.node_ids), **pinned}
+        """This stage as ModelParallel sends it."""
+        return _checked(so.PartitionOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -430,20 +352,8 @@ class ModelParallel(Strategy):
         if not parts or not all(isinstance(p, Partition) for p in parts):
             raise ValueError("partitions must be a non-empty list of somatize.Partition")
         object.__setattr__(self, "partitions", tuple(parts))
-        if (
-            not isinstance(self.micro_batches, int)
-            or isinstance(self.micro_batches, bool)
-            or self.micro_batches < 1
-        ):
-            raise ValueError(
-                f"micro_batches must be a positive integer, not {self.micro_batches!r}"
-            )
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"schedule must be 'gpipe' or '1f1b', not {self.schedule!r}")
+        self.options()
 
     def options(self) -> dict[str, Any]:
-        return {
-            "partitions": [p.option() for p in self.partitions],
-            "micro_batches": self.micro_batches,
-            "schedule": self.schedule,
-        }
+        partitions = [p.option() for p in self.partitions]
+        return _checked(so.ModelParallelOptions, self, partitions=partitions).to_wire()

@@ -2,12 +2,20 @@
 
 A strategy is a small class named after what it implements, with:
 
-* ``from_options(options)`` — validate what the client sent (:class:`StrategyOptionsError` names
-  the bad option), refusing rather than guessing;
+* ``from_options(options)`` — the client's options, checked by the models both sides share
+  (:mod:`protocol.strategy_options`; :class:`StrategyOptionsError` names the bad option);
 * ``placement()`` — how many workers it needs and which ones qualify;
 * ``async run(ctx, job, emit)`` — the training loop against a
-  :class:`~coordinator.context.StrategyContext`, with phase comments, returning the trained
-  states by node id (read back over the wire, never recalled).
+  :class:`~coordinator.context.StrategyContext`, its paper's phases named in comments, reading
+  and advancing one position dataclass, and returning the trained states by node id (read back
+  over the wire, never recalled).
+
+The package, by module: ``base`` (inputs, placement, the strategy interface), ``steps`` (what
+several strategies do: the plain-prefix check, global batches, setting a worker up),
+``aggregate`` (weighted means), ``local``, ``data_parallel`` with ``elastic`` (replacing a
+lost replica), ``fedavg`` and ``fedprox`` with ``federated`` (the run's position and workers)
+and ``server_opt`` (server optimizers), ``model_parallel`` with ``schedule`` (pipeline schedules
+as data) and ``pipeline`` (running one over the context).
 
 :data:`STRATEGIES` maps the wire name (``StrategySpec.name``) to the class.
 """
@@ -24,7 +32,8 @@ from coordinator.strategies.base import (
     strategy_from_spec,
 )
 from coordinator.strategies.data_parallel import DataParallel
-from coordinator.strategies.fedavg import FedAvg, FedProx
+from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.fedprox import FedProx
 from coordinator.strategies.local import Local
 from coordinator.strategies.model_parallel import ModelParallel
 

@@ -21,13 +21,12 @@ type), lists and tuples, down to leaves. A leaf is one of:
 * anything else (``str``, ``None``, ``bytes``, ...): has no mean, so it too must be equal
   everywhere.
 
-Aggregation refuses instead of guessing (DESIGN §5; lessons 8 and 20 of the 0.5.1 behaviour):
-zero contributors, a weight that is not positive and finite, a key missing from or added by one
-contributor, a shape that disagrees, a leaf of another kind (an integer where the first
-contributor has a float, a dict where it has an array) and disagreeing integer or non-numeric
-leaves each raise :class:`AggregationError` naming the key path, the contributors and the
-values. Averaging over whoever has a key would quietly weight the others. One contributor
-gives an exact copy of its tree (the identity), not a float64 round trip.
+Aggregation refuses instead of guessing: zero contributors, a weight that is not positive and
+finite, a key missing from or added by one contributor, a shape that disagrees, a leaf of
+another kind (an integer where the first contributor has a float, a dict where it has an array)
+and disagreeing integer or non-numeric leaves each raise :class:`AggregationError` naming the
+key path, the contributors and the values. Averaging over whoever has a key would quietly
+weight the others. One contributor gives an exact copy of its tree, not a float64 round trip.
 
 :class:`Accumulator` folds contributions in as they arrive, so a strategy can average while it
 is still receiving; :func:`weighted_mean` is an accumulator fed a list. Folding is in place into
@@ -90,9 +89,6 @@ class AggregationError(CoordinatorError):
         """The error ``message`` about the leaf or container at ``path``."""
         where = format_path(path)
         return cls(f"{where}: {message}" if where else message)
-
-
-# Leaves ---------------------------------------------------------------------------------------
 
 
 def _is_tensor(value: Any) -> TypeGuard[torch.Tensor]:
@@ -196,9 +192,6 @@ def copy_leaf(leaf: Any) -> Any:
     return copy.deepcopy(leaf)
 
 
-# Trees ----------------------------------------------------------------------------------------
-
-
 def tree_map(fn: Callable[[Any], Any], tree: Tree) -> Tree:
     """``tree`` with ``fn`` applied to every leaf; mappings become dicts, lists and tuples stay."""
     if isinstance(tree, Mapping):
@@ -270,9 +263,6 @@ def describe(value: Any) -> str:
 
 def _shape(leaf: Any) -> list[int]:
     return list(leaf_shape(leaf))
-
-
-# The accumulator ------------------------------------------------------------------------------
 
 
 class Accumulator:

@@ -9,27 +9,26 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
 from coordinator.context import StrategyContext, Target, WorkerIdentity
-from coordinator.errors import CoordinatorError
-from protocol.errors import ErrorCode, ErrorInfo
+from coordinator.errors import StrategyFailed, StrategyOptionsError
+from protocol import strategy_options as so
 from protocol.messages import NodeInfo
 
 T = TypeVar("T")
 
+__all__ = [
+    "Emit",
+    "JobInputs",
+    "Placement",
+    "Strategy",
+    "StrategyFailed",
+    "StrategyOptionsError",
+    "concurrently",
+    "parse_options",
+    "strategy_from_spec",
+]
+
 Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 """``await emit(event, data)``: record a job event (``"progress"`` with step, loss...)."""
-
-
-class StrategyOptionsError(CoordinatorError):
-    """A strategy that does not exist, an option it does not take or cannot accept, or a job it
-    cannot run (refused when the job is submitted)."""
-
-
-class StrategyFailed(CoordinatorError):
-    """A running strategy cannot go on; ``info`` is the job's failure (code, message, detail)."""
-
-    def __init__(self, code: ErrorCode, message: str, **detail: Any) -> None:
-        super().__init__(message)
-        self.info = ErrorInfo(code=code, message=message, detail=detail)
 
 
 @dataclass(frozen=True)
@@ -145,13 +144,16 @@ async def concurrently(*calls: Awaitable[T]) -> list[T]:
         raise
 
 
-def check_options(name: str, options: Mapping[str, Any], allowed: set[str]) -> None:
-    """Refuse options a strategy does not take, naming them and what it does take."""
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise StrategyOptionsError(
-            f"strategy {name!r} takes no option {unknown}; it takes {sorted(allowed)}"
-        )
+def parse_options(model: type[so.T], options: Mapping[str, Any]) -> so.T:
+    """A strategy's options as the client sent them, checked by the shared ``model``.
+
+    Raises:
+        StrategyOptionsError: an option it does not take or cannot accept, named.
+    """
+    try:
+        return so.parse(model, options, so.Dialect.WIRE)
+    except ValueError as exc:
+        raise StrategyOptionsError(str(exc)) from None
 
 
 def strategy_from_spec(name: str, options: Mapping[str, Any]) -> Strategy:

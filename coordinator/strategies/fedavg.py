@@ -1,4 +1,4 @@
-"""FedAvg and FedProx: federated averaging of models trained where the data is.
+"""FedAvg: federated averaging of models trained where the data is (FedProx: ``fedprox.py``).
 
 McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
 Data", Algorithm 1 (FederatedAveraging; K clients indexed by k, B the local minibatch size,
@@ -20,51 +20,35 @@ E the number of local epochs, η the learning rate)::
                 w ← w − η ∇ℓ(w; b)
         return w to server
 
-Here a client is a worker; its data P_k is either its own dataset (``WorkerData``: it never
-leaves the worker) or a contiguous shard of the rows the client sent (``numpy.array_split``),
-staged in its filter daemon once per job. Each round:
+Here a client is a worker; its data P_k is its own dataset (``WorkerData``: it never leaves the
+worker) or a contiguous shard of the rows the client sent, staged in its daemon once per job.
+Selection is ``sorted(default_rng(seed + t).choice(K, m, replace=False))`` over the usable
+workers, m = max(``min_workers``, ⌈``fraction`` · K⌉). ClientUpdate is ``batched_fit`` with a
+fresh optimizer (the TorchFilters' own optimizer, ``lr`` and batches) from w_t sent with
+``set_state``; the trained states are pulled (``get_state``) at most ``FETCHES`` at a time and
+folded into an :class:`~coordinator.strategies.aggregate.Accumulator` as they arrive, so the
+coordinator holds a few client states, not m. The server optimizer
+(:mod:`~coordinator.strategies.server_opt`: plain averaging, or FedAvgM, FedAdam, FedYogi after
+Reddi et al. 2021) then steps from w_t towards the mean on the TorchFilters' states. Plain
+filters (a ``Center`` before the network) are fitted by each client on its own data every round,
+as ``graph.fit`` would; their global state is the row-weighted mean of the clients'.
 
-* selection: m = max(``min_workers``, ⌈``fraction`` · K⌉) of the K workers still usable, namely
-  ``sorted(numpy.random.default_rng(seed + t).choice(K, m, replace=False))`` as positions in
-  the list of usable workers (placement order);
-* ClientUpdate: the global model is *sent* to each selected worker (``set_state``), which trains
-  ``local_epochs`` epochs on its staged data with a fresh optimizer (``batched_fit`` with
-  ``reset_optimizer``; batches, optimizer and ``lr`` are its TorchFilters' own) and answers with
-  its row count n_k; its trained states are then pulled (``get_state``), at most ``FETCHES``
-  workers at a time, however many train at once;
-* aggregation: the mean of the states weighted by n_k over those who answered, each folded
-  into an :class:`~coordinator.strategies.aggregate.Accumulator` as it arrives (so the
-  coordinator holds a few client states at a time, not m, and averages while it receives), then
-  the server optimizer (:mod:`~coordinator.strategies.server_opt`: plain averaging by default,
-  or FedAvgM, FedAdam, FedYogi after Reddi et al. 2021) steps from w_t towards that mean on the
-  TorchFilters' states.
-
-Plain filters (a ``Center`` before the network) have no state to start from: each client fits
-them on its own data in every round, as ``graph.fit`` would, and their global state is the
-row-weighted mean of the clients' states (for a ``Center``, the mean of all rows).
-
-FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks", Algorithm 2) is
-FedAvg whose clients minimise h_k(w; w_t) = F_k(w) + μ/2 ‖w − w_t‖²: the same rounds with the
-proximal term added to every local batch's loss (``batched_fit`` with ``prox_mu``).
-
-A worker that fails or times out in a round is dropped from that round and named in the round's
-event; the round goes on if at least ``min_workers`` answered. One whose connection is gone
-(``worker_lost``) is not selected again; one whose daemon died (``daemon_crashed``, or
-``timeout``, after which the agent kills it) is set up again (filters and data) before it next
-trains. The final model is set on a worker and read back over the wire.
+Workers that fail in a round are dropped from it (:mod:`~coordinator.strategies.federated`); the
+round goes on if at least ``min_workers`` answered. The final model is set on a worker and read
+back over the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Self
 
 import numpy as np
 
-from coordinator.context import StrategyContext, WorkerCallError
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
 from coordinator.strategies import server_opt
 from coordinator.strategies.aggregate import Accumulator, AggregationError
 from coordinator.strategies.base import (
@@ -72,65 +56,35 @@ from coordinator.strategies.base import (
     JobInputs,
     Placement,
     Strategy,
-    StrategyFailed,
-    StrategyOptionsError,
-    check_options,
     concurrently,
+    parse_options,
 )
+from coordinator.strategies.federated import (
+    ClientUpdate,
+    Cohort,
+    DroppedWorker,
+    FederatedPosition,
+    contiguous_shards,
+    listed,
+    reasons,
+)
+from coordinator.strategies.steps import rows_of
+from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
+from protocol.strategy_options import FedAvgOptions
 
 STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
-
-OPTIONS = {"rounds", "local_epochs", "fraction", "min_workers", "workers", "tag", "server", "seed"}
-"""The options FedAvg takes (FedProx takes ``mu`` as well)."""
 
 FETCHES = 16
 """Trained states pulled from the workers at once: the coordinator holds at most this many
 client states (arriving or being folded into the mean), however many workers train."""
 
-_REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
-"""Failures after which the worker's daemon is gone, with the job's filters and data."""
-
-
-@dataclass
-class _Workers:
-    """What the coordinator knows of the job's workers during a run, by position."""
-
-    ids: list[str]
-    rows: dict[int, int] = field(default_factory=dict)  # staged rows of each set-up worker
-    lost: dict[int, str] = field(default_factory=dict)  # never selected again, and why
-    stale: set[int] = field(default_factory=set)  # to be set up again before training
-
-    def usable(self) -> list[int]:
-        return [i for i in range(len(self.ids)) if i not in self.lost]
-
-    def drop(self, i: int, error: WorkerCallError) -> str:
-        """Note what ``error`` means for worker ``i``; return how to name it in a report."""
-        reason = f"{error.code}: {error.info.message}"
-        if error.code is ErrorCode.WORKER_LOST:
-            self.lost[i] = reason
-        elif error.code in _REDO_SETUP:
-            self.stale.add(i)
-        return reason
-
 
 class FedAvg(Strategy):
-    """Federated averaging over the job's workers (see the module docstring).
-
-    Args:
-        rounds: communication rounds.
-        local_epochs: epochs each selected worker trains per round.
-        fraction: C, the share of the usable workers selected per round, in (0, 1].
-        min_workers: the least number of workers a round needs answers from.
-        workers: reserve this many workers; ``None`` takes every idle matching worker.
-        tag: only workers with this tag.
-        server: the server optimizer's name (``server_opt.OPTIMIZERS``); the default,
-            ``"fedavg"``, takes the average as it is.
-        server_options: its hyperparameters.
-        prox_mu: FedProx's μ (0 for FedAvg); see :class:`FedProx`.
-        seed: seeds the client selection (``default_rng(seed + round)``).
-    """
+    """Federated averaging over the job's workers; the options are ``somatize.FedAvg``'s, the
+    server optimizer given by name (``server_opt.OPTIMIZERS``) and hyperparameters, and
+    ``prox_mu`` FedProx's μ (0 for FedAvg)."""
 
     name = "fedavg"
 
@@ -159,54 +113,9 @@ class FedAvg(Strategy):
         self.prox_mu = prox_mu
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
 
-    # -- options --------------------------------------------------------------------------------
-
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, OPTIONS)
-        return cls(**cls._common(options))
-
-    @classmethod
-    def _common(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The options FedAvg and FedProx share, checked."""
-        name = cls.name
-        rounds = _positive_int(name, "rounds", options.get("rounds"))
-        local_epochs = _positive_int(name, "local_epochs", options.get("local_epochs", 1))
-        min_workers = _positive_int(name, "min_workers", options.get("min_workers", 1))
-        workers = options.get("workers")
-        if workers is not None:
-            workers = _positive_int(name, "workers", workers)
-            if workers < min_workers:
-                raise StrategyOptionsError(
-                    f"{name}: workers ({workers}) must be at least min_workers ({min_workers})"
-                )
-        fraction = options.get("fraction", 1.0)
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, int | float)
-            or not 0 < fraction <= 1
-        ):
-            raise StrategyOptionsError(
-                f"{name}: fraction must be a number in (0, 1], not {fraction!r}"
-            )
-        tag = options.get("tag")
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise StrategyOptionsError(f"{name}: tag must be a non-empty string, not {tag!r}")
-        seed = options.get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise StrategyOptionsError(f"{name}: seed must be a non-negative integer, not {seed!r}")
-        server, server_options = _server_spec(name, options.get("server"))
-        return {
-            "rounds": rounds,
-            "local_epochs": local_epochs,
-            "fraction": float(fraction),
-            "min_workers": min_workers,
-            "workers": workers,
-            "tag": tag,
-            "server": server,
-            "server_options": server_options,
-            "seed": seed,
-        }
+        return cls(**arguments(parse_options(FedAvgOptions, options)))
 
     def _server_optimizer(self) -> server_opt.ServerOptimizer:
         """A new server optimizer (fresh moments) for one run."""
@@ -230,159 +139,87 @@ class FedAvg(Strategy):
             return  # the labels are the workers' own: each one's first round will tell
         if job.y is None:
             raise StrategyOptionsError(f"{self.name} trains with labels: y is missing")
-        rows = _rows(job.x)
+        rows = rows_of(job.x)
         least = self.workers if self.workers is not None else self.min_workers
         if rows is not None and rows < least:
             raise StrategyOptionsError(
                 f"{self.name}: x has {rows} rows, too few to give each of {least} workers a shard"
             )
 
-    # -- the run ------------------------------------------------------------------------------
-
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        server = self._server_optimizer()
         torch_nodes = job.differentiable()
-        workers = _Workers([w.id for w in ctx.workers])
-        shards = self._shards(job, ctx.num_workers())
+        cohort = Cohort([w.id for w in ctx.workers])
+        shards = contiguous_shards(job, ctx.num_workers(), self.name)
 
-        # 1. Ship the filters and stage each worker's data, once per job.
-        await emit("progress", {"phase": "loading", "workers": workers.ids})
-        failed = await self._setup(ctx, job, shards, workers, range(ctx.num_workers()))
-        await emit(
-            "progress",
-            {
-                "phase": "staged",
-                "rows": {workers.ids[i]: n for i, n in sorted(workers.rows.items())},
-                "dropped": failed,
-            },
+        # Ship the filters and stage each worker's data P_k, once per job.
+        await emit("progress", {"phase": "loading", "workers": cohort.ids})
+        failed = await cohort.set_up(ctx, job, STAGED, shards, range(ctx.num_workers()))
+        staged = {cohort.ids[i]: n for i, n in sorted(cohort.rows.items())}
+        await emit("progress", {"phase": "staged", "rows": staged, "dropped": reasons(failed)})
+        cohort.check_ready(self.min_workers, failed)
+
+        # initialize w_0: the TorchFilters' initial weights, as every worker unpickled them.
+        initial = await cohort.first_answering(
+            lambda i: ctx.get_state(i, torch_nodes), "no worker could give the initial model"
         )
-        self._check_enough(workers, failed, "setup")
+        at = FederatedPosition(initial, self._server_optimizer(), cohort)
 
-        # 2. w_0: the TorchFilters' initial weights, as every worker unpickled them.
-        global_state = await self._initial_state(ctx, workers, torch_nodes)
-
-        for r in range(1, self.rounds + 1):
-            # 3. Select m of the usable workers; set up again those whose daemon died.
-            selected = self._select(r, workers)
-            # 4. ClientUpdate on each, concurrently: w_t goes out, trained states come back and
-            #    are folded into the weighted mean as they arrive (one state held, not m).
+        while at.round < self.rounds:
+            r = at.round + 1
+            # S_t ← a random set of m = max(min_workers, ⌈C · K⌉) clients.
+            selected = self._select(r, cohort)
+            # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel, each folded into
+            # the weighted mean as it arrives (a few client states held, not m).
             mean, fetch = Accumulator(), asyncio.Semaphore(FETCHES)
-            replies = await concurrently(
-                *(
-                    self._client_update(ctx, job, shards, workers, i, global_state, mean, fetch, r)
-                    for i in selected
-                )
+            updates = await concurrently(
+                *(self._client_update(ctx, job, shards, at, i, mean, fetch) for i in selected)
             )
-            answered = [(i, reply) for i, reply in replies if not isinstance(reply, str)]
-            dropped = {workers.ids[i]: reply for i, reply in replies if isinstance(reply, str)}
-            if len(answered) < self.min_workers:
-                raise StrategyFailed(
-                    ErrorCode.NOT_ENOUGH_WORKERS,
-                    f"round {r}: {len(answered)} of {len(selected)} selected workers answered, "
-                    f"min_workers is {self.min_workers}; {_listed(dropped)}",
-                    round=r,
-                    answered=[workers.ids[i] for i, _ in answered],
-                    dropped=dropped,
-                )
-            # 5. w_{t+1}: the row-weighted mean, through the server optimizer for TorchFilters.
-            averaged = mean.result()
-            global_state = self._server_step(server, r, global_state, averaged, torch_nodes)
-            rows = sum(int(reply["rows"]) for _, reply in answered)
-            loss = sum(int(reply["rows"]) * float(reply["loss"]) for _, reply in answered)
+            answered = [u for u in updates if isinstance(u, ClientUpdate)]
+            dropped = [u for u in updates if isinstance(u, DroppedWorker)]
+            cohort.check_answered(
+                r, self.min_workers, selected, [u.worker for u in answered], dropped
+            )
+            # w_{t+1} ← Σ (n_k / n) w^k_{t+1}, stepped through the server optimizer (Reddi et
+            # al. 2021) for the TorchFilters.
+            at.global_state = server_opt.step_on(
+                at.server, at.global_state, mean.result(), torch_nodes, r
+            )
+            at.round = r
+            rows = sum(u.rows for u in answered)
             await emit(
                 "progress",
                 {
                     "phase": "round",
                     "round": r,
                     "rounds": self.rounds,
-                    "selected": [workers.ids[i] for i in selected],
-                    "workers": [workers.ids[i] for i, _ in answered],
-                    "dropped": dropped,
+                    "selected": [cohort.ids[i] for i in selected],
+                    "workers": [cohort.ids[u.worker] for u in answered],
+                    "dropped": reasons(dropped),
                     "rows": rows,
-                    "loss": loss / rows,
+                    "loss": sum(u.rows * u.loss for u in answered) / rows,
                 },
             )
 
-        # 6. The final model, set on a worker and read back over the wire.
-        return await self._read_back(ctx, job, workers, global_state)
+        # The final model, set on a worker and read back over the wire.
+        async def read_back(i: int) -> dict[str, Any]:
+            await ctx.set_state(i, at.global_state)
+            return await ctx.read_back_state(i, job.node_ids)
 
-    # -- phases -------------------------------------------------------------------------------
-
-    def _shards(self, job: JobInputs, k: int) -> list[tuple[Any, Any]] | None:
-        """Contiguous shards of the client's rows, one per worker (``None``: WorkerData)."""
-        if job.dataset is not None:
-            return None
-        n = _rows(job.x)
-        if n is None:
-            raise StrategyFailed(ErrorCode.BAD_REQUEST, f"{self.name}: x has no rows to split")
-        if n < k:
-            raise StrategyFailed(
-                ErrorCode.BAD_REQUEST,
-                f"{self.name}: x has {n} rows, too few to give each of {k} workers a shard",
-            )
-        bounds = np.cumsum([0, *(len(part) for part in np.array_split(np.arange(n), k))])
-        return [
-            (job.x[start:stop], job.y[start:stop])
-            for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
-        ]
-
-    async def _setup(
-        self,
-        ctx: StrategyContext,
-        job: JobInputs,
-        shards: list[tuple[Any, Any]] | None,
-        workers: _Workers,
-        which: Sequence[int],
-    ) -> dict[str, str]:
-        """Load the filters and stage the data on ``which``; the failures, by worker id."""
-
-        async def one(i: int) -> str | None:
-            try:
-                await ctx.load(i, job.filters)
-                if shards is None:
-                    stage = {"cmd": "stage", "name": STAGED, "dataset": job.dataset}
-                else:
-                    stage = {"cmd": "stage", "name": STAGED, "x": shards[i][0], "y": shards[i][1]}
-                staged = await ctx.call(i, stage)
-            except WorkerCallError as exc:
-                workers.rows.pop(i, None)
-                workers.stale.add(i)
-                return workers.drop(i, exc)
-            rows = int(staged["rows"])
-            if rows == 0:
-                workers.lost[i] = "its dataset has no rows"
-                return workers.lost[i]
-            workers.rows[i] = rows
-            workers.stale.discard(i)
-            return None
-
-        reasons = await concurrently(*(one(i) for i in which))
-        return {
-            workers.ids[i]: reason
-            for i, reason in zip(which, reasons, strict=True)
-            if reason is not None
-        }
-
-    async def _initial_state(
-        self, ctx: StrategyContext, workers: _Workers, torch_nodes: list[str]
-    ) -> dict[str, Any]:
-        """The TorchFilters' states on the first worker that answers."""
-        return await _on_first_answering(
-            workers,
-            lambda i: ctx.get_state(i, torch_nodes),
-            "no worker could give the initial model",
+        return await cohort.first_answering(
+            read_back, "no worker is left to read the final model back from"
         )
 
-    def _select(self, r: int, workers: _Workers) -> list[int]:
+    def _select(self, r: int, cohort: Cohort) -> list[int]:
         """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
-        usable = workers.usable()
+        usable = cohort.usable()
         if len(usable) < self.min_workers:
+            lost = cohort.lost_reasons()
             raise StrategyFailed(
                 ErrorCode.NOT_ENOUGH_WORKERS,
                 f"round {r}: {len(usable)} usable workers left, min_workers is "
-                f"{self.min_workers}; lost: {_listed(_named(workers, workers.lost))}",
+                f"{self.min_workers}; lost: {listed(cohort.lost.values())}",
                 round=r,
-                lost=_named(workers, workers.lost),
+                lost=lost,
             )
         m = max(self.min_workers, math.ceil(self.fraction * len(usable)))
         picks = np.random.default_rng(self.seed + r).choice(len(usable), m, replace=False)
@@ -393,180 +230,61 @@ class FedAvg(Strategy):
         ctx: StrategyContext,
         job: JobInputs,
         shards: list[tuple[Any, Any]] | None,
-        workers: _Workers,
+        at: FederatedPosition,
         i: int,
-        global_state: dict[str, Any],
         mean: Accumulator,
         fetch: asyncio.Semaphore,
-        r: int,
-    ) -> tuple[int, dict[str, Any] | str]:
-        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``: its
-        rows and loss, or why it dropped out.
-
-        Every selected worker trains at once; their states are then pulled ``fetch`` at a
-        time (``get_state``), not sent with the fit's reply: m workers finishing together
-        would otherwise push m states into the coordinator's memory at once.
+    ) -> ClientUpdate | DroppedWorker:
+        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``; or why
+        it dropped out. The states are pulled ``fetch`` at a time, not sent with the fit's
+        reply: m workers finishing together would push m states into memory at once.
 
         Raises:
-            StrategyFailed: its states cannot be averaged with the others' (round ``r`` fails).
+            StrategyFailed: its states cannot be averaged with the others' (the round fails).
         """
-        if i in workers.stale:
-            failed = await self._setup(ctx, job, shards, workers, [i])
+        if i in at.cohort.stale:
+            failed = await at.cohort.set_up(ctx, job, STAGED, shards, [i])
             if failed:
-                return i, failed[workers.ids[i]]
+                return failed[0]
         # Only the TorchFilters start from w_t: plain filters are fitted anew on the worker's data.
-        model = {n: global_state[n] for n in job.differentiable()}
+        model = {n: at.global_state[n] for n in job.differentiable()}
+        train = BatchedFitRequest(
+            node_ids=job.node_ids,
+            data=STAGED,
+            epochs=self.local_epochs,
+            prox_mu=self.prox_mu,
+            reset_optimizer=True,
+            return_output=False,  # the model's outputs on private data stay there
+            return_states=False,  # pulled below, a few workers at a time
+        )
         try:
             await ctx.set_state(i, model)
-            fit = await ctx.call(
-                i,
-                {
-                    "cmd": "batched_fit",
-                    "node_ids": job.node_ids,
-                    "data": STAGED,
-                    "epochs": self.local_epochs,
-                    "prox_mu": self.prox_mu,
-                    "reset_optimizer": True,
-                    "return_output": False,  # the model's outputs on private data stay there
-                    "return_states": False,  # pulled below, a few workers at a time
-                },
-            )
+            fit = await ctx.call(i, train)
             async with fetch:
                 states = await ctx.get_state(i, job.node_ids)
                 try:
-                    mean.add(workers.ids[i], fit["rows"], states)
+                    mean.add(at.cohort.ids[i], fit["rows"], states)
                 except AggregationError as exc:
                     raise StrategyFailed(
-                        ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {exc}"
+                        ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
                     ) from exc
         except WorkerCallError as exc:
-            return i, workers.drop(i, exc)
-        return i, {"rows": fit["rows"], "loss": fit["loss"]}
-
-    def _server_step(
-        self,
-        server: server_opt.ServerOptimizer,
-        r: int,
-        global_state: dict[str, Any],
-        averaged: dict[str, Any],
-        torch_nodes: list[str],
-    ) -> dict[str, Any]:
-        """w_{t+1}: the server optimizer's step on the TorchFilters, the mean for the rest."""
-        current = {n: global_state[n] for n in torch_nodes}
-        try:
-            stepped = server.step(current, {n: averaged[n] for n in torch_nodes})
-        except AggregationError as exc:
-            raise StrategyFailed(
-                ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {server.name}: {exc}"
-            ) from exc
-        return {**averaged, **stepped}
-
-    async def _read_back(
-        self,
-        ctx: StrategyContext,
-        job: JobInputs,
-        workers: _Workers,
-        global_state: dict[str, Any],
-    ) -> dict[str, Any]:
-        """Set the final model on a worker and read it back (the next one if that one fails)."""
-
-        async def read_back(i: int) -> dict[str, Any]:
-            await ctx.set_state(i, global_state)
-            return await ctx.read_back_state(i, job.node_ids)
-
-        return await _on_first_answering(
-            workers, read_back, "no worker is left to read the final model back from"
-        )
-
-    def _check_enough(self, workers: _Workers, failed: Mapping[str, str], phase: str) -> None:
-        usable = [i for i in workers.usable() if i not in workers.stale]
-        if len(usable) < self.min_workers:
-            raise StrategyFailed(
-                ErrorCode.NOT_ENOUGH_WORKERS,
-                f"{phase}: {len(usable)} of {len(workers.ids)} workers are ready, min_workers "
-                f"is {self.min_workers}; {_listed(dict(failed))}",
-                dropped=dict(failed),
-            )
+            return at.cohort.drop(i, exc)
+        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]))
 
 
-class FedProx(FedAvg):
-    """FedAvg whose clients add μ/2 ‖w − w_t‖² to their loss (Li et al. 2020).
-
-    Args:
-        mu: μ > 0 (with μ = 0 this would be FedAvg: ask for FedAvg instead).
-        **kwargs: as :class:`FedAvg`.
-    """
-
-    name = "fedprox"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, OPTIONS | {"mu"})
-        mu = options.get("mu")
-        if (
-            isinstance(mu, bool)
-            or not isinstance(mu, int | float)
-            or not math.isfinite(mu)
-            or mu <= 0
-        ):
-            raise StrategyOptionsError(
-                f"fedprox: mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)"
-            )
-        return cls(**cls._common(options), prox_mu=float(mu))
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def _positive_int(strategy: str, key: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise StrategyOptionsError(f"{strategy}: {key} must be a positive integer, not {value!r}")
-    return value
-
-
-def _server_spec(strategy: str, spec: Any) -> tuple[str, dict[str, Any]]:
-    """``{"name": "fedadam", "lr": 0.01, ...}`` → the name and the hyperparameters."""
-    if spec is None:
-        return server_opt.FedAvgServer.name, {}
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-        raise StrategyOptionsError(
-            f"{strategy}: server must be an object with a name (one of "
-            f"{sorted(server_opt.OPTIMIZERS)}) and its options, not {spec!r}"
-        )
-    options = {key: value for key, value in spec.items() if key != "name"}
-    return spec["name"], options
-
-
-def _rows(x: Any) -> int | None:
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None
-
-
-def _named(workers: _Workers, by_index: Mapping[int, str]) -> dict[str, str]:
-    return {workers.ids[i]: why for i, why in by_index.items()}
-
-
-async def _on_first_answering(
-    workers: _Workers, call: Callable[[int], Awaitable[dict[str, Any]]], failure: str
-) -> dict[str, Any]:
-    """``call`` on the usable, up-to-date workers in turn until one answers; each that fails is
-    dropped. None answering is ``not_enough_workers``: ``failure`` and why each failed."""
-    errors: dict[str, str] = {}
-    for i in workers.usable():
-        if i in workers.stale:
-            continue
-        try:
-            return await call(i)
-        except WorkerCallError as exc:
-            errors[workers.ids[i]] = workers.drop(i, exc)
-    raise StrategyFailed(
-        ErrorCode.NOT_ENOUGH_WORKERS, f"{failure}; {_listed(errors)}", dropped=errors
-    )
-
-
-def _listed(reasons: Mapping[str, str]) -> str:
-    if not reasons:
-        return "no worker failed"
-    return "dropped: " + "; ".join(f"{w} ({why})" for w, why in reasons.items())
+def arguments(options: FedAvgOptions) -> dict[str, Any]:
+    """The constructor's arguments from checked options (the server optimizer as its name and
+    hyperparameters)."""
+    server = options.server_optimizer()
+    return {
+        "rounds": options.rounds,
+        "local_epochs": options.local_epochs,
+        "fraction": options.fraction,
+        "min_workers": options.min_workers,
+        "workers": options.workers,
+        "tag": options.tag,
+        "server": server.name,
+        "server_options": server.hyperparameters(),
+        "seed": options.seed,
+    }

@@ -15,9 +15,9 @@ from coordinator.strategies.base import (
     JobInputs,
     Placement,
     Strategy,
-    StrategyOptionsError,
-    check_options,
+    parse_options,
 )
+from protocol.strategy_options import LocalOptions
 
 
 class Local(Strategy):
@@ -31,14 +31,8 @@ class Local(Strategy):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
-        check_options(cls.name, options, {"worker", "tag"})
-        for key in ("worker", "tag"):
-            value = options.get(key)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise StrategyOptionsError(
-                    f"local: {key} must be a non-empty string, not {value!r}"
-                )
-        return cls(worker=options.get("worker"), tag=options.get("tag"))
+        checked = parse_options(LocalOptions, options)
+        return cls(worker=checked.worker, tag=checked.tag)
 
     def placement(self) -> Placement:
         return Placement(workers=1, worker_id=self.worker, tag=self.tag)

@@ -3,8 +3,7 @@
 With x_t the global model and x̄ the round's average of the client models (weighted by example
 count, :func:`~coordinator.strategies.aggregate.weighted_mean`), the server treats
 Δ_t = x̄ − x_t as a pseudo-gradient and steps on it (Reddi et al. 2021, "Adaptive Federated
-Optimization", Algorithm 2, written with the average of the client updates, which is
-x̄ − x_t):
+Optimization", Algorithm 2, with the average of the client updates, x̄ − x_t):
 
 * :class:`FedAvgServer` — plain FedAvg (McMahan et al. 2017): x_{t+1} = x̄.
 * :class:`FedAvgM` — server momentum (Hsu et al. 2019, "Measuring the Effects of Non-Identical
@@ -24,21 +23,19 @@ BatchNorm ``num_batches_tracked``, a filter's name) have no gradient: they are t
 they are. Complex leaves are refused by the moment-based optimizers, whose rules are written
 for real numbers.
 
-:func:`from_options` builds one from a strategy's options (``"fedavg"``, ``"fedavgm"``,
-``"fedadam"``, ``"fedyogi"``), refusing unknown names, options and out-of-range values with a
-:class:`ValueError`.
+:func:`from_options` builds one by name and hyperparameters, checked by the options models
+clients are checked by (:mod:`protocol.strategy_options`); :func:`step_on` is a round's step.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import numpy as np
 
+from coordinator.errors import StrategyFailed
 from coordinator.strategies.aggregate import (
     AggregationError,
     Path,
@@ -49,6 +46,8 @@ from coordinator.strategies.aggregate import (
     like,
     to_numpy,
 )
+from protocol import strategy_options as so
+from protocol.errors import ErrorCode
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 
@@ -81,7 +80,8 @@ class ServerOptimizer(ABC):
     @property
     def options(self) -> dict[str, float]:
         """The hyperparameters: ``from_options(opt.name, opt.options)`` builds an equal one."""
-        return {key: getattr(self, key) for key in _option_names(type(self))}
+        public = {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        return so.server_options(self.name, public, so.Dialect.WIRE).hyperparameters()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
@@ -183,8 +183,8 @@ class FedAvgM(_MomentOptimizer):
 
     def __init__(self, lr: float = 1.0, momentum: float = 0.9) -> None:
         super().__init__()
-        self.lr = _positive(self, "lr", lr)
-        self.momentum = _fraction(self, "momentum", momentum)
+        checked = _checked(self, lr=lr, momentum=momentum)
+        self.lr, self.momentum = checked["lr"], checked["momentum"]
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return (np.zeros(shape),)
@@ -204,10 +204,9 @@ class _AdaptiveOptimizer(_MomentOptimizer):
         self, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
     ) -> None:
         super().__init__()
-        self.lr = _positive(self, "lr", lr)
-        self.beta1 = _fraction(self, "beta1", beta1)
-        self.beta2 = _fraction(self, "beta2", beta2)
-        self.tau = _positive(self, "tau", tau)
+        checked = _checked(self, lr=lr, beta1=beta1, beta2=beta2, tau=tau)
+        self.lr, self.beta1, self.beta2 = checked["lr"], checked["beta1"], checked["beta2"]
+        self.tau = checked["tau"]
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return np.zeros(shape), np.full(shape, self.tau**2)
@@ -263,50 +262,32 @@ OPTIMIZERS: dict[str, type[ServerOptimizer]] = {
 """The server optimizers by the name a client gives."""
 
 
+def step_on(server: ServerOptimizer, x: Tree, xbar: Tree, nodes: Sequence[str], r: int) -> Tree:
+    """x_{t+1} after round ``r``: ``server``'s step on ``nodes`` (the TorchFilters), the mean
+    x̄ as it is for the others (plain filters, fitted anew each round); or ``StrategyFailed``."""
+    current = {n: x[n] for n in nodes}
+    try:
+        stepped = server.step(current, {n: xbar[n] for n in nodes})
+    except AggregationError as exc:
+        raise StrategyFailed(
+            ErrorCode.AGGREGATION_MISMATCH, f"round {r}: {server.name}: {exc}"
+        ) from exc
+    return {**xbar, **stepped}
+
+
 def from_options(name: str, options: Mapping[str, Any]) -> ServerOptimizer:
     """The server optimizer called ``name``, with hyperparameters from ``options``.
 
     Raises:
         ValueError: an unknown name, an option it does not take, or a value out of range.
     """
-    try:
-        cls = OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown server optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
-        ) from None
-    allowed = _option_names(cls)
-    unknown = sorted(str(key) for key in options if key not in allowed)
-    if unknown:
-        takes = f"takes options {list(allowed)}" if allowed else "takes no options"
-        raise ValueError(f"server optimizer {name!r} {takes}; got unknown {unknown}")
-    return cls(**options)
+    checked = so.server_options(name, options, so.Dialect.WIRE)
+    return OPTIMIZERS[name](**checked.hyperparameters())
 
 
-def _option_names(cls: type[ServerOptimizer]) -> tuple[str, ...]:
-    """The keyword arguments of ``cls``'s constructor: its hyperparameters."""
-    parameters = inspect.signature(cls).parameters.values()
-    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _number(owner: ServerOptimizer, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{owner.name}: {key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _positive(owner: ServerOptimizer, key: str, value: Any) -> float:
-    number = _number(owner, key, value)
-    if number <= 0:
-        raise ValueError(f"{owner.name}: {key} must be > 0, got {value!r}")
-    return number
-
-
-def _fraction(owner: ServerOptimizer, key: str, value: Any) -> float:
-    number = _number(owner, key, value)
-    if not 0 <= number < 1:
-        raise ValueError(f"{owner.name}: {key} must be in [0, 1), got {value!r}")
-    return number
+def _checked(owner: ServerOptimizer, **hyperparameters: float) -> dict[str, float]:
+    """``owner``'s hyperparameters, checked by the options model clients are checked by."""
+    return so.server_options(owner.name, hyperparameters, so.Dialect.WIRE).hyperparameters()
 
 
 def _mismatch(path: Path, xbar: Any, x: Any) -> AggregationError:

@@ -13,7 +13,8 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import DataParallel, JobInputs, StrategyOptionsError
-from coordinator.strategies.data_parallel import Training, schedule
+from coordinator.strategies.steps import Training
+from coordinator.strategies.steps import global_batches as schedule
 from protocol.filters import dump_filter
 from somatize.client import graph_info
 from worker.daemon import Daemon

@@ -23,7 +23,8 @@ from coordinator.strategies import (
     StrategyOptionsError,
     strategy_from_spec,
 )
-from coordinator.strategies.fedavg import _Workers
+from coordinator.strategies.federated import Cohort as _Workers
+from coordinator.strategies.federated import DroppedWorker
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.filters import dump_filter
 from somatize.client import graph_info
@@ -341,7 +342,7 @@ class LosesWorker(InMemoryContext):
 
     async def call(self, worker_idx, request):
         if worker_idx == 1:
-            if request.get("cmd") == "batched_fit":
+            if request.cmd == "batched_fit":
                 self.fits += 1
                 self.lost = self.lost or self.fits == 2
             if self.lost:
@@ -371,7 +372,7 @@ class CrashesOnce(InMemoryContext):
     fits = 0
 
     async def call(self, worker_idx, request):
-        if worker_idx == 1 and request.get("cmd") == "batched_fit":
+        if worker_idx == 1 and request.cmd == "batched_fit":
             self.fits += 1
             if self.fits == 2:
                 self.daemons[1] = OwnData(*self.daemons[1].own)
@@ -482,7 +483,7 @@ def test_jobs_fedavg_cannot_run_are_refused_up_front():
 
 def test_the_selection_is_a_pure_function_of_seed_round_and_usable_workers():
     strategy = FedAvg(1, fraction=0.3, min_workers=2, seed=9)
-    workers = _Workers([f"w{i}" for i in range(10)], lost={3: "gone"})
+    workers = _Workers([f"w{i}" for i in range(10)], lost={3: DroppedWorker("w3", None, "gone")})
     picks = [strategy._select(r, workers) for r in (1, 2, 1)]
     assert picks[0] == picks[2] and all(len(p) == 3 for p in picks)  # ceil(0.3 * 9) = 3
     assert all(3 not in p and p == sorted(p) for p in picks)

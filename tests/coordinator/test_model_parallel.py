@@ -12,8 +12,9 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
-from coordinator.strategies import JobInputs, ModelParallel, StrategyOptionsError
+from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed, StrategyOptionsError
 from coordinator.strategies.model_parallel import Partition, check_partitions
+from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from somatize.client import graph_info
 from worker.daemon import Daemon
@@ -152,3 +153,14 @@ def test_options_are_checked_and_the_sdk_spec_round_trips():
         ModelParallel.from_options({"partitions": [{"node_ids": ["a"]}]})
     with pytest.raises(ValueError, match="exactly one"):
         sz.Partition(["a"], worker="w", tag="t")
+
+
+def test_a_pipeline_with_one_training_stage_fails_as_a_bad_request_before_training():
+    SPLITS[1] = [("center", "a", "b", "c")]
+    try:
+        x, y = dataset()
+        with pytest.raises(StrategyFailed, match="at least two stages that train") as failure:
+            run_in_memory(graph(), x, y, 1, 2)
+        assert failure.value.info.code == ErrorCode.BAD_REQUEST
+    finally:
+        del SPLITS[1]

@@ -1,0 +1,269 @@
+"""Elastic recovery for DataParallel: a lost replica replaced and brought back to where the
+others stand.
+
+:class:`Replicas` runs one call on several replicas. Without ``elastic`` the first failure
+cancels the rest and fails the job (fail fast). With it every call is let finish, so each
+surviving replica is known to stand exactly where the last completed step left it (a step's
+request applies the previous step's mean before its gradient pass, and a gradient pass changes no
+weights). A replica whose worker was lost (``worker_lost``) or whose daemon died
+(``daemon_crashed``) then gets a worker — a replacement waited for up to the timeout, or its own
+worker with a fresh daemon — and is restored: the filters loaded, its rows staged, a survivor's
+model state *and* optimizer state (momentum, Adam moments, step counts) copied onto it. Its call
+is run again with ``fresh=True``; the others' results stand. With no survivor left there is
+nothing to copy from and the job fails saying so: the coordinator keeps no snapshot of its own,
+which would cost a full read of the model and optimizer at every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from coordinator.context import StrategyContext
+from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
+from coordinator.strategies.base import Emit, JobInputs, concurrently
+from coordinator.strategies.steps import set_up
+from protocol.daemon import StageRequest
+from protocol.errors import ErrorCode
+
+T = TypeVar("T")
+
+RECOVERABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.DAEMON_CRASHED})
+"""Failures an elastic job recovers from: the replica's state is gone, not wrong."""
+
+MAX_RECOVERIES = 3
+"""Recoveries one step (or setup phase) may take before the job fails: a filter that crashes its
+daemon on the same rows every time must not loop forever."""
+
+
+@dataclass
+class DataParallelPosition:
+    """Where a DataParallel run stands: the phase, the global step, the rows each replica holds,
+    the last step's mean gradient (applied with the next step), and whether the replicas hold
+    state a replacement must copy. The run loop reads and advances it; nothing else holds it."""
+
+    held: list[Any]  # row indices each replica was sent, by replica
+    phase: str = "loading"
+    epoch: int = 0
+    step: int | None = None  # the global step being run, from 1; None outside training
+    mean: Any = None  # the previous step's gradient mean, not yet applied
+    copy_state: bool = False  # replicas hold state (fitted, trained) a replacement must copy
+
+    def at(self) -> dict[str, Any]:
+        """The position as job events name it."""
+        return {"phase": self.phase} | ({"step": self.step} if self.step is not None else {})
+
+    @property
+    def where(self) -> str:
+        return f"step {self.step}" if self.step is not None else self.phase
+
+
+class Lost(Exception):
+    """Replicas lost in one round of calls (``errors``), and what the others returned."""
+
+    def __init__(self, errors: dict[int, WorkerCallError], results: dict[int, Any]) -> None:
+        super().__init__(", ".join(str(e) for e in errors.values()))
+        self.errors = errors
+        self.results = results
+
+
+@dataclass
+class Snapshot:
+    """Where the replicas stand: every node's state and the torch nodes' optimizers."""
+
+    source: str
+    states: dict[str, Any]
+    optimizers: dict[str, Any]
+
+
+@dataclass
+class Replicas:
+    """The replicas of one run and — ``elastic`` — how a lost one comes back (module docstring).
+
+    ``staged`` names the rows in each daemon; ``placement`` describes the workers that qualify.
+    """
+
+    ctx: StrategyContext
+    job: JobInputs
+    emit: Emit
+    position: DataParallelPosition
+    torch_nodes: list[str]
+    staged: str
+    elastic: bool
+    timeout: float
+    placement: str
+    recoveries: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def ids(self) -> list[str]:
+        """The workers' ids now, by replica (a replacement takes its replica's index)."""
+        return [w.id for w in self.ctx.workers]
+
+    async def set_up(self, i: int, fresh: bool) -> None:
+        """Load the filters on replica ``i`` and stage its rows (already done when ``fresh``)."""
+        if not fresh:
+            await self.restore(i, None)
+
+    async def on_all(
+        self, call: Callable[[int, bool], Awaitable[T]], replicas: Sequence[int]
+    ) -> dict[int, T]:
+        """``call(i, fresh)`` on each of ``replicas``; their results by replica."""
+        results: dict[int, T] = {}
+        pending, fresh = list(replicas), False
+        while pending:
+            try:
+                results |= await self.each({i: call(i, fresh) for i in pending})
+                break
+            except Lost as lost:
+                results |= lost.results
+                await self.recover(lost.errors)
+                pending, fresh = sorted(lost.errors), True
+        return results
+
+    async def each(self, calls: Mapping[int, Awaitable[T]]) -> dict[int, T]:
+        """Await one call per replica, concurrently.
+
+        Raises:
+            WorkerCallError: a call failed (without ``elastic``: any, at once; with it: one
+                that losing the worker does not explain, once every call has ended).
+            Lost: with ``elastic``, replicas whose worker or daemon was lost.
+        """
+        if not self.elastic:
+            return dict(zip(calls, await concurrently(*calls.values()), strict=True))
+        outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
+        results: dict[int, T] = {}
+        lost: dict[int, WorkerCallError] = {}
+        for i, outcome in zip(calls, outcomes, strict=True):
+            if isinstance(outcome, WorkerCallError) and outcome.code in RECOVERABLE:
+                lost[i] = outcome
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results[i] = outcome
+        if lost:
+            raise Lost(lost, results)
+        return results
+
+    async def recover(self, errors: dict[int, WorkerCallError]) -> None:
+        """Bring lost replicas back to where the others stand, on replacement workers."""
+        pending = dict(errors)  # replicas to restore, and why each was lost
+        unmanned = dict(errors)  # those of them still without a worker
+        await self._report(errors)
+        where = self.position.where
+        while True:
+            self.recoveries[where] += 1
+            if self.recoveries[where] > MAX_RECOVERIES:
+                last = next(iter(pending.values()))
+                raise StrategyFailed(
+                    last.code,
+                    f"{where}: replicas were lost {MAX_RECOVERIES} times over; the last: {last}",
+                    **last.to_info().detail,
+                )
+            survivors = [i for i in range(len(self.position.held)) if i not in pending]
+            await concurrently(*(self._replace(i, error) for i, error in unmanned.items()))
+            unmanned = {}
+            try:
+                snapshot = await self._snapshot(survivors, pending)
+                await self.each({i: self.restore(i, snapshot) for i in pending})
+                return
+            except Lost as more:  # a survivor or a replacement went too
+                await self._report(more.errors)
+                pending = {i: e for i, e in pending.items() if i not in more.results}
+                pending |= more.errors
+                unmanned = dict(more.errors)
+
+    async def restore(self, i: int, snapshot: Snapshot | None) -> None:
+        """Load the filters on replica ``i``'s worker, stage its rows and copy ``snapshot``."""
+        rows = self.position.held[i]
+        data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
+        await set_up(self.ctx, i, self.job.filters, data)
+        if snapshot is not None:
+            await self.ctx.set_state(i, snapshot.states)
+            await self.ctx.set_optimizer_state(i, snapshot.optimizers)
+            await self.emit(
+                "worker_restored",
+                {"replica": i, "worker": self.ids[i], "from": snapshot.source} | self.position.at(),
+            )
+
+    async def read_back(self) -> dict[int, dict[str, Any]]:
+        """Every replica's final state; with ``elastic`` a lost one is left out."""
+        self.position.phase, self.position.step = "reading", None
+        replicas = range(len(self.position.held))
+        reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in replicas}
+        try:
+            return await self.each(reads)
+        except Lost as lost:
+            await self._report(lost.errors)
+            if not lost.results:
+                raise every_replica_lost(lost.errors, "reading the final states") from None
+            return lost.results
+
+    async def _replace(self, i: int, error: WorkerCallError) -> None:
+        """A worker for lost replica ``i``: the same one when only its daemon died (loading the
+        job again starts a fresh one), else a replacement, waited for."""
+        old = self.ids[i]
+        started = asyncio.get_running_loop().time()
+        if error.code is not ErrorCode.DAEMON_CRASHED:
+            try:
+                await self.ctx.replace(i, self.timeout)
+            except NoReplacement as exc:
+                raise StrategyFailed(
+                    ErrorCode.NOT_ENOUGH_WORKERS,
+                    f"replica {i} lost its worker {old!r} at {self.position.where} "
+                    f"({error.info.message}); waited {self.timeout:g}s for a replacement "
+                    f"({self.placement}) and none came",
+                    worker_id=old,
+                    replica=i,
+                    waited=self.timeout,
+                    reason=str(exc),
+                    **self.position.at(),
+                ) from exc
+        waited = asyncio.get_running_loop().time() - started
+        await self.emit(
+            "worker_replaced",
+            {"replica": i, "lost": old, "worker": self.ids[i], "waited": round(waited, 3)}
+            | self.position.at(),
+        )
+
+    async def _snapshot(
+        self, survivors: list[int], lost: Mapping[int, WorkerCallError]
+    ) -> Snapshot | None:
+        """A survivor's model and optimizer state (``None`` before there is any to copy)."""
+        if not self.position.copy_state:
+            return None  # loading or fitting: a replica is its filters and rows, nothing more
+        if not survivors:
+            raise every_replica_lost(lost, self.position.where)
+        source = survivors[0]
+
+        async def read() -> Snapshot:
+            states = await self.ctx.get_state(source, self.job.node_ids)
+            optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
+            return Snapshot(self.ids[source], states, optimizers)
+
+        return (await self.each({source: read()}))[source]
+
+    async def _report(self, errors: Mapping[int, WorkerCallError]) -> None:
+        for i, error in errors.items():
+            await self.emit(
+                "worker_lost",
+                {
+                    "replica": i,
+                    "worker": error.worker_id,
+                    "code": str(error.code),
+                    "message": error.info.message,
+                }
+                | self.position.at(),
+            )
+
+
+def every_replica_lost(errors: Mapping[int, WorkerCallError], where: str) -> StrategyFailed:
+    workers = {e.worker_id: e.info.message for e in errors.values()}
+    return StrategyFailed(
+        ErrorCode.WORKER_LOST,
+        f"every replica was lost at {where}, leaving no survivor to copy the model and "
+        f"optimizer state from: {workers}",
+        lost=workers,
+    )

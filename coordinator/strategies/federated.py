@@ -1,0 +1,210 @@
+"""What a federated run keeps: where it stands (:class:`FederatedPosition`), its workers — who is
+usable, who must be set up again, who dropped out of a round and why (:class:`Cohort`) — and
+what each selected worker answered.
+
+A worker that fails in a round is dropped from that round (:class:`DroppedWorker`, reported in
+the round's event as ``{worker id: "code: message"}``). One whose connection is gone
+(``worker_lost``) is not selected again; one whose daemon died (``daemon_crashed``, or
+``timeout``, after which the agent kills it) is set up again (filters and data) before it next
+trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyFailed, WorkerCallError
+from coordinator.strategies import server_opt
+from coordinator.strategies.base import JobInputs, concurrently
+from coordinator.strategies.steps import rows_of, set_up
+from protocol.daemon import StageRequest
+from protocol.errors import ErrorCode
+
+Shards = list[tuple[Any, Any]]
+"""The client's rows cut in one ``(x, y)`` shard per worker."""
+
+REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
+"""Failures after which the worker's daemon is gone, with the job's filters and data."""
+
+
+@dataclass
+class FederatedPosition:
+    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments) and
+    the cohort. The selection needs no RNG state of its own: round t draws with
+    ``default_rng(seed + t)``. The run loop reads and advances this; nothing else holds it."""
+
+    global_state: dict[str, Any]  # w_t
+    server: server_opt.ServerOptimizer
+    cohort: Cohort
+    round: int = 0  # rounds completed
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """What one selected worker's ClientUpdate gave: its rows n_k and mean loss."""
+
+    worker: int
+    rows: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class DroppedWorker:
+    """A worker left out of a round (or of the run): its id, the error code (``None`` for a
+    refusal of the strategy's own, like an empty dataset) and the message."""
+
+    worker_id: str
+    code: ErrorCode | None
+    message: str
+
+    @classmethod
+    def of(cls, error: WorkerCallError) -> DroppedWorker:
+        return cls(error.worker_id, error.code, error.info.message)
+
+    @property
+    def reason(self) -> str:
+        """How job events name it: ``"code: message"``."""
+        return self.message if self.code is None else f"{self.code}: {self.message}"
+
+
+def reasons(dropped: Iterable[DroppedWorker]) -> dict[str, str]:
+    """Dropped workers as job events carry them: worker id → reason."""
+    return {d.worker_id: d.reason for d in dropped}
+
+
+def listed(dropped: Iterable[DroppedWorker]) -> str:
+    """Dropped workers in a failure's message."""
+    named = reasons(dropped)
+    if not named:
+        return "no worker failed"
+    return "dropped: " + "; ".join(f"{w} ({why})" for w, why in named.items())
+
+
+@dataclass
+class Cohort:
+    """What the coordinator knows of the job's workers during a run, by position."""
+
+    ids: list[str]
+    rows: dict[int, int] = field(default_factory=dict)  # staged rows of each set-up worker
+    lost: dict[int, DroppedWorker] = field(default_factory=dict)  # never selected again
+    stale: set[int] = field(default_factory=set)  # to be set up again before training
+
+    def usable(self) -> list[int]:
+        return [i for i in range(len(self.ids)) if i not in self.lost]
+
+    def ready(self) -> list[int]:
+        """Usable workers whose daemon holds the job's filters and data."""
+        return [i for i in self.usable() if i not in self.stale]
+
+    def drop(self, i: int, error: WorkerCallError) -> DroppedWorker:
+        """Note what ``error`` means for worker ``i``; return its record."""
+        dropped = DroppedWorker.of(error)
+        if error.code is ErrorCode.WORKER_LOST:
+            self.lost[i] = dropped
+        elif error.code in REDO_SETUP:
+            self.stale.add(i)
+        return dropped
+
+    async def first_answering(
+        self, call: Callable[[int], Awaitable[dict[str, Any]]], failure: str
+    ) -> dict[str, Any]:
+        """``call`` on the ready workers in turn until one answers; each that fails is dropped.
+        None answering is ``not_enough_workers``: ``failure`` and why each failed."""
+        dropped: list[DroppedWorker] = []
+        for i in self.ready():
+            try:
+                return await call(i)
+            except WorkerCallError as exc:
+                dropped.append(self.drop(i, exc))
+        raise StrategyFailed(
+            ErrorCode.NOT_ENOUGH_WORKERS, f"{failure}; {listed(dropped)}", dropped=reasons(dropped)
+        )
+
+    def lost_reasons(self) -> dict[str, str]:
+        return reasons(self.lost.values())
+
+    async def set_up(
+        self,
+        ctx: StrategyContext,
+        job: JobInputs,
+        staged: str,
+        shards: Shards | None,
+        which: Sequence[int],
+    ) -> list[DroppedWorker]:
+        """Load the filters and stage the data (a shard, or the worker's own dataset) under
+        ``staged`` on ``which``; the workers that failed."""
+
+        async def one(i: int) -> DroppedWorker | None:
+            if shards is None:
+                data = StageRequest(name=staged, dataset=job.dataset)
+            else:
+                data = StageRequest(name=staged, x=shards[i][0], y=shards[i][1])
+            try:
+                answer = await set_up(ctx, i, job.filters, data)
+            except WorkerCallError as exc:
+                self.rows.pop(i, None)
+                self.stale.add(i)
+                return self.drop(i, exc)
+            rows = int(answer["rows"])
+            if rows == 0:
+                self.lost[i] = DroppedWorker(self.ids[i], None, "its dataset has no rows")
+                return self.lost[i]
+            self.rows[i] = rows
+            self.stale.discard(i)
+            return None
+
+        return [d for d in await concurrently(*(one(i) for i in which)) if d is not None]
+
+    def check_ready(self, least: int, failed: list[DroppedWorker]) -> None:
+        """Refuse to start with fewer than ``least`` workers set up."""
+        ready = self.ready()
+        if len(ready) < least:
+            raise StrategyFailed(
+                ErrorCode.NOT_ENOUGH_WORKERS,
+                f"setup: {len(ready)} of {len(self.ids)} workers are ready, min_workers "
+                f"is {least}; {listed(failed)}",
+                dropped=reasons(failed),
+            )
+
+    def check_answered(
+        self,
+        r: int,
+        least: int,
+        selected: list[int],
+        answered: list[int],
+        dropped: list[DroppedWorker],
+    ) -> None:
+        """Fail round ``r`` when fewer than ``least`` of the ``selected`` workers answered."""
+        if len(answered) < least:
+            raise StrategyFailed(
+                ErrorCode.NOT_ENOUGH_WORKERS,
+                f"round {r}: {len(answered)} of {len(selected)} selected workers answered, "
+                f"min_workers is {least}; {listed(dropped)}",
+                round=r,
+                answered=[self.ids[i] for i in answered],
+                dropped=reasons(dropped),
+            )
+
+
+def contiguous_shards(job: JobInputs, k: int, strategy: str) -> Shards | None:
+    """Contiguous shards of the client's rows, one per worker (``None``: WorkerData)."""
+    if job.dataset is not None:
+        return None
+    n = rows_of(job.x)
+    if n is None:
+        raise StrategyFailed(ErrorCode.BAD_REQUEST, f"{strategy}: x has no rows to split")
+    if n < k:
+        raise StrategyFailed(
+            ErrorCode.BAD_REQUEST,
+            f"{strategy}: x has {n} rows, too few to give each of {k} workers a shard",
+        )
+    bounds = np.cumsum([0, *(len(part) for part in np.array_split(np.arange(n), k))])
+    return [
+        (job.x[start:stop], job.y[start:stop])
+        for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    ]

@@ -1,0 +1,95 @@
+"""Steps more than one strategy takes: reading a graph's plan, cutting global batches, setting a
+worker up with the job's filters and data.
+
+Each is written once here and named after what it does, so that a strategy's ``run()`` reads as
+its paper's phases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyOptionsError
+from coordinator.strategies.base import JobInputs
+from protocol.batching import batches, generator
+from protocol.daemon import StageRequest
+from protocol.messages import NodeInfo
+
+
+@dataclass(frozen=True)
+class Training:
+    """The training settings of a run (those of its last TorchFilter)."""
+
+    epochs: int
+    batch_size: int | None
+    shuffle: bool
+    seed: int
+
+    @classmethod
+    def of(cls, info: NodeInfo) -> Training:
+        return cls(
+            epochs=info.epochs if info.epochs is not None else 1,
+            batch_size=info.batch_size,
+            shuffle=bool(info.shuffle),
+            seed=info.seed or 0,
+        )
+
+
+def global_batches(
+    rows: int, parts: int, training: Training
+) -> Iterator[tuple[int, int, list[Any]]]:
+    """``(epoch, step, slices)`` of every step: the global batch ``graph.fit`` would take (by
+    :mod:`protocol.batching`, with ``training``'s batch size, shuffle and seed), its row indices
+    split in ``parts`` slices (some may be empty when a batch has fewer rows than parts)."""
+    order = generator(training.seed) if training.shuffle else None
+    size = training.batch_size or rows
+    for epoch in range(training.epochs):
+        for step, index in enumerate(batches(rows, size, order)):
+            rows_ = np.arange(rows)[index] if isinstance(index, slice) else index.numpy()
+            yield epoch, step, np.array_split(rows_, parts)
+
+
+def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], list[str]]:
+    """The TorchFilters of ``job`` and the plain filters before them.
+
+    Strategies that step the TorchFilters together fit plain filters once, up front; one after
+    the first TorchFilter would need fitting on data that only exists mid-training.
+
+    Raises:
+        StrategyOptionsError: the graph has no TorchFilter (``none`` says what to use), or a
+            plain filter comes after the first one.
+    """
+    torch_nodes = job.differentiable()
+    if not torch_nodes:
+        raise StrategyOptionsError(f"{strategy} trains TorchFilters and this graph has none{none}")
+    first = job.node_ids.index(torch_nodes[0])
+    late = [n for n in job.node_ids[first:] if n not in torch_nodes]
+    if late:
+        raise StrategyOptionsError(
+            f"{strategy} fits plain filters only before the first TorchFilter; {late} "
+            f"come after {torch_nodes[0]!r}"
+        )
+    return torch_nodes, job.node_ids[:first]
+
+
+def rows_of(x: Any) -> int | None:
+    """How many rows ``x`` has (``None``: it is not row data)."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    return len(x) if isinstance(x, list | tuple) else None
+
+
+async def set_up(
+    ctx: StrategyContext, i: int, filters: Mapping[str, bytes], data: StageRequest
+) -> dict[str, Any]:
+    """Load ``filters`` on worker ``i`` (a fresh daemon), then stage its ``data`` there;
+    returns what staging answered (``{"rows": n}``)."""
+    await ctx.load(i, filters)
+    staged: dict[str, Any] = await ctx.call(i, data)
+    return staged
