@@ -17,19 +17,10 @@ from coordinator.store import JobStore
 from protocol.filters import dump_filter
 from protocol.messages import Capabilities, GraphSpec, StrategySpec, Submit
 from somatize.client import graph_info
-from tests.conftest import timeout_unit
+from tests.utils import UNIT, Center
 from worker.daemon import Daemon
 
-UNIT = timeout_unit()
 CAPS = Capabilities(cpus=2, memory_bytes=1 << 30, torch="2", python="3.11", cloudpickle="3")
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 class Boom(sz.Filter):

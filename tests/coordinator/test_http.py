@@ -22,9 +22,8 @@ import pytest
 
 import somatize as sz
 from coordinator.ws_server import Coordinator
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 
-UNIT = timeout_unit()
 CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
 GUARDED = ["/", "/api/status", "/metrics"]
 

@@ -14,7 +14,6 @@ from coordinator.registry import WorkerState
 from coordinator.store import JobState
 from protocol.errors import ErrorCode, RequestRefused
 from tests.coordinator.jobs_harness import (
-    UNIT,
     Boom,
     Harness,
     RecruitingContext,
@@ -24,6 +23,7 @@ from tests.coordinator.jobs_harness import (
     run,
     submit,
 )
+from tests.utils import UNIT
 
 # -- ends: success, failure, cancel, shutdown -------------------------------------------------
 

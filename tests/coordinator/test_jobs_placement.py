@@ -8,14 +8,8 @@ import pytest
 
 from coordinator.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
-from tests.coordinator.jobs_harness import (
-    UNIT,
-    Center,
-    Harness,
-    make_graph,
-    run,
-    submit,
-)
+from tests.coordinator.jobs_harness import Harness, make_graph, run, submit
+from tests.utils import UNIT, Center
 
 # -- queueing and placement -------------------------------------------------------------------
 

@@ -14,9 +14,7 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Heartbeat, JobEvent, Result, Status, Watch
-from tests.conftest import timeout_unit
-
-UNIT = timeout_unit()
+from tests.utils import UNIT
 
 
 async def _pair(handler):

@@ -18,9 +18,7 @@ from protocol.errors import (
     VersionMismatch,
 )
 from protocol.messages import Ack, ClientHello, PeerHello, Welcome
-from tests.conftest import timeout_unit
-
-UNIT = timeout_unit()
+from tests.utils import UNIT
 
 
 class _End:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import timeout_unit
+from tests.utils import timeout_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 

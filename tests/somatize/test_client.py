@@ -36,10 +36,7 @@ from protocol.messages import (
 )
 from somatize import cli
 from somatize.client import client_url
-from tests.conftest import timeout_unit
-
-UNIT = timeout_unit()
-
+from tests.utils import UNIT
 
 # -- strategies --------------------------------------------------------------------------------
 

@@ -9,14 +9,7 @@ import pytest
 import torch
 
 import somatize as sz
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
+from tests.utils import Center
 
 
 def _data(n: int = 203, d: int = 6, classes: int = 3, seed: int = 1):

@@ -25,7 +25,6 @@ import pytest
 import uvloop
 from websockets.asyncio.server import ServerConnection, serve
 
-import somatize as sz
 from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
@@ -40,23 +39,14 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 from worker.agent import Agent, AgentConfig, Backoff
 
-UNIT = timeout_unit()
 HEARTBEAT = 0.25 * UNIT
 """The heartbeat interval the stand-in asks for."""
 
 
 # -- filters (pickled by value into the daemons) -------------------------------------------------
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 class Sleep:
@@ -66,17 +56,6 @@ class Sleep:
     def fit(self, x, y=None):
         time.sleep(self.seconds)
         return {"slept": self.seconds}
-
-    def forward(self, x, state):
-        return x
-
-
-class Boom:
-    def fit(self, x, y=None):
-        return self.explode()
-
-    def explode(self):
-        raise ValueError("boom in fit")
 
     def forward(self, x, state):
         return x

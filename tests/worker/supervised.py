@@ -24,14 +24,10 @@ import pytest
 import torch
 import uvloop
 
-import somatize as sz
 from protocol.filters import dump_filter
-from tests.conftest import timeout_unit
+from tests.utils import UNIT
 from worker.errors import DaemonError
 from worker.supervisor import DaemonSupervisor
-
-UNIT = timeout_unit()
-
 
 # -- filters (pickled by value into the daemon) --------------------------------------------------
 
@@ -42,27 +38,6 @@ class Center:
 
     def forward(self, x, state):
         return x - state["mean"]
-
-
-class CenterFilter(sz.Filter):
-    """``Center`` as an SDK filter, so it can be part of a local ``Graph``."""
-
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
-
-
-class Boom:
-    def fit(self, x, y=None):
-        return self.explode()
-
-    def explode(self):
-        raise ValueError("boom in fit")
-
-    def forward(self, x, state):
-        return x
 
 
 class Printer:

@@ -21,10 +21,9 @@ import torch
 
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import Shutdown
+from tests.utils import UNIT, Center
 from tests.worker.standin import (
     HEARTBEAT,
-    UNIT,
-    Center,
     Sleep,
     StandIn,
     call,

@@ -16,10 +16,8 @@ import torch
 import somatize as sz
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Ack, CloseJob, Status
+from tests.utils import UNIT, Boom, Center
 from tests.worker.standin import (
-    UNIT,
-    Boom,
-    Center,
     Die,
     Sleep,
     StandIn,

@@ -25,16 +25,8 @@ from protocol.chunking import CHUNK_MAGIC
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Call, CloseJob, Deliver, PeerHello
 from protocol.parsing import encode_small
-from tests.worker.standin import (
-    UNIT,
-    Center,
-    StandIn,
-    call_error,
-    drive,
-    no_process_left,
-    open_job,
-    running,
-)
+from tests.utils import UNIT, Center
+from tests.worker.standin import StandIn, call_error, drive, no_process_left, open_job, running
 from tests.worker.test_peer import free_port
 
 pytestmark = pytest.mark.integration

@@ -17,11 +17,10 @@ import torch.nn.functional as F
 import somatize as sz
 from protocol.daemon import FitRequest
 from protocol.errors import ErrorCode
+from tests.utils import UNIT, Boom
+from tests.utils import Center as CenterFilter
 from tests.worker.supervised import (
-    UNIT,
-    Boom,
     Center,
-    CenterFilter,
     Driver,
     Printer,
     assert_states_equal,

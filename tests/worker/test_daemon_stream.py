@@ -16,10 +16,8 @@ import pytest
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
-from tests.worker.supervised import (
-    UNIT,
-    Printer,
-)
+from tests.utils import UNIT
+from tests.worker.supervised import Printer
 from worker.pipe import LENGTH, FrameReader, FrameWriter
 
 pytestmark = pytest.mark.integration

@@ -10,16 +10,9 @@ import torch
 
 import somatize as sz
 from protocol.errors import ErrorCode
+from tests.utils import Center
 from worker.engine import Engine
 from worker.errors import EngineError
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def _engine(*filters: tuple[str, object]) -> Engine:

@@ -21,7 +21,8 @@ import torch
 from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
-from tests.worker.standin import UNIT, Center, StandIn, children, drive, listening, open_job
+from tests.utils import UNIT, Center
+from tests.worker.standin import StandIn, children, drive, listening, open_job
 from worker.agent import Agent, AgentConfig, Backoff
 from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 

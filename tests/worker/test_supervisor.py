@@ -17,16 +17,8 @@ import torch
 
 from protocol.daemon import PingRequest, ShutdownRequest
 from protocol.errors import ErrorCode
-from tests.worker.supervised import (
-    UNIT,
-    Center,
-    Die,
-    Driver,
-    Hang,
-    driving,
-    gone,
-    wait_gone,
-)
+from tests.utils import UNIT
+from tests.worker.supervised import Center, Die, Driver, Hang, driving, gone, wait_gone
 from worker.errors import DaemonCrashed, DaemonNotRunning, DaemonTimeout
 from worker.supervisor import DaemonSupervisor
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import UNIT, Center
 from tests.worker.standin import (
-    UNIT,
-    Center,
     StandIn,
     children,
     drive,
