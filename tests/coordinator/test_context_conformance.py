@@ -30,22 +30,13 @@ from coordinator.transport import TransportContext
 from coordinator.ws_server import Coordinator
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
-from tests.conftest import timeout_unit
+from tests.utils import UNIT, Center
 from worker.daemon import Daemon
 
-UNIT = timeout_unit()
 WORKERS = [
     WorkerIdentity("alpha", frozenset({"stage0", "cpu"})),
     WorkerIdentity("beta", frozenset({"stage1", "cpu"})),
 ]
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 class Boom(sz.Filter):

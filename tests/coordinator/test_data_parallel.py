@@ -17,15 +17,8 @@ from coordinator.strategies.steps import Training
 from coordinator.strategies.steps import global_batches as schedule
 from protocol.filters import dump_filter
 from somatize.client import graph_info
+from tests.utils import Center
 from worker.daemon import Daemon
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def dataset(n: int = 203, d: int = 6, classes: int = 3, seed: int = 4):

@@ -28,20 +28,13 @@ from coordinator.strategies.federated import DroppedWorker
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.filters import dump_filter
 from somatize.client import graph_info
+from tests.utils import Center
 from worker.daemon import Daemon
 
 D = 5
 LR = 0.05
 BATCH = 8
 SIZES = (30, 50, 80)
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 class Fragile(sz.Filter):

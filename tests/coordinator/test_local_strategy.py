@@ -12,15 +12,8 @@ import somatize as sz
 from coordinator.context import InMemoryContext, WorkerIdentity
 from coordinator.strategies import JobInputs, Local, StrategyOptionsError, strategy_from_spec
 from protocol.filters import dump_filter
+from tests.utils import Center
 from worker.daemon import Daemon
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def test_local_trains_on_one_worker_and_equals_graph_fit():

@@ -17,15 +17,8 @@ from coordinator.strategies.model_parallel import Partition, check_partitions
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from somatize.client import graph_info
+from tests.utils import Center
 from worker.daemon import Daemon
-
-
-class Center(sz.Filter):
-    def fit(self, x, y=None):
-        return {"mean": x.mean(0)}
-
-    def forward(self, x, state):
-        return x - state["mean"]
 
 
 def layers(seed: int = 0) -> list[torch.nn.Module]:
