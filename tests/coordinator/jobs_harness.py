@@ -56,7 +56,7 @@ class GatedContext(InMemoryContext):
         self.calls: list[str] = []
 
     async def call(self, worker_idx, request):
-        self.calls.append(request["cmd"])
+        self.calls.append(request.cmd)
         await self.gate.event.wait()
         return await super().call(worker_idx, request)
 
@@ -72,7 +72,7 @@ class RecruitingContext(GatedContext):
         self.steps = 0
 
     async def call(self, worker_idx, request):
-        if request["cmd"] == "gradients" and worker_idx == 1:
+        if request.cmd == "gradients" and worker_idx == 1:
             self.steps += 1
             if self.steps == self.lose_at:
                 self.lose(1, "killed by the test")
