@@ -69,6 +69,9 @@ class Capabilities(BaseModel):
     memory_bytes: int
     torch: str
     cuda_devices: list[str] = Field(default_factory=list)
+    device: str = "cpu"  # where this worker's daemons train: "cpu", "cuda:N" or "mps"
+    device_name: str = ""  # e.g. "NVIDIA H200"; empty for the CPU
+    device_memory_bytes: int = Field(default=0, ge=0)  # the device's own memory (0: the CPU's)
     python: str
     cloudpickle: str
     platform: str = ""
