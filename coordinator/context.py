@@ -43,6 +43,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.strategy_options import device_fits
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -62,26 +63,37 @@ DEFAULT_CALL_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """A worker as strategies know it: an id, and tags that partitions can be pinned to."""
+    """A worker as strategies know it: an id, tags that partitions can be pinned to, its local
+    datasets and the device it trains on (``"cpu"``, ``"cuda:N"``, ``"mps"``)."""
 
     id: str
     tags: frozenset[str] = field(default_factory=frozenset)
     datasets: Mapping[str, int] = field(default_factory=dict)  # local datasets: name → rows
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where a partition must run: a worker ``id``, or any worker carrying ``tag``."""
+    """Where a partition must run: a worker ``id``, or any worker carrying ``tag``; on a worker
+    training on ``device`` if one is given (``"cuda"``: any CUDA device)."""
 
     id: str | None = None
     tag: str | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if (self.id is None) == (self.tag is None):
             raise ValueError("a target names exactly one of a worker id or a tag")
 
     def __str__(self) -> str:
-        return f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
+        where = f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
+        return where if self.device is None else f"{where} on {self.device}"
+
+    def answers(self, worker: WorkerIdentity) -> bool:
+        """Whether ``worker`` may run what is pinned here."""
+        if not device_fits(self.device, worker.device):
+            return False
+        return worker.id == self.id if self.id is not None else self.tag in worker.tags
 
 
 class StrategyContext(ABC):
@@ -220,9 +232,7 @@ class StrategyContext(ABC):
             TargetError: no worker matches; the message lists the ids and tags that exist.
         """
         for idx, worker in enumerate(self.workers):
-            if target.id is not None and worker.id == target.id:
-                return idx
-            if target.tag is not None and target.tag in worker.tags:
+            if target.answers(worker):
                 return idx
         ids = [w.id for w in self.workers]
         tags = sorted(set(itertools.chain.from_iterable(w.tags for w in self.workers)))

@@ -31,7 +31,12 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerCallError
+from coordinator.context import (
+    DEFAULT_CALL_TIMEOUT,
+    StrategyContext,
+    WorkerCallError,
+    WorkerIdentity,
+)
 from coordinator.registry import Registry, WorkerRecord, WorkerState
 from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
 from coordinator.strategies import (
@@ -46,6 +51,7 @@ from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
+from protocol.strategy_options import device_fits
 
 log = logging.getLogger(__name__)
 
@@ -281,17 +287,32 @@ class JobManager:
         return job.id
 
     def _check_targets(self, placement: Placement) -> None:
-        """Refuse a pinned placement no known worker could ever take (instead of queueing it
-        forever), listing the workers and tags that exist."""
+        """Refuse a pinned placement, or a device, no known worker could ever take (instead of
+        queueing it forever), listing the workers, tags and devices that exist."""
         known = [w.identity for w in self.registry]
         for slot in placement.slots:
-            if not any(
-                w.id == slot.id if slot.id is not None else slot.tag in w.tags for w in known
-            ):
+            if not any(dataclasses.replace(slot, device=None).answers(w) for w in known):
                 tags = sorted({t for w in known for t in w.tags})
                 raise remote(
                     ErrorCode.NO_WORKERS,
                     f"no worker answers to {slot}: workers {[w.id for w in known]}, tags {tags}",
+                )
+        devices = sorted({w.device for w in known})
+        for wanted in placement.devices():
+            if not any(device_fits(wanted, w.device) for w in known):
+                raise remote(
+                    ErrorCode.NO_WORKERS,
+                    f"no worker has device {wanted!r} ({_on_devices(known)})",
+                    device=wanted,
+                    devices=devices,
+                )
+        for slot in placement.slots:
+            if not any(slot.answers(w) for w in known):
+                raise remote(
+                    ErrorCode.NO_WORKERS,
+                    f"no worker answers to {slot} ({_on_devices(known)})",
+                    device=slot.device,
+                    devices=devices,
                 )
 
     async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
@@ -491,6 +512,11 @@ def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:
     if inputs.dataset is None:
         return placement
     return dataclasses.replace(placement, dataset=inputs.dataset)
+
+
+def _on_devices(known: list[WorkerIdentity]) -> str:
+    """The known workers and their devices, as a refusal lists them."""
+    return "workers: " + (", ".join(f"{w.id} {w.device}" for w in known) or "none")
 
 
 def _internal(message: str) -> ErrorInfo:

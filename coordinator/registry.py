@@ -53,7 +53,7 @@ class WorkerRecord:
 
     @property
     def identity(self) -> WorkerIdentity:
-        return WorkerIdentity(self.id, self.tags, dict(self.datasets))
+        return WorkerIdentity(self.id, self.tags, dict(self.datasets), self.capabilities.device)
 
     @property
     def connected(self) -> bool:

@@ -179,6 +179,15 @@ function bytes(n) {
   return isNum(n) && n > 0 ? (n / 2 ** 30).toFixed(1) + " GiB" : "";
 }
 
+// The training device as `somatize status` says it (somatize/cli.py device_text).
+function deviceText(caps) {
+  const parts = [caps.device ? String(caps.device) : "cpu"];
+  if (caps.device_name) parts.push(String(caps.device_name));
+  const memory = bytes(caps.device_memory_bytes);
+  if (memory) parts.push(memory);
+  return parts.join(" ");
+}
+
 // The words of `somatize status` (somatize/cli.py progress_text), fraction for the bar.
 function progressText(p) {
   const parts = [];
@@ -244,8 +253,7 @@ function renderWorkers(workers) {
     const caps = w.capabilities || {};
     cell(tr, caps.cpus, "num");
     cell(tr, bytes(caps.memory_bytes), "num");
-    const cuda = caps.cuda_devices || [];
-    cell(tr, cuda.length ? cuda.join(", ") : "cpu");
+    cell(tr, deviceText(caps));
     return tr;
   });
   document.querySelector("#workers tbody").replaceChildren(...rows);

@@ -9,11 +9,16 @@ options dict a client sends (unset options left out).
 The rules are written once; their words follow the caller (:class:`Dialect`): the SDK names the
 Python class and argument (``FedAvg: rounds must be ...``, ``True or False``), the wire names
 the strategy and option as they travel (``fedavg: rounds must be ...``, ``a boolean``).
+
+Every strategy (and each pipeline partition) takes ``device``: ``None`` for any worker, else a
+worker's training device as it announces it (``"cpu"``, ``"cuda:N"``, ``"mps"``) or ``"cuda"``
+for any CUDA device (:func:`device_fits`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -22,6 +27,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
 __all__ = [
+    "DEVICES",
     "SCHEDULES",
     "SERVER_OPTIMIZERS",
     "AdaptiveOptions",
@@ -39,12 +45,35 @@ __all__ = [
     "ServerOptions",
     "StrategyOptions",
     "WorkerDataOptions",
+    "device_fits",
+    "is_device",
     "parse",
     "server_options",
 ]
 
 SCHEDULES = ("1f1b", "gpipe")
 """The pipeline schedules ModelParallel runs."""
+
+DEVICES = ("cpu", "cuda", "cuda:N", "mps")
+"""The devices a job may ask for: ``"cuda"`` is any CUDA device, ``"cuda:N"`` the N-th one."""
+
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]*)")
+
+
+def is_device(value: object) -> bool:
+    """Whether ``value`` is one of the :data:`DEVICES` forms."""
+    return isinstance(value, str) and (
+        value in ("cpu", "cuda", "mps") or _CUDA_INDEX.fullmatch(value) is not None
+    )
+
+
+def device_fits(wanted: str | None, device: str) -> bool:
+    """Whether a worker training on ``device`` fits a job asking for ``wanted`` (``None``: any
+    device; ``"cuda"``: any ``"cuda:N"``; otherwise the same device)."""
+    if wanted is None or device == wanted:
+        return True
+    return wanted == "cuda" and _CUDA_INDEX.fullmatch(device) is not None
+
 
 DEFAULT_ELASTIC_TIMEOUT = 60.0
 """Seconds an elastic DataParallel job waits for a replacement worker unless told otherwise."""
@@ -78,6 +107,16 @@ class _Say:
                 f"{key} must be a non-empty string, not {value!r}",
             )
         return value
+
+    def device(self, key: str, value: object) -> str | None:
+        """A device a job may ask for (:data:`DEVICES`), or unset."""
+        if value is not None and not is_device(value):
+            forms = "'cpu', 'cuda' (any CUDA device), 'cuda:N' or 'mps'"
+            raise self.no(
+                f"{key} must be None (any device), {forms}, not {value!r}",
+                f"{key} must be one of {forms}, not {value!r}",
+            )
+        return value if isinstance(value, str) else None
 
     def positive_int(self, key: str, value: object) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -169,6 +208,7 @@ class LocalOptions(StrategyOptions):
 
     worker: str | None = None
     tag: str | None = None
+    device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
@@ -179,6 +219,7 @@ class LocalOptions(StrategyOptions):
                 "pin a Local job to a worker or to a tag, not both "
                 f"(worker={worker!r}, tag={tag!r})"
             )
+        say.device("device", fields.get("device"))
         return fields
 
 
@@ -192,11 +233,13 @@ class DataParallelOptions(StrategyOptions):
     tag: str | None = None
     elastic: bool = False
     elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
+    device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
         say.positive_int("workers", fields.get("workers"))
         say.selector("tag", fields.get("tag"))
+        say.device("device", fields.get("device"))
         elastic = fields.get("elastic", False)
         if not isinstance(elastic, bool):
             raise say.no(
@@ -215,6 +258,8 @@ class DataParallelOptions(StrategyOptions):
             options["tag"] = self.tag
         if self.elastic:
             options |= {"elastic": True, "elastic_timeout": self.elastic_timeout}
+        if self.device is not None:
+            options["device"] = self.device
         return options
 
 
@@ -373,6 +418,7 @@ class FedAvgOptions(StrategyOptions):
     tag: str | None = None
     server: dict[str, Any] | None = None  # {"name": ..., hyperparameter: value, ...}
     seed: int = 0
+    device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
@@ -404,6 +450,7 @@ class FedAvgOptions(StrategyOptions):
         seed = fields.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise say.no(f"seed must be a non-negative integer, not {seed!r}")
+        say.device("device", fields.get("device"))
         return fields
 
     def server_optimizer(self) -> ServerOptions:
@@ -438,7 +485,8 @@ class FedProxOptions(FedAvgOptions):
 
 
 class PartitionOptions(StrategyOptions):
-    """One pipeline stage: a run of node ids, pinned to a worker id or a tag (exactly one)."""
+    """One pipeline stage: a run of node ids, pinned to a worker id or a tag (exactly one), on
+    ``device`` (unset: ModelParallel's ``device``)."""
 
     wire_name = "partition"
     sdk_name = "Partition"
@@ -446,6 +494,7 @@ class PartitionOptions(StrategyOptions):
     node_ids: tuple[str, ...]
     worker: str | None = None
     tag: str | None = None
+    device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
@@ -453,7 +502,8 @@ class PartitionOptions(StrategyOptions):
 
     def to_wire(self) -> dict[str, Any]:
         pinned = {"worker": self.worker} if self.worker is not None else {"tag": self.tag}
-        return {"node_ids": list(self.node_ids), **pinned}
+        on = {"device": self.device} if self.device is not None else {}
+        return {"node_ids": list(self.node_ids), **pinned, **on}
 
 
 def _check_partition(fields: dict[str, Any], say: _Say, label: str) -> dict[str, Any]:
@@ -471,11 +521,13 @@ def _check_partition(fields: dict[str, Any], say: _Say, label: str) -> dict[str,
             f"{label} {list(ids)} must be pinned to a worker id or a tag, exactly one "
             f"(worker={worker!r}, tag={tag!r})"
         )
+    say.device(f"{label}: device", fields.get("device"))
     return {**fields, "node_ids": tuple(ids)}
 
 
 class ModelParallelOptions(StrategyOptions):
-    """The graph's partitions, in graph order; micro-batches per global batch; the schedule."""
+    """The graph's partitions, in graph order; micro-batches per global batch; the schedule;
+    the device of the partitions that name none."""
 
     wire_name = "model_parallel"
     sdk_name = "ModelParallel"
@@ -483,6 +535,7 @@ class ModelParallelOptions(StrategyOptions):
     partitions: tuple[PartitionOptions, ...]
     micro_batches: int = 1
     schedule: str = "gpipe"
+    device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
@@ -499,11 +552,20 @@ class ModelParallelOptions(StrategyOptions):
         schedule = fields.get("schedule", "gpipe")
         if schedule not in SCHEDULES:
             raise say.no(f"schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
+        say.device("device", fields.get("device"))
         return {**fields, "partitions": partitions}
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        options: dict[str, Any] = {
             "partitions": [p.to_wire() for p in self.partitions],
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
         }
+        if self.device is not None:
+            options["device"] = self.device
+        return options
+
+    def device_of(self, partition: int) -> str | None:
+        """Where partition ``partition`` runs: its own device, else the pipeline's."""
+        own = self.partitions[partition].device
+        return own if own is not None else self.device

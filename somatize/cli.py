@@ -324,25 +324,44 @@ def _print_failure(err: Console, exc: Any) -> None:
 
 
 def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from rich.table import Table
-
     with _connect(args) as client:
         status = client.status()
-    workers = Table(title="workers", title_justify="left")
-    for column in ("id", "tags", "state", "heartbeat", "job"):
-        workers.add_column(column, no_wrap=column == "id")
-    for w in status.get("workers", []):
+    out.print(workers_table(status.get("workers", [])))
+    out.print(_jobs_table(status.get("jobs", [])))
+    return EXIT_OK
+
+
+def workers_table(workers: list[dict[str, Any]]) -> Any:
+    """The workers of a status snapshot as ``somatize status`` prints them."""
+    from rich.table import Table
+
+    table = Table(title="workers", title_justify="left")
+    for column in ("id", "tags", "state", "device", "heartbeat", "job"):
+        table.add_column(column, no_wrap=column in ("id", "device"))
+    for w in workers:
         age = w.get("last_heartbeat_age")
-        workers.add_row(
+        capabilities = w.get("capabilities")
+        table.add_row(
             str(w.get("id", "")),
             ", ".join(str(t) for t in w.get("tags") or []),
             str(w.get("state", "")),
+            device_text(capabilities if isinstance(capabilities, dict) else {}),
             f"{age:.1f} s ago" if isinstance(age, int | float) else "",
             str(w.get("job_id") or ""),
         )
-    out.print(workers)
-    out.print(_jobs_table(status.get("jobs", [])))
-    return EXIT_OK
+    return table
+
+
+def device_text(capabilities: dict[str, Any]) -> str:
+    """A worker's training device in a few words: ``cpu``, ``cuda:0 NVIDIA H200 139.8 GiB``
+    (the status page's ``deviceText`` says the same)."""
+    parts = [str(capabilities.get("device") or "cpu")]
+    if capabilities.get("device_name"):
+        parts.append(str(capabilities["device_name"]))
+    memory = capabilities.get("device_memory_bytes")
+    if isinstance(memory, int | float) and not isinstance(memory, bool) and memory > 0:
+        parts.append(f"{memory / 2**30:.1f} GiB")
+    return " ".join(parts)
 
 
 def _jobs(args: argparse.Namespace, out: Console, err: Console) -> int:

@@ -7,6 +7,12 @@ coordinator checks it with (:mod:`protocol.strategy_options`; a bad argument is 
 on the coordinator (:mod:`coordinator.strategies`)::
 
     client.submit(graph, x, y, strategy=sz.Local(tag="gpu"))
+
+Every strategy takes ``device``: run only on workers training on it (``"cpu"``, ``"cuda"`` for
+any CUDA device, ``"cuda:N"``, ``"mps"``; default ``None``: any worker). A job asking for a
+device no worker has is refused when it is submitted, naming the devices there are::
+
+    client.submit(graph, x, y, strategy=sz.DataParallel(2, device="cuda"))
 """
 
 from __future__ import annotations
@@ -66,13 +72,16 @@ class Local(Strategy):
     Args:
         worker: run on the worker with this id (default: any idle worker).
         tag: run on a worker that has this tag (default: any idle worker).
+        device: run on a worker training on this device (default: any).
 
     Raises:
-        ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given.
+        ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given;
+            ``device`` is not one of the device forms.
     """
 
     worker: str | None = None
     tag: str | None = None
+    device: str | None = None
 
     name: ClassVar[str] = "local"
 
@@ -109,16 +118,19 @@ class DataParallel(Strategy):
         tag: only workers with this tag (default: any idle workers).
         elastic: replace a lost replica and go on instead of failing.
         elastic_timeout: seconds an elastic job waits for a replacement worker.
+        device: only workers training on this device (default: any).
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
-            ``elastic`` not a bool or ``elastic_timeout`` not a positive number.
+            ``elastic`` not a bool, ``elastic_timeout`` not a positive number or ``device``
+            not one of the device forms.
     """
 
     workers: int
     tag: str | None = None
     elastic: bool = False
     elastic_timeout: float = 60.0
+    device: str | None = None
 
     name: ClassVar[str] = "data_parallel"
 
@@ -253,6 +265,7 @@ class FedAvg(Strategy):
         server: a server optimizer (:class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi`);
             default: plain averaging.
         seed: seeds the selection of workers.
+        device: only workers training on this device (default: any).
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -266,6 +279,7 @@ class FedAvg(Strategy):
     tag: str | None = None
     server: ServerOptimizer | None = None
     seed: int = 0
+    device: str | None = None
 
     name: ClassVar[str] = "fedavg"
 
@@ -284,7 +298,7 @@ class FedProx(Strategy):
 
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
-        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed: as
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device: as
             :class:`FedAvg`.
 
     Raises:
@@ -300,6 +314,7 @@ class FedProx(Strategy):
     tag: str | None = None
     server: ServerOptimizer | None = None
     seed: int = 0
+    device: str | None = None
 
     name: ClassVar[str] = "fedprox"
 
@@ -312,11 +327,13 @@ class FedProx(Strategy):
 
 @dataclass(frozen=True)
 class Partition:
-    """One pipeline stage: a contiguous run of node ids, pinned to a worker by id or by tag."""
+    """One pipeline stage: a contiguous run of node ids, pinned to a worker by id or by tag,
+    on a worker training on ``device`` (default: the ModelParallel's ``device``)."""
 
     node_ids: tuple[str, ...] | list[str]
     worker: str | None = None
     tag: str | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         checked = _checked(so.PartitionOptions, self)
@@ -339,11 +356,13 @@ class ModelParallel(Strategy):
         partitions: the stages, in graph order; together they hold every node exactly once.
         micro_batches: micro-batches per global batch.
         schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+        device: the device of every partition that names none (default: any).
     """
 
     partitions: tuple[Partition, ...] | list[Partition]
     micro_batches: int = 1
     schedule: str = "gpipe"
+    device: str | None = None
 
     name: ClassVar[str] = "model_parallel"
 

@@ -50,12 +50,13 @@ class JobInputs:
 
 @dataclass(frozen=True)
 class Placement:
-    """How many workers a strategy needs, and which qualify (by id and tags).
+    """How many workers a strategy needs, and which qualify (by id, tags, dataset, device).
 
     With ``all_matching`` the job takes every idle worker that qualifies when it starts, and
     ``workers`` is the least it starts with. With ``slots`` each worker is pinned on its own (a
-    pipeline stage to a worker id or tag): the job takes one distinct idle worker per slot, in
-    slot order.
+    pipeline stage to a worker id or tag, and maybe a device): the job takes one distinct idle
+    worker per slot, in slot order. ``device`` (``None``: any; ``"cuda"``: any CUDA device)
+    applies to every worker, slots included.
     """
 
     workers: int
@@ -64,6 +65,7 @@ class Placement:
     dataset: str | None = None
     all_matching: bool = False
     slots: tuple[Target, ...] = ()
+    device: str | None = None
 
     def choose(self, idle: Sequence[WorkerIdentity]) -> list[int] | None:
         """Indices into ``idle`` of the workers to take, or ``None`` when they are not there."""
@@ -74,7 +76,7 @@ class Placement:
             return fits if self.all_matching else fits[: self.workers]
         chosen: list[int] = []
         for slot in self.slots:
-            match = next((i for i in fits if i not in chosen and _answers(idle[i], slot)), None)
+            match = next((i for i in fits if i not in chosen and slot.answers(idle[i])), None)
             if match is None:
                 return None
             chosen.append(match)
@@ -85,7 +87,14 @@ class Placement:
             return False
         if self.dataset is not None and self.dataset not in worker.datasets:
             return False
+        if not so.device_fits(self.device, worker.device):
+            return False
         return self.tag is None or self.tag in worker.tags
+
+    def devices(self) -> list[str]:
+        """The devices this placement asks for (none when any device will do)."""
+        wanted = [self.device] + [slot.device for slot in self.slots]
+        return sorted({d for d in wanted if d is not None})
 
     def describe(self) -> str:
         what = f"{self.workers} worker{'s' if self.workers != 1 else ''}"
@@ -97,13 +106,11 @@ class Placement:
             what += f" tagged {self.tag!r}"
         if self.dataset is not None:
             what += f" with dataset {self.dataset!r}"
+        if self.device is not None:
+            what += f" on {self.device}"
         if self.slots:
             what += ": " + ", ".join(str(slot) for slot in self.slots)
         return what
-
-
-def _answers(worker: WorkerIdentity, target: Target) -> bool:
-    return worker.id == target.id if target.id is not None else target.tag in worker.tags
 
 
 class Strategy(ABC):

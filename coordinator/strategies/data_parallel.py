@@ -55,19 +55,27 @@ class DataParallel(Strategy):
         tag: str | None = None,
         elastic: bool = False,
         elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT,
+        device: str | None = None,
     ) -> None:
         self.workers = workers
         self.tag = tag
         self.elastic = elastic
         self.elastic_timeout = elastic_timeout
+        self.device = device
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
         checked = parse_options(DataParallelOptions, options)
-        return cls(checked.workers, checked.tag, checked.elastic, checked.elastic_timeout)
+        return cls(
+            checked.workers,
+            checked.tag,
+            checked.elastic,
+            checked.elastic_timeout,
+            checked.device,
+        )
 
     def placement(self) -> Placement:
-        return Placement(workers=self.workers, tag=self.tag)
+        return Placement(workers=self.workers, tag=self.tag, device=self.device)
 
     def validate(self, job: JobInputs) -> None:
         self._plan(job)

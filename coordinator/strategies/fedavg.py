@@ -100,6 +100,7 @@ class FedAvg(Strategy):
         server_options: Mapping[str, Any] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
+        device: str | None = None,
     ) -> None:
         self.rounds = rounds
         self.local_epochs = local_epochs
@@ -111,6 +112,7 @@ class FedAvg(Strategy):
         self.server_options = dict(server_options or {})
         self.seed = seed
         self.prox_mu = prox_mu
+        self.device = device
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
 
     @classmethod
@@ -126,8 +128,10 @@ class FedAvg(Strategy):
 
     def placement(self) -> Placement:
         if self.workers is None:
-            return Placement(workers=self.min_workers, tag=self.tag, all_matching=True)
-        return Placement(workers=self.workers, tag=self.tag)
+            return Placement(
+                workers=self.min_workers, tag=self.tag, all_matching=True, device=self.device
+            )
+        return Placement(workers=self.workers, tag=self.tag, device=self.device)
 
     def validate(self, job: JobInputs) -> None:
         if not job.differentiable():
@@ -287,4 +291,5 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "server": server.name,
         "server_options": server.hyperparameters(),
         "seed": options.seed,
+        "device": options.device,
     }

@@ -21,21 +21,24 @@ from protocol.strategy_options import LocalOptions
 
 
 class Local(Strategy):
-    """One worker, optionally pinned by id (``worker``) or by ``tag``."""
+    """One worker, optionally pinned by id (``worker``) or by ``tag``, and by ``device``."""
 
     name = "local"
 
-    def __init__(self, worker: str | None = None, tag: str | None = None) -> None:
+    def __init__(
+        self, worker: str | None = None, tag: str | None = None, device: str | None = None
+    ) -> None:
         self.worker = worker
         self.tag = tag
+        self.device = device
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
         checked = parse_options(LocalOptions, options)
-        return cls(worker=checked.worker, tag=checked.tag)
+        return cls(worker=checked.worker, tag=checked.tag, device=checked.device)
 
     def placement(self) -> Placement:
-        return Placement(workers=1, worker_id=self.worker, tag=self.tag)
+        return Placement(workers=1, worker_id=self.worker, tag=self.tag, device=self.device)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         # 1. Ship the filters to the worker's daemon.

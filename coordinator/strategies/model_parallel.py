@@ -110,7 +110,8 @@ class ModelParallel(Strategy):
     def from_options(cls, options: Mapping[str, Any]) -> Self:
         checked = parse_options(ModelParallelOptions, options)
         partitions = [
-            Partition(p.node_ids, Target(id=p.worker, tag=p.tag)) for p in checked.partitions
+            Partition(p.node_ids, Target(id=p.worker, tag=p.tag, device=checked.device_of(i)))
+            for i, p in enumerate(checked.partitions)
         ]
         return cls(partitions, checked.micro_batches, checked.schedule)
 
