@@ -109,8 +109,9 @@ class Harness:
         finally:
             ctx.closed = True
 
-    def worker(self, worker_id, *tags, datasets=None):
-        return self.registry.attach(worker_id, list(tags), CAPS, FakeChannel(), datasets)
+    def worker(self, worker_id, *tags, datasets=None, device="cpu"):
+        caps = CAPS.model_copy(update={"device": device})
+        return self.registry.attach(worker_id, list(tags), caps, FakeChannel(), datasets)
 
     async def __aenter__(self) -> Harness:
         self.scheduler = asyncio.create_task(self.manager.schedule_forever())

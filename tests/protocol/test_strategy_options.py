@@ -8,11 +8,15 @@ import somatize as sz
 from coordinator.strategies import STRATEGIES, StrategyOptionsError, strategy_from_spec
 from protocol.daemon import GetStateRequest, StageRequest, command_fields, request_fields
 from protocol.strategy_options import (
+    DEVICES,
     DataParallelOptions,
     Dialect,
     FedAvgOptions,
+    FedProxOptions,
     LocalOptions,
     ModelParallelOptions,
+    device_fits,
+    is_device,
     parse,
     server_options,
 )
@@ -51,6 +55,14 @@ def test_the_wire_refuses_options_a_strategy_does_not_take():
         sz.FedAvg(4, fraction=0.5, server=sz.FedAdam(lr=0.1)),
         sz.FedProx(0.1, 2, workers=3, tag="edge"),
         sz.ModelParallel([sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w")], 2),
+        sz.Local(tag="gpu", device="cuda"),
+        sz.DataParallel(2, device="cuda:1"),
+        sz.FedAvg(2, device="mps"),
+        sz.FedProx(0.1, 2, device="cpu"),
+        sz.ModelParallel(
+            [sz.Partition(["a"], tag="s0", device="cpu"), sz.Partition(["b"], worker="w")],
+            device="cuda",
+        ),
     ],
 )
 def test_what_the_sdk_sends_the_coordinator_accepts(strategy):
@@ -79,3 +91,116 @@ def test_a_command_travels_without_id_and_with_only_the_fields_set():
     request = StageRequest(name="train", x=[1, 2])
     assert command_fields(request) == {"cmd": "stage", "name": "train", "x": [1, 2]}
     assert request_fields(GetStateRequest())["cmd"] == "get_state"
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+FORMS = "'cpu', 'cuda' (any CUDA device), 'cuda:N' or 'mps'"
+
+
+@pytest.mark.parametrize(
+    ("model", "data"),
+    [
+        (LocalOptions, {}),
+        (DataParallelOptions, {"workers": 2}),
+        (FedAvgOptions, {"rounds": 1}),
+        (FedProxOptions, {"mu": 0.1, "rounds": 1}),
+        (ModelParallelOptions, {"partitions": [{"node_ids": ["a"], "tag": "t"}]}),
+    ],
+)
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:-1", "cuda:01", "CPU", "", 0, True])
+def test_a_bad_device_is_refused_naming_the_forms_on_both_sides(model, data, device):
+    with pytest.raises(ValueError) as on_sdk:
+        parse(model, {**data, "device": device}, Dialect.SDK)
+    with pytest.raises(ValueError) as on_wire:
+        parse(model, {**data, "device": device}, Dialect.WIRE)
+    assert str(on_sdk.value) == (
+        f"{model.sdk_name}: device must be None (any device), {FORMS}, not {device!r}"
+    )
+    assert str(on_wire.value) == f"{model.wire_name}: device must be one of {FORMS}, not {device!r}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:12", "mps", None])
+def test_every_device_form_is_accepted_and_travels_only_when_set(device):
+    for model, data in [
+        (LocalOptions, {}),
+        (DataParallelOptions, {"workers": 2}),
+        (FedAvgOptions, {"rounds": 1}),
+        (FedProxOptions, {"mu": 0.1, "rounds": 1}),
+    ]:
+        wire = parse(model, {**data, "device": device}, Dialect.SDK).to_wire()
+        assert wire.get("device", "unset") == (device if device is not None else "unset"), model
+        assert parse(model, wire, Dialect.WIRE).device == device
+
+
+def test_a_partition_device_is_checked_with_its_index_and_defaults_to_the_pipelines():
+    tpu = {"node_ids": ["b"], "tag": "u", "device": "tpu"}
+    bad = {"partitions": [{"node_ids": ["a"], "tag": "t"}, tpu]}
+    with pytest.raises(ValueError) as refused:
+        parse(ModelParallelOptions, bad, Dialect.WIRE)
+    assert str(refused.value) == (
+        f"model_parallel: partition 1: device must be one of {FORMS}, not 'tpu'"
+    )
+    parts = [{"node_ids": ["a"], "tag": "t"}, {"node_ids": ["b"], "tag": "u", "device": "cpu"}]
+    options = parse(ModelParallelOptions, {"partitions": parts, "device": "cuda"}, Dialect.WIRE)
+    assert [options.device_of(0), options.device_of(1)] == ["cuda", "cpu"]
+    assert options.to_wire()["device"] == "cuda"
+    assert [p.get("device") for p in options.to_wire()["partitions"]] == [None, "cpu"]
+    plain = parse(ModelParallelOptions, {"partitions": parts[:1]}, Dialect.WIRE)
+    assert plain.device_of(0) is None and "device" not in plain.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("wanted", "device", "fits"),
+    [
+        (None, "cpu", True),
+        (None, "cuda:3", True),
+        ("cpu", "cpu", True),
+        ("cpu", "cuda:0", False),
+        ("cuda", "cuda:0", True),
+        ("cuda", "cuda:7", True),
+        ("cuda", "cpu", False),
+        ("cuda", "mps", False),
+        ("cuda:1", "cuda:1", True),
+        ("cuda:1", "cuda:0", False),
+        ("mps", "mps", True),
+        ("mps", "cpu", False),
+    ],
+)
+def test_a_device_fits_when_equal_or_any_cuda_device_for_cuda(wanted, device, fits):
+    assert device_fits(wanted, device) is fits
+
+
+def test_the_device_forms_are_exactly_the_documented_ones():
+    assert DEVICES == ("cpu", "cuda", "cuda:N", "mps")
+    assert all(is_device(d) for d in ["cpu", "cuda", "cuda:0", "cuda:10", "mps"])
+    assert not any(is_device(d) for d in ["cuda:N", "cuda:1:2", " cpu", "xla", None, 1])
+
+
+def test_the_device_the_sdk_asks_for_is_the_coordinators_placement():
+    for strategy in [
+        sz.Local(device="cuda"),
+        sz.DataParallel(2, device="cuda"),
+        sz.FedAvg(2, device="cuda"),
+        sz.FedProx(0.1, 2, device="cuda"),
+    ]:
+        spec = strategy.spec()
+        assert strategy_from_spec(spec.name, spec.options).placement().device == "cuda", spec
+    pipeline = sz.ModelParallel(
+        [sz.Partition(["a"], tag="s0", device="cpu"), sz.Partition(["b"], worker="w")],
+        device="cuda:1",
+    ).spec()
+    placement = strategy_from_spec(pipeline.name, pipeline.options).placement()
+    assert [(s.tag, s.id, s.device) for s in placement.slots] == [
+        ("s0", None, "cpu"),
+        (None, "w", "cuda:1"),
+    ]
+    assert placement.devices() == ["cpu", "cuda:1"]
+
+
+def test_the_coordinator_refuses_a_bad_device_as_a_strategy_options_error():
+    with pytest.raises(StrategyOptionsError) as refused:
+        strategy_from_spec("data_parallel", {"workers": 2, "device": "gpu"})
+    assert str(refused.value) == f"data_parallel: device must be one of {FORMS}, not 'gpu'"
+    strategy = strategy_from_spec("fedprox", {"mu": 0.1, "rounds": 1, "device": "cuda:0"})
+    assert strategy.placement().device == "cuda:0"

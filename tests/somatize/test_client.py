@@ -77,6 +77,60 @@ def test_data_parallel_sends_the_elastic_options_only_when_elastic():
         sz.DataParallel(2, elastic=True, elastic_timeout=0)
 
 
+def test_every_strategy_takes_a_device_keyword_after_its_old_arguments():
+    assert sz.Local(device="cuda").spec().options == {"device": "cuda"}
+    assert sz.Local("w1", None, "cpu").spec().options == {"worker": "w1", "device": "cpu"}
+    assert sz.DataParallel(2, "gpu", True, 5, "cuda:0").spec().options == {
+        "workers": 2,
+        "tag": "gpu",
+        "elastic": True,
+        "elastic_timeout": 5.0,
+        "device": "cuda:0",
+    }
+    assert sz.FedAvg(3, device="mps").spec().options["device"] == "mps"
+    assert sz.FedProx(0.1, 3, device="cpu").spec().options["device"] == "cpu"
+    assert "device" not in sz.FedAvg(3).spec().options
+    pipeline = sz.ModelParallel(
+        [sz.Partition(["a"], tag="s0", device="cuda:1"), sz.Partition(["b"], "w2")],
+        2,
+        "1f1b",
+        "cuda",
+    ).spec()
+    assert pipeline.options == {
+        "partitions": [
+            {"node_ids": ["a"], "tag": "s0", "device": "cuda:1"},
+            {"node_ids": ["b"], "worker": "w2"},
+        ],
+        "micro_batches": 2,
+        "schedule": "1f1b",
+        "device": "cuda",
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "owner"),
+    [
+        (lambda: sz.Local(device="gpu"), "Local"),
+        (lambda: sz.DataParallel(2, device="gpu"), "DataParallel"),
+        (lambda: sz.FedAvg(2, device="gpu"), "FedAvg"),
+        (lambda: sz.FedProx(0.1, 2, device="gpu"), "FedProx"),
+        (lambda: sz.ModelParallel([sz.Partition(["a"], tag="t")], device="gpu"), "ModelParallel"),
+    ],
+)
+def test_a_bad_device_is_a_value_error_when_the_strategy_is_built(build, owner):
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert str(refused.value) == (
+        f"{owner}: device must be None (any device), 'cpu', 'cuda' (any CUDA device), "
+        "'cuda:N' or 'mps', not 'gpu'"
+    )
+
+
+def test_a_bad_partition_device_is_refused_by_the_partition():
+    with pytest.raises(ValueError, match=r"^Partition: partition: device must be None .*'xla'"):
+        sz.Partition(["a"], tag="t", device="xla")
+
+
 def test_local_is_frozen():
     strategy = sz.Local(worker="w1")
     with pytest.raises(AttributeError):
@@ -230,6 +284,36 @@ def test_job_file_defaults(tmp_path):
     assert strategy == sz.Local()
     with pytest.raises(cli.UsageError, match="no such file"):
         cli.load_job_file(str(tmp_path / "missing.py"))
+
+
+def test_status_shows_each_workers_device():
+    from rich.console import Console
+
+    h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
+    workers = [
+        {"id": "w1", "tags": ["a"], "state": "idle", "capabilities": {"device": "cpu"}},
+        {"id": "w2", "tags": [], "state": "busy", "job_id": "j1", "capabilities": h200},
+        {"id": "w3", "state": "offline"},  # an older coordinator: no capabilities
+    ]
+    console = Console(width=160, record=True)
+    console.print(cli.workers_table(workers))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "heartbeat" in line)
+    assert [c.strip() for c in header.strip("│┃ ").split("┃")][:4] == [
+        "id",
+        "tags",
+        "state",
+        "device",
+    ]
+
+    def device_of(worker_id: str) -> str:
+        row = next(line for line in lines if line.startswith(f"│ {worker_id} "))
+        return row.split("│")[4].strip()
+
+    assert device_of("w1") == "cpu"
+    assert device_of("w2") == "cuda:0 NVIDIA H200 150.0 GiB"
+    assert device_of("w3") == "cpu"
+    assert cli.device_text({"device": "mps", "device_name": "Apple M2"}) == "mps Apple M2"
 
 
 def test_state_and_progress_descriptions():
