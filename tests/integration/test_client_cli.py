@@ -248,6 +248,11 @@ def test_cli_submit_jobs_and_result(live, tmp_path):
     status = _somatize(live, "status", seconds=30)
     assert status.returncode == 0, status.stderr
     assert "w1" in status.stdout and "w2" in status.stdout and job_id in status.stdout
+    header = next(line for line in status.stdout.splitlines() if "heartbeat" in line)
+    column = [c.strip() for c in header.split("┃")].index("device")
+    for worker_id in ("w1", "w2"):  # both train on the cpu (no --device: auto, and no CUDA)
+        row = next(line for line in status.stdout.splitlines() if f"│ {worker_id} " in line)
+        assert row.split("│")[column].strip() == "cpu", row
 
     saved = tmp_path / "states.pt"
     result = _somatize(live, "result", job_id, "--save", str(saved), seconds=30)
@@ -289,6 +294,21 @@ def test_cli_result_of_an_unknown_job_exits_2(live):
     result = _somatize(live, "result", "no-such-job", seconds=30)
     assert result.returncode == 2
     assert "unknown_job" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_job_runs_on_the_device_it_asks_for_and_one_no_worker_has_is_refused(client):
+    x, y = _data()
+    job = client.submit(_mlp_graph(), x, y, strategy=sz.DataParallel(2, device="cpu"))
+    job.result(timeout=120 * UNIT)
+    assert sorted(job.status()["workers"]) == ["w1", "w2"]
+
+    with pytest.raises(sz.ClientError) as refused:
+        client.submit(_mlp_graph(), x, y, strategy=sz.Local(device="cuda"))
+    assert refused.value.code == "no_workers"
+    assert "no worker has device 'cuda' (workers: " in refused.value.message
+    assert "w1 cpu" in refused.value.message and "w2 cpu" in refused.value.message
+    assert refused.value.detail["devices"] == ["cpu"]
+    assert client.jobs(limit=1)[0]["id"] == job.id  # the refused one was never stored
 
 
 def test_ping_goes_through_the_coordinator_and_a_workers_daemon(client):

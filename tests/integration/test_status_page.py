@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
+from somatize.cli import device_text
 from tests.coordinator.test_data_parallel import dataset, graph_for
 from tests.coordinator.test_http import running
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
@@ -128,9 +130,15 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     assert rows[broken.id]["Error"].startswith("filter_error")
     assert "broken on purpose" in rows[broken.id]["Error"]
     cpus = {w["id"]: str(w["capabilities"]["cpus"]) for w in status["workers"]}
+    devices = {w["id"]: device_text(w["capabilities"]) for w in status["workers"]}
     for w in after["workers"]:
         assert (w["State"], w["Job"], w["Tags"]) == ("idle", "—", "cpu")
         assert w["CPUs"] == cpus[w["Worker"]]
+        assert w["Device"] == devices[w["Worker"]] == "cpu"
+    # The page words a GPU as `somatize status` does (no GPU here: its own function, asked).
+    h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
+    shown = page.evaluate(f"deviceText({json.dumps(h200)})")
+    assert shown == device_text(h200) == "cuda:0 NVIDIA H200 150.0 GiB"
 
 
 def test_a_browser_logs_in_with_the_client_token_as_password(tmp_path):
