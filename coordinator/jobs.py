@@ -455,7 +455,8 @@ class JobManager:
                 # The workers will answer with tensors: import torch now, in a thread, rather
                 # than on the event loop when the first one is decoded (a second or more).
                 await asyncio.to_thread(importlib.import_module, "torch")
-            await self._emit(job.id, "placed", {"workers": ids})
+            devices = [w.capabilities.device for w in job.workers]
+            await self._emit(job.id, "placed", {"workers": ids, "devices": devices})
 
             async def emit(event: str, data: dict[str, Any]) -> None:
                 await self._emit(job.id, event, data)

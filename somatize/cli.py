@@ -295,8 +295,7 @@ def follow(job: Job, err: Console) -> Any:
                 needs = event.data.get("placement")
                 progress.update(task, info=f"queued: waiting for {needs}" if needs else "queued")
             elif event.event == "placed":
-                workers = ", ".join(str(w) for w in event.data.get("workers", [])) or "?"
-                progress.update(task, info=f"placed on {workers}")
+                progress.update(task, info=placed_text(event.data))
             elif event.event == "progress":
                 epochs, epoch = event.data.get("epochs"), event.data.get("epoch")
                 if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
@@ -402,6 +401,15 @@ def _jobs_table(records: list[dict[str, Any]]) -> Any:
             str(r.get("id", "")), str(r.get("strategy", "")), state, text, duration_text(r, now)
         )
     return table
+
+
+def placed_text(data: dict[str, Any]) -> str:
+    """A ``placed`` event in words: ``placed on w1 (cuda:0), w2 (cuda:1)``."""
+    workers = [str(w) for w in data.get("workers") or []]
+    devices = data.get("devices")
+    if isinstance(devices, list) and len(devices) == len(workers):
+        workers = [f"{w} ({d})" for w, d in zip(workers, devices, strict=True)]
+    return f"placed on {', '.join(workers) or '?'}"
 
 
 def replica_text(event: str, data: dict[str, Any]) -> str:

@@ -316,6 +316,13 @@ def test_status_shows_each_workers_device():
     assert cli.device_text({"device": "mps", "device_name": "Apple M2"}) == "mps Apple M2"
 
 
+def test_the_placed_event_names_each_workers_device():
+    data = {"workers": ["w1", "w2"], "devices": ["cuda:0", "cpu"]}
+    assert cli.placed_text(data) == "placed on w1 (cuda:0), w2 (cpu)"
+    assert cli.placed_text({"workers": ["w1"]}) == "placed on w1"  # an older coordinator
+    assert cli.placed_text({}) == "placed on ?"
+
+
 def test_state_and_progress_descriptions():
     state = {"w": torch.zeros(2, 3), "b": np.zeros(3, dtype=np.float32), "n": 3, "l": [None]}
     assert list(cli.describe_state(state)) == [
