@@ -331,6 +331,7 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
     finally:
         if watcher.poll() is None:
             watcher.kill()
+            watcher.communicate()  # reaped, its pipes closed: nothing left for a later test
     assert watcher.returncode == 130
     assert job.id in out
 
