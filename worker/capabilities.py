@@ -18,6 +18,7 @@ import platform
 from pathlib import Path
 
 from protocol.messages import Capabilities
+from worker.devices import describe_device
 
 __all__ = ["detect"]
 
@@ -26,8 +27,10 @@ log = logging.getLogger(__name__)
 _NVIDIA_DRIVER = (Path("/proc/driver/nvidia"), Path("/dev/nvidia0"), Path("/dev/nvidiactl"))
 
 
-def detect() -> Capabilities:
-    """Describe this machine (blocking: may import torch; call it in an executor from a loop)."""
+def detect(device: str = "cpu") -> Capabilities:
+    """Describe this machine and the resolved ``device`` its daemons train on (blocking: may
+    import torch; call it in an executor from a loop)."""
+    name, memory = describe_device(device)
     return Capabilities(
         cpus=_cpus(),
         memory_bytes=_memory_bytes(),
@@ -36,6 +39,9 @@ def detect() -> Capabilities:
         python=platform.python_version(),
         cloudpickle=_version("cloudpickle"),
         platform=platform.platform(),
+        device=device,
+        device_name=name,
+        device_memory_bytes=memory,
     )
 
 
