@@ -170,9 +170,9 @@ class TorchFilter(Filter):
             return self.loss(output, y)
         if self.loss in _REGRESSION_LOSSES:
             # The weights' dtype, not a bf16/fp16 autocast output's: labels are not rounded.
-            y = y.to(
-                output.dtype if self.precision == "fp32" else self._float_dtype() or output.dtype
-            )
+            # (getattr: a filter pickled before precision existed has none.)
+            autocast = getattr(self, "precision", "fp32") != "fp32"
+            y = y.to(self._float_dtype() or output.dtype if autocast else output.dtype)
             if y.shape != output.shape and y.numel() == output.numel():
                 y = y.reshape(output.shape)  # (n,) labels against an (n, 1) output
         return _LOSSES[self.loss](output, y)
