@@ -15,16 +15,13 @@ import importlib.metadata
 import logging
 import os
 import platform
-from pathlib import Path
 
 from protocol.messages import Capabilities
-from worker.devices import describe_device
+from worker.devices import describe_device, has_nvidia_driver
 
 __all__ = ["detect"]
 
 log = logging.getLogger(__name__)
-
-_NVIDIA_DRIVER = (Path("/proc/driver/nvidia"), Path("/dev/nvidia0"), Path("/dev/nvidiactl"))
 
 
 def detect(device: str = "cpu") -> Capabilities:
@@ -69,7 +66,7 @@ def _version(distribution: str) -> str:
 
 def _cuda_devices() -> list[str]:
     """Names of the visible CUDA devices (``["NVIDIA A100-SXM4-40GB", ...]``), ``[]`` if none."""
-    if not any(path.exists() for path in _NVIDIA_DRIVER):
+    if not has_nvidia_driver():
         return []
     try:
         import torch

@@ -12,7 +12,13 @@ import platform
 import re
 from pathlib import Path
 
-__all__ = ["DEVICE_CHOICES", "available_devices", "describe_device", "resolve_device"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "available_devices",
+    "describe_device",
+    "has_nvidia_driver",
+    "resolve_device",
+]
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
 
@@ -20,8 +26,13 @@ _NVIDIA_DRIVER = (Path("/proc/driver/nvidia"), Path("/dev/nvidia0"), Path("/dev/
 _SPEC = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
+def has_nvidia_driver() -> bool:
+    """Whether an NVIDIA driver is present: where CUDA may be, and torch is worth importing."""
+    return any(path.exists() for path in _NVIDIA_DRIVER)
+
+
 def _cuda_count() -> int:
-    if not any(path.exists() for path in _NVIDIA_DRIVER):
+    if not has_nvidia_driver():
         return 0
     import torch
 
