@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from worker.transfer import PRECISIONS
+
 if TYPE_CHECKING:
     from somatize.graph import Graph
 
@@ -98,6 +100,9 @@ class TorchFilter(Filter):
             otherwise take them in order.
         seed: seeds the shuffling and, during training, torch's default generator (dropout...).
         optimizer_options: extra keyword arguments of a named optimizer (``momentum=0.9``...).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: forward and loss run under
+            ``torch.autocast`` with that dtype (weights and states stay fp32); ``"fp16"``
+            training steps through a ``torch.amp.GradScaler``.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``) are those of the last
     TorchFilter of a chain; each filter keeps its own optimizer and ``lr``.
@@ -117,6 +122,7 @@ class TorchFilter(Filter):
         shuffle: bool = True,
         seed: int = 0,
         optimizer_options: Mapping[str, Any] | None = None,
+        precision: str = "fp32",
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -133,6 +139,8 @@ class TorchFilter(Filter):
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if epochs < 0:
             raise ValueError(f"epochs must not be negative, not {epochs}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
         self.module = module
         self.loss = loss
         self.optimizer = optimizer
@@ -142,6 +150,7 @@ class TorchFilter(Filter):
         self.shuffle = shuffle
         self.seed = seed
         self.optimizer_options = dict(optimizer_options or {})
+        self.precision = precision
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -160,7 +169,10 @@ class TorchFilter(Filter):
         if callable(self.loss):
             return self.loss(output, y)
         if self.loss in _REGRESSION_LOSSES:
-            y = y.to(output.dtype)
+            # The weights' dtype, not a bf16/fp16 autocast output's: labels are not rounded.
+            # (getattr: a filter pickled before precision existed has none.)
+            autocast = getattr(self, "precision", "fp32") != "fp32"
+            y = y.to(self._float_dtype() or output.dtype if autocast else output.dtype)
             if y.shape != output.shape and y.numel() == output.numel():
                 y = y.reshape(output.shape)  # (n,) labels against an (n, 1) output
         return _LOSSES[self.loss](output, y)

@@ -19,6 +19,7 @@ from typing import Any
 
 from somatize.errors import GraphError
 from somatize.filters import Filter
+from worker.devices import resolve_device
 from worker.engine import Engine
 
 
@@ -67,7 +68,9 @@ class Graph:
     def __repr__(self) -> str:
         return " >> ".join(self._ids) or "Graph([])"
 
-    def fit(self, x: Any, y: Any = None, *, batch_size: int | None = None) -> FittedGraph:
+    def fit(
+        self, x: Any, y: Any = None, *, batch_size: int | None = None, device: str = "cpu"
+    ) -> FittedGraph:
         """Train the graph in this process and return the fitted graph.
 
         Plain filters are fitted in order on all rows; each run of TorchFilters trains as one
@@ -77,8 +80,13 @@ class Graph:
             x: input rows (numpy array, torch tensor, or whatever the first filter takes).
             y: labels, row-aligned with ``x``.
             batch_size: overrides the TorchFilters' own ``batch_size``.
+            device: where the TorchFilters train (``"cpu"``, ``"cuda"``, ``"cuda:N"``,
+                ``"mps"``); the fitted states are CPU tensors whatever it is.
+
+        Raises:
+            ValueError: ``device`` is not a device, or not one of this machine's.
         """
-        engine = Engine()
+        engine = Engine(device=resolve_device(device))
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
         result = engine.batched_fit(self.node_ids, x, y, batch_size=batch_size)
         return FittedGraph(self, result.states, epoch_losses=result.epoch_losses)

@@ -218,7 +218,7 @@ class Agent:
         if self._capabilities is None:
             # detect() may import torch (CUDA devices): keep it off the loop.
             loop = asyncio.get_running_loop()
-            self._capabilities = await loop.run_in_executor(None, detect)
+            self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
         if self._peer_server is not None:
             await self._peer_server.start()
         try:

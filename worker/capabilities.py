@@ -15,19 +15,19 @@ import importlib.metadata
 import logging
 import os
 import platform
-from pathlib import Path
 
 from protocol.messages import Capabilities
+from worker.devices import describe_device, has_nvidia_driver
 
 __all__ = ["detect"]
 
 log = logging.getLogger(__name__)
 
-_NVIDIA_DRIVER = (Path("/proc/driver/nvidia"), Path("/dev/nvidia0"), Path("/dev/nvidiactl"))
 
-
-def detect() -> Capabilities:
-    """Describe this machine (blocking: may import torch; call it in an executor from a loop)."""
+def detect(device: str = "cpu") -> Capabilities:
+    """Describe this machine and the resolved ``device`` its daemons train on (blocking: may
+    import torch; call it in an executor from a loop)."""
+    name, memory = describe_device(device)
     return Capabilities(
         cpus=_cpus(),
         memory_bytes=_memory_bytes(),
@@ -36,6 +36,9 @@ def detect() -> Capabilities:
         python=platform.python_version(),
         cloudpickle=_version("cloudpickle"),
         platform=platform.platform(),
+        device=device,
+        device_name=name,
+        device_memory_bytes=memory,
     )
 
 
@@ -63,7 +66,7 @@ def _version(distribution: str) -> str:
 
 def _cuda_devices() -> list[str]:
     """Names of the visible CUDA devices (``["NVIDIA A100-SXM4-40GB", ...]``), ``[]`` if none."""
-    if not any(path.exists() for path in _NVIDIA_DRIVER):
+    if not has_nvidia_driver():
         return []
     try:
         import torch

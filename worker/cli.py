@@ -5,6 +5,7 @@
     somatize-worker --connect ws://HOST:PORT [--id NAME] [--tag T ...] [--threads N]
                     [--token-file FILE] [--peer-listen HOST:PORT] [--log-level LEVEL]
                     [--max-message-bytes N] [--max-inflight N]
+                    [--device auto|cpu|cuda|cuda:N|mps]
 
 Lifecycle: startup → serve → shutdown. The first SIGTERM or SIGINT stops accepting work, closes
 the filter daemons (a call still running is answered with an error) and the connection, and exits
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_INFLIGHT})",
     )
     parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N|mps",
+        help="where the filter daemons train (default: auto, the first CUDA device if there "
+        "is one, else cpu); a device this machine lacks is refused at startup",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             ca_file=args.ca_file,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
+            device=args.device,
         )
         agent = Agent(config)
     except ValueError as exc:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.messages import Capabilities
+from worker.devices import resolve_device
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
 
@@ -57,10 +58,14 @@ class AgentConfig:
             the system's.
         max_message_bytes: largest message accepted from the coordinator or a peer.
         max_inflight: requests handled at once per connection.
+        device: where the daemons train: ``auto`` (the first CUDA device, else ``cpu``),
+            ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; resolved at construction, so the field
+            holds the concrete device (``"cpu"``, ``"cuda:0"``...).
 
     Raises:
         ValueError: a URL that is not a coordinator's, a ``peer_listen`` that is not
-            ``HOST:PORT``, or a limit that is not positive.
+            ``HOST:PORT``, a limit that is not positive, or a device that is not one or is not
+            on this machine (naming those it has).
     """
 
     url: str
@@ -85,9 +90,11 @@ class AgentConfig:
     ca_file: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         worker_url(self.url)
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.max_message_bytes < 1 or self.max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
         if self.peer_listen is not None:

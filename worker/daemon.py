@@ -1,4 +1,4 @@
-"""The filter daemon: ``python -m worker.daemon [--threads N]``.
+"""The filter daemon: ``python -m worker.daemon [--threads N] [--device DEVICE]``.
 
 One daemon runs the user filters of one job for the worker agent (through
 :class:`worker.supervisor.DaemonSupervisor`), so that user code — which may hang, crash, print or
@@ -66,6 +66,7 @@ from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
 from worker.commands import parse_request
 from worker.datasets import load_dataset
+from worker.devices import resolve_device
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
 from worker.pipe import FrameReader, FrameWriter
@@ -458,6 +459,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch intra-op threads: this daemon's share of the machine (default: all cores)",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engine trains: cpu, cuda, cuda:N or mps (default: cpu)",
+    )
+    parser.add_argument(
         "--shared",
         metavar="IN,OUT",
         help="file descriptors of the supervisor's shared-memory regions for large requests "
@@ -466,6 +472,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.shared is not None:
         fds = args.shared.split(",")
         if len(fds) != 2 or not all(fd.isdigit() for fd in fds):
@@ -488,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     faulthandler.enable(file=sys.stderr)
     start_watchdog(os.getppid())
     torch.set_num_threads(args.threads)
-    status = serve(channel, Daemon())
+    status = serve(channel, Daemon(Engine(device=args.device)))
     sys.stderr.flush()
     # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
     os._exit(status)

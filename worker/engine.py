@@ -11,17 +11,35 @@ one concern:
 * :mod:`worker.training` — rows held under a name, fit, forward and the nodes' states;
 * :mod:`worker.gradients` — the persistent optimizers' state, reading and applying gradients;
 * :mod:`worker.pipeline_stage` — the loaded nodes as one stage of a pipeline (ModelParallel).
+
+An engine trains on one device (``Engine(device="cuda:0")``; default the CPU): modules move there
+when loaded and stay, batches move there once each, and everything the engine hands out is on the
+CPU (:mod:`worker.transfer`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from worker.gradients import Gradients
 from worker.nodes import DifferentiableFilter, is_differentiable, num_rows
 from worker.pipeline_stage import PipelineStage
 from worker.training import FitResult, Training
+from worker.transfer import engine_device
 
 __all__ = ["DifferentiableFilter", "Engine", "FitResult", "is_differentiable", "num_rows"]
 
 
 class Engine(Training, Gradients, PipelineStage):
-    """Filters by node id (in graph order), their states and their persistent optimizers."""
+    """Filters by node id (in graph order), their states and their persistent optimizers.
+
+    Args:
+        device: where the modules train (``"cpu"``, ``"cuda:N"``, ``"mps"``...).
+
+    Raises:
+        EngineError: ``BAD_REQUEST`` for a device torch cannot read.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.device = engine_device(device)

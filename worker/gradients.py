@@ -17,6 +17,7 @@ import torch
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, Nodes, check_same_names, trainable
+from worker.transfer import to_cpu
 
 
 class Gradients(Nodes):
@@ -37,7 +38,8 @@ class Gradients(Nodes):
         out: dict[str, Any] = {}
         for node in self._select(node_ids):
             self._check_trains(node)
-            out[node.node_id] = None if node.optimizer is None else node.optimizer.state_dict()
+            optimizer = node.optimizer
+            out[node.node_id] = None if optimizer is None else to_cpu(optimizer.state_dict())
         return out
 
     def set_optimizer_state(self, states: Mapping[str, Any]) -> None:
@@ -76,8 +78,8 @@ class Gradients(Nodes):
         """The gradients left by the last ``fit``/``composite_fit``, by node and parameter name.
 
         ``node_ids=None`` means every differentiable node. The tensors are the live ``.grad``
-        tensors (the engine always replaces, never mutates, a gradient): copy them to keep them
-        across a later backward.
+        tensors on a CPU engine (the engine always replaces, never mutates, a gradient): copy
+        them to keep them across a later backward. On another device, CPU copies.
 
         Raises:
             EngineError: ``NO_GRADIENTS`` for a node that is not differentiable, has no trainable
@@ -112,7 +114,7 @@ class Gradients(Nodes):
                     "(run fit or composite_fit with labels first)",
                     {"node_id": node.node_id, "parameters": missing},
                 )
-            out[node.node_id] = {name: p.grad for name, p in params.items()}
+            out[node.node_id] = {name: to_cpu(p.grad) for name, p in params.items()}
         return out
 
     def apply_gradients(self, gradients: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:

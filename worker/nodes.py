@@ -25,6 +25,7 @@ import torch
 
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
+from worker.transfer import autocast, tensors_to, to_cpu, to_device
 
 UNSET: Any = object()
 """The state of a plain filter that was neither fitted nor given a state."""
@@ -89,6 +90,7 @@ class Node:
     filter: Any
     state: Any = UNSET  # plain filters only: what fit returned
     optimizer: torch.optim.Optimizer | None = None
+    scaler: torch.amp.GradScaler | None = None  # fp16 training loop only, on a run's last node
 
     @property
     def differentiable(self) -> bool:
@@ -99,15 +101,21 @@ class Nodes:
     """Filters by node id, in graph order: looking them up, their states and their optimizers.
 
     The base of the engine's parts (:mod:`worker.training`, :mod:`worker.gradients`,
-    :mod:`worker.pipeline_stage`), which all work on the same nodes.
+    :mod:`worker.pipeline_stage`), which all work on the same nodes. Modules live on
+    ``device`` from :meth:`load` on; plain filters see CPU data.
     """
 
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
+        self.device = torch.device("cpu")
 
     def load(self, filters: Mapping[str, Any]) -> None:
-        """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order)."""
+        """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order), and
+        move each differentiable filter's module to the engine's device, once, for the job."""
         self._nodes = {node_id: Node(node_id, f) for node_id, f in filters.items()}
+        for node in self._nodes.values():
+            if node.differentiable:
+                node.filter.module.to(self.device)
 
     @property
     def node_ids(self) -> list[str]:
@@ -163,12 +171,32 @@ class Nodes:
         return node.optimizer
 
     def _train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
-        """Forward ``x`` through the run in training mode, building the autograd graph."""
+        """Forward ``x`` through the run in training mode, building the autograd graph; each
+        filter under its own precision's autocast."""
         out = x
         for node in run:
             node.filter.module.train()
-            out = node.filter.module(out)
+            with autocast(node.filter, self.device):
+                out = node.filter.module(out)
         return out
+
+    def _loss(self, run: list[Node], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of the run's last filter, under its precision's autocast."""
+        last = run[-1].filter
+        with autocast(last, self.device):
+            loss: torch.Tensor = last.compute_loss(out, y)
+        return loss
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return to_device(tensor, self.device)
+
+    def _apply(self, node: Node, x: Any, state: Any) -> Any:
+        """``forward`` of one node: a differentiable one on the device (input and ``state``
+        moved there), a plain one on CPU data. The output may be on the device."""
+        if not node.differentiable:
+            return node.filter.forward(to_cpu(x), state)
+        x = self._on_device(node.filter.prepare_input(x))
+        return node.filter.forward(x, tensors_to(state, self.device))
 
 
 def segments(nodes: list[Node]) -> Iterator[list[Node]]:

@@ -16,6 +16,7 @@ import torch
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, Nodes, num_rows, segments, trainable
+from worker.transfer import cpu_tensor, to_cpu
 
 
 @dataclass
@@ -95,8 +96,8 @@ class PipelineStage(Nodes):
                 node.filter.module.zero_grad(set_to_none=True)
             self._batch_open = True
         for node in plain:
-            x = node.filter.forward(x, self._state_for(node))
-        xt = run[0].filter.prepare_input(x)
+            x = to_cpu(self._apply(node, x, self._state_for(node)))
+        xt = self._on_device(run[0].filter.prepare_input(x))
         leaf: torch.Tensor | None = None
         if not first and xt.is_floating_point():
             leaf = xt.detach().requires_grad_(True)  # detach: the caller's tensor is left alone
@@ -104,8 +105,8 @@ class PipelineStage(Nodes):
         out = self._train_forward(run, xt)
         if not last:
             self._in_flight[micro] = _InFlight(leaf, out, last=False)
-            return out.detach()
-        loss = run[-1].filter.compute_loss(out, run[-1].filter.prepare_target(y))
+            return to_cpu(out.detach())
+        loss = self._loss(run, out, self._on_device(run[-1].filter.prepare_target(y)))
         self._in_flight[micro] = _InFlight(leaf, loss * scale, last=True)
         return {"loss": float(loss.detach()), "rows": num_rows(xt)}
 
@@ -189,8 +190,8 @@ class PipelineStage(Nodes):
         if flight.input is None:
             return None
         if flight.input.grad is None:  # the output does not depend on the input
-            return torch.zeros_like(flight.input, requires_grad=False)
-        return flight.input.grad
+            return cpu_tensor(torch.zeros_like(flight.input, requires_grad=False))
+        return cpu_tensor(flight.input.grad)
 
     def stage_step(self, node_ids: Sequence[str]) -> int:
         """End a global batch: step every differentiable node's persistent optimizer once on the

@@ -54,6 +54,7 @@ class DaemonPool:
             threads=threads or config.threads,
             env=dataset_environment(config.datasets),
             default_timeout=config.startup_timeout,
+            device=config.device,
         )
         self._daemons.add(supervisor)
         return supervisor

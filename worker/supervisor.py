@@ -82,6 +82,8 @@ class DaemonSupervisor:
         threads: torch threads of the daemon, its share of the machine (default: all cores).
         env: variables added to the inherited environment of the daemon.
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
+        device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
+            ``"cuda:N"`` or ``"mps"``.
 
     Use as ``async with DaemonSupervisor() as daemon:`` or call :meth:`start` and :meth:`close`.
     """
@@ -92,8 +94,10 @@ class DaemonSupervisor:
         threads: int | None = None,
         env: Mapping[str, str] | None = None,
         default_timeout: float = 60.0,
+        device: str = "cpu",
     ) -> None:
         self.python = python
+        self.device = device
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.env = dict(env or {})
         self.default_timeout = default_timeout
@@ -335,6 +339,7 @@ class DaemonSupervisor:
         if self._child is not None and self._child.alive:
             raise DaemonAlreadyRunning("the filter daemon is already running; use restart()")
         argv = [self.python, "-m", "worker.daemon", "--threads", str(self.threads)]
+        argv += ["--device", self.device]
         shared = shared_regions()
         fds: tuple[int, ...] = ()
         if shared is not None:

@@ -27,6 +27,7 @@ from worker.nodes import (
     take,
     trainable,
 )
+from worker.transfer import scaler_for, to_cpu
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Training(Nodes):
 
     def __init__(self) -> None:
         super().__init__()
-        self._held: dict[str, tuple[Any, Any]] = {}
+        self._held: dict[str, tuple[Any, Any]] = {}  # on the CPU: batches go to the device
 
     # -- data held under a name ---------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class Training(Nodes):
                 out, loss = self._backward_run(segment, out, y)
             else:
                 out = self._fit_plain(segment[0], out, y)
-        return FitResult(out, self.get_state(node_ids), loss, num_rows(x))
+        return FitResult(to_cpu(out), self.get_state(node_ids), loss, num_rows(x))
 
     def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
         """A replica's half of a data-parallel step: plain filters only *apply* the state they
@@ -124,7 +125,7 @@ class Training(Nodes):
                 out, loss = self._backward_run(segment, out, y)
             else:
                 node = segment[0]
-                out = node.filter.forward(out, self._state_for(node))
+                out = self._apply(node, out, self._state_for(node))
         return FitResult(None, {}, loss, num_rows(x))
 
     def batched_fit(
@@ -156,7 +157,7 @@ class Training(Nodes):
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
-                node.optimizer = None
+                node.optimizer = node.scaler = None
         out, loss, epoch_losses = x, None, []
         for segment in segments(nodes):
             if segment[0].differentiable:
@@ -165,14 +166,14 @@ class Training(Nodes):
                 out = self._forward_segment(segment, out)
             else:
                 out = self._fit_plain(segment[0], out, y)
-        return FitResult(out, self.get_state(node_ids), loss, num_rows(x), epoch_losses)
+        return FitResult(to_cpu(out), self.get_state(node_ids), loss, num_rows(x), epoch_losses)
 
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, node_id: str, x: Any, state: Any = None) -> Any:
         """``forward`` of one node with ``state``, or with the state it holds."""
         node = self._node(node_id)
-        return node.filter.forward(x, self._state_for(node) if state is None else state)
+        return to_cpu(self._apply(node, x, self._state_for(node) if state is None else state))
 
     def composite_forward(
         self, node_ids: Sequence[str], x: Any, states: Mapping[str, Any] | None = None
@@ -180,21 +181,21 @@ class Training(Nodes):
         """Forward ``x`` through a chain, each node with ``states[id]`` or its held state."""
         for node in self._chain(node_ids, x):
             if states is not None and node.node_id in states:
-                x = node.filter.forward(x, states[node.node_id])
+                x = self._apply(node, x, states[node.node_id])
             else:
-                x = node.filter.forward(x, self._state_for(node))
-        return x
+                x = self._apply(node, x, self._state_for(node))
+        return to_cpu(x)
 
     # -- state --------------------------------------------------------------------------------
 
     def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
         """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
-        copies of its tensors), a plain filter's fit result."""
+        copies of its tensors, on the CPU), a plain filter's fit result."""
         out: dict[str, Any] = {}
         for node in self._select(node_ids):
             if node.differentiable:
                 sd = node.filter.module.state_dict()
-                out[node.node_id] = {k: v.detach().clone() for k, v in sd.items()}
+                out[node.node_id] = {k: _cpu_copy(v) for k, v in sd.items()}
             else:
                 out[node.node_id] = self._state_for(node)
         return out
@@ -212,13 +213,15 @@ class Training(Nodes):
     # -- internals ----------------------------------------------------------------------------
 
     def _fit_plain(self, node: Node, x: Any, y: Any) -> Any:
+        x = to_cpu(x)
         node.state = node.filter.fit(x, y)
         return node.filter.forward(x, node.state)
 
     def _run_loss(self, run: list[Node], x: torch.Tensor, y: torch.Tensor) -> Any:
-        """Forward ``x`` through the run in training mode; the loss of its last filter."""
-        out = self._train_forward(run, x)
-        return run[-1].filter.compute_loss(out, y), out
+        """Forward a batch through the run in training mode (moved to the device once, here);
+        the loss of its last filter."""
+        out = self._train_forward(run, self._on_device(x))
+        return self._loss(run, out, self._on_device(y)), out
 
     def _backward_run(self, run: list[Node], x: Any, y: Any) -> tuple[Any, float]:
         if y is None:
@@ -229,6 +232,8 @@ class Training(Nodes):
             )
         for node in run:
             node.filter.module.zero_grad(set_to_none=True)
+        # The true gradients, never scaled: whoever steps on them (the data-parallel mean, say)
+        # must not have to know this filter's precision.
         xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
         loss, out = self._run_loss(run, xt, yt)
         loss.backward()
@@ -254,6 +259,7 @@ class Training(Nodes):
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
         optimizers = [self._optimizer(node) for node in run]
+        scaler = self._scaler(run[-1])
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
         epoch_losses = []
@@ -271,17 +277,42 @@ class Training(Nodes):
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                         loss = loss + prox_mu / 2 * gap
-                    loss.backward()
-                    for opt in optimizers:
-                        opt.step()
+                    _step(loss, optimizers, scaler)
                     total += float(loss.detach()) * _len(index, n)
                 epoch_losses.append(total / n if n else float("nan"))
         return epoch_losses
 
+    def _scaler(self, node: Node) -> torch.amp.GradScaler | None:
+        """The run's gradient scaler (fp16 only), made on first use and kept like an optimizer."""
+        if node.scaler is None:
+            node.scaler = scaler_for(node.filter, self.device)
+        return node.scaler
+
     def _forward_segment(self, run: list[Node], x: Any) -> Any:
         for node in run:
-            x = node.filter.forward(x, node.filter.module.state_dict())
+            x = self._apply(node, x, node.filter.module.state_dict())
         return x
+
+
+def _step(
+    loss: torch.Tensor, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None
+) -> None:
+    """Backward and one step of every optimizer; through ``scaler`` for fp16 (scale the loss,
+    step unscaled, skip a step whose gradients overflowed, update the scale)."""
+    if scaler is None:
+        torch.autograd.backward(loss)
+        for opt in optimizers:
+            opt.step()
+        return
+    torch.autograd.backward(scaler.scale(loss))
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 
 def _len(index: Any, n: int) -> int:

@@ -174,7 +174,7 @@ def test_results_of_any_buffer_and_size_come_back_as_bytes(
     assert type(store.result(job_id)) is bytes
 
 
-def test_a_result_over_sqlites_limit_is_refused_and_the_job_staysrunning_job(
+def test_a_result_over_sqlites_limit_is_refused_and_the_job_stays_running(
     store: JobStore,
 ) -> None:
     job_id = running_job(store).id

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, wait_for
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
@@ -333,6 +334,7 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
     assert "loss curve (18 points)" in plotted.stderr  # 3 epochs x 6 steps of 32 rows
 
     env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
+    before = _open_connections(live)
     watcher = subprocess.Popen(
         [str(BIN / "somatize"), "jobs", "--watch"],
         stdout=subprocess.PIPE,
@@ -341,12 +343,15 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
         env=env,
     )
     try:
-        time.sleep(2.5 * UNIT)
+        # Interrupt it once it is watching (connected), not while Python still imports it.
+        wait_for(lambda: _open_connections(live) > before, 60 * UNIT, "the watcher to connect")
+        time.sleep(1.5 * UNIT)  # at least one refresh of the live table
         watcher.send_signal(signal.SIGINT)
         out, _ = watcher.communicate(timeout=20 * UNIT)
     finally:
         if watcher.poll() is None:
             watcher.kill()
+            watcher.communicate()  # reaped, its pipes closed: nothing left for a later test
     assert watcher.returncode == 130
     assert job.id in out
 
@@ -366,3 +371,12 @@ def test_a_job_waiting_for_workers_says_what_it_waits_for(live, client, tmp_path
         assert "queued" in row and "waiting for 1 worker tagged 'gpu'" in row, row
     finally:
         client.job(job_id).cancel()
+
+
+def _open_connections(live: Cluster) -> int:
+    """The coordinator's ``somatize_connections`` gauge (its open WebSocket connections)."""
+    url = f"http://127.0.0.1:{live.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5 * UNIT) as response:
+        text = response.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("somatize_connections "))
+    return int(line.split()[1])

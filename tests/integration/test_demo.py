@@ -83,6 +83,7 @@ def test_ctrl_c_stops_the_demo_and_everything_it_started():
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
     deadline = time.monotonic() + 15 * UNIT
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
