@@ -134,7 +134,7 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     for w in after["workers"]:
         assert (w["State"], w["Job"], w["Tags"]) == ("idle", "—", "cpu")
         assert w["CPUs"] == cpus[w["Worker"]]
-        assert w["Device"] == devices[w["Worker"]] == "cpu"
+        assert w["Device"] == devices[w["Worker"]]  # what the worker announced, in words
     # The page words a GPU as `somatize status` does (no GPU here: its own function, asked).
     h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
     shown = page.evaluate(f"deviceText({json.dumps(h200)})")
