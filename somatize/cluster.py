@@ -141,6 +141,7 @@ class LocalCluster:
         data: Mapping[str, Path] | None = None,
         peer_link: bool = False,
         prefix: Sequence[str] = (),
+        device: str | None = None,
     ) -> None:
         """Start a worker agent and wait until the coordinator lists it connected: idle, or
         busy when a job took it at once (a job waiting for a replacement, or a queued one).
@@ -148,10 +149,12 @@ class LocalCluster:
         ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``);
         ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
         loopback port; ``prefix`` goes before the command (``ip netns exec NS``: the worker in
-        another network namespace).
+        another network namespace); ``device`` is its ``--device`` (``auto`` when ``None``).
         """
         argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
+        if device is not None:
+            argv += ["--device", device]
         if peer_link:
             port = free_port()
             argv += ["--peer-listen", f"127.0.0.1:{port}"]

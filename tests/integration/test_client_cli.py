@@ -75,14 +75,13 @@ def _mlp_graph() -> sz.Graph:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A coordinator and workers ``w1``, ``w2`` (tag ``cpu``, training on the cpu whatever the
-    machine has: no CUDA device visible to them), for the whole module."""
+    """A coordinator and workers ``w1``, ``w2`` (tag ``cpu``, ``--device cpu`` whatever the
+    machine has), for the whole module."""
     c = Cluster(tmp_path_factory.mktemp("client") / "state")
-    cpu_only = ("env", "CUDA_VISIBLE_DEVICES=")
     try:
         c.start_coordinator()
-        c.start_worker("w1", "cpu", prefix=cpu_only)
-        c.start_worker("w2", "cpu", prefix=cpu_only)
+        c.start_worker("w1", "cpu", device="cpu")
+        c.start_worker("w2", "cpu", device="cpu")
         yield c
     finally:
         c.close()
@@ -253,7 +252,7 @@ def test_cli_submit_jobs_and_result(live, tmp_path):
     assert "w1" in status.stdout and "w2" in status.stdout and job_id in status.stdout
     header = next(line for line in status.stdout.splitlines() if "heartbeat" in line)
     column = [c.strip() for c in header.split("┃")].index("device")
-    for worker_id in ("w1", "w2"):  # both train on the cpu (--device auto, no CUDA visible)
+    for worker_id in ("w1", "w2"):  # both train on the cpu (--device cpu)
         row = next(line for line in status.stdout.splitlines() if f"│ {worker_id} " in line)
         assert row.split("│")[column].strip() == "cpu", row
 
