@@ -10,6 +10,7 @@ The filters are pickled by value (this module is the user's own code to
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import somatize as sz
@@ -22,6 +23,21 @@ def timeout_unit() -> float:
 
 UNIT = timeout_unit()
 """:func:`timeout_unit`, read once when the tests are collected."""
+
+_WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def interruptible(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT at its default, so a test's Ctrl-C reaches it.
+
+    A shell without job control starts background commands with SIGINT ignored, and an ignored
+    signal stays ignored across ``exec``: a suite started that way (``make test &`` in a script)
+    would see its Ctrl-C tests fail for that reason alone. The program keeps this pid.
+    """
+    return [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *argv]
 
 
 class Center(sz.Filter):

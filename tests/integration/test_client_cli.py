@@ -25,7 +25,7 @@ import torch
 
 import somatize as sz
 from tests.integration.cluster import Cluster, wait_for
-from tests.utils import UNIT
+from tests.utils import UNIT, interruptible
 
 pytestmark = pytest.mark.integration
 
@@ -337,7 +337,7 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
     env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
     before = _open_connections(live)
     watcher = subprocess.Popen(
-        [str(BIN / "somatize"), "jobs", "--watch"],
+        interruptible([str(BIN / "somatize"), "jobs", "--watch"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import UNIT
+from tests.utils import UNIT, interruptible
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def test_ctrl_c_stops_the_demo_and_everything_it_started():
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     script = Path(sys.executable).parent / "somatize"
     proc = subprocess.Popen(
-        [str(script), "demo", "--epochs", "50"],
+        interruptible([str(script), "demo", "--epochs", "50"]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
