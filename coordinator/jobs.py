@@ -58,11 +58,6 @@ log = logging.getLogger(__name__)
 TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
 
 
-def remote(code: ErrorCode, message: str, **detail: Any) -> RequestRefused:
-    """The refusal of a client's request, sent to it as an error reply."""
-    return RequestRefused.of(code, message, **detail)
-
-
 @dataclass(frozen=True)
 class PlacedJob:
     """What a job's strategy context is made from, once the job has its workers.
@@ -245,20 +240,20 @@ class JobManager:
     async def submit(self, msg: Submit) -> str:
         """Validate and queue a job; returns its id."""
         if not self.accepting:
-            raise remote(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
+            raise RequestRefused.of(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
         try:
             strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
         missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
         if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
-            raise remote(
+            raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 f"graph.filters must hold exactly the nodes of graph.node_ids; missing {missing}",
             )
         filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
         if (msg.x is None) == (msg.dataset is None):
-            raise remote(
+            raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 "a job trains on data it sends (x, y) or on the workers' own dataset, "
                 "exactly one of the two",
@@ -269,7 +264,7 @@ class JobManager:
         try:
             strategy.validate(inputs)
         except StrategyOptionsError as exc:
-            raise remote(ErrorCode.BAD_REQUEST, str(exc)) from exc
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
         self._check_targets(_placement(strategy, inputs))
         summary = {
             "node_ids": msg.graph.node_ids,
@@ -293,14 +288,14 @@ class JobManager:
         for slot in placement.slots:
             if not any(dataclasses.replace(slot, device=None).answers(w) for w in known):
                 tags = sorted({t for w in known for t in w.tags})
-                raise remote(
+                raise RequestRefused.of(
                     ErrorCode.NO_WORKERS,
                     f"no worker answers to {slot}: workers {[w.id for w in known]}, tags {tags}",
                 )
         devices = sorted({w.device for w in known})
         for wanted in placement.devices():
             if not any(device_fits(wanted, w.device) for w in known):
-                raise remote(
+                raise RequestRefused.of(
                     ErrorCode.NO_WORKERS,
                     f"no worker has device {wanted!r} ({_on_devices(known)})",
                     device=wanted,
@@ -308,7 +303,7 @@ class JobManager:
                 )
         for slot in placement.slots:
             if not any(slot.answers(w) for w in known):
-                raise remote(
+                raise RequestRefused.of(
                     ErrorCode.NO_WORKERS,
                     f"no worker answers to {slot} ({_on_devices(known)})",
                     device=slot.device,
@@ -325,7 +320,9 @@ class JobManager:
             try:
                 history = await asyncio.to_thread(self.store.events, job_id, after_seq)
             except UnknownJob as exc:
-                raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
+                raise RequestRefused.of(
+                    ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
+                ) from exc
             last = after_seq
             for event in history:
                 yield event
@@ -362,12 +359,12 @@ class JobManager:
             return {"job_id": job_id, "states": states, "record": record_dict(record)}
         if record.state.terminal:
             error = record.error or {"code": "internal", "message": "no error recorded"}
-            raise remote(
+            raise RequestRefused.of(
                 _code(error.get("code")),
                 f"job {job_id} {record.state}: {error.get('message')}",
                 **{**error.get("detail", {}), "job_id": job_id, "state": str(record.state)},
             )
-        raise remote(
+        raise RequestRefused.of(
             ErrorCode.NOT_FINISHED,
             f"job {job_id} is still {record.state}",
             job_id=job_id,
@@ -379,7 +376,7 @@ class JobManager:
         job = self._jobs.get(job_id)
         if job is None:
             record = await self._record(job_id)
-            raise remote(
+            raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 f"job {job_id} already ended ({record.state}): nothing to cancel",
                 job_id=job_id,
@@ -504,7 +501,9 @@ class JobManager:
         try:
             return await asyncio.to_thread(self.store.get, job_id)
         except UnknownJob as exc:
-            raise remote(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id) from exc
+            raise RequestRefused.of(
+                ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
+            ) from exc
 
 
 def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,21 +20,12 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
 from tests.utils import UNIT, Center
-from tests.worker.standin import StandIn, children, drive, listening, open_job
+from tests.worker.standin import StandIn, drive, listening, no_process_left, open_job
 from worker.agent import Agent, AgentConfig, Backoff
 from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True)
-def no_process_left() -> Iterator[None]:
-    before = children(os.getpid())
-    yield
-    deadline = time.monotonic() + 5 * UNIT
-    while (left := children(os.getpid()) - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"processes left behind: {left}"
+__all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
 
 
 class RelayStandIn(StandIn):
