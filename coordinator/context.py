@@ -64,12 +64,14 @@ DEFAULT_CALL_TIMEOUT = 600.0
 @dataclass(frozen=True)
 class WorkerIdentity:
     """A worker as strategies know it: an id, tags that partitions can be pinned to, its local
-    datasets and the device it trains on (``"cpu"``, ``"cuda:N"``, ``"mps"``)."""
+    datasets, the device it trains on (``"cpu"``, ``"cuda:N"``, ``"mps"``) and the address
+    other workers reach it at (``None``: not known, as for in-process workers)."""
 
     id: str
     tags: frozenset[str] = field(default_factory=frozenset)
     datasets: Mapping[str, int] = field(default_factory=dict)  # local datasets: name → rows
     device: str = "cpu"
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class StrategyContext(ABC):
 
     #: Whether workers can pass tensors to each other (:meth:`links`, ``routed`` calls).
     supports_peer_links = False
+
+    #: Whether each worker's daemon is a process of its own that can join a torch.distributed
+    #: group (in-process workers share one process, and so cannot).
+    supports_process_groups = False
 
     @abstractmethod
     async def call(self, worker_idx: int, request: DaemonRequest) -> Any:

@@ -453,11 +453,12 @@ class JobManager:
                 # than on the event loop when the first one is decoded (a second or more).
                 await asyncio.to_thread(importlib.import_module, "torch")
             devices = [w.capabilities.device for w in job.workers]
-            await self._emit(job.id, "placed", {"workers": ids, "devices": devices})
 
             async def emit(event: str, data: dict[str, Any]) -> None:
                 await self._emit(job.id, event, data)
 
+            how = await job.strategy.prepare(ctx, job.inputs, emit)
+            await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
             states = await job.strategy.run(ctx, job.inputs, emit)
             frame = await asyncio.to_thread(encode_frame, states)
             await asyncio.to_thread(self.store.succeed, job.id, frame)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 from coordinator.context import WorkerIdentity
 from coordinator.errors import DuplicateWorker
@@ -50,10 +51,21 @@ class WorkerRecord:
     connections: int = 1
     datasets: dict[str, int] = field(default_factory=dict)
     peer_address: str | None = None  # where other workers can dial it for tensors
+    remote_host: str | None = None  # the address its connection came from, as seen here
 
     @property
     def identity(self) -> WorkerIdentity:
-        return WorkerIdentity(self.id, self.tags, dict(self.datasets), self.capabilities.device)
+        return WorkerIdentity(
+            self.id, self.tags, dict(self.datasets), self.capabilities.device, self.host
+        )
+
+    @property
+    def host(self) -> str | None:
+        """Where other workers can reach this one: its announced peer address's host, else
+        the address its connection to the coordinator came from."""
+        if self.peer_address is not None:
+            return urlsplit(self.peer_address).hostname or self.remote_host
+        return self.remote_host
 
     @property
     def connected(self) -> bool:
@@ -105,6 +117,7 @@ class Registry:
         channel: Channel,
         datasets: dict[str, int] | None = None,
         peer_address: str | None = None,
+        remote_host: str | None = None,
     ) -> WorkerRecord:
         """Register a worker's new connection; a known id gets its record back.
 
@@ -129,6 +142,7 @@ class Registry:
             record.connected_at = time.time()
         record.datasets = dict(datasets or {})
         record.peer_address = peer_address
+        record.remote_host = remote_host
         record.state = WorkerState.IDLE
         record.job_id = None
         record.reason = ""

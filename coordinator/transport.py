@@ -73,6 +73,7 @@ class TransportContext(StrategyContext):
         await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))
 
     supports_peer_links = True
+    supports_process_groups = True
 
     async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
         message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)

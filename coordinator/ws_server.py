@@ -362,6 +362,7 @@ class Coordinator:
                 channel,
                 hello.datasets,
                 hello.peer_address,
+                _remote_host(channel.transport),
             )
         except DuplicateWorker as exc:
             await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
@@ -535,3 +536,11 @@ def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:
 
 
 __all__ = ["WS_MAX_SIZE", "Coordinator", "RemoteError", "record_dict"]
+
+
+def _remote_host(transport: object) -> str | None:
+    """The address a connection came from (``None`` when the transport does not say)."""
+    address = getattr(transport, "remote_address", None)
+    if isinstance(address, tuple) and address and isinstance(address[0], str):
+        return address[0]
+    return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:  # imported when a generator is made: the coordinator may never need torch
     import torch
 
@@ -33,3 +35,26 @@ def generator(seed: int) -> torch.Generator:
     import torch
 
     return torch.Generator().manual_seed(seed)
+
+
+def global_batches(
+    rows: int,
+    parts: int,
+    epochs: int,
+    batch_size: int | None,
+    shuffle: bool,
+    seed: int,
+) -> Iterator[tuple[int, int, list[Any]]]:
+    """``(epoch, step, slices)`` of every step of a data-parallel run: the global batch
+    ``graph.fit`` would take (``batch_size`` rows, default all; in order, or shuffled by a
+    generator seeded with ``seed``), its row indices split in ``parts`` slices by
+    ``numpy.array_split`` (some may be empty when a batch has fewer rows than parts).
+
+    The coordinator plans with it and, on the torch collective, every replica walks the same
+    plan itself."""
+    order = generator(seed) if shuffle else None
+    size = batch_size or rows
+    for epoch in range(epochs):
+        for step, index in enumerate(batches(rows, size, order)):
+            rows_ = np.arange(rows)[index] if isinstance(index, slice) else index.numpy()
+            yield epoch, step, np.array_split(rows_, parts)

@@ -41,6 +41,12 @@ __all__ = [
     "DaemonReply",
     "DaemonRequest",
     "DataSource",
+    "DistJoinRequest",
+    "DistLeaveRequest",
+    "DistPlanRequest",
+    "DistProbeRequest",
+    "DistStoreRequest",
+    "DistTrainRequest",
     "ErrorReply",
     "FitRequest",
     "ForwardRequest",
@@ -51,6 +57,8 @@ __all__ = [
     "LoadRequest",
     "OkReply",
     "PingRequest",
+    "PipePlanRequest",
+    "PipeTrainRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
@@ -164,6 +172,124 @@ class GradientsRequest(DataSource):
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
+
+
+class DistStoreRequest(_Request):
+    """Open the rendezvous of a torch collective here (replica 0): a ``torch.distributed``
+    ``TCPStore`` on a free port of every interface, kept until ``dist_leave``. Returns
+    ``{"port": int}``."""
+
+    cmd: Literal["dist_store"] = "dist_store"
+    timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class DistProbeRequest(_Request):
+    """Whether this daemon can open a TCP connection to ``host:port`` within ``timeout``
+    seconds. Returns ``{"reachable": bool, "error": str | None}``."""
+
+    cmd: Literal["dist_probe"] = "dist_probe"
+    host: str
+    port: Annotated[int, Field(gt=0, lt=65536)]
+    timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class DistJoinRequest(_Request):
+    """Join a process group as ``rank`` of ``world`` through the store at ``host:port`` (keys
+    under ``prefix``, one per formation of the group); ``backend`` is NCCL only when every member
+    trains on CUDA. ``timeout`` bounds the join and every collective after it. Returns
+    ``{"backend": str}``."""
+
+    cmd: Literal["dist_join"] = "dist_join"
+    host: str
+    port: Annotated[int, Field(gt=0, lt=65536)]
+    prefix: str
+    backend: Literal["gloo", "nccl"] = "gloo"
+    rank: NonNegativeInt
+    world: PositiveInt
+    timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> Self:
+        if self.rank >= self.world:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world}")
+        return self
+
+
+class _BatchPlan(_Request):
+    r"""The global batches of a run, as every member computes them: ``rows`` rows, ``epochs``,
+    ``batch_size`` (default: all rows), in order or ``shuffle``\ d with ``seed``."""
+
+    rows: NonNegativeInt
+    epochs: NonNegativeInt
+    batch_size: PositiveInt | None = None
+    shuffle: bool = False
+    seed: int = 0
+
+
+class DistPlanRequest(_BatchPlan):
+    """A data-parallel replica's plan, once joined: train ``node_ids`` on its slice of every
+    global batch, the slices cut over the group's ranks; ``held`` are the global row ids staged
+    here under ``data`` (sorted)."""
+
+    cmd: Literal["dist_plan"] = "dist_plan"
+    node_ids: Annotated[list[str], Field(min_length=1)]
+    data: str
+    held: list[int]
+
+
+class PipePlanRequest(_BatchPlan):
+    """A pipeline stage's plan, once joined (its rank is its place in the pipeline): every
+    global batch cut in ``micro_batches`` micro-batches, run through ``node_ids`` in the order of
+    ``actions`` (``[kind, micro]``, kind ``"F"`` or ``"B"``: this stage's part of the schedule).
+    The first stage reads its rows staged under ``data``; the last its labels, staged as ``x``
+    under ``labels``."""
+
+    cmd: Literal["pipe_plan"] = "pipe_plan"
+    node_ids: Annotated[list[str], Field(min_length=1)]
+    micro_batches: PositiveInt
+    actions: list[tuple[Literal["F", "B"], NonNegativeInt]]
+    data: str | None = None
+    labels: str | None = None
+
+
+class PipeTrainRequest(_Request):
+    """Train global batches ``[start, stop)`` of the pipeline plan: this stage's actions of
+    each, activations and their gradients sent to the neighbouring stages' daemons, then one
+    optimizer step. Returns ``{"losses": [[...]], "rows": [[...]]}``: per batch, per
+    micro-batch (the last stage's; empty lists elsewhere)."""
+
+    cmd: Literal["pipe_train"] = "pipe_train"
+    start: NonNegativeInt
+    stop: NonNegativeInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.stop < self.start:
+            raise ValueError(f"stop {self.stop} is before start {self.start}")
+        return self
+
+
+class DistTrainRequest(_Request):
+    """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
+    slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
+    backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
+    per step."""
+
+    cmd: Literal["dist_train"] = "dist_train"
+    start: NonNegativeInt
+    stop: NonNegativeInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.stop < self.start:
+            raise ValueError(f"stop {self.stop} is before start {self.start}")
+        return self
+
+
+class DistLeaveRequest(_Request):
+    """Leave the process group (and close the store, on replica 0); nothing to leave is fine."""
+
+    cmd: Literal["dist_leave"] = "dist_leave"
 
 
 class StageForwardRequest(DataSource):
@@ -283,6 +409,14 @@ DaemonRequest = Annotated[
     | ApplyGradientsRequest
     | StageRequest
     | GradientsRequest
+    | DistStoreRequest
+    | DistProbeRequest
+    | DistJoinRequest
+    | DistPlanRequest
+    | DistTrainRequest
+    | PipePlanRequest
+    | PipeTrainRequest
+    | DistLeaveRequest
     | StageForwardRequest
     | StageBackwardRequest
     | StageStepRequest

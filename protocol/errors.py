@@ -57,6 +57,7 @@ class ErrorCode(StrEnum):
     NOT_FINISHED = "not_finished"  # a result asked for before the job ended
     SHUTTING_DOWN = "shutting_down"  # the coordinator is stopping
     COORDINATOR_RESTARTED = "coordinator_restarted"  # the job was running when it restarted
+    COLLECTIVE_FAILED = "collective_failed"  # a torch.distributed group broke or timed out
     INTERNAL = "internal"  # a bug on the answering side
 
 

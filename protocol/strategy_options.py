@@ -75,6 +75,20 @@ def device_fits(wanted: str | None, device: str) -> bool:
     return wanted == "cuda" and _CUDA_INDEX.fullmatch(device) is not None
 
 
+DEFAULT_COLLECTIVE_TIMEOUT = 60.0
+"""Seconds a torch collective (joining the group, one all-reduce) may take before it fails:
+never torch's 30-minute default."""
+
+COLLECTIVES = ("auto", "torch", "coordinator")
+"""How DataParallel reduces gradients: torch.distributed between the replicas (``torch``),
+through the coordinator (``coordinator``), or the first when every replica can reach the
+rendezvous (``auto``)."""
+
+TRANSPORTS = ("auto", "torch", "websocket")
+"""How ModelParallel's stages pass activations: torch.distributed point-to-point between their
+daemons (``torch``), calls from the coordinator over the WebSocket peer links (``websocket``),
+or the first when every stage can reach the rendezvous (``auto``)."""
+
 DEFAULT_ELASTIC_TIMEOUT = 60.0
 """Seconds an elastic DataParallel job waits for a replacement worker unless told otherwise."""
 
@@ -223,6 +237,13 @@ class LocalOptions(StrategyOptions):
         return fields
 
 
+def _check_collective_timeout(fields: dict[str, Any], say: _Say) -> None:
+    limit = fields.get("collective_timeout", DEFAULT_COLLECTIVE_TIMEOUT)
+    wire = f"collective_timeout must be a positive number of seconds, not {limit!r}"
+    if say.real("collective_timeout", limit, wire) <= 0:
+        raise say.no(f"collective_timeout must be > 0, not {limit!r}", wire)
+
+
 class DataParallelOptions(StrategyOptions):
     """``workers`` replicas in lockstep; ``elastic``: a lost one replaced within the timeout."""
 
@@ -234,10 +255,18 @@ class DataParallelOptions(StrategyOptions):
     elastic: bool = False
     elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
     device: str | None = None
+    collective: str = "auto"
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
         say.positive_int("workers", fields.get("workers"))
+        collective = fields.get("collective", "auto")
+        if collective not in COLLECTIVES:
+            raise say.no(
+                f"collective must be one of {', '.join(map(repr, COLLECTIVES))}, not {collective!r}"
+            )
+        _check_collective_timeout(fields, say)
         say.selector("tag", fields.get("tag"))
         say.device("device", fields.get("device"))
         elastic = fields.get("elastic", False)
@@ -260,6 +289,10 @@ class DataParallelOptions(StrategyOptions):
             options |= {"elastic": True, "elastic_timeout": self.elastic_timeout}
         if self.device is not None:
             options["device"] = self.device
+        if self.collective != "auto":
+            options["collective"] = self.collective
+        if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
+            options["collective_timeout"] = self.collective_timeout
         return options
 
 
@@ -536,6 +569,8 @@ class ModelParallelOptions(StrategyOptions):
     micro_batches: int = 1
     schedule: str = "gpipe"
     device: str | None = None
+    transport: str = "auto"
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: _Say) -> dict[str, Any]:
@@ -553,6 +588,12 @@ class ModelParallelOptions(StrategyOptions):
         if schedule not in SCHEDULES:
             raise say.no(f"schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
         say.device("device", fields.get("device"))
+        transport = fields.get("transport", "auto")
+        if transport not in TRANSPORTS:
+            raise say.no(
+                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, not {transport!r}"
+            )
+        _check_collective_timeout(fields, say)
         return {**fields, "partitions": partitions}
 
     def to_wire(self) -> dict[str, Any]:
@@ -563,6 +604,10 @@ class ModelParallelOptions(StrategyOptions):
         }
         if self.device is not None:
             options["device"] = self.device
+        if self.transport != "auto":
+            options["transport"] = self.transport
+        if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
+            options["collective_timeout"] = self.collective_timeout
         return options
 
     def device_of(self, partition: int) -> str | None:

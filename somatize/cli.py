@@ -404,12 +404,19 @@ def _jobs_table(records: list[dict[str, Any]]) -> Any:
 
 
 def placed_text(data: dict[str, Any]) -> str:
-    """A ``placed`` event in words: ``placed on w1 (cuda:0), w2 (cuda:1)``."""
+    """A ``placed`` event in words: ``placed on w1 (cuda:0), w2 (cuda:1)``, and for
+    DataParallel the collective: ``; gradients by torch (gloo)``."""
     workers = [str(w) for w in data.get("workers") or []]
     devices = data.get("devices")
     if isinstance(devices, list) and len(devices) == len(workers):
         workers = [f"{w} ({d})" for w, d in zip(workers, devices, strict=True)]
-    return f"placed on {', '.join(workers) or '?'}"
+    text = f"placed on {', '.join(workers) or '?'}"
+    collective = data.get("collective")
+    if collective == "torch":
+        text += f"; gradients by torch.distributed ({data.get('backend', '?')})"
+    elif collective == "coordinator":
+        text += f"; gradients through the coordinator: {data.get('collective_reason', '')}"
+    return text
 
 
 def replica_text(event: str, data: dict[str, Any]) -> str:
@@ -492,14 +499,20 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
-    """``(step, loss)`` of each progress event that carries a loss (a federated round, or an
-    epoch's losses when a job reports only those at its end)."""
+    """``(step, loss)`` of each progress event that carries a loss (a step, a federated round,
+    each step of a chunk of them, or an epoch's losses when a job reports only those at its
+    end)."""
     points: list[tuple[float, float]] = []
     for event in events:
         data = event.data if hasattr(event, "data") else {}
         if event.event != "progress":
             continue
-        if isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
+        losses = data.get("losses")
+        if isinstance(losses, list) and isinstance(data.get("step"), int):
+            # A chunk of steps in one event: the loss of each, ending at ``step``.
+            first = data["step"] - len(losses) + 1
+            points.extend((float(first + i), float(v)) for i, v in enumerate(losses))
+        elif isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
             x = data.get("step") or data.get("round") or len(points) + 1
             points.append((float(x), float(data["loss"])))
         elif isinstance(data.get("epoch_losses"), list):

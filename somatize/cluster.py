@@ -142,6 +142,7 @@ class LocalCluster:
         peer_link: bool = False,
         prefix: Sequence[str] = (),
         device: str | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         """Start a worker agent and wait until the coordinator lists it connected: idle, or
         busy when a job took it at once (a job waiting for a replacement, or a queued one).
@@ -149,7 +150,8 @@ class LocalCluster:
         ``data`` maps dataset names to ``.npz`` files the worker trains on (``--data NAME=PATH``);
         ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
         loopback port; ``prefix`` goes before the command (``ip netns exec NS``: the worker in
-        another network namespace); ``device`` is its ``--device`` (``auto`` when ``None``).
+        another network namespace); ``device`` is its ``--device`` (``auto`` when ``None``);
+        ``args`` are more ``somatize-worker`` arguments.
         """
         argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
         argv += ["--threads", str(threads or self.job_threads)]
@@ -163,6 +165,7 @@ class LocalCluster:
             argv += ["--tag", tag]
         for name, path in (data or {}).items():
             argv += ["--data", f"{name}={path}"]
+        argv += args
         token = {"SOMATIZE_WORKER_TOKEN": self.worker_token} if self.worker_token else None
         proc = self._spawn(f"worker-{worker_id}", argv, token)
         self.workers[worker_id] = proc

@@ -113,17 +113,30 @@ class DataParallel(Strategy):
     replacement in time fails it with ``not_enough_workers``; every replica lost at once leaves
     nothing to copy and fails it with ``worker_lost``.
 
+    How gradients are reduced (``collective``): ``"torch"`` — the replicas join one
+    torch.distributed process group (gloo; NCCL when every replica is on CUDA) through a
+    rendezvous the coordinator sets up on replica 0, and each runs the training loop itself,
+    its gradients all-reduced by ``DistributedDataParallel`` during the backward; the
+    coordinator then only sees progress. ``"coordinator"`` — every step's gradients go through
+    the coordinator (the one path for workers that cannot reach each other, behind NAT).
+    ``"auto"`` (default) — ``torch`` when every replica can open a connection to the rendezvous,
+    checked at job start, else ``coordinator``; the ``placed`` event says which and why. Either
+    gives the same result. A collective waits at most ``collective_timeout`` seconds.
+
     Args:
         workers: how many replicas (workers) to train on.
         tag: only workers with this tag (default: any idle workers).
         elastic: replace a lost replica and go on instead of failing.
         elastic_timeout: seconds an elastic job waits for a replacement worker.
         device: only workers training on this device (default: any).
+        collective: ``"auto"``, ``"torch"`` or ``"coordinator"`` (above).
+        collective_timeout: seconds joining the group or one collective may take.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
-            ``elastic`` not a bool, ``elastic_timeout`` not a positive number or ``device``
-            not one of the device forms.
+            ``elastic`` not a bool, ``elastic_timeout`` or ``collective_timeout`` not a
+            positive number, ``device`` not one of the device forms or ``collective`` not one
+            of the three.
     """
 
     workers: int
@@ -131,6 +144,8 @@ class DataParallel(Strategy):
     elastic: bool = False
     elastic_timeout: float = 60.0
     device: str | None = None
+    collective: str = "auto"
+    collective_timeout: float = 60.0
 
     name: ClassVar[str] = "data_parallel"
 
@@ -352,17 +367,30 @@ class ModelParallel(Strategy):
     flow stage to stage; the last stage computes the loss; gradients flow back; each stage steps
     its optimizer once per global batch (GPipe). The result equals ``graph.fit``.
 
+    How activations travel (``transport``): ``"torch"`` — the stages join one torch.distributed
+    group and each runs its part of the schedule itself, sending activations and their gradients
+    straight to its neighbours' daemons (point-to-point, as ``torch.distributed.pipelining``
+    does); the coordinator sees one call per stage per chunk of global batches.
+    ``"websocket"`` — every micro-batch's action is a call from the coordinator, the tensors
+    going over the agents' peer links (or relayed by the coordinator). ``"auto"`` (default) —
+    ``torch`` when every stage can reach the rendezvous on the first, else ``websocket``; a
+    ``linked`` progress event says which and why. A lost stage fails the job at once.
+
     Args:
         partitions: the stages, in graph order; together they hold every node exactly once.
         micro_batches: micro-batches per global batch.
         schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
         device: the device of every partition that names none (default: any).
+        transport: ``"auto"``, ``"torch"`` or ``"websocket"`` (above).
+        collective_timeout: seconds joining the group or one send/receive may take.
     """
 
     partitions: tuple[Partition, ...] | list[Partition]
     micro_batches: int = 1
     schedule: str = "gpipe"
     device: str | None = None
+    transport: str = "auto"
+    collective_timeout: float = 60.0
 
     name: ClassVar[str] = "model_parallel"
 

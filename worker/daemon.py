@@ -40,12 +40,19 @@ import torch
 from pydantic import BaseModel
 
 from protocol.asyncio.memory import keep_freed_memory
+from protocol.batching import global_batches
 from protocol.codec import decode, encode
 from protocol.daemon import (
     ApplyGradientsRequest,
     BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
+    DistJoinRequest,
+    DistLeaveRequest,
+    DistPlanRequest,
+    DistProbeRequest,
+    DistStoreRequest,
+    DistTrainRequest,
     FitRequest,
     ForwardRequest,
     GetGradientsRequest,
@@ -54,6 +61,8 @@ from protocol.daemon import (
     GradientsRequest,
     LoadRequest,
     PingRequest,
+    PipePlanRequest,
+    PipeTrainRequest,
     SetOptimizerStateRequest,
     SetStateRequest,
     ShutdownRequest,
@@ -64,6 +73,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
+from worker.collective import Plan
 from worker.commands import parse_request
 from worker.datasets import load_dataset
 from worker.devices import resolve_device
@@ -114,6 +124,14 @@ class Daemon:
             "apply_gradients": self.on_apply_gradients,
             "stage": self.on_stage,
             "gradients": self.on_gradients,
+            "dist_store": self.on_dist_store,
+            "dist_probe": self.on_dist_probe,
+            "dist_join": self.on_dist_join,
+            "dist_plan": self.on_dist_plan,
+            "dist_train": self.on_dist_train,
+            "pipe_plan": self.on_pipe_plan,
+            "pipe_train": self.on_pipe_train,
+            "dist_leave": self.on_dist_leave,
             "stage_forward": self.on_stage_forward,
             "stage_backward": self.on_stage_backward,
             "stage_step": self.on_stage_step,
@@ -234,6 +252,49 @@ class Daemon:
             "rows": result.rows,
             "gradients": self.engine.get_gradients(torch_nodes),
         }
+
+    def on_dist_store(self, req: DistStoreRequest) -> dict[str, Any]:
+        return {"port": self.engine.open_store(req.timeout)}
+
+    def on_dist_probe(self, req: DistProbeRequest) -> dict[str, Any]:
+        return self.engine.probe(req.host, req.port, req.timeout)
+
+    def on_dist_join(self, req: DistJoinRequest) -> dict[str, Any]:
+        return self.engine.join(
+            req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
+        )
+
+    def on_dist_plan(self, req: DistPlanRequest) -> None:
+        rank, world = self.engine.place()
+        plan = Plan.of(
+            req.data,
+            req.node_ids,
+            req.held,
+            rank,
+            world,
+            req.rows,
+            req.epochs,
+            req.batch_size,
+            req.shuffle,
+            req.seed,
+        )
+        self.engine.plan_data_parallel(plan)
+
+    def on_pipe_plan(self, req: PipePlanRequest) -> None:
+        plan = global_batches(
+            req.rows, req.micro_batches, req.epochs, req.batch_size, req.shuffle, req.seed
+        )
+        batches = [micro for _, _, micro in plan]
+        self.engine.plan_pipeline(req.node_ids, req.actions, batches, req.data, req.labels)
+
+    def on_pipe_train(self, req: PipeTrainRequest) -> dict[str, Any]:
+        return self.engine.pipe_train(req.start, req.stop)
+
+    def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
+        return self.engine.train(req.start, req.stop)
+
+    def on_dist_leave(self, req: DistLeaveRequest) -> None:
+        self.engine.leave()
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
         x, y = self._data(req)

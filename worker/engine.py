@@ -5,12 +5,17 @@ builds an :class:`Engine` over copies of the graph's filters, and the filter dae
 (:mod:`worker.daemon`) holds one :class:`Engine` per job and maps each command onto one method.
 There is no second copy of the training loop anywhere.
 
-The engine is one set of loaded nodes (:mod:`worker.nodes`) seen by three parts, each owning
+The engine is one set of loaded nodes (:mod:`worker.nodes`) seen by these parts, each owning
 one concern:
 
 * :mod:`worker.training` — rows held under a name, fit, forward and the nodes' states;
 * :mod:`worker.gradients` — the persistent optimizers' state, reading and applying gradients;
-* :mod:`worker.pipeline_stage` — the loaded nodes as one stage of a pipeline (ModelParallel).
+* :mod:`worker.pipeline_stage` — the loaded nodes as one stage of a pipeline (ModelParallel),
+  and :mod:`worker.pipeline_link` — such a stage running its part of the schedule itself,
+  talking to its neighbours over a torch.distributed group (ModelParallel's torch transport);
+* :mod:`worker.collective` — the loaded nodes as one replica of a torch.distributed
+  data-parallel group (DataParallel's torch collective); both groups are
+  :mod:`worker.process_group`'s.
 
 An engine trains on one device (``Engine(device="cuda:0")``; default the CPU): modules move there
 when loaded and stay, batches move there once each, and everything the engine hands out is on the
@@ -21,16 +26,17 @@ from __future__ import annotations
 
 import torch
 
+from worker.collective import Collective
 from worker.gradients import Gradients
 from worker.nodes import DifferentiableFilter, is_differentiable, num_rows
-from worker.pipeline_stage import PipelineStage
-from worker.training import FitResult, Training
+from worker.pipeline_link import PipelineLink
+from worker.training import FitResult
 from worker.transfer import engine_device
 
 __all__ = ["DifferentiableFilter", "Engine", "FitResult", "is_differentiable", "num_rows"]
 
 
-class Engine(Training, Gradients, PipelineStage):
+class Engine(Collective, PipelineLink, Gradients):
     """Filters by node id (in graph order), their states and their persistent optimizers.
 
     Args:

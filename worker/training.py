@@ -277,7 +277,7 @@ class Training(Nodes):
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                         loss = loss + prox_mu / 2 * gap
-                    _step(loss, optimizers, scaler)
+                    step_through(loss, optimizers, scaler)
                     total += float(loss.detach()) * _len(index, n)
                 epoch_losses.append(total / n if n else float("nan"))
         return epoch_losses
@@ -294,7 +294,7 @@ class Training(Nodes):
         return x
 
 
-def _step(
+def step_through(
     loss: torch.Tensor, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None
 ) -> None:
     """Backward and one step of every optimizer; through ``scaler`` for fp16 (scale the loss,

@@ -131,6 +131,12 @@ class Strategy(ABC):
         """Refuse, with :class:`StrategyOptionsError`, a job this strategy cannot run (checked
         when it is submitted, before it waits for workers)."""
 
+    async def prepare(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        """Set the placed workers up before training; what the job's ``placed`` event adds
+        (how the run will go, and why). Runs before :meth:`run`, which must not rely on it:
+        most strategies do nothing here."""
+        return {}
+
     @abstractmethod
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         """Train and return the final states by node id."""

@@ -24,6 +24,7 @@ the one ``graph.fit`` gives.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Self
 
 import numpy as np
@@ -32,11 +33,16 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
+from coordinator.strategies.collective import Choice, TorchTraining, choose
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.steps import Training, global_batches, plain_prefix, rows_of
 from protocol.daemon import CompositeFitRequest, GradientsRequest
 from protocol.errors import ErrorCode
-from protocol.strategy_options import DEFAULT_ELASTIC_TIMEOUT, DataParallelOptions
+from protocol.strategy_options import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_ELASTIC_TIMEOUT,
+    DataParallelOptions,
+)
 
 STAGED = "train"
 """The name a replica's rows are staged under in its daemon."""
@@ -56,12 +62,17 @@ class DataParallel(Strategy):
         elastic: bool = False,
         elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT,
         device: str | None = None,
+        collective: str = "auto",
+        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
     ) -> None:
         self.workers = workers
         self.tag = tag
         self.elastic = elastic
         self.elastic_timeout = elastic_timeout
         self.device = device
+        self.collective = collective
+        self.collective_timeout = collective_timeout
+        self._prepared: _SetUp | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -72,6 +83,8 @@ class DataParallel(Strategy):
             checked.elastic,
             checked.elastic_timeout,
             checked.device,
+            checked.collective,
+            checked.collective_timeout,
         )
 
     def placement(self) -> Placement:
@@ -80,20 +93,21 @@ class DataParallel(Strategy):
     def validate(self, job: JobInputs) -> None:
         self._plan(job)
 
-    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        torch_nodes, prefix, training = self._plan(job)
+    async def prepare(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        """Ship the filters and each replica's rows, and choose the collective."""
+        self._prepared = await self._set_up(ctx, job, emit)
+        return self._prepared.choice.describe()
+
+    async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
+        torch_nodes, _, training = self._plan(job)
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
-
-        # 1. Ship the filters, then each replica's rows: the union of its slices over all steps.
-        await emit("progress", {"phase": "loading", "replicas": len(replicas)})
         held, first_epoch, steps_per_epoch = _shares(n, len(replicas), training)
-        position = DataParallelPosition(held)
         run = Replicas(
             ctx,
             job,
             emit,
-            position,
+            DataParallelPosition(held),
             torch_nodes,
             staged=STAGED,
             elastic=self.elastic,
@@ -101,6 +115,21 @@ class DataParallel(Strategy):
             placement=self.placement().describe(),
         )
         await run.on_all(run.set_up, replicas)
+        choice = await choose(run, self.collective, self.collective_timeout)
+        return _SetUp(run, first_epoch, steps_per_epoch, choice)
+
+    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        torch_nodes, prefix, training = self._plan(job)
+        n = rows_of(job.x) or 0
+        replicas = range(ctx.num_workers())
+
+        # 1. Ship the filters, then each replica's rows: the union of its slices over all steps;
+        #    choose the collective (done by prepare() when the job manager ran it).
+        await emit("progress", {"phase": "loading", "replicas": len(replicas)})
+        setup, self._prepared = self._prepared or await self._set_up(ctx, job, emit), None
+        run, first_epoch, steps_per_epoch = setup.run, setup.first_epoch, setup.steps_per_epoch
+        position = run.position
+        held = position.held
 
         # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all.
         if prefix:
@@ -109,12 +138,20 @@ class DataParallel(Strategy):
             await _fit_prefix(run, prefix, first_epoch)
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
+        total_steps = steps_per_epoch * training.epochs
+        if setup.choice.collective == "torch":
+            # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
+            #    only keeps time (coordinator.strategies.collective).
+            await TorchTraining(
+                run, setup.choice, training, n, steps_per_epoch, self.collective_timeout, emit
+            ).train(total_steps)
+            return await _agreed_states(run, torch_nodes)
+
         # 3. Synchronous SGD (Goyal et al. 2017): each slice's gradient, their weighted mean,
         #    one step everywhere. A step's mean travels with the next step's request (one round
         #    trip a step); the last mean, and any a replica with no rows in a step would miss,
         #    go on their own. A replica restored onto a replacement (``fresh``) copied a survivor
         #    that had already applied the mean: it only computes its slice.
-        total_steps = steps_per_epoch * training.epochs
         plan = global_batches(n, len(replicas), training)
         for done, (epoch, _, slices) in enumerate(plan, start=1):
             position.phase, position.epoch, position.step = "training", epoch, done
@@ -143,10 +180,7 @@ class DataParallel(Strategy):
 
             await run.on_all(finish, replicas)
 
-        # 4. The final states, read back over the wire from every replica: they must agree.
-        states = await run.read_back()
-        _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
-        return next(iter(states.values()))
+        return await _agreed_states(run, torch_nodes)
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
         """The torch nodes, the plain prefix and the training settings; or why not."""
@@ -181,6 +215,23 @@ class DataParallel(Strategy):
             return None
 
         return call
+
+
+@dataclass(frozen=True)
+class _SetUp:
+    """A run whose replicas hold the filters and their rows, and the collective chosen."""
+
+    run: Replicas
+    first_epoch: list[list[int]]
+    steps_per_epoch: int
+    choice: Choice
+
+
+async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any]:
+    """4. The final states, read back over the wire from every replica: they must agree."""
+    states = await run.read_back()
+    _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
+    return next(iter(states.values()))
 
 
 async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[int]]) -> None:

@@ -147,8 +147,12 @@ class Replicas:
             raise Lost(lost, results)
         return results
 
-    async def recover(self, errors: dict[int, WorkerCallError]) -> None:
-        """Bring lost replicas back to where the others stand, on replacement workers."""
+    async def recover(
+        self, errors: dict[int, WorkerCallError], source: int | None = None
+    ) -> Snapshot | None:
+        """Bring lost replicas back to where the others stand, on replacement workers; copied
+        from survivor ``source`` when it still stands (default: the first survivor). Returns
+        what was copied (``None`` before there is any state to copy)."""
         pending = dict(errors)  # replicas to restore, and why each was lost
         unmanned = dict(errors)  # those of them still without a worker
         await self._report(errors)
@@ -163,12 +167,13 @@ class Replicas:
                     **last.to_info().detail,
                 )
             survivors = [i for i in range(len(self.position.held)) if i not in pending]
+            survivors.sort(key=lambda i: i != source)
             await concurrently(*(self._replace(i, error) for i, error in unmanned.items()))
             unmanned = {}
             try:
                 snapshot = await self._snapshot(survivors, pending)
                 await self.each({i: self.restore(i, snapshot) for i in pending})
-                return
+                return snapshot
             except Lost as more:  # a survivor or a replacement went too
                 await self._report(more.errors)
                 pending = {i: e for i, e in pending.items() if i not in more.results}
@@ -238,12 +243,13 @@ class Replicas:
             raise every_replica_lost(lost, self.position.where)
         source = survivors[0]
 
-        async def read() -> Snapshot:
-            states = await self.ctx.get_state(source, self.job.node_ids)
-            optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
-            return Snapshot(self.ids[source], states, optimizers)
+        return (await self.each({source: self.snapshot(source)}))[source]
 
-        return (await self.each({source: read()}))[source]
+    async def snapshot(self, source: int) -> Snapshot:
+        """Replica ``source``'s model and optimizer state."""
+        states = await self.ctx.get_state(source, self.job.node_ids)
+        optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
+        return Snapshot(self.ids[source], states, optimizers)
 
     async def _report(self, errors: Mapping[int, WorkerCallError]) -> None:
         for i, error in errors.items():

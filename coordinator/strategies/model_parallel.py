@@ -12,10 +12,13 @@ starts; :mod:`~coordinator.strategies.pipeline` executes it.
 Plain filters may only come before the first TorchFilter: they are fitted in a first pass over
 the data and then held fixed (stages made only of them are applied once, up front).
 
-Over live workers, activations and their gradients go worker to worker: each stage's agent dials
-its neighbours' peer address (``somatize-worker --peer-listen``), or the coordinator relays them
-for a worker with no peer address. Contexts with no peer links (in-memory workers) pass them
-through the strategy.
+Over live workers whose daemons can reach each other, the stages run the schedule themselves and
+pass activations and gradients over torch.distributed (``transport="torch"`` or ``"auto"``:
+:mod:`~coordinator.strategies.pipeline_torch`). Otherwise (``"websocket"``) every action is a
+call from here and the tensors go worker to worker: each stage's agent dials its neighbours'
+peer address (``somatize-worker --peer-listen``), or the coordinator relays them for a worker
+with no peer address. Contexts with no peer links (in-memory workers) pass them through the
+strategy.
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ from coordinator.strategies.pipeline import (
     WorkerToWorker,
     run_schedule,
 )
+from coordinator.strategies.pipeline_torch import TorchPipeline, choose_transport
+from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
 from coordinator.strategies.steps import Training, global_batches, plain_prefix
 from protocol.daemon import CompositeFitRequest, StageRequest, StageStepRequest
 from protocol.errors import ErrorCode
-from protocol.strategy_options import ModelParallelOptions
+from protocol.strategy_options import DEFAULT_COLLECTIVE_TIMEOUT, ModelParallelOptions
 
 T = TypeVar("T")
 
@@ -100,11 +105,18 @@ class ModelParallel(Strategy):
     name = "model_parallel"
 
     def __init__(
-        self, partitions: Sequence[Partition], micro_batches: int = 1, order: str = "gpipe"
+        self,
+        partitions: Sequence[Partition],
+        micro_batches: int = 1,
+        order: str = "gpipe",
+        transport: str = "auto",
+        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
     ) -> None:
         self.partitions = list(partitions)
         self.micro_batches = micro_batches
         self.order = order
+        self.transport = transport
+        self.collective_timeout = collective_timeout
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -113,7 +125,13 @@ class ModelParallel(Strategy):
             Partition(p.node_ids, Target(id=p.worker, tag=p.tag, device=checked.device_of(i)))
             for i, p in enumerate(checked.partitions)
         ]
-        return cls(partitions, checked.micro_batches, checked.schedule)
+        return cls(
+            partitions,
+            checked.micro_batches,
+            checked.schedule,
+            checked.transport,
+            checked.collective_timeout,
+        )
 
     def placement(self) -> Placement:
         return Placement(
@@ -165,6 +183,27 @@ class ModelParallel(Strategy):
                 stage=first_stage,
             )
         plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
+        meet = await guard(choose_transport(ctx, pipeline, self.transport, self.collective_timeout))
+        if isinstance(meet, Rendezvous):
+            # 3. Training on torch.distributed: the stages run the schedule themselves.
+            await emit("progress", {"phase": "linked", "transport": "torch", "reason": meet.reason})
+            await guard(ctx.call(first_stage, StageRequest(name=STAGED, x=x)), stage=first_stage)
+            count = int(x.shape[0])
+            steps_per_epoch = -(-count // (training.batch_size or count)) if count else 0
+            await TorchPipeline(
+                ctx,
+                guard,
+                pipeline,
+                stages,
+                plan,
+                training,
+                count,
+                self.micro_batches,
+                STAGED,
+                self.collective_timeout,
+                emit,
+            ).train(meet, job.y, steps_per_epoch)
+            return await _read_back(ctx, guard, stages)
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
             # Neighbours dial each other; without a peer address the coordinator relays.
@@ -176,7 +215,10 @@ class ModelParallel(Strategy):
             )
             direct = sorted({w for r in routes for w in r.get("direct", [])})
             relayed = sorted({w for r in routes for w in r.get("relay", [])})
-            await emit("progress", {"phase": "linked", "direct": direct, "relay": relayed})
+            linked_by = {"transport": "websocket", "reason": meet}
+            await emit(
+                "progress", {"phase": "linked", "direct": direct, "relay": relayed} | linked_by
+            )
         stage_input = StageRequest(name=STAGED, x=x)
         await guard(ctx.call(first_stage, stage_input), stage=first_stage)
 
@@ -198,10 +240,16 @@ class ModelParallel(Strategy):
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
             await emit("progress", progress | {"step": at.step, "loss": loss})
 
-        # 4. The states of every stage, read back over the wire.
-        reads = (ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))
-        parts = await guard(concurrently(*reads))
-        return {node: state for part in parts for node, state in part.items()}
+        return await _read_back(ctx, guard, stages)
+
+
+async def _read_back(
+    ctx: StrategyContext, guard: _Guard, stages: list[list[str]]
+) -> dict[str, Any]:
+    """4. The states of every stage, read back over the wire."""
+    reads = (ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))
+    parts = await guard(concurrently(*reads))
+    return {node: state for part in parts for node, state in part.items()}
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyOptionsError
 from coordinator.strategies.base import JobInputs
-from protocol.batching import batches, generator
+from protocol import batching
 from protocol.daemon import StageRequest
 from protocol.messages import NodeInfo
 
@@ -43,15 +41,11 @@ class Training:
 def global_batches(
     rows: int, parts: int, training: Training
 ) -> Iterator[tuple[int, int, list[Any]]]:
-    """``(epoch, step, slices)`` of every step: the global batch ``graph.fit`` would take (by
-    :mod:`protocol.batching`, with ``training``'s batch size, shuffle and seed), its row indices
-    split in ``parts`` slices (some may be empty when a batch has fewer rows than parts)."""
-    order = generator(training.seed) if training.shuffle else None
-    size = training.batch_size or rows
-    for epoch in range(training.epochs):
-        for step, index in enumerate(batches(rows, size, order)):
-            rows_ = np.arange(rows)[index] if isinstance(index, slice) else index.numpy()
-            yield epoch, step, np.array_split(rows_, parts)
+    """``(epoch, step, slices)`` of every step of ``training`` over ``rows`` rows in ``parts``
+    slices (:func:`protocol.batching.global_batches`)."""
+    return batching.global_batches(
+        rows, parts, training.epochs, training.batch_size, training.shuffle, training.seed
+    )
 
 
 def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], list[str]]:

@@ -12,7 +12,7 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext
-from coordinator.strategies import DataParallel, JobInputs, StrategyOptionsError
+from coordinator.strategies import DataParallel, JobInputs, StrategyFailed, StrategyOptionsError
 from coordinator.strategies.steps import Training
 from coordinator.strategies.steps import global_batches as schedule
 from protocol.filters import dump_filter
@@ -62,18 +62,23 @@ def graph_for(
     return Center().named("center") >> net.named("mlp")
 
 
-def reference_training(x, y, optimizer: str, epochs: int = 3, batch_size: int = 32):
-    """Single-process SGD on the global batches: rows in order, ``batch_size`` at a time."""
+def reference_training(
+    x, y, optimizer: str, epochs: int = 3, batch_size: int = 32, shuffle: bool = False
+):
+    """Single-process SGD on the global batches: ``batch_size`` rows at a time, in order or
+    (``shuffle``) in the order of one ``torch.randperm`` per epoch from a generator seeded with
+    the filter's seed, 11 — the documented rule."""
     _, make = OPTIMIZERS[optimizer]
     net = copy.deepcopy(model())
     opt = make(net.parameters())
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
+    order = torch.Generator().manual_seed(11)
     for _ in range(epochs):
+        rows = torch.randperm(len(xt), generator=order) if shuffle else torch.arange(len(xt))
         for start in range(0, len(xt), batch_size):
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(
-                net(xt[start : start + batch_size]), yt[start : start + batch_size]
-            )
+            batch = rows[start : start + batch_size]
+            loss = torch.nn.functional.cross_entropy(net(xt[batch]), yt[batch])
             loss.backward()
             opt.step()
     return net.state_dict()
@@ -155,3 +160,25 @@ def test_a_replica_with_no_rows_in_a_step_still_takes_the_step():
     expected = reference_training(x, y, "sgd")
     for key, value in expected.items():
         torch.testing.assert_close(torch.as_tensor(states["mlp"][key]), value, rtol=0, atol=1e-5)
+
+
+def test_in_process_replicas_reduce_through_the_coordinator_and_refuse_the_torch_collective():
+    x, y = dataset()
+    ctx = InMemoryContext(2, Daemon)
+    strategy = DataParallel(2)
+    job = inputs(graph_for("sgd", epochs=1), x, y)
+
+    async def emit(event, data):
+        pass
+
+    async def prepared():
+        return await strategy.prepare(ctx, job, emit)
+
+    assert asyncio.run(prepared()) == {
+        "collective": "coordinator",
+        "collective_reason": "the workers are in-process and share one process",
+    }
+    with pytest.raises(StrategyFailed) as failed:
+        asyncio.run(DataParallel(2, collective="torch").run(InMemoryContext(2, Daemon), job, emit))
+    assert failed.value.info.code == "collective_failed"
+    assert "collective='torch': the workers are in-process" in str(failed.value)

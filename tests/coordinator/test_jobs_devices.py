@@ -176,7 +176,12 @@ def test_a_device_job_waits_for_workers_on_its_device_and_says_so(tmp_path):
             assert result["record"]["workers"] == ["g0", "g1"]
             assert [w.identity.device for w in h.contexts[0].placed.workers] == ["cuda:0", "cuda:1"]
             placed = (await h.events_until(job_id, "placed"))[-1]
-            assert placed.data == {"workers": ["g0", "g1"], "devices": ["cuda:0", "cuda:1"]}
+            assert placed.data == {
+                "workers": ["g0", "g1"],
+                "devices": ["cuda:0", "cuda:1"],
+                "collective": "coordinator",
+                "collective_reason": "the workers are in-process and share one process",
+            }
 
     run(main())
 

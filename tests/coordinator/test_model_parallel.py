@@ -157,3 +157,24 @@ def test_a_pipeline_with_one_training_stage_fails_as_a_bad_request_before_traini
         assert failure.value.info.code == ErrorCode.BAD_REQUEST
     finally:
         del SPLITS[1]
+
+
+def test_in_process_stages_go_over_the_strategy_and_refuse_the_torch_transport():
+    x, y = dataset()
+    _, events = run_in_memory(graph(), x, y, 2, 2)  # auto: no group can form in one process
+    assert not [e for e in events if e.get("phase") == "linked"]  # no peer links either
+    parts = [Partition(nodes, Target(tag=f"stage{i}")) for i, nodes in enumerate(SPLITS[2])]
+    workers = [WorkerIdentity(f"w{i}", frozenset({f"stage{i}"})) for i in range(2)]
+    g = graph()
+    inputs = JobInputs(g.node_ids, {n: dump_filter(f) for n, f in g.items()}, x, y, graph_info(g))
+
+    async def emit(event, data):
+        pass
+
+    strategy = ModelParallel(parts, 2, transport="torch")
+    with pytest.raises(StrategyFailed) as failed:
+        asyncio.run(strategy.run(InMemoryContext(workers, Daemon), inputs, emit))
+    assert failed.value.info.code == "collective_failed"
+    assert "transport='torch': the workers are in-process and share one process" in str(
+        failed.value
+    )

@@ -35,7 +35,10 @@ def test_attach_gives_an_id_and_keeps_it_across_reconnects():
     first = FakeChannel()
     record = registry.attach(None, ["a", "b"], CAPS, first, {"mnist": 60}, "ws://h:1")
     assert record.id.startswith("w-") and len(record.id) == len("w-") + 6
-    assert record.identity == WorkerIdentity(record.id, frozenset({"a", "b"}), {"mnist": 60})
+    # Where other workers reach it: its announced peer address's host.
+    assert record.identity == WorkerIdentity(
+        record.id, frozenset({"a", "b"}), {"mnist": 60}, host="h"
+    )
     assert record.state is WorkerState.IDLE and record.connected
     assert record.peer_address == "ws://h:1"
     assert changes == [1]
@@ -45,8 +48,9 @@ def test_attach_gives_an_id_and_keeps_it_across_reconnects():
     assert record.state is WorkerState.OFFLINE and record.reason == "bye"
     assert not record.connected
 
-    again = registry.attach(record.id, ["c"], CAPS, FakeChannel())
+    again = registry.attach(record.id, ["c"], CAPS, FakeChannel(), remote_host="10.0.0.7")
     assert again is record
+    assert record.host == "10.0.0.7"  # no peer address: where its connection came from
     assert record.connections == 2
     assert record.tags == frozenset({"c"})
     assert record.datasets == {} and record.peer_address is None

@@ -37,37 +37,86 @@ class Slow(torch.nn.Module):
         return self.lin(x)
 
 
-def test_live_data_parallel_equals_single_process_training_with_2_and_3_workers(tmp_path):
+@pytest.mark.parametrize("collective", ["torch", "coordinator"])
+def test_live_data_parallel_equals_single_process_training_with_2_and_3_workers(
+    tmp_path, collective
+):
+    """Uneven slices (203 rows, batches of 32 over 2 and 3 replicas), Adam shuffled and SGD
+    with momentum in order: either collective gives what a plain torch loop gives."""
     x, y = dataset()
     with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
-        for workers, optimizer in [(2, "adam"), (3, "sgd")]:
-            job = client.submit(graph_for(optimizer), x, y, strategy=sz.DataParallel(workers))
+        for workers, optimizer, shuffle in [(2, "adam", True), (3, "sgd", False)]:
+            strategy = sz.DataParallel(workers, collective=collective)
+            graph = graph_for(optimizer, shuffle=shuffle)
+            job = client.submit(graph, x, y, strategy=strategy)
             fitted = job.result(timeout=120 * UNIT)
-            expected = reference_training(x, y, optimizer)
+            expected = reference_training(x, y, optimizer, shuffle=shuffle)
             for key, value in expected.items():
                 torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
             record = job.status()
             assert len(record["workers"]) == workers
             assert record["progress"]["step"] == record["progress"]["steps"] == 21
+            placed = first(events_of(job), "placed")
+            assert placed.data["collective"] == collective
+            if collective == "torch":
+                assert placed.data["backend"] == "gloo"
+                assert "every replica reached the rendezvous" in placed.data["collective_reason"]
 
 
-def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path):
+def test_auto_falls_back_to_the_coordinator_when_a_replica_cannot_reach_the_rendezvous(
+    tmp_path,
+):
+    """Workers that announce an address the others cannot reach (TEST-NET-1): ``auto`` trains
+    through the coordinator and says why; ``torch`` is refused naming who could not reach whom."""
+    x, y = dataset(n=64)
+    with cluster(tmp_path, {}) as c, sz.connect(c.url) as client:
+        for worker in ("w1", "w2"):
+            c.start_worker(
+                worker,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-advertise", "192.0.2.1:9"],
+            )
+        job = client.submit(graph_for("sgd", epochs=1), x, y, strategy=sz.DataParallel(2))
+        fitted = job.result(timeout=120 * UNIT)
+        placed = first(events_of(job), "placed")
+        refused = client.submit(
+            graph_for("sgd", epochs=1), x, y, strategy=sz.DataParallel(2, collective="torch")
+        )
+        with pytest.raises(sz.JobFailed) as failure:
+            refused.result(timeout=120 * UNIT)
+    expected = reference_training(x, y, "sgd", epochs=1)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert placed.data["collective"] == "coordinator"
+    assert (
+        "['w2'] cannot reach the rendezvous on 'w1' at 192.0.2.1"
+        in (placed.data["collective_reason"])
+    )
+    assert failure.value.code == "collective_failed"
+    assert "collective='torch': ['w2'] cannot reach" in failure.value.message
+
+
+@pytest.mark.parametrize("collective", ["torch", "coordinator"])
+def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path, collective):
     x, y = dataset(n=64)
     graph = sz.Graph(
         [sz.TorchFilter(Slow(), loss="cross_entropy", batch_size=8, epochs=50).named("slow")]
     )
     with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
-        job = client.submit(graph, x, y, strategy=sz.DataParallel(2))
+        job = client.submit(graph, x, y, strategy=sz.DataParallel(2, collective=collective))
         wait_for(
             lambda: (job.status()["progress"] or {}).get("step", 0) >= 2, 60 * UNIT, "training"
         )
+        killed_at = time.monotonic()
         c.send_signal(c.workers["w2"], signal.SIGKILL)
         with pytest.raises(sz.JobFailed) as failure:
             job.result(timeout=30 * UNIT)
+        failed_after = time.monotonic() - killed_at
         assert failure.value.code == "worker_lost"
         assert "'w2'" in failure.value.message
-        # The other replica is stopped and freed, not left computing for a dead job.
+        # The other replica is stopped and freed (its job daemon closed), not left computing
+        # or waiting in a collective for a dead job.
         wait_for(lambda: c.worker_state("w1") == "idle", 15 * UNIT, "w1 to be freed")
+    assert failed_after < 3.0 * UNIT  # within the cluster's heartbeat timeout (3 s)
 
 
 # -- elastic --------------------------------------------------------------------------------------
@@ -115,7 +164,7 @@ def test_elastic_replaces_a_killed_replica_with_a_spare_and_restarts_a_crashed_d
     killed later is restarted on its own worker; the result is still single-process training's."""
     x, y = dataset(n=96)
     graph = slow_graph("adam", epochs=5, batch_size=16)  # 6 steps an epoch, 30 in all
-    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT)
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT, collective="coordinator")
     with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(graph, x, y, strategy=strategy)
         wait_for(lambda: step_reached(job, 3), 60 * UNIT, "step 3")
@@ -158,7 +207,7 @@ def test_elastic_takes_back_the_lost_worker_before_a_queued_job_then_fails_when_
     with no worker to come, an elastic job fails once ``elastic_timeout`` has passed."""
     x, y = dataset(n=96)
     graph = slow_graph("sgd", epochs=4, batch_size=16)
-    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT)
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT, collective="coordinator")
     with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(graph, x, y, strategy=strategy)
         wait_for(lambda: step_reached(job, 3), 60 * UNIT, "step 3")
@@ -191,3 +240,29 @@ def test_elastic_takes_back_the_lost_worker_before_a_queued_job_then_fails_when_
     assert "waited 1s for a replacement (2 workers) and none came" in failure.value.message
     lost, failed = first(doomed_events, "worker_lost", worker="w2"), first(doomed_events, "failed")
     assert failed.time - lost.time >= 1.0
+
+
+def test_elastic_on_the_torch_collective_forms_the_group_again_and_still_equals_a_torch_loop(
+    tmp_path,
+):
+    """A replica's agent SIGKILLed mid-training on the torch collective: the survivor leaves the
+    broken group, the spare takes the lost replica's place with the survivor's model and
+    optimizer state, the group is formed again and training resumes where the survivor stood."""
+    x, y = dataset(n=96)
+    graph = slow_graph("adam", epochs=5, batch_size=16)  # 6 steps an epoch, 30 in all
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT, collective="torch")
+    with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: step_reached(job, 3), 60 * UNIT, "step 3")
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = events_of(job)
+
+    for key, value in reference_training(x, y, "adam", epochs=5, batch_size=16).items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert first(events, "placed").data["collective"] == "torch"
+    assert first(events, "worker_lost", worker="w2").data["code"] == "worker_lost"
+    assert first(events, "worker_replaced", lost="w2").data["worker"] == "w3"
+    assert first(events, "worker_restored", worker="w3").data["from"] == "w1"
+    steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
+    assert steps == sorted(steps) and steps[-1] == 30

@@ -32,8 +32,14 @@ class SlowTanh(torch.nn.Module):
         return torch.tanh(x)
 
 
-@pytest.mark.parametrize("peer_links", [True, False], ids=["direct", "relay"])
-def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_path, peer_links):
+@pytest.mark.parametrize(
+    ("transport", "peer_links"),
+    [("torch", False), ("websocket", True), ("websocket", False)],
+    ids=["torch", "direct", "relay"],
+)
+def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(
+    tmp_path, transport, peer_links
+):
     x, y = dataset()
     workers = {"w0": ("stage0",), "w1": ("stage1",), "w2": ("stage2",)}
     with cluster(tmp_path, workers, peer_links=peer_links) as c, sz.connect(c.url) as client:
@@ -43,8 +49,10 @@ def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_pat
             sz.Partition(["b"], tag="stage1"),
             sz.Partition(["c"], tag="stage0"),
         ]
-        for partitions, micro in [(two, 1), (two, 4), (three, 1), (three, 4)]:
-            job = client.submit(graph(), x, y, strategy=sz.ModelParallel(partitions, micro))
+        cases = [(two, 1, "gpipe"), (two, 4, "1f1b"), (three, 1, "gpipe"), (three, 4, "gpipe")]
+        for partitions, micro, schedule in cases:
+            strategy = sz.ModelParallel(partitions, micro, schedule, transport=transport)
+            job = client.submit(graph(), x, y, strategy=strategy)
             fitted = job.result(timeout=120 * UNIT)
             expected = reference(x, y)
             for node in "abc":
@@ -52,14 +60,20 @@ def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_pat
                     torch.testing.assert_close(fitted.states[node][key], value, rtol=0, atol=1e-5)
             linked = [e for e in job.events() if e.data.get("phase") == "linked"]
             assert linked, "live stages exchange tensors worker to worker"
-            assert bool(linked[0].data["direct"]) is peer_links
-            assert bool(linked[0].data["relay"]) is not peer_links
+            assert linked[0].data["transport"] == transport
+            if transport == "torch":
+                assert "every stage reached the rendezvous on" in linked[0].data["reason"]
+            else:
+                assert linked[0].data["reason"] == "transport='websocket' was asked for"
+                assert bool(linked[0].data["direct"]) is peer_links
+                assert bool(linked[0].data["relay"]) is not peer_links
             placed = job.status()["workers"]
             assert placed == [
                 p.worker or {"stage0": "w0", "stage1": "w1"}[p.tag] for p in partitions
             ]
         relayed = _metric(c.port, "somatize_relayed_bytes_total")
-        assert (relayed > 0) is not peer_links  # direct links bypass the coordinator entirely
+        # Direct links and the torch transport bypass the coordinator entirely.
+        assert (relayed > 0) is (transport == "websocket" and not peer_links)
         with pytest.raises(
             sz.ClientError,
             match=r"no worker answers to tag 'gpu'.*tags \['stage0', 'stage1', 'stage2'\]",
@@ -72,7 +86,8 @@ def test_live_pipeline_equals_the_unsplit_model_and_refuses_unknown_tags(tmp_pat
             )
 
 
-def test_a_stage_worker_killed_mid_step_fails_the_job_naming_stage_and_worker(tmp_path):
+@pytest.mark.parametrize("transport", ["torch", "websocket"])
+def test_a_stage_worker_killed_mid_step_fails_the_job_naming_stage_and_worker(tmp_path, transport):
     x, y = dataset(n=64)
     torch.manual_seed(0)
     g = sz.TorchFilter(torch.nn.Linear(5, 6)).named("head") >> sz.TorchFilter(
@@ -80,7 +95,8 @@ def test_a_stage_worker_killed_mid_step_fails_the_job_naming_stage_and_worker(tm
     ).named("tail")
     parts = [sz.Partition(["head"], worker="w0"), sz.Partition(["tail"], worker="w1")]
     with cluster(tmp_path, {"w0": (), "w1": ()}) as c, sz.connect(c.url) as client:
-        job = client.submit(g, x, y, strategy=sz.ModelParallel(parts, micro_batches=2))
+        strategy = sz.ModelParallel(parts, micro_batches=2, transport=transport)
+        job = client.submit(g, x, y, strategy=strategy)
         wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 1, 60 * UNIT, "a step")
         c.send_signal(c.workers["w1"], signal.SIGKILL)
         with pytest.raises(sz.JobFailed) as failure:

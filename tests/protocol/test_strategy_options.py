@@ -57,6 +57,8 @@ def test_the_wire_refuses_options_a_strategy_does_not_take():
         sz.ModelParallel([sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w")], 2),
         sz.Local(tag="gpu", device="cuda"),
         sz.DataParallel(2, device="cuda:1"),
+        sz.DataParallel(2, collective="torch", collective_timeout=5),
+        sz.DataParallel(2, collective="coordinator"),
         sz.FedAvg(2, device="mps"),
         sz.FedProx(0.1, 2, device="cpu"),
         sz.ModelParallel(
@@ -68,6 +70,31 @@ def test_the_wire_refuses_options_a_strategy_does_not_take():
 def test_what_the_sdk_sends_the_coordinator_accepts(strategy):
     spec = strategy.spec()
     assert isinstance(strategy_from_spec(spec.name, spec.options), STRATEGIES[spec.name])
+
+
+def test_the_collective_is_one_of_three_and_its_timeout_positive():
+    assert sz.DataParallel(2).options() == {"workers": 2}  # auto, 60 s: the defaults
+    assert sz.DataParallel(2, collective="torch").options()["collective"] == "torch"
+    with pytest.raises(ValueError, match="collective must be one of 'auto', 'torch', 'coord"):
+        sz.DataParallel(2, collective="nccl")
+    with pytest.raises(ValueError, match="collective_timeout must be > 0"):
+        sz.DataParallel(2, collective_timeout=0)
+    with pytest.raises(StrategyOptionsError, match="collective must be one of"):
+        strategy_from_spec("data_parallel", {"workers": 2, "collective": "mpi"})
+    parsed = strategy_from_spec("data_parallel", {"workers": 2, "collective_timeout": 7})
+    assert parsed.collective == "auto" and parsed.collective_timeout == 7
+
+
+def test_a_pipeline_transport_is_one_of_three():
+    stage = [sz.Partition(["a"], tag="s0")]
+    assert "transport" not in sz.ModelParallel(stage).options()  # auto: the default
+    assert sz.ModelParallel(stage, transport="websocket").options()["transport"] == "websocket"
+    with pytest.raises(ValueError, match="transport must be one of 'auto', 'torch', 'websocket'"):
+        sz.ModelParallel(stage, transport="grpc")
+    with pytest.raises(ValueError, match="collective_timeout must be > 0"):
+        sz.ModelParallel(stage, collective_timeout=-1)
+    options = {"partitions": [{"node_ids": ["a"], "tag": "s0"}], "transport": "torch"}
+    assert strategy_from_spec("model_parallel", options).transport == "torch"
 
 
 def test_server_optimizers_are_checked_by_name():

@@ -222,6 +222,10 @@ def test_the_placed_event_names_each_workers_device():
     assert cli.placed_text(data) == "placed on w1 (cuda:0), w2 (cpu)"
     assert cli.placed_text({"workers": ["w1"]}) == "placed on w1"  # an older coordinator
     assert cli.placed_text({}) == "placed on ?"
+    torch_dp = {"workers": ["w1", "w2"], "collective": "torch", "backend": "gloo"}
+    assert cli.placed_text(torch_dp) == "placed on w1, w2; gradients by torch.distributed (gloo)"
+    star = {"workers": ["w1"], "collective": "coordinator", "collective_reason": "asked for"}
+    assert cli.placed_text(star) == "placed on w1; gradients through the coordinator: asked for"
 
 
 def test_state_and_progress_descriptions():
@@ -520,3 +524,15 @@ def test_a_large_reply_arriving_slowly_is_waited_for_but_a_stall_times_out(fake)
         torch.testing.assert_close(states["b"], big)
         with pytest.raises(TimeoutError, match="did not answer 'status'"):
             client.status()
+
+
+def test_the_loss_curve_has_a_point_for_every_step_of_a_chunked_progress_event():
+    def progress(**data):
+        return sz.JobEventInfo(seq=1, time=0.0, event="progress", data=data)
+
+    events = [
+        progress(step=1, loss=2.0, losses=[2.0]),
+        progress(step=4, loss=1.0, losses=[1.5, 1.2, 1.0]),
+        progress(step=5, loss=0.9),  # a step of its own, as the coordinator collective sends
+    ]
+    assert cli.loss_curve(events) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0), (5, 0.9)]

@@ -1,0 +1,194 @@
+"""A data-parallel replica that trains by itself, its gradients all-reduced by torch.distributed.
+
+The torch collective of ``DataParallel`` (:mod:`coordinator.strategies.collective`): the
+coordinator is only the rendezvous and the clock. The replicas join one process group
+(:mod:`worker.process_group`), take the plan they all walk (:meth:`Collective.plan_data_parallel`)
+and then train the steps they are told (:meth:`Collective.train`): per global step its own
+slice of the batch ``graph.fit`` takes (:func:`protocol.batching.global_batches`), forward, loss,
+backward — during which ``DistributedDataParallel`` all-reduces the gradients in buckets — and
+one step of its persistent optimizer.
+
+Uneven slices stay exact: DDP averages over the ``world`` replicas, so each replica scales its
+slice's mean loss by ``rows · world / batch`` first, and the average is the gradient of the
+global batch's mean loss. A replica with no rows in a step still takes part (every all-reduce
+needs every rank): it runs one held row through the model with its loss times zero.
+
+A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from protocol.batching import global_batches
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+from worker.nodes import Node
+from worker.process_group import GroupMember, looks_collective
+from worker.training import Training, step_through
+from worker.transfer import autocast
+
+__all__ = ["Collective", "Plan"]
+
+ONE_ROW = np.zeros(1, dtype=np.int64)
+"""The held row a replica runs through, loss times zero, on a step it has no rows of."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a replica walks: per global step the positions of its slice in the rows staged
+    under ``data``, and the global batch's size."""
+
+    data: str
+    node_ids: list[str]
+    steps: list[tuple[np.ndarray[Any, Any], int]]
+
+    @classmethod
+    def of(
+        cls,
+        data: str,
+        node_ids: Sequence[str],
+        held: Sequence[int],
+        rank: int,
+        world: int,
+        rows: int,
+        epochs: int,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+    ) -> Plan:
+        staged = np.asarray(held, dtype=np.int64)
+        steps = []
+        for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+            mine = slices[rank]
+            local = np.searchsorted(staged, mine)
+            if len(mine) and (
+                local.max() >= len(staged) or not np.array_equal(staged[local], mine)
+            ):
+                raise EngineError(
+                    ErrorCode.BAD_REQUEST,
+                    f"replica {rank}'s slice of a step has rows that were not staged here",
+                )
+            steps.append((local, sum(len(s) for s in slices)))
+        return cls(data, list(node_ids), steps)
+
+
+class _Chain(torch.nn.Module):
+    """The differentiable run as one module for DDP: each filter under its own autocast."""
+
+    def __init__(self, run: list[Node], device: torch.device) -> None:
+        super().__init__()
+        self.filters = [node.filter for node in run]
+        self.parts = torch.nn.ModuleList([f.module for f in self.filters])
+        self.device = device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for f, module in zip(self.filters, self.parts, strict=True):
+            with autocast(f, self.device):
+                x = module(x)
+        return x
+
+
+class Collective(Training, GroupMember):
+    """The loaded nodes as one replica of a torch.distributed data-parallel group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan: Plan | None = None
+        self._ddp: DistributedDataParallel | None = None
+
+    def plan_data_parallel(self, plan: Plan) -> None:
+        """Take the plan every replica walks and wrap the differentiable run in DDP (which
+        checks the replicas' parameters agree, and broadcasts replica 0's).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a join, or for a plan whose nodes are not plain
+                filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
+        """
+        run = self._run_of(plan.node_ids)
+        self.held(plan.data)  # staged, or a clear error now rather than at the first step
+        self.place()
+        self._ddp = None
+        try:
+            chain = _Chain(run, self.device)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self._ddp = DistributedDataParallel(chain, device_ids=ids)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.broken("wrapping the model in DDP", exc) from exc
+            raise
+        self._plan = plan
+
+    def train(self, start: int, stop: int) -> dict[str, Any]:
+        """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss and
+        rows per step.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
+                ``COLLECTIVE_FAILED`` when the group breaks, with ``steps_done``.
+        """
+        plan, ddp = self._plan, self._ddp
+        if plan is None or ddp is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "dist_train before dist_plan")
+        if stop > len(plan.steps):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, f"the plan has {len(plan.steps)} steps, not {stop}"
+            )
+        nodes = self._select(plan.node_ids)
+        first = next(i for i, n in enumerate(nodes) if n.differentiable)
+        prefix, run = nodes[:first], nodes[first:]
+        optimizers = [self._optimizer(node) for node in run]
+        scaler = self._scaler(run[-1])
+        losses: list[float] = []
+        rows: list[int] = []
+        self._done = start
+        for step in range(start, stop):
+            local, batch = plan.steps[step]
+            mine = len(local)
+            x, y = self.held(plan.data, (local if mine else ONE_ROW).tolist())
+            for node in prefix:
+                x = self._apply(node, x, self._state_for(node))
+            xt = self._on_device(run[0].filter.prepare_input(x))
+            yt = self._on_device(run[-1].filter.prepare_target(y))
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            try:
+                ddp.module.train()
+                out = ddp(xt)
+                if mine:
+                    loss = self._loss(run, out, yt)
+                    weighted = loss * (mine * self._world / batch)
+                else:
+                    loss = weighted = out.sum() * 0.0
+                step_through(weighted, optimizers, scaler)
+            except RuntimeError as exc:
+                if looks_collective(exc):
+                    raise self.broken(f"step {step + 1}", exc) from exc
+                raise
+            self._done = step + 1
+            losses.append(float(loss.detach()) if mine else 0.0)
+            rows.append(mine)
+        return {"losses": losses, "rows": rows}
+
+    def _left_group(self) -> None:
+        self._ddp = None
+        self._plan = None
+        super()._left_group()
+
+    def _run_of(self, node_ids: Sequence[str]) -> list[Node]:
+        nodes = self._select(node_ids)
+        run = [n for n in nodes if n.differentiable]
+        first = nodes.index(run[0]) if run else len(nodes)
+        if not run or any(not n.differentiable for n in nodes[first:]):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"a torch collective trains plain filters then one run of TorchFilters; "
+                f"got {list(node_ids)}",
+            )
+        return run

@@ -1,0 +1,181 @@
+"""A pipeline stage that runs its part of the schedule itself, sending activations and their
+gradients straight to the neighbouring stages' daemons (torch.distributed point-to-point).
+
+ModelParallel's torch transport (:mod:`coordinator.strategies.pipeline_torch`): the stages join
+one process group (:mod:`worker.process_group`; a stage's rank is its place in the pipeline),
+take the plan (:meth:`PipelineLink.plan_pipeline`: the micro-batches of every global batch and
+this stage's actions of the schedule, GPipe or 1F1B) and then train the global batches they are
+told (:meth:`PipelineLink.pipe_train`), as ``torch.distributed.pipelining`` does: per action a
+forward (input from the staged rows, or received from the stage before; output sent on) or a
+backward (the output's gradient received from the stage after; the input's sent back), through
+the very :meth:`~worker.pipeline_stage.PipelineStage.stage_forward` and ``stage_backward`` the
+WebSocket path uses, then one optimizer step. Sends are asynchronous and waited for at the end
+of the batch, so a stage never blocks on a neighbour that is itself waiting to receive.
+
+A tensor travels as a header (dtype and shape, 9 int64s) and then its bytes, each with a tag of
+its micro-batch and direction, so the receiver allocates exactly what comes. The tensors cross
+on the CPU (gloo), as the stage methods hand them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from protocol.errors import ErrorCode
+from worker.errors import EngineError
+from worker.pipeline_stage import PipelineStage
+from worker.process_group import GroupMember, looks_collective
+from worker.training import Training
+
+__all__ = ["PipelineLink"]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+"""The dtypes an activation may have, by their code in a header."""
+
+MAX_DIMS = 7
+"""The most dimensions an activation may have."""
+
+
+@dataclass(frozen=True)
+class _PipePlan:
+    node_ids: list[str]
+    actions: list[tuple[str, int]]
+    batches: list[list[np.ndarray[Any, Any]]]  # per global batch, the rows of each micro-batch
+    data: str | None  # the first stage's staged rows
+    labels: str | None  # the last stage's staged labels
+
+
+class PipelineLink(Training, PipelineStage, GroupMember):
+    """The loaded nodes as one stage of a pipeline whose stages talk to each other directly
+    (its rows and labels held as :class:`~worker.training.Training` holds them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pipe: _PipePlan | None = None
+
+    def plan_pipeline(
+        self,
+        node_ids: Sequence[str],
+        actions: Sequence[tuple[str, int]],
+        batches: Sequence[Sequence[np.ndarray[Any, Any]]],
+        data: str | None,
+        labels: str | None,
+    ) -> None:
+        """Take this stage's plan (the rank and world of the group it joined say where it is).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a join, for a first stage without its rows or a
+                last one without its labels.
+        """
+        rank, world = self.place()
+        if rank == 0 and data is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "the first stage reads staged rows: name them")
+        if rank == world - 1 and labels is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "the last stage needs its labels staged")
+        for name in (data, labels):
+            if name is not None:
+                self.held(name)  # staged, or a clear error now
+        micro = [[m for m in batch if len(m)] for batch in batches]
+        self._pipe = _PipePlan(list(node_ids), list(actions), micro, data, labels)
+
+    def pipe_train(self, start: int, stop: int) -> dict[str, Any]:
+        """Global batches ``[start, stop)`` (module docstring).
+
+        Returns:
+            ``{"losses", "rows"}``: per batch, each micro-batch's loss and rows (the last stage
+            only; empty lists elsewhere).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a plan or for batches outside it;
+                ``COLLECTIVE_FAILED`` when the group breaks, with the batches completed.
+        """
+        plan = self._pipe
+        if plan is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "pipe_train before pipe_plan")
+        if stop > len(plan.batches):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, f"the plan has {len(plan.batches)} batches, not {stop}"
+            )
+        losses, rows = [], []
+        self._done = start
+        for b in range(start, stop):
+            try:
+                batch_losses, batch_rows = self._one_batch(plan, plan.batches[b])
+            except RuntimeError as exc:
+                if looks_collective(exc):
+                    raise self.broken(f"global batch {b + 1}", exc) from exc
+                raise
+            self.stage_step(plan.node_ids)
+            self._done = b + 1
+            losses.append(batch_losses)
+            rows.append(batch_rows)
+        return {"losses": losses, "rows": rows}
+
+    def _one_batch(
+        self, plan: _PipePlan, micro: list[np.ndarray[Any, Any]]
+    ) -> tuple[list[float], list[int]]:
+        rank, world = self._rank, self._world
+        first, last = rank == 0, rank == world - 1
+        total = sum(len(m) for m in micro)
+        losses = [0.0] * len(micro) if last else []
+        sent: list[tuple[Any, torch.Tensor]] = []  # in flight until the batch ends
+        for kind, m in plan.actions:
+            if m >= len(micro):
+                continue  # a short last batch
+            if kind == "F":
+                rows = micro[m].tolist()
+                x = self.held(plan.data or "", rows)[0] if first else _receive(rank - 1, 4 * m)
+                y = self.held(plan.labels or "", rows)[0] if last else None
+                scale = len(rows) / total
+                out = self.stage_forward(plan.node_ids, m, x, y, scale, last, first=first)
+                if last:
+                    losses[m] = float(out["loss"])
+                else:
+                    sent += _send(out, rank + 1, 4 * m)
+            else:
+                grad = None if last else _receive(rank + 1, 4 * m + 2)
+                back = self.stage_backward(m, grad)
+                if not first:
+                    assert back is not None
+                    sent += _send(back, rank - 1, 4 * m + 2)
+        for work, _ in sent:
+            work.wait()
+        return losses, [len(m) for m in micro] if last else []
+
+    def _left_group(self) -> None:
+        self._pipe = None
+        super()._left_group()
+
+
+def _send(tensor: torch.Tensor, peer: int, tag: int) -> list[tuple[Any, torch.Tensor]]:
+    """Send ``tensor``'s header then its bytes to ``peer``, asynchronously; the works with the
+    tensors they read (which must live until the works are waited for)."""
+    tensor = tensor.detach().contiguous()
+    if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"an activation of dtype {tensor.dtype} and {tensor.dim()} dimensions cannot cross "
+            f"the torch transport (at most {MAX_DIMS}, dtypes {[str(d) for d in DTYPES]})",
+        )
+    dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
+    header = torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *dims], dtype=torch.int64)
+    return [
+        (dist.isend(header, peer, tag=tag), header),
+        (dist.isend(tensor, peer, tag=tag + 1), tensor),
+    ]
+
+
+def _receive(peer: int, tag: int) -> torch.Tensor:
+    """The tensor ``peer`` sends with ``tag`` (its header first)."""
+    header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+    dist.recv(header, peer, tag=tag)
+    code, ndim, *dims = header.tolist()
+    tensor = torch.empty(dims[:ndim], dtype=DTYPES[code])
+    dist.recv(tensor, peer, tag=tag + 1)
+    return tensor
