@@ -62,7 +62,7 @@ EXTRA = ("daemon",)
 SUITE_ARGS: dict[str, dict[str, Any]] = {
     "transport": {"repeats": 5},
     "allreduce": {"steps": 10, "reps": 10, "rounds": 1},
-    "data_parallel": {"steps": 10, "rounds": 1},
+    "data_parallel": {"steps": 40, "rounds": 1},
     "pipeline": {"steps": 6, "reps": 5, "rounds": 1},
 }
 """``run()`` arguments of the suite: fewer repetitions than a module's own default (``python -m
@@ -75,7 +75,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "roundtrip": {"n": 200, "warmup": 20, "rounds": 1},
     "fleet": {"n": 50, "hold": 1.0, "state_bytes": 64 << 10},
     "allreduce": {"steps": 3, "reps": 3, "rounds": 1},
-    "data_parallel": {"steps": 3, "rounds": 1},
+    "data_parallel": {"steps": 3, "rounds": 1, "quick": True},
     "pipeline": {"steps": 3, "rounds": 1, "reps": 3},
     "daemon": {"pings": 100, "features": 500, "repeats": 2},
 }

@@ -232,7 +232,7 @@ class TorchTraining:
         return self.run.ctx.call(i, request)
 
     async def _settle(self, calls: Mapping[int, Awaitable[Any]], stop: int) -> dict[int, Any]:
-        return await settle(calls, self.run.ids, self.timeout, stop)
+        return await settle(calls, self.run.ids, self.timeout, stop, patient=self.run.elastic)
 
 
 def _next_chunk(chunk: int, ran: int, elapsed: float) -> int:

@@ -10,9 +10,10 @@ address not known, a member that cannot reach the store) — which lets ``auto``
 WebSocket path and say why.
 
 :func:`settle` awaits one call per member. The members of a group wait on each other, so when
-one call fails the others are given the collective timeout to end (they end at once when the
-group broke: a dead peer's sockets close) and are then cancelled — which kills their daemons:
-nothing is left waiting in a collective. :class:`Broken` then says who failed how, and blames
+one call fails the others are cancelled — which kills their daemons: nothing is left waiting in
+a collective — as soon as a member is known lost, or (an elastic job, whose survivors' state
+matters) given the collective timeout to end by themselves first (they end at once when the
+group broke: a dead peer's sockets close). :class:`Broken` then says who failed how, and blames
 the failure that explains the others (a lost worker, over a survivor that only saw the group
 break).
 """
@@ -93,6 +94,9 @@ async def rendezvous(
         await ctx.call(head, DistLeaveRequest())
         return f"{sorted(unreachable)} cannot reach {where}: {unreachable}"
     cuda = nccl and all(device_fits("cuda", ctx.workers[i].device) for i in members)
+    places = {(ctx.workers[i].host, ctx.workers[i].device) for i in members}
+    if len(places) < len(members):
+        cuda = False  # NCCL refuses two ranks on one GPU; gloo reduces CUDA tensors too
     members_said = f"every {member}" if len(members) > 1 else f"the one {member}"
     return Rendezvous(host, port, "nccl" if cuda else "gloo", f"{members_said} reached {where}")
 
@@ -137,38 +141,63 @@ class Broken(Exception):
     """Work that did not complete on every member: each one's error, and the steps each member
     that answered (or only saw the group break) has completed."""
 
-    def __init__(self, errors: dict[int, WorkerCallError], done: dict[int, int]) -> None:
+    def __init__(
+        self,
+        errors: dict[int, WorkerCallError],
+        done: dict[int, int],
+        stopped: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(", ".join(str(e) for e in errors.values()))
         self.errors = errors
         self.done = done
+        self.stopped = stopped  # members whose call was cancelled here (their daemon stopped)
 
     def blame(self) -> WorkerCallError:
         """The failure that explains the others: a lost worker over a survivor that only saw
-        the group break."""
-        lost = [e for e in self.errors.values() if e.code in RECOVERABLE]
-        own = [e for e in self.errors.values() if e.code is not ErrorCode.COLLECTIVE_FAILED]
-        return (lost or own or list(self.errors.values()))[0]
+        the group break, and either over a member this side stopped."""
+        own = [e for i, e in self.errors.items() if i not in self.stopped]
+        lost = [e for e in own if e.code in RECOVERABLE]
+        real = [e for e in own if e.code is not ErrorCode.COLLECTIVE_FAILED]
+        return (lost or real or own or list(self.errors.values()))[0]
 
 
 async def settle(
-    calls: Mapping[int, Awaitable[Any]], ids: Sequence[str], grace: float, completed: int
+    calls: Mapping[int, Awaitable[Any]],
+    ids: Sequence[str],
+    grace: float,
+    completed: int,
+    patient: bool = False,
 ) -> dict[int, Any]:
     """Await one call per member (worker index → call), each of which, when it succeeds, has
-    completed the steps up to ``completed``. When one fails, the others get ``grace`` seconds
-    to end and are then cancelled (module docstring).
+    completed the steps up to ``completed``.
+
+    When one fails, the others get ``grace`` seconds to end and are then cancelled (module
+    docstring) — at once, unless ``patient``, as soon as a member is known lost: what the others
+    still hold is of no use to a job that fails, and waiting on them could take the collective
+    timeout. ``patient`` (an elastic job) lets the survivors end by themselves, their state
+    intact, within the grace.
 
     Raises:
         Broken: some call did not complete.
     """
     tasks = {i: asyncio.ensure_future(call) for i, call in calls.items()}
+    loop = asyncio.get_running_loop()
     try:
-        pending = set(tasks.values())
+        pending, deadline = set(tasks.values()), None
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            if any(t.exception() is not None for t in done):
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            _, pending = await asyncio.wait(
+                pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            failed = [t.exception() for t in tasks.values() if t.done() and t.exception()]
+            if not failed:
+                continue
+            lost = any(getattr(e, "code", None) in RECOVERABLE for e in failed)
+            if lost and not patient:
                 break
-        if pending:
-            await asyncio.wait(pending, timeout=grace)
+            deadline = loop.time() + grace if deadline is None else deadline
+            if loop.time() >= deadline:
+                break
     finally:
         for task in tasks.values():
             task.cancel()
@@ -176,8 +205,9 @@ async def settle(
     results: dict[int, Any] = {}
     errors: dict[int, WorkerCallError] = {}
     done_steps: dict[int, int] = {}
+    stopped = frozenset(i for i, task in tasks.items() if task.cancelled())
     for i, task in tasks.items():
-        if task.cancelled():
+        if i in stopped:
             errors[i] = WorkerCallError(ids[i], _hung(grace))
             continue
         exc = task.exception()
@@ -190,7 +220,7 @@ async def settle(
         else:
             raise exc
     if errors:
-        raise Broken(errors, done_steps | {i: completed for i in results})
+        raise Broken(errors, done_steps | {i: completed for i in results}, stopped)
     return results
 
 

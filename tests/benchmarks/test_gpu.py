@@ -15,9 +15,11 @@ CHECKS = (
     "graph.fit (baseline)",
     "Local vs graph.fit",
     "FedAvg vs FedAvg on cpu",
-    "DataParallel(2) vs graph.fit",
+    "DataParallel(2, collective='torch') vs graph.fit",
+    "DataParallel(2, collective='coordinator') vs graph.fit",
     "ModelParallel(2) vs graph.fit",
-    "DataParallel step / torch step",
+    "DataParallel(2, collective='torch') step / torch step",
+    "DataParallel(2, collective='coordinator') step / torch step",
 )
 
 
