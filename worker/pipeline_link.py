@@ -13,8 +13,9 @@ WebSocket path uses, then one optimizer step. Sends are asynchronous and waited 
 of the batch, so a stage never blocks on a neighbour that is itself waiting to receive.
 
 A tensor travels as a header (dtype and shape, 9 int64s) and then its bytes, each with a tag of
-its micro-batch and direction, so the receiver allocates exactly what comes. The tensors cross
-on the CPU (gloo), as the stage methods hand them out.
+its micro-batch and direction, so the receiver allocates exactly what comes; every header of a
+batch is asked for when the batch starts, so it is in by the time its action comes. The tensors
+cross on the CPU (gloo), as the stage methods hand them out.
 """
 
 from __future__ import annotations
@@ -124,26 +125,32 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         first, last = rank == 0, rank == world - 1
         total = sum(len(m) for m in micro)
         losses = [0.0] * len(micro) if last else []
+        actions = [(kind, m) for kind, m in plan.actions if m < len(micro)]  # a short last batch
+        # Every header this stage will receive in the batch is asked for now, so each arrives
+        # while the stage computes; at its action only the tensor's bytes are waited for.
+        headers = {
+            (kind, m): _Header.posted(rank - 1 if kind == "F" else rank + 1, _tag(kind, m))
+            for kind, m in actions
+            if (kind == "F" and not first) or (kind == "B" and not last)
+        }
         sent: list[tuple[Any, torch.Tensor]] = []  # in flight until the batch ends
-        for kind, m in plan.actions:
-            if m >= len(micro):
-                continue  # a short last batch
+        for kind, m in actions:
             if kind == "F":
                 rows = micro[m].tolist()
-                x = self.held(plan.data or "", rows)[0] if first else _receive(rank - 1, 4 * m)
+                x = self.held(plan.data or "", rows)[0] if first else headers[(kind, m)].tensor()
                 y = self.held(plan.labels or "", rows)[0] if last else None
                 scale = len(rows) / total
                 out = self.stage_forward(plan.node_ids, m, x, y, scale, last, first=first)
                 if last:
                     losses[m] = float(out["loss"])
                 else:
-                    sent += _send(out, rank + 1, 4 * m)
+                    sent += _send(out, rank + 1, _tag("F", m))
             else:
-                grad = None if last else _receive(rank + 1, 4 * m + 2)
+                grad = None if last else headers[(kind, m)].tensor()
                 back = self.stage_backward(m, grad)
                 if not first:
                     assert back is not None
-                    sent += _send(back, rank - 1, 4 * m + 2)
+                    sent += _send(back, rank - 1, _tag("B", m))
         for work, _ in sent:
             work.wait()
         return losses, [len(m) for m in micro] if last else []
@@ -171,11 +178,30 @@ def _send(tensor: torch.Tensor, peer: int, tag: int) -> list[tuple[Any, torch.Te
     ]
 
 
-def _receive(peer: int, tag: int) -> torch.Tensor:
-    """The tensor ``peer`` sends with ``tag`` (its header first)."""
-    header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
-    dist.recv(header, peer, tag=tag)
-    code, ndim, *dims = header.tolist()
-    tensor = torch.empty(dims[:ndim], dtype=DTYPES[code])
-    dist.recv(tensor, peer, tag=tag + 1)
-    return tensor
+def _tag(kind: str, micro: int) -> int:
+    """The tag of micro-batch ``micro``'s activation (``F``) or gradient (``B``) header; its
+    bytes travel with the tag after it."""
+    return 4 * micro + (0 if kind == "F" else 2)
+
+
+@dataclass
+class _Header:
+    """A tensor on its way from ``peer``: its header asked for, its bytes not yet."""
+
+    peer: int
+    tag: int
+    buffer: torch.Tensor
+    work: Any
+
+    @classmethod
+    def posted(cls, peer: int, tag: int) -> _Header:
+        buffer = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
+        return cls(peer, tag, buffer, dist.irecv(buffer, peer, tag=tag))
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor, once its header is in and its bytes received."""
+        self.work.wait()
+        code, ndim, *dims = self.buffer.tolist()
+        tensor = torch.empty(dims[:ndim], dtype=DTYPES[code])
+        dist.recv(tensor, self.peer, tag=self.tag + 1)
+        return tensor
