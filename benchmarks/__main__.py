@@ -63,7 +63,7 @@ SUITE_ARGS: dict[str, dict[str, Any]] = {
     "transport": {"repeats": 5},
     "allreduce": {"steps": 10, "reps": 10, "rounds": 1},
     "data_parallel": {"steps": 40, "rounds": 1},
-    "pipeline": {"steps": 6, "reps": 5, "rounds": 1},
+    "pipeline": {"steps": 6, "reps": 5, "rounds": 2},
 }
 """``run()`` arguments of the suite: fewer repetitions than a module's own default (``python -m
 benchmarks.allreduce``) for the heaviest ones, so that the whole suite stays under 10 minutes
