@@ -42,8 +42,8 @@ from protocol.daemon import (
     SetStateRequest,
     request_fields,
 )
+from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo
-from protocol.strategy_options import device_fits
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",

@@ -49,9 +49,9 @@ from coordinator.strategies import (
 )
 from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
+from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
-from protocol.strategy_options import device_fits
 
 log = logging.getLogger(__name__)
 

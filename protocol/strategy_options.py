@@ -12,19 +12,20 @@ the strategy and option as they travel (``fedavg: rounds must be ...``, ``a bool
 
 Every strategy (and each pipeline partition) takes ``device``: ``None`` for any worker, else a
 worker's training device as it announces it (``"cpu"``, ``"cuda:N"``, ``"mps"``) or ``"cuda"``
-for any CUDA device (:func:`device_fits`).
+for any CUDA device (:func:`protocol.devices.device_fits`).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+
+from protocol.devices import DEVICES, device_fits, is_device
 
 __all__ = [
     "DEVICES",
@@ -53,27 +54,6 @@ __all__ = [
 
 SCHEDULES = ("1f1b", "gpipe")
 """The pipeline schedules ModelParallel runs."""
-
-DEVICES = ("cpu", "cuda", "cuda:N", "mps")
-"""The devices a job may ask for: ``"cuda"`` is any CUDA device, ``"cuda:N"`` the N-th one."""
-
-_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]*)")
-
-
-def is_device(value: object) -> bool:
-    """Whether ``value`` is one of the :data:`DEVICES` forms."""
-    return isinstance(value, str) and (
-        value in ("cpu", "cuda", "mps") or _CUDA_INDEX.fullmatch(value) is not None
-    )
-
-
-def device_fits(wanted: str | None, device: str) -> bool:
-    """Whether a worker training on ``device`` fits a job asking for ``wanted`` (``None``: any
-    device; ``"cuda"``: any ``"cuda:N"``; otherwise the same device)."""
-    if wanted is None or device == wanted:
-        return True
-    return wanted == "cuda" and _CUDA_INDEX.fullmatch(device) is not None
-
 
 DEFAULT_COLLECTIVE_TIMEOUT = 60.0
 """Seconds a torch collective (joining the group, one all-reduce) may take before it fails:

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Self, TypeVar
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
 from protocol import strategy_options as so
+from protocol.devices import device_fits
 from protocol.messages import NodeInfo
 
 T = TypeVar("T")
@@ -87,7 +88,7 @@ class Placement:
             return False
         if self.dataset is not None and self.dataset not in worker.datasets:
             return False
-        if not so.device_fits(self.device, worker.device):
+        if not device_fits(self.device, worker.device):
             return False
         return self.tag is None or self.tag in worker.tags
 
