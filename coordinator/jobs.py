@@ -52,6 +52,7 @@ from protocol.codec import decode, encode_frame
 from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
+from protocol.wording import listed
 
 log = logging.getLogger(__name__)
 
@@ -238,40 +239,20 @@ class JobManager:
     # -- client requests ----------------------------------------------------------------------
 
     async def submit(self, msg: Submit) -> str:
-        """Validate and queue a job; returns its id."""
+        """Validate and queue a job; returns its id.
+
+        The checks are linear in the graph's size and run off the event loop: a submit of a
+        huge graph delays no heartbeat and no other client."""
         if not self.accepting:
             raise RequestRefused.of(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
-        try:
-            strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
-        except StrategyOptionsError as exc:
-            raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
-        missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
-        if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
-            raise RequestRefused.of(
-                ErrorCode.BAD_REQUEST,
-                f"graph.filters must hold exactly the nodes of graph.node_ids; missing {missing}",
-            )
-        filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
-        if (msg.x is None) == (msg.dataset is None):
-            raise RequestRefused.of(
-                ErrorCode.BAD_REQUEST,
-                "a job trains on data it sends (x, y) or on the workers' own dataset, "
-                "exactly one of the two",
-            )
-        inputs = JobInputs(
-            msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset
-        )
-        try:
-            strategy.validate(inputs)
-        except StrategyOptionsError as exc:
-            raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
-        self._check_targets(_placement(strategy, inputs))
+        strategy, inputs, placement = await asyncio.to_thread(_vetted, msg)
+        self._check_targets(placement)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
             "rows": _rows(msg.x),
             "dataset": msg.dataset,
-            "placement": _placement(strategy, inputs).describe(),
+            "placement": placement.describe(),
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         job = _Job(record.id, strategy, inputs)
@@ -290,7 +271,8 @@ class JobManager:
                 tags = sorted({t for w in known for t in w.tags})
                 raise RequestRefused.of(
                     ErrorCode.NO_WORKERS,
-                    f"no worker answers to {slot}: workers {[w.id for w in known]}, tags {tags}",
+                    f"no worker answers to {slot}: workers {listed([w.id for w in known])}, "
+                    f"tags {listed(tags)}",
                 )
         devices = sorted({w.device for w in known})
         for wanted in placement.devices():
@@ -505,6 +487,41 @@ class JobManager:
             raise RequestRefused.of(
                 ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
             ) from exc
+
+
+def _vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
+    """The strategy, inputs and placement of a submitted job, or why it is refused (checked in
+    a worker thread: see :meth:`JobManager.submit`).
+
+    Raises:
+        RequestRefused: ``BAD_REQUEST`` naming what is wrong.
+    """
+    try:
+        strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
+    except StrategyOptionsError as exc:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
+    if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "graph.filters must hold exactly the nodes of graph.node_ids; missing "
+            f"{listed(missing)}",
+        )
+    filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
+    if (msg.x is None) == (msg.dataset is None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "a job trains on data it sends (x, y) or on the workers' own dataset, "
+            "exactly one of the two",
+        )
+    inputs = JobInputs(
+        msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset
+    )
+    try:
+        strategy.validate(inputs)
+    except StrategyOptionsError as exc:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    return strategy, inputs, _placement(strategy, inputs)
 
 
 def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:

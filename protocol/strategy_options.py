@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
 from protocol.devices import DEVICES, device_fits, is_device
+from protocol.wording import listed
 
 __all__ = [
     "DEVICES",
@@ -526,12 +527,13 @@ def _check_partition(fields: dict[str, Any], say: _Say, label: str) -> dict[str,
         or not ids
         or not all(isinstance(n, str) and n for n in ids)
     ):
-        raise say.no(f"{label}: node_ids must be one or more node ids, not {ids!r}")
+        shown = listed(ids) if isinstance(ids, list | tuple) else repr(ids)
+        raise say.no(f"{label}: node_ids must be one or more node ids, not {shown}")
     worker = say.selector("worker", fields.get("worker"))
     tag = say.selector("tag", fields.get("tag"))
     if (worker is None) == (tag is None):
         raise say.no(
-            f"{label} {list(ids)} must be pinned to a worker id or a tag, exactly one "
+            f"{label} {listed(ids)} must be pinned to a worker id or a tag, exactly one "
             f"(worker={worker!r}, tag={tag!r})"
         )
     say.device(f"{label}: device", fields.get("device"))

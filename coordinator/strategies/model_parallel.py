@@ -52,6 +52,7 @@ from coordinator.strategies.steps import Training, global_batches, plain_prefix
 from protocol.daemon import CompositeFitRequest, StageRequest, StageStepRequest
 from protocol.errors import ErrorCode
 from protocol.strategy_options import DEFAULT_COLLECTIVE_TIMEOUT, ModelParallelOptions
+from protocol.wording import listed
 
 T = TypeVar("T")
 
@@ -67,18 +68,21 @@ class Partition:
 
 
 def check_partitions(node_ids: Sequence[str], partitions: Sequence[Partition]) -> None:
-    """Refuse partitions that do not tile the graph, naming the node and partitions involved."""
+    """Refuse partitions that do not tile the graph, naming the node and partitions involved.
+
+    Linear in the nodes, so that a graph of tens of thousands is checked at once."""
     if not partitions:
         raise StrategyOptionsError("model_parallel needs at least one partition")
+    in_graph = set(node_ids)
     owner: dict[str, int] = {}
     for p, partition in enumerate(partitions):
         if not partition.node_ids:
             raise StrategyOptionsError(f"partition {p} is empty")
         for node in partition.node_ids:
-            if node not in node_ids:
+            if node not in in_graph:
                 raise StrategyOptionsError(
                     f"partition {p} names {node!r}, which is not in the graph (nodes: "
-                    f"{list(node_ids)})"
+                    f"{listed(node_ids)})"
                 )
             if node in owner:
                 raise StrategyOptionsError(
@@ -88,7 +92,9 @@ def check_partitions(node_ids: Sequence[str], partitions: Sequence[Partition]) -
             owner[node] = p
     orphans = [n for n in node_ids if n not in owner]
     if orphans:
-        raise StrategyOptionsError(f"nodes {orphans} are in no partition: partitions must tile")
+        raise StrategyOptionsError(
+            f"nodes {listed(orphans)} are in no partition: partitions must tile"
+        )
     order = [owner[n] for n in node_ids]
     if order != sorted(order):
         first = next(i for i in range(1, len(order)) if order[i] < order[i - 1])

@@ -17,6 +17,7 @@ from coordinator.strategies.base import JobInputs
 from protocol import batching
 from protocol.daemon import StageRequest
 from protocol.messages import NodeInfo
+from protocol.wording import listed
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,11 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
     if not torch_nodes:
         raise StrategyOptionsError(f"{strategy} trains TorchFilters and this graph has none{none}")
     first = job.node_ids.index(torch_nodes[0])
-    late = [n for n in job.node_ids[first:] if n not in torch_nodes]
+    trains = set(torch_nodes)
+    late = [n for n in job.node_ids[first:] if n not in trains]
     if late:
         raise StrategyOptionsError(
-            f"{strategy} fits plain filters only before the first TorchFilter; {late} "
+            f"{strategy} fits plain filters only before the first TorchFilter; {listed(late)} "
             f"come after {torch_nodes[0]!r}"
         )
     return torch_nodes, job.node_ids[:first]

@@ -259,3 +259,45 @@ def test_an_elastic_job_gets_its_replacement_from_the_registry(tmp_path):
             assert h.store.get(job_id).state is JobState.SUCCEEDED
 
     run(main())
+
+
+def test_a_huge_graph_is_checked_off_the_loop_and_refused_in_a_line(tmp_path):
+    """A ModelParallel submit of 20,000 nodes whose partition names one more: refused at once,
+    the message naming a few nodes and how many, while the event loop keeps running."""
+    nodes = [f"n{i}" for i in range(20_000)]
+    msg = submit(
+        "model_parallel",
+        partitions=[{"node_ids": [*nodes, "ghost"], "tag": "s0"}],
+    )
+    msg = msg.model_copy(
+        update={
+            "graph": msg.graph.model_copy(
+                update={"node_ids": nodes, "filters": dict.fromkeys(nodes, b"-"), "nodes": {}}
+            )
+        }
+    )
+
+    async def main():
+        async with Harness(tmp_path) as h:
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            beat = asyncio.create_task(ticker())
+            try:
+                with pytest.raises(RequestRefused) as caught:
+                    await h.manager.submit(msg)
+            finally:
+                beat.cancel()
+            return caught.value.info, ticks
+
+    info, ticks = run(main())
+    assert info.code is ErrorCode.BAD_REQUEST
+    assert "names 'ghost', which is not in the graph (nodes: ['n0', 'n1'," in info.message
+    assert "... (20000 in all)])" in info.message
+    assert len(info.message) < 300
+    assert ticks > 1  # the loop ran other work while the graph was checked
