@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import Counter
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,7 +37,12 @@ import numpy as np
 
 from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit, concurrently
-from coordinator.strategies.elastic import RECOVERABLE, Replicas, every_replica_lost
+from coordinator.strategies.elastic import (
+    MAX_RECOVERIES,
+    RECOVERABLE,
+    Replicas,
+    every_replica_lost,
+)
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -111,6 +117,7 @@ class TorchTraining:
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
         self.formations = 0
+        self.breaks: Counter[int] = Counter()  # times the group broke, by the step resumed from
 
     async def train(self, total: int) -> None:
         """Train global steps ``[0, total)``, emitting progress per chunk."""
@@ -185,6 +192,15 @@ class TorchTraining:
             raise every_replica_lost(lost, self.run.position.where)
         source = max(survivors, key=lambda i: (survivors[i], -i))
         resume = survivors[source]
+        self.breaks[resume] += 1
+        if self.breaks[resume] > MAX_RECOVERIES:  # a group that breaks at the same step anew
+            blamed = broken.blame()
+            raise StrategyFailed(
+                blamed.code,
+                f"step {resume + 1}: the group broke {MAX_RECOVERIES} times over; the last: "
+                f"{blamed}",
+                **blamed.to_info().detail,
+            )
         self.run.position.step = resume + 1
         snapshot = await self.run.recover(lost, source) if lost else None
         behind = [i for i, done in survivors.items() if done < resume]
