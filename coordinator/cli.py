@@ -121,8 +121,8 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=MAX_PENDING_CONNECTIONS,
         metavar="N",
-        help="connections that have not sent their hello yet beyond which new upgrades get "
-        f"HTTP 503 (default {MAX_PENDING_CONNECTIONS})",
+        help="upgrades with a valid token that have not sent their hello yet, beyond which new "
+        f"upgrades get HTTP 503 (default {MAX_PENDING_CONNECTIONS})",
     )
     parser.add_argument(
         "--handshake-timeout",

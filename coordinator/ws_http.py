@@ -5,8 +5,8 @@
   (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
   or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``;
 * an upgrade to ``/worker`` or ``/client`` is checked here before any message is read: its bearer
-  token (in constant time), and ``503`` beyond ``max_pending_connections`` connections waiting
-  for their hello.
+  token (in constant time) first, then ``503`` beyond ``max_pending_connections`` upgrades with
+  a valid token still waiting for their hello (sockets without one lock nobody out).
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ async def process_request(
             return _json(connection, await server.status())
         return await _metrics(server, connection)
     if path in ("/worker", "/client"):
-        if server.pending_connections > server.max_pending_connections:  # this one is counted too
-            return _busy(server, connection)
         if not authorized(request, server.tokens[path]):
             log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
             return connection.respond(
                 http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
             )
+        if not server.admit(connection):  # the token first: no token, no lockout
+            return _busy(server, connection)
         return None  # go on with the WebSocket handshake
     return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
 
@@ -78,9 +78,9 @@ def _busy(server: Coordinator, connection: ServerConnection) -> Response:
     """``503`` for an upgrade beyond ``max_pending_connections``, before any message."""
     server.metrics.refused_upgrades += 1
     log.warning(
-        "refused %s: %d connections are waiting for their hello (limit %d)",
+        "refused %s: %d upgrades are waiting for their hello (limit %d)",
         connection.remote_address,
-        server.pending_connections - 1,
+        server.max_pending_connections,
         server.max_pending_connections,
     )
     response = connection.respond(

@@ -8,8 +8,9 @@
 Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
 an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
 has ``handshake_timeout`` for the upgrade and the hello together (a half-sent HTTP request is
-dropped then), and beyond ``max_pending_connections`` pending ones a new upgrade is answered
-``503`` before any message is read. One WebSocket message holds at most :data:`WS_MAX_SIZE`
+dropped then), and beyond ``max_pending_connections`` pending upgrades whose token was checked
+a new one is answered ``503`` before any message is read (sockets without a valid upgrade are
+not counted: they lock nobody out). One WebSocket message holds at most :data:`WS_MAX_SIZE`
 bytes (more: closed with 1009), one message reassembled from chunks at most
 ``max_message_bytes`` (more: ``too_large``, refused from its first chunk), and each connection
 handles at most ``max_inflight`` requests at once (more: ``busy``); see
@@ -31,6 +32,7 @@ import contextlib
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,8 @@ PROBE_TIMEOUT = 60.0
 HANDSHAKE_TIMEOUT = 10.0
 """Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
 MAX_PENDING_CONNECTIONS = 64
-"""Default number of connections without a hello yet beyond which upgrades get ``503``."""
+"""Default number of upgrades with a valid token but no hello yet beyond which upgrades get
+``503``."""
 STATUS_JOBS = 50
 """How many of the latest jobs a status snapshot lists."""
 BULK_SENDS = 16
@@ -99,8 +102,8 @@ class Coordinator:
         job_threads: torch threads of each job's daemon (``None``: the agent's default).
         max_message_bytes: largest (reassembled) message accepted from a peer.
         max_inflight: requests handled at once per connection (one more: ``busy``).
-        max_pending_connections: connections without a hello beyond which an upgrade gets
-            ``503`` (they are counted from the TCP accept).
+        max_pending_connections: upgrades with a valid token but no hello yet beyond which an
+            upgrade gets ``503`` (sockets without a valid upgrade are not counted).
         handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
         worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
@@ -148,6 +151,8 @@ class Coordinator:
         self.max_pending_connections = max_pending_connections
         self.handshake_timeout = handshake_timeout
         self._pending: dict[ServerConnection, float] = {}  # → the loop time of its TCP accept
+        # Upgrades whose token was checked, until they close (those still pending count).
+        self._admitted: weakref.WeakSet[ServerConnection] = weakref.WeakSet()
         self.tokens = {"/worker": worker_token, "/client": client_token}
         self.tls = tls
         self.public_status = public_status
@@ -272,6 +277,17 @@ class Coordinator:
     def pending_connections(self) -> int:
         """Connections accepted that have not said hello yet (this one included)."""
         return len(self._pending)
+
+    def admit(self, connection: ServerConnection) -> bool:
+        """Count an upgrade whose token was checked among those waiting for their hello;
+        ``False`` (not counted) beyond ``max_pending_connections`` of them. Sockets that sent
+        no valid upgrade are not counted: whoever holds no token cannot lock anyone out (they
+        are closed by the handshake timeout)."""
+        waiting = [c for c in self._admitted if c in self._pending]
+        if len(waiting) >= self.max_pending_connections:
+            return False
+        self._admitted.add(connection)
+        return True
 
     @property
     def channels(self) -> set[Channel]:
