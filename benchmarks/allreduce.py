@@ -195,6 +195,25 @@ def per_step(marks: list[tuple[float, int]], warmup: int = WARMUP) -> list[float
     return out
 
 
+def wait_all(procs: Processes, names: list[str], deadline: float, limit: float) -> None:
+    """Wait for the processes ``names`` to exit by ``deadline`` (``time.monotonic()``, ``limit``
+    seconds after they started).
+
+    Raises:
+        TimeoutError: one is still running at the deadline.
+        RuntimeError: one exited with a non-zero status (its log's tail in the message).
+    """
+    for name in names:
+        proc = procs.procs[name]
+        try:
+            code = proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{name} did not finish in {limit:.0f} s") from None
+        procs.stopped.add(name)
+        if code != 0:
+            raise RuntimeError(f"{name} exited with {code}:\n{procs.tail(name)}")
+
+
 def run_torch(procs: Processes, mode: str, args: dict[str, Any], world: int = 1) -> list[float]:
     """Run :data:`TORCH_SCRIPT` in ``world`` processes (ranks) and return rank 0's ``times``."""
     out = procs.directory / f"{mode}-{free_port()}.json"
@@ -207,16 +226,7 @@ def run_torch(procs: Processes, mode: str, args: dict[str, Any], world: int = 1)
         argv = [sys.executable, "-c", TORCH_SCRIPT, mode, json.dumps(spec), str(out)]
         procs.spawn(name, argv)
         names.append(name)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    for name in names:
-        proc = procs.procs[name]
-        try:
-            code = proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{name} did not finish in {RUN_TIMEOUT:.0f} s") from None
-        procs.stopped.add(name)
-        if code != 0:
-            raise RuntimeError(f"{name} exited with {code}:\n{procs.tail(name)}")
+    wait_all(procs, names, time.monotonic() + RUN_TIMEOUT, RUN_TIMEOUT)
     times: list[float] = json.loads(out.read_text())["times"]
     return times
 

@@ -28,7 +28,6 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,16 +146,10 @@ def run_anchor(
         names.append(name)
         outs.append(out)
     deadline = started + RUN_TIMEOUT
+    from benchmarks.allreduce import wait_all  # not in the ranks: they import only torch
+
     try:
-        for name in names:
-            proc = procs.procs[name]
-            try:
-                code = proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"{name} did not finish in {RUN_TIMEOUT:.0f} s") from None
-            procs.stopped.add(name)
-            if code != 0:
-                raise RuntimeError(f"{name} exited with {code}:\n{procs.tail(name)}")
+        wait_all(procs, names, deadline, RUN_TIMEOUT)
     finally:
         for name in names:  # the other rank, if one failed
             if name not in procs.stopped:

@@ -215,6 +215,19 @@ class DistJoinRequest(_Request):
         return self
 
 
+class _Steps(_Request):
+    """Steps ``[start, stop)`` of a plan a group's members walk."""
+
+    start: NonNegativeInt
+    stop: NonNegativeInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.stop < self.start:
+            raise ValueError(f"stop {self.stop} is before start {self.start}")
+        return self
+
+
 class _BatchPlan(_Request):
     r"""The global batches of a run, as every member computes them: ``rows`` rows, ``epochs``,
     ``batch_size`` (default: all rows), in order or ``shuffle``\ d with ``seed``."""
@@ -252,38 +265,22 @@ class PipePlanRequest(_BatchPlan):
     labels: str | None = None
 
 
-class PipeTrainRequest(_Request):
+class PipeTrainRequest(_Steps):
     """Train global batches ``[start, stop)`` of the pipeline plan: this stage's actions of
     each, activations and their gradients sent to the neighbouring stages' daemons, then one
     optimizer step. Returns ``{"losses": [[...]], "rows": [[...]]}``: per batch, per
     micro-batch (the last stage's; empty lists elsewhere)."""
 
     cmd: Literal["pipe_train"] = "pipe_train"
-    start: NonNegativeInt
-    stop: NonNegativeInt
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Self:
-        if self.stop < self.start:
-            raise ValueError(f"stop {self.stop} is before start {self.start}")
-        return self
 
 
-class DistTrainRequest(_Request):
+class DistTrainRequest(_Steps):
     """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
     per step."""
 
     cmd: Literal["dist_train"] = "dist_train"
-    start: NonNegativeInt
-    stop: NonNegativeInt
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Self:
-        if self.stop < self.start:
-            raise ValueError(f"stop {self.stop} is before start {self.start}")
-        return self
 
 
 class DistLeaveRequest(_Request):

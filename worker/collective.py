@@ -151,7 +151,7 @@ class Collective(Training, GroupMember):
         for step in range(start, stop):
             local, batch = plan.steps[step]
             mine = len(local)
-            x, y = self.held(plan.data, (local if mine else ONE_ROW).tolist())
+            x, y = self.held(plan.data, local if mine else ONE_ROW)
             for node in prefix:
                 x = self._apply(node, x, self._state_for(node))
             xt = self._on_device(run[0].filter.prepare_input(x))

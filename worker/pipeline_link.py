@@ -136,7 +136,7 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         sent: list[tuple[Any, torch.Tensor]] = []  # in flight until the batch ends
         for kind, m in actions:
             if kind == "F":
-                rows = micro[m].tolist()
+                rows = micro[m]
                 x = self.held(plan.data or "", rows)[0] if first else headers[(kind, m)].tensor()
                 y = self.held(plan.labels or "", rows)[0] if last else None
                 scale = len(rows) / total

@@ -69,8 +69,11 @@ class Training(Nodes):
         self._held[name] = (x, y)
         return num_rows(x)
 
-    def held(self, name: str, rows: Sequence[int] | None = None) -> tuple[Any, Any]:
-        """The data held under ``name``, or its ``rows`` (in that order)."""
+    def held(
+        self, name: str, rows: Sequence[int] | np.ndarray[Any, Any] | None = None
+    ) -> tuple[Any, Any]:
+        """The data held under ``name``, or its ``rows`` (in that order; a list, or an index
+        array taken as it is)."""
         try:
             x, y = self._held[name]
         except KeyError:
