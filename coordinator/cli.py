@@ -18,6 +18,7 @@ from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_B
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.asyncio.websocket import server_tls
+from protocol.token_file import token_file_problem
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,12 +166,14 @@ def _token(path: str | None, variable: str) -> str | None:
     if path is None:
         return os.environ.get(variable) or None
     try:
-        token = Path(path).read_text().strip()
+        with open(path, encoding="utf-8") as f:
+            mode, text = os.fstat(f.fileno()).st_mode, f.read()
     except OSError as exc:
         raise SystemExit(f"somatize-coordinator: cannot read the token file {path}: {exc}") from exc
-    if not token:
-        raise SystemExit(f"somatize-coordinator: the token file {path} is empty")
-    return token
+    problem = token_file_problem(path, mode, text)
+    if problem is not None:
+        raise SystemExit(f"somatize-coordinator: {problem}")
+    return text.strip()
 
 
 def _loopback(host: str) -> bool:

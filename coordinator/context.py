@@ -145,8 +145,10 @@ class StrategyContext(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no peer links")
 
-    async def links(self, worker_idx: int, peers: Sequence[int]) -> dict[str, Any]:
-        """Tell a worker which workers it exchanges tensors with; ``{"direct", "relay"}``."""
+    async def links(self, worker_idx: int, expects: Mapping[int, str]) -> dict[str, Any]:
+        """Tell a worker which workers it exchanges tensors with (the keys of ``expects``) and
+        the prefix of the mailbox keys each may deliver to it (a delivery from any other
+        worker, or to any other key, is refused); ``{"direct", "relay"}``."""
         raise NotImplementedError(f"{type(self).__name__} has no peer links")
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -66,10 +67,17 @@ class TransportContext(StrategyContext):
         self.observe = observe
         self.recruit = recruit
         self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
+        self.peer_secret = secrets.token_urlsafe(32)
+        """What the job's workers present to each other on a peer link (one per job)."""
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Start the job's daemon on the worker and load the filters into it."""
-        message = OpenJob(job_id=self.job_id, filters=dict(filters), threads=self.threads)
+        message = OpenJob(
+            job_id=self.job_id,
+            filters=dict(filters),
+            threads=self.threads,
+            peer_secret=self.peer_secret,
+        )
         await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))
 
     supports_peer_links = True
@@ -105,9 +113,11 @@ class TransportContext(StrategyContext):
         reply = await self._request(worker_idx, message, request.cmd)
         return reply.result
 
-    async def links(self, worker_idx: int, peers: Sequence[int]) -> dict[str, Any]:
-        addresses = {self.records[i].id: self.records[i].peer_address for i in peers}
-        reply = await self._request(worker_idx, Links(job_id=self.job_id, peers=addresses), "links")
+    async def links(self, worker_idx: int, expects: Mapping[int, str]) -> dict[str, Any]:
+        addresses = {self.records[i].id: self.records[i].peer_address for i in expects}
+        prefixes = {self.records[i].id: prefix for i, prefix in expects.items()}
+        message = Links(job_id=self.job_id, peers=addresses, expects=prefixes)
+        reply = await self._request(worker_idx, message, "links")
         return dict(reply.result)
 
     async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109

@@ -411,25 +411,50 @@ class Coordinator:
             self.registry.heartbeat(record)
             return None
         if message.kind == "deliver":
-            await self._relay(record, message)
-            return None
+            return await self._relay(record, message)
         raise RequestRefused.of(
             ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a worker"
         )
 
-    async def _relay(self, sender: WorkerRecord, message: Deliver) -> None:
-        """Forward a tensor between two workers with no direct link: the payload stays an opaque
-        frame (its tensors are not decoded here)."""
+    async def _relay(self, sender: WorkerRecord, message: Deliver) -> Ack:
+        """Forward a tensor between two workers of the same job with no direct link: the payload
+        stays an opaque frame (its tensors are not decoded here), and the receiver learns who
+        sent it from the connection it came on, not from the message.
+
+        Raises:
+            RequestRefused: the sender is not on that job, the target is not a connected worker
+                of it, or the target refused it or did not answer within ``RELAY_TIMEOUT``.
+        """
+        job_id = message.job_id
+        if sender.job_id != job_id:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"worker {sender.id} is not on job {job_id!r}: nothing is relayed for it",
+            )
         target = self.registry.get(message.to)
-        if target is None or target.channel is None:
-            log.warning("relay from %s: no connected worker %r", sender.id, message.to)
-            return
+        if target is None or target.job_id != job_id or target.channel is None:
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST,
+                f"relay for job {job_id!r}: worker {message.to!r} is not a connected worker "
+                "of the job",
+                job_id=job_id,
+                to=message.to,
+            )
+        forwarded = message.model_copy(update={"sender": sender.id})
         try:
-            await target.channel.request(message, RELAY_TIMEOUT)  # request() gives it a new id
-        except (RemoteError, ChannelClosed, TimeoutError) as exc:
-            log.warning("relay %s -> %s (%s) failed: %s", sender.id, message.to, message.key, exc)
-            return
+            await target.channel.request(forwarded, RELAY_TIMEOUT)  # request() gives it a new id
+        except RemoteError as exc:
+            raise RequestRefused(exc.info) from None
+        except (ChannelClosed, TimeoutError) as exc:
+            why = "its connection closed" if isinstance(exc, ChannelClosed) else "no answer"
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST,
+                f"relay of {message.key!r} to worker {message.to} for job {job_id!r} failed: {why}",
+                job_id=job_id,
+                to=message.to,
+            ) from None
         self.metrics.relayed += len(message.payload)
+        return Ack()
 
     async def _serve_client(self, channel: Channel, hello: ClientHello) -> None:
         channel.name = f"client {hello.name or channel.name}"

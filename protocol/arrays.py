@@ -76,8 +76,14 @@ def preview(value: Any, limit: int = 60) -> str:
 
 
 def loaded_torch() -> ModuleType | None:
-    """torch if this process imported it (no value can hold a tensor otherwise), else ``None``."""
-    return sys.modules.get("torch")
+    """torch if this process imported it (no value can hold a tensor otherwise), else ``None``.
+
+    A torch still being imported (by another thread: the coordinator imports it off its event
+    loop when a job starts) is in ``sys.modules`` before it has ``Tensor``; no value can hold
+    a tensor yet then either, so it counts as not imported.
+    """
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "Tensor") else None
 
 
 @functools.cache

@@ -153,6 +153,9 @@ class OpenJob(_Message):
     job_id: str
     filters: dict[str, StrictBytes]
     threads: int | None = None
+    peer_secret: str | None = None
+    """The job's peer-link secret, the same for all its workers: a peer link for the job is
+    accepted only from a worker that presents it (``None``: none is)."""
 
 
 class PeerRoute(BaseModel):
@@ -192,11 +195,17 @@ class Call(_Message):
 
 class Links(_Message):
     """The peers a worker exchanges tensors with for ``job_id``: worker id → its peer address
-    (``ws://HOST:PORT``), or ``None`` when it has none (then the coordinator relays)."""
+    (``ws://HOST:PORT``), or ``None`` when it has none (then the coordinator relays).
+
+    ``expects`` says what each peer may deliver here: worker id → the prefix of the mailbox
+    keys it sends (``"act/"`` from the stage before, ``"grad/"`` from the one after). A delivery
+    from any other worker, or to any other key, is refused.
+    """
 
     kind: Literal["links"] = "links"
     job_id: str
     peers: dict[str, str | None]
+    expects: dict[str, str] = Field(default_factory=dict)
 
 
 class Deliver(_Message):
@@ -208,13 +217,20 @@ class Deliver(_Message):
     to: str
     key: str
     payload: StrictBytes
+    sender: str | None = None
+    """Who sent it, as the receiver knows: set by the coordinator when it relays (from the
+    connection it came on) and by the receiving agent on a direct link (from the hello)."""
 
 
 class PeerHello(_Message):
-    """First message on a peer link: which worker dials, for which job."""
+    """First message on a peer link: which worker dials, for which job, and the job's peer
+    secret (:attr:`OpenJob.peer_secret`), which the receiver checks in constant time. A link
+    serves that one job."""
 
     kind: Literal["peer_hello"] = "peer_hello"
     worker_id: str
+    job_id: str
+    secret: str
 
 
 class Probe(_Message):

@@ -147,6 +147,7 @@ class Agent:
             lambda: self._worker_id,
             open_timeout=min(config.open_timeout, 3.0),
             max_message_bytes=config.max_message_bytes,
+            tls=self._ssl,
         )
         self._jobs = JobHandlers(
             config,
@@ -156,7 +157,9 @@ class Agent:
             worker_id=lambda: self._worker_id,
             coordinator=lambda: self._channel,
         )
-        self._peer_server = PeerServer(config, self._jobs.put) if config.peer_listen else None
+        self._peer_server = None
+        if config.peer_listen:
+            self._peer_server = PeerServer(config, self._jobs.admit_peer, self._jobs.put)
         self._handlers: dict[str, Handler] = {
             "open_job": self._jobs.open_job,
             "call": self._jobs.call,

@@ -32,6 +32,7 @@ import sys
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
+from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
 from worker.datasets import parse_data_option
@@ -83,7 +84,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ca-file",
         metavar="FILE",
-        help="certificate(s) to trust for a wss:// coordinator (default: the system's)",
+        help="certificate(s) to trust for a wss:// coordinator, and for peers that serve "
+        "wss:// (default: the system's)",
+    )
+    parser.add_argument(
+        "--peer-tls-cert",
+        metavar="FILE",
+        help="certificate chain (PEM) to serve --peer-listen as wss:// with; without it peer "
+        "links are authenticated (a per-job secret) but not encrypted",
+    )
+    parser.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass the agent's environment variable NAME on to the filter daemons (repeatable); "
+        "they get only an allow-list otherwise (locale, PATH, CUDA, NCCL/gloo, torch, BLAS), "
+        "never a token",
+    )
+    parser.add_argument(
+        "--peer-tls-key",
+        metavar="FILE",
+        help="the private key (PEM) of --peer-tls-cert",
     )
     parser.add_argument(
         "--peer-advertise",
@@ -129,12 +151,13 @@ def _token(parser: argparse.ArgumentParser, token_file: str | None) -> str | Non
         return os.environ.get(TOKEN_ENV) or None
     try:
         with open(token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+            mode, text = os.fstat(f.fileno()).st_mode, f.read()
     except OSError as exc:
         parser.error(f"cannot read the token file: {exc}")
-    if not token:
-        parser.error(f"the token file {token_file} is empty")
-    return token
+    problem = token_file_problem(token_file, mode, text)
+    if problem is not None:
+        parser.error(problem)
+    return text.strip()
 
 
 def _on_signal(agent: Agent, sig: signal.Signals) -> None:
@@ -189,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
             peer_listen=args.peer_listen,
             peer_advertise=args.peer_advertise,
             ca_file=args.ca_file,
+            peer_tls_cert=args.peer_tls_cert,
+            peer_tls_key=args.peer_tls_key,
+            daemon_env=args.daemon_env,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
             device=args.device,

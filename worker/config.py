@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.messages import Capabilities
+from worker.daemon_env import refused_names
 from worker.devices import resolve_device
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
@@ -54,8 +55,14 @@ class AgentConfig:
             the machine's reachable address to span machines. ``None``: no direct links; every
             tensor for this worker is relayed by the coordinator.
         peer_advertise: the ``HOST:PORT`` other workers dial instead (behind NAT, in Docker).
-        ca_file: for ``wss://``, the certificate(s) to trust (a coordinator's own CA); ``None``:
-            the system's.
+        ca_file: for ``wss://``, the certificate(s) to trust (a coordinator's own CA, and the
+            peers' when they serve TLS); ``None``: the system's.
+        peer_tls_cert: with ``peer_tls_key``, the certificate chain (PEM) ``/peer`` serves
+            ``wss://`` with; the hello then announces ``wss://HOST:PORT``. ``None``: peer links
+            run in clear (authenticated by the job's peer secret, not encrypted).
+        peer_tls_key: the private key of ``peer_tls_cert`` (PEM).
+        daemon_env: names of more variables of the agent's environment its daemons get
+            (``--daemon-env``), beyond :mod:`worker.daemon_env`'s allow-list; the tokens never.
         max_message_bytes: largest message accepted from the coordinator or a peer.
         max_inflight: requests handled at once per connection.
         device: where the daemons train: ``auto`` (the first CUDA device, else ``cpu``),
@@ -88,6 +95,9 @@ class AgentConfig:
     peer_listen: str | None = None
     peer_advertise: str | None = None
     ca_file: str | None = None
+    peer_tls_cert: str | None = None
+    peer_tls_key: str | None = None
+    daemon_env: Sequence[str] = ()
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"
@@ -99,6 +109,10 @@ class AgentConfig:
             raise ValueError("max_message_bytes and max_inflight must be positive")
         if self.peer_listen is not None:
             split_host_port(self.peer_listen)
+        if (self.peer_tls_cert is None) != (self.peer_tls_key is None):
+            raise ValueError("peer TLS needs both a certificate and its key")
+        if refused := refused_names(self.daemon_env):
+            raise ValueError(f"no filter daemon is given {', '.join(refused)}: it holds a token")
 
     @property
     def endpoint(self) -> str:

@@ -79,6 +79,10 @@ class MailboxFull(PipelineError):
     """A delivery refused: the mailbox already holds its limit of untaken ones."""
 
 
+class DeliveredTwice(PipelineError):
+    """A delivery refused: its key holds a delivery nobody took yet (it is never replaced)."""
+
+
 class OutOfOrder(PipelineError):
     """A sequenced call cannot run: an earlier one failed, or its turn did not come in time."""
 

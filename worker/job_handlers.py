@@ -14,6 +14,7 @@ and ``job_id``. A job's mailbox entries go with the job.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,10 +23,20 @@ from typing import Any
 from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.daemon import LoadRequest
-from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
-from protocol.messages import Ack, Call, CloseJob, Deliver, Links, OpenJob, Probe, Result
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
+from protocol.messages import (
+    Ack,
+    Call,
+    CloseJob,
+    Deliver,
+    Links,
+    OpenJob,
+    PeerHello,
+    Probe,
+    Result,
+)
 from worker.config import AgentConfig
-from worker.errors import DaemonError, MailboxDropped, MailboxFull, OutOfOrder
+from worker.errors import DaemonError, DeliveredTwice, MailboxDropped, MailboxFull, OutOfOrder
 from worker.lifecycle import Lifecycle
 from worker.peer import CallOrder, Mailbox, PeerLinks
 from worker.spare import DaemonPool
@@ -35,6 +46,10 @@ from worker.tasks import cancelling, owned_task
 __all__ = ["JobHandlers"]
 
 log = logging.getLogger(__name__)
+
+RELAY_TIMEOUT = 75.0
+"""Seconds a relayed delivery may take: the coordinator's own bound for the receiver (60 s),
+and the way there and back."""
 
 
 @dataclass(eq=False)
@@ -46,6 +61,8 @@ class _Job:
     opening: asyncio.Task[None] | None = None
     calls: set[asyncio.Task[Any]] = field(default_factory=set)
     order: CallOrder = field(default_factory=CallOrder)  # its sequenced calls (Call.seq)
+    peer_secret: str | None = None  # what its peers present on a peer link (OpenJob)
+    expects: dict[str, str] = field(default_factory=dict)  # peer id → key prefix (Links)
 
 
 class JobHandlers:
@@ -92,7 +109,7 @@ class JobHandlers:
         if supervisor is None:
             supervisor = self._pool.new(message.threads)
         self._pool.prewarm()
-        job = _Job(message.job_id, supervisor)
+        job = _Job(message.job_id, supervisor, peer_secret=message.peer_secret)
         job.opening = owned_task(self._open(job, message.filters, start=fresh))
         self.jobs[job.job_id] = job
         try:
@@ -141,6 +158,7 @@ class JobHandlers:
 
     async def _close_job(self, job: _Job) -> None:
         self.mailbox.drop(job.job_id)
+        await self._links.drop_job(job.job_id)
         for task in list(job.calls):
             task.cancel()  # the supervisor kills a daemon whose request is cancelled
         opening = job.opening
@@ -229,49 +247,98 @@ class JobHandlers:
 
     async def _deliver_output(self, job: _Job, to: str, key: str, result: Any) -> Result:
         """Send a call's result to worker ``to``'s mailbox: directly, else through the
-        coordinator (which relays it)."""
+        coordinator (which relays it). The call fails at once when it cannot be delivered."""
         payload = encode_frame(result)
         deliver = Deliver(job_id=job.job_id, to=to, key=key, payload=payload)
-        if not await self._links.send(to, deliver):
-            channel = self._coordinator()
-            if channel is None:
-                raise RequestRefused(
-                    self._job_info(job, ErrorCode.WORKER_LOST, f"unable to deliver {key!r}")
-                )
-            await channel.send(deliver.model_copy(update={"id": channel.next_id()}))
+        try:
+            if not await self._links.send(to, deliver):
+                channel = self._coordinator()
+                if channel is None:
+                    raise ChannelClosed("not connected to the coordinator")
+                await channel.request(deliver, RELAY_TIMEOUT)
+        except RemoteError as exc:
+            info = exc.info
+            raise RequestRefused(
+                self._job_info(job, info.code, f"refused {key!r} by {to}: {info.message}")
+            ) from None
+        except (ChannelClosed, TimeoutError) as exc:
+            raise RequestRefused(
+                self._job_info(job, ErrorCode.WORKER_LOST, f"unable to deliver {key!r}: {exc}")
+            ) from None
         return Result(result={"delivered": len(payload)})
 
     # -- pipeline links and deliveries --------------------------------------------------------
 
     async def links(self, message: Links) -> Result:
-        """Open direct links to the job's peers that have an address; say which work."""
+        """Open direct links to the job's peers that have an address; say which work. What
+        each peer may deliver here is ``message.expects``."""
+        job = self.jobs.get(message.job_id)
+        if job is None:
+            raise RequestRefused(self._unknown_job(message.job_id))
+        job.expects = dict(message.expects)
         direct: list[str] = []
         relay: list[str] = []
+        secret = job.peer_secret
         for worker_id, address in message.peers.items():
-            if address is not None and await self._links.connect(worker_id, address):
+            if (
+                address is not None
+                and secret is not None
+                and await self._links.connect(job.job_id, secret, worker_id, address)
+            ):
                 direct.append(worker_id)
             else:
                 relay.append(worker_id)
         log.info("job %s: direct links %s, relayed %s", message.job_id, direct, relay)
         return Result(result={"direct": direct, "relay": relay})
 
+    def admit_peer(self, hello: PeerHello) -> None:
+        """Whether a peer link may open: ``hello`` names a job open here and presents its peer
+        secret (compared in constant time; a job unknown here is refused the same way).
+
+        Raises:
+            RequestRefused: ``unauthorized``, naming only the job the hello named.
+        """
+        job = self.jobs.get(hello.job_id)
+        expected = "" if job is None or job.peer_secret is None else job.peer_secret
+        matches = hmac.compare_digest(hello.secret.encode(), expected.encode())
+        if not (matches and expected):
+            raise RequestRefused.of(
+                ErrorCode.UNAUTHORIZED,
+                f"worker {self._worker_id()}: peer link from {hello.worker_id!r} refused: no "
+                f"open job {hello.job_id!r} with that secret here",
+            )
+
     async def deliver(self, message: Deliver) -> Ack:
-        """A tensor relayed by the coordinator: into the mailbox."""
+        """A tensor relayed by the coordinator (which set its ``sender``): into the mailbox."""
         return self.put(message)
 
     def put(self, message: Deliver) -> Ack:
-        """Into the mailbox, if its job is open here: a delivery for another job (unknown, or
-        closed already) would sit there forever.
+        """Into the mailbox, if it is for this worker, its job is open here and expects that key
+        from its sender (a delivery for another job would sit there forever).
 
         Raises:
-            RequestRefused: the job is not open here, or the mailbox is full.
+            RequestRefused: the job is not open here, the key is not one the sender delivers,
+                it was delivered already, or the mailbox is full.
         """
-        if message.job_id not in self.jobs:
+        job = self.jobs.get(message.job_id)
+        if job is None:
             raise RequestRefused(self._unknown_job(message.job_id))
+        me = self._worker_id()
+        prefix = job.expects.get(message.sender or "")
+        if message.to != me or prefix is None or not message.key.startswith(prefix):
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"job {job.job_id!r} on worker {me} takes no {message.key!r} for worker "
+                f"{message.to!r} from {message.sender!r}",
+                job_id=job.job_id,
+                key=message.key,
+            )
         try:
             self.mailbox.put(message.job_id, message.key, message.payload)
         except MailboxFull as exc:
             raise RequestRefused(ErrorInfo(code=ErrorCode.BUSY, message=str(exc))) from exc
+        except DeliveredTwice as exc:
+            raise RequestRefused(ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))) from exc
         return Ack()
 
     # -- the spare daemon ---------------------------------------------------------------------
@@ -302,12 +369,12 @@ class JobHandlers:
             )
 
     def _unknown_job(self, job_id: str) -> ErrorInfo:
-        open_jobs = sorted(self.jobs)
+        """The refusal of a request for a job not open here: it names no other job."""
         worker_id = self._worker_id()
         return ErrorInfo(
             code=ErrorCode.UNKNOWN_JOB,
-            message=f"worker {worker_id} has no open job {job_id!r} (open: {open_jobs})",
-            detail={"worker_id": worker_id, "job_id": job_id, "open_jobs": open_jobs},
+            message=f"worker {worker_id} has no open job {job_id!r}",
+            detail={"worker_id": worker_id, "job_id": job_id},
         )
 
     def _job_info(self, job: _Job, code: ErrorCode, what: str, **detail: Any) -> ErrorInfo:

@@ -18,20 +18,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from websockets.asyncio.client import connect
 
 from protocol.asyncio.channel import DEFAULT_MAX_MESSAGE_BYTES, Channel
-from protocol.asyncio.websocket import ws_options
-from protocol.errors import ProtocolError
+from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.errors import ProtocolError, RemoteError
 from protocol.handshake import expect_reply
 from protocol.messages import Ack, Deliver, PeerHello
-from worker.errors import MailboxDropped, MailboxFull, OutOfOrder
+from worker.errors import DeliveredTwice, MailboxDropped, MailboxFull, OutOfOrder
 
 __all__ = [
     "MAILBOX_ENTRIES",
+    "MAILBOX_JOB_ENTRIES",
     "CallOrder",
+    "DeliveredTwice",
     "Mailbox",
     "MailboxDropped",
     "MailboxFull",
@@ -43,8 +47,11 @@ log = logging.getLogger(__name__)
 
 
 MAILBOX_ENTRIES = 4096
-"""Deliveries a mailbox holds untaken, all jobs together (a pipeline holds a few per
-micro-batch); one more is refused rather than held."""
+"""Deliveries a mailbox holds untaken, all jobs together; one more is refused rather than
+held."""
+MAILBOX_JOB_ENTRIES = 1024
+"""Of those, what one job may hold (a pipeline holds a few per micro-batch): a job that fills
+its share leaves the others theirs."""
 
 
 class Mailbox:
@@ -54,9 +61,13 @@ class Mailbox:
     ``call`` with ``input_from`` waits on.
     """
 
-    def __init__(self, max_entries: int = MAILBOX_ENTRIES) -> None:
+    def __init__(
+        self, max_entries: int = MAILBOX_ENTRIES, max_job_entries: int = MAILBOX_JOB_ENTRIES
+    ) -> None:
         self.max_entries = max_entries
+        self.max_job_entries = max_job_entries
         self._slots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
+        self._per_job: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -66,24 +77,38 @@ class Mailbox:
         if slot is None:
             slot = asyncio.get_running_loop().create_future()
             self._slots[(job_id, key)] = slot
+            self._per_job[job_id] += 1
+        return slot
+
+    def _forget(self, job_id: str, key: str) -> asyncio.Future[bytes]:
+        slot = self._slots.pop((job_id, key))
+        self._per_job[job_id] -= 1
+        if not self._per_job[job_id]:
+            del self._per_job[job_id]
         return slot
 
     def put(self, job_id: str, key: str, payload: bytes) -> None:
-        """Deliver ``payload`` to ``key`` (a second delivery not yet taken replaces the first).
+        """Deliver ``payload`` to ``key``.
 
         Raises:
-            MailboxFull: ``key`` is new and ``max_entries`` are held already.
+            MailboxFull: ``key`` is new and ``max_entries`` are held already, or
+                ``max_job_entries`` of ``job_id``.
+            DeliveredTwice: ``key`` holds a delivery not yet taken (it is not replaced).
         """
-        if (job_id, key) not in self._slots and len(self._slots) >= self.max_entries:
-            raise MailboxFull(
-                f"the mailbox holds {len(self._slots)} deliveries nobody took (the limit is "
-                f"{self.max_entries}); {key!r} of job {job_id!r} refused"
-            )
+        if (job_id, key) not in self._slots:
+            held, of_job = len(self._slots), self._per_job[job_id]
+            if held >= self.max_entries or of_job >= self.max_job_entries:
+                raise MailboxFull(
+                    f"the mailbox holds {of_job} deliveries of job {job_id!r} nobody took "
+                    f"({held} in all; the limits are {self.max_job_entries} a job, "
+                    f"{self.max_entries} in all): {key!r} refused"
+                )
         slot = self._slot(job_id, key)
         if slot.done():
-            log.warning("job %s: key %r delivered again before it was taken", job_id, key)
-            slot = asyncio.get_running_loop().create_future()
-            self._slots[(job_id, key)] = slot
+            raise DeliveredTwice(
+                f"job {job_id!r}: {key!r} was delivered already and not yet taken: the second "
+                "delivery is refused"
+            )
         slot.set_result(payload)
 
     async def take(self, job_id: str, key: str, timeout: float | None) -> bytes:  # noqa: ASYNC109
@@ -98,19 +123,20 @@ class Mailbox:
             # Shielded: a timed-out or cancelled waiter must not cancel the slot itself.
             payload = await asyncio.shield(slot)
         if self._slots.get((job_id, key)) is slot:
-            del self._slots[(job_id, key)]
+            self._forget(job_id, key)
         return payload
 
     def drop(self, job_id: str) -> None:
         """Forget ``job_id``'s entries; its waiters fail with :class:`MailboxDropped`."""
         for slot_key in [k for k in self._slots if k[0] == job_id]:
-            self._fail(self._slots.pop(slot_key), f"job {job_id!r}: mailbox dropped")
+            self._fail(self._forget(*slot_key), f"job {job_id!r}: mailbox dropped")
 
     def clear(self) -> None:
         """Forget every job's entries (the agent's connection went)."""
         for slot in self._slots.values():
             self._fail(slot, "mailbox cleared")
         self._slots.clear()
+        self._per_job.clear()
 
     @staticmethod
     def _fail(slot: asyncio.Future[bytes], why: str) -> None:
@@ -168,7 +194,10 @@ class CallOrder:
 
 
 class PeerLinks:
-    """This agent's outgoing links to other workers, by worker id.
+    """This agent's outgoing links to other workers, one per job and worker.
+
+    A link serves one job: its hello names the job and presents the job's peer secret, and
+    the receiver takes only that job's deliveries on it.
 
     Args:
         own_id: this worker's id, for the ``PeerHello`` (read at each connect: the coordinator
@@ -176,6 +205,7 @@ class PeerLinks:
         open_timeout: seconds for the TCP connect, the upgrade and the hello's ``Ack``.
         send_timeout: seconds a ``Deliver`` may take to be acknowledged.
         max_message_bytes: largest message accepted from a peer.
+        tls: the TLS context to dial ``wss://`` peers with (trusting ``--ca-file``).
     """
 
     def __init__(
@@ -184,41 +214,44 @@ class PeerLinks:
         open_timeout: float = 3.0,
         send_timeout: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._own_id = own_id
         self.open_timeout = open_timeout
         self.send_timeout = send_timeout
         self.max_message_bytes = max_message_bytes
-        self._links: dict[str, tuple[Channel, asyncio.Task[None]]] = {}
+        self.tls = tls
+        self._links: dict[tuple[str, str], tuple[Channel, asyncio.Task[None]]] = {}
 
-    def linked(self, worker_id: str) -> bool:
-        """Whether a live link to ``worker_id`` exists."""
-        link = self._links.get(worker_id)
+    def linked(self, job_id: str, worker_id: str) -> bool:
+        """Whether a live link to ``worker_id`` for ``job_id`` exists."""
+        link = self._links.get((job_id, worker_id))
         return link is not None and not link[0].closed.is_set()
 
-    async def connect(self, worker_id: str, address: str) -> bool:
-        """Open (or keep) a link to ``worker_id`` at ``address`` (``ws://HOST:PORT``).
+    async def connect(self, job_id: str, secret: str, worker_id: str, address: str) -> bool:
+        """Open (or keep) a link to ``worker_id`` at ``address`` (``ws://`` or ``wss://``
+        ``HOST:PORT``) for ``job_id``, presenting the job's peer ``secret``.
 
         Returns ``False``, never raises, when the peer cannot be reached or refuses the hello
         within ``open_timeout``.
         """
-        if self.linked(worker_id):
+        if self.linked(job_id, worker_id):
             return True
-        await self.drop(worker_id)
+        await self.drop(job_id, worker_id)
         url = address.rstrip("/") + "/peer"
         channel: Channel | None = None
         reader: asyncio.Task[None] | None = None
+        hello = PeerHello(worker_id=self._own_id() or "", job_id=job_id, secret=secret)
         try:
             async with asyncio.timeout(self.open_timeout):
                 ws = await connect(
                     url,
+                    **client_tls(url, self.tls),
                     **ws_options(open_timeout=self.open_timeout, close_timeout=self.open_timeout),
                 )
                 channel = Channel(ws, f"peer {worker_id}", None, self.max_message_bytes)
                 reader = asyncio.ensure_future(channel.run())
-                reply = await channel.request(
-                    PeerHello(worker_id=self._own_id() or ""), self.open_timeout
-                )
+                reply = await channel.request(hello, self.open_timeout)
             expect_reply(reply, Ack)
         except Exception as exc:  # unreachable, refused, not a peer: no link, never a raise
             log.info("no direct link to worker %s at %s: %s", worker_id, url, exc)
@@ -229,27 +262,34 @@ class PeerLinks:
                 await asyncio.wait({reader})
             return False
         assert reader is not None
-        self._links[worker_id] = (channel, reader)
-        log.info("direct link to worker %s at %s", worker_id, url)
+        self._links[(job_id, worker_id)] = (channel, reader)
+        log.info("job %s: direct link to worker %s at %s", job_id, worker_id, url)
         return True
 
     async def send(self, worker_id: str, message: Deliver) -> bool:
-        """Send ``message`` over the link to ``worker_id``; ``False`` when there is no live link
-        or the peer did not acknowledge it (the caller then relays through the coordinator)."""
-        if not self.linked(worker_id):
+        """Send ``message`` over the link to ``worker_id`` for its job; ``False`` when there is
+        no live link (the caller then relays through the coordinator).
+
+        Raises:
+            RemoteError: the peer refused it (a key it does not expect, one delivered twice):
+                relaying it would be refused the same way.
+        """
+        if not self.linked(message.job_id, worker_id):
             return False
-        channel = self._links[worker_id][0]
+        channel = self._links[(message.job_id, worker_id)][0]
         try:
             reply = await channel.request(message, self.send_timeout)
+        except RemoteError:
+            raise
         except (ProtocolError, TimeoutError) as exc:
             log.warning("direct delivery to worker %s failed: %s", worker_id, exc)
-            await self.drop(worker_id)
+            await self.drop(message.job_id, worker_id)
             return False
         return isinstance(reply, Ack)
 
-    async def drop(self, worker_id: str) -> None:
-        """Close the link to ``worker_id``, if any."""
-        link = self._links.pop(worker_id, None)
+    async def drop(self, job_id: str, worker_id: str) -> None:
+        """Close the link to ``worker_id`` for ``job_id``, if any."""
+        link = self._links.pop((job_id, worker_id), None)
         if link is None:
             return
         channel, reader = link
@@ -258,7 +298,12 @@ class PeerLinks:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait({reader})
 
+    async def drop_job(self, job_id: str) -> None:
+        """Close every link of ``job_id`` (the job closed here)."""
+        for key in [k for k in self._links if k[0] == job_id]:
+            await self.drop(*key)
+
     async def close(self) -> None:
         """Close every link."""
-        for worker_id in list(self._links):
-            await self.drop(worker_id)
+        for key in list(self._links):
+            await self.drop(*key)

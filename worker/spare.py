@@ -55,6 +55,7 @@ class DaemonPool:
             env=dataset_environment(config.datasets),
             default_timeout=config.startup_timeout,
             device=config.device,
+            passed_env=config.daemon_env,
         )
         self._daemons.add(supervisor)
         return supervisor

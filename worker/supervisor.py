@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -47,6 +47,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, FrameError, RequestRefused
 from worker.commands import parse_command
+from worker.daemon_env import daemon_environment
 from worker.daemon_process import (
     REAP_SECONDS,
     DaemonProcess,
@@ -80,7 +81,9 @@ class DaemonSupervisor:
     Args:
         python: the interpreter that runs the daemon (a job's own venv, for instance).
         threads: torch threads of the daemon, its share of the machine (default: all cores).
-        env: variables added to the inherited environment of the daemon.
+        env: what the agent sets for the daemon (its datasets), over what it inherits: only
+            the allow-list of :mod:`worker.daemon_env` (never a token) and ``passed_env``.
+        passed_env: more variables of the agent's environment to pass on (``--daemon-env``).
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
         device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
             ``"cuda:N"`` or ``"mps"``.
@@ -95,11 +98,13 @@ class DaemonSupervisor:
         env: Mapping[str, str] | None = None,
         default_timeout: float = 60.0,
         device: str = "cpu",
+        passed_env: Sequence[str] = (),
     ) -> None:
         self.python = python
         self.device = device
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.env = dict(env or {})
+        self.passed_env = tuple(passed_env)
         self.default_timeout = default_timeout
         self._child: DaemonProcess | None = None
         self._lock = asyncio.Lock()
@@ -345,7 +350,7 @@ class DaemonSupervisor:
         if shared is not None:
             fds = (shared[0].fd, shared[1].fd)
             argv += ["--shared", f"{fds[0]},{fds[1]}"]
-        env = {**os.environ, **self.env}
+        env = daemon_environment(os.environ, self.passed_env, self.env)
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if _SOURCE_ROOT not in paths:
             env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])

@@ -43,6 +43,7 @@ from coordinator.strategies.pipeline import (
     PipelinePosition,
     ThroughStrategy,
     WorkerToWorker,
+    expects,
     run_schedule,
 )
 from coordinator.strategies.pipeline_torch import TorchPipeline, choose_transport
@@ -212,12 +213,10 @@ class ModelParallel(Strategy):
             return await _read_back(ctx, guard, stages)
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
-            # Neighbours dial each other; without a peer address the coordinator relays.
-            neighbours = [[p for p in (s - 1, s + 1) if p in pipeline] for s in pipeline]
+            # Neighbours dial each other; without a peer address the coordinator relays. A
+            # stage takes activations from the one before it and gradients from the one after.
             routes = await guard(
-                concurrently(
-                    *(ctx.links(s, near) for s, near in zip(pipeline, neighbours, strict=True))
-                )
+                concurrently(*(ctx.links(s, expects(pipeline, k)) for k, s in enumerate(pipeline)))
             )
             direct = sorted({w for r in routes for w in r.get("direct", [])})
             relayed = sorted({w for r in routes for w in r.get("relay", [])})

@@ -27,6 +27,23 @@ from protocol.daemon import StageBackwardRequest, StageForwardRequest
 
 STAGED = "train"
 """The name the first stage's input rows are staged under in its daemon."""
+ACTIVATIONS = "act/"
+"""The mailbox keys of activations, ``act/<global batch>/<micro-batch>``: from a stage to the
+next."""
+GRADIENTS = "grad/"
+"""The mailbox keys of activation gradients, ``grad/<global batch>/<micro-batch>``: from a
+stage to the one before."""
+
+
+def expects(pipeline: list[int], k: int) -> dict[int, str]:
+    """What stage ``k`` of ``pipeline`` (worker indices) takes from its neighbours: worker
+    index → the prefix of the keys it delivers (for :meth:`StrategyContext.links`)."""
+    taken = {}
+    if k > 0:
+        taken[pipeline[k - 1]] = ACTIVATIONS
+    if k < len(pipeline) - 1:
+        taken[pipeline[k + 1]] = GRADIENTS
+    return taken
 
 
 @dataclass
@@ -127,7 +144,7 @@ class WorkerToWorker:
         return self.position.next_seq(self.batch.pipeline[k])
 
     async def forward(self, k: int, m: int, seq: int | None = None) -> Any:
-        pipeline, key = self.batch.pipeline, f"act/{self.batch.index}/{m}"
+        pipeline, key = self.batch.pipeline, f"{ACTIVATIONS}{self.batch.index}/{m}"
         source = None if k == 0 else key
         target = None if k == len(pipeline) - 1 else (pipeline[k + 1], key)
         request = self.batch.forward_request(k, m)
@@ -136,7 +153,7 @@ class WorkerToWorker:
         )
 
     async def backward(self, k: int, m: int, seq: int | None = None) -> None:
-        pipeline, key = self.batch.pipeline, f"grad/{self.batch.index}/{m}"
+        pipeline, key = self.batch.pipeline, f"{GRADIENTS}{self.batch.index}/{m}"
         source = None if k == len(pipeline) - 1 else key
         target = None if k == 0 else (pipeline[k - 1], key)
         request = StageBackwardRequest(micro=m)

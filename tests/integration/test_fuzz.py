@@ -4,7 +4,9 @@ Hypothesis builds WebSocket messages — random bytes; valid frames of every mes
 are or mutated (bit flips, truncation, the header's JSON replaced, fields of the wrong type,
 huge declared lengths); bogus and partial chunk streams; unknown kinds; text messages; one
 message over the WebSocket limit — and sends them to a real coordinator's ``/client`` and
-``/worker`` and to a real agent's ``/peer``, each before and after a valid hello. After each
+``/worker`` and to a real agent's ``/peer``, each before and after a valid hello (``/peer``
+only before: its hello needs a job's peer secret, and what a link with one takes is
+:mod:`tests.worker.test_peer_auth`'s). After each
 example's messages a *sentinel* request goes down the same connection: its answer (or a clean
 close of the connection) must come within a bound, so a hang or a stuck reading loop fails the
 example. Every message that comes back must be a valid frame of the protocol, no error may be
@@ -229,7 +231,7 @@ def _message_strategies() -> list[st.SearchStrategy[BaseModel]]:
             key=texts,
             payload=st.binary(max_size=64),
         ),
-        st.builds(PeerHello, worker_id=texts),
+        st.builds(PeerHello, worker_id=texts, job_id=job_ids, secret=texts),
         st.builds(Probe),
         st.builds(CloseJob, job_id=job_ids),
         submits(),
@@ -377,7 +379,7 @@ payloads = st.lists(
     max_size=4,
 ).map(lambda groups: [p for group in groups for p in group])
 
-TARGETS = ["client", "worker", "peer", *(["client+hello", "worker+hello", "peer+hello"] * 2)]
+TARGETS = ["client", "worker", "peer", *(["client+hello", "worker+hello"] * 2)]
 
 
 # -- the fuzzer ---------------------------------------------------------------------------------
@@ -469,10 +471,8 @@ class Fuzzer:
         hello: BaseModel
         if path == "client":
             hello = ClientHello(id=1, name="fuzz")
-        elif path == "worker":
-            hello = WorkerHello(id=1, worker_id=f"fuzz-{self.hellos}", capabilities=_CAPS)
         else:
-            hello = PeerHello(id=1, worker_id="fuzz")
+            hello = WorkerHello(id=1, worker_id=f"fuzz-{self.hellos}", capabilities=_CAPS)
         await link.ws.send(_frame(hello))
         self.hellos += 1
         async with asyncio.timeout(BOUND):

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -267,24 +268,31 @@ def test_requests_beyond_max_inflight_are_busy_and_the_connection_stays_usable(u
 
 
 def test_heartbeats_are_never_busy_on_the_worker_path(url):
+    async def never_answer(message: Any) -> None:
+        await asyncio.Event().wait()  # the job's open_job, and every relay, stay unanswered
+
     async def main() -> None:
+        mute_hello = WorkerHello(worker_id="mute", tags=["hb"], capabilities=CAPS)
+        chatty_hello = WorkerHello(worker_id="chatty", tags=["hb"], capabilities=CAPS)
         async with (
-            _raw(url, "/worker", WorkerHello(worker_id="mute", capabilities=CAPS)) as _,
-            _raw(url, "/worker", WorkerHello(worker_id="chatty", capabilities=CAPS)) as (_, w),
+            _raw(url, "/worker", mute_hello) as (_, mute),
+            _raw(url, "/worker", chatty_hello) as (_, w),
         ):
-            reader = asyncio.ensure_future(w.run())
+            mute.handler = w.handler = never_answer
+            readers = [asyncio.ensure_future(c.run()) for c in (mute, w)]
+            # A job placed on both: the coordinator relays between them from then on.
+            job_id = await asyncio.to_thread(_placed_job, url, "hb")
             # Relays to a worker that never acknowledges stay in flight on chatty's connection.
             for n in range(INFLIGHT):
                 await w.send(
-                    Deliver(id=w.next_id(), job_id="j", to="mute", key=f"{n}", payload=b"")
+                    Deliver(id=w.next_id(), job_id=job_id, to="mute", key=f"{n}", payload=b"")
                 )
             busy = None
             async with asyncio.timeout(10 * UNIT):
                 while busy is None:
+                    more = Deliver(job_id=job_id, to="mute", key="more", payload=b"")
                     try:
-                        await w.request(
-                            Deliver(job_id="j", to="mute", key="more", payload=b""), 1 * UNIT
-                        )
+                        await w.request(more, 1 * UNIT)
                     except RemoteError as exc:
                         busy = exc
                     except TimeoutError:
@@ -297,10 +305,24 @@ def test_heartbeats_are_never_busy_on_the_worker_path(url):
                 while after >= before:
                     await asyncio.sleep(0.05)
                     after = await asyncio.to_thread(_heartbeat_age, url, "chatty")
-            await w.close()
-            await reader
+            await asyncio.to_thread(_cancel, url, job_id)
+            for channel in (mute, w):
+                await channel.close()
+            await asyncio.gather(*readers)
 
     asyncio.run(main())
+
+
+def _placed_job(url: str, tag: str) -> str:
+    """A DataParallel job on the two workers tagged ``tag``, once both are placed on it."""
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        model = torch.nn.Linear(2, 1)
+        graph = sz.Graph([sz.TorchFilter(model, loss="mse").named("f")])
+        job = client.submit(
+            graph, np.zeros((4, 2)), np.zeros((4, 1)), strategy=sz.DataParallel(2, tag=tag)
+        )
+        wait_for(lambda: len(job.status()["workers"] or []) == 2, 20 * UNIT, "the placement")
+        return str(job.id)
 
 
 async def _drain(stream: Any) -> str:

@@ -514,3 +514,14 @@ def test_small_plain_values_and_their_look_alikes_decode_exactly() -> None:
         else:
             with pytest.raises(FrameError, match="nested more than"):
                 decode(frame)
+
+
+def test_a_torch_still_being_imported_by_another_thread_does_not_break_encoding(monkeypatch):
+    # The coordinator imports torch off its event loop while the loop keeps encoding: for a
+    # moment sys.modules holds a torch without its attributes.
+    half_imported = type(sys)("torch")
+    monkeypatch.setitem(sys.modules, "torch", half_imported)
+    tree = {"error": {"detail": {"rows": np.arange(3), "scale": np.float32(0.5)}}}
+    back = decode(encode_frame(tree))
+    np.testing.assert_array_equal(back["error"]["detail"]["rows"], np.arange(3))
+    assert back["error"]["detail"]["scale"] == np.float32(0.5)

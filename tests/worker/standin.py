@@ -168,11 +168,16 @@ def drive(main: Callable[[], Awaitable[None]], seconds: float = 40) -> None:
         runner.run(bounded())
 
 
-async def open_job(channel: Channel, job_id: str, **filters: Any) -> None:
+PEER_SECRET = "the-job-peer-secret"
+"""The peer secret :func:`open_job` gives a job (as the coordinator gives each job its own)."""
+
+
+async def open_job(
+    channel: Channel, job_id: str, peer_secret: str | None = PEER_SECRET, **filters: Any
+) -> None:
     filters_bytes = {node_id: dump_filter(f) for node_id, f in filters.items()}
-    reply = await channel.request(
-        OpenJob(job_id=job_id, filters=filters_bytes, threads=1), timeout=30 * UNIT
-    )
+    message = OpenJob(job_id=job_id, filters=filters_bytes, threads=1, peer_secret=peer_secret)
+    reply = await channel.request(message, timeout=30 * UNIT)
     assert isinstance(reply, Ack)
 
 

@@ -115,7 +115,7 @@ def test_unknown_jobs_and_unknown_kinds_get_typed_errors():
             channel = await stand_in.next_channel()
             error = await call_error(channel, "nope", "ping")
             assert error.code == ErrorCode.UNKNOWN_JOB
-            assert error.detail == {"worker_id": "w-1", "job_id": "nope", "open_jobs": []}
+            assert error.detail == {"worker_id": "w-1", "job_id": "nope"}
             assert "nope" in error.message and "w-1" in error.message
 
             assert isinstance(await channel.request(CloseJob(job_id="nope"), 5 * UNIT), Ack)

@@ -26,7 +26,15 @@ from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Call, CloseJob, Deliver, PeerHello
 from protocol.parsing import encode_small
 from tests.utils import UNIT, Center
-from tests.worker.standin import StandIn, call_error, drive, no_process_left, open_job, running
+from tests.worker.standin import (
+    PEER_SECRET,
+    StandIn,
+    call_error,
+    drive,
+    no_process_left,
+    open_job,
+    running,
+)
 from tests.worker.test_peer import free_port
 
 pytestmark = pytest.mark.integration
@@ -105,13 +113,14 @@ def test_requests_beyond_max_inflight_on_the_agent_are_busy_until_one_ends():
 
 
 @contextlib.asynccontextmanager
-async def _peer_endpoint(stand_in: StandIn, **options: Any) -> AsyncIterator[str]:
-    """An agent serving ``/peer`` with ``options``; yields its ``ws://`` address."""
+async def _peer_endpoint(stand_in: StandIn, **options: Any) -> AsyncIterator[tuple[str, Channel]]:
+    """An agent serving ``/peer`` with ``options``; yields its ``ws://`` address and the
+    stand-in's channel to it."""
     listen = f"127.0.0.1:{free_port()}"
     async with running(stand_in, spare=False, peer_listen=listen, **options) as agent:
-        await stand_in.next_channel()
+        channel = await stand_in.next_channel()
         assert agent.peer_address is not None
-        yield agent.peer_address
+        yield agent.peer_address, channel
 
 
 async def _dropped_after(sock: socket.socket, seconds: float) -> float:
@@ -132,7 +141,7 @@ def test_a_peer_link_has_the_open_timeout_for_its_upgrade_and_for_its_hello():
     limit = 1.0 * UNIT
 
     async def main() -> None:
-        async with _peer_endpoint(stand_in, open_timeout=limit) as address:
+        async with _peer_endpoint(stand_in, open_timeout=limit) as (address, _):
             # Upgraded, never a hello: closed with the reason.
             ws = await websockets.connect(f"{address}/peer")
             started = time.monotonic()
@@ -154,24 +163,26 @@ def test_a_peer_link_has_the_open_timeout_for_its_upgrade_and_for_its_hello():
     drive(main)
 
 
-def test_a_peer_link_refuses_what_is_too_large_and_deliveries_for_jobs_not_open_here():
+def test_a_peer_link_refuses_what_is_too_large_and_deliveries_for_other_jobs():
     stand_in = StandIn()
 
     async def main() -> None:
-        async with _peer_endpoint(stand_in, max_message_bytes=LIMIT) as address:
+        async with _peer_endpoint(stand_in, max_message_bytes=LIMIT) as (address, coordinator):
+            await open_job(coordinator, "j", center=Center())
             ws = await websockets.connect(f"{address}/peer", compression=None, max_size=1 << 24)
             channel = Channel(ws, "raw peer")
             reader = asyncio.ensure_future(channel.run())
+            hello = PeerHello(worker_id="p", job_id="j", secret=PEER_SECRET)
             try:
-                assert isinstance(await channel.request(PeerHello(worker_id="p"), 10 * UNIT), Ack)
+                assert isinstance(await channel.request(hello, 10 * UNIT), Ack)
                 big = Deliver(job_id="j", to="x", key="k", payload=bytes(LIMIT))
                 with pytest.raises(RemoteError, match="exceeds the limit") as info:
                     await channel.request(big, timeout=30 * UNIT)
                 assert info.value.code == ErrorCode.TOO_LARGE
                 stray = Deliver(job_id="not-open", to="x", key="k", payload=b"1")
-                with pytest.raises(RemoteError, match="no open job 'not-open'") as info:
+                with pytest.raises(RemoteError, match="serves job 'j'") as info:
                     await channel.request(stray, timeout=10 * UNIT)
-                assert info.value.code == ErrorCode.UNKNOWN_JOB
+                assert info.value.code == ErrorCode.BAD_REQUEST
                 await ws.send(bytes(4 * CHUNK_BYTES + 1))
                 await asyncio.wait_for(reader, 10 * UNIT)
                 assert ws.close_code == 1009
@@ -179,7 +190,8 @@ def test_a_peer_link_refuses_what_is_too_large_and_deliveries_for_jobs_not_open_
                 await ws.close()
             # The endpoint still takes links.
             async with websockets.connect(f"{address}/peer") as again:
-                await again.send(encode_small(PeerHello(id=1, worker_id="q")))
+                again_hello = PeerHello(id=1, worker_id="q", job_id="j", secret=PEER_SECRET)
+                await again.send(encode_small(again_hello))
                 assert b'"ack"' in await asyncio.wait_for(again.recv(), 10 * UNIT)
 
     drive(main)

@@ -18,6 +18,7 @@ import torch
 
 from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorInfo, RequestRefused
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
 from tests.utils import UNIT, Center
 from tests.worker.standin import StandIn, drive, listening, no_process_left, open_job
@@ -29,17 +30,21 @@ __all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
 
 
 class RelayStandIn(StandIn):
-    """The stand-in, also taking the ``deliver`` messages agents send it to relay."""
+    """The stand-in, also taking the ``deliver`` messages agents send it to relay: each is
+    acknowledged (the test relays it itself), or refused with ``refuse``."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: ErrorInfo | None = None) -> None:
         super().__init__()
         self.delivers: asyncio.Queue[Deliver] = asyncio.Queue()
+        self.refuse_relay = refuse
 
-    async def on_message(self, message: Any) -> None:
+    async def on_message(self, message: Any) -> Any:
         if isinstance(message, Deliver):
             self.delivers.put_nowait(message)
-            return
-        await super().on_message(message)
+            if self.refuse_relay is not None:
+                raise RequestRefused(self.refuse_relay)
+            return Ack()
+        return await super().on_message(message)
 
 
 def free_port() -> int:
@@ -128,6 +133,7 @@ def test_a_stage_output_goes_to_the_next_worker_over_a_direct_link() -> None:
             await open_job(b, "j", center=Center())
             links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
             assert links.result == {"direct": ["B"], "relay": []}
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             y = await exchange(a, b, x, mean)
             # x - mean on A, then - (-mean) on B: x again, bit for bit through both hops.
             torch.testing.assert_close(y, (x - mean) + mean, rtol=0, atol=0)
@@ -146,13 +152,15 @@ def test_without_a_direct_link_the_coordinator_relays_the_output() -> None:
             await open_job(b, "j", center=Center())
             links = await request(a, Links(job_id="j", peers={"B": None, "C": "ws://127.0.0.1:1"}))
             assert links.result == {"direct": [], "relay": ["B", "C"]}
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             taking = asyncio.ensure_future(exchange(a, b, x, mean))
             async with asyncio.timeout(20 * UNIT):
                 deliver = await stand_in.delivers.get()
             assert deliver.kind == "deliver" and deliver.to == "B" and deliver.key == "k"
             torch.testing.assert_close(decode(bytearray(deliver.payload)), x - mean)
+            assert deliver.sender is None  # the coordinator sets it, from the connection
             relayed = await request(
-                b, Deliver(job_id="j", to="B", key="k", payload=deliver.payload)
+                b, Deliver(job_id="j", to="B", key="k", payload=deliver.payload, sender="A")
             )
             assert isinstance(relayed, Ack)
             y = await taking
@@ -188,7 +196,7 @@ def test_the_mailbox_takes_each_key_once_and_drop_fails_its_waiters() -> None:
 def test_an_unreachable_peer_is_false_not_an_error() -> None:
     async def main() -> None:
         links = PeerLinks(lambda: "A", open_timeout=1)
-        assert not await links.connect("B", f"ws://127.0.0.1:{free_port()}")
+        assert not await links.connect("j", "secret", "B", f"ws://127.0.0.1:{free_port()}")
         assert not await links.send("B", Deliver(job_id="j", to="B", key="k", payload=b""))
         await links.close()
 

@@ -35,6 +35,7 @@ def test_somatize_worker_registers_and_a_sigterm_stops_it_with_no_daemon_left(tm
     script = Path(sys.executable).parent / "somatize-worker"
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
+    token_file.chmod(0o600)
     log_path = tmp_path / "worker.log"
     stand_in = StandIn()
 

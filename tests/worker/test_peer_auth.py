@@ -1,0 +1,186 @@
+"""Who may deliver what to a worker: the peer secret, the expected keys, a failed relay.
+
+The attacks of issue 14 (rows 1 and 2) against two real in-process agents on loopback with real
+filter daemons: a forged ``peer_hello`` (no secret, a wrong one, a job that is not open here), a
+link used for another job, keys the schedule does not expect, a second delivery to a key, a
+relay the coordinator could not make — each refused with a typed error, and the job's real
+exchange still works after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+import websockets
+
+from protocol.asyncio.channel import Channel
+from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorCode, ErrorInfo, RemoteError
+from protocol.messages import Ack, Call, Deliver, Links, PeerHello, PeerRoute, Result
+from tests.utils import UNIT, Center
+from tests.worker.standin import PEER_SECRET, drive, no_process_left, open_job
+from tests.worker.test_peer import RelayStandIn, exchange, request, two_agents
+from worker.peer import DeliveredTwice, Mailbox, MailboxFull
+
+pytestmark = pytest.mark.integration
+__all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
+
+
+async def dial(address: str, hello: PeerHello) -> tuple[Channel, asyncio.Task[None], object]:
+    """A raw peer link to ``address`` and the answer to ``hello`` (an Ack or the RemoteError)."""
+    ws = await websockets.connect(f"{address}/peer", compression=None, max_size=1 << 24)
+    channel = Channel(ws, "forger")
+    reader = asyncio.ensure_future(channel.run())
+    try:
+        answer: object = await channel.request(hello, 10 * UNIT)
+    except RemoteError as exc:
+        answer = exc
+    return channel, reader, answer
+
+
+def test_a_peer_hello_without_the_jobs_secret_is_refused_and_the_link_closed() -> None:
+    stand_in = RelayStandIn()
+
+    async def main() -> None:
+        async with two_agents(stand_in) as (_, a, b_agent, b):
+            await open_job(b, "j", center=Center())
+            await open_job(b, "secret-job", center=Center())
+            assert b_agent.peer_address is not None
+            forged = [
+                PeerHello(worker_id="A", job_id="j", secret=""),
+                PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET[:-1] + "x"),
+                PeerHello(worker_id="A", job_id="no-such-job", secret=PEER_SECRET),
+            ]
+            for hello in forged:
+                channel, reader, answer = await dial(b_agent.peer_address, hello)
+                assert isinstance(answer, RemoteError), answer
+                assert answer.code == ErrorCode.UNAUTHORIZED
+                assert f"no open job {hello.job_id!r} with that secret" in str(answer)
+                assert "secret-job" not in str(answer)  # no other job is named
+                async with asyncio.timeout(10 * UNIT):
+                    await reader  # the agent closed the link
+                assert channel.closed.is_set()
+            # The job's own peers still link and exchange.
+            await open_job(a, "j", center=Center())
+            links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
+            assert links.result == {"direct": ["B"], "relay": []}
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
+            x, mean = torch.randn(8, 4), torch.randn(4)
+            y = await exchange(a, b, x, mean)
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+
+    drive(main)
+
+
+def test_an_authenticated_link_takes_only_its_job_the_expected_keys_and_each_key_once() -> None:
+    stand_in = RelayStandIn()
+
+    async def main() -> None:
+        async with two_agents(stand_in) as (_, _, b_agent, b):
+            await open_job(b, "j", center=Center())
+            await open_job(b, "other", center=Center())
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "act/"}))
+            assert b_agent.peer_address is not None
+            hello = PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET)
+            channel, reader, answer = await dial(b_agent.peer_address, hello)
+            assert isinstance(answer, Ack)
+            try:
+                good = encode_frame(torch.ones(3))
+
+                async def refused(message: Deliver) -> RemoteError:
+                    with pytest.raises(RemoteError) as info:
+                        await channel.request(message, 10 * UNIT)
+                    return info.value
+
+                stray = Deliver(job_id="other", to="B", key="act/0/0", payload=good)
+                other_job = await refused(stray)
+                assert other_job.code == ErrorCode.BAD_REQUEST
+                assert "serves job 'j'" in str(other_job)
+                # grad/ keys come from the next stage, not from A; nor does an unknown prefix.
+                for key in ("grad/0/0", "junk", ""):
+                    wrong = await refused(Deliver(job_id="j", to="B", key=key, payload=good))
+                    assert wrong.code == ErrorCode.BAD_REQUEST and "takes no" in str(wrong)
+                # A delivery claiming another sender is still A's: the hello says who it is.
+                claimed = Deliver(job_id="j", to="B", key="grad/0/0", payload=good, sender="C")
+                assert (await refused(claimed)).code == ErrorCode.BAD_REQUEST
+                # A delivery for another worker id.
+                elsewhere = await refused(Deliver(job_id="j", to="Z", key="act/0/0", payload=good))
+                assert elsewhere.code == ErrorCode.BAD_REQUEST
+                # The expected key: taken once; a second delivery neither lands nor replaces it.
+                first = Deliver(job_id="j", to="B", key="act/0/0", payload=good)
+                assert isinstance(await channel.request(first, 10 * UNIT), Ack)
+                forged = first.model_copy(update={"payload": encode_frame(torch.full((3,), 1e30))})
+                twice = await refused(forged)
+                assert twice.code == ErrorCode.BAD_REQUEST and "delivered already" in str(twice)
+                assert len(b_agent.mailbox) == 1
+                got = await request(
+                    b,
+                    Call(
+                        job_id="j",
+                        request={"cmd": "forward", "node_id": "center", "state": {"mean": 0.0}},
+                        input_from="act/0/0",
+                    ),
+                )
+                assert isinstance(got, Result)
+                torch.testing.assert_close(got.result, torch.ones(3), rtol=0, atol=0)
+            finally:
+                await channel.close()
+                reader.cancel()
+            await asyncio.sleep(0)
+
+    drive(main)
+
+
+def test_a_relay_the_coordinator_could_not_make_fails_the_call_at_once() -> None:
+    refusal = ErrorInfo(code=ErrorCode.WORKER_LOST, message="worker 'B' is not connected")
+    stand_in = RelayStandIn(refuse=refusal)
+
+    async def main() -> None:
+        async with two_agents(stand_in) as (_, a, _, _):
+            await open_job(a, "j", center=Center())
+            await request(a, Links(job_id="j", peers={"B": None}, expects={}))
+            started = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                await request(
+                    a,
+                    Call(
+                        job_id="j",
+                        request={
+                            "cmd": "forward",
+                            "node_id": "center",
+                            "x": torch.ones(2),
+                            "state": {"mean": 0.0},
+                        },
+                        output_to=PeerRoute(worker="B", key="act/0/0"),
+                    ),
+                )
+            assert time.monotonic() - started < 10 * UNIT  # not the relay's 75 s
+            assert info.value.code == ErrorCode.WORKER_LOST
+            assert "refused 'act/0/0' by B: worker 'B' is not connected" in str(info.value)
+            deliver = stand_in.delivers.get_nowait()
+            torch.testing.assert_close(decode(bytearray(deliver.payload)), torch.ones(2))
+
+    drive(main)
+
+
+def test_one_job_cannot_fill_the_mailbox_for_the_others() -> None:
+    async def main() -> None:
+        box = Mailbox(max_entries=8, max_job_entries=3)
+        for i in range(3):
+            box.put("greedy", f"act/{i}/0", b"x")
+        with pytest.raises(MailboxFull, match="3 deliveries of job 'greedy'"):
+            box.put("greedy", "act/3/0", b"x")
+        for i in range(3):
+            box.put("fair", f"act/{i}/0", b"y")
+        assert await box.take("greedy", "act/0/0", 1) == b"x"
+        box.put("greedy", "act/3/0", b"x")  # its share freed by the take
+        with pytest.raises(DeliveredTwice):
+            box.put("fair", "act/0/0", b"z")
+        assert await box.take("fair", "act/0/0", 1) == b"y"
+        box.drop("greedy")
+        assert len(box) == 2
+
+    drive(main)
