@@ -13,7 +13,7 @@ import pytest
 import somatize as sz
 from somatize.cluster import free_port, wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT
+from tests.utils import UNIT, self_signed
 
 pytestmark = pytest.mark.integration
 
@@ -117,37 +117,8 @@ def test_the_coordinator_will_not_listen_beyond_loopback_without_tokens(tmp_path
     assert message in out.stderr
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made with openssl for one day."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
-
-
 def test_tls_with_a_certificate_the_test_makes(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     port = free_port()
     url = f"wss://127.0.0.1:{port}"
     coordinator = _start(

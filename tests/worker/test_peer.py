@@ -55,8 +55,11 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def two_agents(stand_in: StandIn) -> AsyncIterator[tuple[Agent, Channel, Agent, Channel]]:
-    """Agents A and B, each listening for peers on a free loopback port, and their channels."""
+async def two_agents(
+    stand_in: StandIn, **options: Any
+) -> AsyncIterator[tuple[Agent, Channel, Agent, Channel]]:
+    """Agents A and B, each listening for peers on a free loopback port (with ``options`` of
+    :class:`AgentConfig`), and their channels."""
     async with listening(stand_in) as url:
         agents, runs, channels = [], [], []
         try:
@@ -67,6 +70,7 @@ async def two_agents(stand_in: StandIn) -> AsyncIterator[tuple[Agent, Channel, A
                     threads=1,
                     spare=False,
                     peer_listen=f"127.0.0.1:{free_port()}",
+                    **options,
                 )
                 agent = Agent(config, backoff=Backoff(0.02 * UNIT, 0.2 * UNIT))
                 agents.append(agent)

@@ -20,7 +20,7 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Ack, Call, Deliver, Links, PeerHello, PeerRoute, Result
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, self_signed
 from tests.worker.standin import PEER_SECRET, drive, no_process_left, open_job
 from tests.worker.test_peer import RelayStandIn, exchange, request, two_agents
 from worker.peer import DeliveredTwice, Mailbox, MailboxFull
@@ -162,6 +162,36 @@ def test_a_relay_the_coordinator_could_not_make_fails_the_call_at_once() -> None
             assert "refused 'act/0/0' by B: worker 'B' is not connected" in str(info.value)
             deliver = stand_in.delivers.get_nowait()
             torch.testing.assert_close(decode(bytearray(deliver.payload)), torch.ones(2))
+
+    drive(main)
+
+
+def test_with_a_certificate_peer_links_are_wss_and_a_plain_dialer_gets_nothing(tmp_path) -> None:
+    cert, key = self_signed(tmp_path)
+    stand_in = RelayStandIn()
+    tls = {"peer_tls_cert": str(cert), "peer_tls_key": str(key), "ca_file": str(cert)}
+
+    async def main() -> None:
+        async with two_agents(stand_in, **tls) as (a_agent, a, b_agent, b):
+            assert b_agent.peer_address is not None
+            assert b_agent.peer_address.startswith("wss://127.0.0.1:")
+            assert [h.peer_address for h in stand_in.hellos] == [
+                a_agent.peer_address,
+                b_agent.peer_address,
+            ]
+            # In clear, the TLS endpoint does not even upgrade.
+            plain = "ws://" + b_agent.peer_address.removeprefix("wss://")
+            with pytest.raises((OSError, websockets.InvalidHandshake, TimeoutError)):
+                await dial(plain, PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET))
+            await open_job(a, "j", center=Center())
+            await open_job(b, "j", center=Center())
+            links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
+            assert links.result == {"direct": ["B"], "relay": []}
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
+            x, mean = torch.randn(8, 4), torch.randn(4)
+            y = await exchange(a, b, x, mean)
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+            assert stand_in.delivers.empty()  # over the wss:// link, not the relay
 
     drive(main)
 
