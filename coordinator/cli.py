@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
 def _security_options(parser: argparse.ArgumentParser) -> None:
     """Tokens, TLS, and who may see the status page."""
     parser.add_argument(
+        "--forget-worker",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="drop worker ID's identity key at startup (repeatable): its next registration "
+        "enrols again, e.g. a rebuilt machine that lost its --identity-file",
+    )
+    parser.add_argument(
         "--worker-token-file",
         metavar="FILE",
         help="the token workers must present (default: $SOMATIZE_WORKER_TOKEN)",
@@ -224,6 +232,7 @@ async def _main(args: argparse.Namespace) -> None:
         client_token=client_token,
         tls=tls,
         public_status=args.public_status,
+        forget_workers=args.forget_worker,
     )
     await coordinator.start()
     scheme = "wss" if tls is not None else "ws"

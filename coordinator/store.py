@@ -29,6 +29,7 @@ marks every job a previous process left queued or running as failed with the cod
 from __future__ import annotations
 
 import builtins
+import hmac
 import json
 import sqlite3
 import threading
@@ -493,6 +494,33 @@ class JobStore:
         counts = dict.fromkeys(JobState, 0)
         counts.update((JobState(state), n) for state, n in rows)
         return counts
+
+    # -- worker identities ------------------------------------------------------------------
+
+    def identify(self, worker_id: str, key_sha256: str) -> bool:
+        """Whether ``key_sha256`` is the identity of ``worker_id``: the one it enrolled with,
+        or — for an id not enrolled yet — this one, enrolled now (trust on first use)."""
+        with self._write() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO workers (id, key_sha256, enrolled) VALUES (?, ?, ?)",
+                (worker_id, key_sha256, self._clock()),
+            )
+            row = conn.execute("SELECT key_sha256 FROM workers WHERE id = ?", (worker_id,))
+            enrolled: str = row.fetchone()[0]
+        return hmac.compare_digest(enrolled, key_sha256)
+
+    def is_enrolled(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` has an identity key."""
+        with self._read() as conn:
+            row = conn.execute("SELECT 1 FROM workers WHERE id = ?", (worker_id,)).fetchone()
+        return row is not None
+
+    def forget_worker(self, worker_id: str) -> bool:
+        """Drop ``worker_id``'s identity (its next keyed hello enrols again); whether it had
+        one."""
+        with self._write() as conn:
+            gone = conn.execute("DELETE FROM workers WHERE id = ?", (worker_id,)).rowcount
+        return bool(gone)
 
     def close(self) -> None:
         """Close the database and release the directory; later calls raise :class:`StoreError`."""

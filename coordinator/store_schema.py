@@ -1,6 +1,6 @@
 """The job store's files: the SQLite schema, its migrations, and the state directory's lock.
 
-Schema version 1 (``PRAGMA user_version``)::
+Schema version 2 (``PRAGMA user_version``)::
 
     jobs     pk INTEGER PRIMARY KEY         insertion order: "newest first" never trusts clocks
              id TEXT UNIQUE                 the public job id
@@ -20,6 +20,10 @@ Schema version 1 (``PRAGMA user_version``)::
                                             foreign key to jobs (id, state)
              data BLOB                      the opaque result frame
 
+    workers  id TEXT PRIMARY KEY            a worker id, enrolled by its first keyed hello
+             key_sha256 TEXT                SHA-256 of its identity key, hex (never the key)
+             enrolled REAL                  Unix time
+
 Invariants the schema enforces again (triggers, the deferred foreign key): a job in a terminal
 state never changes; a result row exists exactly for the succeeded jobs.
 """
@@ -34,7 +38,7 @@ from typing import IO
 
 from coordinator.errors import StoreError, StoreInUse
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -85,10 +89,18 @@ WHEN NEW.state = 'succeeded' AND NOT EXISTS (SELECT 1 FROM results WHERE job_id 
 BEGIN
     SELECT RAISE(ABORT, 'a job succeeds only together with its result');
 END;
+""" + (
+    WORKERS := """
+CREATE TABLE workers (
+    id         TEXT PRIMARY KEY,
+    key_sha256 TEXT NOT NULL,
+    enrolled   REAL NOT NULL
+) WITHOUT ROWID;
 """
+)
 
-# Schema upgrades: MIGRATIONS[v] turns version v into v + 1. Empty until version 2 exists.
-MIGRATIONS: dict[int, str] = {}
+# Schema upgrades: MIGRATIONS[v] turns version v into v + 1.
+MIGRATIONS: dict[int, str] = {1: WORKERS}
 
 
 def statements(script: str) -> Iterator[str]:

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,13 @@ class Coordinator:
         tls: serve ``wss://`` (and ``https://`` health, metrics and status) with this context.
         public_status: serve ``/``, ``/api/status`` and ``/metrics`` without the client token
             (for a scraper on a trusted network). ``/healthz`` is always open.
+        forget_workers: worker ids whose identity key is dropped at :meth:`start` (their next
+            keyed hello enrols again).
+
+    A worker's hello for an id its operator chose carries the agent's identity key: the first
+    one enrols the id (the store keeps the key's SHA-256), and a later hello for that id with
+    another key, or none, is refused ``unauthorized`` — a worker token alone cannot take over
+    another worker's id.
     """
 
     def __init__(
@@ -132,6 +140,7 @@ class Coordinator:
         client_token: str | None = None,
         tls: ssl.SSLContext | None = None,
         public_status: bool = False,
+        forget_workers: Sequence[str] = (),
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
@@ -156,6 +165,7 @@ class Coordinator:
         self.tokens = {"/worker": worker_token, "/client": client_token}
         self.tls = tls
         self.public_status = public_status
+        self.forget_workers = tuple(forget_workers)
         self.metrics = Metrics()
         self.registry = Registry(heartbeat_timeout)
         self.store: JobStore | None = None
@@ -189,6 +199,11 @@ class Coordinator:
                 record.id,
                 record.error and record.error.get("detail", {}).get("state"),
             )
+        for worker_id in self.forget_workers:
+            if await asyncio.to_thread(store.forget_worker, worker_id):
+                log.warning("worker %s: identity forgotten; its next hello enrols again", worker_id)
+            else:
+                log.warning("worker %s: no identity to forget", worker_id)
         self.jobs = JobManager(
             store, self.registry, self.call_timeout, self.job_threads, self.metrics.observe
         )
@@ -370,6 +385,14 @@ class Coordinator:
         await refuse_hello(ws, code, message, self.handshake_timeout)
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
+        if hello.worker_id is not None and not await self._identified(hello.worker_id, hello.key):
+            message = (
+                f"worker id {hello.worker_id!r} is enrolled with another identity key: a worker "
+                "registers only under its own id (if that machine lost its --identity-file, run "
+                f"the coordinator once with --forget-worker {hello.worker_id})"
+            )
+            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
+            return
         try:
             record = self.registry.attach(
                 hello.worker_id,
@@ -405,6 +428,15 @@ class Coordinator:
         finally:
             self.registry.detach(record, channel, channel.close_reason or "disconnected")
             log.info("worker %s disconnected: %s", record.id, channel.close_reason)
+
+    async def _identified(self, worker_id: str, key: str | None) -> bool:
+        """Whether a hello for ``worker_id`` with ``key`` may register: the id's enrolled key, or
+        an id not enrolled yet (enrolled now when ``key`` is given)."""
+        assert self.store is not None
+        if key is None:
+            return not await asyncio.to_thread(self.store.is_enrolled, worker_id)
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return await asyncio.to_thread(self.store.identify, worker_id, digest)
 
     async def _on_worker_message(self, record: WorkerRecord, message: Any) -> Any:
         if message.kind == "heartbeat":

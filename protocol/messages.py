@@ -86,6 +86,10 @@ class WorkerHello(_Message):
     capabilities: Capabilities
     peer_address: str | None = None
     datasets: dict[str, int] = Field(default_factory=dict)  # its local datasets: name → rows
+    key: str | None = None
+    """The agent's identity key, with an id its operator chose: the first such hello enrols
+    the id (the coordinator keeps the key's hash); a later hello for an enrolled id is refused
+    unless it presents the same key."""
 
 
 class ClientHello(_Message):

@@ -117,8 +117,9 @@ class LocalCluster:
                 env={**os.environ, **env} if env else None,
             )
 
-    def start_coordinator(self) -> None:
-        """Start the coordinator and wait until ``/healthz`` answers."""
+    def start_coordinator(self, args: Sequence[str] = ()) -> None:
+        """Start the coordinator (with more ``somatize-coordinator`` ``args``) and wait until
+        ``/healthz`` answers."""
         interval, timeout = self.heartbeat
         argv = [
             str(BIN / "somatize-coordinator"),
@@ -128,6 +129,7 @@ class LocalCluster:
         ]
         if self.call_timeout is not None:
             argv += ["--call-timeout", str(self.call_timeout)]
+        argv += args
         tokens = {"SOMATIZE_WORKER_TOKEN": self.worker_token, "SOMATIZE_TOKEN": self.client_token}
         env = {name: value for name, value in tokens.items() if value is not None}
         self.coordinator = self._spawn("coordinator", argv, env)
@@ -154,6 +156,7 @@ class LocalCluster:
         ``args`` are more ``somatize-worker`` arguments.
         """
         argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
+        argv += ["--identity-file", str(self.logs.parent / "identities" / f"{worker_id}.key")]
         argv += ["--threads", str(threads or self.job_threads)]
         if device is not None:
             argv += ["--device", device]

@@ -370,6 +370,9 @@ class Agent:
             capabilities=self._capabilities,
             peer_address=self.peer_address,
             datasets=self._dataset_rows,
+            # Only an id the operator chose is bound to this agent's key: one the coordinator
+            # assigned may be handed to another agent after a coordinator restart.
+            key=self.config.identity_key if self.config.worker_id is not None else None,
         )
 
     async def _wait_idle(self) -> None:

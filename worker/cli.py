@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
@@ -37,6 +38,7 @@ from worker.agent import Agent
 from worker.config import AgentConfig
 from worker.datasets import parse_data_option
 from worker.errors import RegistrationRefused
+from worker.identity import default_identity_file, load_or_create_key
 
 __all__ = ["main"]
 
@@ -92,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="certificate chain (PEM) to serve --peer-listen as wss:// with; without it peer "
         "links are authenticated (a per-job secret) but not encrypted",
+    )
+    parser.add_argument(
+        "--identity-file",
+        type=Path,
+        metavar="FILE",
+        help="this worker's identity key, made on the first start (default: "
+        "~/.local/state/somatize/worker-ID.key); the coordinator binds --id to it at the first "
+        "registration and refuses that id with any other key",
     )
     parser.add_argument(
         "--daemon-env",
@@ -202,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     token = _token(parser, args.token_file)
     try:
         datasets = parse_data_option(args.data)
+        identity_key = None
+        if args.id is not None:
+            identity_key = load_or_create_key(args.identity_file or default_identity_file(args.id))
         config = AgentConfig(
             args.connect,
             worker_id=args.id,
@@ -215,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             peer_tls_cert=args.peer_tls_cert,
             peer_tls_key=args.peer_tls_key,
             daemon_env=args.daemon_env,
+            identity_key=identity_key,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
             device=args.device,

@@ -61,6 +61,9 @@ class AgentConfig:
             ``wss://`` with; the hello then announces ``wss://HOST:PORT``. ``None``: peer links
             run in clear (authenticated by the job's peer secret, not encrypted).
         peer_tls_key: the private key of ``peer_tls_cert`` (PEM).
+        identity_key: this agent's identity key (``--identity-file``, see
+            :mod:`worker.identity`): presented with ``worker_id``, which the coordinator binds
+            to it at the first registration; ``None``: the id is not bound.
         daemon_env: names of more variables of the agent's environment its daemons get
             (``--daemon-env``), beyond :mod:`worker.daemon_env`'s allow-list; the tokens never.
         max_message_bytes: largest message accepted from the coordinator or a peer.
@@ -98,6 +101,7 @@ class AgentConfig:
     peer_tls_cert: str | None = None
     peer_tls_key: str | None = None
     daemon_env: Sequence[str] = ()
+    identity_key: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"

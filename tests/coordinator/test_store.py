@@ -347,3 +347,36 @@ def test_counts_cover_every_state(store: JobStore) -> None:
         JobState.FAILED: 0,
         JobState.CANCELLED: 1,
     }
+
+
+def test_a_worker_id_is_bound_to_the_first_key_it_presents_until_forgotten(tmp_path: Path) -> None:
+    store = JobStore(tmp_path)
+    assert not store.is_enrolled("w1")
+    assert store.identify("w1", "a" * 64)  # trust on first use
+    assert store.is_enrolled("w1")
+    assert store.identify("w1", "a" * 64)
+    assert not store.identify("w1", "b" * 64)
+    assert store.identify("w2", "b" * 64)  # another id, its own key
+    assert store.forget_worker("w1") and not store.forget_worker("w1")
+    assert store.identify("w1", "b" * 64)  # enrolled again, with the new key
+    store.close()
+    reopened = JobStore(tmp_path)
+    assert not reopened.identify("w1", "a" * 64) and reopened.identify("w1", "b" * 64)
+    reopened.close()
+
+
+def test_a_version_1_store_gains_the_workers_table_and_keeps_its_jobs(tmp_path: Path) -> None:
+    store = JobStore(tmp_path)
+    job_id = store.create("local", {"n": 1}).id
+    store.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:  # as version 1 left it
+        conn.execute("DROP TABLE workers")
+        conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    upgraded = JobStore(tmp_path)
+    assert upgraded.get(job_id).summary == {"n": 1}
+    assert upgraded.identify("w1", "c" * 64) and not upgraded.identify("w1", "d" * 64)
+    upgraded.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    conn.close()

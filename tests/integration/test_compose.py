@@ -98,6 +98,22 @@ def test_coordinator_health_and_state_volume(compose: dict[str, Any]) -> None:
     assert named[0] in (compose.get("volumes") or {}), "the /state volume is not a named volume"
 
 
+def test_each_worker_keeps_its_identity_key_on_a_volume_of_its_own(
+    compose: dict[str, Any],
+) -> None:
+    workers = {n: s for n, s in services(compose).items() if s["command"][0] == "somatize-worker"}
+    assert len(workers) == 4
+    volumes = set()
+    for name, service in workers.items():
+        command = service["command"]
+        key = command[command.index("--identity-file") + 1]
+        mounts = [str(v).split(":") for v in service["volumes"]]
+        (volume,) = [source for source, target, *_ in mounts if key.startswith(target + "/")]
+        assert volume in (compose.get("volumes") or {}), f"{name}'s key is not on a named volume"
+        volumes.add(volume)
+    assert len(volumes) == len(workers), "workers share an identity volume"
+
+
 def test_no_literal_tokens() -> None:
     text = COMPOSE.read_text(encoding="utf-8")
     values = re.findall(r"^\s*-?\s*(SOMATIZE_\w*TOKEN)\s*[:=]\s*(.*?)\s*$", text, re.MULTILINE)
@@ -142,11 +158,16 @@ def localise(command: list[str], port: int, state: Path) -> list[str]:
         arg = arg.replace("ws://coordinator:8765", f"ws://127.0.0.1:{port}")
         if arg == "/state":
             arg = str(state)
+        elif arg.startswith("/identity/"):  # the worker's own identity volume
+            worker_id = command[command.index("--id") + 1]
+            arg = str(state.parent / f"identity-{worker_id}" / arg.removeprefix("/identity/"))
         elif arg.startswith("/app/"):
             arg = str(ROOT / arg.removeprefix("/app/"))
         argv.append(arg)
     argv[0] = str(BIN / argv[0])
-    assert not any("coordinator:" in a or "0.0.0.0" in a or a.startswith("/app") for a in argv)
+    assert not any(
+        "coordinator:" in a or "0.0.0.0" in a or a.startswith(("/app", "/identity")) for a in argv
+    )
     return argv
 
 

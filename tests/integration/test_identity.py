@@ -1,0 +1,74 @@
+"""Issue 14, row 3: a worker token alone cannot register as another worker.
+
+A real coordinator and a real ``somatize-worker`` on loopback. The worker's first hello enrols
+its id with its identity key; while it is down, a process holding the worker token (as a filter
+that read it could) says hello as that id, with no key or a guessed one, and is refused — so a
+job submitted meanwhile waits for the real worker and runs there. A rebuilt machine that lost
+its key registers again once the operator runs the coordinator with ``--forget-worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+
+import numpy as np
+import pytest
+import websockets
+
+import somatize as sz
+from protocol.asyncio.channel import Channel
+from protocol.asyncio.handshake import send_hello
+from protocol.errors import ErrorCode, RemoteError
+from protocol.messages import Welcome, WorkerHello
+from somatize.errors import ClusterError
+from tests.integration.cluster import cluster, wait_for
+from tests.utils import UNIT, Center
+from worker.capabilities import Capabilities
+
+pytestmark = pytest.mark.integration
+
+_CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpickle="3")
+
+
+async def _hello_as(url: str, token: str, worker_id: str, key: str | None) -> RemoteError:
+    """Say hello as ``worker_id`` with the worker token; the refusal it gets."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with websockets.connect(f"{url}/worker", additional_headers=headers) as ws:
+        channel = Channel(ws, "impostor")
+        hello = WorkerHello(id=1, worker_id=worker_id, capabilities=_CAPS, key=key)
+        with pytest.raises(RemoteError) as refused:
+            await send_hello(channel, hello, Welcome, 10 * UNIT, first=True)
+    return refused.value
+
+
+def test_an_enrolled_worker_id_is_refused_to_anyone_without_its_key(tmp_path):
+    worker_token = secrets.token_urlsafe(16)
+    tokens = {"worker_token": worker_token, "client_token": secrets.token_urlsafe(16)}
+    with cluster(tmp_path, {"w1": ()}, **tokens) as c, c.client() as client:
+        c.send_signal(c.workers["w1"], signal.SIGKILL)
+        c.workers.pop("w1").wait(timeout=10 * UNIT)
+        wait_for(lambda: c.worker_state("w1") != "idle", 20 * UNIT, "w1 to be seen gone")
+        for key in (None, secrets.token_urlsafe(32)):
+            refused = asyncio.run(_hello_as(c.url, worker_token, "w1", key))
+            assert refused.code == ErrorCode.UNAUTHORIZED
+            assert "worker id 'w1' is enrolled with another identity key" in refused.info.message
+            assert "--forget-worker w1" in refused.info.message
+        job = client.submit(sz.Graph([Center().named("f")]), np.ones((4, 2)))
+        c.start_worker("w1")  # the same machine: its identity file
+        fitted = job.result(timeout=60 * UNIT)
+        np.testing.assert_array_equal(fitted.states["f"]["mean"], np.ones(2))
+        assert job.status()["workers"] == ["w1"]
+
+        # The machine is rebuilt and its key is gone: refused, until the operator forgets it.
+        c.send_signal(c.workers["w1"], signal.SIGTERM)
+        c.workers.pop("w1").wait(timeout=20 * UNIT)
+        rebuilt = ["--identity-file", str(tmp_path / "rebuilt" / "w1.key")]
+        with pytest.raises(ClusterError, match="exited with status 1"):
+            c.start_worker("w1", args=rebuilt)
+        c.workers.pop("w1").wait(timeout=20 * UNIT)
+        assert c.stop_coordinator() == 0
+        c.start_coordinator(args=["--forget-worker", "w1"])
+        c.start_worker("w1", args=rebuilt)
+        assert c.worker_state("w1") == "idle"
