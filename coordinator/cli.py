@@ -13,11 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.ws_server import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS, Coordinator
+from coordinator.ws_server import (
+    HANDSHAKE_TIMEOUT,
+    MAX_PENDING_CONNECTIONS,
+    REASSEMBLY_BUDGET,
+    Coordinator,
+)
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.asyncio.websocket import server_tls
+from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.token_file import token_file_problem
 
 
@@ -124,6 +130,22 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests handled at once per connection; one more gets a busy error "
         f"(default {DEFAULT_MAX_INFLIGHT})",
+    )
+    parser.add_argument(
+        "--max-reassembly-bytes",
+        type=_positive_int,
+        default=REASSEMBLY_BUDGET,
+        metavar="N",
+        help="bytes of chunked messages in progress on all connections together, beyond which "
+        f"a new one gets too_large, retry later (default {REASSEMBLY_BUDGET}: 4 GiB)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_SECONDS,
+        metavar="SECONDS",
+        help="a chunked message that gets no chunk for this long is dropped and its memory "
+        f"freed (default {DEFAULT_STALL_SECONDS:g})",
     )
     parser.add_argument(
         "--max-pending-connections",
@@ -233,6 +255,8 @@ async def _main(args: argparse.Namespace) -> None:
         tls=tls,
         public_status=args.public_status,
         forget_workers=args.forget_worker,
+        max_reassembly_bytes=args.max_reassembly_bytes,
+        stall_timeout=args.stall_timeout,
     )
     await coordinator.start()
     scheme = "wss" if tls is not None else "ws"

@@ -95,10 +95,14 @@ def _busy(server: Coordinator, connection: ServerConnection) -> Response:
 def authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:
     """Whether the request carries ``Authorization: Bearer <token>`` — or, with ``basic``, HTTP
     Basic credentials whose password is the token (RFC 7617; the user name is not looked at) —
-    compared in constant time. ``token`` ``None``: anyone is."""
+    compared in constant time; a request with several ``Authorization`` headers is not.
+    ``token`` ``None``: anyone is."""
     if token is None:
         return True
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    values = request.headers.get_all("Authorization")
+    if len(values) != 1:  # none, or several: which one would be meant is anyone's guess
+        return False
+    scheme, _, given = values[0].partition(" ")
     offered = given.strip().encode()
     if scheme.lower() == "basic" and basic:
         try:

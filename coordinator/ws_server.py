@@ -50,6 +50,7 @@ from coordinator.ws_http import process_request
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
@@ -78,6 +79,8 @@ RELAY_TIMEOUT = 60.0
 """Seconds a worker has to take a relayed tensor into its mailbox."""
 PROBE_TIMEOUT = 60.0
 """Seconds a worker has to answer a ping (its spare daemon may still be starting)."""
+REASSEMBLY_BUDGET = 4 << 30
+"""Default bytes of chunked messages in progress on all connections together (4 GiB)."""
 HANDSHAKE_TIMEOUT = 10.0
 """Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
 MAX_PENDING_CONNECTIONS = 64
@@ -115,6 +118,11 @@ class Coordinator:
             (for a scraper on a trusted network). ``/healthz`` is always open.
         forget_workers: worker ids whose identity key is dropped at :meth:`start` (their next
             keyed hello enrols again).
+        max_reassembly_bytes: the bytes of chunked messages in progress on all connections
+            together (at least ``max_message_bytes``); a new one beyond it is ``too_large``
+            ("retry later"): a few peers cannot pin the coordinator's memory.
+        stall_timeout: seconds a chunked message may wait for its next chunk before it is
+            dropped and its memory freed.
 
     A worker's hello for an id its operator chose carries the agent's identity key: the first
     one enrols the id (the store keeps the key's SHA-256), and a later hello for that id with
@@ -141,6 +149,8 @@ class Coordinator:
         tls: ssl.SSLContext | None = None,
         public_status: bool = False,
         forget_workers: Sequence[str] = (),
+        max_reassembly_bytes: int = REASSEMBLY_BUDGET,
+        stall_timeout: float = DEFAULT_STALL_SECONDS,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
@@ -166,6 +176,9 @@ class Coordinator:
         self.tls = tls
         self.public_status = public_status
         self.forget_workers = tuple(forget_workers)
+        self.reassembly = Budget(max(max_reassembly_bytes, max_message_bytes))
+        """The chunked messages in progress on all connections together."""
+        self.stall_timeout = stall_timeout
         self.metrics = Metrics()
         self.registry = Registry(heartbeat_timeout)
         self.store: JobStore | None = None
@@ -334,6 +347,8 @@ class Coordinator:
             self.max_message_bytes,
             self.max_inflight,
             bulk_gate=self._bulk_gate,
+            budget=self.reassembly,
+            stall_timeout=self.stall_timeout,
         )
         self._channels.add(channel)
         try:

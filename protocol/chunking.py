@@ -4,23 +4,35 @@ A frame larger than :data:`~protocol.messages.CHUNK_BYTES` travels as chunk mess
 ``magic | u64 stream | u64 offset | u64 total | up to CHUNK_BYTES of the frame``
 (:func:`chunk_messages`), cut straight from the codec's parts; other messages may interleave.
 A :class:`Reassembler` per connection joins them back into a writable buffer (tensors decode
-zero-copy over it), refusing what would go over its limits before any buffer exists.
+zero-copy over it), refusing what would go over its limits before any buffer exists. A
+:class:`Budget` bounds the chunked messages in progress over all the connections that share
+it, and a stream that gets no chunk for the stall timeout is dropped, its memory with it.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from protocol.codec import frame_nbytes
-from protocol.errors import FrameError, MessageTooLarge
+from protocol.errors import FrameError, MessageTooLarge, ReassemblyFull
 from protocol.messages import CHUNK_BYTES
 from protocol.parsing import peek_ids
 
-__all__ = ["CHUNK_HEAD", "CHUNK_MAGIC", "Reassembler", "chunk_messages", "frame_buffer", "is_chunk"]
+__all__ = [
+    "CHUNK_HEAD",
+    "CHUNK_MAGIC",
+    "DEFAULT_STALL_SECONDS",
+    "Budget",
+    "Reassembler",
+    "chunk_messages",
+    "frame_buffer",
+    "is_chunk",
+]
 
 CHUNK_MAGIC = b"\xff\xff\xff\xffSZCK"
 """First bytes of a chunk message. A frame never starts so: its first four bytes are its header
@@ -32,6 +44,21 @@ MAX_OPEN_STREAMS = 64
 send of a large message)."""
 REFUSED_MEMORY = 1024
 """Refused chunk streams remembered, so that their later chunks are dropped without an error."""
+DEFAULT_STALL_SECONDS = 60.0
+"""Seconds a chunked message in progress may go without a chunk before it is dropped."""
+
+
+class Budget:
+    """The announced bytes of chunked messages in progress, over every :class:`Reassembler`
+    that shares it (all of a coordinator's connections, all of an agent's peer links): one
+    peer, or a few, cannot pin more than ``limit`` of the process's memory however many
+    connections they open."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a reassembly budget must be positive")
+        self.limit = limit
+        self.used = 0
 
 
 def is_chunk(payload: bytes | bytearray | memoryview) -> bool:
@@ -66,9 +93,11 @@ def chunk_messages(parts: Sequence[bytes | memoryview], stream: int) -> Iterator
 
 @dataclass
 class _Stream:
-    """A chunked message being received: its buffer and how far it is filled."""
+    """A chunked message being received: its buffer, how far it is filled, and when its last
+    chunk came."""
 
     buffer: memoryview
+    last: float
     received: int = 0
 
 
@@ -96,12 +125,35 @@ class Reassembler:
       costs nothing until the bytes come (a ``bytearray`` would be zero-filled, committed, up
       front);
     * a stream that was refused (too large, out of order) has the rest of its chunks dropped
-      silently: one error per stream, not one per chunk.
+      silently: one error per stream, not one per chunk;
+    * with a ``budget``, a new stream that would take the announced totals of every stream in
+      progress under that budget over its limit is refused too;
+    * a stream with no chunk for ``stall_seconds`` is dropped (its buffer freed, its later
+      chunks dropped silently) at the next :meth:`add` or :meth:`expire`.
+
+    Args:
+        max_bytes: the largest message, and the most bytes of this connection's streams.
+        max_streams: streams in progress at once.
+        budget: shared with other connections' reassemblers (``None``: none).
+        stall_seconds: how long a stream may wait for its next chunk (``None``: forever).
+        clock: monotonic seconds (tests pass a fake one).
     """
 
-    def __init__(self, max_bytes: int, max_streams: int = MAX_OPEN_STREAMS) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        max_streams: int = MAX_OPEN_STREAMS,
+        budget: Budget | None = None,
+        stall_seconds: float | None = DEFAULT_STALL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_streams = max_streams
+        self.budget = budget
+        self.stall_seconds = stall_seconds
+        self.clock = clock
+        self.stalled = 0
+        """Streams dropped so far for want of their next chunk."""
         self._streams: dict[int, _Stream] = {}
         self._refused: dict[int, None] = {}  # insertion-ordered: the oldest is forgotten first
 
@@ -125,29 +177,60 @@ class Reassembler:
         _, stream, offset, total = CHUNK_HEAD.unpack_from(payload)
         data = memoryview(payload)[CHUNK_HEAD.size :]
         end = offset + len(data)
+        now = self.clock()
+        self.expire(now)
         if stream in self._refused:
             if end >= total:  # its last chunk: the id may be used again
                 del self._refused[stream]
             return None
         current = self._streams.get(stream)
         if current is None:
-            current = self._open(stream, offset, total, data)
+            current = self._open(stream, offset, total, data, now)
         size = len(current.buffer)
         if offset != current.received or total != size or end > size:
-            del self._streams[stream]
+            self._drop(stream)
             self._refuse(stream, end < total)
             raise FrameError(
                 f"chunk stream {stream}: got bytes {offset}..{end} of {total}, "
                 f"expected the next at {current.received} of {size}"
             )
         current.buffer[offset:end] = data
-        current.received = end
+        current.received, current.last = end, now
         if end < size:
             return None
-        del self._streams[stream]
+        self._drop(stream)
         return memoryview(current.buffer)
 
-    def _open(self, stream: int, offset: int, total: int, data: memoryview) -> _Stream:
+    def next_stall(self) -> float | None:
+        """When (on :attr:`clock`) the stream waiting longest stalls, if none comes before;
+        ``None`` with no stream in progress or no stall timeout."""
+        if self.stall_seconds is None or not self._streams:
+            return None
+        return min(s.last for s in self._streams.values()) + self.stall_seconds
+
+    def expire(self, now: float | None = None) -> list[int]:
+        """Drop the streams that got no chunk for ``stall_seconds``; their ids."""
+        if self.stall_seconds is None:
+            return []
+        now = self.clock() if now is None else now
+        stale = [k for k, s in self._streams.items() if now - s.last > self.stall_seconds]
+        for stream in stale:
+            self._drop(stream)
+            self._refuse(stream, True)
+        self.stalled += len(stale)
+        return stale
+
+    def close(self) -> None:
+        """Drop every stream in progress (the connection is gone): its budget is freed."""
+        for stream in list(self._streams):
+            self._drop(stream)
+
+    def _drop(self, stream: int) -> None:
+        dropped = self._streams.pop(stream)
+        if self.budget is not None:
+            self.budget.used -= len(dropped.buffer)
+
+    def _open(self, stream: int, offset: int, total: int, data: memoryview, now: float) -> _Stream:
         more = offset + len(data) < total  # chunks of this stream will follow
         if offset != 0 or total == 0:
             self._refuse(stream, more)
@@ -155,7 +238,7 @@ class Reassembler:
                 f"chunk stream {stream} starts at offset {offset} of {total} bytes: "
                 "a stream starts at 0 of a positive total"
             )
-        why = None
+        why, budget_full = None, False
         if total > self.max_bytes:
             why = f"chunked message of {total} bytes exceeds the limit of {self.max_bytes} bytes"
         elif len(self._streams) >= self.max_streams:
@@ -168,15 +251,26 @@ class Reassembler:
                 f"chunked message of {total} bytes refused: with the {pending} bytes of the "
                 f"{len(self._streams)} in progress it exceeds the limit of {self.max_bytes} bytes"
             )
+        elif self.budget is not None and self.budget.used + total > self.budget.limit:
+            budget_full = True
+            why = (
+                f"chunked message of {total} bytes refused: {self.budget.used} bytes of "
+                f"messages are in progress on all connections (the budget is "
+                f"{self.budget.limit} bytes); retry later"
+            )
         if why is None:
             try:
                 buffer = frame_buffer(total)
             except (MemoryError, ValueError) as exc:  # it cannot be had
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:
-                self._streams[stream] = _Stream(buffer)
+                self._streams[stream] = _Stream(buffer, now)
+                if self.budget is not None:
+                    self.budget.used += total
                 return self._streams[stream]
         self._refuse(stream, more)
+        if budget_full:
+            raise ReassemblyFull(why, *peek_ids(data))
         raise MessageTooLarge(why, *peek_ids(data))
 
     def _refuse(self, stream: int, more: bool) -> None:

@@ -5,6 +5,7 @@ Exception tree::
     ProtocolError            anything wrong with bytes or messages that crossed a boundary
     ├── FrameError           a frame that is truncated, malformed or carries an unsupported value
     │   └── MessageTooLarge  a message (or the chunked ones in progress) over the receiver's limit
+    │       └── ReassemblyFull  refused for now: the chunked messages in progress fill the budget
     ├── Located              inside the codec only: a failure deep in a value, with its path
     ├── BadMessage           an incoming message that is not a frame or not a valid message
     ├── VersionMismatch      the peer speaks another protocol version
@@ -89,6 +90,11 @@ class MessageTooLarge(FrameError):
         super().__init__(message)
         self.reply_to = reply_to
         self.answers = answers
+
+
+class ReassemblyFull(MessageTooLarge):
+    """A chunked message refused for now, not for its size: the chunked messages in progress
+    on all of the receiver's connections fill its reassembly budget (answered ``busy``)."""
 
 
 class Located(ProtocolError):

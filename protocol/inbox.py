@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.chunking import Reassembler, is_chunk
-from protocol.errors import BadMessage, ErrorCode, ErrorInfo, FrameError, MessageTooLarge
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, Reassembler, is_chunk
+from protocol.errors import (
+    BadMessage,
+    ErrorCode,
+    ErrorInfo,
+    FrameError,
+    MessageTooLarge,
+    ReassemblyFull,
+)
 from protocol.messages import CHUNK_BYTES
 from protocol.parsing import check_version, parse, peek_ids
 
@@ -44,17 +51,28 @@ class Inbox:
     Args:
         max_message_bytes: largest message accepted, whole or reassembled from its chunks (the
             chunked ones in progress together, see :class:`~protocol.chunking.Reassembler`).
+        budget: the bytes of chunked messages in progress, shared with other connections.
+        stall_seconds: how long a chunked message may wait for its next chunk.
     """
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        budget: Budget | None = None,
+        stall_seconds: float | None = DEFAULT_STALL_SECONDS,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
         self.bytes_in = 0
-        self._reassembler = Reassembler(max_message_bytes)
+        self.reassembler = Reassembler(
+            max_message_bytes, budget=budget, stall_seconds=stall_seconds
+        )
+        """Its chunked messages in progress (the owner expires stalled ones, see
+        :meth:`~protocol.chunking.Reassembler.expire`, and closes it)."""
 
     @property
     def pending_bytes(self) -> int:
         """The announced totals of the chunked messages in progress."""
-        return self._reassembler.pending_bytes
+        return self.reassembler.pending_bytes
 
     def take(self, payload: Any) -> Any:
         """The message ``payload`` completes, or ``None`` (a chunk of one still coming).
@@ -80,7 +98,10 @@ class Inbox:
                         *peek_ids(memoryview(payload)),
                     )
                 return parse(payload)
-            frame = self._reassembler.add(payload)
+            frame = self.reassembler.add(payload)
+        except ReassemblyFull as exc:
+            info = ErrorInfo(code=ErrorCode.BUSY, message=str(exc))
+            raise BadMessage(info, exc.reply_to) from exc
         except MessageTooLarge as exc:
             info = ErrorInfo(
                 code=ErrorCode.TOO_LARGE,

@@ -77,12 +77,19 @@ class Capabilities(BaseModel):
     platform: str = ""
 
 
+WorkerName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")
+]
+"""A worker id or tag: 1 to 128 characters, none of them a control character (an id shows up
+in logs, terminals and the status page as it is)."""
+
+
 class WorkerHello(_Message):
     """First message of an agent: who it is (an id it keeps across reconnects) and what it has."""
 
     kind: Literal["worker_hello"] = "worker_hello"
-    worker_id: str | None = None
-    tags: list[str] = Field(default_factory=list)
+    worker_id: WorkerName | None = None
+    tags: list[WorkerName] = Field(default_factory=list)
     capabilities: Capabilities
     peer_address: str | None = None
     datasets: dict[str, int] = Field(default_factory=dict)  # its local datasets: name → rows

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol.token_file import token_file_problem
 from somatize.errors import UsageError
 
 if TYPE_CHECKING:
@@ -83,7 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--token",
         default=os.environ.get("SOMATIZE_TOKEN") or None,
-        help="the client token (default: $SOMATIZE_TOKEN)",
+        help="the client token (default: $SOMATIZE_TOKEN); on the command line every user of "
+        "this machine can read it (ps): prefer --token-file or $SOMATIZE_TOKEN",
+    )
+    group.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="a file holding the client token (only you may read it: chmod 600), read once",
     )
     group.add_argument(
         "--ca-file",
@@ -194,7 +201,26 @@ def main(argv: list[str] | None = None) -> int:
 def _connect(args: argparse.Namespace) -> Client:
     from somatize.client import connect
 
-    return connect(args.coordinator, args.token, timeout=args.timeout, ca_file=args.ca_file)
+    return connect(args.coordinator, _token(args), timeout=args.timeout, ca_file=args.ca_file)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The client token: ``--token-file``'s, else ``--token`` (or ``$SOMATIZE_TOKEN``).
+
+    Raises:
+        UsageError: the token file cannot be used (it says why).
+    """
+    if args.token_file is None:
+        return str(args.token) if args.token else None
+    try:
+        with open(args.token_file, encoding="utf-8") as f:
+            mode, text = os.fstat(f.fileno()).st_mode, f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file: {exc}") from exc
+    problem = token_file_problem(args.token_file, mode, text)
+    if problem is not None:
+        raise UsageError(problem)
+    return text.strip()
 
 
 # -- submit ------------------------------------------------------------------------------------
@@ -341,14 +367,32 @@ def workers_table(workers: list[dict[str, Any]]) -> Any:
         age = w.get("last_heartbeat_age")
         capabilities = w.get("capabilities")
         table.add_row(
-            str(w.get("id", "")),
-            ", ".join(str(t) for t in w.get("tags") or []),
-            str(w.get("state", "")),
-            device_text(capabilities if isinstance(capabilities, dict) else {}),
-            f"{age:.1f} s ago" if isinstance(age, int | float) else "",
-            str(w.get("job_id") or ""),
+            *cells(
+                w.get("id", ""),
+                ", ".join(str(t) for t in w.get("tags") or []),
+                w.get("state", ""),
+                device_text(capabilities if isinstance(capabilities, dict) else {}),
+                f"{age:.1f} s ago" if isinstance(age, int | float) else "",
+                w.get("job_id") or "",
+            )
         )
     return table
+
+
+def cells(*values: Any) -> list[Any]:
+    """Table cells that show what they hold: never read as rich markup (a tag ``[red]``), and
+    control characters (a worker id with an escape sequence) shown escaped, not sent to the
+    terminal."""
+    from rich.text import Text
+
+    return [Text(printable(str(value))) for value in values]
+
+
+def printable(text: str) -> str:
+    """``text`` with each non-printable character written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def device_text(capabilities: dict[str, Any]) -> str:
@@ -398,7 +442,7 @@ def _jobs_table(records: list[dict[str, Any]]) -> Any:
         ):
             text = f"waiting for {summary['placement']}"  # why it has not started
         table.add_row(
-            str(r.get("id", "")), str(r.get("strategy", "")), state, text, duration_text(r, now)
+            *cells(r.get("id", ""), r.get("strategy", ""), state, text, duration_text(r, now))
         )
     return table
 
@@ -467,6 +511,7 @@ def duration_text(record: dict[str, Any], now: float) -> str:
 
 def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     with _connect(args) as client:
         try:
@@ -474,13 +519,13 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
-    table = Table(title=f"job {args.job_id}", title_justify="left")
+    table = Table(title=Text(f"job {printable(args.job_id)}"), title_justify="left")
     for column in ("node", "key", "shape", "dtype"):
         table.add_column(column, no_wrap=column != "dtype")
     for node_id, state in states.items():
         rows = list(describe_state(state)) or [("", "", "(empty)")]
         for key, shape, dtype in rows:
-            table.add_row(node_id, key, shape, dtype)
+            table.add_row(*cells(node_id, key, shape, dtype))
             node_id = ""
     out.print(table)
     if args.plot:

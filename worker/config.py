@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
+from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
 from worker.daemon_env import refused_names
 from worker.devices import resolve_device
@@ -66,7 +67,10 @@ class AgentConfig:
             to it at the first registration; ``None``: the id is not bound.
         daemon_env: names of more variables of the agent's environment its daemons get
             (``--daemon-env``), beyond :mod:`worker.daemon_env`'s allow-list; the tokens never.
-        max_message_bytes: largest message accepted from the coordinator or a peer.
+        stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
+            next chunk before it is dropped and its memory freed.
+        max_message_bytes: largest message accepted from the coordinator or a peer (and the
+            bytes of chunked messages in progress on all peer links together).
         max_inflight: requests handled at once per connection.
         device: where the daemons train: ``auto`` (the first CUDA device, else ``cpu``),
             ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; resolved at construction, so the field
@@ -102,6 +106,7 @@ class AgentConfig:
     peer_tls_key: str | None = None
     daemon_env: Sequence[str] = ()
     identity_key: str | None = None
+    stall_timeout: float = DEFAULT_STALL_SECONDS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"

@@ -23,6 +23,7 @@ from websockets.exceptions import InvalidStatus, WebSocketException
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.chunking import Budget
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RemoteError, UnexpectedReply
 from protocol.messages import Heartbeat, Welcome, WorkerHello
 from worker.config import AgentConfig
@@ -111,9 +112,20 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def channel_over(ws: Any, name: str, handler: Handler | None, config: AgentConfig) -> Channel:
-    """A channel with the agent's limits."""
-    return Channel(ws, name, handler, config.max_message_bytes, config.max_inflight)
+def channel_over(
+    ws: Any, name: str, handler: Handler | None, config: AgentConfig, budget: Budget | None = None
+) -> Channel:
+    """A channel with the agent's limits (its chunked messages in progress also under
+    ``budget``, shared with other channels)."""
+    return Channel(
+        ws,
+        name,
+        handler,
+        config.max_message_bytes,
+        config.max_inflight,
+        budget=budget,
+        stall_timeout=config.stall_timeout,
+    )
 
 
 # -- the steps of one connection ----------------------------------------------------------------

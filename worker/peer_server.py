@@ -6,8 +6,11 @@ the job is open here with that secret — then ``Deliver`` requests of that job 
 answered by ``Ack`` once it is in this agent's mailbox. The hello's worker id becomes each
 delivery's ``sender``, whatever the delivery says. The limits are those of the coordinator's
 link: ``open_timeout`` for the upgrade and again for the hello, ``max_message_bytes`` and
-``max_inflight``. With a certificate (``--peer-tls-cert``/``--peer-tls-key``) it serves
-``wss://``.
+``max_inflight``; beyond that, all its links together hold at most ``max_message_bytes`` of
+chunked messages in progress (one :class:`~protocol.chunking.Budget`), a chunked message that
+stalls for :data:`~protocol.chunking.DEFAULT_STALL_SECONDS` is dropped, and at most
+:data:`MAX_PEER_LINKS` links are open at once (one more is closed with 1013, before its hello).
+With a certificate (``--peer-tls-cert``/``--peer-tls-key``) it serves ``wss://``.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ from websockets.exceptions import ConnectionClosed
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello
 from protocol.asyncio.websocket import server_tls
+from protocol.chunking import Budget
 from protocol.errors import ErrorCode, ProtocolError, RequestRefused, UnexpectedHello
 from protocol.messages import Ack, Deliver, Error, PeerHello
 from worker.config import AgentConfig, split_host_port
 from worker.link import agent_ws_options, channel_over
 
-__all__ = ["PeerServer"]
+__all__ = ["MAX_PEER_LINKS", "PeerServer"]
 
 log = logging.getLogger(__name__)
+
+MAX_PEER_LINKS = 64
+"""Peer links open at once on one worker, authenticated or not (a pipeline stage has two)."""
 
 
 class PeerServer:
@@ -54,6 +61,8 @@ class PeerServer:
         self._config = config
         self._admit = admit
         self._put = put
+        self._budget = Budget(config.max_message_bytes)
+        self._open_links = 0
         self._server: Server | None = None
         self.address: str | None = None
         """``ws://HOST:PORT`` as announced in the hello while listening, else ``None``."""
@@ -95,12 +104,20 @@ class PeerServer:
                 async with asyncio.timeout(self._config.close_timeout):
                     await ws.close(1008, "not found: peer links are at /peer")
             return
-        channel = channel_over(ws, "peer (incoming)", self._refuse, self._config)
+        if self._open_links >= MAX_PEER_LINKS:
+            log.warning("peer link from %s refused: %d are open", ws.remote_address, MAX_PEER_LINKS)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._config.close_timeout):
+                    await ws.close(1013, f"{MAX_PEER_LINKS} peer links are open: try again later")
+            return
+        self._open_links += 1
+        channel = channel_over(ws, "peer (incoming)", self._refuse, self._config, self._budget)
         try:
             await self._serve(channel)
         except (ConnectionClosed, ProtocolError, TimeoutError) as exc:  # gone, or not reading
             log.info("peer link closed: %s", exc)
         finally:
+            self._open_links -= 1
             await channel.close(1000, "peer link over")
 
     async def _serve(self, channel: Channel) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from protocol.asyncio.websocket import close_reason
-from protocol.chunking import chunk_messages
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, chunk_messages
 from protocol.codec import encode, frame_nbytes
 from protocol.errors import (
     BadMessage,
@@ -47,6 +47,7 @@ from protocol.errors import (
     ErrorInfo,
     MessageTooLarge,
     ProtocolError,
+    ReassemblyFull,
     RemoteError,
     RequestRefused,
 )
@@ -107,6 +108,11 @@ class Channel:
         reply_timeout: seconds an error reply may take to go out; a peer that does not read
             them within it is disconnected (a flood of bad messages cannot pile up replies).
         max_message_bytes: largest reassembled message accepted.
+        budget: shared by the owner's channels, bounds the bytes of the chunked messages in
+            progress on all of them (:class:`~protocol.chunking.Budget`; ``None``: only
+            ``max_message_bytes`` per connection).
+        stall_timeout: seconds a chunked message in progress may wait for its next chunk; then
+            it is dropped and its memory freed (``None``: it may wait forever).
         bulk_gate: shared by the owner's channels, bounds how many messages larger than
             ``CHUNK_BYTES`` they write at once (``None``: no bound). Each chunked message holds
             a slot until its last chunk has left the send buffer, so a fan-out of a large model
@@ -123,6 +129,8 @@ class Channel:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         reply_timeout: float = ERROR_REPLY_TIMEOUT,
         bulk_gate: asyncio.Semaphore | None = None,
+        budget: Budget | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_SECONDS,
     ) -> None:
         if max_message_bytes < 1 or max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
@@ -136,7 +144,8 @@ class Channel:
         self.inflight = 0
         self.refused_busy = 0
         self.session = Session(name)
-        self._inbox = Inbox(max_message_bytes)
+        self._inbox = Inbox(max_message_bytes, budget, stall_timeout)
+        self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0
         self._next_stream = 0
         # The waiter of each request: a future for one reply, a queue for a stream of them.
@@ -276,11 +285,32 @@ class Channel:
             if isinstance(exc.__cause__, MessageTooLarge):
                 self._fail_waiter(exc.__cause__)
             raise
+        finally:
+            if self._sweeper is None and self._inbox.reassembler.next_stall() is not None:
+                self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        """While chunked messages are in progress: drop those that stall (no chunk for the
+        stall timeout), also when nothing else arrives on the connection."""
+        reassembler = self._inbox.reassembler
+        try:
+            while (deadline := reassembler.next_stall()) is not None:
+                await asyncio.sleep(max(0.0, deadline - reassembler.clock()) + 0.01)
+                for stream in reassembler.expire():
+                    log.warning(
+                        "%s: chunked message %d got no chunk for %gs: dropped",
+                        self.name,
+                        stream,
+                        reassembler.stall_seconds,
+                    )
+        finally:
+            self._sweeper = None
 
     def _fail_waiter(self, exc: MessageTooLarge) -> None:
         """A refused message that answers one of our requests fails that request now."""
         waiter = None if exc.answers is None else self._waiting.get(exc.answers)
-        info = ErrorInfo(code=ErrorCode.TOO_LARGE, message=f"{self.name}: reply refused: {exc}")
+        code = ErrorCode.BUSY if isinstance(exc, ReassemblyFull) else ErrorCode.TOO_LARGE
+        info = ErrorInfo(code=code, message=f"{self.name}: reply refused: {exc}")
         if isinstance(waiter, asyncio.Queue):
             waiter.put_nowait(RemoteError(info))
         elif waiter is not None and not waiter.done():
@@ -316,6 +346,17 @@ class Channel:
                 message = None
         finally:
             self._shut(Event.LOST)
+            self._release()
+
+    def _release(self) -> None:
+        """Free what the connection held for incoming messages: its chunked ones in progress
+        (their budget too), the sweeper, the handler (a handler that closes over its channel
+        would keep both alive until the cyclic GC)."""
+        self._inbox.reassembler.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self.handler = None
 
     async def _answer(self, info: ErrorInfo, reply_to: int | None) -> bool:
         """Send a refusal; ``False`` (and the connection closed) if the peer does not take it."""

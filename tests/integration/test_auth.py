@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import websockets
+from websockets.datastructures import Headers
+from websockets.exceptions import InvalidStatus
 
 import somatize as sz
 from somatize.cluster import free_port, wait_for
@@ -27,6 +31,11 @@ def _start(argv: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
         )
+
+
+async def _upgrade(url: str, headers: Headers) -> None:
+    async with websockets.connect(url, additional_headers=headers, open_timeout=10 * UNIT):
+        pass
 
 
 def _stop(*procs: subprocess.Popen[bytes]) -> None:
@@ -64,6 +73,11 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
                 sz.connect(url, token=token, timeout=10 * UNIT)
         with sz.connect(url, token=CLIENT, timeout=10 * UNIT) as client:
             assert client.status()["workers"] == []
+        # Two Authorization headers, the right token in one: refused, not a server error.
+        twice = Headers([("Authorization", f"Bearer {CLIENT}"), ("Authorization", "Bearer x")])
+        with pytest.raises(InvalidStatus) as refused:
+            asyncio.run(_upgrade(f"{url}/client", twice))
+        assert refused.value.response.status_code == 401
 
         wrong = _start(
             [str(BIN / "somatize-worker"), "--connect", url, "--id", "intruder"],

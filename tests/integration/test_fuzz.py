@@ -97,6 +97,11 @@ SENTINEL_BASE = 10**12
 # -- strategies ---------------------------------------------------------------------------------
 
 texts = st.text(max_size=12)
+names = st.text(
+    st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"]), min_size=1, max_size=12
+)
+"""What a worker id or tag may be (:data:`protocol.messages.WorkerName`); other values are the
+mutations' job."""
 ints = st.integers(-(2**63), 2**63 - 1)
 floats = st.floats(allow_nan=True, allow_infinity=True)
 maybe_text = st.none() | texts
@@ -185,8 +190,8 @@ def _message_strategies() -> list[st.SearchStrategy[BaseModel]]:
     return [
         st.builds(
             WorkerHello,
-            worker_id=maybe_text,
-            tags=st.lists(texts, max_size=3),
+            worker_id=st.none() | names,
+            tags=st.lists(names, max_size=3),
             capabilities=capabilities,
             peer_address=maybe_text,
             datasets=st.dictionaries(texts, ints, max_size=2),

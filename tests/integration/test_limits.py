@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,10 @@ PENDING = 4
 HANDSHAKE = 1.0 * UNIT
 MAX_BYTES = 3 * CHUNK_BYTES
 INFLIGHT = 4
+BUDGET = 4 * CHUNK_BYTES
+"""--max-reassembly-bytes: two chunked messages of 2.5 MiB do not fit at once."""
+STALL = 2.0 * UNIT
+"""--stall-timeout."""
 
 
 CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpickle="3")
@@ -69,6 +75,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state")),
         *("--max-pending-connections", str(PENDING), "--handshake-timeout", str(HANDSHAKE)),
         *("--max-message-bytes", str(MAX_BYTES), "--max-inflight", str(INFLIGHT)),
+        *("--max-reassembly-bytes", str(BUDGET), "--stall-timeout", str(STALL)),
         *("--heartbeat-interval", "0.5", "--heartbeat-timeout", str(30 * UNIT)),
     ]
     env = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k}
@@ -224,6 +231,50 @@ def test_messages_over_the_limits_are_refused_and_the_coordinator_keeps_serving(
             assert ws.close_code == 1009
         workers = (await asyncio.to_thread(_status, url))["workers"]  # it still serves
         assert ("big" in [w["id"] for w in workers]) == (path == "/worker")
+
+    asyncio.run(main())
+
+
+def test_chunked_messages_share_one_budget_and_a_stalled_one_is_dropped_in_time(url):
+    half = 5 * CHUNK_BYTES // 2
+
+    async def main() -> None:
+        async with (
+            _raw(url, "/client", ClientHello(name="staller")) as (ws_a, a),
+            _raw(url, "/client", ClientHello(name="other")) as (_, b),
+        ):
+            readers = [asyncio.ensure_future(c.run()) for c in (a, b)]
+            errors: asyncio.Queue[Any] = asyncio.Queue()
+            a.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
+            # 2.5 MiB announced on one connection, one chunk of it sent, then nothing.
+            await ws_a.send(_chunk_head(9, 0, half) + bytes(CHUNK_BYTES))
+            await asyncio.wait_for(a.request(Status(), 10 * UNIT), 10 * UNIT)  # it arrived
+            stalled_at = time.monotonic()
+            # Another 2.5 MiB on another connection: the budget is full, retry later.
+            deliver = Deliver(job_id="j", to="x", key="k", payload=bytes(half))
+            with pytest.raises(RemoteError, match=r"on all connections \(the budget is") as full:
+                await b.request(deliver, 10 * UNIT)
+            assert full.value.code == ErrorCode.BUSY
+            # Once the first stalls it is dropped, and the same request goes through (to be
+            # refused for what it is: a client sends no deliver).
+            async with asyncio.timeout(STALL + 10 * UNIT):
+                while True:
+                    try:
+                        await b.request(deliver, 10 * UNIT)
+                    except RemoteError as exc:
+                        if exc.code == ErrorCode.BAD_REQUEST:
+                            break
+                        assert exc.code == ErrorCode.BUSY
+                    await asyncio.sleep(0.1)
+            waited = time.monotonic() - stalled_at
+            assert STALL * 0.9 <= waited <= STALL + 5 * UNIT
+            # The rest of the stalled message is dropped without an error; its connection works.
+            await ws_a.send(_chunk_head(9, CHUNK_BYTES, half) + bytes(half - CHUNK_BYTES))
+            assert (await a.request(Status(), 10 * UNIT)).kind == "result"
+            assert errors.empty()
+            for channel in (a, b):
+                await channel.close()
+            await asyncio.gather(*readers)
 
     asyncio.run(main())
 
@@ -391,3 +442,43 @@ async def _eventually(condition: Any, seconds: float = 10 * UNIT) -> None:
             if condition():
                 return
             await asyncio.sleep(0.01)
+
+
+def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
+    """A channel, its handler and what it reassembled go with the connection (issue 14, row
+    6), not when the cyclic garbage collector happens to run."""
+
+    async def main() -> None:
+        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        await coordinator.start()
+        url = f"ws://127.0.0.1:{coordinator.port}"
+        hellos = [
+            ("/client", ClientHello(name="gone")),
+            ("/worker", WorkerHello(worker_id="gone", capabilities=CAPS)),
+        ]
+        gc.collect()
+        gc.disable()
+        try:
+            for path, hello in hellos:
+                async with _raw(url, path, hello) as (ws, channel):
+                    reader = asyncio.ensure_future(channel.run())
+                    if path == "/client":
+                        assert (await channel.request(Status(), 10 * UNIT)).kind == "result"
+                    # A chunked message left in progress: its buffer must go too.
+                    await ws.send(_chunk_head(3, 0, 2 * CHUNK_BYTES) + bytes(CHUNK_BYTES))
+                    await asyncio.sleep(0.1)
+                    served = [weakref.ref(c) for c in coordinator._channels]
+                    assert coordinator.reassembly.used == 2 * CHUNK_BYTES
+                    await channel.close()
+                    await reader
+                for _ in range(int(10 * UNIT / 0.05)):  # the server side's teardown
+                    if all(ref() is None for ref in served):
+                        break
+                    await asyncio.sleep(0.05)
+                assert [ref() for ref in served] == [None], path
+                assert coordinator.reassembly.used == 0
+        finally:
+            gc.enable()
+            await coordinator.stop()
+
+    asyncio.run(main())

@@ -103,3 +103,52 @@ def test_the_chunked_messages_in_progress_together_stay_within_the_limits():
     assert counted.add(chunks(1)[0]) is None and counted.add(chunks(2)[0]) is None
     with pytest.raises(MessageTooLarge, match="2 are already in progress"):
         counted.add(chunks(3)[0])
+
+
+def _stream(stream: int, nbytes: int) -> list[bytes]:
+    from protocol.messages import Call
+
+    x = np.zeros(nbytes, np.uint8)
+    return _chunks_of(Call(id=stream, job_id="j", request={"x": x}), stream)
+
+
+def test_a_stream_with_no_chunk_for_the_stall_timeout_is_dropped_and_its_rest_ignored():
+    from protocol.chunking import Reassembler
+
+    now = [0.0]
+    reassembler = Reassembler(1 << 30, stall_seconds=10.0, clock=lambda: now[0])
+    stalled, alive = _stream(1, 3 * CHUNK_BYTES), _stream(2, 2 * CHUNK_BYTES)
+    assert reassembler.add(stalled[0]) is None
+    now[0] = 6.0
+    assert reassembler.add(alive[0]) is None
+    assert reassembler.next_stall() == 10.0  # the first stream's last chunk + 10 s
+    now[0] = 10.5
+    assert reassembler.expire() == [1] and reassembler.stalled == 1
+    assert reassembler.add(stalled[1]) is None  # dropped silently, no error per chunk
+    assert reassembler.add(stalled[2]) is None
+    assert [reassembler.add(c) is not None for c in alive[1:]] == [False, True]  # untouched
+    assert reassembler.pending_bytes == 0 and reassembler.next_stall() is None
+
+
+def test_a_budget_bounds_the_streams_in_progress_over_every_connection_sharing_it():
+    from protocol.chunking import Budget, Reassembler
+    from protocol.errors import ReassemblyFull
+
+    budget = Budget(5 * CHUNK_BYTES)
+    one, two = Reassembler(1 << 30, budget=budget), Reassembler(1 << 30, budget=budget)
+    first, second, third = (
+        _stream(1, 2 * CHUNK_BYTES),
+        _stream(2, 2 * CHUNK_BYTES),
+        _stream(3, 2 * CHUNK_BYTES),
+    )
+    assert one.add(first[0]) is None and two.add(second[0]) is None
+    assert budget.used == 2 * (len(b"".join(c[32:] for c in first)))
+    with pytest.raises(ReassemblyFull, match=r"on all connections \(the budget is 5242880"):
+        one.add(third[0])
+    two.close()  # its connection went: what it held is free again
+    assert budget.used == len(b"".join(c[32:] for c in first))
+    retry = _stream(4, 2 * CHUNK_BYTES)  # the refused stream's own chunks are dropped
+    assert one.add(retry[0]) is None
+    for chunk in first[1:]:
+        one.add(chunk)
+    assert budget.used == len(b"".join(c[32:] for c in retry))

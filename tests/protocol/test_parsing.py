@@ -105,3 +105,28 @@ def test_a_preview_is_cut_to_its_limit():
     assert preview("short") == "'short'"
     assert len(preview("x" * 500)) <= 60
     assert preview(list(range(100))).endswith("...") and len(preview(list(range(100)))) == 60
+
+
+def test_a_worker_id_or_tag_with_a_control_character_or_too_long_is_refused():
+    import pytest
+
+    from protocol.errors import BadMessage
+    from protocol.messages import Capabilities, WorkerHello
+    from protocol.parsing import parse
+
+    caps = Capabilities(cpus=1, memory_bytes=1, torch="x", python="3", cloudpickle="3")
+    assert WorkerHello(worker_id="box-1.eu_west", tags=["gpu:h200"], capabilities=caps)
+    for worker_id, tags in [("w\x1b[2J", []), ("", []), ("w" * 129, []), ("w", ["a\nb"])]:
+        frame = encode_frame(
+            {
+                "kind": "worker_hello",
+                "id": 1,
+                "worker_id": worker_id,
+                "tags": tags,
+                "capabilities": caps.model_dump(),
+            }
+        )
+        with pytest.raises(BadMessage) as refused:
+            parse(frame)
+        assert refused.value.info.code == ErrorCode.BAD_REQUEST
+        assert "worker_id" in refused.value.info.message or "tags" in refused.value.info.message

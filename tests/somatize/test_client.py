@@ -89,6 +89,31 @@ def test_cli_arguments_and_their_environment_defaults(monkeypatch):
     assert cli._parser().parse_args(["demo"]).epochs == 10
 
 
+def test_the_token_file_is_read_once_and_refused_when_others_can_read_it(tmp_path, capsys):
+    token = tmp_path / "client.token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    args = cli._parser().parse_args(["status", "--token-file", str(token), "--token", "argv"])
+    assert cli._token(args) == "s3cret"  # the file wins over the command line
+    token.chmod(0o640)
+    assert cli.main(["status", "--token-file", str(token)]) == 2
+    err = capsys.readouterr().err
+    assert f"the token file {token} is open to others (mode 0640): chmod 600 it" in err
+
+
+def test_tables_show_ids_and_tags_as_they_are_never_as_markup_or_escape_sequences():
+    from rich.console import Console
+
+    workers = [
+        {"id": "w\x1b[2J\x1b]0;pwned\x07", "tags": ["[bold red]boom[/]"], "state": "idle"},
+    ]
+    console = Console(record=True, width=200, color_system=None)
+    console.print(cli.workers_table(workers))
+    shown = console.export_text()
+    assert "\x1b" not in shown and "\\x1b[2J\\x1b]0;pwned\\x07" in shown
+    assert "[bold red]boom[/]" in shown
+
+
 @pytest.mark.parametrize(
     "argv",
     [["jobs", "--limit", "0"], ["result"], ["submit"], ["nope"], ["status", "--timeout", "0"]],

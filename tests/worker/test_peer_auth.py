@@ -17,12 +17,14 @@ import torch
 import websockets
 
 from protocol.asyncio.channel import Channel
+from protocol.chunking import CHUNK_HEAD, CHUNK_MAGIC
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError
-from protocol.messages import Ack, Call, Deliver, Links, PeerHello, PeerRoute, Result
+from protocol.messages import CHUNK_BYTES, Ack, Call, Deliver, Links, PeerHello, PeerRoute, Result
 from tests.utils import UNIT, Center, self_signed
 from tests.worker.standin import PEER_SECRET, drive, no_process_left, open_job
 from tests.worker.test_peer import RelayStandIn, exchange, request, two_agents
+from worker import peer_server
 from worker.peer import DeliveredTwice, Mailbox, MailboxFull
 
 pytestmark = pytest.mark.integration
@@ -212,5 +214,70 @@ def test_one_job_cannot_fill_the_mailbox_for_the_others() -> None:
         assert await box.take("fair", "act/0/0", 1) == b"y"
         box.drop("greedy")
         assert len(box) == 2
+
+    drive(main)
+
+
+def test_peer_links_share_one_reassembly_budget_and_a_stalled_message_is_dropped() -> None:
+    stand_in = RelayStandIn()
+    stall = 1.0 * UNIT
+    limits = {"max_message_bytes": 6 * CHUNK_BYTES, "stall_timeout": stall}
+
+    async def main() -> None:
+        async with two_agents(stand_in, **limits) as (_, _, b_agent, b):
+            await open_job(b, "j", center=Center())
+            await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "act/"}))
+            assert b_agent.peer_address is not None
+            hello = PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET)
+            links = [await dial(b_agent.peer_address, hello) for _ in range(2)]
+            (first, _, _), (second, _, _) = links
+            # 4 MiB announced on one link, its first chunk sent, then nothing more.
+            await first.transport.send(
+                CHUNK_HEAD.pack(CHUNK_MAGIC, 9, 0, 4 * CHUNK_BYTES) + bytes(64)
+            )
+            stalled_at = time.monotonic()
+            big = Deliver(job_id="j", to="B", key="act/0/0", payload=bytes(4 * CHUNK_BYTES))
+            with pytest.raises(RemoteError, match="on all connections") as full:
+                await second.request(big, 10 * UNIT)  # 8 MiB in progress > the 6 MiB budget
+            assert full.value.code == ErrorCode.BUSY
+            async with asyncio.timeout(stall + 10 * UNIT):
+                while True:
+                    try:
+                        assert isinstance(await second.request(big, 10 * UNIT), Ack)
+                        break
+                    except RemoteError as exc:
+                        assert exc.code == ErrorCode.BUSY
+                    await asyncio.sleep(0.05)
+            assert time.monotonic() - stalled_at >= stall * 0.9
+            assert len(b_agent.mailbox) == 1
+            for channel, reader, _ in links:
+                await channel.close()
+                reader.cancel()
+
+    drive(main)
+
+
+def test_peer_links_beyond_the_cap_are_closed_before_their_hello(monkeypatch) -> None:
+    monkeypatch.setattr(peer_server, "MAX_PEER_LINKS", 2)
+    stand_in = RelayStandIn()
+
+    async def main() -> None:
+        async with two_agents(stand_in) as (_, _, b_agent, _):
+            assert b_agent.peer_address is not None
+            url = f"{b_agent.peer_address}/peer"
+            held = [await websockets.connect(url) for _ in range(2)]
+            extra = await websockets.connect(url)
+            async with asyncio.timeout(10 * UNIT):
+                await extra.wait_closed()
+            assert extra.close_code == 1013 and "2 peer links are open" in extra.close_reason
+            await held[0].close()
+            async with asyncio.timeout(10 * UNIT):  # a link closed: room for one again
+                while True:
+                    again = await websockets.connect(url)
+                    await asyncio.sleep(0.05)
+                    if again.close_code is None:
+                        break
+            for ws in (*held, again):
+                await ws.close()
 
     drive(main)
