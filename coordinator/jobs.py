@@ -25,7 +25,9 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import sqlite3
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -38,7 +40,8 @@ from coordinator.context import (
     WorkerIdentity,
 )
 from coordinator.registry import Registry, WorkerRecord, WorkerState
-from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
+from coordinator.store import JobEvent, JobRecord, JobState, JobStore, StoreError, UnknownJob
+from coordinator.store_retry import stored
 from coordinator.strategies import (
     JobInputs,
     Placement,
@@ -162,6 +165,7 @@ class JobManager:
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
         self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        self._last_seq: dict[str, int] = {}  # of each live job's last event, for _emit
         self._wake = asyncio.Event()
         self.accepting = True
 
@@ -263,8 +267,9 @@ class JobManager:
         return job.id
 
     def _check_targets(self, placement: Placement) -> None:
-        """Refuse a pinned placement, or a device, no known worker could ever take (instead of
-        queueing it forever), listing the workers, tags and devices that exist."""
+        """Refuse a pinned placement, a dataset or a device no known worker could ever take
+        (instead of queueing it forever), listing the workers, tags, datasets and devices that
+        exist."""
         known = [w.identity for w in self.registry]
         for slot in placement.slots:
             if not any(dataclasses.replace(slot, device=None).answers(w) for w in known):
@@ -274,6 +279,14 @@ class JobManager:
                     f"no worker answers to {slot}: workers {listed([w.id for w in known])}, "
                     f"tags {listed(tags)}",
                 )
+        wanted_data = placement.dataset
+        if wanted_data is not None and not any(wanted_data in w.datasets for w in known):
+            names = sorted({name for w in known for name in w.datasets})
+            raise RequestRefused.of(
+                ErrorCode.NO_WORKERS,
+                f"no worker has dataset {wanted_data!r} (the workers have {listed(names)})",
+                dataset=wanted_data,
+            )
         devices = sorted({w.device for w in known})
         for wanted in placement.devices():
             if not any(device_fits(wanted, w.device) for w in known):
@@ -443,7 +456,10 @@ class JobManager:
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
             states = await job.strategy.run(ctx, job.inputs, emit)
             frame = await asyncio.to_thread(encode_frame, states)
-            await asyncio.to_thread(self.store.succeed, job.id, frame)
+            failure = await stored(job.id, self.store.succeed, job.id, frame)
+            if failure is not None:
+                why = f"the job trained, but its result could not be stored: {failure}"
+                raise StrategyFailed(ErrorCode.INTERNAL, why)
             await self._emit(job.id, "succeeded", {"nodes": sorted(states)})
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -464,19 +480,32 @@ class JobManager:
         """Record a job's unsuccessful end (failed, or cancelled by the client)."""
         data = {"code": str(info.code), "message": info.message, "detail": info.detail}
         if info.code is ErrorCode.CANCELLED:
-            await asyncio.to_thread(self.store.cancel, job.id, info.message)
+            await stored(job.id, self.store.cancel, job.id, info.message)
             await self._emit(job.id, "cancelled", data)
         else:
-            await asyncio.to_thread(
-                self.store.fail, job.id, str(info.code), info.message, info.detail
-            )
+            await stored(job.id, self.store.fail, job.id, str(info.code), info.message, info.detail)
             await self._emit(job.id, "failed", data)
         job.done.set()
 
     async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
+        """Store a job's event and hand it to its watchers. A terminal event the store cannot
+        take still reaches them (numbered after the last one they got): a client learns how its
+        job ended even with the disk full."""
         if event == "progress":
             await asyncio.to_thread(self.store.progress, job_id, data)
-        recorded = await asyncio.to_thread(self.store.add_event, job_id, event, data)
+        try:
+            recorded = await asyncio.to_thread(self.store.add_event, job_id, event, data)
+        except (sqlite3.Error, StoreError):
+            if event not in TERMINAL_EVENTS:
+                raise
+            log.error(
+                "job %s: its %s event could not be stored; told to its watchers", job_id, event
+            )
+            seq = self._last_seq.get(job_id, 0) + 1
+            recorded = JobEvent(job_id, seq, time.time(), event, data)
+        self._last_seq[job_id] = recorded.seq
+        if event in TERMINAL_EVENTS:
+            self._last_seq.pop(job_id, None)
         for queue in self._watchers.get(job_id, ()):
             queue.put_nowait(recorded)
 

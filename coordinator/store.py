@@ -51,7 +51,7 @@ from coordinator.errors import (
     StoreInUse,
     UnknownJob,
 )
-from coordinator.store_schema import DirLock, migrate
+from coordinator.store_schema import LOCK_NAME, DirLock, check_integrity, make_private, migrate
 
 __all__ = [
     "TERMINAL_STATES",
@@ -69,7 +69,6 @@ __all__ = [
 ]
 
 DB_NAME = "jobs.sqlite3"
-LOCK_NAME = "jobs.lock"
 RESTARTED = "coordinator_restarted"  # error code of the jobs recovered by JobStore.open
 CANCELLED = "cancelled"  # error code recorded with a cancelled job's reason
 
@@ -184,7 +183,15 @@ class JobStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._dir_lock: DirLock | None = None
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.write_failure: str | None = None
+        """Why the last write failed (a full disk, a damaged file), until one succeeds;
+        ``/healthz`` reports it."""
+        try:
+            make_private(self.state_dir, self.path)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot make the state directory {self.state_dir} private: {exc}"
+            ) from exc
         try:
             conn = sqlite3.connect(
                 self.path,
@@ -203,6 +210,7 @@ class JobStore:
             # A large result passes through the WAL; let it shrink back after the checkpoint.
             conn.execute("PRAGMA journal_size_limit = 67108864")
             migrate(conn, self.path)
+            check_integrity(conn, self.path)
         except BaseException as exc:
             conn.close()
             self._conn = None
@@ -251,7 +259,20 @@ class JobStore:
 
     @contextmanager
     def _write(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
-        """One write transaction under the lock; ``durable`` syncs it to disk on commit."""
+        """One write transaction under the lock; ``durable`` syncs it to disk on commit. A
+        failure of the database itself is kept in :attr:`write_failure` until a write works."""
+        try:
+            with self._transaction(durable) as conn:
+                yield conn
+        except sqlite3.IntegrityError:
+            raise  # a refused change (an invariant), not a store that fails
+        except sqlite3.DatabaseError as exc:  # full, read-only, an I/O error, damaged
+            self.write_failure = f"{type(exc).__name__}: {exc}"
+            raise
+        self.write_failure = None
+
+    @contextmanager
+    def _transaction(self, durable: bool) -> Iterator[sqlite3.Connection]:
         with self._lock:
             conn = self._connection()
             if durable:

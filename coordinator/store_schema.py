@@ -30,7 +30,10 @@ state never changes; a result row exists exactly for the succeeded jobs.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +42,8 @@ from typing import IO
 from coordinator.errors import StoreError, StoreInUse
 
 SCHEMA_VERSION = 2
+LOCK_NAME = "jobs.lock"
+"""The file whose lock says a coordinator holds the state directory."""
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -146,6 +151,47 @@ def migrate(conn: sqlite3.Connection, path: Path) -> None:
     except BaseException:
         conn.rollback()
         raise
+
+
+def make_private(state_dir: Path, database: Path) -> None:
+    """The state directory ``0700`` and the database with its WAL and lock files ``0600``
+    (created so when new; tightened when an older coordinator left them readable by others):
+    they hold the jobs' inputs and results, which may be private rows.
+
+    Raises:
+        OSError: a file cannot be created or its mode changed (not ours, say).
+    """
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(state_dir, 0o700)
+    for path in (database, state_dir / LOCK_NAME):
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # SQLite copies its mode
+    for suffix in ("", "-wal", "-shm"):
+        _tighten(database.with_name(database.name + suffix), 0o600)
+    _tighten(state_dir / LOCK_NAME, 0o600)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_IMODE(path.stat().st_mode) & ~mode:
+            path.chmod(mode)
+
+
+def check_integrity(conn: sqlite3.Connection, path: Path) -> None:
+    """``PRAGMA quick_check`` at open: a damaged database is refused now, not at the first
+    submit that touches the damaged page.
+
+    Raises:
+        StoreError: the check found problems (the first few are named).
+    """
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)").fetchall()]
+    except sqlite3.DatabaseError as exc:  # too damaged to even be checked
+        problems = [str(exc)]
+    if problems != ["ok"]:
+        raise StoreError(
+            f"the job store {path} is damaged ({'; '.join(problems)}): restore it from a "
+            "backup, or move it away to start with an empty store"
+        )
 
 
 class DirLock:

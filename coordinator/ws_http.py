@@ -1,6 +1,7 @@
 """The coordinator's plain HTTP endpoints, on the same port as its WebSockets.
 
-* ``GET /healthz`` — ``ok`` while the coordinator serves (always open);
+* ``GET /healthz`` — ``ok`` while the coordinator serves (always open); ``503`` with the reason
+  while its job store cannot be written (a full disk, a damaged file);
 * ``GET /metrics`` — Prometheus text; ``GET /`` — a live status page polling ``GET /api/status``
   (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
   or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``;
@@ -43,6 +44,10 @@ async def process_request(
     go on with the WebSocket handshake); ``websockets``' ``process_request`` hook."""
     path = request.path.split("?", 1)[0]
     if path == "/healthz":
+        failure = server.store.write_failure if server.store is not None else None
+        if failure is not None:
+            unhealthy = f"the job store cannot be written: {failure}\n"
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, unhealthy)
         return connection.respond(http.HTTPStatus.OK, "ok\n")
     if path in ("/", "/api/status", "/metrics"):
         token = None if server.public_status else server.tokens["/client"]

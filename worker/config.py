@@ -48,7 +48,7 @@ class AgentConfig:
         spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
             filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
-            readable by the job daemons (the data itself never leaves this machine).
+            readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
             tensors directly (port 0: any free port). The hello announces it as
             ``ws://HOST:PORT``, with ``127.0.0.1`` for a wildcard host (``0.0.0.0``/``::``/empty):

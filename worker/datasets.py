@@ -1,6 +1,6 @@
 """Worker-local datasets: ``somatize-worker --data NAME=PATH``, an ``.npz`` with ``x`` (and ``y``).
 
-Federated jobs train on data that never leaves the worker: the job names a dataset, the agent
+Federated jobs train on data the coordinator never uploads: the job names a dataset, the agent
 knows where it is, and the filter daemon reads it from disk. The agent hands the daemon the map
 of names to paths in the environment variable :data:`ENV`, so no path crosses the wire.
 """

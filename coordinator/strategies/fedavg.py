@@ -20,8 +20,9 @@ E the number of local epochs, η the learning rate)::
                 w ← w − η ∇ℓ(w; b)
         return w to server
 
-Here a client is a worker; its data P_k is its own dataset (``WorkerData``: it never leaves the
-worker) or a contiguous shard of the rows the client sent, staged in its daemon once per job.
+Here a client is a worker; its data P_k is its own dataset (``WorkerData``: the coordinator never
+uploads it; only what the filters return comes back) or a contiguous shard of the rows the
+client sent, staged in its daemon once per job.
 Selection is ``sorted(default_rng(seed + t).choice(K, m, replace=False))`` over the usable
 workers, m = max(``min_workers``, ⌈``fraction`` · K⌉). ClientUpdate is ``batched_fit`` with a
 fresh optimizer (the TorchFilters' own optimizer, ``lr`` and batches) from w_t sent with

@@ -5,11 +5,14 @@ job, over in-memory workers and a registry filled by hand (placement: test_jobs_
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 
 import numpy as np
 import pytest
 import torch
 
+from coordinator import store_retry
 from coordinator.registry import WorkerState
 from coordinator.store import JobState
 from protocol.errors import ErrorCode, RequestRefused
@@ -301,3 +304,48 @@ def test_a_huge_graph_is_checked_off_the_loop_and_refused_in_a_line(tmp_path):
     assert "... (20000 in all)])" in info.message
     assert len(info.message) < 300
     assert ticks > 1  # the loop ran other work while the graph was checked
+
+
+# -- a store that cannot be written (issue 14, row 9) ------------------------------------------
+
+
+def test_with_the_store_full_a_running_job_still_ends_for_its_watchers(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_retry, "STORE_RETRIES", (0.01, 0.02))
+
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit())
+            seen = []
+
+            async def follow():
+                async for event in h.manager.watch(job_id):
+                    seen.append(event)
+
+            watcher = asyncio.create_task(follow())
+            await h.until(lambda: any(e.kind == "progress" for e in seen))
+            # The disk is full: not one page more for the database, and what room its pages
+            # had left is taken.
+            filler = h.store.create("local", {}).id
+            conn = h.store._connection()
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")
+            for pad in (4000, 400, 40, 4, 0):
+                with contextlib.suppress(sqlite3.OperationalError):
+                    while True:
+                        h.store.add_event(filler, "progress", {"pad": "x" * pad})
+            h.gate.event.set()
+            await asyncio.wait_for(watcher, 30 * UNIT)
+            # What it did could not be stored: the job is not reported succeeded, and its
+            # watcher still learns how it ended, numbered after what it saw.
+            assert seen[-1].kind == "failed"
+            assert seen[-1].data["code"] == "internal"
+            assert "database or disk is full" in seen[-1].data["message"]
+            assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
+            assert h.store.write_failure is not None and "full" in h.store.write_failure
+            assert h.store.get(job_id).state is not JobState.SUCCEEDED
+            conn.execute("PRAGMA max_page_count = 1073741823")
+            h.store.add_event(filler, "progress", {})  # room again: the failure is gone
+            assert h.store.write_failure is None
+
+    run(main())

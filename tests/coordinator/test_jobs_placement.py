@@ -94,6 +94,12 @@ def test_placement_by_worker_id_and_dataset(tmp_path):
             assert record["summary"]["placement"] == "1 worker with dataset 'mnist'"
             await h.events_until(on_data, "placed")
             assert (await h.manager.record(on_data))["workers"] == ["a"]
+            # A dataset no worker has is refused at submit, not queued forever.
+            unknown = submit("local", graph=make_graph(Center().named("c")), dataset="imagenet")
+            with pytest.raises(RequestRefused, match=r"no worker has dataset 'imagenet'") as no:
+                await h.manager.submit(unknown)
+            assert no.value.code == ErrorCode.NO_WORKERS
+            assert "the workers have ['mnist']" in no.value.info.message
 
     run(main())
 

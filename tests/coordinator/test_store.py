@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -380,3 +381,33 @@ def test_a_version_1_store_gains_the_workers_table_and_keeps_its_jobs(tmp_path: 
     with sqlite3.connect(tmp_path / DB_NAME) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     conn.close()
+
+
+def test_the_state_directory_and_its_files_are_private_to_their_user(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    (state / DB_NAME).touch(mode=0o644)  # as an older coordinator left them
+    store, _ = JobStore.open(state)
+    store.create("local", {"rows": "private"})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [state, *state.iterdir()]}
+    store.close()
+    assert modes.pop("state") == 0o700
+    assert {DB_NAME, f"{DB_NAME}-wal", "jobs.lock"} <= set(modes)
+    assert set(modes.values()) == {0o600}, modes
+
+
+def test_a_damaged_store_is_refused_at_open_naming_what_is_wrong(tmp_path: Path) -> None:
+    store = JobStore(tmp_path)
+    for n in range(300):
+        store.create("local", {"n": n, "pad": "x" * 200})
+    store.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.close()
+    with open(tmp_path / DB_NAME, "r+b") as f:  # garbage over a page in the middle
+        f.seek(page_size * (pages - 2))
+        f.write(b"\xde\xad\xbe\xef" * (page_size // 4))
+    with pytest.raises(StoreError, match=r"is damaged \(.+\): restore it"):
+        JobStore(tmp_path)

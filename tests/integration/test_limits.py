@@ -14,10 +14,13 @@ import gc
 import os
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -482,3 +485,36 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
             await coordinator.stop()
 
     asyncio.run(main())
+
+
+def test_healthz_says_when_the_job_store_cannot_be_written(tmp_path):
+    async def main() -> None:
+        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        await coordinator.start()
+        assert coordinator.store is not None
+        store = coordinator.store
+        try:
+            assert await asyncio.to_thread(_healthz, coordinator.port) == (200, "ok\n")
+            conn = store._connection()
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+            with pytest.raises(sqlite3.OperationalError, match="full"):
+                await asyncio.to_thread(store.create, "local", {"pad": "x" * 100_000})
+            status, body = await asyncio.to_thread(_healthz, coordinator.port)
+            assert status == 503
+            assert body.startswith("the job store cannot be written: OperationalError:")
+            conn.execute("PRAGMA max_page_count = 1073741823")
+            await asyncio.to_thread(store.create, "local", {})
+            assert await asyncio.to_thread(_healthz, coordinator.port) == (200, "ok\n")
+        finally:
+            await coordinator.stop()
+
+    asyncio.run(main())
+
+
+def _healthz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            return int(reply.status), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
