@@ -59,6 +59,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"  # the coordinator is stopping
     COORDINATOR_RESTARTED = "coordinator_restarted"  # the job was running when it restarted
     COLLECTIVE_FAILED = "collective_failed"  # a torch.distributed group broke or timed out
+    RESOURCE_LIMIT = "resource_limit"  # a job's daemon went over --max-job-memory/--max-job-procs
     INTERNAL = "internal"  # a bug on the answering side
 
 

@@ -104,6 +104,20 @@ def _parser() -> argparse.ArgumentParser:
         "registration and refuses that id with any other key",
     )
     parser.add_argument(
+        "--max-job-memory",
+        type=_bytes,
+        metavar="BYTES",
+        help="resident memory a job's filter daemon may hold, with what it forks (e.g. 8G); "
+        "over it the daemon is killed and its job fails resource_limit (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-job-procs",
+        type=int,
+        metavar="N",
+        help="processes a job's filter daemon may run, itself included; over it the daemon "
+        "is killed and its job fails resource_limit (default: no limit)",
+    )
+    parser.add_argument(
         "--daemon-env",
         action="append",
         default=[],
@@ -154,6 +168,20 @@ def _parser() -> argparse.ArgumentParser:
         help="log verbosity (default: INFO)",
     )
     return parser
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """``8G``, ``512M``, ``1073741824``: a byte count (suffixes in powers of 1024)."""
+    number, unit = text.strip().upper().rstrip("IB"), ""
+    if number and number[-1] in _UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8G, 512M)") from None
 
 
 def _token(parser: argparse.ArgumentParser, token_file: str | None) -> str | None:
@@ -228,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             peer_tls_cert=args.peer_tls_cert,
             peer_tls_key=args.peer_tls_key,
             daemon_env=args.daemon_env,
+            max_job_memory=args.max_job_memory,
+            max_job_procs=args.max_job_procs,
             identity_key=identity_key,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,

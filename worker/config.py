@@ -17,6 +17,7 @@ from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
 from worker.daemon_env import refused_names
 from worker.devices import resolve_device
+from worker.job_limits import JobLimits
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
 
@@ -67,6 +68,10 @@ class AgentConfig:
             to it at the first registration; ``None``: the id is not bound.
         daemon_env: names of more variables of the agent's environment its daemons get
             (``--daemon-env``), beyond :mod:`worker.daemon_env`'s allow-list; the tokens never.
+        max_job_memory: resident bytes a job's daemon, with what it forked, may hold
+            (``--max-job-memory``); ``None``: any.
+        max_job_procs: processes a job's daemon may run, itself included (``--max-job-procs``);
+            ``None``: any.
         stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
             next chunk before it is dropped and its memory freed.
         max_message_bytes: largest message accepted from the coordinator or a peer (and the
@@ -107,6 +112,8 @@ class AgentConfig:
     daemon_env: Sequence[str] = ()
     identity_key: str | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
+    max_job_memory: int | None = None
+    max_job_procs: int | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"
@@ -120,6 +127,7 @@ class AgentConfig:
             split_host_port(self.peer_listen)
         if (self.peer_tls_cert is None) != (self.peer_tls_key is None):
             raise ValueError("peer TLS needs both a certificate and its key")
+        JobLimits(self.max_job_memory, self.max_job_procs)  # positive, or refused here
         if refused := refused_names(self.daemon_env):
             raise ValueError(f"no filter daemon is given {', '.join(refused)}: it holds a token")
 

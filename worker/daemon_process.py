@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,7 @@ class DaemonProcess:
         self._writing = False
         self.eof = False
         self.killed = False
+        self.over_limit: str | None = None  # why it was killed for going over a job limit
         self.pending: tuple[int, str, asyncio.Future[OkReply | ErrorReply]] | None = None
         """``(id, cmd, future)`` of the request awaiting its reply."""
         self.exited: asyncio.Future[int] = self._loop.create_future()
@@ -177,11 +179,17 @@ class DaemonProcess:
     # -- ending -------------------------------------------------------------------------------
 
     def kill(self) -> None:
-        """SIGKILL the daemon (no-op once reaped); EOF and reaping follow through the reader."""
+        """SIGKILL the daemon and its process group — what its filters forked — (no-op once
+        reaped); EOF and reaping follow through the reader."""
         self.killed = True
         if self.popen.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+
+    def kill_over_limit(self, why: str) -> None:
+        """:meth:`kill`, for going over a job limit: the pending request fails with ``why``."""
+        self.over_limit = why
+        self.kill()
 
     def take_pending(self) -> tuple[int, str, asyncio.Future[OkReply | ErrorReply]] | None:
         """Detach the pending request: whoever takes it is the one who resolves its future."""
@@ -190,13 +198,26 @@ class DaemonProcess:
 
 
 def reap(popen: subprocess.Popen[bytes]) -> int:
-    """Wait for a daemon that closed its stdout; kill it if it lingers. Runs in an executor."""
-    try:
-        return popen.wait(timeout=REAP_SECONDS)
-    except subprocess.TimeoutExpired:
+    """Wait for a daemon that closed its stdout, killing it if it lingers, then kill what is
+    left of its process group (what its filters forked) before reaping it: until then its pid,
+    which is the group's id, cannot be given to another process. Runs in an executor."""
+    deadline = time.monotonic() + REAP_SECONDS
+    while not _exited(popen.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not _exited(popen.pid):
         log.warning("filter daemon %d closed its stdout but did not exit; killing it", popen.pid)
-        popen.kill()
-        return popen.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    return popen.wait()
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` (a child) has exited, leaving it unreaped."""
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return True
+    return found is not None
 
 
 def spawn(

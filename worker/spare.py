@@ -19,6 +19,7 @@ from protocol.daemon import PingRequest
 from worker.config import AgentConfig
 from worker.datasets import environment as dataset_environment
 from worker.errors import DaemonError
+from worker.job_limits import JobLimits
 from worker.supervisor import DaemonSupervisor
 from worker.tasks import owned_task
 
@@ -56,6 +57,7 @@ class DaemonPool:
             default_timeout=config.startup_timeout,
             device=config.device,
             passed_env=config.daemon_env,
+            limits=JobLimits(config.max_job_memory, config.max_job_procs),
         )
         self._daemons.add(supervisor)
         return supervisor

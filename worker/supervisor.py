@@ -62,6 +62,7 @@ from worker.errors import (
     DaemonNotRunning,
     DaemonTimeout,
 )
+from worker.job_limits import NO_LIMITS, POLL_SECONDS, JobLimits, group_usage, over
 
 __all__ = ["DaemonSupervisor"]
 
@@ -84,6 +85,9 @@ class DaemonSupervisor:
         env: what the agent sets for the daemon (its datasets), over what it inherits: only
             the allow-list of :mod:`worker.daemon_env` (never a token) and ``passed_env``.
         passed_env: more variables of the agent's environment to pass on (``--daemon-env``).
+        limits: what the daemon's process group may hold (``--max-job-memory``,
+            ``--max-job-procs``); over them it is killed, its request failing
+            ``resource_limit``.
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
         device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
             ``"cuda:N"`` or ``"mps"``.
@@ -99,12 +103,15 @@ class DaemonSupervisor:
         default_timeout: float = 60.0,
         device: str = "cpu",
         passed_env: Sequence[str] = (),
+        limits: JobLimits = NO_LIMITS,
     ) -> None:
         self.python = python
         self.device = device
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.env = dict(env or {})
         self.passed_env = tuple(passed_env)
+        self.limits = limits
+        self._watch: asyncio.Task[None] | None = None
         self.default_timeout = default_timeout
         self._child: DaemonProcess | None = None
         self._lock = asyncio.Lock()
@@ -332,6 +339,13 @@ class DaemonSupervisor:
 
     def _crashed(self, child: DaemonProcess, cmd: str, returncode: int) -> DaemonCrashed:
         how, detail = describe_exit(returncode)
+        if child.over_limit is not None:
+            return DaemonCrashed(
+                ErrorCode.RESOURCE_LIMIT,
+                f"the filter daemon (pid {child.pid}) was killed while running {cmd}: "
+                f"{child.over_limit}",
+                {"cmd": cmd, "pid": child.pid, **detail},
+            )
         return DaemonCrashed(
             ErrorCode.DAEMON_CRASHED,
             f"the filter daemon (pid {child.pid}) {how} before answering {cmd}",
@@ -374,7 +388,21 @@ class DaemonSupervisor:
         )
         self._last_exit = {}
         log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
+        if self.limits.any:
+            self._watch = asyncio.ensure_future(self._watch_limits(self._child))
         await self._request(_PING, self.default_timeout)
+
+    async def _watch_limits(self, child: DaemonProcess) -> None:
+        """Kill ``child``'s process group once it holds more than :attr:`limits` allow."""
+        while not child.exited.done():
+            usage = await asyncio.to_thread(group_usage, child.pid)  # reads /proc: off the loop
+            why = over(usage, self.limits)
+            if why is not None and not child.exited.done():
+                log.warning("filter daemon %d: %s; killing it", child.pid, why)
+                child.kill_over_limit(why)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(child.exited), POLL_SECONDS)
 
     async def _kill(self, child: DaemonProcess) -> None:
         """Kill ``child`` if it still runs and wait until it is reaped."""
