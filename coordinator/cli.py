@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from coordinator.clients import ClientTokens
 from coordinator.ws_server import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_CONNECTIONS,
@@ -76,6 +77,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _security_options(parser: argparse.ArgumentParser) -> None:
     """Tokens, TLS, and who may see the status page."""
+    parser.add_argument(
+        "--client-tokens-file",
+        metavar="FILE",
+        help="named client tokens, a line 'NAME TOKEN' or 'NAME TOKEN admin' each (chmod 600): "
+        "a client sees and cancels only its own jobs unless it is an admin",
+    )
+    parser.add_argument(
+        "--max-queued-jobs",
+        type=_positive_int,
+        metavar="N",
+        help="jobs one client may have queued or running at once; one more is refused busy "
+        "(default: no limit)",
+    )
     parser.add_argument(
         "--forget-worker",
         action="append",
@@ -195,6 +209,11 @@ def _split(listen: str) -> tuple[str, int]:
 def _token(path: str | None, variable: str) -> str | None:
     if path is None:
         return os.environ.get(variable) or None
+    return _secret_file(path).strip()
+
+
+def _secret_file(path: str) -> str:
+    """What a token file holds, once it is found readable by its owner only, and not empty."""
     try:
         with open(path, encoding="utf-8") as f:
             mode, text = os.fstat(f.fileno()).st_mode, f.read()
@@ -203,7 +222,7 @@ def _token(path: str | None, variable: str) -> str | None:
     problem = token_file_problem(path, mode, text)
     if problem is not None:
         raise SystemExit(f"somatize-coordinator: {problem}")
-    return text.strip()
+    return text
 
 
 def _loopback(host: str) -> bool:
@@ -217,13 +236,24 @@ async def _main(args: argparse.Namespace) -> None:
     host, port = _split(args.listen)
     worker_token = _token(args.worker_token_file, "SOMATIZE_WORKER_TOKEN")
     client_token = _token(args.client_token_file, "SOMATIZE_TOKEN")
-    if not _loopback(host) and not args.insecure and not (worker_token and client_token):
+    client_tokens = None
+    if args.client_tokens_file is not None:
+        try:
+            client_tokens = ClientTokens.parse(
+                _secret_file(args.client_tokens_file), args.client_tokens_file
+            )
+        except ValueError as exc:
+            raise SystemExit(f"somatize-coordinator: {exc}") from exc
+    any_client_token = client_token is not None or client_tokens is not None
+    if not _loopback(host) and not args.insecure and not (worker_token and any_client_token):
         raise SystemExit(
             f"somatize-coordinator: refusing to listen on {host} without tokens: a client can run "
             "code on every worker. Give --worker-token-file and --client-token-file (or "
             "SOMATIZE_WORKER_TOKEN and SOMATIZE_TOKEN), or --insecure to accept the risk."
         )
-    if worker_token is not None and worker_token == client_token:
+    if worker_token is not None and (
+        worker_token == client_token or (client_tokens and client_tokens.holds(worker_token))
+    ):
         raise SystemExit(
             "somatize-coordinator: the worker and client tokens must differ (a worker token "
             "must not be able to submit jobs)"
@@ -252,6 +282,8 @@ async def _main(args: argparse.Namespace) -> None:
         handshake_timeout=args.handshake_timeout,
         worker_token=worker_token,
         client_token=client_token,
+        client_tokens=client_tokens,
+        max_queued_jobs=args.max_queued_jobs,
         tls=tls,
         public_status=args.public_status,
         forget_workers=args.forget_worker,

@@ -33,6 +33,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.clients import EVERYONE
 from coordinator.context import (
     DEFAULT_CALL_TIMEOUT,
     StrategyContext,
@@ -47,9 +48,8 @@ from coordinator.strategies import (
     Placement,
     Strategy,
     StrategyFailed,
-    StrategyOptionsError,
-    strategy_from_spec,
 )
+from coordinator.submission import placement_of, rows_of, vetted
 from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.devices import device_fits
@@ -117,6 +117,7 @@ class _Job:
     id: str
     strategy: Strategy
     inputs: JobInputs
+    owner: str = EVERYONE.name  # the client that submitted it
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     workers: list[WorkerRecord] = field(default_factory=list)
@@ -143,6 +144,7 @@ class JobManager:
         observe: called with ``(command, seconds)`` for every successful worker command.
         context_factory: makes the strategy context of each job placed on its workers (the
             live workers over their connections unless told otherwise).
+        max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
     """
 
     def __init__(
@@ -154,8 +156,10 @@ class JobManager:
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
         *,
         context_factory: ContextFactory = transport_context,
+        max_queued_jobs: int | None = None,
     ) -> None:
         self.store = store
+        self.max_queued_jobs = max_queued_jobs
         self.registry = registry
         self.call_timeout = call_timeout
         self.job_threads = job_threads
@@ -198,7 +202,7 @@ class JobManager:
             recruit.found.set_result(worker)
         for job_id in list(self._queue):
             job = self._jobs[job_id]
-            placement = _placement(job.strategy, job.inputs)
+            placement = placement_of(job.strategy, job.inputs)
             idle = self.registry.idle()
             picks = placement.choose([w.identity for w in idle])
             if picks is None:
@@ -222,7 +226,7 @@ class JobManager:
         job = self._jobs[job_id]
         recruit = _Recruit(
             job,
-            _placement(job.strategy, job.inputs),
+            placement_of(job.strategy, job.inputs),
             asyncio.get_running_loop().create_future(),
         )
         self._recruits.append(recruit)
@@ -242,24 +246,34 @@ class JobManager:
 
     # -- client requests ----------------------------------------------------------------------
 
-    async def submit(self, msg: Submit) -> str:
-        """Validate and queue a job; returns its id.
+    async def submit(self, msg: Submit, owner: str = EVERYONE.name) -> str:
+        """Validate and queue a job of client ``owner``; returns its id.
 
         The checks are linear in the graph's size and run off the event loop: a submit of a
-        huge graph delays no heartbeat and no other client."""
+        huge graph delays no heartbeat and no other client. A client that has
+        :attr:`max_queued_jobs` jobs queued or running already is refused ``busy``."""
         if not self.accepting:
             raise RequestRefused.of(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
-        strategy, inputs, placement = await asyncio.to_thread(_vetted, msg)
+        live = sum(1 for job in self._jobs.values() if job.owner == owner)
+        if self.max_queued_jobs is not None and live >= self.max_queued_jobs:
+            raise RequestRefused.of(
+                ErrorCode.BUSY,
+                f"client {owner} has {live} jobs queued or running (the limit is "
+                f"{self.max_queued_jobs}): submit again once one has ended",
+                limit=self.max_queued_jobs,
+            )
+        strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
         self._check_targets(placement)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
-            "rows": _rows(msg.x),
+            "rows": rows_of(msg.x),
             "dataset": msg.dataset,
             "placement": placement.describe(),
+            "owner": owner,
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
-        job = _Job(record.id, strategy, inputs)
+        job = _Job(record.id, strategy, inputs, owner)
         self._jobs[job.id] = job
         self._queue.append(job.id)
         await self._emit(job.id, "queued", {"placement": summary["placement"]})
@@ -381,6 +395,18 @@ class JobManager:
 
     async def record(self, job_id: str) -> dict[str, Any]:
         return record_dict(await self._record(job_id))
+
+    async def owner(self, job_id: str) -> str | None:
+        """The client that submitted ``job_id`` (``None``: from before owners were kept).
+
+        Raises:
+            RequestRefused: ``unknown_job``.
+        """
+        job = self._jobs.get(job_id)
+        if job is not None:
+            return job.owner
+        owner = (await self._record(job_id)).summary.get("owner")
+        return owner if isinstance(owner, str) else None
 
     async def records(self, limit: int = 50) -> list[dict[str, Any]]:
         records = await asyncio.to_thread(self.store.list, None, limit)
@@ -518,49 +544,6 @@ class JobManager:
             ) from exc
 
 
-def _vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
-    """The strategy, inputs and placement of a submitted job, or why it is refused (checked in
-    a worker thread: see :meth:`JobManager.submit`).
-
-    Raises:
-        RequestRefused: ``BAD_REQUEST`` naming what is wrong.
-    """
-    try:
-        strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
-    except StrategyOptionsError as exc:
-        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
-    missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
-    if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
-        raise RequestRefused.of(
-            ErrorCode.BAD_REQUEST,
-            "graph.filters must hold exactly the nodes of graph.node_ids; missing "
-            f"{listed(missing)}",
-        )
-    filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
-    if (msg.x is None) == (msg.dataset is None):
-        raise RequestRefused.of(
-            ErrorCode.BAD_REQUEST,
-            "a job trains on data it sends (x, y) or on the workers' own dataset, "
-            "exactly one of the two",
-        )
-    inputs = JobInputs(
-        msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset
-    )
-    try:
-        strategy.validate(inputs)
-    except StrategyOptionsError as exc:
-        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
-    return strategy, inputs, _placement(strategy, inputs)
-
-
-def _placement(strategy: Strategy, inputs: JobInputs) -> Placement:
-    """The strategy's placement, also requiring the job's dataset on every worker."""
-    placement = strategy.placement()
-    if inputs.dataset is None:
-        return placement
-    return dataclasses.replace(placement, dataset=inputs.dataset)
-
-
 def _on_devices(known: list[WorkerIdentity]) -> str:
     """The known workers and their devices, as a refusal lists them."""
     return "workers: " + (", ".join(f"{w.id} {w.device}" for w in known) or "none")
@@ -575,10 +558,3 @@ def _code(code: Any) -> ErrorCode:
         return ErrorCode(code)
     except ValueError:
         return ErrorCode.INTERNAL
-
-
-def _rows(x: Any) -> int | None:
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None

@@ -24,6 +24,7 @@ import orjson
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
+from coordinator.clients import EVERYONE, ClientIdentity
 from coordinator.status_page import CSP, PAGE
 
 if TYPE_CHECKING:
@@ -50,16 +51,24 @@ async def process_request(
             return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, unhealthy)
         return connection.respond(http.HTTPStatus.OK, "ok\n")
     if path in ("/", "/api/status", "/metrics"):
-        token = None if server.public_status else server.tokens["/client"]
-        if not authorized(request, token, basic=True):
+        client = EVERYONE if server.public_status else identified(server, request, basic=True)
+        if client is None:
             return _unauthorized(connection, path)
         if path == "/":
             return _page(connection)
         if path == "/api/status":
-            return _json(connection, await server.status())
+            return _json(connection, await server.status(client))
         return await _metrics(server, connection)
+    if path == "/client":
+        client = identified(server, request)
+        if client is None:
+            log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
+            return connection.respond(
+                http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
+            )
+        server.clients[connection] = client
     if path in ("/worker", "/client"):
-        if not authorized(request, server.tokens[path]):
+        if path == "/worker" and not authorized(request, server.tokens[path]):
             log.info("refused %s on %s: missing or wrong token", connection.remote_address, path)
             return connection.respond(
                 http.HTTPStatus.UNAUTHORIZED, f"{path} needs a valid bearer token\n"
@@ -98,26 +107,40 @@ def _busy(server: Coordinator, connection: ServerConnection) -> Response:
 
 
 def authorized(request: Request, token: str | None, *, basic: bool = False) -> bool:
-    """Whether the request carries ``Authorization: Bearer <token>`` — or, with ``basic``, HTTP
-    Basic credentials whose password is the token (RFC 7617; the user name is not looked at) —
-    compared in constant time; a request with several ``Authorization`` headers is not.
-    ``token`` ``None``: anyone is."""
+    """Whether the request carries ``Authorization: Bearer <token>`` (see :func:`offered`),
+    compared in constant time. ``token`` ``None``: anyone is."""
     if token is None:
         return True
+    given = offered(request, basic=basic)
+    return given is not None and hmac.compare_digest(token.encode(), given)
+
+
+def identified(
+    server: Coordinator, request: Request, *, basic: bool = False
+) -> ClientIdentity | None:
+    """The client whose token the request carries (:func:`offered`); ``None``: nobody's.
+    Without client tokens everyone is :data:`~coordinator.clients.EVERYONE`."""
+    if server.client_tokens is None:
+        return EVERYONE
+    given = offered(request, basic=basic)
+    return None if given is None else server.client_tokens.identify(given)
+
+
+def offered(request: Request, *, basic: bool = False) -> bytes | None:
+    """The token of ``Authorization: Bearer <token>`` — or, with ``basic``, the password of
+    HTTP Basic credentials (RFC 7617; the user name is not looked at); ``None`` without one,
+    or with several ``Authorization`` headers (which would be meant is anyone's guess)."""
     values = request.headers.get_all("Authorization")
-    if len(values) != 1:  # none, or several: which one would be meant is anyone's guess
-        return False
+    if len(values) != 1:
+        return None
     scheme, _, given = values[0].partition(" ")
-    offered = given.strip().encode()
+    token = given.strip().encode()
     if scheme.lower() == "basic" and basic:
         try:
-            decoded = base64.b64decode(offered, validate=True)
+            return base64.b64decode(token, validate=True).partition(b":")[2]
         except (binascii.Error, ValueError):
-            return False
-        offered = decoded.partition(b":")[2]
-    elif scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.encode(), offered)
+            return None
+    return token if scheme.lower() == "bearer" else None
 
 
 def _unauthorized(connection: ServerConnection, path: str) -> Response:

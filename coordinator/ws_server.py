@@ -34,7 +34,7 @@ import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from coordinator.client_requests import ClientRequests
+from coordinator.clients import EVERYONE, ClientIdentity, ClientTokens
 from coordinator.jobs import JobManager, record_dict
 from coordinator.metrics import Metrics
 from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
@@ -64,9 +66,6 @@ from protocol.messages import (
     Ack,
     ClientHello,
     Deliver,
-    JobEvent,
-    Probe,
-    Result,
     Shutdown,
     Welcome,
     WorkerHello,
@@ -77,8 +76,6 @@ log = logging.getLogger(__name__)
 SERVER = "somatize-coordinator/0.1.0"
 RELAY_TIMEOUT = 60.0
 """Seconds a worker has to take a relayed tensor into its mailbox."""
-PROBE_TIMEOUT = 60.0
-"""Seconds a worker has to answer a ping (its spare daemon may still be starting)."""
 REASSEMBLY_BUDGET = 4 << 30
 """Default bytes of chunked messages in progress on all connections together (4 GiB)."""
 HANDSHAKE_TIMEOUT = 10.0
@@ -116,6 +113,10 @@ class Coordinator:
         tls: serve ``wss://`` (and ``https://`` health, metrics and status) with this context.
         public_status: serve ``/``, ``/api/status`` and ``/metrics`` without the client token
             (for a scraper on a trusted network). ``/healthz`` is always open.
+        client_tokens: named client tokens (``--client-tokens-file``), beside ``client_token``
+            (which is the ``client`` admin's): a client sees and cancels only its own jobs
+            unless it is an admin.
+        max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
         forget_workers: worker ids whose identity key is dropped at :meth:`start` (their next
             keyed hello enrols again).
         max_reassembly_bytes: the bytes of chunked messages in progress on all connections
@@ -146,6 +147,8 @@ class Coordinator:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         worker_token: str | None = None,
         client_token: str | None = None,
+        client_tokens: ClientTokens | None = None,
+        max_queued_jobs: int | None = None,
         tls: ssl.SSLContext | None = None,
         public_status: bool = False,
         forget_workers: Sequence[str] = (),
@@ -172,10 +175,19 @@ class Coordinator:
         self._pending: dict[ServerConnection, float] = {}  # → the loop time of its TCP accept
         # Upgrades whose token was checked, until they close (those still pending count).
         self._admitted: weakref.WeakSet[ServerConnection] = weakref.WeakSet()
-        self.tokens = {"/worker": worker_token, "/client": client_token}
+        self.tokens = {"/worker": worker_token}
+        self.client_tokens = client_tokens
+        if client_token is not None:
+            single = ClientTokens.single(client_token)
+            self.client_tokens = single if client_tokens is None else single.merged(client_tokens)
+        self.clients: weakref.WeakKeyDictionary[ServerConnection, ClientIdentity] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Who each ``/client`` connection is, from its token (:mod:`coordinator.clients`)."""
         self.tls = tls
         self.public_status = public_status
         self.forget_workers = tuple(forget_workers)
+        self.max_queued_jobs = max_queued_jobs
         self.reassembly = Budget(max(max_reassembly_bytes, max_message_bytes))
         """The chunked messages in progress on all connections together."""
         self.stall_timeout = stall_timeout
@@ -189,16 +201,7 @@ class Coordinator:
         self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
         self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
         self._stopped = asyncio.Event()
-        self._client_handlers = {
-            "submit": self.on_submit,
-            "watch": self.on_watch,
-            "get_result": self.on_get_result,
-            "cancel": self.on_cancel,
-            "get_job": self.on_get_job,
-            "list_jobs": self.on_list_jobs,
-            "status": self.on_status,
-            "ping": self.on_ping,
-        }
+        self.client_requests = ClientRequests(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -218,7 +221,12 @@ class Coordinator:
             else:
                 log.warning("worker %s: no identity to forget", worker_id)
         self.jobs = JobManager(
-            store, self.registry, self.call_timeout, self.job_threads, self.metrics.observe
+            store,
+            self.registry,
+            self.call_timeout,
+            self.job_threads,
+            self.metrics.observe,
+            max_queued_jobs=self.max_queued_jobs,
         )
         self.registry.on_change = self.jobs.kick
         self._server = await serve(
@@ -322,20 +330,18 @@ class Coordinator:
         """Every connection's channel, hello or not."""
         return self._channels
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self, client: ClientIdentity = EVERYONE) -> dict[str, Any]:
         """What ``somatize status`` and the status page show: every worker's summary and the
-        latest jobs' records (state, progress, error), with the server's name and clock (the page
-        measures durations against it, not against the browser's)."""
+        latest jobs' records (state, progress, error) that ``client`` may see, with the server's
+        name and clock (the page measures durations against it, not against the browser's)."""
         assert self.jobs is not None
         now = time.monotonic()
         return {
             "server": SERVER,
             "time": time.time(),
             "workers": [w.summary(now) for w in self.registry],
-            "jobs": await self.jobs.records(STATUS_JOBS),
+            "jobs": await self.client_requests.records(client, STATUS_JOBS),
         }
-
-    # -- connections --------------------------------------------------------------------------
 
     async def _connection(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
@@ -517,93 +523,7 @@ class Coordinator:
         await channel.run()
 
     async def _on_client_message(self, channel: Channel, message: Any) -> Any:
-        handler = self._client_handlers.get(message.kind)
-        if handler is None:
-            raise RequestRefused.of(
-                ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a client"
-            )
-        return await handler(channel, message)
-
-    # -- client requests ----------------------------------------------------------------------
-
-    async def on_submit(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        job_id = await self.jobs.submit(message)
-        return Result(result={"job_id": job_id})
-
-    async def on_watch(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        async with _while_open(channel):
-            async for event in self.jobs.watch(message.job_id, message.after_seq):
-                await channel.reply(
-                    message,
-                    JobEvent(
-                        job_id=event.job_id,
-                        seq=event.seq,
-                        time=event.time,
-                        event=event.kind,
-                        data=event.data,
-                    ),
-                )
-        return Ack()
-
-    async def on_get_result(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        async with _while_open(channel):
-            return Result(result=await self.jobs.result(message.job_id, message.wait))
-
-    async def on_cancel(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        await self.jobs.cancel(message.job_id)
-        return Ack()
-
-    async def on_get_job(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        return Result(result={"record": await self.jobs.record(message.job_id)})
-
-    async def on_list_jobs(self, channel: Channel, message: Any) -> Any:
-        assert self.jobs is not None
-        return Result(result={"jobs": await self.jobs.records(message.limit)})
-
-    async def on_ping(self, channel: Channel, message: Any) -> Any:
-        """A no-op round trip: to the coordinator, or on through a worker to its daemon."""
-        if message.worker_id is None:
-            return Result(result={"worker_id": None})
-        record = self.registry.get(message.worker_id)
-        if record is None or record.channel is None:
-            known = [w.id for w in self.registry if w.connected]
-            raise RequestRefused.of(
-                ErrorCode.BAD_REQUEST,
-                f"no connected worker {message.worker_id!r} (connected: {known})",
-            )
-        try:
-            reply = await record.channel.request(Probe(), PROBE_TIMEOUT)
-        except TimeoutError as exc:
-            raise RequestRefused.of(
-                ErrorCode.TIMEOUT, f"worker {record.id!r} did not answer within {PROBE_TIMEOUT}s"
-            ) from exc
-        except ChannelClosed as exc:
-            raise RequestRefused.of(
-                ErrorCode.WORKER_LOST, f"worker {record.id!r} disconnected"
-            ) from exc
-        return Result(result=reply.result)
-
-    async def on_status(self, channel: Channel, message: Any) -> Any:
-        return Result(result=await self.status())
-
-
-@contextlib.asynccontextmanager
-async def _while_open(channel: Channel) -> AsyncIterator[None]:
-    """Cancel the body when ``channel``'s connection ends: a client's wait (a watch of a job
-    that stays queued, a long ``get_result``) must not outlive the client."""
-    task = asyncio.current_task()
-    assert task is not None
-    closed = asyncio.ensure_future(channel.closed.wait())
-    closed.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
-    try:
-        yield
-    finally:
-        closed.cancel()
+        return await self.client_requests.handle(channel, message)
 
 
 def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:

@@ -65,6 +65,27 @@ def _forged_gradients() -> bytes:
     return encode_frame(torch.full((16, 8), float("nan")))
 
 
+def _attacked_pipeline(
+    client: Any, x: np.ndarray, y: np.ndarray, attack: Any
+) -> tuple[Any, Attacker]:
+    """A ModelParallel job over websocket links, and ``attack`` run against it until 20 of
+    its attempts were refused, while it trains; none may have got through."""
+    strategy = sz.ModelParallel(PARTITIONS, 2, transport="websocket")
+    job = client.submit(graph(epochs=EPOCHS), x, y, strategy=strategy)
+    wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 1, 60 * UNIT, "a step")
+    attacker = Attacker(attack, job.id)
+    attacker.start()
+    try:
+        wait_for(lambda: len(attacker.refusals) >= 20 or attacker.error, 60 * UNIT, "attacks")
+    finally:
+        attacker.stop.set()
+        attacker.join(30 * UNIT)
+    assert attacker.error is None, attacker.error
+    assert job.status()["state"] == "running", "the attacks landed while the job trained"
+    assert attacker.accepted == []
+    return job, attacker
+
+
 def _check_result(job: sz.Job, x: np.ndarray, y: np.ndarray) -> None:
     fitted = job.result(timeout=180 * UNIT)
     expected = reference(x, y, epochs=EPOCHS)
@@ -104,19 +125,7 @@ def test_forged_peer_hellos_are_refused_while_a_pipeline_trains_exactly(tmp_path
                     await asyncio.wait_for(reader, 10 * UNIT)  # the agent closes the link
                 await asyncio.sleep(0.02)
 
-        strategy = sz.ModelParallel(PARTITIONS, 2, transport="websocket")
-        job = client.submit(graph(epochs=EPOCHS), x, y, strategy=strategy)
-        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 1, 60 * UNIT, "a step")
-        attacker = Attacker(attack, job.id)
-        attacker.start()
-        try:
-            wait_for(lambda: len(attacker.refusals) >= 20 or attacker.error, 60 * UNIT, "attacks")
-        finally:
-            attacker.stop.set()
-            attacker.join(30 * UNIT)
-        assert attacker.error is None, attacker.error
-        assert job.status()["state"] == "running", "the attacks landed while the job trained"
-        assert attacker.accepted == []
+        job, attacker = _attacked_pipeline(client, x, y, attack)
         assert {code for code, _ in attacker.refusals} == {ErrorCode.UNAUTHORIZED}
         assert max(seconds for _, seconds in attacker.refusals) < 5 * UNIT
         linked = [e for e in job.events() if e.data.get("phase") == "linked"]
@@ -157,19 +166,7 @@ def test_a_worker_on_no_job_cannot_have_the_coordinator_relay_to_the_jobs_worker
                     await asyncio.sleep(0.02)
                 reader.cancel()
 
-        strategy = sz.ModelParallel(PARTITIONS, 2, transport="websocket")
-        job = client.submit(graph(epochs=EPOCHS), x, y, strategy=strategy)
-        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 1, 60 * UNIT, "a step")
-        attacker = Attacker(attack, job.id)
-        attacker.start()
-        try:
-            wait_for(lambda: len(attacker.refusals) >= 20 or attacker.error, 60 * UNIT, "attacks")
-        finally:
-            attacker.stop.set()
-            attacker.join(30 * UNIT)
-        assert attacker.error is None, attacker.error
-        assert job.status()["state"] == "running", "the attacks landed while the job trained"
-        assert attacker.accepted == []
+        job, attacker = _attacked_pipeline(client, x, y, attack)
         assert {code for code, _ in attacker.refusals} == {ErrorCode.BAD_REQUEST}
         linked = [e for e in job.events() if e.data.get("phase") == "linked"]
         assert linked and linked[0].data["relay"], "without peer links the coordinator relays"
