@@ -35,12 +35,22 @@ import runpy
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
 from somatize.errors import UsageError
+from somatize.tables import (
+    cells,
+    describe_state,
+    jobs_table,
+    placed_text,
+    printable,
+    progress_text,
+    replica_text,
+    workers_table,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -352,161 +362,21 @@ def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
         status = client.status()
     out.print(workers_table(status.get("workers", [])))
-    out.print(_jobs_table(status.get("jobs", [])))
+    out.print(jobs_table(status.get("jobs", [])))
     return EXIT_OK
-
-
-def workers_table(workers: list[dict[str, Any]]) -> Any:
-    """The workers of a status snapshot as ``somatize status`` prints them."""
-    from rich.table import Table
-
-    table = Table(title="workers", title_justify="left")
-    for column in ("id", "tags", "state", "device", "heartbeat", "job"):
-        table.add_column(column, no_wrap=column in ("id", "device"))
-    for w in workers:
-        age = w.get("last_heartbeat_age")
-        capabilities = w.get("capabilities")
-        table.add_row(
-            *cells(
-                w.get("id", ""),
-                ", ".join(str(t) for t in w.get("tags") or []),
-                w.get("state", ""),
-                device_text(capabilities if isinstance(capabilities, dict) else {}),
-                f"{age:.1f} s ago" if isinstance(age, int | float) else "",
-                w.get("job_id") or "",
-            )
-        )
-    return table
-
-
-def cells(*values: Any) -> list[Any]:
-    """Table cells that show what they hold: never read as rich markup (a tag ``[red]``), and
-    control characters (a worker id with an escape sequence) shown escaped, not sent to the
-    terminal."""
-    from rich.text import Text
-
-    return [Text(printable(str(value))) for value in values]
-
-
-def printable(text: str) -> str:
-    """``text`` with each non-printable character written as its Python escape."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def device_text(capabilities: dict[str, Any]) -> str:
-    """A worker's training device in a few words: ``cpu``, ``cuda:0 NVIDIA H200 139.8 GiB``
-    (the status page's ``deviceText`` says the same)."""
-    parts = [str(capabilities.get("device") or "cpu")]
-    if capabilities.get("device_name"):
-        parts.append(str(capabilities["device_name"]))
-    memory = capabilities.get("device_memory_bytes")
-    if isinstance(memory, int | float) and not isinstance(memory, bool) and memory > 0:
-        parts.append(f"{memory / 2**30:.1f} GiB")
-    return " ".join(parts)
 
 
 def _jobs(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
         if not args.watch:
-            out.print(_jobs_table(client.jobs(limit=args.limit)))
+            out.print(jobs_table(client.jobs(limit=args.limit)))
             return EXIT_OK
         from rich.live import Live
 
-        with Live(_jobs_table(client.jobs(limit=args.limit)), console=out) as live:
+        with Live(jobs_table(client.jobs(limit=args.limit)), console=out) as live:
             while True:  # until Ctrl-C (the caller turns it into exit code 130)
                 time.sleep(1.0)
-                live.update(_jobs_table(client.jobs(limit=args.limit)))
-
-
-def _jobs_table(records: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="jobs", title_justify="left")
-    for column in ("id", "strategy", "state", "progress", "duration"):
-        table.add_column(column, no_wrap=column == "id")  # ids are copied from here: keep whole
-    now = time.time()
-    for r in records:
-        progress = r.get("progress")
-        state = str(r.get("state", ""))
-        if state == "failed" and isinstance(r.get("error"), dict):
-            state = f"failed ({r['error'].get('code', '?')})"
-        text = progress_text(progress) if isinstance(progress, dict) else ""
-        summary = r.get("summary")
-        if (
-            state == "queued"
-            and not text
-            and isinstance(summary, dict)
-            and summary.get("placement")
-        ):
-            text = f"waiting for {summary['placement']}"  # why it has not started
-        table.add_row(
-            *cells(r.get("id", ""), r.get("strategy", ""), state, text, duration_text(r, now))
-        )
-    return table
-
-
-def placed_text(data: dict[str, Any]) -> str:
-    """A ``placed`` event in words: ``placed on w1 (cuda:0), w2 (cuda:1)``, and for
-    DataParallel the collective: ``; gradients by torch (gloo)``."""
-    workers = [str(w) for w in data.get("workers") or []]
-    devices = data.get("devices")
-    if isinstance(devices, list) and len(devices) == len(workers):
-        workers = [f"{w} ({d})" for w, d in zip(workers, devices, strict=True)]
-    text = f"placed on {', '.join(workers) or '?'}"
-    collective = data.get("collective")
-    if collective == "torch":
-        text += f"; gradients by torch.distributed ({data.get('backend', '?')})"
-    elif collective == "coordinator":
-        text += f"; gradients through the coordinator: {data.get('collective_reason', '')}"
-    return text
-
-
-def replica_text(event: str, data: dict[str, Any]) -> str:
-    """An elastic job's replica event, in a few words."""
-    if event == "worker_lost":
-        return f"lost worker {data.get('worker')} ({data.get('code')}); waiting for a replacement"
-    return f"worker {data.get('worker')} replaces {data.get('lost')}"
-
-
-def progress_text(data: dict[str, Any]) -> str:
-    """``{"phase": "train", "epoch": 2, "epochs": 5, "step": 10, "loss": 0.1}`` in words.
-
-    Known keys come first in a fixed order, then any other scalar (lists such as the epoch
-    losses are left out: a table cell is no place for them).
-    """
-    parts = []
-    if data.get("phase"):
-        parts.append(str(data["phase"]))
-    epoch, epochs = data.get("epoch"), data.get("epochs")
-    if epoch is not None:
-        parts.append(f"epoch {epoch}" + (f"/{epochs}" if epochs is not None else ""))
-    elif epochs is not None:
-        parts.append(f"{epochs} epochs")
-    if data.get("step") is not None:
-        parts.append(f"step {data['step']}")
-    loss = data.get("loss")
-    if isinstance(loss, int | float):
-        parts.append(f"loss {loss:.4g}")
-    shown = {"phase", "epoch", "epochs", "step", "loss"}
-    parts += [
-        f"{k} {v}"
-        for k, v in data.items()
-        if k not in shown and isinstance(v, str | int | float) and not isinstance(v, bool)
-    ]
-    return " ".join(parts)
-
-
-def duration_text(record: dict[str, Any], now: float) -> str:
-    """How long a job ran (or has been running, or waiting, when it did not start)."""
-    created, started, finished = (record.get(k) for k in ("created", "started", "finished"))
-    if isinstance(started, int | float):
-        end = finished if isinstance(finished, int | float) else now
-        return f"{max(end - started, 0.0):.1f} s"
-    if isinstance(created, int | float) and not isinstance(finished, int | float):
-        return f"waiting {max(now - created, 0.0):.0f} s"
-    return ""
+                live.update(jobs_table(client.jobs(limit=args.limit)))
 
 
 def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -582,24 +452,6 @@ def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-
-
-def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
-    """``(key, shape, dtype)`` of each leaf of a state (nested dicts and lists flattened)."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            yield from describe_state(value, f"{prefix}.{key}" if prefix else str(key))
-        return
-    if isinstance(state, list | tuple):
-        for i, value in enumerate(state):
-            yield from describe_state(value, f"{prefix}[{i}]")
-        return
-    shape, dtype = getattr(state, "shape", None), getattr(state, "dtype", None)
-    if shape is not None and dtype is not None:
-        yield prefix, str(tuple(int(n) for n in shape)), str(dtype)
-    else:
-        text = repr(state)
-        yield prefix, "", type(state).__name__ + (f" {text}" if len(text) <= 40 else "")
 
 
 _COMMANDS = {"submit": _submit, "status": _status, "jobs": _jobs, "result": _result}

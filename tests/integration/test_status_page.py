@@ -20,7 +20,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
-from somatize.cli import device_text
+from somatize.tables import device_text
 from tests.coordinator.test_data_parallel import dataset, graph_for
 from tests.coordinator.test_http import running
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium

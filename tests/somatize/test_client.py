@@ -34,7 +34,7 @@ from protocol.messages import (
     Result,
     Welcome,
 )
-from somatize import cli
+from somatize import cli, tables
 from somatize.client import client_url
 from tests.utils import UNIT
 
@@ -108,7 +108,7 @@ def test_tables_show_ids_and_tags_as_they_are_never_as_markup_or_escape_sequence
         {"id": "w\x1b[2J\x1b]0;pwned\x07", "tags": ["[bold red]boom[/]"], "state": "idle"},
     ]
     console = Console(record=True, width=200, color_system=None)
-    console.print(cli.workers_table(workers))
+    console.print(tables.workers_table(workers))
     shown = console.export_text()
     assert "\x1b" not in shown and "\\x1b[2J\\x1b]0;pwned\\x07" in shown
     assert "[bold red]boom[/]" in shown
@@ -222,7 +222,7 @@ def test_status_shows_each_workers_device():
         {"id": "w3", "state": "offline"},  # an older coordinator: no capabilities
     ]
     console = Console(width=160, record=True)
-    console.print(cli.workers_table(workers))
+    console.print(tables.workers_table(workers))
     lines = console.export_text().splitlines()
     header = next(line for line in lines if "heartbeat" in line)
     assert [c.strip() for c in header.strip("│┃ ").split("┃")][:4] == [
@@ -239,42 +239,43 @@ def test_status_shows_each_workers_device():
     assert device_of("w1") == "cpu"
     assert device_of("w2") == "cuda:0 NVIDIA H200 150.0 GiB"
     assert device_of("w3") == "cpu"
-    assert cli.device_text({"device": "mps", "device_name": "Apple M2"}) == "mps Apple M2"
+    assert tables.device_text({"device": "mps", "device_name": "Apple M2"}) == "mps Apple M2"
 
 
 def test_the_placed_event_names_each_workers_device():
     data = {"workers": ["w1", "w2"], "devices": ["cuda:0", "cpu"]}
-    assert cli.placed_text(data) == "placed on w1 (cuda:0), w2 (cpu)"
-    assert cli.placed_text({"workers": ["w1"]}) == "placed on w1"  # an older coordinator
-    assert cli.placed_text({}) == "placed on ?"
+    assert tables.placed_text(data) == "placed on w1 (cuda:0), w2 (cpu)"
+    assert tables.placed_text({"workers": ["w1"]}) == "placed on w1"  # an older coordinator
+    assert tables.placed_text({}) == "placed on ?"
     torch_dp = {"workers": ["w1", "w2"], "collective": "torch", "backend": "gloo"}
-    assert cli.placed_text(torch_dp) == "placed on w1, w2; gradients by torch.distributed (gloo)"
+    assert tables.placed_text(torch_dp) == "placed on w1, w2; gradients by torch.distributed (gloo)"
     star = {"workers": ["w1"], "collective": "coordinator", "collective_reason": "asked for"}
-    assert cli.placed_text(star) == "placed on w1; gradients through the coordinator: asked for"
+    assert tables.placed_text(star) == "placed on w1; gradients through the coordinator: asked for"
 
 
 def test_state_and_progress_descriptions():
     state = {"w": torch.zeros(2, 3), "b": np.zeros(3, dtype=np.float32), "n": 3, "l": [None]}
-    assert list(cli.describe_state(state)) == [
+    assert list(tables.describe_state(state)) == [
         ("w", "(2, 3)", "torch.float32"),
         ("b", "(3,)", "float32"),
         ("n", "", "int 3"),
         ("l[0]", "", "NoneType None"),
     ]
-    text = cli.progress_text({"phase": "train", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5})
+    text = tables.progress_text({"phase": "train", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5})
     assert text == "train epoch 2/5 step 7 loss 0.5"
-    text = cli.progress_text({"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2})
+    trained = {"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2}
+    text = tables.progress_text(trained)
     assert text == "trained 3 epochs nodes 2"
     lost = {"worker": "w2", "code": "worker_lost", "replica": 1, "step": 5}
-    assert cli.replica_text("worker_lost", lost) == (
+    assert tables.replica_text("worker_lost", lost) == (
         "lost worker w2 (worker_lost); waiting for a replacement"
     )
     replaced = {"worker": "w3", "lost": "w2", "replica": 1}
-    assert cli.replica_text("worker_replaced", replaced) == "worker w3 replaces w2"
+    assert tables.replica_text("worker_replaced", replaced) == "worker w3 replaces w2"
     record = {"created": 10.0, "started": 12.0, "finished": 15.5}
-    assert cli.duration_text(record, now=100.0) == "3.5 s"
+    assert tables.duration_text(record, now=100.0) == "3.5 s"
     assert (
-        cli.duration_text({"created": 10.0, "started": None, "finished": None}, 20)
+        tables.duration_text({"created": 10.0, "started": None, "finished": None}, 20)
         == "waiting 10 s"
     )
 
