@@ -52,6 +52,9 @@ held."""
 MAILBOX_JOB_ENTRIES = 1024
 """Of those, what one job may hold (a pipeline holds a few per micro-batch): a job that fills
 its share leaves the others theirs."""
+MAILBOX_JOB_BYTES = 2 << 30
+"""And the bytes one job's untaken deliveries may hold together (2 GiB, the default largest
+message): 1,024 deliveries of a large message each would pin far more."""
 
 
 class Mailbox:
@@ -62,12 +65,17 @@ class Mailbox:
     """
 
     def __init__(
-        self, max_entries: int = MAILBOX_ENTRIES, max_job_entries: int = MAILBOX_JOB_ENTRIES
+        self,
+        max_entries: int = MAILBOX_ENTRIES,
+        max_job_entries: int = MAILBOX_JOB_ENTRIES,
+        max_job_bytes: int = MAILBOX_JOB_BYTES,
     ) -> None:
         self.max_entries = max_entries
         self.max_job_entries = max_job_entries
+        self.max_job_bytes = max_job_bytes
         self._slots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
         self._per_job: Counter[str] = Counter()
+        self._bytes: Counter[str] = Counter()  # of each job's deliveries not taken yet
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -85,6 +93,10 @@ class Mailbox:
         self._per_job[job_id] -= 1
         if not self._per_job[job_id]:
             del self._per_job[job_id]
+        if slot.done() and not slot.cancelled() and slot.exception() is None:
+            self._bytes[job_id] -= len(slot.result())
+            if not self._bytes[job_id]:
+                del self._bytes[job_id]
         return slot
 
     def put(self, job_id: str, key: str, payload: bytes) -> None:
@@ -92,9 +104,16 @@ class Mailbox:
 
         Raises:
             MailboxFull: ``key`` is new and ``max_entries`` are held already, or
-                ``max_job_entries`` of ``job_id``.
+                ``max_job_entries`` of ``job_id``; or the job's untaken deliveries with this
+                one would hold more than ``max_job_bytes``.
             DeliveredTwice: ``key`` holds a delivery not yet taken (it is not replaced).
         """
+        if self._bytes[job_id] + len(payload) > self.max_job_bytes:
+            raise MailboxFull(
+                f"the mailbox holds {self._bytes[job_id]} bytes of job {job_id!r} nobody took "
+                f"(the limit is {self.max_job_bytes} a job): {key!r} of {len(payload)} bytes "
+                "refused"
+            )
         if (job_id, key) not in self._slots:
             held, of_job = len(self._slots), self._per_job[job_id]
             if held >= self.max_entries or of_job >= self.max_job_entries:
@@ -110,6 +129,7 @@ class Mailbox:
                 "delivery is refused"
             )
         slot.set_result(payload)
+        self._bytes[job_id] += len(payload)
 
     async def take(self, job_id: str, key: str, timeout: float | None) -> bytes:  # noqa: ASYNC109
         """The payload of ``key``, once delivered; it is then forgotten.
@@ -137,6 +157,7 @@ class Mailbox:
             self._fail(slot, "mailbox cleared")
         self._slots.clear()
         self._per_job.clear()
+        self._bytes.clear()
 
     @staticmethod
     def _fail(slot: asyncio.Future[bytes], why: str) -> None:

@@ -214,6 +214,14 @@ def test_one_job_cannot_fill_the_mailbox_for_the_others() -> None:
         assert await box.take("fair", "act/0/0", 1) == b"y"
         box.drop("greedy")
         assert len(box) == 2
+        # Bytes too: a job's untaken deliveries hold at most max_job_bytes together.
+        heavy = Mailbox(max_job_bytes=10)
+        heavy.put("big", "act/0/0", b"123456")
+        with pytest.raises(MailboxFull, match="holds 6 bytes of job 'big'"):
+            heavy.put("big", "act/1/0", b"123456")
+        heavy.put("small", "act/0/0", b"123456")  # another job's share is its own
+        assert await heavy.take("big", "act/0/0", 1) == b"123456"
+        heavy.put("big", "act/1/0", b"123456")  # room again once taken
 
     drive(main)
 
