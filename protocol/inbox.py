@@ -78,6 +78,16 @@ class Inbox:
         """The message ``payload`` completes, or ``None`` (a chunk of one still coming).
 
         Raises:
+            BadMessage: as :meth:`frame`, or the frame is not a valid message.
+        """
+        frame = self.frame(payload)
+        return None if frame is None else parse(frame)
+
+    def frame(self, payload: Any) -> Any:
+        """The frame ``payload`` completes — itself, or the chunked message it ends — not yet
+        parsed; ``None`` (a chunk of one still coming).
+
+        Raises:
             BadMessage: with the error reply to send; caused by a
                 :class:`~protocol.errors.MessageTooLarge` when the message was refused for its
                 size (its ``answers`` names the request it would have answered).
@@ -97,7 +107,7 @@ class Inbox:
                         f"{self.max_message_bytes} bytes",
                         *peek_ids(memoryview(payload)),
                     )
-                return parse(payload)
+                return payload
             frame = self.reassembler.add(payload)
         except ReassemblyFull as exc:
             info = ErrorInfo(code=ErrorCode.BUSY, message=str(exc))
@@ -111,4 +121,4 @@ class Inbox:
             raise BadMessage(info, exc.reply_to) from exc
         except FrameError as exc:
             raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
-        return None if frame is None else parse(frame)
+        return frame

@@ -53,7 +53,7 @@ from protocol.errors import (
 )
 from protocol.inbox import Inbox, check_first
 from protocol.messages import CHUNK_BYTES, REPLY_KINDS, Error
-from protocol.parsing import dump
+from protocol.parsing import dump, parse
 from protocol.session import Event, Session
 
 __all__ = [
@@ -73,6 +73,8 @@ DEFAULT_MAX_INFLIGHT = 64
 """Incoming requests handled at once on one connection; one more gets a ``busy`` error."""
 NEVER_BUSY = frozenset({"heartbeat"})
 """Kinds handled whatever the number in flight: refusing a heartbeat would lose the worker."""
+PARSE_ON_LOOP_BYTES = CHUNK_BYTES
+"""Messages up to this size are parsed on the event loop; larger ones in a thread."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
 
@@ -279,8 +281,30 @@ class Channel:
         Raises:
             BadMessage: with the error reply to send.
         """
+        frame = self._frame(payload)
+        return None if frame is None else parse(frame)
+
+    async def _parsed(self, frame: Any) -> Any:
+        """The message of ``frame``: decoded and validated on the loop when small, in a thread
+        when over :data:`PARSE_ON_LOOP_BYTES` (a 5 MB submit takes a few hundred milliseconds
+        to validate: every other connection's heartbeats would wait for it). The reading loop
+        waits for it either way, so the connection's messages stay in order.
+
+        Raises:
+            BadMessage: not a valid message.
+        """
+        if len(frame) <= PARSE_ON_LOOP_BYTES:
+            return parse(frame)
+        return await asyncio.to_thread(parse, frame)
+
+    def _frame(self, payload: Any) -> Any:
+        """The frame ``payload`` completes, or ``None``; a refused reply fails its request.
+
+        Raises:
+            BadMessage: with the error reply to send.
+        """
         try:
-            return self._inbox.take(payload)
+            return self._inbox.frame(payload)
         except BadMessage as exc:
             if isinstance(exc.__cause__, MessageTooLarge):
                 self._fail_waiter(exc.__cause__)
@@ -332,9 +356,9 @@ class Channel:
                     self.close_reason = self.close_reason or str(exc) or type(exc).__name__
                     return
                 try:
-                    message = self._take(payload)
-                    if message is not None:
-                        self._route(message)
+                    frame = self._frame(payload)
+                    if frame is not None:
+                        self._route(await self._parsed(frame))
                 except BadMessage as exc:
                     log.info("%s: refused a message: %s", self.name, exc.info.message)
                     if not await self._answer(exc.info, exc.reply_to):
@@ -343,7 +367,7 @@ class Channel:
                 # away: the last reply of each of a thousand connections, each holding a state
                 # of 1 MB, would otherwise stay alive until its next heartbeat.
                 del payload
-                message = None
+                frame = None
         finally:
             self._shut(Event.LOST)
             self._release()

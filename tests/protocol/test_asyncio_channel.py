@@ -4,6 +4,8 @@ input, limits."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,16 @@ import websockets
 from protocol.asyncio.channel import Channel
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError
-from protocol.messages import CHUNK_BYTES, Ack, Heartbeat, JobEvent, Result, Status, Watch
+from protocol.messages import (
+    CHUNK_BYTES,
+    Ack,
+    Deliver,
+    Heartbeat,
+    JobEvent,
+    Result,
+    Status,
+    Watch,
+)
 from tests.utils import UNIT
 
 
@@ -352,6 +363,60 @@ def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message()
             await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
             gc.collect()
             assert received() is None
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+def test_a_large_message_is_parsed_in_a_thread_and_the_loop_keeps_running(monkeypatch):
+    """A message over PARSE_ON_LOOP_BYTES is decoded and validated off the event loop: the
+    loop's other work goes on meanwhile (issue 14, row 5), and messages stay in order."""
+    from protocol.asyncio import channel as channel_module
+
+    threads: list[tuple[int, bool]] = []
+    real_parse = channel_module.parse
+
+    def watched_parse(frame):
+        threads.append((len(frame), threading.current_thread() is threading.main_thread()))
+        if len(frame) > CHUNK_BYTES:
+            time.sleep(0.3)  # a slow validation: the loop must not wait for it
+        return real_parse(frame)
+
+    monkeypatch.setattr(channel_module, "parse", watched_parse)
+    seen: list[str] = []
+
+    async def handler(message):
+        seen.append(message.kind)
+        return None
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            ticks = 0
+
+            async def tick():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.ensure_future(tick())
+            big = Deliver(
+                id=client.next_id(), job_id="j", to="w", key="k", payload=bytes(CHUNK_BYTES + 64)
+            )
+            await client.send(big)
+            await client.send(Heartbeat(id=client.next_id(), sent_at=0.0))
+            for _ in range(200):
+                if len(seen) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            ticker.cancel()
+            assert seen == ["deliver", "heartbeat"]  # in order, the small one after the large
+            assert ticks >= 15  # the loop ran through the 0.3 s validation
+            big, small = threads[-2], threads[-1]
+            assert big[0] > CHUNK_BYTES and big[1] is False  # in a thread
+            assert small[1] is True  # on the loop
         finally:
             await _close(server, client, reader)
 
