@@ -24,14 +24,11 @@ Adding one is a function of a ``Site`` returning an ``Attack``, decorated with `
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime as dt
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +37,7 @@ from benchmarks.attack_harness import ATTEMPTS, Attack, Memory, Site
 from benchmarks.attack_scenarios import SCENARIOS
 from benchmarks.fault_harness import Skipped
 from benchmarks.faults import _cpu
+from benchmarks.scenario_cli import scenario_main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
@@ -151,32 +149,16 @@ def run(names: Sequence[str], scratch: Path) -> tuple[list[Attack], dict[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.attacks", description=__doc__)
-    parser.add_argument("names", nargs="*", metavar="SCENARIO", help=f"of {list(SCENARIOS)}")
-    parser.add_argument("--out", type=Path, default=DOC, help=f"default {DOC}")
-    parser.add_argument(
-        "--keep", type=Path, metavar="DIR", help="keep the cluster's state and logs in DIR"
+    return scenario_main(
+        "benchmarks.attacks",
+        __doc__,
+        DOC,
+        SCENARIOS,
+        run,
+        render,
+        argv,
+        "keep the cluster's state and logs in DIR",
     )
-    args = parser.parse_args(argv)
-    unknown = sorted(set(args.names) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
-    began = dt.datetime.now(dt.UTC)
-    load_at_start = os.getloadavg()[0]
-    with contextlib.ExitStack() as stack:
-        scratch = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        rows, skipped, failures = run(args.names or list(SCENARIOS), scratch)
-    took = (dt.datetime.now(dt.UTC) - began).total_seconds()
-    print(f"total {took:.0f} s")
-    if failures:
-        print(f"{failures} scenario(s) failed: {args.out} not written", file=sys.stderr)
-        return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.attacks", *given])
-    args.out.write_text(render(rows, skipped, began, command, load_at_start, took))
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

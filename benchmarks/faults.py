@@ -33,13 +33,11 @@ Every process is stopped at the end, also on a failure (whose log tails are prin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +52,7 @@ from benchmarks.fault_harness import (
     Skipped,
 )
 from benchmarks.fault_scenarios import SCENARIOS
+from benchmarks.scenario_cli import scenario_main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 
@@ -183,32 +182,28 @@ def run(names: Sequence[str], scratch: Path) -> tuple[list[Outcome], dict[str, s
     return rows, skipped, failures
 
 
+def _render(
+    rows: list[Outcome],
+    skipped: dict[str, str],
+    started_at: dt.datetime,
+    command: str,
+    load_at_start: float,
+    took: float,
+) -> str:
+    return render(rows, skipped, started_at, command, load_at_start)  # its page shows no total
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__)
-    parser.add_argument("names", nargs="*", metavar="SCENARIO", help=f"of {list(SCENARIOS)}")
-    parser.add_argument("--out", type=Path, default=DOC, help=f"default {DOC}")
-    parser.add_argument(
-        "--keep", type=Path, metavar="DIR", help="keep the clusters' state and logs in DIR"
+    return scenario_main(
+        "benchmarks.faults",
+        __doc__,
+        DOC,
+        SCENARIOS,
+        run,
+        _render,
+        argv,
+        "keep the clusters' state and logs in DIR",
     )
-    args = parser.parse_args(argv)
-    unknown = sorted(set(args.names) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
-    began = dt.datetime.now(dt.UTC)
-    load_at_start = os.getloadavg()[0]
-    with contextlib.ExitStack() as stack:
-        scratch = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        rows, skipped, failures = run(args.names or list(SCENARIOS), scratch)
-    print(f"total {(dt.datetime.now(dt.UTC) - began).total_seconds():.0f} s")
-    if failures:
-        print(f"{failures} scenario(s) failed: {args.out} not written", file=sys.stderr)
-        return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.faults", *given])
-    args.out.write_text(render(rows, skipped, began, command, load_at_start))
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
