@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import benchmarks.attack_quota  # noqa: F401  (registers row 8's scenario)
 from benchmarks.attack_harness import ATTEMPTS, Attack, Memory, Site
 from benchmarks.attack_scenarios import SCENARIOS
 from benchmarks.fault_harness import Skipped

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.clients import ClientTokens
+from coordinator.pending import MAX_PENDING_PER_ADDRESS
 from coordinator.ws_server import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_CONNECTIONS,
@@ -170,6 +171,15 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         f"upgrades get HTTP 503 (default {MAX_PENDING_CONNECTIONS})",
     )
     parser.add_argument(
+        "--max-pending-per-address",
+        type=_positive_int,
+        default=MAX_PENDING_PER_ADDRESS,
+        metavar="N",
+        help="sockets from one IP address that have not sent their hello yet (with a token or "
+        "not), beyond which a new one from that address is closed at its accept "
+        f"(default {MAX_PENDING_PER_ADDRESS})",
+    )
+    parser.add_argument(
         "--handshake-timeout",
         type=_positive_float,
         default=HANDSHAKE_TIMEOUT,
@@ -279,6 +289,7 @@ async def _main(args: argparse.Namespace) -> None:
         max_message_bytes=args.max_message_bytes,
         max_inflight=args.max_inflight,
         max_pending_connections=args.max_pending_connections,
+        max_pending_per_address=args.max_pending_per_address,
         handshake_timeout=args.handshake_timeout,
         worker_token=worker_token,
         client_token=client_token,

@@ -41,6 +41,7 @@ from coordinator.context import (
     WorkerIdentity,
 )
 from coordinator.registry import Registry, WorkerRecord, WorkerState
+from coordinator.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.store import JobEvent, JobRecord, JobState, JobStore, StoreError, UnknownJob
 from coordinator.store_retry import stored
 from coordinator.strategies import (
@@ -53,7 +54,7 @@ from coordinator.submission import placement_of, rows_of, vetted
 from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.devices import device_fits
-from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
+from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import Submit
 from protocol.wording import listed
 
@@ -122,6 +123,7 @@ class _Job:
     task: asyncio.Task[None] | None = None
     workers: list[WorkerRecord] = field(default_factory=list)
     stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
+    parked: bool = False  # its filters and data wait on disk (coordinator.spill)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class JobManager:
         context_factory: makes the strategy context of each job placed on its workers (the
             live workers over their connections unless told otherwise).
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
+        spill: where the inputs of a job that must wait go (``None``: they wait in memory).
     """
 
     def __init__(
@@ -157,8 +160,10 @@ class JobManager:
         *,
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
+        spill: QueuedInputs | None = None,
     ) -> None:
         self.store = store
+        self.spill = spill
         self.max_queued_jobs = max_queued_jobs
         self.registry = registry
         self.call_timeout = call_timeout
@@ -274,11 +279,26 @@ class JobManager:
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         job = _Job(record.id, strategy, inputs, owner)
+        await self._park_if_waiting(job)
         self._jobs[job.id] = job
         self._queue.append(job.id)
         await self._emit(job.id, "queued", {"placement": summary["placement"]})
         self.kick()
         return job.id
+
+    async def _park_if_waiting(self, job: _Job) -> None:
+        """Put a job's inputs on disk when it cannot start now and they are worth it."""
+        if self.spill is None or input_bytes(job.inputs) < PARK_MIN_BYTES:
+            return
+        idle = [w.identity for w in self.registry.idle()]
+        if not self._queue and placement_of(job.strategy, job.inputs).choose(idle) is not None:
+            return  # it starts at once
+        try:
+            job.inputs = await asyncio.to_thread(self.spill.park, job.id, job.inputs)
+        except OSError as exc:
+            log.warning("job %s: its inputs wait in memory: cannot park them: %s", job.id, exc)
+            return
+        job.parked = True
 
     def _check_targets(self, placement: Placement) -> None:
         """Refuse a pinned placement, a dataset or a device no known worker could ever take
@@ -438,6 +458,8 @@ class JobManager:
         if job.task is None:  # still queued
             self._queue.remove(job.id)
             self._jobs.pop(job.id, None)
+            if job.parked and self.spill is not None:
+                await asyncio.to_thread(self.spill.drop, job.id)
             await self._end(job, info)
             return
         job.stop_reason = info
@@ -469,6 +491,7 @@ class JobManager:
         ids = [w.id for w in job.workers]
         try:
             await asyncio.to_thread(self.store.start, job.id, ids)
+            await self._unpark(job)
             if "torch" not in sys.modules:
                 # The workers will answer with tensors: import torch now, in a thread, rather
                 # than on the event loop when the first one is decoded (a second or more).
@@ -501,6 +524,17 @@ class JobManager:
         except Exception as exc:
             log.exception("job %s failed on the coordinator", job.id)
             await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
+
+    async def _unpark(self, job: _Job) -> None:
+        """Read a parked job's inputs back before it runs."""
+        if not job.parked or self.spill is None:
+            return
+        try:
+            job.inputs = await asyncio.to_thread(self.spill.take, job.id, job.inputs)
+        except (OSError, FrameError) as exc:
+            why = f"the job's inputs, parked on disk while it was queued, cannot be read: {exc}"
+            raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
+        job.parked = False
 
     async def _end(self, job: _Job, info: ErrorInfo) -> None:
         """Record a job's unsuccessful end (failed, or cancelled by the client)."""

@@ -41,6 +41,7 @@ class Metrics:
         jobs: Mapping[str, int],
         channels: Iterable[Channel],
         pending: int = 0,
+        refused_at_accept: int = 0,
     ) -> str:
         live = list(channels)
         lines = [
@@ -59,6 +60,10 @@ class Metrics:
             "# HELP somatize_refused_upgrades_total Upgrades refused (503): too many pending.",
             "# TYPE somatize_refused_upgrades_total counter",
             f"somatize_refused_upgrades_total {self.refused_upgrades}",
+            "# HELP somatize_refused_accepts_total Sockets closed at accept: their address "
+            "held its share of pending sockets.",
+            "# TYPE somatize_refused_accepts_total counter",
+            f"somatize_refused_accepts_total {refused_at_accept}",
             "# HELP somatize_busy_refusals_total Requests refused: too many in flight.",
             "# TYPE somatize_busy_refusals_total counter",
             f"somatize_busy_refusals_total {self.retired_busy + sum(c.refused_busy for c in live)}",

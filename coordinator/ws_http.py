@@ -84,7 +84,13 @@ async def _metrics(server: Coordinator, connection: ServerConnection) -> Respons
     counts = await server.jobs.counts()
     workers = {str(k): v for k, v in server.registry.counts().items()}
     jobs = {str(k): v for k, v in counts.items()}
-    text = server.metrics.render(workers, jobs, server.channels, server.pending_connections)
+    text = server.metrics.render(
+        workers,
+        jobs,
+        server.channels,
+        server.pending_connections,
+        server.pending.refused_at_accept,
+    )
     return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
 
 

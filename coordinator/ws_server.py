@@ -10,10 +10,12 @@ an unbounded buffer): a connection is *pending* from its TCP accept until its he
 has ``handshake_timeout`` for the upgrade and the hello together (a half-sent HTTP request is
 dropped then), and beyond ``max_pending_connections`` pending upgrades whose token was checked
 a new one is answered ``503`` before any message is read (sockets without a valid upgrade are
-not counted: they lock nobody out). One WebSocket message holds at most :data:`WS_MAX_SIZE`
-bytes (more: closed with 1009), one message reassembled from chunks at most
-``max_message_bytes`` (more: ``too_large``, refused from its first chunk), and each connection
-handles at most ``max_inflight`` requests at once (more: ``busy``); see
+not counted: they lock nobody out); beyond ``max_pending_per_address`` pending sockets from one
+IP address a new one from it is closed at its accept (:mod:`coordinator.pending`). One
+WebSocket message holds at most :data:`WS_MAX_SIZE` bytes (more: closed with 1009), one message
+reassembled from chunks at most ``max_message_bytes`` (more: ``too_large``, refused from its
+first chunk), and each connection handles at most ``max_inflight`` requests at once (more:
+``busy``); see
 :class:`~protocol.asyncio.channel.Channel`.
 
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
@@ -46,7 +48,9 @@ from coordinator.client_requests import ClientRequests
 from coordinator.clients import EVERYONE, ClientIdentity, ClientTokens
 from coordinator.jobs import JobManager, record_dict
 from coordinator.metrics import Metrics
+from coordinator.pending import MAX_PENDING_PER_ADDRESS, PendingConnections
 from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
+from coordinator.spill import QueuedInputs
 from coordinator.store import JobStore
 from coordinator.ws_http import process_request
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
@@ -105,6 +109,8 @@ class Coordinator:
         max_inflight: requests handled at once per connection (one more: ``busy``).
         max_pending_connections: upgrades with a valid token but no hello yet beyond which an
             upgrade gets ``503`` (sockets without a valid upgrade are not counted).
+        max_pending_per_address: sockets from one IP address without a hello yet (token or
+            not) beyond which a new one from it is closed at its accept.
         handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
         worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
@@ -144,6 +150,7 @@ class Coordinator:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         max_pending_connections: int = MAX_PENDING_CONNECTIONS,
+        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         worker_token: str | None = None,
         client_token: str | None = None,
@@ -172,9 +179,8 @@ class Coordinator:
         self.max_inflight = max_inflight
         self.max_pending_connections = max_pending_connections
         self.handshake_timeout = handshake_timeout
-        self._pending: dict[ServerConnection, float] = {}  # → the loop time of its TCP accept
-        # Upgrades whose token was checked, until they close (those still pending count).
-        self._admitted: weakref.WeakSet[ServerConnection] = weakref.WeakSet()
+        self.pending = PendingConnections(max_pending_connections, max_pending_per_address)
+        """Connections between their accept and their hello (:mod:`coordinator.pending`)."""
         self.tokens = {"/worker": worker_token}
         self.client_tokens = client_tokens
         if client_token is not None:
@@ -227,6 +233,7 @@ class Coordinator:
             self.job_threads,
             self.metrics.observe,
             max_queued_jobs=self.max_queued_jobs,
+            spill=await asyncio.to_thread(QueuedInputs, self.state_dir / "queued"),
         )
         self.registry.on_change = self.jobs.kick
         self._server = await serve(
@@ -235,7 +242,7 @@ class Coordinator:
             self.port,
             ssl=self.tls,
             process_request=self._http,
-            create_connection=_counted(self._pending),
+            create_connection=_counted(self.pending),
             server_header=SERVER,
             **ws_options(
                 open_timeout=self.handshake_timeout,
@@ -312,18 +319,14 @@ class Coordinator:
     @property
     def pending_connections(self) -> int:
         """Connections accepted that have not said hello yet (this one included)."""
-        return len(self._pending)
+        return len(self.pending)
 
     def admit(self, connection: ServerConnection) -> bool:
         """Count an upgrade whose token was checked among those waiting for their hello;
         ``False`` (not counted) beyond ``max_pending_connections`` of them. Sockets that sent
         no valid upgrade are not counted: whoever holds no token cannot lock anyone out (they
-        are closed by the handshake timeout)."""
-        waiting = [c for c in self._admitted if c in self._pending]
-        if len(waiting) >= self.max_pending_connections:
-            return False
-        self._admitted.add(connection)
-        return True
+        are closed by the handshake timeout, and capped per address at their accept)."""
+        return self.pending.admit(connection)
 
     @property
     def channels(self) -> set[Channel]:
@@ -368,7 +371,7 @@ class Coordinator:
         except (ConnectionClosed, ChannelClosed) as exc:  # the peer went: nothing to answer
             log.info("%s: connection closed: %s", channel.name, exc)
         finally:
-            self._pending.pop(ws, None)
+            self.pending.done(ws)
             self.metrics.retire(channel)
             self._channels.discard(channel)
 
@@ -378,7 +381,8 @@ class Coordinator:
         """The connection's hello, read by ``handshake_timeout`` after its TCP accept; ``None``
         when it was refused (and the connection closed). It stops being pending."""
         loop = asyncio.get_running_loop()
-        deadline = self._pending.get(ws, loop.time()) + self.handshake_timeout
+        accepted = self.pending.accepted_at(ws)
+        deadline = (loop.time() if accepted is None else accepted) + self.handshake_timeout
         expected = WorkerHello if is_worker else ClientHello
         first = "worker_hello" if is_worker else "client_hello"
         try:
@@ -386,7 +390,7 @@ class Coordinator:
                 channel, expected, f"{path} expects {first} first, got {{kind}}", deadline=deadline
             )
         except UnexpectedHello as exc:
-            self._pending.pop(ws, None)  # a valid message: no longer waiting for a hello
+            self.pending.done(ws)  # a valid message: no longer waiting for a hello
             await self._refuse(ws, exc.info.code, exc.info.message)
         except TimeoutError:
             log.info("refused %s: no hello within the handshake timeout", ws.remote_address)
@@ -398,7 +402,7 @@ class Coordinator:
         except BadMessage as exc:
             await self._refuse(ws, exc.info.code, exc.info.message)
         finally:
-            self._pending.pop(ws, None)
+            self.pending.done(ws)
         return None
 
     async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
@@ -526,18 +530,28 @@ class Coordinator:
         return await self.client_requests.handle(channel, message)
 
 
-def _counted(pending: dict[ServerConnection, float]) -> type[ServerConnection]:
-    """A :class:`ServerConnection` class whose connections are in ``pending`` (with the loop
-    time of their TCP accept) from the accept until they are taken out or close: idle sockets
-    and half-sent upgrades count, not only upgraded connections."""
+def _counted(pending: PendingConnections) -> type[ServerConnection]:
+    """A :class:`ServerConnection` class whose connections are in ``pending`` from their TCP
+    accept until they are taken out or close: idle sockets and half-sent upgrades count, not
+    only upgraded connections. A socket from an address that holds its share of pending
+    sockets is closed at once, before a byte is read."""
 
     class Counted(ServerConnection):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            pending[self] = self.loop.time()
+            peer = transport.get_extra_info("peername")
+            host = peer[0] if isinstance(peer, tuple) and isinstance(peer[0], str) else None
+            counted = pending.accepted(self, host, self.loop.time())
             super().connection_made(transport)
+            if not counted:
+                log.info(
+                    "refused %s at accept: %d sockets of that address wait for their hello",
+                    host,
+                    pending.max_per_address,
+                )
+                transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            pending.pop(self, None)
+            pending.done(self)
             super().connection_lost(exc)
 
     return Counted

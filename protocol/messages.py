@@ -273,15 +273,26 @@ class NodeInfo(BaseModel):
     seed: int | None = None
 
 
+MAX_GRAPH_NODES = 4096
+"""Most nodes one job's graph may have: a bigger submit is ``bad_request`` from its validation,
+before any check whose cost grows with the graph (a 50,000-node submit is refused like any)."""
+
+NodeId = Annotated[str, Field(min_length=1, max_length=256)]
+"""A graph node's id: 1 to 256 characters."""
+
+
 class GraphSpec(BaseModel):
     """A graph as the coordinator sees it: node ids in order, opaque pickled filters, and what
-    the client declares of each node (the coordinator never unpickles a filter)."""
+    the client declares of each node (the coordinator never unpickles a filter); at most
+    :data:`MAX_GRAPH_NODES` nodes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    node_ids: Annotated[list[str], Field(min_length=1)]
-    filters: dict[str, StrictBytes]
-    nodes: dict[str, NodeInfo] = Field(default_factory=dict)
+    node_ids: Annotated[list[NodeId], Field(min_length=1, max_length=MAX_GRAPH_NODES)]
+    filters: Annotated[dict[NodeId, StrictBytes], Field(max_length=MAX_GRAPH_NODES)]
+    nodes: Annotated[dict[NodeId, NodeInfo], Field(max_length=MAX_GRAPH_NODES)] = Field(
+        default_factory=dict
+    )
 
 
 class StrategySpec(BaseModel):

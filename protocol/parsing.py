@@ -8,6 +8,7 @@ first bytes, so that a refused message can still be answered.
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -32,6 +33,9 @@ __all__ = [
 
 FRAME_PREFIX = struct.Struct("<I")
 """A frame's first four bytes: its header length."""
+HEAD_SCAN_BYTES = 1 << 20
+"""Bytes of a header searched for the message's ids when the header is not whole."""
+_LEADING_IDS = re.compile(rb'"body":\{"v":\d{1,9},"id":(\d{1,19}),"reply_to":(null|\d{1,19})[,}]')
 MAX_REPORTED_ERRORS = 20
 """Validation errors listed in an error reply's detail (the count of the rest follows)."""
 
@@ -47,13 +51,15 @@ def encode_small(message: BaseModel) -> bytes:
 
 
 def peek_ids(data: memoryview) -> tuple[int | None, int | None]:
-    """``id`` and ``reply_to`` of the message whose frame starts with ``data``, when ``data``
-    holds the frame's whole header (a chunk of a refused message: whom to tell)."""
+    """``id`` and ``reply_to`` of the message whose frame starts with ``data`` (a chunk of a
+    refused message: whom to tell). From the whole header when ``data`` holds it; else from
+    the header's start, where :func:`dump` puts them (the body's first fields), so that a
+    message whose header alone exceeds a chunk (a graph of 50,000 nodes) is answered too."""
     if len(data) < FRAME_PREFIX.size:
         return None, None
     (length,) = FRAME_PREFIX.unpack_from(data)
     if FRAME_PREFIX.size + length > len(data):
-        return None, None
+        return _leading_ids(bytes(data[FRAME_PREFIX.size : FRAME_PREFIX.size + HEAD_SCAN_BYTES]))
     try:
         header = orjson.loads(data[FRAME_PREFIX.size : FRAME_PREFIX.size + length])
     except orjson.JSONDecodeError:
@@ -62,6 +68,16 @@ def peek_ids(data: memoryview) -> tuple[int | None, int | None]:
     if not isinstance(body, dict):
         return None, None
     return message_id(body.get("id")), message_id(body.get("reply_to"))
+
+
+def _leading_ids(head: bytes) -> tuple[int | None, int | None]:
+    """The ids of a body that starts ``{"v":N,"id":N,"reply_to":N|null`` (as every message
+    from :func:`dump` does) somewhere in ``head``, the first bytes of a header."""
+    found = _LEADING_IDS.search(head)
+    if found is None:
+        return None, None
+    reply_to = found.group(2)
+    return int(found.group(1)), None if reply_to == b"null" else int(reply_to)
 
 
 def message_id(value: Any) -> int | None:

@@ -39,6 +39,7 @@ from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, Re
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
+    MAX_GRAPH_NODES,
     GraphSpec,
     JobEvent,
     ListJobs,
@@ -259,6 +260,12 @@ class Client:
         if not isinstance(strategy, Strategy):
             raise TypeError(
                 f"strategy must be a somatize strategy (Local...), not {type(strategy).__name__}"
+            )
+        if len(graph.node_ids) > MAX_GRAPH_NODES:
+            raise ValueError(
+                f"the graph has {len(graph.node_ids)} nodes: a job's graph may have at most "
+                f"{MAX_GRAPH_NODES} (merge small filters into one, e.g. a torch module of many "
+                "layers)"
             )
         filters = {}
         for node_id, f in graph.items():

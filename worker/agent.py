@@ -222,6 +222,7 @@ class Agent:
             # detect() may import torch (CUDA devices): keep it off the loop.
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
+        await asyncio.to_thread(self._pool.find_cgroups)
         if self._peer_server is not None:
             await self._peer_server.start()
         try:
@@ -247,6 +248,7 @@ class Agent:
             await self._links.close()
             if self._peer_server is not None:
                 await self._peer_server.stop()
+            await asyncio.to_thread(self._pool.release)
             self._lifecycle.finish()
             self._sync()
 

@@ -118,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
         "is killed and its job fails resource_limit (default: no limit)",
     )
     parser.add_argument(
+        "--job-cgroups",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): each job's filter daemon gets a cgroup v2 of its own where this "
+        "agent may make one (what its filters fork cannot leave it, even by setsid; the log "
+        "says which), else a process group; off: a process group only",
+    )
+    parser.add_argument(
         "--daemon-env",
         action="append",
         default=[],
@@ -258,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon_env=args.daemon_env,
             max_job_memory=args.max_job_memory,
             max_job_procs=args.max_job_procs,
+            job_cgroups=args.job_cgroups == "auto",
             identity_key=identity_key,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,

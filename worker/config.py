@@ -72,6 +72,8 @@ class AgentConfig:
             (``--max-job-memory``); ``None``: any.
         max_job_procs: processes a job's daemon may run, itself included (``--max-job-procs``);
             ``None``: any.
+        job_cgroups: give each job's daemon a cgroup v2 of its own where the agent may make one
+            (``--job-cgroups auto``; :mod:`worker.job_cgroup`); ``False``: a process group only.
         stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
             next chunk before it is dropped and its memory freed.
         max_message_bytes: largest message accepted from the coordinator or a peer (and the
@@ -114,6 +116,7 @@ class AgentConfig:
     stall_timeout: float = DEFAULT_STALL_SECONDS
     max_job_memory: int | None = None
     max_job_procs: int | None = None
+    job_cgroups: bool = True
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"

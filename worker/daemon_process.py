@@ -27,6 +27,7 @@ from typing import Any
 
 from protocol.daemon import ErrorReply, OkReply
 from protocol.errors import FrameError
+from worker.job_cgroup import CgroupParent, JobCgroup
 from worker.pipe import FrameReader, FrameWriter
 from worker.shared_memory import SharedRegion
 
@@ -64,10 +65,13 @@ class DaemonProcess:
         on_broken: Callable[[DaemonProcess, str], None],
         on_exit: Callable[[DaemonProcess, int], None],
         shared: tuple[SharedRegion, SharedRegion] | None = None,
+        cgroup: JobCgroup | None = None,
     ) -> None:
         assert popen.stdin is not None and popen.stdout is not None
         self.popen = popen
         self.pid = popen.pid
+        self.cgroup = cgroup
+        """The daemon's own cgroup (:mod:`worker.job_cgroup`), or ``None``: its process group."""
         self._on_frame = on_frame
         self._on_broken = on_broken
         self._on_exit = on_exit
@@ -158,7 +162,7 @@ class DaemonProcess:
         if self._writing:
             self._loop.remove_writer(self._write_fd)
             self._writing = False
-        reaping = self._loop.run_in_executor(None, reap, self.popen)
+        reaping = self._loop.run_in_executor(None, reap, self.popen, self.cgroup)
         reaping.add_done_callback(self._on_reaped)
 
     def _on_reaped(self, reaping: asyncio.Future[int]) -> None:
@@ -179,12 +183,15 @@ class DaemonProcess:
     # -- ending -------------------------------------------------------------------------------
 
     def kill(self) -> None:
-        """SIGKILL the daemon and its process group — what its filters forked — (no-op once
-        reaped); EOF and reaping follow through the reader."""
+        """SIGKILL the daemon and its process group — what its filters forked — and its cgroup
+        when it has one (what left the group too); no-op once reaped. EOF and reaping follow
+        through the reader."""
         self.killed = True
         if self.popen.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, signal.SIGKILL)
+            if self.cgroup is not None:
+                self.cgroup.kill()  # one write to the cgroup filesystem
 
     def kill_over_limit(self, why: str) -> None:
         """:meth:`kill`, for going over a job limit: the pending request fails with ``why``."""
@@ -197,10 +204,11 @@ class DaemonProcess:
         return pending
 
 
-def reap(popen: subprocess.Popen[bytes]) -> int:
+def reap(popen: subprocess.Popen[bytes], cgroup: JobCgroup | None = None) -> int:
     """Wait for a daemon that closed its stdout, killing it if it lingers, then kill what is
     left of its process group (what its filters forked) before reaping it: until then its pid,
-    which is the group's id, cannot be given to another process. Runs in an executor."""
+    which is the group's id, cannot be given to another process. With a ``cgroup``, what is
+    left in it is killed too and the cgroup removed. Runs in an executor."""
     deadline = time.monotonic() + REAP_SECONDS
     while not _exited(popen.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -208,6 +216,8 @@ def reap(popen: subprocess.Popen[bytes]) -> int:
         log.warning("filter daemon %d closed its stdout but did not exit; killing it", popen.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, signal.SIGKILL)
+    if cgroup is not None:
+        cgroup.remove()  # kills what left the process group, waits for the cgroup to empty
     return popen.wait()
 
 
@@ -221,9 +231,30 @@ def _exited(pid: int) -> bool:
 
 
 def spawn(
-    argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()
+    argv: list[str],
+    env: dict[str, str],
+    pass_fds: tuple[int, ...] = (),
+    cgroups: CgroupParent | None = None,
+) -> tuple[subprocess.Popen[bytes], JobCgroup | None]:
+    """Start the daemon process and, with ``cgroups``, move it into a new cgroup of its own
+    before it reads a request (so before any filter runs); the cgroup it is in, ``None``
+    without ``cgroups`` or when that failed (blocking: fork/exec; run in an executor)."""
+    cgroup = None if cgroups is None else cgroups.new()
+    try:
+        popen = _popen(argv, env, pass_fds)
+    except BaseException:
+        if cgroup is not None:
+            cgroup.remove()
+        raise
+    if cgroup is not None and not cgroup.add(popen.pid):
+        cgroup.remove()
+        cgroup = None
+    return popen, cgroup
+
+
+def _popen(
+    argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
 ) -> subprocess.Popen[bytes]:
-    """Start the daemon process (blocking: fork/exec; run in an executor)."""
     return subprocess.Popen(
         argv,
         stdin=subprocess.PIPE,

@@ -1,10 +1,14 @@
-"""What a job's filter daemon may use: memory and processes, counted over its process group.
+"""What a job's filter daemon may use: memory and processes, counted over its cgroup or its
+process group.
 
 Each daemon leads a process group of its own (it starts a session), and whatever its filters
-fork stays in that group unless it leaves on purpose; the agent kills the whole group when the
-job closes. With ``--max-job-memory`` or ``--max-job-procs`` the supervisor also reads the
-group's use every :data:`POLL_SECONDS` (:func:`group_usage`, from ``/proc``) and kills the group
-once it is over (:func:`over`), failing the request in flight with ``resource_limit``. A limit
+fork stays in that group unless it leaves on purpose (``setsid``); where the machine lets the
+agent make cgroups, the daemon also has a cgroup of its own, which nothing leaves
+(:mod:`worker.job_cgroup`). The agent kills both when the job closes. With ``--max-job-memory``
+or ``--max-job-procs`` the supervisor also reads the job's use every :data:`POLL_SECONDS` (from
+``/proc``: :func:`usage_of` the cgroup's members, else :func:`group_usage`) and kills the job's
+processes once they are over (:func:`over`), failing the request in flight with
+``resource_limit``. A limit
 on the address space (``RLIMIT_AS``) would not do: torch and CUDA reserve far more virtual
 memory than they use, and ``RLIMIT_NPROC`` counts every process of the user, not the job's.
 """
@@ -12,10 +16,11 @@ memory than they use, and ``RLIMIT_NPROC`` counts every process of the user, not
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NO_LIMITS", "POLL_SECONDS", "JobLimits", "Usage", "group_usage", "over"]
+__all__ = ["NO_LIMITS", "POLL_SECONDS", "JobLimits", "Usage", "group_usage", "over", "usage_of"]
 
 POLL_SECONDS = 0.25
 """How often a limited daemon's use is read."""
@@ -56,7 +61,7 @@ class Usage:
 def group_usage(pgid: int, proc: Path = Path("/proc")) -> Usage:
     """The resident memory and the processes of process group ``pgid`` (a process that ends
     while it is read is left out)."""
-    rss = procs = 0
+    members = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -64,9 +69,20 @@ def group_usage(pgid: int, proc: Path = Path("/proc")) -> Usage:
             stat = (entry / "stat").read_text()
             # The command name, in parentheses, may hold spaces: the fields follow its ")".
             fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) != pgid:  # state, ppid, pgrp
-                continue
-            resident = int((entry / "statm").read_text().split()[1])
+        except (OSError, ValueError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid):  # state, ppid, pgrp
+            members.append(int(entry.name))
+    return usage_of(members, proc)
+
+
+def usage_of(pids: Iterable[int], proc: Path = Path("/proc")) -> Usage:
+    """The resident memory and the number of the processes ``pids`` (the members of a job's
+    cgroup, say); a process that ends while it is read is left out."""
+    rss = procs = 0
+    for pid in pids:
+        try:
+            resident = int((proc / str(pid) / "statm").read_text().split()[1])
         except (OSError, ValueError, IndexError):
             continue
         rss += resident * _PAGE

@@ -19,6 +19,7 @@ from protocol.daemon import PingRequest
 from worker.config import AgentConfig
 from worker.datasets import environment as dataset_environment
 from worker.errors import DaemonError
+from worker.job_cgroup import CgroupParent
 from worker.job_limits import JobLimits
 from worker.supervisor import DaemonSupervisor
 from worker.tasks import owned_task
@@ -41,6 +42,8 @@ class DaemonPool:
         self._accepting = accepting
         self._spare: asyncio.Task[DaemonSupervisor] | None = None
         self._daemons: set[DaemonSupervisor] = set()  # until closed, open or not: kill_all()
+        self.cgroups: CgroupParent | None = None
+        """Where each daemon gets a cgroup of its own; ``None``: a process group only."""
 
     @property
     def has_spare(self) -> bool:
@@ -58,6 +61,7 @@ class DaemonPool:
             device=config.device,
             passed_env=config.daemon_env,
             limits=JobLimits(config.max_job_memory, config.max_job_procs),
+            cgroups=self.cgroups,
         )
         self._daemons.add(supervisor)
         return supervisor
@@ -129,6 +133,23 @@ class DaemonPool:
             await supervisor.close(self._config.close_timeout)
         finally:
             self._daemons.discard(supervisor)
+
+    def find_cgroups(self) -> None:
+        """Make the agent's cgroup directory, if ``job_cgroups`` and the machine let it, and
+        say which isolation its daemons get (blocking file I/O: run it off the loop)."""
+        if not self._config.job_cgroups or self.cgroups is not None:
+            return
+        found = CgroupParent.find()
+        if isinstance(found, str):
+            log.warning("job daemons are isolated by process group only: %s", found)
+        else:
+            self.cgroups = found
+            log.info("each job daemon gets a cgroup of its own under %s", found.path)
+
+    def release(self) -> None:
+        """Remove the agent's cgroup directory (once every daemon is closed)."""
+        if self.cgroups is not None:
+            self.cgroups.remove()
 
     def kill_all(self) -> None:
         """SIGKILL every daemon now, without waiting: the forced exit of a second signal."""

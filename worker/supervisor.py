@@ -62,7 +62,8 @@ from worker.errors import (
     DaemonNotRunning,
     DaemonTimeout,
 )
-from worker.job_limits import NO_LIMITS, POLL_SECONDS, JobLimits, group_usage, over
+from worker.job_cgroup import CgroupParent
+from worker.job_limits import NO_LIMITS, POLL_SECONDS, JobLimits, Usage, group_usage, over, usage_of
 
 __all__ = ["DaemonSupervisor"]
 
@@ -88,6 +89,8 @@ class DaemonSupervisor:
         limits: what the daemon's process group may hold (``--max-job-memory``,
             ``--max-job-procs``); over them it is killed, its request failing
             ``resource_limit``.
+        cgroups: where each daemon gets a cgroup of its own (:mod:`worker.job_cgroup`);
+            ``None``: a process group only.
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
         device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
             ``"cuda:N"`` or ``"mps"``.
@@ -104,6 +107,7 @@ class DaemonSupervisor:
         device: str = "cpu",
         passed_env: Sequence[str] = (),
         limits: JobLimits = NO_LIMITS,
+        cgroups: CgroupParent | None = None,
     ) -> None:
         self.python = python
         self.device = device
@@ -111,6 +115,7 @@ class DaemonSupervisor:
         self.env = dict(env or {})
         self.passed_env = tuple(passed_env)
         self.limits = limits
+        self.cgroups = cgroups
         self._watch: asyncio.Task[None] | None = None
         self.default_timeout = default_timeout
         self._child: DaemonProcess | None = None
@@ -370,7 +375,7 @@ class DaemonSupervisor:
             env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
         loop = asyncio.get_running_loop()
         try:
-            popen = await loop.run_in_executor(None, spawn, argv, env, fds)
+            popen, cgroup = await loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups)
         except OSError as exc:
             for region in shared or ():
                 region.close()
@@ -385,6 +390,7 @@ class DaemonSupervisor:
             on_broken=self._protocol_violation,
             on_exit=self._on_exit,
             shared=shared,
+            cgroup=cgroup,
         )
         self._last_exit = {}
         log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
@@ -395,7 +401,7 @@ class DaemonSupervisor:
     async def _watch_limits(self, child: DaemonProcess) -> None:
         """Kill ``child``'s process group once it holds more than :attr:`limits` allow."""
         while not child.exited.done():
-            usage = await asyncio.to_thread(group_usage, child.pid)  # reads /proc: off the loop
+            usage = await asyncio.to_thread(_usage, child)  # reads /proc: off the loop
             why = over(usage, self.limits)
             if why is not None and not child.exited.done():
                 log.warning("filter daemon %d: %s; killing it", child.pid, why)
@@ -412,3 +418,10 @@ class DaemonSupervisor:
                 await asyncio.wait_for(asyncio.shield(child.exited), REAP_SECONDS * 2)
             except TimeoutError:
                 log.error("filter daemon %d could not be reaped after SIGKILL", child.pid)
+
+
+def _usage(child: DaemonProcess) -> Usage:
+    """What ``child`` and what it forked hold: its cgroup's members, else its process group."""
+    if child.cgroup is not None:
+        return usage_of(child.cgroup.pids())
+    return group_usage(child.pid)

@@ -39,12 +39,16 @@ from protocol.chunking import CHUNK_MAGIC
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
+    MAX_GRAPH_NODES,
     Capabilities,
     ClientHello,
     Deliver,
     GetResult,
+    GraphSpec,
     Heartbeat,
     Status,
+    StrategySpec,
+    Submit,
     Watch,
     WorkerHello,
 )
@@ -56,6 +60,8 @@ pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 PENDING = 4
+PER_ADDRESS = 24
+"""--max-pending-per-address: the 16 idle sockets of 127.0.0.1, a client and a probe fit."""
 HANDSHAKE = 1.0 * UNIT
 MAX_BYTES = 3 * CHUNK_BYTES
 INFLIGHT = 4
@@ -77,6 +83,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         str(BIN / "somatize-coordinator"),
         *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state")),
         *("--max-pending-connections", str(PENDING), "--handshake-timeout", str(HANDSHAKE)),
+        *("--max-pending-per-address", str(PER_ADDRESS)),
         *("--max-message-bytes", str(MAX_BYTES), "--max-inflight", str(INFLIGHT)),
         *("--max-reassembly-bytes", str(BUDGET), "--stall-timeout", str(STALL)),
         *("--heartbeat-interval", "0.5", "--heartbeat-timeout", str(30 * UNIT)),
@@ -139,20 +146,49 @@ async def _closed_within(sock: socket.socket, seconds: float) -> float:
     return time.monotonic() - started
 
 
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())
+
+
+def _closed_now(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` already (a non-blocking read sees EOF)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 def test_idle_sockets_lock_nobody_out_and_silent_upgrades_beyond_the_limit_get_503(url):
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        idle = []
-        for _ in range(4 * PENDING):  # TCP only: not a byte sent, no token shown
+
+        async def idle_socket(source: str) -> socket.socket:
             sock = socket.socket()
             sock.setblocking(False)
+            sock.bind((source, 0))
             await loop.sock_connect(sock, ("127.0.0.1", _port(url)))
-            idle.append(sock)
-        await asyncio.sleep(0.1 * UNIT)  # accepted by the server
+            return sock
+
+        # TCP only: not a byte sent, no token shown.
+        idle = [await idle_socket("127.0.0.1") for _ in range(4 * PENDING)]
+        # Another address opens more than its share: those beyond it are closed at their
+        # accept, before a byte is read; the others are held like any idle socket.
+        greedy = [await idle_socket("127.0.0.2") for _ in range(PER_ADDRESS + 8)]
+        await asyncio.sleep(0.2 * UNIT)  # accepted by the server
+        closed = [s for s in greedy if _closed_now(s)]
+        assert len(closed) == 8
         # Whoever shows no token cannot lock a valid client out (issue 14, row 4).
         with await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT) as client:
             assert client.status()["workers"] == []
         assert await asyncio.to_thread(healthy, _port(url))
+        metrics = await asyncio.to_thread(_metrics, _port(url))
+        assert "somatize_refused_accepts_total 8\n" in metrics
+        for sock in closed:
+            sock.close()
+        idle += [s for s in greedy if s not in closed]
         # The handshake timeout drops the idle sockets, counted from their accept.
         took = await asyncio.gather(*(_closed_within(s, HANDSHAKE + 5 * UNIT) for s in idle))
         assert max(took) <= HANDSHAKE + 2 * UNIT
@@ -290,6 +326,43 @@ def test_the_sdk_reports_a_submission_over_the_limit_as_too_large(url):
             client.submit(graph, x)
         assert refused.value.code == "too_large"
         assert client.status()["workers"] is not None
+
+
+def test_a_graph_over_the_node_limit_is_refused_by_its_validation_and_by_the_sdk(url):
+    """Issue 14, row 5: 50,000 nodes are refused at validation, in a line, not by checks whose
+    cost grows with the graph; the SDK refuses before pickling anything."""
+    nodes = [f"n{i}" for i in range(50_000)]
+    local = StrategySpec(name="local")
+
+    def huge(filters: dict[str, bytes]) -> Submit:
+        graph = GraphSpec.model_construct(node_ids=nodes, filters=filters, nodes={})
+        return Submit.model_construct(graph=graph, x=None, y=None, dataset=None, strategy=local)
+
+    async def main() -> RemoteError:
+        async with _raw(url, "/client", ClientHello(name="huge")) as (_, channel):
+            reader = asyncio.ensure_future(channel.run())
+            # With its filters it exceeds --max-message-bytes, and its header alone exceeds a
+            # chunk: refused from its first chunk all the same, the sender answered at once.
+            with pytest.raises(RemoteError, match="exceeds the limit") as too_large:
+                await channel.request(huge(dict.fromkeys(nodes, b"-")), timeout=10 * UNIT)
+            assert too_large.value.code == ErrorCode.TOO_LARGE
+            with pytest.raises(RemoteError) as refused:
+                await channel.request(huge({}), timeout=30 * UNIT)
+            assert (await channel.request(Status(), 10 * UNIT)).kind == "result"
+            await channel.close()
+            await reader
+            return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.code == ErrorCode.BAD_REQUEST
+    assert "graph.node_ids" in refused.info.message
+    assert f"at most {MAX_GRAPH_NODES} items" in refused.info.message
+    assert len(refused.info.message) < 300
+    with sz.connect(url, timeout=10 * UNIT) as client:
+        too_many = sz.Graph([Center().named(f"c{i}") for i in range(MAX_GRAPH_NODES + 1)])
+        with pytest.raises(ValueError, match="4097 nodes: a job's graph may have at most 4096"):
+            client.submit(too_many, np.zeros((4, 1)))
+        assert client.jobs() == []
 
 
 def test_requests_beyond_max_inflight_are_busy_and_the_connection_stays_usable(url):

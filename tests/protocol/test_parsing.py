@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import encode_frame
+from protocol.codec import encode, encode_frame
 from protocol.errors import ErrorCode
+from protocol.messages import CHUNK_BYTES
 
 _values = st.recursive(
     st.none()
@@ -97,6 +98,22 @@ def test_ids_are_peeked_from_a_whole_header_only():
     assert peek_ids(memoryview(frame)[:6]) == (None, None)
     assert peek_ids(memoryview(b"\x01")) == (None, None)
     assert message_id(True) is None and message_id("3") is None and message_id(3) == 3
+
+
+def test_the_ids_of_a_message_whose_header_exceeds_a_chunk_are_read_from_its_start():
+    from protocol.messages import GraphSpec, StrategySpec, Submit
+    from protocol.parsing import dump, peek_ids
+
+    nodes = [f"node-number-{i}" for i in range(90_000)]
+    graph = GraphSpec.model_construct(node_ids=nodes, filters={}, nodes={})
+    message = Submit.model_construct(
+        id=12, reply_to=None, graph=graph, x=None, y=None, strategy=StrategySpec(name="local")
+    )
+    frame = b"".join(encode(dump(message)))
+    assert len(frame) > CHUNK_BYTES
+    assert peek_ids(memoryview(frame)[:CHUNK_BYTES]) == (12, None)
+    # A header that is not whole and does not start as dump writes one: nobody to tell.
+    assert peek_ids(memoryview(encode_frame({"x": nodes, "id": 3}))[:CHUNK_BYTES]) == (None, None)
 
 
 def test_a_preview_is_cut_to_its_limit():
