@@ -110,7 +110,7 @@ def render(
         "",
         "Each refusal is a typed error, its `error.code` named above; the idle sockets get "
         "none, they are closed. The times are wall times in this process and include its own "
-        "side of the socket: a WebSocket opened (the dial rows), the 20,000-node message "
+        "side of the socket: a WebSocket opened (the dial rows), the 50,000-node message "
         "encoded (row 5, the share given there).",
         "",
     ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from coordinator.context import WorkerIdentity
 from coordinator.errors import DuplicateWorker
 from protocol.asyncio.channel import Channel
-from protocol.messages import Capabilities
+from protocol.messages import Capabilities, DatasetSummary
 
 __all__ = ["DuplicateWorker", "Registry", "WorkerRecord", "WorkerState"]
 
@@ -49,15 +49,14 @@ class WorkerRecord:
     job_id: str | None = None
     reason: str = ""  # why it is lost or offline
     connections: int = 1
-    datasets: dict[str, int] = field(default_factory=dict)
+    datasets: dict[str, DatasetSummary] = field(default_factory=dict)
     peer_address: str | None = None  # where other workers can dial it for tensors
     remote_host: str | None = None  # the address its connection came from, as seen here
 
     @property
     def identity(self) -> WorkerIdentity:
-        return WorkerIdentity(
-            self.id, self.tags, dict(self.datasets), self.capabilities.device, self.host
-        )
+        rows = {name: d.rows for name, d in self.datasets.items()}
+        return WorkerIdentity(self.id, self.tags, rows, self.capabilities.device, self.host)
 
     @property
     def host(self) -> str | None:
@@ -82,7 +81,7 @@ class WorkerRecord:
             "job_id": self.job_id,
             "reason": self.reason,
             "connections": self.connections,
-            "datasets": dict(self.datasets),
+            "datasets": {name: d.model_dump() for name, d in self.datasets.items()},
             "capabilities": self.capabilities.model_dump(),
         }
 
@@ -115,7 +114,7 @@ class Registry:
         tags: list[str],
         capabilities: Capabilities,
         channel: Channel,
-        datasets: dict[str, int] | None = None,
+        datasets: Mapping[str, DatasetSummary] | None = None,
         peer_address: str | None = None,
         remote_host: str | None = None,
     ) -> WorkerRecord:

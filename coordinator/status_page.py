@@ -119,7 +119,7 @@ PAGE = """<!doctype html>
     <div class="scroll"><table id="workers">
       <thead><tr>
         <th>Worker</th><th>Tags</th><th>State</th><th>Heartbeat</th><th>Job</th>
-        <th>CPUs</th><th>Memory</th><th>Device</th>
+        <th>CPUs</th><th>Memory</th><th>Device</th><th>Datasets</th>
       </tr></thead>
       <tbody></tbody>
     </table></div>
@@ -188,6 +188,22 @@ function deviceText(caps) {
   return parts.join(" ");
 }
 
+// A worker's datasets as `somatize status` says them (somatize/tables.py datasets_text).
+function datasetsText(datasets) {
+  if (!datasets || typeof datasets !== "object") return "";
+  return Object.keys(datasets).sort().map((name) => {
+    const d = datasets[name] || {};
+    const words = [name, String(d.rows != null ? d.rows : "?")];
+    if (d.x) {
+      const trailing = (d.x.shape || []).slice(1).join(" \u00d7 ");
+      words.push((trailing + " " + (d.x.dtype || "")).trim());
+    }
+    if (d.y) words.push("\u2192 " + (d.y.dtype || ""));
+    if (d.kind === "shards") words.push("(" + d.shards + " shards)");
+    return words.filter((w) => w).join(" ");
+  }).join(", ");
+}
+
 // The words of `somatize status` (somatize/cli.py progress_text), fraction for the bar.
 function progressText(p) {
   const parts = [];
@@ -254,6 +270,7 @@ function renderWorkers(workers) {
     cell(tr, caps.cpus, "num");
     cell(tr, bytes(caps.memory_bytes), "num");
     cell(tr, deviceText(caps));
+    cell(tr, datasetsText(w.datasets));
     return tr;
   });
   document.querySelector("#workers tbody").replaceChildren(...rows);

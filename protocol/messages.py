@@ -77,6 +77,29 @@ class Capabilities(BaseModel):
     platform: str = ""
 
 
+class ArrayShape(BaseModel):
+    """One array of a worker's dataset: its shape (rows first) and numpy dtype name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shape: list[Annotated[int, Field(ge=0)]]
+    dtype: str
+
+
+class DatasetSummary(BaseModel):
+    """What a worker's dataset holds (``--data NAME=PATH``), never its content: the kind of
+    path (``npz``, ``npy``: a directory of ``x.npy``/``y.npy``, ``shards``), its rows, the
+    shapes and dtypes of ``x`` and ``y`` (``None``: no labels), and how many shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rows: int = Field(ge=0)
+    kind: Literal["npz", "npy", "shards"] = "npz"
+    x: ArrayShape | None = None
+    y: ArrayShape | None = None
+    shards: int = Field(default=1, ge=1)
+
+
 WorkerName = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")
 ]
@@ -92,7 +115,7 @@ class WorkerHello(_Message):
     tags: list[WorkerName] = Field(default_factory=list)
     capabilities: Capabilities
     peer_address: str | None = None
-    datasets: dict[str, int] = Field(default_factory=dict)  # its local datasets: name → rows
+    datasets: dict[str, DatasetSummary] = Field(default_factory=dict)  # its own, by name
     key: str | None = None
     """The agent's identity key, with an id its operator chose: the first such hello enrols
     the id (the coordinator keeps the key's hash); a later hello for an enrolled id is refused

@@ -30,7 +30,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="workers", title_justify="left")
-    for column in ("id", "tags", "state", "device", "heartbeat", "job"):
+    for column in ("id", "tags", "state", "device", "datasets", "heartbeat", "job"):
         table.add_column(column, no_wrap=column in ("id", "device"))
     for w in workers:
         age = w.get("last_heartbeat_age")
@@ -41,6 +41,7 @@ def workers_table(workers: list[dict[str, Any]]) -> Any:
                 ", ".join(str(t) for t in w.get("tags") or []),
                 w.get("state", ""),
                 device_text(capabilities if isinstance(capabilities, dict) else {}),
+                datasets_text(w.get("datasets")),
                 f"{age:.1f} s ago" if isinstance(age, int | float) else "",
                 w.get("job_id") or "",
             )
@@ -74,6 +75,27 @@ def device_text(capabilities: dict[str, Any]) -> str:
     if isinstance(memory, int | float) and not isinstance(memory, bool) and memory > 0:
         parts.append(f"{memory / 2**30:.1f} GiB")
     return " ".join(parts)
+
+
+def datasets_text(datasets: Any) -> str:
+    """A worker's datasets in a few words each: ``mnist 60000 × 784 float32 → int64`` (the
+    status page's ``datasetsText`` says the same)."""
+    if not isinstance(datasets, dict):
+        return ""
+    parts = []
+    for name, d in sorted(datasets.items()):
+        d = d if isinstance(d, dict) else {}
+        words = [str(name), str(d.get("rows", "?"))]
+        x, y = d.get("x"), d.get("y")
+        if isinstance(x, dict):
+            trailing = " × ".join(str(n) for n in (x.get("shape") or [])[1:])
+            words.append(f"{trailing} {x.get('dtype', '')}".strip())
+        if isinstance(y, dict):
+            words.append(f"→ {y.get('dtype', '')}")
+        if d.get("kind") == "shards":
+            words.append(f"({d.get('shards')} shards)")
+        parts.append(" ".join(w for w in words if w))
+    return ", ".join(parts)
 
 
 def jobs_table(records: list[dict[str, Any]]) -> Any:

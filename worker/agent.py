@@ -72,7 +72,7 @@ from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
-from worker.datasets import rows
+from worker.datasets import summaries
 from worker.errors import AgentError, HandshakeFailed, LinkDead, RegistrationRefused
 from worker.job_handlers import JobHandlers
 from worker.lifecycle import Lifecycle, Phase
@@ -130,7 +130,7 @@ class Agent:
         self.url = config.endpoint
         self._worker_id = config.worker_id
         self._capabilities = config.capabilities
-        self._dataset_rows = {name: rows(path) for name, path in config.datasets.items()}
+        self._datasets = summaries(config.datasets)
         self._backoff = backoff or Backoff()
         # For wss://: the certificate(s) to trust (a coordinator's own CA); None: the system's.
         self._ssl = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
@@ -371,7 +371,7 @@ class Agent:
             tags=list(self.config.tags),
             capabilities=self._capabilities,
             peer_address=self.peer_address,
-            datasets=self._dataset_rows,
+            datasets=self._datasets,
             # Only an id the operator chose is bound to this agent's key: one the coordinator
             # assigned may be handed to another agent after a coordinator restart.
             key=self.config.identity_key if self.config.worker_id is not None else None,

@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="a local dataset jobs can train on by name: an .npz with x (and y); repeatable",
+        help="a local dataset jobs can train on by name: an .npz with x (and y), a directory "
+        "of x.npy (and y.npy), opened memory-mapped, or a directory of such shards and .npz "
+        "files, in name order; repeatable",
     )
     parser.add_argument(
         "--token-file",

@@ -1,8 +1,10 @@
-"""Worker-local datasets: ``somatize-worker --data NAME=PATH``, an ``.npz`` with ``x`` (and ``y``).
+"""Worker-local datasets: ``somatize-worker --data NAME=PATH``.
 
-Federated jobs train on data the coordinator never uploads: the job names a dataset, the agent
-knows where it is, and the filter daemon reads it from disk. The agent hands the daemon the map
-of names to paths in the environment variable :data:`ENV`, so no path crosses the wire.
+Jobs on worker data train on rows the coordinator never uploads: the job names a dataset, the
+agent knows where it is, and the filter daemon reads it from disk (the kinds of path, and how
+each is opened without reading it whole: :mod:`worker.dataset_files`). The agent hands the
+daemon the map of names to paths in the environment variable :data:`ENV`, so no path crosses the
+wire, and announces what each holds (rows, shapes, dtypes: :func:`summaries`) in its hello.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from protocol.errors import ErrorCode
+from protocol.messages import ArrayShape, DatasetSummary
+from worker.dataset_files import ArrayInfo, DatasetInfo, describe, open_dataset
 from worker.errors import EngineError
 
 ENV = "SOMATIZE_DATASETS"
@@ -23,11 +25,11 @@ ENV = "SOMATIZE_DATASETS"
 
 
 def parse_data_option(values: list[str]) -> dict[str, Path]:
-    """``["mnist=/data/m.npz", ...]`` → ``{"mnist": Path(...)}``; each file is checked now.
+    """``["mnist=/data/m.npz", ...]`` → ``{"mnist": Path(...)}``; each path is checked now.
 
     Raises:
-        ValueError: a malformed option, a name given twice, or a file that is not a readable
-            ``.npz`` with ``x`` (and, if present, ``y`` of as many rows).
+        ValueError: a malformed option, a name given twice, or a path that is not a dataset
+            (naming the path, or the shard, that is not).
     """
     datasets: dict[str, Path] = {}
     for value in values:
@@ -37,29 +39,22 @@ def parse_data_option(values: list[str]) -> dict[str, Path]:
         if name in datasets:
             raise ValueError(f"--data names {name!r} twice")
         datasets[name] = Path(path).expanduser().resolve()
-        rows(datasets[name])  # fail at startup, not in the middle of a job
+        describe(datasets[name])  # fail at startup, not in the middle of a job
     return datasets
 
 
-def rows(path: Path) -> int:
-    """How many rows the dataset at ``path`` has (and that it is well formed)."""
-    x, _ = read(path)
-    return int(x.shape[0])
+def summaries(datasets: Mapping[str, Path]) -> dict[str, DatasetSummary]:
+    """What each dataset holds, for the hello (blocking: reads headers, an ``.npz`` whole)."""
+    return {name: summary(describe(path)) for name, path in datasets.items()}
 
 
-def read(path: Path) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
-    """``x`` and ``y`` (or ``None``) of an ``.npz`` file."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if "x" not in npz.files:
-                raise ValueError(f"{path} has no array named 'x' (it has {npz.files})")
-            x = npz["x"]
-            y = npz["y"] if "y" in npz.files else None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"dataset {path}: {exc}") from exc
-    if x.ndim == 0 or (y is not None and (y.ndim == 0 or y.shape[0] != x.shape[0])):
-        raise ValueError(f"dataset {path}: x and y must have the same number of rows")
-    return x, y
+def summary(info: DatasetInfo) -> DatasetSummary:
+    def shape(array: ArrayInfo | None) -> ArrayShape | None:
+        return None if array is None else ArrayShape(shape=list(array.shape), dtype=array.dtype)
+
+    return DatasetSummary(
+        rows=info.rows, kind=info.kind, x=shape(info.x), y=shape(info.y), shards=info.shards
+    )
 
 
 def environment(datasets: Mapping[str, Path]) -> dict[str, str]:
@@ -67,7 +62,7 @@ def environment(datasets: Mapping[str, Path]) -> dict[str, str]:
     return {ENV: json.dumps({name: str(path) for name, path in datasets.items()})}
 
 
-def load_dataset(name: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
+def load_dataset(name: str) -> tuple[Any, Any]:
     """In the daemon: the dataset the agent registered as ``name``.
 
     Raises:
@@ -81,6 +76,6 @@ def load_dataset(name: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] 
             {"dataset": name},
         )
     try:
-        return read(Path(known[name]))
+        return open_dataset(Path(known[name]))
     except ValueError as exc:
         raise EngineError(ErrorCode.BAD_REQUEST, str(exc), {"dataset": name}) from exc

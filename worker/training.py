@@ -16,6 +16,7 @@ import torch
 
 from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
+from worker.dataset_files import ShardedRows
 from worker.errors import EngineError
 from worker.nodes import (
     Node,
@@ -81,8 +82,8 @@ class Training(Nodes):
                 ErrorCode.BAD_REQUEST,
                 f"no data held under {name!r} (held: {sorted(self._held)})",
             ) from None
-        if rows is None:
-            return x, y
+        if rows is None:  # the whole of it: a sharded dataset is read into one array here
+            return tuple(np.asarray(d) if isinstance(d, ShardedRows) else d for d in (x, y))  # type: ignore[return-value]
         n = num_rows(x)
         index = np.asarray(rows, dtype=np.int64)
         if index.size and (index.min() < 0 or index.max() >= n):

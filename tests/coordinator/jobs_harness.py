@@ -15,7 +15,7 @@ from coordinator.jobs import JobManager, PlacedJob
 from coordinator.registry import Registry
 from coordinator.store import JobStore
 from protocol.filters import dump_filter
-from protocol.messages import Capabilities, GraphSpec, StrategySpec, Submit
+from protocol.messages import Capabilities, DatasetSummary, GraphSpec, StrategySpec, Submit
 from somatize.client import graph_info
 from tests.utils import UNIT, Center
 from worker.daemon import Daemon
@@ -111,7 +111,8 @@ class Harness:
 
     def worker(self, worker_id, *tags, datasets=None, device="cpu"):
         caps = CAPS.model_copy(update={"device": device})
-        return self.registry.attach(worker_id, list(tags), caps, FakeChannel(), datasets)
+        summaries = {name: DatasetSummary(rows=n) for name, n in (datasets or {}).items()}
+        return self.registry.attach(worker_id, list(tags), caps, FakeChannel(), summaries)
 
     async def __aenter__(self) -> Harness:
         self.scheduler = asyncio.create_task(self.manager.schedule_forever())

@@ -9,7 +9,7 @@ import pytest
 from coordinator.context import WorkerIdentity
 from coordinator.errors import DuplicateWorker
 from coordinator.registry import Registry, WorkerState
-from protocol.messages import Capabilities
+from protocol.messages import ArrayShape, Capabilities, DatasetSummary
 
 CAPS = Capabilities(cpus=2, memory_bytes=1 << 30, torch="2", python="3.11", cloudpickle="3")
 
@@ -33,7 +33,8 @@ def _registry(timeout=10.0):
 def test_attach_gives_an_id_and_keeps_it_across_reconnects():
     registry, changes = _registry()
     first = FakeChannel()
-    record = registry.attach(None, ["a", "b"], CAPS, first, {"mnist": 60}, "ws://h:1")
+    mnist = {"mnist": DatasetSummary(rows=60)}
+    record = registry.attach(None, ["a", "b"], CAPS, first, mnist, "ws://h:1")
     assert record.id.startswith("w-") and len(record.id) == len("w-") + 6
     # Where other workers reach it: its announced peer address's host.
     assert record.identity == WorkerIdentity(
@@ -128,7 +129,9 @@ def test_idle_lists_connected_workers_without_a_job_in_registration_order():
 
 def test_summary_is_what_status_shows():
     registry, _ = _registry()
-    record = registry.attach("a", ["z", "y"], CAPS, FakeChannel(), {"d": 3})
+    x = ArrayShape(shape=[3, 2], dtype="float32")
+    d = DatasetSummary(rows=3, kind="npy", x=x)
+    record = registry.attach("a", ["z", "y"], CAPS, FakeChannel(), {"d": d})
     summary = record.summary(now=record.last_heartbeat + 1.25)
     assert summary == {
         "id": "a",
@@ -138,6 +141,14 @@ def test_summary_is_what_status_shows():
         "job_id": None,
         "reason": "",
         "connections": 1,
-        "datasets": {"d": 3},
+        "datasets": {
+            "d": {
+                "rows": 3,
+                "kind": "npy",
+                "x": {"shape": [3, 2], "dtype": "float32"},
+                "y": None,
+                "shards": 1,
+            }
+        },
         "capabilities": CAPS.model_dump(),
     }

@@ -40,15 +40,31 @@ class Pause(sz.Filter):
         return x
 
 
+KINDS = {"w1": "npz", "w2": "npy", "w3": "shards"}
+"""The kind of path each worker serves its ``local`` dataset from (issue 15)."""
+
+
 def write_datasets(directory: Path) -> tuple[list, dict[str, dict[str, Path]]]:
-    """Each worker's ``local`` dataset (30, 50 and 80 rows) as an ``.npz`` file."""
+    """Each worker's ``local`` dataset (30, 50 and 80 rows), each of another kind: w1's an
+    ``.npz`` file, w2's a directory of ``x.npy``/``y.npy`` (memory-mapped), w3's a directory of
+    three shards (an ``.npz`` and two ``.npy`` directories, read in name order)."""
     data = shards()
-    paths = {}
-    for worker_id, (x, y) in zip(IDS, data, strict=True):
-        path = directory / f"{worker_id}.npz"
-        np.savez(path, x=x, y=y)
-        paths[worker_id] = {"local": path}
+    (x1, y1), (x2, y2), (x3, y3) = data
+    np.savez(directory / "w1.npz", x=x1, y=y1)
+    _npy_dir(directory / "w2", x2, y2)
+    bounds = [0, 25, 60, len(x3)]
+    (directory / "w3").mkdir()
+    np.savez(directory / "w3" / "a.npz", x=x3[:25], y=y3[:25])
+    for name, lo, hi in (("b", bounds[1], bounds[2]), ("c", bounds[2], bounds[3])):
+        _npy_dir(directory / "w3" / name, x3[lo:hi], y3[lo:hi])
+    paths = {w: {"local": directory / (f"{w}.npz" if w == "w1" else w)} for w in IDS}
     return data, paths
+
+
+def _npy_dir(path: Path, x: np.ndarray, y: np.ndarray) -> None:
+    path.mkdir()
+    np.save(path / "x.npy", x)
+    np.save(path / "y.npy", y)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +101,13 @@ def test_live_fedavg_on_worker_data_equals_the_hand_averaged_local_trainings(liv
             assert event["rows"] == sum(SIZES)
             assert event["loss"] == pytest.approx(loss, abs=1e-6)
         assert sorted(job.status()["workers"]) == list(IDS)  # workers=None: every idle one
+        # Each worker announced what its dataset holds, never its content.
+        for w in client.status()["workers"]:
+            local = w["datasets"]["local"]
+            rows = SIZES[IDS.index(w["id"])]
+            assert (local["kind"], local["rows"]) == (KINDS[w["id"]], rows)
+            assert local["x"]["shape"][0] == local["y"]["shape"][0] == rows
+            assert local["shards"] == (3 if w["id"] == "w3" else 1)
 
 
 def test_live_fedavg_goes_on_without_a_worker_killed_mid_job(live):

@@ -53,6 +53,7 @@ from protocol.messages import (
     Capabilities,
     ClientHello,
     CloseJob,
+    DatasetSummary,
     Deliver,
     Error,
     GetJob,
@@ -153,8 +154,9 @@ def submits(draw: st.DrawFn) -> Submit:
     """A submission the coordinator must judge: a known strategy with random options, a graph
     whose filters often match its nodes, data of any shape (filters are never valid pickles:
     such a job fails on the worker, it never runs user code)."""
-    node_ids = draw(st.lists(texts, min_size=1, max_size=3))
-    names = node_ids if draw(st.booleans()) else draw(st.lists(texts, max_size=3))
+    node_id = st.text(min_size=1, max_size=12)  # a node id is never empty
+    node_ids = draw(st.lists(node_id, min_size=1, max_size=3))
+    names = node_ids if draw(st.booleans()) else draw(st.lists(node_id, max_size=3))
     nodes = st.builds(
         NodeInfo,
         differentiable=st.booleans(),
@@ -167,7 +169,7 @@ def submits(draw: st.DrawFn) -> Submit:
         graph=GraphSpec(
             node_ids=node_ids,
             filters={n: draw(st.binary(max_size=16)) for n in names},
-            nodes=draw(st.dictionaries(st.sampled_from(node_ids) | texts, nodes, max_size=3)),
+            nodes=draw(st.dictionaries(st.sampled_from(node_ids) | node_id, nodes, max_size=3)),
         ),
         x=draw(anything),
         y=draw(anything),
@@ -194,7 +196,9 @@ def _message_strategies() -> list[st.SearchStrategy[BaseModel]]:
             tags=st.lists(names, max_size=3),
             capabilities=capabilities,
             peer_address=maybe_text,
-            datasets=st.dictionaries(texts, ints, max_size=2),
+            datasets=st.dictionaries(
+                texts, st.builds(DatasetSummary, rows=st.integers(0, 10**9)), max_size=2
+            ),
         ),
         st.builds(ClientHello, name=maybe_text),
         st.builds(

@@ -20,7 +20,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
-from somatize.tables import device_text
+from somatize.tables import datasets_text, device_text
 from tests.coordinator.test_data_parallel import dataset, graph_for
 from tests.coordinator.test_http import running
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
@@ -139,6 +139,21 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
     shown = page.evaluate(f"deviceText({json.dumps(h200)})")
     assert shown == device_text(h200) == "cuda:0 NVIDIA H200 150.0 GiB"
+    # A worker's datasets too (these workers serve none: the page shows none).
+    assert all(w["Datasets"] == "" for w in after["workers"])
+    served = {
+        "mnist": {"rows": 60000, "kind": "npz", "x": {"shape": [60000, 784], "dtype": "uint8"}},
+        "big": {
+            "rows": 9,
+            "kind": "shards",
+            "shards": 3,
+            "x": {"shape": [9, 2, 2], "dtype": "float32"},
+            "y": {"shape": [9], "dtype": "int64"},
+        },
+    }
+    shown = page.evaluate(f"datasetsText({json.dumps(served)})")
+    assert shown == datasets_text(served)
+    assert shown == "big 9 2 × 2 float32 → int64 (3 shards), mnist 60000 784 uint8"
 
 
 def test_a_browser_logs_in_with_the_client_token_as_password(tmp_path):

@@ -1,0 +1,196 @@
+"""The datasets a worker serves from its disk, opened without reading them whole.
+
+``somatize-worker --data NAME=PATH`` takes three kinds of ``PATH``:
+
+* an ``.npz`` file with ``x`` (and ``y``): read whole when a job opens it (``np.load`` cannot
+  map an archive's members);
+* a directory holding ``x.npy`` (and ``y.npy``): each opened memory-mapped, read-only — a job
+  reads the rows it trains on, page by page, never the whole file;
+* a directory of shards, each an ``.npz`` file or a directory of ``x.npy``/``y.npy``: their
+  rows one after the other, in name order, as :class:`ShardedRows` (a row index finds its
+  shard; only the rows asked for are read).
+
+:func:`describe` checks a path as the agent starts (every shard must agree on dtypes and
+trailing shapes, and ``y`` on rows with ``x``: a file that does not is refused, named) and says
+what it holds — rows, shapes, dtypes, never content — for the hello. :func:`open_dataset` opens
+it in the filter daemon. Nothing here opens a path a client sent: only those the worker was
+started with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["ArrayInfo", "DatasetInfo", "ShardedRows", "describe", "open_dataset"]
+
+Array = Any
+"""A numpy array, a read-only ``np.memmap`` or :class:`ShardedRows`."""
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One array of a dataset: its shape (rows first) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, array: Array) -> ArrayInfo:
+        return cls(tuple(int(n) for n in array.shape), str(array.dtype))
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset holds, without its content: for the hello and ``somatize status``."""
+
+    kind: Literal["npz", "npy", "shards"]
+    rows: int
+    x: ArrayInfo
+    y: ArrayInfo | None
+    shards: int = 1
+
+
+class ShardedRows:
+    """The rows of several arrays, one after the other, as one read-only array.
+
+    Indexing with an int, a slice or an index array returns a numpy array of those rows (read
+    from their shards, in the order asked); nothing else is read.
+    """
+
+    def __init__(self, parts: Sequence[Array], names: Sequence[str]) -> None:
+        if not parts:
+            raise ValueError("a sharded dataset needs at least one shard")
+        first = parts[0]
+        for part, name in zip(parts, names, strict=True):
+            if part.dtype != first.dtype or part.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"shard {name} holds {part.dtype} rows of shape {tuple(part.shape[1:])}, "
+                    f"the first shard ({names[0]}) {first.dtype} of shape "
+                    f"{tuple(first.shape[1:])}: every shard must agree"
+                )
+        self._parts = list(parts)
+        self._starts = np.cumsum([0, *(int(p.shape[0]) for p in parts)])
+        self.dtype = first.dtype
+        self.shape = (int(self._starts[-1]), *first.shape[1:])
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * int(self.dtype.itemsize)
+
+    def __getitem__(self, index: Any) -> np.ndarray[Any, Any]:
+        if isinstance(index, int | np.integer):
+            row: np.ndarray[Any, Any] = self._rows(np.asarray([index]))[0]
+            return row
+        if isinstance(index, slice):
+            return self._rows(np.arange(*index.indices(len(self))))
+        return self._rows(np.asarray(index))
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        whole = self._rows(np.arange(len(self)))  # reads everything: only where code asks for it
+        return whole if dtype is None else np.asarray(whole, dtype=dtype)
+
+    def _rows(self, index: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        index = index.astype(np.int64, copy=False)
+        if index.ndim != 1:
+            raise IndexError("a sharded dataset takes a 1-D index of rows")
+        index = np.where(index < 0, index + len(self), index)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"rows must lie in [0, {len(self)})")
+        out = np.empty((index.size, *self.shape[1:]), self.dtype)
+        shard = np.searchsorted(self._starts, index, side="right") - 1
+        for s in np.unique(shard):
+            mine = np.flatnonzero(shard == s)
+            local = index[mine] - self._starts[s]
+            order = np.argsort(local, kind="stable")  # ascending reads: sequential pages
+            out[mine[order]] = self._parts[s][local[order]]
+        return out
+
+
+def _npz(path: Path) -> tuple[Array, Array | None]:
+    with np.load(path, allow_pickle=False) as npz:
+        if "x" not in npz.files:
+            raise ValueError(f"{path} has no array named 'x' (it has {npz.files})")
+        return npz["x"], (npz["y"] if "y" in npz.files else None)
+
+
+def _npy_dir(path: Path) -> tuple[Array, Array | None]:
+    y_path = path / "y.npy"
+    x = np.load(path / "x.npy", mmap_mode="r", allow_pickle=False)
+    y = np.load(y_path, mmap_mode="r", allow_pickle=False) if y_path.exists() else None
+    return x, y
+
+
+def _is_npy_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "x.npy").is_file()
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(
+        (p for p in path.iterdir() if p.suffix == ".npz" or _is_npy_dir(p)), key=lambda p: p.name
+    )
+
+
+def _open(path: Path) -> tuple[Literal["npz", "npy", "shards"], tuple[Array, Array | None], int]:
+    if path.is_file():
+        return "npz", _npz(path), 1
+    if _is_npy_dir(path):
+        return "npy", _npy_dir(path), 1
+    if not path.is_dir():
+        raise ValueError("no such file or directory")
+    shards = _shards(path)
+    if not shards:
+        raise ValueError(
+            "a directory must hold x.npy (and y.npy), or shards: .npz files or directories of "
+            "x.npy/y.npy"
+        )
+    opened = [_npz(s) if s.is_file() else _npy_dir(s) for s in shards]
+    names = [s.name for s in shards]
+    for (x, y), name in zip(opened, names, strict=True):
+        _check_rows(x, y, name)
+    with_y = [y is not None for _, y in opened]
+    if any(with_y) and not all(with_y):
+        missing = [n for n, has in zip(names, with_y, strict=True) if not has]
+        raise ValueError(f"shards {missing} have no y while others do")
+    x = ShardedRows([x for x, _ in opened], names)
+    y = ShardedRows([y for _, y in opened], names) if all(with_y) else None
+    return "shards", (x, y), len(shards)
+
+
+def _check_rows(x: Array, y: Array | None, where: str) -> None:
+    if x.ndim == 0 or (y is not None and (y.ndim == 0 or y.shape[0] != x.shape[0])):
+        raise ValueError(f"{where}: x and y must have the same number of rows")
+
+
+def open_dataset(path: Path) -> tuple[Array, Array | None]:
+    """``x`` and ``y`` (or ``None``) of the dataset at ``path`` (see the module's kinds).
+
+    Raises:
+        ValueError: naming the path (and the shard) that is not a dataset.
+    """
+    try:
+        _, (x, y), _ = _open(path)
+        _check_rows(x, y, str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"dataset {path}: {exc}") from exc
+    return x, y
+
+
+def describe(path: Path) -> DatasetInfo:
+    """What the dataset at ``path`` holds (checked: see :func:`open_dataset`)."""
+    try:
+        kind, (x, y), shards = _open(path)
+        _check_rows(x, y, str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"dataset {path}: {exc}") from exc
+    return DatasetInfo(
+        kind, int(x.shape[0]), ArrayInfo.of(x), None if y is None else ArrayInfo.of(y), shards
+    )
