@@ -4,11 +4,15 @@ One epoch of ``n`` rows in batches of ``size``: in order (``slice(start, start +
 a ``torch.Generator``, in the order of one ``torch.randperm(n, generator=...)`` drawn per epoch
 (the last batch may be shorter). ``graph.fit`` trains on exactly these batches, and
 ``DataParallel`` splits exactly these batches across its replicas, which is why the two agree.
+
+Over data that lives on the workers (``WorkerData``) there is no one dataset to batch:
+:func:`replica_batches` defines each step as every replica's next ``batch_size`` rows of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,3 +62,34 @@ def global_batches(
         for step, index in enumerate(batches(rows, size, order)):
             rows_ = np.arange(rows)[index] if isinstance(index, slice) else index.numpy()
             yield epoch, step, np.array_split(rows_, parts)
+
+
+def replica_batches(
+    sizes: Sequence[int],
+    epochs: int,
+    batch_size: int | None,
+    shuffle: bool,
+    seed: int,
+) -> Iterator[tuple[int, int, list[Any]]]:
+    """``(epoch, step, slices)`` of every step of a data-parallel run over the replicas' own
+    datasets (``WorkerData``), replica ``r`` holding ``sizes[r]`` rows (replicas in the order
+    of their worker ids).
+
+    ``batch_size`` is per replica (default: all its rows): step ``s`` of an epoch takes rows
+    ``[s·b, (s+1)·b)`` of every replica's own order, which is ``0, 1, ...`` or, with
+    ``shuffle``, the permutation ``numpy.random.default_rng([seed, epoch, r]).permutation``.
+    The global batch is the union of the slices; an epoch has as many steps as the largest
+    replica needs, one that ran out contributing an empty slice to the rest. Slices hold row
+    indices into each replica's own dataset."""
+    steps = max((math.ceil(n / (batch_size or n)) for n in sizes if n), default=0)
+    for epoch in range(epochs):
+        orders = [
+            np.random.default_rng([seed, epoch, r]).permutation(n) if shuffle else np.arange(n)
+            for r, n in enumerate(sizes)
+        ]
+        for step in range(steps):
+            slices = []
+            for order, n in zip(orders, sizes, strict=True):
+                size = batch_size or n
+                slices.append(order[step * size : (step + 1) * size])
+            yield epoch, step, slices

@@ -242,12 +242,17 @@ class _BatchPlan(_Request):
 class DistPlanRequest(_BatchPlan):
     """A data-parallel replica's plan, once joined: train ``node_ids`` on its slice of every
     global batch, the slices cut over the group's ranks; ``held`` are the global row ids staged
-    here under ``data`` (sorted)."""
+    here under ``data`` (sorted). With ``sizes`` the replicas train on their own datasets
+    instead (``WorkerData``): ``sizes`` are their rows in the order of their worker ids, this
+    replica the one at ``position``, the steps those of
+    :func:`protocol.batching.replica_batches` (``rows`` and ``held`` are not used)."""
 
     cmd: Literal["dist_plan"] = "dist_plan"
     node_ids: Annotated[list[str], Field(min_length=1)]
     data: str
     held: list[int]
+    sizes: list[NonNegativeInt] | None = None
+    position: NonNegativeInt = 0
 
 
 class PipePlanRequest(_BatchPlan):

@@ -159,9 +159,11 @@ class DataParallel(Strategy):
 @dataclass(frozen=True)
 class WorkerData:
     """A job's input that stays on the workers: each trains on its own dataset called ``name``
-    (``somatize-worker --data NAME=PATH``, an ``.npz`` with ``x`` and ``y``)::
+    (``somatize-worker --data NAME=PATH``: an ``.npz``, a directory of ``x.npy``/``y.npy`` or of
+    shards), with FedAvg/FedProx or DataParallel (each replica on its own rows)::
 
         client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10))
+        client.submit(graph, sz.WorkerData("shards"), strategy=sz.DataParallel(4))
     """
 
     name: str

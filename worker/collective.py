@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from protocol.batching import global_batches
+from protocol.batching import global_batches, replica_batches
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node
@@ -62,7 +62,13 @@ class Plan:
         batch_size: int | None,
         shuffle: bool,
         seed: int,
+        sizes: Sequence[int] | None = None,
+        position: int = 0,
     ) -> Plan:
+        if sizes is not None:  # each replica on its own dataset
+            own = replica_batches(sizes, epochs, batch_size, shuffle, seed)
+            steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
+            return cls(data, list(node_ids), steps)
         staged = np.asarray(held, dtype=np.int64)
         steps = []
         for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):

@@ -277,6 +277,8 @@ class Daemon:
             req.batch_size,
             req.shuffle,
             req.seed,
+            req.sizes,
+            req.position,
         )
         self.engine.plan_data_parallel(plan)
 

@@ -157,7 +157,22 @@ class TorchTraining:
         await join(ctx, replicas, meet, f"{self.token}/{self.formations}/", self.timeout)
         training = self.training
 
+        own = self.run.position.own
+
         def plan(i: int) -> DistPlanRequest:
+            if own is not None:  # the replicas' own rows: no row list to send
+                return DistPlanRequest(
+                    node_ids=self.run.job.node_ids,
+                    data=self.run.staged,
+                    held=[],
+                    sizes=own.in_order,
+                    position=own.places[i],
+                    rows=0,
+                    epochs=training.epochs,
+                    batch_size=training.batch_size,
+                    shuffle=training.shuffle,
+                    seed=training.seed,
+                )
             return DistPlanRequest(
                 node_ids=self.run.job.node_ids,
                 data=self.run.staged,

@@ -14,6 +14,11 @@ filter daemon, and per step only row indices go out and gradients come back. Pla
 the first TorchFilter are fitted on each replica's share of the first epoch, their states
 averaged (weighted by rows) and set everywhere before training starts.
 
+Over ``WorkerData`` each replica stages its own dataset instead and each step takes every
+replica's next ``batch_size`` rows of its own (:func:`protocol.batching.replica_batches`, by
+:class:`~coordinator.strategies.steps.OwnData`); the rest is the same. It cannot be elastic: a
+replacement worker would hold other rows.
+
 A replica whose worker is lost (its connection closed or went silent, ``worker_lost``) or whose
 daemon died (``daemon_crashed``) fails the job at once, naming the worker — unless the job is
 ``elastic``: then the step in flight is abandoned, the replica replaced and restored from a
@@ -23,6 +28,7 @@ the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -35,7 +41,13 @@ from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
 from coordinator.strategies.collective import Choice, TorchTraining, choose
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
-from coordinator.strategies.steps import Training, global_batches, plain_prefix, rows_of
+from coordinator.strategies.steps import (
+    OwnData,
+    Training,
+    global_batches,
+    plain_prefix,
+    rows_of,
+)
 from protocol.daemon import CompositeFitRequest, GradientsRequest
 from protocol.errors import ErrorCode
 from protocol.strategy_options import (
@@ -103,6 +115,8 @@ class DataParallel(Strategy):
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
         held, first_epoch, steps_per_epoch = _shares(n, len(replicas), training)
+        if job.dataset is not None:  # each replica's own: known once staged
+            held = [np.arange(0) for _ in replicas]
         run = Replicas(
             ctx,
             job,
@@ -115,6 +129,11 @@ class DataParallel(Strategy):
             placement=self.placement().describe(),
         )
         await run.on_all(run.set_up, replicas)
+        if job.dataset is not None:
+            own = OwnData.of([run.staged_rows[i] for i in replicas], run.ids)
+            run.position.own = own
+            run.position.held = [np.arange(size) for size in own.sizes]
+            first_epoch, steps_per_epoch = _own_shares(own, training)
         choice = await choose(run, self.collective, self.collective_timeout)
         return _SetUp(run, first_epoch, steps_per_epoch, choice)
 
@@ -152,7 +171,8 @@ class DataParallel(Strategy):
         #    trip a step); the last mean, and any a replica with no rows in a step would miss,
         #    go on their own. A replica restored onto a replacement (``fresh``) copied a survivor
         #    that had already applied the mean: it only computes its slice.
-        plan = global_batches(n, len(replicas), training)
+        own = position.own
+        plan = own.batches(training) if own else global_batches(n, len(replicas), training)
         for done, (epoch, _, slices) in enumerate(plan, start=1):
             position.phase, position.epoch, position.step = "training", epoch, done
             local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
@@ -184,13 +204,13 @@ class DataParallel(Strategy):
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
         """The torch nodes, the plain prefix and the training settings; or why not."""
-        if job.dataset is not None:
+        if job.dataset is not None and self.elastic:
             raise StrategyOptionsError(
-                "data_parallel splits the data the client sends; for data that stays on the "
-                "workers (WorkerData) use FedAvg"
+                "data_parallel on WorkerData cannot be elastic: a replacement worker holds "
+                "other rows than the replica it would replace"
             )
         torch_nodes, prefix = plain_prefix(job, self.name, "; use Local")
-        if job.y is None:
+        if job.y is None and job.dataset is None:
             raise StrategyOptionsError("data_parallel trains with labels: y is missing")
         return torch_nodes, prefix, Training.of(job.nodes[torch_nodes[-1]])
 
@@ -268,6 +288,18 @@ def _shares(n: int, replicas: int, training: Training) -> tuple[list[Any], list[
                 first_epoch[i].extend(part.tolist())
     held = [np.array(sorted(rows), dtype=np.int64) for rows in needed]
     return held, first_epoch, steps_per_epoch
+
+
+def _own_shares(own: OwnData, training: Training) -> tuple[list[list[int]], int]:
+    """The rows of its own each replica sees in the first epoch, and the steps of an epoch."""
+    first_epoch: list[list[int]] = [[] for _ in own.sizes]
+    steps_per_epoch = 0
+    for epoch, step, slices in own.batches(dataclasses.replace(training, epochs=1)):
+        steps_per_epoch = max(steps_per_epoch, step + 1)
+        if epoch == 0:
+            for i, part in enumerate(slices):
+                first_epoch[i].extend(part.tolist())
+    return first_epoch, steps_per_epoch
 
 
 def _average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:

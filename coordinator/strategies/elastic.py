@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, concurrently
-from coordinator.strategies.steps import set_up
+from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import StageRequest
 from protocol.errors import ErrorCode
 
@@ -45,7 +45,8 @@ class DataParallelPosition:
     the last step's mean gradient (applied with the next step), and whether the replicas hold
     state a replacement must copy. The run loop reads and advances it; nothing else holds it."""
 
-    held: list[Any]  # row indices each replica was sent, by replica
+    held: list[Any]  # row indices each replica was sent (or holds of its own), by replica
+    own: OwnData | None = None  # the replicas train on their own datasets (WorkerData)
     phase: str = "loading"
     epoch: int = 0
     step: int | None = None  # the global step being run, from 1; None outside training
@@ -96,6 +97,7 @@ class Replicas:
     timeout: float
     placement: str
     recoveries: Counter[str] = field(default_factory=Counter)
+    staged_rows: dict[int, int] = field(default_factory=dict)  # by replica, as staging said
 
     @property
     def ids(self) -> list[str]:
@@ -182,9 +184,13 @@ class Replicas:
 
     async def restore(self, i: int, snapshot: Snapshot | None) -> None:
         """Load the filters on replica ``i``'s worker, stage its rows and copy ``snapshot``."""
-        rows = self.position.held[i]
-        data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
-        await set_up(self.ctx, i, self.job.filters, data)
+        if self.job.dataset is not None:  # the worker's own rows
+            data = StageRequest(name=self.staged, dataset=self.job.dataset)
+        else:
+            rows = self.position.held[i]
+            data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
+        staged = await set_up(self.ctx, i, self.job.filters, data)
+        self.staged_rows[i] = int(staged["rows"])
         if snapshot is not None:
             await self.ctx.set_state(i, snapshot.states)
             await self.ctx.set_optimizer_state(i, snapshot.optimizers)

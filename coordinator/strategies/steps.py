@@ -49,6 +49,39 @@ def global_batches(
     )
 
 
+@dataclass(frozen=True)
+class OwnData:
+    """Replicas that train on their own datasets (``WorkerData``): each one's rows and its
+    place among the replicas sorted by worker id (the order
+    :func:`protocol.batching.replica_batches` takes them in), both by replica."""
+
+    sizes: list[int]
+    places: list[int]
+
+    @classmethod
+    def of(cls, sizes: list[int], ids: list[str]) -> OwnData:
+        ranked = sorted(range(len(ids)), key=ids.__getitem__)
+        places = [0] * len(ids)
+        for place, i in enumerate(ranked):
+            places[i] = place
+        return cls(sizes, places)
+
+    @property
+    def in_order(self) -> list[int]:
+        """The sizes in worker-id order."""
+        ordered = [0] * len(self.sizes)
+        for i, place in enumerate(self.places):
+            ordered[place] = self.sizes[i]
+        return ordered
+
+    def batches(self, training: Training) -> Iterator[tuple[int, int, list[Any]]]:
+        """``(epoch, step, slices)`` of every step, the slices by replica (rows of its own)."""
+        for epoch, step, slices in batching.replica_batches(
+            self.in_order, training.epochs, training.batch_size, training.shuffle, training.seed
+        ):
+            yield epoch, step, [slices[place] for place in self.places]
+
+
 def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], list[str]]:
     """The TorchFilters of ``job`` and the plain filters before them.
 
