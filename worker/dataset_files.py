@@ -4,8 +4,9 @@
 
 * an ``.npz`` file with ``x`` (and ``y``): read whole when a job opens it (``np.load`` cannot
   map an archive's members);
-* a directory holding ``x.npy`` (and ``y.npy``): each opened memory-mapped, read-only — a job
-  reads the rows it trains on, page by page, never the whole file;
+* a directory holding ``x.npy`` (and ``y.npy``): each opened as :class:`~worker.npy_rows.NpyRows`
+  — a job reads the rows it trains on, a step at a time, never the whole file, and holds none
+  of it once the step is done;
 * a directory of shards, each an ``.npz`` file or a directory of ``x.npy``/``y.npy``: their
   rows one after the other, in name order, as :class:`ShardedRows` (a row index finds its
   shard; only the rows asked for are read).
@@ -26,10 +27,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from worker.npy_rows import NpyRows, Rows
+
 __all__ = ["ArrayInfo", "DatasetInfo", "ShardedRows", "describe", "open_dataset"]
 
 Array = Any
-"""A numpy array, a read-only ``np.memmap`` or :class:`ShardedRows`."""
+"""A numpy array or a :class:`~worker.npy_rows.Rows` (:class:`~worker.npy_rows.NpyRows`,
+:class:`ShardedRows`)."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,9 @@ class DatasetInfo:
     shards: int = 1
 
 
-class ShardedRows:
-    """The rows of several arrays, one after the other, as one read-only array.
-
-    Indexing with an int, a slice or an index array returns a numpy array of those rows (read
-    from their shards, in the order asked); nothing else is read.
-    """
+class ShardedRows(Rows):
+    """The rows of several tables, one after the other, as one read-only table: an index finds
+    each row's shard, and only the rows asked for are read (:class:`~worker.npy_rows.Rows`)."""
 
     def __init__(self, parts: Sequence[Array], names: Sequence[str]) -> None:
         if not parts:
@@ -76,35 +77,9 @@ class ShardedRows:
         self._parts = list(parts)
         self._starts = np.cumsum([0, *(int(p.shape[0]) for p in parts)])
         self.dtype = first.dtype
-        self.shape = (int(self._starts[-1]), *first.shape[1:])
-        self.ndim = len(self.shape)
+        self.shape = (int(self._starts[-1]), *(int(n) for n in first.shape[1:]))
 
-    def __len__(self) -> int:
-        return int(self.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * int(self.dtype.itemsize)
-
-    def __getitem__(self, index: Any) -> np.ndarray[Any, Any]:
-        if isinstance(index, int | np.integer):
-            row: np.ndarray[Any, Any] = self._rows(np.asarray([index]))[0]
-            return row
-        if isinstance(index, slice):
-            return self._rows(np.arange(*index.indices(len(self))))
-        return self._rows(np.asarray(index))
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
-        whole = self._rows(np.arange(len(self)))  # reads everything: only where code asks for it
-        return whole if dtype is None else np.asarray(whole, dtype=dtype)
-
-    def _rows(self, index: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        index = index.astype(np.int64, copy=False)
-        if index.ndim != 1:
-            raise IndexError("a sharded dataset takes a 1-D index of rows")
-        index = np.where(index < 0, index + len(self), index)
-        if index.size and (index.min() < 0 or index.max() >= len(self)):
-            raise IndexError(f"rows must lie in [0, {len(self)})")
+    def _read(self, index: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         out = np.empty((index.size, *self.shape[1:]), self.dtype)
         shard = np.searchsorted(self._starts, index, side="right") - 1
         for s in np.unique(shard):
@@ -124,9 +99,7 @@ def _npz(path: Path) -> tuple[Array, Array | None]:
 
 def _npy_dir(path: Path) -> tuple[Array, Array | None]:
     y_path = path / "y.npy"
-    x = np.load(path / "x.npy", mmap_mode="r", allow_pickle=False)
-    y = np.load(y_path, mmap_mode="r", allow_pickle=False) if y_path.exists() else None
-    return x, y
+    return NpyRows(path / "x.npy"), NpyRows(y_path) if y_path.exists() else None
 
 
 def _is_npy_dir(path: Path) -> bool:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from protocol.errors import ErrorCode
-from worker.dataset_files import ShardedRows
 from worker.errors import EngineError
+from worker.npy_rows import Rows
 from worker.transfer import autocast, tensors_to, to_cpu, to_device
 
 UNSET: Any = object()
@@ -233,6 +233,6 @@ def take(data: Any, index: np.ndarray[Any, Any]) -> Any:
     """Rows ``index`` of an array or tensor (a copy: the held data stays as it was)."""
     if isinstance(data, torch.Tensor):
         return data[torch.from_numpy(index)]
-    if isinstance(data, np.ndarray | ShardedRows):  # a memory-mapped or sharded dataset too
+    if isinstance(data, np.ndarray | Rows):  # a dataset read from disk by rows too
         return np.asarray(data[index])  # reads those rows only
     return np.asarray(data)[index]

@@ -16,7 +16,6 @@ import torch
 
 from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
-from worker.dataset_files import ShardedRows
 from worker.errors import EngineError
 from worker.nodes import (
     Node,
@@ -28,6 +27,7 @@ from worker.nodes import (
     take,
     trainable,
 )
+from worker.npy_rows import Rows
 from worker.transfer import scaler_for, to_cpu
 
 
@@ -83,7 +83,7 @@ class Training(Nodes):
                 f"no data held under {name!r} (held: {sorted(self._held)})",
             ) from None
         if rows is None:  # the whole of it: a sharded dataset is read into one array here
-            return tuple(np.asarray(d) if isinstance(d, ShardedRows) else d for d in (x, y))  # type: ignore[return-value]
+            return tuple(np.asarray(d) if isinstance(d, Rows) else d for d in (x, y))  # type: ignore[return-value]
         n = num_rows(x)
         index = np.asarray(rows, dtype=np.int64)
         if index.size and (index.min() < 0 or index.max() >= n):

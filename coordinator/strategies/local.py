@@ -1,7 +1,8 @@
 """Local: the whole graph on one worker, all the data — the distributed path's baseline.
 
 The result equals ``graph.fit`` in the client's process: the worker's daemon runs the same
-engine on the same data.
+engine on the same data. On ``WorkerData`` it trains where the data is: the worker stages its
+own dataset and fits on it, as ``graph.fit`` would on those rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from coordinator.strategies.base import (
     Strategy,
     parse_options,
 )
+from protocol.daemon import BatchedFitRequest, StageRequest
 from protocol.strategy_options import LocalOptions
+
+STAGED = "local"
+"""The name a worker's own dataset is staged under in its daemon."""
 
 
 class Local(Strategy):
@@ -44,9 +49,15 @@ class Local(Strategy):
         # 1. Ship the filters to the worker's daemon.
         await emit("progress", {"phase": "loading", "nodes": len(job.node_ids)})
         await ctx.load(0, job.filters)
-        # 2. Train the whole chain there, as graph.fit would.
-        await emit("progress", {"phase": "training"})
-        fit = await ctx.execute_on_worker(0, job.node_ids, job.x, job.y)
+        # 2. Train the whole chain there, as graph.fit would (on its own rows for WorkerData).
+        if job.dataset is not None:
+            staged = await ctx.call(0, StageRequest(name=STAGED, dataset=job.dataset))
+            await emit("progress", {"phase": "training", "rows": staged["rows"]})
+            request = BatchedFitRequest(node_ids=job.node_ids, data=STAGED, return_output=False)
+            fit = await ctx.call(0, request)
+        else:
+            await emit("progress", {"phase": "training"})
+            fit = await ctx.execute_on_worker(0, job.node_ids, job.x, job.y)
         losses = fit.get("epoch_losses") or []
         await emit(
             "progress",

@@ -77,14 +77,14 @@ def reference(x, y, workers: list[str], optimizer: str, shuffle: bool):
     return net.state_dict(), steps * EPOCHS
 
 
-@pytest.mark.parametrize("collective", ["torch", "coordinator"])
-def test_data_parallel_on_worker_data_equals_a_plain_loop_over_the_replicas_own_batches(
-    tmp_path, collective
-):
+def test_data_parallel_on_worker_data_equals_a_plain_loop_over_the_replicas_own_batches(tmp_path):
+    """Both collectives on one cluster: 3 replicas with Adam shuffled, 2 with SGD in order."""
     x, y = dataset()
     paths = _write(tmp_path, x, y)
     with cluster(tmp_path, {w: () for w in BOUNDS}, data=paths) as c, sz.connect(c.url) as client:
-        for workers, optimizer, shuffle in [(3, "adam", True), (2, "sgd", False)]:
+        runs = [("torch", 3, "adam", True), ("coordinator", 3, "sgd", False)]
+        runs += [("torch", 2, "sgd", False), ("coordinator", 2, "adam", True)]
+        for collective, workers, optimizer, shuffle in runs:
             graph = graph_for(optimizer, epochs=EPOCHS, batch_size=BATCH, shuffle=shuffle)
             strategy = sz.DataParallel(workers, collective=collective)
             job = client.submit(graph, sz.WorkerData("local"), strategy=strategy)
@@ -96,13 +96,8 @@ def test_data_parallel_on_worker_data_equals_a_plain_loop_over_the_replicas_own_
             assert record["progress"]["step"] == record["progress"]["steps"] == steps
             placed = next(e for e in job.events(timeout=10 * UNIT) if e.event == "placed")
             assert placed.data["collective"] == collective
-
-
-def test_data_parallel_on_worker_data_refuses_elastic_at_submit(tmp_path):
-    x, y = dataset(n=40)
-    paths = _write(tmp_path, x, y)
-    with cluster(tmp_path, {"w1": ()}, data={"w1": paths["w1"]}) as c, c.client() as client:
-        graph = graph_for("sgd", epochs=1)
+        # Elastic would replace a replica with a worker holding other rows: refused at submit.
+        elastic = sz.DataParallel(2, elastic=True)
         with pytest.raises(sz.ClientError, match="cannot be elastic: a replacement") as refused:
-            client.submit(graph, sz.WorkerData("local"), strategy=sz.DataParallel(1, elastic=True))
+            client.submit(graph, sz.WorkerData("local"), strategy=elastic)
         assert refused.value.code == "bad_request"

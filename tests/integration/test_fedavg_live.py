@@ -18,6 +18,8 @@ from tests.coordinator.test_fedavg import (
     assert_model,
     center_of,
     graph,
+    local_training,
+    model,
     reference_rounds,
     shards,
 )
@@ -108,6 +110,21 @@ def test_live_fedavg_on_worker_data_equals_the_hand_averaged_local_trainings(liv
             assert (local["kind"], local["rows"]) == (KINDS[w["id"]], rows)
             assert local["x"]["shape"][0] == local["y"]["shape"][0] == rows
             assert local["shards"] == (3 if w["id"] == "w3" else 1)
+
+
+def test_local_on_worker_data_trains_where_the_data_is(live):
+    """Issue 15: ``Local`` on ``WorkerData`` fits the whole graph on that worker's own rows (w3:
+    three shards), as a plain torch loop over them does."""
+    c, data = live
+    expected, _ = local_training(model().state_dict(), *data[2], epochs=9)
+    with sz.connect(c.url) as client:
+        job = client.submit(graph(), sz.WorkerData("local"), strategy=sz.Local("w3"))
+        fitted = job.result(timeout=60 * UNIT)
+        events = job.events(timeout=10 * UNIT)
+        training = [e.data for e in events if e.data.get("phase") == "training"]
+    assert training[0]["rows"] == SIZES[2]
+    assert_model(fitted.states, expected)
+    np.testing.assert_allclose(fitted.states["center"]["mean"], data[2][0].mean(0), rtol=1e-6)
 
 
 def test_live_fedavg_goes_on_without_a_worker_killed_mid_job(live):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from worker.dataset_files import ArrayInfo, ShardedRows, describe, open_dataset
+from worker.npy_rows import NpyRows
 
 
 def _arrays(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,13 +43,18 @@ def test_an_npz_is_read_as_it_was_written(tmp_path):
     )
 
 
-def test_a_directory_of_npy_files_is_memory_mapped_not_read(tmp_path):
+def test_a_directory_of_npy_files_is_read_by_rows_not_whole(tmp_path):
     x, y = _arrays(1000, 1)
     path = _npy_dir(tmp_path / "d", x, y)
     got_x, got_y = open_dataset(path)
-    assert isinstance(got_x, np.memmap) and isinstance(got_y, np.memmap)
-    assert not got_x.flags.writeable  # read-only: a filter cannot change the worker's files
-    np.testing.assert_array_equal(got_x[[5, 2, 999]], x[[5, 2, 999]])
+    assert isinstance(got_x, NpyRows) and isinstance(got_y, NpyRows)
+    index = np.array([5, 2, 999, 5, 3, 4, -1])  # repeats, runs, out of order, from the end
+    np.testing.assert_array_equal(got_x[index], x[index])
+    np.testing.assert_array_equal(got_y[index], y[index])
+    np.testing.assert_array_equal(got_x[10:20], x[10:20])
+    picked = got_x[[7]]
+    picked[0] = 0  # a copy: the worker's file is not changed through it
+    np.testing.assert_array_equal(got_x[[7]], x[[7]])
     assert describe(path).y == ArrayInfo((1000,), str(y.dtype))
 
 
