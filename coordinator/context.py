@@ -69,7 +69,7 @@ class WorkerIdentity:
 
     id: str
     tags: frozenset[str] = field(default_factory=frozenset)
-    datasets: Mapping[str, int] = field(default_factory=dict)  # local datasets: name → rows
+    datasets: Mapping[str, int | None] = field(default_factory=dict)  # name → rows (None: unknown)
     device: str = "cpu"
     host: str | None = None
 

@@ -37,6 +37,10 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             f"{listed(missing)}",
         )
     filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
+    if msg.loader is not None and msg.dataset is None:
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST, "a loader opens a worker's dataset: name the dataset too"
+        )
     if (msg.x is None) == (msg.dataset is None):
         raise RequestRefused.of(
             ErrorCode.BAD_REQUEST,
@@ -44,7 +48,7 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             "exactly one of the two",
         )
     inputs = JobInputs(
-        msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset
+        msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset, msg.loader
     )
     try:
         strategy.validate(inputs)

@@ -156,13 +156,15 @@ class BatchedFitRequest(DataSource):
 
 class StageRequest(_Request):
     """Keep data under ``name`` for later commands: sent inline (``x``, ``y``), or a dataset of
-    the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``)."""
+    the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``), opened
+    by the job's pickled ``loader`` when one is given (:mod:`worker.loader_rows`)."""
 
     cmd: Literal["stage"] = "stage"
     name: str
     x: Any = None
     y: Any = None
     dataset: str | None = None
+    loader: StrictBytes | None = None
 
 
 class GradientsRequest(DataSource):

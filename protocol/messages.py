@@ -88,13 +88,14 @@ class ArrayShape(BaseModel):
 
 class DatasetSummary(BaseModel):
     """What a worker's dataset holds (``--data NAME=PATH``), never its content: the kind of
-    path (``npz``, ``npy``: a directory of ``x.npy``/``y.npy``, ``shards``), its rows, the
+    path (``npz``, ``npy``: a directory of ``x.npy``/``y.npy``, ``shards``; ``path``: anything
+    else, which only a job's ``loader`` can open, its rows ``None`` until then), its rows, the
     shapes and dtypes of ``x`` and ``y`` (``None``: no labels), and how many shards."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rows: int = Field(ge=0)
-    kind: Literal["npz", "npy", "shards"] = "npz"
+    rows: int | None = Field(ge=0)
+    kind: Literal["npz", "npy", "shards", "path"] = "npz"
     x: ArrayShape | None = None
     y: ArrayShape | None = None
     shards: int = Field(default=1, ge=1)
@@ -335,6 +336,7 @@ class Submit(_Message):
     x: Any = None
     y: Any = None
     dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
+    loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
 
 

@@ -275,6 +275,13 @@ class Client:
                 exc.add_note(f"while pickling the filter of node {node_id!r} for submission")
                 raise
         dataset = x.name if isinstance(x, WorkerData) else None
+        loader = None
+        if isinstance(x, WorkerData) and x.loader is not None:
+            try:
+                loader = dump_filter(x.loader)
+            except Exception as exc:
+                exc.add_note(f"while pickling the loader of WorkerData({x.name!r})")
+                raise
         if dataset is not None:
             if y is not None:
                 raise ValueError("with WorkerData the labels are the workers' own: y must be None")
@@ -284,6 +291,7 @@ class Client:
             x=x,
             y=y,
             dataset=dataset,
+            loader=loader,
             strategy=strategy.spec(),
         )
         nbytes = sum(len(b) for b in filters.values()) + _nbytes(x) + _nbytes(y)

@@ -18,7 +18,9 @@ device no worker has is refused when it is submitted, naming the devices there a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 from protocol import strategy_options as so
@@ -160,16 +162,27 @@ class DataParallel(Strategy):
 class WorkerData:
     """A job's input that stays on the workers: each trains on its own dataset called ``name``
     (``somatize-worker --data NAME=PATH``: an ``.npz``, a directory of ``x.npy``/``y.npy`` or of
-    shards), with FedAvg/FedProx or DataParallel (each replica on its own rows)::
+    shards), with FedAvg/FedProx, DataParallel (each replica on its own rows) or Local::
 
         client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10))
         client.submit(graph, sz.WorkerData("shards"), strategy=sz.DataParallel(4))
+
+    ``loader``: the job's own code for any other format. ``loader(path)`` runs in each
+    worker's filter daemon on the path that worker serves as ``name`` (a client never names a
+    path) and returns a ``torch.utils.data.Dataset`` of ``(x, y)`` pairs; the rows each step
+    needs are read from it then. It is pickled with the job (``cloudpickle``), like a filter.
     """
 
     name: str
+    loader: Callable[[Path], Any] | None = None
 
     def __post_init__(self) -> None:
-        _checked(so.WorkerDataOptions, self)
+        so.parse(so.WorkerDataOptions, {"name": self.name}, so.Dialect.SDK)
+        if self.loader is not None and not callable(self.loader):
+            raise TypeError(
+                f"WorkerData: loader must be a function of the dataset's path, not "
+                f"{type(self.loader).__name__}"
+            )
 
 
 # -- federated ----------------------------------------------------------------------------------

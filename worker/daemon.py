@@ -239,7 +239,7 @@ class Daemon:
                 raise EngineError(
                     ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
                 )
-            x, y = load_dataset(req.dataset)
+            x, y = load_dataset(req.dataset, req.loader)
         return {"rows": self.engine.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from worker.npy_rows import NpyRows, Rows
 
-__all__ = ["ArrayInfo", "DatasetInfo", "ShardedRows", "describe", "open_dataset"]
+__all__ = ["ArrayInfo", "DatasetInfo", "NotADataset", "ShardedRows", "describe", "open_dataset"]
 
 Array = Any
 """A numpy array or a :class:`~worker.npy_rows.Rows` (:class:`~worker.npy_rows.NpyRows`,
@@ -52,11 +52,15 @@ class ArrayInfo:
 class DatasetInfo:
     """What a dataset holds, without its content: for the hello and ``somatize status``."""
 
-    kind: Literal["npz", "npy", "shards"]
-    rows: int
-    x: ArrayInfo
+    kind: Literal["npz", "npy", "shards", "path"]
+    rows: int | None  # None: a path only a job's loader can open
+    x: ArrayInfo | None
     y: ArrayInfo | None
     shards: int = 1
+
+
+class NotADataset(ValueError):
+    """A path that holds none of the kinds above: only a job's ``loader`` can open it."""
 
 
 class ShardedRows(Rows):
@@ -114,6 +118,8 @@ def _shards(path: Path) -> list[Path]:
 
 def _open(path: Path) -> tuple[Literal["npz", "npy", "shards"], tuple[Array, Array | None], int]:
     if path.is_file():
+        if path.suffix != ".npz":
+            raise NotADataset("not an .npz file")
         return "npz", _npz(path), 1
     if _is_npy_dir(path):
         return "npy", _npy_dir(path), 1
@@ -121,7 +127,7 @@ def _open(path: Path) -> tuple[Literal["npz", "npy", "shards"], tuple[Array, Arr
         raise ValueError("no such file or directory")
     shards = _shards(path)
     if not shards:
-        raise ValueError(
+        raise NotADataset(
             "a directory must hold x.npy (and y.npy), or shards: .npz files or directories of "
             "x.npy/y.npy"
         )
@@ -152,16 +158,24 @@ def open_dataset(path: Path) -> tuple[Array, Array | None]:
     try:
         _, (x, y), _ = _open(path)
         _check_rows(x, y, str(path))
+    except NotADataset as exc:
+        raise ValueError(
+            f"dataset {path}: {exc}; a job opens it with its own code: "
+            "sz.WorkerData(name, loader=make_dataset)"
+        ) from exc
     except (OSError, ValueError) as exc:
         raise ValueError(f"dataset {path}: {exc}") from exc
     return x, y
 
 
 def describe(path: Path) -> DatasetInfo:
-    """What the dataset at ``path`` holds (checked: see :func:`open_dataset`)."""
+    """What the dataset at ``path`` holds (checked: see :func:`open_dataset`); an existing path
+    of no known kind is the kind ``path``, for a job's loader."""
     try:
         kind, (x, y), shards = _open(path)
         _check_rows(x, y, str(path))
+    except NotADataset:
+        return DatasetInfo("path", None, None, None)
     except (OSError, ValueError) as exc:
         raise ValueError(f"dataset {path}: {exc}") from exc
     return DatasetInfo(

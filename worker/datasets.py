@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from protocol.errors import ErrorCode
+from protocol.filters import load_filter
 from protocol.messages import ArrayShape, DatasetSummary
 from worker.dataset_files import ArrayInfo, DatasetInfo, describe, open_dataset
 from worker.errors import EngineError
+from worker.loader_rows import loader_rows
 
 ENV = "SOMATIZE_DATASETS"
 """The variable holding ``{"NAME": "PATH", ...}`` (JSON) in the daemon's environment."""
@@ -62,7 +65,7 @@ def environment(datasets: Mapping[str, Path]) -> dict[str, str]:
     return {ENV: json.dumps({name: str(path) for name, path in datasets.items()})}
 
 
-def load_dataset(name: str) -> tuple[Any, Any]:
+def load_dataset(name: str, loader: bytes | None = None) -> tuple[Any, Any]:
     """In the daemon: the dataset the agent registered as ``name``.
 
     Raises:
@@ -76,6 +79,15 @@ def load_dataset(name: str) -> tuple[Any, Any]:
             {"dataset": name},
         )
     try:
-        return open_dataset(Path(known[name]))
+        if loader is None:
+            return open_dataset(Path(known[name]))
     except ValueError as exc:
         raise EngineError(ErrorCode.BAD_REQUEST, str(exc), {"dataset": name}) from exc
+    try:
+        return loader_rows(load_filter(loader), Path(known[name]))
+    except Exception as exc:  # the job's own code: a filter error, with its traceback
+        raise EngineError(
+            ErrorCode.FILTER_ERROR,
+            f"the loader of dataset {name!r} failed: {type(exc).__name__}: {exc}",
+            {"dataset": name, "traceback": "".join(traceback.format_exception(exc))},
+        ) from exc

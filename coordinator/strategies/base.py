@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Self, TypeVar
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
 from protocol import strategy_options as so
+from protocol.daemon import StageRequest
 from protocol.devices import device_fits
 from protocol.messages import NodeInfo
 
@@ -43,6 +44,11 @@ class JobInputs:
     y: Any
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     dataset: str | None = None
+    loader: bytes | None = None  # with dataset: the pickled code that opens it (the daemon's)
+
+    def own_data(self, name: str) -> StageRequest:
+        """The request that stages each worker's own dataset under ``name``."""
+        return StageRequest(name=name, dataset=self.dataset, loader=self.loader)
 
     def differentiable(self) -> list[str]:
         """The nodes that train by gradient descent, in graph order."""

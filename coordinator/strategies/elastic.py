@@ -185,7 +185,7 @@ class Replicas:
     async def restore(self, i: int, snapshot: Snapshot | None) -> None:
         """Load the filters on replica ``i``'s worker, stage its rows and copy ``snapshot``."""
         if self.job.dataset is not None:  # the worker's own rows
-            data = StageRequest(name=self.staged, dataset=self.job.dataset)
+            data = self.job.own_data(self.staged)
         else:
             rows = self.position.held[i]
             data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])

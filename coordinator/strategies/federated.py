@@ -141,7 +141,7 @@ class Cohort:
 
         async def one(i: int) -> DroppedWorker | None:
             if shards is None:
-                data = StageRequest(name=staged, dataset=job.dataset)
+                data = job.own_data(staged)
             else:
                 data = StageRequest(name=staged, x=shards[i][0], y=shards[i][1])
             try:

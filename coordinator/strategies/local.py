@@ -18,7 +18,7 @@ from coordinator.strategies.base import (
     Strategy,
     parse_options,
 )
-from protocol.daemon import BatchedFitRequest, StageRequest
+from protocol.daemon import BatchedFitRequest
 from protocol.strategy_options import LocalOptions
 
 STAGED = "local"
@@ -51,7 +51,7 @@ class Local(Strategy):
         await ctx.load(0, job.filters)
         # 2. Train the whole chain there, as graph.fit would (on its own rows for WorkerData).
         if job.dataset is not None:
-            staged = await ctx.call(0, StageRequest(name=STAGED, dataset=job.dataset))
+            staged = await ctx.call(0, job.own_data(STAGED))
             await emit("progress", {"phase": "training", "rows": staged["rows"]})
             request = BatchedFitRequest(node_ids=job.node_ids, data=STAGED, return_output=False)
             fit = await ctx.call(0, request)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.dataset_files import ArrayInfo, ShardedRows, describe, open_dataset
+from worker.dataset_files import ArrayInfo, DatasetInfo, ShardedRows, describe, open_dataset
 from worker.npy_rows import NpyRows
 
 
@@ -91,8 +91,11 @@ def test_a_shard_that_disagrees_is_refused_naming_it(tmp_path):
     _npy_dir(tmp_path / "bad" / "s0", x, y[:3])
     with pytest.raises(ValueError, match="s0: x and y must have the same number of rows"):
         describe(tmp_path / "bad")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"must hold x\.npy"):
-        describe(tmp_path / "empty")
+    # A path of no known kind (empty, or another format) is for a job's own loader.
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "cat.png").write_bytes(b"\x89PNG")
+    assert describe(tmp_path / "images") == DatasetInfo("path", None, None, None)
+    with pytest.raises(ValueError, match=r"must hold x\.npy.*loader=make_dataset"):
+        open_dataset(tmp_path / "images")
     with pytest.raises(ValueError, match="no such file"):
         describe(tmp_path / "missing")
