@@ -118,3 +118,16 @@ def test_a_second_sigterm_forces_the_exit_and_kills_the_daemons():
         for pid in left:
             os.kill(pid, signal.SIGKILL)  # stopped and orphaned, it would outlive the test run
     assert daemons and not left, "the second signal kills the daemons"
+
+
+def test_a_shard_that_disagrees_with_the_others_stops_the_worker_at_start_naming_it(tmp_path):
+    import numpy as np
+
+    for name, dtype in (("s0", np.float32), ("s1", np.float64)):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        np.save(tmp_path / "data" / name / "x.npy", np.zeros((3, 2), dtype))
+    worker = Path(sys.executable).parent / "somatize-worker"
+    argv = [str(worker), "--connect", "ws://127.0.0.1:9", "--data", f"d={tmp_path / 'data'}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60 * UNIT)
+    assert done.returncode == 2
+    assert "shard s1 holds float64 rows of shape (2,)" in done.stderr
