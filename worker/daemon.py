@@ -214,7 +214,8 @@ class Daemon:
         return _plain(self.engine.composite_fit(req.node_ids, *self._data(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
-        x, y = self._data(req)
+        # A dataset held whole is read from disk a batch at a time as the loop goes.
+        x, y = self._data(req) if req.rows is not None else self._data(req, lazy=True)
         result = self.engine.batched_fit(
             req.node_ids,
             x,
@@ -313,10 +314,12 @@ class Daemon:
     def _data(
         self,
         req: CompositeFitRequest | BatchedFitRequest | GradientsRequest | StageForwardRequest,
+        *,
+        lazy: bool = False,
     ) -> tuple[Any, Any]:
         if req.data is None:
             return req.x, req.y
-        return self.engine.held(req.data, req.rows)
+        return self.engine.held(req.data, req.rows, lazy=lazy)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
         return self.engine.composite_forward(req.node_ids, req.x, req.states)

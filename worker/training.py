@@ -71,10 +71,16 @@ class Training(Nodes):
         return num_rows(x)
 
     def held(
-        self, name: str, rows: Sequence[int] | np.ndarray[Any, Any] | None = None
+        self,
+        name: str,
+        rows: Sequence[int] | np.ndarray[Any, Any] | None = None,
+        *,
+        lazy: bool = False,
     ) -> tuple[Any, Any]:
         """The data held under ``name``, or its ``rows`` (in that order; a list, or an index
-        array taken as it is)."""
+        array taken as it is). A dataset read from disk by rows (:class:`Rows`) is read whole
+        for the whole of it, unless ``lazy``: then it is returned as it is, for a training loop
+        that reads it a batch at a time (:meth:`batched_fit`)."""
         try:
             x, y = self._held[name]
         except KeyError:
@@ -82,8 +88,10 @@ class Training(Nodes):
                 ErrorCode.BAD_REQUEST,
                 f"no data held under {name!r} (held: {sorted(self._held)})",
             ) from None
-        if rows is None:  # the whole of it: a sharded dataset is read into one array here
-            return tuple(np.asarray(d) if isinstance(d, Rows) else d for d in (x, y))  # type: ignore[return-value]
+        if rows is None:
+            if lazy:
+                return x, y
+            return _whole(x), _whole(y)
         n = num_rows(x)
         index = np.asarray(rows, dtype=np.int64)
         if index.size and (index.min() < 0 or index.max() >= n):
@@ -163,14 +171,19 @@ class Training(Nodes):
             for node in nodes:
                 node.optimizer = node.scaler = None
         out, loss, epoch_losses = x, None, []
-        for segment in segments(nodes):
+        runs = list(segments(nodes))
+        for k, segment in enumerate(runs):
             if segment[0].differentiable:
                 epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu)
                 loss = epoch_losses[-1] if epoch_losses else None
-                out = self._forward_segment(segment, out)
-            else:
-                out = self._fit_plain(segment[0], out, y)
-        return FitResult(to_cpu(out), self.get_state(node_ids), loss, num_rows(x), epoch_losses)
+                if isinstance(out, Rows) and k == len(runs) - 1:
+                    out = None  # rows read from disk: their output, all at once, is not made
+                else:
+                    out = self._forward_segment(segment, _whole(out))
+            else:  # a plain filter fits on all its rows at once
+                out = self._fit_plain(segment[0], _whole(out), _whole(y))
+        rows = num_rows(x)
+        return FitResult(to_cpu(out), self.get_state(node_ids), loss, rows, epoch_losses)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -259,7 +272,9 @@ class Training(Nodes):
                 f"node {run[-1].node_id!r} is differentiable: training it needs labels (y)",
                 {"node_id": run[-1].node_id},
             )
-        xt, yt = run[0].filter.prepare_input(x), last.prepare_target(y)
+        first = run[0].filter
+        lazy = isinstance(x, Rows)  # read from disk a batch at a time, never whole
+        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
         optimizers = [self._optimizer(node) for node in run]
@@ -277,7 +292,13 @@ class Training(Nodes):
                 for index in batches(n, size, order if last.shuffle else None):
                     for opt in optimizers:
                         opt.zero_grad(set_to_none=True)
-                    loss, _ = self._run_loss(run, xt[index], yt[index])
+                    if lazy:
+                        picked = _rows_of(index, n)
+                        xb = first.prepare_input(xt[picked])
+                        yb = last.prepare_target(_whole(yt[picked]))
+                    else:
+                        xb, yb = xt[index], yt[index]
+                    loss, _ = self._run_loss(run, xb, yb)
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                         loss = loss + prox_mu / 2 * gap
@@ -317,6 +338,18 @@ def step_through(
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def _whole(data: Any) -> Any:
+    """``data`` in memory: a dataset read by rows (:class:`Rows`) is read whole here."""
+    return np.asarray(data) if isinstance(data, Rows) else data
+
+
+def _rows_of(index: Any, n: int) -> np.ndarray[Any, Any]:
+    """A batch's rows (a slice, or a tensor of a permutation) as a numpy index."""
+    if isinstance(index, slice):
+        return np.arange(*index.indices(n))
+    return np.asarray(index.numpy(), dtype=np.int64)
 
 
 def _len(index: Any, n: int) -> int:
