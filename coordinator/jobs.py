@@ -50,7 +50,7 @@ from coordinator.strategies import (
     Strategy,
     StrategyFailed,
 )
-from coordinator.submission import placement_of, rows_of, vetted
+from coordinator.submission import placement_of, rows_of, unlabelled, vetted
 from coordinator.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.devices import device_fits
@@ -269,6 +269,8 @@ class JobManager:
             )
         strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
         self._check_targets(placement)
+        if (why := unlabelled(inputs, self.registry)) is not None:
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),

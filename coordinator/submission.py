@@ -7,15 +7,17 @@ graph's size, nothing here touches the event loop or the store.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from coordinator.errors import StrategyOptionsError
+from coordinator.registry import WorkerRecord
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Submit
 from protocol.wording import listed
 
-__all__ = ["placement_of", "rows_of", "vetted"]
+__all__ = ["placement_of", "rows_of", "unlabelled", "vetted"]
 
 
 def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
@@ -63,6 +65,22 @@ def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
     if inputs.dataset is None:
         return placement
     return dataclasses.replace(placement, dataset=inputs.dataset)
+
+
+def unlabelled(inputs: JobInputs, workers: Iterable[WorkerRecord]) -> str | None:
+    """Why a job that trains TorchFilters on the workers' dataset cannot: every worker that
+    serves it announced rows without labels (``y``). ``None`` when some has them, when what it
+    holds is not known (a path for a loader), or when the job needs none."""
+    name = inputs.dataset
+    if name is None or inputs.loader is not None or not inputs.differentiable():
+        return None
+    served = [w for w in workers if name in w.datasets]
+    if not served or any(w.datasets[name].x is None or w.datasets[name].y for w in served):
+        return None
+    return (
+        f"dataset {name!r} has no labels (y) on {listed([w.id for w in served])}: its "
+        "TorchFilters cannot train on it (serve it with a y.npy, or a y in the .npz)"
+    )
 
 
 def rows_of(x: Any) -> int | None:

@@ -8,7 +8,8 @@ import pytest
 
 from coordinator.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
-from tests.coordinator.jobs_harness import Harness, make_graph, run, submit
+from protocol.messages import ArrayShape, DatasetSummary
+from tests.coordinator.jobs_harness import FakeChannel, Harness, make_graph, run, submit
 from tests.utils import UNIT, Center
 
 # -- queueing and placement -------------------------------------------------------------------
@@ -179,5 +180,27 @@ def test_bad_submissions_are_refused_before_they_are_stored(tmp_path):
             with pytest.raises(RequestRefused, match="exactly one of the two"):
                 await h.manager.submit(neither)
             assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+def test_a_dataset_served_without_labels_is_refused_at_submit_for_a_torch_filter(tmp_path):
+    """Issue 15: what the hellos say is checked at submit. Rows without y cannot train a
+    TorchFilter; a plain graph still runs on them, and a loader's path is not judged."""
+    x_only = DatasetSummary(rows=4, kind="npy", x=ArrayShape(shape=[4, 3], dtype="float32"))
+    path = DatasetSummary(rows=None, kind="path")
+
+    async def main():
+        async with Harness(tmp_path) as h:
+            caps = h.worker("probe").capabilities
+            for worker_id, summary in (("a", x_only), ("b", x_only)):
+                h.registry.attach(worker_id, [], caps, FakeChannel(), {"feats": summary})
+            h.registry.attach("c", [], caps, FakeChannel(), {"pics": path})
+            torch_job = submit("local", dataset="feats")  # Center >> a TorchFilter
+            with pytest.raises(RequestRefused, match=r"dataset 'feats' has no labels \(y\)"):
+                await h.manager.submit(torch_job)
+            plain = submit("local", graph=make_graph(Center().named("c")), dataset="feats")
+            assert await h.manager.submit(plain)  # accepted: a plain graph needs no labels
+            assert await h.manager.submit(submit("local", dataset="pics"))  # not known: let in
 
     run(main())
