@@ -165,6 +165,7 @@ class StageRequest(_Request):
     y: Any = None
     dataset: str | None = None
     loader: StrictBytes | None = None
+    labels: bool = False  # stage the dataset's y as the rows: a pipeline's last stage
 
 
 class GradientsRequest(DataSource):

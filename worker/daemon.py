@@ -241,6 +241,8 @@ class Daemon:
                     ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
                 )
             x, y = load_dataset(req.dataset, req.loader)
+            if req.labels:  # a pipeline's last stage holds only the labels, as its rows
+                x, y = y, None
         return {"rows": self.engine.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:

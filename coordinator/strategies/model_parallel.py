@@ -46,7 +46,7 @@ from coordinator.strategies.pipeline import (
     expects,
     run_schedule,
 )
-from coordinator.strategies.pipeline_torch import TorchPipeline, choose_transport
+from coordinator.strategies.pipeline_torch import LABELS, TorchPipeline, choose_transport
 from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
 from coordinator.strategies.steps import Training, global_batches, plain_prefix
@@ -152,8 +152,10 @@ class ModelParallel(Strategy):
         """The differentiable nodes and the training settings; or why the job cannot run."""
         check_partitions(job.node_ids, self.partitions)
         torch_nodes, _ = plain_prefix(job, self.name, "")
-        if job.y is None or job.dataset is not None:
-            raise StrategyOptionsError("model_parallel trains on data the client sends, with y")
+        if job.dataset is None and job.y is None:
+            raise StrategyOptionsError("model_parallel trains with labels: y is missing")
+        if job.dataset is not None:
+            own_data_checks(self.partitions, torch_nodes, self.transport)
         return torch_nodes, Training.of(job.nodes[torch_nodes[-1]])
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
@@ -171,12 +173,18 @@ class ModelParallel(Strategy):
 
         # 2. Plain filters (before the first TorchFilter): fitted in one pass over the data, then
         #    held. Stages made only of them are applied here, once: the pipeline starts after.
+        #    On WorkerData the first stage holds the rows (its own) and fits them there.
         x = job.x
         first_stage = next(s for s, nodes in enumerate(stages) if set(nodes) & set(torch_nodes))
+        own_rows = None
+        if job.dataset is not None:
+            staged = await guard(ctx.call(first_stage, job.own_data(STAGED)), stage=first_stage)
+            own_rows = int(staged["rows"])
         for s, nodes in enumerate(stages[: first_stage + 1]):
             plain = [n for n in nodes if n not in torch_nodes]
             if plain:
-                fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, x=x)), stage=s)
+                data = {"data": STAGED} if own_rows is not None else {"x": x}
+                fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, **data)), stage=s)
                 if s < first_stage:
                     x = fit["output"]
         pipeline = list(range(first_stage, len(stages)))
@@ -191,12 +199,23 @@ class ModelParallel(Strategy):
             )
         plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.collective_timeout))
+        if own_rows is not None and not isinstance(meet, Rendezvous):
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"model_parallel on WorkerData trains on the torch transport, and {meet}",
+            )
         if isinstance(meet, Rendezvous):
             # 3. Training on torch.distributed: the stages run the schedule themselves.
             await emit("progress", {"phase": "linked", "transport": "torch", "reason": meet.reason})
-            await guard(ctx.call(first_stage, StageRequest(name=STAGED, x=x)), stage=first_stage)
-            count = int(x.shape[0])
+            if own_rows is None:
+                staged = StageRequest(name=STAGED, x=x)
+                await guard(ctx.call(first_stage, staged), stage=first_stage)
+            count = int(x.shape[0]) if own_rows is None else own_rows
             steps_per_epoch = -(-count // (training.batch_size or count)) if count else 0
+            if own_rows is None:
+                labels = StageRequest(name=LABELS, x=job.y)
+            else:  # the last stage's own y, staged as its rows
+                labels = job.own_data(LABELS).model_copy(update={"labels": True})
             await TorchPipeline(
                 ctx,
                 guard,
@@ -209,7 +228,7 @@ class ModelParallel(Strategy):
                 STAGED,
                 self.collective_timeout,
                 emit,
-            ).train(meet, job.y, steps_per_epoch)
+            ).train(meet, labels, steps_per_epoch)
             return await _read_back(ctx, guard, stages)
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
@@ -248,6 +267,28 @@ class ModelParallel(Strategy):
         return await _read_back(ctx, guard, stages)
 
 
+def own_data_checks(
+    partitions: Sequence[Partition], torch_nodes: Sequence[str], transport: str
+) -> None:
+    """What ModelParallel on ``WorkerData`` needs: the torch transport (over WebSocket links
+    the labels travel from the coordinator), and a first partition that trains (the output of
+    plain filters alone would travel back through the coordinator).
+
+    Raises:
+        StrategyOptionsError: saying which.
+    """
+    if transport == "websocket":
+        raise StrategyOptionsError(
+            "model_parallel on WorkerData trains on the torch transport (transport='auto' or "
+            "'torch'): over WebSocket links the labels travel from the coordinator"
+        )
+    if not set(partitions[0].node_ids) & set(torch_nodes):
+        raise StrategyOptionsError(
+            "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "
+            "would travel through the coordinator; put them in the first TorchFilter's partition"
+        )
+
+
 async def _read_back(
     ctx: StrategyContext, guard: _Guard, stages: list[list[str]]
 ) -> dict[str, Any]:
@@ -280,4 +321,4 @@ class _Guard:
             ) from exc
 
 
-__all__ = ["ModelParallel", "Partition", "check_partitions"]
+__all__ = ["ModelParallel", "Partition", "check_partitions", "own_data_checks"]

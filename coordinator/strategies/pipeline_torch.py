@@ -85,12 +85,21 @@ class TorchPipeline:
     timeout: float
     emit: Emit
 
-    async def train(self, meet: Rendezvous, labels: Any, steps_per_epoch: int) -> None:
-        """Every global batch of the run through the pipeline, with progress per chunk."""
+    async def train(self, meet: Rendezvous, labels: StageRequest, steps_per_epoch: int) -> None:
+        """Every global batch of the run through the pipeline, with progress per chunk;
+        ``labels`` stages the last stage's labels under :data:`LABELS` (sent, or its own)."""
         ctx, last = self.ctx, self.pipeline[-1]
         prefix = f"{secrets.token_hex(4)}/pipeline/"
         await self.guard(join(ctx, self.pipeline, meet, prefix, self.timeout))
-        await self.guard(ctx.call(last, StageRequest(name=LABELS, x=labels)))
+        staged = await self.guard(ctx.call(last, labels))
+        if int(staged["rows"]) != self.rows:
+            raise StrategyFailed(
+                ErrorCode.BAD_REQUEST,
+                f"the last stage's worker {ctx.workers[last].id!r} holds {staged['rows']} "
+                f"labels and the first stage's {self.rows} rows: both must hold the dataset "
+                "with the same rows",
+                stage=last,
+            )
         plans = {s: ctx.call(s, self._plan(k, s)) for k, s in enumerate(self.pipeline)}
         await self.guard(self._settle(plans, 0))
         total = steps_per_epoch * self.training.epochs
