@@ -118,7 +118,7 @@ class Collective(Training, GroupMember):
                 filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
         """
         run = self._run_of(plan.node_ids)
-        self.held(plan.data)  # staged, or a clear error now rather than at the first step
+        self.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
         self.place()
         self._ddp = None
         try:

@@ -20,6 +20,7 @@ started with.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,28 @@ class ShardedRows(Rows):
             order = np.argsort(local, kind="stable")  # ascending reads: sequential pages
             out[mine[order]] = self._parts[s][local[order]]
         return out
+
+
+def _npz_info(path: Path) -> tuple[ArrayInfo, ArrayInfo | None]:
+    """The shapes and dtypes of an ``.npz``'s ``x`` and ``y``, from their headers alone (the
+    agent describes its datasets at start: it must not read a 4 GB archive to do so)."""
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        if "x.npy" not in names:
+            raise ValueError(f"{path} has no array named 'x' (it has {names})")
+
+        def header(member: str) -> ArrayInfo:
+            with archive.open(member) as file:
+                version = np.lib.format.read_magic(file)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read(file)
+            return ArrayInfo(tuple(int(n) for n in shape), str(dtype))
+
+        return header("x.npy"), header("y.npy") if "y.npy" in names else None
 
 
 def _npz(path: Path) -> tuple[Array, Array | None]:
@@ -172,10 +195,17 @@ def describe(path: Path) -> DatasetInfo:
     """What the dataset at ``path`` holds (checked: see :func:`open_dataset`); an existing path
     of no known kind is the kind ``path``, for a job's loader."""
     try:
+        if path.is_file() and path.suffix == ".npz":  # headers only: never the arrays
+            x_info, y_info = _npz_info(path)
+            if not x_info.shape or (y_info is not None and y_info.shape[:1] != x_info.shape[:1]):
+                raise ValueError("x and y must have the same number of rows")
+            return DatasetInfo("npz", x_info.shape[0], x_info, y_info)
         kind, (x, y), shards = _open(path)
         _check_rows(x, y, str(path))
     except NotADataset:
         return DatasetInfo("path", None, None, None)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"dataset {path}: not a readable .npz: {exc}") from exc
     except (OSError, ValueError) as exc:
         raise ValueError(f"dataset {path}: {exc}") from exc
     return DatasetInfo(

@@ -81,7 +81,7 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             raise EngineError(ErrorCode.BAD_REQUEST, "the last stage needs its labels staged")
         for name in (data, labels):
             if name is not None:
-                self.held(name)  # staged, or a clear error now
+                self.held(name, lazy=True)  # staged (not read), or a clear error now
         micro = [[m for m in batch if len(m)] for batch in batches]
         self._pipe = _PipePlan(list(node_ids), list(actions), micro, data, labels)
 

@@ -79,7 +79,7 @@ def test_a_daemon_training_over_2_gib_of_rows_holds_a_small_part_of_them(tmp_pat
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         graph = sz.Graph([net.named("lin")])
-        strategy = sz.DataParallel(1, collective="coordinator")
+        strategy = sz.DataParallel(1, collective="torch")  # the replica's own training loop
         fitted = client.submit(graph, sz.WorkerData("big"), strategy=strategy).result(
             timeout=300 * UNIT
         )
