@@ -605,7 +605,7 @@ def report(results: dict[str, Any]) -> None:
     for worker, s in r["startup"].items():
         print(
             f"  agent {worker}: up in {s['seconds']:.1f} s, VmHWM {s['peak_mb']:,.0f} MB, "
-            f"VmRSS {s['rss_mb']:,.0f} MB (it describes its .npz by reading it whole)"
+            f"VmRSS {s['rss_mb']:,.0f} MB (its datasets described at start)"
         )
     header = (
         f"  {'':34} {'step ms':>8} {'x mem':>6} {'1st step s':>10} {'cached':>7} "
