@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from benchmarks import worker_data as wd
+from benchmarks import worker_data_io as wdio
 from protocol.batching import replica_batches
 from worker.dataset_files import describe, open_dataset
 
 
 def test_the_npy_directory_and_the_npz_hold_the_same_rows(tmp_path):
-    disk = wd.write_worker_data(tmp_path / "w0", 600, 0, width=8)
-    npz = wd.write_npz(disk, tmp_path / "w0.npz")
+    disk = wdio.write_worker_data(tmp_path / "w0", 600, 0, width=8)
+    npz = wdio.write_npz(disk, tmp_path / "w0.npz")
 
     on_disk, in_memory = describe(disk), describe(npz)
     assert (on_disk.kind, in_memory.kind) == ("npy", "npz")
@@ -24,44 +25,44 @@ def test_the_npy_directory_and_the_npz_hold_the_same_rows(tmp_path):
     assert np.array_equal(x, np.load(disk / "x.npy"))
     assert np.array_equal(y, np.load(disk / "y.npy"))
     assert x.dtype == np.float32 and y.dtype == np.int64
-    assert y.min() >= 0 and y.max() < wd.CLASSES
-    other = wd.write_worker_data(tmp_path / "w1", 600, 1, width=8)
+    assert y.min() >= 0 and y.max() < wdio.CLASSES
+    other = wdio.write_worker_data(tmp_path / "w1", 600, 1, width=8)
     assert not np.array_equal(np.load(other / "x.npy"), x)
 
 
 def test_rows_for_makes_the_gib_asked_and_at_least_a_batch():
-    assert wd.rows_for(4) == 262_144
-    assert wd.rows_for(0.5) * wd.WIDTH * 4 == 2**29
-    assert wd.rows_for(1e-6) == wd.BATCH
+    assert wdio.rows_for(4) == 262_144
+    assert wdio.rows_for(0.5) * wdio.WIDTH * 4 == 2**29
+    assert wdio.rows_for(1e-6) == wdio.BATCH
 
 
 def test_a_file_read_through_is_cached_and_its_share_is_a_fraction(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
-    wd.warm_cache([path])
-    assert wd.cached_share([path]) == 1.0
-    wd.drop_cache([path])
-    share = wd.cached_share([path])
+    wdio.warm_cache([path])
+    assert wdio.cached_share([path]) == 1.0
+    wdio.drop_cache([path])
+    share = wdio.cached_share([path])
     assert share is not None and 0.0 <= share <= 1.0
 
 
 def test_the_probe_reads_the_jobs_first_slices_of_replica_0(tmp_path):
-    disk = wd.write_worker_data(tmp_path / "w0", 3 * wd.BATCH, 0, width=4)
+    disk = wdio.write_worker_data(tmp_path / "w0", 3 * wdio.BATCH, 0, width=4)
     for shuffle in (True, False):
-        plan = wd.plan_rows(3 * wd.BATCH, shuffle, 2)
+        plan = wdio.plan_rows(3 * wdio.BATCH, shuffle, 2)
         expected = [
-            s[0] for _, _, s in replica_batches([3 * wd.BATCH] * 2, 1, wd.BATCH, shuffle, 0)
+            s[0] for _, _, s in replica_batches([3 * wdio.BATCH] * 2, 1, wdio.BATCH, shuffle, 0)
         ]
         assert len(plan) == 2
         assert all(np.array_equal(p, e) for p, e in zip(plan, expected, strict=False))
-        times = wd.time_reads(disk, plan)
+        times = wdio.time_reads(disk, plan)
         assert len(times) == 2 and all(t >= 0 for t in times)
 
 
 def test_this_process_has_a_peak_rss():
-    status = wd.proc_status(os.getpid())
+    status = wdio.proc_status(os.getpid())
     assert status["VmHWM"] >= status["VmRSS"] > 0
-    assert wd.proc_status(2**22 + 1) == {}
+    assert wdio.proc_status(2**22 + 1) == {}
 
 
 def _job(step_ms: float, peak_mb: float, **extra):
