@@ -16,9 +16,9 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from coordinator.strategies import JobInputs
+from protocol.arrays import data_nbytes
 from protocol.codec import decode, encode, frame_nbytes
 
 __all__ = ["PARK_MIN_BYTES", "QueuedInputs", "input_bytes"]
@@ -31,16 +31,8 @@ PARK_MIN_BYTES = 1 << 20
 
 def input_bytes(inputs: JobInputs) -> int:
     """Bytes of a job's pickled filters and data arrays (what parking it would free)."""
-    data = sum(_nbytes(v) for v in (inputs.x, inputs.y))
+    data = data_nbytes(inputs.x) + data_nbytes(inputs.y)
     return sum(len(b) for b in inputs.filters.values()) + data
-
-
-def _nbytes(value: Any) -> int:
-    nbytes = getattr(value, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
-    element_size = getattr(value, "element_size", None)
-    return int(element_size() * value.nelement()) if callable(element_size) else 0
 
 
 class QueuedInputs:

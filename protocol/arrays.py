@@ -29,6 +29,7 @@ __all__ = [
     "NP_DTYPES",
     "TORCH_DTYPE_NAMES",
     "array_from",
+    "data_nbytes",
     "loaded_torch",
     "ndarray_spec",
     "preview",
@@ -73,6 +74,15 @@ def preview(value: Any, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters (it goes into an error message)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def data_nbytes(value: Any) -> int:
+    """Bytes of a numpy array or torch tensor (0 for anything else: it is small)."""
+    torch_ = loaded_torch()
+    if torch_ is not None and isinstance(value, torch_.Tensor):
+        return int(value.element_size() * value.nelement())
+    nbytes = getattr(value, "nbytes", 0)
+    return nbytes if isinstance(nbytes, int) else 0
 
 
 def loaded_torch() -> ModuleType | None:

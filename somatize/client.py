@@ -31,9 +31,9 @@ from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Any
 
-import torch
 from pydantic import BaseModel
 
+from protocol.arrays import data_nbytes
 from protocol.asyncio.channel import Channel
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
@@ -294,7 +294,7 @@ class Client:
             loader=loader,
             strategy=strategy.spec(),
         )
-        nbytes = sum(len(b) for b in filters.values()) + _nbytes(x) + _nbytes(y)
+        nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)
         job_id = result_field(reply, "job_id", "submit")
         if not isinstance(job_id, str):
@@ -384,11 +384,3 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
 
 def _client_error(info: ErrorInfo) -> ClientError:
     return ClientError(f"[{info.code}] {info.message}", code=str(info.code), detail=info.detail)
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of a numpy array or torch tensor (0 for anything else: it is small)."""
-    if isinstance(value, torch.Tensor):
-        return int(value.element_size() * value.nelement())
-    nbytes = getattr(value, "nbytes", 0)
-    return nbytes if isinstance(nbytes, int) else 0

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from worker.npy_rows import NpyRows, Rows
+from worker.npy_rows import NpyRows, Rows, npy_header
 
 __all__ = ["ArrayInfo", "DatasetInfo", "NotADataset", "ShardedRows", "describe", "open_dataset"]
 
@@ -105,14 +105,8 @@ def _npz_info(path: Path) -> tuple[ArrayInfo, ArrayInfo | None]:
 
         def header(member: str) -> ArrayInfo:
             with archive.open(member) as file:
-                version = np.lib.format.read_magic(file)
-                read = (
-                    np.lib.format.read_array_header_1_0
-                    if version == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read(file)
-            return ArrayInfo(tuple(int(n) for n in shape), str(dtype))
+                shape, _, dtype = npy_header(file)  # type: ignore[arg-type]
+            return ArrayInfo(shape, str(dtype))
 
         return header("x.npy"), header("y.npy") if "y.npy" in names else None
 

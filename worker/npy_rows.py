@@ -13,14 +13,25 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-__all__ = ["NpyRows", "Rows"]
+__all__ = ["NpyRows", "Rows", "npy_header"]
 
 MAX_READ = 1 << 30
 """Bytes one ``pread`` asks for at most (Linux caps a read just under 2 GiB)."""
+
+
+def npy_header(file: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` whose first byte ``file`` is at; it is
+    left at the first byte of the array."""
+    version = np.lib.format.read_magic(file)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(file)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(file)
+    return tuple(int(n) for n in shape), bool(fortran), dtype
 
 
 class Rows:
@@ -83,11 +94,7 @@ class NpyRows(Rows):
     def __init__(self, path: Path) -> None:
         self.path = path
         with path.open("rb") as file:
-            version = np.lib.format.read_magic(file)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(file)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(file)
+            shape, fortran, dtype = npy_header(file)
             self._offset = file.tell()
         if fortran and len(shape) > 1:
             raise ValueError(f"{path.name} is Fortran-ordered: save it C-ordered to train on it")

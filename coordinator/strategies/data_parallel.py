@@ -28,8 +28,7 @@ the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -114,8 +113,10 @@ class DataParallel(Strategy):
         torch_nodes, _, training = self._plan(job)
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
-        held, first_epoch, steps_per_epoch = _shares(n, len(replicas), training)
-        if job.dataset is not None:  # each replica's own: known once staged
+        if job.dataset is None:
+            held = _held(global_batches(n, len(replicas), training), len(replicas))
+            plan = global_batches(n, len(replicas), training)
+        else:  # each replica's own rows: known once staged
             held = [np.arange(0) for _ in replicas]
         run = Replicas(
             ctx,
@@ -133,7 +134,8 @@ class DataParallel(Strategy):
             own = OwnData.of([run.staged_rows[i] for i in replicas], run.ids)
             run.position.own = own
             run.position.held = [np.arange(size) for size in own.sizes]
-            first_epoch, steps_per_epoch = _own_shares(own, training)
+            plan = own.batches(training)
+        first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
         choice = await choose(run, self.collective, self.collective_timeout)
         return _SetUp(run, first_epoch, steps_per_epoch, choice)
 
@@ -274,31 +276,30 @@ async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[i
     await run.on_all(set_averaged, replicas)
 
 
-def _shares(n: int, replicas: int, training: Training) -> tuple[list[Any], list[list[int]], int]:
-    """The rows each replica will ever see (sorted), those of its first epoch, and the steps of
-    an epoch."""
+Plan = Iterable[tuple[int, int, list[Any]]]
+"""``(epoch, step, slices by replica)`` of every step of a run."""
+
+
+def _held(plan: Plan, replicas: int) -> list[Any]:
+    """The rows each replica will ever see, sorted: what it is sent of the client's data."""
     needed: list[set[int]] = [set() for _ in range(replicas)]
-    first_epoch: list[list[int]] = [[] for _ in range(replicas)]
-    steps_per_epoch = 0
-    for epoch, step, slices in global_batches(n, replicas, training):
-        steps_per_epoch = max(steps_per_epoch, step + 1)
+    for _, _, slices in plan:
         for i, part in enumerate(slices):
             needed[i].update(part.tolist())
-            if epoch == 0:
-                first_epoch[i].extend(part.tolist())
-    held = [np.array(sorted(rows), dtype=np.int64) for rows in needed]
-    return held, first_epoch, steps_per_epoch
+    return [np.array(sorted(rows), dtype=np.int64) for rows in needed]
 
 
-def _own_shares(own: OwnData, training: Training) -> tuple[list[list[int]], int]:
-    """The rows of its own each replica sees in the first epoch, and the steps of an epoch."""
-    first_epoch: list[list[int]] = [[] for _ in own.sizes]
+def _first_epoch(plan: Plan, replicas: int) -> tuple[list[list[int]], int]:
+    """The rows each replica sees in the first epoch (what plain filters in front fit on), and
+    the steps of an epoch; the plan is read no further than that epoch."""
+    first_epoch: list[list[int]] = [[] for _ in range(replicas)]
     steps_per_epoch = 0
-    for epoch, step, slices in own.batches(dataclasses.replace(training, epochs=1)):
-        steps_per_epoch = max(steps_per_epoch, step + 1)
-        if epoch == 0:
-            for i, part in enumerate(slices):
-                first_epoch[i].extend(part.tolist())
+    for epoch, step, slices in plan:
+        if epoch > 0:
+            break
+        steps_per_epoch = step + 1
+        for i, part in enumerate(slices):
+            first_epoch[i].extend(part.tolist())
     return first_epoch, steps_per_epoch
 
 
