@@ -56,7 +56,7 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon",)
+EXTRA = ("daemon", "worker_data", "checkpoints")
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -78,6 +78,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "data_parallel": {"steps": 3, "rounds": 1, "quick": True},
     "pipeline": {"steps": 3, "rounds": 1, "reps": 3},
     "daemon": {"pings": 100, "features": 500, "repeats": 2},
+    "worker_data": {"gib": 0.25, "shuffles": (True,)},
+    "checkpoints": {"steps": 18, "rounds": 1},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

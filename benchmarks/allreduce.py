@@ -287,9 +287,7 @@ def cluster(workers: tuple[str, ...] = WORKERS) -> Iterator[LocalCluster]:
                 c.start_worker(worker, threads=1)
             yield c
         except Exception:
-            for log in sorted(c.logs.glob("*.log")):
-                lines = log.read_text(errors="replace").splitlines()[-30:]
-                print(f"--- tail of {log.name} ---", *lines, sep="\n", file=sys.stderr)
+            c.print_log_tails()
             raise
 
 

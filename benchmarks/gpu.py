@@ -232,9 +232,7 @@ def cluster_checks(
                 checks.append(compared("ModelParallel(2) vs graph.fit", fitted, reference, took))
                 checks += [step_check(name, device, x, y, stamps) for name, stamps in timed]
         except Exception:
-            for log in sorted(c.logs.glob("*.log")):
-                lines = log.read_text(errors="replace").splitlines()[-30:]
-                print(f"--- tail of {log.name} ---", *lines, sep="\n", file=sys.stderr)
+            c.print_log_tails()
             raise
     return checks
 

@@ -59,7 +59,6 @@ import argparse
 import contextlib
 import itertools
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -130,9 +129,7 @@ def cluster() -> Iterator[LocalCluster]:
                 c.start_worker(worker, threads=1, peer_link=False)
             yield c
         except Exception:
-            for log in sorted(c.logs.glob("*.log")):
-                lines = log.read_text(errors="replace").splitlines()[-30:]
-                print(f"--- tail of {log.name} ---", *lines, sep="\n", file=sys.stderr)
+            c.print_log_tails()
             raise
 
 

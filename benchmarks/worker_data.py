@@ -6,7 +6,10 @@ workers, ``G`` GiB (default :data:`GIB`, 4) of float32 rows of :data:`WIDTH` fea
 row; 262,144 rows at 4 GiB) with int64 labels, twice: as a directory of ``x.npy``/``y.npy`` and
 as an uncompressed ``.npz`` holding the same two ``.npy`` files (byte for byte). One
 :class:`somatize.cluster.LocalCluster` (a real coordinator, two real ``somatize-worker
---threads 1``, job threads 1) serves both on each worker: ``--data disk=DIR --data mem=NPZ``.
+--threads 1 --spare-daemon off``, job threads 1) serves both on each worker: ``--data disk=DIR
+--data mem=NPZ``. No spare daemon: one would start, importing torch, as each job starts, and take
+its first seconds' CPU from it (the anchor's staging hid that, the disk jobs' did not); each job
+starts once the machine is quiet (:func:`benchmarks.worker_data_io.wait_quiet`).
 Per shuffle setting, one epoch of ``sz.DataParallel(2, collective=C)`` (``--collective``,
 default ``auto``: torch where the workers can) over
 ``sz.WorkerData(...)`` trains the MLP ``WIDTH``-256-10 (SGD, lr 0.01, cross-entropy,
@@ -36,8 +39,9 @@ printed beside it.
 Context, in this process (1 torch thread): one step's read alone — the first
 :data:`PROBE_STEPS` steps of replica 0's plan (:func:`protocol.batching.replica_batches`) read
 with ``NpyRows``, warm and cold — and one replica's compute alone (512 rows forward, backward,
-SGD step). The disk path reads a step's rows synchronously, between two steps, in the daemon's
-one thread: the ratio's excess over 1 is about read / (compute + all-reduce).
+SGD step). The disk path reads the next step's rows in a thread of the daemon while a step trains
+(:mod:`worker.read_ahead`), every run of rows asked for at once (``POSIX_FADV_WILLNEED``): a
+read longer than a step, or one competing for the only cores, shows in the ratio.
 
 Targets (issue 15): disk step ≤ :data:`RATIO_TARGET` × memory step, each daemon's peak RSS on
 the disk path < :data:`RSS_TARGET_MB` MB. Everything written lives in a temporary directory
@@ -52,7 +56,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -78,6 +81,7 @@ from benchmarks.worker_data_io import (
     rows_for,
     time_compute,
     time_reads,
+    wait_quiet,
     warm_cache,
     write_npz,
     write_worker_data,
@@ -107,7 +111,9 @@ def cluster(datasets: dict[str, dict[str, Path]]) -> Iterator[tuple[LocalCluster
             startup: dict[str, Any] = {}
             for worker, data in datasets.items():
                 began = time.monotonic()
-                c.start_worker(worker, threads=1, data=data)
+                # No spare daemon: one would start (importing torch) as each job starts, and
+                # take CPU from its first seconds; every job here starts its own, off the clock.
+                c.start_worker(worker, threads=1, data=data, args=("--spare-daemon", "off"))
                 status = proc_status(c.workers[worker].pid)
                 startup[worker] = {
                     "seconds": time.monotonic() - began,
@@ -116,9 +122,7 @@ def cluster(datasets: dict[str, dict[str, Path]]) -> Iterator[tuple[LocalCluster
                 }
             yield c, startup
         except Exception:
-            for log in sorted(c.logs.glob("*.log")):
-                lines = log.read_text(errors="replace").splitlines()[-30:]
-                print(f"--- tail of {log.name} ---", *lines, sep="\n", file=sys.stderr)
+            c.print_log_tails()
             raise
 
 
@@ -146,6 +150,7 @@ def run_job(
     chosen = None
     pytest_seen = pytest_running()
     agents = {w: p.pid for w, p in c.workers.items()}
+    quiet_s = wait_quiet()  # nothing of the job before still busy
     with Watcher(agents) as watcher, sz.connect(c.url, timeout=60) as client:
         submitted = time.time()
         job = client.submit(
@@ -181,6 +186,7 @@ def run_job(
             w: proc_status(p).get("VmHWM", 0) * 1024 / 1e6 for w, p in agents.items()
         },
         "pytest": pytest_seen,
+        "quiet_wait_s": quiet_s,
     }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.allreduce import descendants
+from benchmarks.allreduce import cpu_snapshot, descendants, foreign_cores
 from protocol.batching import replica_batches
 from worker.npy_rows import NpyRows
 
@@ -284,3 +284,16 @@ class Watcher:
 
 
 # -- the jobs --------------------------------------------------------------------------------
+
+
+def wait_quiet(limit_s: float = 60.0, cores: float = 0.15, window_s: float = 0.5) -> float:
+    """Wait until the other processes keep under ``cores`` cores busy for ``window_s`` (an
+    agent starting the spare daemon a job will take next imports torch: over a second of
+    CPU on each worker), at most ``limit_s``; the seconds waited."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        start = cpu_snapshot()
+        time.sleep(window_s)
+        if foreign_cores(start, cpu_snapshot()) < cores:
+            break
+    return time.monotonic() - began

@@ -77,11 +77,13 @@ class WorkerIdentity:
 @dataclass(frozen=True)
 class Target:
     """Where a partition must run: a worker ``id``, or any worker carrying ``tag``; on a worker
-    training on ``device`` if one is given (``"cuda"``: any CUDA device)."""
+    training on ``device`` if one is given (``"cuda"``: any CUDA device), serving ``dataset``
+    if one is given (a stage that reads the job's ``WorkerData``)."""
 
     id: str | None = None
     tag: str | None = None
     device: str | None = None
+    dataset: str | None = None
 
     def __post_init__(self) -> None:
         if (self.id is None) == (self.tag is None):
@@ -89,11 +91,15 @@ class Target:
 
     def __str__(self) -> str:
         where = f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
-        return where if self.device is None else f"{where} on {self.device}"
+        if self.device is not None:
+            where += f" on {self.device}"
+        return where if self.dataset is None else f"{where} serving dataset {self.dataset!r}"
 
     def answers(self, worker: WorkerIdentity) -> bool:
         """Whether ``worker`` may run what is pinned here."""
         if not device_fits(self.device, worker.device):
+            return False
+        if self.dataset is not None and self.dataset not in worker.datasets:
             return False
         return worker.id == self.id if self.id is not None else self.tag in worker.tags
 

@@ -28,8 +28,7 @@ import logging
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +37,9 @@ from coordinator.context import (
     DEFAULT_CALL_TIMEOUT,
     StrategyContext,
     WorkerCallError,
-    WorkerIdentity,
 )
+from coordinator.job_files import JobFiles
+from coordinator.placed import ContextFactory, PlacedJob, transport_context
 from coordinator.registry import Registry, WorkerRecord, WorkerState
 from coordinator.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.store import JobEvent, JobRecord, JobState, JobStore, StoreError, UnknownJob
@@ -50,60 +50,21 @@ from coordinator.strategies import (
     Strategy,
     StrategyFailed,
 )
-from coordinator.submission import placement_of, rows_of, unlabelled, vetted
-from coordinator.transport import TransportContext
+from coordinator.submission import (
+    check_targets,
+    placement_of,
+    rows_of,
+    unequal_stage_rows,
+    unlabelled,
+    vetted,
+)
 from protocol.codec import decode, encode_frame
-from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import Submit
-from protocol.wording import listed
 
 log = logging.getLogger(__name__)
 
 TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
-
-
-@dataclass(frozen=True)
-class PlacedJob:
-    """What a job's strategy context is made from, once the job has its workers.
-
-    Attributes:
-        job_id: the job.
-        workers: the registry records of its workers, in strategy index order.
-        timeout: seconds one command may take on a worker.
-        threads: torch threads of each job daemon (``None``: the agent's default).
-        observe: called with ``(command, seconds)`` for every successful worker command.
-        recruit: waits up to the given seconds for a worker to replace a lost one and reserves
-            it for the job (:meth:`JobManager.recruit`); ``None`` if none came.
-    """
-
-    job_id: str
-    workers: list[WorkerRecord]
-    timeout: float
-    threads: int | None
-    observe: Callable[[str, float], None]
-    recruit: Callable[[float], Awaitable[WorkerRecord | None]]
-
-
-ContextFactory = Callable[[PlacedJob], AbstractAsyncContextManager[StrategyContext]]
-"""Makes a placed job's strategy context; leaving it closes the job on its workers."""
-
-
-@asynccontextmanager
-async def transport_context(job: PlacedJob) -> AsyncIterator[StrategyContext]:
-    """The job's live workers over their connections (:class:`TransportContext`)."""
-    ctx = TransportContext(
-        job.job_id,
-        job.workers,
-        job.timeout,
-        job.threads,
-        observe=job.observe,
-        recruit=job.recruit,
-    )
-    try:
-        yield ctx
-    finally:
-        await ctx.close()
 
 
 def record_dict(record: JobRecord) -> dict[str, Any]:
@@ -148,6 +109,8 @@ class JobManager:
             live workers over their connections unless told otherwise).
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
         spill: where the inputs of a job that must wait go (``None``: they wait in memory).
+        files: where each live job's submit message and checkpoints are kept, so that a
+            restarted coordinator resumes it (``None``: nowhere; it would not).
     """
 
     def __init__(
@@ -161,9 +124,11 @@ class JobManager:
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
         spill: QueuedInputs | None = None,
+        files: JobFiles | None = None,
     ) -> None:
         self.store = store
         self.spill = spill
+        self.files = files
         self.max_queued_jobs = max_queued_jobs
         self.registry = registry
         self.call_timeout = call_timeout
@@ -268,8 +233,10 @@ class JobManager:
                 limit=self.max_queued_jobs,
             )
         strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
-        self._check_targets(placement)
-        if (why := unlabelled(inputs, self.registry)) is not None:
+        known = [w.identity for w in self.registry]
+        check_targets(placement, known)
+        why = unlabelled(inputs, self.registry) or unequal_stage_rows(placement, known)
+        if why is not None:
             raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
         summary = {
             "node_ids": msg.graph.node_ids,
@@ -280,13 +247,35 @@ class JobManager:
             "owner": owner,
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
-        job = _Job(record.id, strategy, inputs, owner)
+        if self.files is not None:
+            await asyncio.to_thread(self.files.keep, record.id, msg, owner)
+        await self._enqueue(_Job(record.id, strategy, inputs, owner), placement.describe(), {})
+        return record.id
+
+    async def requeue(self, record: JobRecord) -> None:
+        """Queue again a job a previous coordinator left live (the store made it ``queued``),
+        from what it was submitted with; one that cannot be read back fails, saying why."""
+        try:
+            assert self.files is not None
+            msg, owner = await asyncio.to_thread(self.files.load, record.id)
+            strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
+        except Exception as exc:
+            log.warning("job %s cannot be resumed: %s", record.id, exc)
+            info = ErrorInfo(
+                code=ErrorCode.COORDINATOR_RESTARTED,
+                message=f"the coordinator restarted and could not resume the job: {exc}",
+            )
+            await self._record_end(record.id, info)
+            return
+        after = {"requeued": "the coordinator restarted"}
+        await self._enqueue(_Job(record.id, strategy, inputs, owner), placement.describe(), after)
+
+    async def _enqueue(self, job: _Job, placement: str, data: dict[str, Any]) -> None:
         await self._park_if_waiting(job)
         self._jobs[job.id] = job
         self._queue.append(job.id)
-        await self._emit(job.id, "queued", {"placement": summary["placement"]})
+        await self._emit(job.id, "queued", {"placement": placement} | data)
         self.kick()
-        return job.id
 
     async def _park_if_waiting(self, job: _Job) -> None:
         """Put a job's inputs on disk when it cannot start now and they are worth it."""
@@ -301,45 +290,6 @@ class JobManager:
             log.warning("job %s: its inputs wait in memory: cannot park them: %s", job.id, exc)
             return
         job.parked = True
-
-    def _check_targets(self, placement: Placement) -> None:
-        """Refuse a pinned placement, a dataset or a device no known worker could ever take
-        (instead of queueing it forever), listing the workers, tags, datasets and devices that
-        exist."""
-        known = [w.identity for w in self.registry]
-        for slot in placement.slots:
-            if not any(dataclasses.replace(slot, device=None).answers(w) for w in known):
-                tags = sorted({t for w in known for t in w.tags})
-                raise RequestRefused.of(
-                    ErrorCode.NO_WORKERS,
-                    f"no worker answers to {slot}: workers {listed([w.id for w in known])}, "
-                    f"tags {listed(tags)}",
-                )
-        wanted_data = placement.dataset
-        if wanted_data is not None and not any(wanted_data in w.datasets for w in known):
-            names = sorted({name for w in known for name in w.datasets})
-            raise RequestRefused.of(
-                ErrorCode.NO_WORKERS,
-                f"no worker has dataset {wanted_data!r} (the workers have {listed(names)})",
-                dataset=wanted_data,
-            )
-        devices = sorted({w.device for w in known})
-        for wanted in placement.devices():
-            if not any(device_fits(wanted, w.device) for w in known):
-                raise RequestRefused.of(
-                    ErrorCode.NO_WORKERS,
-                    f"no worker has device {wanted!r} ({_on_devices(known)})",
-                    device=wanted,
-                    devices=devices,
-                )
-        for slot in placement.slots:
-            if not any(slot.answers(w) for w in known):
-                raise RequestRefused.of(
-                    ErrorCode.NO_WORKERS,
-                    f"no worker answers to {slot} ({_on_devices(known)})",
-                    device=slot.device,
-                    devices=devices,
-                )
 
     async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, live until its terminal event."""
@@ -503,6 +453,9 @@ class JobManager:
             async def emit(event: str, data: dict[str, Any]) -> None:
                 await self._emit(job.id, event, data)
 
+            if self.files is not None:
+                saves = await self.files.checkpoints_for(job.id, job.strategy, emit)
+                job.inputs = dataclasses.replace(job.inputs, checkpoints=saves)
             how = await job.strategy.prepare(ctx, job.inputs, emit)
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
             states = await job.strategy.run(ctx, job.inputs, emit)
@@ -512,6 +465,7 @@ class JobManager:
                 why = f"the job trained, but its result could not be stored: {failure}"
                 raise StrategyFailed(ErrorCode.INTERNAL, why)
             await self._emit(job.id, "succeeded", {"nodes": sorted(states)})
+            await self._forget(job.id, succeeded=True)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -540,14 +494,26 @@ class JobManager:
 
     async def _end(self, job: _Job, info: ErrorInfo) -> None:
         """Record a job's unsuccessful end (failed, or cancelled by the client)."""
+        if job.inputs.checkpoints is not None:
+            await job.inputs.checkpoints.flush()  # a write under way ends first
+        await self._record_end(job.id, info)
+        job.done.set()
+
+    async def _record_end(self, job_id: str, info: ErrorInfo) -> None:
         data = {"code": str(info.code), "message": info.message, "detail": info.detail}
         if info.code is ErrorCode.CANCELLED:
-            await stored(job.id, self.store.cancel, job.id, info.message)
-            await self._emit(job.id, "cancelled", data)
+            await stored(job_id, self.store.cancel, job_id, info.message)
+            await self._emit(job_id, "cancelled", data)
         else:
-            await stored(job.id, self.store.fail, job.id, str(info.code), info.message, info.detail)
-            await self._emit(job.id, "failed", data)
-        job.done.set()
+            await stored(job_id, self.store.fail, job_id, str(info.code), info.message, info.detail)
+            await self._emit(job_id, "failed", data)
+        await self._forget(job_id, succeeded=False)
+
+    async def _forget(self, job_id: str, succeeded: bool) -> None:
+        """A job ended: what was kept to resume it goes (its checkpoints stay unless it
+        succeeded)."""
+        if self.files is not None:
+            await asyncio.to_thread(self.files.ended, job_id, succeeded)
 
     async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
         """Store a job's event and hand it to its watchers. A terminal event the store cannot
@@ -578,11 +544,6 @@ class JobManager:
             raise RequestRefused.of(
                 ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
             ) from exc
-
-
-def _on_devices(known: list[WorkerIdentity]) -> str:
-    """The known workers and their devices, as a refusal lists them."""
-    return "workers: " + (", ".join(f"{w.id} {w.device}" for w in known) or "none")
 
 
 def _internal(message: str) -> ErrorInfo:

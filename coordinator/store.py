@@ -22,8 +22,9 @@ memory; SQLite caps one value at ``SQLITE_LIMIT_LENGTH`` (1 GB by default).
 
 :meth:`JobStore.open` is the coordinator's entry point: it locks the state directory for as long
 as the store is open (a second coordinator on the same directory gets :class:`StoreInUse`), then
-marks every job a previous process left queued or running as failed with the code
-``coordinator_restarted``.
+queues again every job a previous process left queued or running that can be resumed (the
+coordinator kept what it was submitted with: :mod:`coordinator.job_files`), and marks the others
+failed with the code ``coordinator_restarted``, that end added to their events.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ _TRANSITIONS: dict[str, tuple[frozenset[JobState], JobState]] = {
     "succeed": (frozenset({JobState.RUNNING}), JobState.SUCCEEDED),
     "fail": (_LIVE_STATES, JobState.FAILED),
     "cancel": (_LIVE_STATES, JobState.CANCELLED),
+    "requeue": (_LIVE_STATES, JobState.QUEUED),  # a restarted coordinator resumes it
 }
 
 
@@ -220,15 +222,21 @@ class JobStore:
 
     @classmethod
     def open(
-        cls, state_dir: str | Path, *, clock: Callable[[], float] = time.time
+        cls,
+        state_dir: str | Path,
+        *,
+        clock: Callable[[], float] = time.time,
+        resumable: Iterable[str] = (),
     ) -> tuple[JobStore, builtins.list[JobRecord]]:
         """Open the store as the coordinator does: lock the directory, then recover.
 
-        Every job a previous process left queued or running can no longer progress: it is marked
-        failed with the error code ``coordinator_restarted``.
+        Every job a previous process left queued or running is queued again if it is
+        ``resumable`` (the coordinator kept what it was submitted with), else marked failed with
+        the error code ``coordinator_restarted`` and that end added to its events.
 
         Returns:
-            The store and the records of the jobs it just marked failed, oldest first.
+            The store and the records of the jobs it just recovered (queued or failed), oldest
+            first.
 
         Raises:
             StoreInUse: Another store opened with :meth:`open` holds the directory.
@@ -244,7 +252,7 @@ class JobStore:
             raise
         store._dir_lock = dir_lock
         try:
-            recovered = store._recover()
+            recovered = store._recover(set(resumable))
         except BaseException:
             store.close()
             raise
@@ -320,7 +328,7 @@ class JobStore:
         conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*columns.values(), job_id))
         return self._get(conn, job_id)
 
-    def _recover(self) -> builtins.list[JobRecord]:
+    def _recover(self, resumable: set[str]) -> builtins.list[JobRecord]:
         with self._write(durable=True) as conn:
             rows = conn.execute(
                 "SELECT id, state FROM jobs WHERE state IN ('queued', 'running') ORDER BY pk"
@@ -328,6 +336,9 @@ class JobStore:
             now = self._clock()
             recovered = []
             for job_id, state in rows:
+                if job_id in resumable:
+                    recovered.append(self._transition(conn, job_id, "requeue", started=None))
+                    continue
                 error = _error(
                     RESTARTED,
                     f"the coordinator restarted while the job was {state}",
@@ -336,6 +347,7 @@ class JobStore:
                 recovered.append(
                     self._transition(conn, job_id, "fail", finished=now, error=_dumps(error))
                 )
+                self._append_event(conn, job_id, "failed", error)  # its stream ends too
             return recovered
 
     # -- the API ----------------------------------------------------------------------------
@@ -389,19 +401,24 @@ class JobStore:
 
     def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> JobEvent:
         """Append an event to the job's log; any state, so a terminal job can log its end."""
-        data_json = _dumps(data)
         with self._write() as conn:
             self._get(conn, job_id)
-            # Under BEGIN IMMEDIATE no other writer can take the same seq between these two.
-            (last,) = conn.execute(
-                "SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)
-            ).fetchone()
-            event = JobEvent(job_id, last + 1, self._clock(), kind, json.loads(data_json))
-            conn.execute(
-                "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
-                (job_id, event.seq, event.time, kind, data_json),
-            )
-            return event
+            return self._append_event(conn, job_id, kind, data)
+
+    def _append_event(
+        self, conn: sqlite3.Connection, job_id: str, kind: str, data: dict[str, Any]
+    ) -> JobEvent:
+        data_json = _dumps(data)
+        # Under BEGIN IMMEDIATE no other writer can take the same seq between these two.
+        (last,) = conn.execute(
+            "SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        event = JobEvent(job_id, last + 1, self._clock(), kind, json.loads(data_json))
+        conn.execute(
+            "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (job_id, event.seq, event.time, kind, data_json),
+        )
+        return event
 
     def events(self, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
         """The job's events with ``seq > after_seq``, in order."""

@@ -7,17 +7,19 @@ graph's size, nothing here touches the event loop or the store.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from coordinator.context import WorkerIdentity
 from coordinator.errors import StrategyOptionsError
 from coordinator.registry import WorkerRecord
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
+from protocol.devices import device_fits
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Submit
 from protocol.wording import listed
 
-__all__ = ["placement_of", "rows_of", "unlabelled", "vetted"]
+__all__ = ["check_targets", "placement_of", "rows_of", "unequal_stage_rows", "unlabelled", "vetted"]
 
 
 def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
@@ -60,11 +62,74 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
 
 
 def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
-    """The strategy's placement, also requiring the job's dataset on every worker."""
+    """The strategy's placement, also requiring the job's dataset on every worker, or, for a
+    placement by slots, on the slots that read it (:meth:`Strategy.dataset_slots`)."""
     placement = strategy.placement()
-    if inputs.dataset is None:
+    name = inputs.dataset
+    if name is None:
         return placement
-    return dataclasses.replace(placement, dataset=inputs.dataset)
+    reading = strategy.dataset_slots(len(placement.slots))
+    slots = tuple(
+        dataclasses.replace(slot, dataset=name) if k in reading else slot
+        for k, slot in enumerate(placement.slots)
+    )
+    return dataclasses.replace(placement, dataset=name, slots=slots)
+
+
+def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None:
+    """Refuse a pinned placement, a dataset or a device no known worker could ever take
+    (instead of queueing it forever), listing the workers, tags, datasets and devices that
+    exist.
+
+    Raises:
+        RequestRefused: ``NO_WORKERS`` saying which.
+    """
+    for slot in placement.slots:
+        if not any(dataclasses.replace(slot, device=None, dataset=None).answers(w) for w in known):
+            tags = sorted({t for w in known for t in w.tags})
+            raise RequestRefused.of(
+                ErrorCode.NO_WORKERS,
+                f"no worker answers to {slot}: workers {listed([w.id for w in known])}, "
+                f"tags {listed(tags)}",
+            )
+    wanted_data = placement.dataset
+    if wanted_data is not None and not any(wanted_data in w.datasets for w in known):
+        names = sorted({name for w in known for name in w.datasets})
+        raise RequestRefused.of(
+            ErrorCode.NO_WORKERS,
+            f"no worker has dataset {wanted_data!r} (the workers have {listed(names)})",
+            dataset=wanted_data,
+        )
+    devices = sorted({w.device for w in known})
+    for wanted in placement.devices():
+        if not any(device_fits(wanted, w.device) for w in known):
+            raise RequestRefused.of(
+                ErrorCode.NO_WORKERS,
+                f"no worker has device {wanted!r} ({_on_devices(known)})",
+                device=wanted,
+                devices=devices,
+            )
+    for slot in placement.slots:
+        if not any(dataclasses.replace(slot, dataset=None).answers(w) for w in known):
+            raise RequestRefused.of(
+                ErrorCode.NO_WORKERS,
+                f"no worker answers to {slot} ({_on_devices(known)})",
+                device=slot.device,
+                devices=devices,
+            )
+        if not any(slot.answers(w) for w in known):
+            serving = [w.id for w in known if slot.dataset in w.datasets]
+            raise RequestRefused.of(
+                ErrorCode.NO_WORKERS,
+                f"no worker answers to {slot}: the workers serving dataset {slot.dataset!r} "
+                f"are {listed(serving)}",
+                dataset=slot.dataset,
+            )
+
+
+def _on_devices(known: Sequence[WorkerIdentity]) -> str:
+    """The known workers and their devices, as a refusal lists them."""
+    return "workers: " + (", ".join(f"{w.id} {w.device}" for w in known) or "none")
 
 
 def unlabelled(inputs: JobInputs, workers: Iterable[WorkerRecord]) -> str | None:
@@ -80,6 +145,29 @@ def unlabelled(inputs: JobInputs, workers: Iterable[WorkerRecord]) -> str | None
     return (
         f"dataset {name!r} has no labels (y) on {listed([w.id for w in served])}: its "
         "TorchFilters cannot train on it (serve it with a y.npy, or a y in the .npz)"
+    )
+
+
+def unequal_stage_rows(placement: Placement, known: Sequence[WorkerIdentity]) -> str | None:
+    """Why a placement by slots whose first and last slots read the job's dataset (a pipeline's
+    first stage reads ``x``, its last ``y``) cannot run on the workers known now: whichever
+    two could take those slots, their datasets' rows differ. ``None`` when some pair agrees,
+    or when what a candidate holds is not known (no worker yet, a loader's path)."""
+    reading = [slot for slot in placement.slots if slot.dataset is not None]
+    if len(reading) < 2 or placement.dataset is None:
+        return None
+    name, first, last = placement.dataset, reading[0], reading[-1]
+    firsts = [w for w in known if first.answers(w)]
+    lasts = [w for w in known if last.answers(w)]
+    rows = {w.id: w.datasets[name] for w in firsts + lasts}
+    if not firsts or not lasts or any(r is None for r in rows.values()):
+        return None
+    if any(a.id != b.id and rows[a.id] == rows[b.id] for a in firsts for b in lasts):
+        return None
+    said = ", ".join(f"{w} {rows[w]}" for w in sorted(rows))
+    return (
+        f"dataset {name!r}: the first stage ({first}) reads x and the last ({last}) y, and "
+        f"their rows must agree; the workers that could take them hold {said} rows"
     )
 
 

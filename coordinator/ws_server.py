@@ -46,12 +46,13 @@ from websockets.http11 import Request, Response
 
 from coordinator.client_requests import ClientRequests
 from coordinator.clients import EVERYONE, ClientIdentity, ClientTokens
+from coordinator.job_files import JobFiles
 from coordinator.jobs import JobManager, record_dict
 from coordinator.metrics import Metrics
 from coordinator.pending import MAX_PENDING_PER_ADDRESS, PendingConnections
 from coordinator.registry import DuplicateWorker, Registry, WorkerRecord
 from coordinator.spill import QueuedInputs
-from coordinator.store import JobStore
+from coordinator.store import JobState, JobStore
 from coordinator.ws_http import process_request
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
@@ -213,14 +214,23 @@ class Coordinator:
 
     async def start(self) -> None:
         """Open the store, listen, start the scheduler and the heartbeat reaper."""
-        store, recovered = await asyncio.to_thread(JobStore.open, self.state_dir)
+        files = await asyncio.to_thread(JobFiles, self.state_dir)
+        resumable = await asyncio.to_thread(files.resumable)
+        store, recovered = await asyncio.to_thread(
+            JobStore.open, self.state_dir, resumable=resumable
+        )
         self.store = store
+        requeued = [r for r in recovered if r.state is JobState.QUEUED]
         for record in recovered:
-            log.warning(
-                "job %s was %s when the coordinator stopped: marked failed",
-                record.id,
-                record.error and record.error.get("detail", {}).get("state"),
-            )
+            if record.state is JobState.QUEUED:
+                log.warning("job %s was live when the coordinator stopped: queued again", record.id)
+            else:
+                log.warning(
+                    "job %s was %s when the coordinator stopped: marked failed",
+                    record.id,
+                    record.error and record.error.get("detail", {}).get("state"),
+                )
+        await asyncio.to_thread(files.forget_others, [r.id for r in requeued])
         for worker_id in self.forget_workers:
             if await asyncio.to_thread(store.forget_worker, worker_id):
                 log.warning("worker %s: identity forgotten; its next hello enrols again", worker_id)
@@ -234,7 +244,10 @@ class Coordinator:
             self.metrics.observe,
             max_queued_jobs=self.max_queued_jobs,
             spill=await asyncio.to_thread(QueuedInputs, self.state_dir / "queued"),
+            files=files,
         )
+        for record in requeued:
+            await self.jobs.requeue(record)
         self.registry.on_change = self.jobs.kick
         self._server = await serve(
             self._connection,

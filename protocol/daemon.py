@@ -175,6 +175,7 @@ class GradientsRequest(DataSource):
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
+    read_next: list[int] | None = None  # the rows of ``data`` the next step will ask for
 
 
 class DistStoreRequest(_Request):

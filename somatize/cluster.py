@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TextIO, TypeVar
 
 from somatize.client import Client, connect
 from somatize.errors import ClusterError
@@ -221,6 +221,12 @@ class LocalCluster:
         code = self.coordinator.wait(timeout=timeout)
         self.coordinator = None
         return code
+
+    def print_log_tails(self, lines: int = 30, file: TextIO | None = None) -> None:
+        """Print the last ``lines`` of every process's log (to stderr): what a failure shows."""
+        for log in sorted(self.logs.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- tail of {log.name} ---", *tail, sep="\n", file=file or sys.stderr)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every process: SIGTERM, then SIGKILL what is still there after ``timeout``."""

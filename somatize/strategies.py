@@ -133,12 +133,18 @@ class DataParallel(Strategy):
         device: only workers training on this device (default: any).
         collective: ``"auto"``, ``"torch"`` or ``"coordinator"`` (above).
         collective_timeout: seconds joining the group or one collective may take.
+        checkpoint_every: save a checkpoint (every replica's model and optimizer state, and
+            the step) every this many steps; ``None`` (default): at the end of every epoch or
+            after 60 s of training, whichever comes first; ``0``: never. A coordinator that
+            dies and comes back on the same ``--state-dir`` resumes the job from its last one.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
             ``elastic`` not a bool, ``elastic_timeout`` or ``collective_timeout`` not a
-            positive number, ``device`` not one of the device forms or ``collective`` not one
-            of the three.
+            positive number, ``device`` not one of the device forms, ``collective`` not one
+            of the three, ``checkpoint_every`` not ``None`` or an integer >= 0, or
+            ``keep_checkpoints`` not a positive integer.
     """
 
     workers: int
@@ -148,6 +154,8 @@ class DataParallel(Strategy):
     device: str | None = None
     collective: str = "auto"
     collective_timeout: float = 60.0
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
 
     name: ClassVar[str] = "data_parallel"
 
@@ -296,6 +304,10 @@ class FedAvg(Strategy):
             default: plain averaging.
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
+        checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
+            and the round) every this many rounds; ``None`` (default): every round; ``0``:
+            never. A restarted coordinator resumes the job from its last one.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -310,6 +322,8 @@ class FedAvg(Strategy):
     server: ServerOptimizer | None = None
     seed: int = 0
     device: str | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
 
     name: ClassVar[str] = "fedavg"
 
@@ -328,8 +342,8 @@ class FedProx(Strategy):
 
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
-        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device: as
-            :class:`FedAvg`.
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device,
+            checkpoint_every, keep_checkpoints: as :class:`FedAvg`.
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -345,6 +359,8 @@ class FedProx(Strategy):
     server: ServerOptimizer | None = None
     seed: int = 0
     device: str | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
 
     name: ClassVar[str] = "fedprox"
 

@@ -164,6 +164,13 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_INFLIGHT})",
     )
     parser.add_argument(
+        "--spare-daemon",
+        choices=["on", "off"],
+        default="on",
+        help="keep the next job's filter daemon started ahead (default on: a job starts without "
+        "waiting for torch to import; off saves its memory, and its start's CPU during a job)",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         metavar="auto|cpu|cuda|cuda:N|mps",
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
             device=args.device,
+            spare=args.spare_daemon == "on",
         )
         agent = Agent(config)
     except ValueError as exc:

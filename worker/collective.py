@@ -30,7 +30,9 @@ from protocol.batching import global_batches, replica_batches
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node
+from worker.npy_rows import Rows
 from worker.process_group import GroupMember, looks_collective
+from worker.read_ahead import read_ahead
 from worker.training import Training, step_through
 from worker.transfer import autocast
 
@@ -154,10 +156,16 @@ class Collective(Training, GroupMember):
         losses: list[float] = []
         rows: list[int] = []
         self._done = start
-        for step in range(start, stop):
+
+        def read(step: int) -> tuple[Any, Any]:
+            local = plan.steps[step][0]
+            return self.held(plan.data, local if len(local) else ONE_ROW)
+
+        on_disk = isinstance(self.held(plan.data, lazy=True)[0], Rows)
+        steps = range(start, stop)
+        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if on_disk else 0), strict=True):
             local, batch = plan.steps[step]
             mine = len(local)
-            x, y = self.held(plan.data, local if mine else ONE_ROW)
             for node in prefix:
                 x = self._apply(node, x, self._state_for(node))
             xt = self._on_device(run[0].filter.prepare_input(x))
@@ -180,6 +188,8 @@ class Collective(Training, GroupMember):
             self._done = step + 1
             losses.append(float(loss.detach()) if mine else 0.0)
             rows.append(mine)
+        if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
+            self.read_next(plan.data, plan.steps[stop][0])
         return {"losses": losses, "rows": rows}
 
     def _left_group(self) -> None:

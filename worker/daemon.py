@@ -249,6 +249,8 @@ class Daemon:
         if req.apply is not None:  # finish the previous step first: one round trip per step
             self.engine.apply_gradients(req.apply)
         result = self.engine.gradient_pass(req.node_ids, *self._data(req))
+        if req.data is not None and req.read_next is not None:  # read while the mean is made
+            self.engine.read_next(req.data, req.read_next)
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
         return {
             "loss": result.loss,
@@ -557,6 +559,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def warm_up() -> None:
+    """Make (and drop) an optimizer: the first one a process makes imports what torch imports
+    lazily for it (``torch._dynamo``, sympy: over a second of CPU). A daemon started ahead of its
+    job (:mod:`worker.spare`) pays that while it waits, not in the job's first step."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the daemon on this process's stdin/stdout until shutdown, EOF or orphaning."""
     args = _parse_args(argv)
@@ -566,6 +575,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     faulthandler.enable(file=sys.stderr)
     start_watchdog(os.getppid())
     torch.set_num_threads(args.threads)
+    warm_up()
     status = serve(channel, Daemon(Engine(device=args.device)))
     sys.stderr.flush()
     # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.

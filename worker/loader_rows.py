@@ -30,9 +30,9 @@ class _Items:
         self._last: tuple[bytes, list[Any]] | None = None
 
     def read(self, index: np.ndarray[Any, Any]) -> list[Any]:
-        key = index.tobytes()
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
+        key, last = index.tobytes(), self._last
+        if last is not None and last[0] == key:
+            return last[1]
         items = [self.dataset[int(i)] for i in index]
         self._last = (key, items)
         return items

@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
+from worker.npy_rows import Rows
 from worker.pipeline_stage import PipelineStage
 from worker.process_group import GroupMember, looks_collective
+from worker.read_ahead import read_ahead
 from worker.training import Training
 
 __all__ = ["PipelineLink"]
@@ -105,9 +107,23 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             )
         losses, rows = [], []
         self._done = start
-        for b in range(start, stop):
+        first, last = self._rank == 0, self._rank == self._world - 1
+
+        def read(b: int) -> list[tuple[Any, Any]]:  # the x (first) and y (last) of b's micros
+            return [
+                (
+                    self.held(plan.data or "", m)[0] if first else None,
+                    self.held(plan.labels or "", m)[0] if last else None,
+                )
+                for m in plan.batches[b]
+            ]
+
+        names = [n for n, reads in ((plan.data, first), (plan.labels, last)) if n and reads]
+        on_disk = any(isinstance(self.held(n, lazy=True)[0], Rows) for n in names)
+        batches = range(start, stop)
+        for b, data in zip(batches, read_ahead(read, batches, 1 if on_disk else 0), strict=True):
             try:
-                batch_losses, batch_rows = self._one_batch(plan, plan.batches[b])
+                batch_losses, batch_rows = self._one_batch(plan, plan.batches[b], data)
             except RuntimeError as exc:
                 if looks_collective(exc):
                     raise self.broken(f"global batch {b + 1}", exc) from exc
@@ -119,7 +135,7 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         return {"losses": losses, "rows": rows}
 
     def _one_batch(
-        self, plan: _PipePlan, micro: list[np.ndarray[Any, Any]]
+        self, plan: _PipePlan, micro: list[np.ndarray[Any, Any]], data: list[tuple[Any, Any]]
     ) -> tuple[list[float], list[int]]:
         rank, world = self._rank, self._world
         first, last = rank == 0, rank == world - 1
@@ -136,10 +152,10 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         sent: list[tuple[Any, torch.Tensor]] = []  # in flight until the batch ends
         for kind, m in actions:
             if kind == "F":
-                rows = micro[m]
-                x = self.held(plan.data or "", rows)[0] if first else headers[(kind, m)].tensor()
-                y = self.held(plan.labels or "", rows)[0] if last else None
-                scale = len(rows) / total
+                x, y = data[m]
+                if not first:
+                    x = headers[(kind, m)].tensor()
+                scale = len(micro[m]) / total
                 out = self.stage_forward(plan.node_ids, m, x, y, scale, last, first=first)
                 if last:
                     losses[m] = float(out["loss"])

@@ -28,6 +28,7 @@ from worker.nodes import (
     trainable,
 )
 from worker.npy_rows import Rows
+from worker.read_ahead import NextRead, read_ahead
 from worker.transfer import scaler_for, to_cpu
 
 
@@ -57,6 +58,7 @@ class Training(Nodes):
     def __init__(self) -> None:
         super().__init__()
         self._held: dict[str, tuple[Any, Any]] = {}  # on the CPU: batches go to the device
+        self._next: NextRead[tuple[str, bytes], tuple[Any, Any]] = NextRead()
 
     # -- data held under a name ---------------------------------------------------------------
 
@@ -67,6 +69,7 @@ class Training(Nodes):
         of it, so that per step only gradients (or per round only states) cross the wire.
         """
         check_same_rows(x, y)
+        self._next.drop()
         self._held[name] = (x, y)
         return num_rows(x)
 
@@ -100,7 +103,23 @@ class Training(Nodes):
                 f"rows of {name!r} must lie in [0, {n}); "
                 f"got {int(index.min())}..{int(index.max())}",
             )
+        ahead = self._next.take((name, index.tobytes()))
+        if ahead is not None:
+            return ahead.result()
         return take(x, index), None if y is None else take(y, index)
+
+    def read_next(self, name: str, rows: Sequence[int] | np.ndarray[Any, Any]) -> None:
+        """Start reading ``rows`` of the data held under ``name`` in the background, for the
+        :meth:`held` call that will ask for them: a data-parallel step's rows, read while the
+        step before is averaged. Data in memory needs no reading ahead: nothing is done."""
+        x, y = self._held.get(name, (None, None))
+        index = np.asarray(rows, dtype=np.int64)
+        if isinstance(x, Rows) and index.size and 0 <= index.min() <= index.max() < len(x):
+
+            def read() -> tuple[Any, Any]:
+                return take(x, index), None if y is None else take(y, index)
+
+            self._next.start((name, index.tobytes()), read)
 
     # -- fit ----------------------------------------------------------------------------------
 
@@ -282,6 +301,13 @@ class Training(Nodes):
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
         epoch_losses = []
+
+        def read(index: Any) -> tuple[Any, Any]:  # a batch (on disk: in a read-ahead thread)
+            if not lazy:
+                return xt[index], yt[index]
+            picked = _rows_of(index, n)
+            return first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
+
         # Seeded, and without touching the caller's global RNG: dropout and friends inside the
         # modules draw from the forked default generator.
         with torch.random.fork_rng(devices=[]):
@@ -289,15 +315,12 @@ class Training(Nodes):
             order = generator(last.seed)
             for _ in range(last.epochs if epochs is None else epochs):
                 total = 0.0
-                for index in batches(n, size, order if last.shuffle else None):
+                epoch = list(batches(n, size, order if last.shuffle else None))
+                for index, (xb, yb) in zip(
+                    epoch, read_ahead(read, epoch, 1 if lazy else 0), strict=True
+                ):
                     for opt in optimizers:
                         opt.zero_grad(set_to_none=True)
-                    if lazy:
-                        picked = _rows_of(index, n)
-                        xb = first.prepare_input(xt[picked])
-                        yb = last.prepare_target(_whole(yt[picked]))
-                    else:
-                        xb, yb = xt[index], yt[index]
                     loss, _ = self._run_loss(run, xb, yb)
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
+from coordinator.job_checkpoints import JobCheckpoints
 from protocol import strategy_options as so
 from protocol.daemon import StageRequest
 from protocol.devices import device_fits
@@ -45,6 +46,7 @@ class JobInputs:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     dataset: str | None = None
     loader: bytes | None = None  # with dataset: the pickled code that opens it (the daemon's)
+    checkpoints: JobCheckpoints | None = None  # given to a run by the job manager
 
     def own_data(self, name: str) -> StageRequest:
         """The request that stages each worker's own dataset under ``name``."""
@@ -92,8 +94,8 @@ class Placement:
     def accepts(self, worker: WorkerIdentity) -> bool:
         if self.worker_id is not None and worker.id != self.worker_id:
             return False
-        if self.dataset is not None and self.dataset not in worker.datasets:
-            return False
+        if self.dataset is not None and not self.slots and self.dataset not in worker.datasets:
+            return False  # by slots, each slot says whether it reads the dataset
         if not device_fits(self.device, worker.device):
             return False
         return self.tag is None or self.tag in worker.tags
@@ -111,7 +113,7 @@ class Placement:
             what += f" with id {self.worker_id!r}"
         if self.tag is not None:
             what += f" tagged {self.tag!r}"
-        if self.dataset is not None:
+        if self.dataset is not None and not self.slots:
             what += f" with dataset {self.dataset!r}"
         if self.device is not None:
             what += f" on {self.device}"
@@ -125,6 +127,12 @@ class Strategy(ABC):
 
     name: ClassVar[str]
 
+    saves_checkpoints: ClassVar[bool] = False
+    """Whether a run saves checkpoints and resumes from one (``JobInputs.checkpoints``); a job
+    of any other strategy queued again after a coordinator restart starts from the beginning."""
+    checkpoint_every: int | None = None  # steps (rounds); None: every epoch or 60 s; 0: never
+    keep_checkpoints: int = so.DEFAULT_KEEP_CHECKPOINTS
+
     @classmethod
     @abstractmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -133,6 +141,11 @@ class Strategy(ABC):
     @abstractmethod
     def placement(self) -> Placement:
         """The workers this strategy needs."""
+
+    def dataset_slots(self, slots: int) -> range | tuple[int, ...]:
+        """Which of a placement's ``slots`` read the job's ``WorkerData`` (and must be on a
+        worker serving it): all of them, unless the strategy says otherwise."""
+        return range(slots)
 
     def validate(self, job: JobInputs) -> None:  # noqa: B027 - a hook: most accept any job
         """Refuse, with :class:`StrategyOptionsError`, a job this strategy cannot run (checked

@@ -37,6 +37,7 @@ import numpy as np
 
 from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit, concurrently
+from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import (
     MAX_RECOVERIES,
     RECOVERABLE,
@@ -119,13 +120,14 @@ class TorchTraining:
         self.formations = 0
         self.breaks: Counter[int] = Counter()  # times the group broke, by the step resumed from
 
-    async def train(self, total: int) -> None:
-        """Train global steps ``[0, total)``, emitting progress per chunk."""
-        position, chunk, step = self.run.position, 1, 0
-        await self._form(fresh_store=False, step=0)
+    async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
+        """Train global steps ``[start, total)``, emitting progress per chunk, a chunk ending
+        where a checkpoint falls due (``saves``) and the checkpoint saved then."""
+        position, chunk, step = self.run.position, 1, start
+        await self._form(fresh_store=False, step=start)
         loop = asyncio.get_running_loop()
         while step < total:
-            stop = min(total, step + chunk)
+            stop = min(total, step + chunk, saves.stop_at(step, total))
             position.phase, position.step = "training", step + 1
             started = loop.time()
             request = DistTrainRequest(start=step, stop=stop)
@@ -139,6 +141,7 @@ class TorchTraining:
             elapsed = loop.time() - started
             chunk = _next_chunk(chunk, stop - step, elapsed)
             step = stop
+            await saves.after(step, total)
         position.step = None
 
     async def _form(self, fresh_store: bool, step: int) -> None:

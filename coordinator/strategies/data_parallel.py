@@ -28,9 +28,9 @@ the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
 from coordinator.strategies.collective import Choice, TorchTraining, choose
+from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.steps import (
     OwnData,
@@ -52,8 +53,11 @@ from protocol.errors import ErrorCode
 from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_ELASTIC_TIMEOUT,
+    DEFAULT_KEEP_CHECKPOINTS,
     DataParallelOptions,
 )
+
+T = TypeVar("T")
 
 STAGED = "train"
 """The name a replica's rows are staged under in its daemon."""
@@ -65,6 +69,7 @@ class DataParallel(Strategy):
     resumes from the last completed step."""
 
     name = "data_parallel"
+    saves_checkpoints = True
 
     def __init__(
         self,
@@ -75,6 +80,8 @@ class DataParallel(Strategy):
         device: str | None = None,
         collective: str = "auto",
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
     ) -> None:
         self.workers = workers
         self.tag = tag
@@ -83,6 +90,8 @@ class DataParallel(Strategy):
         self.device = device
         self.collective = collective
         self.collective_timeout = collective_timeout
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         self._prepared: _SetUp | None = None
 
     @classmethod
@@ -96,6 +105,8 @@ class DataParallel(Strategy):
             checked.device,
             checked.collective,
             checked.collective_timeout,
+            checked.checkpoint_every,
+            checked.keep_checkpoints,
         )
 
     def placement(self) -> Placement:
@@ -152,20 +163,25 @@ class DataParallel(Strategy):
         position = run.position
         held = position.held
 
-        # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all.
-        if prefix:
+        # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all;
+        #    or, resumed, every node's state and optimizer state from the job's checkpoint.
+        saves = ReplicaCheckpoints.of(run, self.checkpoint_every, steps_per_epoch, training.epochs)
+        start = await saves.restore()
+        if prefix and not start:
             position.phase = "fitting"
             await emit("progress", {"phase": "fitting", "nodes": prefix})
             await _fit_prefix(run, prefix, first_epoch)
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
         total_steps = steps_per_epoch * training.epochs
+        saves.start()
         if setup.choice.collective == "torch":
             # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
             #    only keeps time (coordinator.strategies.collective).
             await TorchTraining(
                 run, setup.choice, training, n, steps_per_epoch, self.collective_timeout, emit
-            ).train(total_steps)
+            ).train(total_steps, start, saves)
+            await saves.finish()
             return await _agreed_states(run, torch_nodes)
 
         # 3. Synchronous SGD (Goyal et al. 2017): each slice's gradient, their weighted mean,
@@ -175,11 +191,21 @@ class DataParallel(Strategy):
         #    that had already applied the mean: it only computes its slice.
         own = position.own
         plan = own.batches(training) if own else global_batches(n, len(replicas), training)
-        for done, (epoch, _, slices) in enumerate(plan, start=1):
+        for done, ((epoch, _, slices), after) in enumerate(_with_next(plan), start=1):
+            if done <= start:
+                continue  # trained before the checkpoint it resumed from
             position.phase, position.epoch, position.step = "training", epoch, done
             local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
+            # Rows on a worker's disk: each replica reads its next step's while this one is
+            # averaged (worker.read_ahead.NextRead).
+            ahead = {
+                i: np.searchsorted(held[i], after[2][i])
+                for i in local
+                if own and after is not None and len(after[2][i])
+            }
             targets = [i for i in replicas if i in local or position.mean is not None]
-            results = await run.on_all(self._step(ctx, job, local, position.mean), targets)
+            step = self._step(ctx, job, local, position.mean, ahead)
+            results = await run.on_all(step, targets)
             active = sorted(local)
             weights = [len(slices[i]) for i in active]
             grads = [
@@ -192,16 +218,12 @@ class DataParallel(Strategy):
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
             progress |= {"step": done, "steps": total_steps, "loss": sum(losses) / sum(weights)}
             await emit("progress", progress)
-        if position.mean is not None:
-            position.phase, position.step = "finishing", None
-            mean = position.mean
-
-            async def finish(i: int, fresh: bool) -> None:
-                if not fresh:
-                    await ctx.apply_gradients(i, mean)
-
-            await run.on_all(finish, replicas)
-
+            if saves.due(done, total_steps):  # every replica applies the mean, then it is saved
+                await _apply_mean(run, position)
+                await saves.after(done, total_steps)
+        position.phase, position.step = "finishing", None
+        await _apply_mean(run, position)
+        await saves.finish()
         return await _agreed_states(run, torch_nodes)
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
@@ -218,18 +240,23 @@ class DataParallel(Strategy):
 
     @staticmethod
     def _step(
-        ctx: StrategyContext, job: JobInputs, local: Mapping[int, Any], mean: Any
+        ctx: StrategyContext,
+        job: JobInputs,
+        local: Mapping[int, Any],
+        mean: Any,
+        ahead: Mapping[int, Any],
     ) -> Callable[[int, bool], Awaitable[Any]]:
         """A replica's part of a step: apply the previous step's ``mean`` (unless the replica is
         ``fresh``: it copied a survivor that had applied it), then the gradient of its ``local``
-        rows, if it has any this step."""
+        rows, if it has any this step; its rows of the next step (``ahead``) are read then."""
 
         async def call(i: int, fresh: bool) -> Any:
             apply = None if fresh else mean
             if i in local:
                 rows = np.asarray(local[i]).tolist()
+                after = np.asarray(ahead[i]).tolist() if i in ahead else None
                 request = GradientsRequest(
-                    node_ids=job.node_ids, data=STAGED, rows=rows, apply=apply
+                    node_ids=job.node_ids, data=STAGED, rows=rows, apply=apply, read_next=after
                 )
                 return await ctx.call(i, request)
             if apply is not None:
@@ -278,6 +305,32 @@ async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[i
 
 Plan = Iterable[tuple[int, int, list[Any]]]
 """``(epoch, step, slices by replica)`` of every step of a run."""
+
+
+async def _apply_mean(run: Replicas, position: DataParallelPosition) -> None:
+    """Every replica applies the last step's mean, if one is pending (a replica ``fresh`` from
+    a survivor that had applied it already skips it)."""
+    mean = position.mean
+    if mean is None:
+        return
+
+    async def finish(i: int, fresh: bool) -> None:
+        if not fresh:
+            await run.ctx.apply_gradients(i, mean)
+
+    await run.on_all(finish, range(run.ctx.num_workers()))
+    position.mean = None
+
+
+def _with_next(steps: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Each of ``steps`` with the one after it (``None`` after the last)."""
+    previous: list[T] = []
+    for step in steps:
+        if previous:
+            yield previous.pop(), step
+        previous.append(step)
+    if previous:
+        yield previous.pop(), None
 
 
 def _held(plan: Plan, replicas: int) -> list[Any]:

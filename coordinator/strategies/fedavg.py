@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Mapping
 from typing import Any, Self
 
 import numpy as np
 
+from coordinator.checkpoints import CheckpointPolicy
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
 from coordinator.strategies import server_opt
@@ -72,7 +74,7 @@ from coordinator.strategies.federated import (
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
-from protocol.strategy_options import FedAvgOptions
+from protocol.strategy_options import DEFAULT_KEEP_CHECKPOINTS, FedAvgOptions
 
 STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
@@ -88,6 +90,7 @@ class FedAvg(Strategy):
     ``prox_mu`` FedProx's μ (0 for FedAvg)."""
 
     name = "fedavg"
+    saves_checkpoints = True
 
     def __init__(
         self,
@@ -102,6 +105,8 @@ class FedAvg(Strategy):
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
     ) -> None:
         self.rounds = rounds
         self.local_epochs = local_epochs
@@ -114,6 +119,8 @@ class FedAvg(Strategy):
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
 
     @classmethod
@@ -163,11 +170,11 @@ class FedAvg(Strategy):
         await emit("progress", {"phase": "staged", "rows": staged, "dropped": reasons(failed)})
         cohort.check_ready(self.min_workers, failed)
 
-        # initialize w_0: the TorchFilters' initial weights, as every worker unpickled them.
-        initial = await cohort.first_answering(
-            lambda i: ctx.get_state(i, torch_nodes), "no worker could give the initial model"
-        )
-        at = FederatedPosition(initial, self._server_optimizer(), cohort)
+        # initialize w_0: the TorchFilters' initial weights, as every worker unpickled them; or,
+        # resumed, w_t, the server optimizer's moments and t from the job's checkpoint.
+        at = await self._start(ctx, job, cohort, torch_nodes, emit)
+        policy = CheckpointPolicy(self.checkpoint_every, 1, time.monotonic)
+        policy.start()
 
         while at.round < self.rounds:
             r = at.round + 1
@@ -204,6 +211,13 @@ class FedAvg(Strategy):
                     "loss": sum(u.rows * u.loss for u in answered) / rows,
                 },
             )
+            if job.checkpoints is not None and policy.due(r, self.rounds):
+                state = {"global_state": at.global_state, "server": at.server.state_dict()}
+                await job.checkpoints.save({"round": r}, state)
+                policy.saved()
+
+        if job.checkpoints is not None:
+            await job.checkpoints.flush()
 
         # The final model, set on a worker and read back over the wire.
         async def read_back(i: int) -> dict[str, Any]:
@@ -213,6 +227,30 @@ class FedAvg(Strategy):
         return await cohort.first_answering(
             read_back, "no worker is left to read the final model back from"
         )
+
+    async def _start(
+        self,
+        ctx: StrategyContext,
+        job: JobInputs,
+        cohort: Cohort,
+        torch_nodes: list[str],
+        emit: Emit,
+    ) -> FederatedPosition:
+        """Where the rounds start: w_0 read from a worker, or the job's checkpoint (round t
+        draws its clients with ``default_rng(seed + t)`` and trains them with fresh
+        optimizers: w_t and the server's moments are all a resumed run needs)."""
+        server = self._server_optimizer()
+        resume = job.checkpoints.resume if job.checkpoints is not None else None
+        if resume is None:
+            initial = await cohort.first_answering(
+                lambda i: ctx.get_state(i, torch_nodes), "no worker could give the initial model"
+            )
+            return FederatedPosition(initial, server, cohort)
+        server.load_state_dict(resume.payload["server"])
+        at = FederatedPosition(resume.payload["global_state"], server, cohort)
+        at.round = int(resume.position["round"])
+        await emit("resumed", resume.position | {"checkpoint": resume.seq})
+        return at
 
     def _select(self, r: int, cohort: Cohort) -> list[int]:
         """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
@@ -293,4 +331,6 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "server_options": server.hyperparameters(),
         "seed": options.seed,
         "device": options.device,
+        "checkpoint_every": options.checkpoint_every,
+        "keep_checkpoints": options.keep_checkpoints,
     }

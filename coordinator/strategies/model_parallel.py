@@ -145,6 +145,11 @@ class ModelParallel(Strategy):
             workers=len(self.partitions), slots=tuple(p.target for p in self.partitions)
         )
 
+    def dataset_slots(self, slots: int) -> tuple[int, ...]:
+        """On ``WorkerData`` the first stage reads ``x`` and the last ``y``; the others read
+        nothing of it."""
+        return (0, slots - 1)
+
     def validate(self, job: JobInputs) -> None:
         self._plan(job)
 

@@ -77,6 +77,14 @@ class ServerOptimizer(ABC):
                 shape changed since an earlier round.
         """
 
+    def state_dict(self) -> list[Any]:
+        """What it keeps between rounds, as a checkpoint holds it (nothing for plain
+        averaging)."""
+        return []
+
+    def load_state_dict(self, state: list[Any]) -> None:  # noqa: B027 - most keep nothing
+        """Take back what :meth:`state_dict` gave (a resumed run's server optimizer)."""
+
     @property
     def options(self) -> dict[str, float]:
         """The hyperparameters: ``from_options(opt.name, opt.options)`` builds an equal one."""
@@ -103,6 +111,16 @@ class _MomentOptimizer(ServerOptimizer):
 
     def __init__(self) -> None:
         self._moments: dict[Path, tuple[Array, ...]] = {}
+
+    def state_dict(self) -> list[Any]:
+        """``[[path, [moment, ...]], ...]``: each leaf's moments, under its path in the model."""
+        return [[list(path), list(moments)] for path, moments in self._moments.items()]
+
+    def load_state_dict(self, state: list[Any]) -> None:
+        self._moments = {
+            tuple(path): tuple(np.asarray(m, dtype=np.float64) for m in moments)
+            for path, moments in state
+        }
 
     def step(self, global_state: Tree, averaged: Tree) -> Tree:
         # The moments change only once the whole tree has stepped: a refused step keeps them.

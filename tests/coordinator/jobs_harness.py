@@ -11,7 +11,8 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext, NoReplacement
-from coordinator.jobs import JobManager, PlacedJob
+from coordinator.jobs import JobManager
+from coordinator.placed import PlacedJob
 from coordinator.registry import Registry
 from coordinator.store import JobStore
 from protocol.filters import dump_filter

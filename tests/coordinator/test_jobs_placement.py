@@ -5,7 +5,9 @@ what it is refused."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+import somatize as sz
 from coordinator.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import ArrayShape, DatasetSummary
@@ -202,5 +204,82 @@ def test_a_dataset_served_without_labels_is_refused_at_submit_for_a_torch_filter
             plain = submit("local", graph=make_graph(Center().named("c")), dataset="feats")
             assert await h.manager.submit(plain)  # accepted: a plain graph needs no labels
             assert await h.manager.submit(submit("local", dataset="pics"))  # not known: let in
+
+    run(main())
+
+
+def _three_stages():
+    torch.manual_seed(0)
+    return make_graph(
+        sz.TorchFilter(torch.nn.Linear(3, 4), lr=0.1, batch_size=8).named("a"),
+        sz.TorchFilter(torch.nn.Linear(4, 4), lr=0.1, batch_size=8).named("b"),
+        sz.TorchFilter(torch.nn.Linear(4, 2), lr=0.1, batch_size=8).named("c"),
+    )
+
+
+def _pipeline_on(dataset):
+    parts = [{"node_ids": [n], "tag": f"s{k}"} for k, n in enumerate("abc")]
+    return submit("model_parallel", graph=_three_stages(), dataset=dataset, partitions=parts)
+
+
+def test_a_pipeline_on_worker_data_needs_the_dataset_on_its_first_and_last_stages_only(tmp_path):
+    """Issue 15: the first stage reads x, the last y; a middle stage reads nothing of it."""
+
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            h.worker("a", "s0", datasets={"train": 40})
+            h.worker("m", "s1")
+            h.worker("z", "s2", datasets={"train": 40})
+            job_id = await h.manager.submit(_pipeline_on("train"))
+            await h.settle()
+            assert [w.id for w in h.contexts[0].placed.workers] == ["a", "m", "z"]
+            record = await h.manager.record(job_id)
+            assert record["summary"]["placement"] == (
+                "3 workers: tag 's0' serving dataset 'train', tag 's1', "
+                "tag 's2' serving dataset 'train'"
+            )
+
+    run(main())
+
+
+def test_a_pipeline_whose_last_stage_cannot_serve_the_dataset_is_refused_naming_who_does(
+    tmp_path,
+):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "s0", datasets={"train": 40})
+            h.worker("m", "s1", datasets={"train": 40})
+            h.worker("z", "s2")
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(_pipeline_on("train"))
+            assert caught.value.info.code is ErrorCode.NO_WORKERS
+            assert caught.value.info.message == (
+                "no worker answers to tag 's2' serving dataset 'train': the workers serving "
+                "dataset 'train' are ['a', 'm']"
+            )
+            assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+def test_a_pipeline_whose_first_and_last_stages_hold_other_row_counts_is_refused_at_submit(
+    tmp_path,
+):
+    """Issue 15: x on the first stage's worker, y on the last's: their rows must agree."""
+
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            h.worker("a", "s0", datasets={"train": 40})
+            h.worker("m", "s1")
+            h.worker("z", "s2", datasets={"train": 39})
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(_pipeline_on("train"))
+            assert caught.value.info.code is ErrorCode.BAD_REQUEST
+            assert caught.value.info.message == (
+                "dataset 'train': the first stage (tag 's0' serving dataset 'train') reads x and "
+                "the last (tag 's2' serving dataset 'train') y, and their rows must agree; the "
+                "workers that could take them hold a 40, z 39 rows"
+            )
+            assert h.store.list(None, 10) == []
 
     run(main())

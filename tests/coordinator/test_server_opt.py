@@ -18,6 +18,7 @@ from coordinator.strategies.server_opt import (
     ServerOptimizer,
     from_options,
 )
+from protocol.codec import decode, encode_frame
 
 # A 2-leaf state: a float64 numpy array and a float32 torch tensor.
 X0 = {"net": {"w": np.array([1.0, -2.0]), "b": torch.tensor([0.5], dtype=torch.float32)}}
@@ -247,3 +248,23 @@ def test_a_refused_step_keeps_the_moments():
     with pytest.raises(AggregationError):
         opt.step(state, {"n": {"a": 100.0, "b": np.zeros(2)}})
     assert opt.step(state, {"n": {"a": 4.0, "b": 0.0}}) == {"n": {"a": 5.0, "b": 0.0}}
+
+
+@pytest.mark.parametrize(
+    "make", [FedAvgServer, lambda: FedAvgM(lr=0.5, momentum=0.9), FedAdam, FedYogi]
+)
+def test_a_server_optimizer_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(make):
+    """A checkpoint holds ``state_dict()`` (through the codec, as a checkpoint file does); a
+    new optimizer loaded with it takes round 3 exactly as the one that ran rounds 1 and 2."""
+    straight = run_rounds(make())
+    first = make()
+    state = first.step(first.step(X0, AVERAGES[0]), AVERAGES[1])
+    saved = decode(encode_frame(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(saved)
+    third = resumed.step(state, AVERAGES[2])
+    np.testing.assert_array_equal(flat(third)[0], flat(straight[2])[0])
+    np.testing.assert_array_equal(flat(third)[1], flat(straight[2])[1])
+    fresh = make().step(state, AVERAGES[2])  # without the moments it would differ
+    if make is not FedAvgServer:
+        assert not np.array_equal(flat(fresh)[0], flat(straight[2])[0])

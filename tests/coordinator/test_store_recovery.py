@@ -112,11 +112,29 @@ def test_jobs_a_dead_coordinator_left_live_are_failed_on_open(tmp_path: Path, un
         assert (
             store.result(ids[JobState.SUCCEEDED]) == b"trained " + ids[JobState.SUCCEEDED].encode()
         )
-        assert len(store.events(ids[JobState.RUNNING])) == 1
+        *_, ended = store.events(ids[JobState.RUNNING])  # its stream ends as it did
+        assert (ended.seq, ended.kind) == (2, "failed")
+        assert ended.data == store.get(ids[JobState.RUNNING]).error
 
     store, recovered = JobStore.open(tmp_path)  # recovery happens once
     store.close()
     assert recovered == []
+
+
+def test_a_resumable_live_job_is_queued_again_and_the_others_fail(tmp_path: Path) -> None:
+    crashed = JobStore(tmp_path)
+    kept = running_job(crashed).id
+    lost = running_job(crashed).id
+    waiting = crashed.create("local", {}).id
+    crashed.close()
+    store, recovered = JobStore.open(tmp_path, resumable={kept, waiting})
+    with store:
+        states = {job.id: job.state for job in recovered}
+        assert states == {kept: JobState.QUEUED, lost: JobState.FAILED, waiting: JobState.QUEUED}
+        again = store.get(kept)
+        assert again.started is None and again.finished is None and again.error is None
+        assert store.events(kept) == []  # nothing ended
+        store.start(kept, ["w1"])  # and it runs again
 
 
 def test_a_store_left_open_in_this_process_is_recovered_by_the_next(tmp_path: Path) -> None:

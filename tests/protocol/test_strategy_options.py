@@ -231,3 +231,34 @@ def test_the_coordinator_refuses_a_bad_device_as_a_strategy_options_error():
     assert str(refused.value) == f"data_parallel: device must be one of {FORMS}, not 'gpu'"
     strategy = strategy_from_spec("fedprox", {"mu": 0.1, "rounds": 1, "device": "cuda:0"})
     assert strategy.placement().device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("make", "wire_name"),
+    [
+        (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
+        (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
+        (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
+    ],
+)
+def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
+    assert "checkpoint_every" not in make().options()  # None: every epoch / round, or 60 s
+    assert "keep_checkpoints" not in make().options()  # 2
+    spec = make(checkpoint_every=0, keep_checkpoints=5).spec()
+    assert (spec.options["checkpoint_every"], spec.options["keep_checkpoints"]) == (0, 5)
+    parsed = strategy_from_spec(spec.name, spec.options)
+    assert (parsed.checkpoint_every, parsed.keep_checkpoints) == (0, 5)
+    assert parsed.saves_checkpoints
+    with pytest.raises(ValueError, match=r"checkpoint_every must be None or an integer >= 0"):
+        make(checkpoint_every=-1)
+    with pytest.raises(ValueError, match=r"keep_checkpoints must be a positive integer, not 0"):
+        make(keep_checkpoints=0)
+    options = spec.options | {"checkpoint_every": 2.5}
+    with pytest.raises(StrategyOptionsError, match=rf"{wire_name}: checkpoint_every must be an"):
+        strategy_from_spec(spec.name, options)
+
+
+def test_strategies_without_checkpoints_say_so():
+    for spec in (sz.Local().spec(), sz.ModelParallel([sz.Partition(["a"], tag="s0")]).spec()):
+        strategy = strategy_from_spec(spec.name, spec.options)
+        assert not strategy.saves_checkpoints

@@ -75,6 +75,35 @@ def test_somatize_worker_registers_and_a_sigterm_stops_it_with_no_daemon_left(tm
         assert line in log, log
 
 
+def test_with_spare_daemon_off_a_job_starts_its_own_daemon_and_none_waits_for_the_next():
+    script = Path(sys.executable).parent / "somatize-worker"
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with listening(stand_in) as url:
+            proc = await asyncio.create_subprocess_exec(
+                str(script),
+                *("--connect", url, "--id", "lean", "--threads", "1", "--spare-daemon", "off"),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                channel = await stand_in.next_channel()
+                assert children(proc.pid) == set()  # nothing started before a job asks
+                await open_job(channel, "j", center=Center())
+                assert len(children(proc.pid)) == 1  # the job's own: no spare after it
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(20 * UNIT):
+                    assert await proc.wait() == 0
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+    drive(main)
+
+
 def test_a_second_sigterm_forces_the_exit_and_kills_the_daemons():
     script = Path(sys.executable).parent / "somatize-worker"
     stand_in = StandIn()

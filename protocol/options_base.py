@@ -1,0 +1,183 @@
+"""The machinery of strategy options: the base model, its checks and how refusals are worded.
+
+Each strategy's options (:mod:`protocol.strategy_options`, :mod:`protocol.federated_options`)
+subclass :class:`StrategyOptions`, whose ``_check`` gets the raw fields and a :class:`Say` that
+words a refusal for whoever asked (:class:`Dialect`); :func:`parse` builds one and turns a
+refusal into a :class:`ValueError` naming the bad option.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+
+from protocol.devices import is_device
+
+__all__ = [
+    "DEFAULT_KEEP_CHECKPOINTS",
+    "CheckpointOptions",
+    "Dialect",
+    "Say",
+    "StrategyOptions",
+    "T",
+    "message_of",
+    "parse",
+]
+
+
+class Dialect(StrEnum):
+    """Who is asking, and so how a refusal is worded."""
+
+    SDK = "sdk"  # Python arguments of a somatize class
+    WIRE = "wire"  # JSON options of a StrategySpec
+
+
+@dataclass(frozen=True)
+class Say:
+    """Words a refusal for ``owner`` in ``dialect``."""
+
+    owner: str
+    dialect: Dialect
+
+    def no(self, sdk: str, wire: str | None = None) -> ValueError:
+        text = sdk if self.dialect is Dialect.SDK or wire is None else wire
+        return ValueError(f"{self.owner}: {text}")
+
+    # -- the checks every strategy shares ------------------------------------------------------
+
+    def selector(self, key: str, value: object) -> str | None:
+        """A worker id or tag: a non-empty string, or unset."""
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise self.no(
+                f"{key} must be a non-empty string or None, not {value!r}",
+                f"{key} must be a non-empty string, not {value!r}",
+            )
+        return value
+
+    def device(self, key: str, value: object) -> str | None:
+        """A device a job may ask for (:data:`DEVICES`), or unset."""
+        if value is not None and not is_device(value):
+            forms = "'cpu', 'cuda' (any CUDA device), 'cuda:N' or 'mps'"
+            raise self.no(
+                f"{key} must be None (any device), {forms}, not {value!r}",
+                f"{key} must be one of {forms}, not {value!r}",
+            )
+        return value if isinstance(value, str) else None
+
+    def positive_int(self, key: str, value: object) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise self.no(f"{key} must be a positive integer, not {value!r}")
+        return value
+
+    def real(self, key: str, value: object, wire: str | None = None) -> float:
+        """``value`` as a float, if it is a finite real number (not a bool)."""
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise self.no(f"{key} must be a finite number, not {value!r}", wire)
+        return float(value)
+
+
+def _say(cls: type[StrategyOptions], info: ValidationInfo) -> Say:
+    dialect = Dialect((info.context or {}).get("dialect", Dialect.WIRE))
+    return Say(cls.sdk_name if dialect is Dialect.SDK else cls.wire_name, dialect)
+
+
+def _fields(data: Any) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"options must be an object, not {data!r}")
+    return dict(data)
+
+
+class StrategyOptions(BaseModel):
+    """Options of one strategy: the schema, the rules (``_check``) and the wire form."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: The strategy's name on the wire, and its SDK class's name.
+    wire_name: ClassVar[str]
+    sdk_name: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _validate(cls, data: Any, info: ValidationInfo) -> dict[str, Any]:
+        return cls._check(_fields(data), _say(cls, info))
+
+    @classmethod
+    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
+        """``fields`` checked, in the order a person would fix them; the first fault raised."""
+        return fields
+
+    def to_wire(self) -> dict[str, Any]:
+        """The options as a client sends them (JSON values; unset options left out)."""
+        return self.model_dump(exclude_none=True)
+
+
+T = TypeVar("T", bound=StrategyOptions)
+
+
+def parse(cls: type[T], data: Mapping[str, Any], dialect: Dialect) -> T:
+    """``data`` as ``cls``, or the one :class:`ValueError` saying what is wrong.
+
+    On the wire an option the strategy does not take is refused, naming what it takes.
+    """
+    if dialect is Dialect.WIRE and isinstance(data, Mapping):
+        allowed = set(cls.model_fields)
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(
+                f"strategy {cls.wire_name!r} takes no option {unknown}; it takes {sorted(allowed)}"
+            )
+    try:
+        return cls.model_validate(data, context={"dialect": dialect})
+    except ValidationError as exc:
+        raise ValueError(message_of(exc)) from None
+
+
+def message_of(exc: ValidationError) -> str:
+    """The message of the first check that refused (not pydantic's report around it)."""
+    first = exc.errors()[0]
+    error = (first.get("ctx") or {}).get("error")
+    return str(error) if error is not None else str(exc)
+
+
+DEFAULT_KEEP_CHECKPOINTS = 2
+"""Checkpoints kept per job unless its strategy is told otherwise."""
+
+
+class CheckpointOptions(StrategyOptions):
+    """What a strategy that saves checkpoints of its runs takes: ``checkpoint_every`` steps (or
+    rounds; ``None``: at the end of every epoch or after 60 s of training, whichever comes
+    first; ``0``: never) and ``keep_checkpoints``, how many are kept (at least 1)."""
+
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+
+    @classmethod
+    def _check_checkpoints(cls, fields: dict[str, Any], say: Say) -> None:
+        every = fields.get("checkpoint_every")
+        if every is not None and (
+            not isinstance(every, int) or isinstance(every, bool) or every < 0
+        ):
+            raise say.no(
+                f"checkpoint_every must be None or an integer >= 0 (0: never), not {every!r}",
+                f"checkpoint_every must be an integer >= 0 (0: never), not {every!r}",
+            )
+        say.positive_int(
+            "keep_checkpoints", fields.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS)
+        )
+
+    def _checkpoints_wire(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.checkpoint_every is not None:
+            options["checkpoint_every"] = self.checkpoint_every
+        if self.keep_checkpoints != DEFAULT_KEEP_CHECKPOINTS:
+            options["keep_checkpoints"] = self.keep_checkpoints
+        return options

@@ -1,0 +1,114 @@
+"""No progress lost: a job running when its coordinator is SIGKILLed is queued again by the next
+coordinator on the same state directory, resumes from its last checkpoint, and ends as an
+undisturbed run would; a job that ends keeps its checkpoints only when it did not succeed."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import somatize as sz
+from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
+from tests.coordinator.test_fedavg import HandAdam, assert_model, reference_rounds, shards
+from tests.coordinator.test_fedavg import graph as fedavg_graph
+from tests.integration.cluster import cluster, wait_for
+from tests.integration.test_fedavg_live import Pause
+from tests.utils import UNIT
+
+pytestmark = pytest.mark.integration
+
+
+class Paced(torch.nn.Sequential):
+    """The tests' MLP (same parameters, same maths), a little slow: the coordinator can be
+    killed while it trains."""
+
+    def forward(self, x):
+        time.sleep(0.06)
+        return super().forward(x)
+
+
+def paced() -> torch.nn.Module:
+    torch.manual_seed(0)  # as tests.coordinator.test_data_parallel.model
+    return Paced(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _checkpointed_at(job: sz.Job, at: int, key: str = "step") -> sz.JobEventInfo:
+    """Follow the job until it has saved a checkpoint at step (``key``: or round) ``at`` or
+    later."""
+    for event in job.events(timeout=120 * UNIT):
+        if event.event == "checkpoint" and event.data[key] >= at:
+            return event
+        assert event.event not in ("succeeded", "failed", "cancelled"), event
+    raise AssertionError("the job's events ended before its checkpoint")
+
+
+@pytest.mark.parametrize("collective", ["torch", "coordinator"])
+def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(
+    tmp_path, collective
+):
+    x, y = dataset()
+    graph = graph_for("sgd", shuffle=True, module=paced())
+    strategy = sz.DataParallel(2, collective=collective, checkpoint_every=5)
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
+        with sz.connect(c.url) as client:
+            job = client.submit(graph, x, y, strategy=strategy)
+            saved = _checkpointed_at(job, 10)
+            assert saved.data["bytes"] > 0 and saved.data["seq"] >= 2
+        assert c.stop_coordinator(signal.SIGKILL) != 0  # mid-training, nothing cleaned up
+        c.start_coordinator()
+        with sz.connect(c.url) as client:
+            fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
+            events = list(client.job(job.id).events())
+        expected = reference_training(x, y, "sgd", shuffle=True)
+        for key, value in expected.items():
+            torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)
+        kinds = [e.event for e in events]
+        resumed = next(e for e in events if e.event == "resumed")
+        assert resumed.data["step"] >= 10  # not from the start: from its checkpoint
+        assert kinds.count("queued") == 2 and kinds[-1] == "succeeded"
+        steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
+        assert steps[-1] == 21
+        assert not (c.state_dir / "checkpoints" / job.id).exists()  # it succeeded: result kept
+
+
+def test_a_job_that_fails_or_is_cancelled_ends_in_its_event_stream_and_keeps_its_checkpoints(
+    tmp_path,
+):
+    x, y = dataset()
+    graph = graph_for("sgd", module=paced())
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=sz.DataParallel(2, checkpoint_every=3))
+        _checkpointed_at(job, 3)
+        job.cancel()
+        wait_for(lambda: job.status()["state"] == "cancelled", 30 * UNIT, "the cancel")
+        assert list(job.events())[-1].event == "cancelled"
+        assert list((c.state_dir / "checkpoints" / job.id).glob("*.ckpt"))
+
+
+def test_a_fedavg_job_with_a_server_optimizer_outlives_a_sigkilled_coordinator(tmp_path):
+    """FedAdam's moments and the round are in the checkpoint: the resumed job ends where
+    Reddi et al.'s Algorithm 2, computed by hand over the same rounds, ends."""
+    data = shards(sizes=(40, 40))  # what FedAvg's contiguous shards of these rows are
+    x, y = np.vstack([d[0] for d in data]), np.vstack([d[1] for d in data])
+    options = {"lr": 0.05, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}
+    strategy = sz.FedAvg(6, workers=2, min_workers=2, server=sz.FedAdam(**options))
+    fed_graph = fedavg_graph(Pause().named("pause"))
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
+        with sz.connect(c.url) as client:
+            job = client.submit(fed_graph, x, y, strategy=strategy)
+            _checkpointed_at(job, 2, key="round")
+        assert c.stop_coordinator(signal.SIGKILL) != 0
+        c.start_coordinator()
+        with sz.connect(c.url) as client:
+            fitted = client.job(job.id, fed_graph).result(timeout=120 * UNIT)
+            events = list(client.job(job.id).events())
+    resumed = next(e for e in events if e.event == "resumed")
+    assert 2 <= resumed.data["round"] < 6
+    rounds = [e.data["round"] for e in events if e.event == "progress" and "round" in e.data]
+    assert rounds[-1] == 6
+    expected = reference_rounds(data, 6, epochs=1, server=HandAdam(**options))
+    assert_model(fitted.states, expected[-1][0])
