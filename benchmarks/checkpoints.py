@@ -27,13 +27,14 @@ round's order rotated by one), the machine let go quiet before each job
 
 **One checkpoint**, from its ``checkpoint`` event: its ``bytes``, the ``seconds`` the
 coordinator took to write it (a thread: encode, SHA-256, write, ``fsync``, rename), and the
-*stall*: from the progress event of its step to its own event. Training stands still that long
-(the next chunk of steps is sent after it) while the coordinator reads replica 0's states and
-optimizer states (a snapshot over its WebSocket) and writes them: stall - write is the
-snapshot's share. The stalls inside the measured span per measured step, over the anchor's
-step, are the overhead the events account for; a stall over 60 s is what the default costs
-where epochs are long (its timer decides then). For context, the model's state and optimizer
-bytes (``state_dict`` tensors; the SGD's state after one step, on a copy).
+*stall*: training stands still while the coordinator reads replica 0's states and optimizer
+states (a snapshot over its WebSocket); the write then runs in the background while the next
+steps train (:mod:`coordinator.job_checkpoints`), so the stall is the time from the progress
+event of its step to its own event less the write. The stalls inside the measured span per
+measured step, over the anchor's step, are the overhead the events account for; a stall over
+60 s is what the default costs where epochs are long (its timer decides then). For context,
+the model's state and optimizer bytes (``state_dict`` tensors; the SGD's state after one step,
+on a copy).
 
 Every process is stopped at the end; on a failure the logs' tails are printed. A round took
 45 s on 2 cores; the last line says how long the run took and how busy other processes kept
@@ -122,13 +123,15 @@ def measured_span(marks: Sequence[tuple[int, float]], warmup: int = WARMUP) -> t
 def stalls(
     marks: Sequence[tuple[int, float]], saved: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Each ``checkpoint`` event's data with ``stall_s``: its time minus that of the progress
-    mark of its step (``time`` in each), and ``snapshot_s``: the stall less the write."""
+    """Each ``checkpoint`` event's data with ``to_event_s``: its time minus that of the progress
+    mark of its step (``time`` in each), and ``snapshot_s`` = ``stall_s``: that less the write
+    (which runs in the background)."""
     at = dict(marks)
     out = []
     for c in saved:
-        stall = c["time"] - at[c["step"]] if c["step"] in at else math.nan
-        out.append(c | {"stall_s": stall, "snapshot_s": stall - c["seconds"]})
+        to_event = c["time"] - at[c["step"]] if c["step"] in at else math.nan
+        snapshot = to_event - c["seconds"]
+        out.append(c | {"to_event_s": to_event, "stall_s": snapshot, "snapshot_s": snapshot})
     return out
 
 
@@ -309,7 +312,7 @@ def rows(results: dict[str, Any]) -> list[Row]:
         ),
         Row(
             bench,
-            "one checkpoint: training stalled (snapshot of replica 0 + write)",
+            "one checkpoint: training stalled (the snapshot of replica 0)",
             ck["stall_s"] * 1e3,
             "ms",
             off,
@@ -354,8 +357,8 @@ def report(results: dict[str, Any]) -> None:
         ck = results["checkpoints"][variant]
         print(
             f"  {variant}: {ck['per_job']:g} checkpoints a job ({ck['in_span']:g} in the span), "
-            f"one {ck['bytes'] / 1e6:.1f} MB; stall {ck['stall_s'] * 1e3:.0f} ms = snapshot "
-            f"{ck['snapshot_s'] * 1e3:.0f} + write {ck['seconds'] * 1e3:.0f} ms; stalls per step "
+            f"one {ck['bytes'] / 1e6:.1f} MB; stall (the snapshot) {ck['stall_s'] * 1e3:.0f} ms, "
+            f"then the write {ck['seconds'] * 1e3:.0f} ms in the background; stalls per step "
             f"{ck['stall_per_step_s'] * 1e3:.1f} ms = {ck['stall_per_step_s'] / off:.1%} of a step"
         )
     ck = results["checkpoints"]["default"]
