@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import ssl
 import time
 from collections.abc import AsyncGenerator
@@ -67,6 +68,9 @@ __all__ = [
     "failure_of",
 ]
 
+TOKEN_ENV = "SOMATIZE_TOKEN"
+"""Where :func:`connect` finds the client token when it is not given one (as the CLI does)."""
+
 _MIN_UPLOAD_RATE = 1e6
 """Bytes per second a submission is expected to upload at, at least: its reply timeout grows
 by its size divided by this."""
@@ -80,7 +84,8 @@ def connect(
     Args:
         url: ``ws://HOST:PORT`` or ``wss://HOST:PORT`` (``/client`` is appended when the URL has
             no path; a bare ``HOST:PORT`` means ``ws://``).
-        token: the client token, sent as ``Authorization: Bearer <token>``.
+        token: the client token, sent as ``Authorization: Bearer <token>`` (default:
+            ``$SOMATIZE_TOKEN``, if it is set and not empty).
         timeout: seconds to wait for the connection, and for each request's reply.
         ca_file: for ``wss://``, the certificate(s) to trust (default: the system's).
 
@@ -91,6 +96,8 @@ def connect(
         ConnectionFailed: the coordinator cannot be reached or refused the handshake.
         ValueError: a malformed URL, token or timeout.
     """
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
     return Client(url, token, timeout=timeout, ca_file=ca_file)
 
 

@@ -143,7 +143,7 @@ async def dial(
         )
     except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
         raise ConnectionFailed(
-            f"cannot reach the coordinator at {url}: {_describe(exc, timeout)}"
+            f"cannot reach the coordinator at {url}: {_describe(exc, timeout, bool(token))}"
         ) from exc
 
 
@@ -187,15 +187,23 @@ async def handshake(channel: Channel, url: str, timeout: float) -> Welcome:  # n
         raise
 
 
-def _describe(exc: BaseException, timeout: float) -> str:
+def _describe(exc: BaseException, timeout: float, sent_token: bool) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (is the coordinator running?)"
     if isinstance(exc, TimeoutError):
         return f"no answer within {timeout:g} s"
     if isinstance(exc, websockets.exceptions.InvalidStatus):
         status = exc.response.status_code
+        if status in (401, 403) and not sent_token:
+            return (
+                f"HTTP {status}: the coordinator wants a client token and none was given "
+                "(connect(url, token=...), or set SOMATIZE_TOKEN)"
+            )
         if status in (401, 403):
-            return f"HTTP {status}: the coordinator refused the token"
+            return (
+                f"HTTP {status}: the coordinator refused the token (is it the client token? "
+                "the workers' token is not one)"
+            )
         if status == 503:  # too many connections waiting for their hello: a retry may pass
             said = (exc.response.body or b"").decode(errors="replace").strip()[:200]
             return f"HTTP 503: the coordinator is busy: {said}"

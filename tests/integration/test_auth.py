@@ -50,7 +50,9 @@ def _stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(tmp_path):
+def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
+    tmp_path, monkeypatch
+):
     port = free_port()
     url = f"ws://127.0.0.1:{port}"
     coordinator = _start(
@@ -68,10 +70,16 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
     procs = [coordinator]
     try:
         wait_for(lambda: healthy(port), 30 * UNIT, "/healthz (open without a token)")
-        for token in (None, "wrong", WORKER):  # no token, a wrong one, the workers' one
-            with pytest.raises(sz.ConnectionFailed, match=r"401|token"):
+        monkeypatch.delenv("SOMATIZE_TOKEN", raising=False)
+        with pytest.raises(sz.ConnectionFailed, match=r"401: .* wants a client token and none"):
+            sz.connect(url, timeout=10 * UNIT)
+        for token in ("wrong", WORKER):  # a wrong one, the workers' one
+            with pytest.raises(sz.ConnectionFailed, match=r"401: the coordinator refused the"):
                 sz.connect(url, token=token, timeout=10 * UNIT)
         with sz.connect(url, token=CLIENT, timeout=10 * UNIT) as client:
+            assert client.status()["workers"] == []
+        monkeypatch.setenv("SOMATIZE_TOKEN", CLIENT)  # what the SDK reads, as the CLI does
+        with sz.connect(url, timeout=10 * UNIT) as client:
             assert client.status()["workers"] == []
         # Two Authorization headers, the right token in one: refused, not a server error.
         twice = Headers([("Authorization", f"Bearer {CLIENT}"), ("Authorization", "Bearer x")])
