@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.job_paths import job_path, write_atomically
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.strategy_options import DEFAULT_KEEP_CHECKPOINTS
@@ -80,9 +81,7 @@ class CheckpointStore:
         os.chmod(directory, 0o700)
 
     def _job_dir(self, job_id: str) -> Path:
-        if not job_id or "/" in job_id or job_id in (".", ".."):
-            raise ValueError(f"not a job id: {job_id!r}")
-        return self.directory / job_id
+        return job_path(self.directory, job_id)
 
     def save(
         self, job_id: str, position: dict[str, Any], payload: dict[str, Any], keep: int
@@ -95,28 +94,14 @@ class CheckpointStore:
         folder = self._job_dir(job_id)
         folder.mkdir(mode=0o700, exist_ok=True)
         seq = max(self._seqs(folder), default=0) + 1
-        path = folder / f"{seq:08d}{SUFFIX}"
-        partial = path.with_suffix(".partial")
+        parts = encode({"position": position, "payload": payload})
         digest = hashlib.sha256()
-        nbytes = 0
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                for part in encode({"position": position, "payload": payload}):
-                    file.write(part)
-                    digest.update(part)
-                    nbytes += len(part)
-                file.write(digest.digest())
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, path)
-            _sync_dir(folder)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        for part in parts:
+            digest.update(part)
+        nbytes = write_atomically(folder / f"{seq:08d}{SUFFIX}", [*parts, digest.digest()])
         for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
             (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
-        return Checkpoint(seq, position, payload, nbytes + DIGEST_BYTES)
+        return Checkpoint(seq, position, payload, nbytes)
 
     def latest(self, job_id: str) -> Checkpoint | None:
         """The job's newest checkpoint that reads back whole (a damaged one is skipped, and
@@ -172,14 +157,6 @@ def _read(path: Path, seq: int) -> Checkpoint:
     if not isinstance(data, dict) or not {"position", "payload"} <= set(data):
         raise ValueError("it does not hold a position and a payload")
     return Checkpoint(seq, dict(data["position"]), dict(data["payload"]), len(raw))
-
-
-def _sync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

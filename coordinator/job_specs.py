@@ -15,6 +15,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from coordinator.job_paths import job_path, write_atomically
 from protocol.codec import decode, encode
 from protocol.messages import Submit
 
@@ -36,27 +37,12 @@ class JobSpecs:
         os.chmod(directory, 0o700)
 
     def _path(self, job_id: str) -> Path:
-        if not job_id or "/" in job_id or job_id in (".", ".."):
-            raise ValueError(f"not a job id: {job_id!r}")
-        return self.directory / f"{job_id}{SUFFIX}"
+        return job_path(self.directory, job_id, SUFFIX)
 
     def save(self, job_id: str, msg: Submit, owner: str) -> int:
         """Write the job's submit message and owner (atomically, synced); the bytes written."""
-        path = self._path(job_id)
-        partial = path.with_suffix(".partial")
         parts = encode({"owner": owner, "submit": msg.model_dump()})
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                for part in parts:
-                    file.write(part)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, path)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-        return path.stat().st_size
+        return write_atomically(self._path(job_id), parts)
 
     def load(self, job_id: str) -> tuple[Submit, str]:
         """The job's submit message and owner, as :meth:`save` wrote them.

@@ -255,9 +255,11 @@ class JobManager:
     async def requeue(self, record: JobRecord) -> None:
         """Queue again a job a previous coordinator left live (the store made it ``queued``),
         from what it was submitted with; one that cannot be read back fails, saying why."""
+        files = self.files
+        if files is None:
+            raise RuntimeError("requeue needs the job files the store resumed jobs from")
         try:
-            assert self.files is not None
-            msg, owner = await asyncio.to_thread(self.files.load, record.id)
+            msg, owner = await asyncio.to_thread(files.load, record.id)
             strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
         except Exception as exc:
             log.warning("job %s cannot be resumed: %s", record.id, exc)

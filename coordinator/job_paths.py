@@ -1,0 +1,49 @@
+"""Files a coordinator keeps per job in its state directory: where they go, and how they are
+written so that a crash never leaves a torn one in their place."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["job_path", "write_atomically"]
+
+
+def job_path(directory: Path, job_id: str, suffix: str = "") -> Path:
+    """``directory/<job_id><suffix>``, for a ``job_id`` that names no other directory.
+
+    Raises:
+        ValueError: ``job_id`` is empty, ``.``, ``..`` or holds a ``/``.
+    """
+    if not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"not a job id: {job_id!r}")
+    return directory / f"{job_id}{suffix}"
+
+
+def write_atomically(path: Path, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """Write ``parts`` to ``path`` (``0600``) whole or not at all: into ``<path>.partial``,
+    synced, renamed over ``path``, the directory synced. Returns the bytes written.
+
+    Raises:
+        OSError: it could not be written; ``path`` is as it was, no ``.partial`` is left.
+    """
+    partial = path.with_suffix(".partial")
+    nbytes = 0
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            for part in parts:
+                nbytes += file.write(part)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return nbytes
