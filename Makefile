@@ -33,8 +33,12 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# Two test processes, each taking whole files (a module's shared cluster stays one): most of a
+# test's time is its processes starting and waiting on one another, so two of them fill two cores.
+TEST_PROCESSES ?= 2
+
 test: lint typecheck browser
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile
 
 bench: setup
 	$(BIN)/python -m benchmarks

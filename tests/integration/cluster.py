@@ -15,19 +15,23 @@ __all__ = ["Cluster", "cluster", "healthy", "wait_for"]
 
 
 class Cluster(LocalCluster):
-    """A :class:`LocalCluster` whose waits scale with ``SOMATIZE_TEST_TIMEOUT_SCALE``."""
+    """A :class:`LocalCluster` whose waits scale with ``SOMATIZE_TEST_TIMEOUT_SCALE``, and whose
+    workers keep no spare daemon unless asked (``spare_daemons=True``): a spare's start is a
+    torch import and a warm-up, about 3 s of CPU, and most tests run one job and stop."""
 
     def __init__(
         self,
         state_dir: Path,
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 3.0,
+        spare_daemons: bool = False,
         **options: Any,
     ):
         super().__init__(
             state_dir,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
+            spare_daemons=spare_daemons,
             startup=60 * UNIT,
             **options,
         )

@@ -77,7 +77,7 @@ def _mlp_graph() -> sz.Graph:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A coordinator and workers ``w1``, ``w2`` (tag ``cpu``, ``--device cpu`` whatever the
     machine has), for the whole module."""
-    c = Cluster(tmp_path_factory.mktemp("client") / "state")
+    c = Cluster(tmp_path_factory.mktemp("client") / "state", spare_daemons=True)
     try:
         c.start_coordinator()
         c.start_worker("w1", "cpu", device="cpu")

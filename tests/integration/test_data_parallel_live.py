@@ -106,7 +106,7 @@ def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path, collect
         wait_for(
             lambda: (job.status()["progress"] or {}).get("step", 0) >= 2, 60 * UNIT, "training"
         )
-        assert len(daemons_of(c.workers["w1"])) == 2  # the job's daemon and the next spare
+        assert len(daemons_of(c.workers["w1"])) == 1  # the job's daemon (no spares here)
         killed_at = time.monotonic()
         c.send_signal(c.workers["w2"], signal.SIGKILL)
         with pytest.raises(sz.JobFailed) as failure:
@@ -115,9 +115,9 @@ def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path, collect
         assert failure.value.code == "worker_lost"
         assert "'w2'" in failure.value.message
         # The other replica is stopped and freed (its job daemon closed), not left computing
-        # or waiting in a collective for a dead job: w1 keeps at most its spare daemon.
+        # or waiting in a collective for a dead job: w1 keeps no daemon.
         wait_for(lambda: c.worker_state("w1") == "idle", 15 * UNIT, "w1 to be freed")
-        wait_for(lambda: len(daemons_of(c.workers["w1"])) <= 1, 15 * UNIT, "w1's job daemon")
+        wait_for(lambda: not daemons_of(c.workers["w1"]), 15 * UNIT, "w1's job daemon")
     assert failed_after < 3.0 * UNIT  # within the cluster's heartbeat timeout (3 s)
 
 
