@@ -7,8 +7,13 @@ closed and its workers freed in one ``finally``. A running job that lost a worke
 (elastic DataParallel) *recruits* a replacement: the next idle worker that matches its placement
 is reserved for it before any queued job is placed, and is freed with the job's others.
 
+A run that a fault of the cluster ended (a worker lost, a daemon crashed:
+:mod:`coordinator.restarts`) goes back to the head of the queue when its strategy allows
+``max_restarts``, and resumes from its last checkpoint on the workers that take it.
+
 Every change of a job is an event in the store (``queued``, ``placed``, ``progress``,
-``succeeded``, ``failed``, ``cancelled``) and is pushed to the clients watching it. A job is
+``restarting``, ``succeeded``, ``failed``, ``cancelled``) and is pushed to the clients watching
+it (:mod:`coordinator.job_events`). A job is
 ``succeeded`` only once its strategy returned the states read back from the workers and they are
 stored with the state change, in one transaction.
 
@@ -25,9 +30,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
-import sqlite3
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,17 +41,20 @@ from coordinator.context import (
     StrategyContext,
     WorkerCallError,
 )
+from coordinator.job_events import JobEvents
 from coordinator.job_files import JobFiles
 from coordinator.placed import ContextFactory, PlacedJob, transport_context
 from coordinator.registry import Registry, WorkerRecord, WorkerState
+from coordinator.restarts import gave_up, restarting, restarts_for
 from coordinator.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
-from coordinator.store import JobEvent, JobRecord, JobState, JobStore, StoreError, UnknownJob
+from coordinator.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
 from coordinator.store_retry import stored
 from coordinator.strategies import (
     JobInputs,
     Placement,
     Strategy,
     StrategyFailed,
+    strategy_from_spec,
 )
 from coordinator.submission import (
     check_targets,
@@ -60,11 +66,9 @@ from coordinator.submission import (
 )
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
-from protocol.messages import Submit
+from protocol.messages import StrategySpec, Submit
 
 log = logging.getLogger(__name__)
-
-TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
 
 
 def record_dict(record: JobRecord) -> dict[str, Any]:
@@ -85,6 +89,10 @@ class _Job:
     workers: list[WorkerRecord] = field(default_factory=list)
     stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
     parked: bool = False  # its filters and data wait on disk (coordinator.spill)
+    spec: StrategySpec | None = None  # what the strategy was made from: remade for a restart
+    restarts: int = 0  # times it went back to its last checkpoint after a fault
+    restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
+    restart_expiry: asyncio.Task[None] | None = None  # fails it if no workers take it in time
 
 
 @dataclass
@@ -138,8 +146,7 @@ class JobManager:
         self._jobs: dict[str, _Job] = {}
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
-        self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
-        self._last_seq: dict[str, int] = {}  # of each live job's last event, for _emit
+        self.events = JobEvents(store)
         self._wake = asyncio.Event()
         self.accepting = True
 
@@ -179,6 +186,9 @@ class JobManager:
                 continue
             self._reserve(job, [idle[i] for i in picks])
             self._queue.remove(job_id)
+            if job.restart_expiry is not None:
+                job.restart_expiry.cancel()
+                job.restart_expiry = None
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
 
     def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
@@ -249,7 +259,8 @@ class JobManager:
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)
-        await self._enqueue(_Job(record.id, strategy, inputs, owner), placement.describe(), {})
+        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        await self._enqueue(job, placement.describe(), {})
         return record.id
 
     async def requeue(self, record: JobRecord) -> None:
@@ -270,7 +281,8 @@ class JobManager:
             await self._record_end(record.id, info)
             return
         after = {"requeued": "the coordinator restarted"}
-        await self._enqueue(_Job(record.id, strategy, inputs, owner), placement.describe(), after)
+        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        await self._enqueue(job, placement.describe(), after)
 
     async def _enqueue(self, job: _Job, placement: str, data: dict[str, Any]) -> None:
         await self._park_if_waiting(job)
@@ -293,38 +305,9 @@ class JobManager:
             return
         job.parked = True
 
-    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
+    def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, live until its terminal event."""
-        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
-        live = job_id in self._jobs
-        if live:  # subscribe before reading the history, so nothing falls in between
-            self._watchers.setdefault(job_id, set()).add(queue)
-        try:
-            try:
-                history = await asyncio.to_thread(self.store.events, job_id, after_seq)
-            except UnknownJob as exc:
-                raise RequestRefused.of(
-                    ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
-                ) from exc
-            last = after_seq
-            for event in history:
-                yield event
-                last = event.seq
-                if event.kind in TERMINAL_EVENTS:
-                    return
-            if not live:
-                return  # it ended before (or the coordinator restarted): the history is all
-            while True:
-                event = await queue.get()
-                if event.seq <= last:
-                    continue
-                yield event
-                last = event.seq
-                if event.kind in TERMINAL_EVENTS:
-                    return
-        finally:
-            if live:
-                self._watchers.get(job_id, set()).discard(queue)
+        return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
 
     async def result(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
         """The states of a succeeded job, waiting up to ``wait`` seconds for it to end."""
@@ -410,6 +393,9 @@ class JobManager:
 
     async def _stop(self, job: _Job, info: ErrorInfo) -> None:
         if job.task is None:  # still queued
+            expiry = job.restart_expiry
+            if expiry is not None and expiry is not asyncio.current_task():
+                expiry.cancel()
             self._queue.remove(job.id)
             self._jobs.pop(job.id, None)
             if job.parked and self.spill is not None:
@@ -436,9 +422,53 @@ class JobManager:
                     worker.job_id = None
                     if worker.state is WorkerState.BUSY:
                         worker.state = WorkerState.IDLE
+            if job.restart_for is None:
+                self._jobs.pop(job.id, None)
+                job.done.set()
+                self.kick()
+        if job.restart_for is not None:  # the kick comes once it is queued: it goes first
+            await self._restart(job, job.restart_for)
+
+    async def _restart(self, job: _Job, info: ErrorInfo) -> None:
+        """Queue again a job whose run the fault ``info`` ended (its workers are free now), or
+        end it if that cannot be stored or it is stopped meanwhile."""
+        try:
+            failure = await stored(job.id, self.store.requeue, job.id)
+            if failure is None:
+                await self._emit(job.id, "restarting", restarting(info, job.strategy, job.restarts))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            failure = "stopped while restarting"
+            info = job.stop_reason or info
+        if failure is not None:
+            await self._end(job, info)
             self._jobs.pop(job.id, None)
-            job.done.set()
-            self.kick()
+            return
+        self._queue_restart(job, info)
+        self.kick()
+
+    def _queue_restart(self, job: _Job, info: ErrorInfo) -> None:
+        """Put the job back at the head of the queue, its strategy made again (nothing of the
+        failed run is carried over but its checkpoints); it fails with ``info`` if no workers
+        take it within its ``restart_timeout``."""
+        job.restart_for = None
+        job.task = None
+        job.workers = []
+        if job.spec is not None:
+            job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
+        job.inputs = dataclasses.replace(job.inputs, checkpoints=None)
+        self._queue.insert(0, job.id)
+        job.restart_expiry = asyncio.create_task(
+            self._expire_restart(job, info), name=f"job {job.id} restart timeout"
+        )
+
+    async def _expire_restart(self, job: _Job, info: ErrorInfo) -> None:
+        await asyncio.sleep(job.strategy.restart_timeout)
+        if job.task is None and job.id in self._queue:
+            job.restart_expiry = None
+            await self._stop(job, gave_up(info, job.strategy, job.restarts))
 
     async def _train(self, job: _Job, ctx: StrategyContext) -> None:
         """Run the job's strategy on ``ctx`` and record how it ended, whatever way it ends."""
@@ -475,10 +505,10 @@ class JobManager:
             await self._end(job, job.stop_reason or _internal("the job's task was cancelled"))
         except WorkerCallError as exc:
             log.info("job %s failed: %s", job.id, exc)
-            await self._end(job, exc.to_info())
+            await self._end_or_restart(job, exc.to_info())
         except StrategyFailed as exc:
             log.info("job %s failed: %s", job.id, exc)
-            await self._end(job, exc.info)
+            await self._end_or_restart(job, exc.info)
         except Exception as exc:
             log.exception("job %s failed on the coordinator", job.id)
             await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
@@ -493,6 +523,18 @@ class JobManager:
             why = f"the job's inputs, parked on disk while it was queued, cannot be read: {exc}"
             raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
         job.parked = False
+
+    async def _end_or_restart(self, job: _Job, info: ErrorInfo) -> None:
+        """A fault ended the job's run: it fails, or (``max_restarts``) it is queued again to
+        resume from its last checkpoint once its workers are freed (:meth:`_run`)."""
+        if not self.accepting or not restarts_for(info, job.strategy, job.restarts):
+            await self._end(job, info)
+            return
+        if job.inputs.checkpoints is not None:
+            await job.inputs.checkpoints.flush()  # a write under way ends first
+        job.restarts += 1
+        job.restart_for = info  # queued again once its run's workers are freed: _run
+        log.info("job %s restarts (%d of %d)", job.id, job.restarts, job.strategy.max_restarts)
 
     async def _end(self, job: _Job, info: ErrorInfo) -> None:
         """Record a job's unsuccessful end (failed, or cancelled by the client)."""
@@ -518,26 +560,7 @@ class JobManager:
             await asyncio.to_thread(self.files.ended, job_id, succeeded)
 
     async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
-        """Store a job's event and hand it to its watchers. A terminal event the store cannot
-        take still reaches them (numbered after the last one they got): a client learns how its
-        job ended even with the disk full."""
-        if event == "progress":
-            await asyncio.to_thread(self.store.progress, job_id, data)
-        try:
-            recorded = await asyncio.to_thread(self.store.add_event, job_id, event, data)
-        except (sqlite3.Error, StoreError):
-            if event not in TERMINAL_EVENTS:
-                raise
-            log.error(
-                "job %s: its %s event could not be stored; told to its watchers", job_id, event
-            )
-            seq = self._last_seq.get(job_id, 0) + 1
-            recorded = JobEvent(job_id, seq, time.time(), event, data)
-        self._last_seq[job_id] = recorded.seq
-        if event in TERMINAL_EVENTS:
-            self._last_seq.pop(job_id, None)
-        for queue in self._watchers.get(job_id, ()):
-            queue.put_nowait(recorded)
+        await self.events.emit(job_id, event, data)
 
     async def _record(self, job_id: str) -> JobRecord:
         try:

@@ -101,7 +101,7 @@ _TRANSITIONS: dict[str, tuple[frozenset[JobState], JobState]] = {
     "succeed": (frozenset({JobState.RUNNING}), JobState.SUCCEEDED),
     "fail": (_LIVE_STATES, JobState.FAILED),
     "cancel": (_LIVE_STATES, JobState.CANCELLED),
-    "requeue": (_LIVE_STATES, JobState.QUEUED),  # a restarted coordinator resumes it
+    "requeue": (_LIVE_STATES, JobState.QUEUED),  # resumed by a restarted coordinator or job
 }
 
 
@@ -385,6 +385,11 @@ class JobStore:
             return self._transition(
                 conn, job_id, "start", started=self._clock(), workers=workers_json
             )
+
+    def requeue(self, job_id: str) -> JobRecord:
+        """Running → queued again: a job restarting from its last checkpoint after a fault."""
+        with self._write() as conn:
+            return self._transition(conn, job_id, "requeue")
 
     def progress(self, job_id: str, progress: dict[str, Any]) -> None:
         """Replace the job's progress (round, step, loss, ...).

@@ -202,7 +202,7 @@ class FedAvgOptions(CheckpointOptions):
         return fields
 
     def to_wire(self) -> dict[str, Any]:
-        unset = {"checkpoint_every", "keep_checkpoints"}  # they travel only when set
+        unset = {"checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout"}
         return self.model_dump(exclude_none=True, exclude=unset) | self._checkpoints_wire()
 
     def server_optimizer(self) -> ServerOptions:

@@ -37,6 +37,7 @@ from protocol.federated_options import (
 )
 from protocol.options_base import (
     DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_RESTART_TIMEOUT,
     CheckpointOptions,
     Dialect,
     Say,
@@ -48,6 +49,7 @@ from protocol.wording import listed
 
 __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
+    "DEFAULT_RESTART_TIMEOUT",
     "DEVICES",
     "SCHEDULES",
     "SERVER_OPTIMIZERS",

@@ -138,13 +138,21 @@ class DataParallel(Strategy):
             after 60 s of training, whichever comes first; ``0``: never. A coordinator that
             dies and comes back on the same ``--state-dir`` resumes the job from its last one.
         keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a replica's worker is lost, its daemon
+            crashes or the collective breaks, goes back to its last checkpoint and trains on
+            from there instead of failing (default 0; ``elastic`` recovers without going back,
+            on the step that failed). Each restart waits up to ``restart_timeout`` seconds for
+            workers; the job's events say ``restarting`` and then ``resumed``.
+        restart_timeout: seconds a restart waits for workers before the job fails with the
+            error that stopped it.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
             ``elastic`` not a bool, ``elastic_timeout`` or ``collective_timeout`` not a
             positive number, ``device`` not one of the device forms, ``collective`` not one
-            of the three, ``checkpoint_every`` not ``None`` or an integer >= 0, or
-            ``keep_checkpoints`` not a positive integer.
+            of the three, ``checkpoint_every`` not ``None`` or an integer >= 0,
+            ``keep_checkpoints`` not a positive integer, ``max_restarts`` not an integer >= 0
+            or ``restart_timeout`` not a positive number.
     """
 
     workers: int
@@ -156,6 +164,8 @@ class DataParallel(Strategy):
     collective_timeout: float = 60.0
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "data_parallel"
 
@@ -308,6 +318,10 @@ class FedAvg(Strategy):
             and the round) every this many rounds; ``None`` (default): every round; ``0``:
             never. A restarted coordinator resumes the job from its last one.
         keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a worker is lost or a daemon crashes
+            beyond what ``min_workers`` allows, goes back to its last checkpoint (round) and
+            goes on from there instead of failing (default 0).
+        restart_timeout: seconds each restart waits for workers (default 60).
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -324,6 +338,8 @@ class FedAvg(Strategy):
     device: str | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "fedavg"
 
@@ -343,7 +359,8 @@ class FedProx(Strategy):
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device,
-            checkpoint_every, keep_checkpoints: as :class:`FedAvg`.
+            checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
+            :class:`FedAvg`.
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -361,6 +378,8 @@ class FedProx(Strategy):
     device: str | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "fedprox"
 

@@ -132,6 +132,10 @@ class Strategy(ABC):
     of any other strategy queued again after a coordinator restart starts from the beginning."""
     checkpoint_every: int | None = None  # steps (rounds); None: every epoch or 60 s; 0: never
     keep_checkpoints: int = so.DEFAULT_KEEP_CHECKPOINTS
+    max_restarts: int = 0
+    """How many times a job that a lost worker, a crashed daemon or a broken collective would
+    fail is queued again instead, to resume from its last checkpoint (:mod:`coordinator.jobs`)."""
+    restart_timeout: float = so.DEFAULT_RESTART_TIMEOUT  # seconds a restart waits for workers
 
     @classmethod
     @abstractmethod

@@ -54,6 +54,7 @@ from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_ELASTIC_TIMEOUT,
     DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_RESTART_TIMEOUT,
     DataParallelOptions,
 )
 
@@ -82,6 +83,8 @@ class DataParallel(Strategy):
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        max_restarts: int = 0,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
     ) -> None:
         self.workers = workers
         self.tag = tag
@@ -92,6 +95,8 @@ class DataParallel(Strategy):
         self.collective_timeout = collective_timeout
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
+        self.max_restarts = max_restarts
+        self.restart_timeout = restart_timeout
         self._prepared: _SetUp | None = None
 
     @classmethod
@@ -107,6 +112,8 @@ class DataParallel(Strategy):
             checked.collective_timeout,
             checked.checkpoint_every,
             checked.keep_checkpoints,
+            checked.max_restarts,
+            checked.restart_timeout,
         )
 
     def placement(self) -> Placement:

@@ -74,7 +74,11 @@ from coordinator.strategies.federated import (
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
-from protocol.strategy_options import DEFAULT_KEEP_CHECKPOINTS, FedAvgOptions
+from protocol.strategy_options import (
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_RESTART_TIMEOUT,
+    FedAvgOptions,
+)
 
 STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
@@ -107,6 +111,8 @@ class FedAvg(Strategy):
         device: str | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        max_restarts: int = 0,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
     ) -> None:
         self.rounds = rounds
         self.local_epochs = local_epochs
@@ -121,6 +127,8 @@ class FedAvg(Strategy):
         self.device = device
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
+        self.max_restarts = max_restarts
+        self.restart_timeout = restart_timeout
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
 
     @classmethod
@@ -333,4 +341,6 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,
         "keep_checkpoints": options.keep_checkpoints,
+        "max_restarts": options.max_restarts,
+        "restart_timeout": options.restart_timeout,
     }

@@ -502,11 +502,13 @@ def test_a_clients_waits_end_with_its_connection(tmp_path):
                 )
                 (served,) = [c for c in coordinator._channels if c.name == "client leaver"]
                 await _eventually(lambda: served.inflight == 2)
-                assert coordinator.jobs._watchers[job_id]
+                assert coordinator.jobs.events._watchers[job_id]
             await reader
             waiting.cancel()
             # Both handlers ended with the connection.
-            await _eventually(lambda: not (served.inflight or coordinator.jobs._watchers[job_id]))
+            await _eventually(
+                lambda: not (served.inflight or coordinator.jobs.events._watchers[job_id])
+            )
         finally:
             await coordinator.stop(1.0)
 

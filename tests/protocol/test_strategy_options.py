@@ -258,6 +258,34 @@ def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sid
         strategy_from_spec(spec.name, options)
 
 
+@pytest.mark.parametrize(
+    ("make", "wire_name"),
+    [
+        (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
+        (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
+        (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
+    ],
+)
+def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
+    assert not {"max_restarts", "restart_timeout"} & set(make().options())  # 0: never
+    assert strategy_from_spec(wire_name, make().options()).max_restarts == 0
+    spec = make(max_restarts=3, restart_timeout=7.5).spec()
+    assert (spec.options["max_restarts"], spec.options["restart_timeout"]) == (3, 7.5)
+    parsed = strategy_from_spec(spec.name, spec.options)
+    assert (parsed.max_restarts, parsed.restart_timeout) == (3, 7.5)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"max_restarts must be an integer >= 0 \(0: never\)"):
+            make(max_restarts=bad)
+    with pytest.raises(ValueError, match=r"restart_timeout must be > 0, not 0"):
+        make(max_restarts=1, restart_timeout=0)
+    options = spec.options | {"restart_timeout": "soon"}
+    with pytest.raises(
+        StrategyOptionsError,
+        match=rf"{wire_name}: restart_timeout must be a positive number of seconds, not 'soon'",
+    ):
+        strategy_from_spec(spec.name, options)
+
+
 def test_strategies_without_checkpoints_say_so():
     for spec in (sz.Local().spec(), sz.ModelParallel([sz.Partition(["a"], tag="s0")]).spec()):
         strategy = strategy_from_spec(spec.name, spec.options)
