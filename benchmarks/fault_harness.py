@@ -313,9 +313,10 @@ def elastic_data() -> tuple[np.ndarray, np.ndarray]:
 
 def elastic_job(client: sz.Client) -> tuple[sz.Job, list[str]]:
     """An elastic DataParallel(2) job of :func:`elastic_graph` past its third step; its
-    workers."""
+    workers. On the coordinator's collective, which reports every step (the torch collective
+    reports a few a second): each step's progress event is checked."""
     x, y = elastic_data()
-    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=WAIT)
+    strategy = sz.DataParallel(2, elastic=True, elastic_timeout=WAIT, collective="coordinator")
     job = client.submit(elastic_graph(), x, y, strategy=strategy)
     progressed(job, "step", 3)
     return job, list(job.status()["workers"])

@@ -175,7 +175,8 @@ def elastic_replica_replaced(site: Site) -> Outcome:
     return Outcome(
         "replica killed mid-training, elastic, a spare idle",
         f"SIGKILL to {victim}'s agent (and daemons) after step 3 of an elastic DataParallel(2) "
-        f"job ({run.steps} steps, Adam) on 3 workers: {survivor}, {victim} and idle {spare}",
+        f"job ({run.steps} steps, Adam, the coordinator's collective) on 3 workers: "
+        f"{survivor}, {victim} and idle {spare}",
         f"`worker_lost` for {victim} at step {step}; replaced {victim} by {spare}, restored it "
         f"from {survivor} (model and optimizer state; `worker_restored` "
         f"{run.restored.time - run.lost.time:.2f} s after the loss), resumed step {step}; job "
