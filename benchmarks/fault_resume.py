@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import somatize as sz
 from benchmarks.fault_harness import (
@@ -28,11 +29,11 @@ CHECKPOINT_EVERY = 5
 """Steps between the checkpoints of these jobs (of :func:`elastic_graph`'s 30)."""
 
 
-def checkpointed_job(client: sz.Client, **options: object) -> tuple[sz.Job, sz.JobEventInfo]:
+def checkpointed_job(client: sz.Client, **options: Any) -> tuple[sz.Job, sz.JobEventInfo]:
     """A DataParallel(2) job of :func:`elastic_graph` (``options`` added) once it has saved its
     checkpoint at step 10; that event."""
     x, y = elastic_data()
-    strategy = sz.DataParallel(2, checkpoint_every=CHECKPOINT_EVERY, **options)  # type: ignore[arg-type]
+    strategy = sz.DataParallel(2, checkpoint_every=CHECKPOINT_EVERY, **options)
     job = client.submit(elastic_graph(), x, y, strategy=strategy)
     for e in job.events(timeout=WAIT):
         if e.event == "checkpoint" and e.data["step"] >= 2 * CHECKPOINT_EVERY:

@@ -393,9 +393,8 @@ class JobManager:
 
     async def _stop(self, job: _Job, info: ErrorInfo) -> None:
         if job.task is None:  # still queued
-            expiry = job.restart_expiry
-            if expiry is not None and expiry is not asyncio.current_task():
-                expiry.cancel()
+            if job.restart_expiry is not None:  # (None when it is the expiry that stops it)
+                job.restart_expiry.cancel()
             self._queue.remove(job.id)
             self._jobs.pop(job.id, None)
             if job.parked and self.spill is not None:
@@ -458,7 +457,6 @@ class JobManager:
         job.workers = []
         if job.spec is not None:
             job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
-        job.inputs = dataclasses.replace(job.inputs, checkpoints=None)
         self._queue.insert(0, job.id)
         job.restart_expiry = asyncio.create_task(
             self._expire_restart(job, info), name=f"job {job.id} restart timeout"

@@ -233,14 +233,15 @@ def test_the_coordinator_refuses_a_bad_device_as_a_strategy_options_error():
     assert strategy.placement().device == "cuda:0"
 
 
-@pytest.mark.parametrize(
-    ("make", "wire_name"),
-    [
-        (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
-        (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
-        (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
-    ],
-)
+RESUMABLE = [
+    (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
+    (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
+    (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
+]
+"""The strategies that take the checkpoint and restart options: a maker and the wire name."""
+
+
+@pytest.mark.parametrize(("make", "wire_name"), RESUMABLE)
 def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
     assert "checkpoint_every" not in make().options()  # None: every epoch / round, or 60 s
     assert "keep_checkpoints" not in make().options()  # 2
@@ -258,14 +259,7 @@ def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sid
         strategy_from_spec(spec.name, options)
 
 
-@pytest.mark.parametrize(
-    ("make", "wire_name"),
-    [
-        (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
-        (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
-        (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
-    ],
-)
+@pytest.mark.parametrize(("make", "wire_name"), RESUMABLE)
 def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
     assert not {"max_restarts", "restart_timeout"} & set(make().options())  # 0: never
     assert strategy_from_spec(wire_name, make().options()).max_restarts == 0
