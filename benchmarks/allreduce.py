@@ -280,7 +280,9 @@ def cluster(workers: tuple[str, ...] = WORKERS) -> Iterator[LocalCluster]:
     Heartbeats every second, lost after 30 s: a step that keeps both cores busy must not make a
     replica look lost. On a failure (not Ctrl-C) the tail of every log is printed first.
     """
-    with LocalCluster(heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1) as c:
+    with LocalCluster(
+        heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1, spare_daemons=False
+    ) as c:
         try:
             c.start_coordinator()
             for worker in workers:

@@ -25,10 +25,10 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.errors import NoReplacement, TargetError, WorkerCallError
-from protocol.codec import decode, encode_frame
+from protocol.codec import decode, encode, frame_nbytes
 from protocol.daemon import (
     ApplyGradientsRequest,
     BatchedFitRequest,
@@ -44,6 +44,10 @@ from protocol.daemon import (
 )
 from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo
+
+if TYPE_CHECKING:
+    from protocol.asyncio.channel import Pacer
+    from protocol.chunking import StreamSink
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -115,6 +119,10 @@ class StrategyContext(ABC):
         """How many workers the job has."""
         return len(self.workers)
 
+    def observe(self, cmd: str, seconds: float) -> None:  # noqa: B027 (a hook: no-op here)
+        """A measurement for the coordinator's metrics (``somatize_worker_call_seconds``):
+        a command's round trip, or the job's own work named so (nothing here)."""
+
     #: Whether workers can pass tensors to each other (:meth:`links`, ``routed`` calls).
     supports_peer_links = False
 
@@ -123,9 +131,24 @@ class StrategyContext(ABC):
     supports_process_groups = False
 
     @abstractmethod
-    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
+    async def call(
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
         """Run one daemon command (a :mod:`protocol.daemon` request) on a worker and return
         its result.
+
+        Args:
+            worker_idx: the worker.
+            request: the command.
+            pace: the request holds bytes still being written (a mean being folded): it is
+                sent as they become final (:class:`~protocol.asyncio.channel.Pacer`).
+            sink: where the reply's frame lands as it arrives
+                (:class:`~protocol.chunking.StreamSink`).
 
         Raises:
             WorkerCallError: the command failed there, timed out, or the worker was lost.
@@ -209,9 +232,12 @@ class StrategyContext(ABC):
         :meth:`get_optimizer_state` on another worker)."""
         await self.call(worker_idx, SetOptimizerStateRequest(states=dict(states)))
 
-    async def apply_gradients(self, worker_idx: int, gradients: Mapping[str, Any]) -> None:
-        """Write gradients on a worker and step its persistent optimizers."""
-        await self.call(worker_idx, ApplyGradientsRequest(gradients=dict(gradients)))
+    async def apply_gradients(
+        self, worker_idx: int, gradients: Mapping[str, Any], pace: Pacer | None = None
+    ) -> None:
+        """Write gradients on a worker and step its persistent optimizers (``pace``: as
+        :meth:`call`'s)."""
+        await self.call(worker_idx, ApplyGradientsRequest(gradients=dict(gradients)), pace=pace)
 
     async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """A worker's state read now, over the wire — never recalled from an earlier fit.
@@ -310,9 +336,19 @@ class InMemoryContext(StrategyContext):
         self._locks[worker_idx] = asyncio.Lock()
         return identity
 
-    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
+    async def call(
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
         worker = self.workers[worker_idx]
-        frame = bytearray(encode_frame({**request_fields(request), "id": next(self._ids)}))
+        parts = encode({**request_fields(request), "id": next(self._ids)})
+        if pace is not None:  # the whole request must be final before it is copied
+            await pace.bind(parts)(frame_nbytes(parts))
+        frame = bytearray().join(parts)
         daemon = self.daemons[worker_idx]
         async with self._locks[worker_idx]:
             self._check_alive(worker, request)
@@ -326,7 +362,12 @@ class InMemoryContext(StrategyContext):
                 )
                 raise WorkerCallError(worker.id, info) from None
             self._check_alive(worker, request)
-        reply = decode(reply_frame)
+        landed: bytearray | memoryview = reply_frame
+        if sink is not None:  # it lands where the caller wants it, whole
+            landed = sink.buffer(len(reply_frame))
+            landed[:] = reply_frame
+            sink.received(len(reply_frame))
+        reply = decode(landed)
         if not reply["ok"]:
             raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
         return reply["result"]

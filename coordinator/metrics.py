@@ -76,7 +76,9 @@ class Metrics:
             "# HELP somatize_relayed_bytes_total Tensor bytes relayed between workers.",
             "# TYPE somatize_relayed_bytes_total counter",
             f"somatize_relayed_bytes_total {self.relayed}",
-            "# HELP somatize_worker_call_seconds Round trip of job commands on workers.",
+            "# HELP somatize_worker_call_seconds Round trip of job commands on workers; "
+            "cmd=mean_streamed|mean_whole: a DataParallel step through the coordinator, from "
+            "its requests to its gradient mean whole (folded as the replies arrived, or not).",
             "# TYPE somatize_worker_call_seconds histogram",
         ]
         for cmd, counts in sorted(self._latency.items()):

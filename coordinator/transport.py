@@ -22,6 +22,8 @@ from typing import Any
 from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
 from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.registry import WorkerRecord
+from protocol.asyncio.channel import Pacer
+from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
@@ -64,11 +66,14 @@ class TransportContext(StrategyContext):
         self.job_id = job_id
         self.records = list(workers)
         self.threads = threads
-        self.observe = observe
+        self._observe = observe
         self.recruit = recruit
         self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
         self.peer_secret = secrets.token_urlsafe(32)
         """What the job's workers present to each other on a peer link (one per job)."""
+
+    def observe(self, cmd: str, seconds: float) -> None:
+        self._observe(cmd, seconds)
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Start the job's daemon on the worker and load the filters into it."""
@@ -83,9 +88,16 @@ class TransportContext(StrategyContext):
     supports_peer_links = True
     supports_process_groups = True
 
-    async def call(self, worker_idx: int, request: DaemonRequest) -> Any:
+    async def call(
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
         message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)
-        reply = await self._request(worker_idx, message, request.cmd)
+        reply = await self._request(worker_idx, message, request.cmd, pace=pace, sink=sink)
         return reply.result
 
     async def routed(
@@ -150,8 +162,12 @@ class TransportContext(StrategyContext):
         message: Any,
         cmd: str,
         timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
     ) -> Any:
-        """``message`` to the worker, answered within ``timeout`` (default: the call timeout)."""
+        """``message`` to the worker, answered within ``timeout`` (default: the call timeout);
+        ``pace`` and ``sink`` as :meth:`call`'s."""
         timeout = self.timeout if timeout is None else timeout
         record = self.records[worker_idx]
         channel = record.channel
@@ -159,7 +175,7 @@ class TransportContext(StrategyContext):
             raise WorkerCallError(record.id, _lost(record, cmd))
         started = time.perf_counter()
         try:
-            reply = await channel.request(message, timeout + NETWORK_MARGIN)
+            reply = await channel.request(message, timeout + NETWORK_MARGIN, pace=pace, sink=sink)
         except RemoteError as exc:
             raise WorkerCallError(record.id, exc.info) from None
         except ChannelClosed:

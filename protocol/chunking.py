@@ -4,7 +4,10 @@ A frame larger than :data:`~protocol.messages.CHUNK_BYTES` travels as chunk mess
 ``magic | u64 stream | u64 offset | u64 total | up to CHUNK_BYTES of the frame``
 (:func:`chunk_messages`), cut straight from the codec's parts; other messages may interleave.
 A :class:`Reassembler` per connection joins them back into a writable buffer (tensors decode
-zero-copy over it), refusing what would go over its limits before any buffer exists. A
+zero-copy over it), refusing what would go over its limits before any buffer exists. Its owner
+may *claim* a message from its first chunk (:class:`StreamSink`): the message then lands in a
+buffer the owner gives, which it watches fill chunk by chunk (a running mean folds each range of
+gradients in as it arrives, :mod:`coordinator.strategies.mean_fold`). A
 :class:`Budget` bounds the chunked messages in progress over all the connections that share
 it, and a stream that gets no chunk for the stall timeout is dropped, its memory with it.
 """
@@ -15,6 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -29,6 +33,7 @@ __all__ = [
     "DEFAULT_STALL_SECONDS",
     "Budget",
     "Reassembler",
+    "StreamSink",
     "chunk_messages",
     "frame_buffer",
     "is_chunk",
@@ -59,6 +64,27 @@ class Budget:
             raise ValueError("a reassembly budget must be positive")
         self.limit = limit
         self.used = 0
+
+
+class StreamSink(Protocol):
+    """Where a claimed message lands (see :class:`Reassembler`'s ``claim``).
+
+    Neither method may raise: a sink that cannot use a message stops watching it, and the
+    message is still received, parsed and answered as any other.
+    """
+
+    def buffer(self, nbytes: int) -> memoryview:
+        """A writable buffer of exactly ``nbytes`` bytes for the message's frame."""
+        ...
+
+    def received(self, nbytes: int) -> None:
+        """The frame's first ``nbytes`` bytes are in the buffer (called after every chunk)."""
+        ...
+
+
+Claim = Callable[[memoryview], StreamSink | None]
+"""Given the first bytes of a message (its first chunk's, or the whole frame), the sink it
+lands in, or ``None`` for a buffer of the reassembler's own."""
 
 
 def is_chunk(payload: bytes | bytearray | memoryview) -> bool:
@@ -99,6 +125,7 @@ class _Stream:
     buffer: memoryview
     last: float
     received: int = 0
+    sink: StreamSink | None = None
 
 
 def frame_buffer(nbytes: int) -> memoryview:
@@ -137,6 +164,9 @@ class Reassembler:
         budget: shared with other connections' reassemblers (``None``: none).
         stall_seconds: how long a stream may wait for its next chunk (``None``: forever).
         clock: monotonic seconds (tests pass a fake one).
+        claim: asked, once a new stream has passed the limits above, for the sink it lands in
+            (:data:`Claim`); its buffer replaces the reassembler's own and it is told after
+            every chunk how much of the frame is in.
     """
 
     def __init__(
@@ -146,8 +176,10 @@ class Reassembler:
         budget: Budget | None = None,
         stall_seconds: float | None = DEFAULT_STALL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        claim: Claim | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        self.claim = claim
         self.max_streams = max_streams
         self.budget = budget
         self.stall_seconds = stall_seconds
@@ -196,6 +228,8 @@ class Reassembler:
             )
         current.buffer[offset:end] = data
         current.received, current.last = end, now
+        if current.sink is not None:
+            current.sink.received(end)
         if end < size:
             return None
         self._drop(stream)
@@ -259,12 +293,13 @@ class Reassembler:
                 f"{self.budget.limit} bytes); retry later"
             )
         if why is None:
+            sink = None if self.claim is None else self.claim(data)
             try:
-                buffer = frame_buffer(total)
+                buffer = frame_buffer(total) if sink is None else sink.buffer(total)
             except (MemoryError, ValueError) as exc:  # it cannot be had
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:
-                self._streams[stream] = _Stream(buffer, now)
+                self._streams[stream] = _Stream(buffer, now, sink=sink)
                 if self.budget is not None:
                     self.budget.used += total
                 return self._streams[stream]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, Reassembler, is_chunk
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, Claim, Reassembler, is_chunk
 from protocol.errors import (
     BadMessage,
     ErrorCode,
@@ -53,6 +53,8 @@ class Inbox:
             chunked ones in progress together, see :class:`~protocol.chunking.Reassembler`).
         budget: the bytes of chunked messages in progress, shared with other connections.
         stall_seconds: how long a chunked message may wait for its next chunk.
+        claim: where a message the owner claims lands, whole or chunked
+            (:class:`~protocol.chunking.StreamSink`).
     """
 
     def __init__(
@@ -60,11 +62,13 @@ class Inbox:
         max_message_bytes: int,
         budget: Budget | None = None,
         stall_seconds: float | None = DEFAULT_STALL_SECONDS,
+        claim: Claim | None = None,
     ) -> None:
         self.max_message_bytes = max_message_bytes
         self.bytes_in = 0
+        self.claim = claim
         self.reassembler = Reassembler(
-            max_message_bytes, budget=budget, stall_seconds=stall_seconds
+            max_message_bytes, budget=budget, stall_seconds=stall_seconds, claim=claim
         )
         """Its chunked messages in progress (the owner expires stalled ones, see
         :meth:`~protocol.chunking.Reassembler.expire`, and closes it)."""
@@ -107,7 +111,13 @@ class Inbox:
                         f"{self.max_message_bytes} bytes",
                         *peek_ids(memoryview(payload)),
                     )
-                return payload
+                sink = None if self.claim is None else self.claim(memoryview(payload))
+                if sink is None:
+                    return payload
+                landed = sink.buffer(size)
+                landed[:] = payload
+                sink.received(size)
+                return landed
             frame = self.reassembler.add(payload)
         except ReassemblyFull as exc:
             info = ErrorInfo(code=ErrorCode.BUSY, message=str(exc))

@@ -28,7 +28,7 @@ the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
@@ -36,11 +36,11 @@ import numpy as np
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
 from coordinator.strategies.collective import Choice, TorchTraining, choose
 from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.star import Plan, StarTraining, average
 from coordinator.strategies.steps import (
     OwnData,
     Training,
@@ -48,7 +48,7 @@ from coordinator.strategies.steps import (
     plain_prefix,
     rows_of,
 )
-from protocol.daemon import CompositeFitRequest, GradientsRequest
+from protocol.daemon import CompositeFitRequest
 from protocol.errors import ErrorCode
 from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -168,7 +168,6 @@ class DataParallel(Strategy):
         setup, self._prepared = self._prepared or await self._set_up(ctx, job, emit), None
         run, first_epoch, steps_per_epoch = setup.run, setup.first_epoch, setup.steps_per_epoch
         position = run.position
-        held = position.held
 
         # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all;
         #    or, resumed, every node's state and optimizer state from the job's checkpoint.
@@ -191,45 +190,10 @@ class DataParallel(Strategy):
             await saves.finish()
             return await _agreed_states(run, torch_nodes)
 
-        # 3. Synchronous SGD (Goyal et al. 2017): each slice's gradient, their weighted mean,
-        #    one step everywhere. A step's mean travels with the next step's request (one round
-        #    trip a step); the last mean, and any a replica with no rows in a step would miss,
-        #    go on their own. A replica restored onto a replacement (``fresh``) copied a survivor
-        #    that had already applied the mean: it only computes its slice.
-        own = position.own
-        plan = own.batches(training) if own else global_batches(n, len(replicas), training)
-        for done, ((epoch, _, slices), after) in enumerate(_with_next(plan), start=1):
-            if done <= start:
-                continue  # trained before the checkpoint it resumed from
-            position.phase, position.epoch, position.step = "training", epoch, done
-            local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
-            # Rows on a worker's disk: each replica reads its next step's while this one is
-            # averaged (worker.read_ahead.NextRead).
-            ahead = {
-                i: np.searchsorted(held[i], after[2][i])
-                for i in local
-                if own and after is not None and len(after[2][i])
-            }
-            targets = [i for i in replicas if i in local or position.mean is not None]
-            step = self._step(ctx, job, local, position.mean, ahead)
-            results = await run.on_all(step, targets)
-            active = sorted(local)
-            weights = [len(slices[i]) for i in active]
-            grads = [
-                (run.ids[i], w, results[i]["gradients"])
-                for i, w in zip(active, weights, strict=True)
-            ]
-            # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
-            position.mean = _average(grads, precise=False)
-            losses = [w * float(results[i]["loss"]) for i, w in zip(active, weights, strict=True)]
-            progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
-            progress |= {"step": done, "steps": total_steps, "loss": sum(losses) / sum(weights)}
-            await emit("progress", progress)
-            if saves.due(done, total_steps):  # every replica applies the mean, then it is saved
-                await _apply_mean(run, position)
-                await saves.after(done, total_steps)
-        position.phase, position.step = "finishing", None
-        await _apply_mean(run, position)
+        # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
+        #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
+        #    out with the next step's requests as it folds (coordinator.strategies.star).
+        await StarTraining(run, training, n, STAGED, emit).train(total_steps, start, saves)
         await saves.finish()
         return await _agreed_states(run, torch_nodes)
 
@@ -244,33 +208,6 @@ class DataParallel(Strategy):
         if job.y is None and job.dataset is None:
             raise StrategyOptionsError("data_parallel trains with labels: y is missing")
         return torch_nodes, prefix, Training.of(job.nodes[torch_nodes[-1]])
-
-    @staticmethod
-    def _step(
-        ctx: StrategyContext,
-        job: JobInputs,
-        local: Mapping[int, Any],
-        mean: Any,
-        ahead: Mapping[int, Any],
-    ) -> Callable[[int, bool], Awaitable[Any]]:
-        """A replica's part of a step: apply the previous step's ``mean`` (unless the replica is
-        ``fresh``: it copied a survivor that had applied it), then the gradient of its ``local``
-        rows, if it has any this step; its rows of the next step (``ahead``) are read then."""
-
-        async def call(i: int, fresh: bool) -> Any:
-            apply = None if fresh else mean
-            if i in local:
-                rows = np.asarray(local[i]).tolist()
-                after = np.asarray(ahead[i]).tolist() if i in ahead else None
-                request = GradientsRequest(
-                    node_ids=job.node_ids, data=STAGED, rows=rows, apply=apply, read_next=after
-                )
-                return await ctx.call(i, request)
-            if apply is not None:
-                await ctx.apply_gradients(i, apply)
-            return None
-
-        return call
 
 
 @dataclass(frozen=True)
@@ -302,42 +239,12 @@ async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[i
         return await run.ctx.call(i, request)
 
     fits = await run.on_all(fit, fitting)
-    averaged = _average([(run.ids[i], len(shards[i]), fits[i]["states"]) for i in fitting])
+    averaged = average([(run.ids[i], len(shards[i]), fits[i]["states"]) for i in fitting])
 
     async def set_averaged(i: int, fresh: bool) -> None:
         await run.ctx.set_state(i, averaged)
 
     await run.on_all(set_averaged, replicas)
-
-
-Plan = Iterable[tuple[int, int, list[Any]]]
-"""``(epoch, step, slices by replica)`` of every step of a run."""
-
-
-async def _apply_mean(run: Replicas, position: DataParallelPosition) -> None:
-    """Every replica applies the last step's mean, if one is pending (a replica ``fresh`` from
-    a survivor that had applied it already skips it)."""
-    mean = position.mean
-    if mean is None:
-        return
-
-    async def finish(i: int, fresh: bool) -> None:
-        if not fresh:
-            await run.ctx.apply_gradients(i, mean)
-
-    await run.on_all(finish, range(run.ctx.num_workers()))
-    position.mean = None
-
-
-def _with_next(steps: Iterable[T]) -> Iterator[tuple[T, T | None]]:
-    """Each of ``steps`` with the one after it (``None`` after the last)."""
-    previous: list[T] = []
-    for step in steps:
-        if previous:
-            yield previous.pop(), step
-        previous.append(step)
-    if previous:
-        yield previous.pop(), None
 
 
 def _held(plan: Plan, replicas: int) -> list[Any]:
@@ -361,13 +268,6 @@ def _first_epoch(plan: Plan, replicas: int) -> tuple[list[list[int]], int]:
         for i, part in enumerate(slices):
             first_epoch[i].extend(part.tolist())
     return first_epoch, steps_per_epoch
-
-
-def _average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:
-    try:
-        return weighted_mean(contributions, precise=precise)
-    except AggregationError as exc:
-        raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
 
 
 def _check_replicas_agree(ids: list[str], states: list[dict[str, Any]], nodes: list[str]) -> None:

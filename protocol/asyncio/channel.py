@@ -17,7 +17,9 @@ and writes out what it sends (:func:`~protocol.chunking.chunk_messages`). It kno
   and a :class:`~protocol.errors.RequestRefused` it raises as an ``error`` reply.
 * A frame larger than :data:`~protocol.messages.CHUNK_BYTES` is sent as chunk messages cut
   straight from the codec's parts and reassembled on the other side; other messages may
-  interleave.
+  interleave. A request may be sent *paced* (:class:`Pacer`: bytes of it are still being
+  written, each chunk leaves once its bytes are final), and its reply may land in a buffer the
+  caller gives and watches fill (a :class:`~protocol.chunking.StreamSink`).
 * A message that is not a frame, or fails validation, is answered with an ``error`` reply that
   names the field; the connection stays up.
 * Limits, each a typed error reply with the connection kept: a message over
@@ -32,14 +34,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from protocol.asyncio.websocket import close_reason
-from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, chunk_messages
-from protocol.codec import encode, frame_nbytes
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, StreamSink, chunk_messages
+from protocol.codec import Part, encode, frame_nbytes
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
@@ -53,7 +55,7 @@ from protocol.errors import (
 )
 from protocol.inbox import Inbox, check_first
 from protocol.messages import CHUNK_BYTES, REPLY_KINDS, Error
-from protocol.parsing import dump, parse
+from protocol.parsing import dump, parse, peek_ids
 from protocol.session import Event, Session
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Channel",
     "Handler",
+    "Pacer",
     "Transport",
 ]
 
@@ -92,6 +95,17 @@ class Transport(Protocol):
 Handler = Callable[[Any], Awaitable[BaseModel | None]]
 
 _ANSWER_KINDS = REPLY_KINDS | {"job_event"}
+
+
+class Pacer(Protocol):
+    """A message sent while some of its bytes are still being written (a mean that is still
+    being folded, :mod:`coordinator.strategies.mean_fold`): it goes out a chunk at a time, each
+    chunk once the bytes it carries are final."""
+
+    def bind(self, parts: Sequence[Part]) -> Callable[[int], Awaitable[None]]:
+        """For the frame made of ``parts``: an awaitable that returns once its first ``n``
+        bytes are final (and raises when they never will be: nothing more of it is sent)."""
+        ...
 
 
 class Channel:
@@ -146,7 +160,9 @@ class Channel:
         self.inflight = 0
         self.refused_busy = 0
         self.session = Session(name)
-        self._inbox = Inbox(max_message_bytes, budget, stall_timeout)
+        # Where the replies to some of our requests land (request id → sink), see request().
+        self._sinks: dict[int, StreamSink] = {}
+        self._inbox = Inbox(max_message_bytes, budget, stall_timeout, claim=self._claim)
         self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0
         self._next_stream = 0
@@ -169,11 +185,13 @@ class Channel:
         self._next_id += 1
         return self._next_id
 
-    async def send(self, message: BaseModel, **fields: Any) -> None:
+    async def send(self, message: BaseModel, *, pace: Pacer | None = None, **fields: Any) -> None:
         """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``.
 
         ``fields`` are sent instead of the message's own (``id``, ``reply_to``): cheaper than a
-        copy of the model for every request and reply.
+        copy of the model for every request and reply. With ``pace``, each chunk waits until
+        the bytes it carries are final (the first before the message takes a ``bulk_gate``
+        slot, so a paced message holds none while nothing of it can go).
 
         Raises:
             ChannelClosed: the connection is closed (or closed while sending).
@@ -182,16 +200,27 @@ class Channel:
         body.update(fields)
         parts = encode(body)
         size = frame_nbytes(parts)
+        until = None if pace is None else pace.bind(parts)
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
         if size <= CHUNK_BYTES:
+            if until is not None:
+                await until(size)
             async with self._send_lock:
                 await self._write(b"".join(parts))
             self.bytes_out += size
             return
         self._next_stream += 1
+        chunks = chunk_messages(parts, self._next_stream)
+        if until is not None:
+            await until(CHUNK_BYTES)
         async with self.bulk_gate or contextlib.nullcontext():
-            for chunk in chunk_messages(parts, self._next_stream):
+            end = 0
+            while end < size:
+                end = min(size, end + CHUNK_BYTES)
+                if until is not None:
+                    await until(end)  # before the chunk is cut: cutting copies its bytes
+                chunk = next(chunks)
                 # One lock per chunk, not per message: a heartbeat or reply may pass in between.
                 async with self._send_lock:
                     await self._write(chunk)
@@ -207,8 +236,22 @@ class Channel:
         """Send ``message`` as the reply to ``to``."""
         await self.send(message, reply_to=to.id, id=self.next_id())
 
-    async def request(self, message: BaseModel, timeout: float) -> Any:  # noqa: ASYNC109
+    async def request(
+        self,
+        message: BaseModel,
+        timeout: float,  # noqa: ASYNC109
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
         """Send ``message`` and return its reply.
+
+        Args:
+            message: the request.
+            timeout: seconds to wait for the reply once the request is sent.
+            pace: send it paced (see :meth:`send`).
+            sink: where the reply's frame lands, watched as it arrives; the reply is returned
+                as any other (its tensors views over the sink's buffer).
 
         Raises:
             RemoteError: the reply was an ``error``.
@@ -218,12 +261,15 @@ class Channel:
         request_id = self.next_id()
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = waiter
+        if sink is not None:
+            self._sinks[request_id] = sink
         try:
-            await self.send(message, id=request_id)
+            await self.send(message, pace=pace, id=request_id)
             async with asyncio.timeout(timeout):
                 reply = await waiter
         finally:
             self._waiting.pop(request_id, None)
+            self._sinks.pop(request_id, None)
         if isinstance(reply, BaseException):
             raise reply
         if isinstance(reply, Error):
@@ -254,6 +300,13 @@ class Channel:
             self._waiting.pop(request_id, None)
 
     # -- receiving ---------------------------------------------------------------------------
+
+    def _claim(self, head: memoryview) -> StreamSink | None:
+        """The sink of the request a message starting with ``head`` answers, if it has one."""
+        if not self._sinks:
+            return None
+        _, reply_to = peek_ids(head)
+        return None if reply_to is None else self._sinks.pop(reply_to, None)
 
     async def receive(self, *, first: bool = False) -> Any:
         """Read the next message directly, for a handshake, before :meth:`run`.

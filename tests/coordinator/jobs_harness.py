@@ -56,10 +56,10 @@ class GatedContext(InMemoryContext):
         self.closed = False
         self.calls: list[str] = []
 
-    async def call(self, worker_idx, request):
+    async def call(self, worker_idx, request, **kwargs):
         self.calls.append(request.cmd)
         await self.gate.event.wait()
-        return await super().call(worker_idx, request)
+        return await super().call(worker_idx, request, **kwargs)
 
 
 class RecruitingContext(GatedContext):
@@ -72,12 +72,12 @@ class RecruitingContext(GatedContext):
         super().__init__(placed, gate)
         self.steps = 0
 
-    async def call(self, worker_idx, request):
+    async def call(self, worker_idx, request, **kwargs):
         if request.cmd == "gradients" and worker_idx == 1:
             self.steps += 1
             if self.steps == self.lose_at:
                 self.lose(1, "killed by the test")
-        return await super().call(worker_idx, request)
+        return await super().call(worker_idx, request, **kwargs)
 
     async def replace(self, worker_idx, timeout):  # noqa: ASYNC109 - the context's interface
         record = await self.placed.recruit(timeout)

@@ -63,13 +63,19 @@ def graph_for(
 
 
 def reference_training(
-    x, y, optimizer: str, epochs: int = 3, batch_size: int = 32, shuffle: bool = False
+    x,
+    y,
+    optimizer: str,
+    epochs: int = 3,
+    batch_size: int = 32,
+    shuffle: bool = False,
+    module: torch.nn.Module | None = None,
 ):
     """Single-process SGD on the global batches: ``batch_size`` rows at a time, in order or
     (``shuffle``) in the order of one ``torch.randperm`` per epoch from a generator seeded with
-    the filter's seed, 11 — the documented rule."""
+    the filter's seed, 11 — the documented rule. ``module``: another model than :func:`model`."""
     _, make = OPTIMIZERS[optimizer]
-    net = copy.deepcopy(model())
+    net = copy.deepcopy(model() if module is None else module)
     opt = make(net.parameters())
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     order = torch.Generator().manual_seed(11)

@@ -333,7 +333,7 @@ class LosesWorker(InMemoryContext):
     lost = False
     fits = 0
 
-    async def call(self, worker_idx, request):
+    async def call(self, worker_idx, request, **kwargs):
         if worker_idx == 1:
             if request.cmd == "batched_fit":
                 self.fits += 1
@@ -341,7 +341,7 @@ class LosesWorker(InMemoryContext):
             if self.lost:
                 info = ErrorInfo(code=ErrorCode.WORKER_LOST, message="lost: connection closed")
                 raise WorkerCallError(self.workers[1].id, info)
-        return await super().call(worker_idx, request)
+        return await super().call(worker_idx, request, **kwargs)
 
 
 def test_a_lost_worker_is_not_selected_again_and_training_goes_on():
@@ -364,14 +364,14 @@ class CrashesOnce(InMemoryContext):
 
     fits = 0
 
-    async def call(self, worker_idx, request):
+    async def call(self, worker_idx, request, **kwargs):
         if worker_idx == 1 and request.cmd == "batched_fit":
             self.fits += 1
             if self.fits == 2:
                 self.daemons[1] = OwnData(*self.daemons[1].own)
                 info = ErrorInfo(code=ErrorCode.DAEMON_CRASHED, message="the daemon died")
                 raise WorkerCallError(self.workers[1].id, info)
-        return await super().call(worker_idx, request)
+        return await super().call(worker_idx, request, **kwargs)
 
 
 def test_a_worker_whose_daemon_crashed_is_set_up_again_before_it_trains_next():

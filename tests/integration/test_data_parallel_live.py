@@ -4,9 +4,11 @@ failure when a replica dies."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,33 @@ def test_live_data_parallel_equals_single_process_training_with_2_and_3_workers(
             if collective == "torch":
                 assert placed.data["backend"] == "gloo"
                 assert "every replica reached the rendezvous" in placed.data["collective_reason"]
+        # A model whose gradients take two chunk messages (1.3 MB): through the coordinator
+        # each step's mean is folded as the replies arrive and goes out as it folds.
+        graph = graph_for("sgd", epochs=1, module=wide())
+        strategy = sz.DataParallel(3, collective=collective)
+        fitted = client.submit(graph, x, y, strategy=strategy).result(timeout=120 * UNIT)
+        expected = reference_training(x, y, "sgd", epochs=1, module=wide())
+        for key, value in expected.items():
+            torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+        means = mean_counts(c.port)
+    steps = 21 + 21 + 7  # 203 rows in batches of 32: 7 steps an epoch; 3, 3 and 1 epochs
+    assert means == ({"mean_streamed": steps} if collective == "coordinator" else {})
+
+
+def wide(seed: int = 0) -> torch.nn.Module:
+    """An MLP like :func:`model`'s, wide enough that its gradients take two chunk messages."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 300)
+    )
+
+
+def mean_counts(port: int) -> dict[str, int]:
+    """How many gradient means the coordinator made, by how (its ``/metrics``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = re.findall(r'somatize_worker_call_seconds_count\{cmd="(mean_\w+)"\} (\d+)', text)
+    return {how: int(count) for how, count in found}
 
 
 def test_auto_falls_back_to_the_coordinator_when_a_replica_cannot_reach_the_rendezvous(

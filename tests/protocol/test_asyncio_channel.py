@@ -18,6 +18,7 @@ from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import (
     CHUNK_BYTES,
     Ack,
+    Call,
     Deliver,
     Heartbeat,
     JobEvent,
@@ -417,6 +418,104 @@ def test_a_large_message_is_parsed_in_a_thread_and_the_loop_keeps_running(monkey
             big, small = threads[-2], threads[-1]
             assert big[0] > CHUNK_BYTES and big[1] is False  # in a thread
             assert small[1] is True  # on the loop
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+class _Sink:
+    """A StreamSink that records how its message arrived."""
+
+    def __init__(self) -> None:
+        self.landed: memoryview | None = None
+        self.seen: list[int] = []
+
+    def buffer(self, nbytes: int) -> memoryview:
+        self.landed = memoryview(bytearray(nbytes))
+        return self.landed
+
+    def received(self, nbytes: int) -> None:
+        self.seen.append(nbytes)
+
+
+def test_a_reply_lands_in_the_callers_sink_as_it_arrives():
+    big = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)  # 3 MiB: four chunks
+
+    async def handler(message):
+        return Result(result={"echo": big} if isinstance(message, Status) else {"small": 1})
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            sink = _Sink()
+            reply = await client.request(Status(), timeout=10 * UNIT, sink=sink)
+            assert torch.equal(reply.result["echo"], big)
+            assert len(sink.seen) == 4 and sink.seen == sorted(sink.seen)
+            assert sink.seen[-1] == len(sink.landed)
+            start = np.frombuffer(sink.landed, dtype=np.uint8).ctypes.data
+            assert start <= reply.result["echo"].data_ptr() < start + len(sink.landed)
+            small = _Sink()  # a reply of one message lands whole
+            reply = await client.request(Heartbeat(sent_at=0.0), timeout=10 * UNIT, sink=small)
+            assert reply.result == {"small": 1} and small.seen == [len(small.landed)]
+            unclaimed = await client.request(Status(), timeout=10 * UNIT)  # no sink: as ever
+            assert torch.equal(unclaimed.result["echo"], big)
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+class _Filling:
+    """A Pacer over a frame whose only buffer the test writes after the frame was encoded."""
+
+    def __init__(self) -> None:
+        self.final = 0
+        self.changed = asyncio.Event()
+        self.asked: list[int] = []
+
+    def bind(self, parts):
+        self.header = len(parts[0])
+
+        async def until(n: int) -> None:
+            self.asked.append(n)
+            while self.final < n:
+                self.changed.clear()
+                await self.changed.wait()
+
+        return until
+
+    def advance(self, final: int) -> None:
+        self.final = final
+        self.changed.set()
+
+
+def test_a_paced_request_goes_out_chunk_by_chunk_as_its_bytes_become_final():
+    values = np.zeros(3 * CHUNK_BYTES // 8 + 5, dtype=np.float64)  # 3 MiB and a bit: 4 chunks
+    got: list[np.ndarray] = []
+
+    async def handler(message):
+        got.append(np.array(message.request["values"]))
+        return Ack()
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            pacer = _Filling()
+            message = Call(job_id="j", request={"cmd": "gradients", "values": values}, timeout=9)
+            sending = asyncio.ensure_future(client.request(message, 10 * UNIT, pace=pacer))
+            await asyncio.sleep(0.05 * UNIT)
+            assert not sending.done() and pacer.asked == [CHUNK_BYTES]  # nothing went out
+            for part in range(4):  # the bytes are written after the frame was encoded
+                lo, hi = part * len(values) // 4, (part + 1) * len(values) // 4
+                values[lo:hi] = np.arange(lo, hi)
+                pacer.advance(pacer.header + hi * 8)
+                await asyncio.sleep(0.01 * UNIT)
+            assert (await asyncio.wait_for(sending, 10 * UNIT)).kind == "ack"
+            np.testing.assert_array_equal(got[0], np.arange(len(values)))
+            assert pacer.asked[1:] == [
+                min(k * CHUNK_BYTES, pacer.header + values.nbytes) for k in range(1, 5)
+            ]
         finally:
             await _close(server, client, reader)
 

@@ -152,3 +152,40 @@ def test_a_budget_bounds_the_streams_in_progress_over_every_connection_sharing_i
     for chunk in first[1:]:
         one.add(chunk)
     assert budget.used == len(b"".join(c[32:] for c in retry))
+
+
+def test_a_claimed_stream_lands_in_its_sinks_buffer_and_is_told_each_chunk():
+    from protocol.chunking import Reassembler, chunk_messages
+    from protocol.codec import decode, encode
+
+    class Sink:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def buffer(self, nbytes: int) -> memoryview:
+            self.landed = memoryview(bytearray(nbytes))
+            return self.landed
+
+        def received(self, nbytes: int) -> None:
+            self.seen.append(nbytes)
+
+    value = {"a": np.arange(CHUNK_BYTES // 4 + 9, dtype=np.float32)}
+    parts = encode(value)
+    sink = Sink()
+    heads: list[bytes] = []
+
+    def claim(head: memoryview) -> Sink:
+        heads.append(bytes(head[:8]))
+        return sink
+
+    reassembler = Reassembler(1 << 30, claim=claim)
+    chunks = list(chunk_messages(parts, stream=3))
+    assert reassembler.add(chunks[0]) is None
+    frame = reassembler.add(chunks[1])
+    assert frame is not None and frame.obj is sink.landed.obj
+    assert sink.seen == [CHUNK_BYTES, len(b"".join(parts))]
+    assert heads == [bytes(parts[0][:8])]  # asked once, with the frame's first bytes
+    np.testing.assert_array_equal(decode(frame)["a"], value["a"])
+    unclaimed = Reassembler(1 << 30, claim=lambda head: None)
+    unclaimed.add(chunks[0])
+    assert bytes(unclaimed.add(chunks[1])) == b"".join(parts)

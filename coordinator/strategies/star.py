@@ -1,0 +1,238 @@
+"""DataParallel's coordinator collective: every step's gradients averaged by the coordinator.
+
+The path for replicas that cannot reach each other (behind NAT, across sites), where a hub is
+the only way: per step each replica computes the gradient of its slice, the coordinator takes
+their mean weighted by slice size (Goyal et al. 2017: the gradient of the global batch's mean
+loss), and every replica applies that mean with its own persistent optimizer. A step's mean
+travels with the next step's request, so a step is one round trip.
+
+The exchange is streamed, not stored and forwarded (:mod:`~coordinator.strategies.mean_fold`):
+the mean is folded range by range as the replies arrive, and step ``s + 1``'s requests are sent
+while step ``s``'s replies are still coming in, each of their chunks as soon as the mean bytes
+it carries are final. So the coordinator's receiving, averaging and sending overlap, and the
+replicas start receiving the mean before the last gradient byte is in. Two steps are in flight
+at once only where nothing can need the first to be undone: not in an ``elastic`` run (a lost
+replica is restored from a survivor standing at the step that failed), nor across a checkpoint
+(saved once every replica has applied its step's mean). Replies the fold cannot take are
+averaged whole, with the same result and the same errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from coordinator.errors import StrategyFailed
+from coordinator.strategies.aggregate import AggregationError, weighted_mean
+from coordinator.strategies.base import Emit
+from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
+from coordinator.strategies.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.mean_fold import FoldBuffers, FoldDeclined, MeanFold
+from coordinator.strategies.steps import Training, global_batches
+from protocol.daemon import GradientsRequest
+from protocol.errors import ErrorCode
+
+__all__ = ["Plan", "StarTraining", "apply_mean", "average"]
+
+T = TypeVar("T")
+
+Plan = Iterable[tuple[int, int, list[Any]]]
+"""``(epoch, step, slices by replica)`` of every step of a run."""
+
+
+@dataclass
+class _Step:
+    """One global step in flight: its calls, and the fold its gradients land in."""
+
+    done: int  # the global step, from 1
+    epoch: int
+    weights: dict[int, int]  # rows of each replica that has any, by replica
+    fold: MeanFold
+    previous: MeanFold | None  # the mean its requests carry, released once they landed
+    calls: asyncio.Task[dict[int, Any]]
+    launched: float  # time.monotonic
+
+
+@dataclass
+class StarTraining:
+    """The training phase of a DataParallel run through the coordinator (module docstring).
+
+    Args:
+        run: the replicas, set up (rows staged; the plain prefix fitted or a checkpoint set).
+        training: the last TorchFilter's settings (batches, epochs).
+        rows: rows of the client's data (``0`` over WorkerData: each replica's own).
+        staged: the name each replica's rows are staged under.
+        emit: the job's events.
+    """
+
+    run: Replicas
+    training: Training
+    rows: int
+    staged: str
+    emit: Emit
+    pool: FoldBuffers = field(default_factory=FoldBuffers)
+    _total: int = 0
+
+    async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
+        """Train global steps ``start + 1 ... total``, saving checkpoints as ``saves`` says,
+        and apply the last mean everywhere."""
+        position = self.run.position
+        own, replicas = position.own, self.run.ctx.num_workers()
+        plan: Plan = (
+            own.batches(self.training)
+            if own
+            else global_batches(self.rows, replicas, self.training)
+        )
+        self._total = total
+        flying: _Step | None = None  # launched, not landed
+        try:
+            for done, (now, after) in enumerate(_with_next(plan), start=1):
+                if done <= start:
+                    continue  # trained before the checkpoint it resumed from
+                if flying is not None and not (self.run.elastic or saves.due(flying.done, total)):
+                    # Pipelined: this step's requests go out as the last one's mean folds.
+                    landing, flying = flying, self._launch(done, now, after, flying.fold)
+                    await self._land(landing)
+                    continue
+                if flying is not None:
+                    await self._land(flying)
+                    await self._checkpoint(flying, saves, total)
+                flying = self._launch(done, now, after, self._pending(flying))
+            if flying is not None:
+                await self._land(flying)
+        finally:
+            if flying is not None and not flying.calls.done():
+                flying.calls.cancel()
+                with contextlib.suppress(BaseException):
+                    await flying.calls
+        position.phase, position.step = "finishing", None
+        await apply_mean(self.run, position)
+
+    def _launch(
+        self, done: int, now: tuple[int, int, list[Any]], after: Any, mean: MeanFold | None
+    ) -> _Step:
+        """Start step ``done``'s calls: each replica applies ``mean`` (a fold, or ``None``),
+        then computes the gradient of its slice into this step's fold; its rows of the next
+        step (``after``) are read meanwhile."""
+        position, held = self.run.position, self.run.position.held
+        epoch, _, slices = now
+        position.phase, position.epoch, position.step = "training", epoch, done
+        replicas = range(self.run.ctx.num_workers())
+        local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
+        # Rows on a worker's disk: each replica reads its next step's while this one is
+        # averaged (worker.read_ahead.NextRead).
+        ahead = {
+            i: np.searchsorted(held[i], after[2][i])
+            for i in local
+            if position.own and after is not None and len(after[2][i])
+        }
+        weights = {i: len(slices[i]) for i in sorted(local)}
+        fold = MeanFold(weights, self.pool)
+        targets = [i for i in replicas if i in local or mean is not None]
+        call = self._call(local, ahead, mean, fold)
+        calls = asyncio.ensure_future(self.run.on_all(call, targets))
+        launched = time.monotonic()
+        return _Step(done, epoch, weights, fold, mean, calls, launched)
+
+    def _call(
+        self,
+        local: Mapping[int, Any],
+        ahead: Mapping[int, Any],
+        mean: MeanFold | None,
+        fold: MeanFold,
+    ) -> Callable[[int, bool], Awaitable[Any]]:
+        """A replica's part of a step: apply ``mean`` (unless the replica is ``fresh``: it
+        copied a survivor that had applied it), then the gradient of its ``local`` rows, if it
+        has any this step, landing in ``fold``."""
+        ctx, node_ids = self.run.ctx, self.run.job.node_ids
+
+        async def call(i: int, fresh: bool) -> Any:
+            apply, pace = (None, None) if fresh or mean is None else await mean.take()
+            if i in local:
+                rows = np.asarray(local[i]).tolist()
+                after = np.asarray(ahead[i]).tolist() if i in ahead else None
+                request = GradientsRequest(
+                    node_ids=node_ids, data=self.staged, rows=rows, apply=apply, read_next=after
+                )
+                return await ctx.call(i, request, pace=pace, sink=fold.sink(i))
+            if apply is not None:
+                await ctx.apply_gradients(i, apply, pace=pace)
+            return None
+
+        return call
+
+    async def _land(self, step: _Step) -> None:
+        """Await step ``step``'s replies: its mean (folded, or made from the whole replies),
+        its loss in a progress event."""
+        results = await step.calls
+        if step.previous is not None:
+            step.previous.release()  # its mean reached every replica with these requests
+        ids, ctx = self.run.ids, self.run.ctx
+        try:
+            mean = step.fold.result()
+            assert step.fold.finished is not None
+            ctx.observe("mean_streamed", step.fold.finished - step.launched)
+        except FoldDeclined:
+            grads = [(ids[i], w, results[i]["gradients"]) for i, w in step.weights.items()]
+            # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
+            mean = average(grads, precise=False)
+            step.fold.settle(mean)
+            ctx.observe("mean_whole", time.monotonic() - step.launched)
+        self.run.position.mean = mean
+        weights = step.weights
+        losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
+        progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
+        progress |= {"step": step.done, "steps": self._total}
+        await self.emit("progress", progress | {"loss": sum(losses) / sum(weights.values())})
+
+    async def _checkpoint(self, step: _Step, saves: ReplicaCheckpoints, total: int) -> None:
+        """If a checkpoint falls due after ``step``: every replica applies its mean, then it
+        is saved."""
+        if saves.due(step.done, total):
+            await apply_mean(self.run, self.run.position)
+            step.fold.release()
+            await saves.after(step.done, total)
+
+    def _pending(self, step: _Step | None) -> MeanFold | None:
+        """The mean the step after ``step`` applies: ``step``'s, unless applied already."""
+        return None if step is None or self.run.position.mean is None else step.fold
+
+
+async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
+    """Every replica applies the last step's mean, if one is pending (a replica ``fresh`` from
+    a survivor that had applied it already skips it)."""
+    mean = position.mean
+    if mean is None:
+        return
+
+    async def finish(i: int, fresh: bool) -> None:
+        if not fresh:
+            await run.ctx.apply_gradients(i, mean)
+
+    await run.on_all(finish, range(run.ctx.num_workers()))
+    position.mean = None
+
+
+def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:
+    """The weighted mean of ``contributions``, or the job's failure naming what disagrees."""
+    try:
+        return weighted_mean(contributions, precise=precise)
+    except AggregationError as exc:
+        raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
+
+
+def _with_next(steps: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Each of ``steps`` with the one after it (``None`` after the last)."""
+    previous: list[T] = []
+    for step in steps:
+        if previous:
+            yield previous.pop(), step
+        previous.append(step)
+    if previous:
+        yield previous.pop(), None
