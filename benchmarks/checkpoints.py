@@ -163,7 +163,9 @@ def summarize(jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def cluster() -> Iterator[LocalCluster]:
     """A :class:`LocalCluster` (job threads 1) with :data:`WORKERS` workers (``--threads 1``,
     no spare daemon), idle; on a failure (not Ctrl-C) the tail of every log is printed first."""
-    with LocalCluster(heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1) as c:
+    with LocalCluster(
+        heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1, spare_daemons=False
+    ) as c:
         try:
             c.start_coordinator()
             for i in range(WORKERS):

@@ -242,9 +242,10 @@ def _check_partition(fields: dict[str, Any], say: Say, label: str) -> dict[str, 
     return {**fields, "node_ids": tuple(ids)}
 
 
-class ModelParallelOptions(StrategyOptions):
+class ModelParallelOptions(CheckpointOptions):
     """The graph's partitions, in graph order; micro-batches per global batch; the schedule;
-    the device of the partitions that name none."""
+    the device of the partitions that name none; ``spares`` more workers (tagged ``spare_tag``,
+    or any) held by the job to take a lost stage's place."""
 
     wire_name = "model_parallel"
     sdk_name = "ModelParallel"
@@ -255,6 +256,8 @@ class ModelParallelOptions(StrategyOptions):
     device: str | None = None
     transport: str = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    spares: int = 0
+    spare_tag: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
@@ -278,6 +281,12 @@ class ModelParallelOptions(StrategyOptions):
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, not {transport!r}"
             )
         _check_collective_timeout(fields, say)
+        spares = fields.get("spares", 0)
+        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
+            raise say.no(f"spares must be an integer >= 0, not {spares!r}")
+        if say.selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
+            raise say.no("spare_tag names the spares' tag: give spares=N (N >= 1) too")
+        cls._check_checkpoints(fields, say)
         return {**fields, "partitions": partitions}
 
     def to_wire(self) -> dict[str, Any]:
@@ -292,7 +301,11 @@ class ModelParallelOptions(StrategyOptions):
             options["transport"] = self.transport
         if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
             options["collective_timeout"] = self.collective_timeout
-        return options
+        if self.spares:
+            options["spares"] = self.spares
+        if self.spare_tag is not None:
+            options["spare_tag"] = self.spare_tag
+        return options | self._checkpoints_wire()
 
     def device_of(self, partition: int) -> str | None:
         """Where partition ``partition`` runs: its own device, else the pipeline's."""
