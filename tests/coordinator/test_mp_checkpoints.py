@@ -109,9 +109,7 @@ def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("every", [3, 0])
-def test_a_lost_stage_fails_over_to_a_spare_and_the_result_is_the_undisturbed_runs(
-    tmp_path, every
-):
+def test_a_lost_stage_fails_over_to_a_spare_and_the_result_is_the_undisturbed_runs(tmp_path, every):
     """Lost in its 15th micro-batch forward (batch 8: 2 a batch), stage 1 moves to the spare;
     every stage goes back to the checkpoint after batch 6 (``every=3``) or, keeping none, to
     the start — and the result is the plain torch loop's."""
