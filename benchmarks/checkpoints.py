@@ -15,8 +15,8 @@ variants of the same job:
 
 - *anchor*: ``checkpoint_every=0``, no checkpoints;
 - *ours, default*: ``checkpoint_every=None``: at the end of every epoch (or after 60 s of
-  training, which a 10-step epoch never reaches), so after steps 10, 20, 30 and 40 (never after
-  the last), all 4 inside the measured span;
+  training, which a 10-step epoch never reaches), so after steps 10, 20, 30 and 40, all 4
+  inside the measured span, and at the end (step 50, after it);
 - *context*: ``checkpoint_every=1``, a checkpoint every step, the worst case.
 
 **Per step**: :func:`benchmarks.data_parallel.per_step` of the coordinator's times of the

@@ -93,6 +93,7 @@ class _Job:
     restarts: int = 0  # times it went back to its last checkpoint after a fault
     restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
     restart_expiry: asyncio.Task[None] | None = None  # fails it if no workers take it in time
+    resume_from: str | None = None  # the job whose newest checkpoint it starts from
 
 
 @dataclass
@@ -248,6 +249,13 @@ class JobManager:
         why = unlabelled(inputs, self.registry) or unequal_stage_rows(placement, known)
         if why is not None:
             raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+        if msg.resume_from is not None:
+            if self.files is None:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, "resume_from: this coordinator keeps no checkpoints"
+                )
+            source = await self._record(msg.resume_from)
+            await asyncio.to_thread(self.files.continuable, source, strategy)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
@@ -255,11 +263,12 @@ class JobManager:
             "dataset": msg.dataset,
             "placement": placement.describe(),
             "owner": owner,
-        }
+        } | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
         await self._enqueue(job, placement.describe(), {})
         return record.id
 
@@ -282,6 +291,7 @@ class JobManager:
             return
         after = {"requeued": "the coordinator restarted"}
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
         await self._enqueue(job, placement.describe(), after)
 
     async def _enqueue(self, job: _Job, placement: str, data: dict[str, Any]) -> None:
@@ -484,7 +494,9 @@ class JobManager:
                 await self._emit(job.id, event, data)
 
             if self.files is not None:
-                saves = await self.files.checkpoints_for(job.id, job.strategy, emit)
+                saves = await self.files.checkpoints_for(
+                    job.id, job.strategy, emit, job.resume_from
+                )
                 job.inputs = dataclasses.replace(job.inputs, checkpoints=saves)
             how = await job.strategy.prepare(ctx, job.inputs, emit)
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)

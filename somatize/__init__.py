@@ -24,7 +24,7 @@ from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
-from somatize.jobs import Job, JobEventInfo
+from somatize.jobs import Job, JobCheckpoint, JobEventInfo
 from somatize.strategies import (
     DataParallel,
     FedAdam,
@@ -55,6 +55,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "Job",
+    "JobCheckpoint",
     "JobEventInfo",
     "JobFailed",
     "Local",

@@ -243,7 +243,15 @@ class Client:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, graph: Graph, x: Any, y: Any = None, strategy: Strategy | None = None) -> Job:
+    def submit(
+        self,
+        graph: Graph,
+        x: Any,
+        y: Any = None,
+        strategy: Strategy | None = None,
+        *,
+        resume_from: str | Job | None = None,
+    ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
         The filters travel pickled (:func:`protocol.filters.dump_filter`) as they are now, their
@@ -254,6 +262,12 @@ class Client:
             x: input rows (numpy array or torch tensor).
             y: labels, row-aligned with ``x``.
             strategy: how to spread the job over workers (default :class:`Local`).
+            resume_from: a job (or its id) to continue: this one starts from that job's newest
+                checkpoint — its end, when it succeeded — every node's state, every optimizer's
+                state and the position (step, epoch, round), and trains on to this job's end:
+                the same graph and data with more epochs (rounds) equal one longer run. The
+                job must have run the same strategy and kept a checkpoint (a cancelled or
+                failed one keeps them all). Refused at submit otherwise.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -300,6 +314,7 @@ class Client:
             dataset=dataset,
             loader=loader,
             strategy=strategy.spec(),
+            resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)

@@ -257,7 +257,8 @@ class FedAvg(Strategy):
         server.load_state_dict(resume.payload["server"])
         at = FederatedPosition(resume.payload["global_state"], server, cohort)
         at.round = int(resume.position["round"])
-        await emit("resumed", resume.position | {"checkpoint": resume.seq})
+        assert job.checkpoints is not None
+        await emit("resumed", job.checkpoints.resumed())
         return at
 
     def _select(self, r: int, cohort: Cohort) -> list[int]:

@@ -57,11 +57,13 @@ class StageCheckpoints:
     emit: Emit
 
     def __post_init__(self) -> None:
-        resume = None if self.checkpoints is None else self.checkpoints.resume
-        self.newest: tuple[dict[str, Any], dict[str, Any], int | None] | None = (
-            None if resume is None else (resume.position, resume.payload, resume.seq)
+        saves = self.checkpoints
+        self.newest: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = (
+            None
+            if saves is None or saves.resume is None
+            else (saves.resume.position, saves.resume.payload, saves.resumed())
         )
-        """(position, payload, seq) of the checkpoint a restore goes back to."""
+        """(position, payload, what ``resumed`` says) of the checkpoint a restore goes back to."""
 
     @classmethod
     def of(
@@ -89,7 +91,7 @@ class StageCheckpoints:
         global batches it had done (``0``: none, nothing set)."""
         if self.newest is None:
             return 0
-        position, payload, seq = self.newest
+        position, payload, said = self.newest
         states, optimizers = payload["states"], payload["optimizers"]
 
         async def put(s: int) -> None:
@@ -100,7 +102,6 @@ class StageCheckpoints:
                 await guard(self.ctx.set_optimizer_state(s, trained), stage=s)
 
         await concurrently(*(put(s) for s in self.pipeline))
-        said = position | ({"checkpoint": seq} if seq is not None else {})
         await self.emit("resumed", said)
         return int(position["step"])
 
@@ -125,7 +126,7 @@ class StageCheckpoints:
         position = {"step": done, "epoch": min(self.epochs, (done - 1) // per_epoch + 1)}
         payload = {"states": states, "optimizers": optimizers}
         await self.checkpoints.save(position, payload)
-        self.newest = (position, payload, None)
+        self.newest = (position, payload, position)
         self.policy.saved()
 
     async def finish(self) -> None:
