@@ -40,6 +40,7 @@ from protocol.options_base import (
     DEFAULT_RESTART_TIMEOUT,
     CheckpointOptions,
     Dialect,
+    RestartOptions,
     Say,
     StrategyOptions,
     T,
@@ -100,8 +101,9 @@ DEFAULT_ELASTIC_TIMEOUT = 60.0
 # -- single-worker and data-parallel ------------------------------------------------------------
 
 
-class LocalOptions(StrategyOptions):
-    """The whole graph on one worker, pinned by id or by tag (not both) or neither."""
+class LocalOptions(RestartOptions):
+    """The whole graph on one worker, pinned by id or by tag (not both) or neither; restarted
+    from the start (it keeps no checkpoints) up to ``max_restarts`` times after a fault."""
 
     wire_name = "local"
     sdk_name = "Local"
@@ -120,7 +122,13 @@ class LocalOptions(StrategyOptions):
                 f"(worker={worker!r}, tag={tag!r})"
             )
         say.device("device", fields.get("device"))
+        cls._check_restarts(fields, say)
         return fields
+
+    def to_wire(self) -> dict[str, Any]:
+        pinned = {k: v for k, v in (("worker", self.worker), ("tag", self.tag)) if v is not None}
+        on = {"device": self.device} if self.device is not None else {}
+        return pinned | on | self._restarts_wire()
 
 
 def _check_collective_timeout(fields: dict[str, Any], say: Say) -> None:

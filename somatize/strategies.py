@@ -75,15 +75,22 @@ class Local(Strategy):
         worker: run on the worker with this id (default: any idle worker).
         tag: run on a worker that has this tag (default: any idle worker).
         device: run on a worker training on this device (default: any).
+        max_restarts: how many times the job, when its worker is lost or its daemon crashes,
+            is queued again and trains from the start (a Local job keeps no checkpoints: its
+            one call trains the whole graph) instead of failing (default 0).
+        restart_timeout: seconds a restart waits for a worker.
 
     Raises:
         ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given;
-            ``device`` is not one of the device forms.
+            ``device`` is not one of the device forms; ``max_restarts`` not an integer >= 0 or
+            ``restart_timeout`` not a positive number.
     """
 
     worker: str | None = None
     tag: str | None = None
     device: str | None = None
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "local"
 

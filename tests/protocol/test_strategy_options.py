@@ -260,7 +260,7 @@ def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sid
         strategy_from_spec(spec.name, options)
 
 
-@pytest.mark.parametrize(("make", "wire_name"), RESUMABLE)
+@pytest.mark.parametrize(("make", "wire_name"), [*RESUMABLE, (sz.Local, "local")])
 def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
     assert not {"max_restarts", "restart_timeout"} & set(make().options())  # 0: never
     assert strategy_from_spec(wire_name, make().options()).max_restarts == 0
