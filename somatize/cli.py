@@ -4,6 +4,7 @@ Commands::
 
     somatize demo [--epochs N]                   train the digits demo in this process
     somatize submit FILE.py [--no-wait]          submit the job FILE.py defines, follow it
+    somatize cancel ID                           cancel a queued or running job
     somatize status                              workers and jobs
     somatize jobs [--limit N]                    the newest jobs
     somatize result ID [--save PATH] [--wait S]  a finished job's states
@@ -14,6 +15,7 @@ The commands that talk to a coordinator take ``--coordinator URL`` (default
 
 Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a usage error or
 a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
+Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.interrupt`).
 
 A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`` (a
 :class:`~somatize.Graph`) and ``x``, and optionally ``y`` and ``strategy`` (default
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
 from somatize.errors import UsageError
+from somatize.interrupt import exit_signals, when_stopped
 from somatize.tables import (
     cells,
     describe_state,
@@ -126,6 +129,15 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
     )
+    submit.add_argument(
+        "--cancel-on-exit",
+        action="store_true",
+        help="cancel the job if this command stops before it ends (Ctrl-C, SIGTERM, SIGHUP) "
+        "instead of asking",
+    )
+
+    cancel = sub.add_parser("cancel", parents=[remote], help="cancel a queued or running job")
+    cancel.add_argument("job_id", metavar="ID", help="the job's id")
 
     sub.add_parser("status", parents=[remote], help="show workers and jobs")
 
@@ -288,13 +300,10 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             return EXIT_OK
         started = time.monotonic()
         try:
-            end = follow(job, err)
-        except KeyboardInterrupt:
-            err.print(
-                f"stopped following job {job.id}; it goes on (somatize result {job.id})",
-                markup=False,
-                soft_wrap=True,
-            )
+            with exit_signals(args.cancel_on_exit):
+                end = follow(job, err)
+        except KeyboardInterrupt as stop:
+            when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
         if end is None:
             err.print(
@@ -355,7 +364,14 @@ def _print_failure(err: Console, exc: Any) -> None:
         err.print(trace.rstrip(), markup=False, soft_wrap=True)
 
 
-# -- status, jobs, result ----------------------------------------------------------------------
+# -- cancel, status, jobs, result --------------------------------------------------------------
+
+
+def _cancel(args: argparse.Namespace, out: Console, err: Console) -> int:
+    with _connect(args) as client:
+        client.job(args.job_id).cancel()
+    out.print(f"job {printable(args.job_id)} cancelled", markup=False, soft_wrap=True)
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -454,7 +470,13 @@ def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
     plt.close(figure)
 
 
-_COMMANDS = {"submit": _submit, "status": _status, "jobs": _jobs, "result": _result}
+_COMMANDS = {
+    "submit": _submit,
+    "cancel": _cancel,
+    "status": _status,
+    "jobs": _jobs,
+    "result": _result,
+}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,271 @@
+"""What a new user meets first, through the real ``somatize`` command line (issue 18): cancelling
+a job, Ctrl-C while following one, refusals at submit, the job list and the progress line.
+
+One cluster for the module: a coordinator and two workers tagged ``dp`` (as the README's
+``examples/digits_job.py`` wants them), stopped at the end whatever happened. Ctrl-C questions
+are answered on a real pseudo-terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import somatize as sz
+from tests.integration.cluster import Cluster, wait_for
+from tests.utils import UNIT, interruptible
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+SLEEPY_JOB = textwrap.dedent(
+    """
+    import time
+    import numpy as np
+    import somatize as sz
+
+    class Sleepy(sz.Filter):
+        def fit(self, x, y=None):
+            time.sleep(3600)
+            return {}
+
+        def forward(self, x, state):
+            return x
+
+    x = np.zeros((8, 2), dtype=np.float32)
+    graph = sz.Graph([Sleepy()])
+    strategy = sz.Local(tag="dp")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("first-hour") / "state")
+    try:
+        c.start_coordinator()
+        c.start_worker("box-1", "dp", device="cpu")
+        c.start_worker("box-2", "dp", device="cpu")
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def client(live: Cluster) -> Iterator[sz.Client]:
+    with sz.connect(live.url, timeout=20 * UNIT) as c:
+        yield c
+
+
+def _env(live: Cluster) -> dict[str, str]:
+    env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
+    env.pop("SOMATIZE_TOKEN", None)
+    return env
+
+
+def _somatize(live: Cluster, *args: str, seconds: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "somatize"), *args],
+        capture_output=True,
+        text=True,
+        env=_env(live),
+        timeout=seconds * UNIT,
+        check=False,
+    )
+
+
+def _job_file(tmp_path: Path, text: str, name: str = "job.py") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _running(client: sz.Client, job_id: str) -> None:
+    wait_for(lambda: client.job(job_id).status()["state"] == "running", 60 * UNIT, "the job to run")
+
+
+def _newest_running(client: sz.Client, before: set[str]) -> str:
+    """The id of the job a command submitted (one not in ``before``), once it runs."""
+
+    def found() -> str | None:
+        for record in client.jobs(limit=5):
+            if record["id"] not in before and record["state"] == "running":
+                return str(record["id"])
+        return None
+
+    return str(wait_for(found, 60 * UNIT, "the submitted job to run"))
+
+
+def _state(client: sz.Client, job_id: str) -> str:
+    return str(client.job(job_id).status()["state"])
+
+
+def _free_workers(live: Cluster) -> None:
+    live.wait_connected("box-1")
+    live.wait_connected("box-2")
+
+
+# -- 1. cancel, and Ctrl-C while following ---------------------------------------------------
+
+
+def test_somatize_cancel_ends_a_running_job_and_says_so(live, client, tmp_path):
+    submitted = _somatize(live, "submit", "--no-wait", _job_file(tmp_path, SLEEPY_JOB))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    _running(client, job_id)
+
+    cancelled = _somatize(live, "cancel", job_id, seconds=60)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == f"job {job_id} cancelled"
+    assert _state(client, job_id) == "cancelled"
+
+    again = _somatize(live, "cancel", job_id, seconds=60)
+    assert again.returncode == 2
+    assert f"job {job_id} already ended (cancelled): nothing to cancel" in again.stderr
+    unknown = _somatize(live, "cancel", "no-such-job", seconds=60)
+    assert unknown.returncode == 2 and "unknown_job" in unknown.stderr
+    _free_workers(live)
+
+
+class _Terminal:
+    """``somatize ARGS`` on a pseudo-terminal (its stdin, stdout and stderr), as a user runs it."""
+
+    def __init__(self, live: Cluster, *args: str) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            interruptible([str(BIN / "somatize"), *args]),
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=_env(live),
+        )
+        os.close(slave)
+        self.seen = b""
+
+    def read_until(self, text: str, seconds: float) -> str:
+        """What the terminal showed, once it shows ``text``."""
+        deadline = time.monotonic() + seconds
+        while text.encode() not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {text!r} on the terminal: {self.seen.decode(errors='replace')}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                try:
+                    self.seen += os.read(self.master, 65536)
+                except OSError:  # the other side closed: the command ended
+                    break
+        return self.seen.decode(errors="replace")
+
+    def type(self, line: str) -> None:
+        os.write(self.master, line.encode())
+
+    def finish(self, seconds: float) -> int:
+        try:
+            code = self.proc.wait(timeout=seconds)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._drain()
+        return code
+
+    def _drain(self) -> None:
+        """Read what is left on the terminal, then close it."""
+        while True:
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if not ready:
+                break
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.seen += chunk
+        os.close(self.master)
+
+
+@pytest.mark.parametrize("answer", ["y", ""])
+def test_ctrl_c_in_submit_asks_whether_to_cancel_the_job(live, client, tmp_path, answer):
+    before = {r["id"] for r in client.jobs(limit=50)}
+    term = _Terminal(live, "submit", _job_file(tmp_path, SLEEPY_JOB))
+    job_id = _newest_running(client, before)
+    term.proc.send_signal(signal.SIGINT)
+    term.read_until(f"interrupted: cancel job {job_id} too? [y/N] ", 30 * UNIT)
+    term.type(answer + "\n")
+    assert term.finish(30 * UNIT) == 130
+    shown = term.seen.decode(errors="replace")
+    if answer == "y":
+        assert f"interrupted: job {job_id} cancelled" in shown
+        assert _state(client, job_id) == "cancelled"
+    else:
+        assert f"job {job_id} goes on on the coordinator" in shown
+        assert f"somatize cancel {job_id}" in shown
+        assert _state(client, job_id) == "running"
+        client.job(job_id).cancel()
+    _free_workers(live)
+
+
+def test_ctrl_c_without_a_terminal_leaves_the_job_running_without_asking(live, client, tmp_path):
+    before = {r["id"] for r in client.jobs(limit=50)}
+    proc = subprocess.Popen(
+        interruptible([str(BIN / "somatize"), "submit", _job_file(tmp_path, SLEEPY_JOB)]),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(live),
+    )
+    try:
+        job_id = _newest_running(client, before)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30 * UNIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130
+    assert out.strip() == job_id
+    assert "too? [y/N]" not in err
+    assert f"interrupted: job {job_id} goes on on the coordinator" in err
+    assert _state(client, job_id) == "running"
+    client.job(job_id).cancel()
+    _free_workers(live)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cancel_on_exit_cancels_the_job_when_submit_stops(live, client, tmp_path, sig):
+    before = {r["id"] for r in client.jobs(limit=50)}
+    argv = [str(BIN / "somatize"), "submit", "--cancel-on-exit", _job_file(tmp_path, SLEEPY_JOB)]
+    proc = subprocess.Popen(
+        interruptible(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(live),
+    )
+    try:
+        job_id = _newest_running(client, before)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30 * UNIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    how = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"
+    assert f"{how}: job {job_id} cancelled" in err
+    assert _state(client, job_id) == "cancelled"
+    _free_workers(live)
