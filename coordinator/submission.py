@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from coordinator.context import WorkerIdentity
 from coordinator.errors import StrategyOptionsError
@@ -17,6 +16,7 @@ from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from
 from protocol.devices import device_fits
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Submit
+from protocol.rows import inline_data_problem, rows_of
 from protocol.wording import listed
 
 __all__ = ["check_targets", "placement_of", "rows_of", "unequal_stage_rows", "unlabelled", "vetted"]
@@ -54,6 +54,14 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     inputs = JobInputs(
         msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset, msg.loader
     )
+    # What graph.fit would refuse of the data, refused now in its words (not on a worker).
+    why = (
+        None
+        if msg.dataset is not None
+        else inline_data_problem(inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y)
+    )
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
     try:
         strategy.validate(inputs)
     except StrategyOptionsError as exc:
@@ -169,11 +177,3 @@ def unequal_stage_rows(placement: Placement, known: Sequence[WorkerIdentity]) ->
         f"dataset {name!r}: the first stage ({first}) reads x and the last ({last}) y, and "
         f"their rows must agree; the workers that could take them hold {said} rows"
     )
-
-
-def rows_of(x: Any) -> int | None:
-    """How many rows ``x`` holds, when it says."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None

@@ -186,6 +186,50 @@ def test_bad_submissions_are_refused_before_they_are_stored(tmp_path):
     run(main())
 
 
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [
+        ("local", {}),
+        ("data_parallel", {"workers": 2}),
+        ("fedavg", {"rounds": 1}),
+        (
+            "model_parallel",
+            {
+                "partitions": [
+                    {"node_ids": ["c"], "tag": "cpu"},
+                    {"node_ids": ["lin"], "tag": "cpu"},
+                ]
+            },
+        ),
+    ],
+)
+def test_data_graph_fit_would_refuse_is_refused_at_submit_for_every_strategy(
+    tmp_path, strategy, options
+):
+    """Issue 18: x and y of different lengths (and labels missing for a TorchFilter) are
+    refused when the job is submitted, in graph.fit's words, never stored nor run."""
+
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "cpu")
+            h.worker("b", "cpu")
+            msg = submit(strategy, **options)
+            short = msg.model_copy(update={"y": msg.y[:20]})
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(short)
+            assert caught.value.info.code is ErrorCode.BAD_REQUEST
+            assert caught.value.info.message == "x has 24 rows and y has 20: they must match"
+            unlabelled = msg.model_copy(update={"y": None})
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(unlabelled)
+            assert caught.value.info.message == (
+                "node 'lin' is differentiable: training it needs labels (y)"
+            )
+            assert h.store.list(None, 10) == [] and h.contexts == []
+
+    run(main())
+
+
 def test_a_dataset_served_without_labels_is_refused_at_submit_for_a_torch_filter(tmp_path):
     """Issue 15: what the hellos say is checked at submit. Rows without y cannot train a
     TorchFilter; a plain graph still runs on them, and a loader's path is not judged."""

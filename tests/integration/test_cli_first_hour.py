@@ -269,3 +269,44 @@ def test_cancel_on_exit_cancels_the_job_when_submit_stops(live, client, tmp_path
     assert f"{how}: job {job_id} cancelled" in err
     assert _state(client, job_id) == "cancelled"
     _free_workers(live)
+
+
+# -- 2. what graph.fit refuses is refused at submit ------------------------------------------
+
+MLP_JOB = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import somatize as sz
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=({x_rows}, 8)).astype(np.float32)
+    y = rng.integers(0, 2, size={y_rows})
+    torch.manual_seed(0)
+    net = sz.TorchFilter(torch.nn.Linear(8, 2), loss="cross_entropy", batch_size=32, epochs=2)
+    graph = sz.Graph([net.named("net")])
+    strategy = {strategy}
+    """
+)
+
+
+def _mlp_job(x_rows: int = 256, y_rows: int = 256, strategy: str = "sz.DataParallel(2)") -> str:
+    return (
+        MLP_JOB.replace("{x_rows}", str(x_rows))
+        .replace("{y_rows}", str(y_rows))
+        .replace("{strategy}", strategy)
+    )
+
+
+def test_x_and_y_of_different_lengths_are_refused_at_submit(live, client, tmp_path):
+    before = [r["id"] for r in client.jobs(limit=50)]
+    job_file = _job_file(tmp_path, _mlp_job(256, 200, 'sz.DataParallel(2, tag="dp")'))
+    submitted = _somatize(live, "submit", job_file, seconds=60)
+    assert submitted.returncode == 2, (submitted.stdout, submitted.stderr)
+    assert submitted.stdout == ""
+    assert (
+        "somatize submit: [bad_request] x has 256 rows and y has 200: they must match"
+        in submitted.stderr
+    )
+    assert "Traceback" not in submitted.stderr
+    assert [r["id"] for r in client.jobs(limit=50)] == before  # never stored
