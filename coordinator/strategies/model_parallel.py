@@ -50,7 +50,12 @@ from coordinator.strategies.pipeline_torch import LABELS, TorchPipeline, choose_
 from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
 from coordinator.strategies.steps import Training, global_batches, plain_prefix
-from protocol.daemon import CompositeFitRequest, StageRequest, StageStepRequest
+from protocol.daemon import (
+    BatchedFitRequest,
+    CompositeFitRequest,
+    StageRequest,
+    StageStepRequest,
+)
 from protocol.errors import ErrorCode
 from protocol.strategy_options import DEFAULT_COLLECTIVE_TIMEOUT, ModelParallelOptions
 from protocol.wording import listed
@@ -185,23 +190,21 @@ class ModelParallel(Strategy):
         if job.dataset is not None:
             staged = await guard(ctx.call(first_stage, job.own_data(STAGED)), stage=first_stage)
             own_rows = int(staged["rows"])
-        for s, nodes in enumerate(stages[: first_stage + 1]):
+        pipeline = list(range(first_stage, len(stages)))
+        alone = len(pipeline) == 1  # the one stage that trains: it fits its own plain filters
+        for s, nodes in enumerate(stages[: first_stage + (0 if alone else 1)]):
             plain = [n for n in nodes if n not in torch_nodes]
             if plain:
                 data = {"data": STAGED} if own_rows is not None else {"x": x}
                 fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, **data)), stage=s)
                 if s < first_stage:
                     x = fit["output"]
-        pipeline = list(range(first_stage, len(stages)))
-        if len(pipeline) < 2:
-            # Its one stage_forward would take the rows by name and the labels inline, which a
-            # daemon refuses: the job fails as it would there, before any training.
-            raise StrategyFailed(
-                ErrorCode.BAD_REQUEST,
-                f"stage {first_stage} {stages[first_stage]}: a pipeline needs at least two "
-                "stages that train; for one, use Local or DataParallel",
-                stage=first_stage,
-            )
+        if alone:
+            # First stage and last: no activation to pass on. It trains its nodes on what the
+            # stages before it output, as graph.fit trains them on that.
+            source = {"data": STAGED} if own_rows is not None else {"x": x, "y": job.y}
+            await _train_alone(ctx, guard, first_stage, stages[first_stage], source, emit)
+            return await _read_back(ctx, guard, stages)
         plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.collective_timeout))
         if own_rows is not None and not isinstance(meet, Rendezvous):
@@ -292,6 +295,24 @@ def own_data_checks(
             "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "
             "would travel through the coordinator; put them in the first TorchFilter's partition"
         )
+
+
+async def _train_alone(
+    ctx: StrategyContext,
+    guard: _Guard,
+    stage: int,
+    nodes: list[str],
+    source: dict[str, Any],
+    emit: Emit,
+) -> None:
+    """3. The one stage that trains runs the whole training loop (``batched_fit``) on
+    ``source``: the output of the stages before it, or its own rows."""
+    await emit("progress", {"phase": "training", "stage": stage})
+    request = BatchedFitRequest(node_ids=nodes, return_output=False, return_states=False, **source)
+    fit = await guard(ctx.call(stage, request), stage=stage)
+    losses = fit.get("epoch_losses") or []
+    trained = {"phase": "trained", "loss": fit.get("loss"), "epochs": len(losses)}
+    await emit("progress", trained | {"epoch_losses": losses})
 
 
 async def _read_back(

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import somatize as sz
 from tests.integration.cluster import Cluster, wait_for
@@ -310,3 +311,44 @@ def test_x_and_y_of_different_lengths_are_refused_at_submit(live, client, tmp_pa
     )
     assert "Traceback" not in submitted.stderr
     assert [r["id"] for r in client.jobs(limit=50)] == before  # never stored
+
+
+# -- 3. a plain filter alone on the first pipeline stage ---------------------------------------
+
+PIPELINE_JOB = textwrap.dedent(
+    """
+    import numpy as np
+    from somatize.demo import digits_graph
+    import somatize as sz
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, 64)).astype(np.float32)
+    y = rng.integers(0, 10, size=96)
+    graph = digits_graph(epochs=2)
+    stages = [
+        sz.Partition(["standardize"], worker="box-1"),
+        sz.Partition(["hidden", "head"], worker="box-2"),
+    ]
+    strategy = sz.ModelParallel(stages, micro_batches=2)
+    """
+)
+
+
+def test_a_pipeline_whose_first_stage_is_a_plain_filter_trains_like_graph_fit(
+    live, client, tmp_path
+):
+    job_file = _job_file(tmp_path, PIPELINE_JOB, "pipeline_job.py")
+    submitted = _somatize(live, "submit", job_file)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    assert f"job {job_id} succeeded" in submitted.stderr
+
+    from somatize.cli import load_job_file
+
+    graph, x, y, _ = load_job_file(job_file)
+    fitted = client.job(job_id, graph).result(timeout=30 * UNIT)
+    reference = graph.fit(x, y)
+    for node, state in reference.states.items():
+        for key, value in state.items():
+            got = fitted.states[node][key]
+            assert float((torch.as_tensor(got) - torch.as_tensor(value)).abs().max()) <= 1e-5
