@@ -149,7 +149,12 @@ def _parser() -> argparse.ArgumentParser:
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
     result.add_argument("job_id", metavar="ID", help="the job's id")
-    result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
+    result.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the states (no pickle: torch.load(PATH, weights_only=True) or "
+        "somatize.load(PATH, graph) reads them)",
+    )
     result.add_argument(
         "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
     )
@@ -420,9 +425,9 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         plot_loss(points, args.plot, title=f"job {args.job_id}")
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.save:
-        import torch
+        from somatize.saved import save
 
-        torch.save(states, args.save)
+        save(args.save, states, list(states))
         err.print(
             f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
         )

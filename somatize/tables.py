@@ -15,6 +15,7 @@ __all__ = [
     "cells",
     "describe_state",
     "device_text",
+    "dtype_name",
     "duration_text",
     "jobs_table",
     "placed_text",
@@ -187,6 +188,12 @@ def duration_text(record: dict[str, Any], now: float) -> str:
     return ""
 
 
+def dtype_name(dtype: Any) -> str:
+    """A numpy or torch dtype named one way: ``float32`` for ``numpy.float32`` and
+    ``torch.float32`` alike."""
+    return str(dtype).removeprefix("torch.")
+
+
 def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
     """``(key, shape, dtype)`` of each leaf of a state (nested dicts and lists flattened)."""
     if isinstance(state, dict):
@@ -199,7 +206,7 @@ def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str
         return
     shape, dtype = getattr(state, "shape", None), getattr(state, "dtype", None)
     if shape is not None and dtype is not None:
-        yield prefix, str(tuple(int(n) for n in shape)), str(dtype)
+        yield prefix, str(tuple(int(n) for n in shape)), dtype_name(dtype)
     else:
         text = repr(state)
         yield prefix, "", type(state).__name__ + (f" {text}" if len(text) <= 40 else "")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -352,3 +353,54 @@ def test_a_pipeline_whose_first_stage_is_a_plain_filter_trains_like_graph_fit(
         for key, value in state.items():
             got = fitted.states[node][key]
             assert float((torch.as_tensor(got) - torch.as_tensor(value)).abs().max()) <= 1e-5
+
+
+# -- 5. from a result to a model of one's own -----------------------------------------------
+
+SCALED_JOB = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import somatize as sz
+
+    class Scale(sz.Filter):
+        def fit(self, x, y=None):
+            return {"scale": np.abs(x).max(0) + 1e-6}
+
+        def forward(self, x, state):
+            return (np.asarray(x) / state["scale"]).astype(np.float32)
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    torch.manual_seed(0)
+    net = sz.TorchFilter(torch.nn.Linear(4, 2), loss="cross_entropy", lr=0.5, epochs=2)
+    graph = Scale().named("scale") >> net.named("linear")
+    strategy = sz.Local(tag="dp")
+    """
+)
+
+
+def test_a_result_saved_by_the_cli_loads_without_pickle_and_predicts(live, client, tmp_path):
+    job_file = _job_file(tmp_path, SCALED_JOB, "scaled_job.py")
+    submitted = _somatize(live, "submit", job_file)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+
+    saved = tmp_path / "states.pt"
+    result = _somatize(live, "result", job_id, "--save", str(saved), seconds=60)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[2].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    assert "float32" in rows["scale"] and "float32" in rows["weight"]
+    assert "torch." not in result.stdout  # numpy's and torch's float32 named one way
+
+    raw = torch.load(saved, weights_only=True)  # what a user tries first
+    assert sorted(raw["states"]) == ["linear", "scale"]
+
+    from somatize.cli import load_job_file
+
+    graph, x, _, _ = load_job_file(job_file)
+    loaded = sz.load(saved, graph)
+    remote = client.job(job_id, graph).result(timeout=30 * UNIT)
+    assert isinstance(loaded.states["scale"]["scale"], np.ndarray)  # as the filter made it
+    np.testing.assert_array_equal(np.asarray(loaded.forward(x)), np.asarray(remote.forward(x)))
