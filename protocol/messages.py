@@ -338,6 +338,9 @@ class Submit(_Message):
     dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
     loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
+    # None: a worker id, tag, dataset or device no registered worker has is refused at once;
+    # seconds: the job waits that long for its workers, whatever it asks, then fails.
+    wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
 class Watch(_Message):

@@ -51,6 +51,7 @@ from somatize.tables import (
     placed_text,
     printable,
     progress_text,
+    queued_text,
     replica_text,
     workers_table,
 )
@@ -128,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("file", metavar="FILE.py", help="the job file")
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
+    )
+    submit.add_argument(
+        "--wait-for-workers",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="wait this long for workers that can take the job (a tag or worker id no worker "
+        "has yet included), then fail; by default such a job is refused at once",
     )
     submit.add_argument(
         "--cancel-on-exit",
@@ -299,7 +307,7 @@ def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
 def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
     graph, x, y, strategy = load_job_file(args.file)
     with _connect(args) as client:
-        job = client.submit(graph, x, y, strategy=strategy)
+        job = client.submit(graph, x, y, strategy=strategy, wait_for_workers=args.wait_for_workers)
         out.print(job.id, markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
@@ -342,8 +350,7 @@ def follow(job: Job, err: Console) -> Any:
         task = progress.add_task(f"job {job.id}", total=None, info="submitted")
         for event in job.events():
             if event.event == "queued":
-                needs = event.data.get("placement")
-                progress.update(task, info=f"queued: waiting for {needs}" if needs else "queued")
+                progress.update(task, info=queued_text(event.data))
             elif event.event == "placed":
                 progress.update(task, info=placed_text(event.data))
             elif event.event == "progress":

@@ -243,7 +243,15 @@ class Client:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, graph: Graph, x: Any, y: Any = None, strategy: Strategy | None = None) -> Job:
+    def submit(
+        self,
+        graph: Graph,
+        x: Any,
+        y: Any = None,
+        strategy: Strategy | None = None,
+        *,
+        wait_for_workers: float | None = None,
+    ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
         The filters travel pickled (:func:`protocol.filters.dump_filter`) as they are now, their
@@ -254,6 +262,10 @@ class Client:
             x: input rows (numpy array or torch tensor).
             y: labels, row-aligned with ``x``.
             strategy: how to spread the job over workers (default :class:`Local`).
+            wait_for_workers: ``None`` (default): a worker id, tag, dataset or device that no
+                registered worker has is refused at once (``no_workers``, with the nearest
+                names); seconds: the job waits that long for workers that can take it (ones
+                yet to register included), then fails ``no_workers``.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -267,6 +279,15 @@ class Client:
         if not isinstance(strategy, Strategy):
             raise TypeError(
                 f"strategy must be a somatize strategy (Local...), not {type(strategy).__name__}"
+            )
+        if wait_for_workers is not None and not (
+            isinstance(wait_for_workers, int | float)
+            and math.isfinite(wait_for_workers)
+            and wait_for_workers > 0
+        ):
+            raise ValueError(
+                "wait_for_workers must be a positive number of seconds or None, not "
+                f"{wait_for_workers!r}"
             )
         if len(graph.node_ids) > MAX_GRAPH_NODES:
             raise ValueError(
@@ -300,6 +321,7 @@ class Client:
             dataset=dataset,
             loader=loader,
             strategy=strategy.spec(),
+            wait_for_workers=wait_for_workers,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)

@@ -159,17 +159,25 @@ def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
         soft_wrap=True,
     )
     console.print()
-    console.print("The same on separate machines (the worker line on each worker machine):")
-    for line in (
-        "  somatize-coordinator --listen 0.0.0.0:8765 --state-dir /var/lib/somatize "
-        "--worker-token-file worker.token --client-token-file client.token",
-        "  somatize-worker --connect ws://COORDINATOR:8765 --token-file worker.token "
-        "--peer-listen 0.0.0.0:9000 --peer-advertise THIS-HOST:9000",
-        "  SOMATIZE_TOKEN=$(cat client.token) somatize submit job.py "
-        "--coordinator ws://COORDINATOR:8765",
-    ):
+    for line in ELSEWHERE:
         console.print(line, soft_wrap=True, markup=False)
     return accuracies
+
+
+EXAMPLE_JOB = "examples/digits_job.py"
+"""The demo's job as a file to submit (DataParallel over two workers tagged ``dp``)."""
+
+ELSEWHERE = (
+    f"The same on separate machines: {EXAMPLE_JOB} trains on 2 workers tagged dp, so start the "
+    "worker line on two machines (each with its own --id):",
+    "  somatize-coordinator --listen 0.0.0.0:8765 --state-dir /var/lib/somatize "
+    "--worker-token-file worker.token --client-token-file client.token",
+    "  somatize-worker --connect ws://COORDINATOR:8765 --id box-1 --tag dp --token-file "
+    "worker.token --peer-listen 0.0.0.0:9000 --peer-advertise THIS-HOST:9000",
+    f"  SOMATIZE_TOKEN=$(cat client.token) somatize submit {EXAMPLE_JOB} "
+    "--coordinator ws://COORDINATOR:8765",
+)
+"""What the demo ends with: the commands that run its job on machines of one's own."""
 
 
 def run_local(epochs: int = 10, *, quiet: bool = False, data: Digits | None = None) -> float:

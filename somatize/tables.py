@@ -21,6 +21,7 @@ __all__ = [
     "placed_text",
     "printable",
     "progress_text",
+    "queued_text",
     "replica_text",
     "workers_table",
 ]
@@ -140,6 +141,14 @@ def placed_text(data: dict[str, Any]) -> str:
     elif collective == "coordinator":
         text += f"; gradients through the coordinator: {data.get('collective_reason', '')}"
     return text
+
+
+def queued_text(data: dict[str, Any]) -> str:
+    """A ``queued`` event in words: ``queued: waiting for 2 workers tagged 'dp' (at most
+    60 s)``."""
+    needs, limit = data.get("placement"), data.get("wait_for_workers")
+    text = f"queued: waiting for {needs}" if needs else "queued"
+    return text + (f" (at most {limit:g} s)" if isinstance(limit, int | float) else "")
 
 
 def replica_text(event: str, data: dict[str, Any]) -> str:

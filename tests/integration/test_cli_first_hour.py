@@ -404,3 +404,29 @@ def test_a_result_saved_by_the_cli_loads_without_pickle_and_predicts(live, clien
     remote = client.job(job_id, graph).result(timeout=30 * UNIT)
     assert isinstance(loaded.states["scale"]["scale"], np.ndarray)  # as the filter made it
     np.testing.assert_array_equal(np.asarray(loaded.forward(x)), np.asarray(remote.forward(x)))
+
+
+# -- 6. a tag no worker has --------------------------------------------------------------------
+
+
+def test_a_tag_typo_is_refused_with_the_nearest_tag_unless_the_job_waits(live, client, tmp_path):
+    before = [r["id"] for r in client.jobs(limit=50)]
+    job_file = _job_file(tmp_path, _mlp_job(strategy='sz.DataParallel(2, tag="dpp")'))
+    refused = _somatize(live, "submit", job_file, seconds=60)
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert (
+        "somatize submit: [no_workers] no worker answers to tag 'dpp' (did you mean 'dp'?): "
+        "workers ['box-1', 'box-2'], tags ['dp']; to wait for such a worker instead, submit "
+        "with wait_for_workers=SECONDS"
+    ) in refused.stderr
+    assert [r["id"] for r in client.jobs(limit=50)] == before  # never stored
+
+    waited = _somatize(live, "submit", "--wait-for-workers", "1", job_file, seconds=60)
+    assert waited.returncode == 1, (waited.stdout, waited.stderr)
+    job_id = waited.stdout.strip()
+    assert (
+        f"job {job_id} failed: [no_workers] waited 1 s for its workers (wait_for_workers): no "
+        "worker answers to tag 'dpp' (did you mean 'dp'?)"
+    ) in waited.stderr
+    queued = next(e for e in client.job(job_id).events(timeout=10 * UNIT) if e.event == "queued")
+    assert queued.data == {"placement": "2 workers tagged 'dpp'", "wait_for_workers": 1.0}

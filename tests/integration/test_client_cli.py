@@ -363,7 +363,9 @@ def test_a_job_waiting_for_workers_says_what_it_waits_for(live, client, tmp_path
     job_file.write_text(
         JOB_FILE.replace("{epochs}", "1").replace('sz.Local(tag="cpu")', 'sz.Local(tag="gpu")')
     )
-    submitted = _somatize(live, "submit", "--no-wait", str(job_file), seconds=60)
+    # No worker is tagged gpu: the job would be refused, unless it waits (issue 18).
+    waits = ("--wait-for-workers", "600")
+    submitted = _somatize(live, "submit", "--no-wait", *waits, str(job_file), seconds=60)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     try:
