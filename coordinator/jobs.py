@@ -247,12 +247,16 @@ class JobManager:
             "dataset": msg.dataset,
             "placement": placement.describe(),
             "owner": owner,
+            "name": msg.name,
+            "file": msg.file,
         }
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
-        await self._enqueue(job, placement.describe(), {}, waits)
+        await self._enqueue(
+            job, placement.describe(), {"name": msg.name} if msg.name else {}, waits
+        )
         return record.id
 
     async def requeue(self, record: JobRecord) -> None:

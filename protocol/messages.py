@@ -341,6 +341,8 @@ class Submit(_Message):
     # None: a worker id, tag, dataset or device no registered worker has is refused at once;
     # seconds: the job waits that long for its workers, whatever it asks, then fails.
     wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # for the job list
+    file: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # its job file
 
 
 class Watch(_Message):

@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING, Any
 from protocol.token_file import token_file_problem
 from somatize.errors import UsageError
 from somatize.interrupt import exit_signals, when_stopped
+from somatize.progress import Progress as JobProgress
+from somatize.progress import bar_position
 from somatize.tables import (
     cells,
     describe_state,
     jobs_table,
     placed_text,
     printable,
-    progress_text,
     queued_text,
     replica_text,
     workers_table,
@@ -129,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("file", metavar="FILE.py", help="the job file")
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
+    )
+    submit.add_argument(
+        "--name", help="what the job list calls the job (default: the file's name, no .py)"
     )
     submit.add_argument(
         "--wait-for-workers",
@@ -307,14 +311,22 @@ def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
 def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
     graph, x, y, strategy = load_job_file(args.file)
     with _connect(args) as client:
-        job = client.submit(graph, x, y, strategy=strategy, wait_for_workers=args.wait_for_workers)
+        job = client.submit(
+            graph,
+            x,
+            y,
+            strategy=strategy,
+            wait_for_workers=args.wait_for_workers,
+            name=args.name or Path(args.file).stem,
+            file=args.file,
+        )
         out.print(job.id, markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
-        started = time.monotonic()
+        started, line = time.monotonic(), JobProgress()
         try:
             with exit_signals(args.cancel_on_exit):
-                end = follow(job, err)
+                end = follow(job, err, line)
         except KeyboardInterrupt as stop:
             when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
@@ -328,17 +340,21 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
 
             _print_failure(err, failure_of(job.id, end))
             return EXIT_JOB_FAILED
+        how = f": {line.final}" if line.final else ""
         err.print(
-            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s",
+            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s{how}",
             markup=False,
             soft_wrap=True,
         )
         return EXIT_OK
 
 
-def follow(job: Job, err: Console) -> Any:
-    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end)."""
+def follow(job: Job, err: Console, line: JobProgress | None = None) -> Any:
+    """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
+    given); its terminal event (``None``: no end)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    line = JobProgress() if line is None else line
 
     columns = (
         TextColumn("{task.description}"),
@@ -354,16 +370,16 @@ def follow(job: Job, err: Console) -> Any:
             elif event.event == "placed":
                 progress.update(task, info=placed_text(event.data))
             elif event.event == "progress":
-                epochs, epoch = event.data.get("epochs"), event.data.get("epoch")
-                if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
-                    progress.update(task, total=epochs, completed=min(epoch, epochs))
-                progress.update(task, info=progress_text(event.data))
+                done, total = bar_position(event.data)
+                if total:
+                    progress.update(task, total=total, completed=min(done, total))
+                progress.update(task, info=line.add(event.time, event.data))
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
                 if event.event == "succeeded":
-                    total = progress.tasks[0].total or 1
-                    progress.update(task, total=total, completed=total)
+                    end = progress.tasks[0].total or 1
+                    progress.update(task, total=end, completed=end)
                 progress.update(task, info=event.event)
                 return event
     return None
@@ -428,8 +444,9 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(table)
     if args.plot:
         with _connect(args) as client:
-            points = loss_curve(client.job(args.job_id).events(timeout=client.timeout))
-        plot_loss(points, args.plot, title=f"job {args.job_id}")
+            events = list(client.job(args.job_id).events(timeout=client.timeout))
+        points = loss_curve(events)
+        plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.save:
         from somatize.saved import save
@@ -463,23 +480,45 @@ def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
     return points
 
 
-def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
+def curve_unit(events: Iterable[Any]) -> str:
+    """What the loss curve's x-axis counts: federated ``round``, an ``epoch`` when the job
+    reported only its epochs' losses, else a training ``step``."""
+    progress = [e.data for e in events if e.event == "progress"]
+    if any(d.get("phase") == "round" for d in progress):
+        return "round"
+    if not any(isinstance(d.get("step"), int) for d in progress):
+        return "epoch"
+    return "step"
+
+
+def plot_loss(points: list[tuple[float, float]], path: str, title: str, x_label: str) -> None:
     """Save the loss curve as an image (matplotlib, no display needed)."""
+    import matplotlib.pyplot as plt
+
+    figure = loss_figure(points, title, x_label)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def loss_figure(points: list[tuple[float, float]], title: str, x_label: str) -> Any:
+    """The loss curve as a matplotlib figure; its x-axis counts ``x_label`` (steps, rounds,
+    epochs) on whole-number ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
     if points:
         axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
-    axes.set_xlabel("step")
+    axes.set_xlabel(x_label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylabel("loss")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    return figure
 
 
 _COMMANDS = {

@@ -251,6 +251,8 @@ class Client:
         strategy: Strategy | None = None,
         *,
         wait_for_workers: float | None = None,
+        name: str | None = None,
+        file: str | None = None,
     ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
@@ -266,6 +268,8 @@ class Client:
                 registered worker has is refused at once (``no_workers``, with the nearest
                 names); seconds: the job waits that long for workers that can take it (ones
                 yet to register included), then fails ``no_workers``.
+            name: what the job list calls the job (``somatize jobs``, the status page).
+            file: the job file it came from (``somatize submit`` gives it).
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -322,6 +326,8 @@ class Client:
             loader=loader,
             strategy=strategy.spec(),
             wait_for_workers=wait_for_workers,
+            name=name,
+            file=file,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)

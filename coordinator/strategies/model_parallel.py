@@ -257,6 +257,7 @@ class ModelParallel(Strategy):
         # 3. Training (GPipe / 1F1B): every global batch's micro-batches through the schedule,
         #    gradients accumulated, then one optimizer step on every stage.
         at = PipelinePosition()
+        per_epoch = -(-int(x.shape[0]) // (training.batch_size or int(x.shape[0]) or 1))
         for epoch, _, micro in global_batches(int(x.shape[0]), self.micro_batches, training):
             at.epoch, at.step = epoch, at.step + 1
             micro = [m for m in micro if len(m)]
@@ -270,7 +271,8 @@ class ModelParallel(Strategy):
             rows = [len(m) for m in micro]
             loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
-            await emit("progress", progress | {"step": at.step, "loss": loss})
+            progress |= {"step": at.step, "steps": per_epoch * training.epochs, "rows": sum(rows)}
+            await emit("progress", progress | {"loss": loss})
 
         return await _read_back(ctx, guard, stages)
 

@@ -97,7 +97,8 @@ def test_pipeline_training_equals_the_unsplit_model(stages, micro):
             torch.testing.assert_close(torch.as_tensor(states[node][key]), value, rtol=0, atol=1e-5)
     np.testing.assert_allclose(states["center"]["mean"], x.mean(0), rtol=1e-6)
     steps = [e for e in events if e.get("phase") == "training"]
-    assert len(steps) == 2 * 4 and steps[-1]["step"] == 8
+    assert len(steps) == 2 * 4 and steps[-1]["step"] == steps[-1]["steps"] == 8
+    assert [e["rows"] for e in steps] == [16, 16, 16, 12] * 2  # 60 rows in batches of 16
 
 
 def test_1f1b_and_adam_and_uneven_micro_batches_also_equal_the_unsplit_model():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -429,4 +430,48 @@ def test_a_tag_typo_is_refused_with_the_nearest_tag_unless_the_job_waits(live, c
         "worker answers to tag 'dpp' (did you mean 'dp'?)"
     ) in waited.stderr
     queued = next(e for e in client.job(job_id).events(timeout=10 * UNIT) if e.event == "queued")
-    assert queued.data == {"placement": "2 workers tagged 'dpp'", "wait_for_workers": 1.0}
+    assert queued.data == {
+        "placement": "2 workers tagged 'dpp'",
+        "name": "job",
+        "wait_for_workers": 1.0,
+    }
+
+
+# -- 7. progress in words, and the job list ----------------------------------------------------
+
+
+def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
+    live, client, tmp_path
+):
+    job_file = _job_file(tmp_path, _mlp_job(256, 256, 'sz.DataParallel(2, tag="dp")'), "mlp.py")
+    submitted = _somatize(live, "submit", job_file)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    said = next(line for line in submitted.stderr.splitlines() if "succeeded in" in line)
+    # 256 rows in batches of 32: 8 steps an epoch; the loss is the last epoch's mean, which
+    # graph.fit reports as its last epoch loss (DataParallel trains what it trains).
+    found = re.search(r"epoch 2/2 · step 8/8 · loss ([\d.]+) \(epoch mean\) · [\d,]+ rows/s$", said)
+    assert found, said
+    from somatize.cli import load_job_file
+
+    graph, x, y, _ = load_job_file(job_file)
+    assert float(found.group(1)) == pytest.approx(graph.fit(x, y).epoch_losses[-1], rel=1e-3)
+
+    listed = _somatize(live, "jobs", seconds=30)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if job_id in line)
+    cells = [c.strip() for c in row.split("│")]
+    header = next(line for line in listed.stdout.splitlines() if "submitted" in line)
+    names = [c.strip() for c in header.split("┃")]
+    created = client.job(job_id).status()["created"]
+    assert cells[names.index("name")] == "mlp"
+    assert cells[names.index("file")] == job_file
+    assert cells[names.index("submitted")] == time.strftime("%H:%M:%S", time.localtime(created))
+    assert cells[names.index("progress")].startswith("epoch 2/2 · step 8/8 · loss")
+
+    # The coordinator's log tells the job's life at INFO.
+    log = (live.logs / "coordinator.log").read_text()
+    life = [line.split(": ", 1)[1] for line in log.splitlines() if f"job {job_id}" in line]
+    assert life[0] == f"job {job_id} (mlp) queued: waiting for 2 workers tagged 'dp'"
+    assert life[1].startswith(f"job {job_id} placed on box-1, box-2; gradients by ")
+    assert re.fullmatch(rf"job {job_id} succeeded after [\d.]+ s running", life[-1])
