@@ -126,6 +126,7 @@ class Client:
         self.server = ""
         self._token = token
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._ca_file = ca_file
         self._channel: Channel | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
@@ -140,7 +141,7 @@ class Client:
     # -- connection --------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        ws = await dial(self.url, self._token, self._ssl, self.timeout)
+        ws = await dial(self.url, self._token, self._ssl, self.timeout, self._ca_file)
         channel = Channel(ws, "coordinator", self._handle)
         welcome = await handshake(channel, self.url, self.timeout)
         self.server = welcome.server
