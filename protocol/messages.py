@@ -340,6 +340,11 @@ class Submit(_Message):
     loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
     resume_from: str | None = None  # a job whose newest checkpoint this one starts from
+    # None: a worker id, tag, dataset or device no registered worker has is refused at once;
+    # seconds: the job waits that long for its workers, whatever it asks, then fails.
+    wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # for the job list
+    file: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # its job file
 
 
 class Watch(_Message):

@@ -71,9 +71,9 @@ from coordinator.strategies.federated import (
     listed,
     reasons,
 )
-from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
+from protocol.rows import rows_of
 from protocol.strategy_options import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,

@@ -32,6 +32,7 @@ from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule
 from coordinator.strategies.steps import Training, global_batches
 from protocol.daemon import (
+    BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
     StageRequest,
@@ -99,7 +100,8 @@ class PipelineRun:
         steps_per_epoch = -(-count // (self.training.batch_size or count)) if count else 0
         saves = self.make_saves(pipeline, steps_per_epoch)
         restored = saves.states
-        for s, nodes in enumerate(stages[: first + 1]):
+        alone = len(pipeline) == 1  # the one stage that trains: it fits its own plain filters
+        for s, nodes in enumerate(stages[: first + (0 if alone else 1)]):
             plain = [n for n in nodes if n not in torch_nodes]
             if not plain:
                 continue
@@ -113,15 +115,13 @@ class PipelineRun:
             fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, **data)), stage=s)
             if s < first:
                 x = fit["output"]
-        if len(pipeline) < 2:
-            # Its one stage_forward would take the rows by name and the labels inline, which a
-            # daemon refuses: the job fails as it would there, before any training.
-            raise StrategyFailed(
-                ErrorCode.BAD_REQUEST,
-                f"stage {first} {stages[first]}: a pipeline needs at least two stages that "
-                "train; for one, use Local or DataParallel",
-                stage=first,
-            )
+        if alone:
+            # First stage and last: no activation to pass on. It trains its nodes on what the
+            # stages before it output, as graph.fit trains them on that: the whole training
+            # loop in one call, as Local's (no checkpoints in between).
+            source = {"data": STAGED} if own_rows is not None else {"x": x, "y": job.y}
+            await self._train_alone(guard, first, source)
+            return await _read_back(ctx, guard, stages)
         plan = self.schedule(len(pipeline), self.micro_batches)
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
         if own_rows is not None and not isinstance(meet, Rendezvous):
@@ -157,6 +157,18 @@ class PipelineRun:
             await self._over_websockets(guard, pipeline, plan, meet, x, saves)
         await saves.finish()
         return await _read_back(ctx, guard, stages)
+
+    async def _train_alone(self, guard: Guard, stage: int, source: dict[str, Any]) -> None:
+        """3. The one stage that trains runs the whole training loop (``batched_fit``) on
+        ``source``: the output of the stages before it, or its own rows."""
+        await self.emit("progress", {"phase": "training", "stage": stage})
+        request = BatchedFitRequest(
+            node_ids=self.stages[stage], return_output=False, return_states=False, **source
+        )
+        fit = await guard(self.ctx.call(stage, request), stage=stage)
+        losses = fit.get("epoch_losses") or []
+        trained = {"phase": "trained", "loss": fit.get("loss"), "epochs": len(losses)}
+        await self.emit("progress", trained | {"epoch_losses": losses})
 
     async def _over_websockets(
         self,
@@ -204,7 +216,8 @@ class PipelineRun:
             rows = [len(m) for m in micro]
             loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
-            await self.emit("progress", progress | {"step": at.step, "loss": loss})
+            progress |= {"step": at.step, "steps": total, "rows": sum(rows)}
+            await self.emit("progress", progress | {"loss": loss})
             await saves.after(at.step, total, guard)
 
 

@@ -167,5 +167,7 @@ class TorchPipeline:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": len(losses),
+                "rows": sum(sum(rows) for rows in last["rows"]),
+                "batch_rows": [sum(rows) for rows in last["rows"]],
             },
         )

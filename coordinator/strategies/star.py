@@ -189,7 +189,7 @@ class StarTraining:
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
-        progress |= {"step": step.done, "steps": self._total}
+        progress |= {"step": step.done, "steps": self._total, "rows": sum(weights.values())}
         await self.emit("progress", progress | {"loss": sum(losses) / sum(weights.values())})
 
     async def _checkpoint(self, step: _Step, saves: ReplicaCheckpoints, total: int) -> None:
