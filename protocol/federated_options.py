@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
-from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, message_of
+from protocol.aggregator_options import check_round_size
+from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, named
 
 __all__ = [
     "SERVER_OPTIMIZERS",
@@ -129,22 +128,9 @@ def server_options(
     Raises:
         ValueError: an unknown name, an option it does not take, or a value out of range.
     """
-    try:
-        cls = SERVER_OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown server optimizer {name!r}; expected one of {sorted(SERVER_OPTIMIZERS)}"
-        ) from None
-    allowed = [key for key in cls.model_fields if key != "name"]
-    unknown = sorted(str(key) for key in hyperparameters if key not in allowed)
-    if unknown:
-        takes = f"takes options {allowed}" if allowed else "takes no options"
-        raise ValueError(f"server optimizer {name!r} {takes}; got unknown {unknown}")
-    fields = {"name": name, **hyperparameters}
-    try:
-        options: ServerOptions = cls.model_validate(fields, context={"dialect": dialect})  # type: ignore[assignment]
-    except ValidationError as exc:
-        raise ValueError(message_of(exc)) from None
+    options: ServerOptions = named(
+        SERVER_OPTIMIZERS, "server optimizer", name, hyperparameters, dialect
+    )  # type: ignore[assignment]
     return options
 
 
@@ -164,6 +150,7 @@ class FedAvgOptions(CheckpointOptions):
     workers: int | None = None
     tag: str | None = None
     server: dict[str, Any] | None = None  # {"name": ..., hyperparameter: value, ...}
+    aggregator: dict[str, Any] | None = None  # a robust rule: {"name": ..., parameter: value}
     seed: int = 0
     device: str | None = None
 
@@ -194,6 +181,11 @@ class FedAvgOptions(CheckpointOptions):
                 server_options(server["name"], hyperparameters, say.dialect)
             except ValueError as exc:
                 raise say.no(f"server: {exc}") from None
+        aggregator = fields.get("aggregator")
+        if aggregator is not None:
+            check_round_size(
+                say, aggregator, min_workers, f"min_workers is {min_workers}: raise it"
+            )
         seed = fields.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise say.no(f"seed must be a non-negative integer, not {seed!r}")

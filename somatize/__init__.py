@@ -20,6 +20,7 @@ The SDK's surface::
         fitted = job.result()
 """
 
+from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
 from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
@@ -41,6 +42,8 @@ from somatize.strategies import (
 )
 
 __all__ = [
+    "Aggregator",
+    "Bulyan",
     "Client",
     "ClientError",
     "ConnectionFailed",
@@ -48,6 +51,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedMedian",
     "FedProx",
     "FedYogi",
     "Filter",
@@ -57,6 +61,7 @@ __all__ = [
     "Job",
     "JobEventInfo",
     "JobFailed",
+    "Krum",
     "Local",
     "ModelParallel",
     "Partition",
@@ -64,6 +69,7 @@ __all__ = [
     "SomatizeError",
     "Strategy",
     "TorchFilter",
+    "TrimmedMean",
     "WorkerData",
     "connect",
 ]

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from protocol import strategy_options as so
 from protocol.messages import StrategySpec
+from somatize.aggregators import Aggregator
 
 __all__ = [
     "DataParallel",
@@ -285,7 +286,13 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:
             f"None, not {s.server!r}"
         )
     server = s.server.options() if s.server is not None else None
-    return _checked(model, s, server=server)
+    if s.aggregator is not None and not isinstance(s.aggregator, Aggregator):
+        raise ValueError(
+            f"{type(s).__name__}: aggregator must be FedMedian(), TrimmedMean(beta), "
+            f"Krum(byzantine, keep), Bulyan(byzantine) or None, not {s.aggregator!r}"
+        )
+    aggregator = s.aggregator.options() if s.aggregator is not None else None
+    return _checked(model, s, server=server, aggregator=aggregator)
 
 
 @dataclass(frozen=True)
@@ -312,6 +319,10 @@ class FedAvg(Strategy):
         tag: only workers with this tag.
         server: a server optimizer (:class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi`);
             default: plain averaging.
+        aggregator: a Byzantine-robust rule in place of the weighted mean
+            (:class:`~somatize.aggregators.FedMedian`, ``TrimmedMean``, ``Krum``, ``Bulyan``);
+            default: the mean. ``min_workers`` must be enough for it (Krum: > 2f + 2,
+            Bulyan: >= 4f + 3).
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
@@ -334,6 +345,7 @@ class FedAvg(Strategy):
     workers: int | None = None
     tag: str | None = None
     server: ServerOptimizer | None = None
+    aggregator: Aggregator | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None
@@ -358,7 +370,8 @@ class FedProx(Strategy):
 
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
-        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device,
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator, seed,
+            device,
             checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
             :class:`FedAvg`.
 
@@ -374,6 +387,7 @@ class FedProx(Strategy):
     workers: int | None = None
     tag: str | None = None
     server: ServerOptimizer | None = None
+    aggregator: Aggregator | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None

@@ -28,7 +28,9 @@ workers, m = max(``min_workers``, ⌈``fraction`` · K⌉). ClientUpdate is ``ba
 fresh optimizer (the TorchFilters' own optimizer, ``lr`` and batches) from w_t sent with
 ``set_state``; the trained states are pulled (``get_state``) at most ``FETCHES`` at a time and
 folded into an :class:`~coordinator.strategies.aggregate.Accumulator` as they arrive, so the
-coordinator holds a few client states, not m. The server optimizer
+coordinator holds a few client states, not m; or, with an ``aggregator``, a Byzantine-robust
+rule (:mod:`~coordinator.strategies.robust`: median, trimmed mean, Krum, Bulyan) replaces the
+mean on the TorchFilters' weights (:mod:`~coordinator.strategies.round_fold`). The server optimizer
 (:mod:`~coordinator.strategies.server_opt`: plain averaging, or FedAvgM, FedAdam, FedYogi after
 Reddi et al. 2021) then steps from w_t towards the mean on the TorchFilters' states. Plain
 filters (a ``Center`` before the network) are fitted by each client on its own data every round,
@@ -52,8 +54,8 @@ import numpy as np
 from coordinator.checkpoints import CheckpointPolicy
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
-from coordinator.strategies import server_opt
-from coordinator.strategies.aggregate import Accumulator, AggregationError
+from coordinator.strategies import robust, server_opt
+from coordinator.strategies.aggregate import AggregationError
 from coordinator.strategies.base import (
     Emit,
     JobInputs,
@@ -71,6 +73,7 @@ from coordinator.strategies.federated import (
     listed,
     reasons,
 )
+from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
@@ -106,6 +109,7 @@ class FedAvg(Strategy):
         tag: str | None = None,
         server: str = server_opt.FedAvgServer.name,
         server_options: Mapping[str, Any] | None = None,
+        aggregator: Mapping[str, Any] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -122,6 +126,7 @@ class FedAvg(Strategy):
         self.tag = tag
         self.server = server
         self.server_options = dict(server_options or {})
+        self.aggregator = dict(aggregator) if aggregator is not None else None
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -130,6 +135,7 @@ class FedAvg(Strategy):
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
+        self._fold([])
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -141,6 +147,16 @@ class FedAvg(Strategy):
             return server_opt.from_options(self.server, self.server_options)
         except (ValueError, TypeError) as exc:
             raise StrategyOptionsError(f"{self.name}: server: {exc}") from None
+
+    def _fold(self, torch_nodes: list[str]) -> RoundFold:
+        """A new round's aggregation: the row-weighted mean, or the robust rule asked for."""
+        if self.aggregator is None:
+            return MeanFold()
+        try:
+            rule = robust.from_options(self.aggregator)
+        except ValueError as exc:
+            raise StrategyOptionsError(f"{self.name}: aggregator: {exc}") from None
+        return RobustFold(rule, torch_nodes)
 
     def placement(self) -> Placement:
         if self.workers is None:
@@ -189,20 +205,22 @@ class FedAvg(Strategy):
             # S_t ← a random set of m = max(min_workers, ⌈C · K⌉) clients.
             selected = self._select(r, cohort)
             # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel, each folded into
-            # the weighted mean as it arrives (a few client states held, not m).
-            mean, fetch = Accumulator(), asyncio.Semaphore(FETCHES)
+            # the weighted mean as it arrives (a few client states held, not m), or kept for
+            # the robust rule asked for.
+            fold, fetch = self._fold(torch_nodes), asyncio.Semaphore(FETCHES)
             updates = await concurrently(
-                *(self._client_update(ctx, job, shards, at, i, mean, fetch) for i in selected)
+                *(self._client_update(ctx, job, shards, at, i, fold, fetch) for i in selected)
             )
             answered = [u for u in updates if isinstance(u, ClientUpdate)]
             dropped = [u for u in updates if isinstance(u, DroppedWorker)]
             cohort.check_answered(
                 r, self.min_workers, selected, [u.worker for u in answered], dropped
             )
-            # w_{t+1} ← Σ (n_k / n) w^k_{t+1}, stepped through the server optimizer (Reddi et
-            # al. 2021) for the TorchFilters.
+            # w_{t+1} ← Σ (n_k / n) w^k_{t+1} (or the robust rule's aggregate), stepped through
+            # the server optimizer (Reddi et al. 2021) for the TorchFilters.
+            aggregate, how = fold.result()
             at.global_state = server_opt.step_on(
-                at.server, at.global_state, mean.result(), torch_nodes, r
+                at.server, at.global_state, aggregate, torch_nodes, r
             )
             at.round = r
             rows = sum(u.rows for u in answered)
@@ -217,7 +235,8 @@ class FedAvg(Strategy):
                     "dropped": reasons(dropped),
                     "rows": rows,
                     "loss": sum(u.rows * u.loss for u in answered) / rows,
-                },
+                }
+                | how,
             )
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
@@ -283,10 +302,10 @@ class FedAvg(Strategy):
         shards: list[tuple[Any, Any]] | None,
         at: FederatedPosition,
         i: int,
-        mean: Accumulator,
+        fold: RoundFold,
         fetch: asyncio.Semaphore,
     ) -> ClientUpdate | DroppedWorker:
-        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``; or why
+        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``fold``; or why
         it dropped out. The states are pulled ``fetch`` at a time, not sent with the fit's
         reply: m workers finishing together would push m states into memory at once.
 
@@ -314,7 +333,7 @@ class FedAvg(Strategy):
             async with fetch:
                 states = await ctx.get_state(i, job.node_ids)
                 try:
-                    mean.add(at.cohort.ids[i], fit["rows"], states)
+                    fold.add(at.cohort.ids[i], fit["rows"], states)
                 except AggregationError as exc:
                     raise StrategyFailed(
                         ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
@@ -337,6 +356,7 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "tag": options.tag,
         "server": server.name,
         "server_options": server.hyperparameters(),
+        "aggregator": options.aggregator,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,
