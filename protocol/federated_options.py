@@ -12,6 +12,7 @@ from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptio
 __all__ = [
     "SERVER_OPTIMIZERS",
     "AdaptiveOptions",
+    "FedAdagradOptions",
     "FedAdamOptions",
     "FedAvgMOptions",
     "FedAvgOptions",
@@ -80,21 +81,38 @@ class FedAvgMOptions(_ServerOptions):
         return fields
 
 
-class AdaptiveOptions(_ServerOptions):
-    """Adam-like server optimizers (Reddi et al. 2021, Algorithm 2)."""
+class _MomentOptions(_ServerOptions):
+    """What the adaptive server optimizers share (Reddi et al. 2021, Algorithm 2): ``lr`` > 0,
+    ``beta1`` in [0, 1), and where they take them ``beta2`` in [0, 1) and ``tau`` > 0."""
 
     lr: float = 0.01
     beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
         cls._positive(say, fields, "lr")
         cls._decay(say, fields, "beta1")
-        cls._decay(say, fields, "beta2")
+        if "beta2" in cls.model_fields:
+            cls._decay(say, fields, "beta2")
         cls._positive(say, fields, "tau")
         return fields
+
+
+class FedAdagradOptions(_MomentOptions):
+    """Adagrad on the server: no ``beta2`` (v_t = v_{t−1} + Δ_t²)."""
+
+    wire_name = "fedadagrad"
+    sdk_name = "FedAdagrad"
+
+    name: Literal["fedadagrad"] = "fedadagrad"
+    tau: float = 1e-3
+
+
+class AdaptiveOptions(_MomentOptions):
+    """Adam-like server optimizers (Reddi et al. 2021, Algorithm 2)."""
+
+    beta2: float = 0.99
+    tau: float = 1e-3
 
 
 class FedAdamOptions(AdaptiveOptions):
@@ -111,11 +129,19 @@ class FedYogiOptions(AdaptiveOptions):
     name: Literal["fedyogi"] = "fedyogi"
 
 
-ServerOptions = PlainAveragingOptions | FedAvgMOptions | FedAdamOptions | FedYogiOptions
+ServerOptions = (
+    PlainAveragingOptions | FedAvgMOptions | FedAdagradOptions | FedAdamOptions | FedYogiOptions
+)
 
 SERVER_OPTIMIZERS: dict[str, type[_ServerOptions]] = {
     cls.wire_name: cls
-    for cls in (PlainAveragingOptions, FedAvgMOptions, FedAdamOptions, FedYogiOptions)
+    for cls in (
+        PlainAveragingOptions,
+        FedAvgMOptions,
+        FedAdagradOptions,
+        FedAdamOptions,
+        FedYogiOptions,
+    )
 }
 """The server optimizers' options by the name a client gives."""
 
@@ -171,7 +197,8 @@ class FedAvgOptions(CheckpointOptions):
         if server is not None:
             if not isinstance(server, Mapping) or not isinstance(server.get("name"), str):
                 raise say.no(
-                    "server must be FedAvgM(...), FedAdam(...), FedYogi(...) or None, "
+                    "server must be FedAvgM(...), FedAdagrad(...), FedAdam(...), FedYogi(...) or "
+                    "None, "
                     f"not {server!r}",
                     f"server must be an object with a name (one of {sorted(SERVER_OPTIMIZERS)}) "
                     f"and its options, not {server!r}",

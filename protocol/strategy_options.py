@@ -26,6 +26,7 @@ from protocol.devices import DEVICES, device_fits, is_device
 from protocol.federated_options import (
     SERVER_OPTIMIZERS,
     AdaptiveOptions,
+    FedAdagradOptions,
     FedAdamOptions,
     FedAvgMOptions,
     FedAvgOptions,
@@ -57,6 +58,7 @@ __all__ = [
     "CheckpointOptions",
     "DataParallelOptions",
     "Dialect",
+    "FedAdagradOptions",
     "FedAdamOptions",
     "FedAvgMOptions",
     "FedAvgOptions",

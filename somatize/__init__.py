@@ -28,6 +28,7 @@ from somatize.graph import FittedGraph, Graph
 from somatize.jobs import Job, JobEventInfo
 from somatize.strategies import (
     DataParallel,
+    FedAdagrad,
     FedAdam,
     FedAvg,
     FedAvgM,
@@ -48,6 +49,7 @@ __all__ = [
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",

@@ -29,6 +29,7 @@ from somatize.aggregators import Aggregator
 
 __all__ = [
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
@@ -241,6 +242,25 @@ class FedAvgM(ServerOptimizer):
 
 
 @dataclass(frozen=True)
+class FedAdagrad(ServerOptimizer):
+    """Adagrad on the server (Reddi et al. 2021, Algorithm 2): m_t = β1 m_{t−1} + (1 − β1) Δ_t;
+    v_t = v_{t−1} + Δ_t²; x_{t+1} = x_t + η m_t / (√v_t + τ); v_{−1} = τ². Its steps only
+    shrink as Δ_t² adds up: for sparse or rare features, or a bounded number of rounds.
+
+    Args:
+        lr: η, the server learning rate (> 0).
+        beta1: β1, in [0, 1).
+        tau: τ, the adaptivity (> 0).
+    """
+
+    lr: float = 0.01
+    beta1: float = 0.9
+    tau: float = 1e-3
+
+    name: ClassVar[str] = "fedadagrad"
+
+
+@dataclass(frozen=True)
 class _Adaptive(ServerOptimizer):
     lr: float = 0.01
     beta1: float = 0.9
@@ -282,8 +302,8 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:
     """The options of a FedAvg or FedProx, checked; the server optimizer must be an SDK one."""
     if s.server is not None and not isinstance(s.server, ServerOptimizer):
         raise ValueError(
-            f"{type(s).__name__}: server must be FedAvgM(...), FedAdam(...), FedYogi(...) or "
-            f"None, not {s.server!r}"
+            f"{type(s).__name__}: server must be FedAvgM(...), FedAdagrad(...), FedAdam(...), "
+            f"FedYogi(...) or None, not {s.server!r}"
         )
     server = s.server.options() if s.server is not None else None
     if s.aggregator is not None and not isinstance(s.aggregator, Aggregator):
@@ -317,7 +337,8 @@ class FedAvg(Strategy):
         workers: how many workers to reserve (default: every idle matching worker when the job
             starts, at least ``min_workers``).
         tag: only workers with this tag.
-        server: a server optimizer (:class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi`);
+        server: a server optimizer (:class:`FedAvgM`, :class:`FedAdagrad`, :class:`FedAdam`,
+            :class:`FedYogi`);
             default: plain averaging.
         aggregator: a Byzantine-robust rule in place of the weighted mean
             (:class:`~somatize.aggregators.FedMedian`, ``TrimmedMean``, ``Krum``, ``Bulyan``);
