@@ -19,6 +19,7 @@ __all__ = [
     "FedProxOptions",
     "FedYogiOptions",
     "PlainAveragingOptions",
+    "QFedAvgOptions",
     "ServerOptions",
     "server_options",
 ]
@@ -250,3 +251,33 @@ class FedProxOptions(FedAvgOptions):
     def to_wire(self) -> dict[str, Any]:
         options = super().to_wire()
         return {"mu": options.pop("mu"), **options}
+
+
+class QFedAvgOptions(FedAvgOptions):
+    """FedAvg with q-FedAvg's server update (Li et al. 2020): ``q`` >= 0, ``lipschitz`` L > 0;
+    its own server step, so no ``server`` and no ``aggregator``."""
+
+    wire_name = "qfedavg"
+    sdk_name = "QFedAvg"
+
+    q: float
+    lipschitz: float
+
+    @classmethod
+    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
+        q = fields.get("q")
+        if say.real("q", q) < 0:
+            raise say.no(f"q must be >= 0, not {q!r}")
+        lipschitz = fields.get("lipschitz")
+        if say.real("lipschitz", lipschitz) <= 0:
+            raise say.no(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
+        for key in ("server", "aggregator"):
+            if fields.get(key) is not None:
+                raise say.no(
+                    f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"
+                )
+        return super()._check(fields, say)
+
+    def to_wire(self) -> dict[str, Any]:
+        options = super().to_wire()
+        return {"q": options.pop("q"), "lipschitz": options.pop("lipschitz"), **options}

@@ -33,6 +33,7 @@ from protocol.federated_options import (
     FedProxOptions,
     FedYogiOptions,
     PlainAveragingOptions,
+    QFedAvgOptions,
     ServerOptions,
     server_options,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "ModelParallelOptions",
     "PartitionOptions",
     "PlainAveragingOptions",
+    "QFedAvgOptions",
     "ServerOptions",
     "StrategyOptions",
     "T",

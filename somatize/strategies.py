@@ -38,6 +38,7 @@ __all__ = [
     "Local",
     "ModelParallel",
     "Partition",
+    "QFedAvg",
     "ServerOptimizer",
     "Strategy",
     "WorkerData",
@@ -298,7 +299,7 @@ class FedYogi(_Adaptive):
     name: ClassVar[str] = "fedyogi"
 
 
-def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:
+def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a FedAvg
     """The options of a FedAvg or FedProx, checked; the server optimizer must be an SDK one."""
     if s.server is not None and not isinstance(s.server, ServerOptimizer):
         raise ValueError(
@@ -423,6 +424,38 @@ class FedProx(Strategy):
 
     def options(self) -> dict[str, Any]:
         return _federated(so.FedProxOptions, self).to_wire()
+
+
+@dataclass(frozen=True, kw_only=True)
+class QFedAvg(FedAvg):
+    """q-FedAvg (Li et al. 2020, "Fair Resource Allocation in Federated Learning"): FedAvg's
+    rounds, and a server update that weighs each client by its loss at the round's model to the
+    power q, so that the clients the model fits worst pull hardest (q = 0: the unweighted mean
+    of the clients' models). For a model that must serve every client fairly, not only on
+    average. Each client also reports its loss before training. Takes no ``server`` and no
+    ``aggregator`` (its update is its own)::
+
+        sz.QFedAvg(rounds=20, q=1.0, lipschitz=1 / lr)
+
+    Args:
+        q: q >= 0.
+        lipschitz: L > 0, the Lipschitz constant of the loss's gradient; the paper takes 1/η,
+            η the TorchFilters' learning rate.
+        rounds, local_epochs, fraction, min_workers, workers, tag, seed, device,
+            checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
+            :class:`FedAvg`.
+    """
+
+    q: float
+    lipschitz: float
+
+    name: ClassVar[str] = "qfedavg"
+
+    def __post_init__(self) -> None:
+        _federated(so.QFedAvgOptions, self)
+
+    def options(self) -> dict[str, Any]:
+        return _federated(so.QFedAvgOptions, self).to_wire()
 
 
 @dataclass(frozen=True)

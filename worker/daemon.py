@@ -224,6 +224,9 @@ class Daemon:
             epochs=req.epochs,
             prox_mu=req.prox_mu,
             reset_optimizer=req.reset_optimizer,
+            lr=req.lr,
+            start_loss=req.start_loss,
+            clip_norm=req.clip_norm,
         )
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back

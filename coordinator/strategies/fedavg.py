@@ -47,7 +47,7 @@ import asyncio
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -98,6 +98,8 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     saves_checkpoints = True
+    asks_start_loss: ClassVar[bool] = False
+    """Whether each client reports its loss at w_t before training (q-FedAvg's F_k(w_t))."""
 
     def __init__(
         self,
@@ -135,7 +137,7 @@ class FedAvg(Strategy):
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
-        self._fold([])
+        self._fold([], {})
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -148,8 +150,9 @@ class FedAvg(Strategy):
         except (ValueError, TypeError) as exc:
             raise StrategyOptionsError(f"{self.name}: server: {exc}") from None
 
-    def _fold(self, torch_nodes: list[str]) -> RoundFold:
-        """A new round's aggregation: the row-weighted mean, or the robust rule asked for."""
+    def _fold(self, torch_nodes: list[str], start: Mapping[str, Any]) -> RoundFold:
+        """A new round's aggregation from w_t (``start``): the row-weighted mean, or the robust
+        rule asked for."""
         if self.aggregator is None:
             return MeanFold()
         try:
@@ -207,7 +210,8 @@ class FedAvg(Strategy):
             # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel, each folded into
             # the weighted mean as it arrives (a few client states held, not m), or kept for
             # the robust rule asked for.
-            fold, fetch = self._fold(torch_nodes), asyncio.Semaphore(FETCHES)
+            fold = self._fold(torch_nodes, at.global_state)
+            fetch = asyncio.Semaphore(FETCHES)
             updates = await concurrently(
                 *(self._client_update(ctx, job, shards, at, i, fold, fetch) for i in selected)
             )
@@ -324,6 +328,7 @@ class FedAvg(Strategy):
             epochs=self.local_epochs,
             prox_mu=self.prox_mu,
             reset_optimizer=True,
+            start_loss=self.asks_start_loss,
             return_output=False,  # the model's outputs on private data stay there
             return_states=False,  # pulled below, a few workers at a time
         )
@@ -333,7 +338,7 @@ class FedAvg(Strategy):
             async with fetch:
                 states = await ctx.get_state(i, job.node_ids)
                 try:
-                    fold.add(at.cohort.ids[i], fit["rows"], states)
+                    fold.add(at.cohort.ids[i], fit, states)
                 except AggregationError as exc:
                     raise StrategyFailed(
                         ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
