@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from protocol.aggregator_options import check_round_size
+from protocol.client_config import check_client_config
 from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, named
 
 __all__ = [
@@ -178,12 +179,13 @@ class FedAvgOptions(CheckpointOptions):
     tag: str | None = None
     server: dict[str, Any] | None = None  # {"name": ..., hyperparameter: value, ...}
     aggregator: dict[str, Any] | None = None  # a robust rule: {"name": ..., parameter: value}
+    client_config: list[dict[str, Any]] | None = None  # one dict per round
     seed: int = 0
     device: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        say.positive_int("rounds", fields.get("rounds"))
+        rounds = say.positive_int("rounds", fields.get("rounds"))
         say.positive_int("local_epochs", fields.get("local_epochs", 1))
         min_workers = say.positive_int("min_workers", fields.get("min_workers", 1))
         fraction = fields.get("fraction", 1.0)
@@ -214,6 +216,12 @@ class FedAvgOptions(CheckpointOptions):
             check_round_size(
                 say, aggregator, min_workers, f"min_workers is {min_workers}: raise it"
             )
+        config = fields.get("client_config")
+        if config is not None:
+            try:
+                check_client_config(config, rounds)
+            except ValueError as exc:
+                raise say.no(str(exc)) from None
         seed = fields.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise say.no(f"seed must be a non-negative integer, not {seed!r}")

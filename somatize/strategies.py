@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from protocol import strategy_options as so
+from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
 from somatize.aggregators import Aggregator
 
@@ -313,7 +314,13 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a 
             f"Krum(byzantine, keep), Bulyan(byzantine) or None, not {s.aggregator!r}"
         )
     aggregator = s.aggregator.options() if s.aggregator is not None else None
-    return _checked(model, s, server=server, aggregator=aggregator)
+    config = None
+    if s.client_config is not None:
+        try:
+            config = client_configs(s.client_config, s.rounds)
+        except ValueError as exc:
+            raise ValueError(f"{type(s).__name__}: {exc}") from None
+    return _checked(model, s, server=server, aggregator=aggregator, client_config=config)
 
 
 @dataclass(frozen=True)
@@ -345,6 +352,10 @@ class FedAvg(Strategy):
             (:class:`~somatize.aggregators.FedMedian`, ``TrimmedMean``, ``Krum``, ``Bulyan``);
             default: the mean. ``min_workers`` must be enough for it (Krum: > 2f + 2,
             Bulyan: >= 4f + 3).
+        client_config: a function of the round (1, 2, ...) returning what that round's
+            clients train with: ``lr`` (their optimizers' learning rate), ``local_epochs``,
+            ``batch_size``; e.g. ``lambda r: {"lr": 0.1 * 0.9 ** r}``. It is called for every
+            round when the strategy is built (the coordinator runs no client code).
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
@@ -368,6 +379,7 @@ class FedAvg(Strategy):
     tag: str | None = None
     server: ServerOptimizer | None = None
     aggregator: Aggregator | None = None
+    client_config: Callable[[int], dict[str, Any]] | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None
@@ -392,8 +404,8 @@ class FedProx(Strategy):
 
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
-        rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator, seed,
-            device,
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
+            client_config, seed, device,
             checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
             :class:`FedAvg`.
 
@@ -410,6 +422,7 @@ class FedProx(Strategy):
     tag: str | None = None
     server: ServerOptimizer | None = None
     aggregator: Aggregator | None = None
+    client_config: Callable[[int], dict[str, Any]] | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None

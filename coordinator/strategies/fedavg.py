@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import numpy as np
@@ -112,6 +112,7 @@ class FedAvg(Strategy):
         server: str = server_opt.FedAvgServer.name,
         server_options: Mapping[str, Any] | None = None,
         aggregator: Mapping[str, Any] | None = None,
+        client_config: Sequence[Mapping[str, Any]] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -129,6 +130,7 @@ class FedAvg(Strategy):
         self.server = server
         self.server_options = dict(server_options or {})
         self.aggregator = dict(aggregator) if aggregator is not None else None
+        self.client_config = [dict(c) for c in client_config] if client_config else None
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -240,7 +242,8 @@ class FedAvg(Strategy):
                     "rows": rows,
                     "loss": sum(u.rows * u.loss for u in answered) / rows,
                 }
-                | how,
+                | how
+                | ({"client_config": self.config_of(r)} if self.client_config else {}),
             )
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
@@ -283,6 +286,10 @@ class FedAvg(Strategy):
         await emit("resumed", resume.position | {"checkpoint": resume.seq})
         return at
 
+    def config_of(self, r: int) -> dict[str, Any]:
+        """Round ``r``'s client config (``{}``: the strategy's and the filters' own)."""
+        return self.client_config[r - 1] if self.client_config else {}
+
     def _select(self, r: int, cohort: Cohort) -> list[int]:
         """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
         usable = cohort.usable()
@@ -322,10 +329,13 @@ class FedAvg(Strategy):
                 return failed[0]
         # Only the TorchFilters start from w_t: plain filters are fitted anew on the worker's data.
         model = {n: at.global_state[n] for n in job.differentiable()}
+        config = self.config_of(at.round + 1)
         train = BatchedFitRequest(
             node_ids=job.node_ids,
             data=STAGED,
-            epochs=self.local_epochs,
+            epochs=config.get("local_epochs", self.local_epochs),
+            lr=config.get("lr"),
+            batch_size=config.get("batch_size"),
             prox_mu=self.prox_mu,
             reset_optimizer=True,
             start_loss=self.asks_start_loss,
@@ -362,6 +372,7 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "server": server.name,
         "server_options": server.hyperparameters(),
         "aggregator": options.aggregator,
+        "client_config": options.client_config,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,
