@@ -180,6 +180,7 @@ class FedAvgOptions(CheckpointOptions):
     server: dict[str, Any] | None = None  # {"name": ..., hyperparameter: value, ...}
     aggregator: dict[str, Any] | None = None  # a robust rule: {"name": ..., parameter: value}
     client_config: list[dict[str, Any]] | None = None  # one dict per round
+    clients_per_worker: int = 1
     seed: int = 0
     device: str | None = None
 
@@ -211,11 +212,15 @@ class FedAvgOptions(CheckpointOptions):
                 server_options(server["name"], hyperparameters, say.dialect)
             except ValueError as exc:
                 raise say.no(f"server: {exc}") from None
+        per_worker = say.positive_int("clients_per_worker", fields.get("clients_per_worker", 1))
         aggregator = fields.get("aggregator")
         if aggregator is not None:
-            check_round_size(
-                say, aggregator, min_workers, f"min_workers is {min_workers}: raise it"
-            )
+            counted = f"min_workers is {min_workers}: raise it"
+            if per_worker > 1:
+                counted = (
+                    f"min_workers {min_workers} × clients_per_worker {per_worker}: raise either"
+                )
+            check_round_size(say, aggregator, min_workers * per_worker, counted)
         config = fields.get("client_config")
         if config is not None:
             try:
@@ -231,6 +236,8 @@ class FedAvgOptions(CheckpointOptions):
 
     def to_wire(self) -> dict[str, Any]:
         unset = {"checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout"}
+        if self.clients_per_worker == 1:
+            unset.add("clients_per_worker")
         return self.model_dump(exclude_none=True, exclude=unset) | self._checkpoints_wire()
 
     def server_optimizer(self) -> ServerOptions:

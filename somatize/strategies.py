@@ -356,6 +356,11 @@ class FedAvg(Strategy):
             clients train with: ``lr`` (their optimizers' learning rate), ``local_epochs``,
             ``batch_size``; e.g. ``lambda r: {"lr": 0.1 * 0.9 ** r}``. It is called for every
             round when the strategy is built (the coordinator runs no client code).
+        clients_per_worker: K, the virtual clients each worker trains in turn, client j on the
+            j-th of K contiguous partitions of its rows (its shard, or its own dataset), each
+            from w_t with a fresh optimizer: the same as K workers holding one partition each,
+            so that a round of 1,000 clients runs on 2 workers. Selection (``fraction``) is
+            over all clients, and a round needs ``min_workers`` × K answers.
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
@@ -380,6 +385,7 @@ class FedAvg(Strategy):
     server: ServerOptimizer | None = None
     aggregator: Aggregator | None = None
     client_config: Callable[[int], dict[str, Any]] | None = None
+    clients_per_worker: int = 1
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None
@@ -405,7 +411,7 @@ class FedProx(Strategy):
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
-            client_config, seed, device,
+            client_config, clients_per_worker, seed, device,
             checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
             :class:`FedAvg`.
 
@@ -423,6 +429,7 @@ class FedProx(Strategy):
     server: ServerOptimizer | None = None
     aggregator: Aggregator | None = None
     client_config: Callable[[int], dict[str, Any]] | None = None
+    clients_per_worker: int = 1
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None

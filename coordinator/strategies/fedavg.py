@@ -113,6 +113,7 @@ class FedAvg(Strategy):
         server_options: Mapping[str, Any] | None = None,
         aggregator: Mapping[str, Any] | None = None,
         client_config: Sequence[Mapping[str, Any]] | None = None,
+        clients_per_worker: int = 1,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -131,6 +132,7 @@ class FedAvg(Strategy):
         self.server_options = dict(server_options or {})
         self.aggregator = dict(aggregator) if aggregator is not None else None
         self.client_config = [dict(c) for c in client_config] if client_config else None
+        self.clients_per_worker = clients_per_worker
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -182,14 +184,17 @@ class FedAvg(Strategy):
             raise StrategyOptionsError(f"{self.name} trains with labels: y is missing")
         rows = rows_of(job.x)
         least = self.workers if self.workers is not None else self.min_workers
-        if rows is not None and rows < least:
+        if rows is not None and rows < least * self.clients_per_worker:
+            clients = f"{least} workers"
+            if self.clients_per_worker > 1:
+                clients = f"{least * self.clients_per_worker} clients ({least} workers)"
             raise StrategyOptionsError(
-                f"{self.name}: x has {rows} rows, too few to give each of {least} workers a shard"
+                f"{self.name}: x has {rows} rows, too few to give each of {clients} a shard"
             )
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         torch_nodes = job.differentiable()
-        cohort = Cohort([w.id for w in ctx.workers])
+        cohort = Cohort([w.id for w in ctx.workers], per_worker=self.clients_per_worker)
         shards = contiguous_shards(job, ctx.num_workers(), self.name)
 
         # Ship the filters and stage each worker's data P_k, once per job.
@@ -209,18 +214,28 @@ class FedAvg(Strategy):
             r = at.round + 1
             # S_t ← a random set of m = max(min_workers, ⌈C · K⌉) clients.
             selected = self._select(r, cohort)
-            # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel, each folded into
-            # the weighted mean as it arrives (a few client states held, not m), or kept for
-            # the robust rule asked for.
+            # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel (a worker's own
+            # clients in turn), each folded into the weighted mean as it arrives (a few client
+            # states held, not m), or kept for the robust rule asked for.
             fold = self._fold(torch_nodes, at.global_state)
             fetch = asyncio.Semaphore(FETCHES)
-            updates = await concurrently(
-                *(self._client_update(ctx, job, shards, at, i, fold, fetch) for i in selected)
-            )
+            turns: dict[int, list[int]] = {}
+            for c in selected:
+                turns.setdefault(cohort.worker_of(c), []).append(c)
+            updates = [
+                u
+                for group in await concurrently(
+                    *(
+                        self._worker_round(ctx, job, shards, at, i, clients, fold, fetch)
+                        for i, clients in turns.items()
+                    )
+                )
+                for u in group
+            ]
             answered = [u for u in updates if isinstance(u, ClientUpdate)]
             dropped = [u for u in updates if isinstance(u, DroppedWorker)]
             cohort.check_answered(
-                r, self.min_workers, selected, [u.worker for u in answered], dropped
+                r, self.min_clients, selected, [u.client for u in answered], dropped
             )
             # w_{t+1} ← Σ (n_k / n) w^k_{t+1} (or the robust rule's aggregate), stepped through
             # the server optimizer (Reddi et al. 2021) for the TorchFilters.
@@ -236,8 +251,8 @@ class FedAvg(Strategy):
                     "phase": "round",
                     "round": r,
                     "rounds": self.rounds,
-                    "selected": [cohort.ids[i] for i in selected],
-                    "workers": [cohort.ids[u.worker] for u in answered],
+                    "selected": [cohort.label(c) for c in selected],
+                    "workers": [cohort.label(u.client) for u in answered],
                     "dropped": reasons(dropped),
                     "rows": rows,
                     "loss": sum(u.rows * u.loss for u in answered) / rows,
@@ -290,8 +305,13 @@ class FedAvg(Strategy):
         """Round ``r``'s client config (``{}``: the strategy's and the filters' own)."""
         return self.client_config[r - 1] if self.client_config else {}
 
+    @property
+    def min_clients(self) -> int:
+        """The fewest clients a round needs answers from: ``min_workers`` workers' worth."""
+        return self.min_workers * self.clients_per_worker
+
     def _select(self, r: int, cohort: Cohort) -> list[int]:
-        """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
+        """S_t: m of the usable workers' clients, drawn with ``default_rng(seed + r)``."""
         usable = cohort.usable()
         if len(usable) < self.min_workers:
             lost = cohort.lost_reasons()
@@ -302,60 +322,74 @@ class FedAvg(Strategy):
                 round=r,
                 lost=lost,
             )
-        m = max(self.min_workers, math.ceil(self.fraction * len(usable)))
-        picks = np.random.default_rng(self.seed + r).choice(len(usable), m, replace=False)
-        return [usable[p] for p in sorted(picks.tolist())]
+        clients = cohort.clients()
+        m = max(self.min_clients, math.ceil(self.fraction * len(clients)))
+        picks = np.random.default_rng(self.seed + r).choice(len(clients), m, replace=False)
+        return [clients[p] for p in sorted(picks.tolist())]
 
-    async def _client_update(
+    async def _worker_round(
         self,
         ctx: StrategyContext,
         job: JobInputs,
         shards: list[tuple[Any, Any]] | None,
         at: FederatedPosition,
         i: int,
+        clients: list[int],
         fold: RoundFold,
         fetch: asyncio.Semaphore,
-    ) -> ClientUpdate | DroppedWorker:
-        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``fold``; or why
-        it dropped out. The states are pulled ``fetch`` at a time, not sent with the fit's
-        reply: m workers finishing together would push m states into memory at once.
+    ) -> list[ClientUpdate | DroppedWorker]:
+        """ClientUpdate(k, w_t) of each of ``clients`` on worker ``i``, in turn, their trained
+        states folded into ``fold``; or why they dropped out. The states are pulled ``fetch``
+        at a time, not sent with the fit's reply: m clients finishing together would push m
+        states into memory at once. A client that fails is dropped and the worker goes on with
+        the next, unless the worker itself is gone (lost, or its daemon with the job's data).
 
         Raises:
-            StrategyFailed: its states cannot be averaged with the others' (the round fails).
+            StrategyFailed: a client's states cannot be aggregated with the others' (the round
+                fails).
         """
-        if i in at.cohort.stale:
-            failed = await at.cohort.set_up(ctx, job, STAGED, shards, [i])
+        cohort = at.cohort
+        if i in cohort.stale:
+            failed = await cohort.set_up(ctx, job, STAGED, shards, [i])
             if failed:
-                return failed[0]
-        # Only the TorchFilters start from w_t: plain filters are fitted anew on the worker's data.
+                return [failed[0]]
+        # Only the TorchFilters start from w_t: plain filters are fitted anew on the client's data.
         model = {n: at.global_state[n] for n in job.differentiable()}
         config = self.config_of(at.round + 1)
-        train = BatchedFitRequest(
-            node_ids=job.node_ids,
-            data=STAGED,
-            epochs=config.get("local_epochs", self.local_epochs),
-            lr=config.get("lr"),
-            batch_size=config.get("batch_size"),
-            prox_mu=self.prox_mu,
-            reset_optimizer=True,
-            start_loss=self.asks_start_loss,
-            return_output=False,  # the model's outputs on private data stay there
-            return_states=False,  # pulled below, a few workers at a time
-        )
-        try:
-            await ctx.set_state(i, model)
-            fit = await ctx.call(i, train)
-            async with fetch:
-                states = await ctx.get_state(i, job.node_ids)
-                try:
-                    fold.add(at.cohort.ids[i], fit, states)
-                except AggregationError as exc:
-                    raise StrategyFailed(
-                        ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
-                    ) from exc
-        except WorkerCallError as exc:
-            return at.cohort.drop(i, exc)
-        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]))
+        out: list[ClientUpdate | DroppedWorker] = []
+        for c in clients:
+            train = BatchedFitRequest(
+                node_ids=job.node_ids,
+                data=STAGED,
+                rows=cohort.partition(c),
+                epochs=config.get("local_epochs", self.local_epochs),
+                lr=config.get("lr"),
+                batch_size=config.get("batch_size"),
+                prox_mu=self.prox_mu,
+                reset_optimizer=True,
+                start_loss=self.asks_start_loss,
+                return_output=False,  # the model's outputs on private data stay there
+                return_states=False,  # pulled below, a few clients at a time
+            )
+            try:
+                await ctx.set_state(i, model)
+                fit = await ctx.call(i, train)
+                async with fetch:
+                    states = await ctx.get_state(i, job.node_ids)
+                    try:
+                        fold.add(cohort.label(c), fit, states)
+                    except AggregationError as exc:
+                        raise StrategyFailed(
+                            ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
+                        ) from exc
+            except WorkerCallError as exc:
+                dropped = cohort.drop(i, exc)
+                out.append(DroppedWorker(cohort.label(c), dropped.code, dropped.message))
+                if i in cohort.lost or i in cohort.stale:
+                    return out
+                continue
+            out.append(ClientUpdate(c, int(fit["rows"]), float(fit["loss"])))
+        return out
 
 
 def arguments(options: FedAvgOptions) -> dict[str, Any]:
@@ -373,6 +407,7 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "server_options": server.hyperparameters(),
         "aggregator": options.aggregator,
         "client_config": options.client_config,
+        "clients_per_worker": options.clients_per_worker,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,
