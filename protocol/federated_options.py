@@ -9,6 +9,7 @@ from typing import Any, Literal
 from protocol.aggregator_options import check_round_size
 from protocol.client_config import check_client_config
 from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, named
+from protocol.privacy_options import check_privacy
 
 __all__ = [
     "SERVER_OPTIMIZERS",
@@ -181,6 +182,7 @@ class FedAvgOptions(CheckpointOptions):
     aggregator: dict[str, Any] | None = None  # a robust rule: {"name": ..., parameter: value}
     client_config: list[dict[str, Any]] | None = None  # one dict per round
     clients_per_worker: int = 1
+    privacy: dict[str, Any] | None = None  # {"name": ..., parameter: value}
     seed: int = 0
     device: str | None = None
 
@@ -221,6 +223,14 @@ class FedAvgOptions(CheckpointOptions):
                     f"min_workers {min_workers} × clients_per_worker {per_worker}: raise either"
                 )
             check_round_size(say, aggregator, min_workers * per_worker, counted)
+        privacy = fields.get("privacy")
+        if privacy is not None:
+            if aggregator is not None:
+                raise say.no(
+                    "privacy and a robust aggregator do not go together: DP-FedAvg's noise is "
+                    "sized for the sum of clipped updates"
+                )
+            check_privacy(say, privacy, min_workers * per_worker)
         config = fields.get("client_config")
         if config is not None:
             try:
@@ -286,7 +296,7 @@ class QFedAvgOptions(FedAvgOptions):
         lipschitz = fields.get("lipschitz")
         if say.real("lipschitz", lipschitz) <= 0:
             raise say.no(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
-        for key in ("server", "aggregator"):
+        for key in ("server", "aggregator", "privacy"):
             if fields.get(key) is not None:
                 raise say.no(
                     f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"

@@ -26,6 +26,7 @@ from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
 from somatize.jobs import Job, JobEventInfo
+from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism
 from somatize.strategies import (
     DataParallel,
     FedAdagrad,
@@ -44,6 +45,7 @@ from somatize.strategies import (
 )
 
 __all__ = [
+    "AdaptiveClipping",
     "Aggregator",
     "Bulyan",
     "Client",
@@ -59,6 +61,7 @@ __all__ = [
     "FedYogi",
     "Filter",
     "FittedGraph",
+    "FixedClipping",
     "Graph",
     "GraphError",
     "Job",
@@ -68,6 +71,7 @@ __all__ = [
     "Local",
     "ModelParallel",
     "Partition",
+    "PrivacyMechanism",
     "QFedAvg",
     "ServerOptimizer",
     "SomatizeError",

@@ -27,6 +27,7 @@ from protocol import strategy_options as so
 from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
 from somatize.aggregators import Aggregator
+from somatize.privacy import PrivacyMechanism
 
 __all__ = [
     "DataParallel",
@@ -314,13 +315,21 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a 
             f"Krum(byzantine, keep), Bulyan(byzantine) or None, not {s.aggregator!r}"
         )
     aggregator = s.aggregator.options() if s.aggregator is not None else None
+    if s.privacy is not None and not isinstance(s.privacy, PrivacyMechanism):
+        raise ValueError(
+            f"{type(s).__name__}: privacy must be FixedClipping(...), AdaptiveClipping(...) or "
+            f"None, not {s.privacy!r}"
+        )
+    privacy = s.privacy.options() if s.privacy is not None else None
     config = None
     if s.client_config is not None:
         try:
             config = client_configs(s.client_config, s.rounds)
         except ValueError as exc:
             raise ValueError(f"{type(s).__name__}: {exc}") from None
-    return _checked(model, s, server=server, aggregator=aggregator, client_config=config)
+    return _checked(
+        model, s, server=server, aggregator=aggregator, client_config=config, privacy=privacy
+    )
 
 
 @dataclass(frozen=True)
@@ -361,6 +370,9 @@ class FedAvg(Strategy):
             from w_t with a fresh optimizer: the same as K workers holding one partition each,
             so that a round of 1,000 clients runs on 2 workers. Selection (``fraction``) is
             over all clients, and a round needs ``min_workers`` × K answers.
+        privacy: user-level differential privacy (:class:`~somatize.privacy.FixedClipping`,
+            ``AdaptiveClipping``): clipped updates, Gaussian noise on their sum, ε spent in
+            each round's event. TorchFilters only; no ``aggregator`` with it.
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
@@ -386,6 +398,7 @@ class FedAvg(Strategy):
     aggregator: Aggregator | None = None
     client_config: Callable[[int], dict[str, Any]] | None = None
     clients_per_worker: int = 1
+    privacy: PrivacyMechanism | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None
@@ -411,7 +424,7 @@ class FedProx(Strategy):
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
-            client_config, clients_per_worker, seed, device,
+            client_config, clients_per_worker, privacy, seed, device,
             checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
             :class:`FedAvg`.
 
@@ -430,6 +443,7 @@ class FedProx(Strategy):
     aggregator: Aggregator | None = None
     client_config: Callable[[int], dict[str, Any]] | None = None
     clients_per_worker: int = 1
+    privacy: PrivacyMechanism | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None

@@ -73,6 +73,7 @@ from coordinator.strategies.federated import (
     listed,
     reasons,
 )
+from coordinator.strategies.privacy import DPFold, Privacy
 from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
@@ -114,6 +115,7 @@ class FedAvg(Strategy):
         aggregator: Mapping[str, Any] | None = None,
         client_config: Sequence[Mapping[str, Any]] | None = None,
         clients_per_worker: int = 1,
+        privacy: Mapping[str, Any] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -133,6 +135,7 @@ class FedAvg(Strategy):
         self.aggregator = dict(aggregator) if aggregator is not None else None
         self.client_config = [dict(c) for c in client_config] if client_config else None
         self.clients_per_worker = clients_per_worker
+        self.privacy = dict(privacy) if privacy is not None else None
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -142,6 +145,7 @@ class FedAvg(Strategy):
         self.restart_timeout = restart_timeout
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
         self._fold([], {})
+        self._privacy()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -165,6 +169,15 @@ class FedAvg(Strategy):
             raise StrategyOptionsError(f"{self.name}: aggregator: {exc}") from None
         return RobustFold(rule, torch_nodes)
 
+    def _privacy(self) -> Privacy | None:
+        """A new run's DP-FedAvg state (clip, accountant), if the job asked for privacy."""
+        if self.privacy is None:
+            return None
+        try:
+            return Privacy(self.privacy)
+        except ValueError as exc:
+            raise StrategyOptionsError(f"{self.name}: privacy: {exc}") from None
+
     def placement(self) -> Placement:
         if self.workers is None:
             return Placement(
@@ -177,6 +190,12 @@ class FedAvg(Strategy):
             raise StrategyOptionsError(
                 f"{self.name} averages models trained by gradient descent and this graph has "
                 "no TorchFilter; use Local"
+            )
+        plain = [n for n in job.node_ids if n not in job.differentiable()]
+        if self.privacy is not None and plain:
+            raise StrategyOptionsError(
+                f"{self.name}: privacy covers the TorchFilters' updates, and the plain filters "
+                f"{plain} would be averaged in the clear: leave them out of a private job"
             )
         if job.dataset is not None:
             return  # the labels are the workers' own: each one's first round will tell
@@ -213,11 +232,14 @@ class FedAvg(Strategy):
         while at.round < self.rounds:
             r = at.round + 1
             # S_t ← a random set of m = max(min_workers, ⌈C · K⌉) clients.
+            population = len(cohort.clients())
             selected = self._select(r, cohort)
             # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel (a worker's own
             # clients in turn), each folded into the weighted mean as it arrives (a few client
             # states held, not m), or kept for the robust rule asked for.
-            fold = self._fold(torch_nodes, at.global_state)
+            fold: RoundFold = self._fold(torch_nodes, at.global_state)
+            if at.privacy is not None:  # clipped updates, noised (McMahan et al. 2018)
+                fold = at.privacy.fold(at.global_state, torch_nodes, len(selected))
             fetch = asyncio.Semaphore(FETCHES)
             turns: dict[int, list[int]] = {}
             for c in selected:
@@ -240,6 +262,8 @@ class FedAvg(Strategy):
             # w_{t+1} ← Σ (n_k / n) w^k_{t+1} (or the robust rule's aggregate), stepped through
             # the server optimizer (Reddi et al. 2021) for the TorchFilters.
             aggregate, how = fold.result()
+            if at.privacy is not None and isinstance(fold, DPFold):
+                how |= at.privacy.spent(fold, len(selected), population)
             at.global_state = server_opt.step_on(
                 at.server, at.global_state, aggregate, torch_nodes, r
             )
@@ -262,6 +286,8 @@ class FedAvg(Strategy):
             )
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
+                if at.privacy is not None:
+                    state["privacy"] = at.privacy.state_dict()
                 await job.checkpoints.save({"round": r}, state)
                 policy.saved()
 
@@ -288,15 +314,17 @@ class FedAvg(Strategy):
         """Where the rounds start: w_0 read from a worker, or the job's checkpoint (round t
         draws its clients with ``default_rng(seed + t)`` and trains them with fresh
         optimizers: w_t and the server's moments are all a resumed run needs)."""
-        server = self._server_optimizer()
+        server, privacy = self._server_optimizer(), self._privacy()
         resume = job.checkpoints.resume if job.checkpoints is not None else None
         if resume is None:
             initial = await cohort.first_answering(
                 lambda i: ctx.get_state(i, torch_nodes), "no worker could give the initial model"
             )
-            return FederatedPosition(initial, server, cohort)
+            return FederatedPosition(initial, server, cohort, privacy=privacy)
         server.load_state_dict(resume.payload["server"])
-        at = FederatedPosition(resume.payload["global_state"], server, cohort)
+        if privacy is not None:
+            privacy.load_state_dict(resume.payload["privacy"])
+        at = FederatedPosition(resume.payload["global_state"], server, cohort, privacy=privacy)
         at.round = int(resume.position["round"])
         await emit("resumed", resume.position | {"checkpoint": resume.seq})
         return at
@@ -368,6 +396,7 @@ class FedAvg(Strategy):
                 prox_mu=self.prox_mu,
                 reset_optimizer=True,
                 start_loss=self.asks_start_loss,
+                clip_norm=at.privacy.client_clip if at.privacy is not None else None,
                 return_output=False,  # the model's outputs on private data stay there
                 return_states=False,  # pulled below, a few clients at a time
             )
@@ -408,6 +437,7 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "aggregator": options.aggregator,
         "client_config": options.client_config,
         "clients_per_worker": options.clients_per_worker,
+        "privacy": options.privacy,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,

@@ -21,6 +21,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies import server_opt
 from coordinator.strategies.base import JobInputs, concurrently
+from coordinator.strategies.privacy import Privacy
 from coordinator.strategies.steps import rows_of, set_up
 from protocol.daemon import StageRequest
 from protocol.errors import ErrorCode
@@ -34,14 +35,16 @@ REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
 
 @dataclass
 class FederatedPosition:
-    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments) and
-    the cohort. The selection needs no RNG state of its own: round t draws with
-    ``default_rng(seed + t)``. The run loop reads and advances this; nothing else holds it."""
+    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments), the
+    cohort and, for a private job, the clip and the privacy spent. The selection needs no RNG
+    state of its own: round t draws with ``default_rng(seed + t)``. The run loop reads and
+    advances this; nothing else holds it."""
 
     global_state: dict[str, Any]  # w_t
     server: server_opt.ServerOptimizer
     cohort: Cohort
     round: int = 0  # rounds completed
+    privacy: Privacy | None = None  # DP-FedAvg's clip and accountant, for a private job
 
 
 @dataclass(frozen=True)
