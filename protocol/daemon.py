@@ -59,6 +59,7 @@ __all__ = [
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
+    "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
@@ -393,6 +394,29 @@ class ApplyGradientsRequest(_Request):
     gradients: dict[str, dict[str, Any]]
 
 
+class SecAggRequest(_Request):
+    """One step of secure aggregation for the virtual client ``client`` in ``round``
+    (``worker.secagg_client``): ``keys`` (its two public keys), ``share`` (its secrets'
+    shares, sealed for each of its ``peers``: label → [encryption key, mask key]), ``mask``
+    (its trained model, ``weight`` times the float entries named in ``layout``, quantized and
+    masked, after opening the ``sealed`` shares its peers sent it), ``unmask`` (the shares it
+    holds of the ``survivors``' self-masks and of the ``dropped``' mask keys)."""
+
+    cmd: Literal["secagg"] = "secagg"
+    step: Literal["keys", "share", "mask", "unmask"]
+    round: NonNegativeInt
+    client: str
+    peers: dict[str, list[StrictBytes]] | None = None
+    threshold: PositiveInt | None = None
+    sealed: dict[str, StrictBytes] | None = None
+    layout: list[list[str]] | None = None
+    weight: PositiveInt | None = None
+    scale_bits: Annotated[int, Field(ge=1, le=52)] = 24
+    bound: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    survivors: list[str] | None = None
+    dropped: list[str] | None = None
+
+
 class PingRequest(_Request):
     """Do nothing and answer: liveness and round-trip time."""
 
@@ -431,6 +455,7 @@ DaemonRequest = Annotated[
     | StageForwardRequest
     | StageBackwardRequest
     | StageStepRequest
+    | SecAggRequest
     | PingRequest
     | ShutdownRequest,
     Field(discriminator="cmd"),

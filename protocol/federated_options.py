@@ -10,6 +10,7 @@ from protocol.aggregator_options import check_round_size
 from protocol.client_config import check_client_config
 from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, named
 from protocol.privacy_options import check_privacy
+from protocol.secagg_options import check_secagg
 
 __all__ = [
     "SERVER_OPTIMIZERS",
@@ -183,6 +184,7 @@ class FedAvgOptions(CheckpointOptions):
     client_config: list[dict[str, Any]] | None = None  # one dict per round
     clients_per_worker: int = 1
     privacy: dict[str, Any] | None = None  # {"name": ..., parameter: value}
+    secure_aggregation: dict[str, Any] | None = None  # {"name": "secagg", parameter: value}
     seed: int = 0
     device: str | None = None
 
@@ -231,6 +233,14 @@ class FedAvgOptions(CheckpointOptions):
                     "sized for the sum of clipped updates"
                 )
             check_privacy(say, privacy, min_workers * per_worker)
+        secure = fields.get("secure_aggregation")
+        if secure is not None:
+            if aggregator is not None or privacy is not None:
+                raise say.no(
+                    "secure_aggregation gives the coordinator the sum alone: a robust aggregator "
+                    "or privacy, which need each client's model, cannot go with it"
+                )
+            check_secagg(say, secure, min_workers * per_worker)
         config = fields.get("client_config")
         if config is not None:
             try:
@@ -296,7 +306,7 @@ class QFedAvgOptions(FedAvgOptions):
         lipschitz = fields.get("lipschitz")
         if say.real("lipschitz", lipschitz) <= 0:
             raise say.no(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
-        for key in ("server", "aggregator", "privacy"):
+        for key in ("server", "aggregator", "privacy", "secure_aggregation"):
             if fields.get(key) is not None:
                 raise say.no(
                     f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"

@@ -26,7 +26,7 @@ from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
 from somatize.jobs import Job, JobEventInfo
-from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism
+from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
 from somatize.strategies import (
     DataParallel,
     FedAdagrad,
@@ -73,6 +73,7 @@ __all__ = [
     "Partition",
     "PrivacyMechanism",
     "QFedAvg",
+    "SecAgg",
     "ServerOptimizer",
     "SomatizeError",
     "Strategy",

@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 
 from protocol import privacy_options as po
 from protocol.options_base import Dialect
+from protocol.secagg_options import secagg_options
 
-__all__ = ["AdaptiveClipping", "FixedClipping", "PrivacyMechanism"]
+__all__ = ["AdaptiveClipping", "FixedClipping", "PrivacyMechanism", "SecAgg"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,36 @@ class AdaptiveClipping(PrivacyMechanism):
     delta: float = 1e-5
 
     name: ClassVar[str] = "adaptive_clipping"
+
+
+@dataclass(frozen=True)
+class SecAgg:
+    """Secure aggregation (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020): the coordinator
+    learns the sum of a round's client models, never one of them. Each client masks its model
+    (weighted by its rows) with pairwise masks that cancel in the sum and a self-mask whose seed
+    its neighbours hold in Shamir shares, so a client that drops out after sharing is unmasked
+    by the others. Values travel as fixed point mod 2^64: the mean is off by at most
+    2^−(scale_bits+1) per coordinate. Use when the coordinator must not see any one client's
+    model (it still sees their row counts); TorchFilters only, no aggregator, no privacy.
+
+    Args:
+        neighbours: k, the clients each one shares secrets and masks with (a round of at most
+            k + 1 clients: all of them).
+        threshold: the share of a client's k + 1 shares that rebuilds its secrets, in (0.5, 1]:
+            the round survives as long as that many of its neighbours are left.
+        scale_bits: f, the fixed point, in [8, 40].
+    """
+
+    neighbours: int = 16
+    threshold: float = 2 / 3
+    scale_bits: int = 24
+
+    name: ClassVar[str] = "secagg"
+
+    def __post_init__(self) -> None:
+        self.options()
+
+    def options(self) -> dict[str, Any]:
+        """``{"name": "secagg", parameter: value, ...}``, as the strategy sends it."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"name": self.name, **secagg_options(self.name, given, Dialect.SDK).parameters()}

@@ -27,7 +27,7 @@ from protocol import strategy_options as so
 from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
 from somatize.aggregators import Aggregator
-from somatize.privacy import PrivacyMechanism
+from somatize.privacy import PrivacyMechanism, SecAgg
 
 __all__ = [
     "DataParallel",
@@ -321,6 +321,11 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a 
             f"None, not {s.privacy!r}"
         )
     privacy = s.privacy.options() if s.privacy is not None else None
+    secure = s.secure_aggregation
+    if secure is not None and not isinstance(secure, SecAgg):
+        raise ValueError(
+            f"{type(s).__name__}: secure_aggregation must be SecAgg(...) or None, not {secure!r}"
+        )
     config = None
     if s.client_config is not None:
         try:
@@ -328,7 +333,13 @@ def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a 
         except ValueError as exc:
             raise ValueError(f"{type(s).__name__}: {exc}") from None
     return _checked(
-        model, s, server=server, aggregator=aggregator, client_config=config, privacy=privacy
+        model,
+        s,
+        server=server,
+        aggregator=aggregator,
+        client_config=config,
+        privacy=privacy,
+        secure_aggregation=secure.options() if secure is not None else None,
     )
 
 
@@ -373,6 +384,9 @@ class FedAvg(Strategy):
         privacy: user-level differential privacy (:class:`~somatize.privacy.FixedClipping`,
             ``AdaptiveClipping``): clipped updates, Gaussian noise on their sum, ε spent in
             each round's event. TorchFilters only; no ``aggregator`` with it.
+        secure_aggregation: :class:`~somatize.privacy.SecAgg`: the coordinator learns only
+            the sum of each round's client models (TorchFilters only; no ``aggregator`` or
+            ``privacy`` with it).
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
@@ -399,6 +413,7 @@ class FedAvg(Strategy):
     client_config: Callable[[int], dict[str, Any]] | None = None
     clients_per_worker: int = 1
     privacy: PrivacyMechanism | None = None
+    secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None
@@ -424,7 +439,7 @@ class FedProx(Strategy):
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
-            client_config, clients_per_worker, privacy, seed, device,
+            client_config, clients_per_worker, privacy, secure_aggregation, seed, device,
             checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
             :class:`FedAvg`.
 
@@ -444,6 +459,7 @@ class FedProx(Strategy):
     client_config: Callable[[int], dict[str, Any]] | None = None
     clients_per_worker: int = 1
     privacy: PrivacyMechanism | None = None
+    secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
     checkpoint_every: int | None = None

@@ -75,9 +75,12 @@ from coordinator.strategies.federated import (
 )
 from coordinator.strategies.privacy import DPFold, Privacy
 from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
+from coordinator.strategies.secagg import SecureRound, each_client
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
+from protocol.options_base import Dialect
+from protocol.secagg_options import secagg_options
 from protocol.strategy_options import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
@@ -116,6 +119,7 @@ class FedAvg(Strategy):
         client_config: Sequence[Mapping[str, Any]] | None = None,
         clients_per_worker: int = 1,
         privacy: Mapping[str, Any] | None = None,
+        secure_aggregation: Mapping[str, Any] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -136,6 +140,9 @@ class FedAvg(Strategy):
         self.client_config = [dict(c) for c in client_config] if client_config else None
         self.clients_per_worker = clients_per_worker
         self.privacy = dict(privacy) if privacy is not None else None
+        self.secure_aggregation = (
+            dict(secure_aggregation) if secure_aggregation is not None else None
+        )
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -192,11 +199,12 @@ class FedAvg(Strategy):
                 "no TorchFilter; use Local"
             )
         plain = [n for n in job.node_ids if n not in job.differentiable()]
-        if self.privacy is not None and plain:
-            raise StrategyOptionsError(
-                f"{self.name}: privacy covers the TorchFilters' updates, and the plain filters "
-                f"{plain} would be averaged in the clear: leave them out of a private job"
-            )
+        for option in ("privacy", "secure_aggregation"):
+            if getattr(self, option) is not None and plain:
+                raise StrategyOptionsError(
+                    f"{self.name}: {option} covers the TorchFilters' models, and the plain "
+                    f"filters {plain} would be averaged in the clear: leave them out of the job"
+                )
         if job.dataset is not None:
             return  # the labels are the workers' own: each one's first round will tell
         if job.y is None:
@@ -241,6 +249,9 @@ class FedAvg(Strategy):
             if at.privacy is not None:  # clipped updates, noised (McMahan et al. 2018)
                 fold = at.privacy.fold(at.global_state, torch_nodes, len(selected))
             fetch = asyncio.Semaphore(FETCHES)
+            secure, early = None, list[DroppedWorker]()
+            if self.secure_aggregation is not None:  # keys and shares before training
+                secure, early = await self._secure_setup(ctx, at, selected, torch_nodes)
             turns: dict[int, list[int]] = {}
             for c in selected:
                 turns.setdefault(cohort.worker_of(c), []).append(c)
@@ -248,20 +259,23 @@ class FedAvg(Strategy):
                 u
                 for group in await concurrently(
                     *(
-                        self._worker_round(ctx, job, shards, at, i, clients, fold, fetch)
+                        self._worker_round(ctx, job, shards, at, i, clients, fold, fetch, secure)
                         for i, clients in turns.items()
                     )
                 )
                 for u in group
             ]
             answered = [u for u in updates if isinstance(u, ClientUpdate)]
-            dropped = [u for u in updates if isinstance(u, DroppedWorker)]
+            dropped = early + [u for u in updates if isinstance(u, DroppedWorker)]
             cohort.check_answered(
                 r, self.min_clients, selected, [u.client for u in answered], dropped
             )
             # w_{t+1} ← Σ (n_k / n) w^k_{t+1} (or the robust rule's aggregate), stepped through
             # the server optimizer (Reddi et al. 2021) for the TorchFilters.
-            aggregate, how = fold.result()
+            if secure is not None:
+                aggregate, how = await self._secure_sum(ctx, at, selected, secure)
+            else:
+                aggregate, how = fold.result()
             if at.privacy is not None and isinstance(fold, DPFold):
                 how |= at.privacy.spent(fold, len(selected), population)
             at.global_state = server_opt.step_on(
@@ -365,6 +379,7 @@ class FedAvg(Strategy):
         clients: list[int],
         fold: RoundFold,
         fetch: asyncio.Semaphore,
+        secure: SecureRound | None = None,
     ) -> list[ClientUpdate | DroppedWorker]:
         """ClientUpdate(k, w_t) of each of ``clients`` on worker ``i``, in turn, their trained
         states folded into ``fold``; or why they dropped out. The states are pulled ``fetch``
@@ -386,6 +401,8 @@ class FedAvg(Strategy):
         config = self.config_of(at.round + 1)
         out: list[ClientUpdate | DroppedWorker] = []
         for c in clients:
+            if secure is not None and cohort.label(c) not in secure.shared:
+                continue  # dropped out before training (keys, shares): counted there
             train = BatchedFitRequest(
                 node_ids=job.node_ids,
                 data=STAGED,
@@ -403,6 +420,11 @@ class FedAvg(Strategy):
             try:
                 await ctx.set_state(i, model)
                 fit = await ctx.call(i, train)
+                if secure is not None:  # its masked model, never the model itself
+                    masked = await ctx.call(i, secure.mask_request(cohort.label(c), fit["rows"]))
+                    secure.took_masked(cohort.label(c), masked["masked"])
+                    out.append(ClientUpdate(c, int(fit["rows"]), float(fit["loss"])))
+                    continue
                 async with fetch:
                     states = await ctx.get_state(i, job.node_ids)
                     try:
@@ -419,6 +441,42 @@ class FedAvg(Strategy):
                 continue
             out.append(ClientUpdate(c, int(fit["rows"]), float(fit["loss"])))
         return out
+
+    async def _secure_setup(
+        self,
+        ctx: StrategyContext,
+        at: FederatedPosition,
+        selected: list[int],
+        torch_nodes: list[str],
+    ) -> tuple[SecureRound, list[DroppedWorker]]:
+        """Secure aggregation's first two steps for round t's ``selected`` clients: their keys,
+        then their shares (Bonawitz et al. 2017, rounds 0 and 1); who dropped out in them."""
+        cohort = at.cohort
+        options = secagg_options(
+            "secagg",
+            {k: v for k, v in (self.secure_aggregation or {}).items() if k != "name"},
+            Dialect.WIRE,
+        )
+        start = {n: at.global_state[n] for n in torch_nodes}
+        secure = SecureRound(at.round + 1, [cohort.label(c) for c in selected], options, start)
+        dropped = await each_client(ctx, cohort, selected, secure.keys_request, secure.took_keys)
+        keyed = [c for c in selected if cohort.label(c) in secure.keys]
+        dropped += await each_client(ctx, cohort, keyed, secure.share_request, secure.took_shares)
+        return secure, dropped
+
+    async def _secure_sum(
+        self, ctx: StrategyContext, at: FederatedPosition, selected: list[int], secure: SecureRound
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Round t's last step (Unmasking): the survivors' shares, and from them the mean of
+        their models; the survivors that failed it (their models are in the sum all the same)."""
+        cohort = at.cohort
+        survivors = [c for c in selected if cohort.label(c) in secure.masked]
+        late = await each_client(ctx, cohort, survivors, secure.unmask_request, secure.took_unmask)
+        model = secure.result()
+        summary: dict[str, Any] = {"summed": len(secure.masked)}
+        if late:
+            summary["unmask_failed"] = reasons(late)
+        return {**at.global_state, **model}, {"secure_aggregation": summary}
 
 
 def arguments(options: FedAvgOptions) -> dict[str, Any]:
@@ -438,6 +496,7 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "client_config": options.client_config,
         "clients_per_worker": options.clients_per_worker,
         "privacy": options.privacy,
+        "secure_aggregation": options.secure_aggregation,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,

@@ -16,6 +16,7 @@ import torch
 import somatize as sz
 from tests.coordinator.test_fedavg import (
     SIZES,
+    D,
     assert_model,
     center_of,
     graph,
@@ -24,6 +25,7 @@ from tests.coordinator.test_fedavg import (
     reference_rounds,
     shards,
 )
+from tests.coordinator.test_privacy import flat, private_graph, update
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.utils import UNIT
 
@@ -141,6 +143,26 @@ def test_live_fedavg_with_many_clients_per_worker_and_a_robust_rule(live):
         for k in trained[0]
     }
     assert_model(fitted.states, {k: v.float() for k, v in middle.items()})
+
+
+def test_live_fedavg_with_secure_aggregation(live):
+    """Issue 19: the workers' daemons mask their models (keys, sealed shares, masks), the
+    coordinator sums and unmasks: the row-weighted mean of hand trainings, to within the
+    quantization error."""
+    c, data = live
+    start = model().state_dict()
+    trained = [(len(x), flat(start) + update(start, x, y)) for x, y in data]
+    mean = sum(n * w for n, w in trained) / sum(n for n, _ in trained)
+    expected = {"weight": mean[: 2 * D].reshape(2, D).float(), "bias": mean[2 * D :].float()}
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        strategy = sz.FedAvg(rounds=1, min_workers=3, secure_aggregation=sz.SecAgg())
+        job = client.submit(private_graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        (event,) = rounds_of(job)
+    assert event["secure_aggregation"] == {"summed": 3}
+    assert_model(fitted.states, expected, atol=2e-6)
 
 
 def test_local_on_worker_data_trains_where_the_data_is(live):
