@@ -130,6 +130,7 @@ class Privacy:
         else:
             self.clip = self.options.clip_norm
         self.rates: list[float] = []  # each round's sampling rate q = m / K
+        import dp_accounting  # noqa: F401 - once, as the job starts: not inside a round
 
     @property
     def client_clip(self) -> float | None:
