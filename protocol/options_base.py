@@ -28,6 +28,7 @@ __all__ = [
     "StrategyOptions",
     "T",
     "message_of",
+    "named",
     "parse",
 ]
 
@@ -139,6 +140,33 @@ def parse(cls: type[T], data: Mapping[str, Any], dialect: Dialect) -> T:
             )
     try:
         return cls.model_validate(data, context={"dialect": dialect})
+    except ValidationError as exc:
+        raise ValueError(message_of(exc)) from None
+
+
+def named(
+    registry: Mapping[str, type[T]],
+    what: str,
+    name: object,
+    parameters: Mapping[str, Any],
+    dialect: Dialect,
+) -> T:
+    """The member of ``registry`` called ``name`` (a server optimizer, an aggregator...) with
+    ``parameters``, checked; ``what`` names the kind in refusals.
+
+    Raises:
+        ValueError: an unknown name, a parameter it does not take, or a value out of range.
+    """
+    cls = registry.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)}")
+    allowed = [key for key in cls.model_fields if key != "name"]
+    unknown = sorted(str(key) for key in parameters if key not in allowed)
+    if unknown:
+        takes = f"takes options {allowed}" if allowed else "takes no options"
+        raise ValueError(f"{what} {name!r} {takes}; got unknown {unknown}")
+    try:
+        return cls.model_validate({"name": name, **parameters}, context={"dialect": dialect})
     except ValidationError as exc:
         raise ValueError(message_of(exc)) from None
 

@@ -22,14 +22,17 @@ The SDK's surface::
         fitted = job.result()
 """
 
+from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
 from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
 from somatize.jobs import Job, JobCheckpoint, JobEventInfo
+from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
 from somatize.saved import load
 from somatize.strategies import (
     DataParallel,
+    FedAdagrad,
     FedAdam,
     FedAvg,
     FedAvgM,
@@ -38,36 +41,48 @@ from somatize.strategies import (
     Local,
     ModelParallel,
     Partition,
+    QFedAvg,
     ServerOptimizer,
     Strategy,
     WorkerData,
 )
 
 __all__ = [
+    "AdaptiveClipping",
+    "Aggregator",
+    "Bulyan",
     "Client",
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedMedian",
     "FedProx",
     "FedYogi",
     "Filter",
     "FittedGraph",
+    "FixedClipping",
     "Graph",
     "GraphError",
     "Job",
     "JobCheckpoint",
     "JobEventInfo",
     "JobFailed",
+    "Krum",
     "Local",
     "ModelParallel",
     "Partition",
+    "PrivacyMechanism",
+    "QFedAvg",
+    "SecAgg",
     "ServerOptimizer",
     "SomatizeError",
     "Strategy",
     "TorchFilter",
+    "TrimmedMean",
     "WorkerData",
     "connect",
     "load",
