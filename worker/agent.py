@@ -230,6 +230,7 @@ class Agent:
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
         await asyncio.to_thread(self._pool.find_cgroups)
+        self._pool.start_fork_server()
         if self._peer_server is not None:
             await self._peer_server.start()
         try:
@@ -260,6 +261,7 @@ class Agent:
             await self._links.close()
             if self._peer_server is not None:
                 await self._peer_server.stop()
+            await self._pool.close_fork_server()
             await asyncio.to_thread(self._pool.release)
             self._lifecycle.finish()
             self._sync()

@@ -164,6 +164,14 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_INFLIGHT})",
     )
     parser.add_argument(
+        "--fork-server",
+        choices=["on", "off"],
+        default="on",
+        help="fork each job's filter daemon from one process that imported torch once (default "
+        "on: a daemon starts in milliseconds, sharing that memory; CPU workers only); off starts "
+        "each anew",
+    )
+    parser.add_argument(
         "--spare-daemon",
         choices=["on", "off"],
         default="on",
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=args.max_inflight,
             device=args.device,
             spare=args.spare_daemon == "on",
+            fork_server=args.fork_server == "on",
         )
         agent = Agent(config)
     except ValueError as exc:

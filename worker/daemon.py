@@ -83,7 +83,7 @@ from worker.pipe import FrameReader, FrameWriter
 from worker.secagg_client import SecAggClients
 from worker.shared_memory import SharedRegion, allocate_fast
 
-__all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
+__all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main", "run", "warm_up"]
 
 EXIT_BROKEN_STREAM = 2
 """Exit status when the protocol stream cannot be read any more (bad length prefix, truncation)."""
@@ -572,20 +572,27 @@ def warm_up() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
+def run(threads: int, device: str, shared: tuple[SharedRegion, SharedRegion] | None) -> NoReturn:
+    """Serve on this process's stdin/stdout until shutdown, EOF or orphaning, then exit: a
+    daemon's life once its process exists (started anew by :func:`main`, or forked by the
+    agent's fork server, :mod:`worker.fork_server`, which did the imports and the warm-up)."""
+    channel = take_stdio(shared)
+    # A segfault in user code prints the Python stack to the worker log before the process dies.
+    faulthandler.enable(file=sys.stderr)
+    start_watchdog(os.getppid())
+    torch.set_num_threads(threads)
+    warm_up()
+    status = serve(channel, Daemon(Engine(device=device)))
+    sys.stderr.flush()
+    # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the daemon on this process's stdin/stdout until shutdown, EOF or orphaning."""
     args = _parse_args(argv)
     keep_freed_memory()
-    channel = take_stdio(args.shared)
-    # A segfault in user code prints the Python stack to the worker log before the process dies.
-    faulthandler.enable(file=sys.stderr)
-    start_watchdog(os.getppid())
-    torch.set_num_threads(args.threads)
-    warm_up()
-    status = serve(channel, Daemon(Engine(device=args.device)))
-    sys.stderr.flush()
-    # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
-    os._exit(status)
+    run(args.threads, args.device, args.shared)
 
 
 if __name__ == "__main__":
