@@ -452,11 +452,7 @@ class FedAvg(Strategy):
         """Secure aggregation's first two steps for round t's ``selected`` clients: their keys,
         then their shares (Bonawitz et al. 2017, rounds 0 and 1); who dropped out in them."""
         cohort = at.cohort
-        options = secagg_options(
-            "secagg",
-            {k: v for k, v in (self.secure_aggregation or {}).items() if k != "name"},
-            Dialect.WIRE,
-        )
+        options = secagg_options(self.secure_aggregation or {}, Dialect.WIRE)
         start = {n: at.global_state[n] for n in torch_nodes}
         secure = SecureRound(at.round + 1, [cohort.label(c) for c in selected], options, start)
         dropped = await each_client(ctx, cohort, selected, secure.keys_request, secure.took_keys)
