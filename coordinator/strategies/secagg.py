@@ -20,6 +20,11 @@ client whose neighbours cannot rebuild its key, or a survivor whose self-mask th
 fails the round. Each client's example count n_u is known to the coordinator (its training's
 reply), its model is not.
 
+The coordinator is taken to be honest but curious, as in Bonawitz et al.'s semi-honest setting:
+it follows the protocol and tries to learn from what it sees. Against a coordinator that lies
+about who dropped out (their round 4', ConsistencyCheck, and signed keys) there is no defence
+here beyond each client's refusal to give both shares of one peer.
+
 Only the TorchFilters' float entries are aggregated: their integer entries (BatchNorm's
 ``num_batches_tracked``) stay w_t's, and a job with plain filters is refused at submit.
 """
