@@ -32,7 +32,7 @@ Only the TorchFilters' float entries are aggregated: their integer entries (Batc
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +223,3 @@ async def each_client(
 
     groups = await concurrently(*(on_worker(i, mine) for i, mine in turns.items()))
     return [d for group in groups for d in group]
-
-
-Step = Callable[[str], Awaitable[Any]]
