@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointOptions",
     "Dialect",
     "NamedOptions",
+    "RestartOptions",
     "Say",
     "StrategyOptions",
     "T",
@@ -253,18 +254,39 @@ DEFAULT_RESTART_TIMEOUT = 60.0
 """Seconds a job restarting after a fault waits for workers, unless told otherwise."""
 
 
-class CheckpointOptions(StrategyOptions):
+class RestartOptions(StrategyOptions):
+    """What a strategy whose jobs restart after a fault of the cluster takes: ``max_restarts``,
+    how many times a job that a lost worker, a crashed daemon or a broken collective would fail
+    is queued again instead (from its last checkpoint, where its strategy keeps them; else from
+    the start), waiting up to ``restart_timeout`` seconds each time for workers to take it."""
+
+    max_restarts: int = 0
+    restart_timeout: float = DEFAULT_RESTART_TIMEOUT
+
+    @classmethod
+    def _check_restarts(cls, fields: dict[str, Any], say: Say) -> None:
+        restarts = fields.get("max_restarts", 0)
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise say.no(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
+        timeout = fields.get("restart_timeout", DEFAULT_RESTART_TIMEOUT)
+        wire = f"restart_timeout must be a positive number of seconds, not {timeout!r}"
+        if say.real("restart_timeout", timeout, wire) <= 0:
+            raise say.no(f"restart_timeout must be > 0, not {timeout!r}", wire)
+
+    def _restarts_wire(self) -> dict[str, Any]:
+        if not self.max_restarts:
+            return {}
+        return {"max_restarts": self.max_restarts, "restart_timeout": self.restart_timeout}
+
+
+class CheckpointOptions(RestartOptions):
     """What a strategy that saves checkpoints of its runs takes: ``checkpoint_every`` steps (or
     rounds; ``None``: at the end of every epoch or after 60 s of training, whichever comes
-    first; ``0``: never) and ``keep_checkpoints``, how many are kept (at least 1); and
-    ``max_restarts``: how many times a job that a lost worker, a crashed daemon or a broken
-    collective would fail goes back to its last checkpoint instead, waiting up to
-    ``restart_timeout`` seconds each time for workers to take it."""
+    first; ``0``: never) and ``keep_checkpoints``, how many are kept (at least 1); and the
+    restart options (:class:`RestartOptions`), a restart going back to the last checkpoint."""
 
     checkpoint_every: int | None = None
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
-    max_restarts: int = 0
-    restart_timeout: float = DEFAULT_RESTART_TIMEOUT
 
     @classmethod
     def _check_checkpoints(cls, fields: dict[str, Any], say: Say) -> None:
@@ -279,13 +301,7 @@ class CheckpointOptions(StrategyOptions):
         say.positive_int(
             "keep_checkpoints", fields.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS)
         )
-        restarts = fields.get("max_restarts", 0)
-        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
-            raise say.no(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
-        timeout = fields.get("restart_timeout", DEFAULT_RESTART_TIMEOUT)
-        wire = f"restart_timeout must be a positive number of seconds, not {timeout!r}"
-        if say.real("restart_timeout", timeout, wire) <= 0:
-            raise say.no(f"restart_timeout must be > 0, not {timeout!r}", wire)
+        cls._check_restarts(fields, say)
 
     def _checkpoints_wire(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -293,6 +309,4 @@ class CheckpointOptions(StrategyOptions):
             options["checkpoint_every"] = self.checkpoint_every
         if self.keep_checkpoints != DEFAULT_KEEP_CHECKPOINTS:
             options["keep_checkpoints"] = self.keep_checkpoints
-        if self.max_restarts:
-            options |= {"max_restarts": self.max_restarts, "restart_timeout": self.restart_timeout}
-        return options
+        return options | self._restarts_wire()

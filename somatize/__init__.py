@@ -14,6 +14,8 @@ The SDK's surface::
     fitted = graph.fit(x, y)
     out = fitted.forward(x_test)
     fitted.states["mlp"]            # the module's state_dict (tensors)
+    fitted.save("digits.pt")        # no pickle: torch.load(..., weights_only=True) reads it
+    fitted = sz.load("digits.pt", graph)
 
     with sz.connect("ws://127.0.0.1:8765") as client:   # the same graph, on a worker
         job = client.submit(graph, x, y, strategy=sz.Local())
@@ -25,8 +27,9 @@ from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
-from somatize.jobs import Job, JobEventInfo
+from somatize.jobs import Job, JobCheckpoint, JobEventInfo
 from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
+from somatize.saved import load
 from somatize.strategies import (
     DataParallel,
     FedAdagrad,
@@ -65,6 +68,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "Job",
+    "JobCheckpoint",
     "JobEventInfo",
     "JobFailed",
     "Krum",
@@ -81,5 +85,6 @@ __all__ = [
     "TrimmedMean",
     "WorkerData",
     "connect",
+    "load",
 ]
 __version__ = "0.1.0"

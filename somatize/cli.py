@@ -4,6 +4,7 @@ Commands::
 
     somatize demo [--epochs N]                   train the digits demo in this process
     somatize submit FILE.py [--no-wait]          submit the job FILE.py defines, follow it
+    somatize cancel ID                           cancel a queued or running job
     somatize status                              workers and jobs
     somatize jobs [--limit N]                    the newest jobs
     somatize result ID [--save PATH] [--wait S]  a finished job's states
@@ -14,6 +15,7 @@ The commands that talk to a coordinator take ``--coordinator URL`` (default
 
 Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a usage error or
 a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
+Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.interrupt`).
 
 A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`` (a
 :class:`~somatize.Graph`) and ``x``, and optionally ``y`` and ``strategy`` (default
@@ -30,6 +32,7 @@ A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
@@ -41,13 +44,17 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
 from somatize.errors import UsageError
+from somatize.interrupt import exit_signals, when_stopped
+from somatize.progress import Progress as JobProgress
+from somatize.progress import bar_position
 from somatize.tables import (
     cells,
     describe_state,
     jobs_table,
     placed_text,
+    position_text,
     printable,
-    progress_text,
+    queued_text,
     replica_text,
     workers_table,
 )
@@ -126,6 +133,25 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
     )
+    submit.add_argument(
+        "--name", help="what the job list calls the job (default: the file's name, no .py)"
+    )
+    submit.add_argument(
+        "--wait-for-workers",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="wait this long for workers that can take the job (a tag or worker id no worker "
+        "has yet included), then fail; by default such a job is refused at once",
+    )
+    submit.add_argument(
+        "--cancel-on-exit",
+        action="store_true",
+        help="cancel the job if this command stops before it ends (Ctrl-C, SIGTERM, SIGHUP) "
+        "instead of asking",
+    )
+
+    cancel = sub.add_parser("cancel", parents=[remote], help="cancel a queued or running job")
+    cancel.add_argument("job_id", metavar="ID", help="the job's id")
 
     sub.add_parser("status", parents=[remote], help="show workers and jobs")
 
@@ -137,7 +163,18 @@ def _parser() -> argparse.ArgumentParser:
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
     result.add_argument("job_id", metavar="ID", help="the job's id")
-    result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
+    result.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the states (no pickle: torch.load(PATH, weights_only=True) or "
+        "somatize.load(PATH, graph) reads them)",
+    )
+    result.add_argument(
+        "--checkpoint",
+        metavar="latest|N",
+        help="the states of the job's newest checkpoint (or checkpoint N) instead of its "
+        "result: what a cancelled or failed job had learned",
+    )
     result.add_argument(
         "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
     )
@@ -156,6 +193,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {text}")
     return value
+
+
+def _checkpoint_number(text: str) -> int:
+    """``--checkpoint N``: a checkpoint's number (``latest`` is taken before)."""
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--checkpoint takes 'latest' or a checkpoint's number, not {text!r}")
+    return int(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -282,19 +326,24 @@ def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
 def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
     graph, x, y, strategy = load_job_file(args.file)
     with _connect(args) as client:
-        job = client.submit(graph, x, y, strategy=strategy)
+        job = client.submit(
+            graph,
+            x,
+            y,
+            strategy=strategy,
+            wait_for_workers=args.wait_for_workers,
+            name=args.name or Path(args.file).stem,
+            file=args.file,
+        )
         out.print(job.id, markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
-        started = time.monotonic()
+        started, line = time.monotonic(), JobProgress()
         try:
-            end = follow(job, err)
-        except KeyboardInterrupt:
-            err.print(
-                f"stopped following job {job.id}; it goes on (somatize result {job.id})",
-                markup=False,
-                soft_wrap=True,
-            )
+            with exit_signals(args.cancel_on_exit):
+                end = follow(job, err, line)
+        except KeyboardInterrupt as stop:
+            when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
         if end is None:
             err.print(
@@ -306,17 +355,21 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
 
             _print_failure(err, failure_of(job.id, end))
             return EXIT_JOB_FAILED
+        how = f": {line.final}" if line.final else ""
         err.print(
-            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s",
+            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s{how}",
             markup=False,
             soft_wrap=True,
         )
         return EXIT_OK
 
 
-def follow(job: Job, err: Console) -> Any:
-    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end)."""
+def follow(job: Job, err: Console, line: JobProgress | None = None) -> Any:
+    """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
+    given); its terminal event (``None``: no end)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    line = JobProgress() if line is None else line
 
     columns = (
         TextColumn("{task.description}"),
@@ -328,21 +381,20 @@ def follow(job: Job, err: Console) -> Any:
         task = progress.add_task(f"job {job.id}", total=None, info="submitted")
         for event in job.events():
             if event.event == "queued":
-                needs = event.data.get("placement")
-                progress.update(task, info=f"queued: waiting for {needs}" if needs else "queued")
+                progress.update(task, info=queued_text(event.data))
             elif event.event == "placed":
                 progress.update(task, info=placed_text(event.data))
             elif event.event == "progress":
-                epochs, epoch = event.data.get("epochs"), event.data.get("epoch")
-                if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
-                    progress.update(task, total=epochs, completed=min(epoch, epochs))
-                progress.update(task, info=progress_text(event.data))
+                done, total = bar_position(event.data)
+                if total:
+                    progress.update(task, total=total, completed=min(done, total))
+                progress.update(task, info=line.add(event.time, event.data))
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
                 if event.event == "succeeded":
-                    total = progress.tasks[0].total or 1
-                    progress.update(task, total=total, completed=total)
+                    end = progress.tasks[0].total or 1
+                    progress.update(task, total=end, completed=end)
                 progress.update(task, info=event.event)
                 return event
     return None
@@ -355,7 +407,14 @@ def _print_failure(err: Console, exc: Any) -> None:
         err.print(trace.rstrip(), markup=False, soft_wrap=True)
 
 
-# -- status, jobs, result ----------------------------------------------------------------------
+# -- cancel, status, jobs, result --------------------------------------------------------------
+
+
+def _cancel(args: argparse.Namespace, out: Console, err: Console) -> int:
+    with _connect(args) as client:
+        client.job(args.job_id).cancel()
+    out.print(f"job {printable(args.job_id)} cancelled", markup=False, soft_wrap=True)
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -383,13 +442,34 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from somatize.errors import ClientError, JobFailed
+
+    title = f"job {printable(args.job_id)}"
     with _connect(args) as client:
+        job = client.job(args.job_id)
         try:
-            states = client.job(args.job_id).states(timeout=args.wait)
+            if args.checkpoint is not None:
+                seq = None if args.checkpoint == "latest" else _checkpoint_number(args.checkpoint)
+                saved = job.checkpoint(seq)
+                states = saved.states
+                title += f", checkpoint {saved.seq} at {position_text(saved.position)}"
+            else:
+                states = job.states(timeout=args.wait)
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
-    table = Table(title=Text(f"job {printable(args.job_id)}"), title_justify="left")
+        except JobFailed as exc:
+            _print_failure(err, exc)
+            with contextlib.suppress(ClientError):  # none kept: nothing to offer
+                saved = job.checkpoint()
+                err.print(
+                    f"its newest checkpoint is {saved.seq}, at {position_text(saved.position)}: "
+                    f"somatize result {args.job_id} --checkpoint latest",
+                    markup=False,
+                    soft_wrap=True,
+                )
+            return EXIT_JOB_FAILED
+    table = Table(title=Text(title), title_justify="left")
     for column in ("node", "key", "shape", "dtype"):
         table.add_column(column, no_wrap=column != "dtype")
     for node_id, state in states.items():
@@ -400,13 +480,14 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(table)
     if args.plot:
         with _connect(args) as client:
-            points = loss_curve(client.job(args.job_id).events(timeout=client.timeout))
-        plot_loss(points, args.plot, title=f"job {args.job_id}")
+            events = list(client.job(args.job_id).events(timeout=client.timeout))
+        points = loss_curve(events)
+        plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.save:
-        import torch
+        from somatize.saved import save
 
-        torch.save(states, args.save)
+        save(args.save, states, list(states))
         err.print(
             f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
         )
@@ -435,26 +516,54 @@ def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
     return points
 
 
-def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
-    """Save the loss curve as an image (matplotlib, no display needed)."""
-    import matplotlib
+def curve_unit(events: Iterable[Any]) -> str:
+    """What the loss curve's x-axis counts: federated ``round``, an ``epoch`` when the job
+    reported only its epochs' losses, else a training ``step``."""
+    progress = [e.data for e in events if e.event == "progress"]
+    if any(d.get("phase") == "round" for d in progress):
+        return "round"
+    if not any(isinstance(d.get("step"), int) for d in progress):
+        return "epoch"
+    return "step"
 
-    matplotlib.use("Agg")
+
+def plot_loss(points: list[tuple[float, float]], path: str, title: str, x_label: str) -> None:
+    """Save the loss curve as an image (matplotlib, no display needed)."""
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if points:
-        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
+    figure = loss_figure(points, title, x_label)
     figure.savefig(path)
     plt.close(figure)
 
 
-_COMMANDS = {"submit": _submit, "status": _status, "jobs": _jobs, "result": _result}
+def loss_figure(points: list[tuple[float, float]], title: str, x_label: str) -> Any:
+    """The loss curve as a matplotlib figure; its x-axis counts ``x_label`` (steps, rounds,
+    epochs) on whole-number ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if points:
+        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
+    axes.set_xlabel(x_label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel("loss")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+_COMMANDS = {
+    "submit": _submit,
+    "cancel": _cancel,
+    "status": _status,
+    "jobs": _jobs,
+    "result": _result,
+}
 
 
 if __name__ == "__main__":

@@ -80,15 +80,22 @@ class Local(Strategy):
         worker: run on the worker with this id (default: any idle worker).
         tag: run on a worker that has this tag (default: any idle worker).
         device: run on a worker training on this device (default: any).
+        max_restarts: how many times the job, when its worker is lost or its daemon crashes,
+            is queued again and trains from the start (a Local job keeps no checkpoints: its
+            one call trains the whole graph) instead of failing (default 0).
+        restart_timeout: seconds a restart waits for a worker.
 
     Raises:
         ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given;
-            ``device`` is not one of the device forms.
+            ``device`` is not one of the device forms; ``max_restarts`` not an integer >= 0 or
+            ``restart_timeout`` not a positive number.
     """
 
     worker: str | None = None
     tag: str | None = None
     device: str | None = None
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "local"
 
@@ -542,7 +549,13 @@ class ModelParallel(Strategy):
     ``"websocket"`` — every micro-batch's action is a call from the coordinator, the tensors
     going over the agents' peer links (or relayed by the coordinator). ``"auto"`` (default) —
     ``torch`` when every stage can reach the rendezvous on the first, else ``websocket``; a
-    ``linked`` progress event says which and why. A lost stage fails the job at once.
+    ``linked`` progress event says which and why.
+
+    A lost stage fails the job at once, unless the job holds ``spares``: then the lost stage's
+    partition moves to a spare worker, every stage goes back to the last checkpoint (the start,
+    before the first) and training goes on from there — the result is still the undisturbed
+    run's. The events say ``worker_lost``, ``worker_replaced`` (which stage, which worker) and
+    ``resumed``. With no spare left, ``max_restarts`` still applies.
 
     Args:
         partitions: the stages, in graph order; together they hold every node exactly once.
@@ -551,6 +564,17 @@ class ModelParallel(Strategy):
         device: the device of every partition that names none (default: any).
         transport: ``"auto"``, ``"torch"`` or ``"websocket"`` (above).
         collective_timeout: seconds joining the group or one send/receive may take.
+        checkpoint_every: save a checkpoint (every stage's model and optimizer state, and the
+            global batch) every this many global batches; ``None`` (default): at the end of
+            every epoch or after 60 s of training, whichever comes first; ``0``: never.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a stage's worker is lost (and no spare is
+            left), its daemon crashes or the group breaks, goes back to its last checkpoint on
+            the workers there are (default 0), waiting up to ``restart_timeout`` seconds.
+        restart_timeout: seconds a restart waits for workers.
+        spares: workers the job holds besides its stages, idle, each ready to take a lost
+            stage's place (default 0).
+        spare_tag: only workers with this tag are spares (default: any worker).
     """
 
     partitions: tuple[Partition, ...] | list[Partition]
@@ -559,6 +583,12 @@ class ModelParallel(Strategy):
     device: str | None = None
     transport: str = "auto"
     collective_timeout: float = 60.0
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
+    spares: int = 0
+    spare_tag: str | None = None
 
     name: ClassVar[str] = "model_parallel"
 

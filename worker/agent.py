@@ -67,13 +67,19 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
 from protocol.asyncio.channel import Channel
-from protocol.asyncio.websocket import close_reason
+from protocol.asyncio.websocket import close_reason, tls_hint
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
 from worker.datasets import summaries
-from worker.errors import AgentError, HandshakeFailed, LinkDead, RegistrationRefused
+from worker.errors import (
+    AgentError,
+    HandshakeFailed,
+    LinkDead,
+    RegistrationRefused,
+    UntrustedCoordinator,
+)
 from worker.job_handlers import JobHandlers
 from worker.lifecycle import Lifecycle, Phase
 from worker.link import (
@@ -217,6 +223,7 @@ class Agent:
         Raises:
             RegistrationRefused: the coordinator refused this worker for good (see
                 :data:`FATAL_CODES`); retrying would not help.
+            UntrustedCoordinator: its TLS certificate fails verification; nor would that.
         """
         if self._capabilities is None:
             # detect() may import torch (CUDA devices): keep it off the loop.
@@ -232,8 +239,13 @@ class Agent:
                 except RegistrationRefused as exc:
                     log.error("the coordinator at %s refused this worker: %s", self.url, exc)
                     raise
+                except UntrustedCoordinator as exc:
+                    log.error("cannot trust the coordinator at %s: %s", self.url, exc)
+                    raise
                 except RETRYABLE as exc:
-                    log.warning("connection to %s failed: %s", self.url, describe(exc))
+                    hint = tls_hint(self.url, exc, self.config.ca_file, "--ca-file")
+                    said = describe(exc) + (f"; {hint}" if hint else "")
+                    log.warning("connection to %s failed: %s", self.url, said)
                 except Exception:
                     log.exception("connection to %s failed unexpectedly", self.url)
                 if not self.config.reconnect or self._lifecycle.stopping:

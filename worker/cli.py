@@ -37,7 +37,7 @@ from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
 from worker.datasets import parse_data_option
-from worker.errors import RegistrationRefused
+from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
 __all__ = ["main"]
@@ -232,7 +232,7 @@ async def _serve(agent: Agent) -> int:
         loop.add_signal_handler(sig, _on_signal, agent, sig)
     try:
         await agent.run()
-    except RegistrationRefused:
+    except (RegistrationRefused, UntrustedCoordinator):
         return 1  # the agent logged why
     finally:
         for sig in signals:

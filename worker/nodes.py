@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from protocol.errors import ErrorCode
+from protocol.rows import rows_disagree
 from worker.errors import EngineError
 from worker.npy_rows import Rows
 from worker.transfer import autocast, tensors_to, to_cpu, to_device
@@ -75,12 +76,10 @@ def num_rows(x: Any) -> int:
 
 
 def check_same_rows(x: Any, y: Any) -> None:
-    """Refuse labels that do not have one row per input row."""
+    """Refuse labels that do not have one row per input row (the coordinator refuses such a
+    job at submit already, in the same words: :mod:`protocol.rows`)."""
     if y is not None and num_rows(x) != num_rows(y):
-        raise EngineError(
-            ErrorCode.BAD_REQUEST,
-            f"x has {num_rows(x)} rows and y has {num_rows(y)}: they must match",
-        )
+        raise EngineError(ErrorCode.BAD_REQUEST, rows_disagree(num_rows(x), num_rows(y)))
 
 
 @dataclass

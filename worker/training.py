@@ -17,6 +17,7 @@ import torch
 
 from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
+from protocol.rows import needs_labels
 from worker.errors import EngineError
 from worker.nodes import (
     Node,
@@ -285,7 +286,7 @@ class Training(Nodes):
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: fitting it needs labels (y)",
+                needs_labels(run[-1].node_id, "fitting"),
                 {"node_id": run[-1].node_id},
             )
         for node in run:
@@ -311,7 +312,7 @@ class Training(Nodes):
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: training it needs labels (y)",
+                needs_labels(run[-1].node_id, "training"),
                 {"node_id": run[-1].node_id},
             )
         first = run[0].filter

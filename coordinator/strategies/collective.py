@@ -238,12 +238,13 @@ class TorchTraining:
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
         """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
         the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses = []
+        losses, batch_rows = [], []
         for j in range(stop - start):
             rows = [results[i]["rows"][j] for i in self._all()]
             values = [results[i]["losses"][j] for i in self._all()]
             weighted = sum(r * v for r, v in zip(rows, values, strict=True))
             losses.append(weighted / max(sum(rows), 1))
+            batch_rows.append(sum(rows))
         per_epoch = self.steps_per_epoch
         await self.emit(
             "progress",
@@ -256,6 +257,8 @@ class TorchTraining:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": stop - start,
+                "rows": sum(batch_rows),
+                "batch_rows": batch_rows,
             },
         )
 

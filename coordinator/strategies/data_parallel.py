@@ -46,10 +46,10 @@ from coordinator.strategies.steps import (
     Training,
     global_batches,
     plain_prefix,
-    rows_of,
 )
 from protocol.daemon import CompositeFitRequest
 from protocol.errors import ErrorCode
+from protocol.rows import rows_of
 from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_ELASTIC_TIMEOUT,

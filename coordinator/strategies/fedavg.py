@@ -76,10 +76,10 @@ from coordinator.strategies.federated import (
 from coordinator.strategies.privacy import DPFold, Privacy
 from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
 from coordinator.strategies.secagg import SecureRound, each_client
-from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
 from protocol.options_base import Dialect
+from protocol.rows import rows_of
 from protocol.secagg_options import secagg_options
 from protocol.strategy_options import (
     DEFAULT_KEEP_CHECKPOINTS,
@@ -340,7 +340,8 @@ class FedAvg(Strategy):
             privacy.load_state_dict(resume.payload["privacy"])
         at = FederatedPosition(resume.payload["global_state"], server, cohort, privacy=privacy)
         at.round = int(resume.position["round"])
-        await emit("resumed", resume.position | {"checkpoint": resume.seq})
+        assert job.checkpoints is not None
+        await emit("resumed", job.checkpoints.resumed())
         return at
 
     def config_of(self, r: int) -> dict[str, Any]:

@@ -22,9 +22,10 @@ from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies import server_opt
 from coordinator.strategies.base import JobInputs, concurrently
 from coordinator.strategies.privacy import Privacy
-from coordinator.strategies.steps import rows_of, set_up
+from coordinator.strategies.steps import set_up
 from protocol.daemon import StageRequest
 from protocol.errors import ErrorCode
+from protocol.rows import rows_of
 
 Shards = list[tuple[Any, Any]]
 """The client's rows cut in one ``(x, y)`` shard per worker."""

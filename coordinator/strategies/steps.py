@@ -106,14 +106,6 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
     return torch_nodes, job.node_ids[:first]
 
 
-def rows_of(x: Any) -> int | None:
-    """How many rows ``x`` has (``None``: it is not row data)."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None
-
-
 async def set_up(
     ctx: StrategyContext, i: int, filters: Mapping[str, bytes], data: StageRequest
 ) -> dict[str, Any]:
