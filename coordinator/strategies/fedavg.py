@@ -336,7 +336,8 @@ class FedAvg(Strategy):
             )
             return FederatedPosition(initial, server, cohort, privacy=privacy)
         server.load_state_dict(resume.payload["server"])
-        if privacy is not None:
+        if privacy is not None and "privacy" in resume.payload:
+            # (A private job continuing one that was not accounts for its own rounds only.)
             privacy.load_state_dict(resume.payload["privacy"])
         at = FederatedPosition(resume.payload["global_state"], server, cohort, privacy=privacy)
         at.round = int(resume.position["round"])
