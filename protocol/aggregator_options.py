@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from protocol.options_base import Dialect, Say, StrategyOptions, named
+from protocol.options_base import Dialect, NamedOptions, Say, check_named, from_spec
 
 __all__ = [
     "AGGREGATORS",
@@ -39,13 +39,8 @@ def bulyan_least_clients(byzantine: int) -> int:
     return 4 * byzantine + 3
 
 
-class _RuleOptions(StrategyOptions):
+class _RuleOptions(NamedOptions):
     """A robust rule's parameters; ``name`` selects it on the wire."""
-
-    name: str
-
-    def parameters(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if k != "name"}
 
     def least_clients(self) -> int:
         """The fewest clients a round needs for the rule to hold."""
@@ -54,13 +49,6 @@ class _RuleOptions(StrategyOptions):
     def needs(self) -> str:
         """Why :meth:`least_clients` is what it is, for a refusal."""
         return ""
-
-    @classmethod
-    def _count(cls, say: Say, fields: dict[str, Any], key: str, least: int) -> int:
-        value = fields.get(key, cls.model_fields[key].default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise say.no(f"{key} must be an integer >= {least}, not {value!r}")
-        return value
 
 
 class FedMedianOptions(_RuleOptions):
@@ -83,7 +71,7 @@ class TrimmedMeanOptions(_RuleOptions):
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        beta = fields.get("beta")
+        beta = cls._given(fields, "beta")
         if not 0 <= say.real("beta", beta) < 0.5:
             raise say.no(f"beta must be in [0, 0.5), not {beta!r}")
         return fields
@@ -143,35 +131,25 @@ AGGREGATORS: dict[str, type[_RuleOptions]] = {
 """The robust rules' options by the name a client gives."""
 
 
-def aggregator_options(
-    name: object, parameters: Mapping[str, Any], dialect: Dialect
-) -> AggregatorOptions:
-    """The robust rule ``name`` with ``parameters``, checked.
+def aggregator_options(spec: Mapping[str, Any], dialect: Dialect) -> AggregatorOptions:
+    """The robust rule ``{"name": ..., parameter: value}`` asks for, checked.
 
     Raises:
         ValueError: an unknown name, a parameter it does not take, or a value out of range.
     """
-    options: AggregatorOptions = named(AGGREGATORS, "aggregator", name, parameters, dialect)  # type: ignore[assignment]
+    options: AggregatorOptions = from_spec(AGGREGATORS, "aggregator", spec, dialect)  # type: ignore[assignment]
     return options
+
+
+FORMS = "FedMedian(), TrimmedMean(beta), Krum(byzantine, keep), Bulyan(byzantine)"
+"""The SDK's robust rules, as a refusal lists them."""
 
 
 def check_round_size(say: Say, spec: object, clients: int, counted: str) -> None:
     """Refuse an ``aggregator`` spec that is not a rule, or whose rule a round of ``clients``
     clients (the fewest a round may have: ``counted`` says how that is counted, and what to
     raise) cannot hold."""
-    if not isinstance(spec, Mapping):
-        raise say.no(
-            "aggregator must be FedMedian(), TrimmedMean(beta), Krum(byzantine, keep), "
-            f"Bulyan(byzantine) or None, not {spec!r}",
-            f"aggregator must be an object with a name (one of {sorted(AGGREGATORS)}) and its "
-            f"parameters, not {spec!r}",
-        )
-    try:
-        rule = aggregator_options(
-            spec.get("name"), {k: v for k, v in spec.items() if k != "name"}, say.dialect
-        )
-    except ValueError as exc:
-        raise say.no(f"aggregator: {exc}") from None
+    rule: AggregatorOptions = check_named(say, AGGREGATORS, "aggregator", "aggregator", FORMS, spec)  # type: ignore[assignment]
     least = rule.least_clients()
     if clients < least:
         given = ", ".join(f"{k}={v!r}" for k, v in rule.parameters().items())

@@ -144,8 +144,9 @@ class BatchedFitRequest(DataSource):
 
     ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
     ``reset_optimizer`` trains with fresh optimizers instead of the kept ones; ``lr`` sets their
-    learning rate; ``start_loss`` asks for the loss before training (q-FedAvg's F_k(w_t));
-    ``clip_norm`` clips the TorchFilters' update to that L2 norm (client-side DP clipping)."""
+    learning rate; ``start`` holds states to set before training (saving a ``set_state``);
+    ``start_loss`` asks for the loss before training (q-FedAvg's F_k(w_t)); ``clip_norm``
+    clips the TorchFilters' update to that L2 norm (client-side DP clipping)."""
 
     cmd: Literal["batched_fit"] = "batched_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -154,6 +155,7 @@ class BatchedFitRequest(DataSource):
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
     lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    start: dict[str, Any] | None = None  # states set first: a virtual client's w_t
     start_loss: bool = False
     clip_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     return_output: bool = True  # False: the chain's output on the data stays on the worker

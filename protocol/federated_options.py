@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from protocol.aggregator_options import check_round_size
 from protocol.client_config import check_client_config
-from protocol.options_base import CheckpointOptions, Dialect, Say, StrategyOptions, named
+from protocol.options_base import CheckpointOptions, Dialect, NamedOptions, Say, named
 from protocol.privacy_options import check_privacy
 from protocol.secagg_options import check_secagg
 
@@ -31,32 +31,20 @@ __all__ = [
 # -- server optimizers (Reddi et al. 2021) ------------------------------------------------------
 
 
-class _ServerOptions(StrategyOptions):
+class _ServerOptions(NamedOptions):
     """A server optimizer's hyperparameters; ``name`` selects it on the wire."""
 
-    name: str
-
     def hyperparameters(self) -> dict[str, float]:
-        return {k: v for k, v in self.model_dump().items() if k != "name"}
-
-    @classmethod
-    def _range(cls, say: Say, key: str, value: object, rule: str, ok: bool) -> None:
-        if not ok:
-            raise say.no(
-                f"{key} must be {rule}, not {value!r}", f"{key} must be {rule}, got {value!r}"
-            )
-
-    @classmethod
-    def _positive(cls, say: Say, fields: dict[str, Any], key: str) -> None:
-        value = fields.get(key, cls.model_fields[key].default)
-        number = say.real(key, value, f"{key} must be a finite number, got {value!r}")
-        cls._range(say, key, value, "> 0", number > 0)
+        return self.parameters()
 
     @classmethod
     def _decay(cls, say: Say, fields: dict[str, Any], key: str) -> None:
-        value = fields.get(key, cls.model_fields[key].default)
+        value = cls._given(fields, key)
         number = say.real(key, value, f"{key} must be a finite number, got {value!r}")
-        cls._range(say, key, value, "in [0, 1)", 0 <= number < 1)
+        if not 0 <= number < 1:
+            raise say.no(
+                f"{key} must be in [0, 1), not {value!r}", f"{key} must be in [0, 1), got {value!r}"
+            )
 
 
 class PlainAveragingOptions(_ServerOptions):

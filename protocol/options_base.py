@@ -23,10 +23,13 @@ __all__ = [
     "DEFAULT_RESTART_TIMEOUT",
     "CheckpointOptions",
     "Dialect",
+    "NamedOptions",
     "RestartOptions",
     "Say",
     "StrategyOptions",
     "T",
+    "check_named",
+    "from_spec",
     "message_of",
     "named",
     "parse",
@@ -144,6 +147,42 @@ def parse(cls: type[T], data: Mapping[str, Any], dialect: Dialect) -> T:
         raise ValueError(message_of(exc)) from None
 
 
+class NamedOptions(StrategyOptions):
+    """Options of a part a strategy takes by name — a server optimizer, a robust aggregator, a
+    privacy mechanism, secure aggregation — as ``{"name": ..., parameter: value}``; the range
+    checks they share."""
+
+    name: str
+
+    def parameters(self) -> dict[str, Any]:
+        """Everything but the name."""
+        return {k: v for k, v in self.model_dump().items() if k != "name"}
+
+    @classmethod
+    def _given(cls, fields: dict[str, Any], key: str) -> Any:
+        return fields.get(key, cls.model_fields[key].default)
+
+    @classmethod
+    def _positive(cls, say: Say, fields: dict[str, Any], key: str, zero: bool = False) -> float:
+        """``key`` a finite number > 0 (>= 0 with ``zero``)."""
+        value = cls._given(fields, key)
+        number = say.real(key, value, f"{key} must be a finite number, got {value!r}")
+        if number < 0 or (number == 0 and not zero):
+            rule = ">= 0" if zero else "> 0"
+            raise say.no(
+                f"{key} must be {rule}, not {value!r}", f"{key} must be {rule}, got {value!r}"
+            )
+        return number
+
+    @classmethod
+    def _count(cls, say: Say, fields: dict[str, Any], key: str, least: int) -> int:
+        """``key`` an integer >= ``least``."""
+        value = cls._given(fields, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise say.no(f"{key} must be an integer >= {least}, not {value!r}")
+        return value
+
+
 def named(
     registry: Mapping[str, type[T]],
     what: str,
@@ -169,6 +208,36 @@ def named(
         return cls.model_validate({"name": name, **parameters}, context={"dialect": dialect})
     except ValidationError as exc:
         raise ValueError(message_of(exc)) from None
+
+
+def check_named(
+    say: Say, registry: Mapping[str, type[T]], option: str, what: str, forms: str, spec: object
+) -> T:
+    """The ``option`` a strategy was given — ``{"name": ..., parameter: value}`` naming one of
+    ``registry`` (each a ``what``; ``forms`` the SDK's classes) — checked, or refused naming
+    the option."""
+    if not isinstance(spec, Mapping):
+        raise say.no(
+            f"{option} must be {forms} or None, not {spec!r}",
+            f"{option} must be an object with a name (one of {sorted(registry)}) and its "
+            f"parameters, not {spec!r}",
+        )
+    try:
+        return from_spec(registry, what, spec, say.dialect)
+    except ValueError as exc:
+        raise say.no(f"{option}: {exc}") from None
+
+
+def from_spec(
+    registry: Mapping[str, type[T]], what: str, spec: Mapping[str, Any], dialect: Dialect
+) -> T:
+    """:func:`named` of a ``{"name": ..., parameter: value}`` spec.
+
+    Raises:
+        ValueError: as :func:`named`.
+    """
+    parameters = {k: v for k, v in spec.items() if k != "name"}
+    return named(registry, what, spec.get("name"), parameters, dialect)
 
 
 def message_of(exc: ValidationError) -> str:

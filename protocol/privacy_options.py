@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from protocol.options_base import Dialect, Say, StrategyOptions, named
+from protocol.options_base import Dialect, NamedOptions, Say, check_named, from_spec
 
 __all__ = [
     "PRIVACY",
@@ -32,28 +32,16 @@ __all__ = [
 SIDES = ("server", "client")
 
 
-class _PrivacyOptions(StrategyOptions):
+class _PrivacyOptions(NamedOptions):
     """A privacy mechanism's parameters; ``name`` selects it on the wire."""
 
-    name: str
     noise_multiplier: float
     delta: float = 1e-5
-
-    def parameters(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if k != "name"}
-
-    @classmethod
-    def _positive(cls, say: Say, fields: dict[str, Any], key: str, zero: bool = False) -> float:
-        value = fields.get(key, cls.model_fields[key].default)
-        number = say.real(key, value)
-        if number < 0 or (number == 0 and not zero):
-            raise say.no(f"{key} must be {'>= 0' if zero else '> 0'}, not {value!r}")
-        return number
 
     @classmethod
     def _check_common(cls, fields: dict[str, Any], say: Say) -> None:
         cls._positive(say, fields, "noise_multiplier", zero=True)
-        delta = fields.get("delta", 1e-5)
+        delta = cls._given(fields, "delta")
         if not 0 < say.real("delta", delta) < 1:
             raise say.no(f"delta must be in (0, 1), not {delta!r}")
 
@@ -93,7 +81,7 @@ class AdaptiveClippingOptions(_PrivacyOptions):
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
         cls._positive(say, fields, "initial_clip")
-        quantile = fields.get("target_quantile", 0.5)
+        quantile = cls._given(fields, "target_quantile")
         if not 0 <= say.real("target_quantile", quantile) <= 1:
             raise say.no(f"target_quantile must be in [0, 1], not {quantile!r}")
         cls._positive(say, fields, "clip_lr")
@@ -137,32 +125,23 @@ PRIVACY: dict[str, type[_PrivacyOptions]] = {
 """The privacy mechanisms' options by the name a client gives."""
 
 
-def privacy_options(
-    name: object, parameters: Mapping[str, Any], dialect: Dialect
-) -> PrivacyOptions:
-    """The mechanism ``name`` with ``parameters``, checked.
+def privacy_options(spec: Mapping[str, Any], dialect: Dialect) -> PrivacyOptions:
+    """The mechanism ``{"name": ..., parameter: value}`` asks for, checked.
 
     Raises:
         ValueError: an unknown name, a parameter it does not take, or a value out of range.
     """
-    options: PrivacyOptions = named(PRIVACY, "privacy", name, parameters, dialect)  # type: ignore[assignment]
+    options: PrivacyOptions = from_spec(PRIVACY, "privacy", spec, dialect)  # type: ignore[assignment]
     return options
 
 
 def check_privacy(say: Say, spec: object, clients: int) -> None:
     """Refuse a ``privacy`` spec that is not a mechanism, or an adaptive one whose count noise
     a round of ``clients`` clients (the fewest a round selects) leaves too small."""
-    if not isinstance(spec, Mapping):
-        raise say.no(
-            f"privacy must be FixedClipping(...), AdaptiveClipping(...) or None, not {spec!r}",
-            f"privacy must be an object with a name (one of {sorted(PRIVACY)}) and its "
-            f"parameters, not {spec!r}",
-        )
-    try:
-        options = privacy_options(
-            spec.get("name"), {k: v for k, v in spec.items() if k != "name"}, say.dialect
-        )
-        if isinstance(options, AdaptiveClippingOptions):
+    forms = "FixedClipping(...), AdaptiveClipping(...)"
+    options = check_named(say, PRIVACY, "privacy", "privacy", forms, spec)
+    if isinstance(options, AdaptiveClippingOptions):
+        try:
             options.update_noise(clients)
-    except ValueError as exc:
-        raise say.no(f"privacy: {exc}") from None
+        except ValueError as exc:
+            raise say.no(f"privacy: {exc}") from None

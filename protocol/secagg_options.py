@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from protocol.options_base import Dialect, Say, StrategyOptions, named
+from protocol.options_base import Dialect, NamedOptions, Say, check_named, from_spec
 
-__all__ = ["SecAggOptions", "check_secagg", "secagg_options"]
+__all__ = ["SECAGG", "SecAggOptions", "check_secagg", "secagg_options"]
 
 
-class SecAggOptions(StrategyOptions):
+class SecAggOptions(NamedOptions):
     """Secure aggregation's parameters; see the module docstring."""
 
     wire_name = "secagg"
@@ -36,44 +36,32 @@ class SecAggOptions(StrategyOptions):
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        k = fields.get("neighbours", 16)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 2:
-            raise say.no(f"neighbours must be an integer >= 2, not {k!r}")
-        t = fields.get("threshold", 2 / 3)
+        cls._count(say, fields, "neighbours", 2)
+        t = cls._given(fields, "threshold")
         if not 0.5 < say.real("threshold", t) <= 1:
             raise say.no(f"threshold must be in (0.5, 1], not {t!r}")
-        f = fields.get("scale_bits", 24)
+        f = cls._given(fields, "scale_bits")
         if not isinstance(f, int) or isinstance(f, bool) or not 8 <= f <= 40:
             raise say.no(f"scale_bits must be an integer in [8, 40], not {f!r}")
         return fields
 
-    def parameters(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if k != "name"}
+
+SECAGG = {"secagg": SecAggOptions}
 
 
-def secagg_options(name: object, parameters: Mapping[str, Any], dialect: Dialect) -> SecAggOptions:
+def secagg_options(spec: Mapping[str, Any], dialect: Dialect) -> SecAggOptions:
     """The secure aggregation ``{"name": "secagg", ...}`` asks for, checked.
 
     Raises:
         ValueError: a parameter it does not take, or a value out of range.
     """
-    return named({"secagg": SecAggOptions}, "secure aggregation", name, parameters, dialect)
+    return from_spec(SECAGG, "secure aggregation", spec, dialect)
 
 
 def check_secagg(say: Say, spec: object, clients: int) -> None:
     """Refuse a ``secure_aggregation`` spec that is not one, or rounds that may have a single
     client (whose sum is its model)."""
-    if not isinstance(spec, Mapping):
-        raise say.no(
-            f"secure_aggregation must be SecAgg(...) or None, not {spec!r}",
-            f"secure_aggregation must be an object named 'secagg' and its parameters, not {spec!r}",
-        )
-    try:
-        secagg_options(
-            spec.get("name"), {k: v for k, v in spec.items() if k != "name"}, say.dialect
-        )
-    except ValueError as exc:
-        raise say.no(f"secure_aggregation: {exc}") from None
+    check_named(say, SECAGG, "secure_aggregation", "secure aggregation", "SecAgg(...)", spec)
     if clients < 2:
         raise say.no(
             "secure_aggregation needs at least 2 clients in every round (the sum of one is its "

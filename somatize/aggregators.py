@@ -10,30 +10,21 @@ that a round of ``min_workers`` clients cannot hold is refused when the strategy
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from protocol import aggregator_options as ao
-from protocol.options_base import Dialect
+from somatize.components import Component
 
 __all__ = ["Aggregator", "Bulyan", "FedMedian", "Krum", "TrimmedMean"]
 
 
 @dataclass(frozen=True)
-class Aggregator:
-    """Base of the robust rules: a name the coordinator knows and its parameters."""
+class Aggregator(Component):
+    """Base of the robust rules."""
 
-    #: The rule's name on the wire.
-    name: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        self.options()
-
-    def options(self) -> dict[str, Any]:
-        """``{"name": ..., parameter: value, ...}``, as the strategy sends it."""
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        checked = ao.aggregator_options(self.name, given, Dialect.SDK)
-        return {"name": self.name, **checked.parameters()}
+    registry = ao.AGGREGATORS
+    kind = "aggregator"
 
 
 @dataclass(frozen=True)

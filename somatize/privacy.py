@@ -11,31 +11,22 @@ refused at submit) and takes no robust aggregator; a server optimizer steps on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from protocol import privacy_options as po
-from protocol.options_base import Dialect
-from protocol.secagg_options import secagg_options
+from protocol.secagg_options import SECAGG
+from somatize.components import Component
 
 __all__ = ["AdaptiveClipping", "FixedClipping", "PrivacyMechanism", "SecAgg"]
 
 
 @dataclass(frozen=True)
-class PrivacyMechanism:
-    """Base of the privacy mechanisms: a name the coordinator knows and its parameters."""
+class PrivacyMechanism(Component):
+    """Base of the privacy mechanisms."""
 
-    #: The mechanism's name on the wire.
-    name: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        self.options()
-
-    def options(self) -> dict[str, Any]:
-        """``{"name": ..., parameter: value, ...}``, as the strategy sends it."""
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        checked = po.privacy_options(self.name, given, Dialect.SDK)
-        return {"name": self.name, **checked.parameters()}
+    registry = po.PRIVACY
+    kind = "privacy"
 
 
 @dataclass(frozen=True)
@@ -88,7 +79,7 @@ class AdaptiveClipping(PrivacyMechanism):
 
 
 @dataclass(frozen=True)
-class SecAgg:
+class SecAgg(Component):
     """Secure aggregation (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020): the coordinator
     learns the sum of a round's client models, never one of them. Each client masks its model
     (weighted by its rows) with pairwise masks that cancel in the sum and a self-mask whose seed
@@ -110,11 +101,5 @@ class SecAgg:
     scale_bits: int = 24
 
     name: ClassVar[str] = "secagg"
-
-    def __post_init__(self) -> None:
-        self.options()
-
-    def options(self) -> dict[str, Any]:
-        """``{"name": "secagg", parameter: value, ...}``, as the strategy sends it."""
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {"name": self.name, **secagg_options(self.name, given, Dialect.SDK).parameters()}
+    registry = SECAGG
+    kind = "secure aggregation"

@@ -217,6 +217,8 @@ class Daemon:
         return _plain(self.engine.composite_fit(req.node_ids, *self._data(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
+        if req.start is not None:
+            self.engine.set_state(req.start)
         # A dataset held whole is read from disk a batch at a time as the loop goes.
         x, y = self._data(req) if req.rows is not None else self._data(req, lazy=True)
         result = self.engine.batched_fit(

@@ -336,7 +336,8 @@ class FedAvg(Strategy):
             )
             return FederatedPosition(initial, server, cohort, privacy=privacy)
         server.load_state_dict(resume.payload["server"])
-        if privacy is not None:
+        if privacy is not None and "privacy" in resume.payload:
+            # (A private job continuing one that was not accounts for its own rounds only.)
             privacy.load_state_dict(resume.payload["privacy"])
         at = FederatedPosition(resume.payload["global_state"], server, cohort, privacy=privacy)
         at.round = int(resume.position["round"])
@@ -417,9 +418,13 @@ class FedAvg(Strategy):
                 clip_norm=at.privacy.client_clip if at.privacy is not None else None,
                 return_output=False,  # the model's outputs on private data stay there
                 return_states=False,  # pulled below, a few clients at a time
+                # A worker's clients after the first start from w_t within their training's
+                # call: one round trip fewer each.
+                start=model if c != clients[0] else None,
             )
             try:
-                await ctx.set_state(i, model)
+                if train.start is None:
+                    await ctx.set_state(i, model)
                 fit = await ctx.call(i, train)
                 if secure is not None:  # its masked model, never the model itself
                     masked = await ctx.call(i, secure.mask_request(cohort.label(c), fit["rows"]))
@@ -453,11 +458,7 @@ class FedAvg(Strategy):
         """Secure aggregation's first two steps for round t's ``selected`` clients: their keys,
         then their shares (Bonawitz et al. 2017, rounds 0 and 1); who dropped out in them."""
         cohort = at.cohort
-        options = secagg_options(
-            "secagg",
-            {k: v for k, v in (self.secure_aggregation or {}).items() if k != "name"},
-            Dialect.WIRE,
-        )
+        options = secagg_options(self.secure_aggregation or {}, Dialect.WIRE)
         start = {n: at.global_state[n] for n in torch_nodes}
         secure = SecureRound(at.round + 1, [cohort.label(c) for c in selected], options, start)
         dropped = await each_client(ctx, cohort, selected, secure.keys_request, secure.took_keys)

@@ -120,9 +120,7 @@ class Privacy:
     and the accountant; :meth:`fold` makes a round's aggregation, :meth:`spent` closes it."""
 
     def __init__(self, spec: Mapping[str, Any], rng: np.random.Generator | None = None) -> None:
-        self.options = po.privacy_options(
-            spec.get("name"), {k: v for k, v in spec.items() if k != "name"}, Dialect.WIRE
-        )
+        self.options = po.privacy_options(spec, Dialect.WIRE)
         self.rng = rng if rng is not None else np.random.default_rng()
         self.adaptive = isinstance(self.options, po.AdaptiveClippingOptions)
         if isinstance(self.options, po.AdaptiveClippingOptions):

@@ -66,7 +66,7 @@ class RobustRule(ABC):
     def options(self) -> dict[str, Any]:
         """The rule's parameters, as the client sent them."""
         public = {key: value for key, value in vars(self).items() if not key.startswith("_")}
-        return ao.aggregator_options(self.name, public, Dialect.WIRE).parameters()
+        return ao.aggregator_options({"name": self.name, **public}, Dialect.WIRE).parameters()
 
 
 class FedMedian(RobustRule):
@@ -178,7 +178,5 @@ def from_options(spec: Mapping[str, Any]) -> RobustRule:
     Raises:
         ValueError: an unknown name, a parameter it does not take, or a value out of range.
     """
-    checked = ao.aggregator_options(
-        spec.get("name"), {k: v for k, v in spec.items() if k != "name"}, Dialect.WIRE
-    )
+    checked = ao.aggregator_options(spec, Dialect.WIRE)
     return RULES[checked.name](**checked.parameters())

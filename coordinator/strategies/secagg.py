@@ -20,6 +20,11 @@ client whose neighbours cannot rebuild its key, or a survivor whose self-mask th
 fails the round. Each client's example count n_u is known to the coordinator (its training's
 reply), its model is not.
 
+The coordinator is taken to be honest but curious, as in Bonawitz et al.'s semi-honest setting:
+it follows the protocol and tries to learn from what it sees. Against a coordinator that lies
+about who dropped out (their round 4', ConsistencyCheck, and signed keys) there is no defence
+here beyond each client's refusal to give both shares of one peer.
+
 Only the TorchFilters' float entries are aggregated: their integer entries (BatchNorm's
 ``num_batches_tracked``) stay w_t's, and a job with plain filters is refused at submit.
 """
@@ -27,7 +32,7 @@ Only the TorchFilters' float entries are aggregated: their integer entries (Batc
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +223,3 @@ async def each_client(
 
     groups = await concurrently(*(on_worker(i, mine) for i, mine in turns.items()))
     return [d for group in groups for d in group]
-
-
-Step = Callable[[str], Awaitable[Any]]

@@ -239,3 +239,17 @@ def test_secure_aggregation_refusals():
         sz.SecAgg(scale_bits=60)
     with pytest.raises(ValueError, match="FedAvg: secure_aggregation must be SecAgg"):
         sz.FedAvg(2, min_workers=2, secure_aggregation={"name": "secagg"})  # type: ignore[arg-type]
+
+
+def test_virtual_clients_mask_each_their_own_model():
+    """Three clients a worker: each masks right after its own training, under its own keys."""
+    data = client_data(k=2, rows=60)
+    plain, _ = run(FedAvg(1, clients_per_worker=3), context(data), job_inputs(private_graph()))
+    options = {"name": "secagg", "neighbours": 4}
+    masked, events = run(
+        FedAvg(1, clients_per_worker=3, secure_aggregation=options),
+        context(data),
+        job_inputs(private_graph()),
+    )
+    assert max_gap(masked, plain) <= 2.0**-25 + 2.0**-23
+    assert events[0]["secure_aggregation"] == {"summed": 6}

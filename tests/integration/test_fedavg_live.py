@@ -165,6 +165,27 @@ def test_live_fedavg_with_secure_aggregation(live):
     assert_model(fitted.states, expected, atol=2e-6)
 
 
+def test_live_fedavg_with_client_side_clipping(live):
+    """Issue 19: each worker's daemon clips its own update (batched_fit clip_norm) before the
+    coordinator sees it; without noise, the mean of the clipped updates worked out by hand."""
+    c, data = live
+    start = model().state_dict()
+    updates = [update(start, x, y) for x, y in data]
+    s = float(sorted(float(u.norm()) for u in updates)[1])  # the middle one: one clipped
+    mean = flat(start) + sum(u * min(1.0, s / float(u.norm())) for u in updates) / len(updates)
+    expected = {"weight": mean[: 2 * D].reshape(2, D).float(), "bias": mean[2 * D :].float()}
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        privacy = sz.FixedClipping(clip_norm=s, noise_multiplier=0.0, side="client")
+        strategy = sz.FedAvg(rounds=1, min_workers=3, privacy=privacy)
+        job = client.submit(private_graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        (event,) = rounds_of(job)
+    assert event["privacy"]["clip"] == s
+    assert_model(fitted.states, expected, atol=2e-6)
+
+
 def test_local_on_worker_data_trains_where_the_data_is(live):
     """Issue 15: ``Local`` on ``WorkerData`` fits the whole graph on that worker's own rows (w3:
     three shards), as a plain torch loop over them does."""
