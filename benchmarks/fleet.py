@@ -1,7 +1,8 @@
 """1,000 workers on one coordinator: what they cost idle, and one FedAvg round over all of them.
 
-``python -m benchmarks.fleet`` starts a real ``somatize-coordinator`` (heartbeat every 2 s,
-timeout 10 s) and, from this one process on uvloop, connects N = 1,000 simulated agents to
+``python -m benchmarks.fleet [--agents N] [--state-bytes B]`` starts a real
+``somatize-coordinator`` (heartbeat every 2 s, timeout 10 s) and, from this one process on
+uvloop, connects N (default 1,000) simulated agents to
 ``/worker``: each a real WebSocket connection with a
 :class:`protocol.asyncio.channel.Channel` on it, that sends a real ``WorkerHello`` (``sim-<i>``, tag
 ``sim``, a dataset ``sim`` of 100-102 rows), reads the ``Welcome``, sends a ``Heartbeat`` every
@@ -413,9 +414,13 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # No options: the parser gives ``--help`` (this docstring) and refuses stray arguments.
-    argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__).parse_args(argv)
-    results = run()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__)
+    parser.add_argument("--agents", type=int, default=AGENTS, help=f"default {AGENTS:,}")
+    parser.add_argument(
+        "--state-bytes", type=int, default=STATE_BYTES, help=f"default {STATE_BYTES:,}"
+    )
+    args = parser.parse_args(argv)
+    results = run(n=args.agents, state_bytes=args.state_bytes)
     ours, anchor = results["coordinator"], results["anchor"]
     fed = ours["fedavg"]
     n = results["n"]
