@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 
 import somatize as sz
 from somatize.cluster import free_port, wait_for
-from tests.utils import UNIT
+from tests.utils import UNIT, stop_groups
 
 pytestmark = pytest.mark.integration
 
@@ -66,15 +65,7 @@ def started(lines: list[str], port: int, cwd: Path, env: dict[str, str]) -> Iter
                 )
         yield
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20 * UNIT)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(*procs)
 
 
 @pytest.mark.timeout(int(400 * UNIT))  # three trainings in-process, two jobs, one cluster
