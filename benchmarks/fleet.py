@@ -328,7 +328,10 @@ def run(
         url = f"ws://127.0.0.1:{port}"
         heartbeat = ["--heartbeat-interval", str(HEARTBEAT_INTERVAL)]
         heartbeat += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
-        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *heartbeat)
+        # Every simulated agent dials from 127.0.0.1, ``batch`` handshakes at a time: one
+        # address holding that many pending sockets is this fleet, not an attack.
+        pending = ["--max-pending-per-address", str(2 * batch)]
+        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *heartbeat, *pending)
         with sz.connect(url, timeout=60) as client:
             client.ping()
             results["coordinator"] = uvloop.run(

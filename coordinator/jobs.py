@@ -88,6 +88,7 @@ class _Job:
     restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
     # Fails it if no workers take it in time (a restart's restart_timeout, wait_for_workers).
     wait_expiry: asyncio.Task[None] | None = None
+    resume_from: str | None = None  # the job whose newest checkpoint it starts from
 
 
 @dataclass
@@ -240,6 +241,13 @@ class JobManager:
         strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
         waits = msg.wait_for_workers
         check_workers(placement, inputs, list(self.registry), waits is not None)
+        if msg.resume_from is not None:
+            if self.files is None:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, "resume_from: this coordinator keeps no checkpoints"
+                )
+            source = await self._record(msg.resume_from)
+            await asyncio.to_thread(self.files.continuable, source, strategy)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
@@ -249,11 +257,12 @@ class JobManager:
             "owner": owner,
             "name": msg.name,
             "file": msg.file,
-        }
+        } | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
         await self._enqueue(
             job, placement.describe(), {"name": msg.name} if msg.name else {}, waits
         )
@@ -278,6 +287,7 @@ class JobManager:
             return
         after = {"requeued": "the coordinator restarted"}
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
         await self._enqueue(job, placement.describe(), after, msg.wait_for_workers)
 
     async def _enqueue(
@@ -497,7 +507,9 @@ class JobManager:
                 await self._emit(job.id, event, data)
 
             if self.files is not None:
-                saves = await self.files.checkpoints_for(job.id, job.strategy, emit)
+                saves = await self.files.checkpoints_for(
+                    job.id, job.strategy, emit, job.resume_from
+                )
                 job.inputs = dataclasses.replace(job.inputs, checkpoints=saves)
             how = await job.strategy.prepare(ctx, job.inputs, emit)
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)

@@ -59,6 +59,7 @@ __all__ = [
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
+    "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
@@ -142,7 +143,9 @@ class BatchedFitRequest(DataSource):
     """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``.
 
     ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
-    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones."""
+    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones; ``lr`` sets their
+    learning rate; ``start_loss`` asks for the loss before training (q-FedAvg's F_k(w_t));
+    ``clip_norm`` clips the TorchFilters' update to that L2 norm (client-side DP clipping)."""
 
     cmd: Literal["batched_fit"] = "batched_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -150,6 +153,9 @@ class BatchedFitRequest(DataSource):
     epochs: NonNegativeInt | None = None
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    start_loss: bool = False
+    clip_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     return_output: bool = True  # False: the chain's output on the data stays on the worker
     return_states: bool = True  # False: the caller reads them later (get_state), when it can
 
@@ -388,6 +394,29 @@ class ApplyGradientsRequest(_Request):
     gradients: dict[str, dict[str, Any]]
 
 
+class SecAggRequest(_Request):
+    """One step of secure aggregation for the virtual client ``client`` in ``round``
+    (``worker.secagg_client``): ``keys`` (its two public keys), ``share`` (its secrets'
+    shares, sealed for each of its ``peers``: label → [encryption key, mask key]), ``mask``
+    (its trained model, ``weight`` times the float entries named in ``layout``, quantized and
+    masked, after opening the ``sealed`` shares its peers sent it), ``unmask`` (the shares it
+    holds of the ``survivors``' self-masks and of the ``dropped``' mask keys)."""
+
+    cmd: Literal["secagg"] = "secagg"
+    step: Literal["keys", "share", "mask", "unmask"]
+    round: NonNegativeInt
+    client: str
+    peers: dict[str, list[StrictBytes]] | None = None
+    threshold: PositiveInt | None = None
+    sealed: dict[str, StrictBytes] | None = None
+    layout: list[list[str]] | None = None
+    weight: PositiveInt | None = None
+    scale_bits: Annotated[int, Field(ge=1, le=52)] = 24
+    bound: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    survivors: list[str] | None = None
+    dropped: list[str] | None = None
+
+
 class PingRequest(_Request):
     """Do nothing and answer: liveness and round-trip time."""
 
@@ -426,6 +455,7 @@ DaemonRequest = Annotated[
     | StageForwardRequest
     | StageBackwardRequest
     | StageStepRequest
+    | SecAggRequest
     | PingRequest
     | ShutdownRequest,
     Field(discriminator="cmd"),

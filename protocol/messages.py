@@ -16,7 +16,8 @@ Conversation shapes:
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
-  states), :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
+  states), :class:`GetCheckpoint` (→ :class:`Result` with one checkpoint's position and states),
+  :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
   (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
   one).
 * a frame too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
@@ -338,6 +339,7 @@ class Submit(_Message):
     dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
     loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
+    resume_from: str | None = None  # a job whose newest checkpoint this one starts from
     # None: a worker id, tag, dataset or device no registered worker has is refused at once;
     # seconds: the job waits that long for its workers, whatever it asks, then fails.
     wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
@@ -370,6 +372,15 @@ class GetResult(_Message):
     kind: Literal["get_result"] = "get_result"
     job_id: str
     wait: Seconds = 0.0
+
+
+class GetCheckpoint(_Message):
+    """One of a job's checkpoints: its position and its nodes' states (``seq``: its number;
+    ``None``: the newest)."""
+
+    kind: Literal["get_checkpoint"] = "get_checkpoint"
+    job_id: str
+    seq: Annotated[int, Field(ge=1)] | None = None
 
 
 class Cancel(_Message):
@@ -429,6 +440,7 @@ Message = Annotated[
     | Watch
     | JobEvent
     | GetResult
+    | GetCheckpoint
     | Cancel
     | GetJob
     | ListJobs

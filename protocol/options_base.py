@@ -23,10 +23,12 @@ __all__ = [
     "DEFAULT_RESTART_TIMEOUT",
     "CheckpointOptions",
     "Dialect",
+    "RestartOptions",
     "Say",
     "StrategyOptions",
     "T",
     "message_of",
+    "named",
     "parse",
 ]
 
@@ -142,6 +144,33 @@ def parse(cls: type[T], data: Mapping[str, Any], dialect: Dialect) -> T:
         raise ValueError(message_of(exc)) from None
 
 
+def named(
+    registry: Mapping[str, type[T]],
+    what: str,
+    name: object,
+    parameters: Mapping[str, Any],
+    dialect: Dialect,
+) -> T:
+    """The member of ``registry`` called ``name`` (a server optimizer, an aggregator...) with
+    ``parameters``, checked; ``what`` names the kind in refusals.
+
+    Raises:
+        ValueError: an unknown name, a parameter it does not take, or a value out of range.
+    """
+    cls = registry.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)}")
+    allowed = [key for key in cls.model_fields if key != "name"]
+    unknown = sorted(str(key) for key in parameters if key not in allowed)
+    if unknown:
+        takes = f"takes options {allowed}" if allowed else "takes no options"
+        raise ValueError(f"{what} {name!r} {takes}; got unknown {unknown}")
+    try:
+        return cls.model_validate({"name": name, **parameters}, context={"dialect": dialect})
+    except ValidationError as exc:
+        raise ValueError(message_of(exc)) from None
+
+
 def message_of(exc: ValidationError) -> str:
     """The message of the first check that refused (not pydantic's report around it)."""
     first = exc.errors()[0]
@@ -156,18 +185,39 @@ DEFAULT_RESTART_TIMEOUT = 60.0
 """Seconds a job restarting after a fault waits for workers, unless told otherwise."""
 
 
-class CheckpointOptions(StrategyOptions):
+class RestartOptions(StrategyOptions):
+    """What a strategy whose jobs restart after a fault of the cluster takes: ``max_restarts``,
+    how many times a job that a lost worker, a crashed daemon or a broken collective would fail
+    is queued again instead (from its last checkpoint, where its strategy keeps them; else from
+    the start), waiting up to ``restart_timeout`` seconds each time for workers to take it."""
+
+    max_restarts: int = 0
+    restart_timeout: float = DEFAULT_RESTART_TIMEOUT
+
+    @classmethod
+    def _check_restarts(cls, fields: dict[str, Any], say: Say) -> None:
+        restarts = fields.get("max_restarts", 0)
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise say.no(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
+        timeout = fields.get("restart_timeout", DEFAULT_RESTART_TIMEOUT)
+        wire = f"restart_timeout must be a positive number of seconds, not {timeout!r}"
+        if say.real("restart_timeout", timeout, wire) <= 0:
+            raise say.no(f"restart_timeout must be > 0, not {timeout!r}", wire)
+
+    def _restarts_wire(self) -> dict[str, Any]:
+        if not self.max_restarts:
+            return {}
+        return {"max_restarts": self.max_restarts, "restart_timeout": self.restart_timeout}
+
+
+class CheckpointOptions(RestartOptions):
     """What a strategy that saves checkpoints of its runs takes: ``checkpoint_every`` steps (or
     rounds; ``None``: at the end of every epoch or after 60 s of training, whichever comes
-    first; ``0``: never) and ``keep_checkpoints``, how many are kept (at least 1); and
-    ``max_restarts``: how many times a job that a lost worker, a crashed daemon or a broken
-    collective would fail goes back to its last checkpoint instead, waiting up to
-    ``restart_timeout`` seconds each time for workers to take it."""
+    first; ``0``: never) and ``keep_checkpoints``, how many are kept (at least 1); and the
+    restart options (:class:`RestartOptions`), a restart going back to the last checkpoint."""
 
     checkpoint_every: int | None = None
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
-    max_restarts: int = 0
-    restart_timeout: float = DEFAULT_RESTART_TIMEOUT
 
     @classmethod
     def _check_checkpoints(cls, fields: dict[str, Any], say: Say) -> None:
@@ -182,13 +232,7 @@ class CheckpointOptions(StrategyOptions):
         say.positive_int(
             "keep_checkpoints", fields.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS)
         )
-        restarts = fields.get("max_restarts", 0)
-        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
-            raise say.no(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
-        timeout = fields.get("restart_timeout", DEFAULT_RESTART_TIMEOUT)
-        wire = f"restart_timeout must be a positive number of seconds, not {timeout!r}"
-        if say.real("restart_timeout", timeout, wire) <= 0:
-            raise say.no(f"restart_timeout must be > 0, not {timeout!r}", wire)
+        cls._check_restarts(fields, say)
 
     def _checkpoints_wire(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -196,6 +240,4 @@ class CheckpointOptions(StrategyOptions):
             options["checkpoint_every"] = self.checkpoint_every
         if self.keep_checkpoints != DEFAULT_KEEP_CHECKPOINTS:
             options["keep_checkpoints"] = self.keep_checkpoints
-        if self.max_restarts:
-            options |= {"max_restarts": self.max_restarts, "restart_timeout": self.restart_timeout}
-        return options
+        return options | self._restarts_wire()

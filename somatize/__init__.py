@@ -25,9 +25,12 @@ The SDK's surface::
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
+from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
 from somatize.strategies import (
     DataParallel,
+    FedAdagrad,
     FedAdam,
     FedAvg,
     FedAvgM,
@@ -36,6 +39,7 @@ from somatize.strategies import (
     Local,
     ModelParallel,
     Partition,
+    QFedAvg,
     ServerOptimizer,
     Strategy,
     WorkerData,
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
     from somatize.client import Client, connect
     from somatize.filters import Filter, TorchFilter
     from somatize.graph import FittedGraph, Graph
-    from somatize.jobs import Job, JobEventInfo
+    from somatize.jobs import Job, JobCheckpoint, JobEventInfo
     from somatize.saved import load
 
 _LAZY = {
@@ -56,6 +60,7 @@ _LAZY = {
     "FittedGraph": "somatize.graph",
     "Graph": "somatize.graph",
     "Job": "somatize.jobs",
+    "JobCheckpoint": "somatize.jobs",
     "JobEventInfo": "somatize.jobs",
     "load": "somatize.saved",
 }
@@ -73,29 +78,41 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AdaptiveClipping",
+    "Aggregator",
+    "Bulyan",
     "Client",
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedMedian",
     "FedProx",
     "FedYogi",
     "Filter",
     "FittedGraph",
+    "FixedClipping",
     "Graph",
     "GraphError",
     "Job",
+    "JobCheckpoint",
     "JobEventInfo",
     "JobFailed",
+    "Krum",
     "Local",
     "ModelParallel",
     "Partition",
+    "PrivacyMechanism",
+    "QFedAvg",
+    "SecAgg",
     "ServerOptimizer",
     "SomatizeError",
     "Strategy",
     "TorchFilter",
+    "TrimmedMean",
     "WorkerData",
     "connect",
     "load",

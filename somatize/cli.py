@@ -32,6 +32,7 @@ A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
@@ -51,6 +52,7 @@ from somatize.tables import (
     describe_state,
     jobs_table,
     placed_text,
+    position_text,
     printable,
     queued_text,
     replica_text,
@@ -173,6 +175,12 @@ def _parser() -> argparse.ArgumentParser:
         "somatize.load(PATH, graph) reads them)",
     )
     result.add_argument(
+        "--checkpoint",
+        metavar="latest|N",
+        help="the states of the job's newest checkpoint (or checkpoint N) instead of its "
+        "result: what a cancelled or failed job had learned",
+    )
+    result.add_argument(
         "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
     )
     result.add_argument(
@@ -190,6 +198,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {text}")
     return value
+
+
+def _checkpoint_number(text: str) -> int:
+    """``--checkpoint N``: a checkpoint's number (``latest`` is taken before)."""
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--checkpoint takes 'latest' or a checkpoint's number, not {text!r}")
+    return int(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -434,13 +449,34 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from somatize.errors import ClientError, JobFailed
+
+    title = f"job {printable(args.job_id)}"
     with _connect(args) as client:
+        job = client.job(args.job_id)
         try:
-            states = client.job(args.job_id).states(timeout=args.wait)
+            if args.checkpoint is not None:
+                seq = None if args.checkpoint == "latest" else _checkpoint_number(args.checkpoint)
+                saved = job.checkpoint(seq)
+                states = saved.states
+                title += f", checkpoint {saved.seq} at {position_text(saved.position)}"
+            else:
+                states = job.states(timeout=args.wait)
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
-    table = Table(title=Text(f"job {printable(args.job_id)}"), title_justify="left")
+        except JobFailed as exc:
+            _print_failure(err, exc)
+            with contextlib.suppress(ClientError):  # none kept: nothing to offer
+                saved = job.checkpoint()
+                err.print(
+                    f"its newest checkpoint is {saved.seq}, at {position_text(saved.position)}: "
+                    f"somatize result {args.job_id} --checkpoint latest",
+                    markup=False,
+                    soft_wrap=True,
+                )
+            return EXIT_JOB_FAILED
+    table = Table(title=Text(title), title_justify="left")
     for column in ("node", "key", "shape", "dtype"):
         table.add_column(column, no_wrap=column != "dtype")
     for node_id, state in states.items():

@@ -256,6 +256,7 @@ class Client:
         wait_for_workers: float | None = None,
         name: str | None = None,
         file: str | None = None,
+        resume_from: str | Job | None = None,
     ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
@@ -273,6 +274,12 @@ class Client:
                 yet to register included), then fails ``no_workers``.
             name: what the job list calls the job (``somatize jobs``, the status page).
             file: the job file it came from (``somatize submit`` gives it).
+            resume_from: a job (or its id) to continue: this one starts from that job's newest
+                checkpoint — its end, when it succeeded — every node's state, every optimizer's
+                state and the position (step, epoch, round), and trains on to this job's end:
+                the same graph and data with more epochs (rounds) equal one longer run. The
+                job must have run the same strategy and kept a checkpoint (a cancelled or
+                failed one keeps them all). Refused at submit otherwise.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -333,6 +340,7 @@ class Client:
             wait_for_workers=wait_for_workers,
             name=name,
             file=file,
+            resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)

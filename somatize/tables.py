@@ -21,6 +21,7 @@ __all__ = [
     "duration_text",
     "jobs_table",
     "placed_text",
+    "position_text",
     "printable",
     "progress_text",
     "queued_text",
@@ -178,6 +179,14 @@ def replica_text(event: str, data: dict[str, Any]) -> str:
     if event == "worker_lost":
         return f"lost worker {data.get('worker')} ({data.get('code')}); waiting for a replacement"
     return f"worker {data.get('worker')} replaces {data.get('lost')}"
+
+
+def position_text(position: dict[str, Any]) -> str:
+    """A checkpoint's position in words: ``step 40 (epoch 2)``, ``round 3``."""
+    if "round" in position:
+        return f"round {position['round']}"
+    said = f"step {position.get('step', '?')}"
+    return said + (f" (epoch {position['epoch']})" if "epoch" in position else "")
 
 
 def progress_text(data: dict[str, Any]) -> str:

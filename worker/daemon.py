@@ -80,6 +80,7 @@ from worker.devices import resolve_device
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
 from worker.pipe import FrameReader, FrameWriter
+from worker.secagg_client import SecAggClients
 from worker.shared_memory import SharedRegion, allocate_fast
 
 __all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
@@ -109,6 +110,7 @@ class Daemon:
         self.stopping = False
         """Set by ``shutdown``: the serve loop exits after sending the reply."""
         self._filters: dict[str, Any] = {}
+        self._secagg = SecAggClients()  # secure aggregation's secrets, by virtual client
         self._handlers: dict[str, Handler] = {
             "load": self.on_load,
             "fit": self.on_fit,
@@ -135,6 +137,7 @@ class Daemon:
             "stage_forward": self.on_stage_forward,
             "stage_backward": self.on_stage_backward,
             "stage_step": self.on_stage_step,
+            "secagg": lambda req: self._secagg.handle(req, self.engine),
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
         }
@@ -224,6 +227,9 @@ class Daemon:
             epochs=req.epochs,
             prox_mu=req.prox_mu,
             reset_optimizer=req.reset_optimizer,
+            lr=req.lr,
+            start_loss=req.start_loss,
+            clip_norm=req.clip_norm,
         )
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back

@@ -7,6 +7,7 @@ whole training loop, what ``graph.fit`` runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from worker.nodes import (
 )
 from worker.npy_rows import Rows
 from worker.read_ahead import NextRead, read_ahead
-from worker.transfer import scaler_for, to_cpu
+from worker.transfer import autocast, scaler_for, to_cpu
 
 
 @dataclass
@@ -44,6 +45,9 @@ class FitResult:
             loop), ``None`` when no differentiable filter was involved.
         rows: how many rows were fitted on.
         epoch_losses: for a training loop, the mean loss of each epoch, in order.
+        start_loss: asked for, the mean loss over the rows at the weights the loop started
+            from, before any step (q-FedAvg's F_k(w_t)).
+        clipped: with ``clip_norm``, whether the update had to be scaled down to it.
     """
 
     output: Any
@@ -51,6 +55,8 @@ class FitResult:
     loss: float | None
     rows: int
     epoch_losses: list[float] = field(default_factory=list)
+    start_loss: float | None = None
+    clipped: bool | None = None
 
 
 class Training(Nodes):
@@ -170,6 +176,9 @@ class Training(Nodes):
         epochs: int | None = None,
         prox_mu: float = 0.0,
         reset_optimizer: bool = False,
+        lr: float | None = None,
+        start_loss: bool = False,
+        clip_norm: float | None = None,
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -185,16 +194,27 @@ class Training(Nodes):
         this call started from (the round's global model). ``reset_optimizer`` drops the chain's
         kept optimizers first, so training starts from fresh ones (no momentum or moments left
         from earlier calls): a federated client's optimizer lives for one round.
+
+        ``lr`` sets the learning rate of the optimizers (a federated round's client config).
+        ``start_loss`` asks for the mean loss of the last differentiable run at the weights it
+        starts from, over all its rows, before training (evaluation mode, no gradients).
+        ``clip_norm`` scales the update of the chain's TorchFilters, w − w_start over their
+        float state entries taken as one vector, down to that L2 norm when it is longer
+        (client-side clipping for differential privacy, McMahan et al. 2018).
         """
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
                 node.optimizer = node.scaler = None
-        out, loss, epoch_losses = x, None, []
+        torch_ids = [n.node_id for n in nodes if n.differentiable]
+        start = self.get_state(torch_ids) if clip_norm is not None else {}
+        out, loss, epoch_losses, first_loss = x, None, [], None
         runs = list(segments(nodes))
         for k, segment in enumerate(runs):
             if segment[0].differentiable:
-                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu)
+                if start_loss:
+                    first_loss = self._mean_loss(segment, out, y, batch_size)
+                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu, lr)
                 loss = epoch_losses[-1] if epoch_losses else None
                 if isinstance(out, Rows) and k == len(runs) - 1:
                     out = None  # rows read from disk: their output, all at once, is not made
@@ -202,8 +222,10 @@ class Training(Nodes):
                     out = self._forward_segment(segment, _whole(out))
             else:  # a plain filter fits on all its rows at once
                 out = self._fit_plain(segment[0], _whole(out), _whole(y))
+        clipped = self._clip_update(start, clip_norm) if clip_norm is not None else None
         rows = num_rows(x)
-        return FitResult(to_cpu(out), self.get_state(node_ids), loss, rows, epoch_losses)
+        states = self.get_state(node_ids)
+        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -284,6 +306,7 @@ class Training(Nodes):
         batch_size: int | None,
         epochs: int | None = None,
         prox_mu: float = 0.0,
+        lr: float | None = None,
     ) -> list[float]:
         last = run[-1].filter
         if y is None:
@@ -298,6 +321,10 @@ class Training(Nodes):
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
         optimizers = [self._optimizer(node) for node in run]
+        if lr is not None:
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = lr
         scaler = self._scaler(run[-1])
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
@@ -330,6 +357,57 @@ class Training(Nodes):
                     total += float(loss.detach()) * _len(index, n)
                 epoch_losses.append(total / n if n else float("nan"))
         return epoch_losses
+
+    def _mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
+        """The run's mean loss over all rows of ``x`` at its current weights: batches in order,
+        evaluation mode, no gradients, nothing changed (BatchNorm's running statistics kept)."""
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: its loss needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        first, last = run[0].filter, run[-1].filter
+        lazy = isinstance(x, Rows)
+        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
+        n = num_rows(xt)
+        total = 0.0
+        with torch.no_grad():
+            for node in run:
+                node.filter.module.eval()
+            for index in batches(n, batch_size or last.batch_size or n, None):
+                if lazy:
+                    picked = _rows_of(index, n)
+                    xb, yb = first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
+                else:
+                    xb, yb = xt[index], yt[index]
+                out = self._on_device(xb)
+                for node in run:
+                    with autocast(node.filter, self.device):
+                        out = node.filter.module(out)
+                total += float(self._loss(run, out, self._on_device(yb))) * _len(index, n)
+        return total / n if n else float("nan")
+
+    def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
+        """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``
+        when its L2 norm is larger; whether it was."""
+        current = self.get_state(list(start))
+        deltas = [
+            (node_id, key, value - start[node_id][key])
+            for node_id, state in current.items()
+            for key, value in state.items()
+            if value.is_floating_point()
+        ]
+        norm = math.sqrt(sum(float(d.double().square().sum()) for _, _, d in deltas))
+        if norm <= clip_norm:
+            return False
+        scale = clip_norm / norm
+        clipped = {node_id: dict(state) for node_id, state in current.items()}
+        for node_id, key, delta in deltas:
+            base = start[node_id][key]
+            clipped[node_id][key] = (base.double() + delta.double() * scale).to(base.dtype)
+        self.set_state(clipped)
+        return True
 
     def _scaler(self, node: Node) -> torch.amp.GradScaler | None:
         """The run's gradient scaler (fp16 only), made on first use and kept like an optimizer."""

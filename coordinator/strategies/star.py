@@ -113,6 +113,7 @@ class StarTraining:
                     await flying.calls
         position.phase, position.step = "finishing", None
         await apply_mean(self.run, position)
+        await saves.after(total, total)  # the end: kept with the result, to continue from
 
     def _launch(
         self, done: int, now: tuple[int, int, list[Any]], after: Any, mean: MeanFold | None
