@@ -199,7 +199,8 @@ function lossCurve(events) {
 }
 
 function svg(tag, attrs, text) {
-  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  // The curve's <svg> is in SVG's namespace already (the HTML parser puts it there).
+  const node = document.createElementNS(document.getElementById("job-curve").namespaceURI, tag);
   for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
   if (text !== undefined) node.textContent = String(text);
   return node;
