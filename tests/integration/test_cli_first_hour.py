@@ -457,7 +457,14 @@ def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
     graph, x, y, _ = load_job_file(job_file)
     assert float(found.group(1)) == pytest.approx(graph.fit(x, y).epoch_losses[-1], rel=1e-3)
 
-    listed = _somatize(live, "jobs", seconds=30)
+    listed = subprocess.run(
+        [str(BIN / "somatize"), "jobs"],
+        capture_output=True,
+        text=True,
+        env=_env(live) | {"COLUMNS": "400"},  # the temporary file's path whole on one line
+        timeout=30 * UNIT,
+        check=False,
+    )
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if job_id in line)
     cells = [c.strip() for c in row.split("│")]
