@@ -144,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
         "has yet included), then fail; by default such a job is refused at once",
     )
     submit.add_argument(
+        "--save",
+        metavar="PATH",
+        help="once the job succeeded, write its states there (as somatize result --save)",
+    )
+    submit.add_argument(
         "--cancel-on-exit",
         action="store_true",
         help="cancel the job if this command stops before it ends (Ctrl-C, SIGTERM, SIGHUP) "
@@ -361,6 +366,8 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             markup=False,
             soft_wrap=True,
         )
+        if args.save:
+            _save(job.states(timeout=0), args.save, err)
         return EXIT_OK
 
 
@@ -485,13 +492,16 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.save:
-        from somatize.saved import save
-
-        save(args.save, states, list(states))
-        err.print(
-            f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
-        )
+        _save(states, args.save, err)
     return EXIT_OK
+
+
+def _save(states: dict[str, Any], path: str, err: Console) -> None:
+    """Write a job's states where ``--save`` says (:mod:`somatize.saved`: no pickle)."""
+    from somatize.saved import save
+
+    save(path, states, list(states))
+    err.print(f"saved the states of {len(states)} nodes to {path}", markup=False, soft_wrap=True)
 
 
 def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:

@@ -30,7 +30,7 @@ import ssl
 import time
 from collections.abc import AsyncGenerator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -54,9 +54,11 @@ from protocol.messages import (
 )
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
-from somatize.graph import Graph
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 from somatize.strategies import Local, Strategy, WorkerData
+
+if TYPE_CHECKING:
+    from somatize.graph import Graph
 
 __all__ = [
     "TERMINAL_EVENTS",
@@ -282,6 +284,8 @@ class Client:
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
         """
+        from somatize.graph import Graph  # (torch: imported when a job is submitted)
+
         if not isinstance(graph, Graph):
             raise TypeError(
                 f"submit takes a somatize.Graph, not {type(graph).__name__} "
