@@ -1,6 +1,6 @@
 """1,000 workers on one coordinator: what they cost idle, and one FedAvg round over all of them.
 
-``python -m benchmarks.fleet [--agents N] [--state-bytes B]`` starts a real
+``python -m benchmarks.fleet [--agents N] [--state-bytes B] [--heartbeat S]`` starts a real
 ``somatize-coordinator`` (heartbeat every 2 s, timeout 10 s) and, from this one process on
 uvloop, connects N (default 1,000) simulated agents to
 ``/worker``: each a real WebSocket connection with a
@@ -158,12 +158,13 @@ async def _coordinator_side(
     batch: int,
     hold: float,
     state_bytes: int,
+    heartbeat: float = HEARTBEAT_INTERVAL,
 ) -> dict[str, Any]:
     async with client_channel(url) as channel:
         idle_pings = await _ping_bursts(channel, IDLE_PING_SECONDS)
         await asyncio.sleep(1.0)
         rss_before = rss_bytes(pid)
-        fleet = Fleet(f"{url}/worker", welcome=True, state_bytes=state_bytes)
+        fleet = Fleet(f"{url}/worker", welcome=True, state_bytes=state_bytes, heartbeat=heartbeat)
         try:
             register_s = await fleet.open(n, batch)
             registered = await asyncio.to_thread(_census, client)
@@ -254,13 +255,19 @@ def _fedavg_figures(
 
 
 async def _anchor_side(
-    url: str, pid: int, n: int, batch: int, hold: float, state_bytes: int
+    url: str,
+    pid: int,
+    n: int,
+    batch: int,
+    hold: float,
+    state_bytes: int,
+    heartbeat: float = HEARTBEAT_INTERVAL,
 ) -> dict[str, Any]:
     async with connect(url, compression=None, max_size=None) as ws:  # warm its code paths
         await ws.send(encode_small(Heartbeat(sent_at=time.time())))
     await asyncio.sleep(1.0)
     rss_before = rss_bytes(pid)
-    fleet = Fleet(url, welcome=False, state_bytes=state_bytes, bare=True)
+    fleet = Fleet(url, welcome=False, state_bytes=state_bytes, bare=True, heartbeat=heartbeat)
     try:
         register_s = await fleet.open(n, batch)
         cpu_start, wall_start = cpu_seconds(pid), time.perf_counter()
@@ -296,6 +303,7 @@ def run(
     batch: int = BATCH,
     hold: float = HOLD_SECONDS,
     state_bytes: int = STATE_BYTES,
+    heartbeat: float = HEARTBEAT_INTERVAL,
 ) -> dict[str, Any]:
     """Hold ``n`` simulated agents on a real coordinator for ``hold`` s, run one FedAvg round
     over them with a state of ``state_bytes``, then do the same on the bare anchor.
@@ -321,22 +329,25 @@ def run(
     if fd_limit < n + 100:
         raise RuntimeError(f"RLIMIT_NOFILE hard limit {fd_limit} is too low for {n} connections")
     results: dict[str, Any] = {"n": n, "batch": batch, "hold_s": hold, "fd_limit": fd_limit}
+    results["heartbeat_s"] = heartbeat
     with (
         tempfile.TemporaryDirectory(prefix="somatize-fleet-") as tmp,
         Processes(Path(tmp)) as procs,
     ):
         port = free_port()
         url = f"ws://127.0.0.1:{port}"
-        heartbeat = ["--heartbeat-interval", str(HEARTBEAT_INTERVAL)]
-        heartbeat += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
+        beats = ["--heartbeat-interval", str(heartbeat)]
+        beats += ["--heartbeat-timeout", str(heartbeat * HEARTBEAT_TIMEOUT / HEARTBEAT_INTERVAL)]
         # Every simulated agent dials from 127.0.0.1, ``batch`` handshakes at a time: one
         # address holding that many pending sockets is this fleet, not an attack.
         pending = ["--max-pending-per-address", str(2 * batch)]
-        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *heartbeat, *pending)
+        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *beats, *pending)
         with sz.connect(url, timeout=60) as client:
             client.ping()
             results["coordinator"] = uvloop.run(
-                _coordinator_side(procs, client, url, coordinator.pid, n, batch, hold, state_bytes)
+                _coordinator_side(
+                    procs, client, url, coordinator.pid, n, batch, hold, state_bytes, heartbeat
+                )
             )
         if (code := coordinator.poll()) is not None:
             raise RuntimeError(f"the coordinator exited with {code} during the benchmark")
@@ -348,7 +359,9 @@ def run(
         anchor = procs.spawn("anchor", fanout)
         procs.wait_for(lambda: port_open(anchor_port), 30, "the anchor to listen")
         results["anchor"] = uvloop.run(
-            _anchor_side(f"ws://127.0.0.1:{anchor_port}", anchor.pid, n, batch, hold, state_bytes)
+            _anchor_side(
+                f"ws://127.0.0.1:{anchor_port}", anchor.pid, n, batch, hold, state_bytes, heartbeat
+            )
         )
     return results
 
@@ -419,15 +432,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--state-bytes", type=int, default=STATE_BYTES, help=f"default {STATE_BYTES:,}"
     )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=HEARTBEAT_INTERVAL,
+        help=f"the agents' heartbeat interval, s (default {HEARTBEAT_INTERVAL:g}; the timeout is "
+        f"{HEARTBEAT_TIMEOUT / HEARTBEAT_INTERVAL:g} times it)",
+    )
     args = parser.parse_args(argv)
-    results = run(n=args.agents, state_bytes=args.state_bytes)
+    results = run(n=args.agents, state_bytes=args.state_bytes, heartbeat=args.heartbeat)
     ours, anchor = results["coordinator"], results["anchor"]
     fed = ours["fedavg"]
     n = results["n"]
     mib = 1 << 20
     print(
-        f"fleet: {n} simulated agents on one coordinator (heartbeat {HEARTBEAT_INTERVAL:g} s, "
-        f"timeout {HEARTBEAT_TIMEOUT:g} s), {results['batch']} handshakes at a time, "
+        f"fleet: {n} simulated agents on one coordinator (heartbeat {results['heartbeat_s']:g} "
+        f"s, timeout {results['heartbeat_s'] * HEARTBEAT_TIMEOUT / HEARTBEAT_INTERVAL:g} s), "
+        f"{results['batch']} handshakes at a time, "
         f"held {results['hold_s']:g} s"
     )
     header = f"{'register':>9} {'RSS before':>11} {'RSS with N':>11} {'per conn':>10} {'CPU':>6}"

@@ -123,8 +123,16 @@ class Fleet:
             instead of speaking the protocol.
     """
 
-    def __init__(self, url: str, welcome: bool, state_bytes: int, bare: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        welcome: bool,
+        state_bytes: int,
+        bare: bool = False,
+        heartbeat: float = HEARTBEAT_INTERVAL,
+    ) -> None:
         self.url = url
+        self.heartbeat = heartbeat
         self.welcome = welcome
         self.bare = bare
         self.state_bytes = state_bytes
@@ -204,10 +212,10 @@ class Fleet:
         self, reader: asyncio.Future[None], send: Callable[[], Awaitable[None]]
     ) -> None:
         try:
-            await asyncio.wait({reader}, timeout=random.uniform(0, HEARTBEAT_INTERVAL))
+            await asyncio.wait({reader}, timeout=random.uniform(0, self.heartbeat))
             while not reader.done():
                 await send()
-                await asyncio.wait({reader}, timeout=HEARTBEAT_INTERVAL * random.uniform(0.9, 1.1))
+                await asyncio.wait({reader}, timeout=self.heartbeat * random.uniform(0.9, 1.1))
         except Exception:  # the connection closed under a send: counted in dropped()
             pass
         finally:

@@ -188,10 +188,15 @@ class JobManager:
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
 
     def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
+        # By id, not by ``in`` on the list: that compares records field by field, and placing
+        # 10,000 workers would take seconds of the loop (a lost worker may come back as its own
+        # replacement: it is in the job's workers once).
+        held = {w.id for w in job.workers}
         for worker in workers:
             worker.state = WorkerState.BUSY
             worker.job_id = job.id
-            if worker not in job.workers:  # a lost worker may come back as its own replacement
+            if worker.id not in held:
+                held.add(worker.id)
                 job.workers.append(worker)
 
     async def recruit(self, job_id: str, timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
