@@ -233,11 +233,16 @@ class StrategyContext(ABC):
         await self.call(worker_idx, SetOptimizerStateRequest(states=dict(states)))
 
     async def apply_gradients(
-        self, worker_idx: int, gradients: Mapping[str, Any], pace: Pacer | None = None
+        self,
+        worker_idx: int,
+        gradients: Mapping[str, Any],
+        pace: Pacer | None = None,
+        epoch_end: bool = False,
     ) -> None:
-        """Write gradients on a worker and step its persistent optimizers (``pace``: as
-        :meth:`call`'s)."""
-        await self.call(worker_idx, ApplyGradientsRequest(gradients=dict(gradients)), pace=pace)
+        """Write gradients on a worker and step its persistent optimizers and schedulers
+        (``epoch_end``: the step ends an epoch; ``pace``: as :meth:`call`'s)."""
+        request = ApplyGradientsRequest(gradients=dict(gradients), epoch_end=epoch_end)
+        await self.call(worker_idx, request, pace=pace)
 
     async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """A worker's state read now, over the wire — never recalled from an earlier fit.

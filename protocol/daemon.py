@@ -59,11 +59,13 @@ __all__ = [
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
+    "ScheduleRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
     "StageBackwardRequest",
     "StageForwardRequest",
+    "StageNormRequest",
     "StageRequest",
     "StageStepRequest",
     "reply_adapter",
@@ -142,7 +144,9 @@ class BatchedFitRequest(DataSource):
     """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``.
 
     ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
-    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones."""
+    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones. The learning-rate
+    schedules span this call's epochs, or ``schedule_epochs`` of which ``schedule_before`` were
+    trained before it (a federated run's earlier rounds)."""
 
     cmd: Literal["batched_fit"] = "batched_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -150,6 +154,8 @@ class BatchedFitRequest(DataSource):
     epochs: NonNegativeInt | None = None
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
+    schedule_before: NonNegativeInt = 0
+    schedule_epochs: PositiveInt | None = None
     return_output: bool = True  # False: the chain's output on the data stays on the worker
     return_states: bool = True  # False: the caller reads them later (get_state), when it can
 
@@ -175,7 +181,18 @@ class GradientsRequest(DataSource):
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
+    apply_ends_epoch: bool = False  # that step was its epoch's last (epoch-wise schedulers)
     read_next: list[int] | None = None  # the rows of ``data`` the next step will ask for
+
+
+class ScheduleRequest(_Request):
+    """The horizon of the run's learning-rate schedules, for a daemon that is told each step
+    rather than running the loop (a data-parallel replica, a pipeline stage): optimizer steps
+    per epoch, and epochs. Sent before any optimizer is made or loaded."""
+
+    cmd: Literal["schedule"] = "schedule"
+    steps_per_epoch: NonNegativeInt
+    epochs: NonNegativeInt
 
 
 class DistStoreRequest(_Request):
@@ -269,6 +286,7 @@ class PipePlanRequest(_BatchPlan):
     cmd: Literal["pipe_plan"] = "pipe_plan"
     node_ids: Annotated[list[str], Field(min_length=1)]
     micro_batches: PositiveInt
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     actions: list[tuple[Literal["F", "B"], NonNegativeInt]]
     data: str | None = None
     labels: str | None = None
@@ -326,13 +344,25 @@ class StageBackwardRequest(_Request):
     grad_output: Any = None
 
 
+class StageNormRequest(_Request):
+    """The sum of the squared norms of the gradients a pipeline stage's micro-batches left:
+    its part of the norm the whole pipeline's gradient is clipped by. Returns a float."""
+
+    cmd: Literal["stage_norm"] = "stage_norm"
+    node_ids: Annotated[list[str], Field(min_length=1)]
+
+
 class StageStepRequest(_Request):
-    """End a pipeline global batch: one step of each node's optimizer, then zeroed gradients.
+    """End a pipeline global batch: the gradients times ``coefficient`` (the pipeline's
+    clipping), one step of each node's optimizer and scheduler (an epoch-wise one at
+    ``epoch_end``), then zeroed gradients.
 
     Returns the number of parameters stepped."""
 
     cmd: Literal["stage_step"] = "stage_step"
     node_ids: Annotated[list[str], Field(min_length=1)]
+    epoch_end: bool = False
+    coefficient: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
 class CompositeForwardRequest(_Request):
@@ -386,6 +416,7 @@ class ApplyGradientsRequest(_Request):
 
     cmd: Literal["apply_gradients"] = "apply_gradients"
     gradients: dict[str, dict[str, Any]]
+    epoch_end: bool = False  # the step ends an epoch (epoch-wise schedulers step after it)
 
 
 class PingRequest(_Request):
@@ -415,6 +446,7 @@ DaemonRequest = Annotated[
     | ApplyGradientsRequest
     | StageRequest
     | GradientsRequest
+    | ScheduleRequest
     | DistStoreRequest
     | DistProbeRequest
     | DistJoinRequest
@@ -425,6 +457,7 @@ DaemonRequest = Annotated[
     | DistLeaveRequest
     | StageForwardRequest
     | StageBackwardRequest
+    | StageNormRequest
     | StageStepRequest
     | PingRequest
     | ShutdownRequest,
@@ -471,8 +504,8 @@ class OkReply(BaseModel):
     """The command ran; ``result`` is what it returned.
 
     ``fit``, ``composite_fit`` and ``batched_fit`` return the engine's ``FitResult`` as a dict
-    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``); ``load`` the node ids;
-    ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
+    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``, ``epoch_lrs``); ``load`` the
+    node ids; ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

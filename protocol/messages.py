@@ -286,7 +286,9 @@ class CloseJob(_Message):
 
 class NodeInfo(BaseModel):
     """What the coordinator may know of a node without unpickling it: whether it trains by
-    gradient descent, and then its training settings (those of a ``TorchFilter``)."""
+    gradient descent, and then its training settings (those of a ``TorchFilter``): batches of
+    ``batch_size`` rows, ``accumulate`` of them an optimizer step, the gradient clipped to
+    ``clip_grad_norm``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -295,6 +297,8 @@ class NodeInfo(BaseModel):
     batch_size: int | None = None
     shuffle: bool | None = None
     seed: int | None = None
+    accumulate: Annotated[int, Field(ge=1)] | None = None
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
 MAX_GRAPH_NODES = 4096

@@ -383,6 +383,8 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
                 batch_size=getattr(f, "batch_size", None),
                 shuffle=getattr(f, "shuffle", None),
                 seed=getattr(f, "seed", None),
+                accumulate=getattr(f, "accumulate", None),
+                clip_grad_norm=getattr(f, "clip_grad_norm", None),
             )
         else:
             info[node_id] = NodeInfo()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from worker.schedules import check_schedule, made_scheduler, named_scheduler
 from worker.transfer import PRECISIONS
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 LossSpec = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerSpec = str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerSpec = str | Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 _LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "mse": F.mse_loss,
@@ -103,9 +105,24 @@ class TorchFilter(Filter):
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: forward and loss run under
             ``torch.autocast`` with that dtype (weights and states stay fp32); ``"fp16"``
             training steps through a ``torch.amp.GradScaler``.
+        scheduler: a learning-rate schedule for the optimizer: a callable ``(optimizer) ->
+            torch.optim.lr_scheduler.LRScheduler``, or ``"cosine"`` (``CosineAnnealingLR`` down
+            to ``eta_min`` over the whole run, or ``t_max`` intervals) or ``"linear_warmup"``
+            (``LinearLR`` from ``start_factor`` times ``lr`` up to ``lr`` over ``warmup``
+            intervals, then constant), their arguments in ``scheduler_options``.
+        scheduler_interval: ``"step"``: the scheduler steps after every optimizer step;
+            ``"epoch"``: after every epoch.
+        scheduler_options: the arguments of a named scheduler.
+        clip_grad_norm: clip the gradient of the whole chain's parameters to this 2-norm before
+            each step (``torch.nn.utils.clip_grad_norm_``); in DataParallel the global gradient,
+            after the all-reduce; in a pipeline that of every stage's parameters together.
+        accumulate: take one optimizer step every ``accumulate`` batches, each batch's loss
+            weighted by its share of their rows: the steps of ``batch_size * accumulate``-row
+            batches, in the memory of ``batch_size`` rows.
 
-    Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``) are those of the last
-    TorchFilter of a chain; each filter keeps its own optimizer and ``lr``.
+    Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
+    ``accumulate``) are those of the last TorchFilter of a chain; each filter keeps its own
+    optimizer, ``lr`` and scheduler.
     """
 
     differentiable = True
@@ -123,6 +140,11 @@ class TorchFilter(Filter):
         seed: int = 0,
         optimizer_options: Mapping[str, Any] | None = None,
         precision: str = "fp32",
+        scheduler: SchedulerSpec | None = None,
+        scheduler_interval: str = "step",
+        scheduler_options: Mapping[str, Any] | None = None,
+        clip_grad_norm: float | None = None,
+        accumulate: int = 1,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -141,6 +163,15 @@ class TorchFilter(Filter):
             raise ValueError(f"epochs must not be negative, not {epochs}")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
+        schedule_options = check_schedule(scheduler, scheduler_interval, scheduler_options)
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, int | float) and 0 < clip_grad_norm < float("inf")
+        ):
+            raise ValueError(f"clip_grad_norm must be a positive number, not {clip_grad_norm!r}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"accumulate must be a whole number of batches >= 1, not {accumulate!r}"
+            )
         self.module = module
         self.loss = loss
         self.optimizer = optimizer
@@ -151,6 +182,11 @@ class TorchFilter(Filter):
         self.seed = seed
         self.optimizer_options = dict(optimizer_options or {})
         self.precision = precision
+        self.scheduler = scheduler
+        self.scheduler_interval = scheduler_interval
+        self.scheduler_options = schedule_options
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.accumulate = accumulate
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -163,6 +199,21 @@ class TorchFilter(Filter):
             return self.optimizer(params)
         optimizer_class: Any = _OPTIMIZERS[self.optimizer]
         return optimizer_class(params, lr=self.lr, **self.optimizer_options)  # type: ignore[no-any-return]
+
+    def make_scheduler(
+        self, optimizer: torch.optim.Optimizer, total: int | None
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The learning-rate scheduler over ``optimizer`` (``None`` without one); a named one
+        spans ``total`` intervals (steps or epochs: the whole run). The engine makes it with the
+        optimizer and keeps it beside it."""
+        scheduler = getattr(self, "scheduler", None)  # a filter pickled before schedules
+        if scheduler is None:
+            return None
+        if callable(scheduler):
+            return made_scheduler(scheduler, optimizer)
+        if total is None:
+            raise ValueError(f"the scheduler {scheduler!r} needs the run's length")
+        return named_scheduler(scheduler, optimizer, total, self.scheduler_options)
 
     def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch."""

@@ -18,6 +18,7 @@ A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +30,11 @@ from torch.nn.parallel import DistributedDataParallel
 from protocol.batching import global_batches, replica_batches
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
-from worker.nodes import Node
+from worker.nodes import Node, run_setting
 from worker.npy_rows import Rows
 from worker.process_group import GroupMember, looks_collective
 from worker.read_ahead import read_ahead
-from worker.training import Training, step_through
+from worker.training import Training, backward
 from worker.transfer import autocast
 
 __all__ = ["Collective", "Plan"]
@@ -153,8 +154,10 @@ class Collective(Training, GroupMember):
         prefix, run = nodes[:first], nodes[first:]
         optimizers = [self._optimizer(node) for node in run]
         scaler = self._scaler(run[-1])
+        parts = max(1, int(run_setting(run, "accumulate", 1) or 1))
         losses: list[float] = []
         rows: list[int] = []
+        lrs: list[float] = []
         self._done = start
 
         def read(step: int) -> tuple[Any, Any]:
@@ -174,23 +177,49 @@ class Collective(Training, GroupMember):
                 opt.zero_grad(set_to_none=True)
             try:
                 ddp.module.train()
-                out = ddp(xt)
-                if mine:
-                    loss = self._loss(run, out, yt)
-                    weighted = loss * (mine * self._world / batch)
-                else:
-                    loss = weighted = out.sum() * 0.0
-                step_through(weighted, optimizers, scaler)
+                loss = self._accumulated(ddp, run, xt, yt, mine, batch, parts, scaler)
+                ends = self.horizon is not None and self.horizon.ends_epoch(step + 1)
+                lrs.append(self._step_run(run, scaler, epoch_end=ends))
             except RuntimeError as exc:
                 if looks_collective(exc):
                     raise self.broken(f"step {step + 1}", exc) from exc
                 raise
             self._done = step + 1
-            losses.append(float(loss.detach()) if mine else 0.0)
+            losses.append(loss)
             rows.append(mine)
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.read_next(plan.data, plan.steps[stop][0])
-        return {"losses": losses, "rows": rows}
+        return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _accumulated(
+        self,
+        ddp: DistributedDataParallel,
+        run: list[Node],
+        xt: torch.Tensor,
+        yt: torch.Tensor,
+        mine: int,
+        batch: int,
+        parts: int,
+        scaler: torch.amp.GradScaler | None,
+    ) -> float:
+        """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
+        step, in ``parts`` slices (``accumulate``) of which only the last all-reduces (DDP's
+        ``no_sync`` before it): the gradients left are the global batch's mean loss's. The
+        replica's mean loss (0 with no rows)."""
+        if not mine:
+            out = ddp(xt)
+            backward(out.sum() * 0.0, scaler)
+            return 0.0
+        slices = np.array_split(np.arange(mine), min(parts, mine))
+        total = 0.0
+        for j, rows in enumerate(slices):
+            index = torch.from_numpy(rows).to(xt.device)
+            syncing = contextlib.nullcontext() if j == len(slices) - 1 else ddp.no_sync()
+            with syncing:
+                loss = self._loss(run, ddp(xt[index]), yt[index])
+                backward(loss * (len(rows) * self._world / batch), scaler)
+            total += float(loss.detach()) * len(rows)
+        return total / mine
 
     def _left_group(self) -> None:
         self._ddp = None

@@ -23,12 +23,14 @@ from worker.nodes import (
     check_same_names,
     check_same_rows,
     num_rows,
+    run_setting,
     segments,
     take,
     trainable,
 )
 from worker.npy_rows import Rows
 from worker.read_ahead import NextRead, read_ahead
+from worker.schedules import Horizon, fast_forward
 from worker.transfer import scaler_for, to_cpu
 
 
@@ -43,6 +45,7 @@ class FitResult:
             loop), ``None`` when no differentiable filter was involved.
         rows: how many rows were fitted on.
         epoch_losses: for a training loop, the mean loss of each epoch, in order.
+        epoch_lrs: for a training loop, the learning rate each epoch's last step took.
     """
 
     output: Any
@@ -50,6 +53,7 @@ class FitResult:
     loss: float | None
     rows: int
     epoch_losses: list[float] = field(default_factory=list)
+    epoch_lrs: list[float] = field(default_factory=list)
 
 
 class Training(Nodes):
@@ -148,12 +152,14 @@ class Training(Nodes):
     def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
         """A replica's half of a data-parallel step: plain filters only *apply* the state they
         hold (fitted once, before training), each differentiable run does one forward, loss and
-        backward over ``x`` and leaves its gradients on the parameters. No step, no states."""
+        backward over ``x`` — in ``accumulate`` slices, its last filter's — and leaves its
+        gradients on the parameters. No step, no states."""
         nodes = self._chain(node_ids, x, y)
         out, loss = x, None
         for segment in segments(nodes):
             if segment[0].differentiable:
-                out, loss = self._backward_run(segment, out, y)
+                parts = int(run_setting(segment, "accumulate", 1) or 1)
+                out, loss = self._backward_run(segment, out, y, parts)
             else:
                 node = segment[0]
                 out = self._apply(node, out, self._state_for(node))
@@ -169,6 +175,7 @@ class Training(Nodes):
         epochs: int | None = None,
         prox_mu: float = 0.0,
         reset_optimizer: bool = False,
+        schedule: tuple[int, int | None] = (0, None),
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -184,16 +191,25 @@ class Training(Nodes):
         this call started from (the round's global model). ``reset_optimizer`` drops the chain's
         kept optimizers first, so training starts from fresh ones (no momentum or moments left
         from earlier calls): a federated client's optimizer lives for one round.
+
+        A run's optimizer steps every ``accumulate`` batches of its last filter, and its filters'
+        learning-rate schedulers step with it (:mod:`worker.schedules`) over the epochs of this
+        call, or with ``schedule=(before, span)`` over ``span`` epochs of which ``before`` were
+        trained earlier (a federated run's rounds: a fresh scheduler starts where they left it).
         """
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
-                node.optimizer = node.scaler = None
-        out, loss, epoch_losses = x, None, []
+                node.optimizer = node.scaler = node.scheduler = None
+        out, loss = x, None
+        epoch_losses: list[float] = []
+        epoch_lrs: list[float] = []
         runs = list(segments(nodes))
         for k, segment in enumerate(runs):
             if segment[0].differentiable:
-                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu)
+                epoch_losses, epoch_lrs = self._train_run(
+                    segment, out, y, batch_size, epochs, prox_mu, schedule
+                )
                 loss = epoch_losses[-1] if epoch_losses else None
                 if isinstance(out, Rows) and k == len(runs) - 1:
                     out = None  # rows read from disk: their output, all at once, is not made
@@ -202,7 +218,8 @@ class Training(Nodes):
             else:  # a plain filter fits on all its rows at once
                 out = self._fit_plain(segment[0], _whole(out), _whole(y))
         rows = num_rows(x)
-        return FitResult(to_cpu(out), self.get_state(node_ids), loss, rows, epoch_losses)
+        states = self.get_state(node_ids)
+        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, epoch_lrs)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -259,7 +276,11 @@ class Training(Nodes):
         out = self._train_forward(run, self._on_device(x))
         return self._loss(run, out, self._on_device(y)), out
 
-    def _backward_run(self, run: list[Node], x: Any, y: Any) -> tuple[Any, float]:
+    def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> tuple[Any, float]:
+        """Forward, loss and backward of ``x`` through the run, the gradients left on the
+        parameters; with ``parts`` in that many slices one after the other (each loss weighted
+        by its share of the rows, the gradients accumulating): the same gradient, a slice's
+        memory. The output and the mean loss."""
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
@@ -271,9 +292,19 @@ class Training(Nodes):
         # The true gradients, never scaled: whoever steps on them (the data-parallel mean, say)
         # must not have to know this filter's precision.
         xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
-        loss, out = self._run_loss(run, xt, yt)
-        loss.backward()
-        return out.detach(), float(loss.detach())
+        n = num_rows(xt)
+        if parts <= 1 or n <= 1:
+            loss, out = self._run_loss(run, xt, yt)
+            loss.backward()
+            return out.detach(), float(loss.detach())
+        outs, total = [], 0.0
+        for rows in np.array_split(np.arange(n), min(parts, n)):
+            index = torch.from_numpy(rows)
+            loss, out = self._run_loss(run, xt[index], yt[index])
+            (loss * (len(rows) / n)).backward()
+            outs.append(out.detach())
+            total += float(loss.detach()) * len(rows)
+        return torch.cat(outs), total / n
 
     def _train_run(
         self,
@@ -283,7 +314,16 @@ class Training(Nodes):
         batch_size: int | None,
         epochs: int | None = None,
         prox_mu: float = 0.0,
-    ) -> list[float]:
+        schedule: tuple[int, int | None] = (0, None),
+    ) -> tuple[list[float], list[float]]:
+        """The training loop of one differentiable run; each epoch's mean loss and the
+        learning rate its last step took.
+
+        With ``accumulate=k`` (the run's last filter's) an optimizer step is taken every k
+        batches (and after an epoch's last), each batch's loss weighted by its share of the
+        rows of those batches: the step is the one a batch k times larger takes.
+        ``schedule``: the epochs of the run trained before this call, and the epochs its
+        schedules span (``None``: this call's), for a federated client's rounds."""
         last = run[-1].filter
         if y is None:
             raise EngineError(
@@ -296,11 +336,22 @@ class Training(Nodes):
         xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
+        every = max(1, int(run_setting(run, "accumulate", 1) or 1))
+        epochs = last.epochs if epochs is None else epochs
+        done, span = schedule
+        per_epoch = (-(-n // size) + every - 1) // every if n else 0  # steps: batches / every
+        fresh = any(node.optimizer is None for node in run)
+        self.horizon = Horizon(per_epoch, span if span is not None else done + epochs)
         optimizers = [self._optimizer(node) for node in run]
+        if fresh and done:
+            for node in run:  # the schedule stands where the epochs before left it
+                interval = getattr(node.filter, "scheduler_interval", "step")
+                if node.scheduler is not None:
+                    fast_forward(node.scheduler, done * (1 if interval == "epoch" else per_epoch))
         scaler = self._scaler(run[-1])
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
-        epoch_losses = []
+        epoch_losses, epoch_lrs = [], []
 
         def read(index: Any) -> tuple[Any, Any]:  # a batch (on disk: in a read-ahead thread)
             if not lazy:
@@ -313,22 +364,26 @@ class Training(Nodes):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(last.seed)
             order = generator(last.seed)
-            for _ in range(last.epochs if epochs is None else epochs):
-                total = 0.0
+            for _ in range(epochs):
+                total, lr = 0.0, float("nan")
                 epoch = list(batches(n, size, order if last.shuffle else None))
-                for index, (xb, yb) in zip(
-                    epoch, read_ahead(read, epoch, 1 if lazy else 0), strict=True
-                ):
-                    for opt in optimizers:
-                        opt.zero_grad(set_to_none=True)
+                sizes = [_len(index, n) for index in epoch]
+                groups = [sum(sizes[g : g + every]) for g in range(0, len(epoch), every)]
+                for j, (xb, yb) in enumerate(read_ahead(read, epoch, 1 if lazy else 0)):
+                    if j % every == 0:
+                        for opt in optimizers:
+                            opt.zero_grad(set_to_none=True)
                     loss, _ = self._run_loss(run, xb, yb)
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                         loss = loss + prox_mu / 2 * gap
-                    step_through(loss, optimizers, scaler)
-                    total += float(loss.detach()) * _len(index, n)
+                    backward(loss * (sizes[j] / groups[j // every]) if every > 1 else loss, scaler)
+                    total += float(loss.detach()) * sizes[j]
+                    if (j + 1) % every == 0 or j == len(epoch) - 1:
+                        lr = self._step_run(run, scaler, epoch_end=j == len(epoch) - 1)
                 epoch_losses.append(total / n if n else float("nan"))
-        return epoch_losses
+                epoch_lrs.append(lr)
+        return epoch_losses, epoch_lrs
 
     def _scaler(self, node: Node) -> torch.amp.GradScaler | None:
         """The run's gradient scaler (fp16 only), made on first use and kept like an optimizer."""
@@ -342,20 +397,10 @@ class Training(Nodes):
         return x
 
 
-def step_through(
-    loss: torch.Tensor, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None
-) -> None:
-    """Backward and one step of every optimizer; through ``scaler`` for fp16 (scale the loss,
-    step unscaled, skip a step whose gradients overflowed, update the scale)."""
-    if scaler is None:
-        torch.autograd.backward(loss)
-        for opt in optimizers:
-            opt.step()
-        return
-    torch.autograd.backward(scaler.scale(loss))
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
+def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward of ``loss``, through ``scaler`` for fp16 (the loss scaled; the step that
+    follows unscales, skips a step whose gradients overflowed and updates the scale)."""
+    torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:

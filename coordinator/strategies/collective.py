@@ -238,7 +238,7 @@ class TorchTraining:
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
         """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
         the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses = []
+        losses, lrs = [], results[0].get("lrs") or []  # every replica steps alike
         for j in range(stop - start):
             rows = [results[i]["rows"][j] for i in self._all()]
             values = [results[i]["losses"][j] for i in self._all()]
@@ -256,7 +256,8 @@ class TorchTraining:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": stop - start,
-            },
+            }
+            | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
         )
 
     def _all(self) -> range:

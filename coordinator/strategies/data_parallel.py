@@ -47,6 +47,7 @@ from coordinator.strategies.steps import (
     global_batches,
     plain_prefix,
     rows_of,
+    schedule_request,
 )
 from protocol.daemon import CompositeFitRequest
 from protocol.errors import ErrorCode
@@ -154,6 +155,13 @@ class DataParallel(Strategy):
             run.position.held = [np.arange(size) for size in own.sizes]
             plan = own.batches(training)
         first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
+        run.schedule = schedule = schedule_request(training, steps_per_epoch)
+
+        async def tell(i: int, fresh: bool) -> None:
+            if not fresh:  # a replacement was told when it was set up
+                await ctx.call(i, schedule)
+
+        await run.on_all(tell, replicas)
         choice = await choose(run, self.collective, self.collective_timeout)
         return _SetUp(run, first_epoch, steps_per_epoch, choice)
 

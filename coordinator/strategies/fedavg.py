@@ -70,6 +70,7 @@ from coordinator.strategies.federated import (
     contiguous_shards,
     listed,
     reasons,
+    round_lr,
 )
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
@@ -217,7 +218,8 @@ class FedAvg(Strategy):
                     "dropped": reasons(dropped),
                     "rows": rows,
                     "loss": sum(u.rows * u.loss for u in answered) / rows,
-                },
+                }
+                | round_lr(answered),
             )
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
@@ -305,6 +307,10 @@ class FedAvg(Strategy):
             epochs=self.local_epochs,
             prox_mu=self.prox_mu,
             reset_optimizer=True,
+            # The schedules span every round's local epochs; this round's start where the
+            # rounds before left them.
+            schedule_before=at.round * self.local_epochs,
+            schedule_epochs=max(1, self.rounds * self.local_epochs),
             return_output=False,  # the model's outputs on private data stay there
             return_states=False,  # pulled below, a few workers at a time
         )
@@ -321,7 +327,8 @@ class FedAvg(Strategy):
                     ) from exc
         except WorkerCallError as exc:
             return at.cohort.drop(i, exc)
-        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]))
+        lrs = fit.get("epoch_lrs") or [None]
+        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]), lrs[-1])
 
 
 def arguments(options: FedAvgOptions) -> dict[str, Any]:

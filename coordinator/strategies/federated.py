@@ -46,11 +46,21 @@ class FederatedPosition:
 
 @dataclass(frozen=True)
 class ClientUpdate:
-    """What one selected worker's ClientUpdate gave: its rows n_k and mean loss."""
+    """What one selected worker's ClientUpdate gave: its rows n_k, mean loss and the learning
+    rate of its last local step."""
 
     worker: int
     rows: int
     loss: float
+    lr: float | None = None
+
+
+def round_lr(answered: Sequence[ClientUpdate]) -> dict[str, float]:
+    """A round's learning rate for its event: the mean of its clients' last local steps'
+    (equal when their schedules are: epoch-wise, or the same steps an epoch); nothing when
+    they have none."""
+    lrs = [u.lr for u in answered if u.lr is not None]
+    return {"lr": sum(lrs) / len(lrs)} if lrs else {}
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ class Local(Strategy):
         else:
             await emit("progress", {"phase": "training"})
             fit = await ctx.execute_on_worker(0, job.node_ids, job.x, job.y)
-        losses = fit.get("epoch_losses") or []
+        losses, lrs = fit.get("epoch_losses") or [], fit.get("epoch_lrs") or []
         await emit(
             "progress",
             {
@@ -66,7 +66,8 @@ class Local(Strategy):
                 "loss": fit.get("loss"),
                 "epochs": len(losses),
                 "epoch_losses": losses,
-            },
+            }
+            | ({"lr": lrs[-1], "epoch_lrs": lrs} if lrs else {}),
         )
         # 3. The states, read back over the wire.
         return await ctx.read_back_state(0, job.node_ids)

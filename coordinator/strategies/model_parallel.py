@@ -23,6 +23,7 @@ strategy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
@@ -49,8 +50,15 @@ from coordinator.strategies.pipeline import (
 from coordinator.strategies.pipeline_torch import LABELS, TorchPipeline, choose_transport
 from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
-from coordinator.strategies.steps import Training, global_batches, plain_prefix
-from protocol.daemon import CompositeFitRequest, StageRequest, StageStepRequest
+from coordinator.strategies.steps import Training, global_batches, plain_prefix, schedule_request
+from protocol.clipping import clip_coefficient
+from protocol.daemon import (
+    CompositeFitRequest,
+    ScheduleRequest,
+    StageNormRequest,
+    StageRequest,
+    StageStepRequest,
+)
 from protocol.errors import ErrorCode
 from protocol.strategy_options import DEFAULT_COLLECTIVE_TIMEOUT, ModelParallelOptions
 from protocol.wording import listed
@@ -202,7 +210,9 @@ class ModelParallel(Strategy):
                 "stages that train; for one, use Local or DataParallel",
                 stage=first_stage,
             )
-        plan: Schedule = SCHEDULES[self.order](len(pipeline), self.micro_batches)
+        # accumulate=k: a step is k batches, so k times the micro-batches of one.
+        micro_batches = self.micro_batches * training.accumulate
+        plan: Schedule = SCHEDULES[self.order](len(pipeline), micro_batches)
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.collective_timeout))
         if own_rows is not None and not isinstance(meet, Rendezvous):
             raise StrategyFailed(
@@ -216,7 +226,8 @@ class ModelParallel(Strategy):
                 staged = StageRequest(name=STAGED, x=x)
                 await guard(ctx.call(first_stage, staged), stage=first_stage)
             count = int(x.shape[0]) if own_rows is None else own_rows
-            steps_per_epoch = -(-count // (training.batch_size or count)) if count else 0
+            steps_per_epoch = training.steps_per_epoch(count)
+            await _tell_schedule(ctx, guard, pipeline, schedule_request(training, steps_per_epoch))
             if own_rows is None:
                 labels = StageRequest(name=LABELS, x=job.y)
             else:  # the last stage's own y, staged as its rows
@@ -229,7 +240,7 @@ class ModelParallel(Strategy):
                 plan,
                 training,
                 count,
-                self.micro_batches,
+                micro_batches,
                 STAGED,
                 self.collective_timeout,
                 emit,
@@ -250,23 +261,36 @@ class ModelParallel(Strategy):
             )
         stage_input = StageRequest(name=STAGED, x=x)
         await guard(ctx.call(first_stage, stage_input), stage=first_stage)
+        per_epoch = training.steps_per_epoch(int(x.shape[0]))
+        await _tell_schedule(ctx, guard, pipeline, schedule_request(training, per_epoch))
 
         # 3. Training (GPipe / 1F1B): every global batch's micro-batches through the schedule,
-        #    gradients accumulated, then one optimizer step on every stage.
+        #    gradients accumulated, then one step on every stage (the gradient of them all
+        #    clipped as one).
         at = PipelinePosition()
-        for epoch, _, micro in global_batches(int(x.shape[0]), self.micro_batches, training):
+        for epoch, _, micro in global_batches(int(x.shape[0]), micro_batches, training):
             at.epoch, at.step = epoch, at.step + 1
             micro = [m for m in micro if len(m)]
             batch = GlobalBatch(pipeline, stages, micro, job.y, at.step)
             exchange: ThroughStrategy | WorkerToWorker = (
                 WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
             )
-            losses = await guard(run_schedule(plan, batch, exchange))
-            steps = (ctx.call(s, StageStepRequest(node_ids=stages[s])) for s in pipeline)
+            answers = await guard(run_schedule(plan, batch, exchange))
+            coefficient = await _clipping(ctx, guard, pipeline, stages, training.clip_grad_norm)
+            ends = at.step % per_epoch == 0
+            steps = (
+                ctx.call(
+                    s,
+                    StageStepRequest(node_ids=stages[s], epoch_end=ends, coefficient=coefficient),
+                )
+                for s in pipeline
+            )
             await guard(concurrently(*steps))
             rows = [len(m) for m in micro]
+            losses = [float(a["loss"]) for a in answers]
             loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
+            progress |= {"lr": answers[0]["lr"]} if "lr" in answers[0] else {}
             await emit("progress", progress | {"step": at.step, "loss": loss})
 
         return await _read_back(ctx, guard, stages)
@@ -292,6 +316,30 @@ def own_data_checks(
             "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "
             "would travel through the coordinator; put them in the first TorchFilter's partition"
         )
+
+
+async def _tell_schedule(
+    ctx: StrategyContext, guard: _Guard, pipeline: list[int], request: ScheduleRequest
+) -> None:
+    """Every stage that trains learns the horizon of the run's schedules."""
+    await guard(concurrently(*(ctx.call(s, request) for s in pipeline)))
+
+
+async def _clipping(
+    ctx: StrategyContext,
+    guard: _Guard,
+    pipeline: list[int],
+    stages: list[list[str]],
+    clip: float | None,
+) -> float | None:
+    """The factor every stage multiplies its gradients by so that the pipeline's whole
+    gradient is clipped to ``clip`` (``torch.nn.utils.clip_grad_norm_``'s, from every stage's
+    part of the norm); ``None`` without clipping."""
+    if clip is None:
+        return None
+    parts = (ctx.call(s, StageNormRequest(node_ids=stages[s])) for s in pipeline)
+    squares = await guard(concurrently(*parts))
+    return clip_coefficient(math.sqrt(sum(float(p) for p in squares)), clip)
 
 
 async def _read_back(

@@ -120,6 +120,7 @@ class TorchPipeline:
         return PipePlanRequest(
             node_ids=self.stages[stage],
             micro_batches=self.micro_batches,
+            clip_grad_norm=self.training.clip_grad_norm,
             actions=[(a.kind, a.micro) for a in self.schedule.actions[k]],
             data=self.data if first else None,
             labels=LABELS if last else None,
@@ -155,5 +156,6 @@ class TorchPipeline:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": len(losses),
-            },
+            }
+            | ({"lr": last["lrs"][-1], "lrs": last["lrs"]} if last.get("lrs") else {}),
         )

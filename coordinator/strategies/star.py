@@ -57,6 +57,7 @@ class _Step:
     previous: MeanFold | None  # the mean its requests carry, released once they landed
     calls: asyncio.Task[dict[int, Any]]
     launched: float  # time.monotonic
+    ends_epoch: bool  # the last step of its epoch (epoch-wise schedulers step after it)
 
 
 @dataclass
@@ -97,13 +98,15 @@ class StarTraining:
                     continue  # trained before the checkpoint it resumed from
                 if flying is not None and not (self.run.elastic or saves.due(flying.done, total)):
                     # Pipelined: this step's requests go out as the last one's mean folds.
-                    landing, flying = flying, self._launch(done, now, after, flying.fold)
+                    landing = flying
+                    flying = self._launch(done, now, after, flying.fold, flying.ends_epoch)
                     await self._land(landing)
                     continue
                 if flying is not None:
                     await self._land(flying)
                     await self._checkpoint(flying, saves, total)
-                flying = self._launch(done, now, after, self._pending(flying))
+                ends = position.mean_ends_epoch
+                flying = self._launch(done, now, after, self._pending(flying), ends)
             if flying is not None:
                 await self._land(flying)
         finally:
@@ -115,11 +118,17 @@ class StarTraining:
         await apply_mean(self.run, position)
 
     def _launch(
-        self, done: int, now: tuple[int, int, list[Any]], after: Any, mean: MeanFold | None
+        self,
+        done: int,
+        now: tuple[int, int, list[Any]],
+        after: Any,
+        mean: MeanFold | None,
+        mean_ends_epoch: bool,
     ) -> _Step:
-        """Start step ``done``'s calls: each replica applies ``mean`` (a fold, or ``None``),
-        then computes the gradient of its slice into this step's fold; its rows of the next
-        step (``after``) are read meanwhile."""
+        """Start step ``done``'s calls: each replica applies ``mean`` (a fold, or ``None``;
+        the step it is of ended an epoch when ``mean_ends_epoch``), then computes the gradient
+        of its slice into this step's fold; its rows of the next step (``after``) are read
+        meanwhile."""
         position, held = self.run.position, self.run.position.held
         epoch, _, slices = now
         position.phase, position.epoch, position.step = "training", epoch, done
@@ -135,10 +144,11 @@ class StarTraining:
         weights = {i: len(slices[i]) for i in sorted(local)}
         fold = MeanFold(weights, self.pool)
         targets = [i for i in replicas if i in local or mean is not None]
-        call = self._call(local, ahead, mean, fold)
+        call = self._call(local, ahead, mean, fold, mean_ends_epoch)
         calls = asyncio.ensure_future(self.run.on_all(call, targets))
         launched = time.monotonic()
-        return _Step(done, epoch, weights, fold, mean, calls, launched)
+        ends = after is None or after[0] != epoch
+        return _Step(done, epoch, weights, fold, mean, calls, launched, ends)
 
     def _call(
         self,
@@ -146,6 +156,7 @@ class StarTraining:
         ahead: Mapping[int, Any],
         mean: MeanFold | None,
         fold: MeanFold,
+        mean_ends_epoch: bool,
     ) -> Callable[[int, bool], Awaitable[Any]]:
         """A replica's part of a step: apply ``mean`` (unless the replica is ``fresh``: it
         copied a survivor that had applied it), then the gradient of its ``local`` rows, if it
@@ -158,11 +169,16 @@ class StarTraining:
                 rows = np.asarray(local[i]).tolist()
                 after = np.asarray(ahead[i]).tolist() if i in ahead else None
                 request = GradientsRequest(
-                    node_ids=node_ids, data=self.staged, rows=rows, apply=apply, read_next=after
+                    node_ids=node_ids,
+                    data=self.staged,
+                    rows=rows,
+                    apply=apply,
+                    apply_ends_epoch=apply is not None and mean_ends_epoch,
+                    read_next=after,
                 )
                 return await ctx.call(i, request, pace=pace, sink=fold.sink(i))
             if apply is not None:
-                await ctx.apply_gradients(i, apply, pace=pace)
+                await ctx.apply_gradients(i, apply, pace=pace, epoch_end=mean_ends_epoch)
             return None
 
         return call
@@ -184,12 +200,14 @@ class StarTraining:
             mean = average(grads, precise=False)
             step.fold.settle(mean)
             ctx.observe("mean_whole", time.monotonic() - step.launched)
-        self.run.position.mean = mean
+        self.run.position.mean, self.run.position.mean_ends_epoch = mean, step.ends_epoch
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
         progress |= {"step": step.done, "steps": self._total}
-        await self.emit("progress", progress | {"loss": sum(losses) / sum(weights.values())})
+        progress |= {"loss": sum(losses) / sum(weights.values())}
+        lrs = [results[i].get("lr") for i in weights]  # every replica steps alike
+        await self.emit("progress", progress | ({"lr": lrs[0]} if lrs[0] is not None else {}))
 
     async def _checkpoint(self, step: _Step, saves: ReplicaCheckpoints, total: int) -> None:
         """If a checkpoint falls due after ``step``: every replica applies its mean, then it
@@ -211,9 +229,11 @@ async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
     if mean is None:
         return
 
+    ends = position.mean_ends_epoch
+
     async def finish(i: int, fresh: bool) -> None:
         if not fresh:
-            await run.ctx.apply_gradients(i, mean)
+            await run.ctx.apply_gradients(i, mean, epoch_end=ends)
 
     await run.on_all(finish, range(run.ctx.num_workers()))
     position.mean = None
