@@ -93,3 +93,12 @@ def replica_batches(
                 size = batch_size or n
                 slices.append(order[step * size : (step + 1) * size])
             yield epoch, step, slices
+
+
+def replica_seed(seed: int, replica: int, step: int) -> int:
+    """The seed of torch's generator for replica ``replica``'s forward of global step ``step``
+    of a data-parallel run of a filter seeded with ``seed``: a dropout mask differs from
+    replica to replica and step to step, and a rerun, a resumed run or a replacement draws the
+    same ones (``numpy.random.SeedSequence([seed, replica, step])``)."""
+    entropy = [seed % 2**64, replica, step]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])

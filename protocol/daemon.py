@@ -176,13 +176,20 @@ class StageRequest(_Request):
 
 class GradientsRequest(DataSource):
     """A data-parallel replica's half of a step: forward, loss and backward over the rows (plain
-    filters apply the state they hold), then the gradients of the chain's torch nodes."""
+    filters apply the state they hold), then the gradients of the chain's torch nodes.
+
+    ``seed`` seeds torch's generator for the forward (dropout masks: per replica and step);
+    ``buffers`` (replica 0's, node → name → tensor) are set before it, DDP's
+    ``broadcast_buffers``; ``return_buffers``: the reply carries this replica's after it."""
 
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
     apply_ends_epoch: bool = False  # that step was its epoch's last (epoch-wise schedulers)
     read_next: list[int] | None = None  # the rows of ``data`` the next step will ask for
+    seed: int | None = None
+    buffers: dict[str, dict[str, Any]] | None = None
+    return_buffers: bool = False
 
 
 class ScheduleRequest(_Request):
@@ -274,6 +281,7 @@ class DistPlanRequest(_BatchPlan):
     held: list[int]
     sizes: list[NonNegativeInt] | None = None
     position: NonNegativeInt = 0
+    sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
 
 
 class PipePlanRequest(_BatchPlan):
@@ -417,6 +425,7 @@ class ApplyGradientsRequest(_Request):
     cmd: Literal["apply_gradients"] = "apply_gradients"
     gradients: dict[str, dict[str, Any]]
     epoch_end: bool = False  # the step ends an epoch (epoch-wise schedulers step after it)
+    buffers: dict[str, dict[str, Any]] | None = None  # replica 0's, set after the step
 
 
 class PingRequest(_Request):

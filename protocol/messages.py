@@ -299,6 +299,14 @@ class NodeInfo(BaseModel):
     seed: int | None = None
     accumulate: Annotated[int, Field(ge=1)] | None = None
     clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # What makes replicas of it differ from one process training it (DataParallel's notes):
+    buffers: bool = False  # the module holds buffers (replica 0's are broadcast each step)
+    normalization: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=64
+    )  # classes that normalise with batch statistics (BatchNorm1d...)
+    randomness: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=64
+    )  # classes that draw random numbers in training (Dropout...)
 
 
 MAX_GRAPH_NODES = 4096

@@ -284,6 +284,8 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
         job = client.submit(graph, x, y, strategy=strategy)
         out.print(job.id, markup=False, soft_wrap=True)
+        for note in job.notes:  # said up front: why it will not equal graph.fit exactly
+            err.print(f"note: {note}", markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
         started = time.monotonic()

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from protocol.arrays import data_nbytes
 from protocol.asyncio.channel import Channel
+from protocol.equivalence import data_parallel_notes
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
@@ -54,9 +55,10 @@ from protocol.messages import (
 )
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
+from somatize.filters import layer_kinds
 from somatize.graph import Graph
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
-from somatize.strategies import Local, Strategy, WorkerData
+from somatize.strategies import DataParallel, Local, Strategy, WorkerData
 
 __all__ = [
     "TERMINAL_EVENTS",
@@ -293,8 +295,9 @@ class Client:
             if y is not None:
                 raise ValueError("with WorkerData the labels are the workers' own: y must be None")
             x = None
+        info = graph_info(graph)
         message = Submit(
-            graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=graph_info(graph)),
+            graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=info),
             x=x,
             y=y,
             dataset=dataset,
@@ -306,7 +309,7 @@ class Client:
         job_id = result_field(reply, "job_id", "submit")
         if not isinstance(job_id, str):
             raise ClientError(f"the coordinator answered submit with a job id {job_id!r}")
-        return Job(self, job_id, graph)
+        return Job(self, job_id, graph, notes=_notes(strategy, info))
 
     def job(self, job_id: str, graph: Graph | None = None) -> Job:
         """The handle of an existing job (submitted by anyone, any time).
@@ -385,10 +388,20 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
                 seed=getattr(f, "seed", None),
                 accumulate=getattr(f, "accumulate", None),
                 clip_grad_norm=getattr(f, "clip_grad_norm", None),
+                **layer_kinds(getattr(f, "module", None)),
             )
         else:
             info[node_id] = NodeInfo()
     return info
+
+
+def _notes(strategy: Strategy, info: dict[str, NodeInfo]) -> list[str]:
+    """Why ``strategy`` will not equal ``graph.fit`` exactly on a graph described by ``info``
+    (the words the coordinator puts in the ``placed`` event)."""
+    if not isinstance(strategy, DataParallel):
+        return []
+    torch_nodes = [n for n, i in info.items() if i.differentiable]
+    return data_parallel_notes(info, torch_nodes, strategy.sync_batchnorm)
 
 
 def _client_error(info: ErrorInfo) -> ClientError:

@@ -45,6 +45,37 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
+_NORM = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+_RANDOM = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def layer_kinds(module: Any) -> dict[str, Any]:
+    """What in ``module`` makes data-parallel replicas differ from one process training it
+    (:mod:`protocol.equivalence`): whether it holds buffers, its classes that normalise with
+    batch statistics and those that draw random numbers in training (nothing for what is not
+    a module)."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    modules = list(module.modules())
+    return {
+        "buffers": any(True for _ in module.buffers()),
+        "normalization": sorted({type(m).__name__ for m in modules if isinstance(m, _NORM)}),
+        "randomness": sorted({type(m).__name__ for m in modules if isinstance(m, _RANDOM)}),
+    }
+
+
 def snake_case(name: str) -> str:
     """``StandardScaler`` -> ``standard_scaler``; the default node id of a filter class."""
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()

@@ -71,12 +71,21 @@ class Job:
     Attributes:
         id: the job's id on the coordinator.
         graph: the graph the job trains, when this handle knows it (see :meth:`Client.job`).
+        notes: said when it was submitted: why its strategy will not equal ``graph.fit``
+            exactly (DataParallel over BatchNorm or Dropout: :mod:`protocol.equivalence`).
     """
 
-    def __init__(self, client: Client, job_id: str, graph: Graph | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        job_id: str,
+        graph: Graph | None = None,
+        notes: list[str] | None = None,
+    ) -> None:
         self._client = client
         self.id = job_id
         self.graph = graph
+        self.notes = list(notes or [])
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"

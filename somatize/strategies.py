@@ -145,10 +145,19 @@ class DataParallel(Strategy):
             workers; the job's events say ``restarting`` and then ``resumed``.
         restart_timeout: seconds a restart waits for workers before the job fails with the
             error that stopped it.
+        sync_batchnorm: BatchNorm layers normalise with the global batch's statistics
+            (``torch.nn.SyncBatchNorm``; CUDA workers on the torch collective). Without it each
+            replica normalises its slice with its own, and the running statistics follow
+            DistributedDataParallel's ``broadcast_buffers``: replica 0's, broadcast to every
+            replica each step. A model with BatchNorm or Dropout does not equal ``graph.fit``
+            exactly; the job says why when it is submitted (:attr:`Job.notes`) and in its
+            ``placed`` event. Dropout masks are drawn per replica from a generator seeded by
+            the filter's seed, the replica and the step: a rerun gives the same result.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
-            ``elastic`` not a bool, ``elastic_timeout`` or ``collective_timeout`` not a
+            ``elastic`` not a bool, ``sync_batchnorm`` without ``device="cuda"`` or with
+            ``collective="coordinator"``, ``elastic_timeout`` or ``collective_timeout`` not a
             positive number, ``device`` not one of the device forms, ``collective`` not one
             of the three, ``checkpoint_every`` not ``None`` or an integer >= 0,
             ``keep_checkpoints`` not a positive integer, ``max_restarts`` not an integer >= 0
@@ -166,6 +175,7 @@ class DataParallel(Strategy):
     keep_checkpoints: int = 2
     max_restarts: int = 0
     restart_timeout: float = 60.0
+    sync_batchnorm: bool = False
 
     name: ClassVar[str] = "data_parallel"
 

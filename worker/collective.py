@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from protocol.batching import global_batches, replica_batches
+from protocol.batching import global_batches, replica_batches, replica_seed
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, run_setting
@@ -46,11 +47,16 @@ ONE_ROW = np.zeros(1, dtype=np.int64)
 @dataclass(frozen=True)
 class Plan:
     """What a replica walks: per global step the positions of its slice in the rows staged
-    under ``data``, and the global batch's size."""
+    under ``data``, and the global batch's size; and per step the fewest rows a replica has
+    (``least``: every replica runs as many forwards a step, each of which broadcasts buffers,
+    so a step is cut in at most that many ``accumulate`` slices)."""
 
     data: str
     node_ids: list[str]
     steps: list[tuple[np.ndarray[Any, Any], int]]
+    least: list[int] = field(default_factory=list)
+    seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
+    sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
 
     @classmethod
     def of(
@@ -69,12 +75,14 @@ class Plan:
         position: int = 0,
     ) -> Plan:
         if sizes is not None:  # each replica on its own dataset
-            own = replica_batches(sizes, epochs, batch_size, shuffle, seed)
+            own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
-            return cls(data, list(node_ids), steps)
+            least = [min(len(p) for p in s) for _, _, s in own]
+            return cls(data, list(node_ids), steps, least, seed)
         staged = np.asarray(held, dtype=np.int64)
-        steps = []
+        steps, least = [], []
         for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+            least.append(min(len(s) for s in slices))
             mine = slices[rank]
             local = np.searchsorted(staged, mine)
             if len(mine) and (
@@ -85,7 +93,7 @@ class Plan:
                     f"replica {rank}'s slice of a step has rows that were not staged here",
                 )
             steps.append((local, sum(len(s) for s in slices)))
-        return cls(data, list(node_ids), steps)
+        return cls(data, list(node_ids), steps, least, seed)
 
 
 class _Chain(torch.nn.Module):
@@ -102,6 +110,16 @@ class _Chain(torch.nn.Module):
             with autocast(f, self.device):
                 x = module(x)
         return x
+
+
+def _synced_batchnorm(chain: _Chain) -> None:
+    """Every BatchNorm layer of ``chain`` as a ``torch.nn.SyncBatchNorm`` over the group (the
+    same parameters and buffers, now normalising with the global batch's statistics); each
+    filter keeps the module it trains."""
+    for k, module in enumerate(chain.parts):
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # type: ignore[no-untyped-call]
+        chain.parts[k] = synced
+        chain.filters[k].module = synced
 
 
 class Collective(Training, GroupMember):
@@ -126,6 +144,8 @@ class Collective(Training, GroupMember):
         self._ddp = None
         try:
             chain = _Chain(run, self.device)
+            if plan.sync_batchnorm:
+                _synced_batchnorm(chain)
             ids = [self.device.index] if self.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(chain, device_ids=ids)
         except RuntimeError as exc:
@@ -177,7 +197,9 @@ class Collective(Training, GroupMember):
                 opt.zero_grad(set_to_none=True)
             try:
                 ddp.module.train()
-                loss = self._accumulated(ddp, run, xt, yt, mine, batch, parts, scaler)
+                torch.manual_seed(replica_seed(plan.seed, self._rank, step + 1))
+                cut = min(parts, plan.least[step]) if plan.least[step] else 1
+                loss = self._accumulated(ddp, run, xt, yt, mine, batch, cut, scaler)
                 ends = self.horizon is not None and self.horizon.ends_epoch(step + 1)
                 lrs.append(self._step_run(run, scaler, epoch_end=ends))
             except RuntimeError as exc:
@@ -187,6 +209,8 @@ class Collective(Training, GroupMember):
             self._done = step + 1
             losses.append(loss)
             rows.append(mine)
+        if stop == len(plan.steps):
+            self._broadcast_buffers(ddp)
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.read_next(plan.data, plan.steps[stop][0])
         return {"losses": losses, "rows": rows, "lrs": lrs}
@@ -203,14 +227,14 @@ class Collective(Training, GroupMember):
         scaler: torch.amp.GradScaler | None,
     ) -> float:
         """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
-        step, in ``parts`` slices (``accumulate``) of which only the last all-reduces (DDP's
-        ``no_sync`` before it): the gradients left are the global batch's mean loss's. The
-        replica's mean loss (0 with no rows)."""
+        step, in ``parts`` slices (``accumulate``; every replica as many, none empty) of which
+        only the last all-reduces (DDP's ``no_sync`` before it): the gradients left are the
+        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
         if not mine:
             out = ddp(xt)
             backward(out.sum() * 0.0, scaler)
             return 0.0
-        slices = np.array_split(np.arange(mine), min(parts, mine))
+        slices = np.array_split(np.arange(mine), parts)
         total = 0.0
         for j, rows in enumerate(slices):
             index = torch.from_numpy(rows).to(xt.device)
@@ -220,6 +244,17 @@ class Collective(Training, GroupMember):
                 backward(loss * (len(rows) * self._world / batch), scaler)
             total += float(loss.detach()) * len(rows)
         return total / mine
+
+    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
+        """Replica 0's buffers to every replica once more after the last step: DDP broadcasts
+        them before each forward, so the last one left each replica its own."""
+        try:
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer, 0)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.broken("broadcasting the buffers", exc) from exc
+            raise
 
     def _left_group(self) -> None:
         self._ddp = None

@@ -245,16 +245,21 @@ class Daemon(GroupCommands):
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
         if req.apply is not None:  # finish the previous step first: one round trip per step
             self.engine.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
-        result = self.engine.gradient_pass(req.node_ids, *self._data(req))
+        if req.buffers is not None:  # replica 0's, as DDP broadcasts them before a forward
+            self.engine.set_buffers(req.buffers)
+        result = self.engine.gradient_pass(req.node_ids, *self._data(req), seed=req.seed)
         if req.data is not None and req.read_next is not None:  # read while the mean is made
             self.engine.read_next(req.data, req.read_next)
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
-        return {
+        reply = {
             "loss": result.loss,
             "rows": result.rows,
             "lr": self.engine.learning_rate(torch_nodes),  # what this step's update will take
             "gradients": self.engine.get_gradients(torch_nodes),
         }
+        if req.return_buffers:
+            reply["buffers"] = self.engine.get_buffers(torch_nodes)
+        return reply
 
     def on_schedule(self, req: ScheduleRequest) -> None:
         self.engine.horizon = Horizon(req.steps_per_epoch, req.epochs)
@@ -305,7 +310,10 @@ class Daemon(GroupCommands):
         return self.engine.get_gradients(req.node_ids)
 
     def on_apply_gradients(self, req: ApplyGradientsRequest) -> dict[str, int]:
-        return self.engine.apply_gradients(req.gradients, epoch_end=req.epoch_end)
+        applied = self.engine.apply_gradients(req.gradients, epoch_end=req.epoch_end)
+        if req.buffers is not None:
+            self.engine.set_buffers(req.buffers)
+        return applied
 
     def on_ping(self, req: PingRequest) -> None:
         return None

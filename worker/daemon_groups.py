@@ -4,6 +4,7 @@ coordinator keeping time. A mixin of :class:`worker.daemon.Daemon`, over its eng
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from protocol.batching import global_batches
@@ -56,6 +57,8 @@ class GroupCommands:
             req.sizes,
             req.position,
         )
+        if req.sync_batchnorm:
+            plan = dataclasses.replace(plan, sync_batchnorm=True)
         self.engine.plan_data_parallel(plan)
 
     def on_pipe_plan(self, req: PipePlanRequest) -> None:

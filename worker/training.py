@@ -7,6 +7,7 @@ whole training loop, what ``graph.fit`` runs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,10 @@ class FitResult:
     rows: int
     epoch_losses: list[float] = field(default_factory=list)
     epoch_lrs: list[float] = field(default_factory=list)
+
+
+_GENERATOR = threading.Lock()
+"""Held while a seeded pass draws from torch's default generator (see :meth:`gradient_pass`)."""
 
 
 class Training(Nodes):
@@ -149,12 +154,24 @@ class Training(Nodes):
                 out = self._fit_plain(segment[0], out, y)
         return FitResult(to_cpu(out), self.get_state(node_ids), loss, num_rows(x))
 
-    def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+    def gradient_pass(
+        self, node_ids: Sequence[str], x: Any, y: Any = None, *, seed: int | None = None
+    ) -> FitResult:
         """A replica's half of a data-parallel step: plain filters only *apply* the state they
         hold (fitted once, before training), each differentiable run does one forward, loss and
         backward over ``x`` — in ``accumulate`` slices, its last filter's — and leaves its
-        gradients on the parameters. No step, no states."""
+        gradients on the parameters. No step, no states. ``seed`` seeds torch's generator for
+        it (dropout: the replica's and step's masks)."""
         nodes = self._chain(node_ids, x, y)
+        if seed is None:
+            return self._gradient_pass(nodes, x, y)
+        # torch's default generator is the process's: engines in one process (in-process
+        # workers) take turns with it, so each pass draws from its own seed.
+        with _GENERATOR:
+            torch.manual_seed(seed)
+            return self._gradient_pass(nodes, x, y)
+
+    def _gradient_pass(self, nodes: list[Node], x: Any, y: Any) -> FitResult:
         out, loss = x, None
         for segment in segments(nodes):
             if segment[0].differentiable:
@@ -252,6 +269,44 @@ class Training(Nodes):
             else:
                 out[node.node_id] = self._state_for(node)
         return out
+
+    def get_buffers(self, node_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The buffers of the differentiable nodes that have any (BatchNorm's running
+        statistics...), by node and name: CPU copies."""
+        out: dict[str, dict[str, Any]] = {}
+        for node in self._select(node_ids):
+            if node.differentiable:
+                named = dict(node.filter.module.named_buffers())
+                if named:
+                    out[node.node_id] = {k: _cpu_copy(v) for k, v in named.items()}
+        return out
+
+    def set_buffers(self, buffers: Mapping[str, Mapping[str, Any]]) -> None:
+        """Copy ``buffers`` (as :meth:`get_buffers` gives them) into the nodes' modules: a
+        data-parallel replica takes replica 0's (DistributedDataParallel's
+        ``broadcast_buffers``). Every one is checked before any is written.
+
+        Raises:
+            EngineError: ``STATE_MISMATCH`` for names or shapes that are not the module's.
+        """
+        plan = []
+        for node_id, given in buffers.items():
+            node = self._node(node_id)
+            named = dict(node.filter.module.named_buffers()) if node.differentiable else {}
+            check_same_names(node_id, "buffers", set(given), set(named))
+            for name, value in given.items():
+                tensor = torch.as_tensor(value)
+                if tensor.shape != named[name].shape:
+                    raise EngineError(
+                        ErrorCode.STATE_MISMATCH,
+                        f"node {node_id!r}, buffer {name!r}: has shape {list(tensor.shape)}, "
+                        f"the module's has {list(named[name].shape)}",
+                        {"node_id": node_id, "key": name},
+                    )
+                plan.append((named[name], tensor))
+        with torch.no_grad():
+            for target, tensor in plan:
+                target.copy_(tensor)
 
     def set_state(self, states: Mapping[str, Any]) -> None:
         """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""

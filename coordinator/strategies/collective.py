@@ -114,6 +114,7 @@ class TorchTraining:
     steps_per_epoch: int
     timeout: float
     emit: Emit
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
@@ -175,6 +176,7 @@ class TorchTraining:
                     batch_size=training.batch_size,
                     shuffle=training.shuffle,
                     seed=training.seed,
+                    sync_batchnorm=self.sync_batchnorm,
                 )
             return DistPlanRequest(
                 node_ids=self.run.job.node_ids,
@@ -185,6 +187,7 @@ class TorchTraining:
                 batch_size=training.batch_size,
                 shuffle=training.shuffle,
                 seed=training.seed,
+                sync_batchnorm=self.sync_batchnorm,
             )
 
         try:

@@ -50,6 +50,7 @@ from coordinator.strategies.steps import (
     schedule_request,
 )
 from protocol.daemon import CompositeFitRequest
+from protocol.equivalence import data_parallel_notes
 from protocol.errors import ErrorCode
 from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -86,6 +87,7 @@ class DataParallel(Strategy):
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
         max_restarts: int = 0,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        sync_batchnorm: bool = False,
     ) -> None:
         self.workers = workers
         self.tag = tag
@@ -98,6 +100,7 @@ class DataParallel(Strategy):
         self.keep_checkpoints = keep_checkpoints
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
+        self.sync_batchnorm = sync_batchnorm
         self._prepared: _SetUp | None = None
 
     @classmethod
@@ -115,6 +118,7 @@ class DataParallel(Strategy):
             checked.keep_checkpoints,
             checked.max_restarts,
             checked.restart_timeout,
+            checked.sync_batchnorm,
         )
 
     def placement(self) -> Placement:
@@ -124,9 +128,12 @@ class DataParallel(Strategy):
         self._plan(job)
 
     async def prepare(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        """Ship the filters and each replica's rows, and choose the collective."""
+        """Ship the filters and each replica's rows, and choose the collective; what the
+        ``placed`` event says of it, with why the run will not equal ``graph.fit`` exactly
+        (``notes``: :mod:`protocol.equivalence`) when it will not."""
         self._prepared = await self._set_up(ctx, job, emit)
-        return self._prepared.choice.describe()
+        notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.sync_batchnorm)
+        return self._prepared.choice.describe() | ({"notes": notes} if notes else {})
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
         torch_nodes, _, training = self._plan(job)
@@ -163,6 +170,11 @@ class DataParallel(Strategy):
 
         await run.on_all(tell, replicas)
         choice = await choose(run, self.collective, self.collective_timeout)
+        if self.sync_batchnorm and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
+            )
         return _SetUp(run, first_epoch, steps_per_epoch, choice)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
@@ -193,7 +205,14 @@ class DataParallel(Strategy):
             # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
             #    only keeps time (coordinator.strategies.collective).
             await TorchTraining(
-                run, setup.choice, training, n, steps_per_epoch, self.collective_timeout, emit
+                run,
+                setup.choice,
+                training,
+                n,
+                steps_per_epoch,
+                self.collective_timeout,
+                emit,
+                self.sync_batchnorm,
             ).train(total_steps, start, saves)
             await saves.finish()
             return await _agreed_states(run, torch_nodes)
@@ -201,7 +220,9 @@ class DataParallel(Strategy):
         # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
         #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
         #    out with the next step's requests as it folds (coordinator.strategies.star).
-        await StarTraining(run, training, n, STAGED, emit).train(total_steps, start, saves)
+        syncs = any(job.nodes[node].buffers for node in torch_nodes)
+        star = StarTraining(run, training, n, STAGED, emit, syncs_buffers=syncs)
+        await star.train(total_steps, start, saves)
         await saves.finish()
         return await _agreed_states(run, torch_nodes)
 

@@ -52,6 +52,7 @@ class DataParallelPosition:
     step: int | None = None  # the global step being run, from 1; None outside training
     mean: Any = None  # the previous step's gradient mean, not yet applied
     mean_ends_epoch: bool = False  # that step was its epoch's last
+    buffers: Any = None  # replica 0's buffers after the last step (when they are synced)
     copy_state: bool = False  # replicas hold state (fitted, trained) a replacement must copy
 
     def at(self) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.mean_fold import FoldBuffers, FoldDeclined, MeanFold
 from coordinator.strategies.steps import Training, global_batches
-from protocol.daemon import GradientsRequest
+from protocol.batching import replica_seed
+from protocol.daemon import ApplyGradientsRequest, GradientsRequest
 from protocol.errors import ErrorCode
 
 __all__ = ["Plan", "StarTraining", "apply_mean", "average"]
@@ -58,6 +59,18 @@ class _Step:
     calls: asyncio.Task[dict[int, Any]]
     launched: float  # time.monotonic
     ends_epoch: bool  # the last step of its epoch (epoch-wise schedulers step after it)
+    buffers: asyncio.Future[Any] | None  # replica 0's buffers after its forward (if synced)
+
+
+@dataclass(frozen=True)
+class _Prior:
+    """What a step's requests carry of the step before: its mean (``None``: applied already),
+    whether it ended an epoch, and replica 0's buffers after it (DDP's ``broadcast_buffers``:
+    the other replicas take them before their forward)."""
+
+    mean: MeanFold | None = None
+    ends_epoch: bool = False
+    buffers: asyncio.Future[Any] | None = None
 
 
 @dataclass
@@ -77,6 +90,7 @@ class StarTraining:
     rows: int
     staged: str
     emit: Emit
+    syncs_buffers: bool = False  # the model has buffers: replica 0's are broadcast each step
     pool: FoldBuffers = field(default_factory=FoldBuffers)
     _total: int = 0
 
@@ -99,14 +113,14 @@ class StarTraining:
                 if flying is not None and not (self.run.elastic or saves.due(flying.done, total)):
                     # Pipelined: this step's requests go out as the last one's mean folds.
                     landing = flying
-                    flying = self._launch(done, now, after, flying.fold, flying.ends_epoch)
+                    prior = _Prior(flying.fold, flying.ends_epoch, flying.buffers)
+                    flying = self._launch(done, now, after, prior)
                     await self._land(landing)
                     continue
                 if flying is not None:
                     await self._land(flying)
                     await self._checkpoint(flying, saves, total)
-                ends = position.mean_ends_epoch
-                flying = self._launch(done, now, after, self._pending(flying), ends)
+                flying = self._launch(done, now, after, self._pending(flying))
             if flying is not None:
                 await self._land(flying)
         finally:
@@ -118,16 +132,11 @@ class StarTraining:
         await apply_mean(self.run, position)
 
     def _launch(
-        self,
-        done: int,
-        now: tuple[int, int, list[Any]],
-        after: Any,
-        mean: MeanFold | None,
-        mean_ends_epoch: bool,
+        self, done: int, now: tuple[int, int, list[Any]], after: Any, prior: _Prior
     ) -> _Step:
-        """Start step ``done``'s calls: each replica applies ``mean`` (a fold, or ``None``;
-        the step it is of ended an epoch when ``mean_ends_epoch``), then computes the gradient
-        of its slice into this step's fold; its rows of the next step (``after``) are read
+        """Start step ``done``'s calls: each replica applies the ``prior`` step's mean (a
+        fold, or ``None``), takes replica 0's buffers after it, then computes the gradient of
+        its slice into this step's fold; its rows of the next step (``after``) are read
         meanwhile."""
         position, held = self.run.position, self.run.position.held
         epoch, _, slices = now
@@ -143,42 +152,57 @@ class StarTraining:
         }
         weights = {i: len(slices[i]) for i in sorted(local)}
         fold = MeanFold(weights, self.pool)
-        targets = [i for i in replicas if i in local or mean is not None]
-        call = self._call(local, ahead, mean, fold, mean_ends_epoch)
+        targets = [i for i in replicas if i in local or prior.mean is not None]
+        buffers: asyncio.Future[Any] | None = None
+        if self.syncs_buffers:  # replica 0's after this step: its reply's, or as they were
+            buffers = (
+                prior.buffers if 0 not in local else asyncio.get_running_loop().create_future()
+            )
+        call = self._call(done, local, ahead, prior, fold, buffers)
         calls = asyncio.ensure_future(self.run.on_all(call, targets))
         launched = time.monotonic()
         ends = after is None or after[0] != epoch
-        return _Step(done, epoch, weights, fold, mean, calls, launched, ends)
+        return _Step(done, epoch, weights, fold, prior.mean, calls, launched, ends, buffers)
 
     def _call(
         self,
+        done: int,
         local: Mapping[int, Any],
         ahead: Mapping[int, Any],
-        mean: MeanFold | None,
+        prior: _Prior,
         fold: MeanFold,
-        mean_ends_epoch: bool,
+        buffers: asyncio.Future[Any] | None,
     ) -> Callable[[int, bool], Awaitable[Any]]:
-        """A replica's part of a step: apply ``mean`` (unless the replica is ``fresh``: it
-        copied a survivor that had applied it), then the gradient of its ``local`` rows, if it
-        has any this step, landing in ``fold``."""
-        ctx, node_ids = self.run.ctx, self.run.job.node_ids
+        """A replica's part of step ``done``: apply the prior step's mean (unless the replica
+        is ``fresh``: it copied a survivor that had applied it), take replica 0's buffers (the
+        others), then the gradient of its ``local`` rows, if it has any this step, landing in
+        ``fold``, its forward seeded by the filter's seed, the replica and the step (dropout);
+        replica 0's reply sets ``buffers``."""
+        ctx, node_ids, mean = self.run.ctx, self.run.job.node_ids, prior.mean
 
         async def call(i: int, fresh: bool) -> Any:
             apply, pace = (None, None) if fresh or mean is None else await mean.take()
             if i in local:
                 rows = np.asarray(local[i]).tolist()
                 after = np.asarray(ahead[i]).tolist() if i in ahead else None
+                broadcast = await prior.buffers if prior.buffers is not None and i else None
                 request = GradientsRequest(
                     node_ids=node_ids,
                     data=self.staged,
                     rows=rows,
                     apply=apply,
-                    apply_ends_epoch=apply is not None and mean_ends_epoch,
+                    apply_ends_epoch=apply is not None and prior.ends_epoch,
                     read_next=after,
+                    seed=replica_seed(self.training.seed, i, done),
+                    buffers=broadcast,
+                    return_buffers=buffers is not None and i == 0,
                 )
-                return await ctx.call(i, request, pace=pace, sink=fold.sink(i))
+                result = await ctx.call(i, request, pace=pace, sink=fold.sink(i))
+                if i == 0 and buffers is not None and not buffers.done():
+                    buffers.set_result(_copied(result["buffers"]))  # the fold reuses its bytes
+                return result
             if apply is not None:
-                await ctx.apply_gradients(i, apply, pace=pace, epoch_end=mean_ends_epoch)
+                await ctx.apply_gradients(i, apply, pace=pace, epoch_end=prior.ends_epoch)
             return None
 
         return call
@@ -201,6 +225,8 @@ class StarTraining:
             step.fold.settle(mean)
             ctx.observe("mean_whole", time.monotonic() - step.launched)
         self.run.position.mean, self.run.position.mean_ends_epoch = mean, step.ends_epoch
+        if step.buffers is not None and step.buffers.done():
+            self.run.position.buffers = step.buffers.result()
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
@@ -217,9 +243,12 @@ class StarTraining:
             step.fold.release()
             await saves.after(step.done, total)
 
-    def _pending(self, step: _Step | None) -> MeanFold | None:
-        """The mean the step after ``step`` applies: ``step``'s, unless applied already."""
-        return None if step is None or self.run.position.mean is None else step.fold
+    def _pending(self, step: _Step | None) -> _Prior:
+        """What the step after ``step`` applies: ``step``'s mean, unless applied already."""
+        if step is None:
+            return _Prior()
+        mean = None if self.run.position.mean is None else step.fold
+        return _Prior(mean, self.run.position.mean_ends_epoch, step.buffers)
 
 
 async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
@@ -229,11 +258,14 @@ async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
     if mean is None:
         return
 
-    ends = position.mean_ends_epoch
+    ends, buffers = position.mean_ends_epoch, position.buffers
 
     async def finish(i: int, fresh: bool) -> None:
         if not fresh:
-            await run.ctx.apply_gradients(i, mean, epoch_end=ends)
+            request = ApplyGradientsRequest(
+                gradients=mean, epoch_end=ends, buffers=buffers if i else None
+            )
+            await run.ctx.call(i, request)
 
     await run.on_all(finish, range(run.ctx.num_workers()))
     position.mean = None
@@ -245,6 +277,14 @@ def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = Tru
         return weighted_mean(contributions, precise=precise)
     except AggregationError as exc:
         raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` (dicts down to tensors or arrays) with every tensor copied into memory of its
+    own."""
+    if isinstance(tree, Mapping):
+        return {k: _copied(v) for k, v in tree.items()}
+    return tree.clone() if hasattr(tree, "clone") else np.array(tree, copy=True)
 
 
 def _with_next(steps: Iterable[T]) -> Iterator[tuple[T, T | None]]:
