@@ -39,7 +39,8 @@ BATCHNORM_JOB = textwrap.dedent(
     x = rng.normal(size=(96, 6)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    layers = [torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)]
+    model = torch.nn.Sequential(*layers)
     graph = sz.Graph([sz.TorchFilter(model, loss="cross_entropy", epochs=1).named("net")])
     strategy = sz.DataParallel(2)
     """
