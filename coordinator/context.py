@@ -193,7 +193,8 @@ class StrategyContext(ABC):
         batch_size: int | None = None,
     ) -> dict[str, Any]:
         """Train the chain ``node_ids`` on a worker to completion; returns what the fit gave
-        (``states``, ``loss``, ``epoch_losses``, ``rows``; ``output`` is not sent back)."""
+        (``states``, ``loss``, ``epoch_losses``, ``history``, ``rows``; ``output`` is not sent
+        back)."""
         request = BatchedFitRequest(
             node_ids=list(node_ids), x=x, y=y, batch_size=batch_size, return_output=False
         )

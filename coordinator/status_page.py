@@ -212,6 +212,12 @@ function progressText(p) {
   else if (p.epochs != null) parts.push(p.epochs + " epochs");
   if (p.round != null) parts.push("round " + p.round + (p.rounds != null ? "/" + p.rounds : ""));
   if (p.step != null) parts.push("step " + p.step + (p.steps != null ? "/" + p.steps : ""));
+  // The last epoch's (round's) figures: validation loss, metrics, learning rate.
+  for (const [k, v] of Object.entries(p.metrics || {})) {
+    if (k !== "epoch" && k !== "round" && k !== "loss" && isNum(v)) {
+      parts.push(k + " " + (k === "lr" ? v.toPrecision(3) : v.toFixed(4)));
+    }
+  }
   return parts.join(" \\u00b7 ");
 }
 

@@ -48,6 +48,7 @@ __all__ = [
     "DistStoreRequest",
     "DistTrainRequest",
     "ErrorReply",
+    "EvaluateRequest",
     "FitRequest",
     "ForwardRequest",
     "GetGradientsRequest",
@@ -156,6 +157,7 @@ class BatchedFitRequest(DataSource):
     reset_optimizer: bool = False
     schedule_before: NonNegativeInt = 0
     schedule_epochs: PositiveInt | None = None
+    validation: str | None = None  # staged validation data, evaluated at each epoch's end
     return_output: bool = True  # False: the chain's output on the data stays on the worker
     return_states: bool = True  # False: the caller reads them later (get_state), when it can
 
@@ -172,6 +174,7 @@ class StageRequest(_Request):
     dataset: str | None = None
     loader: StrictBytes | None = None
     labels: bool = False  # stage the dataset's y as the rows: a pipeline's last stage
+    split: str | None = None  # the dataset's split of that name (validation: "val")
 
 
 class GradientsRequest(DataSource):
@@ -190,6 +193,15 @@ class GradientsRequest(DataSource):
     seed: int | None = None
     buffers: dict[str, dict[str, Any]] | None = None
     return_buffers: bool = False
+
+
+class EvaluateRequest(DataSource):
+    """Evaluate the chain as it stands on the data (``x``, ``y``, or staged): forward through
+    ``node_ids`` up to the last TorchFilter, its loss and metrics. Returns ``{"val_loss",
+    <metric>..., "rows"}``."""
+
+    cmd: Literal["evaluate"] = "evaluate"
+    node_ids: Annotated[list[str], Field(min_length=1)]
 
 
 class ScheduleRequest(_Request):
@@ -456,6 +468,7 @@ DaemonRequest = Annotated[
     | StageRequest
     | GradientsRequest
     | ScheduleRequest
+    | EvaluateRequest
     | DistStoreRequest
     | DistProbeRequest
     | DistJoinRequest
@@ -513,7 +526,7 @@ class OkReply(BaseModel):
     """The command ran; ``result`` is what it returned.
 
     ``fit``, ``composite_fit`` and ``batched_fit`` return the engine's ``FitResult`` as a dict
-    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``, ``epoch_lrs``); ``load`` the
+    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``, ``history``); ``load`` the
     node ids; ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
     """
 

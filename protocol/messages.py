@@ -350,6 +350,9 @@ class Submit(_Message):
     dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
     loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
+    x_val: Any = None  # validation data, evaluated at the end of every epoch (round)
+    y_val: Any = None
+    val_split: str | None = None  # instead of x_val/y_val: each worker's split of its dataset
 
 
 class Watch(_Message):

@@ -40,6 +40,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
+from somatize.curves import (
+    HistoryWriter,
+    history_of,
+    history_table,
+    plot_history,
+    row_of,
+    unit_of,
+)
 from somatize.errors import UsageError
 from somatize.tables import (
     cells,
@@ -126,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
     )
+    submit.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write each epoch's (round's) figures to TensorBoard event files in DIR as they come",
+    )
 
     sub.add_parser("status", parents=[remote], help="show workers and jobs")
 
@@ -139,7 +152,12 @@ def _parser() -> argparse.ArgumentParser:
     result.add_argument("job_id", metavar="ID", help="the job's id")
     result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
     result.add_argument(
-        "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
+        "--plot",
+        metavar="PNG",
+        help="save the job's training and validation curves, by epoch (or round)",
+    )
+    result.add_argument(
+        "--tensorboard", metavar="DIR", help="write the job's history as TensorBoard event files"
     )
     result.add_argument(
         "--wait",
@@ -289,8 +307,9 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
         if args.no_wait:
             return EXIT_OK
         started = time.monotonic()
+        board = HistoryWriter(args.tensorboard) if args.tensorboard else None
         try:
-            end = follow(job, err)
+            end = follow(job, err, board)
         except KeyboardInterrupt:
             err.print(
                 f"stopped following job {job.id}; it goes on (somatize result {job.id})",
@@ -298,6 +317,9 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
                 soft_wrap=True,
             )
             return EXIT_INTERRUPTED
+        finally:
+            if board is not None:
+                board.close()
         if end is None:
             err.print(
                 f"job {job.id}: the event stream ended before the job", markup=False, soft_wrap=True
@@ -316,8 +338,9 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
         return EXIT_OK
 
 
-def follow(job: Job, err: Console) -> Any:
-    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end)."""
+def follow(job: Job, err: Console, board: HistoryWriter | None = None) -> Any:
+    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end).
+    Each epoch's (round's) row goes to ``board`` as it comes."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -339,6 +362,9 @@ def follow(job: Job, err: Console) -> Any:
                 if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
                     progress.update(task, total=epochs, completed=min(epoch, epochs))
                 progress.update(task, info=progress_text(event.data))
+                row = row_of(event.data)
+                if board is not None and row is not None:
+                    board.add(row)
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
@@ -388,6 +414,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
         try:
             states = client.job(args.job_id).states(timeout=args.wait)
+            history = history_of(client.job(args.job_id).status())
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
@@ -400,11 +427,26 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             table.add_row(*cells(node_id, key, shape, dtype))
             node_id = ""
     out.print(table)
-    if args.plot:
+    if history:
+        out.print(history_table(history, f"job {printable(args.job_id)}: history"))
+    if args.plot and history:
+        plot_history(history, args.plot, title=f"job {args.job_id}")
+        unit = unit_of(history)
+        err.print(f"saved the curves ({len(history)} {unit}s) to {args.plot}", markup=False)
+    elif args.plot:
         with _connect(args) as client:
             points = loss_curve(client.job(args.job_id).events(timeout=client.timeout))
         plot_loss(points, args.plot, title=f"job {args.job_id}")
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
+    if args.tensorboard:
+        board = HistoryWriter(args.tensorboard)
+        board.add_all(history)
+        board.close()
+        err.print(
+            f"wrote {board.written} rows of figures to {args.tensorboard}",
+            markup=False,
+            soft_wrap=True,
+        )
     if args.save:
         import torch
 

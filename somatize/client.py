@@ -56,7 +56,7 @@ from protocol.messages import (
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
 from somatize.filters import layer_kinds
-from somatize.graph import Graph
+from somatize.graph import Graph, checked_validation
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 from somatize.strategies import DataParallel, Local, Strategy, WorkerData
 
@@ -245,7 +245,14 @@ class Client:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, graph: Graph, x: Any, y: Any = None, strategy: Strategy | None = None) -> Job:
+    def submit(
+        self,
+        graph: Graph,
+        x: Any,
+        y: Any = None,
+        strategy: Strategy | None = None,
+        validation: tuple[Any, Any] | WorkerData | None = None,
+    ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
         The filters travel pickled (:func:`protocol.filters.dump_filter`) as they are now, their
@@ -256,6 +263,11 @@ class Client:
             x: input rows (numpy array or torch tensor).
             y: labels, row-aligned with ``x``.
             strategy: how to spread the job over workers (default :class:`Local`).
+            validation: ``(x_val, y_val)``, sent with the job, or ``sz.WorkerData(name,
+                split="val")``, each worker's own split of the dataset it trains on: the
+                model is evaluated on it at the end of every epoch (every round for
+                FedAvg/FedProx), its ``val_loss`` and metrics in the job's events and in the
+                result's ``history``.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -296,6 +308,7 @@ class Client:
                 raise ValueError("with WorkerData the labels are the workers' own: y must be None")
             x = None
         info = graph_info(graph)
+        x_val, y_val, val_split = _validation(validation, dataset)
         message = Submit(
             graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=info),
             x=x,
@@ -303,8 +316,12 @@ class Client:
             dataset=dataset,
             loader=loader,
             strategy=strategy.spec(),
+            x_val=x_val,
+            y_val=y_val,
+            val_split=val_split,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
+        nbytes += data_nbytes(x_val) + data_nbytes(y_val)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)
         job_id = result_field(reply, "job_id", "submit")
         if not isinstance(job_id, str):
@@ -393,6 +410,23 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
         else:
             info[node_id] = NodeInfo()
     return info
+
+
+def _validation(validation: Any, dataset: str | None) -> tuple[Any, Any, str | None]:
+    """``x_val``, ``y_val`` and ``val_split`` of a submission's ``validation``.
+
+    Raises:
+        ValueError: a split of another dataset than the job trains on, or a bad pair.
+    """
+    if isinstance(validation, WorkerData):
+        if validation.name != dataset:
+            raise ValueError(
+                f"validation=WorkerData({validation.name!r}, split=...) is a split of the "
+                f"dataset the job trains on ({'none: it sends x' if dataset is None else dataset})"
+            )
+        return None, None, validation.split or "val"
+    checked = checked_validation(validation)
+    return (None, None, None) if checked is None else (*checked, None)
 
 
 def _notes(strategy: Strategy, info: dict[str, NodeInfo]) -> list[str]:

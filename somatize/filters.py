@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from worker.metrics import METRICS, check_metrics, metric_name
 from worker.schedules import check_schedule, made_scheduler, named_scheduler
 from worker.transfer import PRECISIONS
 
@@ -150,10 +151,13 @@ class TorchFilter(Filter):
         accumulate: take one optimizer step every ``accumulate`` batches, each batch's loss
             weighted by its share of their rows: the steps of ``batch_size * accumulate``-row
             batches, in the memory of ``batch_size`` rows.
+        metrics: what to evaluate on validation data at the end of every epoch, beside
+            ``val_loss``: ``"accuracy"``, ``"mse"``, ``"mae"``, or callables ``(output, y) ->
+            float`` (named after the function), each on the whole validation set at once.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
-    ``accumulate``) are those of the last TorchFilter of a chain; each filter keeps its own
-    optimizer, ``lr`` and scheduler.
+    ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps
+    its own optimizer, ``lr`` and scheduler.
     """
 
     differentiable = True
@@ -176,6 +180,7 @@ class TorchFilter(Filter):
         scheduler_options: Mapping[str, Any] | None = None,
         clip_grad_norm: float | None = None,
         accumulate: int = 1,
+        metrics: Sequence[str | Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -195,6 +200,7 @@ class TorchFilter(Filter):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
         schedule_options = check_schedule(scheduler, scheduler_interval, scheduler_options)
+        checked_metrics = check_metrics(metrics)
         if clip_grad_norm is not None and not (
             isinstance(clip_grad_norm, int | float) and 0 < clip_grad_norm < float("inf")
         ):
@@ -218,6 +224,7 @@ class TorchFilter(Filter):
         self.scheduler_options = schedule_options
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.accumulate = accumulate
+        self.metrics = checked_metrics
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -258,6 +265,14 @@ class TorchFilter(Filter):
             if y.shape != output.shape and y.numel() == output.numel():
                 y = y.reshape(output.shape)  # (n,) labels against an (n, 1) output
         return _LOSSES[self.loss](output, y)
+
+    def compute_metrics(self, output: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Each of :attr:`metrics` of ``output`` against ``y``, by name."""
+        out = {}
+        for metric in getattr(self, "metrics", ()):
+            compute = METRICS[metric] if isinstance(metric, str) else metric
+            out[metric_name(metric)] = float(compute(output, y))
+        return out
 
     def prepare_input(self, x: Any) -> torch.Tensor:
         """``x`` as a tensor; floating input is cast to the module's floating dtype."""

@@ -189,7 +189,7 @@ class Job:
             )
         result = self._fetch(timeout).result
         states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
-        return FittedGraph(graph, states, epoch_losses=_epoch_losses(result))
+        return FittedGraph(graph, states, history=_history(result))
 
     def _fetch(self, timeout: float | None) -> Result:
         if timeout is not None and timeout < 0:
@@ -263,12 +263,12 @@ def _writable(value: Any) -> Any:
     return value
 
 
-def _epoch_losses(result: dict[str, Any]) -> list[float] | None:
-    """The epoch losses a result carries: its own, or its record's last progress or summary."""
+def _history(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The history a result's record carries: the rows of its run's last progress event
+    (``phase``: ``"trained"``), one per epoch (or round)."""
     record = result.get("record")
-    record = record if isinstance(record, dict) else {}
-    for source in (result, record.get("progress"), record.get("summary")):
-        losses = source.get("epoch_losses") if isinstance(source, dict) else None
-        if isinstance(losses, list) and all(isinstance(v, int | float) for v in losses):
-            return [float(v) for v in losses]
-    return None
+    progress = record.get("progress") if isinstance(record, dict) else None
+    rows = progress.get("history") if isinstance(progress, dict) else None
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return [dict(row) for row in rows]
+    return []

@@ -199,13 +199,25 @@ class WorkerData:
     worker's filter daemon on the path that worker serves as ``name`` (a client never names a
     path) and returns a ``torch.utils.data.Dataset`` of ``(x, y)`` pairs; the rows each step
     needs are read from it then. It is pickled with the job (``cloudpickle``), like a filter.
+
+    ``split``: as a job's ``validation=``, each worker's split of that name of the dataset it
+    trains on (default ``"val"``): an ``.npz``'s ``x_val``/``y_val``, a directory's
+    ``x_val.npy``/``y_val.npy``, or a dataset in its directory ``val/``::
+
+        client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10),
+                      validation=sz.WorkerData("clinic", split="val"))
     """
 
     name: str
     loader: Callable[[Path], Any] | None = None
+    split: str | None = None
 
     def __post_init__(self) -> None:
         so.parse(so.WorkerDataOptions, {"name": self.name}, so.Dialect.SDK)
+        if self.split is not None and (
+            not isinstance(self.split, str) or not self.split.isidentifier()
+        ):
+            raise ValueError(f"WorkerData: a split is a name like 'val', not {self.split!r}")
         if self.loader is not None and not callable(self.loader):
             raise TypeError(
                 f"WorkerData: loader must be a function of the dataset's path, not "
@@ -324,6 +336,13 @@ class FedAvg(Strategy):
             default: plain averaging.
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
+        evaluate_fraction: federated evaluation (Flower's ``evaluate``): each round this share
+            of the workers (at least one) evaluates the new global model on its own
+            validation data — the split named by ``validation=sz.WorkerData(name,
+            split=...)`` of the job, else ``"val"``: its dataset's ``x_val``/``y_val`` — and
+            the round's ``val_loss`` and metrics are their figures weighted by rows; the
+            round's event also names each worker's. ``0`` (default): none. The job must
+            train on ``WorkerData``.
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
             and the round) every this many rounds; ``None`` (default): every round; ``0``:
             never. A restarted coordinator resumes the job from its last one.
@@ -346,6 +365,7 @@ class FedAvg(Strategy):
     server: ServerOptimizer | None = None
     seed: int = 0
     device: str | None = None
+    evaluate_fraction: float = 0.0
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     max_restarts: int = 0
@@ -369,8 +389,8 @@ class FedProx(Strategy):
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device,
-            checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
-            :class:`FedAvg`.
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvg`.
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -386,6 +406,7 @@ class FedProx(Strategy):
     server: ServerOptimizer | None = None
     seed: int = 0
     device: str | None = None
+    evaluate_fraction: float = 0.0
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     max_restarts: int = 0

@@ -100,3 +100,20 @@ def reference_fit(
         if at_epoch_end is not None:
             at_epoch_end(net)
     return out
+
+
+def evaluation(x_val: Any, y_val: Any, into: list[dict[str, float]]) -> Callable[[Any], None]:
+    """An ``at_epoch_end`` that evaluates the model on ``(x_val, y_val)`` in eval mode, its
+    cross-entropy and accuracy appended to ``into``."""
+    xt, yt = torch.as_tensor(x_val), torch.as_tensor(y_val)
+
+    def evaluate(net: torch.nn.Module) -> None:
+        net.eval()
+        with torch.no_grad():
+            out = net(xt)
+            loss = float(torch.nn.functional.cross_entropy(out, yt))
+            accuracy = float((out.argmax(1) == yt).float().mean())
+        net.train()
+        into.append({"val_loss": loss, "accuracy": accuracy})
+
+    return evaluate

@@ -46,6 +46,8 @@ from protocol.daemon import (
     BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
+    DataSource,
+    EvaluateRequest,
     FitRequest,
     ForwardRequest,
     GetGradientsRequest,
@@ -119,6 +121,7 @@ class Daemon(GroupCommands):
             "stage": self.on_stage,
             "gradients": self.on_gradients,
             "schedule": self.on_schedule,
+            "evaluate": self.on_evaluate,
             "dist_store": self.on_dist_store,
             "dist_probe": self.on_dist_probe,
             "dist_join": self.on_dist_join,
@@ -221,6 +224,7 @@ class Daemon(GroupCommands):
             prox_mu=req.prox_mu,
             reset_optimizer=req.reset_optimizer,
             schedule=(req.schedule_before, req.schedule_epochs),
+            validation=None if req.validation is None else self.engine.held(req.validation),
         )
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back
@@ -237,7 +241,7 @@ class Daemon(GroupCommands):
                 raise EngineError(
                     ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
                 )
-            x, y = load_dataset(req.dataset, req.loader)
+            x, y = load_dataset(req.dataset, req.loader, req.split)
             if req.labels:  # a pipeline's last stage holds only the labels, as its rows
                 x, y = y, None
         return {"rows": self.engine.hold(req.name, x, y)}
@@ -261,6 +265,9 @@ class Daemon(GroupCommands):
             reply["buffers"] = self.engine.get_buffers(torch_nodes)
         return reply
 
+    def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
+        return self.engine.evaluate(req.node_ids, *self._data(req, lazy=True))
+
     def on_schedule(self, req: ScheduleRequest) -> None:
         self.engine.horizon = Horizon(req.steps_per_epoch, req.epochs)
 
@@ -283,7 +290,7 @@ class Daemon(GroupCommands):
 
     def _data(
         self,
-        req: CompositeFitRequest | BatchedFitRequest | GradientsRequest | StageForwardRequest,
+        req: DataSource,
         *,
         lazy: bool = False,
     ) -> tuple[Any, Any]:

@@ -7,8 +7,9 @@ whole training loop, what ``graph.fit`` runs.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,9 @@ import torch
 from protocol.batching import batches, generator
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
+from worker.evaluation import Evaluation
 from worker.nodes import (
     Node,
-    Nodes,
     check_same_names,
     check_same_rows,
     num_rows,
@@ -46,7 +47,9 @@ class FitResult:
             loop), ``None`` when no differentiable filter was involved.
         rows: how many rows were fitted on.
         epoch_losses: for a training loop, the mean loss of each epoch, in order.
-        epoch_lrs: for a training loop, the learning rate each epoch's last step took.
+        history: for a training loop, a row per epoch: ``epoch`` (from 1), ``loss`` (its mean
+            training loss), ``lr`` (the learning rate its last step took) and, with validation
+            data, ``val_loss`` and each metric of the model at the epoch's end.
     """
 
     output: Any
@@ -54,14 +57,14 @@ class FitResult:
     loss: float | None
     rows: int
     epoch_losses: list[float] = field(default_factory=list)
-    epoch_lrs: list[float] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 _GENERATOR = threading.Lock()
 """Held while a seeded pass draws from torch's default generator (see :meth:`gradient_pass`)."""
 
 
-class Training(Nodes):
+class Training(Evaluation):
     """Rows held under a name; fit, forward and the states of the loaded nodes."""
 
     def __init__(self) -> None:
@@ -193,6 +196,7 @@ class Training(Nodes):
         prox_mu: float = 0.0,
         reset_optimizer: bool = False,
         schedule: tuple[int, int | None] = (0, None),
+        validation: tuple[Any, Any] | None = None,
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -213,30 +217,44 @@ class Training(Nodes):
         learning-rate schedulers step with it (:mod:`worker.schedules`) over the epochs of this
         call, or with ``schedule=(before, span)`` over ``span`` epochs of which ``before`` were
         trained earlier (a federated run's rounds: a fresh scheduler starts where they left it).
+
+        ``validation=(x_val, y_val)``: at the end of every epoch of the chain's last
+        differentiable run the chain is evaluated on them (:mod:`worker.evaluation`), its
+        ``val_loss`` and metrics going into that epoch's row of the history.
         """
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
                 node.optimizer = node.scaler = node.scheduler = None
         out, loss = x, None
-        epoch_losses: list[float] = []
-        epoch_lrs: list[float] = []
+        history: list[dict[str, Any]] = []
         runs = list(segments(nodes))
+        last_run = max((k for k, s in enumerate(runs) if s[0].differentiable), default=-1)
+        val_x, val_y = validation if validation is not None else (None, None)
         for k, segment in enumerate(runs):
             if segment[0].differentiable:
-                epoch_losses, epoch_lrs = self._train_run(
-                    segment, out, y, batch_size, epochs, prox_mu, schedule
+                scores = None
+                if validation is not None and k == last_run:
+                    ids = [n.node_id for n in segment]
+                    scores = functools.partial(self.evaluate, ids, val_x, val_y)
+                history = self._train_run(
+                    segment, out, y, batch_size, epochs, prox_mu, schedule, scores
                 )
-                loss = epoch_losses[-1] if epoch_losses else None
+                loss = history[-1]["loss"] if history else None
                 if isinstance(out, Rows) and k == len(runs) - 1:
                     out = None  # rows read from disk: their output, all at once, is not made
                 else:
                     out = self._forward_segment(segment, _whole(out))
+                if validation is not None and k < last_run:
+                    val_x = self._forward_segment(segment, _whole(val_x))
             else:  # a plain filter fits on all its rows at once
                 out = self._fit_plain(segment[0], _whole(out), _whole(y))
+                if validation is not None:
+                    val_x = self._apply(segment[0], _whole(val_x), segment[0].state)
         rows = num_rows(x)
         states = self.get_state(node_ids)
-        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, epoch_lrs)
+        epoch_losses = [row["loss"] for row in history]
+        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, history)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -370,9 +388,10 @@ class Training(Nodes):
         epochs: int | None = None,
         prox_mu: float = 0.0,
         schedule: tuple[int, int | None] = (0, None),
-    ) -> tuple[list[float], list[float]]:
-        """The training loop of one differentiable run; each epoch's mean loss and the
-        learning rate its last step took.
+        scores: Callable[[], dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The training loop of one differentiable run; a history row per epoch: its number,
+        mean loss, the learning rate its last step took and what ``scores`` gives then.
 
         With ``accumulate=k`` (the run's last filter's) an optimizer step is taken every k
         batches (and after an epoch's last), each batch's loss weighted by its share of the
@@ -406,7 +425,7 @@ class Training(Nodes):
         scaler = self._scaler(run[-1])
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
-        epoch_losses, epoch_lrs = [], []
+        history: list[dict[str, Any]] = []
 
         def read(index: Any) -> tuple[Any, Any]:  # a batch (on disk: in a read-ahead thread)
             if not lazy:
@@ -419,7 +438,7 @@ class Training(Nodes):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(last.seed)
             order = generator(last.seed)
-            for _ in range(epochs):
+            for e in range(epochs):
                 total, lr = 0.0, float("nan")
                 epoch = list(batches(n, size, order if last.shuffle else None))
                 sizes = [_len(index, n) for index in epoch]
@@ -436,9 +455,13 @@ class Training(Nodes):
                     total += float(loss.detach()) * sizes[j]
                     if (j + 1) % every == 0 or j == len(epoch) - 1:
                         lr = self._step_run(run, scaler, epoch_end=j == len(epoch) - 1)
-                epoch_losses.append(total / n if n else float("nan"))
-                epoch_lrs.append(lr)
-        return epoch_losses, epoch_lrs
+                row = {"epoch": e + 1, "loss": total / n if n else float("nan"), "lr": lr}
+                if scores is not None:
+                    with torch.random.fork_rng(devices=[]):  # eval mode draws nothing; still
+                        scored = scores()
+                    row |= {k: v for k, v in scored.items() if k != "rows"}
+                history.append(row)
+        return history
 
     def _scaler(self, node: Node) -> torch.amp.GradScaler | None:
         """The run's gradient scaler (fp16 only), made on first use and kept like an optimizer."""

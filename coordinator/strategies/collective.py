@@ -44,6 +44,7 @@ from coordinator.strategies.elastic import (
     Replicas,
     every_replica_lost,
 )
+from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -115,6 +116,8 @@ class TorchTraining:
     timeout: float
     emit: Emit
     sync_batchnorm: bool = False
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
@@ -129,6 +132,8 @@ class TorchTraining:
         loop = asyncio.get_running_loop()
         while step < total:
             stop = min(total, step + chunk, saves.stop_at(step, total))
+            if self.evaluate is not None:  # evaluated where an epoch ends
+                stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
             position.phase, position.step = "training", step + 1
             started = loop.time()
             request = DistTrainRequest(start=step, stop=stop)
@@ -241,12 +246,13 @@ class TorchTraining:
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
         """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
         the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses, lrs = [], results[0].get("lrs") or []  # every replica steps alike
+        losses, lrs, batches = [], results[0].get("lrs") or [], []  # replicas step alike
         for j in range(stop - start):
             rows = [results[i]["rows"][j] for i in self._all()]
             values = [results[i]["losses"][j] for i in self._all()]
             weighted = sum(r * v for r, v in zip(rows, values, strict=True))
             losses.append(weighted / max(sum(rows), 1))
+            batches.append(sum(rows))
         per_epoch = self.steps_per_epoch
         await self.emit(
             "progress",
@@ -262,6 +268,8 @@ class TorchTraining:
             }
             | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
         )
+        if self.history is not None:
+            await self.history.steps(start, losses, batches, lrs, per_epoch, self.evaluate)
 
     def _all(self) -> range:
         return range(self.run.ctx.num_workers())

@@ -40,6 +40,14 @@ from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, pa
 from coordinator.strategies.collective import Choice, TorchTraining, choose
 from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.history import (
+    VALIDATION,
+    Evaluate,
+    History,
+    ended,
+    row_weighted,
+    validation_stage,
+)
 from coordinator.strategies.star import Plan, StarTraining, average
 from coordinator.strategies.steps import (
     OwnData,
@@ -49,7 +57,7 @@ from coordinator.strategies.steps import (
     rows_of,
     schedule_request,
 )
-from protocol.daemon import CompositeFitRequest
+from protocol.daemon import CompositeFitRequest, EvaluateRequest
 from protocol.equivalence import data_parallel_notes
 from protocol.errors import ErrorCode
 from protocol.strategy_options import (
@@ -154,6 +162,7 @@ class DataParallel(Strategy):
             elastic=self.elastic,
             timeout=self.elastic_timeout,
             placement=self.placement().describe(),
+            validation=validation_stage(job),
         )
         await run.on_all(run.set_up, replicas)
         if job.dataset is not None:
@@ -200,6 +209,7 @@ class DataParallel(Strategy):
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
         total_steps = steps_per_epoch * training.epochs
+        history, evaluate = History(emit), _evaluator(run, job)
         saves.start()
         if setup.choice.collective == "torch":
             # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
@@ -213,17 +223,21 @@ class DataParallel(Strategy):
                 self.collective_timeout,
                 emit,
                 self.sync_batchnorm,
+                history,
+                evaluate,
             ).train(total_steps, start, saves)
             await saves.finish()
+            await history.finish(ended(training.epochs, total_steps))
             return await _agreed_states(run, torch_nodes)
 
         # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
         #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
         #    out with the next step's requests as it folds (coordinator.strategies.star).
         syncs = any(job.nodes[node].buffers for node in torch_nodes)
-        star = StarTraining(run, training, n, STAGED, emit, syncs_buffers=syncs)
+        star = StarTraining(run, training, n, STAGED, emit, syncs, history, evaluate)
         await star.train(total_steps, start, saves)
         await saves.finish()
+        await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
@@ -254,6 +268,25 @@ async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any
     states = await run.read_back()
     _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
     return next(iter(states.values()))
+
+
+def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
+    """How the model is evaluated at an epoch's end (``None``: no validation data): on
+    replica 0, which holds the rows sent; or, on the workers' own split, every replica on its
+    own, the figures weighted by rows."""
+    if not job.validates:
+        return None
+    request = EvaluateRequest(node_ids=job.node_ids, data=VALIDATION)
+    which = range(run.ctx.num_workers()) if job.val_split is not None else [0]
+
+    async def one(i: int, fresh: bool) -> dict[str, Any]:
+        scores: dict[str, Any] = await run.ctx.call(i, request)
+        return scores
+
+    async def evaluate() -> dict[str, Any]:
+        return row_weighted(list((await run.on_all(one, which)).values()))
+
+    return evaluate
 
 
 async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[int]]) -> None:

@@ -101,6 +101,7 @@ class Replicas:
     recoveries: Counter[str] = field(default_factory=Counter)
     staged_rows: dict[int, int] = field(default_factory=dict)  # by replica, as staging said
     schedule: ScheduleRequest | None = None  # the schedules' horizon, once it is known
+    validation: StageRequest | None = None  # stages the job's validation data, if it has any
 
     @property
     def ids(self) -> list[str]:
@@ -194,6 +195,8 @@ class Replicas:
             data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
         staged = await set_up(self.ctx, i, self.job.filters, data)
         self.staged_rows[i] = int(staged["rows"])
+        if self.validation is not None:
+            await self.ctx.call(i, self.validation)
         if self.schedule is not None:  # before an optimizer (and its scheduler) is loaded
             await self.ctx.call(i, self.schedule)
         if snapshot is not None:

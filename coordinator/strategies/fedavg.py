@@ -62,6 +62,7 @@ from coordinator.strategies.base import (
     concurrently,
     parse_options,
 )
+from coordinator.strategies.fed_eval import RoundEvaluation
 from coordinator.strategies.federated import (
     ClientUpdate,
     Cohort,
@@ -72,6 +73,7 @@ from coordinator.strategies.federated import (
     reasons,
     round_lr,
 )
+from coordinator.strategies.history import History
 from coordinator.strategies.steps import rows_of
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
@@ -114,6 +116,7 @@ class FedAvg(Strategy):
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
         max_restarts: int = 0,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        evaluate_fraction: float = 0.0,
     ) -> None:
         self.rounds = rounds
         self.local_epochs = local_epochs
@@ -130,6 +133,8 @@ class FedAvg(Strategy):
         self.keep_checkpoints = keep_checkpoints
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
+        self.evaluate_fraction = evaluate_fraction
+        self._evaluation: RoundEvaluation | None = None
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
 
     @classmethod
@@ -155,6 +160,11 @@ class FedAvg(Strategy):
             raise StrategyOptionsError(
                 f"{self.name} averages models trained by gradient descent and this graph has "
                 "no TorchFilter; use Local"
+            )
+        if self.evaluate_fraction and (job.dataset is None or job.x_val is not None):
+            raise StrategyOptionsError(
+                f"{self.name}: evaluate_fraction has workers evaluate on their own validation "
+                "data: the job trains on WorkerData and sends no x_val"
             )
         if job.dataset is not None:
             return  # the labels are the workers' own: each one's first round will tell
@@ -184,6 +194,11 @@ class FedAvg(Strategy):
         at = await self._start(ctx, job, cohort, torch_nodes, emit)
         policy = CheckpointPolicy(self.checkpoint_every, 1, time.monotonic)
         policy.start()
+        # The new global model evaluated each round (coordinator.strategies.fed_eval): on the
+        # rows sent, or by a share of the workers on their own (its rows weighted).
+        share = self.evaluate_fraction or (1.0 if job.val_split is not None else 0.0)
+        evaluate = self._evaluation = RoundEvaluation(job, share, self.seed)
+        history = History(emit, "round")
 
         while at.round < self.rounds:
             r = at.round + 1
@@ -207,20 +222,16 @@ class FedAvg(Strategy):
             )
             at.round = r
             rows = sum(u.rows for u in answered)
-            await emit(
-                "progress",
-                {
-                    "phase": "round",
-                    "round": r,
-                    "rounds": self.rounds,
-                    "selected": [cohort.ids[i] for i in selected],
-                    "workers": [cohort.ids[u.worker] for u in answered],
-                    "dropped": reasons(dropped),
-                    "rows": rows,
-                    "loss": sum(u.rows * u.loss for u in answered) / rows,
-                }
-                | round_lr(answered),
-            )
+            evaluated = await evaluate(ctx, cohort, at.global_state, r)
+            history.add(sum(u.rows * u.loss for u in answered) / rows, rows, round_lr(answered))
+            said = {
+                "rounds": self.rounds,
+                "selected": [cohort.ids[i] for i in selected],
+                "workers": [cohort.ids[u.worker] for u in answered],
+                "dropped": reasons(dropped),
+                "rows": rows,
+            }
+            await history.close(r, evaluated.scores, said | evaluated.event())
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
                 await job.checkpoints.save({"round": r}, state)
@@ -228,6 +239,7 @@ class FedAvg(Strategy):
 
         if job.checkpoints is not None:
             await job.checkpoints.flush()
+        await history.finish({"round": at.round, "rounds": self.rounds})
 
         # The final model, set on a worker and read back over the wire.
         async def read_back(i: int) -> dict[str, Any]:
@@ -297,6 +309,8 @@ class FedAvg(Strategy):
         """
         if i in at.cohort.stale:
             failed = await at.cohort.set_up(ctx, job, STAGED, shards, [i])
+            if self._evaluation is not None:
+                self._evaluation.forget(i)
             if failed:
                 return failed[0]
         # Only the TorchFilters start from w_t: plain filters are fitted anew on the worker's data.
@@ -327,8 +341,8 @@ class FedAvg(Strategy):
                     ) from exc
         except WorkerCallError as exc:
             return at.cohort.drop(i, exc)
-        lrs = fit.get("epoch_lrs") or [None]
-        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]), lrs[-1])
+        history = fit.get("history") or [{}]
+        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]), history[-1].get("lr"))
 
 
 def arguments(options: FedAvgOptions) -> dict[str, Any]:
@@ -350,4 +364,5 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "keep_checkpoints": options.keep_checkpoints,
         "max_restarts": options.max_restarts,
         "restart_timeout": options.restart_timeout,
+        "evaluate_fraction": options.evaluate_fraction,
     }

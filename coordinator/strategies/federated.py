@@ -55,12 +55,11 @@ class ClientUpdate:
     lr: float | None = None
 
 
-def round_lr(answered: Sequence[ClientUpdate]) -> dict[str, float]:
-    """A round's learning rate for its event: the mean of its clients' last local steps'
-    (equal when their schedules are: epoch-wise, or the same steps an epoch); nothing when
-    they have none."""
+def round_lr(answered: Sequence[ClientUpdate]) -> float | None:
+    """A round's learning rate: the mean of its clients' last local steps' (equal when their
+    schedules are: epoch-wise, or the same steps an epoch); ``None`` when they have none."""
     lrs = [u.lr for u in answered if u.lr is not None]
-    return {"lr": sum(lrs) / len(lrs)} if lrs else {}
+    return sum(lrs) / len(lrs) if lrs else None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from coordinator.strategies.base import (
     concurrently,
     parse_options,
 )
+from coordinator.strategies.history import Evaluate, History, ended
 from coordinator.strategies.pipeline import (
     STAGED,
     GlobalBatch,
@@ -54,6 +55,8 @@ from coordinator.strategies.steps import Training, global_batches, plain_prefix,
 from protocol.clipping import clip_coefficient
 from protocol.daemon import (
     CompositeFitRequest,
+    CompositeForwardRequest,
+    EvaluateRequest,
     ScheduleRequest,
     StageNormRequest,
     StageRequest,
@@ -169,6 +172,11 @@ class ModelParallel(Strategy):
             raise StrategyOptionsError("model_parallel trains with labels: y is missing")
         if job.dataset is not None:
             own_data_checks(self.partitions, torch_nodes, self.transport)
+        if job.val_split is not None:
+            raise StrategyOptionsError(
+                "model_parallel evaluates validation data sent with the job (x_val, y_val), "
+                "not the workers' own split: its stages hold different parts of the model"
+            )
         return torch_nodes, Training.of(job.nodes[torch_nodes[-1]])
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
@@ -210,6 +218,8 @@ class ModelParallel(Strategy):
                 "stages that train; for one, use Local or DataParallel",
                 stage=first_stage,
             )
+        history = History(emit)
+        evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
         # accumulate=k: a step is k batches, so k times the micro-batches of one.
         micro_batches = self.micro_batches * training.accumulate
         plan: Schedule = SCHEDULES[self.order](len(pipeline), micro_batches)
@@ -244,7 +254,11 @@ class ModelParallel(Strategy):
                 STAGED,
                 self.collective_timeout,
                 emit,
+                history,
+                evaluate,
             ).train(meet, labels, steps_per_epoch)
+            total = steps_per_epoch * training.epochs
+            await history.finish(ended(training.epochs, total))
             return await _read_back(ctx, guard, stages)
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
@@ -292,6 +306,11 @@ class ModelParallel(Strategy):
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
             progress |= {"lr": answers[0]["lr"]} if "lr" in answers[0] else {}
             await emit("progress", progress | {"step": at.step, "loss": loss})
+            history.add(loss, sum(rows), answers[0].get("lr"))
+            if ends:
+                await history.close(epoch + 1, await evaluate() if evaluate is not None else None)
+        total = per_epoch * training.epochs
+        await history.finish(ended(training.epochs, total))
 
         return await _read_back(ctx, guard, stages)
 
@@ -316,6 +335,28 @@ def own_data_checks(
             "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "
             "would travel through the coordinator; put them in the first TorchFilter's partition"
         )
+
+
+def _evaluator(
+    ctx: StrategyContext,
+    guard: _Guard,
+    stages: list[list[str]],
+    pipeline: list[int],
+    job: JobInputs,
+) -> Evaluate:
+    """The pipeline's evaluation of the validation rows sent with the job: forward stage by
+    stage through the coordinator (plain stages in front too), the last stage's loss and
+    metrics."""
+
+    async def evaluate() -> dict[str, Any]:
+        x = job.x_val
+        for s in range(pipeline[-1]):
+            x = await guard(ctx.call(s, CompositeForwardRequest(node_ids=stages[s], x=x)), s)
+        last = EvaluateRequest(node_ids=stages[pipeline[-1]], x=x, y=job.y_val)
+        scores: dict[str, Any] = await guard(ctx.call(pipeline[-1], last), pipeline[-1])
+        return scores
+
+    return evaluate
 
 
 async def _tell_schedule(

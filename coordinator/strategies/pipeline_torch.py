@@ -28,6 +28,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit
 from coordinator.strategies.collective import _next_chunk
+from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -84,6 +85,8 @@ class TorchPipeline:
     data: str  # what the first stage's rows are staged under
     timeout: float
     emit: Emit
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
     async def train(self, meet: Rendezvous, labels: StageRequest, steps_per_epoch: int) -> None:
         """Every global batch of the run through the pipeline, with progress per chunk;
@@ -107,11 +110,13 @@ class TorchPipeline:
         chunk, step = 1, 0
         while step < total:
             stop = min(total, step + chunk)
+            if self.evaluate is not None:  # evaluated where an epoch ends
+                stop = min(stop, (step // steps_per_epoch + 1) * steps_per_epoch)
             started = loop.time()
             request = PipeTrainRequest(start=step, stop=stop)
             calls = {s: ctx.call(s, request) for s in self.pipeline}
             results = await self.guard(self._settle(calls, stop))
-            await self._progress(stop, results[last], steps_per_epoch)
+            await self._progress(step, stop, results[last], steps_per_epoch)
             chunk = _next_chunk(chunk, stop - step, loop.time() - started)
             step = stop
 
@@ -138,7 +143,9 @@ class TorchPipeline:
         except Broken as broken:
             raise broken.blame() from None
 
-    async def _progress(self, stop: int, last: Mapping[str, Any], steps_per_epoch: int) -> None:
+    async def _progress(
+        self, start: int, stop: int, last: Mapping[str, Any], steps_per_epoch: int
+    ) -> None:
         """One progress event for a chunk ending at global batch ``stop``: each batch's mean
         loss (its micro-batches' losses weighted by rows)."""
         losses = [
@@ -159,3 +166,7 @@ class TorchPipeline:
             }
             | ({"lr": last["lrs"][-1], "lrs": last["lrs"]} if last.get("lrs") else {}),
         )
+        if self.history is not None:
+            rows = [sum(r) for r in last["rows"]]
+            lrs = last.get("lrs") or []
+            await self.history.steps(start, losses, rows, lrs, steps_per_epoch, self.evaluate)

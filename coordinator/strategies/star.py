@@ -33,6 +33,7 @@ from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit
 from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.mean_fold import FoldBuffers, FoldDeclined, MeanFold
 from coordinator.strategies.steps import Training, global_batches
 from protocol.batching import replica_seed
@@ -91,6 +92,8 @@ class StarTraining:
     staged: str
     emit: Emit
     syncs_buffers: bool = False  # the model has buffers: replica 0's are broadcast each step
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     pool: FoldBuffers = field(default_factory=FoldBuffers)
     _total: int = 0
 
@@ -110,7 +113,9 @@ class StarTraining:
             for done, (now, after) in enumerate(_with_next(plan), start=1):
                 if done <= start:
                     continue  # trained before the checkpoint it resumed from
-                if flying is not None and not (self.run.elastic or saves.due(flying.done, total)):
+                if flying is not None and not (
+                    self.run.elastic or saves.due(flying.done, total) or self._evaluates(flying)
+                ):
                     # Pipelined: this step's requests go out as the last one's mean folds.
                     landing = flying
                     prior = _Prior(flying.fold, flying.ends_epoch, flying.buffers)
@@ -120,9 +125,11 @@ class StarTraining:
                 if flying is not None:
                     await self._land(flying)
                     await self._checkpoint(flying, saves, total)
+                    await self._end_epoch(flying)
                 flying = self._launch(done, now, after, self._pending(flying))
             if flying is not None:
                 await self._land(flying)
+                await self._end_epoch(flying)
         finally:
             if flying is not None and not flying.calls.done():
                 flying.calls.cancel()
@@ -231,17 +238,39 @@ class StarTraining:
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
         progress |= {"step": step.done, "steps": self._total}
-        progress |= {"loss": sum(losses) / sum(weights.values())}
-        lrs = [results[i].get("lr") for i in weights]  # every replica steps alike
-        await self.emit("progress", progress | ({"lr": lrs[0]} if lrs[0] is not None else {}))
+        loss, lr = sum(losses) / sum(weights.values()), results[min(weights)].get("lr")
+        progress |= {"loss": loss} | ({"lr": lr} if lr is not None else {})  # replicas alike
+        await self.emit("progress", progress)
+        if self.history is not None:
+            self.history.add(loss, sum(weights.values()), lr)
+            if step.ends_epoch and self.evaluate is None:
+                await self.history.close(step.epoch + 1)
 
     async def _checkpoint(self, step: _Step, saves: ReplicaCheckpoints, total: int) -> None:
         """If a checkpoint falls due after ``step``: every replica applies its mean, then it
         is saved."""
         if saves.due(step.done, total):
-            await apply_mean(self.run, self.run.position)
-            step.fold.release()
+            await self._apply(step)
             await saves.after(step.done, total)
+
+    def _evaluates(self, step: _Step) -> bool:
+        """Whether the model is evaluated after ``step``: it ends an epoch of a run with
+        validation data."""
+        return self.evaluate is not None and step.ends_epoch
+
+    async def _end_epoch(self, step: _Step) -> None:
+        """If ``step`` ends an epoch of a run with validation data: every replica applies its
+        mean, the model is evaluated as it stands, and the epoch's row closes with its
+        figures."""
+        if self._evaluates(step):
+            assert self.evaluate is not None and self.history is not None
+            await self._apply(step)
+            await self.history.close(step.epoch + 1, await self.evaluate())
+
+    async def _apply(self, step: _Step) -> None:
+        """Every replica applies ``step``'s mean (if not done already): it may be read now."""
+        await apply_mean(self.run, self.run.position)
+        step.fold.release()
 
     def _pending(self, step: _Step | None) -> _Prior:
         """What the step after ``step`` applies: ``step``'s mean, unless applied already."""

@@ -156,7 +156,8 @@ def test_local_reports_each_epochs_learning_rate():
     assert_close(states["mlp"], expected.state())
     trained = next(p for p in progress if p.get("phase") == "trained")
     per_epoch = len(expected.lrs) // 3
-    assert trained["epoch_lrs"] == pytest.approx(expected.lrs[per_epoch - 1 :: per_epoch])
+    lrs = [row["lr"] for row in trained["history"]]
+    assert lrs == pytest.approx(expected.lrs[per_epoch - 1 :: per_epoch])
 
 
 def test_fedavg_clients_continue_the_runs_schedule_from_round_to_round():

@@ -139,6 +139,15 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
     shown = page.evaluate(f"deviceText({json.dumps(h200)})")
     assert shown == device_text(h200) == "cuda:0 NVIDIA H200 150.0 GiB"
+    # A running job's last epoch's figures (the record keeps them beside its last step).
+    running = {
+        "phase": "training",
+        "epoch": 2,
+        "epochs": 3,
+        "metrics": {"epoch": 1, "loss": 0.8, "val_loss": 0.71234, "accuracy": 0.6, "lr": 0.1},
+    }
+    shown = page.evaluate(f"progressText({json.dumps(running)})")
+    assert shown == "training · epoch 2/3 · val_loss 0.7123 · accuracy 0.6000 · lr 0.100"
     # A worker's datasets too (these workers serve none: the page shows none).
     assert all(w["Datasets"] == "" for w in after["workers"])
     served = {

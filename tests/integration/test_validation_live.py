@@ -1,0 +1,91 @@
+"""Validation on live workers: FedAvg's federated evaluation (each worker evaluates the new
+global model on its own ``x_val``/``y_val`` and the round's figures are theirs weighted by
+rows), DataParallel with validation rows sent with the job, and the history in
+``job.result()`` and ``somatize result``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import somatize as sz
+from tests.coordinator.test_validation import net_graph
+from tests.integration.cluster import cluster
+from tests.training_reference import classes, evaluation, mlp, reference_fit
+from tests.utils import UNIT
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+
+def test_live_federated_evaluation_and_validation(tmp_path):
+    data = {}
+    for k, (n, n_val) in enumerate([(90, 31), (120, 47)]):
+        x, y = classes(n=n, seed=10 + k)
+        x_val, y_val = classes(n=n_val, seed=20 + k)
+        np.savez(tmp_path / f"w{k}.npz", x=x, y=y, x_val=x_val, y_val=y_val)
+        data[f"w{k}"] = {"clinic": tmp_path / f"w{k}.npz"}
+    with cluster(tmp_path, {"w0": (), "w1": ()}, data=data) as c, sz.connect(c.url) as client:
+        graph = net_graph(scheduler=None, epochs=1)
+        strategy = sz.FedAvg(rounds=2, evaluate_fraction=1.0)
+        job = client.submit(graph, sz.WorkerData("clinic"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        rounds = [e.data for e in job.events() if e.data.get("phase") == "round"]
+        for row in rounds:  # the round's figures: each worker's, weighted by its rows
+            figures = row["evaluation"]
+            assert sorted(figures) == ["w0", "w1"]
+            rows = {w: f["rows"] for w, f in figures.items()}
+            assert rows == {"w0": 31, "w1": 47}
+            for name in ("val_loss", "accuracy"):
+                mean = sum(f[name] * f["rows"] for f in figures.values()) / 78
+                assert row[name] == pytest.approx(mean, abs=1e-9)
+        # The last round evaluated the final model: each worker's figures are a plain torch
+        # evaluation of it on that worker's own file.
+        model = mlp()
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in fitted.states["mlp"].items()})
+        for worker in ("w0", "w1"):
+            with np.load(data[worker]["clinic"]) as npz:
+                own: list[dict[str, float]] = []
+                evaluation(npz["x_val"], npz["y_val"], own)(model)
+            last = rounds[-1]["evaluation"][worker]
+            assert last["val_loss"] == pytest.approx(own[0]["val_loss"], abs=1e-5)
+            assert last["accuracy"] == pytest.approx(own[0]["accuracy"], abs=1e-9)
+        assert [row["round"] for row in fitted.history] == [1, 2]
+        assert fitted.history[-1]["val_loss"] == rounds[-1]["val_loss"]
+
+        # DataParallel with validation rows sent: the history in the result and the CLI.
+        x, y = classes()
+        x_val, y_val = classes(n=61, seed=2)
+        figures: list[dict[str, float]] = []
+        expected = reference_fit(
+            mlp(), x, y, cosine=True, at_epoch_end=evaluation(x_val, y_val, figures)
+        )
+        job = client.submit(
+            net_graph(), x, y, strategy=sz.DataParallel(2), validation=(x_val, y_val)
+        )
+        fitted = job.result(timeout=120 * UNIT)
+        assert [row["epoch"] for row in fitted.history] == [1, 2, 3]
+        for row, scores in zip(fitted.history, figures, strict=True):
+            assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=1e-5)
+            assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
+        assert fitted.history[-1]["loss"] == pytest.approx(expected.epoch_losses[-1], abs=1e-5)
+        env = {**os.environ, "SOMATIZE_COORDINATOR": c.url, "COLUMNS": "200"}
+        shown = subprocess.run(
+            [str(BIN / "somatize"), "result", job.id],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60 * UNIT,
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout + shown.stderr
+    assert "val_loss" in table and "accuracy" in table
+    assert f"{fitted.history[-1]['val_loss']:.4f}" in table
