@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import somatize as sz
 from tests.coordinator.test_validation import net_graph
@@ -76,16 +77,58 @@ def test_live_federated_evaluation_and_validation(tmp_path):
             assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=1e-5)
             assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
         assert fitted.history[-1]["loss"] == pytest.approx(expected.epoch_losses[-1], abs=1e-5)
-        env = {**os.environ, "SOMATIZE_COORDINATOR": c.url, "COLUMNS": "200"}
-        shown = subprocess.run(
-            [str(BIN / "somatize"), "result", job.id],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60 * UNIT,
-            check=False,
-        )
+        board, png = tmp_path / "board", tmp_path / "curves.png"
+        shown = _somatize(c.url, "result", job.id, "--tensorboard", str(board), "--plot", str(png))
+        job_file = tmp_path / "job.py"
+        job_file.write_text(JOB_FILE)
+        live_board = tmp_path / "live-board"
+        submitted = _somatize(c.url, "submit", "--tensorboard", str(live_board), str(job_file))
     assert shown.returncode == 0, shown.stderr
     table = shown.stdout + shown.stderr
     assert "val_loss" in table and "accuracy" in table
     assert f"{fitted.history[-1]['val_loss']:.4f}" in table
+    assert "saved the curves (3 epochs)" in shown.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    scalars = _scalars(board)
+    assert sorted(scalars) == ["accuracy", "loss", "lr", "val_loss"]
+    for tag, points in scalars.items():
+        assert points == [(row["epoch"], pytest.approx(row[tag])) for row in fitted.history]
+    # Written while the job ran: its two epochs' loss and learning rate.
+    assert submitted.returncode == 0, submitted.stderr
+    written = _scalars(live_board)
+    assert sorted(written) == ["loss", "lr"] and [s for s, _ in written["loss"]] == [1, 2]
+
+
+JOB_FILE = """
+import numpy as np
+import torch
+import somatize as sz
+
+rng = np.random.default_rng(1)
+x = rng.normal(size=(64, 4)).astype(np.float32)
+y = (x[:, 0] > 0).astype(np.int64)
+torch.manual_seed(0)
+net = sz.TorchFilter(torch.nn.Linear(4, 2), loss="cross_entropy", lr=0.5, epochs=2)
+graph = sz.Graph([net.named("linear")])
+"""
+
+
+def _somatize(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SOMATIZE_COORDINATOR": url, "COLUMNS": "200"}
+    return subprocess.run(
+        [str(BIN / "somatize"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120 * UNIT,
+        check=False,
+    )
+
+
+def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard files in ``directory``, read with tensorboard's reader."""
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {
+        tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
