@@ -18,6 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
+FILTER = {
+    "loss": "cross_entropy",
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "optimizer_options": {"momentum": 0.9},
+    "batch_size": 16,
+    "epochs": 3,
+    "shuffle": True,
+    "seed": 7,
+}
+"""The TorchFilter settings of :func:`reference_fit`'s defaults."""
+
 
 def classes(n: int = 203, d: int = 6, k: int = 3, seed: int = 1) -> tuple[Any, Any]:
     """A small classification problem: ``n`` rows of ``d`` features, ``k`` classes."""
@@ -59,14 +71,16 @@ def reference_fit(
     accumulate: int = 1,
     clip: float | None = None,
     cosine: bool = False,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     interval: str = "step",
     shuffle: bool = True,
     seed: int = 7,
     at_epoch_end: Callable[[torch.nn.Module], None] | None = None,
 ) -> Reference:
     """SGD with momentum on cross-entropy; ``cosine``: ``CosineAnnealingLR`` over the whole run
-    (steps or epochs, by ``interval``); ``clip``: ``clip_grad_norm_`` of all parameters before
-    each step. ``at_epoch_end`` sees the model after each epoch."""
+    (steps or epochs, by ``interval``), or ``scheduler`` made over the optimizer; ``clip``:
+    ``clip_grad_norm_`` of all parameters before each step. ``at_epoch_end`` sees the model
+    after each epoch."""
     net = copy.deepcopy(module)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
@@ -74,6 +88,8 @@ def reference_fit(
     per_epoch = math.ceil(math.ceil(n / batch_size) / accumulate)
     span = epochs if interval == "epoch" else per_epoch * epochs
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=span) if cosine else None
+    if scheduler is not None:
+        sched = scheduler(opt)
     order = torch.Generator().manual_seed(seed)
     out = Reference(net)
     for _ in range(epochs):

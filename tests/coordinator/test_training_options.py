@@ -20,21 +20,10 @@ from coordinator.strategies import DataParallel, FedAvg, JobInputs, Local, Model
 from coordinator.strategies.model_parallel import Partition
 from protocol.filters import dump_filter
 from somatize.client import graph_info
-from tests.training_reference import classes, mlp, reference_fit
+from tests.training_reference import FILTER, classes, mlp, reference_fit
 from worker.daemon import Daemon
 
-OPTIONS = dict(
-    loss="cross_entropy",
-    optimizer="sgd",
-    lr=0.1,
-    optimizer_options={"momentum": 0.9},
-    batch_size=16,
-    epochs=3,
-    shuffle=True,
-    seed=7,
-    scheduler="cosine",
-    clip_grad_norm=0.5,
-)
+OPTIONS = FILTER | {"scheduler": "cosine", "clip_grad_norm": 0.5}
 
 
 def net_graph(**options) -> sz.Graph:

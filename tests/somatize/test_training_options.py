@@ -7,21 +7,11 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.training_reference import classes, mlp, reference_fit
+from tests.training_reference import FILTER, classes, mlp, reference_fit
 
 
 def _net(**options) -> sz.TorchFilter:
-    settings = dict(
-        loss="cross_entropy",
-        optimizer="sgd",
-        lr=0.1,
-        optimizer_options={"momentum": 0.9},
-        batch_size=16,
-        epochs=3,
-        shuffle=True,
-        seed=7,
-    )
-    return sz.TorchFilter(mlp(), **(settings | options)).named("mlp")
+    return sz.TorchFilter(mlp(), **(FILTER | options)).named("mlp")
 
 
 def _close(states, expected, atol=1e-5):
@@ -60,37 +50,14 @@ def test_a_callable_scheduler_and_linear_warmup_step_as_torch_does():
     def step_lr(optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
 
+    def warmup(optimizer):
+        return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=5)
+
     fitted = sz.Graph([_net(scheduler=step_lr, epochs=2)]).fit(x, y)
-    net = mlp()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    sched = step_lr(opt)
-    order = torch.Generator().manual_seed(7)
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
-    for _ in range(2):
-        rows = torch.randperm(len(xt), generator=order)
-        for s in range(0, len(xt), 16):
-            opt.zero_grad()
-            b = rows[s : s + 16]
-            torch.nn.functional.cross_entropy(net(xt[b]), yt[b]).backward()
-            opt.step()
-            sched.step()
-    _close(fitted.states["mlp"], net.state_dict())
-    warm = sz.Graph(
-        [_net(scheduler="linear_warmup", scheduler_options={"warmup": 5, "start_factor": 0.2})]
-    ).fit(x, y)
-    net = mlp()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=5)
-    order = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        rows = torch.randperm(len(xt), generator=order)
-        for s in range(0, len(xt), 16):
-            opt.zero_grad()
-            b = rows[s : s + 16]
-            torch.nn.functional.cross_entropy(net(xt[b]), yt[b]).backward()
-            opt.step()
-            sched.step()
-    _close(warm.states["mlp"], net.state_dict())
+    _close(fitted.states["mlp"], reference_fit(mlp(), x, y, epochs=2, scheduler=step_lr).state())
+    options = {"warmup": 5, "start_factor": 0.2}
+    warm = sz.Graph([_net(scheduler="linear_warmup", scheduler_options=options)]).fit(x, y)
+    _close(warm.states["mlp"], reference_fit(mlp(), x, y, scheduler=warmup).state())
 
 
 @pytest.mark.parametrize(

@@ -7,22 +7,12 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.training_reference import classes, evaluation, mlp, reference_fit
+from tests.training_reference import FILTER, classes, evaluation, mlp, reference_fit
 from tests.utils import Center
 
 
 def net(**options) -> sz.TorchFilter:
-    settings = dict(
-        loss="cross_entropy",
-        optimizer="sgd",
-        lr=0.1,
-        optimizer_options={"momentum": 0.9},
-        batch_size=16,
-        epochs=3,
-        shuffle=True,
-        seed=7,
-        metrics=("accuracy",),
-    )
+    settings = FILTER | {"metrics": ("accuracy",)}
     return sz.TorchFilter(mlp(), **(settings | options)).named("mlp")
 
 
