@@ -457,7 +457,9 @@ class Training(Evaluation):
                         lr = self._step_run(run, scaler, epoch_end=j == len(epoch) - 1)
                 row = {"epoch": e + 1, "loss": total / n if n else float("nan"), "lr": lr}
                 if scores is not None:
-                    with torch.random.fork_rng(devices=[]):  # eval mode draws nothing; still
+                    # Evaluating leaves the training's generator where it was: the dropout
+                    # masks are the same with validation data or without.
+                    with torch.random.fork_rng(devices=[]):
                         scored = scores()
                     row |= {k: v for k, v in scored.items() if k != "rows"}
                 history.append(row)

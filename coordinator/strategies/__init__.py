@@ -13,9 +13,10 @@ A strategy is a small class named after what it implements, with:
 The package, by module: ``base`` (inputs, placement, the strategy interface), ``steps`` (what
 several strategies do: the plain-prefix check, global batches, setting a worker up),
 ``aggregate`` (weighted means), ``local``, ``data_parallel`` with ``elastic`` (replacing a
-lost replica), ``fedavg`` and ``fedprox`` with ``federated`` (the run's position and workers)
-and ``server_opt`` (server optimizers), ``model_parallel`` with ``schedule`` (pipeline schedules
-as data) and ``pipeline`` (running one over the context).
+lost replica), ``fedavg`` and ``fedprox`` with ``federated`` (the run's position and workers),
+``fed_eval`` (evaluating the global model, federated or not) and ``server_opt`` (server
+optimizers), ``model_parallel`` with ``schedule`` (pipeline schedules as data) and ``pipeline``
+(running one over the context); ``history`` (a run's rows per epoch, its validation data).
 
 :data:`STRATEGIES` maps the wire name (``StrategySpec.name``) to the class.
 """
