@@ -56,7 +56,7 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon", "worker_data", "checkpoints")
+EXTRA = ("daemon", "worker_data", "checkpoints", "federated")
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -80,6 +80,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "daemon": {"pings": 100, "features": 500, "repeats": 2},
     "worker_data": {"gib": 0.25, "shuffles": (True,)},
     "checkpoints": {"steps": 18, "rounds": 1},
+    "federated": {"quick": True},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

@@ -15,8 +15,8 @@ variants of the same job:
 
 - *anchor*: ``checkpoint_every=0``, no checkpoints;
 - *ours, default*: ``checkpoint_every=None``: at the end of every epoch (or after 60 s of
-  training, which a 10-step epoch never reaches), so after steps 10, 20, 30 and 40 (never after
-  the last), all 4 inside the measured span;
+  training, which a 10-step epoch never reaches), so after steps 10, 20, 30 and 40, all 4
+  inside the measured span, and at the end (step 50, after it);
 - *context*: ``checkpoint_every=1``, a checkpoint every step, the worst case.
 
 **Per step**: :func:`benchmarks.data_parallel.per_step` of the coordinator's times of the
@@ -163,7 +163,9 @@ def summarize(jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def cluster() -> Iterator[LocalCluster]:
     """A :class:`LocalCluster` (job threads 1) with :data:`WORKERS` workers (``--threads 1``,
     no spare daemon), idle; on a failure (not Ctrl-C) the tail of every log is printed first."""
-    with LocalCluster(heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1) as c:
+    with LocalCluster(
+        heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1, spare_daemons=False
+    ) as c:
         try:
             c.start_coordinator()
             for i in range(WORKERS):

@@ -53,9 +53,9 @@ class Resumed:
     diff: float
 
 
-def came_back(job: sz.Job) -> Resumed:
+def came_back(job: sz.Job, graph: sz.Graph | None = None) -> Resumed:
     """Check the job succeeded, resumed from a checkpoint past the start, went on from the step
-    after it and ended equal to ``graph.fit``."""
+    after it and ended equal to ``graph.fit`` (of :func:`elastic_graph` unless ``graph``)."""
     fitted = job.result(timeout=WAIT)
     events = list(job.events(timeout=WAIT))
     resumed = event(events, "resumed")
@@ -67,7 +67,8 @@ def came_back(job: sz.Job) -> Resumed:
     if first_step.data["step"] != at + 1:
         raise AssertionError(f"resumed at step {at}, went on at {first_step.data['step']}")
     x, y = elastic_data()
-    diff = largest_difference(fitted.states, elastic_graph().fit(x, y).states)
+    reference = (graph if graph is not None else elastic_graph()).fit(x, y)
+    diff = largest_difference(fitted.states, reference.states)
     if not diff <= ELASTIC_MATCH:
         raise AssertionError(f"the resumed result differs from graph.fit by {diff:.3g}")
     return Resumed(resumed, first_step, diff)

@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import fault_resume  # noqa: F401 - registers its scenarios
+from benchmarks import fault_checkpoints, fault_resume  # noqa: F401 - register their scenarios
 from benchmarks.fault_harness import (
     CALL_TIMEOUT,
     HEARTBEAT_INTERVAL,

@@ -1,7 +1,8 @@
 """1,000 workers on one coordinator: what they cost idle, and one FedAvg round over all of them.
 
-``python -m benchmarks.fleet`` starts a real ``somatize-coordinator`` (heartbeat every 2 s,
-timeout 10 s) and, from this one process on uvloop, connects N = 1,000 simulated agents to
+``python -m benchmarks.fleet [--agents N] [--state-bytes B]`` starts a real
+``somatize-coordinator`` (heartbeat every 2 s, timeout 10 s) and, from this one process on
+uvloop, connects N (default 1,000) simulated agents to
 ``/worker``: each a real WebSocket connection with a
 :class:`protocol.asyncio.channel.Channel` on it, that sends a real ``WorkerHello`` (``sim-<i>``, tag
 ``sim``, a dataset ``sim`` of 100-102 rows), reads the ``Welcome``, sends a ``Heartbeat`` every
@@ -328,7 +329,10 @@ def run(
         url = f"ws://127.0.0.1:{port}"
         heartbeat = ["--heartbeat-interval", str(HEARTBEAT_INTERVAL)]
         heartbeat += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
-        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *heartbeat)
+        # Every simulated agent dials from 127.0.0.1, ``batch`` handshakes at a time: one
+        # address holding that many pending sockets is this fleet, not an attack.
+        pending = ["--max-pending-per-address", str(2 * batch)]
+        coordinator = procs.spawn_coordinator(port, Path(tmp) / "state", *heartbeat, *pending)
         with sz.connect(url, timeout=60) as client:
             client.ping()
             results["coordinator"] = uvloop.run(
@@ -410,9 +414,13 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # No options: the parser gives ``--help`` (this docstring) and refuses stray arguments.
-    argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__).parse_args(argv)
-    results = run()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__)
+    parser.add_argument("--agents", type=int, default=AGENTS, help=f"default {AGENTS:,}")
+    parser.add_argument(
+        "--state-bytes", type=int, default=STATE_BYTES, help=f"default {STATE_BYTES:,}"
+    )
+    args = parser.parse_args(argv)
+    results = run(n=args.agents, state_bytes=args.state_bytes)
     ours, anchor = results["coordinator"], results["anchor"]
     fed = ours["fedavg"]
     n = results["n"]

@@ -18,7 +18,16 @@ from websockets.protocol import State
 from benchmarks.roundtrip import MAX_SIZE
 from protocol.asyncio.channel import Channel
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
-from protocol.messages import Ack, Capabilities, Heartbeat, Result, Welcome, WorkerHello
+from protocol.messages import (
+    Ack,
+    ArrayShape,
+    Capabilities,
+    DatasetSummary,
+    Heartbeat,
+    Result,
+    Welcome,
+    WorkerHello,
+)
 from protocol.parsing import encode_small, parse
 
 HEARTBEAT_INTERVAL = 2.0
@@ -133,12 +142,18 @@ class Fleet:
         await asyncio.gather(*(self._open_one(i, gate) for i in range(n)))
         return time.perf_counter() - start
 
+    def dataset(self, i: int) -> DatasetSummary:
+        """Sim ``i``'s dataset as its hello announces it: rows of the model's width, labels."""
+        rows, width = rows_of(i), side(self.state_bytes)
+        x = ArrayShape(shape=[rows, width], dtype="float32")
+        return DatasetSummary(rows=rows, x=x, y=ArrayShape(shape=[rows, width], dtype="float32"))
+
     def _hello(self, i: int) -> bytes:
         hello = WorkerHello(
             worker_id=f"sim-{i}",
             tags=["sim"],
             capabilities=CAPABILITIES,
-            datasets={DATASET: rows_of(i)},
+            datasets={DATASET: self.dataset(i)},
         )
         return encode_small(hello)
 

@@ -120,7 +120,9 @@ RELAY = ("r0", "r1")
 def cluster() -> Iterator[LocalCluster]:
     """A :class:`LocalCluster` (job threads 1) with workers :data:`DIRECT` (peer links) and
     :data:`RELAY` (none), ``--threads 1`` each, idle. Logs' tails printed on a failure."""
-    with LocalCluster(heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1) as c:
+    with LocalCluster(
+        heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1, spare_daemons=False
+    ) as c:
         try:
             c.start_coordinator()
             for worker in DIRECT:

@@ -137,6 +137,16 @@ class CheckpointStore:
         """Remove every checkpoint of the job."""
         shutil.rmtree(self._job_dir(job_id), ignore_errors=True)
 
+    def has(self, job_id: str) -> bool:
+        """Whether the job has any checkpoint file (not read: one may be damaged)."""
+        return bool(self._seqs(self._job_dir(job_id)))
+
+    def keep_newest(self, job_id: str) -> None:
+        """Remove every checkpoint of the job but its newest."""
+        folder = self._job_dir(job_id)
+        for old in sorted(self._seqs(folder))[:-1]:
+            (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
+
     @staticmethod
     def _seqs(folder: Path) -> list[int]:
         if not folder.is_dir():
@@ -165,7 +175,9 @@ class CheckpointPolicy:
 
     ``every`` steps (or rounds) if it is set; ``0``: never; ``None``: at the end of every epoch
     (``per_epoch`` steps; a federated round is an epoch of one step) or once ``seconds`` of
-    training have passed since the last one, whichever comes first. ``clock`` gives seconds.
+    training have passed since the last one, whichever comes first. And at the end of the run
+    (unless never): the model's optimizer state is kept with its result, so that a job can be
+    continued exactly (``resume_from``). ``clock`` gives seconds.
     """
 
     every: int | None
@@ -179,10 +191,12 @@ class CheckpointPolicy:
         self._since = self.clock()
 
     def due(self, done: int, total: int) -> bool:
-        """Whether to save after ``done`` steps of ``total`` (never after the last: the result
-        is what is kept then)."""
-        if self.every == 0 or done >= total:
+        """Whether to save after ``done`` steps of ``total`` (always after the last, unless
+        never)."""
+        if self.every == 0:
             return False
+        if done >= total:
+            return True
         if self.every is not None:
             return done % self.every == 0
         if self.per_epoch and done % self.per_epoch == 0:

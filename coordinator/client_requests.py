@@ -39,6 +39,7 @@ class ClientRequests:
             "submit": self.on_submit,
             "watch": self.on_watch,
             "get_result": self.on_get_result,
+            "get_checkpoint": self.on_get_checkpoint,
             "cancel": self.on_cancel,
             "get_job": self.on_get_job,
             "list_jobs": self.on_list_jobs,
@@ -94,6 +95,8 @@ class ClientRequests:
     async def on_submit(self, channel: Channel, message: Any) -> Any:
         jobs = self._jobs()
         client = self._client(channel)
+        if message.resume_from is not None:  # another client's job is not there to continue
+            await self._visible(channel, message.resume_from)
         job_id = await jobs.submit(message, client.name)
         return Result(result={"job_id": job_id})
 
@@ -119,6 +122,21 @@ class ClientRequests:
         await self._visible(channel, message.job_id)
         async with _while_open(channel):
             return Result(result=await jobs.result(message.job_id, message.wait))
+
+    async def on_get_checkpoint(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        await jobs.owner(message.job_id)  # an unknown job is said so, not "no checkpoint"
+        if jobs.files is None:
+            raise RequestRefused.of(
+                ErrorCode.NO_CHECKPOINT, "this coordinator keeps no checkpoints (no --state-dir)"
+            )
+        found = await asyncio.to_thread(jobs.files.checkpoint, message.job_id, message.seq)
+        payload = found.payload
+        # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
+        # state of its differentiable nodes.
+        states = payload.get("states", payload.get("global_state", {}))
+        return Result(result={"seq": found.seq, "position": found.position, "states": states})
 
     async def on_cancel(self, channel: Channel, message: Any) -> Any:
         jobs = self._jobs()

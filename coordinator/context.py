@@ -80,9 +80,10 @@ class WorkerIdentity:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a partition must run: a worker ``id``, or any worker carrying ``tag``; on a worker
-    training on ``device`` if one is given (``"cuda"``: any CUDA device), serving ``dataset``
-    if one is given (a stage that reads the job's ``WorkerData``)."""
+    """Where a partition must run: a worker ``id``, or any worker carrying ``tag`` (neither: any
+    worker, as a pipeline's spares); on a worker training on ``device`` if one is given
+    (``"cuda"``: any CUDA device), serving ``dataset`` if one is given (a stage that reads the
+    job's ``WorkerData``)."""
 
     id: str | None = None
     tag: str | None = None
@@ -90,11 +91,17 @@ class Target:
     dataset: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.id is None) == (self.tag is None):
-            raise ValueError("a target names exactly one of a worker id or a tag")
+        if self.id is not None and self.tag is not None:
+            raise ValueError("a target names at most one of a worker id or a tag")
 
     def __str__(self) -> str:
-        where = f"worker {self.id!r}" if self.id is not None else f"tag {self.tag!r}"
+        where = (
+            f"worker {self.id!r}"
+            if self.id is not None
+            else f"tag {self.tag!r}"
+            if self.tag is not None
+            else "any worker"
+        )
         if self.device is not None:
             where += f" on {self.device}"
         return where if self.dataset is None else f"{where} serving dataset {self.dataset!r}"
@@ -105,7 +112,9 @@ class Target:
             return False
         if self.dataset is not None and self.dataset not in worker.datasets:
             return False
-        return worker.id == self.id if self.id is not None else self.tag in worker.tags
+        if self.id is not None:
+            return worker.id == self.id
+        return self.tag is None or self.tag in worker.tags
 
 
 class StrategyContext(ABC):
@@ -271,6 +280,11 @@ class StrategyContext(ABC):
         """
         raise NoReplacement(f"{type(self).__name__} cannot replace workers")
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the workers at indices ``a`` and ``b`` (a spare takes a lost one's place:
+        a strategy that runs stage ``s`` on worker ``s`` goes on unchanged)."""
+        self.workers[a], self.workers[b] = self.workers[b], self.workers[a]
+
     def worker_for(self, target: Target) -> int:
         """The index of the worker that answers to ``target`` (by id, or the first with the tag).
 
@@ -341,6 +355,11 @@ class InMemoryContext(StrategyContext):
         self.daemons[worker_idx] = self.make_daemon()
         self._locks[worker_idx] = asyncio.Lock()
         return identity
+
+    def swap(self, a: int, b: int) -> None:
+        super().swap(a, b)
+        self.daemons[a], self.daemons[b] = self.daemons[b], self.daemons[a]
+        self._locks[a], self._locks[b] = self._locks[b], self._locks[a]
 
     async def call(
         self,

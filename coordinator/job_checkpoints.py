@@ -38,6 +38,7 @@ class JobCheckpoints:
         keep: how many are kept.
         emit: the job's event callback.
         resume: what the run starts from (``None``: the beginning).
+        source: the job ``resume`` is a checkpoint of: this one, or the one it continues.
     """
 
     job_id: str
@@ -45,7 +46,15 @@ class JobCheckpoints:
     keep: int
     emit: Callable[[str, dict[str, Any]], Awaitable[None]]
     resume: Checkpoint | None = None
+    source: str | None = None
     _writing: asyncio.Task[bool] | None = field(default=None, repr=False)
+
+    def resumed(self) -> dict[str, Any]:
+        """What the ``resumed`` event says of ``resume``: its position, its number, and the
+        job it comes from when that is another (``from_job``)."""
+        assert self.resume is not None
+        said = self.resume.position | {"checkpoint": self.resume.seq}
+        return said | ({"from_job": self.source} if self.source not in (None, self.job_id) else {})
 
     async def save(self, position: dict[str, Any], payload: dict[str, Any]) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is

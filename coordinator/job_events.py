@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from coordinator.job_log import life_line
 from coordinator.store import JobEvent, JobStore, StoreError, UnknownJob
 from protocol.errors import ErrorCode, RequestRefused
 
@@ -33,6 +34,7 @@ class JobEvents:
         self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
         self._last_seq: dict[str, int] = {}  # of each live job's last event, for emit
         self._metrics: dict[str, dict[str, Any]] = {}  # each live job's last epoch's figures
+        self._placed: dict[str, float] = {}  # when each running job was placed, for the log
 
     async def watch(self, job_id: str, after_seq: int, live: bool) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, until its terminal event if it is ``live``
@@ -91,6 +93,11 @@ class JobEvents:
             seq = self._last_seq.get(job_id, 0) + 1
             recorded = JobEvent(job_id, seq, time.time(), event, data)
         self._last_seq[job_id] = recorded.seq
+        if event == "placed":
+            self._placed[job_id] = time.monotonic()
+        placed = self._placed.pop(job_id, None) if event in TERMINAL_EVENTS else None
+        level, line = life_line(job_id, event, data, _since(placed))
+        log.log(level, "%s", line)
         if event in TERMINAL_EVENTS:
             self._last_seq.pop(job_id, None)
             self._metrics.pop(job_id, None)
@@ -110,3 +117,7 @@ def _figures(data: dict[str, Any]) -> dict[str, Any] | None:
         for k, v in data.items()
         if k not in skip and isinstance(v, int | float) and not isinstance(v, bool)
     }
+
+
+def _since(start: float | None) -> float | None:
+    return None if start is None else time.monotonic() - start

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib
 import logging
 import sys
@@ -56,14 +57,7 @@ from coordinator.strategies import (
     StrategyFailed,
     strategy_from_spec,
 )
-from coordinator.submission import (
-    check_targets,
-    placement_of,
-    rows_of,
-    unequal_stage_rows,
-    unlabelled,
-    vetted,
-)
+from coordinator.submission import check_workers, placement_of, rows_of, vetted, waited
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import StrategySpec, Submit
@@ -92,7 +86,9 @@ class _Job:
     spec: StrategySpec | None = None  # what the strategy was made from: remade for a restart
     restarts: int = 0  # times it went back to its last checkpoint after a fault
     restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
-    restart_expiry: asyncio.Task[None] | None = None  # fails it if no workers take it in time
+    # Fails it if no workers take it in time (a restart's restart_timeout, wait_for_workers).
+    wait_expiry: asyncio.Task[None] | None = None
+    resume_from: str | None = None  # the job whose newest checkpoint it starts from
 
 
 @dataclass
@@ -186,9 +182,9 @@ class JobManager:
                 continue
             self._reserve(job, [idle[i] for i in picks])
             self._queue.remove(job_id)
-            if job.restart_expiry is not None:
-                job.restart_expiry.cancel()
-                job.restart_expiry = None
+            if job.wait_expiry is not None:
+                job.wait_expiry.cancel()
+                job.wait_expiry = None
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
 
     def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
@@ -243,11 +239,15 @@ class JobManager:
                 limit=self.max_queued_jobs,
             )
         strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
-        known = [w.identity for w in self.registry]
-        check_targets(placement, known)
-        why = unlabelled(inputs, self.registry) or unequal_stage_rows(placement, known)
-        if why is not None:
-            raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+        waits = msg.wait_for_workers
+        check_workers(placement, inputs, list(self.registry), waits is not None)
+        if msg.resume_from is not None:
+            if self.files is None:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, "resume_from: this coordinator keeps no checkpoints"
+                )
+            source = await self._record(msg.resume_from)
+            await asyncio.to_thread(self.files.continuable, source, strategy)
         summary = {
             "node_ids": msg.graph.node_ids,
             "strategy": msg.strategy.model_dump(),
@@ -255,12 +255,17 @@ class JobManager:
             "dataset": msg.dataset,
             "placement": placement.describe(),
             "owner": owner,
-        }
+            "name": msg.name,
+            "file": msg.file,
+        } | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
-        await self._enqueue(job, placement.describe(), {})
+        job.resume_from = msg.resume_from
+        await self._enqueue(
+            job, placement.describe(), {"name": msg.name} if msg.name else {}, waits
+        )
         return record.id
 
     async def requeue(self, record: JobRecord) -> None:
@@ -282,14 +287,25 @@ class JobManager:
             return
         after = {"requeued": "the coordinator restarted"}
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
-        await self._enqueue(job, placement.describe(), after)
+        job.resume_from = msg.resume_from
+        await self._enqueue(job, placement.describe(), after, msg.wait_for_workers)
 
-    async def _enqueue(self, job: _Job, placement: str, data: dict[str, Any]) -> None:
+    async def _enqueue(
+        self, job: _Job, placement: str, data: dict[str, Any], waits: float | None
+    ) -> None:
+        """Queue ``job``; one that ``waits`` for workers fails after that many seconds."""
         await self._park_if_waiting(job)
         self._jobs[job.id] = job
         self._queue.append(job.id)
-        await self._emit(job.id, "queued", {"placement": placement} | data)
+        waiting = {} if waits is None else {"wait_for_workers": waits}
+        await self._emit(job.id, "queued", {"placement": placement} | data | waiting)
+        if waits is not None:
+            job.wait_expiry = self._expire(job, waits, functools.partial(self._waited, job, waits))
         self.kick()
+
+    def _waited(self, job: _Job, seconds: float) -> ErrorInfo:
+        known = [w.identity for w in self.registry]
+        return waited(placement_of(job.strategy, job.inputs), known, seconds)
 
     async def _park_if_waiting(self, job: _Job) -> None:
         """Put a job's inputs on disk when it cannot start now and they are worth it."""
@@ -393,8 +409,8 @@ class JobManager:
 
     async def _stop(self, job: _Job, info: ErrorInfo) -> None:
         if job.task is None:  # still queued
-            if job.restart_expiry is not None:  # (None when it is the expiry that stops it)
-                job.restart_expiry.cancel()
+            if job.wait_expiry is not None:  # (None when it is the expiry that stops it)
+                job.wait_expiry.cancel()
             self._queue.remove(job.id)
             self._jobs.pop(job.id, None)
             if job.parked and self.spill is not None:
@@ -458,15 +474,22 @@ class JobManager:
         if job.spec is not None:
             job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
         self._queue.insert(0, job.id)
-        job.restart_expiry = asyncio.create_task(
-            self._expire_restart(job, info), name=f"job {job.id} restart timeout"
-        )
+        gave = functools.partial(gave_up, info, job.strategy, job.restarts)
+        job.wait_expiry = self._expire(job, job.strategy.restart_timeout, gave)
 
-    async def _expire_restart(self, job: _Job, info: ErrorInfo) -> None:
-        await asyncio.sleep(job.strategy.restart_timeout)
-        if job.task is None and job.id in self._queue:
-            job.restart_expiry = None
-            await self._stop(job, gave_up(info, job.strategy, job.restarts))
+    def _expire(
+        self, job: _Job, seconds: float, why: Callable[[], ErrorInfo]
+    ) -> asyncio.Task[None]:
+        """A task that fails the queued ``job`` with ``why()`` unless workers take it within
+        ``seconds`` (placing it cancels the task)."""
+
+        async def expire() -> None:
+            await asyncio.sleep(seconds)
+            if job.task is None and job.id in self._queue:
+                job.wait_expiry = None
+                await self._stop(job, why())
+
+        return asyncio.create_task(expire(), name=f"job {job.id} waits for workers")
 
     async def _train(self, job: _Job, ctx: StrategyContext) -> None:
         """Run the job's strategy on ``ctx`` and record how it ended, whatever way it ends."""
@@ -484,7 +507,9 @@ class JobManager:
                 await self._emit(job.id, event, data)
 
             if self.files is not None:
-                saves = await self.files.checkpoints_for(job.id, job.strategy, emit)
+                saves = await self.files.checkpoints_for(
+                    job.id, job.strategy, emit, job.resume_from
+                )
                 job.inputs = dataclasses.replace(job.inputs, checkpoints=saves)
             how = await job.strategy.prepare(ctx, job.inputs, emit)
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)

@@ -7,19 +7,30 @@ graph's size, nothing here touches the event loop or the store.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from coordinator.context import WorkerIdentity
+from coordinator.context import Target, WorkerIdentity
 from coordinator.errors import StrategyOptionsError
 from coordinator.registry import WorkerRecord
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
 from protocol.devices import device_fits
-from protocol.errors import ErrorCode, RequestRefused
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
+from protocol.rows import inline_data_problem, rows_of
 from protocol.wording import listed
 
-__all__ = ["check_targets", "placement_of", "rows_of", "unequal_stage_rows", "unlabelled", "vetted"]
+__all__ = [
+    "check_targets",
+    "check_workers",
+    "placement_of",
+    "rows_of",
+    "unequal_stage_rows",
+    "unlabelled",
+    "vetted",
+    "waited",
+]
 
 
 def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
@@ -64,6 +75,14 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
         y_val=msg.y_val,
         val_split=msg.val_split,
     )
+    # What graph.fit would refuse of the data, refused now in its words (not on a worker).
+    why = (
+        None
+        if msg.dataset is not None
+        else inline_data_problem(inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y)
+    )
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
     try:
         strategy.validate(inputs)
     except StrategyOptionsError as exc:
@@ -111,55 +130,105 @@ def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
     return dataclasses.replace(placement, dataset=name, slots=slots)
 
 
+WAIT_HINT = "; to wait for such a worker instead, submit with wait_for_workers=SECONDS"
+"""What every refusal for want of a worker ends with: the way to queue the job anyway."""
+
+
+def check_workers(
+    placement: Placement, inputs: JobInputs, workers: Sequence[WorkerRecord], waits: bool
+) -> None:
+    """Refuse a job the registered ``workers`` could never run (:func:`check_targets`, then
+    datasets without labels or with rows that disagree), unless it ``waits`` for workers
+    (``wait_for_workers``): then workers yet to come may.
+
+    Raises:
+        RequestRefused: ``NO_WORKERS`` or ``BAD_REQUEST`` saying why.
+    """
+    if waits:
+        return
+    known = [w.identity for w in workers]
+    check_targets(placement, known)
+    why = unlabelled(inputs, workers) or unequal_stage_rows(placement, known)
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+
+
 def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None:
-    """Refuse a pinned placement, a dataset or a device no known worker could ever take
-    (instead of queueing it forever), listing the workers, tags, datasets and devices that
-    exist.
+    """Refuse a placement pinned to a worker id or tag, a dataset or a device no known worker
+    could ever take (instead of queueing it forever), listing the workers, tags, datasets and
+    devices that exist, and the nearest names to a name no worker has.
 
     Raises:
         RequestRefused: ``NO_WORKERS`` saying which.
     """
-    for slot in placement.slots:
+    pinned = [_target_of(placement), *placement.slots]
+    for slot in (s for s in pinned if s is not None):
         if not any(dataclasses.replace(slot, device=None, dataset=None).answers(w) for w in known):
             tags = sorted({t for w in known for t in w.tags})
-            raise RequestRefused.of(
-                ErrorCode.NO_WORKERS,
-                f"no worker answers to {slot}: workers {listed([w.id for w in known])}, "
-                f"tags {listed(tags)}",
+            ids = [w.id for w in known]
+            near = _nearest(slot.id, ids) if slot.id is not None else _nearest(slot.tag, tags)
+            raise _no_workers(
+                f"no worker answers to {slot}{near}: workers {listed(ids)}, tags {listed(tags)}"
             )
     wanted_data = placement.dataset
     if wanted_data is not None and not any(wanted_data in w.datasets for w in known):
         names = sorted({name for w in known for name in w.datasets})
-        raise RequestRefused.of(
-            ErrorCode.NO_WORKERS,
-            f"no worker has dataset {wanted_data!r} (the workers have {listed(names)})",
+        raise _no_workers(
+            f"no worker has dataset {wanted_data!r}{_nearest(wanted_data, names)} (the workers "
+            f"have {listed(names)})",
             dataset=wanted_data,
         )
     devices = sorted({w.device for w in known})
     for wanted in placement.devices():
         if not any(device_fits(wanted, w.device) for w in known):
-            raise RequestRefused.of(
-                ErrorCode.NO_WORKERS,
+            raise _no_workers(
                 f"no worker has device {wanted!r} ({_on_devices(known)})",
                 device=wanted,
                 devices=devices,
             )
     for slot in placement.slots:
         if not any(dataclasses.replace(slot, dataset=None).answers(w) for w in known):
-            raise RequestRefused.of(
-                ErrorCode.NO_WORKERS,
+            raise _no_workers(
                 f"no worker answers to {slot} ({_on_devices(known)})",
                 device=slot.device,
                 devices=devices,
             )
         if not any(slot.answers(w) for w in known):
             serving = [w.id for w in known if slot.dataset in w.datasets]
-            raise RequestRefused.of(
-                ErrorCode.NO_WORKERS,
+            raise _no_workers(
                 f"no worker answers to {slot}: the workers serving dataset {slot.dataset!r} "
                 f"are {listed(serving)}",
                 dataset=slot.dataset,
             )
+
+
+def waited(placement: Placement, known: Sequence[WorkerIdentity], seconds: float) -> ErrorInfo:
+    """Why a job fails that waited ``seconds`` (``wait_for_workers``) for workers to take
+    ``placement``: what no ``known`` worker has, or that too few of them were free."""
+    why = f"{placement.describe()} did not become free"
+    try:
+        check_targets(placement, known)
+    except RequestRefused as exc:
+        why = exc.info.message.removesuffix(WAIT_HINT)
+    message = f"waited {seconds:g} s for its workers (wait_for_workers): {why}"
+    return ErrorInfo(code=ErrorCode.NO_WORKERS, message=message)
+
+
+def _target_of(placement: Placement) -> Target | None:
+    """The worker id or tag a placement by count is pinned to, as a target (``None``: any)."""
+    if placement.worker_id is not None:
+        return Target(id=placement.worker_id)
+    return Target(tag=placement.tag) if placement.tag is not None else None
+
+
+def _nearest(name: str | None, names: Sequence[str]) -> str:
+    """`` (did you mean 'dp'?)``: the names nearest to one no worker has, if any is near."""
+    near = sorted(difflib.get_close_matches(name or "", sorted(set(names)), n=3, cutoff=0.6))
+    return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
+
+
+def _no_workers(message: str, **detail: Any) -> RequestRefused:
+    return RequestRefused.of(ErrorCode.NO_WORKERS, message + WAIT_HINT, **detail)
 
 
 def _on_devices(known: Sequence[WorkerIdentity]) -> str:
@@ -204,11 +273,3 @@ def unequal_stage_rows(placement: Placement, known: Sequence[WorkerIdentity]) ->
         f"dataset {name!r}: the first stage ({first}) reads x and the last ({last}) y, and "
         f"their rows must agree; the workers that could take them hold {said} rows"
     )
-
-
-def rows_of(x: Any) -> int | None:
-    """How many rows ``x`` holds, when it says."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None

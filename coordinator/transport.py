@@ -143,6 +143,10 @@ class TransportContext(StrategyContext):
         self.workers[worker_idx] = record.identity
         return record.identity
 
+    def swap(self, a: int, b: int) -> None:
+        super().swap(a, b)
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
     async def close(self) -> None:
         """Stop the job's daemon on every worker still connected (best effort, bounded)."""
 

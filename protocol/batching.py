@@ -34,6 +34,21 @@ def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
         yield perm[start : start + size]
 
 
+def batch_rows(index: Any, n: int) -> np.ndarray[Any, Any]:
+    """A batch's rows as :func:`batches` gives them (a slice, or a tensor of a permutation)
+    as a numpy index."""
+    if isinstance(index, slice):
+        return np.arange(*index.indices(n))
+    return np.asarray(index.numpy(), dtype=np.int64)
+
+
+def batch_len(index: Any, n: int) -> int:
+    """How many rows a batch as :func:`batches` gives it holds."""
+    if isinstance(index, slice):
+        return len(range(*index.indices(n)))
+    return int(index.numel())
+
+
 def generator(seed: int) -> torch.Generator:
     """The generator that orders the epochs of a run seeded with ``seed``."""
     import torch

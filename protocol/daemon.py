@@ -61,6 +61,7 @@ __all__ = [
     "PipePlanRequest",
     "PipeTrainRequest",
     "ScheduleRequest",
+    "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
@@ -145,7 +146,10 @@ class BatchedFitRequest(DataSource):
     """The full training loop over a chain (epochs, batches, optimizer steps): ``graph.fit``.
 
     ``epochs`` overrides the filters' own; ``prox_mu`` adds FedProx's proximal term;
-    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones. The learning-rate
+    ``reset_optimizer`` trains with fresh optimizers instead of the kept ones; ``lr`` sets their
+    learning rate; ``start`` holds states to set before training (saving a ``set_state``);
+    ``start_loss`` asks for the loss before training (q-FedAvg's F_k(w_t)); ``clip_norm``
+    clips the TorchFilters' update to that L2 norm (client-side DP clipping). The learning-rate
     schedules span this call's epochs, or ``schedule_epochs`` of which ``schedule_before`` were
     trained before it (a federated run's earlier rounds)."""
 
@@ -158,6 +162,10 @@ class BatchedFitRequest(DataSource):
     schedule_before: NonNegativeInt = 0
     schedule_epochs: PositiveInt | None = None
     validation: str | None = None  # staged validation data, evaluated at each epoch's end
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    start: dict[str, Any] | None = None  # states set first: a virtual client's w_t
+    start_loss: bool = False
+    clip_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     return_output: bool = True  # False: the chain's output on the data stays on the worker
     return_states: bool = True  # False: the caller reads them later (get_state), when it can
 
@@ -440,6 +448,29 @@ class ApplyGradientsRequest(_Request):
     buffers: dict[str, dict[str, Any]] | None = None  # replica 0's, set after the step
 
 
+class SecAggRequest(_Request):
+    """One step of secure aggregation for the virtual client ``client`` in ``round``
+    (``worker.secagg_client``): ``keys`` (its two public keys), ``share`` (its secrets'
+    shares, sealed for each of its ``peers``: label → [encryption key, mask key]), ``mask``
+    (its trained model, ``weight`` times the float entries named in ``layout``, quantized and
+    masked, after opening the ``sealed`` shares its peers sent it), ``unmask`` (the shares it
+    holds of the ``survivors``' self-masks and of the ``dropped``' mask keys)."""
+
+    cmd: Literal["secagg"] = "secagg"
+    step: Literal["keys", "share", "mask", "unmask"]
+    round: NonNegativeInt
+    client: str
+    peers: dict[str, list[StrictBytes]] | None = None
+    threshold: PositiveInt | None = None
+    sealed: dict[str, StrictBytes] | None = None
+    layout: list[list[str]] | None = None
+    weight: PositiveInt | None = None
+    scale_bits: Annotated[int, Field(ge=1, le=52)] = 24
+    bound: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    survivors: list[str] | None = None
+    dropped: list[str] | None = None
+
+
 class PingRequest(_Request):
     """Do nothing and answer: liveness and round-trip time."""
 
@@ -481,6 +512,7 @@ DaemonRequest = Annotated[
     | StageBackwardRequest
     | StageNormRequest
     | StageStepRequest
+    | SecAggRequest
     | PingRequest
     | ShutdownRequest,
     Field(discriminator="cmd"),

@@ -56,6 +56,7 @@ class ErrorCode(StrEnum):
     AGGREGATION_MISMATCH = "aggregation_mismatch"  # contributions that are not the same model
     NOT_ENOUGH_WORKERS = "not_enough_workers"  # a round where fewer than min_workers answered
     NOT_FINISHED = "not_finished"  # a result asked for before the job ended
+    NO_CHECKPOINT = "no_checkpoint"  # a checkpoint asked for that the job does not have
     SHUTTING_DOWN = "shutting_down"  # the coordinator is stopping
     COORDINATOR_RESTARTED = "coordinator_restarted"  # the job was running when it restarted
     COLLECTIVE_FAILED = "collective_failed"  # a torch.distributed group broke or timed out

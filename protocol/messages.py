@@ -16,7 +16,8 @@ Conversation shapes:
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
-  states), :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
+  states), :class:`GetCheckpoint` (→ :class:`Result` with one checkpoint's position and states),
+  :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
   (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
   one).
 * a frame too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
@@ -353,6 +354,12 @@ class Submit(_Message):
     x_val: Any = None  # validation data, evaluated at the end of every epoch (round)
     y_val: Any = None
     val_split: str | None = None  # instead of x_val/y_val: each worker's split of its dataset
+    resume_from: str | None = None  # a job whose newest checkpoint this one starts from
+    # None: a worker id, tag, dataset or device no registered worker has is refused at once;
+    # seconds: the job waits that long for its workers, whatever it asks, then fails.
+    wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # for the job list
+    file: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # its job file
 
 
 class Watch(_Message):
@@ -380,6 +387,15 @@ class GetResult(_Message):
     kind: Literal["get_result"] = "get_result"
     job_id: str
     wait: Seconds = 0.0
+
+
+class GetCheckpoint(_Message):
+    """One of a job's checkpoints: its position and its nodes' states (``seq``: its number;
+    ``None``: the newest)."""
+
+    kind: Literal["get_checkpoint"] = "get_checkpoint"
+    job_id: str
+    seq: Annotated[int, Field(ge=1)] | None = None
 
 
 class Cancel(_Message):
@@ -439,6 +455,7 @@ Message = Annotated[
     | Watch
     | JobEvent
     | GetResult
+    | GetCheckpoint
     | Cancel
     | GetJob
     | ListJobs

@@ -26,12 +26,14 @@ from protocol.devices import DEVICES, device_fits, is_device
 from protocol.federated_options import (
     SERVER_OPTIMIZERS,
     AdaptiveOptions,
+    FedAdagradOptions,
     FedAdamOptions,
     FedAvgMOptions,
     FedAvgOptions,
     FedProxOptions,
     FedYogiOptions,
     PlainAveragingOptions,
+    QFedAvgOptions,
     ServerOptions,
     server_options,
 )
@@ -40,6 +42,7 @@ from protocol.options_base import (
     DEFAULT_RESTART_TIMEOUT,
     CheckpointOptions,
     Dialect,
+    RestartOptions,
     Say,
     StrategyOptions,
     T,
@@ -57,6 +60,7 @@ __all__ = [
     "CheckpointOptions",
     "DataParallelOptions",
     "Dialect",
+    "FedAdagradOptions",
     "FedAdamOptions",
     "FedAvgMOptions",
     "FedAvgOptions",
@@ -66,6 +70,7 @@ __all__ = [
     "ModelParallelOptions",
     "PartitionOptions",
     "PlainAveragingOptions",
+    "QFedAvgOptions",
     "ServerOptions",
     "StrategyOptions",
     "T",
@@ -100,8 +105,9 @@ DEFAULT_ELASTIC_TIMEOUT = 60.0
 # -- single-worker and data-parallel ------------------------------------------------------------
 
 
-class LocalOptions(StrategyOptions):
-    """The whole graph on one worker, pinned by id or by tag (not both) or neither."""
+class LocalOptions(RestartOptions):
+    """The whole graph on one worker, pinned by id or by tag (not both) or neither; restarted
+    from the start (it keeps no checkpoints) up to ``max_restarts`` times after a fault."""
 
     wire_name = "local"
     sdk_name = "Local"
@@ -120,7 +126,13 @@ class LocalOptions(StrategyOptions):
                 f"(worker={worker!r}, tag={tag!r})"
             )
         say.device("device", fields.get("device"))
+        cls._check_restarts(fields, say)
         return fields
+
+    def to_wire(self) -> dict[str, Any]:
+        pinned = {k: v for k, v in (("worker", self.worker), ("tag", self.tag)) if v is not None}
+        on = {"device": self.device} if self.device is not None else {}
+        return pinned | on | self._restarts_wire()
 
 
 def _check_collective_timeout(fields: dict[str, Any], say: Say) -> None:
@@ -264,9 +276,10 @@ def _check_partition(fields: dict[str, Any], say: Say, label: str) -> dict[str, 
     return {**fields, "node_ids": tuple(ids)}
 
 
-class ModelParallelOptions(StrategyOptions):
+class ModelParallelOptions(CheckpointOptions):
     """The graph's partitions, in graph order; micro-batches per global batch; the schedule;
-    the device of the partitions that name none."""
+    the device of the partitions that name none; ``spares`` more workers (tagged ``spare_tag``,
+    or any) held by the job to take a lost stage's place."""
 
     wire_name = "model_parallel"
     sdk_name = "ModelParallel"
@@ -277,6 +290,8 @@ class ModelParallelOptions(StrategyOptions):
     device: str | None = None
     transport: str = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    spares: int = 0
+    spare_tag: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
@@ -300,6 +315,12 @@ class ModelParallelOptions(StrategyOptions):
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, not {transport!r}"
             )
         _check_collective_timeout(fields, say)
+        spares = fields.get("spares", 0)
+        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
+            raise say.no(f"spares must be an integer >= 0, not {spares!r}")
+        if say.selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
+            raise say.no("spare_tag names the spares' tag: give spares=N (N >= 1) too")
+        cls._check_checkpoints(fields, say)
         return {**fields, "partitions": partitions}
 
     def to_wire(self) -> dict[str, Any]:
@@ -314,7 +335,11 @@ class ModelParallelOptions(StrategyOptions):
             options["transport"] = self.transport
         if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
             options["collective_timeout"] = self.collective_timeout
-        return options
+        if self.spares:
+            options["spares"] = self.spares
+        if self.spare_tag is not None:
+            options["spare_tag"] = self.spare_tag
+        return options | self._checkpoints_wire()
 
     def device_of(self, partition: int) -> str | None:
         """Where partition ``partition`` runs: its own device, else the pipeline's."""

@@ -14,19 +14,25 @@ The SDK's surface::
     fitted = graph.fit(x, y)
     out = fitted.forward(x_test)
     fitted.states["mlp"]            # the module's state_dict (tensors)
+    fitted.save("digits.pt")        # no pickle: torch.load(..., weights_only=True) reads it
+    fitted = sz.load("digits.pt", graph)
 
     with sz.connect("ws://127.0.0.1:8765") as client:   # the same graph, on a worker
         job = client.submit(graph, x, y, strategy=sz.Local())
         fitted = job.result()
 """
 
+from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
 from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
 from somatize.filters import Filter, TorchFilter
 from somatize.graph import FittedGraph, Graph
-from somatize.jobs import Job, JobEventInfo
+from somatize.jobs import Job, JobCheckpoint, JobEventInfo
+from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
+from somatize.saved import load
 from somatize.strategies import (
     DataParallel,
+    FedAdagrad,
     FedAdam,
     FedAvg,
     FedAvgM,
@@ -35,36 +41,50 @@ from somatize.strategies import (
     Local,
     ModelParallel,
     Partition,
+    QFedAvg,
     ServerOptimizer,
     Strategy,
     WorkerData,
 )
 
 __all__ = [
+    "AdaptiveClipping",
+    "Aggregator",
+    "Bulyan",
     "Client",
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedMedian",
     "FedProx",
     "FedYogi",
     "Filter",
     "FittedGraph",
+    "FixedClipping",
     "Graph",
     "GraphError",
     "Job",
+    "JobCheckpoint",
     "JobEventInfo",
     "JobFailed",
+    "Krum",
     "Local",
     "ModelParallel",
     "Partition",
+    "PrivacyMechanism",
+    "QFedAvg",
+    "SecAgg",
     "ServerOptimizer",
     "SomatizeError",
     "Strategy",
     "TorchFilter",
+    "TrimmedMean",
     "WorkerData",
     "connect",
+    "load",
 ]
 __version__ = "0.1.0"

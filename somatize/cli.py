@@ -4,6 +4,7 @@ Commands::
 
     somatize demo [--epochs N]                   train the digits demo in this process
     somatize submit FILE.py [--no-wait]          submit the job FILE.py defines, follow it
+    somatize cancel ID                           cancel a queued or running job
     somatize status                              workers and jobs
     somatize jobs [--limit N]                    the newest jobs
     somatize result ID [--save PATH] [--wait S]  a finished job's states
@@ -14,6 +15,7 @@ The commands that talk to a coordinator take ``--coordinator URL`` (default
 
 Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a usage error or
 a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
+Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.interrupt`).
 
 A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`` (a
 :class:`~somatize.Graph`) and ``x``, and optionally ``y`` and ``strategy`` (default
@@ -30,32 +32,39 @@ A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
 import time
 import traceback
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
 from somatize.curves import (
     HistoryWriter,
+    curve_unit,
     history_of,
     history_table,
+    loss_curve,
     plot_history,
+    plot_loss,
     row_of,
     unit_of,
 )
 from somatize.errors import UsageError
+from somatize.interrupt import exit_signals, when_stopped
+from somatize.progress import Progress as JobProgress
+from somatize.progress import bar_position
 from somatize.tables import (
     cells,
     describe_state,
     jobs_table,
     placed_text,
+    position_text,
     printable,
-    progress_text,
+    queued_text,
     replica_text,
     workers_table,
 )
@@ -139,6 +148,25 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write each epoch's (round's) figures to TensorBoard event files in DIR as they come",
     )
+    submit.add_argument(
+        "--name", help="what the job list calls the job (default: the file's name, no .py)"
+    )
+    submit.add_argument(
+        "--wait-for-workers",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="wait this long for workers that can take the job (a tag or worker id no worker "
+        "has yet included), then fail; by default such a job is refused at once",
+    )
+    submit.add_argument(
+        "--cancel-on-exit",
+        action="store_true",
+        help="cancel the job if this command stops before it ends (Ctrl-C, SIGTERM, SIGHUP) "
+        "instead of asking",
+    )
+
+    cancel = sub.add_parser("cancel", parents=[remote], help="cancel a queued or running job")
+    cancel.add_argument("job_id", metavar="ID", help="the job's id")
 
     sub.add_parser("status", parents=[remote], help="show workers and jobs")
 
@@ -150,7 +178,18 @@ def _parser() -> argparse.ArgumentParser:
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
     result.add_argument("job_id", metavar="ID", help="the job's id")
-    result.add_argument("--save", metavar="PATH", help="write the states with torch.save")
+    result.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the states (no pickle: torch.load(PATH, weights_only=True) or "
+        "somatize.load(PATH, graph) reads them)",
+    )
+    result.add_argument(
+        "--checkpoint",
+        metavar="latest|N",
+        help="the states of the job's newest checkpoint (or checkpoint N) instead of its "
+        "result: what a cancelled or failed job had learned",
+    )
     result.add_argument(
         "--plot",
         metavar="PNG",
@@ -174,6 +213,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {text}")
     return value
+
+
+def _checkpoint_number(text: str) -> int:
+    """``--checkpoint N``: a checkpoint's number (``latest`` is taken before)."""
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--checkpoint takes 'latest' or a checkpoint's number, not {text!r}")
+    return int(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -300,22 +346,27 @@ def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
 def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
     graph, x, y, strategy = load_job_file(args.file)
     with _connect(args) as client:
-        job = client.submit(graph, x, y, strategy=strategy)
+        job = client.submit(
+            graph,
+            x,
+            y,
+            strategy=strategy,
+            wait_for_workers=args.wait_for_workers,
+            name=args.name or Path(args.file).stem,
+            file=args.file,
+        )
         out.print(job.id, markup=False, soft_wrap=True)
         for note in job.notes:  # said up front: why it will not equal graph.fit exactly
             err.print(f"note: {note}", markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
-        started = time.monotonic()
+        started, line = time.monotonic(), JobProgress()
         board = HistoryWriter(args.tensorboard) if args.tensorboard else None
         try:
-            end = follow(job, err, board)
-        except KeyboardInterrupt:
-            err.print(
-                f"stopped following job {job.id}; it goes on (somatize result {job.id})",
-                markup=False,
-                soft_wrap=True,
-            )
+            with exit_signals(args.cancel_on_exit):
+                end = follow(job, err, line, board)
+        except KeyboardInterrupt as stop:
+            when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
         finally:
             if board is not None:
@@ -330,18 +381,24 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
 
             _print_failure(err, failure_of(job.id, end))
             return EXIT_JOB_FAILED
+        how = f": {line.final}" if line.final else ""
         err.print(
-            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s",
+            f"job {job.id} succeeded in {time.monotonic() - started:.1f} s{how}",
             markup=False,
             soft_wrap=True,
         )
         return EXIT_OK
 
 
-def follow(job: Job, err: Console, board: HistoryWriter | None = None) -> Any:
-    """Follow ``job``'s events with a progress bar; its terminal event (``None``: no end).
-    Each epoch's (round's) row goes to ``board`` as it comes."""
+def follow(
+    job: Job, err: Console, line: JobProgress | None = None, board: HistoryWriter | None = None
+) -> Any:
+    """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
+    given); its terminal event (``None``: no end). Each epoch's (round's) row goes to
+    ``board`` as it comes."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    line = JobProgress() if line is None else line
 
     columns = (
         TextColumn("{task.description}"),
@@ -353,15 +410,14 @@ def follow(job: Job, err: Console, board: HistoryWriter | None = None) -> Any:
         task = progress.add_task(f"job {job.id}", total=None, info="submitted")
         for event in job.events():
             if event.event == "queued":
-                needs = event.data.get("placement")
-                progress.update(task, info=f"queued: waiting for {needs}" if needs else "queued")
+                progress.update(task, info=queued_text(event.data))
             elif event.event == "placed":
                 progress.update(task, info=placed_text(event.data))
             elif event.event == "progress":
-                epochs, epoch = event.data.get("epochs"), event.data.get("epoch")
-                if isinstance(epochs, int) and epochs > 0 and isinstance(epoch, int):
-                    progress.update(task, total=epochs, completed=min(epoch, epochs))
-                progress.update(task, info=progress_text(event.data))
+                done, total = bar_position(event.data)
+                if total:
+                    progress.update(task, total=total, completed=min(done, total))
+                progress.update(task, info=line.add(event.time, event.data))
                 row = row_of(event.data)
                 if board is not None and row is not None:
                     board.add(row)
@@ -369,8 +425,8 @@ def follow(job: Job, err: Console, board: HistoryWriter | None = None) -> Any:
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
                 if event.event == "succeeded":
-                    total = progress.tasks[0].total or 1
-                    progress.update(task, total=total, completed=total)
+                    end = progress.tasks[0].total or 1
+                    progress.update(task, total=end, completed=end)
                 progress.update(task, info=event.event)
                 return event
     return None
@@ -383,7 +439,14 @@ def _print_failure(err: Console, exc: Any) -> None:
         err.print(trace.rstrip(), markup=False, soft_wrap=True)
 
 
-# -- status, jobs, result ----------------------------------------------------------------------
+# -- cancel, status, jobs, result --------------------------------------------------------------
+
+
+def _cancel(args: argparse.Namespace, out: Console, err: Console) -> int:
+    with _connect(args) as client:
+        client.job(args.job_id).cancel()
+    out.print(f"job {printable(args.job_id)} cancelled", markup=False, soft_wrap=True)
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -411,14 +474,35 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from somatize.errors import ClientError, JobFailed
+
+    title = f"job {printable(args.job_id)}"
     with _connect(args) as client:
+        job = client.job(args.job_id)
         try:
-            states = client.job(args.job_id).states(timeout=args.wait)
-            history = history_of(client.job(args.job_id).status())
+            if args.checkpoint is not None:
+                seq = None if args.checkpoint == "latest" else _checkpoint_number(args.checkpoint)
+                saved = job.checkpoint(seq)
+                states = saved.states
+                title += f", checkpoint {saved.seq} at {position_text(saved.position)}"
+            else:
+                states = job.states(timeout=args.wait)
+            history = history_of(job.status())
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
-    table = Table(title=Text(f"job {printable(args.job_id)}"), title_justify="left")
+        except JobFailed as exc:
+            _print_failure(err, exc)
+            with contextlib.suppress(ClientError):  # none kept: nothing to offer
+                saved = job.checkpoint()
+                err.print(
+                    f"its newest checkpoint is {saved.seq}, at {position_text(saved.position)}: "
+                    f"somatize result {args.job_id} --checkpoint latest",
+                    markup=False,
+                    soft_wrap=True,
+                )
+            return EXIT_JOB_FAILED
+    table = Table(title=Text(title), title_justify="left")
     for column in ("node", "key", "shape", "dtype"):
         table.add_column(column, no_wrap=column != "dtype")
     for node_id, state in states.items():
@@ -435,8 +519,9 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"saved the curves ({len(history)} {unit}s) to {args.plot}", markup=False)
     elif args.plot:
         with _connect(args) as client:
-            points = loss_curve(client.job(args.job_id).events(timeout=client.timeout))
-        plot_loss(points, args.plot, title=f"job {args.job_id}")
+            events = list(client.job(args.job_id).events(timeout=client.timeout))
+        points = loss_curve(events)
+        plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.tensorboard:
         board = HistoryWriter(args.tensorboard)
@@ -448,57 +533,23 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             soft_wrap=True,
         )
     if args.save:
-        import torch
+        from somatize.saved import save
 
-        torch.save(states, args.save)
+        kept = history if args.checkpoint is None else []  # a checkpoint's: not the whole run's
+        save(args.save, states, list(states), [r["loss"] for r in kept if "loss" in r], kept)
         err.print(
             f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
         )
     return EXIT_OK
 
 
-def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
-    """``(step, loss)`` of each progress event that carries a loss (a step, a federated round,
-    each step of a chunk of them, or an epoch's losses when a job reports only those at its
-    end)."""
-    points: list[tuple[float, float]] = []
-    for event in events:
-        data = event.data if hasattr(event, "data") else {}
-        if event.event != "progress":
-            continue
-        losses = data.get("losses")
-        if isinstance(losses, list) and isinstance(data.get("step"), int):
-            # A chunk of steps in one event: the loss of each, ending at ``step``.
-            first = data["step"] - len(losses) + 1
-            points.extend((float(first + i), float(v)) for i, v in enumerate(losses))
-        elif isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
-            x = data.get("step") or data.get("round") or len(points) + 1
-            points.append((float(x), float(data["loss"])))
-        elif isinstance(data.get("epoch_losses"), list):
-            points.extend((float(i + 1), float(v)) for i, v in enumerate(data["epoch_losses"]))
-    return points
-
-
-def plot_loss(points: list[tuple[float, float]], path: str, title: str) -> None:
-    """Save the loss curve as an image (matplotlib, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if points:
-        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-_COMMANDS = {"submit": _submit, "status": _status, "jobs": _jobs, "result": _result}
+_COMMANDS = {
+    "submit": _submit,
+    "cancel": _cancel,
+    "status": _status,
+    "jobs": _jobs,
+    "result": _result,
+}
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ class Client:
         self.server = ""
         self._token = token
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._ca_file = ca_file
         self._channel: Channel | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
@@ -142,7 +143,7 @@ class Client:
     # -- connection --------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        ws = await dial(self.url, self._token, self._ssl, self.timeout)
+        ws = await dial(self.url, self._token, self._ssl, self.timeout, self._ca_file)
         channel = Channel(ws, "coordinator", self._handle)
         welcome = await handshake(channel, self.url, self.timeout)
         self.server = welcome.server
@@ -252,6 +253,11 @@ class Client:
         y: Any = None,
         strategy: Strategy | None = None,
         validation: tuple[Any, Any] | WorkerData | None = None,
+        *,
+        wait_for_workers: float | None = None,
+        name: str | None = None,
+        file: str | None = None,
+        resume_from: str | Job | None = None,
     ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
@@ -268,6 +274,18 @@ class Client:
                 model is evaluated on it at the end of every epoch (every round for
                 FedAvg/FedProx), its ``val_loss`` and metrics in the job's events and in the
                 result's ``history``.
+            wait_for_workers: ``None`` (default): a worker id, tag, dataset or device that no
+                registered worker has is refused at once (``no_workers``, with the nearest
+                names); seconds: the job waits that long for workers that can take it (ones
+                yet to register included), then fails ``no_workers``.
+            name: what the job list calls the job (``somatize jobs``, the status page).
+            file: the job file it came from (``somatize submit`` gives it).
+            resume_from: a job (or its id) to continue: this one starts from that job's newest
+                checkpoint — its end, when it succeeded — every node's state, every optimizer's
+                state and the position (step, epoch, round), and trains on to this job's end:
+                the same graph and data with more epochs (rounds) equal one longer run. The
+                job must have run the same strategy and kept a checkpoint (a cancelled or
+                failed one keeps them all). Refused at submit otherwise.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -281,6 +299,15 @@ class Client:
         if not isinstance(strategy, Strategy):
             raise TypeError(
                 f"strategy must be a somatize strategy (Local...), not {type(strategy).__name__}"
+            )
+        if wait_for_workers is not None and not (
+            isinstance(wait_for_workers, int | float)
+            and math.isfinite(wait_for_workers)
+            and wait_for_workers > 0
+        ):
+            raise ValueError(
+                "wait_for_workers must be a positive number of seconds or None, not "
+                f"{wait_for_workers!r}"
             )
         if len(graph.node_ids) > MAX_GRAPH_NODES:
             raise ValueError(
@@ -319,6 +346,10 @@ class Client:
             x_val=x_val,
             y_val=y_val,
             val_split=val_split,
+            wait_for_workers=wait_for_workers,
+            name=name,
+            file=file,
+            resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         nbytes += data_nbytes(x_val) + data_nbytes(y_val)

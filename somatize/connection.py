@@ -21,7 +21,7 @@ from websockets.asyncio.client import ClientConnection
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.asyncio.loop import loop_factory
-from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.asyncio.websocket import client_tls, tls_hint, ws_options
 from protocol.errors import ProtocolError, RemoteError, UnexpectedReply
 from protocol.messages import ClientHello, Welcome
 from somatize.errors import ClientError, ConnectionFailed
@@ -130,8 +130,10 @@ async def dial(
     token: str | None,
     context: ssl.SSLContext | None,
     timeout: float,  # noqa: ASYNC109 - the handshake's own limit, passed to websockets
+    ca_file: str | None = None,
 ) -> ClientConnection:
-    """Open the WebSocket to the coordinator at ``url``.
+    """Open the WebSocket to the coordinator at ``url`` (``context`` trusting ``ca_file``,
+    when one was given: a TLS failure's hint names it).
 
     Raises:
         ConnectionFailed: it cannot be reached, or refused the token.
@@ -142,8 +144,10 @@ async def dial(
             url, additional_headers=headers, **websocket_options(url, context, timeout)
         )
     except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
+        hint = tls_hint(url, exc, ca_file, "--ca-file (sz.connect(url, ca_file=...))")
         raise ConnectionFailed(
             f"cannot reach the coordinator at {url}: {_describe(exc, timeout, bool(token))}"
+            + (f"; {hint}" if hint else "")
         ) from exc
 
 

@@ -17,9 +17,13 @@ from typing import Any
 
 __all__ = [
     "HistoryWriter",
+    "curve_unit",
     "history_of",
     "history_table",
+    "loss_curve",
+    "loss_figure",
     "plot_history",
+    "plot_loss",
     "row_of",
     "unit_of",
 ]
@@ -172,3 +176,69 @@ class HistoryWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+# -- the loss curve of a job without a history (from its progress events) --------------------
+
+
+def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
+    """``(step, loss)`` of each progress event that carries a loss (a step, a federated round,
+    each step of a chunk of them, or an epoch's losses when a job reports only those at its
+    end)."""
+    points: list[tuple[float, float]] = []
+    for event in events:
+        data = event.data if hasattr(event, "data") else {}
+        if event.event != "progress":
+            continue
+        losses = data.get("losses")
+        if isinstance(losses, list) and isinstance(data.get("step"), int):
+            # A chunk of steps in one event: the loss of each, ending at ``step``.
+            first = data["step"] - len(losses) + 1
+            points.extend((float(first + i), float(v)) for i, v in enumerate(losses))
+        elif isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
+            x = data.get("step") or data.get("round") or len(points) + 1
+            points.append((float(x), float(data["loss"])))
+        elif isinstance(data.get("epoch_losses"), list):
+            points.extend((float(i + 1), float(v)) for i, v in enumerate(data["epoch_losses"]))
+    return points
+
+
+def curve_unit(events: Iterable[Any]) -> str:
+    """What the loss curve's x-axis counts: federated ``round``, an ``epoch`` when the job
+    reported only its epochs' losses, else a training ``step``."""
+    progress = [e.data for e in events if e.event == "progress"]
+    if any(d.get("phase") == "round" for d in progress):
+        return "round"
+    if not any(isinstance(d.get("step"), int) for d in progress):
+        return "epoch"
+    return "step"
+
+
+def plot_loss(points: list[tuple[float, float]], path: str, title: str, x_label: str) -> None:
+    """Save the loss curve as an image (matplotlib, no display needed)."""
+    import matplotlib.pyplot as plt
+
+    figure = loss_figure(points, title, x_label)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def loss_figure(points: list[tuple[float, float]], title: str, x_label: str) -> Any:
+    """The loss curve as a matplotlib figure; its x-axis counts ``x_label`` (steps, rounds,
+    epochs) on whole-number ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if points:
+        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
+    axes.set_xlabel(x_label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel("loss")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure

@@ -14,6 +14,7 @@ and distributed, from the same starting point.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -141,6 +142,18 @@ class FittedGraph:
         engine = Engine()
         engine.load(dict(self.graph.items()))
         return engine.composite_forward(self.graph.node_ids, x, self.states)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the learned states to ``path``, without pickle: ``torch.load(path,
+        weights_only=True)`` reads the file, and ``sz.load(path, graph)`` makes this fitted
+        graph again from it and the graph (:mod:`somatize.saved` has its layout).
+
+        Raises:
+            GraphError: a state holds something that cannot be saved without pickle.
+        """
+        from somatize.saved import save
+
+        save(path, self.states, self.graph.node_ids, self.epoch_losses, self.history)
 
     def __repr__(self) -> str:
         return f"FittedGraph({self.graph!r})"

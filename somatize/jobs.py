@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from protocol.errors import ErrorCode
-from protocol.messages import Ack, Cancel, GetJob, GetResult, Result
+from protocol.messages import Ack, Cancel, GetCheckpoint, GetJob, GetResult, Result
 from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 from somatize.graph import FittedGraph, Graph
@@ -63,6 +63,30 @@ def failure_of(job_id: str, end: JobEventInfo) -> JobFailed:
     message = data.get("message") or data.get("reason") or f"the job ended {end.event}"
     detail = data.get("detail")
     return JobFailed(job_id, str(code), str(message), detail if isinstance(detail, dict) else {})
+
+
+@dataclass(frozen=True)
+class JobCheckpoint:
+    """One checkpoint of a job, as fetched (:meth:`Job.checkpoint`).
+
+    Attributes:
+        seq: its number (1, 2, ... per job).
+        position: where the run stood: ``{"step": 40, "epoch": 2}``, ``{"round": 3}``.
+        states: by node id: every node's state (DataParallel, ModelParallel), the
+            differentiable nodes' global state (FedAvg/FedProx).
+    """
+
+    seq: int
+    position: dict[str, Any]
+    states: dict[str, Any]
+
+    def fitted(self, graph: Graph) -> FittedGraph:
+        """The graph as it stood at this checkpoint: predict with it, save it, as a result.
+
+        Raises:
+            GraphError: ``states`` does not hold every node of ``graph``.
+        """
+        return FittedGraph(graph, dict(self.states))
 
 
 class Job:
@@ -216,6 +240,18 @@ class Job:
         if not isinstance(reply, Result) or not isinstance(reply.result, dict):
             raise ClientError(f"the coordinator answered get_result with {reply!r}")
         return reply
+
+    def checkpoint(self, seq: int | None = None) -> JobCheckpoint:
+        """One of the job's checkpoints (``None``: its newest), whatever its state: what a
+        cancelled or failed job had learned, or where a running one stands.
+
+        Raises:
+            ClientError: ``no_checkpoint`` (saying which it has), ``unknown_job``.
+        """
+        reply = self._client._call(GetCheckpoint(job_id=self.id, seq=seq))
+        states = _writable(dict(result_field(reply, "states", "get_checkpoint")))
+        position = dict(result_field(reply, "position", "get_checkpoint"))
+        return JobCheckpoint(int(result_field(reply, "seq", "get_checkpoint")), position, states)
 
     def cancel(self) -> None:
         """Cancel the job if it is queued or running (its end becomes ``cancelled``)."""

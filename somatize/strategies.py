@@ -24,10 +24,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from protocol import strategy_options as so
+from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
+from somatize.aggregators import Aggregator
+from somatize.privacy import PrivacyMechanism, SecAgg
+from somatize.server_optimizers import (
+    FedAdagrad,
+    FedAdam,
+    FedAvgM,
+    FedYogi,
+    ServerOptimizer,
+)
 
 __all__ = [
     "DataParallel",
+    "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
@@ -36,6 +47,7 @@ __all__ = [
     "Local",
     "ModelParallel",
     "Partition",
+    "QFedAvg",
     "ServerOptimizer",
     "Strategy",
     "WorkerData",
@@ -75,15 +87,22 @@ class Local(Strategy):
         worker: run on the worker with this id (default: any idle worker).
         tag: run on a worker that has this tag (default: any idle worker).
         device: run on a worker training on this device (default: any).
+        max_restarts: how many times the job, when its worker is lost or its daemon crashes,
+            is queued again and trains from the start (a Local job keeps no checkpoints: its
+            one call trains the whole graph) instead of failing (default 0).
+        restart_timeout: seconds a restart waits for a worker.
 
     Raises:
         ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given;
-            ``device`` is not one of the device forms.
+            ``device`` is not one of the device forms; ``max_restarts`` not an integer >= 0 or
+            ``restart_timeout`` not a positive number.
     """
 
     worker: str | None = None
     tag: str | None = None
     device: str | None = None
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
 
     name: ClassVar[str] = "local"
 
@@ -228,86 +247,46 @@ class WorkerData:
 # -- federated ----------------------------------------------------------------------------------
 
 
-class ServerOptimizer(ABC):
-    """What the coordinator does with a round's average (Reddi et al. 2021, "Adaptive Federated
-    Optimization"): with x_t the global model and x̄ the round's row-weighted average of the
-    client models, it steps on the pseudo-gradient Δ_t = x̄ − x_t. Without one (the default)
-    the average is the next global model, x_{t+1} = x̄, as in FedAvg."""
-
-    #: The optimizer's name on the wire.
-    name: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        self.options()
-
-    def options(self) -> dict[str, Any]:
-        """``{"name": ..., hyperparameter: value, ...}``, as the strategy sends it."""
-        checked = so.server_options(self.name, _arguments(self), so.Dialect.SDK)
-        return {"name": self.name, **checked.hyperparameters()}
-
-
-@dataclass(frozen=True)
-class FedAvgM(ServerOptimizer):
-    """Server momentum (Hsu et al. 2019): m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t.
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        momentum: β, in [0, 1).
-    """
-
-    lr: float = 1.0
-    momentum: float = 0.9
-
-    name: ClassVar[str] = "fedavgm"
-
-
-@dataclass(frozen=True)
-class _Adaptive(ServerOptimizer):
-    lr: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
-
-
-@dataclass(frozen=True)
-class FedAdam(_Adaptive):
-    """Adam on the server (Reddi et al. 2021, Algorithm 2): m_t = β1 m_{t−1} + (1 − β1) Δ_t;
-    v_t = β2 v_{t−1} + (1 − β2) Δ_t²; x_{t+1} = x_t + η m_t / (√v_t + τ); v_{−1} = τ².
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, in [0, 1).
-        beta2: β2, in [0, 1).
-        tau: τ, the adaptivity (> 0).
-    """
-
-    name: ClassVar[str] = "fedadam"
-
-
-@dataclass(frozen=True)
-class FedYogi(_Adaptive):
-    """Yogi on the server (Reddi et al. 2021, Algorithm 2): as :class:`FedAdam` but
-    v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²).
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, in [0, 1).
-        beta2: β2, in [0, 1).
-        tau: τ, the adaptivity (> 0).
-    """
-
-    name: ClassVar[str] = "fedyogi"
-
-
-def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:
+def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a FedAvg
     """The options of a FedAvg or FedProx, checked; the server optimizer must be an SDK one."""
     if s.server is not None and not isinstance(s.server, ServerOptimizer):
         raise ValueError(
-            f"{type(s).__name__}: server must be FedAvgM(...), FedAdam(...), FedYogi(...) or "
-            f"None, not {s.server!r}"
+            f"{type(s).__name__}: server must be FedAvgM(...), FedAdagrad(...), FedAdam(...), "
+            f"FedYogi(...) or None, not {s.server!r}"
         )
     server = s.server.options() if s.server is not None else None
-    return _checked(model, s, server=server)
+    if s.aggregator is not None and not isinstance(s.aggregator, Aggregator):
+        raise ValueError(
+            f"{type(s).__name__}: aggregator must be FedMedian(), TrimmedMean(beta), "
+            f"Krum(byzantine, keep), Bulyan(byzantine) or None, not {s.aggregator!r}"
+        )
+    aggregator = s.aggregator.options() if s.aggregator is not None else None
+    if s.privacy is not None and not isinstance(s.privacy, PrivacyMechanism):
+        raise ValueError(
+            f"{type(s).__name__}: privacy must be FixedClipping(...), AdaptiveClipping(...) or "
+            f"None, not {s.privacy!r}"
+        )
+    privacy = s.privacy.options() if s.privacy is not None else None
+    secure = s.secure_aggregation
+    if secure is not None and not isinstance(secure, SecAgg):
+        raise ValueError(
+            f"{type(s).__name__}: secure_aggregation must be SecAgg(...) or None, not {secure!r}"
+        )
+    config = None
+    if s.client_config is not None:
+        try:
+            config = client_configs(s.client_config, s.rounds)
+        except ValueError as exc:
+            raise ValueError(f"{type(s).__name__}: {exc}") from None
+    return _checked(
+        model,
+        s,
+        server=server,
+        aggregator=aggregator,
+        client_config=config,
+        privacy=privacy,
+        secure_aggregation=secure.options() if secure is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -332,8 +311,28 @@ class FedAvg(Strategy):
         workers: how many workers to reserve (default: every idle matching worker when the job
             starts, at least ``min_workers``).
         tag: only workers with this tag.
-        server: a server optimizer (:class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi`);
+        server: a server optimizer (:class:`FedAvgM`, :class:`FedAdagrad`, :class:`FedAdam`,
+            :class:`FedYogi`);
             default: plain averaging.
+        aggregator: a Byzantine-robust rule in place of the weighted mean
+            (:class:`~somatize.aggregators.FedMedian`, ``TrimmedMean``, ``Krum``, ``Bulyan``);
+            default: the mean. ``min_workers`` must be enough for it (Krum: > 2f + 2,
+            Bulyan: >= 4f + 3).
+        client_config: a function of the round (1, 2, ...) returning what that round's
+            clients train with: ``lr`` (their optimizers' learning rate), ``local_epochs``,
+            ``batch_size``; e.g. ``lambda r: {"lr": 0.1 * 0.9 ** r}``. It is called for every
+            round when the strategy is built (the coordinator runs no client code).
+        clients_per_worker: K, the virtual clients each worker trains in turn, client j on the
+            j-th of K contiguous partitions of its rows (its shard, or its own dataset), each
+            from w_t with a fresh optimizer: the same as K workers holding one partition each,
+            so that a round of 1,000 clients runs on 2 workers. Selection (``fraction``) is
+            over all clients, and a round needs ``min_workers`` × K answers.
+        privacy: user-level differential privacy (:class:`~somatize.privacy.FixedClipping`,
+            ``AdaptiveClipping``): clipped updates, Gaussian noise on their sum, ε spent in
+            each round's event. TorchFilters only; no ``aggregator`` with it.
+        secure_aggregation: :class:`~somatize.privacy.SecAgg`: the coordinator learns only
+            the sum of each round's client models (TorchFilters only; no ``aggregator`` or
+            ``privacy`` with it).
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
         evaluate_fraction: federated evaluation (Flower's ``evaluate``): each round this share
@@ -363,6 +362,11 @@ class FedAvg(Strategy):
     workers: int | None = None
     tag: str | None = None
     server: ServerOptimizer | None = None
+    aggregator: Aggregator | None = None
+    client_config: Callable[[int], dict[str, Any]] | None = None
+    clients_per_worker: int = 1
+    privacy: PrivacyMechanism | None = None
+    secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
     evaluate_fraction: float = 0.0
@@ -388,7 +392,8 @@ class FedProx(Strategy):
 
     Args:
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
-        rounds, local_epochs, fraction, min_workers, workers, tag, server, seed, device,
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
+            client_config, clients_per_worker, privacy, secure_aggregation, seed, device,
             evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
             restart_timeout: as :class:`FedAvg`.
 
@@ -404,6 +409,11 @@ class FedProx(Strategy):
     workers: int | None = None
     tag: str | None = None
     server: ServerOptimizer | None = None
+    aggregator: Aggregator | None = None
+    client_config: Callable[[int], dict[str, Any]] | None = None
+    clients_per_worker: int = 1
+    privacy: PrivacyMechanism | None = None
+    secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
     evaluate_fraction: float = 0.0
@@ -419,6 +429,38 @@ class FedProx(Strategy):
 
     def options(self) -> dict[str, Any]:
         return _federated(so.FedProxOptions, self).to_wire()
+
+
+@dataclass(frozen=True, kw_only=True)
+class QFedAvg(FedAvg):
+    """q-FedAvg (Li et al. 2020, "Fair Resource Allocation in Federated Learning"): FedAvg's
+    rounds, and a server update that weighs each client by its loss at the round's model to the
+    power q, so that the clients the model fits worst pull hardest (q = 0: the unweighted mean
+    of the clients' models). For a model that must serve every client fairly, not only on
+    average. Each client also reports its loss before training. Takes no ``server`` and no
+    ``aggregator`` (its update is its own)::
+
+        sz.QFedAvg(rounds=20, q=1.0, lipschitz=1 / lr)
+
+    Args:
+        q: q >= 0.
+        lipschitz: L > 0, the Lipschitz constant of the loss's gradient; the paper takes 1/η,
+            η the TorchFilters' learning rate.
+        rounds, local_epochs, fraction, min_workers, workers, tag, seed, device,
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvg`.
+    """
+
+    q: float
+    lipschitz: float
+
+    name: ClassVar[str] = "qfedavg"
+
+    def __post_init__(self) -> None:
+        _federated(so.QFedAvgOptions, self)
+
+    def options(self) -> dict[str, Any]:
+        return _federated(so.QFedAvgOptions, self).to_wire()
 
 
 @dataclass(frozen=True)
@@ -455,7 +497,13 @@ class ModelParallel(Strategy):
     ``"websocket"`` — every micro-batch's action is a call from the coordinator, the tensors
     going over the agents' peer links (or relayed by the coordinator). ``"auto"`` (default) —
     ``torch`` when every stage can reach the rendezvous on the first, else ``websocket``; a
-    ``linked`` progress event says which and why. A lost stage fails the job at once.
+    ``linked`` progress event says which and why.
+
+    A lost stage fails the job at once, unless the job holds ``spares``: then the lost stage's
+    partition moves to a spare worker, every stage goes back to the last checkpoint (the start,
+    before the first) and training goes on from there — the result is still the undisturbed
+    run's. The events say ``worker_lost``, ``worker_replaced`` (which stage, which worker) and
+    ``resumed``. With no spare left, ``max_restarts`` still applies.
 
     Args:
         partitions: the stages, in graph order; together they hold every node exactly once.
@@ -464,6 +512,17 @@ class ModelParallel(Strategy):
         device: the device of every partition that names none (default: any).
         transport: ``"auto"``, ``"torch"`` or ``"websocket"`` (above).
         collective_timeout: seconds joining the group or one send/receive may take.
+        checkpoint_every: save a checkpoint (every stage's model and optimizer state, and the
+            global batch) every this many global batches; ``None`` (default): at the end of
+            every epoch or after 60 s of training, whichever comes first; ``0``: never.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a stage's worker is lost (and no spare is
+            left), its daemon crashes or the group breaks, goes back to its last checkpoint on
+            the workers there are (default 0), waiting up to ``restart_timeout`` seconds.
+        restart_timeout: seconds a restart waits for workers.
+        spares: workers the job holds besides its stages, idle, each ready to take a lost
+            stage's place (default 0).
+        spare_tag: only workers with this tag are spares (default: any worker).
     """
 
     partitions: tuple[Partition, ...] | list[Partition]
@@ -472,6 +531,12 @@ class ModelParallel(Strategy):
     device: str | None = None
     transport: str = "auto"
     collective_timeout: float = 60.0
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    max_restarts: int = 0
+    restart_timeout: float = 60.0
+    spares: int = 0
+    spare_tag: str | None = None
 
     name: ClassVar[str] = "model_parallel"
 

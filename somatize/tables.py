@@ -11,16 +11,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from somatize.progress import event_text
+
 __all__ = [
     "cells",
     "describe_state",
     "device_text",
+    "dtype_name",
     "duration_text",
     "jobs_table",
     "placed_text",
+    "position_text",
     "printable",
     "progress_text",
+    "queued_text",
     "replica_text",
+    "submitted_text",
     "workers_table",
 ]
 
@@ -99,11 +105,15 @@ def datasets_text(datasets: Any) -> str:
 
 
 def jobs_table(records: list[dict[str, Any]]) -> Any:
+    """Job records as ``somatize jobs`` prints them: what each is (its name and job file), when
+    it was submitted, how it stands and how long it took."""
     from rich.table import Table
 
     table = Table(title="jobs", title_justify="left")
-    for column in ("id", "strategy", "state", "progress", "duration"):
-        table.add_column(column, no_wrap=column == "id")  # ids are copied from here: keep whole
+    columns = ("id", "name", "file", "strategy", "state", "progress", "submitted", "took")
+    for column in columns:
+        # ids are copied from here: keep them whole; times too
+        table.add_column(column, no_wrap=column in ("id", "submitted"))
     now = time.time()
     for r in records:
         progress = r.get("progress")
@@ -112,17 +122,32 @@ def jobs_table(records: list[dict[str, Any]]) -> Any:
             state = f"failed ({r['error'].get('code', '?')})"
         text = progress_text(progress) if isinstance(progress, dict) else ""
         summary = r.get("summary")
-        if (
-            state == "queued"
-            and not text
-            and isinstance(summary, dict)
-            and summary.get("placement")
-        ):
+        summary = summary if isinstance(summary, dict) else {}
+        if state == "queued" and not text and summary.get("placement"):
             text = f"waiting for {summary['placement']}"  # why it has not started
         table.add_row(
-            *cells(r.get("id", ""), r.get("strategy", ""), state, text, duration_text(r, now))
+            *cells(
+                r.get("id", ""),
+                summary.get("name") or "",
+                summary.get("file") or "",
+                r.get("strategy", ""),
+                state,
+                text,
+                submitted_text(r.get("created"), now),
+                duration_text(r, now),
+            )
         )
     return table
+
+
+def submitted_text(created: Any, now: float) -> str:
+    """When a job was submitted, in local time: ``14:03:27`` today, ``2026-11-30 14:03``
+    before."""
+    if not isinstance(created, int | float) or isinstance(created, bool):
+        return ""
+    at, today = time.localtime(created), time.localtime(now)
+    same_day = at[:3] == today[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", at)
 
 
 def placed_text(data: dict[str, Any]) -> str:
@@ -141,6 +166,14 @@ def placed_text(data: dict[str, Any]) -> str:
     return text
 
 
+def queued_text(data: dict[str, Any]) -> str:
+    """A ``queued`` event in words: ``queued: waiting for 2 workers tagged 'dp' (at most
+    60 s)``."""
+    needs, limit = data.get("placement"), data.get("wait_for_workers")
+    text = f"queued: waiting for {needs}" if needs else "queued"
+    return text + (f" (at most {limit:g} s)" if isinstance(limit, int | float) else "")
+
+
 def replica_text(event: str, data: dict[str, Any]) -> str:
     """An elastic job's replica event, in a few words."""
     if event == "worker_lost":
@@ -148,32 +181,18 @@ def replica_text(event: str, data: dict[str, Any]) -> str:
     return f"worker {data.get('worker')} replaces {data.get('lost')}"
 
 
-def progress_text(data: dict[str, Any]) -> str:
-    """``{"phase": "train", "epoch": 2, "epochs": 5, "step": 10, "loss": 0.1}`` in words.
+def position_text(position: dict[str, Any]) -> str:
+    """A checkpoint's position in words: ``step 40 (epoch 2)``, ``round 3``."""
+    if "round" in position:
+        return f"round {position['round']}"
+    said = f"step {position.get('step', '?')}"
+    return said + (f" (epoch {position['epoch']})" if "epoch" in position else "")
 
-    Known keys come first in a fixed order, then any other scalar (lists such as the epoch
-    losses are left out: a table cell is no place for them).
-    """
-    parts = []
-    if data.get("phase"):
-        parts.append(str(data["phase"]))
-    epoch, epochs = data.get("epoch"), data.get("epochs")
-    if epoch is not None:
-        parts.append(f"epoch {epoch}" + (f"/{epochs}" if epochs is not None else ""))
-    elif epochs is not None:
-        parts.append(f"{epochs} epochs")
-    if data.get("step") is not None:
-        parts.append(f"step {data['step']}")
-    loss = data.get("loss")
-    if isinstance(loss, int | float):
-        parts.append(f"loss {loss:.4g}")
-    shown = {"phase", "epoch", "epochs", "step", "loss"}
-    parts += [
-        f"{k} {v}"
-        for k, v in data.items()
-        if k not in shown and isinstance(v, str | int | float) and not isinstance(v, bool)
-    ]
-    return " ".join(parts)
+
+def progress_text(data: dict[str, Any]) -> str:
+    """A job's last progress event in words (:func:`somatize.progress.event_text`): ``epoch
+    2/5 · step 7/12 · loss 0.5 (last step)``."""
+    return event_text(data)
 
 
 def duration_text(record: dict[str, Any], now: float) -> str:
@@ -185,6 +204,12 @@ def duration_text(record: dict[str, Any], now: float) -> str:
     if isinstance(created, int | float) and not isinstance(finished, int | float):
         return f"waiting {max(now - created, 0.0):.0f} s"
     return ""
+
+
+def dtype_name(dtype: Any) -> str:
+    """A numpy or torch dtype named one way: ``float32`` for ``numpy.float32`` and
+    ``torch.float32`` alike."""
+    return str(dtype).removeprefix("torch.")
 
 
 def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
@@ -199,7 +224,7 @@ def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str
         return
     shape, dtype = getattr(state, "shape", None), getattr(state, "dtype", None)
     if shape is not None and dtype is not None:
-        yield prefix, str(tuple(int(n) for n in shape)), str(dtype)
+        yield prefix, str(tuple(int(n) for n in shape)), dtype_name(dtype)
     else:
         text = repr(state)
         yield prefix, "", type(state).__name__ + (f" {text}" if len(text) <= 40 else "")

@@ -101,3 +101,36 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
         timeout=60,
     )
     return cert, key
+
+
+def child_pids(parent: int) -> set[int]:
+    """Live (not zombie) processes whose parent is ``parent``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
+            found.add(int(entry.name))
+    return found
+
+
+def is_fork_server(pid: int) -> bool:
+    """Whether ``pid`` is an agent's fork server (``python -m worker.fork_server``)."""
+    try:
+        return b"worker.fork_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def agent_daemons(agent: int) -> set[int]:
+    """The filter daemons of the agent ``agent``: those it started itself, and those its fork
+    server (its child, not a daemon) forked for it."""
+    found = set()
+    for pid in child_pids(agent):
+        found |= child_pids(pid) if is_fork_server(pid) else {pid}
+    return found

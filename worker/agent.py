@@ -67,13 +67,19 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
 from protocol.asyncio.channel import Channel
-from protocol.asyncio.websocket import close_reason
+from protocol.asyncio.websocket import close_reason, tls_hint
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
 from worker.datasets import summaries
-from worker.errors import AgentError, HandshakeFailed, LinkDead, RegistrationRefused
+from worker.errors import (
+    AgentError,
+    HandshakeFailed,
+    LinkDead,
+    RegistrationRefused,
+    UntrustedCoordinator,
+)
 from worker.job_handlers import JobHandlers
 from worker.lifecycle import Lifecycle, Phase
 from worker.link import (
@@ -217,12 +223,14 @@ class Agent:
         Raises:
             RegistrationRefused: the coordinator refused this worker for good (see
                 :data:`FATAL_CODES`); retrying would not help.
+            UntrustedCoordinator: its TLS certificate fails verification; nor would that.
         """
         if self._capabilities is None:
             # detect() may import torch (CUDA devices): keep it off the loop.
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
         await asyncio.to_thread(self._pool.find_cgroups)
+        self._pool.start_fork_server()
         if self._peer_server is not None:
             await self._peer_server.start()
         try:
@@ -232,8 +240,13 @@ class Agent:
                 except RegistrationRefused as exc:
                     log.error("the coordinator at %s refused this worker: %s", self.url, exc)
                     raise
+                except UntrustedCoordinator as exc:
+                    log.error("cannot trust the coordinator at %s: %s", self.url, exc)
+                    raise
                 except RETRYABLE as exc:
-                    log.warning("connection to %s failed: %s", self.url, describe(exc))
+                    hint = tls_hint(self.url, exc, self.config.ca_file, "--ca-file")
+                    said = describe(exc) + (f"; {hint}" if hint else "")
+                    log.warning("connection to %s failed: %s", self.url, said)
                 except Exception:
                     log.exception("connection to %s failed unexpectedly", self.url)
                 if not self.config.reconnect or self._lifecycle.stopping:
@@ -248,6 +261,7 @@ class Agent:
             await self._links.close()
             if self._peer_server is not None:
                 await self._peer_server.stop()
+            await self._pool.close_fork_server()
             await asyncio.to_thread(self._pool.release)
             self._lifecycle.finish()
             self._sync()

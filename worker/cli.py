@@ -37,7 +37,7 @@ from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
 from worker.datasets import parse_data_option
-from worker.errors import RegistrationRefused
+from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
 __all__ = ["main"]
@@ -164,6 +164,14 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_INFLIGHT})",
     )
     parser.add_argument(
+        "--fork-server",
+        choices=["on", "off"],
+        default="on",
+        help="fork each job's filter daemon from one process that imported torch once (default "
+        "on: a daemon starts in milliseconds, sharing that memory; CPU workers only); off starts "
+        "each anew",
+    )
+    parser.add_argument(
         "--spare-daemon",
         choices=["on", "off"],
         default="on",
@@ -232,7 +240,7 @@ async def _serve(agent: Agent) -> int:
         loop.add_signal_handler(sig, _on_signal, agent, sig)
     try:
         await agent.run()
-    except RegistrationRefused:
+    except (RegistrationRefused, UntrustedCoordinator):
         return 1  # the agent logged why
     finally:
         for sig in signals:
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=args.max_inflight,
             device=args.device,
             spare=args.spare_daemon == "on",
+            fork_server=args.fork_server == "on",
         )
         agent = Agent(config)
     except ValueError as exc:

@@ -48,6 +48,9 @@ class AgentConfig:
         python: the interpreter that runs the daemons.
         spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
             filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
+        fork_server: fork each daemon from a process that imported torch once
+            (:mod:`worker.fork_server`): a daemon starts in milliseconds and shares that memory;
+            on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
             readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
@@ -105,6 +108,7 @@ class AgentConfig:
     call_timeout: float = 3600.0
     python: str = sys.executable
     spare: bool = True
+    fork_server: bool = True
     datasets: Mapping[str, Path] = field(default_factory=dict)
     peer_listen: str | None = None
     peer_advertise: str | None = None

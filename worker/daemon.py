@@ -76,9 +76,10 @@ from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
 from worker.pipe import FrameReader, FrameWriter
 from worker.schedules import Horizon
+from worker.secagg_client import SecAggClients
 from worker.shared_memory import SharedRegion, allocate_fast
 
-__all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main"]
+__all__ = ["EXIT_BROKEN_STREAM", "EXIT_ORPHANED", "Daemon", "PipeChannel", "main", "run", "warm_up"]
 
 EXIT_BROKEN_STREAM = 2
 """Exit status when the protocol stream cannot be read any more (bad length prefix, truncation)."""
@@ -105,6 +106,7 @@ class Daemon(GroupCommands):
         self.stopping = False
         """Set by ``shutdown``: the serve loop exits after sending the reply."""
         self._filters: dict[str, Any] = {}
+        self._secagg = SecAggClients()  # secure aggregation's secrets, by virtual client
         self._handlers: dict[str, Handler] = {
             "load": self.on_load,
             "fit": self.on_fit,
@@ -134,6 +136,7 @@ class Daemon(GroupCommands):
             "stage_backward": self.on_stage_backward,
             "stage_norm": self.on_stage_norm,
             "stage_step": self.on_stage_step,
+            "secagg": lambda req: self._secagg.handle(req, self.engine),
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
         }
@@ -213,6 +216,8 @@ class Daemon(GroupCommands):
         return _plain(self.engine.composite_fit(req.node_ids, *self._data(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
+        if req.start is not None:
+            self.engine.set_state(req.start)
         # A dataset held whole is read from disk a batch at a time as the loop goes.
         x, y = self._data(req) if req.rows is not None else self._data(req, lazy=True)
         result = self.engine.batched_fit(
@@ -225,6 +230,9 @@ class Daemon(GroupCommands):
             reset_optimizer=req.reset_optimizer,
             schedule=(req.schedule_before, req.schedule_epochs),
             validation=None if req.validation is None else self.engine.held(req.validation),
+            lr=req.lr,
+            start_loss=req.start_loss,
+            clip_norm=req.clip_norm,
         )
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back
@@ -542,20 +550,27 @@ def warm_up() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
+def run(threads: int, device: str, shared: tuple[SharedRegion, SharedRegion] | None) -> NoReturn:
+    """Serve on this process's stdin/stdout until shutdown, EOF or orphaning, then exit: a
+    daemon's life once its process exists (started anew by :func:`main`, or forked by the
+    agent's fork server, :mod:`worker.fork_server`, which did the imports and the warm-up)."""
+    channel = take_stdio(shared)
+    # A segfault in user code prints the Python stack to the worker log before the process dies.
+    faulthandler.enable(file=sys.stderr)
+    start_watchdog(os.getppid())
+    torch.set_num_threads(threads)
+    warm_up()
+    status = serve(channel, Daemon(Engine(device=device)))
+    sys.stderr.flush()
+    # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the daemon on this process's stdin/stdout until shutdown, EOF or orphaning."""
     args = _parse_args(argv)
     keep_freed_memory()
-    channel = take_stdio(args.shared)
-    # A segfault in user code prints the Python stack to the worker log before the process dies.
-    faulthandler.enable(file=sys.stderr)
-    start_watchdog(os.getppid())
-    torch.set_num_threads(args.threads)
-    warm_up()
-    status = serve(channel, Daemon(Engine(device=args.device)))
-    sys.stderr.flush()
-    # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
-    os._exit(status)
+    run(args.threads, args.device, args.shared)
 
 
 if __name__ == "__main__":

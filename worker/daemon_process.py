@@ -27,6 +27,7 @@ from typing import Any
 
 from protocol.daemon import ErrorReply, OkReply
 from protocol.errors import FrameError
+from worker.forked import ForkedChild
 from worker.job_cgroup import CgroupParent, JobCgroup
 from worker.pipe import FrameReader, FrameWriter
 from worker.shared_memory import SharedRegion
@@ -59,7 +60,7 @@ class DaemonProcess:
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        popen: subprocess.Popen[bytes] | ForkedChild,
         *,
         on_frame: Callable[[DaemonProcess, memoryview], None],
         on_broken: Callable[[DaemonProcess, str], None],
@@ -162,7 +163,10 @@ class DaemonProcess:
         if self._writing:
             self._loop.remove_writer(self._write_fd)
             self._writing = False
-        reaping = self._loop.run_in_executor(None, reap, self.popen, self.cgroup)
+        if isinstance(self.popen, ForkedChild):  # the fork server's child: it reaps it
+            reaping = self._loop.run_in_executor(None, self.popen.reap, self.cgroup, REAP_SECONDS)
+        else:
+            reaping = self._loop.run_in_executor(None, reap, self.popen, self.cgroup)
         reaping.add_done_callback(self._on_reaped)
 
     def _on_reaped(self, reaping: asyncio.Future[int]) -> None:

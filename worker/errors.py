@@ -6,7 +6,9 @@ Exception tree::
     ├── AgentError               a connection attempt failed in a way the agent understands
     │   ├── HandshakeFailed      the hello was answered by something other than a welcome
     │   ├── LinkDead             the coordinator answered no ping within the heartbeat timeout
-    │   └── RegistrationRefused  refused for good (another protocol version, a wrong token)
+    │   ├── RegistrationRefused  refused for good (another protocol version, a wrong token)
+    │   └── UntrustedCoordinator its TLS certificate fails verification with what the agent
+    │                            trusts (retrying would not help: give the right --ca-file)
     ├── InvalidTransition        the agent's lifecycle was asked for a step its state forbids
     ├── PipelineError            a pipeline stage's input or turn could not be had
     │   ├── MailboxDropped       the job's mailbox went while a call waited on it
@@ -61,6 +63,12 @@ class RegistrationRefused(AgentError):
     def __init__(self, info: ErrorInfo) -> None:
         super().__init__(f"{info.code}: {info.message}")
         self.info = info
+
+
+class UntrustedCoordinator(AgentError):
+    """The coordinator's TLS certificate fails verification with what the agent trusts: the
+    same certificate would fail again, so :meth:`~worker.agent.Agent.run` raises this instead
+    of retrying (the message says what to give ``--ca-file``)."""
 
 
 class InvalidTransition(WorkerError):

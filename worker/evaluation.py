@@ -1,4 +1,5 @@
-"""Evaluating the loaded chain on validation data: its loss and its metrics, as it stands.
+"""Evaluating the loaded chain on validation data: its loss and its metrics, as it stands;
+and a run's mean loss on its training rows before it trains (q-FedAvg's F_k(w_t)).
 
 A chain is evaluated up to its last differentiable filter, whose loss (``val_loss``) and
 ``metrics`` (:mod:`worker.metrics`) are taken on the whole validation set at once, the modules
@@ -15,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.batching import batch_len, batch_rows, batches
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, Nodes, num_rows
 from worker.npy_rows import Rows
-from worker.transfer import to_cpu
+from worker.transfer import autocast, to_cpu
 
 __all__ = ["Evaluation"]
 
@@ -61,6 +63,36 @@ class Evaluation(Nodes):
             metrics = getattr(f, "compute_metrics", None)
             scores = metrics(out, target) if metrics is not None else {}
         return {"val_loss": loss, **scores, "rows": num_rows(to_cpu(out))}
+
+    def _mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
+        """The run's mean loss over all rows of ``x`` at its current weights: batches in order,
+        evaluation mode, no gradients, nothing changed (BatchNorm's running statistics kept)."""
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} is differentiable: its loss needs labels (y)",
+                {"node_id": run[-1].node_id},
+            )
+        first, last = run[0].filter, run[-1].filter
+        lazy = isinstance(x, Rows)
+        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
+        n = num_rows(xt)
+        total = 0.0
+        with torch.no_grad():
+            for node in run:
+                node.filter.module.eval()
+            for index in batches(n, batch_size or last.batch_size or n, None):
+                if lazy:
+                    picked = batch_rows(index, n)
+                    xb, yb = first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
+                else:
+                    xb, yb = xt[index], yt[index]
+                out = self._on_device(xb)
+                for node in run:
+                    with autocast(node.filter, self.device):
+                        out = node.filter.module(out)
+                total += float(self._loss(run, out, self._on_device(yb))) * batch_len(index, n)
+        return total / n if n else float("nan")
 
 
 def _whole(data: Any) -> Any:

@@ -22,12 +22,18 @@ from websockets.exceptions import InvalidStatus, WebSocketException
 
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
-from protocol.asyncio.websocket import client_tls, ws_options
+from protocol.asyncio.websocket import client_tls, tls_hint, ws_options
 from protocol.chunking import Budget
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RemoteError, UnexpectedReply
 from protocol.messages import Heartbeat, Welcome, WorkerHello
 from worker.config import AgentConfig
-from worker.errors import HandshakeFailed, LinkDead, RegistrationRefused, WorkerError
+from worker.errors import (
+    HandshakeFailed,
+    LinkDead,
+    RegistrationRefused,
+    UntrustedCoordinator,
+    WorkerError,
+)
 
 __all__ = [
     "FATAL_CODES",
@@ -136,6 +142,7 @@ async def dial(config: AgentConfig, context: ssl.SSLContext | None) -> ClientCon
 
     Raises:
         RegistrationRefused: the upgrade was refused with HTTP 401 or 403.
+        UntrustedCoordinator: the coordinator's certificate fails verification.
     """
     url = config.endpoint
     token = config.token
@@ -144,6 +151,9 @@ async def dial(config: AgentConfig, context: ssl.SSLContext | None) -> ClientCon
         return await connect(
             url, **client_tls(url, context), additional_headers=headers, **agent_ws_options(config)
         )
+    except ssl.SSLCertVerificationError as exc:
+        hint = tls_hint(url, exc, config.ca_file, "--ca-file")
+        raise UntrustedCoordinator(f"{describe(exc)}: {hint}") from exc
     except InvalidStatus as exc:
         status = exc.response.status_code
         if status in _FATAL_HTTP_STATUSES:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from protocol.errors import ErrorCode
+from protocol.rows import rows_disagree
 from worker.errors import EngineError
 from worker.npy_rows import Rows
 from worker.schedules import Horizon, current_lr
@@ -76,12 +77,10 @@ def num_rows(x: Any) -> int:
 
 
 def check_same_rows(x: Any, y: Any) -> None:
-    """Refuse labels that do not have one row per input row."""
+    """Refuse labels that do not have one row per input row (the coordinator refuses such a
+    job at submit already, in the same words: :mod:`protocol.rows`)."""
     if y is not None and num_rows(x) != num_rows(y):
-        raise EngineError(
-            ErrorCode.BAD_REQUEST,
-            f"x has {num_rows(x)} rows and y has {num_rows(y)}: they must match",
-        )
+        raise EngineError(ErrorCode.BAD_REQUEST, rows_disagree(num_rows(x), num_rows(y)))
 
 
 @dataclass
@@ -199,6 +198,19 @@ class Nodes:
         interval = getattr(node.filter, "scheduler_interval", "step")
         total = self.horizon.total(interval) if self.horizon is not None else None
         return make(optimizer, total)
+
+    def _set_lr(
+        self, run: Sequence[Node], optimizers: Sequence[torch.optim.Optimizer], lr: float
+    ) -> None:
+        """Every optimizer of the run to learning rate ``lr`` (a federated round's client
+        config), as though its filter asked for it: a scheduler is made again from it."""
+        for node, optimizer in zip(run, optimizers, strict=True):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+                if node.scheduler is not None:
+                    group["initial_lr"] = lr  # the base a new scheduler starts from
+            if node.scheduler is not None:
+                node.scheduler = self._make_scheduler(node, optimizer)
 
     def _step_run(
         self,

@@ -1,9 +1,12 @@
 """The agent's filter daemons: every one it started, and the spare kept warm for the next job.
 
-Importing torch in a new daemon takes seconds. With ``spare`` on, :class:`DaemonPool` starts the
-next job's daemon ahead of its ``open_job`` (off the critical path), and hands it over when the
-job asks for the default thread count; the spare also answers ``probe``. The pool knows every
-daemon until it is closed, so a forced exit can kill them all (:meth:`DaemonPool.kill_all`).
+Importing torch in a new daemon takes seconds. With ``fork_server`` on (a CPU worker), the pool
+runs the agent's fork server (:mod:`worker.forked`), which imported torch once: each daemon is a
+fork of it, up in milliseconds; until the server is up, or if it dies (it is started again),
+daemons start anew. With ``spare`` on, :class:`DaemonPool` starts the next job's daemon ahead of
+its ``open_job`` (off the critical path), and hands it over when the job asks for the default
+thread count; the spare also answers ``probe``. The pool knows every daemon until it is closed,
+so a forced exit can kill them all (:meth:`DaemonPool.kill_all`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from protocol.daemon import PingRequest
 from worker.config import AgentConfig
 from worker.datasets import environment as dataset_environment
 from worker.errors import DaemonError
+from worker.forked import ForkServer
 from worker.job_cgroup import CgroupParent
 from worker.job_limits import JobLimits
 from worker.supervisor import DaemonSupervisor
@@ -42,6 +46,9 @@ class DaemonPool:
         self._accepting = accepting
         self._spare: asyncio.Task[DaemonSupervisor] | None = None
         self._daemons: set[DaemonSupervisor] = set()  # until closed, open or not: kill_all()
+        self._forks: ForkServer | None = None
+        self._starting: ForkServer | None = None  # the one being started, to stop it early
+        self._forks_starting: asyncio.Task[None] | None = None
         self.cgroups: CgroupParent | None = None
         """Where each daemon gets a cgroup of its own; ``None``: a process group only."""
 
@@ -50,10 +57,57 @@ class DaemonPool:
         """Whether a spare daemon is started (or starting)."""
         return self._spare is not None
 
+    def start_fork_server(self) -> None:
+        """Start the fork server in the background, if the agent uses one and it is not up
+        (again, after it died); daemons start anew meanwhile."""
+        config = self._config
+        if not config.fork_server or config.device != "cpu" or not hasattr(os, "fork"):
+            return
+        if self._forks_starting is not None and not self._forks_starting.done():
+            return
+        if self._forks is not None and self._forks.alive:
+            return
+        env = self._supervisor(None).environment()
+        forks = self._starting = ForkServer(config.python, env)
+
+        async def start() -> None:
+            try:
+                await asyncio.to_thread(forks.start)
+            except OSError as exc:
+                if self._starting is forks:  # not stopped meanwhile
+                    log.warning("no fork server (%s): each filter daemon starts anew", exc)
+                return
+            finally:
+                if self._starting is forks:
+                    self._starting = None
+            old, self._forks = self._forks, forks
+            if old is not None:
+                await asyncio.to_thread(old.close)
+
+        self._forks_starting = owned_task(start())
+
+    async def close_fork_server(self) -> None:
+        """Stop the fork server (the agent is going), even while it starts."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            await asyncio.to_thread(starting.kill)  # its start() then fails at once
+        if self._forks_starting is not None and not self._forks_starting.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._forks_starting
+        forks, self._forks = self._forks, None
+        if forks is not None:
+            await asyncio.to_thread(forks.close)
+
     def new(self, threads: int | None) -> DaemonSupervisor:
         """A daemon for a job (not started yet); ``threads`` ``None``: the agent's default."""
+        self.start_fork_server()  # again, if it died
+        supervisor = self._supervisor(threads)
+        self._daemons.add(supervisor)
+        return supervisor
+
+    def _supervisor(self, threads: int | None) -> DaemonSupervisor:
         config = self._config
-        supervisor = DaemonSupervisor(
+        return DaemonSupervisor(
             python=config.python,
             threads=threads or config.threads,
             env=dataset_environment(config.datasets),
@@ -62,9 +116,18 @@ class DaemonPool:
             passed_env=config.daemon_env,
             limits=JobLimits(config.max_job_memory, config.max_job_procs),
             cgroups=self.cgroups,
+            fork_server=self._fork_server,
         )
-        self._daemons.add(supervisor)
-        return supervisor
+
+    async def _fork_server(self) -> ForkServer | None:
+        """The fork server once it is up (a daemon asked for while it starts waits for it,
+        rather than import torch beside it), or ``None``."""
+        starting = self._forks_starting
+        if starting is not None and not starting.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(starting)
+        forks = self._forks
+        return forks if forks is not None and forks.alive else None
 
     def prewarm(self) -> None:
         """Start the next job's daemon now, off the critical path of its ``open_job``."""
@@ -152,7 +215,11 @@ class DaemonPool:
             self.cgroups.remove()
 
     def kill_all(self) -> None:
-        """SIGKILL every daemon now, without waiting: the forced exit of a second signal."""
+        """SIGKILL every daemon, and the fork server, now, without waiting: the forced exit of
+        a second signal."""
+        if self._forks is not None and self._forks.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._forks.pid, signal.SIGKILL)
         for supervisor in list(self._daemons):
             pid = supervisor.pid
             if pid is not None:

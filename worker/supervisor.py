@@ -26,8 +26,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -62,7 +63,8 @@ from worker.errors import (
     DaemonNotRunning,
     DaemonTimeout,
 )
-from worker.job_cgroup import CgroupParent
+from worker.forked import ForkedChild, ForkServer
+from worker.job_cgroup import CgroupParent, JobCgroup
 from worker.job_limits import NO_LIMITS, POLL_SECONDS, JobLimits, Usage, group_usage, over, usage_of
 
 __all__ = ["DaemonSupervisor"]
@@ -94,6 +96,9 @@ class DaemonSupervisor:
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
         device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
             ``"cuda:N"`` or ``"mps"``.
+        fork_server: forks the daemon on a CPU worker (:mod:`worker.forked`) while it runs —
+            or what gives it once it is up (the agent's, while it starts); ``None``, gone, or
+            another device: the daemon starts anew.
 
     Use as ``async with DaemonSupervisor() as daemon:`` or call :meth:`start` and :meth:`close`.
     """
@@ -108,8 +113,10 @@ class DaemonSupervisor:
         passed_env: Sequence[str] = (),
         limits: JobLimits = NO_LIMITS,
         cgroups: CgroupParent | None = None,
+        fork_server: ForkServer | Callable[[], Awaitable[ForkServer | None]] | None = None,
     ) -> None:
         self.python = python
+        self.fork_server = fork_server
         self.device = device
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.env = dict(env or {})
@@ -369,13 +376,26 @@ class DaemonSupervisor:
         if shared is not None:
             fds = (shared[0].fd, shared[1].fd)
             argv += ["--shared", f"{fds[0]},{fds[1]}"]
-        env = daemon_environment(os.environ, self.passed_env, self.env)
-        paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-        if _SOURCE_ROOT not in paths:
-            env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
+        env = self.environment()
         loop = asyncio.get_running_loop()
+        forks = self.fork_server
+        if callable(forks):
+            forks = await forks()
+        forked: tuple[ForkedChild, JobCgroup | None] | None = None
+        if forks is not None and forks.alive and self.device == "cpu":
+            try:
+                forked = await loop.run_in_executor(
+                    None, forks.fork, self.threads, fds, self.cgroups
+                )
+                argv = [f"(forked by fork server {forks.pid})", "--threads", str(self.threads)]
+            except OSError as exc:
+                log.warning("the fork server could not start a daemon (%s): starting one anew", exc)
         try:
-            popen, cgroup = await loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups)
+            started: tuple[subprocess.Popen[bytes] | ForkedChild, JobCgroup | None] = (
+                forked
+                if forked is not None
+                else await loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups)
+            )
         except OSError as exc:
             for region in shared or ():
                 region.close()
@@ -384,6 +404,7 @@ class DaemonSupervisor:
                 f"cannot start the filter daemon with {self.python}: {exc}",
                 {"argv": argv},
             ) from exc
+        popen, cgroup = started
         self._child = DaemonProcess(
             popen,
             on_frame=self._on_frame,
@@ -397,6 +418,15 @@ class DaemonSupervisor:
         if self.limits.any:
             self._watch = asyncio.ensure_future(self._watch_limits(self._child))
         await self._request(_PING, self.default_timeout)
+
+    def environment(self) -> dict[str, str]:
+        """The daemon's environment: the allow-list of :mod:`worker.daemon_env`, what the agent
+        sets, and this source tree on ``PYTHONPATH``."""
+        env = daemon_environment(os.environ, self.passed_env, self.env)
+        paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+        if _SOURCE_ROOT not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
+        return env
 
     async def _watch_limits(self, child: DaemonProcess) -> None:
         """Kill ``child``'s process group once it holds more than :attr:`limits` allow."""

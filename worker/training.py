@@ -8,6 +8,7 @@ whole training loop, what ``graph.fit`` runs.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.batching import batches, generator
+from protocol.batching import batch_len, batch_rows, batches, generator
 from protocol.errors import ErrorCode
+from protocol.rows import needs_labels
 from worker.errors import EngineError
 from worker.evaluation import Evaluation
 from worker.nodes import (
@@ -47,6 +49,9 @@ class FitResult:
             loop), ``None`` when no differentiable filter was involved.
         rows: how many rows were fitted on.
         epoch_losses: for a training loop, the mean loss of each epoch, in order.
+        start_loss: asked for, the mean loss over the rows at the weights the loop started
+            from, before any step (q-FedAvg's F_k(w_t)).
+        clipped: with ``clip_norm``, whether the update had to be scaled down to it.
         history: for a training loop, a row per epoch: ``epoch`` (from 1), ``loss`` (its mean
             training loss), ``lr`` (the learning rate its last step took) and, with validation
             data, ``val_loss`` and each metric of the model at the epoch's end.
@@ -57,6 +62,8 @@ class FitResult:
     loss: float | None
     rows: int
     epoch_losses: list[float] = field(default_factory=list)
+    start_loss: float | None = None
+    clipped: bool | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -197,6 +204,9 @@ class Training(Evaluation):
         reset_optimizer: bool = False,
         schedule: tuple[int, int | None] = (0, None),
         validation: tuple[Any, Any] | None = None,
+        lr: float | None = None,
+        start_loss: bool = False,
+        clip_norm: float | None = None,
     ) -> FitResult:
         """Train a chain to completion: what ``graph.fit`` does.
 
@@ -221,12 +231,21 @@ class Training(Evaluation):
         ``validation=(x_val, y_val)``: at the end of every epoch of the chain's last
         differentiable run the chain is evaluated on them (:mod:`worker.evaluation`), its
         ``val_loss`` and metrics going into that epoch's row of the history.
+
+        ``lr`` sets the learning rate of the optimizers (a federated round's client config).
+        ``start_loss`` asks for the mean loss of the last differentiable run at the weights it
+        starts from, over all its rows, before training (evaluation mode, no gradients).
+        ``clip_norm`` scales the update of the chain's TorchFilters, w − w_start over their
+        float state entries taken as one vector, down to that L2 norm when it is longer
+        (client-side clipping for differential privacy, McMahan et al. 2018).
         """
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
                 node.optimizer = node.scaler = node.scheduler = None
-        out, loss = x, None
+        torch_ids = [n.node_id for n in nodes if n.differentiable]
+        start = self.get_state(torch_ids) if clip_norm is not None else {}
+        out, loss, first_loss = x, None, None
         history: list[dict[str, Any]] = []
         runs = list(segments(nodes))
         last_run = max((k for k, s in enumerate(runs) if s[0].differentiable), default=-1)
@@ -237,8 +256,10 @@ class Training(Evaluation):
                 if validation is not None and k == last_run:
                     ids = [n.node_id for n in segment]
                     scores = functools.partial(self.evaluate, ids, val_x, val_y)
+                if start_loss:
+                    first_loss = self._mean_loss(segment, out, y, batch_size)
                 history = self._train_run(
-                    segment, out, y, batch_size, epochs, prox_mu, schedule, scores
+                    segment, out, y, batch_size, epochs, prox_mu, schedule, scores, lr
                 )
                 loss = history[-1]["loss"] if history else None
                 if isinstance(out, Rows) and k == len(runs) - 1:
@@ -251,10 +272,13 @@ class Training(Evaluation):
                 out = self._fit_plain(segment[0], _whole(out), _whole(y))
                 if validation is not None:
                     val_x = self._apply(segment[0], _whole(val_x), segment[0].state)
+        clipped = self._clip_update(start, clip_norm) if clip_norm is not None else None
         rows = num_rows(x)
         states = self.get_state(node_ids)
         epoch_losses = [row["loss"] for row in history]
-        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, history)
+        return FitResult(
+            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history
+        )
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -357,7 +381,7 @@ class Training(Evaluation):
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: fitting it needs labels (y)",
+                needs_labels(run[-1].node_id, "fitting"),
                 {"node_id": run[-1].node_id},
             )
         for node in run:
@@ -389,6 +413,7 @@ class Training(Evaluation):
         prox_mu: float = 0.0,
         schedule: tuple[int, int | None] = (0, None),
         scores: Callable[[], dict[str, Any]] | None = None,
+        lr: float | None = None,
     ) -> list[dict[str, Any]]:
         """The training loop of one differentiable run; a history row per epoch: its number,
         mean loss, the learning rate its last step took and what ``scores`` gives then.
@@ -397,12 +422,13 @@ class Training(Evaluation):
         batches (and after an epoch's last), each batch's loss weighted by its share of the
         rows of those batches: the step is the one a batch k times larger takes.
         ``schedule``: the epochs of the run trained before this call, and the epochs its
-        schedules span (``None``: this call's), for a federated client's rounds."""
+        schedules span (``None``: this call's), for a federated client's rounds. ``lr``
+        replaces the optimizers' learning rate (and their schedules' base)."""
         last = run[-1].filter
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: training it needs labels (y)",
+                needs_labels(run[-1].node_id, "training"),
                 {"node_id": run[-1].node_id},
             )
         first = run[0].filter
@@ -417,6 +443,8 @@ class Training(Evaluation):
         fresh = any(node.optimizer is None for node in run)
         self.horizon = Horizon(per_epoch, span if span is not None else done + epochs)
         optimizers = [self._optimizer(node) for node in run]
+        if lr is not None:
+            self._set_lr(run, optimizers, lr)
         if fresh and done:
             for node in run:  # the schedule stands where the epochs before left it
                 interval = getattr(node.filter, "scheduler_interval", "step")
@@ -430,7 +458,7 @@ class Training(Evaluation):
         def read(index: Any) -> tuple[Any, Any]:  # a batch (on disk: in a read-ahead thread)
             if not lazy:
                 return xt[index], yt[index]
-            picked = _rows_of(index, n)
+            picked = batch_rows(index, n)
             return first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
 
         # Seeded, and without touching the caller's global RNG: dropout and friends inside the
@@ -441,7 +469,7 @@ class Training(Evaluation):
             for e in range(epochs):
                 total, lr = 0.0, float("nan")
                 epoch = list(batches(n, size, order if last.shuffle else None))
-                sizes = [_len(index, n) for index in epoch]
+                sizes = [batch_len(index, n) for index in epoch]
                 groups = [sum(sizes[g : g + every]) for g in range(0, len(epoch), every)]
                 for j, (xb, yb) in enumerate(read_ahead(read, epoch, 1 if lazy else 0)):
                     if j % every == 0:
@@ -464,6 +492,27 @@ class Training(Evaluation):
                     row |= {k: v for k, v in scored.items() if k != "rows"}
                 history.append(row)
         return history
+
+    def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
+        """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``
+        when its L2 norm is larger; whether it was."""
+        current = self.get_state(list(start))
+        deltas = [
+            (node_id, key, value - start[node_id][key])
+            for node_id, state in current.items()
+            for key, value in state.items()
+            if value.is_floating_point()
+        ]
+        norm = math.sqrt(sum(float(d.double().square().sum()) for _, _, d in deltas))
+        if norm <= clip_norm:
+            return False
+        scale = clip_norm / norm
+        clipped = {node_id: dict(state) for node_id, state in current.items()}
+        for node_id, key, delta in deltas:
+            base = start[node_id][key]
+            clipped[node_id][key] = (base.double() + delta.double() * scale).to(base.dtype)
+        self.set_state(clipped)
+        return True
 
     def _scaler(self, node: Node) -> torch.amp.GradScaler | None:
         """The run's gradient scaler (fp16 only), made on first use and kept like an optimizer."""
@@ -491,19 +540,6 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _whole(data: Any) -> Any:
     """``data`` in memory: a dataset read by rows (:class:`Rows`) is read whole here."""
     return np.asarray(data) if isinstance(data, Rows) else data
-
-
-def _rows_of(index: Any, n: int) -> np.ndarray[Any, Any]:
-    """A batch's rows (a slice, or a tensor of a permutation) as a numpy index."""
-    if isinstance(index, slice):
-        return np.arange(*index.indices(n))
-    return np.asarray(index.numpy(), dtype=np.int64)
-
-
-def _len(index: Any, n: int) -> int:
-    if isinstance(index, slice):
-        return len(range(*index.indices(n)))
-    return int(index.numel())
 
 
 def _load_module_state(node: Node, state: Any) -> None:

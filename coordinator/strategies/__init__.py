@@ -13,10 +13,12 @@ A strategy is a small class named after what it implements, with:
 The package, by module: ``base`` (inputs, placement, the strategy interface), ``steps`` (what
 several strategies do: the plain-prefix check, global batches, setting a worker up),
 ``aggregate`` (weighted means), ``local``, ``data_parallel`` with ``elastic`` (replacing a
-lost replica), ``fedavg`` and ``fedprox`` with ``federated`` (the run's position and workers),
-``fed_eval`` (evaluating the global model, federated or not) and ``server_opt`` (server
-optimizers), ``model_parallel`` with ``schedule`` (pipeline schedules as data) and ``pipeline``
-(running one over the context); ``history`` (a run's rows per epoch, its validation data).
+lost replica), ``fedavg``, ``fedprox`` and ``qfedavg`` with ``federated`` (the run's
+position and workers), ``round_fold`` (a round's aggregate), ``robust`` (Byzantine-robust
+rules), ``flat`` (a state as one vector), ``fed_eval`` (evaluating the global model, federated
+or not) and ``server_opt`` (server optimizers), ``model_parallel`` with ``schedule`` (pipeline
+schedules as data) and ``pipeline`` (running one over the context); ``history`` (a run's rows
+per epoch, its validation data).
 
 :data:`STRATEGIES` maps the wire name (``StrategySpec.name``) to the class.
 """
@@ -37,9 +39,10 @@ from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedprox import FedProx
 from coordinator.strategies.local import Local
 from coordinator.strategies.model_parallel import ModelParallel
+from coordinator.strategies.qfedavg import QFedAvg
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx, ModelParallel)
+    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx, QFedAvg, ModelParallel)
 }
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "Local",
     "ModelParallel",
     "Placement",
+    "QFedAvg",
     "Strategy",
     "StrategyFailed",
     "StrategyOptionsError",

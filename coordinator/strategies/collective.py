@@ -246,13 +246,13 @@ class TorchTraining:
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
         """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
         the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses, lrs, batches = [], results[0].get("lrs") or [], []  # replicas step alike
+        losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
         for j in range(stop - start):
             rows = [results[i]["rows"][j] for i in self._all()]
             values = [results[i]["losses"][j] for i in self._all()]
             weighted = sum(r * v for r, v in zip(rows, values, strict=True))
             losses.append(weighted / max(sum(rows), 1))
-            batches.append(sum(rows))
+            batch_rows.append(sum(rows))
         per_epoch = self.steps_per_epoch
         await self.emit(
             "progress",
@@ -265,11 +265,13 @@ class TorchTraining:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": stop - start,
+                "rows": sum(batch_rows),
+                "batch_rows": batch_rows,
             }
             | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
         )
         if self.history is not None:
-            await self.history.steps(start, losses, batches, lrs, per_epoch, self.evaluate)
+            await self.history.steps(start, losses, batch_rows, lrs, per_epoch, self.evaluate)
 
     def _all(self) -> range:
         return range(self.run.ctx.num_workers())

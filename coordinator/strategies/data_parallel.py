@@ -54,12 +54,12 @@ from coordinator.strategies.steps import (
     Training,
     global_batches,
     plain_prefix,
-    rows_of,
     schedule_request,
 )
 from protocol.daemon import CompositeFitRequest, EvaluateRequest
 from protocol.equivalence import data_parallel_notes
 from protocol.errors import ErrorCode
+from protocol.rows import rows_of
 from protocol.strategy_options import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_ELASTIC_TIMEOUT,

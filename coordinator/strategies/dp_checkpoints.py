@@ -52,7 +52,8 @@ class ReplicaCheckpoints:
             await ctx.set_optimizer_state(i, optimizers)
 
         await self.run.on_all(put, range(ctx.num_workers()))
-        await self.run.emit("resumed", resume.position | {"checkpoint": resume.seq})
+        assert self.checkpoints is not None
+        await self.run.emit("resumed", self.checkpoints.resumed())
         return int(resume.position["step"])
 
     def start(self) -> None:

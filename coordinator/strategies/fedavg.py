@@ -28,7 +28,9 @@ workers, m = max(``min_workers``, ⌈``fraction`` · K⌉). ClientUpdate is ``ba
 fresh optimizer (the TorchFilters' own optimizer, ``lr`` and batches) from w_t sent with
 ``set_state``; the trained states are pulled (``get_state``) at most ``FETCHES`` at a time and
 folded into an :class:`~coordinator.strategies.aggregate.Accumulator` as they arrive, so the
-coordinator holds a few client states, not m. The server optimizer
+coordinator holds a few client states, not m; or, with an ``aggregator``, a Byzantine-robust
+rule (:mod:`~coordinator.strategies.robust`: median, trimmed mean, Krum, Bulyan) replaces the
+mean on the TorchFilters' weights (:mod:`~coordinator.strategies.round_fold`). The server optimizer
 (:mod:`~coordinator.strategies.server_opt`: plain averaging, or FedAvgM, FedAdam, FedYogi after
 Reddi et al. 2021) then steps from w_t towards the mean on the TorchFilters' states. Plain
 filters (a ``Center`` before the network) are fitted by each client on its own data every round,
@@ -44,16 +46,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping
-from typing import Any, Self
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
 from coordinator.checkpoints import CheckpointPolicy
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
-from coordinator.strategies import server_opt
-from coordinator.strategies.aggregate import Accumulator, AggregationError
+from coordinator.strategies import robust, server_opt
+from coordinator.strategies.aggregate import AggregationError
 from coordinator.strategies.base import (
     Emit,
     JobInputs,
@@ -74,9 +76,14 @@ from coordinator.strategies.federated import (
     round_lr,
 )
 from coordinator.strategies.history import History
-from coordinator.strategies.steps import rows_of
+from coordinator.strategies.privacy import DPFold, Privacy
+from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
+from coordinator.strategies.secagg import SecureRound, each_client
 from protocol.daemon import BatchedFitRequest
 from protocol.errors import ErrorCode
+from protocol.options_base import Dialect
+from protocol.rows import rows_of
+from protocol.secagg_options import secagg_options
 from protocol.strategy_options import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
@@ -98,6 +105,8 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     saves_checkpoints = True
+    asks_start_loss: ClassVar[bool] = False
+    """Whether each client reports its loss at w_t before training (q-FedAvg's F_k(w_t))."""
 
     def __init__(
         self,
@@ -109,6 +118,11 @@ class FedAvg(Strategy):
         tag: str | None = None,
         server: str = server_opt.FedAvgServer.name,
         server_options: Mapping[str, Any] | None = None,
+        aggregator: Mapping[str, Any] | None = None,
+        client_config: Sequence[Mapping[str, Any]] | None = None,
+        clients_per_worker: int = 1,
+        privacy: Mapping[str, Any] | None = None,
+        secure_aggregation: Mapping[str, Any] | None = None,
         seed: int = 0,
         prox_mu: float = 0.0,
         device: str | None = None,
@@ -126,6 +140,13 @@ class FedAvg(Strategy):
         self.tag = tag
         self.server = server
         self.server_options = dict(server_options or {})
+        self.aggregator = dict(aggregator) if aggregator is not None else None
+        self.client_config = [dict(c) for c in client_config] if client_config else None
+        self.clients_per_worker = clients_per_worker
+        self.privacy = dict(privacy) if privacy is not None else None
+        self.secure_aggregation = (
+            dict(secure_aggregation) if secure_aggregation is not None else None
+        )
         self.seed = seed
         self.prox_mu = prox_mu
         self.device = device
@@ -136,6 +157,8 @@ class FedAvg(Strategy):
         self.evaluate_fraction = evaluate_fraction
         self._evaluation: RoundEvaluation | None = None
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
+        self._fold([], {})
+        self._privacy()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -147,6 +170,26 @@ class FedAvg(Strategy):
             return server_opt.from_options(self.server, self.server_options)
         except (ValueError, TypeError) as exc:
             raise StrategyOptionsError(f"{self.name}: server: {exc}") from None
+
+    def _fold(self, torch_nodes: list[str], start: Mapping[str, Any]) -> RoundFold:
+        """A new round's aggregation from w_t (``start``): the row-weighted mean, or the robust
+        rule asked for."""
+        if self.aggregator is None:
+            return MeanFold()
+        try:
+            rule = robust.from_options(self.aggregator)
+        except ValueError as exc:
+            raise StrategyOptionsError(f"{self.name}: aggregator: {exc}") from None
+        return RobustFold(rule, torch_nodes)
+
+    def _privacy(self) -> Privacy | None:
+        """A new run's DP-FedAvg state (clip, accountant), if the job asked for privacy."""
+        if self.privacy is None:
+            return None
+        try:
+            return Privacy(self.privacy)
+        except ValueError as exc:
+            raise StrategyOptionsError(f"{self.name}: privacy: {exc}") from None
 
     def placement(self) -> Placement:
         if self.workers is None:
@@ -166,20 +209,30 @@ class FedAvg(Strategy):
                 f"{self.name}: evaluate_fraction has workers evaluate on their own validation "
                 "data: the job trains on WorkerData and sends no x_val"
             )
+        plain = [n for n in job.node_ids if n not in job.differentiable()]
+        for option in ("privacy", "secure_aggregation"):
+            if getattr(self, option) is not None and plain:
+                raise StrategyOptionsError(
+                    f"{self.name}: {option} covers the TorchFilters' models, and the plain "
+                    f"filters {plain} would be averaged in the clear: leave them out of the job"
+                )
         if job.dataset is not None:
             return  # the labels are the workers' own: each one's first round will tell
         if job.y is None:
             raise StrategyOptionsError(f"{self.name} trains with labels: y is missing")
         rows = rows_of(job.x)
         least = self.workers if self.workers is not None else self.min_workers
-        if rows is not None and rows < least:
+        if rows is not None and rows < least * self.clients_per_worker:
+            clients = f"{least} workers"
+            if self.clients_per_worker > 1:
+                clients = f"{least * self.clients_per_worker} clients ({least} workers)"
             raise StrategyOptionsError(
-                f"{self.name}: x has {rows} rows, too few to give each of {least} workers a shard"
+                f"{self.name}: x has {rows} rows, too few to give each of {clients} a shard"
             )
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         torch_nodes = job.differentiable()
-        cohort = Cohort([w.id for w in ctx.workers])
+        cohort = Cohort([w.id for w in ctx.workers], per_worker=self.clients_per_worker)
         shards = contiguous_shards(job, ctx.num_workers(), self.name)
 
         # Ship the filters and stage each worker's data P_k, once per job.
@@ -203,37 +256,66 @@ class FedAvg(Strategy):
         while at.round < self.rounds:
             r = at.round + 1
             # S_t ← a random set of m = max(min_workers, ⌈C · K⌉) clients.
+            population = len(cohort.clients())
             selected = self._select(r, cohort)
-            # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel, each folded into
-            # the weighted mean as it arrives (a few client states held, not m).
-            mean, fetch = Accumulator(), asyncio.Semaphore(FETCHES)
-            updates = await concurrently(
-                *(self._client_update(ctx, job, shards, at, i, mean, fetch) for i in selected)
-            )
+            # w^k_{t+1} ← ClientUpdate(k, w_t) on each k ∈ S_t in parallel (a worker's own
+            # clients in turn), each folded into the weighted mean as it arrives (a few client
+            # states held, not m), or kept for the robust rule asked for.
+            fold: RoundFold = self._fold(torch_nodes, at.global_state)
+            if at.privacy is not None:  # clipped updates, noised (McMahan et al. 2018)
+                fold = at.privacy.fold(at.global_state, torch_nodes, len(selected))
+            fetch = asyncio.Semaphore(FETCHES)
+            secure, early = None, list[DroppedWorker]()
+            if self.secure_aggregation is not None:  # keys and shares before training
+                secure, early = await self._secure_setup(ctx, at, selected, torch_nodes)
+            turns: dict[int, list[int]] = {}
+            for c in selected:
+                turns.setdefault(cohort.worker_of(c), []).append(c)
+            updates = [
+                u
+                for group in await concurrently(
+                    *(
+                        self._worker_round(ctx, job, shards, at, i, clients, fold, fetch, secure)
+                        for i, clients in turns.items()
+                    )
+                )
+                for u in group
+            ]
             answered = [u for u in updates if isinstance(u, ClientUpdate)]
-            dropped = [u for u in updates if isinstance(u, DroppedWorker)]
+            dropped = early + [u for u in updates if isinstance(u, DroppedWorker)]
             cohort.check_answered(
-                r, self.min_workers, selected, [u.worker for u in answered], dropped
+                r, self.min_clients, selected, [u.client for u in answered], dropped
             )
-            # w_{t+1} ← Σ (n_k / n) w^k_{t+1}, stepped through the server optimizer (Reddi et
-            # al. 2021) for the TorchFilters.
+            # w_{t+1} ← Σ (n_k / n) w^k_{t+1} (or the robust rule's aggregate), stepped through
+            # the server optimizer (Reddi et al. 2021) for the TorchFilters.
+            if secure is not None:
+                aggregate, how = await self._secure_sum(ctx, at, selected, secure)
+            else:
+                aggregate, how = fold.result()
+            if at.privacy is not None and isinstance(fold, DPFold):
+                how |= at.privacy.spent(fold, len(selected), population)
             at.global_state = server_opt.step_on(
-                at.server, at.global_state, mean.result(), torch_nodes, r
+                at.server, at.global_state, aggregate, torch_nodes, r
             )
             at.round = r
             rows = sum(u.rows for u in answered)
+            # The new global model evaluated (on the rows sent, or federated), and the
+            # round's row of the history.
             evaluated = await evaluate(ctx, cohort, at.global_state, r)
             history.add(sum(u.rows * u.loss for u in answered) / rows, rows, round_lr(answered))
             said = {
                 "rounds": self.rounds,
-                "selected": [cohort.ids[i] for i in selected],
-                "workers": [cohort.ids[u.worker] for u in answered],
+                "selected": [cohort.label(c) for c in selected],
+                "workers": [cohort.label(u.client) for u in answered],
                 "dropped": reasons(dropped),
                 "rows": rows,
             }
+            said |= how | ({"client_config": self.config_of(r)} if self.client_config else {})
             await history.close(r, evaluated.scores, said | evaluated.event())
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
+                if at.privacy is not None:
+                    state["privacy"] = at.privacy.state_dict()
                 await job.checkpoints.save({"round": r}, state)
                 policy.saved()
 
@@ -261,21 +343,40 @@ class FedAvg(Strategy):
         """Where the rounds start: w_0 read from a worker, or the job's checkpoint (round t
         draws its clients with ``default_rng(seed + t)`` and trains them with fresh
         optimizers: w_t and the server's moments are all a resumed run needs)."""
-        server = self._server_optimizer()
+        server, privacy = self._server_optimizer(), self._privacy()
         resume = job.checkpoints.resume if job.checkpoints is not None else None
         if resume is None:
             initial = await cohort.first_answering(
                 lambda i: ctx.get_state(i, torch_nodes), "no worker could give the initial model"
             )
-            return FederatedPosition(initial, server, cohort)
+            return FederatedPosition(initial, server, cohort, privacy=privacy)
         server.load_state_dict(resume.payload["server"])
-        at = FederatedPosition(resume.payload["global_state"], server, cohort)
+        if privacy is not None and "privacy" in resume.payload:
+            # (A private job continuing one that was not accounts for its own rounds only.)
+            privacy.load_state_dict(resume.payload["privacy"])
+        at = FederatedPosition(resume.payload["global_state"], server, cohort, privacy=privacy)
         at.round = int(resume.position["round"])
-        await emit("resumed", resume.position | {"checkpoint": resume.seq})
+        assert job.checkpoints is not None
+        await emit("resumed", job.checkpoints.resumed())
         return at
 
+    def config_of(self, r: int) -> dict[str, Any]:
+        """Round ``r``'s client config (``{}``: the strategy's and the filters' own)."""
+        return self.client_config[r - 1] if self.client_config else {}
+
+    def epochs_through(self, r: int) -> int:
+        """The local epochs a client trains in rounds 1 to ``r``: what its learning-rate
+        schedules have stepped through by the end of round ``r``."""
+        rounds = range(1, r + 1)
+        return sum(self.config_of(t).get("local_epochs", self.local_epochs) for t in rounds)
+
+    @property
+    def min_clients(self) -> int:
+        """The fewest clients a round needs answers from: ``min_workers`` workers' worth."""
+        return self.min_workers * self.clients_per_worker
+
     def _select(self, r: int, cohort: Cohort) -> list[int]:
-        """S_t: m of the usable workers, drawn with ``default_rng(seed + r)``."""
+        """S_t: m of the usable workers' clients, drawn with ``default_rng(seed + r)``."""
         usable = cohort.usable()
         if len(usable) < self.min_workers:
             lost = cohort.lost_reasons()
@@ -286,63 +387,125 @@ class FedAvg(Strategy):
                 round=r,
                 lost=lost,
             )
-        m = max(self.min_workers, math.ceil(self.fraction * len(usable)))
-        picks = np.random.default_rng(self.seed + r).choice(len(usable), m, replace=False)
-        return [usable[p] for p in sorted(picks.tolist())]
+        clients = cohort.clients()
+        m = max(self.min_clients, math.ceil(self.fraction * len(clients)))
+        picks = np.random.default_rng(self.seed + r).choice(len(clients), m, replace=False)
+        return [clients[p] for p in sorted(picks.tolist())]
 
-    async def _client_update(
+    async def _worker_round(
         self,
         ctx: StrategyContext,
         job: JobInputs,
         shards: list[tuple[Any, Any]] | None,
         at: FederatedPosition,
         i: int,
-        mean: Accumulator,
+        clients: list[int],
+        fold: RoundFold,
         fetch: asyncio.Semaphore,
-    ) -> ClientUpdate | DroppedWorker:
-        """ClientUpdate(k, w_t) on worker ``i``, its trained states folded into ``mean``; or why
-        it dropped out. The states are pulled ``fetch`` at a time, not sent with the fit's
-        reply: m workers finishing together would push m states into memory at once.
+        secure: SecureRound | None = None,
+    ) -> list[ClientUpdate | DroppedWorker]:
+        """ClientUpdate(k, w_t) of each of ``clients`` on worker ``i``, in turn, their trained
+        states folded into ``fold``; or why they dropped out. The states are pulled ``fetch``
+        at a time, not sent with the fit's reply: m clients finishing together would push m
+        states into memory at once. A client that fails is dropped and the worker goes on with
+        the next, unless the worker itself is gone (lost, or its daemon with the job's data).
 
         Raises:
-            StrategyFailed: its states cannot be averaged with the others' (the round fails).
+            StrategyFailed: a client's states cannot be aggregated with the others' (the round
+                fails).
         """
-        if i in at.cohort.stale:
-            failed = await at.cohort.set_up(ctx, job, STAGED, shards, [i])
+        cohort = at.cohort
+        if i in cohort.stale:
+            failed = await cohort.set_up(ctx, job, STAGED, shards, [i])
             if self._evaluation is not None:
                 self._evaluation.forget(i)
             if failed:
-                return failed[0]
-        # Only the TorchFilters start from w_t: plain filters are fitted anew on the worker's data.
+                return [failed[0]]
+        # Only the TorchFilters start from w_t: plain filters are fitted anew on the client's data.
         model = {n: at.global_state[n] for n in job.differentiable()}
-        train = BatchedFitRequest(
-            node_ids=job.node_ids,
-            data=STAGED,
-            epochs=self.local_epochs,
-            prox_mu=self.prox_mu,
-            reset_optimizer=True,
-            # The schedules span every round's local epochs; this round's start where the
-            # rounds before left them.
-            schedule_before=at.round * self.local_epochs,
-            schedule_epochs=max(1, self.rounds * self.local_epochs),
-            return_output=False,  # the model's outputs on private data stay there
-            return_states=False,  # pulled below, a few workers at a time
-        )
-        try:
-            await ctx.set_state(i, model)
-            fit = await ctx.call(i, train)
-            async with fetch:
-                states = await ctx.get_state(i, job.node_ids)
-                try:
-                    mean.add(at.cohort.ids[i], fit["rows"], states)
-                except AggregationError as exc:
-                    raise StrategyFailed(
-                        ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
-                    ) from exc
-        except WorkerCallError as exc:
-            return at.cohort.drop(i, exc)
-        history = fit.get("history") or [{}]
-        return ClientUpdate(i, int(fit["rows"]), float(fit["loss"]), history[-1].get("lr"))
+        config = self.config_of(at.round + 1)
+        out: list[ClientUpdate | DroppedWorker] = []
+        for c in clients:
+            if secure is not None and cohort.label(c) not in secure.shared:
+                continue  # dropped out before training (keys, shares): counted there
+            train = BatchedFitRequest(
+                node_ids=job.node_ids,
+                data=STAGED,
+                rows=cohort.partition(c),
+                epochs=config.get("local_epochs", self.local_epochs),
+                lr=config.get("lr"),
+                batch_size=config.get("batch_size"),
+                prox_mu=self.prox_mu,
+                reset_optimizer=True,
+                # The schedules span every round's local epochs; this round's start where the
+                # rounds before left them.
+                schedule_before=self.epochs_through(at.round),
+                schedule_epochs=max(1, self.epochs_through(self.rounds)),
+                start_loss=self.asks_start_loss,
+                clip_norm=at.privacy.client_clip if at.privacy is not None else None,
+                return_output=False,  # the model's outputs on private data stay there
+                return_states=False,  # pulled below, a few clients at a time
+                # A worker's clients after the first start from w_t within their training's
+                # call: one round trip fewer each.
+                start=model if c != clients[0] else None,
+            )
+            try:
+                if train.start is None:
+                    await ctx.set_state(i, model)
+                fit = await ctx.call(i, train)
+                if secure is not None:  # its masked model, never the model itself
+                    masked = await ctx.call(i, secure.mask_request(cohort.label(c), fit["rows"]))
+                    secure.took_masked(cohort.label(c), masked["masked"])
+                    out.append(ClientUpdate.of(c, fit))
+                    continue
+                async with fetch:
+                    states = await ctx.get_state(i, job.node_ids)
+                    try:
+                        fold.add(cohort.label(c), fit, states)
+                    except AggregationError as exc:
+                        raise StrategyFailed(
+                            ErrorCode.AGGREGATION_MISMATCH, f"round {at.round + 1}: {exc}"
+                        ) from exc
+            except WorkerCallError as exc:
+                dropped = cohort.drop(i, exc)
+                out.append(DroppedWorker(cohort.label(c), dropped.code, dropped.message))
+                if i in cohort.lost or i in cohort.stale:
+                    return out
+                continue
+            out.append(ClientUpdate.of(c, fit))
+        return out
+
+    async def _secure_setup(
+        self,
+        ctx: StrategyContext,
+        at: FederatedPosition,
+        selected: list[int],
+        torch_nodes: list[str],
+    ) -> tuple[SecureRound, list[DroppedWorker]]:
+        """Secure aggregation's first two steps for round t's ``selected`` clients: their keys,
+        then their shares (Bonawitz et al. 2017, rounds 0 and 1); who dropped out in them."""
+        cohort = at.cohort
+        options = secagg_options(self.secure_aggregation or {}, Dialect.WIRE)
+        start = {n: at.global_state[n] for n in torch_nodes}
+        secure = SecureRound(at.round + 1, [cohort.label(c) for c in selected], options, start)
+        dropped = await each_client(ctx, cohort, selected, secure.keys_request, secure.took_keys)
+        keyed = [c for c in selected if cohort.label(c) in secure.keys]
+        dropped += await each_client(ctx, cohort, keyed, secure.share_request, secure.took_shares)
+        return secure, dropped
+
+    async def _secure_sum(
+        self, ctx: StrategyContext, at: FederatedPosition, selected: list[int], secure: SecureRound
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Round t's last step (Unmasking): the survivors' shares, and from them the mean of
+        their models; the survivors that failed it (their models are in the sum all the same)."""
+        cohort = at.cohort
+        survivors = [c for c in selected if cohort.label(c) in secure.masked]
+        late = await each_client(ctx, cohort, survivors, secure.unmask_request, secure.took_unmask)
+        model = secure.result()
+        summary: dict[str, Any] = {"summed": len(secure.masked)}
+        if late:
+            summary["unmask_failed"] = reasons(late)
+        return {**at.global_state, **model}, {"secure_aggregation": summary}
 
 
 def arguments(options: FedAvgOptions) -> dict[str, Any]:
@@ -358,6 +521,11 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "tag": options.tag,
         "server": server.name,
         "server_options": server.hyperparameters(),
+        "aggregator": options.aggregator,
+        "client_config": options.client_config,
+        "clients_per_worker": options.clients_per_worker,
+        "privacy": options.privacy,
+        "secure_aggregation": options.secure_aggregation,
         "seed": options.seed,
         "device": options.device,
         "checkpoint_every": options.checkpoint_every,

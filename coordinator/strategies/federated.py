@@ -11,7 +11,7 @@ trains.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,11 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies import server_opt
 from coordinator.strategies.base import JobInputs, concurrently
-from coordinator.strategies.steps import rows_of, set_up
+from coordinator.strategies.privacy import Privacy
+from coordinator.strategies.steps import set_up
 from protocol.daemon import StageRequest
 from protocol.errors import ErrorCode
+from protocol.rows import rows_of
 
 Shards = list[tuple[Any, Any]]
 """The client's rows cut in one ``(x, y)`` shard per worker."""
@@ -34,25 +36,34 @@ REDO_SETUP = frozenset({ErrorCode.DAEMON_CRASHED, ErrorCode.TIMEOUT})
 
 @dataclass
 class FederatedPosition:
-    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments) and
-    the cohort. The selection needs no RNG state of its own: round t draws with
-    ``default_rng(seed + t)``. The run loop reads and advances this; nothing else holds it."""
+    """Where a FedAvg run stands: the rounds done, w_t, the server optimizer (its moments), the
+    cohort and, for a private job, the clip and the privacy spent. The selection needs no RNG
+    state of its own: round t draws with ``default_rng(seed + t)``. The run loop reads and
+    advances this; nothing else holds it."""
 
     global_state: dict[str, Any]  # w_t
     server: server_opt.ServerOptimizer
     cohort: Cohort
     round: int = 0  # rounds completed
+    privacy: Privacy | None = None  # DP-FedAvg's clip and accountant, for a private job
 
 
 @dataclass(frozen=True)
 class ClientUpdate:
-    """What one selected worker's ClientUpdate gave: its rows n_k, mean loss and the learning
+    """What one selected client's ClientUpdate gave: its rows n_k, mean loss and the learning
     rate of its last local step."""
 
-    worker: int
+    client: int
     rows: int
     loss: float
     lr: float | None = None
+
+    @classmethod
+    def of(cls, client: int, fit: Mapping[str, Any]) -> ClientUpdate:
+        """Client ``client``'s update from its ``batched_fit`` reply (its history's last row
+        has the learning rate)."""
+        history = fit.get("history") or [{}]
+        return cls(client, int(fit["rows"]), float(fit["loss"]), history[-1].get("lr"))
 
 
 def round_lr(answered: Sequence[ClientUpdate]) -> float | None:
@@ -96,15 +107,39 @@ def listed(dropped: Iterable[DroppedWorker]) -> str:
 
 @dataclass
 class Cohort:
-    """What the coordinator knows of the job's workers during a run, by position."""
+    """What the coordinator knows of the job's workers during a run, by position, and of
+    their clients: worker i trains clients i·K, ..., i·K + K − 1 (K = ``per_worker``), client
+    i·K + j on the j-th of K contiguous partitions of the worker's rows."""
 
     ids: list[str]
     rows: dict[int, int] = field(default_factory=dict)  # staged rows of each set-up worker
     lost: dict[int, DroppedWorker] = field(default_factory=dict)  # never selected again
     stale: set[int] = field(default_factory=set)  # to be set up again before training
+    per_worker: int = 1  # K: the clients each worker trains in turn
 
     def usable(self) -> list[int]:
         return [i for i in range(len(self.ids)) if i not in self.lost]
+
+    def clients(self) -> list[int]:
+        """The clients of the usable workers."""
+        k = self.per_worker
+        return [i * k + j for i in self.usable() for j in range(k)]
+
+    def worker_of(self, client: int) -> int:
+        return client // self.per_worker
+
+    def label(self, client: int) -> str:
+        """How events name a client: its worker's id, and ``/j`` when a worker has several."""
+        worker_id = self.ids[client // self.per_worker]
+        return worker_id if self.per_worker == 1 else f"{worker_id}/{client % self.per_worker}"
+
+    def partition(self, client: int) -> list[int] | None:
+        """The rows of its worker's data a client trains on (``None``: all of them)."""
+        if self.per_worker == 1:
+            return None
+        i, j = divmod(client, self.per_worker)
+        part: list[int] = np.array_split(np.arange(self.rows[i]), self.per_worker)[j].tolist()
+        return part
 
     def ready(self) -> list[int]:
         """Usable workers whose daemon holds the job's filters and data."""
@@ -160,8 +195,11 @@ class Cohort:
                 self.stale.add(i)
                 return self.drop(i, exc)
             rows = int(answer["rows"])
-            if rows == 0:
-                self.lost[i] = DroppedWorker(self.ids[i], None, "its dataset has no rows")
+            if rows < self.per_worker:
+                why = "its dataset has no rows"
+                if rows:
+                    why = f"its dataset has {rows} rows, too few for {self.per_worker} clients"
+                self.lost[i] = DroppedWorker(self.ids[i], None, why)
                 return self.lost[i]
             self.rows[i] = rows
             self.stale.discard(i)
@@ -188,14 +226,18 @@ class Cohort:
         answered: list[int],
         dropped: list[DroppedWorker],
     ) -> None:
-        """Fail round ``r`` when fewer than ``least`` of the ``selected`` workers answered."""
+        """Fail round ``r`` when fewer than ``least`` of the ``selected`` clients answered."""
         if len(answered) < least:
+            counted = "workers" if self.per_worker == 1 else "clients"
+            needs = f"min_workers is {least}"
+            if self.per_worker > 1:
+                needs = f"min_workers × clients_per_worker is {least}"
             raise StrategyFailed(
                 ErrorCode.NOT_ENOUGH_WORKERS,
-                f"round {r}: {len(answered)} of {len(selected)} selected workers answered, "
-                f"min_workers is {least}; {listed(dropped)}",
+                f"round {r}: {len(answered)} of {len(selected)} selected {counted} answered, "
+                f"{needs}; {listed(dropped)}",
                 round=r,
-                answered=[self.ids[i] for i in answered],
+                answered=[self.label(c) for c in answered],
                 dropped=reasons(dropped),
             )
 

@@ -121,6 +121,20 @@ class History:
                 scores = await evaluate() if evaluate is not None else None
                 await self.close(done // per_epoch, scores)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the history stands (a checkpoint's): its rows, the open epoch's sums."""
+        return {"rows": [dict(r) for r in self.rows], "open": [self._loss, self._rows, self._lr]}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Back to ``state`` (:meth:`state_dict`'s; ``None``: empty, a run from the start)."""
+        if state is None:
+            self.rows, self._loss, self._rows, self._lr = [], 0.0, 0, None
+            return
+        self.rows = [dict(r) for r in state["rows"]]
+        loss, rows, lr = state["open"]
+        self._loss, self._rows = float(loss), int(rows)
+        self._lr = None if lr is None else float(lr)
+
     async def record(self, row: dict[str, Any]) -> None:
         """A row made elsewhere (a worker's whole training loop), recorded and emitted."""
         self.rows.append(dict(row))

@@ -20,7 +20,7 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.history import VALIDATION, History, validation_stage
 from protocol.daemon import BatchedFitRequest
-from protocol.strategy_options import LocalOptions
+from protocol.strategy_options import DEFAULT_RESTART_TIMEOUT, LocalOptions
 
 STAGED = "local"
 """The name a worker's own dataset is staged under in its daemon."""
@@ -32,16 +32,29 @@ class Local(Strategy):
     name = "local"
 
     def __init__(
-        self, worker: str | None = None, tag: str | None = None, device: str | None = None
+        self,
+        worker: str | None = None,
+        tag: str | None = None,
+        device: str | None = None,
+        max_restarts: int = 0,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
     ) -> None:
         self.worker = worker
         self.tag = tag
         self.device = device
+        self.max_restarts = max_restarts
+        self.restart_timeout = restart_timeout
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
         checked = parse_options(LocalOptions, options)
-        return cls(worker=checked.worker, tag=checked.tag, device=checked.device)
+        return cls(
+            checked.worker,
+            checked.tag,
+            checked.device,
+            checked.max_restarts,
+            checked.restart_timeout,
+        )
 
     def placement(self) -> Placement:
         return Placement(workers=1, worker_id=self.worker, tag=self.tag, device=self.device)

@@ -23,50 +23,28 @@ strategy.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from coordinator.context import StrategyContext, Target
-from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
-from coordinator.strategies.base import (
-    Emit,
-    JobInputs,
-    Placement,
-    Strategy,
-    concurrently,
-    parse_options,
-)
-from coordinator.strategies.history import Evaluate, History, ended
-from coordinator.strategies.pipeline import (
-    STAGED,
-    GlobalBatch,
-    PipelinePosition,
-    ThroughStrategy,
-    WorkerToWorker,
-    expects,
-    run_schedule,
-)
-from coordinator.strategies.pipeline_torch import LABELS, TorchPipeline, choose_transport
-from coordinator.strategies.process_group import Rendezvous
-from coordinator.strategies.schedule import Schedule, gpipe, one_f_one_b
-from coordinator.strategies.steps import Training, global_batches, plain_prefix, schedule_request
-from protocol.clipping import clip_coefficient
-from protocol.daemon import (
-    CompositeFitRequest,
-    CompositeForwardRequest,
-    EvaluateRequest,
-    ScheduleRequest,
-    StageNormRequest,
-    StageRequest,
-    StageStepRequest,
-)
+from coordinator.errors import StrategyFailed, StrategyOptionsError
+from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
+from coordinator.strategies.elastic import MAX_RECOVERIES, RECOVERABLE
+from coordinator.strategies.history import History
+from coordinator.strategies.mp_checkpoints import StageCheckpoints
+from coordinator.strategies.pipeline_run import PipelineRun
+from coordinator.strategies.schedule import gpipe, one_f_one_b
+from coordinator.strategies.steps import Training, plain_prefix
+from protocol.devices import device_fits
 from protocol.errors import ErrorCode
-from protocol.strategy_options import DEFAULT_COLLECTIVE_TIMEOUT, ModelParallelOptions
+from protocol.strategy_options import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_RESTART_TIMEOUT,
+    ModelParallelOptions,
+)
 from protocol.wording import listed
-
-T = TypeVar("T")
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
@@ -118,9 +96,11 @@ def check_partitions(node_ids: Sequence[str], partitions: Sequence[Partition]) -
 
 
 class ModelParallel(Strategy):
-    """A pipeline over ``partitions`` with ``micro_batches`` micro-batches per global batch."""
+    """A pipeline over ``partitions`` with ``micro_batches`` micro-batches per global batch;
+    ``spares`` more workers (tagged ``spare_tag``, or any) held to take a lost stage's place."""
 
     name = "model_parallel"
+    saves_checkpoints = True
 
     def __init__(
         self,
@@ -129,12 +109,26 @@ class ModelParallel(Strategy):
         order: str = "gpipe",
         transport: str = "auto",
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        max_restarts: int = 0,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        spares: int = 0,
+        spare_tag: str | None = None,
+        device: str | None = None,
     ) -> None:
         self.partitions = list(partitions)
         self.micro_batches = micro_batches
         self.order = order
         self.transport = transport
         self.collective_timeout = collective_timeout
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.max_restarts = max_restarts
+        self.restart_timeout = restart_timeout
+        self.spares = spares
+        self.spare_tag = spare_tag
+        self.device = device
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -149,12 +143,19 @@ class ModelParallel(Strategy):
             checked.schedule,
             checked.transport,
             checked.collective_timeout,
+            checked.checkpoint_every,
+            checked.keep_checkpoints,
+            checked.max_restarts,
+            checked.restart_timeout,
+            checked.spares,
+            checked.spare_tag,
+            checked.device,
         )
 
     def placement(self) -> Placement:
-        return Placement(
-            workers=len(self.partitions), slots=tuple(p.target for p in self.partitions)
-        )
+        spare = Target(tag=self.spare_tag, device=self.device)
+        slots = (*(p.target for p in self.partitions), *([spare] * self.spares))
+        return Placement(workers=len(slots), slots=slots)
 
     def dataset_slots(self, slots: int) -> tuple[int, ...]:
         """On ``WorkerData`` the first stage reads ``x`` and the last ``y``; the others read
@@ -182,137 +183,94 @@ class ModelParallel(Strategy):
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         torch_nodes, training = self._plan(job)
         stages = [list(p.node_ids) for p in self.partitions]
-        guard = _Guard([w.id for w in ctx.workers], stages)
+        spares = list(range(len(stages), ctx.num_workers()))
+        saves: list[StageCheckpoints] = []  # one for the whole job: it keeps the newest
+        history = History(emit)  # one for the whole job too, kept in its checkpoints
 
-        # 1. Each stage's worker loads only its own nodes.
-        await emit("progress", {"phase": "loading", "stages": len(stages)})
-        await guard(
-            concurrently(
-                *(ctx.load(s, {n: job.filters[n] for n in nodes}) for s, nodes in enumerate(stages))
+        def make_saves(pipeline: list[int], steps_per_epoch: int) -> StageCheckpoints:
+            if not saves:
+                saves.append(
+                    StageCheckpoints.of(
+                        ctx,
+                        stages,
+                        pipeline,
+                        torch_nodes,
+                        job.checkpoints,
+                        self.checkpoint_every,
+                        steps_per_epoch,
+                        training.epochs,
+                        emit,
+                        history,
+                    )
+                )
+            return saves[0]
+
+        attempt = PipelineRun(
+            ctx,
+            job,
+            stages,
+            torch_nodes,
+            training,
+            SCHEDULES[self.order],
+            self.micro_batches,
+            self.transport,
+            self.collective_timeout,
+            emit,
+            make_saves,
+            history,
+        )
+        crashes = 0
+        while True:
+            try:
+                return await attempt()
+            except StrategyFailed as failed:
+                stage = failed.info.detail.get("stage")
+                if stage is None or failed.info.code not in RECOVERABLE:
+                    raise
+                if failed.info.code is ErrorCode.DAEMON_CRASHED and crashes < MAX_RECOVERIES:
+                    crashes += 1  # its own worker, a fresh daemon: the run starts again
+                    await emit("worker_lost", _lost(stage, ctx.workers[stage].id, failed))
+                    continue
+                await self._fail_over(ctx, stage, spares, failed, emit)
+
+    async def _fail_over(
+        self,
+        ctx: StrategyContext,
+        stage: int,
+        spares: list[int],
+        failed: StrategyFailed,
+        emit: Emit,
+    ) -> None:
+        """Put a spare that can run ``stage``'s partition in place of its lost worker; or
+        re-raise ``failed`` when none is left."""
+        lost = ctx.workers[stage].id
+        await emit("worker_lost", _lost(stage, lost, failed))
+        target = self.partitions[stage].target
+        fits = [
+            k
+            for k in spares
+            if device_fits(target.device, ctx.workers[k].device)
+            and (target.dataset is None or target.dataset in ctx.workers[k].datasets)
+        ]
+        if not fits:
+            left = "no spare is left" if not spares else f"no spare fits it ({target})"
+            raise StrategyFailed(
+                failed.info.code, f"{failed.info.message}; {left}", **failed.info.detail
             )
+        spares.remove(fits[0])
+        ctx.swap(stage, fits[0])
+        await emit(
+            "worker_replaced", {"stage": stage, "lost": lost, "worker": ctx.workers[stage].id}
         )
 
-        # 2. Plain filters (before the first TorchFilter): fitted in one pass over the data, then
-        #    held. Stages made only of them are applied here, once: the pipeline starts after.
-        #    On WorkerData the first stage holds the rows (its own) and fits them there.
-        x = job.x
-        first_stage = next(s for s, nodes in enumerate(stages) if set(nodes) & set(torch_nodes))
-        own_rows = None
-        if job.dataset is not None:
-            staged = await guard(ctx.call(first_stage, job.own_data(STAGED)), stage=first_stage)
-            own_rows = int(staged["rows"])
-        for s, nodes in enumerate(stages[: first_stage + 1]):
-            plain = [n for n in nodes if n not in torch_nodes]
-            if plain:
-                data = {"data": STAGED} if own_rows is not None else {"x": x}
-                fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, **data)), stage=s)
-                if s < first_stage:
-                    x = fit["output"]
-        pipeline = list(range(first_stage, len(stages)))
-        if len(pipeline) < 2:
-            # Its one stage_forward would take the rows by name and the labels inline, which a
-            # daemon refuses: the job fails as it would there, before any training.
-            raise StrategyFailed(
-                ErrorCode.BAD_REQUEST,
-                f"stage {first_stage} {stages[first_stage]}: a pipeline needs at least two "
-                "stages that train; for one, use Local or DataParallel",
-                stage=first_stage,
-            )
-        history = History(emit)
-        evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
-        # accumulate=k: a step is k batches, so k times the micro-batches of one.
-        micro_batches = self.micro_batches * training.accumulate
-        plan: Schedule = SCHEDULES[self.order](len(pipeline), micro_batches)
-        meet = await guard(choose_transport(ctx, pipeline, self.transport, self.collective_timeout))
-        if own_rows is not None and not isinstance(meet, Rendezvous):
-            raise StrategyFailed(
-                ErrorCode.COLLECTIVE_FAILED,
-                f"model_parallel on WorkerData trains on the torch transport, and {meet}",
-            )
-        if isinstance(meet, Rendezvous):
-            # 3. Training on torch.distributed: the stages run the schedule themselves.
-            await emit("progress", {"phase": "linked", "transport": "torch", "reason": meet.reason})
-            if own_rows is None:
-                staged = StageRequest(name=STAGED, x=x)
-                await guard(ctx.call(first_stage, staged), stage=first_stage)
-            count = int(x.shape[0]) if own_rows is None else own_rows
-            steps_per_epoch = training.steps_per_epoch(count)
-            await _tell_schedule(ctx, guard, pipeline, schedule_request(training, steps_per_epoch))
-            if own_rows is None:
-                labels = StageRequest(name=LABELS, x=job.y)
-            else:  # the last stage's own y, staged as its rows
-                labels = job.own_data(LABELS).model_copy(update={"labels": True})
-            await TorchPipeline(
-                ctx,
-                guard,
-                pipeline,
-                stages,
-                plan,
-                training,
-                count,
-                micro_batches,
-                STAGED,
-                self.collective_timeout,
-                emit,
-                history,
-                evaluate,
-            ).train(meet, labels, steps_per_epoch)
-            total = steps_per_epoch * training.epochs
-            await history.finish(ended(training.epochs, total))
-            return await _read_back(ctx, guard, stages)
-        linked = ctx.supports_peer_links and len(pipeline) > 1
-        if linked:
-            # Neighbours dial each other; without a peer address the coordinator relays. A
-            # stage takes activations from the one before it and gradients from the one after.
-            routes = await guard(
-                concurrently(*(ctx.links(s, expects(pipeline, k)) for k, s in enumerate(pipeline)))
-            )
-            direct = sorted({w for r in routes for w in r.get("direct", [])})
-            relayed = sorted({w for r in routes for w in r.get("relay", [])})
-            linked_by = {"transport": "websocket", "reason": meet}
-            await emit(
-                "progress", {"phase": "linked", "direct": direct, "relay": relayed} | linked_by
-            )
-        stage_input = StageRequest(name=STAGED, x=x)
-        await guard(ctx.call(first_stage, stage_input), stage=first_stage)
-        per_epoch = training.steps_per_epoch(int(x.shape[0]))
-        await _tell_schedule(ctx, guard, pipeline, schedule_request(training, per_epoch))
 
-        # 3. Training (GPipe / 1F1B): every global batch's micro-batches through the schedule,
-        #    gradients accumulated, then one step on every stage (the gradient of them all
-        #    clipped as one).
-        at = PipelinePosition()
-        for epoch, _, micro in global_batches(int(x.shape[0]), micro_batches, training):
-            at.epoch, at.step = epoch, at.step + 1
-            micro = [m for m in micro if len(m)]
-            batch = GlobalBatch(pipeline, stages, micro, job.y, at.step)
-            exchange: ThroughStrategy | WorkerToWorker = (
-                WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
-            )
-            answers = await guard(run_schedule(plan, batch, exchange))
-            coefficient = await _clipping(ctx, guard, pipeline, stages, training.clip_grad_norm)
-            ends = at.step % per_epoch == 0
-            steps = (
-                ctx.call(
-                    s,
-                    StageStepRequest(node_ids=stages[s], epoch_end=ends, coefficient=coefficient),
-                )
-                for s in pipeline
-            )
-            await guard(concurrently(*steps))
-            rows = [len(m) for m in micro]
-            losses = [float(a["loss"]) for a in answers]
-            loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
-            progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
-            progress |= {"lr": answers[0]["lr"]} if "lr" in answers[0] else {}
-            await emit("progress", progress | {"step": at.step, "loss": loss})
-            history.add(loss, sum(rows), answers[0].get("lr"))
-            if ends:
-                await history.close(epoch + 1, await evaluate() if evaluate is not None else None)
-        total = per_epoch * training.epochs
-        await history.finish(ended(training.epochs, total))
-
-        return await _read_back(ctx, guard, stages)
+def _lost(stage: int, worker: str, failed: StrategyFailed) -> dict[str, Any]:
+    return {
+        "stage": stage,
+        "worker": worker,
+        "code": str(failed.info.code),
+        "message": failed.info.message,
+    }
 
 
 def own_data_checks(
@@ -335,84 +293,6 @@ def own_data_checks(
             "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "
             "would travel through the coordinator; put them in the first TorchFilter's partition"
         )
-
-
-def _evaluator(
-    ctx: StrategyContext,
-    guard: _Guard,
-    stages: list[list[str]],
-    pipeline: list[int],
-    job: JobInputs,
-) -> Evaluate:
-    """The pipeline's evaluation of the validation rows sent with the job: forward stage by
-    stage through the coordinator (plain stages in front too), the last stage's loss and
-    metrics."""
-
-    async def evaluate() -> dict[str, Any]:
-        x = job.x_val
-        for s in range(pipeline[-1]):
-            x = await guard(ctx.call(s, CompositeForwardRequest(node_ids=stages[s], x=x)), s)
-        last = EvaluateRequest(node_ids=stages[pipeline[-1]], x=x, y=job.y_val)
-        scores: dict[str, Any] = await guard(ctx.call(pipeline[-1], last), pipeline[-1])
-        return scores
-
-    return evaluate
-
-
-async def _tell_schedule(
-    ctx: StrategyContext, guard: _Guard, pipeline: list[int], request: ScheduleRequest
-) -> None:
-    """Every stage that trains learns the horizon of the run's schedules."""
-    await guard(concurrently(*(ctx.call(s, request) for s in pipeline)))
-
-
-async def _clipping(
-    ctx: StrategyContext,
-    guard: _Guard,
-    pipeline: list[int],
-    stages: list[list[str]],
-    clip: float | None,
-) -> float | None:
-    """The factor every stage multiplies its gradients by so that the pipeline's whole
-    gradient is clipped to ``clip`` (``torch.nn.utils.clip_grad_norm_``'s, from every stage's
-    part of the norm); ``None`` without clipping."""
-    if clip is None:
-        return None
-    parts = (ctx.call(s, StageNormRequest(node_ids=stages[s])) for s in pipeline)
-    squares = await guard(concurrently(*parts))
-    return clip_coefficient(math.sqrt(sum(float(p) for p in squares)), clip)
-
-
-async def _read_back(
-    ctx: StrategyContext, guard: _Guard, stages: list[list[str]]
-) -> dict[str, Any]:
-    """4. The states of every stage, read back over the wire."""
-    reads = (ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))
-    parts = await guard(concurrently(*reads))
-    return {node: state for part in parts for node, state in part.items()}
-
-
-@dataclass(frozen=True)
-class _Guard:
-    """Awaits a stage's work; a worker's failure becomes the job's, naming the stage and
-    worker."""
-
-    ids: list[str]
-    stages: list[list[str]]
-
-    async def __call__(self, work: Awaitable[T], stage: int | None = None) -> T:
-        try:
-            return await work
-        except WorkerCallError as exc:
-            ids, stages = self.ids, self.stages
-            s = ids.index(exc.worker_id) if stage is None and exc.worker_id in ids else stage
-            where = f"stage {s} {stages[s]}" if s is not None else "a stage"
-            info = exc.to_info()
-            raise StrategyFailed(
-                info.code,
-                f"{where} on worker {exc.worker_id!r}: {exc.info.message}",
-                **{**info.detail, "stage": s},
-            ) from exc
 
 
 __all__ = ["ModelParallel", "Partition", "check_partitions", "own_data_checks"]

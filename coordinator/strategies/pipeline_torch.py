@@ -29,6 +29,7 @@ from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit
 from coordinator.strategies.collective import _next_chunk
 from coordinator.strategies.history import Evaluate, History
+from coordinator.strategies.mp_checkpoints import StageCheckpoints
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -88,9 +89,17 @@ class TorchPipeline:
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
-    async def train(self, meet: Rendezvous, labels: StageRequest, steps_per_epoch: int) -> None:
-        """Every global batch of the run through the pipeline, with progress per chunk;
-        ``labels`` stages the last stage's labels under :data:`LABELS` (sent, or its own)."""
+    async def train(
+        self,
+        meet: Rendezvous,
+        labels: StageRequest,
+        steps_per_epoch: int,
+        saves: StageCheckpoints,
+    ) -> None:
+        """Every global batch of the run through the pipeline — from the newest checkpoint's on,
+        every stage set back to it first —, with progress per chunk, a chunk ending where a
+        checkpoint falls due (``saves``) and the checkpoint saved then; ``labels`` stages the
+        last stage's labels under :data:`LABELS` (sent, or its own)."""
         ctx, last = self.ctx, self.pipeline[-1]
         prefix = f"{secrets.token_hex(4)}/pipeline/"
         await self.guard(join(ctx, self.pipeline, meet, prefix, self.timeout))
@@ -105,11 +114,13 @@ class TorchPipeline:
             )
         plans = {s: ctx.call(s, self._plan(k, s)) for k, s in enumerate(self.pipeline)}
         await self.guard(self._settle(plans, 0))
+        step = await saves.restore(self.guard)
+        saves.start()
         total = steps_per_epoch * self.training.epochs
         loop = asyncio.get_running_loop()
-        chunk, step = 1, 0
+        chunk = 1
         while step < total:
-            stop = min(total, step + chunk)
+            stop = min(total, step + chunk, saves.stop_at(step, total))
             if self.evaluate is not None:  # evaluated where an epoch ends
                 stop = min(stop, (step // steps_per_epoch + 1) * steps_per_epoch)
             started = loop.time()
@@ -119,6 +130,7 @@ class TorchPipeline:
             await self._progress(step, stop, results[last], steps_per_epoch)
             chunk = _next_chunk(chunk, stop - step, loop.time() - started)
             step = stop
+            await saves.after(step, total, self.guard)
 
     def _plan(self, k: int, stage: int) -> PipePlanRequest:
         first, last = k == 0, k == len(self.pipeline) - 1
@@ -163,6 +175,8 @@ class TorchPipeline:
                 "loss": losses[-1],
                 "losses": losses,
                 "chunk": len(losses),
+                "rows": sum(sum(rows) for rows in last["rows"]),
+                "batch_rows": [sum(rows) for rows in last["rows"]],
             }
             | ({"lr": last["lrs"][-1], "lrs": last["lrs"]} if last.get("lrs") else {}),
         )

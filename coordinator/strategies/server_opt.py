@@ -10,6 +10,8 @@ Optimization", Algorithm 2, with the average of the client updates, x̄ − x_t)
   Data Distribution for Federated Visual Classification"): "v ← βv + Δw; w ← w − v", with
   Δw = x_t − x̄ and a server learning rate η; here m_t = β m_{t−1} + Δ_t,
   x_{t+1} = x_t + η m_t, m_0 = 0 (with β = 0 and η = 1 this is FedAvg).
+* :class:`FedAdagrad` — "m_t = β1 m_{t−1} + (1 − β1) Δ_t; v_t = v_{t−1} + Δ_t²;
+  x_{t+1} = x_t + η m_t / (√v_t + τ)".
 * :class:`FedAdam` — "m_t = β1 m_{t−1} + (1 − β1) Δ_t; v_t = β2 v_{t−1} + (1 − β2) Δ_t²;
   x_{t+1} = x_t + η m_t / (√v_t + τ)".
 * :class:`FedYogi` — as FedAdam but
@@ -216,15 +218,17 @@ class FedAvgM(_MomentOptimizer):
 
 
 class _AdaptiveOptimizer(_MomentOptimizer):
-    """FedAdam and FedYogi: they differ only in how the second moment follows Δ_t²."""
+    """FedAdagrad, FedAdam and FedYogi: they differ only in how the second moment follows
+    Δ_t² (and so in whether they take β2)."""
 
-    def __init__(
-        self, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
-    ) -> None:
+    lr: float
+    beta1: float
+    tau: float
+
+    def __init__(self, **hyperparameters: float) -> None:
         super().__init__()
-        checked = _checked(self, lr=lr, beta1=beta1, beta2=beta2, tau=tau)
-        self.lr, self.beta1, self.beta2 = checked["lr"], checked["beta1"], checked["beta2"]
-        self.tau = checked["tau"]
+        for key, value in _checked(self, **hyperparameters).items():
+            setattr(self, key, value)
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return np.zeros(shape), np.full(shape, self.tau**2)
@@ -242,7 +246,36 @@ class _AdaptiveOptimizer(_MomentOptimizer):
         """v_t from v_{t−1} and Δ_t²."""
 
 
-class FedAdam(_AdaptiveOptimizer):
+class FedAdagrad(_AdaptiveOptimizer):
+    """Adagrad on the server (Reddi et al. 2021): v_t = v_{t−1} + Δ_t².
+
+    Args:
+        lr: η, the server learning rate (> 0).
+        beta1: β1, the first-moment decay, in [0, 1).
+        tau: τ, the adaptivity (> 0): added to √v_t, and v_{−1} = τ².
+    """
+
+    name = "fedadagrad"
+
+    def __init__(self, lr: float = 0.01, beta1: float = 0.9, tau: float = 1e-3) -> None:
+        super().__init__(lr=lr, beta1=beta1, tau=tau)
+
+    def _second_moment(self, v: Array, delta2: Array) -> Array:
+        return v + delta2
+
+
+class _AdamLike(_AdaptiveOptimizer):
+    """FedAdam and FedYogi, which take a second-moment decay β2 as well."""
+
+    beta2: float
+
+    def __init__(
+        self, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+    ) -> None:
+        super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
+
+
+class FedAdam(_AdamLike):
     """Adam on the server (Reddi et al. 2021): v_t = β2 v_{t−1} + (1 − β2) Δ_t².
 
     Args:
@@ -258,7 +291,7 @@ class FedAdam(_AdaptiveOptimizer):
         return self.beta2 * v + (1 - self.beta2) * delta2
 
 
-class FedYogi(_AdaptiveOptimizer):
+class FedYogi(_AdamLike):
     """Yogi on the server (Reddi et al. 2021): v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²).
 
     Args:
@@ -275,7 +308,7 @@ class FedYogi(_AdaptiveOptimizer):
 
 
 OPTIMIZERS: dict[str, type[ServerOptimizer]] = {
-    cls.name: cls for cls in (FedAvgServer, FedAvgM, FedAdam, FedYogi)
+    cls.name: cls for cls in (FedAvgServer, FedAvgM, FedAdagrad, FedAdam, FedYogi)
 }
 """The server optimizers by the name a client gives."""
 

@@ -137,6 +137,7 @@ class StarTraining:
                     await flying.calls
         position.phase, position.step = "finishing", None
         await apply_mean(self.run, position)
+        await saves.after(total, total)  # the end: kept with the result, to continue from
 
     def _launch(
         self, done: int, now: tuple[int, int, list[Any]], after: Any, prior: _Prior
@@ -237,7 +238,7 @@ class StarTraining:
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
-        progress |= {"step": step.done, "steps": self._total}
+        progress |= {"step": step.done, "steps": self._total, "rows": sum(weights.values())}
         loss, lr = sum(losses) / sum(weights.values()), results[min(weights)].get("lr")
         progress |= {"loss": loss} | ({"lr": lr} if lr is not None else {})  # replicas alike
         await self.emit("progress", progress)

@@ -121,14 +121,6 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
     return torch_nodes, job.node_ids[:first]
 
 
-def rows_of(x: Any) -> int | None:
-    """How many rows ``x`` has (``None``: it is not row data)."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    return len(x) if isinstance(x, list | tuple) else None
-
-
 def schedule_request(training: Training, steps_per_epoch: int) -> ScheduleRequest:
     """What tells a daemon the horizon of the run's learning-rate schedules."""
     return ScheduleRequest(steps_per_epoch=steps_per_epoch, epochs=training.epochs)

@@ -427,9 +427,12 @@ class Channel:
 
     def _release(self) -> None:
         """Free what the connection held for incoming messages: its chunked ones in progress
-        (their budget too), the sweeper, the handler (a handler that closes over its channel
-        would keep both alive until the cyclic GC)."""
+        (their budget too), the sweeper, the handler and the claim of replies (each would keep
+        the channel alive until the cyclic GC)."""
         self._inbox.reassembler.close()
+        # The claim is a bound method of this channel: held by the inbox, it is a cycle.
+        self._inbox.claim = self._inbox.reassembler.claim = None
+        self._sinks.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

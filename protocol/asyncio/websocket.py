@@ -14,7 +14,7 @@ from typing import Any
 
 from protocol.messages import CHUNK_BYTES
 
-__all__ = ["WS_MAX_SIZE", "client_tls", "close_reason", "server_tls", "ws_options"]
+__all__ = ["WS_MAX_SIZE", "client_tls", "close_reason", "server_tls", "tls_hint", "ws_options"]
 
 WS_MAX_SIZE = 4 * CHUNK_BYTES
 """Largest single WebSocket message; anything bigger travels as chunks (a chunk plus its header
@@ -57,6 +57,39 @@ def client_tls(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
     """``ssl=`` for ``websockets``' ``connect()``: a custom context for ``wss://`` only (the
     system's trust store otherwise, and none for ``ws://``)."""
     return {"ssl": context} if context is not None and url.startswith("wss:") else {}
+
+
+def tls_hint(url: str, exc: BaseException, ca_file: str | None, ca_option: str) -> str:
+    """What a failed dial of ``url`` most likely says about TLS, as a sentence to add to its
+    error (``""``: nothing): a certificate this side does not trust (``ca_option`` is how to
+    give one), ``ws://`` to a coordinator that speaks TLS, ``wss://`` to one that does not."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    verify = next((e for e in chain if isinstance(e, ssl.SSLCertVerificationError)), None)
+    if verify is not None:
+        why = getattr(verify, "verify_message", "") or "it cannot be verified"
+        if ca_file is None:
+            return (
+                f"the coordinator's certificate is not one this machine trusts ({why}): give "
+                f"it, or its CA's, with {ca_option}?"
+            )
+        return (
+            f"{ca_file} does not vouch for the coordinator's certificate ({why}): is it that "
+            "certificate, or its CA's?"
+        )
+    if url.startswith("ws:") and any(isinstance(e, EOFError) for e in chain):
+        return (
+            "the coordinator closed the connection without an HTTP answer: does it serve TLS "
+            "(--tls-cert)? then its URL is wss://"
+        )
+    if url.startswith("wss:") and any(
+        isinstance(e, ssl.SSLError | ConnectionResetError) for e in chain
+    ):
+        return "the TLS handshake failed: does the coordinator serve TLS? without --tls-cert it is ws://"
+    return ""
 
 
 def server_tls(cert: str, key: str) -> ssl.SSLContext:

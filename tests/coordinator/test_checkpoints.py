@@ -102,12 +102,12 @@ def test_job_ids_cannot_name_other_directories_and_drop_removes_a_jobs_checkpoin
     assert store.latest("j") is None and not (tmp_path / "c" / "j").exists()
 
 
-def test_policy_every_n_steps_and_never_after_the_last_or_with_zero():
+def test_policy_every_n_steps_and_at_the_end_or_never_with_zero():
     policy = CheckpointPolicy(every=3, per_epoch=10, clock=lambda: 0.0)
-    assert [s for s in range(1, 11) if policy.due(s, 10)] == [3, 6, 9]
+    assert [s for s in range(1, 11) if policy.due(s, 10)] == [3, 6, 9, 10]
     assert [policy.next_due(s, 10) for s in (0, 3, 8, 9)] == [3, 6, 9, 10]
     off = CheckpointPolicy(every=0, per_epoch=10, clock=lambda: 0.0)
-    assert not any(off.due(s, 100) for s in range(1, 100))
+    assert not any(off.due(s, 100) for s in range(1, 101))
     assert off.next_due(5, 100) == 100
 
 
@@ -115,7 +115,7 @@ def test_policy_by_default_saves_every_epoch_or_after_a_minute_whichever_comes_f
     now = [0.0]
     policy = CheckpointPolicy(every=None, per_epoch=4, clock=lambda: now[0], seconds=60.0)
     policy.start()
-    assert [s for s in range(1, 12) if policy.due(s, 12)] == [4, 8]  # the last (12): no
+    assert [s for s in range(1, 13) if policy.due(s, 12)] == [4, 8, 12]  # the end too
     assert policy.next_due(5, 12) == 8
     now[0] = 59.0
     assert not policy.due(5, 12)

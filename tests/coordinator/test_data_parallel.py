@@ -119,6 +119,8 @@ def test_data_parallel_equals_single_process_training(workers, optimizer):
     steps = [e for e in events if e.get("phase") == "training"]
     assert len(steps) == 3 * 7  # ceil(203 / 32) steps per epoch
     assert steps[-1]["step"] == steps[-1]["steps"] == 21 and steps[-1]["epoch"] == 3
+    # Each step says its global batch's rows: six of 32 and one of 11 an epoch (issue 18).
+    assert [e["rows"] for e in steps[:7]] == [32] * 6 + [203 - 6 * 32]
 
 
 def test_the_schedule_splits_each_global_batch_unevenly_and_covers_every_row_once_an_epoch():

@@ -38,8 +38,8 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_the_undisturbed_run(tmp_path, o
     strategy = DataParallel(2, collective="coordinator", checkpoint_every=5, keep_checkpoints=10)
     straight, events = _run(strategy, job, store)
     saved = [data for event, data in events if event == "checkpoint"]
-    assert [c["step"] for c in saved] == [5, 10, 15, 20]  # 21 steps: never after the last
-    assert [c["epoch"] for c in saved] == [1, 2, 3, 3]  # 7 steps an epoch
+    assert [c["step"] for c in saved] == [5, 10, 15, 20, 21]  # 21 steps: the end too
+    assert [c["epoch"] for c in saved] == [1, 2, 3, 3, 3]  # 7 steps an epoch
     expected = reference_training(x, y, optimizer, shuffle=True)
     for key, value in expected.items():
         torch.testing.assert_close(torch.as_tensor(straight["mlp"][key]), value, atol=1e-5, rtol=0)
@@ -64,7 +64,7 @@ def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
     x, y = dataset()
     job = inputs(graph_for("sgd"), x, y)
     _, events = _run(DataParallel(2, collective="coordinator"), job, CheckpointStore(tmp_path))
-    assert [d["step"] for e, d in events if e == "checkpoint"] == [7, 14]
+    assert [d["step"] for e, d in events if e == "checkpoint"] == [7, 14, 21]
     off = DataParallel(2, collective="coordinator", checkpoint_every=0)
     _, events = _run(off, job, CheckpointStore(tmp_path / "off"))
     assert not [e for e, _ in events if e.startswith("checkpoint")]

@@ -9,6 +9,7 @@ import pytest
 from coordinator.context import InMemoryContext, Target, TargetError, WorkerIdentity
 from coordinator.registry import WorkerState
 from coordinator.strategies import Placement
+from coordinator.submission import WAIT_HINT
 from protocol.errors import ErrorCode, RequestRefused
 from tests.coordinator.jobs_harness import Harness, run, submit
 from tests.utils import UNIT
@@ -101,7 +102,9 @@ def test_a_device_no_worker_has_is_refused_at_submit_naming_the_devices(tmp_path
                     await h.manager.submit(msg)
                 info = caught.value.info
                 assert info.code is ErrorCode.NO_WORKERS
-                assert info.message == "no worker has device 'cuda' (workers: w1 cpu, w2 cpu)"
+                assert info.message == (
+                    "no worker has device 'cuda' (workers: w1 cpu, w2 cpu)" + WAIT_HINT
+                )
                 assert info.detail == {"device": "cuda", "devices": ["cpu"]}
             assert h.store.list(None, 10) == []
 
@@ -124,7 +127,7 @@ def test_a_pipeline_stage_device_no_worker_has_is_refused(tmp_path):
                 await h.manager.submit(on_cuda1)
             assert caught.value.info.code is ErrorCode.NO_WORKERS
             assert caught.value.info.message == (
-                "no worker has device 'cuda:1' (workers: a cpu, g cuda:0)"
+                "no worker has device 'cuda:1' (workers: a cpu, g cuda:0)" + WAIT_HINT
             )
             # cuda exists, but not where the stage is pinned: s0 is only on a cpu worker.
             s0_on_cuda = submit(
@@ -135,7 +138,7 @@ def test_a_pipeline_stage_device_no_worker_has_is_refused(tmp_path):
             with pytest.raises(RequestRefused) as caught:
                 await h.manager.submit(s0_on_cuda)
             assert caught.value.info.message == (
-                "no worker answers to tag 's0' on cuda (workers: a cpu, g cuda:0)"
+                "no worker answers to tag 's0' on cuda (workers: a cpu, g cuda:0)" + WAIT_HINT
             )
             assert h.store.list(None, 10) == []
 
@@ -147,7 +150,9 @@ def test_a_device_job_before_any_worker_registered_is_refused(tmp_path):
         async with Harness(tmp_path) as h:
             with pytest.raises(RequestRefused) as caught:
                 await h.manager.submit(submit("local", device="cpu"))
-            assert caught.value.info.message == "no worker has device 'cpu' (workers: none)"
+            assert caught.value.info.message == (
+                "no worker has device 'cpu' (workers: none)" + WAIT_HINT
+            )
 
     run(main())
 

@@ -9,6 +9,7 @@ import torch
 
 import somatize as sz
 from coordinator.registry import WorkerState
+from coordinator.submission import WAIT_HINT
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import ArrayShape, DatasetSummary
 from tests.coordinator.jobs_harness import FakeChannel, Harness, make_graph, run, submit
@@ -45,7 +46,9 @@ def test_a_job_that_cannot_start_does_not_hold_up_a_later_one_that_can(tmp_path)
     async def main():
         async with Harness(tmp_path) as h:
             h.worker("a", "cpu")
-            first = await h.manager.submit(submit("local", tag="gpu"))  # no gpu idle
+            # No gpu worker yet: it would be refused, unless it waits for one.
+            waiting = submit("local", tag="gpu").model_copy(update={"wait_for_workers": 60.0})
+            first = await h.manager.submit(waiting)
             h.worker("g", "gpu")
             h.registry.get("g").state = WorkerState.BUSY  # taken elsewhere
             second = await h.manager.submit(submit("local", tag="cpu"))
@@ -159,7 +162,7 @@ def test_a_pinned_placement_no_known_worker_answers_is_refused(tmp_path):
                 await h.manager.submit(msg)
             assert caught.value.info.code is ErrorCode.NO_WORKERS
             assert str(caught.value.info.message) == (
-                "no worker answers to worker 'z': workers ['a'], tags ['cpu']"
+                "no worker answers to worker 'z': workers ['a'], tags ['cpu']" + WAIT_HINT
             )
             assert h.store.list(None, 10) == []
 
@@ -182,6 +185,50 @@ def test_bad_submissions_are_refused_before_they_are_stored(tmp_path):
             with pytest.raises(RequestRefused, match="exactly one of the two"):
                 await h.manager.submit(neither)
             assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [
+        ("local", {}),
+        ("data_parallel", {"workers": 2}),
+        ("fedavg", {"rounds": 1}),
+        (
+            "model_parallel",
+            {
+                "partitions": [
+                    {"node_ids": ["c"], "tag": "cpu"},
+                    {"node_ids": ["lin"], "tag": "cpu"},
+                ]
+            },
+        ),
+    ],
+)
+def test_data_graph_fit_would_refuse_is_refused_at_submit_for_every_strategy(
+    tmp_path, strategy, options
+):
+    """Issue 18: x and y of different lengths (and labels missing for a TorchFilter) are
+    refused when the job is submitted, in graph.fit's words, never stored nor run."""
+
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("a", "cpu")
+            h.worker("b", "cpu")
+            msg = submit(strategy, **options)
+            short = msg.model_copy(update={"y": msg.y[:20]})
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(short)
+            assert caught.value.info.code is ErrorCode.BAD_REQUEST
+            assert caught.value.info.message == "x has 24 rows and y has 20: they must match"
+            unlabelled = msg.model_copy(update={"y": None})
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.submit(unlabelled)
+            assert caught.value.info.message == (
+                "node 'lin' is differentiable: training it needs labels (y)"
+            )
+            assert h.store.list(None, 10) == [] and h.contexts == []
 
     run(main())
 
@@ -255,7 +302,7 @@ def test_a_pipeline_whose_last_stage_cannot_serve_the_dataset_is_refused_naming_
             assert caught.value.info.code is ErrorCode.NO_WORKERS
             assert caught.value.info.message == (
                 "no worker answers to tag 's2' serving dataset 'train': the workers serving "
-                "dataset 'train' are ['a', 'm']"
+                "dataset 'train' are ['a', 'm']" + WAIT_HINT
             )
             assert h.store.list(None, 10) == []
 
@@ -281,5 +328,72 @@ def test_a_pipeline_whose_first_and_last_stages_hold_other_row_counts_is_refused
                 "workers that could take them hold a 40, z 39 rows"
             )
             assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+# -- names no worker has, and waiting for workers (issue 18) ---------------------------------
+
+
+def test_a_tag_or_worker_id_no_worker_has_is_refused_with_the_nearest_names(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("box-1", "dp")
+            h.worker("box-2", "dp", "stage0")
+            cases = [
+                (
+                    submit("data_parallel", workers=2, tag="dpp"),
+                    "no worker answers to tag 'dpp' (did you mean 'dp'?): workers ['box-1', "
+                    "'box-2'], tags ['dp', 'stage0']",
+                ),
+                (
+                    submit("local", worker="box-3"),
+                    "no worker answers to worker 'box-3' (did you mean 'box-1' or 'box-2'?): "
+                    "workers ['box-1', 'box-2'], tags ['dp', 'stage0']",
+                ),
+                (
+                    submit("fedavg", rounds=1, tag="gpu"),
+                    "no worker answers to tag 'gpu': workers ['box-1', 'box-2'], tags ['dp', "
+                    "'stage0']",
+                ),
+            ]
+            for msg, message in cases:
+                with pytest.raises(RequestRefused) as caught:
+                    await h.manager.submit(msg)
+                assert caught.value.info.code is ErrorCode.NO_WORKERS
+                assert caught.value.info.message == message + WAIT_HINT
+            assert h.store.list(None, 10) == []
+
+    run(main())
+
+
+def test_a_job_that_waits_for_workers_runs_when_they_come_or_fails_when_its_time_is_up(tmp_path):
+    async def main():
+        async with Harness(tmp_path) as h:
+            h.worker("box-1", "dp")
+            waits = submit("local", tag="gpu").model_copy(update={"wait_for_workers": 60.0})
+            comes = await h.manager.submit(waits)
+            queued = (await h.events_until(comes, "queued"))[-1]
+            assert queued.data == {"placement": "1 worker tagged 'gpu'", "wait_for_workers": 60.0}
+            h.worker("g", "gpu")
+            await h.manager.result(comes, wait=30 * UNIT)
+            assert (await h.manager.record(comes))["workers"] == ["g"]
+
+            short = submit("local", tag="tpu").model_copy(update={"wait_for_workers": 0.2})
+            never = await h.manager.submit(short)
+            end = (await h.events_until(never, "failed"))[-1]
+            assert end.data["code"] == "no_workers"
+            assert end.data["message"] == (
+                "waited 0.2 s for its workers (wait_for_workers): no worker answers to tag "
+                "'tpu' (did you mean 'gpu'?): workers ['box-1', 'g'], tags ['dp', 'gpu']"
+            )
+
+            h.registry.get("g").state = WorkerState.BUSY  # its tag is there, but taken
+            busy = submit("local", tag="gpu").model_copy(update={"wait_for_workers": 0.2})
+            end = (await h.events_until(await h.manager.submit(busy), "failed"))[-1]
+            assert end.data["message"] == (
+                "waited 0.2 s for its workers (wait_for_workers): 1 worker tagged 'gpu' did "
+                "not become free"
+            )
 
     run(main())

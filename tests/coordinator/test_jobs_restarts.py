@@ -9,12 +9,14 @@ import asyncio
 import torch
 
 import somatize as sz
+from coordinator.errors import WorkerCallError
 from coordinator.registry import WorkerState
 from coordinator.restarts import RESTARTABLE, gave_up, restarts_for
 from coordinator.strategies.data_parallel import DataParallel
 from protocol.errors import ErrorCode, ErrorInfo
 from tests.coordinator.jobs_harness import (
     Boom,
+    GatedContext,
     Harness,
     RecruitingContext,
     graph_epochs,
@@ -133,3 +135,31 @@ def test_a_restart_that_no_worker_takes_in_time_fails_and_one_cancelled_while_it
             assert h.store.get(cancelled).state == "cancelled"
 
     run(main())
+
+
+class CrashesTheFirstFit(GatedContext):
+    """The first job's daemon dies in its training call; every later one trains."""
+
+    crashed = 0
+
+    async def call(self, worker_idx, request, **kwargs):
+        if request.cmd == "batched_fit" and not CrashesTheFirstFit.crashed:
+            CrashesTheFirstFit.crashed += 1
+            info = ErrorInfo(code=ErrorCode.DAEMON_CRASHED, message="the daemon died")
+            raise WorkerCallError(self.workers[worker_idx].id, info)
+        return await super().call(worker_idx, request, **kwargs)
+
+
+def test_a_local_job_restarts_from_the_start_after_its_daemon_crashed(tmp_path):
+    async def main():
+        async with Harness(tmp_path, context=CrashesTheFirstFit) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit("local", max_restarts=1))
+            events = await h.events(job_id)
+            kinds = [e.kind for e in events]
+            assert kinds.count("placed") == 2 and kinds[-1] == "succeeded"
+            restarting = next(e.data for e in events if e.kind == "restarting")
+            assert (restarting["attempt"], restarting["code"]) == (1, "daemon_crashed")
+            assert "resumed" not in kinds  # no checkpoint: it trained from the start again
+
+    asyncio.run(main())

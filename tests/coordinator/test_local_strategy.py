@@ -59,7 +59,7 @@ def test_placement_by_id_and_tag():
             "local",
             {"workers": 2},
             r"strategy 'local' takes no option \['workers'\]; "
-            r"it takes \['device', 'tag', 'worker'\]",
+            r"it takes \['device', 'max_restarts', 'restart_timeout', 'tag', 'worker'\]",
         ),
         ("local", {"tag": 3}, "tag must be a non-empty string, not 3"),
         ("gossip", {}, r"unknown strategy 'gossip'; this coordinator runs \[.*'local'.*\]"),

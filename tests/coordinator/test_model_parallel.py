@@ -14,7 +14,6 @@ import somatize as sz
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed, StrategyOptionsError
 from coordinator.strategies.model_parallel import Partition, check_partitions
-from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from somatize.client import graph_info
 from tests.utils import Center
@@ -98,7 +97,8 @@ def test_pipeline_training_equals_the_unsplit_model(stages, micro):
             torch.testing.assert_close(torch.as_tensor(states[node][key]), value, rtol=0, atol=1e-5)
     np.testing.assert_allclose(states["center"]["mean"], x.mean(0), rtol=1e-6)
     steps = [e for e in events if e.get("phase") == "training"]
-    assert len(steps) == 2 * 4 and steps[-1]["step"] == 8
+    assert len(steps) == 2 * 4 and steps[-1]["step"] == steps[-1]["steps"] == 8
+    assert [e["rows"] for e in steps] == [16, 16, 16, 12] * 2  # 60 rows in batches of 16
 
 
 def test_1f1b_and_adam_and_uneven_micro_batches_also_equal_the_unsplit_model():
@@ -148,15 +148,31 @@ def test_options_are_checked_and_the_sdk_spec_round_trips():
         sz.Partition(["a"], worker="w", tag="t")
 
 
-def test_a_pipeline_with_one_training_stage_fails_as_a_bad_request_before_training():
-    SPLITS[1] = [("center", "a", "b", "c")]
+@pytest.mark.parametrize(
+    "split",
+    [
+        [("center",), ("a", "b", "c")],  # issue 18: a plain filter alone on stage 0
+        [("center", "a", "b", "c")],  # one stage
+    ],
+)
+def test_a_tiling_with_one_training_stage_equals_the_unsplit_model(split):
+    """One stage trains: it is first and last, and runs the training loop on the output of the
+    stages before it (it was refused, and before that it leaked a daemon's validation)."""
+    kept = dict(SPLITS)
+    SPLITS[len(split)] = split
     try:
         x, y = dataset()
-        with pytest.raises(StrategyFailed, match="at least two stages that train") as failure:
-            run_in_memory(graph(), x, y, 1, 2)
-        assert failure.value.info.code == ErrorCode.BAD_REQUEST
+        states, events = run_in_memory(graph(), x, y, len(split), 4)
     finally:
-        del SPLITS[1]
+        SPLITS.clear()
+        SPLITS.update(kept)
+    expected = reference(x, y)
+    for node in "abc":
+        for key, value in expected[node].items():
+            torch.testing.assert_close(torch.as_tensor(states[node][key]), value, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(states["center"]["mean"], x.mean(0), rtol=1e-6)
+    trained = [e for e in events if e.get("phase") == "trained"]
+    assert len(trained) == 1 and len(trained[0]["epoch_losses"]) == 2
 
 
 def test_in_process_stages_go_over_the_strategy_and_refuse_the_torch_transport():

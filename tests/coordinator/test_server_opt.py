@@ -11,6 +11,7 @@ import torch
 from coordinator.strategies.aggregate import AggregationError
 from coordinator.strategies.server_opt import (
     OPTIMIZERS,
+    FedAdagrad,
     FedAdam,
     FedAvgM,
     FedAvgServer,
@@ -112,6 +113,31 @@ def test_fedyogi_three_rounds():
         return x + lr * m[i] / (np.sqrt(v[i]) + tau)
 
     assert_rounds_match(run_rounds(FedYogi(lr=lr, beta1=b1, beta2=b2, tau=tau)), by_hand(update))
+
+
+def test_fedadagrad_three_rounds():
+    lr, b1, tau = 0.1, 0.9, 1e-3
+    m = [np.zeros(2), np.zeros(1)]
+    v = [np.full(2, tau**2), np.full(1, tau**2)]  # v_{-1} = τ²
+
+    def update(i, x, delta):
+        m[i] = b1 * m[i] + (1 - b1) * delta
+        v[i] = v[i] + delta**2  # Reddi et al. 2021, Algorithm 2, FedAdagrad
+        return x + lr * m[i] / (np.sqrt(v[i]) + tau)
+
+    assert_rounds_match(run_rounds(FedAdagrad(lr=lr, beta1=b1, tau=tau)), by_hand(update))
+
+
+def test_fedadagrad_two_rounds_in_numbers():
+    # x = 1, x̄ = 4: Δ = 3. β1 = 0.5, τ = 1, η = 2: m = 1.5; v = 1 + 9 = 10;
+    # x' = 1 + 2·1.5 / (√10 + 1) = 1 + 3 / 4.16227766... = 1.72075922...
+    # Then x̄ = x': Δ = 0, m = 0.75, v = 10: x'' = x' + 2·0.75 / (√10 + 1) = 2.08113883...
+    opt = FedAdagrad(lr=2.0, beta1=0.5, tau=1.0)
+    first = opt.step({"n": {"x": 1.0}}, {"n": {"x": 4.0}})["n"]["x"]
+    assert first == pytest.approx(1.7207592200561264, rel=1e-15)
+    assert opt.step({"n": {"x": first}}, {"n": {"x": first}})["n"]["x"] == pytest.approx(
+        2.0811388300841895, rel=1e-15
+    )
 
 
 def test_fedadam_first_round_in_numbers():
@@ -223,7 +249,7 @@ def test_bad_names_and_hyperparameters_are_refused(name, options, message):
 
 
 def test_from_options_builds_each_and_round_trips():
-    assert set(OPTIMIZERS) == {"fedavg", "fedavgm", "fedadam", "fedyogi"}
+    assert set(OPTIMIZERS) == {"fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"}
     opt = from_options("fedyogi", {"lr": 0.5, "tau": 0.01})
     assert isinstance(opt, FedYogi) and isinstance(opt, ServerOptimizer)
     assert opt.options == {"lr": 0.5, "beta1": 0.9, "beta2": 0.99, "tau": 0.01}

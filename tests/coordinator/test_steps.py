@@ -8,9 +8,10 @@ import pytest
 from coordinator.errors import WorkerCallError
 from coordinator.strategies import JobInputs, StrategyOptionsError
 from coordinator.strategies.federated import Cohort, DroppedWorker, listed, reasons
-from coordinator.strategies.steps import plain_prefix, rows_of
+from coordinator.strategies.steps import plain_prefix
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.messages import NodeInfo
+from protocol.rows import rows_of
 
 
 def job(*nodes: tuple[str, bool]) -> JobInputs:

@@ -192,10 +192,49 @@ def test_tls_with_a_certificate_the_test_makes(tmp_path):
                 return [w["id"] for w in client.status()["workers"]] == ["w1"]
 
         wait_for(registered, 30 * UNIT, "w1 to register over wss://")
-        # A client that does not trust the certificate, or speaks plain ws://, gets nowhere.
-        with pytest.raises(sz.ConnectionFailed, match=r"(?i)certificate"):
+        # A client that does not trust the certificate, or speaks plain ws://, gets nowhere,
+        # and is told why (issue 18).
+        with pytest.raises(sz.ConnectionFailed, match=r"(?i)certificate") as untrusted:
             sz.connect(url, token=CLIENT, timeout=10 * UNIT)
-        with pytest.raises(sz.ConnectionFailed):
+        assert (
+            "the coordinator's certificate is not one this machine trusts (self-signed "
+            "certificate): give it, or its CA's, with --ca-file (sz.connect(url, ca_file=...))?"
+        ) in str(untrusted.value)
+        with pytest.raises(sz.ConnectionFailed) as plain:
             sz.connect(f"ws://127.0.0.1:{port}", token=CLIENT, timeout=5 * UNIT)
+        assert "does it serve TLS (--tls-cert)? then its URL is wss://" in str(plain.value)
+        cli = subprocess.run(
+            [str(BIN / "somatize"), "status", "--coordinator", url, "--timeout", str(10 * UNIT)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "SOMATIZE_TOKEN": CLIENT},
+            timeout=60 * UNIT,
+        )
+        assert cli.returncode == 2 and "with --ca-file (sz.connect(" in cli.stderr, cli.stderr
+        # A worker that does not trust it stops at once, saying what to give --ca-file; one
+        # on ws:// keeps trying, each failure saying that the coordinator may speak TLS.
+        untrusting = _start(
+            [str(BIN / "somatize-worker"), "--connect", url, "--id", "w2", "--threads", "1"],
+            tmp_path / "w2.log",
+            SOMATIZE_WORKER_TOKEN=WORKER,
+        )
+        procs.append(untrusting)
+        assert untrusting.wait(timeout=60 * UNIT) == 1
+        said = (tmp_path / "w2.log").read_text()
+        assert "cannot trust the coordinator at " in said
+        assert "give it, or its CA's, with --ca-file?" in said
+        plain_worker = _start(
+            [str(BIN / "somatize-worker"), "--connect", f"ws://127.0.0.1:{port}", "--id", "w3"],
+            tmp_path / "w3.log",
+            SOMATIZE_WORKER_TOKEN=WORKER,
+        )
+        procs.append(plain_worker)
+        hint = "does it serve TLS (--tls-cert)? then its URL is wss://"
+        wait_for(
+            lambda: (tmp_path / "w3.log").read_text().count(hint) >= 2,
+            60 * UNIT,
+            "the ws:// worker to say, twice, that the coordinator may speak TLS",
+        )
+        assert plain_worker.poll() is None
     finally:
         _stop(*procs)

@@ -261,7 +261,7 @@ def test_cli_submit_jobs_and_result(live, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "scale" in result.stdout and "linear" in result.stdout
     assert "weight" in result.stdout and "(2, 4)" in result.stdout
-    states = torch.load(saved, weights_only=False)
+    states = torch.load(saved, weights_only=True)["states"]  # no pickle: issue 18
     assert sorted(states) == ["linear", "scale"]
     assert tuple(states["linear"]["weight"].shape) == (2, 4)
 
@@ -363,7 +363,9 @@ def test_a_job_waiting_for_workers_says_what_it_waits_for(live, client, tmp_path
     job_file.write_text(
         JOB_FILE.replace("{epochs}", "1").replace('sz.Local(tag="cpu")', 'sz.Local(tag="gpu")')
     )
-    submitted = _somatize(live, "submit", "--no-wait", str(job_file), seconds=60)
+    # No worker is tagged gpu: the job would be refused, unless it waits (issue 18).
+    waits = ("--wait-for-workers", "600")
+    submitted = _somatize(live, "submit", "--no-wait", *waits, str(job_file), seconds=60)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     try:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from tests.coordinator.test_data_parallel import (
     reference_training,
 )
 from tests.integration.cluster import cluster, wait_for
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, agent_daemons
 
 pytestmark = pytest.mark.integration
 
@@ -183,11 +182,8 @@ def step_reached(job, step: int) -> bool:
 
 
 def daemons_of(agent: subprocess.Popen) -> list[int]:
-    """The pids of an agent's filter daemons (its children)."""
-    pids = []
-    for task in Path(f"/proc/{agent.pid}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
+    """The pids of an agent's filter daemons (its children, or its fork server's)."""
+    return sorted(agent_daemons(agent.pid))
 
 
 def test_elastic_replaces_a_killed_replica_with_a_spare_and_restarts_a_crashed_daemon(tmp_path):

@@ -55,6 +55,12 @@ def test_the_demo_trains_every_strategy_on_a_local_cluster_next_to_graph_fit():
     assert abs(held_out("ModelParallel, 2 stages, M=4") - reference) <= 0.5
     assert held_out("FedAvg, 2 workers, 10 rounds") > 50.0
     assert "somatize-worker --connect ws://COORDINATOR:8765" in out.stdout
+    # Issue 18: every row has its time, the in-process one too; the closing hint's worker line
+    # carries the tag examples/digits_job.py asks for, and says why small models run slower.
+    for label in ("in-process (graph.fit)", "DataParallel, 2 workers", "FedAvg, 2 workers"):
+        assert re.search(re.escape(label) + r".*\s[\d.]+%\s+[\d.]+ s$", out.stdout, re.M), label
+    assert "--id box-1 --tag dp" in out.stdout and "examples/digits_job.py" in out.stdout
+    assert "A model this small trains fastest in-process" in out.stdout
     assert _marked(marker) == [], "the demo left processes behind"
 
 

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import somatize as sz
 from tests.coordinator.test_fedavg import (
     SIZES,
+    D,
     assert_model,
     center_of,
     graph,
@@ -23,6 +25,7 @@ from tests.coordinator.test_fedavg import (
     reference_rounds,
     shards,
 )
+from tests.coordinator.test_privacy import flat, private_graph, update
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.utils import UNIT
 
@@ -110,6 +113,77 @@ def test_live_fedavg_on_worker_data_equals_the_hand_averaged_local_trainings(liv
             assert (local["kind"], local["rows"]) == (KINDS[w["id"]], rows)
             assert local["x"]["shape"][0] == local["y"]["shape"][0] == rows
             assert local["shards"] == (3 if w["id"] == "w3" else 1)
+
+
+def test_live_fedavg_with_many_clients_per_worker_and_a_robust_rule(live):
+    """Issue 19: each live worker trains 4 clients in turn, each on its own partition of the
+    worker's dataset, and the coordinate-wise median of the 12 client models is the new
+    model: the median of 12 independent local trainings, one per partition."""
+    c, data = live
+    parts = [
+        (px, py)
+        for x, y in data
+        for px, py in zip(np.array_split(x, 4), np.array_split(y, 4), strict=True)
+    ]
+    trained = [local_training(model().state_dict(), px, py, epochs=1)[0] for px, py in parts]
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        strategy = sz.FedAvg(
+            rounds=1, min_workers=3, clients_per_worker=4, aggregator=sz.FedMedian()
+        )
+        job = client.submit(graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        (event,) = rounds_of(job)
+    assert sorted(event["workers"]) == sorted(f"{w}/{j}" for w in IDS for j in range(4))
+    assert event["rows"] == sum(SIZES)
+    # n = 12 is even: the median is the mean of the two middle values, not torch's lower one.
+    middle = {
+        k: torch.stack([t[k] for t in trained]).double().sort(0).values[5:7].mean(0)
+        for k in trained[0]
+    }
+    assert_model(fitted.states, {k: v.float() for k, v in middle.items()})
+
+
+def test_live_fedavg_with_secure_aggregation(live):
+    """Issue 19: the workers' daemons mask their models (keys, sealed shares, masks), the
+    coordinator sums and unmasks: the row-weighted mean of hand trainings, to within the
+    quantization error."""
+    c, data = live
+    start = model().state_dict()
+    trained = [(len(x), flat(start) + update(start, x, y)) for x, y in data]
+    mean = sum(n * w for n, w in trained) / sum(n for n, _ in trained)
+    expected = {"weight": mean[: 2 * D].reshape(2, D).float(), "bias": mean[2 * D :].float()}
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        strategy = sz.FedAvg(rounds=1, min_workers=3, secure_aggregation=sz.SecAgg())
+        job = client.submit(private_graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        (event,) = rounds_of(job)
+    assert event["secure_aggregation"] == {"summed": 3}
+    assert_model(fitted.states, expected, atol=2e-6)
+
+
+def test_live_fedavg_with_client_side_clipping(live):
+    """Issue 19: each worker's daemon clips its own update (batched_fit clip_norm) before the
+    coordinator sees it; without noise, the mean of the clipped updates worked out by hand."""
+    c, data = live
+    start = model().state_dict()
+    updates = [update(start, x, y) for x, y in data]
+    s = float(sorted(float(u.norm()) for u in updates)[1])  # the middle one: one clipped
+    mean = flat(start) + sum(u * min(1.0, s / float(u.norm())) for u in updates) / len(updates)
+    expected = {"weight": mean[: 2 * D].reshape(2, D).float(), "bias": mean[2 * D :].float()}
+    with sz.connect(c.url) as client:
+        for worker_id in IDS:
+            wait_for(lambda w=worker_id: c.worker_state(w) == "idle", 15 * UNIT, f"{worker_id}")
+        privacy = sz.FixedClipping(clip_norm=s, noise_multiplier=0.0, side="client")
+        strategy = sz.FedAvg(rounds=1, min_workers=3, privacy=privacy)
+        job = client.submit(private_graph(), sz.WorkerData("local"), strategy=strategy)
+        fitted = job.result(timeout=120 * UNIT)
+        (event,) = rounds_of(job)
+    assert event["privacy"]["clip"] == s
+    assert_model(fitted.states, expected, atol=2e-6)
 
 
 def test_local_on_worker_data_trains_where_the_data_is(live):

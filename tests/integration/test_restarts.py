@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import signal
 
+import numpy as np
 import pytest
 import torch
 
 import somatize as sz
 from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
+from tests.coordinator.test_fedavg import HandAdam, assert_model, reference_rounds, shards
+from tests.coordinator.test_fedavg import graph as fedavg_graph
 from tests.integration.cluster import cluster, wait_for
+from tests.integration.test_fedavg_live import Pause
 from tests.integration.test_resume import _checkpointed_at, paced
 from tests.utils import UNIT
 
@@ -105,3 +109,38 @@ def test_a_restart_that_finds_no_workers_in_time_fails_with_the_fault(tmp_path):
     assert failure.value.code == "worker_lost"
     assert "restart 1 of 2 found no workers within restart_timeout=1s" in failure.value.message
     assert list(c.state_dir.joinpath("checkpoints", job.id).glob("*.ckpt"))  # kept: it failed
+
+
+def test_a_fedavg_round_short_of_workers_restarts_from_its_checkpoint_with_its_moments(tmp_path):
+    """FedAvg(6, FedAdam, max_restarts=1) over 2 of 3 workers: a selected worker SIGKILLed after
+    the checkpoint at round 2 leaves a round short (min_workers=2); the job restarts on the two
+    left from that checkpoint — the global model, FedAdam's moments, the round — and ends where
+    Reddi et al.'s Algorithm 2 computed by hand over the same rounds ends."""
+    data = shards(sizes=(40, 40))
+    x, y = np.vstack([d[0] for d in data]), np.vstack([d[1] for d in data])
+    options = {"lr": 0.05, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}
+    strategy = sz.FedAvg(
+        6,
+        workers=2,
+        min_workers=2,
+        server=sz.FedAdam(**options),
+        checkpoint_every=1,
+        max_restarts=1,
+    )
+    fed_graph = fedavg_graph(Pause().named("pause"))
+    with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(fed_graph, x, y, strategy=strategy)
+        _checkpointed_at(job, 2, key="round")
+        victim = _replica_worker(job)
+        c.send_signal(c.workers[victim], signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = list(job.events())
+    restarting = next(e for e in events if e.event == "restarting")
+    assert restarting.data["attempt"] == 1
+    assert restarting.data["code"] in ("not_enough_workers", "worker_lost")
+    resumed = next(e for e in events if e.event == "resumed")
+    assert 2 <= resumed.data["round"] < 6
+    rounds = [e.data["round"] for e in events if e.event == "progress" and "round" in e.data]
+    assert rounds[-1] == 6
+    expected = reference_rounds(data, 6, epochs=1, server=HandAdam(**options))
+    assert_model(fitted.states, expected[-1][0])

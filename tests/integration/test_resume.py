@@ -72,7 +72,8 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
         assert kinds.count("queued") == 2 and kinds[-1] == "succeeded"
         steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
         assert steps[-1] == 21
-        assert not (c.state_dir / "checkpoints" / job.id).exists()  # it succeeded: result kept
+        kept = list((c.state_dir / "checkpoints" / job.id).glob("*.ckpt"))
+        assert len(kept) == 1  # it succeeded: its end alone is kept, to continue from
 
 
 def test_a_job_that_fails_or_is_cancelled_ends_in_its_event_stream_and_keeps_its_checkpoints(

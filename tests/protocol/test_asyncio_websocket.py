@@ -8,7 +8,14 @@ import ssl
 import pytest
 
 from protocol.asyncio.loop import loop_factory
-from protocol.asyncio.websocket import WS_MAX_SIZE, client_tls, close_reason, server_tls, ws_options
+from protocol.asyncio.websocket import (
+    WS_MAX_SIZE,
+    client_tls,
+    close_reason,
+    server_tls,
+    tls_hint,
+    ws_options,
+)
 from protocol.messages import CHUNK_BYTES
 
 
@@ -46,3 +53,35 @@ def test_the_loop_factory_makes_a_running_loop():
     factory = loop_factory()
     with asyncio.Runner(loop_factory=factory) as runner:
         assert runner.run(asyncio.sleep(0, result=7)) == 7
+
+
+def _raised(exc: BaseException, cause: BaseException) -> BaseException:
+    """``exc`` raised from ``cause``, as a dial's wrapper exception is."""
+    try:
+        raise exc from cause
+    except BaseException as caught:
+        return caught
+
+
+def test_tls_hints_say_what_a_failed_dial_most_likely_means():
+    verify = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    verify.verify_message = "self-signed certificate"
+    assert tls_hint("wss://c:8765/worker", _raised(OSError("dial"), verify), None, "--ca-file") == (
+        "the coordinator's certificate is not one this machine trusts (self-signed "
+        "certificate): give it, or its CA's, with --ca-file?"
+    )
+    assert tls_hint("wss://c:8765", verify, "ca.pem", "--ca-file") == (
+        "ca.pem does not vouch for the coordinator's certificate (self-signed certificate): "
+        "is it that certificate, or its CA's?"
+    )
+    eof = _raised(ValueError("did not receive a valid HTTP response"), EOFError("closed"))
+    assert "does it serve TLS (--tls-cert)? then its URL is wss://" in tls_hint(
+        "ws://c:8765", eof, None, "--ca-file"
+    )
+    assert tls_hint("wss://c:8765", ConnectionResetError(), None, "--ca-file") == (
+        "the TLS handshake failed: does the coordinator serve TLS? without --tls-cert it is ws://"
+    )
+    # Nothing to say about TLS: a refused connection, an EOF on wss://, a reset on ws://.
+    assert tls_hint("ws://c:8765", ConnectionRefusedError(), None, "--ca-file") == ""
+    assert tls_hint("wss://c:8765", eof, None, "--ca-file") == ""
+    assert tls_hint("ws://c:8765", ConnectionResetError(), None, "--ca-file") == ""

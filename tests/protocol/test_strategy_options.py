@@ -237,6 +237,7 @@ RESUMABLE = [
     (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
     (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
     (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
+    (lambda **kw: sz.ModelParallel([sz.Partition(["a"], tag="s0")], **kw), "model_parallel"),
 ]
 """The strategies that take the checkpoint and restart options: a maker and the wire name."""
 
@@ -259,7 +260,7 @@ def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sid
         strategy_from_spec(spec.name, options)
 
 
-@pytest.mark.parametrize(("make", "wire_name"), RESUMABLE)
+@pytest.mark.parametrize(("make", "wire_name"), [*RESUMABLE, (sz.Local, "local")])
 def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
     assert not {"max_restarts", "restart_timeout"} & set(make().options())  # 0: never
     assert strategy_from_spec(wire_name, make().options()).max_restarts == 0
@@ -281,6 +282,26 @@ def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(
 
 
 def test_strategies_without_checkpoints_say_so():
-    for spec in (sz.Local().spec(), sz.ModelParallel([sz.Partition(["a"], tag="s0")]).spec()):
-        strategy = strategy_from_spec(spec.name, spec.options)
-        assert not strategy.saves_checkpoints
+    strategy = strategy_from_spec("local", sz.Local().spec().options)
+    assert not strategy.saves_checkpoints
+
+
+def test_a_pipelines_spares_travel_and_are_placed_after_its_stages():
+    partitions = [sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w9")]
+    assert "spares" not in sz.ModelParallel(partitions).options()
+    spec = sz.ModelParallel(partitions, spares=2, spare_tag="spare", device="cpu").spec()
+    assert (spec.options["spares"], spec.options["spare_tag"]) == (2, "spare")
+    placement = strategy_from_spec(spec.name, spec.options).placement()
+    assert [str(slot) for slot in placement.slots] == [
+        "tag 's0' on cpu",
+        "worker 'w9' on cpu",
+        "tag 'spare' on cpu",
+        "tag 'spare' on cpu",
+    ]
+    anyone = strategy_from_spec(spec.name, spec.options | {"spare_tag": None}).placement()
+    assert str(anyone.slots[-1]) == "any worker on cpu" and anyone.workers == 4
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"spares must be an integer >= 0"):
+            sz.ModelParallel(partitions, spares=bad)
+    with pytest.raises(ValueError, match=r"spare_tag names the spares' tag: give spares=N"):
+        sz.ModelParallel(partitions, spare_tag="spare")

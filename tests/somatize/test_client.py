@@ -34,7 +34,7 @@ from protocol.messages import (
     Result,
     Welcome,
 )
-from somatize import cli, tables
+from somatize import cli, curves, tables
 from somatize.client import client_url
 from tests.utils import UNIT
 
@@ -256,16 +256,15 @@ def test_the_placed_event_names_each_workers_device():
 def test_state_and_progress_descriptions():
     state = {"w": torch.zeros(2, 3), "b": np.zeros(3, dtype=np.float32), "n": 3, "l": [None]}
     assert list(tables.describe_state(state)) == [
-        ("w", "(2, 3)", "torch.float32"),
+        ("w", "(2, 3)", "float32"),  # numpy's and torch's named one way (issue 18)
         ("b", "(3,)", "float32"),
         ("n", "", "int 3"),
         ("l[0]", "", "NoneType None"),
     ]
-    text = tables.progress_text({"phase": "train", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5})
-    assert text == "train epoch 2/5 step 7 loss 0.5"
+    step = {"phase": "training", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5}
+    assert tables.progress_text(step) == "epoch 2/5 · step 7 · loss 0.5 (last step)"
     trained = {"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2}
-    text = tables.progress_text(trained)
-    assert text == "trained 3 epochs nodes 2"
+    assert tables.progress_text(trained) == "trained 3 epochs · loss 1 (last epoch mean)"
     lost = {"worker": "w2", "code": "worker_lost", "replica": 1, "step": 5}
     assert tables.replica_text("worker_lost", lost) == (
         "lost worker w2 (worker_lost); waiting for a replacement"
@@ -561,4 +560,29 @@ def test_the_loss_curve_has_a_point_for_every_step_of_a_chunked_progress_event()
         progress(step=4, loss=1.0, losses=[1.5, 1.2, 1.0]),
         progress(step=5, loss=0.9),  # a step of its own, as the coordinator collective sends
     ]
-    assert cli.loss_curve(events) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0), (5, 0.9)]
+    assert curves.loss_curve(events) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0), (5, 0.9)]
+
+
+def test_a_federated_loss_curve_counts_rounds_on_whole_number_ticks():
+    """Issue 18: the FedAvg plot's x-axis said "step" and had ticks at 1.5."""
+
+    def progress(**data):
+        return sz.JobEventInfo(seq=1, time=0.0, event="progress", data=data)
+
+    rounds = [progress(phase="round", round=r, rounds=3, loss=1.0 / r) for r in (1, 2, 3)]
+    steps = [progress(phase="training", step=1, loss=1.0)]
+    trained = [progress(phase="trained", epoch_losses=[1.0, 0.5])]
+    assert curves.curve_unit(rounds) == "round" and curves.curve_unit(steps) == "step"
+    assert curves.curve_unit(trained) == "epoch"
+
+    figure = curves.loss_figure(curves.loss_curve(rounds), "job r", curves.curve_unit(rounds))
+    try:
+        figure.canvas.draw()
+        axes = figure.axes[0]
+        assert axes.get_xlabel() == "round"
+        ticks = [t for t in axes.get_xticks() if 1 <= t <= 3]
+        assert ticks == [1.0, 2.0, 3.0]  # no 1.5, 2.5
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)

@@ -77,7 +77,16 @@ def test_a_request_is_answered_with_its_id(daemon):
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     reply = _ask(daemon, id=41, cmd="fit", node_id="center", x=x)
     assert reply["id"] == 41 and reply["ok"] is True
-    assert set(reply["result"]) == {"output", "states", "loss", "rows", "epoch_losses", "history"}
+    assert set(reply["result"]) == {
+        "output",
+        "states",
+        "loss",
+        "rows",
+        "epoch_losses",
+        "start_loss",
+        "clipped",
+        "history",
+    }
     np.testing.assert_array_equal(reply["result"]["states"]["center"]["mean"], [2.0, 3.0])
     assert _ask(daemon, id=42, cmd="ping") == {"id": 42, "ok": True, "result": None}
 

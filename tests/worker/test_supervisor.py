@@ -11,26 +11,38 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from protocol.daemon import PingRequest, ShutdownRequest
 from protocol.errors import ErrorCode
+from protocol.filters import dump_filter
 from tests.utils import UNIT
 from tests.worker.supervised import Center, Die, Driver, Hang, driving, gone, wait_gone
 from worker.errors import DaemonCrashed, DaemonNotRunning, DaemonTimeout
+from worker.forked import ForkServer
 from worker.supervisor import DaemonSupervisor
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def crashing() -> Iterator[Driver]:
+@pytest.fixture(scope="module", params=["spawned", "forked"])
+def crashing(request: pytest.FixtureRequest) -> Iterator[Driver]:
     """One daemon the destructive tests kill, hang and restart in turn (each test starts by
-    making sure it runs)."""
-    with driving() as driver:
-        yield driver
+    making sure it runs): started anew, or forked by a fork server (worker.forked)."""
+    if request.param == "spawned":
+        with driving() as driver:
+            yield driver
+        return
+    server = ForkServer(sys.executable, DaemonSupervisor().environment())
+    server.start()
+    try:
+        with driving(fork_server=server) as driver:
+            yield driver
+    finally:
+        server.close()
 
 
 # -- the daemon dying, hanging, orphaned -------------------------------------------------------
@@ -134,6 +146,7 @@ _ORPHANING_PARENT = textwrap.dedent(
     from pathlib import Path
 
     from protocol.filters import dump_filter
+    from worker.forked import ForkServer
     from worker.supervisor import DaemonSupervisor
 
     class Hang:
@@ -150,7 +163,11 @@ _ORPHANING_PARENT = textwrap.dedent(
             return x
 
     async def main():
-        daemon = DaemonSupervisor(threads=1)
+        forks = None
+        if sys.argv[2] == "forked":
+            forks = ForkServer(sys.executable, DaemonSupervisor().environment())
+            forks.start()
+        daemon = DaemonSupervisor(threads=1, fork_server=forks)
         await daemon.start()
         filters = {"hang": dump_filter(Hang(sys.argv[1]))}
         await daemon.request_dict({"cmd": "load", "filters": filters})
@@ -162,10 +179,13 @@ _ORPHANING_PARENT = textwrap.dedent(
 )
 
 
-def test_a_daemon_whose_parent_dies_exits_even_inside_a_filter(tmp_path):
+@pytest.mark.parametrize("started", ["spawned", "forked"])
+def test_a_daemon_whose_parent_dies_exits_even_inside_a_filter(tmp_path, started):
+    """The agent SIGKILLed while its daemon is inside a filter: the daemon exits (a forked
+    one's server goes first, the daemon follows)."""
     marker = tmp_path / "inside-fit"
     parent = subprocess.Popen(
-        [sys.executable, "-c", _ORPHANING_PARENT, str(marker)], stdout=subprocess.PIPE
+        [sys.executable, "-c", _ORPHANING_PARENT, str(marker), started], stdout=subprocess.PIPE
     )
     pid = None
     try:
@@ -188,6 +208,47 @@ def test_a_daemon_whose_parent_dies_exits_even_inside_a_filter(tmp_path):
             parent.stdout.close()
         if pid is not None and not gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_forked_daemon_is_the_servers_child_and_outlives_nothing_of_a_dead_server():
+    """Forked daemons serve as spawned ones do; when the fork server dies its daemons end (the
+    supervisor sees the crash), and later daemons start anew until a new server is up."""
+
+    async def scenario() -> None:
+        server = ForkServer(sys.executable, DaemonSupervisor().environment())
+        await asyncio.to_thread(server.start)
+        assert server.alive and server.pid is not None
+        try:
+            supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=server)
+            async with supervisor:
+                pid = supervisor.pid
+                assert pid is not None and _parent_of(pid) == server.pid
+                filters = {"center": dump_filter(Center())}
+                await supervisor.request_dict({"cmd": "load", "filters": filters})
+                fit = await supervisor.request_dict(
+                    {"cmd": "fit", "node_id": "center", "x": torch.ones(3, 2)}
+                )
+                torch.testing.assert_close(fit["states"]["center"]["mean"], torch.ones(2))
+                os.kill(server.pid, signal.SIGKILL)
+                for _ in range(int(500 * UNIT)):
+                    if not supervisor.running:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not supervisor.running and gone(pid)  # its watchdog ended it
+                assert not server.alive
+                with pytest.raises(DaemonNotRunning):
+                    await supervisor.request(PingRequest(id=0, cmd="ping"))
+                await supervisor.restart()  # the server is gone: started anew
+                assert _parent_of(supervisor.pid) == os.getpid()
+        finally:
+            await asyncio.to_thread(server.close)
+
+    asyncio.run(scenario())
+
+
+def _parent_of(pid: int | None) -> int:
+    assert pid is not None
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 # -- lifecycle ----------------------------------------------------------------------------------

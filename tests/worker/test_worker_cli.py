@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, agent_daemons
 from tests.worker.standin import (
     StandIn,
-    children,
     drive,
     gone,
     listening,
@@ -53,7 +52,7 @@ def test_somatize_worker_registers_and_a_sigterm_stops_it_with_no_daemon_left(tm
             try:
                 channel = await stand_in.next_channel()
                 await open_job(channel, "j", center=Center())
-                daemons = children(proc.pid)
+                daemons = agent_daemons(proc.pid)
                 assert len(daemons) == 2  # the job's, and the spare started for the next job
 
                 proc.send_signal(signal.SIGTERM)
@@ -90,9 +89,9 @@ def test_with_spare_daemon_off_a_job_starts_its_own_daemon_and_none_waits_for_th
             )
             try:
                 channel = await stand_in.next_channel()
-                assert children(proc.pid) == set()  # nothing started before a job asks
+                assert agent_daemons(proc.pid) == set()  # nothing started before a job asks
                 await open_job(channel, "j", center=Center())
-                assert len(children(proc.pid)) == 1  # the job's own: no spare after it
+                assert len(agent_daemons(proc.pid)) == 1  # the job's own: no spare after it
                 proc.send_signal(signal.SIGTERM)
                 async with asyncio.timeout(20 * UNIT):
                     assert await proc.wait() == 0
@@ -119,7 +118,7 @@ def test_a_second_sigterm_forces_the_exit_and_kills_the_daemons():
             try:
                 channel = await stand_in.next_channel()
                 await open_job(channel, "j", center=Center())
-                daemons.extend(children(proc.pid))  # the job's daemon and the spare
+                daemons.extend(agent_daemons(proc.pid))  # the job's daemon and the spare
                 # A stopped daemon cannot answer "shutdown": the orderly stop now waits for
                 # its close timeout (5 s), which the second signal cuts short.
                 for daemon in daemons:

@@ -1,0 +1,91 @@
+"""Progress in sentences with units (issue 18, item 7): each line checked against figures worked
+out by hand here from the events' rows, losses and times."""
+
+from __future__ import annotations
+
+from somatize.progress import Progress, bar_position, clock, event_text
+
+
+def _step(step, epoch, loss, rows, steps=6, epochs=2):
+    return {
+        "phase": "training",
+        "epoch": epoch,
+        "epochs": epochs,
+        "step": step,
+        "steps": steps,
+        "loss": loss,
+        "rows": rows,
+    }
+
+
+def test_steps_read_as_epoch_step_epoch_mean_rate_and_time_left():
+    p = Progress()
+    assert p.add(10.0, _step(1, 1, 2.0, 64)) == "epoch 1/2 · step 1/3 · loss 2 (epoch mean)"
+    # (2·64 + 1·64) / 128 = 1.5; 64 rows in the 2 s since the first step; 4 steps left at 2 s.
+    assert p.add(12.0, _step(2, 1, 1.0, 64)) == (
+        "epoch 1/2 · step 2/3 · loss 1.5 (epoch mean) · 32 rows/s · ETA 0:08"
+    )
+    # The short last batch weighs by its 12 rows: (128 + 64 + 48) / 140 = 1.714...; 76 rows in
+    # 4 s; 2 steps in 4 s, 3 left.
+    assert p.add(14.0, _step(3, 1, 4.0, 12)) == (
+        "epoch 1/2 · step 3/3 · loss 1.714 (epoch mean) · 19 rows/s · ETA 0:06"
+    )
+    # A new epoch starts its own mean; 140 rows in 6 s; 3 steps in 6 s, 2 left.
+    assert p.add(16.0, _step(4, 2, 0.5, 64)) == (
+        "epoch 2/2 · step 1/3 · loss 0.5 (epoch mean) · 23 rows/s · ETA 0:04"
+    )
+
+
+def test_thousands_are_grouped_and_long_waits_read_as_hours():
+    p = Progress()
+    p.add(0.0, _step(1, 1, 1.0, 2500, steps=10_000, epochs=1))
+    line = p.add(2.0, _step(2, 1, 1.0, 2500, steps=10_000, epochs=1))
+    assert "1,250 rows/s" in line and line.endswith("ETA 5:33:16")  # 9,998 steps at 2 s
+    assert clock(12) == "0:12" and clock(185) == "3:05" and clock(3723) == "1:02:03"
+
+
+def test_a_chunk_of_steps_counts_each_step_in_its_own_epoch():
+    p = Progress()
+    chunk = {"phase": "training", "epochs": 2, "steps": 8, "rows": 40}
+    first = chunk | {"epoch": 1, "step": 3, "losses": [1.0, 2.0, 3.0], "batch_rows": [10] * 3}
+    assert p.add(0.0, first) == "epoch 1/2 · step 3/4 · loss 2 (epoch mean)"
+    # Steps 4 (epoch 1) and 5, 6 (epoch 2): the epoch-2 mean is (10·1 + 30·3) / 40 = 2.5.
+    crossing = chunk | {
+        "epoch": 2,
+        "step": 6,
+        "losses": [9.0, 1.0, 3.0],
+        "batch_rows": [10, 10, 30],
+    }
+    assert p.add(3.0, crossing) == (
+        "epoch 2/2 · step 2/4 · loss 2.5 (epoch mean) · 17 rows/s · ETA 0:02"
+    )
+
+
+def test_federated_rounds_read_as_round_loss_rows_and_time_left():
+    p = Progress()
+    event = {"phase": "round", "rounds": 3, "workers": ["a", "b"], "dropped": {}, "rows": 1347}
+    assert p.add(0.0, event | {"round": 1, "loss": 1.956}) == (
+        "round 1/3 · loss 1.956 (mean of 2 workers) · 1,347 rows"
+    )
+    assert p.add(5.0, event | {"round": 2, "loss": 1.5}) == (
+        "round 2/3 · loss 1.5 (mean of 2 workers) · 1,347 rows · ETA 0:05"
+    )
+
+
+def test_one_event_alone_says_its_loss_is_the_last_steps():
+    assert event_text(_step(5, 2, 0.7356, 3)) == "epoch 2/2 · step 2/3 · loss 0.7356 (last step)"
+    no_total = {"phase": "training", "epoch": 1, "epochs": 2, "step": 66, "loss": 0.5}
+    assert event_text(no_total) == "epoch 1/2 · step 66 · loss 0.5 (last step)"
+    trained = {"phase": "trained", "epochs": 3, "epoch_losses": [1.0, 0.25], "loss": 0.1}
+    assert event_text(trained) == "trained 3 epochs · loss 0.25 (last epoch mean)"
+    assert event_text({"phase": "loading", "replicas": 2}) == "loading the filters (2 replicas)"
+    staged = {"phase": "staged", "rows": {"a": 1000, "b": 347}, "dropped": {}}
+    assert event_text(staged) == "staged 1,347 rows on 2 workers"
+    assert event_text({"phase": "checking", "shard": "s1", "ok": True}) == "checking · shard s1"
+
+
+def test_the_bar_goes_by_steps_else_rounds_else_epochs():
+    assert bar_position(_step(4, 2, 0.5, 64)) == (4, 6)
+    assert bar_position({"phase": "round", "round": 2, "rounds": 10}) == (2, 10)
+    assert bar_position({"epoch": 1, "epochs": 5}) == (1, 5)
+    assert bar_position({"phase": "loading"}) == (0, 0)
