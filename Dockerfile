@@ -1,13 +1,13 @@
 # One image for every service of docker-compose.yml: the coordinator, the worker agents and the
 # one-shot `somatize submit` job. The services give their own commands (there is no ENTRYPOINT).
 #
-#   docker compose build                 # the pins of constraints.txt, from PyPI
-#   docker compose build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-#                                        # torch's CPU-only wheels (torch==2.13.0 matches
-#                                        # 2.13.0+cpu), a much smaller image on x86_64
+#   docker compose build                 # torch's CPU-only wheels (torch==2.13.0 matches
+#                                        # 2.13.0+cpu): a much smaller image on x86_64
+#   docker compose build --build-arg TORCH_INDEX_URL=
+#                                        # PyPI's torch instead (the CUDA build on x86_64)
 FROM python:3.11-slim
 
-ARG TORCH_INDEX_URL=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -15,14 +15,21 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+
+# The dependencies first, from the project's list and the pins alone: an edit of the source
+# reuses this layer, torch included.
+COPY pyproject.toml constraints.txt /app/
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
+    && pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r /tmp/requirements.txt
+
+# Then the source (not the examples: the job service mounts its job file).
 COPY . /app
-
-RUN pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} . \
+RUN pip install --no-deps -c constraints.txt . \
     && useradd --create-home --uid 10001 somatize \
-    && mkdir -p /state \
-    && chown somatize:somatize /state
+    && mkdir -p /state /results \
+    && chown somatize:somatize /state /results
 
-# /state belongs to the unprivileged user, so a fresh named volume mounted there does too.
+# /state and /results belong to the unprivileged user, so fresh named volumes there do too.
 USER somatize
-VOLUME ["/state"]
-EXPOSE 8765 9000
+VOLUME ["/state", "/results"]
+EXPOSE 8765

@@ -4,14 +4,18 @@ One self-contained HTML document: inline CSS and a little vanilla JavaScript, no
 anywhere but the coordinator itself (the :data:`CSP` header forbids it), so it works on a network
 with no way out. The script polls ``GET /api/status`` — the same snapshot ``somatize status``
 shows, see :meth:`coordinator.ws_server.Coordinator.status` — every :data:`POLL_MS` milliseconds
-and redraws the workers and jobs tables. Every value from a worker or a job (ids, tags, error
-messages) goes into the page as text (``textContent``), never as markup.
+and redraws the workers and jobs tables; a job's row opens its view (:mod:`~coordinator.
+status_page_job`: its events, error, loss curve and cancel button). Every value from a worker or
+a job (ids, tags, error messages) goes into the page as text (``textContent``), never as markup.
+Long values wrap: nothing scrolls sideways on a screen 1,400 pixels wide.
 
 A browser that was asked for a password by the page's ``401`` (HTTP Basic, the client token as
 password) sends the same credentials with its ``fetch`` calls: same origin, same realm.
 """
 
 from __future__ import annotations
+
+from coordinator.status_page_job import JOB_CSS, JOB_HTML, JOB_JS
 
 POLL_MS = 1000
 """How often the page asks for a new snapshot."""
@@ -72,6 +76,8 @@ PAGE = """<!doctype html>
   }
   section.panel h2 small { color: var(--muted); font-weight: 400; margin-left: 6px; }
   .scroll { overflow-x: auto; }
+  #jobs tbody tr { cursor: pointer; }
+  #jobs tbody tr:hover td, #jobs tbody tr.open td { background: #f3f6ff; }
   table { width: 100%; border-collapse: collapse; }
   th, td { padding: 9px 16px; text-align: left; vertical-align: baseline; white-space: nowrap; }
   th {
@@ -81,7 +87,12 @@ PAGE = """<!doctype html>
   tbody tr + tr td { border-top: 1px solid var(--line); }
   td.num { font-variant-numeric: tabular-nums; }
   td.id { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace; font-size: 13px; }
-  td.wrap { white-space: normal; min-width: 220px; max-width: 420px; }
+  td.wrap { white-space: normal; overflow-wrap: anywhere; min-width: 120px; max-width: 360px; }
+  td.progress { min-width: 190px; }
+  td.clamp div {
+    display: -webkit-box; -webkit-line-clamp: 2; -webkit-box-orient: vertical; overflow: hidden;
+  }
+  td .name { display: block; color: var(--muted); font-family: inherit; font-size: 12px; }
   .muted { color: var(--muted); }
   .empty { padding: 16px; color: var(--muted); }
   .tag {
@@ -105,6 +116,7 @@ PAGE = """<!doctype html>
   .error { color: var(--bad); }
   .error code { font-weight: 600; margin-right: 6px; }
   footer { margin-top: 18px; color: var(--muted); font-size: 12px; }
+__JOB_CSS__
 </style>
 </head>
 <body>
@@ -130,12 +142,13 @@ PAGE = """<!doctype html>
     <div class="scroll"><table id="jobs">
       <thead><tr>
         <th>Job</th><th>Strategy</th><th>State</th><th>Progress</th><th>Loss</th>
-        <th>Workers</th><th>Duration</th><th>Error</th>
+        <th>Workers</th><th>Submitted</th><th>Duration</th><th>Error</th>
       </tr></thead>
       <tbody></tbody>
     </table></div>
     <div class="empty" id="jobs-empty">No job has been submitted yet.</div>
   </section>
+__JOB_HTML__
   <footer id="footer"></footer>
 </main>
 <script>
@@ -204,14 +217,22 @@ function datasetsText(datasets) {
   }).join(", ");
 }
 
-// The words of `somatize status` (somatize/cli.py progress_text), fraction for the bar.
+// Where a job stands, in the words of `somatize jobs` (somatize/progress.py, the position):
+// `epoch 1/2 · step 40/66` (the step within its epoch), `round 3/10`, else its phase.
 function progressText(p) {
   const parts = [];
-  if (p.phase) parts.push(String(p.phase));
-  if (p.epoch != null) parts.push("epoch " + p.epoch + (p.epochs != null ? "/" + p.epochs : ""));
-  else if (p.epochs != null) parts.push(p.epochs + " epochs");
-  if (p.round != null) parts.push("round " + p.round + (p.rounds != null ? "/" + p.rounds : ""));
-  if (p.step != null) parts.push("step " + p.step + (p.steps != null ? "/" + p.steps : ""));
+  const perEpoch = isNum(p.steps) && isNum(p.epochs) && p.epochs > 0 && p.steps % p.epochs === 0
+    ? p.steps / p.epochs : null;
+  if (p.epoch != null) parts.push("epoch " + p.epoch + (p.epochs ? "/" + p.epochs : ""));
+  if (p.round != null) parts.push("round " + p.round + (p.rounds ? "/" + p.rounds : ""));
+  if (p.step != null) {
+    if (perEpoch && isNum(p.epoch)) {
+      parts.push("step " + (p.step - (p.epoch - 1) * perEpoch) + "/" + perEpoch);
+    } else {
+      parts.push("step " + p.step + (p.steps ? "/" + p.steps : ""));
+    }
+  }
+  if (!parts.length && p.phase) parts.push(String(p.phase));
   // The last epoch's (round's) figures: validation loss, metrics, learning rate.
   for (const [k, v] of Object.entries(p.metrics || {})) {
     if (k !== "epoch" && k !== "round" && k !== "loss" && isNum(v)) {
@@ -289,10 +310,14 @@ function renderJobs(jobs, now) {
     const p = job.progress || {};
     const tr = el("tr");
     tr.dataset.job = job.id;
-    cell(tr, job.id, "id");
+    if (job.id === openJob) tr.className = "open";
+    tr.addEventListener("click", () => { location.hash = "job=" + encodeURIComponent(job.id); });
+    const id = cell(tr, job.id, "id");
+    const summary = job.summary || {};
+    if (summary.name) id.appendChild(el("span", summary.name, "name"));
     cell(tr, job.strategy);
     cell(tr, pill(job.state));
-    const prog = cell(tr, progressText(p));
+    const prog = cell(tr, progressText(p), "wrap progress");
     const f = fraction(p, job.state);
     if (f !== null) {
       const bar = el("div", undefined, job.state === "succeeded" ? "bar done" : "bar");
@@ -302,12 +327,15 @@ function renderJobs(jobs, now) {
       prog.appendChild(bar);
     }
     cell(tr, isNum(p.loss) ? p.loss.toPrecision(4) : "", "num");
-    cell(tr, (job.workers || []).join(", "));
+    cell(tr, (job.workers || []).join(", "), "wrap");
+    cell(tr, clockTime(job.created), "num");
     cell(tr, duration(job, now), "num");
-    const err = cell(tr, undefined, "wrap error");
+    const err = cell(tr, undefined, "wrap clamp error");
     if (job.error) {
-      err.appendChild(el("code", job.error.code));
-      err.appendChild(document.createTextNode(job.error.message || ""));
+      const text = el("div");
+      text.appendChild(el("code", job.error.code));
+      text.appendChild(document.createTextNode(job.error.message || ""));
+      err.appendChild(text);
     }
     return tr;
   });
@@ -330,6 +358,7 @@ async function poll() {
     renderCards(status);
     renderWorkers(status.workers);
     renderJobs(status.jobs, status.time);
+    await refreshJob(status.time);
     connection(true, "live");
     document.getElementById("footer").textContent =
       (status.server || "") + " \\u00b7 updated " + new Date().toLocaleTimeString();
@@ -339,11 +368,15 @@ async function poll() {
     setTimeout(poll, POLL_MS);
   }
 }
+__JOB_JS__
+window.addEventListener("hashchange", () => refreshJob(null));
 poll();
 </script>
 </body>
 </html>
 """.replace("__POLL_MS__", str(POLL_MS))
+PAGE = PAGE.replace("__JOB_CSS__", JOB_CSS).replace("__JOB_HTML__", JOB_HTML)
+PAGE = PAGE.replace("__JOB_JS__", JOB_JS)
 """The page itself."""
 
 __all__ = ["CSP", "PAGE", "POLL_MS"]

@@ -3,8 +3,10 @@
 * ``GET /healthz`` — ``ok`` while the coordinator serves (always open); ``503`` with the reason
   while its job store cannot be written (a full disk, a damaged file);
 * ``GET /metrics`` — Prometheus text; ``GET /`` — a live status page polling ``GET /api/status``
-  (workers and jobs as JSON). With a client token these three need it (``Authorization: Bearer``,
-  or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``;
+  (workers and jobs as JSON) and, for its job view, ``GET /api/jobs/ID`` (and ``.../cancel``:
+  :mod:`coordinator.status_api`). With a client token these need it (``Authorization: Bearer``,
+  or HTTP Basic with the token as password, so a browser can log in) unless ``public_status``
+  (a cancel always does);
 * an upgrade to ``/worker`` or ``/client`` is checked here before any message is read: its bearer
   token (in constant time) first, then ``503`` beyond ``max_pending_connections`` upgrades with
   a valid token still waiting for their hello (sockets without one lock nobody out).
@@ -25,6 +27,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
 from coordinator.clients import EVERYONE, ClientIdentity
+from coordinator.status_api import CANCEL_HEADER, job_view, parse_job_path
 from coordinator.status_page import CSP, PAGE
 
 if TYPE_CHECKING:
@@ -59,6 +62,8 @@ async def process_request(
         if path == "/api/status":
             return _json(connection, await server.status(client))
         return await _metrics(server, connection)
+    if (job := parse_job_path(path)) is not None:
+        return await _job(server, connection, request, *job)
     if path == "/client":
         client = identified(server, request)
         if client is None:
@@ -77,6 +82,25 @@ async def process_request(
             return _busy(server, connection)
         return None  # go on with the WebSocket handshake
     return connection.respond(http.HTTPStatus.NOT_FOUND, f"no such path {path!r}\n")
+
+
+async def _job(
+    server: Coordinator,
+    connection: ServerConnection,
+    request: Request,
+    job_id: str,
+    cancel: bool,
+) -> Response:
+    """A job view of the status page, or its cancel (:mod:`coordinator.status_api`)."""
+    client = identified(server, request, basic=True)
+    if client is None and not (server.public_status and not cancel):
+        return _unauthorized(connection, request.path)
+    if cancel and request.headers.get(CANCEL_HEADER[0]) != CANCEL_HEADER[1]:
+        return connection.respond(
+            http.HTTPStatus.FORBIDDEN, f"a cancel carries '{': '.join(CANCEL_HEADER)}'\n"
+        )
+    status, body = await job_view(server, client or EVERYONE, job_id, cancel)
+    return _json(connection, body, status)
 
 
 async def _metrics(server: Coordinator, connection: ServerConnection) -> Response:
@@ -161,10 +185,15 @@ def _unauthorized(connection: ServerConnection, path: str) -> Response:
     return response
 
 
-def _respond(connection: ServerConnection, content_type: str, body: str) -> Response:
-    """``200`` with ``body`` as ``content_type``, that no cache keeps (a status goes stale in a
-    second)."""
-    response = connection.respond(http.HTTPStatus.OK, body)
+def _respond(
+    connection: ServerConnection,
+    content_type: str,
+    body: str,
+    status: http.HTTPStatus = http.HTTPStatus.OK,
+) -> Response:
+    """``body`` as ``content_type`` (``200`` unless told), that no cache keeps (a status goes
+    stale in a second)."""
+    response = connection.respond(status, body)
     del response.headers["Content-Type"]  # respond() says text/plain; a second one would clash
     response.headers["Content-Type"] = content_type
     response.headers["Cache-Control"] = "no-store"
@@ -181,5 +210,7 @@ def _page(connection: ServerConnection) -> Response:
     return response
 
 
-def _json(connection: ServerConnection, value: Any) -> Response:
-    return _respond(connection, "application/json", orjson.dumps(value).decode())
+def _json(
+    connection: ServerConnection, value: Any, status: http.HTTPStatus = http.HTTPStatus.OK
+) -> Response:
+    return _respond(connection, "application/json", orjson.dumps(value).decode(), status)

@@ -22,14 +22,12 @@ The SDK's surface::
         fitted = job.result()
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
-from somatize.client import Client, connect
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
-from somatize.filters import Filter, TorchFilter
-from somatize.graph import FittedGraph, Graph
-from somatize.jobs import Job, JobCheckpoint, JobEventInfo
 from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
-from somatize.saved import load
 from somatize.strategies import (
     DataParallel,
     FedAdagrad,
@@ -46,6 +44,38 @@ from somatize.strategies import (
     Strategy,
     WorkerData,
 )
+
+if TYPE_CHECKING:
+    from somatize.client import Client, connect
+    from somatize.filters import Filter, TorchFilter
+    from somatize.graph import FittedGraph, Graph
+    from somatize.jobs import Job, JobCheckpoint, JobEventInfo
+    from somatize.saved import load
+
+_LAZY = {
+    "Client": "somatize.client",
+    "connect": "somatize.client",
+    "Filter": "somatize.filters",
+    "TorchFilter": "somatize.filters",
+    "FittedGraph": "somatize.graph",
+    "Graph": "somatize.graph",
+    "Job": "somatize.jobs",
+    "JobCheckpoint": "somatize.jobs",
+    "JobEventInfo": "somatize.jobs",
+    "load": "somatize.saved",
+}
+"""What imports torch, imported on first use: ``somatize status`` and the other commands that
+only talk to a coordinator start without it (importing torch takes seconds)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'somatize' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AdaptiveClipping",

@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
         "has yet included), then fail; by default such a job is refused at once",
     )
     submit.add_argument(
+        "--save",
+        metavar="PATH",
+        help="once the job succeeded, write its states there (as somatize result --save)",
+    )
+    submit.add_argument(
         "--cancel-on-exit",
         action="store_true",
         help="cancel the job if this command stops before it ends (Ctrl-C, SIGTERM, SIGHUP) "
@@ -387,6 +392,8 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             markup=False,
             soft_wrap=True,
         )
+        if args.save:
+            _save(job.states(timeout=0), args.save, err, history_of(job.status()))
         return EXIT_OK
 
 
@@ -533,14 +540,18 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             soft_wrap=True,
         )
     if args.save:
-        from somatize.saved import save
-
         kept = history if args.checkpoint is None else []  # a checkpoint's: not the whole run's
-        save(args.save, states, list(states), [r["loss"] for r in kept if "loss" in r], kept)
-        err.print(
-            f"saved the states of {len(states)} nodes to {args.save}", markup=False, soft_wrap=True
-        )
+        _save(states, args.save, err, kept)
     return EXIT_OK
+
+
+def _save(states: dict[str, Any], path: str, err: Console, history: list[dict[str, Any]]) -> None:
+    """Write a job's states where ``--save`` says (:mod:`somatize.saved`: no pickle), with its
+    ``history``."""
+    from somatize.saved import save
+
+    save(path, states, list(states), [r["loss"] for r in history if "loss" in r], history)
+    err.print(f"saved the states of {len(states)} nodes to {path}", markup=False, soft_wrap=True)
 
 
 _COMMANDS = {

@@ -30,7 +30,7 @@ import ssl
 import time
 from collections.abc import AsyncGenerator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -55,10 +55,11 @@ from protocol.messages import (
 )
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
-from somatize.filters import layer_kinds
-from somatize.graph import Graph, checked_validation
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 from somatize.strategies import DataParallel, Local, Strategy, WorkerData
+
+if TYPE_CHECKING:
+    from somatize.graph import Graph
 
 __all__ = [
     "TERMINAL_EVENTS",
@@ -290,6 +291,8 @@ class Client:
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
         """
+        from somatize.graph import Graph  # (torch: imported when a job is submitted)
+
         if not isinstance(graph, Graph):
             raise TypeError(
                 f"submit takes a somatize.Graph, not {type(graph).__name__} "
@@ -425,6 +428,8 @@ class Client:
 def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     """What the coordinator is told of each node (it never unpickles the filters): whether it
     trains by gradient descent, and then its training settings."""
+    from somatize.filters import layer_kinds  # (torch: imported when a job is submitted)
+
     info = {}
     for node_id, f in graph.items():
         if getattr(f, "differentiable", False):
@@ -456,6 +461,8 @@ def _validation(validation: Any, dataset: str | None) -> tuple[Any, Any, str | N
                 f"dataset the job trains on ({'none: it sends x' if dataset is None else dataset})"
             )
         return None, None, validation.split or "val"
+    from somatize.graph import checked_validation
+
     checked = checked_validation(validation)
     return (None, None, None) if checked is None else (*checked, None)
 

@@ -27,15 +27,22 @@ from somatize.strategies import Strategy
 
 
 class Standardize(Filter):
-    """Zero mean, unit variance per column (columns that never vary are left at zero)."""
+    """Zero mean, unit variance per column (columns that never vary are left at zero).
+
+    Its state is two means (of the values and of their squares), the standard deviation
+    worked out in ``forward``: distributed, each replica fits it on its own rows and the states
+    are averaged by rows, which gives the whole data's means exactly — a standard deviation
+    averaged would not be the whole data's.
+    """
 
     def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
-        x = np.asarray(x, dtype=np.float32)
-        std = x.std(0)
-        return {"mean": x.mean(0), "scale": np.where(std > 0, std, 1.0).astype(np.float32)}
+        x = np.asarray(x, dtype=np.float64)
+        return {"mean": x.mean(0), "mean_square": (x * x).mean(0)}
 
     def forward(self, x: Any, state: Any) -> Any:
-        return (np.asarray(x, dtype=np.float32) - state["mean"]) / state["scale"]
+        std = np.sqrt(np.maximum(state["mean_square"] - state["mean"] ** 2, 0.0))
+        scale = np.where(std > 1e-9, std, 1.0)
+        return ((np.asarray(x, dtype=np.float64) - state["mean"]) / scale).astype(np.float32)
 
 
 @dataclass

@@ -19,10 +19,10 @@ from protocol.errors import ErrorCode
 from protocol.messages import Ack, Cancel, GetCheckpoint, GetJob, GetResult, Result
 from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
-from somatize.graph import FittedGraph, Graph
 
 if TYPE_CHECKING:
     from somatize.client import Client
+    from somatize.graph import FittedGraph, Graph
 
 T = TypeVar("T")
 
@@ -211,6 +211,8 @@ class Job:
                 "job.states() for the states by node id, or pass the graph "
                 "(job.result(graph=graph) or client.job(id, graph=graph))"
             )
+        from somatize.graph import FittedGraph  # (torch: imported when a result is rebuilt)
+
         result = self._fetch(timeout).result
         states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
         return FittedGraph(graph, states, history=_history(result))

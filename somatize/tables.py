@@ -112,8 +112,11 @@ def jobs_table(records: list[dict[str, Any]]) -> Any:
     table = Table(title="jobs", title_justify="left")
     columns = ("id", "name", "file", "strategy", "state", "progress", "submitted", "took")
     for column in columns:
-        # ids are copied from here: keep them whole; times too
-        table.add_column(column, no_wrap=column in ("id", "submitted"))
+        # ids are copied from here: keep them whole; times too; a long path folds, never cut
+        if column == "file":
+            table.add_column(column, overflow="fold")
+        else:
+            table.add_column(column, no_wrap=column in ("id", "submitted"))
     now = time.time()
     for r in records:
         progress = r.get("progress")

@@ -10,6 +10,7 @@ The filters are pickled by value (this module is the user's own code to
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,20 @@ def interruptible(argv: list[str]) -> list[str]:
     would see its Ctrl-C tests fail for that reason alone. The program keeps this pid.
     """
     return [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *argv]
+
+
+def stop_groups(*procs: subprocess.Popen[bytes]) -> None:
+    """SIGTERM each process's group (started with ``start_new_session``), SIGKILL what is still
+    there after ``10 * UNIT`` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10 * UNIT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 class Center(sz.Filter):

@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
 import somatize as sz
+from coordinator.clients import ClientIdentity, ClientTokens
 from coordinator.ws_server import Coordinator
-from tests.utils import UNIT
+from tests.utils import UNIT, Center
 
 CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
 GUARDED = ["/", "/api/status", "/metrics"]
@@ -143,3 +145,59 @@ def test_the_page_and_its_json_are_what_somatize_status_shows(tmp_path):
         _, headers, body = get(url + "/metrics", auth)
         assert headers.get_all("Content-Type") == ["text/plain; version=0.0.4; charset=utf-8"]
         assert b"somatize_" in body
+
+
+def _job_api(url: str, path: str, token: str | None, cancel_header: bool = False) -> Any:
+    request = urllib.request.Request(url + path)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    if cancel_header:
+        request.add_header("X-Requested-By", "somatize-status-page")
+    try:
+        with urllib.request.urlopen(request, timeout=5 * UNIT) as response:
+            return response.status, orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            body = exc.read()
+            return exc.code, orjson.loads(body) if exc.headers["Content-Type"] == (
+                "application/json"
+            ) else body
+
+
+def test_the_job_view_shows_and_cancels_a_job_only_to_its_owner(tmp_path):
+    """Issue 18: the status page's job view (its events) and its cancel button."""
+    tokens = ClientTokens(
+        {"alice-token-0123456": ClientIdentity("alice"), "bob-token-65432": ClientIdentity("bob")}
+    )
+    with running(tmp_path, client_tokens=tokens) as url:
+        with sz.connect(url.replace("http", "ws"), token="alice-token-0123456") as client:
+            job = client.submit(sz.Graph([Center()]), np.zeros((4, 2), np.float32))  # no worker
+            job_id = job.id
+        status, view = _job_api(url, f"/api/jobs/{job_id}", "alice-token-0123456")
+        assert status == 200 and view["record"]["state"] == "queued" and view["dropped"] == 0
+        assert [e["event"] for e in view["events"]] == ["queued"]
+        assert view["events"][0]["data"] == {"placement": "1 worker"}
+        assert _job_api(url, f"/api/jobs/{job_id}", "bob-token-65432")[0] == 404
+        assert _job_api(url, "/api/jobs/no-such-job", "alice-token-0123456")[0] == 404
+        assert _job_api(url, f"/api/jobs/{job_id}", None)[0] == 401
+        # A cancel needs the page's header: a link or an image elsewhere cannot send one.
+        assert _job_api(url, f"/api/jobs/{job_id}/cancel", "alice-token-0123456")[0] == 403
+        assert _job_api(url, f"/api/jobs/{job_id}/cancel", "bob-token-65432", True)[0] == 404
+        assert _job_api(url, f"/api/jobs/{job_id}/cancel", "alice-token-0123456", True) == (
+            200,
+            {"cancelled": job_id},
+        )
+        status, ended = _job_api(url, f"/api/jobs/{job_id}/cancel", "alice-token-0123456", True)
+        assert status == 409 and "already ended (cancelled)" in ended["error"]["message"]
+        _, view = _job_api(url, f"/api/jobs/{job_id}", "alice-token-0123456")
+        assert [e["event"] for e in view["events"]] == ["queued", "cancelled"]
+        assert _job_api(url, f"/api/jobs/{job_id}/nope", "alice-token-0123456")[0] == 404
+
+
+def test_a_public_status_shows_a_job_to_anyone_but_cancels_only_with_the_token(tmp_path):
+    with running(tmp_path, client_token=CLIENT, public_status=True) as url:
+        with sz.connect(url.replace("http", "ws"), token=CLIENT) as client:
+            job_id = client.submit(sz.Graph([Center()]), np.zeros((4, 2), np.float32)).id
+        assert _job_api(url, f"/api/jobs/{job_id}", None)[0] == 200
+        assert _job_api(url, f"/api/jobs/{job_id}/cancel", None, True)[0] == 401
+        assert _job_api(url, f"/api/jobs/{job_id}/cancel", CLIENT, True)[0] == 200

@@ -88,11 +88,16 @@ class Page:
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         attach = {"targetId": target, "flatten": True}
         self._session = self.call("Target.attachToTarget", attach)["sessionId"]
-        metrics = {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}
-        self.call("Emulation.setDeviceMetricsOverride", metrics)
+        self.resize(WIDTH, HEIGHT)
         navigated = self.call("Page.navigate", {"url": url})
         if navigated.get("errorText"):
             raise BrowserError(f"cannot open {url}: {navigated['errorText']}")
+
+    def resize(self, width: int, height: int) -> None:
+        """Make the viewport ``width`` x ``height`` CSS pixels (:meth:`open` makes it
+        :data:`WIDTH` x :data:`HEIGHT`)."""
+        metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+        self.call("Emulation.setDeviceMetricsOverride", metrics)
 
     def evaluate(self, expression: str) -> Any:
         """The JSON value of a JavaScript expression in the page."""

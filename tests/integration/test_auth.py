@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from websockets.exceptions import InvalidStatus
 import somatize as sz
 from somatize.cluster import free_port, wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, self_signed
+from tests.utils import UNIT, self_signed, stop_groups
 
 pytestmark = pytest.mark.integration
 
@@ -36,18 +35,6 @@ def _start(argv: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
 async def _upgrade(url: str, headers: Headers) -> None:
     async with websockets.connect(url, additional_headers=headers, open_timeout=10 * UNIT):
         pass
-
-
-def _stop(*procs: subprocess.Popen[bytes]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=10 * UNIT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
@@ -107,7 +94,7 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
 
         wait_for(registered, 30 * UNIT, "w1 to register with its token")
     finally:
-        _stop(*procs)
+        stop_groups(*procs)
 
 
 @pytest.mark.parametrize(
@@ -237,4 +224,4 @@ def test_tls_with_a_certificate_the_test_makes(tmp_path):
         )
         assert plain_worker.poll() is None
     finally:
-        _stop(*procs)
+        stop_groups(*procs)

@@ -457,7 +457,14 @@ def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
     graph, x, y, _ = load_job_file(job_file)
     assert float(found.group(1)) == pytest.approx(graph.fit(x, y).epoch_losses[-1], rel=1e-3)
 
-    listed = _somatize(live, "jobs", seconds=30)
+    listed = subprocess.run(
+        [str(BIN / "somatize"), "jobs"],
+        capture_output=True,
+        text=True,
+        env=_env(live) | {"COLUMNS": "400"},  # the temporary file's path whole on one line
+        timeout=30 * UNIT,
+        check=False,
+    )
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if job_id in line)
     cells = [c.strip() for c in row.split("│")]
@@ -475,3 +482,23 @@ def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
     assert life[0] == f"job {job_id} (mlp) queued: waiting for 2 workers tagged 'dp'"
     assert life[1].startswith(f"job {job_id} placed on box-1, box-2; gradients by ")
     assert re.fullmatch(rf"job {job_id} succeeded after [\d.]+ s running", life[-1])
+
+
+# -- 11. smaller things -------------------------------------------------------------------------
+
+
+def test_somatize_status_does_not_import_torch(live):
+    """It only talks to the coordinator: importing torch was 1.5 s of its 2 s."""
+    shown = subprocess.run(
+        [sys.executable, "-X", "importtime", str(BIN / "somatize"), "status"],
+        capture_output=True,
+        text=True,
+        env=_env(live),
+        timeout=60 * UNIT,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "box-1" in shown.stdout and "box-2" in shown.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in shown.stderr.splitlines()]
+    assert "numpy" in imported  # (the import log is there)
+    assert not [name for name in imported if name == "torch" or name.startswith("torch.")]

@@ -1,11 +1,13 @@
-"""docker-compose.yml: its structure, then its topology run as local processes (no Docker).
+"""docker-compose.yml and the Dockerfile: their structure, then the topology run as local
+processes (no Docker).
 
 Each service's ``command`` runs as a subprocess on loopback, in dependency order, with the
 compose names mapped to this machine: the host ``coordinator`` → ``127.0.0.1``, port 8765 → a
-free port, ``/state`` → a temporary directory, ``/app/`` → the repository, and each
-``--peer-listen 0.0.0.0:9000`` → a free loopback port. The coordinator must answer its own
-healthcheck URL before the workers start, the workers must be listed before the ``job`` service
-runs, and the job must exit 0. Every process group is killed at the end, whatever happened.
+free port, ``/state`` and ``/results`` → temporary directories, ``/jobs/`` → the directory the
+job service mounts there (``./examples``), and ``${VAR:-default}`` / ``${VAR:?message}``
+interpolated as compose does. The coordinator must answer its own healthcheck URL before the
+workers start, the job must exit 0 and leave its states where its volume is. Every process
+group is killed at the end, whatever happened.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSE = ROOT / "docker-compose.yml"
-SERVICES = {"coordinator", "worker-1", "worker-2", "stage-0", "stage-1", "job"}
-WORKERS = ("worker-1", "worker-2", "stage-0", "stage-1")
+DOCKERFILE = ROOT / "Dockerfile"
+SERVICES = {"coordinator", "worker-1", "worker-2", "job"}
+WORKERS = ("worker-1", "worker-2")
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 HEALTHZ = re.compile(r"http://(?:127\.0\.0\.1|localhost):8765/healthz")
 
 
@@ -77,15 +81,61 @@ def test_services_and_commands(compose: dict[str, Any]) -> None:
         assert command[command.index("--id") + 1] == name
         depends = found[name]["depends_on"]
         assert depends["coordinator"]["condition"] == "service_healthy"
-    for name, tag in [("stage-0", "stage0"), ("stage-1", "stage1")]:
-        command = found[name]["command"]
-        assert command[command.index("--tag") + 1] == tag
-        assert command[command.index("--peer-listen") + 1] == "0.0.0.0:9000"
     job = found["job"]
     assert job["command"][:2] == ["somatize", "submit"]
     assert job["restart"] == "no"
     assert job["depends_on"]["coordinator"]["condition"] == "service_healthy"
     assert (ROOT / "examples" / "digits_job.py").is_file()
+
+
+def test_the_job_file_is_mounted_and_its_result_lands_on_a_volume(compose: dict[str, Any]) -> None:
+    job = services(compose)["job"]
+    command = job["command"]
+    mounts = {target: source for source, target, *_ in (str(v).split(":") for v in job["volumes"])}
+    assert mounts["/jobs"] == "./examples"  # read when it runs: an edit needs no rebuild
+    assert command[2] == "/jobs/${SOMATIZE_JOB:-digits_job.py}"
+    saved = command[command.index("--save") + 1]
+    assert saved.startswith("/results/") and mounts["/results"] in compose["volumes"]
+    # The workers register as the job starts: it waits for them, a bounded time.
+    assert float(command[command.index("--wait-for-workers") + 1]) > 0
+    assert "examples" in (ROOT / ".dockerignore").read_text().split()  # not built in
+
+
+def test_every_worker_service_serves_the_job(compose: dict[str, Any]) -> None:
+    """No service that nothing uses: the example job's strategy takes every worker."""
+    from somatize.cli import load_job_file
+
+    _, _, _, strategy = load_job_file(str(ROOT / "examples" / "digits_job.py"))
+    options = strategy.spec().options
+    workers = [s["command"] for s in services(compose).values()]
+    workers = [c for c in workers if c[0] == "somatize-worker"]
+    tagged = [c for c in workers if c[c.index("--tag") + 1] == options["tag"]]
+    assert len(tagged) == len(workers) == options["workers"]
+
+
+def test_the_dockerfile_installs_cpu_torch_and_the_dependencies_before_the_source(
+    tmp_path: Path,
+) -> None:
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    assert f"ARG TORCH_INDEX_URL={CPU_INDEX}" in lines  # the CPU build unless told otherwise
+    steps = [line for line in lines if line.split(" ", 1)[0] in ("COPY", "RUN")]
+    source = steps.index("COPY . /app")
+    assert steps[0] == "COPY pyproject.toml constraints.txt /app/"
+    deps = steps[1]
+    assert deps.startswith("RUN ") and source > 1
+    assert "--no-deps" in " ".join(lines[lines.index(steps[source + 1]) :])
+    # The step lists the project's dependencies from pyproject.toml alone: run its script.
+    script = re.search(r'python -c "(.*?)" > /tmp/requirements.txt', deps)
+    assert script, deps
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    listed = subprocess.run(
+        [sys.executable, "-c", script.group(1)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert any(line.startswith("torch") for line in listed) and len(listed) >= 8
 
 
 def test_coordinator_health_and_state_volume(compose: dict[str, Any]) -> None:
@@ -102,7 +152,7 @@ def test_each_worker_keeps_its_identity_key_on_a_volume_of_its_own(
     compose: dict[str, Any],
 ) -> None:
     workers = {n: s for n, s in services(compose).items() if s["command"][0] == "somatize-worker"}
-    assert len(workers) == 4
+    assert len(workers) == len(WORKERS)
     volumes = set()
     for name, service in workers.items():
         command = service["command"]
@@ -114,13 +164,36 @@ def test_each_worker_keeps_its_identity_key_on_a_volume_of_its_own(
     assert len(volumes) == len(workers), "workers share an identity volume"
 
 
-def test_no_literal_tokens() -> None:
+def test_tokens_are_required_from_the_environment_never_written(compose: dict[str, Any]) -> None:
     text = COMPOSE.read_text(encoding="utf-8")
     values = re.findall(r"^\s*-?\s*(SOMATIZE_\w*TOKEN)\s*[:=]\s*(.*?)\s*$", text, re.MULTILINE)
     assert values, "the tokens are not passed through"
     for name, value in values:
-        assert value == f"${{{name}:-}}", f"{name} must come from the environment, not {value!r}"
+        # ${VAR:?message}: compose stops at once when it is unset or empty, naming it.
+        assert value.startswith(f"${{{name}:?") and value.endswith("}"), (name, value)
     assert "--token" not in text
+    coordinator = services(compose)["coordinator"]["environment"]
+    with pytest.raises(ValueError, match="set SOMATIZE_TOKEN to the clients' secret"):
+        interpolate(coordinator["SOMATIZE_TOKEN"], {"SOMATIZE_TOKEN": ""})
+    assert interpolate(coordinator["SOMATIZE_TOKEN"], {"SOMATIZE_TOKEN": "s3"}) == "s3"
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """``value`` with ``${VAR:-default}`` and ``${VAR:?message}`` as compose reads them.
+
+    Raises:
+        ValueError: a ``${VAR:?message}`` whose variable is unset or empty (its message).
+    """
+
+    def one(match: re.Match[str]) -> str:
+        name, how, word = match.group(1), match.group(2), match.group(3)
+        if env.get(name):
+            return env[name]
+        if how == ":?":
+            raise ValueError(f"required variable {name} is missing a value: {word}")
+        return word
+
+    return re.sub(r"\$\{(\w+)(:-|:\?)([^}]*)\}", one, value)
 
 
 # -- the topology, as local processes ----------------------------------------------------------
@@ -143,9 +216,12 @@ def order(found: dict[str, dict[str, Any]]) -> list[str]:
     return done
 
 
-def localise(command: list[str], port: int, state: Path) -> list[str]:
-    """A service's command with the compose names mapped to this machine."""
+def localise(
+    command: list[str], port: int, state: Path, env: dict[str, str] | None = None
+) -> list[str]:
+    """A service's command with the compose names (and variables) mapped to this machine."""
     argv = []
+    command = [interpolate(arg, env or {}) for arg in command]
     peer = f"127.0.0.1:{free_port()}"  # the service's peer port, as listened on and announced
     for i, arg in enumerate(command):
         previous = command[i - 1] if i else ""
@@ -161,12 +237,14 @@ def localise(command: list[str], port: int, state: Path) -> list[str]:
         elif arg.startswith("/identity/"):  # the worker's own identity volume
             worker_id = command[command.index("--id") + 1]
             arg = str(state.parent / f"identity-{worker_id}" / arg.removeprefix("/identity/"))
-        elif arg.startswith("/app/"):
-            arg = str(ROOT / arg.removeprefix("/app/"))
+        elif arg.startswith("/jobs/"):  # the job service's mount of ./examples
+            arg = str(ROOT / "examples" / arg.removeprefix("/jobs/"))
+        elif arg.startswith("/results/"):  # its results volume
+            arg = str(state.parent / "results" / arg.removeprefix("/results/"))
         argv.append(arg)
     argv[0] = str(BIN / argv[0])
     assert not any(
-        "coordinator:" in a or "0.0.0.0" in a or a.startswith(("/app", "/identity")) for a in argv
+        "coordinator:" in a or "0.0.0.0" in a or a.startswith(("/jobs", "/identity")) for a in argv
     )
     return argv
 
@@ -260,7 +338,8 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
         assert sorted(workers) == sorted(WORKERS)
         wait_for(lambda: alive_and(listed(url, workers)), 60 * UNIT, "the workers")
 
-        argv = localise(found["job"]["command"], port, state)
+        argv = localise(found["job"]["command"], port, state, env)
+        (state.parent / "results").mkdir()
         job = subprocess.run(
             argv,
             stdin=subprocess.DEVNULL,
@@ -286,4 +365,10 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
         rows = [line for line in table.splitlines() if job_id in line]
         assert rows and "succeeded" in rows[0], table
         assert "data_parallel" in rows[0], table
+        # The result, where the results volume is: it loads without pickle, as the graph.
+        from somatize.cli import load_job_file
+
+        graph, _, _, _ = load_job_file(str(ROOT / "examples" / "digits_job.py"))
+        fitted = sz.load(state.parent / "results" / "states.pt", graph)
+        assert fitted.graph.node_ids == ["standardize", "hidden", "head"]
     print(f"compose topology ran its job in {time.monotonic() - started:.1f} s")

@@ -20,12 +20,16 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
-from somatize.tables import datasets_text, device_text
+from somatize.cli import loss_curve
+from somatize.progress import event_text
+from somatize.tables import datasets_text, device_text, placed_text, queued_text
 from tests.coordinator.test_data_parallel import dataset, graph_for
 from tests.coordinator.test_http import running
+from tests.coordinator.test_model_parallel import dataset as pipeline_data
+from tests.coordinator.test_model_parallel import graph as pipeline_graph
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
 from tests.integration.cluster import cluster, wait_for
-from tests.utils import UNIT
+from tests.utils import UNIT, Sleepy
 
 pytestmark = pytest.mark.integration
 
@@ -177,3 +181,159 @@ def test_a_browser_logs_in_with_the_client_token_as_password(tmp_path):
             "the page to load its status with the browser's credentials",
         )
         assert "No worker has connected yet." in shown["text"]
+
+
+JOB_VIEW = """(() => {
+  const view = document.getElementById("job-view");
+  if (view === null || view.hidden) return null;
+  const curve = document.getElementById("job-curve");
+  const error = document.getElementById("job-error");
+  return {
+    title: document.getElementById("job-title").textContent,
+    facts: Object.fromEntries(Array.from(document.querySelectorAll("#job-facts dt"),
+      (dt) => [dt.textContent, dt.nextElementSibling.innerText.trim()])),
+    events: Array.from(document.querySelectorAll("#job-events tbody tr"),
+      (tr) => [tr.cells[1].textContent, tr.cells[2].textContent]),
+    error: error.hidden ? null : error.innerText,
+    curve: curve.hidden ? null : {points: Number(curve.dataset.points), unit: curve.dataset.unit},
+    cancel: !document.getElementById("job-cancel").hidden,
+  };
+})()"""
+"""The open job view as the tests read it (null while none is open)."""
+
+WIDE = 1400
+"""The width at which nothing may scroll sideways (issue 18)."""
+
+
+def _open_job(page: Page, job_id: str, until: Any) -> dict[str, Any]:
+    """Click the job's row and return its view once ``until(view)`` holds."""
+    row = f"document.querySelector('#jobs tr[data-job=\"{job_id}\"]')"
+    wait_for(lambda: page.evaluate(f"{row} !== null"), 20 * UNIT, f"the row of job {job_id}")
+    page.evaluate(f"{row}.click()")
+
+    def shown() -> dict[str, Any] | None:
+        view = page.evaluate(JOB_VIEW)
+        return view if view is not None and job_id in view["title"] and until(view) else None
+
+    return wait_for(shown, 20 * UNIT, f"the view of job {job_id}")
+
+
+def test_the_job_view_shows_events_error_curve_and_cancels(tmp_path):
+    """Issue 18: a job's view (its event timeline, error, loss curve, a cancel button), the
+    pipeline's steps with their total, and nothing scrolling sideways at 1,400 pixels."""
+    _needs_chromium()
+    browser = chromium(tmp_path / "profile", tmp_path / "chromium.log", 30 * UNIT)
+    with cluster(tmp_path, {"w1": ("cpu",), "w2": ("cpu",)}) as c, browser as page:
+        page.open(f"http://127.0.0.1:{c.port}/")
+        wait_for(lambda: len(_shown(page).get("workers", [])) == 2, 20 * UNIT, "the workers")
+        x, y = dataset()
+        stages = [sz.Partition(["center", "a"], worker="w1"), sz.Partition(["b", "c"], worker="w2")]
+        with sz.connect(c.url) as client:
+            trained = client.submit(graph_for("sgd", epochs=2), x, y, strategy=sz.DataParallel(2))
+            pipeline = client.submit(
+                pipeline_graph(epochs=1),
+                *pipeline_data(),
+                strategy=sz.ModelParallel(stages, micro_batches=2, transport="websocket"),
+            )
+            broken = client.submit(sz.Graph([Broken()]), x, y, strategy=sz.Local())
+            trained.wait(timeout=120 * UNIT)
+            pipeline.wait(timeout=120 * UNIT)
+            with pytest.raises(sz.JobFailed):
+                broken.result(timeout=60 * UNIT)
+            events = list(trained.events(timeout=10 * UNIT))
+            record = pipeline.status()
+
+            ended = {trained.id: "succeeded", pipeline.id: "succeeded", broken.id: "failed"}
+            after = wait_for(
+                lambda: (
+                    (s := _shown(page))
+                    and {j["Job"].split()[0]: j["State"] for j in s["jobs"]} == ended
+                    and s
+                ),
+                20 * UNIT,
+                "the page to show the three jobs ended",
+            )
+            rows = {j["Job"].split()[0]: j for j in after["jobs"]}
+            steps = record["progress"]["steps"]  # the pipeline's row says its total
+            assert f"step {steps}/{steps}" in rows[pipeline.id]["Progress"]
+
+            page.resize(WIDE, HEIGHT)
+            wide = page.evaluate(
+                "[document.documentElement.scrollWidth, ...Array.from("
+                "document.querySelectorAll('.scroll'), (s) => s.scrollWidth - s.clientWidth)]"
+            )
+            assert wide[0] <= WIDE and all(extra <= 0 for extra in wide[1:]), wide
+
+            failed = _open_job(page, broken.id, lambda v: v["error"] is not None)
+            assert (
+                failed["error"].startswith("filter_error")
+                and "broken on purpose" in failed["error"]
+            )
+            assert "Traceback" in failed["error"]  # the filter's own, whole
+            kinds = ["queued", "placed", "progress", "progress", "failed"]  # loading, training
+            assert [e for e, _ in failed["events"]] == kinds
+            assert failed["facts"]["State"] == "failed" and not failed["cancel"]
+
+            view = _open_job(page, trained.id, lambda v: v["curve"] is not None)
+            assert view["curve"] == {"points": len(loss_curve(events)), "unit": "step"}
+            said = {
+                text for kind, text in view["events"] if kind == "progress"
+            }  # each step in the CLI's words
+            for event in events:
+                if event.event == "progress":
+                    assert event_text(event.data) in said, event.data
+            placed = next(e for e in events if e.event == "placed")
+            assert ["placed", placed_text(placed.data)] in view["events"]
+            page.resize(WIDE, 1200)  # for a person to look at: the view of a trained job
+            ARTIFACT.parent.mkdir(exist_ok=True)
+            ARTIFACT.with_name("status-page-job.png").write_bytes(page.screenshot())
+            page.resize(WIDTH, HEIGHT)
+
+            # A job that runs until cancelled, from its view: a first click asks, a second does.
+            sleepy = client.submit(sz.Graph([Sleepy()]), x, y, strategy=sz.Local(worker="w1"))
+            wait_for(lambda: sleepy.status()["state"] == "running", 60 * UNIT, "the job to run")
+            _open_job(page, sleepy.id, lambda v: v["cancel"])
+            page.evaluate("document.getElementById('job-cancel').click()")
+            assert page.evaluate("document.getElementById('job-cancel').textContent") == (
+                "Click again to cancel"
+            )
+            assert sleepy.status()["state"] == "running"
+            page.evaluate("document.getElementById('job-cancel').click()")
+            wait_for(lambda: sleepy.status()["state"] == "cancelled", 30 * UNIT, "the cancel")
+            view = _open_job(page, sleepy.id, lambda v: v["facts"]["State"] == "cancelled")
+            assert view["events"][-1] == ["cancelled", "[cancelled] cancelled by the client"]
+            assert not view["cancel"]
+
+
+WORDED = [
+    {"phase": "training", "epoch": 2, "epochs": 3, "step": 9, "steps": 12, "loss": 0.7356},
+    {"phase": "training", "epoch": 1, "epochs": 1, "step": 66, "loss": 0.5},
+    {
+        "phase": "round",
+        "round": 3,
+        "rounds": 10,
+        "workers": ["a", "b"],
+        "rows": 1347,
+        "loss": 1.956,
+    },
+    {"phase": "round", "round": 1, "rounds": 2, "dropped": {"w3": "lost"}, "loss": 2.0},
+    {"phase": "trained", "epochs": 3, "epoch_losses": [1.0, 0.25], "loss": 0.1},
+    {"phase": "loading", "replicas": 2},
+    {"phase": "fitting", "nodes": ["center", "scale"]},
+    {"phase": "staged", "rows": {"a": 1000, "b": 347}, "dropped": {}},
+    {"phase": "training", "rows": 1200},
+    {"phase": "linked", "transport": "torch", "reason": "why"},
+]
+"""Progress events of every kind, as the strategies send them."""
+
+
+def test_the_page_words_progress_as_the_cli_does(tmp_path):
+    _needs_chromium()
+    browser = chromium(tmp_path / "profile", tmp_path / "chromium.log", 30 * UNIT)
+    with running(tmp_path) as url, browser as page:
+        page.open(url + "/")
+        wait_for(lambda: _shown(page), 20 * UNIT, "the page")
+        for data in WORDED:
+            assert page.evaluate(f"progressEventText({json.dumps(data)})") == event_text(data)
+        queued = {"placement": "2 workers tagged 'dp'", "wait_for_workers": 60.0}
+        assert page.evaluate(f"queuedText({json.dumps(queued)})") == queued_text(queued)
