@@ -86,6 +86,8 @@ class JobCheckpoint:
         Raises:
             GraphError: ``states`` does not hold every node of ``graph``.
         """
+        from somatize.graph import FittedGraph  # (torch: imported when a graph is rebuilt)
+
         return FittedGraph(graph, dict(self.states))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -172,6 +173,48 @@ def test_fedavg_clients_continue_the_runs_schedule_from_round_to_round():
     assert_close(states["mlp"], net.state_dict())
     rounds = [p for p in progress if p.get("phase") == "round"]
     assert [p["lr"] for p in rounds] == pytest.approx(lrs[12::13])
+
+
+def _decay(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1 / (1 + 0.05 * t))
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "factor"),
+    [
+        ("cosine", lambda t, total: (1 + math.cos(math.pi * t / total)) / 2),
+        (_decay, lambda t, total: 1 / (1 + 0.05 * t)),  # from its base: not chainable
+    ],
+)
+def test_a_client_configs_learning_rate_is_the_base_of_the_runs_schedule(scheduler, factor):
+    """FedAvg's client_config (issue 19) sets each round's lr and local epochs; the schedule
+    spans every round's epochs and starts each round where the last left it, from that round's
+    lr: at the run's step t (from 0, T in all) a round of lr η steps with η · factor(t, T),
+    written out here rather than taken from a torch scheduler."""
+    x, y = classes()
+    graph = net_graph(optimizer_options={}, clip_grad_norm=None, epochs=1, scheduler=scheduler)
+    config = [{"lr": 0.1}, {"lr": 0.05, "local_epochs": 2}, {"lr": 0.02}]
+    strategy = FedAvg(rounds=3, client_config=config)
+    states, progress, _ = run(strategy, graph, x, y, InMemoryContext(1, Daemon))
+    net = mlp()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    total, t, lrs = 13 * 4, 0, []  # 13 steps an epoch, 4 epochs in the three rounds
+    for round_config in config:
+        opt = torch.optim.SGD(net.parameters(), lr=round_config["lr"])
+        order = torch.Generator().manual_seed(7)
+        for _ in range(round_config.get("local_epochs", 1)):
+            rows = torch.randperm(len(xt), generator=order)
+            for s in range(0, len(xt), 16):
+                lr = round_config["lr"] * factor(t, total)
+                opt.param_groups[0]["lr"] = lr
+                opt.zero_grad()
+                b = rows[s : s + 16]
+                torch.nn.functional.cross_entropy(net(xt[b]), yt[b]).backward()
+                opt.step()
+                t, lrs = t + 1, [*lrs, lr]
+    assert_close(states["mlp"], net.state_dict())
+    rounds = [p for p in progress if p.get("phase") == "round"]
+    assert [p["lr"] for p in rounds] == pytest.approx([lrs[12], lrs[38], lrs[51]], abs=1e-12)
 
 
 def test_a_data_parallel_run_resumed_from_a_checkpoint_keeps_its_schedule(tmp_path):

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 import somatize as sz
+from coordinator.checkpoints import CheckpointStore
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
+from coordinator.job_checkpoints import JobCheckpoints
 from coordinator.strategies import DataParallel, FedAvg, JobInputs, Local, ModelParallel
 from coordinator.strategies.model_parallel import Partition
 from protocol.filters import dump_filter
 from somatize.client import graph_info
+from tests.coordinator.test_mp_checkpoints import LosesAStage
 from tests.coordinator.test_training_options import OPTIONS
 from tests.training_reference import classes, evaluation, mlp, reference_fit
 from worker.daemon import Daemon
@@ -34,7 +37,7 @@ def split_graph(**options) -> sz.Graph:
     return first.named("a") >> last.named("b")
 
 
-def run(strategy, graph, ctx):
+def run(strategy, graph, ctx, checkpoints=None):
     x, y = classes()
     x_val, y_val = classes(n=61, seed=2)
     job = JobInputs(
@@ -45,6 +48,7 @@ def run(strategy, graph, ctx):
         graph_info(graph),
         x_val=x_val,
         y_val=y_val,
+        checkpoints=checkpoints,
     )
     events: list[dict] = []
 
@@ -107,6 +111,50 @@ def test_model_parallel_evaluates_the_whole_pipeline_at_each_epochs_end():
     workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
     _, events = run(ModelParallel(parts, 2), split_graph(), InMemoryContext(workers, Daemon))
     check_rows(events, reference, figures)
+
+
+def _pipeline(**options) -> tuple[ModelParallel, list[WorkerIdentity]]:
+    parts = [Partition((n,), Target(tag=f"s{i}")) for i, n in enumerate("ab")]
+    workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
+    return ModelParallel(parts, 2, **options), workers
+
+
+def test_a_pipeline_resumed_mid_epoch_goes_on_with_its_schedule_and_its_history(tmp_path):
+    """Resumed after global batch 5 of 13 in epoch 1: the stages' schedulers come back with
+    their optimizers, and the history with the checkpoint (epoch 1's loss so far), so every
+    row and learning rate is the undisturbed plain loop's."""
+    reference, figures = expected()
+    store = CheckpointStore(tmp_path)
+    strategy, workers = _pipeline(checkpoint_every=5, keep_checkpoints=10)
+    saves = JobCheckpoints("job", store, 10, _ignore, None)
+    run(strategy, split_graph(), InMemoryContext(workers, Daemon), saves)
+    checkpoint = store.read("job", store.positions("job")[0][0])
+    assert checkpoint.position == {"step": 5, "epoch": 1}
+    again = JobCheckpoints("job", CheckpointStore(tmp_path / "again"), 2, _ignore, checkpoint)
+    strategy, workers = _pipeline()
+    _, events = run(strategy, split_graph(), InMemoryContext(workers, Daemon), again)
+    check_rows(events, reference, figures)
+    lrs = [e["lr"] for e in events if e.get("phase") == "training"]
+    assert lrs == pytest.approx(reference.lrs[5:], abs=1e-12)
+
+
+def test_a_stage_failed_over_mid_run_leaves_one_row_an_epoch(tmp_path):
+    """Stage 1's worker lost in global batch 18 (epoch 2, after epoch 1's row was given): the
+    spare goes back to the checkpoint after batch 15 with the history as it stood there."""
+    reference, figures = expected()
+    strategy, workers = _pipeline(checkpoint_every=5)
+    ctx = LosesAStage([*workers, WorkerIdentity("spare0")], Daemon)
+    ctx.lose_at = 35  # stage 1's forwards: two micro-batches a global batch
+    store = CheckpointStore(tmp_path)
+    _, events = run(strategy, split_graph(), ctx, JobCheckpoints("job", store, 2, _ignore, None))
+    assert [w.id for w in ctx.workers] == ["w0", "spare0", "w1"]  # it failed over
+    steps = [e["step"] for e in events if e.get("phase") == "training"]
+    assert steps[:18] == [*range(1, 18), 16]  # batches 16 and 17 again, from the spare
+    check_rows(events, reference, figures)
+
+
+async def _ignore(event, data):
+    return None
 
 
 def test_fedavg_evaluates_the_global_model_each_round():

@@ -5,11 +5,7 @@ model succeeds with replica 0's buffers broadcast each step (the plain torch sim
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +19,9 @@ from tests.coordinator.test_data_parallel_layers import (
 )
 from tests.integration.cluster import cluster
 from tests.training_reference import classes
-from tests.utils import UNIT
+from tests.utils import UNIT, somatize_cli
 
 pytestmark = pytest.mark.integration
-
-BIN = Path(sys.executable).parent
 
 BATCHNORM_JOB = textwrap.dedent(
     """
@@ -71,14 +65,6 @@ def test_live_batchnorm_and_dropout_in_data_parallel(tmp_path):
 
         job_file = tmp_path / "job.py"
         job_file.write_text(BATCHNORM_JOB)
-        env = {**os.environ, "SOMATIZE_COORDINATOR": c.url, "COLUMNS": "200"}
-        submitted = subprocess.run(
-            [str(BIN / "somatize"), "submit", str(job_file)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120 * UNIT,
-            check=False,
-        )
+        submitted = somatize_cli(c.url, "submit", str(job_file), seconds=120)
     assert submitted.returncode == 0, submitted.stderr
     assert "note: DataParallel will not equal graph.fit exactly: BatchNorm1d" in submitted.stderr

@@ -5,9 +5,6 @@ rows), DataParallel with validation rows sent with the job, and the history in
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +16,9 @@ import somatize as sz
 from tests.coordinator.test_validation import net_graph
 from tests.integration.cluster import cluster
 from tests.training_reference import classes, evaluation, mlp, reference_fit
-from tests.utils import UNIT
+from tests.utils import UNIT, somatize_cli
 
 pytestmark = pytest.mark.integration
-
-BIN = Path(sys.executable).parent
 
 
 def test_live_federated_evaluation_and_validation(tmp_path):
@@ -78,11 +73,15 @@ def test_live_federated_evaluation_and_validation(tmp_path):
             assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
         assert fitted.history[-1]["loss"] == pytest.approx(expected.epoch_losses[-1], abs=1e-5)
         board, png = tmp_path / "board", tmp_path / "curves.png"
-        shown = _somatize(c.url, "result", job.id, "--tensorboard", str(board), "--plot", str(png))
+        shown = somatize_cli(
+            c.url, "result", job.id, "--tensorboard", str(board), "--plot", str(png), seconds=120
+        )
         job_file = tmp_path / "job.py"
         job_file.write_text(JOB_FILE)
         live_board = tmp_path / "live-board"
-        submitted = _somatize(c.url, "submit", "--tensorboard", str(live_board), str(job_file))
+        submitted = somatize_cli(
+            c.url, "submit", "--tensorboard", str(live_board), str(job_file), seconds=120
+        )
     assert shown.returncode == 0, shown.stderr
     table = shown.stdout + shown.stderr
     assert "val_loss" in table and "accuracy" in table
@@ -111,18 +110,6 @@ torch.manual_seed(0)
 net = sz.TorchFilter(torch.nn.Linear(4, 2), loss="cross_entropy", lr=0.5, epochs=2)
 graph = sz.Graph([net.named("linear")])
 """
-
-
-def _somatize(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SOMATIZE_COORDINATOR": url, "COLUMNS": "200"}
-    return subprocess.run(
-        [str(BIN / "somatize"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120 * UNIT,
-        check=False,
-    )
 
 
 def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
