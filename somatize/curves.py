@@ -181,6 +181,10 @@ class HistoryWriter:
 # -- the loss curve of a job without a history (from its progress events) --------------------
 
 
+ROWS_AND_END = ("epoch", "trained")
+"""Progress events that are no step of the loss curve: an epoch's history row, the run's end."""
+
+
 def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
     """``(step, loss)`` of each progress event that carries a loss (a step, a federated round,
     each step of a chunk of them, or an epoch's losses when a job reports only those at its
@@ -195,7 +199,7 @@ def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
             # A chunk of steps in one event: the loss of each, ending at ``step``.
             first = data["step"] - len(losses) + 1
             points.extend((float(first + i), float(v)) for i, v in enumerate(losses))
-        elif isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
+        elif isinstance(data.get("loss"), int | float) and data.get("phase") not in ROWS_AND_END:
             x = data.get("step") or data.get("round") or len(points) + 1
             points.append((float(x), float(data["loss"])))
         elif isinstance(data.get("epoch_losses"), list):
