@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import ipaddress
 import logging
 import os
@@ -302,6 +303,11 @@ async def _main(args: argparse.Namespace) -> None:
         stall_timeout=args.stall_timeout,
     )
     await coordinator.start()
+    # What start-up made lives as long as the process: out of the cyclic collector's way, so a
+    # full collection with thousands of connections open does not walk it too (a pause of the
+    # loop that every heartbeat would wait behind).
+    gc.collect()
+    gc.freeze()
     scheme = "wss" if tls is not None else "ws"
     print(f"somatize-coordinator listening on {scheme}://{host}:{coordinator.port}", flush=True)
     loop = asyncio.get_running_loop()

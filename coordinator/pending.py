@@ -17,7 +17,6 @@ hellos, :mod:`coordinator.ws_http` asks it whether an upgrade is admitted.
 from __future__ import annotations
 
 import collections
-import weakref
 from collections.abc import Hashable
 
 MAX_PENDING_PER_ADDRESS = 32
@@ -40,8 +39,9 @@ class PendingConnections:
         self._accepted_at: dict[Hashable, float] = {}
         self._address: dict[Hashable, str | None] = {}
         self._per_address: collections.Counter[str] = collections.Counter()
-        # Upgrades whose token was checked, until they close (those still pending count).
-        self._admitted: weakref.WeakSet[Hashable] = weakref.WeakSet()
+        # Upgrades whose token was checked and whose hello has not come yet: what admit() counts
+        # (a set of the pending ones, not a scan of every connection: O(1) an upgrade).
+        self._admitted: set[Hashable] = set()
         self.refused_at_accept = 0
         """Sockets closed at their accept because their address held its share."""
 
@@ -66,6 +66,7 @@ class PendingConnections:
 
     def done(self, connection: Hashable) -> None:
         """The connection is no longer pending (hello read, refused or closed); idempotent."""
+        self._admitted.discard(connection)
         if self._accepted_at.pop(connection, None) is None:
             return
         address = self._address.pop(connection, None)
@@ -77,10 +78,10 @@ class PendingConnections:
     def admit(self, connection: Hashable) -> bool:
         """Count an upgrade whose token was checked among those waiting for their hello;
         ``False`` (not counted) beyond ``max_admitted`` of them."""
-        waiting = sum(1 for c in self._admitted if c in self._accepted_at)
-        if waiting >= self.max_admitted:
+        if len(self._admitted) >= self.max_admitted:
             return False
-        self._admitted.add(connection)
+        if connection in self._accepted_at:  # still pending (not closed before its upgrade)
+            self._admitted.add(connection)
         return True
 
     def from_address(self, address: str) -> int:

@@ -56,6 +56,7 @@ from coordinator.store import JobState, JobStore
 from coordinator.ws_http import process_request
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
+from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
 from protocol.chunking import DEFAULT_STALL_SECONDS, Budget
 from protocol.errors import (
@@ -90,6 +91,11 @@ MAX_PENDING_CONNECTIONS = 64
 ``503``."""
 STATUS_JOBS = 50
 """How many of the latest jobs a status snapshot lists."""
+SENDS_PER_TURN = 32
+"""Messages over 16 KiB the coordinator starts sending per turn of its event loop, over all its
+connections (:class:`~protocol.asyncio.turns.TurnGate`): a round's model sent to 10,000 workers
+goes out 32 at a time between reads of what they send (a few milliseconds each)."""
+
 BULK_SENDS = 16
 """Chunked messages the coordinator writes at once over all its connections (see
 :class:`~protocol.asyncio.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers
@@ -207,6 +213,7 @@ class Coordinator:
         self._channels: set[Channel] = set()
         self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
         self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
+        self._turns = TurnGate(SENDS_PER_TURN)
         self._stopped = asyncio.Event()
         self.client_requests = ClientRequests(self)
 
@@ -370,6 +377,7 @@ class Coordinator:
             self.max_inflight,
             bulk_gate=self._bulk_gate,
             budget=self.reassembly,
+            turns=self._turns,
             stall_timeout=self.stall_timeout,
         )
         self._channels.add(channel)

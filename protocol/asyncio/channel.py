@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import close_reason
 from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, StreamSink, chunk_messages
 from protocol.codec import Part, encode, frame_nbytes
@@ -78,6 +79,9 @@ NEVER_BUSY = frozenset({"heartbeat"})
 """Kinds handled whatever the number in flight: refusing a heartbeat would lose the worker."""
 PARSE_ON_LOOP_BYTES = CHUNK_BYTES
 """Messages up to this size are parsed on the event loop; larger ones in a thread."""
+TURN_BYTES = 16 << 10
+"""Messages over this size go through the channel's :class:`~protocol.asyncio.turns.TurnGate`:
+encoding and writing them is what a turn of the loop can fill up with."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
 
@@ -134,6 +138,10 @@ class Channel:
             a slot until its last chunk has left the send buffer, so a fan-out of a large model
             to many peers buffers a few copies at a time instead of one per peer, and the
             owner's other messages do not queue behind all of them.
+        turns: shared by the owner's channels, bounds how many messages of over
+            :data:`TURN_BYTES` they start writing per turn of the event loop
+            (:class:`~protocol.asyncio.turns.TurnGate`; ``None``: no bound): a model sent to
+            thousands of connections at once does not keep the loop from reading theirs.
     """
 
     def __init__(
@@ -147,11 +155,13 @@ class Channel:
         bulk_gate: asyncio.Semaphore | None = None,
         budget: Budget | None = None,
         stall_timeout: float | None = DEFAULT_STALL_SECONDS,
+        turns: TurnGate | None = None,
     ) -> None:
         if max_message_bytes < 1 or max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
         self.transport = transport
         self.bulk_gate = bulk_gate
+        self.turns = turns
         self.name = name
         self.handler = handler
         self.max_message_bytes = max_message_bytes
@@ -203,6 +213,8 @@ class Channel:
         until = None if pace is None else pace.bind(parts)
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
+        if self.turns is not None and size > TURN_BYTES:
+            await self.turns.enter()
         if size <= CHUNK_BYTES:
             if until is not None:
                 await until(size)
