@@ -202,7 +202,8 @@ class StrategyContext(ABC):
         batch_size: int | None = None,
     ) -> dict[str, Any]:
         """Train the chain ``node_ids`` on a worker to completion; returns what the fit gave
-        (``states``, ``loss``, ``epoch_losses``, ``rows``; ``output`` is not sent back)."""
+        (``states``, ``loss``, ``epoch_losses``, ``history``, ``rows``; ``output`` is not sent
+        back)."""
         request = BatchedFitRequest(
             node_ids=list(node_ids), x=x, y=y, batch_size=batch_size, return_output=False
         )
@@ -242,11 +243,16 @@ class StrategyContext(ABC):
         await self.call(worker_idx, SetOptimizerStateRequest(states=dict(states)))
 
     async def apply_gradients(
-        self, worker_idx: int, gradients: Mapping[str, Any], pace: Pacer | None = None
+        self,
+        worker_idx: int,
+        gradients: Mapping[str, Any],
+        pace: Pacer | None = None,
+        epoch_end: bool = False,
     ) -> None:
-        """Write gradients on a worker and step its persistent optimizers (``pace``: as
-        :meth:`call`'s)."""
-        await self.call(worker_idx, ApplyGradientsRequest(gradients=dict(gradients)), pace=pace)
+        """Write gradients on a worker and step its persistent optimizers and schedulers
+        (``epoch_end``: the step ends an epoch; ``pace``: as :meth:`call`'s)."""
+        request = ApplyGradientsRequest(gradients=dict(gradients), epoch_end=epoch_end)
+        await self.call(worker_idx, request, pace=pace)
 
     async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
         """A worker's state read now, over the wire — never recalled from an earlier fit.

@@ -33,6 +33,7 @@ class JobEvents:
         self.store = store
         self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
         self._last_seq: dict[str, int] = {}  # of each live job's last event, for emit
+        self._metrics: dict[str, dict[str, Any]] = {}  # each live job's last epoch's figures
         self._placed: dict[str, float] = {}  # when each running job was placed, for the log
 
     async def watch(self, job_id: str, after_seq: int, live: bool) -> AsyncIterator[JobEvent]:
@@ -73,7 +74,14 @@ class JobEvents:
         take still reaches them (numbered after the last one they got): a client learns how its
         job ended even with the disk full."""
         if event == "progress":
-            await asyncio.to_thread(self.store.progress, job_id, data)
+            figures = _figures(data)
+            if figures:
+                self._metrics[job_id] = figures
+            # The job's progress keeps its last epoch's (round's) figures beside its last
+            # step's: what the status page shows of a running job.
+            latest = self._metrics.get(job_id)
+            progress = data | {"metrics": latest} if latest else data
+            await asyncio.to_thread(self.store.progress, job_id, progress)
         try:
             recorded = await asyncio.to_thread(self.store.add_event, job_id, event, data)
         except (sqlite3.Error, StoreError):
@@ -92,8 +100,23 @@ class JobEvents:
         log.log(level, "%s", line)
         if event in TERMINAL_EVENTS:
             self._last_seq.pop(job_id, None)
+            self._metrics.pop(job_id, None)
         for queue in self._watchers.get(job_id, ()):
             queue.put_nowait(recorded)
+
+
+def _figures(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The figures of an epoch's (a round's) history row, from its progress event; ``None``
+    for any other event."""
+    unit = data.get("phase")
+    if unit not in ("epoch", "round") or "loss" not in data:
+        return None
+    skip = {"phase", "rounds", "rows"}
+    return {
+        k: v
+        for k, v in data.items()
+        if k not in skip and isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def _since(start: float | None) -> float | None:

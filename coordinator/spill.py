@@ -32,6 +32,7 @@ PARK_MIN_BYTES = 1 << 20
 def input_bytes(inputs: JobInputs) -> int:
     """Bytes of a job's pickled filters and data arrays (what parking it would free)."""
     data = data_nbytes(inputs.x) + data_nbytes(inputs.y)
+    data += data_nbytes(inputs.x_val) + data_nbytes(inputs.y_val)
     return sum(len(b) for b in inputs.filters.values()) + data
 
 
@@ -58,7 +59,15 @@ class QueuedInputs:
         needs: node ids, node info, the dataset's name)."""
         path = self._path(job_id)
         partial = path.with_suffix(".frame.partial")
-        parts = encode({"filters": inputs.filters, "x": inputs.x, "y": inputs.y})
+        parts = encode(
+            {
+                "filters": inputs.filters,
+                "x": inputs.x,
+                "y": inputs.y,
+                "x_val": inputs.x_val,
+                "y_val": inputs.y_val,
+            }
+        )
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             with os.fdopen(fd, "wb") as file:
@@ -71,7 +80,7 @@ class QueuedInputs:
         log.info(
             "job %s: %d bytes of queued inputs parked in %s", job_id, frame_nbytes(parts), path
         )
-        return dataclasses.replace(inputs, filters={}, x=None, y=None)
+        return dataclasses.replace(inputs, filters={}, x=None, y=None, x_val=None, y_val=None)
 
     def take(self, job_id: str, parked: JobInputs) -> JobInputs:
         """The inputs :meth:`park` wrote, read back (the file is removed).
@@ -86,7 +95,14 @@ class QueuedInputs:
             file.readinto(frame)
         data = decode(frame)  # arrays are views over ``frame``, writable
         path.unlink(missing_ok=True)
-        return dataclasses.replace(parked, filters=data["filters"], x=data["x"], y=data["y"])
+        return dataclasses.replace(
+            parked,
+            filters=data["filters"],
+            x=data["x"],
+            y=data["y"],
+            x_val=data.get("x_val"),
+            y_val=data.get("y_val"),
+        )
 
     def drop(self, job_id: str) -> None:
         """Remove a job's parked inputs, if any (it ended while queued)."""

@@ -233,6 +233,12 @@ function progressText(p) {
     }
   }
   if (!parts.length && p.phase) parts.push(String(p.phase));
+  // The last epoch's (round's) figures: validation loss, metrics, learning rate.
+  for (const [k, v] of Object.entries(p.metrics || {})) {
+    if (k !== "epoch" && k !== "round" && k !== "loss" && isNum(v)) {
+      parts.push(k + " " + (k === "lr" ? v.toPrecision(3) : v.toFixed(4)));
+    }
+  }
   return parts.join(" \\u00b7 ");
 }
 

@@ -96,15 +96,43 @@ function progressEventText(d) {
     if (Number.isInteger(d.rows)) parts.push(grouped(d.rows) + " rows");
     return parts.join(SEP);
   }
-  if (d.phase === "trained") {
-    const parts = ["trained" + (d.epochs ? " " + d.epochs + " epochs" : "")];
-    const l = d.epoch_losses;
-    if (Array.isArray(l) && l.length && isNum(l[l.length - 1])) {
-      parts.push("loss " + fmt4(l[l.length - 1]) + " (last epoch mean)");
-    }
-    return parts.join(SEP);
+  if (d.phase === "trained") return trainedText(d);
+  if (d.phase === "epoch" && Number.isInteger(d.epoch)) {
+    const loss = isNum(d.loss) ? SEP + "loss " + fmt4(d.loss) + " (epoch mean)" : "";
+    const said = "epoch " + d.epoch + loss;
+    return [said, ...figures(d)].join(SEP);
   }
   return phaseText(d);
+}
+
+// A history row's validation figures (somatize/progress.py _figures).
+const NOT_FIGURES = new Set(["phase", "epoch", "epochs", "round", "rounds", "loss", "lr",
+  "step", "steps", "rows"]);
+function figures(row) {
+  return Object.keys(row || {})
+    .filter((k) => !NOT_FIGURES.has(k) && isNum(row[k]))
+    .map((k) => k + " " + fmt4(row[k]));
+}
+
+// A run's last event (somatize/progress.py _trained_text).
+function trainedText(d) {
+  const SEP = " \u00b7 ";
+  const rows = Array.isArray(d.history) ? d.history : [];
+  const last = rows.length && rows[rows.length - 1] && typeof rows[rows.length - 1] === "object"
+    ? rows[rows.length - 1] : {};
+  const l = d.epoch_losses;
+  const loss = Array.isArray(l) && l.length ? l[l.length - 1] : last.loss;
+  let parts, unit = "epoch";
+  if (Number.isInteger(d.step)) {
+    parts = [progressText({ epoch: d.epoch, epochs: d.epochs, step: d.step, steps: d.steps })];
+  } else if (Number.isInteger(d.round)) {
+    parts = ["round " + d.round + (d.rounds ? "/" + d.rounds : "")];
+    unit = "round";
+  } else {
+    parts = ["trained" + (d.epochs ? " " + d.epochs + " epochs" : "")];
+  }
+  if (isNum(loss)) parts.push("loss " + fmt4(loss) + " (last " + unit + " mean)");
+  return [...parts, ...figures(last)].join(SEP);
 }
 
 // What a job does before and after its steps (somatize/progress.py _phase_text).
@@ -189,7 +217,7 @@ function lossCurve(events) {
     if (Array.isArray(d.losses) && Number.isInteger(d.step)) {
       const first = d.step - d.losses.length + 1;
       d.losses.forEach((v, i) => points.push([first + i, v]));
-    } else if (isNum(d.loss) && d.phase !== "trained") {
+    } else if (isNum(d.loss) && d.phase !== "trained" && d.phase !== "epoch") {
       points.push([d.step || d.round || points.length + 1, d.loss]);
     } else if (Array.isArray(d.epoch_losses)) {
       d.epoch_losses.forEach((v, i) => points.push([i + 1, v]));

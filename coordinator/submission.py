@@ -62,8 +62,18 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             "a job trains on data it sends (x, y) or on the workers' own dataset, "
             "exactly one of the two",
         )
+    check_validation(msg)
     inputs = JobInputs(
-        msg.graph.node_ids, filters, msg.x, msg.y, dict(msg.graph.nodes), msg.dataset, msg.loader
+        msg.graph.node_ids,
+        filters,
+        msg.x,
+        msg.y,
+        dict(msg.graph.nodes),
+        msg.dataset,
+        msg.loader,
+        x_val=msg.x_val,
+        y_val=msg.y_val,
+        val_split=msg.val_split,
     )
     # What graph.fit would refuse of the data, refused now in its words (not on a worker).
     why = (
@@ -78,6 +88,31 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     except StrategyOptionsError as exc:
         raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
     return strategy, inputs, placement_of(strategy, inputs)
+
+
+def check_validation(msg: Submit) -> None:
+    """Refuse validation data that cannot be evaluated: a split of no dataset, or rows and
+    labels that do not pair up.
+
+    Raises:
+        RequestRefused: ``BAD_REQUEST`` saying which.
+    """
+    if msg.val_split is not None and (msg.dataset is None or msg.x_val is not None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "val_split names a split of the workers' dataset: the job trains on one "
+            "(dataset) and sends no x_val",
+        )
+    if msg.val_split is None and (msg.x_val is None) != (msg.y_val is None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST, "validation data is x_val and y_val, both or neither"
+        )
+    rows = [rows_of(v) for v in (msg.x_val, msg.y_val)]
+    if msg.x_val is not None and (None in rows or rows[0] != rows[1] or not rows[0]):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            f"x_val and y_val must hold as many rows, at least one (got {rows[0]} and {rows[1]})",
+        )
 
 
 def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:

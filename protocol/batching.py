@@ -34,6 +34,21 @@ def batches(n: int, size: int, order: torch.Generator | None) -> Iterator[Any]:
         yield perm[start : start + size]
 
 
+def batch_rows(index: Any, n: int) -> np.ndarray[Any, Any]:
+    """A batch's rows as :func:`batches` gives them (a slice, or a tensor of a permutation)
+    as a numpy index."""
+    if isinstance(index, slice):
+        return np.arange(*index.indices(n))
+    return np.asarray(index.numpy(), dtype=np.int64)
+
+
+def batch_len(index: Any, n: int) -> int:
+    """How many rows a batch as :func:`batches` gives it holds."""
+    if isinstance(index, slice):
+        return len(range(*index.indices(n)))
+    return int(index.numel())
+
+
 def generator(seed: int) -> torch.Generator:
     """The generator that orders the epochs of a run seeded with ``seed``."""
     import torch
@@ -93,3 +108,12 @@ def replica_batches(
                 size = batch_size or n
                 slices.append(order[step * size : (step + 1) * size])
             yield epoch, step, slices
+
+
+def replica_seed(seed: int, replica: int, step: int) -> int:
+    """The seed of torch's generator for replica ``replica``'s forward of global step ``step``
+    of a data-parallel run of a filter seeded with ``seed``: a dropout mask differs from
+    replica to replica and step to step, and a rerun, a resumed run or a replacement draws the
+    same ones (``numpy.random.SeedSequence([seed, replica, step])``)."""
+    entropy = [seed % 2**64, replica, step]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])

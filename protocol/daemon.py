@@ -48,6 +48,7 @@ __all__ = [
     "DistStoreRequest",
     "DistTrainRequest",
     "ErrorReply",
+    "EvaluateRequest",
     "FitRequest",
     "ForwardRequest",
     "GetGradientsRequest",
@@ -59,12 +60,14 @@ __all__ = [
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
+    "ScheduleRequest",
     "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
     "ShutdownRequest",
     "StageBackwardRequest",
     "StageForwardRequest",
+    "StageNormRequest",
     "StageRequest",
     "StageStepRequest",
     "reply_adapter",
@@ -146,7 +149,9 @@ class BatchedFitRequest(DataSource):
     ``reset_optimizer`` trains with fresh optimizers instead of the kept ones; ``lr`` sets their
     learning rate; ``start`` holds states to set before training (saving a ``set_state``);
     ``start_loss`` asks for the loss before training (q-FedAvg's F_k(w_t)); ``clip_norm``
-    clips the TorchFilters' update to that L2 norm (client-side DP clipping)."""
+    clips the TorchFilters' update to that L2 norm (client-side DP clipping). The learning-rate
+    schedules span this call's epochs, or ``schedule_epochs`` of which ``schedule_before`` were
+    trained before it (a federated run's earlier rounds)."""
 
     cmd: Literal["batched_fit"] = "batched_fit"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -154,6 +159,9 @@ class BatchedFitRequest(DataSource):
     epochs: NonNegativeInt | None = None
     prox_mu: NonNegativeFloat = 0.0
     reset_optimizer: bool = False
+    schedule_before: NonNegativeInt = 0
+    schedule_epochs: PositiveInt | None = None
+    validation: str | None = None  # staged validation data, evaluated at each epoch's end
     lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     start: dict[str, Any] | None = None  # states set first: a virtual client's w_t
     start_loss: bool = False
@@ -174,16 +182,44 @@ class StageRequest(_Request):
     dataset: str | None = None
     loader: StrictBytes | None = None
     labels: bool = False  # stage the dataset's y as the rows: a pipeline's last stage
+    split: str | None = None  # the dataset's split of that name (validation: "val")
 
 
 class GradientsRequest(DataSource):
     """A data-parallel replica's half of a step: forward, loss and backward over the rows (plain
-    filters apply the state they hold), then the gradients of the chain's torch nodes."""
+    filters apply the state they hold), then the gradients of the chain's torch nodes.
+
+    ``seed`` seeds torch's generator for the forward (dropout masks: per replica and step);
+    ``buffers`` (replica 0's, node → name → tensor) are set before it, DDP's
+    ``broadcast_buffers``; ``return_buffers``: the reply carries this replica's after it."""
 
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
     apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
+    apply_ends_epoch: bool = False  # that step was its epoch's last (epoch-wise schedulers)
     read_next: list[int] | None = None  # the rows of ``data`` the next step will ask for
+    seed: int | None = None
+    buffers: dict[str, dict[str, Any]] | None = None
+    return_buffers: bool = False
+
+
+class EvaluateRequest(DataSource):
+    """Evaluate the chain as it stands on the data (``x``, ``y``, or staged): forward through
+    ``node_ids`` up to the last TorchFilter, its loss and metrics. Returns ``{"val_loss",
+    <metric>..., "rows"}``."""
+
+    cmd: Literal["evaluate"] = "evaluate"
+    node_ids: Annotated[list[str], Field(min_length=1)]
+
+
+class ScheduleRequest(_Request):
+    """The horizon of the run's learning-rate schedules, for a daemon that is told each step
+    rather than running the loop (a data-parallel replica, a pipeline stage): optimizer steps
+    per epoch, and epochs. Sent before any optimizer is made or loaded."""
+
+    cmd: Literal["schedule"] = "schedule"
+    steps_per_epoch: NonNegativeInt
+    epochs: NonNegativeInt
 
 
 class DistStoreRequest(_Request):
@@ -265,6 +301,7 @@ class DistPlanRequest(_BatchPlan):
     held: list[int]
     sizes: list[NonNegativeInt] | None = None
     position: NonNegativeInt = 0
+    sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
 
 
 class PipePlanRequest(_BatchPlan):
@@ -277,6 +314,7 @@ class PipePlanRequest(_BatchPlan):
     cmd: Literal["pipe_plan"] = "pipe_plan"
     node_ids: Annotated[list[str], Field(min_length=1)]
     micro_batches: PositiveInt
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     actions: list[tuple[Literal["F", "B"], NonNegativeInt]]
     data: str | None = None
     labels: str | None = None
@@ -334,13 +372,25 @@ class StageBackwardRequest(_Request):
     grad_output: Any = None
 
 
+class StageNormRequest(_Request):
+    """The sum of the squared norms of the gradients a pipeline stage's micro-batches left:
+    its part of the norm the whole pipeline's gradient is clipped by. Returns a float."""
+
+    cmd: Literal["stage_norm"] = "stage_norm"
+    node_ids: Annotated[list[str], Field(min_length=1)]
+
+
 class StageStepRequest(_Request):
-    """End a pipeline global batch: one step of each node's optimizer, then zeroed gradients.
+    """End a pipeline global batch: the gradients times ``coefficient`` (the pipeline's
+    clipping), one step of each node's optimizer and scheduler (an epoch-wise one at
+    ``epoch_end``), then zeroed gradients.
 
     Returns the number of parameters stepped."""
 
     cmd: Literal["stage_step"] = "stage_step"
     node_ids: Annotated[list[str], Field(min_length=1)]
+    epoch_end: bool = False
+    coefficient: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
 class CompositeForwardRequest(_Request):
@@ -394,6 +444,8 @@ class ApplyGradientsRequest(_Request):
 
     cmd: Literal["apply_gradients"] = "apply_gradients"
     gradients: dict[str, dict[str, Any]]
+    epoch_end: bool = False  # the step ends an epoch (epoch-wise schedulers step after it)
+    buffers: dict[str, dict[str, Any]] | None = None  # replica 0's, set after the step
 
 
 class SecAggRequest(_Request):
@@ -446,6 +498,8 @@ DaemonRequest = Annotated[
     | ApplyGradientsRequest
     | StageRequest
     | GradientsRequest
+    | ScheduleRequest
+    | EvaluateRequest
     | DistStoreRequest
     | DistProbeRequest
     | DistJoinRequest
@@ -456,6 +510,7 @@ DaemonRequest = Annotated[
     | DistLeaveRequest
     | StageForwardRequest
     | StageBackwardRequest
+    | StageNormRequest
     | StageStepRequest
     | SecAggRequest
     | PingRequest
@@ -503,8 +558,8 @@ class OkReply(BaseModel):
     """The command ran; ``result`` is what it returned.
 
     ``fit``, ``composite_fit`` and ``batched_fit`` return the engine's ``FitResult`` as a dict
-    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``); ``load`` the node ids;
-    ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
+    (``output``, ``states``, ``loss``, ``rows``, ``epoch_losses``, ``history``); ``load`` the
+    node ids; ``set_state``, ``set_optimizer_state``, ``ping`` and ``shutdown`` ``None``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -175,10 +175,15 @@ class FedAvgOptions(CheckpointOptions):
     secure_aggregation: dict[str, Any] | None = None  # {"name": "secagg", parameter: value}
     seed: int = 0
     device: str | None = None
+    evaluate_fraction: float = 0.0
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
         rounds = say.positive_int("rounds", fields.get("rounds"))
+        share = fields.get("evaluate_fraction", 0.0)
+        wire = f"evaluate_fraction must be a number in [0, 1], not {share!r}"
+        if not 0 <= say.real("evaluate_fraction", share, wire) <= 1:
+            raise say.no(f"evaluate_fraction must be in [0, 1], not {share!r}", wire)
         say.positive_int("local_epochs", fields.get("local_epochs", 1))
         min_workers = say.positive_int("min_workers", fields.get("min_workers", 1))
         fraction = fields.get("fraction", 1.0)
@@ -244,6 +249,8 @@ class FedAvgOptions(CheckpointOptions):
 
     def to_wire(self) -> dict[str, Any]:
         unset = {"checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout"}
+        if not self.evaluate_fraction:
+            unset.add("evaluate_fraction")
         if self.clients_per_worker == 1:
             unset.add("clients_per_worker")
         return self.model_dump(exclude_none=True, exclude=unset) | self._checkpoints_wire()

@@ -287,7 +287,9 @@ class CloseJob(_Message):
 
 class NodeInfo(BaseModel):
     """What the coordinator may know of a node without unpickling it: whether it trains by
-    gradient descent, and then its training settings (those of a ``TorchFilter``)."""
+    gradient descent, and then its training settings (those of a ``TorchFilter``): batches of
+    ``batch_size`` rows, ``accumulate`` of them an optimizer step, the gradient clipped to
+    ``clip_grad_norm``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -296,6 +298,16 @@ class NodeInfo(BaseModel):
     batch_size: int | None = None
     shuffle: bool | None = None
     seed: int | None = None
+    accumulate: Annotated[int, Field(ge=1)] | None = None
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # What makes replicas of it differ from one process training it (DataParallel's notes):
+    buffers: bool = False  # the module holds buffers (replica 0's are broadcast each step)
+    normalization: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=64
+    )  # classes that normalise with batch statistics (BatchNorm1d...)
+    randomness: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=64
+    )  # classes that draw random numbers in training (Dropout...)
 
 
 MAX_GRAPH_NODES = 4096
@@ -339,6 +351,9 @@ class Submit(_Message):
     dataset: str | None = None  # instead of x/y: each worker's own dataset of that name
     loader: StrictBytes | None = None  # with dataset: pickled code the workers open it with
     strategy: StrategySpec
+    x_val: Any = None  # validation data, evaluated at the end of every epoch (round)
+    y_val: Any = None
+    val_split: str | None = None  # instead of x_val/y_val: each worker's split of its dataset
     resume_from: str | None = None  # a job whose newest checkpoint this one starts from
     # None: a worker id, tag, dataset or device no registered worker has is refused at once;
     # seconds: the job waits that long for its workers, whatever it asks, then fails.

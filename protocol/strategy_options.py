@@ -155,10 +155,12 @@ class DataParallelOptions(CheckpointOptions):
     device: str | None = None
     collective: str = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    sync_batchnorm: bool = False
 
     @classmethod
     def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
         say.positive_int("workers", fields.get("workers"))
+        _check_sync_batchnorm(fields, say)
         collective = fields.get("collective", "auto")
         if collective not in COLLECTIVES:
             raise say.no(
@@ -192,7 +194,27 @@ class DataParallelOptions(CheckpointOptions):
             options["collective"] = self.collective
         if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
             options["collective_timeout"] = self.collective_timeout
+        if self.sync_batchnorm:
+            options["sync_batchnorm"] = True
         return options | self._checkpoints_wire()
+
+
+def _check_sync_batchnorm(fields: dict[str, Any], say: Say) -> None:
+    """``sync_batchnorm``: a bool; torch's SyncBatchNorm runs on CUDA over a torch group only."""
+    sync = fields.get("sync_batchnorm", False)
+    if not isinstance(sync, bool):
+        raise say.no(f"sync_batchnorm must be True or False, not {sync!r}")
+    device = fields.get("device")
+    if sync and not (isinstance(device, str) and device.startswith("cuda")):
+        raise say.no(
+            "sync_batchnorm=True needs device='cuda' (or 'cuda:N'): torch.nn.SyncBatchNorm "
+            f"normalises over a group of CUDA workers; device is {device!r}"
+        )
+    if sync and fields.get("collective") == "coordinator":
+        raise say.no(
+            "sync_batchnorm=True needs the torch collective (collective='auto' or 'torch'), "
+            "not 'coordinator'"
+        )
 
 
 class WorkerDataOptions(StrategyOptions):

@@ -38,11 +38,21 @@ import runpy
 import sys
 import time
 import traceback
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
+from somatize.curves import (
+    HistoryWriter,
+    curve_unit,
+    history_of,
+    history_table,
+    loss_curve,
+    plot_history,
+    plot_loss,
+    row_of,
+    unit_of,
+)
 from somatize.errors import UsageError
 from somatize.interrupt import exit_signals, when_stopped
 from somatize.progress import Progress as JobProgress
@@ -134,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
         "--no-wait", action="store_true", help="print the job id and return at once"
     )
     submit.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write each epoch's (round's) figures to TensorBoard event files in DIR as they come",
+    )
+    submit.add_argument(
         "--name", help="what the job list calls the job (default: the file's name, no .py)"
     )
     submit.add_argument(
@@ -181,7 +196,12 @@ def _parser() -> argparse.ArgumentParser:
         "result: what a cancelled or failed job had learned",
     )
     result.add_argument(
-        "--plot", metavar="PNG", help="save the job's loss curve (from its progress events)"
+        "--plot",
+        metavar="PNG",
+        help="save the job's training and validation curves, by epoch (or round)",
+    )
+    result.add_argument(
+        "--tensorboard", metavar="DIR", help="write the job's history as TensorBoard event files"
     )
     result.add_argument(
         "--wait",
@@ -341,15 +361,21 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             file=args.file,
         )
         out.print(job.id, markup=False, soft_wrap=True)
+        for note in job.notes:  # said up front: why it will not equal graph.fit exactly
+            err.print(f"note: {note}", markup=False, soft_wrap=True)
         if args.no_wait:
             return EXIT_OK
         started, line = time.monotonic(), JobProgress()
+        board = HistoryWriter(args.tensorboard) if args.tensorboard else None
         try:
             with exit_signals(args.cancel_on_exit):
-                end = follow(job, err, line)
+                end = follow(job, err, line, board)
         except KeyboardInterrupt as stop:
             when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
+        finally:
+            if board is not None:
+                board.close()
         if end is None:
             err.print(
                 f"job {job.id}: the event stream ended before the job", markup=False, soft_wrap=True
@@ -367,13 +393,16 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             soft_wrap=True,
         )
         if args.save:
-            _save(job.states(timeout=0), args.save, err)
+            _save(job.states(timeout=0), args.save, err, history_of(job.status()))
         return EXIT_OK
 
 
-def follow(job: Job, err: Console, line: JobProgress | None = None) -> Any:
+def follow(
+    job: Job, err: Console, line: JobProgress | None = None, board: HistoryWriter | None = None
+) -> Any:
     """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
-    given); its terminal event (``None``: no end)."""
+    given); its terminal event (``None``: no end). Each epoch's (round's) row goes to
+    ``board`` as it comes."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     line = JobProgress() if line is None else line
@@ -396,6 +425,9 @@ def follow(job: Job, err: Console, line: JobProgress | None = None) -> Any:
                 if total:
                     progress.update(task, total=total, completed=min(done, total))
                 progress.update(task, info=line.add(event.time, event.data))
+                row = row_of(event.data)
+                if board is not None and row is not None:
+                    board.add(row)
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
@@ -462,6 +494,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
                 title += f", checkpoint {saved.seq} at {position_text(saved.position)}"
             else:
                 states = job.states(timeout=args.wait)
+            history = history_of(job.status())
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
@@ -485,86 +518,40 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             table.add_row(*cells(node_id, key, shape, dtype))
             node_id = ""
     out.print(table)
-    if args.plot:
+    if history:
+        out.print(history_table(history, f"job {printable(args.job_id)}: history"))
+    if args.plot and history:
+        plot_history(history, args.plot, title=f"job {args.job_id}")
+        unit = unit_of(history)
+        err.print(f"saved the curves ({len(history)} {unit}s) to {args.plot}", markup=False)
+    elif args.plot:
         with _connect(args) as client:
             events = list(client.job(args.job_id).events(timeout=client.timeout))
         points = loss_curve(events)
         plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
+    if args.tensorboard:
+        board = HistoryWriter(args.tensorboard)
+        board.add_all(history)
+        board.close()
+        err.print(
+            f"wrote {board.written} rows of figures to {args.tensorboard}",
+            markup=False,
+            soft_wrap=True,
+        )
     if args.save:
-        _save(states, args.save, err)
+        kept = history if args.checkpoint is None else []  # a checkpoint's: not the whole run's
+        _save(states, args.save, err, kept)
     return EXIT_OK
 
 
-def _save(states: dict[str, Any], path: str, err: Console) -> None:
-    """Write a job's states where ``--save`` says (:mod:`somatize.saved`: no pickle)."""
+def _save(states: dict[str, Any], path: str, err: Console, history: list[dict[str, Any]]) -> None:
+    """Write a job's states where ``--save`` says (:mod:`somatize.saved`: no pickle), with its
+    ``history``."""
     from somatize.saved import save
 
-    save(path, states, list(states))
+    save(path, states, list(states), [r["loss"] for r in history if "loss" in r], history)
     err.print(f"saved the states of {len(states)} nodes to {path}", markup=False, soft_wrap=True)
-
-
-def loss_curve(events: Iterable[Any]) -> list[tuple[float, float]]:
-    """``(step, loss)`` of each progress event that carries a loss (a step, a federated round,
-    each step of a chunk of them, or an epoch's losses when a job reports only those at its
-    end)."""
-    points: list[tuple[float, float]] = []
-    for event in events:
-        data = event.data if hasattr(event, "data") else {}
-        if event.event != "progress":
-            continue
-        losses = data.get("losses")
-        if isinstance(losses, list) and isinstance(data.get("step"), int):
-            # A chunk of steps in one event: the loss of each, ending at ``step``.
-            first = data["step"] - len(losses) + 1
-            points.extend((float(first + i), float(v)) for i, v in enumerate(losses))
-        elif isinstance(data.get("loss"), int | float) and data.get("phase") != "trained":
-            x = data.get("step") or data.get("round") or len(points) + 1
-            points.append((float(x), float(data["loss"])))
-        elif isinstance(data.get("epoch_losses"), list):
-            points.extend((float(i + 1), float(v)) for i, v in enumerate(data["epoch_losses"]))
-    return points
-
-
-def curve_unit(events: Iterable[Any]) -> str:
-    """What the loss curve's x-axis counts: federated ``round``, an ``epoch`` when the job
-    reported only its epochs' losses, else a training ``step``."""
-    progress = [e.data for e in events if e.event == "progress"]
-    if any(d.get("phase") == "round" for d in progress):
-        return "round"
-    if not any(isinstance(d.get("step"), int) for d in progress):
-        return "epoch"
-    return "step"
-
-
-def plot_loss(points: list[tuple[float, float]], path: str, title: str, x_label: str) -> None:
-    """Save the loss curve as an image (matplotlib, no display needed)."""
-    import matplotlib.pyplot as plt
-
-    figure = loss_figure(points, title, x_label)
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def loss_figure(points: list[tuple[float, float]], title: str, x_label: str) -> Any:
-    """The loss curve as a matplotlib figure; its x-axis counts ``x_label`` (steps, rounds,
-    epochs) on whole-number ticks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if points:
-        axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue")
-    axes.set_xlabel(x_label)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel("loss")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    return figure
 
 
 _COMMANDS = {

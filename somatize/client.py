@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from protocol.arrays import data_nbytes
 from protocol.asyncio.channel import Channel
+from protocol.equivalence import data_parallel_notes
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
@@ -55,7 +56,7 @@ from protocol.messages import (
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
-from somatize.strategies import Local, Strategy, WorkerData
+from somatize.strategies import DataParallel, Local, Strategy, WorkerData
 
 if TYPE_CHECKING:
     from somatize.graph import Graph
@@ -252,6 +253,7 @@ class Client:
         x: Any,
         y: Any = None,
         strategy: Strategy | None = None,
+        validation: tuple[Any, Any] | WorkerData | None = None,
         *,
         wait_for_workers: float | None = None,
         name: str | None = None,
@@ -268,6 +270,11 @@ class Client:
             x: input rows (numpy array or torch tensor).
             y: labels, row-aligned with ``x``.
             strategy: how to spread the job over workers (default :class:`Local`).
+            validation: ``(x_val, y_val)``, sent with the job, or ``sz.WorkerData(name,
+                split="val")``, each worker's own split of the dataset it trains on: the
+                model is evaluated on it at the end of every epoch (every round for
+                FedAvg/FedProx), its ``val_loss`` and metrics in the job's events and in the
+                result's ``history``.
             wait_for_workers: ``None`` (default): a worker id, tag, dataset or device that no
                 registered worker has is refused at once (``no_workers``, with the nearest
                 names); seconds: the job waits that long for workers that can take it (ones
@@ -330,24 +337,30 @@ class Client:
             if y is not None:
                 raise ValueError("with WorkerData the labels are the workers' own: y must be None")
             x = None
+        info = graph_info(graph)
+        x_val, y_val, val_split = _validation(validation, dataset)
         message = Submit(
-            graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=graph_info(graph)),
+            graph=GraphSpec(node_ids=graph.node_ids, filters=filters, nodes=info),
             x=x,
             y=y,
             dataset=dataset,
             loader=loader,
             strategy=strategy.spec(),
+            x_val=x_val,
+            y_val=y_val,
+            val_split=val_split,
             wait_for_workers=wait_for_workers,
             name=name,
             file=file,
             resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
+        nbytes += data_nbytes(x_val) + data_nbytes(y_val)
         reply = self._call(message, allowance=nbytes / _MIN_UPLOAD_RATE)
         job_id = result_field(reply, "job_id", "submit")
         if not isinstance(job_id, str):
             raise ClientError(f"the coordinator answered submit with a job id {job_id!r}")
-        return Job(self, job_id, graph)
+        return Job(self, job_id, graph, notes=_notes(strategy, info))
 
     def job(self, job_id: str, graph: Graph | None = None) -> Job:
         """The handle of an existing job (submitted by anyone, any time).
@@ -415,6 +428,8 @@ class Client:
 def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     """What the coordinator is told of each node (it never unpickles the filters): whether it
     trains by gradient descent, and then its training settings."""
+    from somatize.filters import layer_kinds  # (torch: imported when a job is submitted)
+
     info = {}
     for node_id, f in graph.items():
         if getattr(f, "differentiable", False):
@@ -424,10 +439,41 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
                 batch_size=getattr(f, "batch_size", None),
                 shuffle=getattr(f, "shuffle", None),
                 seed=getattr(f, "seed", None),
+                accumulate=getattr(f, "accumulate", None),
+                clip_grad_norm=getattr(f, "clip_grad_norm", None),
+                **layer_kinds(getattr(f, "module", None)),
             )
         else:
             info[node_id] = NodeInfo()
     return info
+
+
+def _validation(validation: Any, dataset: str | None) -> tuple[Any, Any, str | None]:
+    """``x_val``, ``y_val`` and ``val_split`` of a submission's ``validation``.
+
+    Raises:
+        ValueError: a split of another dataset than the job trains on, or a bad pair.
+    """
+    if isinstance(validation, WorkerData):
+        if validation.name != dataset:
+            raise ValueError(
+                f"validation=WorkerData({validation.name!r}, split=...) is a split of the "
+                f"dataset the job trains on ({'none: it sends x' if dataset is None else dataset})"
+            )
+        return None, None, validation.split or "val"
+    from somatize.graph import checked_validation
+
+    checked = checked_validation(validation)
+    return (None, None, None) if checked is None else (*checked, None)
+
+
+def _notes(strategy: Strategy, info: dict[str, NodeInfo]) -> list[str]:
+    """Why ``strategy`` will not equal ``graph.fit`` exactly on a graph described by ``info``
+    (the words the coordinator puts in the ``placed`` event)."""
+    if not isinstance(strategy, DataParallel):
+        return []
+    torch_nodes = [n for n, i in info.items() if i.differentiable]
+    return data_parallel_notes(info, torch_nodes, strategy.sync_batchnorm)
 
 
 def _client_error(info: ErrorInfo) -> ClientError:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from worker.metrics import METRICS, check_metrics, metric_name
+from worker.schedules import check_schedule, made_scheduler, named_scheduler
 from worker.transfer import PRECISIONS
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 LossSpec = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerSpec = str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerSpec = str | Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 _LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "mse": F.mse_loss,
@@ -41,6 +44,37 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
 }
+
+
+_NORM = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+_RANDOM = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def layer_kinds(module: Any) -> dict[str, Any]:
+    """What in ``module`` makes data-parallel replicas differ from one process training it
+    (:mod:`protocol.equivalence`): whether it holds buffers, its classes that normalise with
+    batch statistics and those that draw random numbers in training (nothing for what is not
+    a module)."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    modules = list(module.modules())
+    return {
+        "buffers": any(True for _ in module.buffers()),
+        "normalization": sorted({type(m).__name__ for m in modules if isinstance(m, _NORM)}),
+        "randomness": sorted({type(m).__name__ for m in modules if isinstance(m, _RANDOM)}),
+    }
 
 
 def snake_case(name: str) -> str:
@@ -103,9 +137,27 @@ class TorchFilter(Filter):
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: forward and loss run under
             ``torch.autocast`` with that dtype (weights and states stay fp32); ``"fp16"``
             training steps through a ``torch.amp.GradScaler``.
+        scheduler: a learning-rate schedule for the optimizer: a callable ``(optimizer) ->
+            torch.optim.lr_scheduler.LRScheduler``, or ``"cosine"`` (``CosineAnnealingLR`` down
+            to ``eta_min`` over the whole run, or ``t_max`` intervals) or ``"linear_warmup"``
+            (``LinearLR`` from ``start_factor`` times ``lr`` up to ``lr`` over ``warmup``
+            intervals, then constant), their arguments in ``scheduler_options``.
+        scheduler_interval: ``"step"``: the scheduler steps after every optimizer step;
+            ``"epoch"``: after every epoch.
+        scheduler_options: the arguments of a named scheduler.
+        clip_grad_norm: clip the gradient of the whole chain's parameters to this 2-norm before
+            each step (``torch.nn.utils.clip_grad_norm_``); in DataParallel the global gradient,
+            after the all-reduce; in a pipeline that of every stage's parameters together.
+        accumulate: take one optimizer step every ``accumulate`` batches, each batch's loss
+            weighted by its share of their rows: the steps of ``batch_size * accumulate``-row
+            batches, in the memory of ``batch_size`` rows.
+        metrics: what to evaluate on validation data at the end of every epoch, beside
+            ``val_loss``: ``"accuracy"``, ``"mse"``, ``"mae"``, or callables ``(output, y) ->
+            float`` (named after the function), each on the whole validation set at once.
 
-    Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``) are those of the last
-    TorchFilter of a chain; each filter keeps its own optimizer and ``lr``.
+    Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
+    ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps
+    its own optimizer, ``lr`` and scheduler.
     """
 
     differentiable = True
@@ -123,6 +175,12 @@ class TorchFilter(Filter):
         seed: int = 0,
         optimizer_options: Mapping[str, Any] | None = None,
         precision: str = "fp32",
+        scheduler: SchedulerSpec | None = None,
+        scheduler_interval: str = "step",
+        scheduler_options: Mapping[str, Any] | None = None,
+        clip_grad_norm: float | None = None,
+        accumulate: int = 1,
+        metrics: Sequence[str | Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -141,6 +199,16 @@ class TorchFilter(Filter):
             raise ValueError(f"epochs must not be negative, not {epochs}")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
+        schedule_options = check_schedule(scheduler, scheduler_interval, scheduler_options)
+        checked_metrics = check_metrics(metrics)
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, int | float) and 0 < clip_grad_norm < float("inf")
+        ):
+            raise ValueError(f"clip_grad_norm must be a positive number, not {clip_grad_norm!r}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"accumulate must be a whole number of batches >= 1, not {accumulate!r}"
+            )
         self.module = module
         self.loss = loss
         self.optimizer = optimizer
@@ -151,6 +219,12 @@ class TorchFilter(Filter):
         self.seed = seed
         self.optimizer_options = dict(optimizer_options or {})
         self.precision = precision
+        self.scheduler = scheduler
+        self.scheduler_interval = scheduler_interval
+        self.scheduler_options = schedule_options
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.accumulate = accumulate
+        self.metrics = checked_metrics
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -164,6 +238,21 @@ class TorchFilter(Filter):
         optimizer_class: Any = _OPTIMIZERS[self.optimizer]
         return optimizer_class(params, lr=self.lr, **self.optimizer_options)  # type: ignore[no-any-return]
 
+    def make_scheduler(
+        self, optimizer: torch.optim.Optimizer, total: int | None
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The learning-rate scheduler over ``optimizer`` (``None`` without one); a named one
+        spans ``total`` intervals (steps or epochs: the whole run). The engine makes it with the
+        optimizer and keeps it beside it."""
+        scheduler = getattr(self, "scheduler", None)  # a filter pickled before schedules
+        if scheduler is None:
+            return None
+        if callable(scheduler):
+            return made_scheduler(scheduler, optimizer)
+        if total is None:
+            raise ValueError(f"the scheduler {scheduler!r} needs the run's length")
+        return named_scheduler(scheduler, optimizer, total, self.scheduler_options)
+
     def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch."""
         if callable(self.loss):
@@ -176,6 +265,14 @@ class TorchFilter(Filter):
             if y.shape != output.shape and y.numel() == output.numel():
                 y = y.reshape(output.shape)  # (n,) labels against an (n, 1) output
         return _LOSSES[self.loss](output, y)
+
+    def compute_metrics(self, output: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Each of :attr:`metrics` of ``output`` against ``y``, by name."""
+        out = {}
+        for metric in getattr(self, "metrics", ()):
+            compute = METRICS[metric] if isinstance(metric, str) else metric
+            out[metric_name(metric)] = float(compute(output, y))
+        return out
 
     def prepare_input(self, x: Any) -> torch.Tensor:
         """``x`` as a tensor; floating input is cast to the module's floating dtype."""

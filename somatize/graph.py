@@ -70,7 +70,13 @@ class Graph:
         return " >> ".join(self._ids) or "Graph([])"
 
     def fit(
-        self, x: Any, y: Any = None, *, batch_size: int | None = None, device: str = "cpu"
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        device: str = "cpu",
+        validation: tuple[Any, Any] | None = None,
     ) -> FittedGraph:
         """Train the graph in this process and return the fitted graph.
 
@@ -83,14 +89,21 @@ class Graph:
             batch_size: overrides the TorchFilters' own ``batch_size``.
             device: where the TorchFilters train (``"cpu"``, ``"cuda"``, ``"cuda:N"``,
                 ``"mps"``); the fitted states are CPU tensors whatever it is.
+            validation: ``(x_val, y_val)``, evaluated at the end of every epoch with the model
+                as it stands then: ``val_loss`` (the last TorchFilter's loss) and its
+                ``metrics``, in :attr:`FittedGraph.history`.
 
         Raises:
-            ValueError: ``device`` is not a device, or not one of this machine's.
+            ValueError: ``device`` is not a device, or not one of this machine's;
+                ``validation`` is not a pair of row-aligned inputs and labels.
         """
+        validation = checked_validation(validation)
         engine = Engine(device=resolve_device(device))
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
-        result = engine.batched_fit(self.node_ids, x, y, batch_size=batch_size)
-        return FittedGraph(self, result.states, epoch_losses=result.epoch_losses)
+        result = engine.batched_fit(
+            self.node_ids, x, y, batch_size=batch_size, validation=validation
+        )
+        return FittedGraph(self, result.states, history=result.history)
 
 
 class FittedGraph:
@@ -99,7 +112,11 @@ class FittedGraph:
     Attributes:
         graph: the graph that was fitted.
         states: each node's state by node id (a TorchFilter's is its module's ``state_dict``).
-        epoch_losses: mean training loss of each epoch, when the graph trained a TorchFilter.
+        history: a row per epoch (per round for FedAvg/FedProx: ``round``), when the graph
+            trained a TorchFilter: ``epoch``, ``loss`` (the epoch's mean training loss), ``lr``
+            (the learning rate of its last step) and, with validation data, ``val_loss`` and
+            each metric of the model at the epoch's end.
+        epoch_losses: the ``loss`` of each row of the history.
     """
 
     def __init__(
@@ -107,14 +124,18 @@ class FittedGraph:
         graph: Graph,
         states: Mapping[str, Any],
         *,
-        epoch_losses: list[float] | None = None,
+        history: list[dict[str, Any]] | None = None,
     ) -> None:
         missing = [node_id for node_id in graph.node_ids if node_id not in states]
         if missing:
             raise GraphError(f"a fitted graph needs a state for every node; missing {missing}")
         self.graph = graph
         self.states = dict(states)
-        self.epoch_losses = list(epoch_losses or [])
+        self.history = [dict(row) for row in history or []]
+
+    @property
+    def epoch_losses(self) -> list[float]:
+        return [row["loss"] for row in self.history if "loss" in row]
 
     def forward(self, x: Any) -> Any:
         """Run ``x`` through the graph with the learned states, in this process."""
@@ -132,10 +153,34 @@ class FittedGraph:
         """
         from somatize.saved import save
 
-        save(path, self.states, self.graph.node_ids, self.epoch_losses)
+        save(path, self.states, self.graph.node_ids, self.epoch_losses, self.history)
 
     def __repr__(self) -> str:
         return f"FittedGraph({self.graph!r})"
+
+
+def checked_validation(validation: Any) -> tuple[Any, Any] | None:
+    """``validation`` as ``(x_val, y_val)``.
+
+    Raises:
+        ValueError: it is not a pair of row-aligned inputs and labels.
+    """
+    if validation is None:
+        return None
+    if not isinstance(validation, tuple | list) or len(validation) != 2:
+        raise ValueError(f"validation is a pair (x_val, y_val), not {validation!r:.80}")
+    x_val, y_val = validation
+    rows = [_rows(x_val), _rows(y_val)]
+    if None in rows or rows[0] != rows[1] or not rows[0]:
+        raise ValueError(
+            f"validation needs x_val and y_val with as many rows (got {rows[0]} and {rows[1]})"
+        )
+    return x_val, y_val
+
+
+def _rows(data: Any) -> int | None:
+    shape = getattr(data, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
 
 
 def _assign_ids(filters: list[Filter]) -> list[str]:

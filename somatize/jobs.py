@@ -86,6 +86,8 @@ class JobCheckpoint:
         Raises:
             GraphError: ``states`` does not hold every node of ``graph``.
         """
+        from somatize.graph import FittedGraph  # (torch: imported when a graph is rebuilt)
+
         return FittedGraph(graph, dict(self.states))
 
 
@@ -95,12 +97,21 @@ class Job:
     Attributes:
         id: the job's id on the coordinator.
         graph: the graph the job trains, when this handle knows it (see :meth:`Client.job`).
+        notes: said when it was submitted: why its strategy will not equal ``graph.fit``
+            exactly (DataParallel over BatchNorm or Dropout: :mod:`protocol.equivalence`).
     """
 
-    def __init__(self, client: Client, job_id: str, graph: Graph | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        job_id: str,
+        graph: Graph | None = None,
+        notes: list[str] | None = None,
+    ) -> None:
         self._client = client
         self.id = job_id
         self.graph = graph
+        self.notes = list(notes or [])
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -206,7 +217,7 @@ class Job:
 
         result = self._fetch(timeout).result
         states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
-        return FittedGraph(graph, states, epoch_losses=_epoch_losses(result))
+        return FittedGraph(graph, states, history=_history(result))
 
     def _fetch(self, timeout: float | None) -> Result:
         if timeout is not None and timeout < 0:
@@ -292,12 +303,12 @@ def _writable(value: Any) -> Any:
     return value
 
 
-def _epoch_losses(result: dict[str, Any]) -> list[float] | None:
-    """The epoch losses a result carries: its own, or its record's last progress or summary."""
+def _history(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The history a result's record carries: the rows of its run's last progress event
+    (``phase``: ``"trained"``), one per epoch (or round)."""
     record = result.get("record")
-    record = record if isinstance(record, dict) else {}
-    for source in (result, record.get("progress"), record.get("summary")):
-        losses = source.get("epoch_losses") if isinstance(source, dict) else None
-        if isinstance(losses, list) and all(isinstance(v, int | float) for v in losses):
-            return [float(v) for v in losses]
-    return None
+    progress = record.get("progress") if isinstance(record, dict) else None
+    rows = progress.get("history") if isinstance(progress, dict) else None
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return [dict(row) for row in rows]
+    return []

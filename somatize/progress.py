@@ -7,6 +7,10 @@ what only a history can tell (the epoch's mean loss so far, the rate, the time l
     epoch 3/10 · step 40/66 · loss 0.42 (epoch mean) · 1,250 rows/s · ETA 0:12
     round 3/10 · loss 1.96 (mean of 2 workers) · 1,347 rows · ETA 0:30
 
+An epoch's history row (``phase`` ``"epoch"``, issue 17) adds its validation figures to the
+line of its last step (``val_loss 0.3811 · accuracy 0.9125``); the run's last event
+(``"trained"``) leaves the line of its last step as it was.
+
 :func:`event_text` says what one event says alone (a table has only the last one): there the
 loss is the last step's, and says so. No I/O: times are the events' own (the coordinator's
 clock), so the same events give the same words.
@@ -45,6 +49,7 @@ class Progress:
     _steps: int = 0  # steps (or rounds) since the origin
     _epoch: int | None = None
     _epoch_loss: list[float] = field(default_factory=lambda: [0.0, 0.0])  # Σ loss·rows, Σ rows
+    _line: str = ""  # the last step's (round's) line: a history row adds to it
 
     @property
     def final(self) -> str:
@@ -55,9 +60,13 @@ class Progress:
         """Take one progress event (its time and data); returns :attr:`text`, the line now."""
         phase = data.get("phase")
         if phase == "training" and _int(data.get("step")) is not None:
-            self.text = self._training(time, data)
+            self.text = self._line = self._training(time, data)
         elif phase == "round" and _int(data.get("round")) is not None:
-            self.text = self._round(time, data)
+            self.text = self._line = self._round(time, data)
+        elif phase == "epoch" and _int(data.get("epoch")) is not None:
+            self.text = SEP.join([self._line or _row_text(data), *_figures(data)])
+        elif phase == "trained" and self._line:
+            self.text = SEP.join([self._line, *_figures(_last_row(data))])
         else:
             self.text = _phase_text(data)
         return self.text
@@ -202,19 +211,57 @@ def _phase_text(data: dict[str, Any]) -> str:
         on = f" on {rows:,} rows" if rows is not None else ""
         return f"training{on} (one worker runs the whole loop: its loss comes at the end)"
     if phase == "trained":
-        parts = ["trained"]
-        if _int(data.get("epochs")):
-            parts[0] += f" {data['epochs']} epochs"
-        losses = data.get("epoch_losses")
-        if isinstance(losses, list) and losses and _num(losses[-1]) is not None:
-            parts.append(f"loss {losses[-1]:.4g} (last epoch mean)")
-        return SEP.join(parts)
+        return _trained_text(data)
+    if phase == "epoch":
+        return SEP.join([_row_text(data), *_figures(data)])
     shown = [
         f"{k} {v}"
         for k, v in data.items()
         if k != "phase" and isinstance(v, str | int | float) and not isinstance(v, bool)
     ]
     return SEP.join([p for p in [phase, *shown] if p])
+
+
+_NOT_FIGURES = frozenset(
+    {"phase", "epoch", "epochs", "round", "rounds", "loss", "lr", "step", "steps", "rows"}
+)
+
+
+def _figures(row: dict[str, Any]) -> list[str]:
+    """A history row's validation figures in words (``val_loss 0.3811``, each metric)."""
+    return [f"{k} {v:.4g}" for k, v in row.items() if k not in _NOT_FIGURES and _num(v) is not None]
+
+
+def _trained_text(data: dict[str, Any]) -> str:
+    """A run's last event: where it ended (its last step, its last round, or its epochs), the
+    last epoch's (round's) mean loss and its history's last figures."""
+    last, unit = _last_row(data), "epoch"
+    losses = data.get("epoch_losses")
+    loss = losses[-1] if isinstance(losses, list) and losses else last.get("loss")
+    if _int(data.get("step")) is not None:
+        parts = _position(data)
+    elif _int(data.get("round")) is not None:
+        rounds, unit = _int(data.get("rounds")), "round"
+        parts = [f"round {data['round']}" + (f"/{rounds}" if rounds else "")]
+    else:
+        parts = ["trained" + (f" {data['epochs']} epochs" if _int(data.get("epochs")) else "")]
+    if _num(loss) is not None:
+        parts.append(f"loss {loss:.4g} (last {unit} mean)")
+    return SEP.join([*parts, *_figures(last)])
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    """``epoch 2 · loss 0.41 (epoch mean)``: a history row of a job whose steps say nothing."""
+    loss = _num(row.get("loss"))
+    said = f"epoch {row.get('epoch')}"
+    return said if loss is None else f"{said}{SEP}loss {loss:.4g} (epoch mean)"
+
+
+def _last_row(data: dict[str, Any]) -> dict[str, Any]:
+    """The last row of a ``trained`` event's history (``{}``: none)."""
+    history = data.get("history")
+    last = history[-1] if isinstance(history, list) and history else {}
+    return last if isinstance(last, dict) else {}
 
 
 def _int(value: Any) -> int | None:

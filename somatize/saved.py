@@ -11,7 +11,8 @@ file runs no code of theirs. Its layout::
                                    # its numpy arrays stored as tensors
      "numpy": [[kind, path], ...], # which leaves were numpy: "array" or "scalar", at the path
                                    # of keys and indices from "states"
-     "epoch_losses": [...]}        # the training's mean loss per epoch, when it trained one
+     "epoch_losses": [...],        # the training's mean loss per epoch, when it trained one
+     "history": [{...}, ...]}      # its rows per epoch (round): loss, lr, val_loss, metrics
 
 :func:`load` gives the states back as they were (numpy leaves as numpy again) and, with the
 graph that made them, the :class:`~somatize.graph.FittedGraph` itself. The graph is code, so it
@@ -52,8 +53,10 @@ def save(
     states: Mapping[str, Any],
     node_ids: Sequence[str],
     epoch_losses: Sequence[float] = (),
+    history: Sequence[Mapping[str, Any]] = (),
 ) -> None:
-    """Write ``states`` (by node id, for the nodes ``node_ids`` in graph order) to ``path``.
+    """Write ``states`` (by node id, for the nodes ``node_ids`` in graph order) to ``path``,
+    with the training's ``epoch_losses`` and ``history`` rows (numbers and strings only).
 
     Raises:
         GraphError: a node has no state, or a state holds something that cannot be saved
@@ -72,6 +75,7 @@ def save(
             "states": stored,
             "numpy": numpy,
             "epoch_losses": [float(v) for v in epoch_losses],
+            "history": [{str(k): _plain_figure(v) for k, v in row.items()} for row in history],
         },
         os.fspath(path),
     )
@@ -121,7 +125,17 @@ def load(path: str | os.PathLike[str], graph: Graph | None = None) -> Any:
             f"{os.fspath(path)} holds the states of the nodes {node_ids}, and the graph has "
             f"{graph.node_ids}: build the graph that was trained"
         )
-    return FittedGraph(graph, states, epoch_losses=list(saved["epoch_losses"]))
+    history = saved.get("history")
+    if history is None:  # written before histories: its losses are all there is
+        history = [{"epoch": e, "loss": v} for e, v in enumerate(saved["epoch_losses"], 1)]
+    return FittedGraph(graph, states, history=history)
+
+
+def _plain_figure(value: Any) -> Any:
+    """A history row's value as the restricted unpickler reads it: a number or a string."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    return float(value)
 
 
 def _to_torch(value: Any, where: Path, numpy: list[list[Any]]) -> Any:

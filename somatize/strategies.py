@@ -28,6 +28,13 @@ from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
 from somatize.aggregators import Aggregator
 from somatize.privacy import PrivacyMechanism, SecAgg
+from somatize.server_optimizers import (
+    FedAdagrad,
+    FedAdam,
+    FedAvgM,
+    FedYogi,
+    ServerOptimizer,
+)
 
 __all__ = [
     "DataParallel",
@@ -157,10 +164,19 @@ class DataParallel(Strategy):
             workers; the job's events say ``restarting`` and then ``resumed``.
         restart_timeout: seconds a restart waits for workers before the job fails with the
             error that stopped it.
+        sync_batchnorm: BatchNorm layers normalise with the global batch's statistics
+            (``torch.nn.SyncBatchNorm``; CUDA workers on the torch collective). Without it each
+            replica normalises its slice with its own, and the running statistics follow
+            DistributedDataParallel's ``broadcast_buffers``: replica 0's, broadcast to every
+            replica each step. A model with BatchNorm or Dropout does not equal ``graph.fit``
+            exactly; the job says why when it is submitted (:attr:`Job.notes`) and in its
+            ``placed`` event. Dropout masks are drawn per replica from a generator seeded by
+            the filter's seed, the replica and the step: a rerun gives the same result.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
-            ``elastic`` not a bool, ``elastic_timeout`` or ``collective_timeout`` not a
+            ``elastic`` not a bool, ``sync_batchnorm`` without ``device="cuda"`` or with
+            ``collective="coordinator"``, ``elastic_timeout`` or ``collective_timeout`` not a
             positive number, ``device`` not one of the device forms, ``collective`` not one
             of the three, ``checkpoint_every`` not ``None`` or an integer >= 0,
             ``keep_checkpoints`` not a positive integer, ``max_restarts`` not an integer >= 0
@@ -178,6 +194,7 @@ class DataParallel(Strategy):
     keep_checkpoints: int = 2
     max_restarts: int = 0
     restart_timeout: float = 60.0
+    sync_batchnorm: bool = False
 
     name: ClassVar[str] = "data_parallel"
 
@@ -201,13 +218,25 @@ class WorkerData:
     worker's filter daemon on the path that worker serves as ``name`` (a client never names a
     path) and returns a ``torch.utils.data.Dataset`` of ``(x, y)`` pairs; the rows each step
     needs are read from it then. It is pickled with the job (``cloudpickle``), like a filter.
+
+    ``split``: as a job's ``validation=``, each worker's split of that name of the dataset it
+    trains on (default ``"val"``): an ``.npz``'s ``x_val``/``y_val``, a directory's
+    ``x_val.npy``/``y_val.npy``, or a dataset in its directory ``val/``::
+
+        client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10),
+                      validation=sz.WorkerData("clinic", split="val"))
     """
 
     name: str
     loader: Callable[[Path], Any] | None = None
+    split: str | None = None
 
     def __post_init__(self) -> None:
         so.parse(so.WorkerDataOptions, {"name": self.name}, so.Dialect.SDK)
+        if self.split is not None and (
+            not isinstance(self.split, str) or not self.split.isidentifier()
+        ):
+            raise ValueError(f"WorkerData: a split is a name like 'val', not {self.split!r}")
         if self.loader is not None and not callable(self.loader):
             raise TypeError(
                 f"WorkerData: loader must be a function of the dataset's path, not "
@@ -216,96 +245,6 @@ class WorkerData:
 
 
 # -- federated ----------------------------------------------------------------------------------
-
-
-class ServerOptimizer(ABC):
-    """What the coordinator does with a round's average (Reddi et al. 2021, "Adaptive Federated
-    Optimization"): with x_t the global model and x̄ the round's row-weighted average of the
-    client models, it steps on the pseudo-gradient Δ_t = x̄ − x_t. Without one (the default)
-    the average is the next global model, x_{t+1} = x̄, as in FedAvg."""
-
-    #: The optimizer's name on the wire.
-    name: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        self.options()
-
-    def options(self) -> dict[str, Any]:
-        """``{"name": ..., hyperparameter: value, ...}``, as the strategy sends it."""
-        checked = so.server_options(self.name, _arguments(self), so.Dialect.SDK)
-        return {"name": self.name, **checked.hyperparameters()}
-
-
-@dataclass(frozen=True)
-class FedAvgM(ServerOptimizer):
-    """Server momentum (Hsu et al. 2019): m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t.
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        momentum: β, in [0, 1).
-    """
-
-    lr: float = 1.0
-    momentum: float = 0.9
-
-    name: ClassVar[str] = "fedavgm"
-
-
-@dataclass(frozen=True)
-class FedAdagrad(ServerOptimizer):
-    """Adagrad on the server (Reddi et al. 2021, Algorithm 2): m_t = β1 m_{t−1} + (1 − β1) Δ_t;
-    v_t = v_{t−1} + Δ_t²; x_{t+1} = x_t + η m_t / (√v_t + τ); v_{−1} = τ². Its steps only
-    shrink as Δ_t² adds up: for sparse or rare features, or a bounded number of rounds.
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, in [0, 1).
-        tau: τ, the adaptivity (> 0).
-    """
-
-    lr: float = 0.01
-    beta1: float = 0.9
-    tau: float = 1e-3
-
-    name: ClassVar[str] = "fedadagrad"
-
-
-@dataclass(frozen=True)
-class _Adaptive(ServerOptimizer):
-    lr: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
-
-
-@dataclass(frozen=True)
-class FedAdam(_Adaptive):
-    """Adam on the server (Reddi et al. 2021, Algorithm 2): m_t = β1 m_{t−1} + (1 − β1) Δ_t;
-    v_t = β2 v_{t−1} + (1 − β2) Δ_t²; x_{t+1} = x_t + η m_t / (√v_t + τ); v_{−1} = τ².
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, in [0, 1).
-        beta2: β2, in [0, 1).
-        tau: τ, the adaptivity (> 0).
-    """
-
-    name: ClassVar[str] = "fedadam"
-
-
-@dataclass(frozen=True)
-class FedYogi(_Adaptive):
-    """Yogi on the server (Reddi et al. 2021, Algorithm 2): as :class:`FedAdam` but
-    v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²).
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, in [0, 1).
-        beta2: β2, in [0, 1).
-        tau: τ, the adaptivity (> 0).
-    """
-
-    name: ClassVar[str] = "fedyogi"
 
 
 def _federated(model: type[so.T], s: FedAvg | FedProx) -> so.T:  # QFedAvg is a FedAvg
@@ -396,6 +335,13 @@ class FedAvg(Strategy):
             ``privacy`` with it).
         seed: seeds the selection of workers.
         device: only workers training on this device (default: any).
+        evaluate_fraction: federated evaluation (Flower's ``evaluate``): each round this share
+            of the workers (at least one) evaluates the new global model on its own
+            validation data — the split named by ``validation=sz.WorkerData(name,
+            split=...)`` of the job, else ``"val"``: its dataset's ``x_val``/``y_val`` — and
+            the round's ``val_loss`` and metrics are their figures weighted by rows; the
+            round's event also names each worker's. ``0`` (default): none. The job must
+            train on ``WorkerData``.
         checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
             and the round) every this many rounds; ``None`` (default): every round; ``0``:
             never. A restarted coordinator resumes the job from its last one.
@@ -423,6 +369,7 @@ class FedAvg(Strategy):
     secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
+    evaluate_fraction: float = 0.0
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     max_restarts: int = 0
@@ -447,8 +394,8 @@ class FedProx(Strategy):
         mu: μ (> 0; with μ = 0 this is :class:`FedAvg`).
         rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
             client_config, clients_per_worker, privacy, secure_aggregation, seed, device,
-            checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
-            :class:`FedAvg`.
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvg`.
 
     Raises:
         ValueError: an argument out of range or of the wrong type.
@@ -469,6 +416,7 @@ class FedProx(Strategy):
     secure_aggregation: SecAgg | None = None
     seed: int = 0
     device: str | None = None
+    evaluate_fraction: float = 0.0
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     max_restarts: int = 0
@@ -499,8 +447,8 @@ class QFedAvg(FedAvg):
         lipschitz: L > 0, the Lipschitz constant of the loss's gradient; the paper takes 1/η,
             η the TorchFilters' learning rate.
         rounds, local_epochs, fraction, min_workers, workers, tag, seed, device,
-            checkpoint_every, keep_checkpoints, max_restarts, restart_timeout: as
-            :class:`FedAvg`.
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvg`.
     """
 
     q: float

@@ -43,6 +43,21 @@ def interruptible(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *argv]
 
 
+def somatize_cli(url: str, *args: str, seconds: float = 60) -> subprocess.CompletedProcess[str]:
+    """``somatize ARGS`` against the coordinator at ``url`` (no token from the environment),
+    its output captured, within ``seconds * UNIT``."""
+    env = {**os.environ, "SOMATIZE_COORDINATOR": url, "COLUMNS": "200"}
+    env.pop("SOMATIZE_TOKEN", None)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "somatize"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=seconds * UNIT,
+        check=False,
+    )
+
+
 def stop_groups(*procs: subprocess.Popen[bytes]) -> None:
     """SIGTERM each process's group (started with ``start_new_session``), SIGKILL what is still
     there after ``10 * UNIT`` seconds."""

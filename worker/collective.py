@@ -18,22 +18,24 @@ A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from protocol.batching import global_batches, replica_batches
+from protocol.batching import global_batches, replica_batches, replica_seed
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
-from worker.nodes import Node
+from worker.nodes import Node, run_setting
 from worker.npy_rows import Rows
 from worker.process_group import GroupMember, looks_collective
 from worker.read_ahead import read_ahead
-from worker.training import Training, step_through
+from worker.training import Training, backward
 from worker.transfer import autocast
 
 __all__ = ["Collective", "Plan"]
@@ -45,11 +47,16 @@ ONE_ROW = np.zeros(1, dtype=np.int64)
 @dataclass(frozen=True)
 class Plan:
     """What a replica walks: per global step the positions of its slice in the rows staged
-    under ``data``, and the global batch's size."""
+    under ``data``, and the global batch's size; and per step the fewest rows a replica has
+    (``least``: every replica runs as many forwards a step, each of which broadcasts buffers,
+    so a step is cut in at most that many ``accumulate`` slices)."""
 
     data: str
     node_ids: list[str]
     steps: list[tuple[np.ndarray[Any, Any], int]]
+    least: list[int] = field(default_factory=list)
+    seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
+    sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
 
     @classmethod
     def of(
@@ -68,12 +75,14 @@ class Plan:
         position: int = 0,
     ) -> Plan:
         if sizes is not None:  # each replica on its own dataset
-            own = replica_batches(sizes, epochs, batch_size, shuffle, seed)
+            own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
-            return cls(data, list(node_ids), steps)
+            least = [min(len(p) for p in s) for _, _, s in own]
+            return cls(data, list(node_ids), steps, least, seed)
         staged = np.asarray(held, dtype=np.int64)
-        steps = []
+        steps, least = [], []
         for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+            least.append(min(len(s) for s in slices))
             mine = slices[rank]
             local = np.searchsorted(staged, mine)
             if len(mine) and (
@@ -84,7 +93,7 @@ class Plan:
                     f"replica {rank}'s slice of a step has rows that were not staged here",
                 )
             steps.append((local, sum(len(s) for s in slices)))
-        return cls(data, list(node_ids), steps)
+        return cls(data, list(node_ids), steps, least, seed)
 
 
 class _Chain(torch.nn.Module):
@@ -101,6 +110,16 @@ class _Chain(torch.nn.Module):
             with autocast(f, self.device):
                 x = module(x)
         return x
+
+
+def _synced_batchnorm(chain: _Chain) -> None:
+    """Every BatchNorm layer of ``chain`` as a ``torch.nn.SyncBatchNorm`` over the group (the
+    same parameters and buffers, now normalising with the global batch's statistics); each
+    filter keeps the module it trains."""
+    for k, module in enumerate(chain.parts):
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # type: ignore[no-untyped-call]
+        chain.parts[k] = synced
+        chain.filters[k].module = synced
 
 
 class Collective(Training, GroupMember):
@@ -125,6 +144,8 @@ class Collective(Training, GroupMember):
         self._ddp = None
         try:
             chain = _Chain(run, self.device)
+            if plan.sync_batchnorm:
+                _synced_batchnorm(chain)
             ids = [self.device.index] if self.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(chain, device_ids=ids)
         except RuntimeError as exc:
@@ -153,8 +174,10 @@ class Collective(Training, GroupMember):
         prefix, run = nodes[:first], nodes[first:]
         optimizers = [self._optimizer(node) for node in run]
         scaler = self._scaler(run[-1])
+        parts = max(1, int(run_setting(run, "accumulate", 1) or 1))
         losses: list[float] = []
         rows: list[int] = []
+        lrs: list[float] = []
         self._done = start
 
         def read(step: int) -> tuple[Any, Any]:
@@ -174,23 +197,64 @@ class Collective(Training, GroupMember):
                 opt.zero_grad(set_to_none=True)
             try:
                 ddp.module.train()
-                out = ddp(xt)
-                if mine:
-                    loss = self._loss(run, out, yt)
-                    weighted = loss * (mine * self._world / batch)
-                else:
-                    loss = weighted = out.sum() * 0.0
-                step_through(weighted, optimizers, scaler)
+                torch.manual_seed(replica_seed(plan.seed, self._rank, step + 1))
+                cut = min(parts, plan.least[step]) if plan.least[step] else 1
+                loss = self._accumulated(ddp, run, xt, yt, mine, batch, cut, scaler)
+                ends = self.horizon is not None and self.horizon.ends_epoch(step + 1)
+                lrs.append(self._step_run(run, scaler, epoch_end=ends))
             except RuntimeError as exc:
                 if looks_collective(exc):
                     raise self.broken(f"step {step + 1}", exc) from exc
                 raise
             self._done = step + 1
-            losses.append(float(loss.detach()) if mine else 0.0)
+            losses.append(loss)
             rows.append(mine)
+        if stop == len(plan.steps):
+            self._broadcast_buffers(ddp)
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.read_next(plan.data, plan.steps[stop][0])
-        return {"losses": losses, "rows": rows}
+        return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _accumulated(
+        self,
+        ddp: DistributedDataParallel,
+        run: list[Node],
+        xt: torch.Tensor,
+        yt: torch.Tensor,
+        mine: int,
+        batch: int,
+        parts: int,
+        scaler: torch.amp.GradScaler | None,
+    ) -> float:
+        """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
+        step, in ``parts`` slices (``accumulate``; every replica as many, none empty) of which
+        only the last all-reduces (DDP's ``no_sync`` before it): the gradients left are the
+        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
+        if not mine:
+            out = ddp(xt)
+            backward(out.sum() * 0.0, scaler)
+            return 0.0
+        slices = np.array_split(np.arange(mine), parts)
+        total = 0.0
+        for j, rows in enumerate(slices):
+            index = torch.from_numpy(rows).to(xt.device)
+            syncing = contextlib.nullcontext() if j == len(slices) - 1 else ddp.no_sync()
+            with syncing:
+                loss = self._loss(run, ddp(xt[index]), yt[index])
+                backward(loss * (len(rows) * self._world / batch), scaler)
+            total += float(loss.detach()) * len(rows)
+        return total / mine
+
+    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
+        """Replica 0's buffers to every replica once more after the last step: DDP broadcasts
+        them before each forward, so the last one left each replica its own."""
+        try:
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer, 0)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.broken("broadcasting the buffers", exc) from exc
+            raise
 
     def _left_group(self) -> None:
         self._ddp = None

@@ -40,19 +40,14 @@ import torch
 from pydantic import BaseModel
 
 from protocol.asyncio.memory import keep_freed_memory
-from protocol.batching import global_batches
 from protocol.codec import decode, encode
 from protocol.daemon import (
     ApplyGradientsRequest,
     BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
-    DistJoinRequest,
-    DistLeaveRequest,
-    DistPlanRequest,
-    DistProbeRequest,
-    DistStoreRequest,
-    DistTrainRequest,
+    DataSource,
+    EvaluateRequest,
     FitRequest,
     ForwardRequest,
     GetGradientsRequest,
@@ -61,25 +56,26 @@ from protocol.daemon import (
     GradientsRequest,
     LoadRequest,
     PingRequest,
-    PipePlanRequest,
-    PipeTrainRequest,
+    ScheduleRequest,
     SetOptimizerStateRequest,
     SetStateRequest,
     ShutdownRequest,
     StageBackwardRequest,
     StageForwardRequest,
+    StageNormRequest,
     StageRequest,
     StageStepRequest,
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
-from worker.collective import Plan
 from worker.commands import parse_request
+from worker.daemon_groups import GroupCommands
 from worker.datasets import load_dataset
 from worker.devices import resolve_device
 from worker.engine import Engine, is_differentiable
 from worker.errors import EngineError
 from worker.pipe import FrameReader, FrameWriter
+from worker.schedules import Horizon
 from worker.secagg_client import SecAggClients
 from worker.shared_memory import SharedRegion, allocate_fast
 
@@ -97,7 +93,7 @@ WATCHDOG_INTERVAL = 0.2
 Handler = Callable[[Any], Any]
 
 
-class Daemon:
+class Daemon(GroupCommands):
     """Turns request frames into reply messages, running them on one :class:`Engine`.
 
     No I/O here: :meth:`handle` takes the bytes of one request frame and returns the reply
@@ -126,6 +122,8 @@ class Daemon:
             "apply_gradients": self.on_apply_gradients,
             "stage": self.on_stage,
             "gradients": self.on_gradients,
+            "schedule": self.on_schedule,
+            "evaluate": self.on_evaluate,
             "dist_store": self.on_dist_store,
             "dist_probe": self.on_dist_probe,
             "dist_join": self.on_dist_join,
@@ -136,6 +134,7 @@ class Daemon:
             "dist_leave": self.on_dist_leave,
             "stage_forward": self.on_stage_forward,
             "stage_backward": self.on_stage_backward,
+            "stage_norm": self.on_stage_norm,
             "stage_step": self.on_stage_step,
             "secagg": lambda req: self._secagg.handle(req, self.engine),
             "ping": self.on_ping,
@@ -229,6 +228,8 @@ class Daemon:
             epochs=req.epochs,
             prox_mu=req.prox_mu,
             reset_optimizer=req.reset_optimizer,
+            schedule=(req.schedule_before, req.schedule_epochs),
+            validation=None if req.validation is None else self.engine.held(req.validation),
             lr=req.lr,
             start_loss=req.start_loss,
             clip_norm=req.clip_norm,
@@ -248,68 +249,35 @@ class Daemon:
                 raise EngineError(
                     ErrorCode.BAD_REQUEST, "stage takes inline data (x, y) or a dataset, not both"
                 )
-            x, y = load_dataset(req.dataset, req.loader)
+            x, y = load_dataset(req.dataset, req.loader, req.split)
             if req.labels:  # a pipeline's last stage holds only the labels, as its rows
                 x, y = y, None
         return {"rows": self.engine.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
         if req.apply is not None:  # finish the previous step first: one round trip per step
-            self.engine.apply_gradients(req.apply)
-        result = self.engine.gradient_pass(req.node_ids, *self._data(req))
+            self.engine.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
+        if req.buffers is not None:  # replica 0's, as DDP broadcasts them before a forward
+            self.engine.set_buffers(req.buffers)
+        result = self.engine.gradient_pass(req.node_ids, *self._data(req), seed=req.seed)
         if req.data is not None and req.read_next is not None:  # read while the mean is made
             self.engine.read_next(req.data, req.read_next)
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
-        return {
+        reply = {
             "loss": result.loss,
             "rows": result.rows,
+            "lr": self.engine.learning_rate(torch_nodes),  # what this step's update will take
             "gradients": self.engine.get_gradients(torch_nodes),
         }
+        if req.return_buffers:
+            reply["buffers"] = self.engine.get_buffers(torch_nodes)
+        return reply
 
-    def on_dist_store(self, req: DistStoreRequest) -> dict[str, Any]:
-        return {"port": self.engine.open_store(req.timeout)}
+    def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
+        return self.engine.evaluate(req.node_ids, *self._data(req, lazy=True))
 
-    def on_dist_probe(self, req: DistProbeRequest) -> dict[str, Any]:
-        return self.engine.probe(req.host, req.port, req.timeout)
-
-    def on_dist_join(self, req: DistJoinRequest) -> dict[str, Any]:
-        return self.engine.join(
-            req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
-        )
-
-    def on_dist_plan(self, req: DistPlanRequest) -> None:
-        rank, world = self.engine.place()
-        plan = Plan.of(
-            req.data,
-            req.node_ids,
-            req.held,
-            rank,
-            world,
-            req.rows,
-            req.epochs,
-            req.batch_size,
-            req.shuffle,
-            req.seed,
-            req.sizes,
-            req.position,
-        )
-        self.engine.plan_data_parallel(plan)
-
-    def on_pipe_plan(self, req: PipePlanRequest) -> None:
-        plan = global_batches(
-            req.rows, req.micro_batches, req.epochs, req.batch_size, req.shuffle, req.seed
-        )
-        batches = [micro for _, _, micro in plan]
-        self.engine.plan_pipeline(req.node_ids, req.actions, batches, req.data, req.labels)
-
-    def on_pipe_train(self, req: PipeTrainRequest) -> dict[str, Any]:
-        return self.engine.pipe_train(req.start, req.stop)
-
-    def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.train(req.start, req.stop)
-
-    def on_dist_leave(self, req: DistLeaveRequest) -> None:
-        self.engine.leave()
+    def on_schedule(self, req: ScheduleRequest) -> None:
+        self.engine.horizon = Horizon(req.steps_per_epoch, req.epochs)
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
         x, y = self._data(req)
@@ -320,12 +288,17 @@ class Daemon:
     def on_stage_backward(self, req: StageBackwardRequest) -> torch.Tensor | None:
         return self.engine.stage_backward(req.micro, req.grad_output)
 
+    def on_stage_norm(self, req: StageNormRequest) -> float:
+        return self.engine.stage_norm(req.node_ids)
+
     def on_stage_step(self, req: StageStepRequest) -> int:
-        return self.engine.stage_step(req.node_ids)
+        return self.engine.stage_step(
+            req.node_ids, epoch_end=req.epoch_end, coefficient=req.coefficient
+        )
 
     def _data(
         self,
-        req: CompositeFitRequest | BatchedFitRequest | GradientsRequest | StageForwardRequest,
+        req: DataSource,
         *,
         lazy: bool = False,
     ) -> tuple[Any, Any]:
@@ -352,7 +325,10 @@ class Daemon:
         return self.engine.get_gradients(req.node_ids)
 
     def on_apply_gradients(self, req: ApplyGradientsRequest) -> dict[str, int]:
-        return self.engine.apply_gradients(req.gradients)
+        applied = self.engine.apply_gradients(req.gradients, epoch_end=req.epoch_end)
+        if req.buffers is not None:
+            self.engine.set_buffers(req.buffers)
+        return applied
 
     def on_ping(self, req: PingRequest) -> None:
         return None

@@ -166,12 +166,17 @@ def _check_rows(x: Array, y: Array | None, where: str) -> None:
         raise ValueError(f"{where}: x and y must have the same number of rows")
 
 
-def open_dataset(path: Path) -> tuple[Array, Array | None]:
-    """``x`` and ``y`` (or ``None``) of the dataset at ``path`` (see the module's kinds).
+def open_dataset(path: Path, split: str | None = None) -> tuple[Array, Array | None]:
+    """``x`` and ``y`` (or ``None``) of the dataset at ``path`` (see the module's kinds); or
+    its ``split`` (validation: ``"val"``): an ``.npz``'s ``x_val``/``y_val``, a directory's
+    ``x_val.npy``/``y_val.npy``, or a dataset of any kind in its directory ``val/``.
 
     Raises:
-        ValueError: naming the path (and the shard) that is not a dataset.
+        ValueError: naming the path (and the shard) that is not a dataset, or the split that
+            is not there.
     """
+    if split is not None:
+        return _split(path, split)
     try:
         _, (x, y), _ = _open(path)
         _check_rows(x, y, str(path))
@@ -183,6 +188,27 @@ def open_dataset(path: Path) -> tuple[Array, Array | None]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"dataset {path}: {exc}") from exc
     return x, y
+
+
+def _split(path: Path, split: str) -> tuple[Array, Array | None]:
+    """The split ``split`` of the dataset at ``path`` (:func:`open_dataset`)."""
+    if not split.isidentifier():
+        raise ValueError(f"dataset {path}: a split is a name like 'val', not {split!r}")
+    x_name, y_name = f"x_{split}", f"y_{split}"
+    if path.is_file() and path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as npz:
+            if x_name not in npz.files:
+                raise ValueError(f"dataset {path} has no split {split!r}: no array {x_name!r}")
+            return npz[x_name], (npz[y_name] if y_name in npz.files else None)
+    if path.is_dir() and (path / f"{x_name}.npy").is_file():
+        y_path = path / f"{y_name}.npy"
+        return NpyRows(path / f"{x_name}.npy"), NpyRows(y_path) if y_path.exists() else None
+    if path.is_dir() and (path / split).exists():
+        return open_dataset(path / split)
+    raise ValueError(
+        f"dataset {path} has no split {split!r} ({x_name} in an .npz, {x_name}.npy or a "
+        f"directory {split}/ beside x.npy)"
+    )
 
 
 def describe(path: Path) -> DatasetInfo:

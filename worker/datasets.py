@@ -65,11 +65,15 @@ def environment(datasets: Mapping[str, Path]) -> dict[str, str]:
     return {ENV: json.dumps({name: str(path) for name, path in datasets.items()})}
 
 
-def load_dataset(name: str, loader: bytes | None = None) -> tuple[Any, Any]:
-    """In the daemon: the dataset the agent registered as ``name``.
+def load_dataset(
+    name: str, loader: bytes | None = None, split: str | None = None
+) -> tuple[Any, Any]:
+    """In the daemon: the dataset the agent registered as ``name``, or its ``split``
+    (:func:`~worker.dataset_files.open_dataset`).
 
     Raises:
-        EngineError: ``BAD_REQUEST`` when this worker has no such dataset, or it cannot be read.
+        EngineError: ``BAD_REQUEST`` when this worker has no such dataset (or split), or it
+            cannot be read.
     """
     known = json.loads(os.environ.get(ENV, "{}"))
     if name not in known:
@@ -78,9 +82,16 @@ def load_dataset(name: str, loader: bytes | None = None) -> tuple[Any, Any]:
             f"this worker has no dataset {name!r} (it has {sorted(known)})",
             {"dataset": name},
         )
+    if split is not None and loader is not None:
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"dataset {name!r} opens with the job's loader, which has no splits: give the "
+            "validation rows with the job, or serve them as a dataset",
+            {"dataset": name},
+        )
     try:
         if loader is None:
-            return open_dataset(Path(known[name]))
+            return open_dataset(Path(known[name]), split)
     except ValueError as exc:
         raise EngineError(ErrorCode.BAD_REQUEST, str(exc), {"dataset": name}) from exc
     try:

@@ -17,7 +17,11 @@ import torch
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, Nodes, check_same_names, trainable
+from worker.schedules import current_lr
 from worker.transfer import to_cpu
+
+SCHEDULER = "scheduler"
+"""The key of a node's optimizer state that holds its learning-rate scheduler's state."""
 
 
 class Gradients(Nodes):
@@ -25,8 +29,9 @@ class Gradients(Nodes):
 
     def get_optimizer_state(self, node_ids: Sequence[str]) -> dict[str, Any]:
         """Each differentiable node's persistent optimizer, as its ``state_dict()``: momentum
-        buffers, Adam moments, step counts and the hyperparameters of its groups; ``None`` for an
-        optimizer not made yet (no step taken).
+        buffers, Adam moments, step counts and the hyperparameters of its groups, and under
+        ``"scheduler"`` its learning-rate scheduler's ``state_dict()`` when it has one; ``None``
+        for an optimizer not made yet (no step taken).
 
         With :meth:`get_state` this is all a replica is: an elastic data-parallel job brings a
         replacement worker to a survivor's exact point with the pair (the tensors are the live
@@ -39,7 +44,13 @@ class Gradients(Nodes):
         for node in self._select(node_ids):
             self._check_trains(node)
             optimizer = node.optimizer
-            out[node.node_id] = None if optimizer is None else to_cpu(optimizer.state_dict())
+            if optimizer is None:
+                out[node.node_id] = None
+                continue
+            state = to_cpu(optimizer.state_dict())
+            if node.scheduler is not None:
+                state[SCHEDULER] = node.scheduler.state_dict()
+            out[node.node_id] = state
         return out
 
     def set_optimizer_state(self, states: Mapping[str, Any]) -> None:
@@ -51,7 +62,7 @@ class Gradients(Nodes):
             EngineError: ``BAD_REQUEST`` for a node that is not differentiable,
                 ``STATE_MISMATCH`` for a state that is not of this node's optimizer.
         """
-        made: dict[str, torch.optim.Optimizer | None] = {}
+        made: dict[str, tuple[torch.optim.Optimizer, Any] | None] = {}
         for node_id, state in states.items():
             node = self._node(node_id)
             self._check_trains(node)
@@ -60,8 +71,15 @@ class Gradients(Nodes):
                 continue
             params = trainable(node)
             optimizer = node.filter.make_optimizer(list(params.values()))
+            # Made before the optimizer's state is loaded (making it sets the learning rate),
+            # loaded after.
+            scheduler = self._make_scheduler(node, optimizer)
+            state = dict(state)
+            scheduler_state = state.pop(SCHEDULER, None)
             try:
                 optimizer.load_state_dict(_cloned(state))
+                if scheduler is not None and scheduler_state is not None:
+                    scheduler.load_state_dict(dict(scheduler_state))
             except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
                 raise EngineError(
                     ErrorCode.STATE_MISMATCH,
@@ -70,9 +88,10 @@ class Gradients(Nodes):
                     {"node_id": node_id},
                 ) from exc
             _check_optimizer_shapes(node_id, optimizer, params)
-            made[node_id] = optimizer
-        for node_id, optimizer in made.items():
-            self._nodes[node_id].optimizer = optimizer
+            made[node_id] = (optimizer, scheduler)
+        for node_id, pair in made.items():
+            node = self._nodes[node_id]
+            node.optimizer, node.scheduler = pair if pair is not None else (None, None)
 
     def get_gradients(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         """The gradients left by the last ``fit``/``composite_fit``, by node and parameter name.
@@ -117,8 +136,12 @@ class Gradients(Nodes):
             out[node.node_id] = {name: to_cpu(p.grad) for name, p in params.items()}
         return out
 
-    def apply_gradients(self, gradients: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-        """Write ``gradients`` onto the parameters and step each node's persistent optimizer.
+    def apply_gradients(
+        self, gradients: Mapping[str, Mapping[str, Any]], *, epoch_end: bool = False
+    ) -> dict[str, int]:
+        """Write ``gradients`` onto the parameters and take one step of the nodes as a run
+        (:meth:`~worker.nodes.Nodes._step_run`: their gradient clipped as a whole, each node's
+        persistent optimizer, then its scheduler; an epoch-wise one when ``epoch_end``).
 
         Every node and tensor is checked before anything is written, so a mismatch leaves the
         model untouched.
@@ -159,9 +182,15 @@ class Gradients(Nodes):
         for node, pairs in plan:
             for p, g in pairs:
                 p.grad = g.to(dtype=p.dtype, device=p.device)
-            self._optimizer(node).step()
             applied[node.node_id] = len(pairs)
+        self._step_run([node for node, _ in plan], epoch_end=epoch_end)
         return applied
+
+    def learning_rate(self, node_ids: Sequence[str]) -> float | None:
+        """The learning rate the last differentiable node of ``node_ids`` steps with now (its
+        optimizer and scheduler made if they were not yet); ``None`` without one."""
+        nodes = [n for n in self._select(node_ids) if n.differentiable]
+        return current_lr(self._optimizer(nodes[-1])) if nodes else None
 
 
 def _cloned(value: Any) -> Any:

@@ -27,6 +27,7 @@ from protocol.errors import ErrorCode
 from protocol.rows import rows_disagree
 from worker.errors import EngineError
 from worker.npy_rows import Rows
+from worker.schedules import Horizon, current_lr
 from worker.transfer import autocast, tensors_to, to_cpu, to_device
 
 UNSET: Any = object()
@@ -90,6 +91,7 @@ class Node:
     filter: Any
     state: Any = UNSET  # plain filters only: what fit returned
     optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None  # its learning-rate scheduler, made with the optimizer
     scaler: torch.amp.GradScaler | None = None  # fp16 training loop only, on a run's last node
 
     @property
@@ -108,6 +110,8 @@ class Nodes:
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
         self.device = torch.device("cpu")
+        #: What a named learning-rate schedule spans (``None``: not told yet).
+        self.horizon: Horizon | None = None
 
     def load(self, filters: Mapping[str, Any]) -> None:
         """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order), and
@@ -165,10 +169,91 @@ class Nodes:
             )
 
     def _optimizer(self, node: Node) -> torch.optim.Optimizer:
-        """The node's optimizer, made on first use and kept (its moments survive)."""
+        """The node's optimizer, made on first use and kept (its moments survive), with its
+        learning-rate scheduler, if the filter has one."""
         if node.optimizer is None:
-            node.optimizer = node.filter.make_optimizer(list(trainable(node).values()))
+            optimizer = node.filter.make_optimizer(list(trainable(node).values()))
+            node.scheduler = self._make_scheduler(node, optimizer)
+            node.optimizer = optimizer
         return node.optimizer
+
+    def _make_scheduler(self, node: Node, optimizer: torch.optim.Optimizer) -> Any:
+        """The filter's scheduler over ``optimizer`` (``None`` without one); a named schedule
+        spans :attr:`horizon` (:mod:`worker.schedules`).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a named schedule when the horizon is not known.
+        """
+        make = getattr(node.filter, "make_scheduler", None)
+        if make is None:
+            return None
+        named = isinstance(getattr(node.filter, "scheduler", None), str)
+        if named and self.horizon is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {node.node_id!r}: its scheduler {node.filter.scheduler!r} spans the run, "
+                "and this engine was not told its length (the schedule command)",
+                {"node_id": node.node_id},
+            )
+        interval = getattr(node.filter, "scheduler_interval", "step")
+        total = self.horizon.total(interval) if self.horizon is not None else None
+        return make(optimizer, total)
+
+    def _set_lr(
+        self, run: Sequence[Node], optimizers: Sequence[torch.optim.Optimizer], lr: float
+    ) -> None:
+        """Every optimizer of the run to learning rate ``lr`` (a federated round's client
+        config), as though its filter asked for it: a scheduler is made again from it."""
+        for node, optimizer in zip(run, optimizers, strict=True):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+                if node.scheduler is not None:
+                    group["initial_lr"] = lr  # the base a new scheduler starts from
+            if node.scheduler is not None:
+                node.scheduler = self._make_scheduler(node, optimizer)
+
+    def _step_run(
+        self,
+        run: Sequence[Node],
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        epoch_end: bool = False,
+        coefficient: float | None = None,
+        clip: bool = True,
+    ) -> float:
+        """One step of a run on the gradients its parameters hold (:mod:`worker.schedules`):
+        unscaled (fp16), clipped to the run's ``clip_grad_norm`` — or multiplied by
+        ``coefficient``, a clipping computed over more than this run; not at all without
+        ``clip`` — then every optimizer's step and every scheduler's (a step-wise one now, an
+        epoch-wise one at ``epoch_end``).
+
+        Returns:
+            The learning rate the step took (the run's last filter's).
+        """
+        optimizers = [self._optimizer(node) for node in run]
+        lr = current_lr(optimizers[-1])
+        if scaler is not None:
+            for opt in optimizers:
+                scaler.unscale_(opt)
+        params = [p for node in run for p in trainable(node).values()]
+        if coefficient is not None:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+        elif clip and run_setting(run, "clip_grad_norm") is not None:
+            torch.nn.utils.clip_grad_norm_(params, run_setting(run, "clip_grad_norm"))
+        for opt in optimizers:
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+        if scaler is not None:
+            scaler.update()
+        for node in run:
+            interval = getattr(node.filter, "scheduler_interval", "step")
+            if node.scheduler is not None and (interval == "step" or epoch_end):
+                node.scheduler.step()
+        return lr
 
     def _train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
         """Forward ``x`` through the run in training mode, building the autograd graph; each
@@ -206,6 +291,12 @@ def segments(nodes: list[Node]) -> Iterator[list[Node]]:
             yield list(group)
         else:
             yield from ([n] for n in group)
+
+
+def run_setting(run: Sequence[Node], name: str, default: Any = None) -> Any:
+    """A training setting of a run: its last filter's (``clip_grad_norm``, ``accumulate``...),
+    as ``batch_size`` and ``epochs`` are."""
+    return getattr(run[-1].filter, name, default)
 
 
 def trainable(node: Node) -> dict[str, torch.nn.Parameter]:

@@ -20,6 +20,7 @@ cross on the CPU (gloo), as the stage methods hand them out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from protocol.clipping import clip_coefficient
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.npy_rows import Rows
 from worker.pipeline_stage import PipelineStage
 from worker.process_group import GroupMember, looks_collective
 from worker.read_ahead import read_ahead
+from worker.schedules import current_lr
 from worker.training import Training
 
 __all__ = ["PipelineLink"]
@@ -52,6 +55,7 @@ class _PipePlan:
     batches: list[list[np.ndarray[Any, Any]]]  # per global batch, the rows of each micro-batch
     data: str | None  # the first stage's staged rows
     labels: str | None  # the last stage's staged labels
+    clip: float | None  # the clip_grad_norm of the whole pipeline's gradient
 
 
 class PipelineLink(Training, PipelineStage, GroupMember):
@@ -69,8 +73,11 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         batches: Sequence[Sequence[np.ndarray[Any, Any]]],
         data: str | None,
         labels: str | None,
+        clip: float | None = None,
     ) -> None:
-        """Take this stage's plan (the rank and world of the group it joined say where it is).
+        """Take this stage's plan (the rank and world of the group it joined say where it is);
+        ``clip``: the norm the whole pipeline's gradient is clipped to (the last TorchFilter's
+        ``clip_grad_norm``, which the other stages do not hold).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a join, for a first stage without its rows or a
@@ -85,14 +92,14 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             if name is not None:
                 self.held(name, lazy=True)  # staged (not read), or a clear error now
         micro = [[m for m in batch if len(m)] for batch in batches]
-        self._pipe = _PipePlan(list(node_ids), list(actions), micro, data, labels)
+        self._pipe = _PipePlan(list(node_ids), list(actions), micro, data, labels, clip)
 
     def pipe_train(self, start: int, stop: int) -> dict[str, Any]:
         """Global batches ``[start, stop)`` (module docstring).
 
         Returns:
-            ``{"losses", "rows"}``: per batch, each micro-batch's loss and rows (the last stage
-            only; empty lists elsewhere).
+            ``{"losses", "rows", "lrs"}``: per batch, each micro-batch's loss and rows (the
+            last stage only; empty lists elsewhere) and the learning rate of its step.
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for batches outside it;
@@ -105,7 +112,7 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             raise EngineError(
                 ErrorCode.BAD_REQUEST, f"the plan has {len(plan.batches)} batches, not {stop}"
             )
-        losses, rows = [], []
+        losses, rows, lrs = [], [], []
         self._done = start
         first, last = self._rank == 0, self._rank == self._world - 1
 
@@ -124,15 +131,28 @@ class PipelineLink(Training, PipelineStage, GroupMember):
         for b, data in zip(batches, read_ahead(read, batches, 1 if on_disk else 0), strict=True):
             try:
                 batch_losses, batch_rows = self._one_batch(plan, plan.batches[b], data)
+                coefficient = None if plan.clip is None else self._clip_coefficient(plan)
             except RuntimeError as exc:
                 if looks_collective(exc):
                     raise self.broken(f"global batch {b + 1}", exc) from exc
                 raise
-            self.stage_step(plan.node_ids)
+            run = [n for n in self._select(plan.node_ids) if n.differentiable]
+            lrs.append(current_lr(self._optimizer(run[-1])))
+            ends = self.horizon is not None and self.horizon.ends_epoch(b + 1)
+            self.stage_step(plan.node_ids, epoch_end=ends, coefficient=coefficient)
             self._done = b + 1
             losses.append(batch_losses)
             rows.append(batch_rows)
-        return {"losses": losses, "rows": rows}
+        return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _clip_coefficient(self, plan: _PipePlan) -> float:
+        """The clipping of the whole pipeline's gradient: every stage's squared norm summed
+        over the group (an all-reduce of one float64), then ``torch.nn.utils.clip_grad_norm_``'s
+        coefficient."""
+        assert plan.clip is not None
+        total = torch.tensor([self.stage_norm(plan.node_ids)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return clip_coefficient(math.sqrt(float(total[0])), plan.clip)
 
     def _one_batch(
         self, plan: _PipePlan, micro: list[np.ndarray[Any, Any]], data: list[tuple[Any, Any]]

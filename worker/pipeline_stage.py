@@ -16,6 +16,7 @@ import torch
 from protocol.errors import ErrorCode
 from worker.errors import EngineError
 from worker.nodes import Node, Nodes, num_rows, segments, trainable
+from worker.schedules import current_lr, squared_norm
 from worker.transfer import cpu_tensor, to_cpu
 
 
@@ -82,7 +83,8 @@ class PipelineStage(Nodes):
 
         Returns:
             The stage's output activation, detached; on the last stage
-            ``{"loss": unscaled loss, "rows": rows}``.
+            ``{"loss": unscaled loss, "rows": rows, "lr": the learning rate the batch's step
+            takes}``.
 
         Raises:
             EngineError: ``BAD_REQUEST`` for a micro id already in flight, a last stage without
@@ -108,7 +110,8 @@ class PipelineStage(Nodes):
             return to_cpu(out.detach())
         loss = self._loss(run, out, self._on_device(run[-1].filter.prepare_target(y)))
         self._in_flight[micro] = _InFlight(leaf, loss * scale, last=True)
-        return {"loss": float(loss.detach()), "rows": num_rows(xt)}
+        lr = current_lr(self._optimizer(run[-1]))  # what the step of this batch will take
+        return {"loss": float(loss.detach()), "rows": num_rows(xt), "lr": lr}
 
     def _forward_parts(
         self, node_ids: Sequence[str], micro: int, x: Any, y: Any, *, first: bool, last: bool
@@ -193,9 +196,24 @@ class PipelineStage(Nodes):
             return cpu_tensor(torch.zeros_like(flight.input, requires_grad=False))
         return cpu_tensor(flight.input.grad)
 
-    def stage_step(self, node_ids: Sequence[str]) -> int:
-        """End a global batch: step every differentiable node's persistent optimizer once on the
-        gradients its micro-batches accumulated, then zero them (``set_to_none``).
+    def stage_norm(self, node_ids: Sequence[str]) -> float:
+        """The sum of the squared 2-norms of the gradients this stage's micro-batches left on
+        its parameters: its part of the norm of the whole pipeline's gradient, which a
+        ``clip_grad_norm`` clips (the coefficient comes back with :meth:`stage_step`)."""
+        nodes = [n for n in self._select(node_ids) if n.differentiable]
+        return squared_norm([p for node in nodes for p in trainable(node).values()])
+
+    def stage_step(
+        self,
+        node_ids: Sequence[str],
+        *,
+        epoch_end: bool = False,
+        coefficient: float | None = None,
+    ) -> int:
+        """End a global batch: one step of the stage's nodes as a run on the gradients its
+        micro-batches accumulated — multiplied first by ``coefficient`` (the pipeline's
+        clipping), then each node's persistent optimizer and scheduler (an epoch-wise one
+        at ``epoch_end``) — then zero them (``set_to_none``).
 
         Gradients start as ``None`` after :meth:`load` and are zeroed here after each step, so
         each global batch accumulates from zero without relying on the order of micro ids; the
@@ -224,10 +242,10 @@ class PipelineStage(Nodes):
                 "(run stage_forward and stage_backward first)",
                 {"node_ids": list(node_ids)},
             )
+        # The pipeline's clipping is the coefficient, never this stage's own norm.
+        self._step_run(nodes, epoch_end=epoch_end, coefficient=coefficient, clip=False)
         for node in nodes:
-            optimizer = self._optimizer(node)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            self._optimizer(node).zero_grad(set_to_none=True)
         self._batch_open = False
         return stepped
 

@@ -7,31 +7,35 @@ whole training loop, what ``graph.fit`` runs.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from protocol.batching import batches, generator
+from protocol.batching import batch_len, batch_rows, batches, generator
 from protocol.errors import ErrorCode
 from protocol.rows import needs_labels
 from worker.errors import EngineError
+from worker.evaluation import Evaluation
 from worker.nodes import (
     Node,
-    Nodes,
     check_same_names,
     check_same_rows,
     num_rows,
+    run_setting,
     segments,
     take,
     trainable,
 )
 from worker.npy_rows import Rows
 from worker.read_ahead import NextRead, read_ahead
-from worker.transfer import autocast, scaler_for, to_cpu
+from worker.schedules import Horizon, fast_forward
+from worker.transfer import scaler_for, to_cpu
 
 
 @dataclass
@@ -48,6 +52,9 @@ class FitResult:
         start_loss: asked for, the mean loss over the rows at the weights the loop started
             from, before any step (q-FedAvg's F_k(w_t)).
         clipped: with ``clip_norm``, whether the update had to be scaled down to it.
+        history: for a training loop, a row per epoch: ``epoch`` (from 1), ``loss`` (its mean
+            training loss), ``lr`` (the learning rate its last step took) and, with validation
+            data, ``val_loss`` and each metric of the model at the epoch's end.
     """
 
     output: Any
@@ -57,9 +64,14 @@ class FitResult:
     epoch_losses: list[float] = field(default_factory=list)
     start_loss: float | None = None
     clipped: bool | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
-class Training(Nodes):
+_GENERATOR = threading.Lock()
+"""Held while a seeded pass draws from torch's default generator (see :meth:`gradient_pass`)."""
+
+
+class Training(Evaluation):
     """Rows held under a name; fit, forward and the states of the loaded nodes."""
 
     def __init__(self) -> None:
@@ -152,15 +164,29 @@ class Training(Nodes):
                 out = self._fit_plain(segment[0], out, y)
         return FitResult(to_cpu(out), self.get_state(node_ids), loss, num_rows(x))
 
-    def gradient_pass(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+    def gradient_pass(
+        self, node_ids: Sequence[str], x: Any, y: Any = None, *, seed: int | None = None
+    ) -> FitResult:
         """A replica's half of a data-parallel step: plain filters only *apply* the state they
         hold (fitted once, before training), each differentiable run does one forward, loss and
-        backward over ``x`` and leaves its gradients on the parameters. No step, no states."""
+        backward over ``x`` — in ``accumulate`` slices, its last filter's — and leaves its
+        gradients on the parameters. No step, no states. ``seed`` seeds torch's generator for
+        it (dropout: the replica's and step's masks)."""
         nodes = self._chain(node_ids, x, y)
+        if seed is None:
+            return self._gradient_pass(nodes, x, y)
+        # torch's default generator is the process's: engines in one process (in-process
+        # workers) take turns with it, so each pass draws from its own seed.
+        with _GENERATOR:
+            torch.manual_seed(seed)
+            return self._gradient_pass(nodes, x, y)
+
+    def _gradient_pass(self, nodes: list[Node], x: Any, y: Any) -> FitResult:
         out, loss = x, None
         for segment in segments(nodes):
             if segment[0].differentiable:
-                out, loss = self._backward_run(segment, out, y)
+                parts = int(run_setting(segment, "accumulate", 1) or 1)
+                out, loss = self._backward_run(segment, out, y, parts)
             else:
                 node = segment[0]
                 out = self._apply(node, out, self._state_for(node))
@@ -176,6 +202,8 @@ class Training(Nodes):
         epochs: int | None = None,
         prox_mu: float = 0.0,
         reset_optimizer: bool = False,
+        schedule: tuple[int, int | None] = (0, None),
+        validation: tuple[Any, Any] | None = None,
         lr: float | None = None,
         start_loss: bool = False,
         clip_norm: float | None = None,
@@ -195,6 +223,15 @@ class Training(Nodes):
         kept optimizers first, so training starts from fresh ones (no momentum or moments left
         from earlier calls): a federated client's optimizer lives for one round.
 
+        A run's optimizer steps every ``accumulate`` batches of its last filter, and its filters'
+        learning-rate schedulers step with it (:mod:`worker.schedules`) over the epochs of this
+        call, or with ``schedule=(before, span)`` over ``span`` epochs of which ``before`` were
+        trained earlier (a federated run's rounds: a fresh scheduler starts where they left it).
+
+        ``validation=(x_val, y_val)``: at the end of every epoch of the chain's last
+        differentiable run the chain is evaluated on them (:mod:`worker.evaluation`), its
+        ``val_loss`` and metrics going into that epoch's row of the history.
+
         ``lr`` sets the learning rate of the optimizers (a federated round's client config).
         ``start_loss`` asks for the mean loss of the last differentiable run at the weights it
         starts from, over all its rows, before training (evaluation mode, no gradients).
@@ -205,27 +242,43 @@ class Training(Nodes):
         nodes = self._chain(node_ids, x, y)
         if reset_optimizer:
             for node in nodes:
-                node.optimizer = node.scaler = None
+                node.optimizer = node.scaler = node.scheduler = None
         torch_ids = [n.node_id for n in nodes if n.differentiable]
         start = self.get_state(torch_ids) if clip_norm is not None else {}
-        out, loss, epoch_losses, first_loss = x, None, [], None
+        out, loss, first_loss = x, None, None
+        history: list[dict[str, Any]] = []
         runs = list(segments(nodes))
+        last_run = max((k for k, s in enumerate(runs) if s[0].differentiable), default=-1)
+        val_x, val_y = validation if validation is not None else (None, None)
         for k, segment in enumerate(runs):
             if segment[0].differentiable:
+                scores = None
+                if validation is not None and k == last_run:
+                    ids = [n.node_id for n in segment]
+                    scores = functools.partial(self.evaluate, ids, val_x, val_y)
                 if start_loss:
                     first_loss = self._mean_loss(segment, out, y, batch_size)
-                epoch_losses = self._train_run(segment, out, y, batch_size, epochs, prox_mu, lr)
-                loss = epoch_losses[-1] if epoch_losses else None
+                history = self._train_run(
+                    segment, out, y, batch_size, epochs, prox_mu, schedule, scores, lr
+                )
+                loss = history[-1]["loss"] if history else None
                 if isinstance(out, Rows) and k == len(runs) - 1:
                     out = None  # rows read from disk: their output, all at once, is not made
                 else:
                     out = self._forward_segment(segment, _whole(out))
+                if validation is not None and k < last_run:
+                    val_x = self._forward_segment(segment, _whole(val_x))
             else:  # a plain filter fits on all its rows at once
                 out = self._fit_plain(segment[0], _whole(out), _whole(y))
+                if validation is not None:
+                    val_x = self._apply(segment[0], _whole(val_x), segment[0].state)
         clipped = self._clip_update(start, clip_norm) if clip_norm is not None else None
         rows = num_rows(x)
         states = self.get_state(node_ids)
-        return FitResult(to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped)
+        epoch_losses = [row["loss"] for row in history]
+        return FitResult(
+            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history
+        )
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -259,6 +312,44 @@ class Training(Nodes):
                 out[node.node_id] = self._state_for(node)
         return out
 
+    def get_buffers(self, node_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The buffers of the differentiable nodes that have any (BatchNorm's running
+        statistics...), by node and name: CPU copies."""
+        out: dict[str, dict[str, Any]] = {}
+        for node in self._select(node_ids):
+            if node.differentiable:
+                named = dict(node.filter.module.named_buffers())
+                if named:
+                    out[node.node_id] = {k: _cpu_copy(v) for k, v in named.items()}
+        return out
+
+    def set_buffers(self, buffers: Mapping[str, Mapping[str, Any]]) -> None:
+        """Copy ``buffers`` (as :meth:`get_buffers` gives them) into the nodes' modules: a
+        data-parallel replica takes replica 0's (DistributedDataParallel's
+        ``broadcast_buffers``). Every one is checked before any is written.
+
+        Raises:
+            EngineError: ``STATE_MISMATCH`` for names or shapes that are not the module's.
+        """
+        plan = []
+        for node_id, given in buffers.items():
+            node = self._node(node_id)
+            named = dict(node.filter.module.named_buffers()) if node.differentiable else {}
+            check_same_names(node_id, "buffers", set(given), set(named))
+            for name, value in given.items():
+                tensor = torch.as_tensor(value)
+                if tensor.shape != named[name].shape:
+                    raise EngineError(
+                        ErrorCode.STATE_MISMATCH,
+                        f"node {node_id!r}, buffer {name!r}: has shape {list(tensor.shape)}, "
+                        f"the module's has {list(named[name].shape)}",
+                        {"node_id": node_id, "key": name},
+                    )
+                plan.append((named[name], tensor))
+        with torch.no_grad():
+            for target, tensor in plan:
+                target.copy_(tensor)
+
     def set_state(self, states: Mapping[str, Any]) -> None:
         """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""
         nodes = [self._node(node_id) for node_id in states]
@@ -282,7 +373,11 @@ class Training(Nodes):
         out = self._train_forward(run, self._on_device(x))
         return self._loss(run, out, self._on_device(y)), out
 
-    def _backward_run(self, run: list[Node], x: Any, y: Any) -> tuple[Any, float]:
+    def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> tuple[Any, float]:
+        """Forward, loss and backward of ``x`` through the run, the gradients left on the
+        parameters; with ``parts`` in that many slices one after the other (each loss weighted
+        by its share of the rows, the gradients accumulating): the same gradient, a slice's
+        memory. The output and the mean loss."""
         if y is None:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
@@ -294,9 +389,19 @@ class Training(Nodes):
         # The true gradients, never scaled: whoever steps on them (the data-parallel mean, say)
         # must not have to know this filter's precision.
         xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
-        loss, out = self._run_loss(run, xt, yt)
-        loss.backward()
-        return out.detach(), float(loss.detach())
+        n = num_rows(xt)
+        if parts <= 1 or n <= 1:
+            loss, out = self._run_loss(run, xt, yt)
+            loss.backward()
+            return out.detach(), float(loss.detach())
+        outs, total = [], 0.0
+        for rows in np.array_split(np.arange(n), min(parts, n)):
+            index = torch.from_numpy(rows)
+            loss, out = self._run_loss(run, xt[index], yt[index])
+            (loss * (len(rows) / n)).backward()
+            outs.append(out.detach())
+            total += float(loss.detach()) * len(rows)
+        return torch.cat(outs), total / n
 
     def _train_run(
         self,
@@ -306,8 +411,19 @@ class Training(Nodes):
         batch_size: int | None,
         epochs: int | None = None,
         prox_mu: float = 0.0,
+        schedule: tuple[int, int | None] = (0, None),
+        scores: Callable[[], dict[str, Any]] | None = None,
         lr: float | None = None,
-    ) -> list[float]:
+    ) -> list[dict[str, Any]]:
+        """The training loop of one differentiable run; a history row per epoch: its number,
+        mean loss, the learning rate its last step took and what ``scores`` gives then.
+
+        With ``accumulate=k`` (the run's last filter's) an optimizer step is taken every k
+        batches (and after an epoch's last), each batch's loss weighted by its share of the
+        rows of those batches: the step is the one a batch k times larger takes.
+        ``schedule``: the epochs of the run trained before this call, and the epochs its
+        schedules span (``None``: this call's), for a federated client's rounds. ``lr``
+        replaces the optimizers' learning rate (and their schedules' base)."""
         last = run[-1].filter
         if y is None:
             raise EngineError(
@@ -320,20 +436,29 @@ class Training(Nodes):
         xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
         n = num_rows(xt)
         size = batch_size or last.batch_size or n
+        every = max(1, int(run_setting(run, "accumulate", 1) or 1))
+        epochs = last.epochs if epochs is None else epochs
+        done, span = schedule
+        per_epoch = (-(-n // size) + every - 1) // every if n else 0  # steps: batches / every
+        fresh = any(node.optimizer is None for node in run)
+        self.horizon = Horizon(per_epoch, span if span is not None else done + epochs)
         optimizers = [self._optimizer(node) for node in run]
         if lr is not None:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = lr
+            self._set_lr(run, optimizers, lr)
+        if fresh and done:
+            for node in run:  # the schedule stands where the epochs before left it
+                interval = getattr(node.filter, "scheduler_interval", "step")
+                if node.scheduler is not None:
+                    fast_forward(node.scheduler, done * (1 if interval == "epoch" else per_epoch))
         scaler = self._scaler(run[-1])
         params = [p for node in run for p in trainable(node).values()]
         anchor = [p.detach().clone() for p in params] if prox_mu else []
-        epoch_losses = []
+        history: list[dict[str, Any]] = []
 
         def read(index: Any) -> tuple[Any, Any]:  # a batch (on disk: in a read-ahead thread)
             if not lazy:
                 return xt[index], yt[index]
-            picked = _rows_of(index, n)
+            picked = batch_rows(index, n)
             return first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
 
         # Seeded, and without touching the caller's global RNG: dropout and friends inside the
@@ -341,52 +466,32 @@ class Training(Nodes):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(last.seed)
             order = generator(last.seed)
-            for _ in range(last.epochs if epochs is None else epochs):
-                total = 0.0
+            for e in range(epochs):
+                total, lr = 0.0, float("nan")
                 epoch = list(batches(n, size, order if last.shuffle else None))
-                for index, (xb, yb) in zip(
-                    epoch, read_ahead(read, epoch, 1 if lazy else 0), strict=True
-                ):
-                    for opt in optimizers:
-                        opt.zero_grad(set_to_none=True)
+                sizes = [batch_len(index, n) for index in epoch]
+                groups = [sum(sizes[g : g + every]) for g in range(0, len(epoch), every)]
+                for j, (xb, yb) in enumerate(read_ahead(read, epoch, 1 if lazy else 0)):
+                    if j % every == 0:
+                        for opt in optimizers:
+                            opt.zero_grad(set_to_none=True)
                     loss, _ = self._run_loss(run, xb, yb)
                     if prox_mu:
                         gap = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                         loss = loss + prox_mu / 2 * gap
-                    step_through(loss, optimizers, scaler)
-                    total += float(loss.detach()) * _len(index, n)
-                epoch_losses.append(total / n if n else float("nan"))
-        return epoch_losses
-
-    def _mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
-        """The run's mean loss over all rows of ``x`` at its current weights: batches in order,
-        evaluation mode, no gradients, nothing changed (BatchNorm's running statistics kept)."""
-        if y is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: its loss needs labels (y)",
-                {"node_id": run[-1].node_id},
-            )
-        first, last = run[0].filter, run[-1].filter
-        lazy = isinstance(x, Rows)
-        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
-        n = num_rows(xt)
-        total = 0.0
-        with torch.no_grad():
-            for node in run:
-                node.filter.module.eval()
-            for index in batches(n, batch_size or last.batch_size or n, None):
-                if lazy:
-                    picked = _rows_of(index, n)
-                    xb, yb = first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
-                else:
-                    xb, yb = xt[index], yt[index]
-                out = self._on_device(xb)
-                for node in run:
-                    with autocast(node.filter, self.device):
-                        out = node.filter.module(out)
-                total += float(self._loss(run, out, self._on_device(yb))) * _len(index, n)
-        return total / n if n else float("nan")
+                    backward(loss * (sizes[j] / groups[j // every]) if every > 1 else loss, scaler)
+                    total += float(loss.detach()) * sizes[j]
+                    if (j + 1) % every == 0 or j == len(epoch) - 1:
+                        lr = self._step_run(run, scaler, epoch_end=j == len(epoch) - 1)
+                row = {"epoch": e + 1, "loss": total / n if n else float("nan"), "lr": lr}
+                if scores is not None:
+                    # Evaluating leaves the training's generator where it was: the dropout
+                    # masks are the same with validation data or without.
+                    with torch.random.fork_rng(devices=[]):
+                        scored = scores()
+                    row |= {k: v for k, v in scored.items() if k != "rows"}
+                history.append(row)
+        return history
 
     def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
         """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``
@@ -421,20 +526,10 @@ class Training(Nodes):
         return x
 
 
-def step_through(
-    loss: torch.Tensor, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None
-) -> None:
-    """Backward and one step of every optimizer; through ``scaler`` for fp16 (scale the loss,
-    step unscaled, skip a step whose gradients overflowed, update the scale)."""
-    if scaler is None:
-        torch.autograd.backward(loss)
-        for opt in optimizers:
-            opt.step()
-        return
-    torch.autograd.backward(scaler.scale(loss))
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
+def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward of ``loss``, through ``scaler`` for fp16 (the loss scaled; the step that
+    follows unscales, skips a step whose gradients overflowed and updates the scale)."""
+    torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -445,19 +540,6 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _whole(data: Any) -> Any:
     """``data`` in memory: a dataset read by rows (:class:`Rows`) is read whole here."""
     return np.asarray(data) if isinstance(data, Rows) else data
-
-
-def _rows_of(index: Any, n: int) -> np.ndarray[Any, Any]:
-    """A batch's rows (a slice, or a tensor of a permutation) as a numpy index."""
-    if isinstance(index, slice):
-        return np.arange(*index.indices(n))
-    return np.asarray(index.numpy(), dtype=np.int64)
-
-
-def _len(index: Any, n: int) -> int:
-    if isinstance(index, slice):
-        return len(range(*index.indices(n)))
-    return int(index.numel())
 
 
 def _load_module_state(node: Node, state: Any) -> None:

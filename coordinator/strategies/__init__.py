@@ -15,9 +15,10 @@ several strategies do: the plain-prefix check, global batches, setting a worker 
 ``aggregate`` (weighted means), ``local``, ``data_parallel`` with ``elastic`` (replacing a
 lost replica), ``fedavg``, ``fedprox`` and ``qfedavg`` with ``federated`` (the run's
 position and workers), ``round_fold`` (a round's aggregate), ``robust`` (Byzantine-robust
-rules), ``flat`` (a state as one vector) and ``server_opt`` (server optimizers),
-``model_parallel`` with ``schedule`` (pipeline schedules as data) and ``pipeline`` (running
-one over the context).
+rules), ``flat`` (a state as one vector), ``fed_eval`` (evaluating the global model, federated
+or not) and ``server_opt`` (server optimizers), ``model_parallel`` with ``schedule`` (pipeline
+schedules as data) and ``pipeline`` (running one over the context); ``history`` (a run's rows
+per epoch, its validation data).
 
 :data:`STRATEGIES` maps the wire name (``StrategySpec.name``) to the class.
 """

@@ -47,6 +47,14 @@ class JobInputs:
     dataset: str | None = None
     loader: bytes | None = None  # with dataset: the pickled code that opens it (the daemon's)
     checkpoints: JobCheckpoints | None = None  # given to a run by the job manager
+    x_val: Any = None  # validation data sent along, evaluated at each epoch's (round's) end
+    y_val: Any = None
+    val_split: str | None = None  # or each worker's split of its own dataset
+
+    @property
+    def validates(self) -> bool:
+        """The job has validation data."""
+        return self.x_val is not None or self.val_split is not None
 
     def own_data(self, name: str) -> StageRequest:
         """The request that stages each worker's own dataset under ``name``."""

@@ -44,6 +44,7 @@ from coordinator.strategies.elastic import (
     Replicas,
     every_replica_lost,
 )
+from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -114,6 +115,9 @@ class TorchTraining:
     steps_per_epoch: int
     timeout: float
     emit: Emit
+    sync_batchnorm: bool = False
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
@@ -128,6 +132,8 @@ class TorchTraining:
         loop = asyncio.get_running_loop()
         while step < total:
             stop = min(total, step + chunk, saves.stop_at(step, total))
+            if self.evaluate is not None:  # evaluated where an epoch ends
+                stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
             position.phase, position.step = "training", step + 1
             started = loop.time()
             request = DistTrainRequest(start=step, stop=stop)
@@ -175,6 +181,7 @@ class TorchTraining:
                     batch_size=training.batch_size,
                     shuffle=training.shuffle,
                     seed=training.seed,
+                    sync_batchnorm=self.sync_batchnorm,
                 )
             return DistPlanRequest(
                 node_ids=self.run.job.node_ids,
@@ -185,6 +192,7 @@ class TorchTraining:
                 batch_size=training.batch_size,
                 shuffle=training.shuffle,
                 seed=training.seed,
+                sync_batchnorm=self.sync_batchnorm,
             )
 
         try:
@@ -238,7 +246,7 @@ class TorchTraining:
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
         """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
         the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses, batch_rows = [], []
+        losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
         for j in range(stop - start):
             rows = [results[i]["rows"][j] for i in self._all()]
             values = [results[i]["losses"][j] for i in self._all()]
@@ -259,8 +267,11 @@ class TorchTraining:
                 "chunk": stop - start,
                 "rows": sum(batch_rows),
                 "batch_rows": batch_rows,
-            },
+            }
+            | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
         )
+        if self.history is not None:
+            await self.history.steps(start, losses, batch_rows, lrs, per_epoch, self.evaluate)
 
     def _all(self) -> range:
         return range(self.run.ctx.num_workers())

@@ -40,14 +40,24 @@ from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, pa
 from coordinator.strategies.collective import Choice, TorchTraining, choose
 from coordinator.strategies.dp_checkpoints import ReplicaCheckpoints
 from coordinator.strategies.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.history import (
+    VALIDATION,
+    Evaluate,
+    History,
+    ended,
+    row_weighted,
+    validation_stage,
+)
 from coordinator.strategies.star import Plan, StarTraining, average
 from coordinator.strategies.steps import (
     OwnData,
     Training,
     global_batches,
     plain_prefix,
+    schedule_request,
 )
-from protocol.daemon import CompositeFitRequest
+from protocol.daemon import CompositeFitRequest, EvaluateRequest
+from protocol.equivalence import data_parallel_notes
 from protocol.errors import ErrorCode
 from protocol.rows import rows_of
 from protocol.strategy_options import (
@@ -85,6 +95,7 @@ class DataParallel(Strategy):
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
         max_restarts: int = 0,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        sync_batchnorm: bool = False,
     ) -> None:
         self.workers = workers
         self.tag = tag
@@ -97,6 +108,7 @@ class DataParallel(Strategy):
         self.keep_checkpoints = keep_checkpoints
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
+        self.sync_batchnorm = sync_batchnorm
         self._prepared: _SetUp | None = None
 
     @classmethod
@@ -114,6 +126,7 @@ class DataParallel(Strategy):
             checked.keep_checkpoints,
             checked.max_restarts,
             checked.restart_timeout,
+            checked.sync_batchnorm,
         )
 
     def placement(self) -> Placement:
@@ -123,9 +136,12 @@ class DataParallel(Strategy):
         self._plan(job)
 
     async def prepare(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        """Ship the filters and each replica's rows, and choose the collective."""
+        """Ship the filters and each replica's rows, and choose the collective; what the
+        ``placed`` event says of it, with why the run will not equal ``graph.fit`` exactly
+        (``notes``: :mod:`protocol.equivalence`) when it will not."""
         self._prepared = await self._set_up(ctx, job, emit)
-        return self._prepared.choice.describe()
+        notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.sync_batchnorm)
+        return self._prepared.choice.describe() | ({"notes": notes} if notes else {})
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
         torch_nodes, _, training = self._plan(job)
@@ -146,6 +162,7 @@ class DataParallel(Strategy):
             elastic=self.elastic,
             timeout=self.elastic_timeout,
             placement=self.placement().describe(),
+            validation=validation_stage(job),
         )
         await run.on_all(run.set_up, replicas)
         if job.dataset is not None:
@@ -154,7 +171,19 @@ class DataParallel(Strategy):
             run.position.held = [np.arange(size) for size in own.sizes]
             plan = own.batches(training)
         first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
+        run.schedule = schedule = schedule_request(training, steps_per_epoch)
+
+        async def tell(i: int, fresh: bool) -> None:
+            if not fresh:  # a replacement was told when it was set up
+                await ctx.call(i, schedule)
+
+        await run.on_all(tell, replicas)
         choice = await choose(run, self.collective, self.collective_timeout)
+        if self.sync_batchnorm and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
+            )
         return _SetUp(run, first_epoch, steps_per_epoch, choice)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
@@ -180,21 +209,35 @@ class DataParallel(Strategy):
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
         total_steps = steps_per_epoch * training.epochs
+        history, evaluate = History(emit), _evaluator(run, job)
         saves.start()
         if setup.choice.collective == "torch":
             # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
             #    only keeps time (coordinator.strategies.collective).
             await TorchTraining(
-                run, setup.choice, training, n, steps_per_epoch, self.collective_timeout, emit
+                run,
+                setup.choice,
+                training,
+                n,
+                steps_per_epoch,
+                self.collective_timeout,
+                emit,
+                self.sync_batchnorm,
+                history,
+                evaluate,
             ).train(total_steps, start, saves)
             await saves.finish()
+            await history.finish(ended(training.epochs, total_steps))
             return await _agreed_states(run, torch_nodes)
 
         # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
         #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
         #    out with the next step's requests as it folds (coordinator.strategies.star).
-        await StarTraining(run, training, n, STAGED, emit).train(total_steps, start, saves)
+        syncs = any(job.nodes[node].buffers for node in torch_nodes)
+        star = StarTraining(run, training, n, STAGED, emit, syncs, history, evaluate)
+        await star.train(total_steps, start, saves)
         await saves.finish()
+        await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
@@ -225,6 +268,25 @@ async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any
     states = await run.read_back()
     _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
     return next(iter(states.values()))
+
+
+def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
+    """How the model is evaluated at an epoch's end (``None``: no validation data): on
+    replica 0, which holds the rows sent; or, on the workers' own split, every replica on its
+    own, the figures weighted by rows."""
+    if not job.validates:
+        return None
+    request = EvaluateRequest(node_ids=job.node_ids, data=VALIDATION)
+    which = range(run.ctx.num_workers()) if job.val_split is not None else [0]
+
+    async def one(i: int, fresh: bool) -> dict[str, Any]:
+        scores: dict[str, Any] = await run.ctx.call(i, request)
+        return scores
+
+    async def evaluate() -> dict[str, Any]:
+        return row_weighted(list((await run.on_all(one, which)).values()))
+
+    return evaluate
 
 
 async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[int]]) -> None:

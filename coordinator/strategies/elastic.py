@@ -26,7 +26,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, concurrently
 from coordinator.strategies.steps import OwnData, set_up
-from protocol.daemon import StageRequest
+from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
 
 T = TypeVar("T")
@@ -51,6 +51,8 @@ class DataParallelPosition:
     epoch: int = 0
     step: int | None = None  # the global step being run, from 1; None outside training
     mean: Any = None  # the previous step's gradient mean, not yet applied
+    mean_ends_epoch: bool = False  # that step was its epoch's last
+    buffers: Any = None  # replica 0's buffers after the last step (when they are synced)
     copy_state: bool = False  # replicas hold state (fitted, trained) a replacement must copy
 
     def at(self) -> dict[str, Any]:
@@ -98,6 +100,8 @@ class Replicas:
     placement: str
     recoveries: Counter[str] = field(default_factory=Counter)
     staged_rows: dict[int, int] = field(default_factory=dict)  # by replica, as staging said
+    schedule: ScheduleRequest | None = None  # the schedules' horizon, once it is known
+    validation: StageRequest | None = None  # stages the job's validation data, if it has any
 
     @property
     def ids(self) -> list[str]:
@@ -191,6 +195,10 @@ class Replicas:
             data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
         staged = await set_up(self.ctx, i, self.job.filters, data)
         self.staged_rows[i] = int(staged["rows"])
+        if self.validation is not None:
+            await self.ctx.call(i, self.validation)
+        if self.schedule is not None:  # before an optimizer (and its scheduler) is loaded
+            await self.ctx.call(i, self.schedule)
         if snapshot is not None:
             await self.ctx.set_state(i, snapshot.states)
             await self.ctx.set_optimizer_state(i, snapshot.optimizers)

@@ -64,6 +64,7 @@ from coordinator.strategies.base import (
     concurrently,
     parse_options,
 )
+from coordinator.strategies.fed_eval import RoundEvaluation
 from coordinator.strategies.federated import (
     ClientUpdate,
     Cohort,
@@ -72,7 +73,9 @@ from coordinator.strategies.federated import (
     contiguous_shards,
     listed,
     reasons,
+    round_lr,
 )
+from coordinator.strategies.history import History
 from coordinator.strategies.privacy import DPFold, Privacy
 from coordinator.strategies.round_fold import MeanFold, RobustFold, RoundFold
 from coordinator.strategies.secagg import SecureRound, each_client
@@ -127,6 +130,7 @@ class FedAvg(Strategy):
         keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
         max_restarts: int = 0,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        evaluate_fraction: float = 0.0,
     ) -> None:
         self.rounds = rounds
         self.local_epochs = local_epochs
@@ -150,6 +154,8 @@ class FedAvg(Strategy):
         self.keep_checkpoints = keep_checkpoints
         self.max_restarts = max_restarts
         self.restart_timeout = restart_timeout
+        self.evaluate_fraction = evaluate_fraction
+        self._evaluation: RoundEvaluation | None = None
         self._server_optimizer()  # refuse bad hyperparameters now, not when the job runs
         self._fold([], {})
         self._privacy()
@@ -198,6 +204,11 @@ class FedAvg(Strategy):
                 f"{self.name} averages models trained by gradient descent and this graph has "
                 "no TorchFilter; use Local"
             )
+        if self.evaluate_fraction and (job.dataset is None or job.x_val is not None):
+            raise StrategyOptionsError(
+                f"{self.name}: evaluate_fraction has workers evaluate on their own validation "
+                "data: the job trains on WorkerData and sends no x_val"
+            )
         plain = [n for n in job.node_ids if n not in job.differentiable()]
         for option in ("privacy", "secure_aggregation"):
             if getattr(self, option) is not None and plain:
@@ -236,6 +247,11 @@ class FedAvg(Strategy):
         at = await self._start(ctx, job, cohort, torch_nodes, emit)
         policy = CheckpointPolicy(self.checkpoint_every, 1, time.monotonic)
         policy.start()
+        # The new global model evaluated each round (coordinator.strategies.fed_eval): on the
+        # rows sent, or by a share of the workers on their own (its rows weighted).
+        share = self.evaluate_fraction or (1.0 if job.val_split is not None else 0.0)
+        evaluate = self._evaluation = RoundEvaluation(job, share, self.seed)
+        history = History(emit, "round")
 
         while at.round < self.rounds:
             r = at.round + 1
@@ -283,21 +299,19 @@ class FedAvg(Strategy):
             )
             at.round = r
             rows = sum(u.rows for u in answered)
-            await emit(
-                "progress",
-                {
-                    "phase": "round",
-                    "round": r,
-                    "rounds": self.rounds,
-                    "selected": [cohort.label(c) for c in selected],
-                    "workers": [cohort.label(u.client) for u in answered],
-                    "dropped": reasons(dropped),
-                    "rows": rows,
-                    "loss": sum(u.rows * u.loss for u in answered) / rows,
-                }
-                | how
-                | ({"client_config": self.config_of(r)} if self.client_config else {}),
-            )
+            # The new global model evaluated (on the rows sent, or federated), and the
+            # round's row of the history.
+            evaluated = await evaluate(ctx, cohort, at.global_state, r)
+            history.add(sum(u.rows * u.loss for u in answered) / rows, rows, round_lr(answered))
+            said = {
+                "rounds": self.rounds,
+                "selected": [cohort.label(c) for c in selected],
+                "workers": [cohort.label(u.client) for u in answered],
+                "dropped": reasons(dropped),
+                "rows": rows,
+            }
+            said |= how | ({"client_config": self.config_of(r)} if self.client_config else {})
+            await history.close(r, evaluated.scores, said | evaluated.event())
             if job.checkpoints is not None and policy.due(r, self.rounds):
                 state = {"global_state": at.global_state, "server": at.server.state_dict()}
                 if at.privacy is not None:
@@ -307,6 +321,7 @@ class FedAvg(Strategy):
 
         if job.checkpoints is not None:
             await job.checkpoints.flush()
+        await history.finish({"round": at.round, "rounds": self.rounds})
 
         # The final model, set on a worker and read back over the wire.
         async def read_back(i: int) -> dict[str, Any]:
@@ -348,6 +363,12 @@ class FedAvg(Strategy):
     def config_of(self, r: int) -> dict[str, Any]:
         """Round ``r``'s client config (``{}``: the strategy's and the filters' own)."""
         return self.client_config[r - 1] if self.client_config else {}
+
+    def epochs_through(self, r: int) -> int:
+        """The local epochs a client trains in rounds 1 to ``r``: what its learning-rate
+        schedules have stepped through by the end of round ``r``."""
+        rounds = range(1, r + 1)
+        return sum(self.config_of(t).get("local_epochs", self.local_epochs) for t in rounds)
 
     @property
     def min_clients(self) -> int:
@@ -396,6 +417,8 @@ class FedAvg(Strategy):
         cohort = at.cohort
         if i in cohort.stale:
             failed = await cohort.set_up(ctx, job, STAGED, shards, [i])
+            if self._evaluation is not None:
+                self._evaluation.forget(i)
             if failed:
                 return [failed[0]]
         # Only the TorchFilters start from w_t: plain filters are fitted anew on the client's data.
@@ -414,6 +437,10 @@ class FedAvg(Strategy):
                 batch_size=config.get("batch_size"),
                 prox_mu=self.prox_mu,
                 reset_optimizer=True,
+                # The schedules span every round's local epochs; this round's start where the
+                # rounds before left them.
+                schedule_before=self.epochs_through(at.round),
+                schedule_epochs=max(1, self.epochs_through(self.rounds)),
                 start_loss=self.asks_start_loss,
                 clip_norm=at.privacy.client_clip if at.privacy is not None else None,
                 return_output=False,  # the model's outputs on private data stay there
@@ -429,7 +456,7 @@ class FedAvg(Strategy):
                 if secure is not None:  # its masked model, never the model itself
                     masked = await ctx.call(i, secure.mask_request(cohort.label(c), fit["rows"]))
                     secure.took_masked(cohort.label(c), masked["masked"])
-                    out.append(ClientUpdate(c, int(fit["rows"]), float(fit["loss"])))
+                    out.append(ClientUpdate.of(c, fit))
                     continue
                 async with fetch:
                     states = await ctx.get_state(i, job.node_ids)
@@ -445,7 +472,7 @@ class FedAvg(Strategy):
                 if i in cohort.lost or i in cohort.stale:
                     return out
                 continue
-            out.append(ClientUpdate(c, int(fit["rows"]), float(fit["loss"])))
+            out.append(ClientUpdate.of(c, fit))
         return out
 
     async def _secure_setup(
@@ -505,4 +532,5 @@ def arguments(options: FedAvgOptions) -> dict[str, Any]:
         "keep_checkpoints": options.keep_checkpoints,
         "max_restarts": options.max_restarts,
         "restart_timeout": options.restart_timeout,
+        "evaluate_fraction": options.evaluate_fraction,
     }

@@ -11,7 +11,7 @@ trains.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +50,27 @@ class FederatedPosition:
 
 @dataclass(frozen=True)
 class ClientUpdate:
-    """What one selected client's ClientUpdate gave: its rows n_k and mean loss."""
+    """What one selected client's ClientUpdate gave: its rows n_k, mean loss and the learning
+    rate of its last local step."""
 
     client: int
     rows: int
     loss: float
+    lr: float | None = None
+
+    @classmethod
+    def of(cls, client: int, fit: Mapping[str, Any]) -> ClientUpdate:
+        """Client ``client``'s update from its ``batched_fit`` reply (its history's last row
+        has the learning rate)."""
+        history = fit.get("history") or [{}]
+        return cls(client, int(fit["rows"]), float(fit["loss"]), history[-1].get("lr"))
+
+
+def round_lr(answered: Sequence[ClientUpdate]) -> float | None:
+    """A round's learning rate: the mean of its clients' last local steps' (equal when their
+    schedules are: epoch-wise, or the same steps an epoch); ``None`` when they have none."""
+    lrs = [u.lr for u in answered if u.lr is not None]
+    return sum(lrs) / len(lrs) if lrs else None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from coordinator.strategies.base import (
     Strategy,
     parse_options,
 )
+from coordinator.strategies.history import VALIDATION, History, validation_stage
 from protocol.daemon import BatchedFitRequest
 from protocol.strategy_options import DEFAULT_RESTART_TIMEOUT, LocalOptions
 
@@ -59,27 +60,33 @@ class Local(Strategy):
         return Placement(workers=1, worker_id=self.worker, tag=self.tag, device=self.device)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        # 1. Ship the filters to the worker's daemon.
+        # 1. Ship the filters to the worker's daemon, and the validation data.
         await emit("progress", {"phase": "loading", "nodes": len(job.node_ids)})
         await ctx.load(0, job.filters)
-        # 2. Train the whole chain there, as graph.fit would (on its own rows for WorkerData).
+        validation = validation_stage(job)
+        if validation is not None:
+            await ctx.call(0, validation)
+        # 2. Train the whole chain there, as graph.fit would (on its own rows for WorkerData),
+        #    evaluating it on the validation data at the end of every epoch.
+        data: dict[str, Any] = {"x": job.x, "y": job.y}
         if job.dataset is not None:
             staged = await ctx.call(0, job.own_data(STAGED))
             await emit("progress", {"phase": "training", "rows": staged["rows"]})
-            request = BatchedFitRequest(node_ids=job.node_ids, data=STAGED, return_output=False)
-            fit = await ctx.call(0, request)
+            data = {"data": STAGED}
         else:
             await emit("progress", {"phase": "training"})
-            fit = await ctx.execute_on_worker(0, job.node_ids, job.x, job.y)
-        losses = fit.get("epoch_losses") or []
-        await emit(
-            "progress",
-            {
-                "phase": "trained",
-                "loss": fit.get("loss"),
-                "epochs": len(losses),
-                "epoch_losses": losses,
-            },
+        request = BatchedFitRequest(
+            node_ids=job.node_ids,
+            **data,
+            validation=VALIDATION if validation is not None else None,
+            return_output=False,
+            return_states=False,
         )
+        fit = await ctx.call(0, request)
+        history = History(emit)
+        for row in fit.get("history") or []:
+            await history.record(row)
+        losses = [row["loss"] for row in history.rows]  # as before histories: the loss curve's
+        await history.finish({"epochs": len(history.rows), "epoch_losses": losses})
         # 3. The states, read back over the wire.
         return await ctx.read_back_state(0, job.node_ids)

@@ -31,6 +31,7 @@ from coordinator.context import StrategyContext, Target
 from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
 from coordinator.strategies.elastic import MAX_RECOVERIES, RECOVERABLE
+from coordinator.strategies.history import History
 from coordinator.strategies.mp_checkpoints import StageCheckpoints
 from coordinator.strategies.pipeline_run import PipelineRun
 from coordinator.strategies.schedule import gpipe, one_f_one_b
@@ -172,6 +173,11 @@ class ModelParallel(Strategy):
             raise StrategyOptionsError("model_parallel trains with labels: y is missing")
         if job.dataset is not None:
             own_data_checks(self.partitions, torch_nodes, self.transport)
+        if job.val_split is not None:
+            raise StrategyOptionsError(
+                "model_parallel evaluates validation data sent with the job (x_val, y_val), "
+                "not the workers' own split: its stages hold different parts of the model"
+            )
         return torch_nodes, Training.of(job.nodes[torch_nodes[-1]])
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
@@ -179,6 +185,7 @@ class ModelParallel(Strategy):
         stages = [list(p.node_ids) for p in self.partitions]
         spares = list(range(len(stages), ctx.num_workers()))
         saves: list[StageCheckpoints] = []  # one for the whole job: it keeps the newest
+        history = History(emit)  # one for the whole job too, kept in its checkpoints
 
         def make_saves(pipeline: list[int], steps_per_epoch: int) -> StageCheckpoints:
             if not saves:
@@ -193,6 +200,7 @@ class ModelParallel(Strategy):
                         steps_per_epoch,
                         training.epochs,
                         emit,
+                        history,
                     )
                 )
             return saves[0]
@@ -209,6 +217,7 @@ class ModelParallel(Strategy):
             self.collective_timeout,
             emit,
             make_saves,
+            history,
         )
         crashes = 0
         while True:

@@ -6,7 +6,9 @@ A pipeline's stages hold disjoint parts of the model, so a checkpoint is every t
 them have stepped on global batch ``s``, plus ``s``. The data order is a function of the seed and
 the epoch (:mod:`protocol.batching`) and the micro-batches a function of the global batch, so
 that is all the position a run needs: set back on every stage, it trains batches ``s + 1 ...``
-exactly as the undisturbed run would have.
+exactly as the undisturbed run would have. The optimizer states hold the learning-rate
+schedulers' (:mod:`worker.schedules`), and the payload the run's history as it stood (its rows
+so far and the open epoch's sums), so that a run set back goes on with both where they were.
 
 The newest checkpoint also stays in memory for the run itself: a stage that fails over to a
 spare (:mod:`~coordinator.strategies.model_parallel`) takes every stage back to it without
@@ -25,6 +27,7 @@ from coordinator.checkpoints import CheckpointPolicy
 from coordinator.context import StrategyContext
 from coordinator.job_checkpoints import JobCheckpoints
 from coordinator.strategies.base import Emit, concurrently
+from coordinator.strategies.history import History
 
 __all__ = ["StageCheckpoints"]
 
@@ -45,6 +48,7 @@ class StageCheckpoints:
         policy: when one is due.
         epochs: of the run, for the position's epoch.
         emit: the job's events.
+        history: the run's rows per epoch, saved with each checkpoint and set back with it.
     """
 
     ctx: StrategyContext
@@ -55,6 +59,7 @@ class StageCheckpoints:
     policy: CheckpointPolicy
     epochs: int
     emit: Emit
+    history: History | None = None
 
     def __post_init__(self) -> None:
         saves = self.checkpoints
@@ -77,9 +82,10 @@ class StageCheckpoints:
         steps_per_epoch: int,
         epochs: int,
         emit: Emit,
+        history: History | None = None,
     ) -> StageCheckpoints:
         policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
-        return cls(ctx, stages, pipeline, torch_nodes, checkpoints, policy, epochs, emit)
+        return cls(ctx, stages, pipeline, torch_nodes, checkpoints, policy, epochs, emit, history)
 
     @property
     def states(self) -> dict[str, Any] | None:
@@ -87,11 +93,16 @@ class StageCheckpoints:
         return None if self.newest is None else dict(self.newest[1]["states"])
 
     async def restore(self, guard: Guard) -> int:
-        """Set every training stage to the newest checkpoint and say so (``resumed``); the
-        global batches it had done (``0``: none, nothing set)."""
+        """Set every training stage to the newest checkpoint and say so (``resumed``), the
+        history to its rows; the global batches it had done (``0``: none, nothing set, the
+        history empty)."""
         if self.newest is None:
+            if self.history is not None:
+                self.history.load_state_dict(None)
             return 0
         position, payload, said = self.newest
+        if self.history is not None:
+            self.history.load_state_dict(payload.get("history"))
         states, optimizers = payload["states"], payload["optimizers"]
 
         async def put(s: int) -> None:
@@ -124,7 +135,9 @@ class StageCheckpoints:
         optimizers = {n: state for _, part in reads for n, state in part.items()}
         per_epoch = max(1, self.policy.per_epoch)
         position = {"step": done, "epoch": min(self.epochs, (done - 1) // per_epoch + 1)}
-        payload = {"states": states, "optimizers": optimizers}
+        payload: dict[str, Any] = {"states": states, "optimizers": optimizers}
+        if self.history is not None:
+            payload["history"] = self.history.state_dict()
         await self.checkpoints.save(position, payload)
         self.newest = (position, payload, position)
         self.policy.saved()

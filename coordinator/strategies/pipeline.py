@@ -173,12 +173,12 @@ WINDOW = 8
 
 async def run_schedule(
     plan: Schedule, batch: GlobalBatch, exchange: ThroughStrategy | WorkerToWorker
-) -> list[float]:
+) -> list[Any]:
     """One global batch through ``plan``: each stage runs its actions in order, each waiting
-    only for what it needs, so micro-batches overlap across stages. Returns the unscaled loss of
-    each micro-batch (from the last stage)."""
+    only for what it needs, so micro-batches overlap across stages. Returns what the last
+    stage's forward of each micro-batch answered (its unscaled ``loss``, ``rows``, ``lr``)."""
     count, last = len(batch.micro), len(batch.pipeline) - 1
-    losses: list[float] = [0.0] * count
+    losses: list[Any] = [None] * count
 
     async def act(k: int, action: Action, seq: int | None) -> None:
         if action.kind == "B":
@@ -186,7 +186,7 @@ async def run_schedule(
             return
         result = await exchange.forward(k, action.micro, seq)
         if k == last:
-            losses[action.micro] = float(result["loss"])
+            losses[action.micro] = result
 
     async def stage(k: int) -> None:
         actions = [a for a in plan.actions[k] if a.micro < count]  # a short last batch

@@ -6,10 +6,19 @@ sets every training stage back to the checkpoint, trains the remaining global ba
 checkpoints as they fall due — and reads the states back. A stage that fails over to a spare
 (:mod:`~coordinator.strategies.model_parallel`) makes a new run: every stage is loaded again, so
 no daemon keeps anything of the batches after the checkpoint, nor a half-done schedule.
+
+A global batch is ``accumulate`` batches of the last TorchFilter (so that many times the
+micro-batches); every training stage is told the horizon of the run's learning-rate schedules
+before a checkpoint's optimizer (and scheduler) states are set; with ``clip_grad_norm`` the
+whole pipeline's gradient is clipped as one (each stage's part of the norm, one coefficient
+for all). With validation data the model is evaluated at each epoch's end, stage by stage, and
+the run's :class:`~coordinator.strategies.history.History` (kept in its checkpoints) gets a row
+per epoch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,6 +26,7 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, concurrently
+from coordinator.strategies.history import VALIDATION, Evaluate, History, ended
 from coordinator.strategies.mp_checkpoints import StageCheckpoints
 from coordinator.strategies.pipeline import (
     STAGED,
@@ -30,11 +40,14 @@ from coordinator.strategies.pipeline import (
 from coordinator.strategies.pipeline_torch import LABELS, TorchPipeline, choose_transport
 from coordinator.strategies.process_group import Rendezvous
 from coordinator.strategies.schedule import Schedule
-from coordinator.strategies.steps import Training, global_batches
+from coordinator.strategies.steps import Training, global_batches, schedule_request
+from protocol.clipping import clip_coefficient
 from protocol.daemon import (
     BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
+    EvaluateRequest,
+    StageNormRequest,
     StageRequest,
     StageStepRequest,
 )
@@ -62,6 +75,8 @@ class PipelineRun:
         emit: the job's events.
         make_saves: the run's checkpoints, once it knows its training stages and batches per
             epoch (the same object across runs: it keeps the newest checkpoint).
+        history: the job's rows per epoch (the same object across runs; a run set back to a
+            checkpoint takes the rows it holds).
     """
 
     ctx: StrategyContext
@@ -75,6 +90,7 @@ class PipelineRun:
     timeout: float
     emit: Emit
     make_saves: Callable[[list[int], int], StageCheckpoints]
+    history: History
 
     async def __call__(self) -> dict[str, Any]:
         ctx, job, stages, torch_nodes = self.ctx, self.job, self.stages, self.torch_nodes
@@ -97,7 +113,7 @@ class PipelineRun:
             own_rows = int(staged["rows"])
         pipeline = list(range(first, len(stages)))
         count = int(x.shape[0]) if own_rows is None else own_rows
-        steps_per_epoch = -(-count // (self.training.batch_size or count)) if count else 0
+        steps_per_epoch = self.training.steps_per_epoch(count)
         saves = self.make_saves(pipeline, steps_per_epoch)
         restored = saves.states
         alone = len(pipeline) == 1  # the one stage that trains: it fits its own plain filters
@@ -122,7 +138,13 @@ class PipelineRun:
             source = {"data": STAGED} if own_rows is not None else {"x": x, "y": job.y}
             await self._train_alone(guard, first, source)
             return await _read_back(ctx, guard, stages)
-        plan = self.schedule(len(pipeline), self.micro_batches)
+        # accumulate=k: a global batch is k batches, so k times the micro-batches of one.
+        micro_batches = self.micro_batches * self.training.accumulate
+        plan = self.schedule(len(pipeline), micro_batches)
+        # The schedules' horizon, before a checkpoint's schedulers are set back.
+        told = schedule_request(self.training, steps_per_epoch)
+        await guard(concurrently(*(ctx.call(s, told) for s in pipeline)))
+        evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
         if own_rows is not None and not isinstance(meet, Rendezvous):
             raise StrategyFailed(
@@ -147,42 +169,71 @@ class PipelineRun:
                 plan,
                 self.training,
                 count,
-                self.micro_batches,
+                micro_batches,
                 STAGED,
                 self.timeout,
                 self.emit,
+                self.history,
+                evaluate,
             )
             await pipe.train(meet, labels, steps_per_epoch, saves)
         else:
-            await self._over_websockets(guard, pipeline, plan, meet, x, saves)
+            how = (plan, micro_batches, evaluate)
+            await self._over_websockets(guard, pipeline, how, meet, x, saves)
         await saves.finish()
+        total = steps_per_epoch * self.training.epochs
+        await self.history.finish(ended(self.training.epochs, total))
         return await _read_back(ctx, guard, stages)
 
     async def _train_alone(self, guard: Guard, stage: int, source: dict[str, Any]) -> None:
         """3. The one stage that trains runs the whole training loop (``batched_fit``) on
-        ``source``: the output of the stages before it, or its own rows."""
+        ``source``: the output of the stages before it, or its own rows; with validation data
+        (sent through the stages before it, staged there) evaluated at each epoch's end."""
+        ctx, job = self.ctx, self.job
+        validation = None
+        if job.validates:
+            x_val = job.x_val
+            for s in range(stage):
+                forward = CompositeForwardRequest(node_ids=self.stages[s], x=x_val)
+                x_val = await guard(ctx.call(s, forward), stage=s)
+            staged = StageRequest(name=VALIDATION, x=x_val, y=job.y_val)
+            await guard(ctx.call(stage, staged), stage=stage)
+            validation = VALIDATION
         await self.emit("progress", {"phase": "training", "stage": stage})
         request = BatchedFitRequest(
-            node_ids=self.stages[stage], return_output=False, return_states=False, **source
+            node_ids=self.stages[stage],
+            validation=validation,
+            return_output=False,
+            return_states=False,
+            **source,
         )
-        fit = await guard(self.ctx.call(stage, request), stage=stage)
+        fit = await guard(ctx.call(stage, request), stage=stage)
         losses = fit.get("epoch_losses") or []
+        self.history.load_state_dict(None)  # the whole run is this one call's
+        for row in fit.get("history") or []:
+            await self.history.record(row)
         trained = {"phase": "trained", "loss": fit.get("loss"), "epochs": len(losses)}
-        await self.emit("progress", trained | {"epoch_losses": losses})
+        if self.history.rows:
+            await self.history.finish(trained | {"epoch_losses": losses})
+        else:
+            await self.emit("progress", trained | {"epoch_losses": losses})
 
     async def _over_websockets(
         self,
         guard: Guard,
         pipeline: list[int],
-        plan: Schedule,
+        how: tuple[Schedule, int, Evaluate | None],
         reason: str,
         x: Any,
         saves: StageCheckpoints,
     ) -> None:
         """3. Training (GPipe / 1F1B), every action a call from here: each global batch's
-        micro-batches through the schedule, gradients accumulated, one optimizer step on every
-        stage; from the newest checkpoint's batch on."""
-        ctx, stages, training = self.ctx, self.stages, self.training
+        micro-batches through the schedule (``how``: the schedule, micro-batches per global
+        batch, the evaluation at an epoch's end), gradients accumulated, one step on every
+        stage (the gradient of them all clipped as one); from the newest checkpoint's batch
+        on."""
+        ctx, stages, training, history = self.ctx, self.stages, self.training, self.history
+        plan, micro_batches, evaluate = how
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
             # Neighbours dial each other; without a peer address the coordinator relays. A
@@ -199,8 +250,9 @@ class PipelineRun:
         start = await saves.restore(guard)
         saves.start()
         at = PipelinePosition()
-        batches = list(global_batches(int(x.shape[0]), self.micro_batches, training))
+        batches = list(global_batches(int(x.shape[0]), micro_batches, training))
         total = len(batches)
+        per_epoch = training.steps_per_epoch(int(x.shape[0]))
         for epoch, _, micro in batches:
             at.epoch, at.step = epoch, at.step + 1
             if at.step <= start:
@@ -210,15 +262,64 @@ class PipelineRun:
             exchange: ThroughStrategy | WorkerToWorker = (
                 WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
             )
-            losses = await guard(run_schedule(plan, batch, exchange))
-            steps = (ctx.call(s, StageStepRequest(node_ids=stages[s])) for s in pipeline)
+            answers = await guard(run_schedule(plan, batch, exchange))
+            coefficient = await _clipping(ctx, guard, pipeline, stages, training.clip_grad_norm)
+            ends = at.step % per_epoch == 0
+            steps = (
+                ctx.call(
+                    s,
+                    StageStepRequest(node_ids=stages[s], epoch_end=ends, coefficient=coefficient),
+                )
+                for s in pipeline
+            )
             await guard(concurrently(*steps))
             rows = [len(m) for m in micro]
+            losses = [float(a["loss"]) for a in answers]
             loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
+            lr = answers[0].get("lr")
             progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
             progress |= {"step": at.step, "steps": total, "rows": sum(rows)}
+            progress |= {"lr": lr} if lr is not None else {}
             await self.emit("progress", progress | {"loss": loss})
+            history.add(loss, sum(rows), lr)
+            if ends:
+                await history.close(epoch + 1, await evaluate() if evaluate is not None else None)
             await saves.after(at.step, total, guard)
+
+
+def _evaluator(
+    ctx: StrategyContext, guard: Guard, stages: list[list[str]], pipeline: list[int], job: JobInputs
+) -> Evaluate:
+    """The pipeline's evaluation of the validation rows sent with the job: forward stage by
+    stage through the coordinator (plain stages in front too), the last stage's loss and
+    metrics."""
+
+    async def evaluate() -> dict[str, Any]:
+        x = job.x_val
+        for s in range(pipeline[-1]):
+            x = await guard(ctx.call(s, CompositeForwardRequest(node_ids=stages[s], x=x)), s)
+        last = EvaluateRequest(node_ids=stages[pipeline[-1]], x=x, y=job.y_val)
+        scores: dict[str, Any] = await guard(ctx.call(pipeline[-1], last), pipeline[-1])
+        return scores
+
+    return evaluate
+
+
+async def _clipping(
+    ctx: StrategyContext,
+    guard: Guard,
+    pipeline: list[int],
+    stages: list[list[str]],
+    clip: float | None,
+) -> float | None:
+    """The factor every stage multiplies its gradients by so that the pipeline's whole
+    gradient is clipped to ``clip`` (``torch.nn.utils.clip_grad_norm_``'s, from every stage's
+    part of the norm); ``None`` without clipping."""
+    if clip is None:
+        return None
+    parts = (ctx.call(s, StageNormRequest(node_ids=stages[s])) for s in pipeline)
+    squares = await guard(concurrently(*parts))
+    return clip_coefficient(math.sqrt(sum(float(p) for p in squares)), clip)
 
 
 async def _read_back(ctx: StrategyContext, guard: Guard, stages: list[list[str]]) -> dict[str, Any]:

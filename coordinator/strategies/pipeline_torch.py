@@ -28,6 +28,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit
 from coordinator.strategies.collective import _next_chunk
+from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.mp_checkpoints import StageCheckpoints
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
@@ -85,6 +86,8 @@ class TorchPipeline:
     data: str  # what the first stage's rows are staged under
     timeout: float
     emit: Emit
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
     async def train(
         self,
@@ -118,11 +121,13 @@ class TorchPipeline:
         chunk = 1
         while step < total:
             stop = min(total, step + chunk, saves.stop_at(step, total))
+            if self.evaluate is not None:  # evaluated where an epoch ends
+                stop = min(stop, (step // steps_per_epoch + 1) * steps_per_epoch)
             started = loop.time()
             request = PipeTrainRequest(start=step, stop=stop)
             calls = {s: ctx.call(s, request) for s in self.pipeline}
             results = await self.guard(self._settle(calls, stop))
-            await self._progress(stop, results[last], steps_per_epoch)
+            await self._progress(step, stop, results[last], steps_per_epoch)
             chunk = _next_chunk(chunk, stop - step, loop.time() - started)
             step = stop
             await saves.after(step, total, self.guard)
@@ -132,6 +137,7 @@ class TorchPipeline:
         return PipePlanRequest(
             node_ids=self.stages[stage],
             micro_batches=self.micro_batches,
+            clip_grad_norm=self.training.clip_grad_norm,
             actions=[(a.kind, a.micro) for a in self.schedule.actions[k]],
             data=self.data if first else None,
             labels=LABELS if last else None,
@@ -149,7 +155,9 @@ class TorchPipeline:
         except Broken as broken:
             raise broken.blame() from None
 
-    async def _progress(self, stop: int, last: Mapping[str, Any], steps_per_epoch: int) -> None:
+    async def _progress(
+        self, start: int, stop: int, last: Mapping[str, Any], steps_per_epoch: int
+    ) -> None:
         """One progress event for a chunk ending at global batch ``stop``: each batch's mean
         loss (its micro-batches' losses weighted by rows)."""
         losses = [
@@ -169,5 +177,10 @@ class TorchPipeline:
                 "chunk": len(losses),
                 "rows": sum(sum(rows) for rows in last["rows"]),
                 "batch_rows": [sum(rows) for rows in last["rows"]],
-            },
+            }
+            | ({"lr": last["lrs"][-1], "lrs": last["lrs"]} if last.get("lrs") else {}),
         )
+        if self.history is not None:
+            rows = [sum(r) for r in last["rows"]]
+            lrs = last.get("lrs") or []
+            await self.history.steps(start, losses, rows, lrs, steps_per_epoch, self.evaluate)

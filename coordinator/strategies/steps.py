@@ -15,28 +15,43 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyOptionsError
 from coordinator.strategies.base import JobInputs
 from protocol import batching
-from protocol.daemon import StageRequest
+from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.messages import NodeInfo
 from protocol.wording import listed
 
 
 @dataclass(frozen=True)
 class Training:
-    """The training settings of a run (those of its last TorchFilter)."""
+    """The training settings of a run (those of its last TorchFilter).
+
+    ``batch_size`` is the rows of one optimizer step: the filter's ``batch_size`` times its
+    ``accumulate`` (the batches of an epoch are one permutation cut in order, so ``accumulate``
+    consecutive batches are exactly one batch that many times larger). A replica or a stage
+    then computes its part of such a step in ``accumulate`` slices.
+    """
 
     epochs: int
     batch_size: int | None
     shuffle: bool
     seed: int
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
 
     @classmethod
     def of(cls, info: NodeInfo) -> Training:
+        accumulate = info.accumulate or 1
         return cls(
             epochs=info.epochs if info.epochs is not None else 1,
-            batch_size=info.batch_size,
+            batch_size=info.batch_size * accumulate if info.batch_size else None,
             shuffle=bool(info.shuffle),
             seed=info.seed or 0,
+            accumulate=accumulate,
+            clip_grad_norm=info.clip_grad_norm,
         )
+
+    def steps_per_epoch(self, rows: int) -> int:
+        """Optimizer steps in an epoch over ``rows`` rows."""
+        return -(-rows // (self.batch_size or rows)) if rows else 0
 
 
 def global_batches(
@@ -104,6 +119,11 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
             f"come after {torch_nodes[0]!r}"
         )
     return torch_nodes, job.node_ids[:first]
+
+
+def schedule_request(training: Training, steps_per_epoch: int) -> ScheduleRequest:
+    """What tells a daemon the horizon of the run's learning-rate schedules."""
+    return ScheduleRequest(steps_per_epoch=steps_per_epoch, epochs=training.epochs)
 
 
 async def set_up(

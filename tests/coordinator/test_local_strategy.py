@@ -37,8 +37,9 @@ def test_local_trains_on_one_worker_and_equals_graph_fit():
     for k, v in expected["head"].items():
         torch.testing.assert_close(states["head"][k], v, rtol=0, atol=1e-6)
     phases = [d["phase"] for e, d in events if e == "progress"]
-    assert phases == ["loading", "training", "trained"]
-    assert len(events[-1][1]["epoch_losses"]) == 3
+    assert phases == ["loading", "training", "epoch", "epoch", "epoch", "trained"]
+    fitted = graph.fit(x, y)
+    assert events[-1][1]["history"] == fitted.history  # a row per epoch, as graph.fit's
 
 
 def test_placement_by_id_and_tag():

@@ -332,7 +332,7 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
     plotted = _somatize(live, "result", job.id, "--plot", str(png), seconds=60)
     assert plotted.returncode == 0, plotted.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "loss curve (18 points)" in plotted.stderr  # 3 epochs x 6 steps of 32 rows
+    assert "saved the curves (3 epochs)" in plotted.stderr  # by epoch, not by step
 
     env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
     before = _open_connections(live)

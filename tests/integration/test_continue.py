@@ -5,11 +5,6 @@ submit."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,24 +12,9 @@ import somatize as sz
 from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
 from tests.integration.cluster import cluster, wait_for
 from tests.integration.test_resume import _checkpointed_at, paced
-from tests.utils import UNIT
+from tests.utils import UNIT, somatize_cli
 
 pytestmark = pytest.mark.integration
-
-BIN = Path(sys.executable).parent
-
-
-def somatize(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SOMATIZE_COORDINATOR": url, "COLUMNS": "200"}
-    env.pop("SOMATIZE_TOKEN", None)
-    return subprocess.run(
-        [str(BIN / "somatize"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60 * UNIT,
-        check=False,
-    )
 
 
 def test_a_job_continued_with_more_epochs_equals_one_longer_run_and_refusals(tmp_path):
@@ -85,18 +65,18 @@ def test_a_cancelled_jobs_checkpoint_is_fetched_and_offered(tmp_path):
             job.checkpoint(99)
         assert none.value.code == "no_checkpoint"
 
-        shown = somatize(c.url, "result", job.id)
+        shown = somatize_cli(c.url, "result", job.id)
         assert shown.returncode == 1
         assert "cancelled" in shown.stderr
         hint = f"its newest checkpoint is {saved.seq}, at step {saved.position['step']}"
         assert (
             hint in shown.stderr and f"somatize result {job.id} --checkpoint latest" in shown.stderr
         )
-        listed = somatize(c.url, "result", job.id, "--checkpoint", "latest")
+        listed = somatize_cli(c.url, "result", job.id, "--checkpoint", "latest")
         assert listed.returncode == 0, listed.stderr
         assert f"checkpoint {saved.seq} at step {saved.position['step']}" in listed.stdout
         assert "mlp" in listed.stdout and "center" in listed.stdout
-        bad = somatize(c.url, "result", job.id, "--checkpoint", "first")
+        bad = somatize_cli(c.url, "result", job.id, "--checkpoint", "first")
         assert bad.returncode == 2 and "'latest' or a checkpoint's number" in bad.stderr
     model = paced().state_dict()
     assert {k: torch.as_tensor(v).shape for k, v in saved.states["mlp"].items()} == {

@@ -143,6 +143,16 @@ def _follow_two_jobs(url: str, page: Page) -> None:
     h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "device_memory_bytes": 150 << 30}
     shown = page.evaluate(f"deviceText({json.dumps(h200)})")
     assert shown == device_text(h200) == "cuda:0 NVIDIA H200 150.0 GiB"
+    # A running job's last epoch's figures (the record keeps them beside its last step).
+    running = {
+        "phase": "training",
+        "epoch": 2,
+        "epochs": 3,
+        "metrics": {"epoch": 1, "loss": 0.8, "val_loss": 0.71234, "accuracy": 0.6, "lr": 0.1},
+    }
+    shown = page.evaluate(f"progressText({json.dumps(running)})")
+    # (The position in `somatize jobs`' words since issue 18: the phase only without one.)
+    assert shown == "epoch 2/3 · val_loss 0.7123 · accuracy 0.6000 · lr 0.100"
     # A worker's datasets too (these workers serve none: the page shows none).
     assert all(w["Datasets"] == "" for w in after["workers"])
     served = {
@@ -273,6 +283,16 @@ def test_the_job_view_shows_events_error_curve_and_cancels(tmp_path):
             for event in events:
                 if event.event == "progress":
                     assert event_text(event.data) in said, event.data
+            # Issue 17's rows and ends, with validation figures, in the same words.
+            row = {"phase": "epoch", "epoch": 2, "loss": 0.75, "lr": 0.05, "val_loss": 0.38114}
+            row |= {"accuracy": 0.9125}
+            rounds = {"phase": "trained", "round": 10, "rounds": 10, "loss": 0.5}
+            rounds |= {"history": [{"round": 10, "loss": 0.5, "val_loss": 0.61}]}
+            local = {"phase": "trained", "epochs": 3, "epoch_losses": [1.0, 0.75]}
+            local |= {"history": [row]}
+            for data in (row, rounds, local):
+                shown = page.evaluate(f"progressEventText({json.dumps(data)})")
+                assert shown == event_text(data), data
             placed = next(e for e in events if e.event == "placed")
             assert ["placed", placed_text(placed.data)] in view["events"]
             page.resize(WIDE, 1200)  # for a person to look at: the view of a trained job

@@ -34,7 +34,7 @@ from protocol.messages import (
     Result,
     Welcome,
 )
-from somatize import cli, tables
+from somatize import cli, curves, tables
 from somatize.client import client_url
 from tests.utils import UNIT
 
@@ -560,7 +560,7 @@ def test_the_loss_curve_has_a_point_for_every_step_of_a_chunked_progress_event()
         progress(step=4, loss=1.0, losses=[1.5, 1.2, 1.0]),
         progress(step=5, loss=0.9),  # a step of its own, as the coordinator collective sends
     ]
-    assert cli.loss_curve(events) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0), (5, 0.9)]
+    assert curves.loss_curve(events) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0), (5, 0.9)]
 
 
 def test_a_federated_loss_curve_counts_rounds_on_whole_number_ticks():
@@ -572,10 +572,10 @@ def test_a_federated_loss_curve_counts_rounds_on_whole_number_ticks():
     rounds = [progress(phase="round", round=r, rounds=3, loss=1.0 / r) for r in (1, 2, 3)]
     steps = [progress(phase="training", step=1, loss=1.0)]
     trained = [progress(phase="trained", epoch_losses=[1.0, 0.5])]
-    assert cli.curve_unit(rounds) == "round" and cli.curve_unit(steps) == "step"
-    assert cli.curve_unit(trained) == "epoch"
+    assert curves.curve_unit(rounds) == "round" and curves.curve_unit(steps) == "step"
+    assert curves.curve_unit(trained) == "epoch"
 
-    figure = cli.loss_figure(cli.loss_curve(rounds), "job r", cli.curve_unit(rounds))
+    figure = curves.loss_figure(curves.loss_curve(rounds), "job r", curves.curve_unit(rounds))
     try:
         figure.canvas.draw()
         axes = figure.axes[0]

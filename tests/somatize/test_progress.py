@@ -89,3 +89,47 @@ def test_the_bar_goes_by_steps_else_rounds_else_epochs():
     assert bar_position({"phase": "round", "round": 2, "rounds": 10}) == (2, 10)
     assert bar_position({"epoch": 1, "epochs": 5}) == (1, 5)
     assert bar_position({"phase": "loading"}) == (0, 0)
+
+
+def test_an_epochs_history_row_adds_its_validation_figures_and_the_end_keeps_the_last_step():
+    """Issue 17's rows: each epoch's (validation figures, lr) after its last step, and the run's
+    last event with them all."""
+    p = Progress()
+    p.add(0.0, _step(5, 2, 1.0, 64))
+    step = p.add(2.0, _step(6, 2, 0.5, 64))
+    row = {"phase": "epoch", "epoch": 2, "loss": 0.75, "lr": 0.05, "val_loss": 0.38114}
+    row |= {"accuracy": 0.9125}
+    assert p.add(2.0, row) == step + " · val_loss 0.3811 · accuracy 0.9125"
+    trained = {"phase": "trained", "epoch": 2, "epochs": 2, "step": 6, "steps": 6, "loss": 0.75}
+    last = {k: v for k, v in row.items() if k != "phase"}
+    trained |= {"history": [{"epoch": 1, "loss": 1.0}, last]}
+    assert p.add(2.0, trained) == step + " · val_loss 0.3811 · accuracy 0.9125"
+    # (64 · 1.0 + 64 · 0.5) / 128; 64 rows in the 2 s since the first step; no time left.
+    assert p.final == (
+        "epoch 2/2 · step 3/3 · loss 0.75 (epoch mean) · 32 rows/s · val_loss 0.3811 · "
+        "accuracy 0.9125"
+    )
+
+
+def test_a_run_without_step_events_reads_its_rows_and_its_end_from_its_history():
+    """Local trains in one call: its rows come at the end, and its last event has no epoch
+    losses of its own but its history's."""
+    p = Progress()
+    p.add(0.0, {"phase": "training"})
+    row = {"phase": "epoch", "epoch": 3, "loss": 0.25, "lr": 0.1, "val_loss": 0.5}
+    assert p.add(1.0, row) == "epoch 3 · loss 0.25 (epoch mean) · val_loss 0.5"
+    trained = {"phase": "trained", "epochs": 3, "loss": 0.25, "history": [row]}
+    assert p.add(1.0, trained) == "trained 3 epochs · loss 0.25 (last epoch mean) · val_loss 0.5"
+    assert event_text(trained) == p.text
+
+
+def test_a_finished_jobs_last_event_says_where_it_ended():
+    """What `somatize jobs` shows of a finished job: its last event, the run's end."""
+    steps = {"phase": "trained", "epoch": 2, "epochs": 2, "step": 16, "steps": 16, "loss": 0.5}
+    steps |= {"history": [{"epoch": 1, "loss": 0.9}, {"epoch": 2, "loss": 0.5, "lr": 0.1}]}
+    assert event_text(steps) == "epoch 2/2 · step 8/8 · loss 0.5 (last epoch mean)"
+    rounds = {"phase": "trained", "round": 10, "rounds": 10, "loss": 0.5}
+    rounds |= {"history": [{"round": 10, "loss": 0.5, "val_loss": 0.61, "accuracy": 1.0}]}
+    assert event_text(rounds) == (
+        "round 10/10 · loss 0.5 (last round mean) · val_loss 0.61 · accuracy 1"
+    )

@@ -143,3 +143,29 @@ def test_the_result_table_names_dtypes_one_way():
         for key, _, dtype in describe_state({"mean": np.zeros(3, np.float32), "w": torch.ones(2)})
     )
     assert rows == {"mean": "float32", "w": "float32"}
+
+
+def test_the_history_is_saved_with_the_states_and_an_older_file_keeps_its_losses(tmp_path):
+    x, y = _digits_like()
+    fitted = digits_graph(epochs=2).fit(x, y, validation=(x[:40], y[:40]))
+    assert [row["epoch"] for row in fitted.history] == [1, 2] and "val_loss" in fitted.history[0]
+    fitted.save(tmp_path / "with.pt")
+    again = sz.load(tmp_path / "with.pt", digits_graph(epochs=2))
+    assert again.history == fitted.history
+
+    # A file written before histories (states and losses only): its losses are its rows.
+    save(tmp_path / "before.pt", fitted.states, fitted.graph.node_ids, fitted.epoch_losses)
+    raw = torch.load(tmp_path / "before.pt", weights_only=True)
+    del raw["history"]
+    torch.save(raw, tmp_path / "before.pt")
+    older = sz.load(tmp_path / "before.pt", digits_graph(epochs=2))
+    losses = fitted.epoch_losses
+    assert older.history == [{"epoch": 1, "loss": losses[0]}, {"epoch": 2, "loss": losses[1]}]
+
+
+def test_a_checkpoints_fitted_graph_predicts_with_the_checkpoints_states():
+    x, y = _digits_like()
+    fitted = digits_graph(epochs=1).fit(x, y)
+    saved = sz.JobCheckpoint(seq=1, position={"step": 3, "epoch": 1}, states=fitted.states)
+    again = saved.fitted(digits_graph(epochs=1))
+    np.testing.assert_array_equal(np.asarray(again.forward(x)), np.asarray(fitted.forward(x)))

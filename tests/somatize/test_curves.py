@@ -1,0 +1,60 @@
+"""A history where people look at it: TensorBoard event files read back with tensorboard's own
+event reader, the plot's axes, the table."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import somatize as sz
+from somatize.curves import HistoryWriter, history_table, plot_history, row_of
+from tests.somatize.test_validation import net
+from tests.training_reference import classes
+
+
+def _history():
+    x, y = classes()
+    return sz.Graph([net(scheduler="cosine")]).fit(x, y, validation=classes(n=61, seed=2)).history
+
+
+def test_tensorboard_files_hold_every_figure_of_every_epoch(tmp_path):
+    history = _history()
+    board = HistoryWriter(str(tmp_path))
+    board.add_all(history)
+    board.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["accuracy", "loss", "lr", "val_loss"]
+    for tag in ("loss", "val_loss", "accuracy", "lr"):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == [1, 2, 3]
+        assert [s.value for s in scalars] == pytest.approx([row[tag] for row in history])
+
+
+def test_the_plot_has_epochs_or_rounds_on_its_x_axis(tmp_path):
+    history = _history()
+    drawn = plot_history(history, str(tmp_path / "curves.png"), "job")
+    assert drawn == ["epoch: training loss, validation loss", "epoch: accuracy"]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rounds = [{"round": r, "loss": 1.0 / r} for r in (1, 2)]
+    assert plot_history(rounds, str(tmp_path / "rounds.png"), "job") == ["round: training loss"]
+
+
+def test_the_table_and_the_rows_of_events():
+    history = _history()
+    console = Console(record=True, width=120)
+    console.print(history_table(history, "job: history"))
+    text = console.export_text()
+    assert "val_loss" in text and "accuracy" in text and f"{history[-1]['val_loss']:.4f}" in text
+    event = {
+        "phase": "round",
+        "round": 2,
+        "rounds": 5,
+        "loss": 0.5,
+        "workers": ["w1"],
+        "evaluation": {"w1": {"val_loss": 1.0}},
+        "val_loss": 0.7,
+    }
+    assert row_of(event) == {"round": 2, "loss": 0.5, "val_loss": 0.7}
+    assert row_of({"phase": "training", "step": 3, "loss": 0.1}) is None
