@@ -57,7 +57,7 @@ from coordinator.strategies import (
     StrategyFailed,
     strategy_from_spec,
 )
-from coordinator.submission import check_workers, placement_of, rows_of, vetted, waited
+from coordinator.submission import check_workers, placement_of, summary_of, vetted, waited
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import StrategySpec, Submit
@@ -188,9 +188,8 @@ class JobManager:
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
 
     def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
-        # By id, not by ``in`` on the list: that compares records field by field, and placing
-        # 10,000 workers would take seconds of the loop (a lost worker may come back as its own
-        # replacement: it is in the job's workers once).
+        # By id (a list's ``in`` compares records field by field: seconds for 10,000 workers);
+        # a lost worker may come back as its own replacement: it is in the job's workers once.
         held = {w.id for w in job.workers}
         for worker in workers:
             worker.state = WorkerState.BUSY
@@ -253,16 +252,7 @@ class JobManager:
                 )
             source = await self._record(msg.resume_from)
             await asyncio.to_thread(self.files.continuable, source, strategy)
-        summary = {
-            "node_ids": msg.graph.node_ids,
-            "strategy": msg.strategy.model_dump(),
-            "rows": rows_of(msg.x),
-            "dataset": msg.dataset,
-            "placement": placement.describe(),
-            "owner": owner,
-            "name": msg.name,
-            "file": msg.file,
-        } | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
+        summary = summary_of(msg, placement, owner)
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:
             await asyncio.to_thread(self.files.keep, record.id, msg, owner)

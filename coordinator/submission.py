@@ -26,6 +26,7 @@ __all__ = [
     "check_workers",
     "placement_of",
     "rows_of",
+    "summary_of",
     "unequal_stage_rows",
     "unlabelled",
     "vetted",
@@ -113,6 +114,21 @@ def check_validation(msg: Submit) -> None:
             ErrorCode.BAD_REQUEST,
             f"x_val and y_val must hold as many rows, at least one (got {rows[0]} and {rows[1]})",
         )
+
+
+def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
+    """What the job's record keeps of its submit message (no data, no code)."""
+    summary = {
+        "node_ids": msg.graph.node_ids,
+        "strategy": msg.strategy.model_dump(),
+        "rows": rows_of(msg.x),
+        "dataset": msg.dataset,
+        "placement": placement.describe(),
+        "owner": owner,
+        "name": msg.name,
+        "file": msg.file,
+    }
+    return summary | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
 
 
 def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
