@@ -137,6 +137,11 @@ class Poisoner(OwnData):
         self.start = {n: {k: v.clone() for k, v in s.items()} for n, s in req.states.items()}
         return super().on_set_state(req)
 
+    def on_batched_fit(self, req):  # w_t comes with the training call
+        if req.start is not None:
+            self.start = {n: {k: v.clone() for k, v in s.items()} for n, s in req.start.items()}
+        return super().on_batched_fit(req)
+
     def on_get_state(self, req):
         states = super().on_get_state(req)
         lin, start = states["lin"], self.start["lin"]
