@@ -134,8 +134,8 @@ class Channel:
         stall_timeout: seconds a chunked message in progress may wait for its next chunk; then
             it is dropped and its memory freed (``None``: it may wait forever).
         bulk_gate: shared by the owner's channels, bounds how many messages larger than
-            ``CHUNK_BYTES`` they write at once (``None``: no bound). Each chunked message holds
-            a slot until its last chunk has left the send buffer, so a fan-out of a large model
+            :data:`TURN_BYTES` they write at once (``None``: no bound). Each holds a slot until
+            it (its last chunk) has left the send buffer, so a fan-out of a large model
             to many peers buffers a few copies at a time instead of one per peer, and the
             owner's other messages do not queue behind all of them.
         turns: shared by the owner's channels, bounds how many messages of over
@@ -213,12 +213,16 @@ class Channel:
         until = None if pace is None else pace.bind(parts)
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
-        if self.turns is not None and size > TURN_BYTES:
+        large = size > TURN_BYTES
+        if self.turns is not None and large:
             await self.turns.enter()
         if size <= CHUNK_BYTES:
             if until is not None:
                 await until(size)
-            async with self._send_lock:
+            # A large one holds a bulk slot while it is joined and written: 10,000 of 100 KB
+            # sent at once are 16 in memory, not 1 GB waiting in the write buffers.
+            slot = self.bulk_gate if large and self.bulk_gate else contextlib.nullcontext()
+            async with slot, self._send_lock:
                 await self._write(b"".join(parts))
             self.bytes_out += size
             return
