@@ -151,16 +151,26 @@ def child_pids(parent: int) -> set[int]:
 
 def is_fork_server(pid: int) -> bool:
     """Whether ``pid`` is an agent's fork server (``python -m worker.fork_server``)."""
+    return b"worker.fork_server" in _cmdline(pid)
+
+
+def _cmdline(pid: int) -> bytes:
     try:
-        return b"worker.fork_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return b""
 
 
 def agent_daemons(agent: int) -> set[int]:
-    """The filter daemons of the agent ``agent``: those it started itself, and those its fork
-    server (its child, not a daemon) forked for it."""
+    """The filter daemons of the agent ``agent``: those it started itself (``python -m
+    worker.daemon``), and those its fork server (its child, not a daemon) forked for it.
+
+    A child is named by what it runs, not by being a child: between its fork and its exec a new
+    fork server still shows the agent's command line, and must not count as a daemon."""
     found = set()
     for pid in child_pids(agent):
-        found |= child_pids(pid) if is_fork_server(pid) else {pid}
+        if is_fork_server(pid):
+            found |= child_pids(pid)
+        elif b"worker.daemon" in _cmdline(pid):
+            found.add(pid)
     return found
