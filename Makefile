@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup browser demo test lint typecheck bench clean
+.PHONY: setup browser demo test lint typecheck bench flower-env clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,13 @@ test: lint typecheck browser
 
 bench: setup
 	$(BIN)/python -m benchmarks
+
+# Flower's own virtualenv (flwr[simulation], Ray) for the Flower row of benchmarks.federated;
+# never the project's: Ray moves its pins. FLOWER_VENV=PATH to put it elsewhere.
+FLOWER_VENV ?= .flower-venv
+
+flower-env:
+	PYTHON=$(PYTHON) benchmarks/flower_env.sh $(FLOWER_VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

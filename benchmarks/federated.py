@@ -1,21 +1,36 @@
-"""FedAvg at many clients, and what secure aggregation and differential privacy cost a round.
+"""FedAvg at many clients, against Flower's simulation engine; what secure aggregation and
+differential privacy cost a round.
 
-``python -m benchmarks.federated [--clients N] [--rounds R] [--quick] [--json PATH]`` starts one
-:class:`somatize.cluster.LocalCluster`: a real coordinator and :data:`WORKERS` = 2
-``somatize-worker --threads 1 --spare-daemon off``, each serving a dataset ``fl`` of its own
-(an ``.npz`` of ``K ×`` :data:`ROWS` rows, :data:`DIM` features, a linear target). Every job
-trains the small model ``Linear(DIM, 2)`` (mse, SGD lr :data:`LR`, batch :data:`ROWS`: one step
-per client and epoch) with ``sz.FedAvg(rounds=R, clients_per_worker=K)``, K = N / 2: each
-worker trains its K virtual clients in turn. The time of a round is the coordinator's, from
-its events: the ``staged`` event to the first ``round`` event, then ``round`` to ``round``;
-the median over the R rounds, each cluster's first job (one round) a warm-up. Measured:
+``python -m benchmarks.federated [--clients N] [--rounds R] [--quick] [--json PATH]
+[--flower-python PATH]`` starts one :class:`somatize.cluster.LocalCluster`: a real coordinator
+and :data:`WORKERS` = 2 ``somatize-worker --threads 1 --spare-daemon off``, each serving a
+dataset ``fl`` of its own (an ``.npz`` of ``K ×`` :data:`ROWS` rows, :data:`DIM` features, a
+linear target). Every job trains the small model ``Linear(DIM, 2)`` (mse, SGD lr :data:`LR`,
+batch :data:`ROWS`: one step per client and epoch) with ``sz.FedAvg(rounds=R,
+clients_per_worker=K)``, K = N / 2: each worker trains its K virtual clients in turn, client
+``i·K + j`` on the ``j``-th contiguous part of worker ``i``'s rows
+(:func:`benchmarks.federated_partition.client_rows`). The time of a round is the
+coordinator's, from its events: the ``staged`` event to the first ``round`` event, then
+``round`` to ``round``; the median over the R rounds, each cluster's first job (one round) a
+warm-up. Measured:
 
-- *a round of N clients* (default 1,000) — against the anchor, the same N local trainings
-  (a fresh ``torch.optim.SGD`` from w_t each, the same batches) and their row-weighted mean
-  in a plain loop in this process: the floor of the work, with no process, wire or
-  coordinator. Flower's simulation engine (``flwr[simulation]``) is not the anchor here: it
-  installs ``ray`` and would move this environment's pins of ``rich`` and ``pycryptodome``;
-  the lead can run it in an environment of its own on the same data.
+- *a round of N clients* (default 1,000) — against two anchors:
+
+  - the same N local trainings (a fresh ``torch.optim.SGD`` from w_t each, the same batches)
+    and their row-weighted mean in a plain loop in this process: the floor of the work, with
+    no process, wire or coordinator;
+  - Flower's simulation engine (``flwr[simulation]`` 1.42, Ray) on the same clients, data
+    files, initial weights and training, in the same run (:mod:`benchmarks.flower_sim`: its
+    FedAvg over all N clients, one ClientApp per CPU; the median of its R rounds after a
+    warm-up round; Ray's start-up reported apart). It runs in Flower's own virtualenv, never
+    this one (Ray would move the pins of ``rich`` and ``pycryptodome``): make it with ``make
+    flower-env`` (``benchmarks/flower_env.sh``), then pass ``--flower-python
+    .flower-venv/bin/python`` or set ``SOMATIZE_FLOWER_PYTHON``. Without it the row says
+    how, and is not measured. With it, the final weights of both must agree within
+    :data:`benchmarks.flower_anchor.TOLERANCE` (the same data, initial weights and steps;
+    only the order and precision of the sums differ): the row shows the largest difference
+    and fails (MISSED, exit status 1) past it.
+
 - *secure aggregation* — ``secure_aggregation=sz.SecAgg()`` (k = 16 neighbours) against the
   same job without, at 10 and 100 clients: the overhead per round (keys, sealed shares, masks,
   unmasking).
@@ -30,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import statistics
@@ -43,7 +59,9 @@ import numpy as np
 import torch
 
 import somatize as sz
-from benchmarks.report import Row
+from benchmarks import flower_anchor
+from benchmarks.federated_partition import client_rows
+from benchmarks.report import Row, Target
 from somatize.cluster import LocalCluster
 
 WORKERS = 2
@@ -120,7 +138,7 @@ def run_job(c: LocalCluster, clients: int, rounds: int, **options: Any) -> dict[
     with c.client() as client:
         job = client.submit(graph(), sz.WorkerData("fl"), strategy=strategy)
         started = time.perf_counter()
-        job.result(timeout=1800)
+        fitted = job.result(timeout=1800)
         wall = time.perf_counter() - started
         events = list(job.events(timeout=60))
     seconds = round_seconds(events)
@@ -131,18 +149,21 @@ def run_job(c: LocalCluster, clients: int, rounds: int, **options: Any) -> dict[
         "wall_s": wall,
         "clients": len(last["workers"]),
         "privacy": last.get("privacy"),
+        "weights": {k: np.asarray(v) for k, v in fitted.states["lin"].items()},
     }
 
 
 def anchor_round(directory: Path, clients: int) -> float:
     """The same round in a plain loop here: each client's SGD from w_t on its rows, then the
     row-weighted mean; seconds."""
-    parts = []
+    data = []
     for i in range(WORKERS):
         with np.load(directory / f"w{i}.npz") as f:
-            x, y = torch.as_tensor(f["x"]), torch.as_tensor(f["y"])
-        for rows in np.array_split(np.arange(len(x)), clients // WORKERS):
-            parts.append((x[rows], y[rows]))
+            data.append((torch.as_tensor(f["x"]), torch.as_tensor(f["y"])))
+    parts = []
+    for client in range(clients):
+        worker, part = client_rows(client, clients // WORKERS, [len(x) for x, _ in data])
+        parts.append((data[worker][0][part], data[worker][1][part]))
     start = {k: v.clone() for k, v in net().module.state_dict().items()}
     model = torch.nn.Linear(DIM, 2)
     torch.set_num_threads(1)  # as each worker's daemon (--threads 1)
@@ -167,8 +188,37 @@ def anchor_round(directory: Path, clients: int) -> float:
     return seconds
 
 
-def run(clients: int = 1000, rounds: int = 3, quick: bool = False) -> dict[str, Any]:
-    """Every measurement (see the module docstring)."""
+def flower_round(
+    python: Path, directory: Path, clients: int, rounds: int, ours: dict[str, Any]
+) -> dict[str, Any]:
+    """Flower's simulation of the big round on its data files (``w*.npz`` in ``directory``),
+    from the same initial weights; its figures, and ``max_diff``: the largest difference of
+    its final weights from ``ours`` (the big job's)."""
+    initial = {k: v.numpy() for k, v in net().module.state_dict().items()}
+    figures, final = flower_anchor.run_flower(
+        python,
+        directory / "flower",
+        [directory / f"w{i}.npz" for i in range(WORKERS)],
+        clients // WORKERS,
+        rounds,
+        initial,
+        lr=LR,
+        batch=ROWS,
+        cpus=WORKERS,
+    )
+    figures["max_diff"] = flower_anchor.largest_difference(ours, final)
+    return figures
+
+
+def run(
+    clients: int = 1000,
+    rounds: int = 3,
+    quick: bool = False,
+    flower_python: str | Path | None = None,
+) -> dict[str, Any]:
+    """Every measurement (see the module docstring). ``flower_python``: Flower's virtualenv's
+    Python (default: ``$SOMATIZE_FLOWER_PYTHON``; neither: Flower's row is not measured)."""
+    flower = flower_anchor.flower_python(flower_python)
     small = 10 if quick else 100
     sizes = {"big": 100 if quick else clients, "secagg": (10,) if quick else (10, 100)}
     rounds = 1 if quick else rounds
@@ -181,6 +231,10 @@ def run(clients: int = 1000, rounds: int = 3, quick: bool = False) -> dict[str, 
         with cluster(big, sizes["big"]) as c:
             results["big"] = run_job(c, sizes["big"], rounds)
         results["big"]["anchor_s"] = anchor_round(big, sizes["big"])
+        ours = results["big"].pop("weights")
+        results["flower"] = None
+        if flower is not None:
+            results["flower"] = flower_round(flower, big, sizes["big"], rounds, ours)
         # Secure aggregation and privacy against the same job without.
         for n in sorted({*sizes["secagg"], small}):
             where = Path(tmp) / f"n{n}"
@@ -215,7 +269,8 @@ def rows(results: dict[str, Any]) -> list[Row]:
             big["anchor_s"],
             "the same trainings and mean in one loop",
             note=f"{big['clients']:,} clients answered",
-        )
+        ),
+        *flower_rows(results),
     ]
     for n in sizes["secagg"]:
         out.append(
@@ -245,6 +300,41 @@ def rows(results: dict[str, Any]) -> list[Row]:
     return out
 
 
+def flower_rows(results: dict[str, Any]) -> list[Row]:
+    """The big round against Flower's simulation of it, and whether both trained the same
+    weights; without Flower's figures, one row that says how to get them."""
+    big, flower = results["big"], results.get("flower")
+    name = f"FedAvg round, {results['sizes']['big']:,} clients, vs Flower simulation"
+    ours = functools.partial(Row, "federated", name, big["round_s"], "s")
+    if flower is None:
+        return [ours(None, "Flower simulation", note=flower_anchor.HOW_TO)]
+    tolerance = flower_anchor.TOLERANCE
+    return [
+        ours(
+            flower["round_s"],
+            f"Flower {flower['flwr']} simulation (Ray {flower['ray']}, {flower['cpus']} CPUs)",
+            note=(
+                f"{min(flower['answered']):,} clients answered; Flower's start-up "
+                f"{flower['startup_s']:.1f} s, warm-up round {flower['warmup_round_s']:.1f} s"
+            ),
+        ),
+        Row(
+            "federated",
+            "final weights, ours vs Flower's: max |Δ|",
+            flower["max_diff"],
+            "",
+            target=Target("<=", tolerance, on="ours", text=f"≤ {tolerance:g}"),
+            note="same data, initial weights and steps",
+        ),
+    ]
+
+
+def flower_disagrees(results: dict[str, Any]) -> bool:
+    """Whether Flower's simulation trained other weights than ours (past the tolerance)."""
+    flower = results.get("flower")
+    return flower is not None and not flower["max_diff"] <= flower_anchor.TOLERANCE
+
+
 def report(results: dict[str, Any]) -> None:
     print(
         f"FedAvg on {WORKERS} workers, Linear({DIM}, 2), {ROWS} rows a client, one step a "
@@ -252,8 +342,11 @@ def report(results: dict[str, Any]) -> None:
     )
     for row in rows(results):
         ratio = f"{row.ratio:.2f}x" if row.ratio is not None else ""
-        anchor = f"{row.anchor_name}: {row.anchor or 0:.3f} s"
-        print(f"  {row.name:52} {row.ours:9.3f} s   {anchor}  {ratio}  {row.note}")
+        anchor = row.anchor_name + (f": {row.anchor:.3f} s" if row.anchor is not None else "")
+        if row.target is not None:
+            anchor = f"{row.target.describe()}: {'met' if row.met else 'MISSED'}"
+        ours = f"{row.ours:9.3f} s" if row.unit == "s" else f"{row.ours:11.2g}"
+        print(f"  {row.name:56} {ours}   {anchor}  {ratio}  {row.note}")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -262,15 +355,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each job")
     parser.add_argument("--quick", action="store_true", help="small sizes, one round")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--flower-python",
+        type=Path,
+        help=f"the Python of Flower's virtualenv (make flower-env), for the Flower row "
+        f"(default: ${flower_anchor.PYTHON_ENV})",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
-    results = run(clients=args.clients, rounds=args.rounds, quick=args.quick)
+    results = run(
+        clients=args.clients, rounds=args.rounds, quick=args.quick, flower_python=args.flower_python
+    )
     report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1, default=str))
+    if flower_disagrees(results):
+        diff = results["flower"]["max_diff"]
+        raise SystemExit(
+            f"Flower's simulation trained other weights: max |Δ| {diff:.3g} > "
+            f"{flower_anchor.TOLERANCE:g} (see the row above)"
+        )
 
 
 if __name__ == "__main__":
