@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.clients import ClientTokens
+from coordinator.collector import tend
 from coordinator.pending import MAX_PENDING_PER_ADDRESS
 from coordinator.ws_server import (
     HANDSHAKE_TIMEOUT,
@@ -305,9 +306,11 @@ async def _main(args: argparse.Namespace) -> None:
     await coordinator.start()
     # What start-up made lives as long as the process: out of the cyclic collector's way, so a
     # full collection with thousands of connections open does not walk it too (a pause of the
-    # loop that every heartbeat would wait behind).
+    # loop that every heartbeat would wait behind); and so is, each second, what is alive then
+    # (coordinator.collector).
     gc.collect()
     gc.freeze()
+    collector = asyncio.ensure_future(tend())
     scheme = "wss" if tls is not None else "ws"
     print(f"somatize-coordinator listening on {scheme}://{host}:{coordinator.port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -320,7 +323,10 @@ async def _main(args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await coordinator.serve_forever()
+    try:
+        await coordinator.serve_forever()
+    finally:
+        collector.cancel()
 
 
 def _one_maths_thread() -> None:

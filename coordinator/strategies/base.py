@@ -174,15 +174,38 @@ class Strategy(ABC):
         """Train and return the final states by node id."""
 
 
+STARTS_PER_TURN = 64
+"""Calls :func:`concurrently` starts per turn of the event loop."""
+
+
 async def concurrently(*calls: Awaitable[T]) -> list[T]:
     """Await per-worker calls concurrently; the first failure cancels the others and is raised.
 
     (``asyncio.gather`` alone would leave the other calls running, orphaned, after a failure.)
+    They start :data:`STARTS_PER_TURN` at a time, a turn of the loop apart: a call runs until
+    its first suspension when it starts, and ten thousand of those (a FedAvg round's clients
+    building their requests) in one turn would keep the loop from its sockets for a second.
     """
-    tasks = [asyncio.ensure_future(call) for call in calls]
+    tasks: list[asyncio.Future[T]] = []
+    failures: list[BaseException] = []
+
+    def note(task: asyncio.Future[T]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            failures.append(task.exception())  # type: ignore[arg-type]
+
     try:
+        for call in calls:
+            if tasks and len(tasks) % STARTS_PER_TURN == 0:
+                await asyncio.sleep(0)  # the ones started run their first steps; sockets polled
+                if failures:
+                    raise failures[0]
+            tasks.append(asyncio.ensure_future(call))
+            tasks[-1].add_done_callback(note)
         return list(await asyncio.gather(*tasks))
     except BaseException:
+        for call in calls[len(tasks) :]:  # never started: closed, not left "never awaited"
+            if asyncio.iscoroutine(call):
+                call.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

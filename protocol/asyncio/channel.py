@@ -82,6 +82,15 @@ PARSE_ON_LOOP_BYTES = CHUNK_BYTES
 TURN_BYTES = 16 << 10
 """Messages over this size go through the channel's :class:`~protocol.asyncio.turns.TurnGate`:
 encoding and writing them is what a turn of the loop can fill up with."""
+FRAGMENT_BYTES = TURN_BYTES
+"""Messages over this size go out as one WebSocket fragment and an empty last one.
+
+A ``websockets`` receiver's frame parser keeps the last frame it parsed until the next frame
+arrives, and an unfragmented message *is* that frame's bytes (its reader gets them without a
+copy). So every connection would keep its last large message alive until its peer sends
+again: after a FedAvg round, 10,000 agents' 100 KB states (1 GB) until their next
+heartbeats. Fragmented, the receiver joins the fragments into a new object (one copy, at
+memcpy speed) and keeps only the empty last frame."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
 
@@ -89,7 +98,9 @@ ERROR_REPLY_TIMEOUT = 30.0
 class Transport(Protocol):
     """What a :class:`Channel` needs from a connection (a ``websockets`` connection fits)."""
 
-    async def send(self, message: Any) -> None: ...
+    async def send(self, message: Any) -> None:
+        """Send one message: bytes, or an iterable of bytes sent as the fragments of one
+        message (see :data:`FRAGMENT_BYTES`)."""
 
     async def recv(self) -> Any: ...
 
@@ -195,13 +206,22 @@ class Channel:
         self._next_id += 1
         return self._next_id
 
-    async def send(self, message: BaseModel, *, pace: Pacer | None = None, **fields: Any) -> None:
+    async def send(
+        self,
+        message: BaseModel,
+        *,
+        pace: Pacer | None = None,
+        admitted: bool = False,
+        **fields: Any,
+    ) -> None:
         """Send one message, in chunks when its frame is larger than ``CHUNK_BYTES``.
 
         ``fields`` are sent instead of the message's own (``id``, ``reply_to``): cheaper than a
         copy of the model for every request and reply. With ``pace``, each chunk waits until
         the bytes it carries are final (the first before the message takes a ``bulk_gate``
-        slot, so a paced message holds none while nothing of it can go).
+        slot, so a paced message holds none while nothing of it can go). ``admitted``: the
+        caller took a turn of the channel's ``turns`` for it already (:meth:`request` does,
+        before the message is encoded).
 
         Raises:
             ChannelClosed: the connection is closed (or closed while sending).
@@ -214,7 +234,7 @@ class Channel:
         if self.closed.is_set():
             raise ChannelClosed(f"{self.name}: connection closed ({self.close_reason})")
         large = size > TURN_BYTES
-        if self.turns is not None and large:
+        if self.turns is not None and large and not admitted:
             await self.turns.enter()
         if size <= CHUNK_BYTES:
             if until is not None:
@@ -244,7 +264,7 @@ class Channel:
 
     async def _write(self, data: bytes) -> None:
         try:
-            await self.transport.send(data)
+            await self.transport.send((data,) if len(data) > FRAGMENT_BYTES else data)
         except Exception as exc:  # the transport's own "connection closed"
             raise ChannelClosed(f"{self.name}: connection closed while sending: {exc}") from exc
 
@@ -280,7 +300,11 @@ class Channel:
         if sink is not None:
             self._sinks[request_id] = sink
         try:
-            await self.send(message, pace=pace, id=request_id)
+            if self.turns is not None:
+                # A request may carry a model, to thousands of workers at once: it takes its
+                # turn before it is encoded, or their encoding fills one turn of the loop.
+                await self.turns.enter()
+            await self.send(message, pace=pace, admitted=True, id=request_id)
             async with asyncio.timeout(timeout):
                 reply = await waiter
         finally:

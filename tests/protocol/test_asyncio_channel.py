@@ -301,6 +301,8 @@ class _Recording:
         from protocol.chunking import CHUNK_HEAD as _CHUNK_HEAD
         from protocol.chunking import CHUNK_MAGIC
 
+        if isinstance(message, tuple):  # a large one, as fragments
+            message = b"".join(message)
         if message[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
             _, stream, offset, total = _CHUNK_HEAD.unpack_from(message)
             self.open.add((self.n, stream))
@@ -364,6 +366,37 @@ def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message()
             await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
             gc.collect()
             assert received() is None
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
+def test_a_large_message_is_not_kept_alive_by_the_receivers_frame_parser():
+    """websockets' parser keeps the last frame it parsed until the next one arrives: a message
+    sent as one frame would stay alive (10,000 agents' last states after a round, 1 GB) until
+    its connection's next message. Sent as fragments, only an empty last frame stays."""
+    import gc
+
+    from websockets.frames import Frame
+
+    big = torch.ones(25_000)  # 100 KB: one message, not chunked
+
+    def large_frames() -> list[Frame]:
+        gc.collect()
+        return [f for f in gc.get_objects() if type(f) is Frame and len(f.data) > 50_000]
+
+    async def handler(message):
+        return Result(result={"state": big})
+
+    async def main():
+        server, client, reader, _ = await _pair(handler)
+        try:
+            reply = await client.request(Status(), timeout=10 * UNIT)
+            assert torch.equal(reply.result["state"], big)
+            del reply
+            await asyncio.sleep(0)
+            assert [(f.opcode, f.fin, len(f.data)) for f in large_frames()] == []
         finally:
             await _close(server, client, reader)
 
