@@ -334,7 +334,8 @@ def run_job(
     cpu: dict[str, float] = {}
     pids: dict[str, list[int]] = {}
     warm: int | None = None  # the steps done at the first event after the warm-up
-    strategy = sz.DataParallel(len(c.workers), collective=collective)
+    # No checkpoints: gloo's all_reduce, the anchor, takes none (benchmarks.checkpoints).
+    strategy = sz.DataParallel(len(c.workers), collective=collective, checkpoint_every=0)
     with sz.connect(c.url, timeout=60) as client:
         submitted = time.time()
         job = client.submit(graph, x, y, strategy=strategy)

@@ -12,8 +12,10 @@ collective's chunks of steps have room to grow). ``--quick`` leaves out N = 4, t
 - *ours, torch*: a :class:`somatize.cluster.LocalCluster` (a real ``somatize-coordinator``, job
   threads 1, and max(N) real ``somatize-worker --threads 1``) runs
   ``TorchFilter(mlp, loss="cross_entropy", optimizer="sgd", lr=0.01, batch_size=256 · N,
-  epochs=E, shuffle=False)`` with ``sz.DataParallel(N, collective="torch")``: the replicas'
-  daemons form a gloo group and train with DistributedDataParallel themselves; the coordinator
+  epochs=E, shuffle=False)`` with ``sz.DataParallel(N, collective="torch", checkpoint_every=0)``
+  (no checkpoints: the anchor takes none; :mod:`benchmarks.checkpoints` measures them): the
+  replicas' daemons form a gloo group and train with DistributedDataParallel themselves; the
+  coordinator
   only sends each chunk's request and gets one progress event per chunk back;
 - *ours, coordinator* (N = 2 only for the time): the same job with
   ``collective="coordinator"``, every step's gradients averaged by the coordinator (the star);
@@ -203,7 +205,11 @@ def run_job(
     before = coordinator_bytes(c)
     with sz.connect(c.url, timeout=60) as client:
         submitted = time.time()
-        job = client.submit(graph, x, y, strategy=sz.DataParallel(n, collective=collective))
+        # No checkpoints (DDP, the anchor, takes none): the default saves one at every epoch's
+        # end, which with these 4-step epochs would be a 23 MB state a few steps
+        # (benchmarks.checkpoints measures what they cost).
+        strategy = sz.DataParallel(n, collective=collective, checkpoint_every=0)
+        job = client.submit(graph, x, y, strategy=strategy)
         end = None
         for event in job.events(timeout=EVENT_TIMEOUT):
             if event.event == "placed":
