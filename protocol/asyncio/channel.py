@@ -90,7 +90,8 @@ arrives, and an unfragmented message *is* that frame's bytes (its reader gets th
 copy). So every connection would keep its last large message alive until its peer sends
 again: after a FedAvg round, 10,000 agents' 100 KB states (1 GB) until their next
 heartbeats. Fragmented, the receiver joins the fragments into a new object (one copy, at
-memcpy speed) and keeps only the empty last frame."""
+memcpy speed) and keeps only the empty last frame. Of a chunked message only the last chunk is
+sent so: the next chunk takes the place of each one before it, which need not pay the copy."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
 
@@ -259,12 +260,15 @@ class Channel:
                 chunk = next(chunks)
                 # One lock per chunk, not per message: a heartbeat or reply may pass in between.
                 async with self._send_lock:
-                    await self._write(chunk)
+                    await self._write(chunk, last=end == size)
         self.bytes_out += size
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, *, last: bool = True) -> None:
+        """Write one WebSocket message; the ``last`` of a message's (over
+        :data:`FRAGMENT_BYTES`) as fragments."""
+        fragmented = last and len(data) > FRAGMENT_BYTES
         try:
-            await self.transport.send((data,) if len(data) > FRAGMENT_BYTES else data)
+            await self.transport.send((data,) if fragmented else data)
         except Exception as exc:  # the transport's own "connection closed"
             raise ChannelClosed(f"{self.name}: connection closed while sending: {exc}") from exc
 

@@ -372,15 +372,17 @@ def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message()
     asyncio.run(main())
 
 
-def test_a_large_message_is_not_kept_alive_by_the_receivers_frame_parser():
+@pytest.mark.parametrize("floats", [25_000, 5 * CHUNK_BYTES // 8], ids=["one", "chunked"])
+def test_a_large_message_is_not_kept_alive_by_the_receivers_frame_parser(floats):
     """websockets' parser keeps the last frame it parsed until the next one arrives: a message
     sent as one frame would stay alive (10,000 agents' last states after a round, 1 GB) until
-    its connection's next message. Sent as fragments, only an empty last frame stays."""
+    its connection's next message. Sent as fragments, only an empty last frame stays (of a
+    chunked one, its last chunk is sent so)."""
     import gc
 
     from websockets.frames import Frame
 
-    big = torch.ones(25_000)  # 100 KB: one message, not chunked
+    big = torch.ones(floats)  # 100 KB, one message; or 2.5 MiB, in chunks (the last 0.5 MiB)
 
     def large_frames() -> list[Frame]:
         gc.collect()
