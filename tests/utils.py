@@ -174,3 +174,19 @@ def agent_daemons(agent: int) -> set[int]:
         elif b"worker.daemon" in _cmdline(pid):
             found.add(pid)
     return found
+
+
+class RecordingSink:
+    """A :class:`protocol.chunking.StreamSink` that keeps the buffer it gave out (``landed``)
+    and records each ``received`` count (``seen``): how its message arrived."""
+
+    def __init__(self) -> None:
+        self.landed: memoryview | None = None
+        self.seen: list[int] = []
+
+    def buffer(self, nbytes: int) -> memoryview:
+        self.landed = memoryview(bytearray(nbytes))
+        return self.landed
+
+    def received(self, nbytes: int) -> None:
+        self.seen.append(nbytes)

@@ -26,7 +26,7 @@ from protocol.messages import (
     Status,
     Watch,
 )
-from tests.utils import UNIT
+from tests.utils import UNIT, RecordingSink
 
 
 async def _pair(handler):
@@ -345,40 +345,15 @@ def test_a_shared_bulk_gate_bounds_the_chunked_messages_written_at_once():
     assert last == ["small"] + ["chunk"] * 4
 
 
-def test_a_reply_is_not_kept_alive_by_the_channel_waiting_for_the_next_message():
-    """A coordinator with a thousand idle connections must not hold each one's last reply (a
-    1 MB state) until that connection's next heartbeat."""
-    import gc
-    import weakref
-
-    big = torch.ones(CHUNK_BYTES // 2)  # 2 MiB: chunked
-
-    async def handler(message):
-        return Result(result={"state": big})
-
-    async def main():
-        server, client, reader, _ = await _pair(handler)
-        try:
-            reply = await client.request(Status(), timeout=10 * UNIT)
-            received = weakref.ref(reply.result["state"])
-            assert torch.equal(reply.result["state"], big)
-            del reply
-            await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
-            gc.collect()
-            assert received() is None
-        finally:
-            await _close(server, client, reader)
-
-    asyncio.run(main())
-
-
 @pytest.mark.parametrize("floats", [25_000, 5 * CHUNK_BYTES // 8], ids=["one", "chunked"])
-def test_a_large_message_is_not_kept_alive_by_the_receivers_frame_parser(floats):
-    """websockets' parser keeps the last frame it parsed until the next one arrives: a message
-    sent as one frame would stay alive (10,000 agents' last states after a round, 1 GB) until
-    its connection's next message. Sent as fragments, only an empty last frame stays (of a
+def test_a_reply_is_not_kept_alive_waiting_for_the_connections_next_message(floats):
+    """A coordinator with thousands of idle connections must not hold each one's last reply (a
+    state) until that connection's next heartbeat: not in the channel, and not in websockets'
+    frame parser, which keeps the last frame it parsed until the next one arrives (a message
+    sent as one frame would stay alive; sent as fragments, only an empty last frame stays; of a
     chunked one, its last chunk is sent so)."""
     import gc
+    import weakref
 
     from websockets.frames import Frame
 
@@ -395,9 +370,12 @@ def test_a_large_message_is_not_kept_alive_by_the_receivers_frame_parser(floats)
         server, client, reader, _ = await _pair(handler)
         try:
             reply = await client.request(Status(), timeout=10 * UNIT)
+            received = weakref.ref(reply.result["state"])
             assert torch.equal(reply.result["state"], big)
             del reply
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the loop lets go of the step that brought the reply
+            gc.collect()
+            assert received() is None
             assert [(f.opcode, f.fin, len(f.data)) for f in large_frames()] == []
         finally:
             await _close(server, client, reader)
@@ -459,21 +437,6 @@ def test_a_large_message_is_parsed_in_a_thread_and_the_loop_keeps_running(monkey
     asyncio.run(main())
 
 
-class _Sink:
-    """A StreamSink that records how its message arrived."""
-
-    def __init__(self) -> None:
-        self.landed: memoryview | None = None
-        self.seen: list[int] = []
-
-    def buffer(self, nbytes: int) -> memoryview:
-        self.landed = memoryview(bytearray(nbytes))
-        return self.landed
-
-    def received(self, nbytes: int) -> None:
-        self.seen.append(nbytes)
-
-
 def test_a_reply_lands_in_the_callers_sink_as_it_arrives():
     big = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)  # 3 MiB: four chunks
 
@@ -483,14 +446,14 @@ def test_a_reply_lands_in_the_callers_sink_as_it_arrives():
     async def main():
         server, client, reader, _ = await _pair(handler)
         try:
-            sink = _Sink()
+            sink = RecordingSink()
             reply = await client.request(Status(), timeout=10 * UNIT, sink=sink)
             assert torch.equal(reply.result["echo"], big)
             assert len(sink.seen) == 4 and sink.seen == sorted(sink.seen)
             assert sink.seen[-1] == len(sink.landed)
             start = np.frombuffer(sink.landed, dtype=np.uint8).ctypes.data
             assert start <= reply.result["echo"].data_ptr() < start + len(sink.landed)
-            small = _Sink()  # a reply of one message lands whole
+            small = RecordingSink()  # a reply of one message lands whole
             reply = await client.request(Heartbeat(sent_at=0.0), timeout=10 * UNIT, sink=small)
             assert reply.result == {"small": 1} and small.seen == [len(small.landed)]
             unclaimed = await client.request(Status(), timeout=10 * UNIT)  # no sink: as ever

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from protocol.messages import CHUNK_BYTES
+from tests.utils import RecordingSink
 
 
 def test_chunks_are_cut_across_the_codec_parts_and_reassemble_exactly():
@@ -158,23 +159,12 @@ def test_a_claimed_stream_lands_in_its_sinks_buffer_and_is_told_each_chunk():
     from protocol.chunking import Reassembler, chunk_messages
     from protocol.codec import decode, encode
 
-    class Sink:
-        def __init__(self) -> None:
-            self.seen: list[int] = []
-
-        def buffer(self, nbytes: int) -> memoryview:
-            self.landed = memoryview(bytearray(nbytes))
-            return self.landed
-
-        def received(self, nbytes: int) -> None:
-            self.seen.append(nbytes)
-
     value = {"a": np.arange(CHUNK_BYTES // 4 + 9, dtype=np.float32)}
     parts = encode(value)
-    sink = Sink()
+    sink = RecordingSink()
     heads: list[bytes] = []
 
-    def claim(head: memoryview) -> Sink:
+    def claim(head: memoryview) -> RecordingSink:
         heads.append(bytes(head[:8]))
         return sink
 
