@@ -190,8 +190,8 @@ async def concurrently(*calls: Awaitable[T]) -> list[T]:
     failures: list[BaseException] = []
 
     def note(task: asyncio.Future[T]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            failures.append(task.exception())  # type: ignore[arg-type]
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            failures.append(failure)
 
     try:
         for call in calls:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from protocol.asyncio.turns import TurnGate
-from protocol.asyncio.websocket import close_reason
+from protocol.asyncio.websocket import as_sent, close_reason
 from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, StreamSink, chunk_messages
 from protocol.codec import Part, encode, frame_nbytes
 from protocol.errors import (
@@ -82,16 +82,6 @@ PARSE_ON_LOOP_BYTES = CHUNK_BYTES
 TURN_BYTES = 16 << 10
 """Messages over this size go through the channel's :class:`~protocol.asyncio.turns.TurnGate`:
 encoding and writing them is what a turn of the loop can fill up with."""
-FRAGMENT_BYTES = TURN_BYTES
-"""Messages over this size go out as one WebSocket fragment and an empty last one.
-
-A ``websockets`` receiver's frame parser keeps the last frame it parsed until the next frame
-arrives, and an unfragmented message *is* that frame's bytes (its reader gets them without a
-copy). So every connection would keep its last large message alive until its peer sends
-again: after a FedAvg round, 10,000 agents' 100 KB states (1 GB) until their next
-heartbeats. Fragmented, the receiver joins the fragments into a new object (one copy, at
-memcpy speed) and keeps only the empty last frame. Of a chunked message only the last chunk is
-sent so: the next chunk takes the place of each one before it, which need not pay the copy."""
 ERROR_REPLY_TIMEOUT = 30.0
 """Seconds an error reply may take to go out before the peer is disconnected."""
 
@@ -101,7 +91,7 @@ class Transport(Protocol):
 
     async def send(self, message: Any) -> None:
         """Send one message: bytes, or an iterable of bytes sent as the fragments of one
-        message (see :data:`FRAGMENT_BYTES`)."""
+        message (:func:`~protocol.asyncio.websocket.as_sent`)."""
 
     async def recv(self) -> Any: ...
 
@@ -264,11 +254,8 @@ class Channel:
         self.bytes_out += size
 
     async def _write(self, data: bytes, *, last: bool = True) -> None:
-        """Write one WebSocket message; the ``last`` of a message's (over
-        :data:`FRAGMENT_BYTES`) as fragments."""
-        fragmented = last and len(data) > FRAGMENT_BYTES
         try:
-            await self.transport.send((data,) if fragmented else data)
+            await self.transport.send(as_sent(data, last))
         except Exception as exc:  # the transport's own "connection closed"
             raise ChannelClosed(f"{self.name}: connection closed while sending: {exc}") from exc
 

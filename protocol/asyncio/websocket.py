@@ -1,4 +1,4 @@
-"""The WebSocket settings every endpoint shares: options, TLS, close reasons.
+"""The WebSocket settings every endpoint shares: options, TLS, close reasons, fragmenting.
 
 The coordinator's server, the agent's coordinator link and peer server, the peer links it dials
 and the client all use :func:`ws_options`, so that the frame size limit and compression are the
@@ -14,7 +14,15 @@ from typing import Any
 
 from protocol.messages import CHUNK_BYTES
 
-__all__ = ["WS_MAX_SIZE", "client_tls", "close_reason", "server_tls", "tls_hint", "ws_options"]
+__all__ = [
+    "WS_MAX_SIZE",
+    "as_sent",
+    "client_tls",
+    "close_reason",
+    "server_tls",
+    "tls_hint",
+    "ws_options",
+]
 
 WS_MAX_SIZE = 4 * CHUNK_BYTES
 """Largest single WebSocket message; anything bigger travels as chunks (a chunk plus its header
@@ -25,6 +33,10 @@ PING_INTERVAL = 20.0
 PING_TIMEOUT = 20.0
 CLOSE_TIMEOUT = 10.0
 """The defaults of ``websockets`` itself, for an endpoint that does not choose."""
+
+FRAGMENT_BYTES = 16 << 10
+"""Messages over this size go out as one WebSocket fragment and an empty last one
+(:func:`as_sent`)."""
 
 CLOSE_REASON_BYTES = 123
 """Longest reason a close frame carries (RFC 6455 §5.5: 125 bytes of payload, 2 of them the
@@ -107,3 +119,19 @@ def server_tls(cert: str, key: str) -> ssl.SSLContext:
 def close_reason(reason: str) -> str:
     """``reason`` cut to what a WebSocket close frame carries (RFC 6455 §5.5: 123 bytes)."""
     return reason.encode()[:CLOSE_REASON_BYTES].decode(errors="ignore")
+
+
+def as_sent(data: bytes, last: bool = True) -> bytes | tuple[bytes]:
+    """What to hand ``websockets``' ``send`` for ``data``: itself, or (over
+    :data:`FRAGMENT_BYTES`, when it is the ``last`` message of its kind) a one-item tuple, which
+    goes out as one fragment and an empty last one.
+
+    A ``websockets`` receiver's frame parser keeps the last frame it parsed until the next frame
+    arrives, and an unfragmented message *is* that frame's bytes (its reader gets them without a
+    copy). So every connection would keep its last large message alive until its peer sends
+    again: after a FedAvg round, 10,000 agents' 100 KB states (1 GB) until their next
+    heartbeats. Fragmented, the receiver joins the fragments into a new object (one copy, at
+    memcpy speed) and keeps only the empty last frame. Of a chunked message only the last chunk
+    need be sent so (``last``): the next chunk takes the place of each one before it.
+    """
+    return (data,) if last and len(data) > FRAGMENT_BYTES else data

@@ -41,15 +41,12 @@ def cycle() -> weakref.ref[Node]:
 
 def test_a_frozen_cycle_survives_collections_until_the_next_full_one_takes_it():
     try:
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        alive = weakref.ref(a)
-        do(Chore.FREEZE)
-        del a, b  # garbage now, but frozen: no collection walks it
+        garbage = cycle()
+        do(Chore.FREEZE)  # garbage, but frozen: no collection walks it
         gc.collect()
-        assert alive() is not None
+        assert garbage() is not None
         do(Chore.COLLECT)
-        assert alive() is None
+        assert garbage() is None
         assert gc.get_freeze_count() > 0  # what is alive is frozen again after the collection
     finally:
         gc.unfreeze()
