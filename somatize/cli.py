@@ -360,15 +360,18 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             name=args.name or Path(args.file).stem,
             file=args.file,
         )
-        out.print(job.id, markup=False, soft_wrap=True)
-        for note in job.notes:  # said up front: why it will not equal graph.fit exactly
-            err.print(f"note: {note}", markup=False, soft_wrap=True)
-        if args.no_wait:
-            return EXIT_OK
         started, line = time.monotonic(), JobProgress()
-        board = HistoryWriter(args.tensorboard) if args.tensorboard else None
+        board = None
+        # From here the job exists: a Ctrl-C at any point asks about it (one while its id is
+        # being printed too, not only while it is followed).
         try:
             with exit_signals(args.cancel_on_exit):
+                out.print(job.id, markup=False, soft_wrap=True)
+                for note in job.notes:  # said up front: why it will not equal graph.fit
+                    err.print(f"note: {note}", markup=False, soft_wrap=True)
+                if args.no_wait:
+                    return EXIT_OK
+                board = HistoryWriter(args.tensorboard) if args.tensorboard else None
                 end = follow(job, err, line, board)
         except KeyboardInterrupt as stop:
             when_stopped(job, stop, args.cancel_on_exit, err)

@@ -167,7 +167,9 @@ class _Terminal:
                 try:
                     self.seen += os.read(self.master, 65536)
                 except OSError:  # the other side closed: the command ended
-                    break
+                    raise AssertionError(
+                        f"the command ended before {text!r}: {self.seen.decode(errors='replace')}"
+                    ) from None
         return self.seen.decode(errors="replace")
 
     def type(self, line: str) -> None:
@@ -204,6 +206,7 @@ def test_ctrl_c_in_submit_asks_whether_to_cancel_the_job(live, client, tmp_path,
     before = {r["id"] for r in client.jobs(limit=50)}
     term = _Terminal(live, "submit", _job_file(tmp_path, SLEEPY_JOB))
     job_id = _newest_running(client, before)
+    term.read_until(job_id, 30 * UNIT)  # the command has the job: a Ctrl-C from now asks
     term.proc.send_signal(signal.SIGINT)
     term.read_until(f"interrupted: cancel job {job_id} too? [y/N] ", 30 * UNIT)
     term.type(answer + "\n")
@@ -232,8 +235,10 @@ def test_ctrl_c_without_a_terminal_leaves_the_job_running_without_asking(live, c
     )
     try:
         job_id = _newest_running(client, before)
+        printed = proc.stdout.readline()  # the command has the job: a Ctrl-C from now is about it
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30 * UNIT)
+        out = printed + out
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -261,6 +266,7 @@ def test_cancel_on_exit_cancels_the_job_when_submit_stops(live, client, tmp_path
     )
     try:
         job_id = _newest_running(client, before)
+        assert proc.stdout.readline().strip() == job_id  # the command has the job
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30 * UNIT)
     finally:
