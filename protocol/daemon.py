@@ -351,6 +351,8 @@ class StageForwardRequest(DataSource):
     and what its backward needs is kept under ``micro``. ``first``: the input needs no gradient;
     ``last``: labels are required and the loss, times ``scale`` (the micro-batch's share of the
     global batch's rows), is kept. Returns the activation, or ``{"loss", "rows"}`` when ``last``.
+    A last stage on its worker's own data takes ``y`` as rows ``label_rows`` of the labels it
+    staged under ``labels``.
     """
 
     cmd: Literal["stage_forward"] = "stage_forward"
@@ -359,6 +361,16 @@ class StageForwardRequest(DataSource):
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     first: bool = False
     last: bool = False
+    labels: str | None = None
+    label_rows: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _labels_by_name(self) -> Self:
+        if (self.labels is None) != (self.label_rows is None):
+            raise ValueError("labels and label_rows come together")
+        if self.labels is not None and (self.y is not None or not self.last):
+            raise ValueError("staged labels are the last stage's y: give them or y, not both")
+        return self
 
 
 class StageBackwardRequest(_Request):

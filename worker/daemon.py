@@ -281,6 +281,8 @@ class Daemon(GroupCommands):
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
         x, y = self._data(req)
+        if req.labels is not None:
+            y = self.engine.held(req.labels, req.label_rows)[0]
         return self.engine.stage_forward(
             req.node_ids, req.micro, x, y, req.scale, req.last, first=req.first
         )

@@ -172,7 +172,7 @@ class ModelParallel(Strategy):
         if job.dataset is None and job.y is None:
             raise StrategyOptionsError("model_parallel trains with labels: y is missing")
         if job.dataset is not None:
-            own_data_checks(self.partitions, torch_nodes, self.transport)
+            own_data_checks(self.partitions, torch_nodes)
         if job.val_split is not None:
             raise StrategyOptionsError(
                 "model_parallel evaluates validation data sent with the job (x_val, y_val), "
@@ -273,21 +273,13 @@ def _lost(stage: int, worker: str, failed: StrategyFailed) -> dict[str, Any]:
     }
 
 
-def own_data_checks(
-    partitions: Sequence[Partition], torch_nodes: Sequence[str], transport: str
-) -> None:
-    """What ModelParallel on ``WorkerData`` needs: the torch transport (over WebSocket links
-    the labels travel from the coordinator), and a first partition that trains (the output of
-    plain filters alone would travel back through the coordinator).
+def own_data_checks(partitions: Sequence[Partition], torch_nodes: Sequence[str]) -> None:
+    """What ModelParallel on ``WorkerData`` needs: a first partition that trains (the output of
+    plain filters alone would travel through the coordinator).
 
     Raises:
-        StrategyOptionsError: saying which.
+        StrategyOptionsError: saying so.
     """
-    if transport == "websocket":
-        raise StrategyOptionsError(
-            "model_parallel on WorkerData trains on the torch transport (transport='auto' or "
-            "'torch'): over WebSocket links the labels travel from the coordinator"
-        )
     if not set(partitions[0].node_ids) & set(torch_nodes):
         raise StrategyOptionsError(
             "model_parallel on WorkerData: partition 0 holds only plain filters, whose output "

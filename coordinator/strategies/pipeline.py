@@ -68,8 +68,9 @@ class GlobalBatch:
     pipeline: list[int]  # the stages that train, in order
     stages: list[list[str]]  # node ids of every stage
     micro: list[np.ndarray[Any, Any]]  # row indices of each micro-batch
-    y: Any
+    y: Any  # the labels sent with the job; None when the last stage holds its own
     index: int  # which global batch (keys of the tensors in flight)
+    labels: str | None = None  # what the last stage's own labels are staged under
 
     @property
     def rows(self) -> int:
@@ -85,7 +86,11 @@ class GlobalBatch:
             fields |= {"data": STAGED, "rows": self.micro[m].tolist(), "first": True}
         if k == len(self.pipeline) - 1:
             rows = self.micro[m]
-            fields |= {"y": self.y[rows], "scale": len(rows) / self.rows, "last": True}
+            fields |= {"scale": len(rows) / self.rows, "last": True}
+            if self.labels is None:
+                fields["y"] = self.y[rows]
+            else:
+                fields |= {"labels": self.labels, "label_rows": rows.tolist()}
         return StageForwardRequest(**fields)
 
 

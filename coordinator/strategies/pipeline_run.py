@@ -146,21 +146,18 @@ class PipelineRun:
         await guard(concurrently(*(ctx.call(s, told) for s in pipeline)))
         evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
-        if own_rows is not None and not isinstance(meet, Rendezvous):
-            raise StrategyFailed(
-                ErrorCode.COLLECTIVE_FAILED,
-                f"model_parallel on WorkerData trains on the torch transport, and {meet}",
-            )
+        if own_rows is None:
+            await guard(ctx.call(first, StageRequest(name=STAGED, x=x)), stage=first)
+        else:
+            await self._stage_own_labels(guard, pipeline[-1], own_rows)
         if isinstance(meet, Rendezvous):
             # 3. Training on torch.distributed: the stages run the schedule themselves.
             await self.emit(
                 "progress", {"phase": "linked", "transport": "torch", "reason": meet.reason}
             )
             if own_rows is None:
-                await guard(ctx.call(first, StageRequest(name=STAGED, x=x)), stage=first)
-                labels = StageRequest(name=LABELS, x=job.y)
-            else:  # the last stage's own y, staged as its rows
-                labels = job.own_data(LABELS).model_copy(update={"labels": True})
+                sent = StageRequest(name=LABELS, x=job.y)
+                await guard(ctx.call(pipeline[-1], sent), stage=pipeline[-1])
             pipe = TorchPipeline(
                 ctx,
                 guard,
@@ -176,14 +173,34 @@ class PipelineRun:
                 self.history,
                 evaluate,
             )
-            await pipe.train(meet, labels, steps_per_epoch, saves)
+            await pipe.train(meet, steps_per_epoch, saves)
         else:
             how = (plan, micro_batches, evaluate)
-            await self._over_websockets(guard, pipeline, how, meet, x, saves)
+            labels = None if own_rows is None else LABELS
+            await self._over_websockets(guard, pipeline, how, meet, count, labels, saves)
         await saves.finish()
         total = steps_per_epoch * self.training.epochs
         await self.history.finish(ended(self.training.epochs, total))
         return await _read_back(ctx, guard, stages)
+
+    async def _stage_own_labels(self, guard: Guard, last: int, rows: int) -> None:
+        """The last stage's worker stages its own dataset's ``y`` under :data:`LABELS`; it must
+        hold as many ``rows`` as the first stage's (which the workers' announcements promised
+        at submit, and a dataset a ``loader=`` makes can only tell now).
+
+        Raises:
+            StrategyFailed: ``BAD_REQUEST`` naming the worker, when the rows disagree.
+        """
+        request = self.job.own_data(LABELS).model_copy(update={"labels": True})
+        staged = await guard(self.ctx.call(last, request), stage=last)
+        if int(staged["rows"]) != rows:
+            raise StrategyFailed(
+                ErrorCode.BAD_REQUEST,
+                f"the last stage's worker {self.ctx.workers[last].id!r} holds {staged['rows']} "
+                f"labels and the first stage's {rows} rows: both must hold the dataset with "
+                "the same rows",
+                stage=last,
+            )
 
     async def _train_alone(self, guard: Guard, stage: int, source: dict[str, Any]) -> None:
         """3. The one stage that trains runs the whole training loop (``batched_fit``) on
@@ -224,14 +241,16 @@ class PipelineRun:
         pipeline: list[int],
         how: tuple[Schedule, int, Evaluate | None],
         reason: str,
-        x: Any,
+        count: int,
+        labels: str | None,
         saves: StageCheckpoints,
     ) -> None:
         """3. Training (GPipe / 1F1B), every action a call from here: each global batch's
         micro-batches through the schedule (``how``: the schedule, micro-batches per global
         batch, the evaluation at an epoch's end), gradients accumulated, one step on every
         stage (the gradient of them all clipped as one); from the newest checkpoint's batch
-        on."""
+        on. The first stage holds its ``count`` rows staged; the last takes the job's ``y``, or the
+        labels it staged under ``labels``."""
         ctx, stages, training, history = self.ctx, self.stages, self.training, self.history
         plan, micro_batches, evaluate = how
         linked = ctx.supports_peer_links and len(pipeline) > 1
@@ -246,19 +265,18 @@ class PipelineRun:
             await self.emit(
                 "progress", {"phase": "linked", "direct": direct, "relay": relayed} | linked_by
             )
-        await guard(ctx.call(pipeline[0], StageRequest(name=STAGED, x=x)), stage=pipeline[0])
         start = await saves.restore(guard)
         saves.start()
         at = PipelinePosition()
-        batches = list(global_batches(int(x.shape[0]), micro_batches, training))
+        batches = list(global_batches(count, micro_batches, training))
         total = len(batches)
-        per_epoch = training.steps_per_epoch(int(x.shape[0]))
+        per_epoch = training.steps_per_epoch(count)
         for epoch, _, micro in batches:
             at.epoch, at.step = epoch, at.step + 1
             if at.step <= start:
                 continue  # trained before the checkpoint this run goes on from
             micro = [m for m in micro if len(m)]
-            batch = GlobalBatch(pipeline, stages, micro, self.job.y, at.step)
+            batch = GlobalBatch(pipeline, stages, micro, self.job.y, at.step, labels)
             exchange: ThroughStrategy | WorkerToWorker = (
                 WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
             )

@@ -40,7 +40,7 @@ from coordinator.strategies.process_group import (
 )
 from coordinator.strategies.schedule import Schedule
 from coordinator.strategies.steps import Training
-from protocol.daemon import PipePlanRequest, PipeTrainRequest, StageRequest
+from protocol.daemon import PipePlanRequest, PipeTrainRequest
 from protocol.errors import ErrorCode
 
 __all__ = ["LABELS", "TorchPipeline", "choose_transport"]
@@ -89,29 +89,14 @@ class TorchPipeline:
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
 
-    async def train(
-        self,
-        meet: Rendezvous,
-        labels: StageRequest,
-        steps_per_epoch: int,
-        saves: StageCheckpoints,
-    ) -> None:
+    async def train(self, meet: Rendezvous, steps_per_epoch: int, saves: StageCheckpoints) -> None:
         """Every global batch of the run through the pipeline — from the newest checkpoint's on,
         every stage set back to it first —, with progress per chunk, a chunk ending where a
-        checkpoint falls due (``saves``) and the checkpoint saved then; ``labels`` stages the
-        last stage's labels under :data:`LABELS` (sent, or its own)."""
+        checkpoint falls due (``saves``) and the checkpoint saved then. The first stage holds
+        its rows under ``data``, the last its labels under :data:`LABELS`."""
         ctx, last = self.ctx, self.pipeline[-1]
         prefix = f"{secrets.token_hex(4)}/pipeline/"
         await self.guard(join(ctx, self.pipeline, meet, prefix, self.timeout))
-        staged = await self.guard(ctx.call(last, labels))
-        if int(staged["rows"]) != self.rows:
-            raise StrategyFailed(
-                ErrorCode.BAD_REQUEST,
-                f"the last stage's worker {ctx.workers[last].id!r} holds {staged['rows']} "
-                f"labels and the first stage's {self.rows} rows: both must hold the dataset "
-                "with the same rows",
-                stage=last,
-            )
         plans = {s: ctx.call(s, self._plan(k, s)) for k, s in enumerate(self.pipeline)}
         await self.guard(self._settle(plans, 0))
         step = await saves.restore(self.guard)

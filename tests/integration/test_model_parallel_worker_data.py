@@ -1,9 +1,9 @@
 """Issue 15: ModelParallel on data that lives on the workers.
 
 Two live stage workers serve the same rows as ``local`` (an ``x.npy``/``y.npy`` directory each):
-the first stage reads its ``x``, the last its ``y``, over the torch transport; the model equals
-the unsplit one trained in one process on those rows. Stages whose datasets disagree in rows
-fail the job before training, naming the worker; the WebSocket transport is refused at submit.
+the first stage reads its ``x``, the last its ``y``; the model equals
+the unsplit one trained in one process on those rows, over the torch transport and over
+WebSocket links. Stages whose datasets disagree in rows are refused at submit.
 """
 
 from __future__ import annotations
@@ -77,6 +77,18 @@ def test_model_parallel_reads_x_on_the_first_stage_and_y_on_the_last(tmp_path):
         with pytest.raises(sz.ClientError, match=r"their rows must agree; .* w0 60, w2 40 rows"):
             client.submit(_graph(), sz.WorkerData("local"), strategy=sz.ModelParallel(short))
 
-        by_websocket = sz.ModelParallel(split, transport="websocket")
-        with pytest.raises(sz.ClientError, match="trains on the torch transport"):
-            client.submit(_graph(), sz.WorkerData("local"), strategy=by_websocket)
+        # Over WebSocket links, three stages: the middle one's worker holds a dataset of other
+        # rows, which it never reads; the last takes its labels from its own.
+        three = [
+            sz.Partition(["a"], worker="w0"),
+            sz.Partition(["b"], worker="w2"),
+            sz.Partition(["c"], worker="w1"),
+        ]
+        by_websocket = sz.ModelParallel(three, 2, transport="websocket")
+        job = client.submit(_graph(), sz.WorkerData("local"), strategy=by_websocket)
+        fitted = job.result(timeout=120 * UNIT)
+        linked = [e.data for e in job.events() if e.data.get("phase") == "linked"]
+        assert [e["transport"] for e in linked] == ["websocket"]
+        for node in "abc":
+            for key, value in expected[node].items():
+                torch.testing.assert_close(fitted.states[node][key], value, rtol=0, atol=1e-5)

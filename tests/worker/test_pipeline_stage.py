@@ -240,7 +240,8 @@ def _ask(daemon: Daemon, **message: Any) -> Any:
     return reply["result"]
 
 
-def test_daemon_commands_drive_a_two_stage_pipeline():
+@pytest.mark.parametrize("staged_labels", [False, True])
+def test_daemon_commands_drive_a_two_stage_pipeline(staged_labels):
     modules = _stage_modules(2)
     daemons = []
     for i, module in enumerate(modules):
@@ -250,6 +251,8 @@ def test_daemon_commands_drive_a_two_stage_pipeline():
         daemons.append(d)
     x, y = _data()
     _ask(daemons[0], id=2, cmd="stage", name="train", x=x)
+    if staged_labels:  # as a last stage on its worker's own data holds them
+        _ask(daemons[1], id=2, cmd="stage", name="labels", x=y)
     model = torch.nn.Sequential(*[copy.deepcopy(m) for m in modules])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     F.mse_loss(model(torch.as_tensor(x)), torch.as_tensor(y)).backward()
@@ -260,8 +263,9 @@ def test_daemon_commands_drive_a_two_stage_pipeline():
         rows = list(range(6 * m, 6 * m + 6))
         h = _ask(d0, id=3, cmd="stage_forward", node_ids=["s0"], micro=m, data="train",
                  rows=rows, first=True)  # fmt: skip
-        out = _ask(d1, id=4, cmd="stage_forward", node_ids=["s1"], micro=m, x=h, y=y[rows],
-                   scale=0.5, last=True)  # fmt: skip
+        labels = {"labels": "labels", "label_rows": rows} if staged_labels else {"y": y[rows]}
+        out = _ask(d1, id=4, cmd="stage_forward", node_ids=["s1"], micro=m, x=h, scale=0.5,
+                   last=True, **labels)  # fmt: skip
         assert out["rows"] == 6
     for m in (1, 0):
         g = _ask(d1, id=5, cmd="stage_backward", micro=m)
@@ -276,3 +280,18 @@ def test_daemon_commands_drive_a_two_stage_pipeline():
 
     error = d1.handle(bytearray(encode_frame({"id": 10, "cmd": "stage_backward", "micro": 5})))
     assert error["ok"] is False and error["error"]["code"] == ErrorCode.BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"labels": "labels", "last": True}, "labels and label_rows come together"),
+        ({"labels": "labels", "label_rows": [0]}, "staged labels are the last stage's y"),
+        ({"labels": "labels", "label_rows": [0], "y": [[1.0]], "last": True}, "not both"),
+    ],
+)
+def test_staged_labels_are_refused_where_they_cannot_be_the_last_stages_y(fields, says):
+    request = {"id": 1, "cmd": "stage_forward", "node_ids": ["s1"], "micro": 0} | fields
+    reply = Daemon().handle(bytearray(encode_frame(request)))
+    assert reply["ok"] is False and reply["error"]["code"] == ErrorCode.BAD_REQUEST
+    assert says in reply["error"]["message"]
