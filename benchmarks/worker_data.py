@@ -40,8 +40,10 @@ Context, in this process (1 torch thread): one step's read alone — the first
 :data:`PROBE_STEPS` steps of replica 0's plan (:func:`protocol.batching.replica_batches`) read
 with ``NpyRows``, warm and cold — and one replica's compute alone (512 rows forward, backward,
 SGD step). The disk path reads the next step's rows in a thread of the daemon while a step trains
-(:mod:`worker.read_ahead`), every run of rows asked for at once (``POSIX_FADV_WILLNEED``): a
-read longer than a step, or one competing for the only cores, shows in the ratio.
+(:mod:`worker.read_ahead`), what the page cache holds at once and every other run of rows asked
+for at once (:mod:`worker.row_reads`): a read longer than a step, or one competing for the only
+cores (a cold random 16 KiB read costs about 40 µs of kernel CPU on the project's VM), shows in
+the ratio.
 
 Targets (issue 15): disk step ≤ :data:`RATIO_TARGET` × memory step, each daemon's peak RSS on
 the disk path < :data:`RSS_TARGET_MB` MB. Everything written lives in a temporary directory
