@@ -368,7 +368,9 @@ class StageForwardRequest(DataSource):
     def _labels_by_name(self) -> Self:
         if (self.labels is None) != (self.label_rows is None):
             raise ValueError("labels and label_rows come together")
-        if self.labels is not None and (self.y is not None or not self.last):
+        if self.labels is not None and not self.last:
+            raise ValueError("staged labels are the last stage's y: give them with last")
+        if self.labels is not None and self.y is not None:
             raise ValueError("staged labels are the last stage's y: give them or y, not both")
         return self
 

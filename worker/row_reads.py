@@ -110,7 +110,7 @@ def read_spans(fd: int, offset: int, out: np.ndarray[Any, Any], plan: ReadPlan, 
     flat = out.reshape(-1).view(np.uint8).data
     into = plan.into.tolist()
     picks: list[tuple[np.ndarray[Any, Any], int, int]] = []  # scratch, its span's bounds
-    waiting: list[tuple[list[memoryview], int]] = []  # what the page cache did not hold
+    waiting: list[tuple[list[memoryview], int, int]] = []  # not in the page cache: rest, at, bytes
     spans = zip(plan.firsts, plan.counts, plan.dense, plan.ordered, strict=True)
     for j, (first, count, dense, ordered) in enumerate(spans):
         at = offset + first * size
@@ -128,10 +128,10 @@ def read_spans(fd: int, offset: int, out: np.ndarray[Any, Any], plan: ReadPlan, 
         rest = _cached(fd, buffers, at, count * size)
         if rest is not None:
             waiting.append(rest)
-    if len(waiting) > 1 or (waiting and sum(len(b) for b in waiting[0][0]) > READAHEAD_BYTES):
-        for buffers, at in waiting:
-            os.posix_fadvise(fd, at, sum(len(b) for b in buffers), WILLNEED)
-    for buffers, at in waiting:
+    if len(waiting) > 1 or (waiting and waiting[0][2] > READAHEAD_BYTES):
+        for _, at, left in waiting:
+            os.posix_fadvise(fd, at, left, WILLNEED)
+    for buffers, at, _ in waiting:
         read_into(fd, buffers, at, name)
     if picks:
         rows = out.reshape(len(out), -1).view(np.uint8)
@@ -147,21 +147,22 @@ _nowait = [bool(NOWAIT)]  # False once the file system refused RWF_NOWAIT
 
 def _cached(
     fd: int, buffers: list[memoryview], at: int, size: int
-) -> tuple[list[memoryview], int] | None:
-    """Read what the page cache holds of ``buffers`` (from byte ``at``) without waiting for
-    storage; ``None`` when that was all, else the buffers' unread rest and where it starts."""
+) -> tuple[list[memoryview], int, int] | None:
+    """Read what the page cache holds of ``buffers`` (``size`` bytes from byte ``at``) without
+    waiting for storage; ``None`` when that was all, else the buffers' unread rest, where it
+    starts and its bytes."""
     if len(buffers) > IOV_MAX or size > MAX_READ or not _nowait[0]:
-        return buffers, at
+        return buffers, at, size
     try:
         done = os.preadv(fd, buffers, at, NOWAIT)
     except BlockingIOError:
-        return buffers, at
+        return buffers, at, size
     except OSError:  # EOPNOTSUPP: a file system that cannot say; read it all the plain way
         _nowait[0] = False
-        return buffers, at
+        return buffers, at, size
     if done == size:
         return None
-    return _after(buffers, done), at + done
+    return _after(buffers, done), at + done, size - done
 
 
 def _after(buffers: list[memoryview], done: int) -> list[memoryview]:
