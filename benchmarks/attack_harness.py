@@ -30,7 +30,11 @@ from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Capabilities
 from somatize.cluster import LocalCluster
-from tests.coordinator.test_model_parallel import dataset, graph, reference
+from tests.coordinator.strategies.model_parallel.test_model_parallel import (
+    dataset,
+    graph,
+    reference,
+)
 
 WORKERS = ("w0", "w1")
 ATTEMPTS = 20

@@ -18,7 +18,7 @@ import somatize as sz
 from benchmarks.attack_harness import WAIT, WORKERS, Attack, Memory, Site, pid_of, rss_kib
 from benchmarks.attack_scenarios import scenario
 from benchmarks.fault_harness import sleepy_job, until
-from coordinator.spill import PARK_MIN_BYTES
+from coordinator.jobs.spill import PARK_MIN_BYTES
 from tests.utils import Center
 
 QUEUED_JOBS = 2

@@ -29,7 +29,7 @@ round's order rotated by one), the machine let go quiet before each job
 coordinator took to write it (a thread: encode, SHA-256, write, ``fsync``, rename), and the
 *stall*: training stands still while the coordinator reads replica 0's states and optimizer
 states (a snapshot over its WebSocket); the write then runs in the background while the next
-steps train (:mod:`coordinator.job_checkpoints`), so the stall is the time from the progress
+steps train (:mod:`coordinator.jobs.checkpoints`), so the stall is the time from the progress
 event of its step to its own event less the write. The stalls inside the measured span per
 measured step, over the anchor's step, are the overhead the events account for; a stall over
 60 s is what the default costs where epochs are long (its timer decides then). For context,

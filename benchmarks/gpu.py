@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 import somatize as sz
+from engine.devices import resolve_device
 from somatize.cluster import LocalCluster
-from worker.devices import resolve_device
 
 TOLERANCE = 1e-4
 SEED = 0

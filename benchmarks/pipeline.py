@@ -24,8 +24,8 @@ the median interval between those events (their recorded times), without the fir
    balanced stages), cross-entropy, SGD (lr 0.01), a global batch of :data:`MLP_BATCH` rows cut
    into M = 1, 2, 4, 8 micro-batches, over direct links; next to the same model trained in one
    process (batch 512, 1 thread, step ends timed the same way), with GPipe's idealised bubble
-   fraction ``(S - 1) / (M + S - 1)`` (:func:`coordinator.strategies.schedule.gpipe`) beside
-   each M.
+   fraction ``(S - 1) / (M + S - 1)`` (:func:`coordinator.strategies.model_parallel.schedule.gpipe`)
+   beside each M.
 3. *Against torch* (the rows with a target): the same MLP, split the same way, batch, loss and
    SGD, at M = 2, 4, 8 (:data:`TORCH_MICRO_BATCHES`) for GPipe and 1F1B, ours with
    ``transport="torch"`` on ``d0``, ``d1`` (the stage daemons join a gloo group and run the
@@ -83,7 +83,7 @@ from benchmarks.allreduce import (
 )
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
-from coordinator.strategies.schedule import gpipe, one_f_one_b
+from coordinator.strategies.model_parallel.schedule import gpipe, one_f_one_b
 from somatize.cluster import LocalCluster
 
 ACT_SIZES = (16, 4096, 10)

@@ -49,7 +49,7 @@ REPEATS = 8
 ROUNDS = 3
 TIMEOUT = 60.0
 WS_MAX_SIZE = 4 * CHUNK_BYTES
-"""The coordinator's and the agent's ``max_size`` (``coordinator.ws_server.WS_MAX_SIZE``)."""
+"""The coordinator's and the agent's ``max_size`` (``coordinator.server.app.WS_MAX_SIZE``)."""
 
 AGENT = """
 import asyncio, socket, sys

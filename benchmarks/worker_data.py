@@ -16,10 +16,10 @@ default ``auto``: torch where the workers can) over
 ``batch_size`` :data:`BATCH` rows *per replica*, ``seed`` 0), three times:
 
 - *anchor, memory*: ``WorkerData("mem")``: each daemon reads its ``.npz`` whole when the job
-  stages it (:mod:`worker.dataset_files`) and every step takes its rows from that array;
+  stages it (:mod:`engine.data.dataset_files`) and every step takes its rows from that array;
 - *ours, disk, warm*: ``WorkerData("disk")`` with the files read through once just before
   (the page cache holds them: its share is printed), each step reading its rows with ``pread``
-  (:class:`worker.npy_rows.NpyRows`), nothing else held;
+  (:class:`engine.data.npy_rows.NpyRows`), nothing else held;
 - *ours, disk, cold*: the same after ``fsync`` and ``posix_fadvise(DONTNEED)`` on both files
   (no root needed; the share still cached is printed): the epoch reads them from storage.
 
@@ -37,11 +37,11 @@ second of training; the bytes its daemons read from storage (``read_bytes`` of
 printed beside it.
 
 Context, in this process (1 torch thread): one step's read alone — the first
-:data:`PROBE_STEPS` steps of replica 0's plan (:func:`protocol.batching.replica_batches`) read
+:data:`PROBE_STEPS` steps of replica 0's plan (:func:`protocol.rules.batching.replica_batches`) read
 with ``NpyRows``, warm and cold — and one replica's compute alone (512 rows forward, backward,
 SGD step). The disk path reads the next step's rows in a thread of the daemon while a step trains
-(:mod:`worker.read_ahead`), what the page cache holds at once and every other run of rows asked
-for at once (:mod:`worker.row_reads`): a read longer than a step, or one competing for the only
+(:mod:`engine.data.read_ahead`), what the page cache holds at once and every other run of rows asked
+for at once (:mod:`engine.data.row_reads`): a read longer than a step, or one competing for the only
 cores (a cold random 16 KiB read costs about 40 µs of kernel CPU on the project's VM), shows in
 the ratio.
 

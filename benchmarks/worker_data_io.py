@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from benchmarks.allreduce import cpu_snapshot, descendants, foreign_cores
-from protocol.batching import replica_batches
-from worker.npy_rows import NpyRows
+from engine.data.npy_rows import NpyRows
+from protocol.rules.batching import replica_batches
 
 WIDTH = 4096
 """Features per row: 16 KiB of float32."""

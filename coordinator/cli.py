@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.clients import ClientTokens
-from coordinator.collector import tend
-from coordinator.pending import MAX_PENDING_PER_ADDRESS
-from coordinator.ws_server import (
+from coordinator.server.app import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_CONNECTIONS,
     REASSEMBLY_BUDGET,
     Coordinator,
 )
+from coordinator.server.clients import ClientTokens
+from coordinator.server.collector import tend
+from coordinator.server.pending import MAX_PENDING_PER_ADDRESS
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
@@ -307,7 +307,7 @@ async def _main(args: argparse.Namespace) -> None:
     # What start-up made lives as long as the process: out of the cyclic collector's way, so a
     # full collection with thousands of connections open does not walk it too (a pause of the
     # loop that every heartbeat would wait behind); and so is, each second, what is alive then
-    # (coordinator.collector).
+    # (coordinator.server.collector).
     gc.collect()
     gc.freeze()
     collector = asyncio.ensure_future(tend())

@@ -7,8 +7,8 @@ implementations provide it:
 
 * :class:`TransportContext` — live workers over their WebSocket connections (the agent forwards
   each command to the job's filter daemon);
-* :class:`InMemoryContext` — in-process workers, each a :class:`worker.daemon.Daemon` over its own
-  engine, every request and reply passing through the frame codec as on the wire.
+* :class:`InMemoryContext` — in-process workers, each a :class:`worker.daemon.main.Daemon` over its
+  own engine, every request and reply passing through the frame codec as on the wire.
 
 Both run the same strategies and the same conformance tests. Calls to different workers run
 concurrently (``asyncio.gather``); calls to one worker are serialised by its daemon.
@@ -42,8 +42,8 @@ from protocol.daemon import (
     SetStateRequest,
     request_fields,
 )
-from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.options.devices import device_fits
 
 if TYPE_CHECKING:
     from protocol.asyncio.channel import Pacer
@@ -301,7 +301,7 @@ class StrategyContext(ABC):
 
 class FrameHandler(Protocol):
     """What an in-memory worker is: a request frame in, reply frame parts out
-    (:class:`worker.daemon.Daemon` is one)."""
+    (:class:`worker.daemon.main.Daemon` is one)."""
 
     def respond(self, frame: bytes | bytearray | memoryview) -> list[bytes | memoryview]: ...
 
@@ -315,7 +315,7 @@ class InMemoryContext(StrategyContext):
 
     Args:
         workers: the workers' identities, or how many anonymous ones (``mem-0``, ``mem-1``...).
-        make_daemon: makes one worker's daemon; pass :class:`worker.daemon.Daemon` (the
+        make_daemon: makes one worker's daemon; pass :class:`worker.daemon.main.Daemon` (the
             coordinator does not import worker code itself).
         timeout: seconds one command may take.
         spares: how many more workers :meth:`replace` can bring in (``mem-N``, ``mem-N+1``...)

@@ -4,7 +4,7 @@ Exception tree::
 
     CoordinatorError             root of everything raised by :mod:`coordinator`
     ├── StoreError               the job store refused a request or cannot be used
-    │   │                        (raised by :mod:`coordinator.store`)
+    │   │                        (raised by :mod:`coordinator.jobs.store`)
     │   ├── UnknownJob           no job has that id (also a :class:`KeyError`)
     │   ├── DuplicateJob         a job with that id already exists
     │   ├── InvalidTransition    the job's state does not allow the request (a terminal job
@@ -23,7 +23,8 @@ Exception tree::
     ├── AggregationError         contributions that cannot be averaged
     │                            (:mod:`coordinator.strategies.aggregate`)
     └── ScheduleError            a pipeline schedule that cannot run (also a
-                                 :class:`ValueError`; :mod:`coordinator.strategies.schedule`)
+                                 :class:`ValueError`;
+                                 :mod:`coordinator.strategies.model_parallel.schedule`)
 
 Remote failures (a worker's error reply, a filter that raised) are data recorded on the job
 (``error{code, message, detail}``): a strategy gets them as :class:`WorkerCallError` and decides
@@ -77,7 +78,7 @@ class StrategyFailed(CoordinatorError):
         self.info = ErrorInfo(code=code, message=message, detail=detail)
 
 
-# -- the job store's (coordinator.store) ------------------------------------------------------
+# -- the job store's (coordinator.jobs.store) ------------------------------------------------------
 
 
 class StoreError(CoordinatorError):
@@ -145,7 +146,8 @@ class StoreInUse(StoreError):
     """Another coordinator (or another open store in this process) holds the state directory."""
 
 
-# -- the worker registry's (coordinator.registry) ---------------------------------------------
+# -- the worker registry's (coordinator.server.registry)
+# ---------------------------------------------
 
 
 class DuplicateWorker(CoordinatorError):

@@ -7,7 +7,7 @@ A :class:`Reassembler` per connection joins them back into a writable buffer (te
 zero-copy over it), refusing what would go over its limits before any buffer exists. Its owner
 may *claim* a message from its first chunk (:class:`StreamSink`): the message then lands in a
 buffer the owner gives, which it watches fill chunk by chunk (a running mean folds each range of
-gradients in as it arrives, :mod:`coordinator.strategies.mean_fold`). A
+gradients in as it arrives, :mod:`coordinator.strategies.data_parallel.mean_fold`). A
 :class:`Budget` bounds the chunked messages in progress over all the connections that share
 it, and a stream that gets no chunk for the stall timeout is dropped, its memory with it.
 """

@@ -2,7 +2,7 @@
 
 The worker agent drives one filter daemon (``python -m worker.daemon``) per job through the
 daemon's stdin/stdout; the frames that carry these messages, and the shared memory large ones
-take, are the worker's business (``worker.pipe``, ``worker.shared_memory``).
+take, are the worker's business (``worker.daemon.pipe``, ``worker.daemon.shared_memory``).
 
 A request is one of the command models below (``cmd`` names it, ``id`` is chosen by the agent); the
 daemon answers every request, in order, with an :class:`OkReply` or an :class:`ErrorReply` carrying
@@ -173,7 +173,7 @@ class BatchedFitRequest(DataSource):
 class StageRequest(_Request):
     """Keep data under ``name`` for later commands: sent inline (``x``, ``y``), or a dataset of
     the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``), opened
-    by the job's pickled ``loader`` when one is given (:mod:`worker.loader_rows`)."""
+    by the job's pickled ``loader`` when one is given (:mod:`engine.data.loader_rows`)."""
 
     cmd: Literal["stage"] = "stage"
     name: str
@@ -293,7 +293,7 @@ class DistPlanRequest(_BatchPlan):
     here under ``data`` (sorted). With ``sizes`` the replicas train on their own datasets
     instead (``WorkerData``): ``sizes`` are their rows in the order of their worker ids, this
     replica the one at ``position``, the steps those of
-    :func:`protocol.batching.replica_batches` (``rows`` and ``held`` are not used)."""
+    :func:`protocol.rules.batching.replica_batches` (``rows`` and ``held`` are not used)."""
 
     cmd: Literal["dist_plan"] = "dist_plan"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -464,7 +464,7 @@ class ApplyGradientsRequest(_Request):
 
 class SecAggRequest(_Request):
     """One step of secure aggregation for the virtual client ``client`` in ``round``
-    (``worker.secagg_client``): ``keys`` (its two public keys), ``share`` (its secrets'
+    (``worker.daemon.secagg_client``): ``keys`` (its two public keys), ``share`` (its secrets'
     shares, sealed for each of its ``peers``: label → [encryption key, mask key]), ``mask``
     (its trained model, ``weight`` times the float entries named in ``layout``, quantized and
     masked, after opening the ``sealed`` shares its peers sent it), ``unmask`` (the shares it

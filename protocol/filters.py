@@ -17,7 +17,7 @@ from typing import Any
 import cloudpickle
 
 # Packages every worker has installed: pickled by reference, never by value.
-_OURS = ("protocol", "worker", "coordinator", "somatize")
+_OURS = ("protocol", "engine", "worker", "coordinator", "somatize")
 _INSTALLED_ROOTS = tuple(
     str(Path(p).resolve())
     for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}

@@ -1,5 +1,5 @@
 """Byzantine-robust aggregation for FedAvg and FedProx: what replaces a round's weighted mean
-when a few clients may send anything (``coordinator.strategies.robust``)::
+when a few clients may send anything (``coordinator.strategies.federated.robust``)::
 
     sz.FedAvg(rounds=20, min_workers=7, aggregator=sz.Krum(byzantine=1, keep=3))
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from protocol import aggregator_options as ao
+from protocol.options import aggregators as ao
 from somatize.components import Component
 
 __all__ = ["Aggregator", "Bulyan", "FedMedian", "Krum", "TrimmedMean"]

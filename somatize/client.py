@@ -36,7 +36,6 @@ from pydantic import BaseModel
 
 from protocol.arrays import data_nbytes
 from protocol.asyncio.channel import Channel
-from protocol.equivalence import data_parallel_notes
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
 from protocol.filters import dump_filter
 from protocol.messages import (
@@ -53,6 +52,7 @@ from protocol.messages import (
     Submit,
     Watch,
 )
+from protocol.rules.equivalence import data_parallel_notes
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from protocol.options_base import Dialect, NamedOptions, from_spec
+from protocol.options.base import Dialect, NamedOptions, from_spec
 
 __all__ = ["Component"]
 

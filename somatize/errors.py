@@ -15,7 +15,7 @@ Exception tree::
 
 A request or a job that does not answer within the time given raises the built-in
 :class:`TimeoutError`. Errors raised while a graph trains in-process come from the engine
-(:class:`worker.errors.EngineError`) or from the user's own filters, unchanged.
+(:class:`engine.errors.EngineError`) or from the user's own filters, unchanged.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A :class:`Filter` learns in ``fit(x, y=None) -> state`` and applies what it lear
 object can be shipped to a worker, fitted there, and its state carried back and forth on the wire.
 
 A :class:`TorchFilter` wraps a ``torch.nn.Module`` and learns by gradient descent; its state is the
-module's ``state_dict`` (tensors). It is trained by :class:`worker.engine.Engine`, the one training
+module's ``state_dict`` (tensors). It is trained by :class:`engine.engine.Engine`, the one training
 loop used in-process and in the filter daemon.
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from worker.metrics import METRICS, check_metrics, metric_name
-from worker.schedules import check_schedule, made_scheduler, named_scheduler
-from worker.transfer import PRECISIONS
+from engine.metrics import METRICS, check_metrics, metric_name
+from engine.stepping import check_schedule, made_scheduler, named_scheduler
+from engine.transfer import PRECISIONS
 
 if TYPE_CHECKING:
     from somatize.graph import Graph
@@ -64,7 +64,7 @@ _RANDOM = (
 
 def layer_kinds(module: Any) -> dict[str, Any]:
     """What in ``module`` makes data-parallel replicas differ from one process training it
-    (:mod:`protocol.equivalence`): whether it holds buffers, its classes that normalise with
+    (:mod:`protocol.rules.equivalence`): whether it holds buffers, its classes that normalise with
     batch statistics and those that draw random numbers in training (nothing for what is not
     a module)."""
     if not isinstance(module, torch.nn.Module):

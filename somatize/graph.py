@@ -5,7 +5,7 @@ A graph is a chain of filters with stable node ids: the id a filter was given wi
 ``TorchFilter``), made unique in graph order with ``_2``, ``_3``... The ids are what states,
 gradients and partitions are keyed by everywhere, locally and on the wire.
 
-:meth:`Graph.fit` trains copies of the filters with :class:`worker.engine.Engine` — the same engine
+:meth:`Graph.fit` trains copies of the filters with :class:`engine.engine.Engine` — the same engine
 the filter daemon runs — and returns a :class:`FittedGraph`; the graph's own filters (and the
 initial weights of its modules) are left untouched, so one graph can be fitted many times, locally
 and distributed, from the same starting point.
@@ -18,10 +18,10 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from engine.devices import resolve_device
+from engine.engine import Engine
 from somatize.errors import GraphError
 from somatize.filters import Filter
-from worker.devices import resolve_device
-from worker.engine import Engine
 
 
 class Graph:
@@ -81,7 +81,7 @@ class Graph:
         """Train the graph in this process and return the fitted graph.
 
         Plain filters are fitted in order on all rows; each run of TorchFilters trains as one
-        autograd graph (see :meth:`worker.engine.Engine.batched_fit`).
+        autograd graph (see :meth:`engine.engine.Engine.batched_fit`).
 
         Args:
             x: input rows (numpy array, torch tensor, or whatever the first filter takes).

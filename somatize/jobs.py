@@ -98,7 +98,7 @@ class Job:
         id: the job's id on the coordinator.
         graph: the graph the job trains, when this handle knows it (see :meth:`Client.job`).
         notes: said when it was submitted: why its strategy will not equal ``graph.fit``
-            exactly (DataParallel over BatchNorm or Dropout: :mod:`protocol.equivalence`).
+            exactly (DataParallel over BatchNorm or Dropout: :mod:`protocol.rules.equivalence`).
     """
 
     def __init__(

@@ -1,6 +1,7 @@
-"""User-level differential privacy for FedAvg and FedProx (``coordinator.strategies.privacy``):
-each client's update clipped, Gaussian noise on their sum, and each round's event saying the
-privacy spent so far (ε at ``delta``, from ``dp_accounting``'s RDP accountant)::
+"""User-level differential privacy for FedAvg and FedProx
+(``coordinator.strategies.federated.privacy``): each client's update clipped, Gaussian noise on
+their sum, and each round's event saying the privacy spent so far (ε at ``delta``, from
+``dp_accounting``'s RDP accountant)::
 
     sz.FedAvg(rounds=100, fraction=0.1, privacy=sz.FixedClipping(clip_norm=1.0,
                                                                   noise_multiplier=1.1))
@@ -14,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from protocol import privacy_options as po
-from protocol.secagg_options import SECAGG
+from protocol.options import privacy as po
+from protocol.options.secure_aggregation import SECAGG
 from somatize.components import Component
 
 __all__ = ["AdaptiveClipping", "FixedClipping", "PrivacyMechanism", "SecAgg"]

@@ -1,11 +1,11 @@
 """Server optimizers for FedAvg and FedProx (Reddi et al. 2021, "Adaptive Federated
 Optimization"): what the coordinator does with a round's average
-(``coordinator.strategies.server_opt`` runs them)::
+(``coordinator.strategies.federated.server_optimizers`` runs them)::
 
     sz.FedAvg(rounds=20, server=sz.FedAdam(lr=0.01))
 
 Each is checked when it is built, by the options model the coordinator checks it with
-(:func:`protocol.strategy_options.server_options`).
+(:func:`protocol.options.strategies.server_options`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from abc import ABC
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from protocol import strategy_options as so
+from protocol.options import strategies as so
 
 __all__ = ["FedAdagrad", "FedAdam", "FedAvgM", "FedYogi", "ServerOptimizer"]
 

@@ -1,7 +1,7 @@
 """How a job is spread over workers: the strategies' configuration objects.
 
 A strategy here is only configuration: it is checked when it is built, by the options models the
-coordinator checks it with (:mod:`protocol.strategy_options`; a bad argument is a
+coordinator checks it with (:mod:`protocol.options.strategies`; a bad argument is a
 :class:`ValueError` naming it), and travels to the coordinator as a
 :class:`~protocol.messages.StrategySpec` (a name and JSON options). The strategies themselves run
 on the coordinator (:mod:`coordinator.strategies`)::
@@ -23,9 +23,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from protocol import strategy_options as so
-from protocol.client_config import client_configs
 from protocol.messages import StrategySpec
+from protocol.options import strategies as so
+from protocol.options.client_config import client_configs
 from somatize.aggregators import Aggregator
 from somatize.privacy import PrivacyMechanism, SecAgg
 from somatize.server_optimizers import (

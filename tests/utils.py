@@ -150,8 +150,8 @@ def child_pids(parent: int) -> set[int]:
 
 
 def is_fork_server(pid: int) -> bool:
-    """Whether ``pid`` is an agent's fork server (``python -m worker.fork_server``)."""
-    return b"worker.fork_server" in _cmdline(pid)
+    """Whether ``pid`` is an agent's fork server (``python -m worker.daemon.fork_server``)."""
+    return b"worker.daemon.fork_server" in _cmdline(pid)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -171,7 +171,7 @@ def agent_daemons(agent: int) -> set[int]:
     for pid in child_pids(agent):
         if is_fork_server(pid):
             found |= child_pids(pid)
-        elif b"worker.daemon" in _cmdline(pid):
+        elif b"\0worker.daemon\0" in _cmdline(pid):
             found.add(pid)
     return found
 

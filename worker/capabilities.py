@@ -16,8 +16,8 @@ import logging
 import os
 import platform
 
+from engine.devices import describe_device, has_nvidia_driver
 from protocol.messages import Capabilities
-from worker.devices import describe_device, has_nvidia_driver
 
 __all__ = ["detect"]
 

@@ -30,13 +30,13 @@ import signal
 import sys
 from pathlib import Path
 
+from engine.data.datasets import parse_data_option
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
-from worker.datasets import parse_data_option
 from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 

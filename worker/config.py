@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from engine.devices import resolve_device
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
-from worker.daemon_env import refused_names
-from worker.devices import resolve_device
-from worker.job_limits import JobLimits
+from worker.daemon.environment import refused_names
+from worker.daemon.limits import JobLimits
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
 
@@ -49,8 +49,8 @@ class AgentConfig:
         spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
             filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
         fork_server: fork each daemon from a process that imported torch once
-            (:mod:`worker.fork_server`): a daemon starts in milliseconds and shares that memory;
-            on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
+            (:mod:`worker.daemon.fork_server`): a daemon starts in milliseconds and shares that
+            memory; on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
             readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
@@ -70,13 +70,14 @@ class AgentConfig:
             :mod:`worker.identity`): presented with ``worker_id``, which the coordinator binds
             to it at the first registration; ``None``: the id is not bound.
         daemon_env: names of more variables of the agent's environment its daemons get
-            (``--daemon-env``), beyond :mod:`worker.daemon_env`'s allow-list; the tokens never.
+            (``--daemon-env``), beyond :mod:`worker.daemon.environment`'s allow-list; the tokens
+            never.
         max_job_memory: resident bytes a job's daemon, with what it forked, may hold
             (``--max-job-memory``); ``None``: any.
         max_job_procs: processes a job's daemon may run, itself included (``--max-job-procs``);
             ``None``: any.
         job_cgroups: give each job's daemon a cgroup v2 of its own where the agent may make one
-            (``--job-cgroups auto``; :mod:`worker.job_cgroup`); ``False``: a process group only.
+            (``--job-cgroups auto``; :mod:`worker.daemon.cgroup`); ``False``: a process group only.
         stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
             next chunk before it is dropped and its memory freed.
         max_message_bytes: largest message accepted from the coordinator or a peer (and the

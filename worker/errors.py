@@ -15,8 +15,6 @@ Exception tree::
     │   ├── MailboxFull          a delivery refused: too many held untaken
     │   └── OutOfOrder           a sequenced call cannot run (an earlier one failed, too late)
     ├── DaemonAlreadyRunning     (also a RuntimeError) ``start`` on a supervisor already started
-    ├── EngineError              the engine refused a request (unknown node, no gradients, ...):
-    │                            carries an :class:`~protocol.errors.ErrorCode`
     └── DaemonError              a request to the filter daemon did not succeed
         ├── DaemonCrashed        the daemon process died before answering (restart it)
         ├── DaemonTimeout        no answer within the request's timeout (the daemon was killed)
@@ -25,6 +23,8 @@ Exception tree::
 A :class:`DaemonError` that is not one of its subclasses is a *remote* failure reported by a live
 daemon (a filter that raised, a refused command): its ``code``, ``message`` and ``detail`` are the
 daemon's :class:`~protocol.errors.ErrorInfo`, ``detail["traceback"]`` holds the user traceback.
+
+The engine's refusals are :class:`engine.errors.EngineError`, not one of these.
 
 A request the agent refuses is answered by raising :class:`~protocol.errors.RequestRefused`
 (the wire layer's, not one of these): these are the worker's own failures.
@@ -107,10 +107,6 @@ class _CodedError(WorkerError):
         return ErrorInfo(code=self.code, message=self.message, detail=self.detail)
 
 
-class EngineError(_CodedError):
-    """The engine refused a request; ``code`` says why (see :class:`ErrorCode`)."""
-
-
 class DaemonError(_CodedError):
     """A daemon request failed; built from the daemon's error reply or by the supervisor."""
 
@@ -136,4 +132,5 @@ class DaemonNotRunning(DaemonError):
 
 
 class DaemonAlreadyRunning(WorkerError, RuntimeError):
-    """:meth:`~worker.supervisor.DaemonSupervisor.start` while its daemon runs (use restart)."""
+    """:meth:`~worker.daemon.supervisor.DaemonSupervisor.start` while its daemon runs (use
+    restart)."""

@@ -1,6 +1,6 @@
 """The agent's job requests: ``open_job``, ``call``, ``links``, ``deliver``, ``close_job``, ...
 
-A job is one daemon (from :class:`~worker.spare.DaemonPool`) and the tasks working on it. A
+A job is one daemon (from :class:`~worker.daemon.pool.DaemonPool`) and the tasks working on it. A
 ``call`` forwards one daemon command; with ``input_from`` it first waits for that mailbox key,
 with ``output_to`` its result goes, encoded, to that worker's mailbox — over a direct peer link
 (:class:`~worker.peer.PeerLinks`), or as a ``deliver`` the coordinator relays. Sequenced calls
@@ -36,11 +36,11 @@ from protocol.messages import (
     Result,
 )
 from worker.config import AgentConfig
+from worker.daemon.pool import DaemonPool
+from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonError, DeliveredTwice, MailboxDropped, MailboxFull, OutOfOrder
 from worker.lifecycle import Lifecycle
 from worker.peer import CallOrder, Mailbox, PeerLinks
-from worker.spare import DaemonPool
-from worker.supervisor import DaemonSupervisor
 from worker.tasks import cancelling, owned_task
 
 __all__ = ["JobHandlers"]

@@ -3,7 +3,7 @@
 A strategy is a small class named after what it implements, with:
 
 * ``from_options(options)`` — the client's options, checked by the models both sides share
-  (:mod:`protocol.strategy_options`; :class:`StrategyOptionsError` names the bad option);
+  (:mod:`protocol.options.strategies`; :class:`StrategyOptionsError` names the bad option);
 * ``placement()`` — how many workers it needs and which ones qualify;
 * ``async run(ctx, job, emit)`` — the training loop against a
   :class:`~coordinator.context.StrategyContext`, its paper's phases named in comments, reading
@@ -34,12 +34,12 @@ from coordinator.strategies.base import (
     StrategyOptionsError,
     strategy_from_spec,
 )
-from coordinator.strategies.data_parallel import DataParallel
-from coordinator.strategies.fedavg import FedAvg
-from coordinator.strategies.fedprox import FedProx
+from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from coordinator.strategies.federated.fedavg import FedAvg
+from coordinator.strategies.federated.fedprox import FedProx
+from coordinator.strategies.federated.qfedavg import QFedAvg
 from coordinator.strategies.local import Local
-from coordinator.strategies.model_parallel import ModelParallel
-from coordinator.strategies.qfedavg import QFedAvg
+from coordinator.strategies.model_parallel.model_parallel import ModelParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx, QFedAvg, ModelParallel)

@@ -10,11 +10,11 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.job_checkpoints import JobCheckpoints
-from protocol import strategy_options as so
+from coordinator.jobs.checkpoints import JobCheckpoints
 from protocol.daemon import StageRequest
-from protocol.devices import device_fits
 from protocol.messages import NodeInfo
+from protocol.options import strategies as so
+from protocol.options.devices import device_fits
 
 T = TypeVar("T")
 
@@ -142,7 +142,8 @@ class Strategy(ABC):
     keep_checkpoints: int = so.DEFAULT_KEEP_CHECKPOINTS
     max_restarts: int = 0
     """How many times a job that a lost worker, a crashed daemon or a broken collective would
-    fail is queued again instead, to resume from its last checkpoint (:mod:`coordinator.jobs`)."""
+    fail is queued again instead, to resume from its last checkpoint
+    (:mod:`coordinator.jobs.manager`)."""
     restart_timeout: float = so.DEFAULT_RESTART_TIMEOUT  # seconds a restart waits for workers
 
     @classmethod

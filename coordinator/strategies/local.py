@@ -20,7 +20,7 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.history import VALIDATION, History, validation_stage
 from protocol.daemon import BatchedFitRequest
-from protocol.strategy_options import DEFAULT_RESTART_TIMEOUT, LocalOptions
+from protocol.options.strategies import DEFAULT_RESTART_TIMEOUT, LocalOptions
 
 STAGED = "local"
 """The name a worker's own dataset is staged under in its daemon."""

@@ -29,8 +29,8 @@ from coordinator.context import StrategyContext
 from coordinator.errors import WorkerCallError
 from coordinator.strategies.base import concurrently
 from protocol.daemon import DistJoinRequest, DistLeaveRequest, DistProbeRequest, DistStoreRequest
-from protocol.devices import device_fits
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.options.devices import device_fits
 
 __all__ = ["PROBE_TIMEOUT", "Broken", "Rendezvous", "cannot_form", "join", "rendezvous", "settle"]
 

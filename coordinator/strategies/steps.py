@@ -14,9 +14,9 @@ from typing import Any
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyOptionsError
 from coordinator.strategies.base import JobInputs
-from protocol import batching
 from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.messages import NodeInfo
+from protocol.rules import batching
 from protocol.wording import listed
 
 
@@ -58,7 +58,7 @@ def global_batches(
     rows: int, parts: int, training: Training
 ) -> Iterator[tuple[int, int, list[Any]]]:
     """``(epoch, step, slices)`` of every step of ``training`` over ``rows`` rows in ``parts``
-    slices (:func:`protocol.batching.global_batches`)."""
+    slices (:func:`protocol.rules.batching.global_batches`)."""
     return batching.global_batches(
         rows, parts, training.epochs, training.batch_size, training.shuffle, training.seed
     )
@@ -68,7 +68,7 @@ def global_batches(
 class OwnData:
     """Replicas that train on their own datasets (``WorkerData``): each one's rows and its
     place among the replicas sorted by worker id (the order
-    :func:`protocol.batching.replica_batches` takes them in), both by replica."""
+    :func:`protocol.rules.batching.replica_batches` takes them in), both by replica."""
 
     sizes: list[int]
     places: list[int]

@@ -105,8 +105,8 @@ _ANSWER_KINDS = REPLY_KINDS | {"job_event"}
 
 class Pacer(Protocol):
     """A message sent while some of its bytes are still being written (a mean that is still
-    being folded, :mod:`coordinator.strategies.mean_fold`): it goes out a chunk at a time, each
-    chunk once the bytes it carries are final."""
+    being folded, :mod:`coordinator.strategies.data_parallel.mean_fold`): it goes out a chunk at a
+    time, each chunk once the bytes it carries are final."""
 
     def bind(self, parts: Sequence[Part]) -> Callable[[int], Awaitable[None]]:
         """For the frame made of ``parts``: an awaitable that returns once its first ``n``

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.federated_partition import client_rows
-from coordinator.strategies.federated import Cohort
+from coordinator.strategies.federated.cohort import Cohort
 
 
 def test_rows_by_hand():

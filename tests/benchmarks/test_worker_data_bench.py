@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks import worker_data as wd
 from benchmarks import worker_data_io as wdio
-from protocol.batching import replica_batches
-from worker.dataset_files import describe, open_dataset
+from engine.data.dataset_files import describe, open_dataset
+from protocol.rules.batching import replica_batches
 
 
 def test_the_npy_directory_and_the_npz_hold_the_same_rows(tmp_path):

@@ -26,12 +26,12 @@ from coordinator.context import (
     WorkerCallError,
     WorkerIdentity,
 )
-from coordinator.transport import TransportContext
-from coordinator.ws_server import Coordinator
+from coordinator.server.app import Coordinator
+from coordinator.server.transport import TransportContext
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.utils import UNIT, Center
-from worker.daemon import Daemon
+from worker.daemon.main import Daemon
 
 WORKERS = [
     WorkerIdentity("alpha", frozenset({"stage0", "cpu"})),

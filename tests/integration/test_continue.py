@@ -9,7 +9,11 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    dataset,
+    graph_for,
+    reference_training,
+)
 from tests.integration.cluster import cluster, wait_for
 from tests.integration.test_resume import _checkpointed_at, paced
 from tests.utils import UNIT, somatize_cli

@@ -1,7 +1,7 @@
 """DataParallel over BatchNorm and Dropout on live workers: on both collectives a BatchNorm
 model succeeds with replica 0's buffers broadcast each step (the plain torch simulation of
-:mod:`tests.coordinator.test_data_parallel_layers`), Dropout reruns give the same result, and
-``somatize submit`` says up front why neither equals ``graph.fit`` exactly."""
+:mod:`tests.coordinator.strategies.data_parallel.test_layers`), Dropout reruns give the same result,
+and ``somatize submit`` says up front why neither equals ``graph.fit`` exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel_layers import (
+from tests.coordinator.strategies.data_parallel.test_layers import (
     bn_model,
     dropout_model,
     graph_of,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import (
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
     graph_for,
     model,

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import OPTIMIZERS, dataset, graph_for, model
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    OPTIMIZERS,
+    dataset,
+    graph_for,
+    model,
+)
 from tests.integration.cluster import cluster
 from tests.utils import UNIT
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_fedavg import (
+from tests.coordinator.strategies.federated.test_fedavg import (
     SIZES,
     D,
     assert_model,
@@ -25,7 +25,7 @@ from tests.coordinator.test_fedavg import (
     reference_rounds,
     shards,
 )
-from tests.coordinator.test_privacy import flat, private_graph, update
+from tests.coordinator.strategies.federated.test_privacy import flat, private_graph, update
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.utils import UNIT
 

@@ -33,7 +33,7 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import somatize as sz
-from coordinator.ws_server import Coordinator
+from coordinator.server.app import Coordinator
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC
 from protocol.errors import ErrorCode, RemoteError

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_model_parallel import dataset, graph, reference
+from tests.coordinator.strategies.model_parallel.test_model_parallel import (
+    dataset,
+    graph,
+    reference,
+)
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT
 

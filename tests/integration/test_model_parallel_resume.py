@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_model_parallel import dataset, layers, reference
+from tests.coordinator.strategies.model_parallel.test_model_parallel import (
+    dataset,
+    layers,
+    reference,
+)
 from tests.integration.cluster import cluster
 from tests.integration.test_resume import _checkpointed_at
 from tests.utils import UNIT, Center

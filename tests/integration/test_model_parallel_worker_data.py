@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_model_parallel import dataset, layers
+from tests.coordinator.strategies.model_parallel.test_model_parallel import dataset, layers
 from tests.integration.cluster import cluster
 from tests.utils import UNIT
 

@@ -28,7 +28,11 @@ from protocol.asyncio.handshake import send_hello
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Deliver, PeerHello, Welcome, WorkerHello
-from tests.coordinator.test_model_parallel import dataset, graph, reference
+from tests.coordinator.strategies.model_parallel.test_model_parallel import (
+    dataset,
+    graph,
+    reference,
+)
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT
 from worker.capabilities import Capabilities

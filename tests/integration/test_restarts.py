@@ -11,9 +11,18 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
-from tests.coordinator.test_fedavg import HandAdam, assert_model, reference_rounds, shards
-from tests.coordinator.test_fedavg import graph as fedavg_graph
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    dataset,
+    graph_for,
+    reference_training,
+)
+from tests.coordinator.strategies.federated.test_fedavg import (
+    HandAdam,
+    assert_model,
+    reference_rounds,
+    shards,
+)
+from tests.coordinator.strategies.federated.test_fedavg import graph as fedavg_graph
 from tests.integration.cluster import cluster, wait_for
 from tests.integration.test_fedavg_live import Pause
 from tests.integration.test_resume import _checkpointed_at, paced

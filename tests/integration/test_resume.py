@@ -12,9 +12,18 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_data_parallel import dataset, graph_for, reference_training
-from tests.coordinator.test_fedavg import HandAdam, assert_model, reference_rounds, shards
-from tests.coordinator.test_fedavg import graph as fedavg_graph
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    dataset,
+    graph_for,
+    reference_training,
+)
+from tests.coordinator.strategies.federated.test_fedavg import (
+    HandAdam,
+    assert_model,
+    reference_rounds,
+    shards,
+)
+from tests.coordinator.strategies.federated.test_fedavg import graph as fedavg_graph
 from tests.integration.cluster import cluster, wait_for
 from tests.integration.test_fedavg_live import Pause
 from tests.utils import UNIT
@@ -32,7 +41,7 @@ class Paced(torch.nn.Sequential):
 
 
 def paced() -> torch.nn.Module:
-    torch.manual_seed(0)  # as tests.coordinator.test_data_parallel.model
+    torch.manual_seed(0)  # as tests.coordinator.strategies.data_parallel.test_data_parallel.model
     return Paced(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 

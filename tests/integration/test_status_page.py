@@ -23,10 +23,10 @@ import somatize as sz
 from somatize.cli import loss_curve
 from somatize.progress import event_text
 from somatize.tables import datasets_text, device_text, placed_text, queued_text
-from tests.coordinator.test_data_parallel import dataset, graph_for
-from tests.coordinator.test_http import running
-from tests.coordinator.test_model_parallel import dataset as pipeline_data
-from tests.coordinator.test_model_parallel import graph as pipeline_graph
+from tests.coordinator.server.test_http import running
+from tests.coordinator.strategies.data_parallel.test_data_parallel import dataset, graph_for
+from tests.coordinator.strategies.model_parallel.test_model_parallel import dataset as pipeline_data
+from tests.coordinator.strategies.model_parallel.test_model_parallel import graph as pipeline_graph
 from tests.integration.browser import CHROMIUM, HEIGHT, WIDTH, BrowserError, Page, chromium
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT, Sleepy

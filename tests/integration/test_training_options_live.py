@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import somatize as sz
-from tests.coordinator.test_training_options import joined, net_graph, split_graph
+from tests.coordinator.strategies.test_training_options import joined, net_graph, split_graph
 from tests.integration.cluster import cluster
 from tests.training_reference import classes, evaluation, mlp, reference_fit
 from tests.utils import UNIT

@@ -13,7 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import somatize as sz
-from tests.coordinator.test_validation import net_graph
+from tests.coordinator.strategies.test_validation import net_graph
 from tests.integration.cluster import cluster
 from tests.training_reference import classes, evaluation, mlp, reference_fit
 from tests.utils import UNIT, somatize_cli

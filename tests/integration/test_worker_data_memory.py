@@ -5,7 +5,7 @@ A live worker serves a 2 GiB ``x.npy`` (8,192 rows of 65,536 float32); a DataPar
 a Local one (the training loop FedAvg's clients run too), train an epoch over all of it in
 batches of 128 rows (32 MiB). Each job daemon's peak resident size
 (``VmHWM``, read from ``/proc`` while the job runs) stays a fraction of the dataset: its rows are
-read a step at a time and released (:class:`worker.npy_rows.NpyRows`), never mapped or read
+read a step at a time and released (:class:`engine.data.npy_rows.NpyRows`), never mapped or read
 whole. The model is checked against a plain torch loop over the same rows.
 """
 

@@ -460,7 +460,7 @@ def test_deep_and_cyclic_values_raise_frame_error() -> None:
 _NO_TORCH_CHILD = """
 import sys
 import numpy as np
-import coordinator.ws_server  # the whole coordinator: it must start without torch
+import coordinator.server.app  # the whole coordinator: it must start without torch
 from coordinator.strategies.aggregate import weighted_mean
 from protocol.codec import decode, encode_frame
 state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import somatize as sz
-from worker.engine import Engine
+from engine.engine import Engine
 
 
 def _data(n: int = 101, d: int = 5, seed: int = 2):

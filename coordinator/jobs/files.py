@@ -1,0 +1,149 @@
+"""What the coordinator keeps on disk of each live job so that a restart loses nothing: its
+submit message (:mod:`coordinator.jobs.specs`) and its checkpoints
+(:mod:`coordinator.jobs.checkpoint_store`).
+
+:class:`JobFiles` is what the job manager calls: at submit (:meth:`JobFiles.keep`), when a run
+starts (:meth:`JobFiles.checkpoints_for`: the checkpoint to resume from and the saving of new
+ones), when a restarted coordinator queues a job again (:meth:`JobFiles.load`) and when a job ends
+(:meth:`JobFiles.ended`: a succeeded job keeps only its newest checkpoint, the one at its end,
+from which it can be continued; a failed or cancelled one keeps them all). Every method blocks
+on file I/O except :meth:`checkpoints_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import StrategyFailed
+from coordinator.jobs.checkpoint_store import Checkpoint, CheckpointStore
+from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.specs import JobSpecs
+from coordinator.jobs.store import JobRecord
+from coordinator.strategies import Strategy
+from protocol.errors import ErrorCode, FrameError, RequestRefused
+from protocol.messages import Submit
+
+__all__ = ["JobFiles"]
+
+log = logging.getLogger(__name__)
+
+
+class JobFiles:
+    """``<state_dir>/jobs`` and ``<state_dir>/checkpoints``."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.specs = JobSpecs(state_dir / "jobs")
+        self.checkpoints = CheckpointStore(state_dir / "checkpoints")
+
+    def resumable(self) -> set[str]:
+        """The jobs a restarted coordinator can queue again (their submit message is here)."""
+        return self.specs.ids()
+
+    def keep(self, job_id: str, msg: Submit, owner: str) -> None:
+        """Keep a new job's submit message; one that cannot be written is said in the log (the
+        job runs, but would not outlive a restart of the coordinator)."""
+        try:
+            self.specs.save(job_id, msg, owner)
+        except OSError as exc:
+            log.warning("job %s: kept in memory only, it will not resume: %s", job_id, exc)
+
+    def load(self, job_id: str) -> tuple[Submit, str]:
+        """The submit message and owner of a job to queue again (see :meth:`JobSpecs.load`)."""
+        return self.specs.load(job_id)
+
+    async def checkpoints_for(
+        self,
+        job_id: str,
+        strategy: Strategy,
+        emit: Callable[[str, dict[str, Any]], Awaitable[None]],
+        resume_from: str | None = None,
+    ) -> JobCheckpoints | None:
+        """The checkpoints of a run of ``job_id`` (``None`` when its strategy saves none):
+        its latest checkpoint to resume from, if it has one — else, for a job that continues
+        another (``resume_from``), that one's.
+
+        Raises:
+            StrategyFailed: ``bad_request``: the job to continue has no checkpoint left.
+        """
+        if not strategy.saves_checkpoints or strategy.checkpoint_every == 0:
+            return None
+        latest = await asyncio.to_thread(self.checkpoints.latest, job_id)
+        source = job_id
+        if latest is None and resume_from is not None:
+            latest = await asyncio.to_thread(self.checkpoints.latest, resume_from)
+            source = resume_from
+            if latest is None:  # it had one at submit: removed, or damaged, since
+                raise StrategyFailed(
+                    ErrorCode.BAD_REQUEST,
+                    f"resume_from={resume_from!r}: no checkpoint of that job reads back now",
+                )
+        return JobCheckpoints(
+            job_id, self.checkpoints, strategy.keep_checkpoints, emit, latest, source=source
+        )
+
+    def continuable(self, source: JobRecord, strategy: Strategy) -> None:
+        """Refuse continuing job ``source`` with ``strategy`` when it cannot be: another kind
+        of strategy (its checkpoint holds another kind of state), a strategy that keeps none,
+        or no checkpoint left of it.
+
+        Raises:
+            RequestRefused: ``bad_request`` saying which.
+        """
+        said = f"resume_from={source.id!r}"
+        if source.strategy != strategy.name:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"{said}: that job ran {source.strategy} and this one {strategy.name}; a job "
+                "continues one of its own strategy (its checkpoint holds that kind of state)",
+            )
+        if not strategy.saves_checkpoints or strategy.checkpoint_every == 0:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"{said}: this job's strategy keeps no checkpoints to start from "
+                "(checkpoint_every=0, or a strategy that saves none)",
+            )
+        if not self.checkpoints.has(source.id):
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"{said}: that job ({source.state}) kept no checkpoint to start from "
+                "(it saved none, or they were removed)",
+            )
+
+    def checkpoint(self, job_id: str, seq: int | None = None) -> Checkpoint:
+        """The job's checkpoint ``seq`` (``None``: its newest that reads back).
+
+        Raises:
+            RequestRefused: ``no_checkpoint``, naming the ones it has.
+        """
+        found = None
+        if seq is None:
+            found = self.checkpoints.latest(job_id)
+        else:
+            with contextlib.suppress(OSError, FrameError, ValueError):
+                found = self.checkpoints.read(job_id, seq)
+        if found is None:
+            there = [s for s, _ in self.checkpoints.positions(job_id)]
+            which = "no checkpoint" if seq is None else f"no checkpoint {seq}"
+            has = f"it has {there}" if there else "it has none"
+            raise RequestRefused.of(
+                ErrorCode.NO_CHECKPOINT, f"job {job_id!r} has {which} ({has})", job_id=job_id
+            )
+        return found
+
+    def ended(self, job_id: str, succeeded: bool) -> None:
+        """A job ended: its submit message goes; if it succeeded, its checkpoints but the
+        newest (its end: what continues it, ``resume_from``)."""
+        self.specs.drop(job_id)
+        if succeeded:
+            self.checkpoints.keep_newest(job_id)
+
+    def forget_others(self, live: Iterable[str]) -> None:
+        """Remove the submit messages of jobs not ``live`` (ended under a coordinator that died
+        before it could remove them)."""
+        for job_id in self.specs.ids() - set(live):
+            self.specs.drop(job_id)

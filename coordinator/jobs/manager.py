@@ -1,0 +1,600 @@
+"""Jobs: queued, placed on workers, run by their strategy, recorded in the store.
+
+A submitted job waits in a FIFO queue until enough idle workers match its strategy's
+:class:`~coordinator.strategies.Placement`; a job that cannot be placed yet does not hold up later
+jobs that can. Running, it owns its workers until it ends, whatever way it ends: its daemons are
+closed and its workers freed in one ``finally``. A running job that lost a worker and can go on
+(elastic DataParallel) *recruits* a replacement: the next idle worker that matches its placement
+is reserved for it before any queued job is placed, and is freed with the job's others.
+
+A run that a fault of the cluster ended (a worker lost, a daemon crashed:
+:mod:`coordinator.jobs.restarts`) goes back to the head of the queue when its strategy allows
+``max_restarts``, and resumes from its last checkpoint on the workers that take it.
+
+Every change of a job is an event in the store (``queued``, ``placed``, ``progress``,
+``restarting``, ``succeeded``, ``failed``, ``cancelled``) and is pushed to the clients watching
+it (:mod:`coordinator.jobs.events`). A job is
+``succeeded`` only once its strategy returned the states read back from the workers and they are
+stored with the state change, in one transaction.
+
+A placed job runs on the strategy context its :data:`ContextFactory` makes from a
+:class:`PlacedJob` (its workers, timeouts, the recruit callback): the live workers over their
+connections (:func:`transport_context`) in the server, in-memory ones in the unit tests.
+
+The store is SQLite: every call into it runs in a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import importlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.context import (
+    DEFAULT_CALL_TIMEOUT,
+    StrategyContext,
+    WorkerCallError,
+)
+from coordinator.jobs.events import JobEvents
+from coordinator.jobs.files import JobFiles
+from coordinator.jobs.placed import ContextFactory, PlacedJob, transport_context
+from coordinator.jobs.restarts import gave_up, restarting, restarts_for
+from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
+from coordinator.jobs.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
+from coordinator.jobs.store_retry import stored
+from coordinator.jobs.submission import check_workers, placement_of, summary_of, vetted, waited
+from coordinator.server.clients import EVERYONE
+from coordinator.server.registry import Registry, WorkerRecord, WorkerState
+from coordinator.strategies import (
+    JobInputs,
+    Placement,
+    Strategy,
+    StrategyFailed,
+    strategy_from_spec,
+)
+from protocol.codec import decode, encode_frame
+from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
+from protocol.messages import StrategySpec, Submit
+
+log = logging.getLogger(__name__)
+
+
+def record_dict(record: JobRecord) -> dict[str, Any]:
+    """A job record as it travels to clients."""
+    out = dataclasses.asdict(record)
+    out["state"] = str(record.state)
+    return out
+
+
+@dataclass
+class _Job:
+    id: str
+    strategy: Strategy
+    inputs: JobInputs
+    owner: str = EVERYONE.name  # the client that submitted it
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    workers: list[WorkerRecord] = field(default_factory=list)
+    stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
+    parked: bool = False  # its filters and data wait on disk (coordinator.jobs.spill)
+    spec: StrategySpec | None = None  # what the strategy was made from: remade for a restart
+    restarts: int = 0  # times it went back to its last checkpoint after a fault
+    restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
+    # Fails it if no workers take it in time (a restart's restart_timeout, wait_for_workers).
+    wait_expiry: asyncio.Task[None] | None = None
+    resume_from: str | None = None  # the job whose newest checkpoint it starts from
+
+
+@dataclass
+class _Recruit:
+    """A running job waiting for a worker to replace one it lost."""
+
+    job: _Job
+    placement: Placement
+    found: asyncio.Future[WorkerRecord]
+
+
+class JobManager:
+    """The queue, the running jobs and their event streams.
+
+    Args:
+        store: the job store (SQLite).
+        registry: the workers.
+        call_timeout: seconds one command of a job may take on a worker.
+        job_threads: torch threads of each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` for every successful worker command.
+        context_factory: makes the strategy context of each job placed on its workers (the
+            live workers over their connections unless told otherwise).
+        max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
+        spill: where the inputs of a job that must wait go (``None``: they wait in memory).
+        files: where each live job's submit message and checkpoints are kept, so that a
+            restarted coordinator resumes it (``None``: nowhere; it would not).
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        registry: Registry,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        job_threads: int | None = None,
+        observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+        *,
+        context_factory: ContextFactory = transport_context,
+        max_queued_jobs: int | None = None,
+        spill: QueuedInputs | None = None,
+        files: JobFiles | None = None,
+    ) -> None:
+        self.store = store
+        self.spill = spill
+        self.files = files
+        self.max_queued_jobs = max_queued_jobs
+        self.registry = registry
+        self.call_timeout = call_timeout
+        self.job_threads = job_threads
+        self.observe = observe
+        self.context_factory = context_factory
+        self._jobs: dict[str, _Job] = {}
+        self._queue: list[str] = []
+        self._recruits: list[_Recruit] = []  # served before the queue
+        self.events = JobEvents(store)
+        self._wake = asyncio.Event()
+        self.accepting = True
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Something changed that may let a queued job start."""
+        self._wake.set()
+
+    async def schedule_forever(self) -> None:
+        """Place queued jobs whenever workers or jobs change."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._place()
+
+    def _place(self) -> None:
+        # Running jobs waiting for a replacement first: they hold workers and made progress.
+        for recruit in list(self._recruits):
+            if recruit.found.done():  # gave up waiting
+                self._recruits.remove(recruit)
+                continue
+            worker = next(
+                (w for w in self.registry.idle() if recruit.placement.accepts(w.identity)), None
+            )
+            if worker is None:
+                continue
+            self._reserve(recruit.job, [worker])
+            self._recruits.remove(recruit)
+            recruit.found.set_result(worker)
+        for job_id in list(self._queue):
+            job = self._jobs[job_id]
+            placement = placement_of(job.strategy, job.inputs)
+            idle = self.registry.idle()
+            picks = placement.choose([w.identity for w in idle])
+            if picks is None:
+                continue
+            self._reserve(job, [idle[i] for i in picks])
+            self._queue.remove(job_id)
+            if job.wait_expiry is not None:
+                job.wait_expiry.cancel()
+                job.wait_expiry = None
+            job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
+
+    def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
+        # By id (a list's ``in`` compares records field by field: seconds for 10,000 workers);
+        # a lost worker may come back as its own replacement: it is in the job's workers once.
+        held = {w.id for w in job.workers}
+        for worker in workers:
+            worker.state = WorkerState.BUSY
+            worker.job_id = job.id
+            if worker.id not in held:
+                held.add(worker.id)
+                job.workers.append(worker)
+
+    async def recruit(self, job_id: str, timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
+        """Wait up to ``timeout`` seconds for an idle worker that matches the running job's
+        placement and reserve it for the job (ahead of queued jobs); ``None`` if none came.
+
+        The worker joins the job's workers, so it is freed with them when the job ends."""
+        job = self._jobs[job_id]
+        recruit = _Recruit(
+            job,
+            placement_of(job.strategy, job.inputs),
+            asyncio.get_running_loop().create_future(),
+        )
+        self._recruits.append(recruit)
+        self._place()  # one may be idle already
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(recruit.found)
+        except TimeoutError:
+            # It may have been found in the very iteration the time ran out: take it.
+            found = recruit.found
+            return found.result() if found.done() and not found.cancelled() else None
+        finally:
+            if not recruit.found.done():
+                recruit.found.cancel()
+            if recruit in self._recruits:
+                self._recruits.remove(recruit)
+
+    # -- client requests ----------------------------------------------------------------------
+
+    async def submit(self, msg: Submit, owner: str = EVERYONE.name) -> str:
+        """Validate and queue a job of client ``owner``; returns its id.
+
+        The checks are linear in the graph's size and run off the event loop: a submit of a
+        huge graph delays no heartbeat and no other client. A client that has
+        :attr:`max_queued_jobs` jobs queued or running already is refused ``busy``."""
+        if not self.accepting:
+            raise RequestRefused.of(ErrorCode.SHUTTING_DOWN, "the coordinator is shutting down")
+        live = sum(1 for job in self._jobs.values() if job.owner == owner)
+        if self.max_queued_jobs is not None and live >= self.max_queued_jobs:
+            raise RequestRefused.of(
+                ErrorCode.BUSY,
+                f"client {owner} has {live} jobs queued or running (the limit is "
+                f"{self.max_queued_jobs}): submit again once one has ended",
+                limit=self.max_queued_jobs,
+            )
+        strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
+        waits = msg.wait_for_workers
+        check_workers(placement, inputs, list(self.registry), waits is not None)
+        if msg.resume_from is not None:
+            if self.files is None:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, "resume_from: this coordinator keeps no checkpoints"
+                )
+            source = await self._record(msg.resume_from)
+            await asyncio.to_thread(self.files.continuable, source, strategy)
+        summary = summary_of(msg, placement, owner)
+        record = await asyncio.to_thread(self.store.create, strategy.name, summary)
+        if self.files is not None:
+            await asyncio.to_thread(self.files.keep, record.id, msg, owner)
+        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
+        await self._enqueue(
+            job, placement.describe(), {"name": msg.name} if msg.name else {}, waits
+        )
+        return record.id
+
+    async def requeue(self, record: JobRecord) -> None:
+        """Queue again a job a previous coordinator left live (the store made it ``queued``),
+        from what it was submitted with; one that cannot be read back fails, saying why."""
+        files = self.files
+        if files is None:
+            raise RuntimeError("requeue needs the job files the store resumed jobs from")
+        try:
+            msg, owner = await asyncio.to_thread(files.load, record.id)
+            strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
+        except Exception as exc:
+            log.warning("job %s cannot be resumed: %s", record.id, exc)
+            info = ErrorInfo(
+                code=ErrorCode.COORDINATOR_RESTARTED,
+                message=f"the coordinator restarted and could not resume the job: {exc}",
+            )
+            await self._record_end(record.id, info)
+            return
+        after = {"requeued": "the coordinator restarted"}
+        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
+        job.resume_from = msg.resume_from
+        await self._enqueue(job, placement.describe(), after, msg.wait_for_workers)
+
+    async def _enqueue(
+        self, job: _Job, placement: str, data: dict[str, Any], waits: float | None
+    ) -> None:
+        """Queue ``job``; one that ``waits`` for workers fails after that many seconds."""
+        await self._park_if_waiting(job)
+        self._jobs[job.id] = job
+        self._queue.append(job.id)
+        waiting = {} if waits is None else {"wait_for_workers": waits}
+        await self._emit(job.id, "queued", {"placement": placement} | data | waiting)
+        if waits is not None:
+            job.wait_expiry = self._expire(job, waits, functools.partial(self._waited, job, waits))
+        self.kick()
+
+    def _waited(self, job: _Job, seconds: float) -> ErrorInfo:
+        known = [w.identity for w in self.registry]
+        return waited(placement_of(job.strategy, job.inputs), known, seconds)
+
+    async def _park_if_waiting(self, job: _Job) -> None:
+        """Put a job's inputs on disk when it cannot start now and they are worth it."""
+        if self.spill is None or input_bytes(job.inputs) < PARK_MIN_BYTES:
+            return
+        idle = [w.identity for w in self.registry.idle()]
+        if not self._queue and placement_of(job.strategy, job.inputs).choose(idle) is not None:
+            return  # it starts at once
+        try:
+            job.inputs = await asyncio.to_thread(self.spill.park, job.id, job.inputs)
+        except OSError as exc:
+            log.warning("job %s: its inputs wait in memory: cannot park them: %s", job.id, exc)
+            return
+        job.parked = True
+
+    def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
+        """The job's events after ``after_seq``, live until its terminal event."""
+        return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
+
+    async def result(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """The states of a succeeded job, waiting up to ``wait`` seconds for it to end."""
+        job = self._jobs.get(job_id)
+        if job is not None and wait > 0:
+            try:
+                async with asyncio.timeout(wait):
+                    await job.done.wait()
+            except TimeoutError:
+                pass
+        record = await self._record(job_id)
+        if record.state is JobState.SUCCEEDED:
+            blob = await asyncio.to_thread(self.store.result, job_id)
+            states = await asyncio.to_thread(decode, bytearray(blob))
+            return {"job_id": job_id, "states": states, "record": record_dict(record)}
+        if record.state.terminal:
+            error = record.error or {"code": "internal", "message": "no error recorded"}
+            raise RequestRefused.of(
+                _code(error.get("code")),
+                f"job {job_id} {record.state}: {error.get('message')}",
+                **{**error.get("detail", {}), "job_id": job_id, "state": str(record.state)},
+            )
+        raise RequestRefused.of(
+            ErrorCode.NOT_FINISHED,
+            f"job {job_id} is still {record.state}",
+            job_id=job_id,
+            state=str(record.state),
+        )
+
+    async def cancel(self, job_id: str) -> None:
+        """Cancel a queued or running job; it ends ``cancelled``."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            record = await self._record(job_id)
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"job {job_id} already ended ({record.state}): nothing to cancel",
+                job_id=job_id,
+            )
+        info = ErrorInfo(code=ErrorCode.CANCELLED, message="cancelled by the client")
+        await self._stop(job, info)
+
+    async def record(self, job_id: str) -> dict[str, Any]:
+        return record_dict(await self._record(job_id))
+
+    async def owner(self, job_id: str) -> str | None:
+        """The client that submitted ``job_id`` (``None``: from before owners were kept).
+
+        Raises:
+            RequestRefused: ``unknown_job``.
+        """
+        job = self._jobs.get(job_id)
+        if job is not None:
+            return job.owner
+        owner = (await self._record(job_id)).summary.get("owner")
+        return owner if isinstance(owner, str) else None
+
+    async def records(self, limit: int = 50) -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(self.store.list, None, limit)
+        return [record_dict(r) for r in records]
+
+    async def counts(self) -> dict[JobState, int]:
+        return await asyncio.to_thread(self.store.counts)
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop taking jobs; give running ones ``grace`` seconds, then fail what is left."""
+        self.accepting = False
+        running = [j.done.wait() for j in self._jobs.values() if j.task is not None]
+        if running:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.gather(*running)
+            except TimeoutError:
+                pass
+        info = ErrorInfo(
+            code=ErrorCode.SHUTTING_DOWN, message="the coordinator shut down before the job ended"
+        )
+        await asyncio.gather(*(self._stop(j, info) for j in list(self._jobs.values())))
+
+    # -- internals ----------------------------------------------------------------------------
+
+    async def _stop(self, job: _Job, info: ErrorInfo) -> None:
+        if job.task is None:  # still queued
+            if job.wait_expiry is not None:  # (None when it is the expiry that stops it)
+                job.wait_expiry.cancel()
+            self._queue.remove(job.id)
+            self._jobs.pop(job.id, None)
+            if job.parked and self.spill is not None:
+                await asyncio.to_thread(self.spill.drop, job.id)
+            await self._end(job, info)
+            return
+        job.stop_reason = info
+        job.task.cancel()
+        await job.done.wait()
+
+    async def _run(self, job: _Job) -> None:
+        async def recruit(timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
+            return await self.recruit(job.id, timeout)
+
+        placed = PlacedJob(
+            job.id, job.workers, self.call_timeout, self.job_threads, self.observe, recruit
+        )
+        try:
+            async with self.context_factory(placed) as ctx:
+                await self._train(job, ctx)
+        finally:
+            for worker in job.workers:
+                if worker.job_id == job.id:
+                    worker.job_id = None
+                    if worker.state is WorkerState.BUSY:
+                        worker.state = WorkerState.IDLE
+            if job.restart_for is None:
+                self._jobs.pop(job.id, None)
+                job.done.set()
+                self.kick()
+        if job.restart_for is not None:  # the kick comes once it is queued: it goes first
+            await self._restart(job, job.restart_for)
+
+    async def _restart(self, job: _Job, info: ErrorInfo) -> None:
+        """Queue again a job whose run the fault ``info`` ended (its workers are free now), or
+        end it if that cannot be stored or it is stopped meanwhile."""
+        try:
+            failure = await stored(job.id, self.store.requeue, job.id)
+            if failure is None:
+                await self._emit(job.id, "restarting", restarting(info, job.strategy, job.restarts))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            failure = "stopped while restarting"
+            info = job.stop_reason or info
+        if failure is not None:
+            await self._end(job, info)
+            self._jobs.pop(job.id, None)
+            return
+        self._queue_restart(job, info)
+        self.kick()
+
+    def _queue_restart(self, job: _Job, info: ErrorInfo) -> None:
+        """Put the job back at the head of the queue, its strategy made again (nothing of the
+        failed run is carried over but its checkpoints); it fails with ``info`` if no workers
+        take it within its ``restart_timeout``."""
+        job.restart_for = None
+        job.task = None
+        job.workers = []
+        if job.spec is not None:
+            job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
+        self._queue.insert(0, job.id)
+        gave = functools.partial(gave_up, info, job.strategy, job.restarts)
+        job.wait_expiry = self._expire(job, job.strategy.restart_timeout, gave)
+
+    def _expire(
+        self, job: _Job, seconds: float, why: Callable[[], ErrorInfo]
+    ) -> asyncio.Task[None]:
+        """A task that fails the queued ``job`` with ``why()`` unless workers take it within
+        ``seconds`` (placing it cancels the task)."""
+
+        async def expire() -> None:
+            await asyncio.sleep(seconds)
+            if job.task is None and job.id in self._queue:
+                job.wait_expiry = None
+                await self._stop(job, why())
+
+        return asyncio.create_task(expire(), name=f"job {job.id} waits for workers")
+
+    async def _train(self, job: _Job, ctx: StrategyContext) -> None:
+        """Run the job's strategy on ``ctx`` and record how it ended, whatever way it ends."""
+        ids = [w.id for w in job.workers]
+        try:
+            await asyncio.to_thread(self.store.start, job.id, ids)
+            await self._unpark(job)
+            if "torch" not in sys.modules:
+                # The workers will answer with tensors: import torch now, in a thread, rather
+                # than on the event loop when the first one is decoded (a second or more).
+                await asyncio.to_thread(importlib.import_module, "torch")
+            devices = [w.capabilities.device for w in job.workers]
+
+            async def emit(event: str, data: dict[str, Any]) -> None:
+                await self._emit(job.id, event, data)
+
+            if self.files is not None:
+                saves = await self.files.checkpoints_for(
+                    job.id, job.strategy, emit, job.resume_from
+                )
+                job.inputs = dataclasses.replace(job.inputs, checkpoints=saves)
+            how = await job.strategy.prepare(ctx, job.inputs, emit)
+            await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
+            states = await job.strategy.run(ctx, job.inputs, emit)
+            frame = await asyncio.to_thread(encode_frame, states)
+            failure = await stored(job.id, self.store.succeed, job.id, frame)
+            if failure is not None:
+                why = f"the job trained, but its result could not be stored: {failure}"
+                raise StrategyFailed(ErrorCode.INTERNAL, why)
+            await self._emit(job.id, "succeeded", {"nodes": sorted(states)})
+            await self._forget(job.id, succeeded=True)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled here: the job ends, the task returns normally
+            await self._end(job, job.stop_reason or _internal("the job's task was cancelled"))
+        except WorkerCallError as exc:
+            log.info("job %s failed: %s", job.id, exc)
+            await self._end_or_restart(job, exc.to_info())
+        except StrategyFailed as exc:
+            log.info("job %s failed: %s", job.id, exc)
+            await self._end_or_restart(job, exc.info)
+        except Exception as exc:
+            log.exception("job %s failed on the coordinator", job.id)
+            await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
+
+    async def _unpark(self, job: _Job) -> None:
+        """Read a parked job's inputs back before it runs."""
+        if not job.parked or self.spill is None:
+            return
+        try:
+            job.inputs = await asyncio.to_thread(self.spill.take, job.id, job.inputs)
+        except (OSError, FrameError) as exc:
+            why = f"the job's inputs, parked on disk while it was queued, cannot be read: {exc}"
+            raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
+        job.parked = False
+
+    async def _end_or_restart(self, job: _Job, info: ErrorInfo) -> None:
+        """A fault ended the job's run: it fails, or (``max_restarts``) it is queued again to
+        resume from its last checkpoint once its workers are freed (:meth:`_run`)."""
+        if not self.accepting or not restarts_for(info, job.strategy, job.restarts):
+            await self._end(job, info)
+            return
+        if job.inputs.checkpoints is not None:
+            await job.inputs.checkpoints.flush()  # a write under way ends first
+        job.restarts += 1
+        job.restart_for = info  # queued again once its run's workers are freed: _run
+        log.info("job %s restarts (%d of %d)", job.id, job.restarts, job.strategy.max_restarts)
+
+    async def _end(self, job: _Job, info: ErrorInfo) -> None:
+        """Record a job's unsuccessful end (failed, or cancelled by the client)."""
+        if job.inputs.checkpoints is not None:
+            await job.inputs.checkpoints.flush()  # a write under way ends first
+        await self._record_end(job.id, info)
+        job.done.set()
+
+    async def _record_end(self, job_id: str, info: ErrorInfo) -> None:
+        data = {"code": str(info.code), "message": info.message, "detail": info.detail}
+        if info.code is ErrorCode.CANCELLED:
+            await stored(job_id, self.store.cancel, job_id, info.message)
+            await self._emit(job_id, "cancelled", data)
+        else:
+            await stored(job_id, self.store.fail, job_id, str(info.code), info.message, info.detail)
+            await self._emit(job_id, "failed", data)
+        await self._forget(job_id, succeeded=False)
+
+    async def _forget(self, job_id: str, succeeded: bool) -> None:
+        """A job ended: what was kept to resume it goes (its checkpoints stay unless it
+        succeeded)."""
+        if self.files is not None:
+            await asyncio.to_thread(self.files.ended, job_id, succeeded)
+
+    async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
+        await self.events.emit(job_id, event, data)
+
+    async def _record(self, job_id: str) -> JobRecord:
+        try:
+            return await asyncio.to_thread(self.store.get, job_id)
+        except UnknownJob as exc:
+            raise RequestRefused.of(
+                ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id
+            ) from exc
+
+
+def _internal(message: str) -> ErrorInfo:
+    return ErrorInfo(code=ErrorCode.INTERNAL, message=message)
+
+
+def _code(code: Any) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL

@@ -1,0 +1,291 @@
+"""What a submitted job is, or why it is refused: its strategy, inputs and placement.
+
+Checked in a worker thread (:meth:`coordinator.jobs.manager.JobManager.submit`): linear in the
+graph's size, nothing here touches the event loop or the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from coordinator.context import Target, WorkerIdentity
+from coordinator.errors import StrategyOptionsError
+from coordinator.server.registry import WorkerRecord
+from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
+from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
+from protocol.messages import Submit
+from protocol.options.devices import device_fits
+from protocol.rules.rows import inline_data_problem, rows_of
+from protocol.wording import listed
+
+__all__ = [
+    "check_targets",
+    "check_workers",
+    "placement_of",
+    "rows_of",
+    "summary_of",
+    "unequal_stage_rows",
+    "unlabelled",
+    "vetted",
+    "waited",
+]
+
+
+def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
+    """The strategy, inputs and placement of a submitted job, or why it is refused (checked in
+    a worker thread: see :meth:`JobManager.submit`).
+
+    Raises:
+        RequestRefused: ``BAD_REQUEST`` naming what is wrong.
+    """
+    try:
+        strategy = strategy_from_spec(msg.strategy.name, msg.strategy.options)
+    except StrategyOptionsError as exc:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    missing = [n for n in msg.graph.node_ids if n not in msg.graph.filters]
+    if missing or len(msg.graph.filters) != len(msg.graph.node_ids):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "graph.filters must hold exactly the nodes of graph.node_ids; missing "
+            f"{listed(missing)}",
+        )
+    filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
+    if msg.loader is not None and msg.dataset is None:
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST, "a loader opens a worker's dataset: name the dataset too"
+        )
+    if (msg.x is None) == (msg.dataset is None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "a job trains on data it sends (x, y) or on the workers' own dataset, "
+            "exactly one of the two",
+        )
+    check_validation(msg)
+    inputs = JobInputs(
+        msg.graph.node_ids,
+        filters,
+        msg.x,
+        msg.y,
+        dict(msg.graph.nodes),
+        msg.dataset,
+        msg.loader,
+        x_val=msg.x_val,
+        y_val=msg.y_val,
+        val_split=msg.val_split,
+    )
+    # What graph.fit would refuse of the data, refused now in its words (not on a worker).
+    why = (
+        None
+        if msg.dataset is not None
+        else inline_data_problem(inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y)
+    )
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+    try:
+        strategy.validate(inputs)
+    except StrategyOptionsError as exc:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    return strategy, inputs, placement_of(strategy, inputs)
+
+
+def check_validation(msg: Submit) -> None:
+    """Refuse validation data that cannot be evaluated: a split of no dataset, or rows and
+    labels that do not pair up.
+
+    Raises:
+        RequestRefused: ``BAD_REQUEST`` saying which.
+    """
+    if msg.val_split is not None and (msg.dataset is None or msg.x_val is not None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            "val_split names a split of the workers' dataset: the job trains on one "
+            "(dataset) and sends no x_val",
+        )
+    if msg.val_split is None and (msg.x_val is None) != (msg.y_val is None):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST, "validation data is x_val and y_val, both or neither"
+        )
+    rows = [rows_of(v) for v in (msg.x_val, msg.y_val)]
+    if msg.x_val is not None and (None in rows or rows[0] != rows[1] or not rows[0]):
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST,
+            f"x_val and y_val must hold as many rows, at least one (got {rows[0]} and {rows[1]})",
+        )
+
+
+def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
+    """What the job's record keeps of its submit message (no data, no code)."""
+    summary = {
+        "node_ids": msg.graph.node_ids,
+        "strategy": msg.strategy.model_dump(),
+        "rows": rows_of(msg.x),
+        "dataset": msg.dataset,
+        "placement": placement.describe(),
+        "owner": owner,
+        "name": msg.name,
+        "file": msg.file,
+    }
+    return summary | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
+
+
+def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
+    """The strategy's placement, also requiring the job's dataset on every worker, or, for a
+    placement by slots, on the slots that read it (:meth:`Strategy.dataset_slots`)."""
+    placement = strategy.placement()
+    name = inputs.dataset
+    if name is None:
+        return placement
+    reading = strategy.dataset_slots(len(placement.slots))
+    slots = tuple(
+        dataclasses.replace(slot, dataset=name) if k in reading else slot
+        for k, slot in enumerate(placement.slots)
+    )
+    return dataclasses.replace(placement, dataset=name, slots=slots)
+
+
+WAIT_HINT = "; to wait for such a worker instead, submit with wait_for_workers=SECONDS"
+"""What every refusal for want of a worker ends with: the way to queue the job anyway."""
+
+
+def check_workers(
+    placement: Placement, inputs: JobInputs, workers: Sequence[WorkerRecord], waits: bool
+) -> None:
+    """Refuse a job the registered ``workers`` could never run (:func:`check_targets`, then
+    datasets without labels or with rows that disagree), unless it ``waits`` for workers
+    (``wait_for_workers``): then workers yet to come may.
+
+    Raises:
+        RequestRefused: ``NO_WORKERS`` or ``BAD_REQUEST`` saying why.
+    """
+    if waits:
+        return
+    known = [w.identity for w in workers]
+    check_targets(placement, known)
+    why = unlabelled(inputs, workers) or unequal_stage_rows(placement, known)
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+
+
+def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None:
+    """Refuse a placement pinned to a worker id or tag, a dataset or a device no known worker
+    could ever take (instead of queueing it forever), listing the workers, tags, datasets and
+    devices that exist, and the nearest names to a name no worker has.
+
+    Raises:
+        RequestRefused: ``NO_WORKERS`` saying which.
+    """
+    pinned = [_target_of(placement), *placement.slots]
+    for slot in (s for s in pinned if s is not None):
+        if not any(dataclasses.replace(slot, device=None, dataset=None).answers(w) for w in known):
+            tags = sorted({t for w in known for t in w.tags})
+            ids = [w.id for w in known]
+            near = _nearest(slot.id, ids) if slot.id is not None else _nearest(slot.tag, tags)
+            raise _no_workers(
+                f"no worker answers to {slot}{near}: workers {listed(ids)}, tags {listed(tags)}"
+            )
+    wanted_data = placement.dataset
+    if wanted_data is not None and not any(wanted_data in w.datasets for w in known):
+        names = sorted({name for w in known for name in w.datasets})
+        raise _no_workers(
+            f"no worker has dataset {wanted_data!r}{_nearest(wanted_data, names)} (the workers "
+            f"have {listed(names)})",
+            dataset=wanted_data,
+        )
+    devices = sorted({w.device for w in known})
+    for wanted in placement.devices():
+        if not any(device_fits(wanted, w.device) for w in known):
+            raise _no_workers(
+                f"no worker has device {wanted!r} ({_on_devices(known)})",
+                device=wanted,
+                devices=devices,
+            )
+    for slot in placement.slots:
+        if not any(dataclasses.replace(slot, dataset=None).answers(w) for w in known):
+            raise _no_workers(
+                f"no worker answers to {slot} ({_on_devices(known)})",
+                device=slot.device,
+                devices=devices,
+            )
+        if not any(slot.answers(w) for w in known):
+            serving = [w.id for w in known if slot.dataset in w.datasets]
+            raise _no_workers(
+                f"no worker answers to {slot}: the workers serving dataset {slot.dataset!r} "
+                f"are {listed(serving)}",
+                dataset=slot.dataset,
+            )
+
+
+def waited(placement: Placement, known: Sequence[WorkerIdentity], seconds: float) -> ErrorInfo:
+    """Why a job fails that waited ``seconds`` (``wait_for_workers``) for workers to take
+    ``placement``: what no ``known`` worker has, or that too few of them were free."""
+    why = f"{placement.describe()} did not become free"
+    try:
+        check_targets(placement, known)
+    except RequestRefused as exc:
+        why = exc.info.message.removesuffix(WAIT_HINT)
+    message = f"waited {seconds:g} s for its workers (wait_for_workers): {why}"
+    return ErrorInfo(code=ErrorCode.NO_WORKERS, message=message)
+
+
+def _target_of(placement: Placement) -> Target | None:
+    """The worker id or tag a placement by count is pinned to, as a target (``None``: any)."""
+    if placement.worker_id is not None:
+        return Target(id=placement.worker_id)
+    return Target(tag=placement.tag) if placement.tag is not None else None
+
+
+def _nearest(name: str | None, names: Sequence[str]) -> str:
+    """`` (did you mean 'dp'?)``: the names nearest to one no worker has, if any is near."""
+    near = sorted(difflib.get_close_matches(name or "", sorted(set(names)), n=3, cutoff=0.6))
+    return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
+
+
+def _no_workers(message: str, **detail: Any) -> RequestRefused:
+    return RequestRefused.of(ErrorCode.NO_WORKERS, message + WAIT_HINT, **detail)
+
+
+def _on_devices(known: Sequence[WorkerIdentity]) -> str:
+    """The known workers and their devices, as a refusal lists them."""
+    return "workers: " + (", ".join(f"{w.id} {w.device}" for w in known) or "none")
+
+
+def unlabelled(inputs: JobInputs, workers: Iterable[WorkerRecord]) -> str | None:
+    """Why a job that trains TorchFilters on the workers' dataset cannot: every worker that
+    serves it announced rows without labels (``y``). ``None`` when some has them, when what it
+    holds is not known (a path for a loader), or when the job needs none."""
+    name = inputs.dataset
+    if name is None or inputs.loader is not None or not inputs.differentiable():
+        return None
+    served = [w for w in workers if name in w.datasets]
+    if not served or any(w.datasets[name].x is None or w.datasets[name].y for w in served):
+        return None
+    return (
+        f"dataset {name!r} has no labels (y) on {listed([w.id for w in served])}: its "
+        "TorchFilters cannot train on it (serve it with a y.npy, or a y in the .npz)"
+    )
+
+
+def unequal_stage_rows(placement: Placement, known: Sequence[WorkerIdentity]) -> str | None:
+    """Why a placement by slots whose first and last slots read the job's dataset (a pipeline's
+    first stage reads ``x``, its last ``y``) cannot run on the workers known now: whichever
+    two could take those slots, their datasets' rows differ. ``None`` when some pair agrees,
+    or when what a candidate holds is not known (no worker yet, a loader's path)."""
+    reading = [slot for slot in placement.slots if slot.dataset is not None]
+    if len(reading) < 2 or placement.dataset is None:
+        return None
+    name, first, last = placement.dataset, reading[0], reading[-1]
+    firsts = [w for w in known if first.answers(w)]
+    lasts = [w for w in known if last.answers(w)]
+    rows = {w.id: w.datasets[name] for w in firsts + lasts}
+    if not firsts or not lasts or any(r is None for r in rows.values()):
+        return None
+    if any(a.id != b.id and rows[a.id] == rows[b.id] for a in firsts for b in lasts):
+        return None
+    said = ", ".join(f"{w} {rows[w]}" for w in sorted(rows))
+    return (
+        f"dataset {name!r}: the first stage ({first}) reads x and the last ({last}) y, and "
+        f"their rows must agree; the workers that could take them hold {said} rows"
+    )

@@ -1,0 +1,590 @@
+"""The coordinator daemon: one port for workers, clients, health and metrics.
+
+* ``ws://HOST:PORT/worker`` — worker agents (:class:`~protocol.messages.WorkerHello` first);
+* ``ws://HOST:PORT/client`` — clients (:class:`~protocol.messages.ClientHello` first);
+* ``GET /healthz``, ``GET /metrics``, ``GET /`` and ``GET /api/status``: see
+  :mod:`coordinator.server.http`, which also checks each upgrade's token.
+
+Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
+an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
+has ``handshake_timeout`` for the upgrade and the hello together (a half-sent HTTP request is
+dropped then), and beyond ``max_pending_connections`` pending upgrades whose token was checked
+a new one is answered ``503`` before any message is read (sockets without a valid upgrade are
+not counted: they lock nobody out); beyond ``max_pending_per_address`` pending sockets from one
+IP address a new one from it is closed at its accept (:mod:`coordinator.server.pending`). One
+WebSocket message holds at most :data:`WS_MAX_SIZE` bytes (more: closed with 1009), one message
+reassembled from chunks at most ``max_message_bytes`` (more: ``too_large``, refused from its
+first chunk), and each connection handles at most ``max_inflight`` requests at once (more:
+``busy``); see
+:class:`~protocol.asyncio.channel.Channel`.
+
+Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
+jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
+waits; :meth:`stop` drains — it stops accepting jobs, gives running jobs a grace period, fails what
+is left with the reason, tells workers it is going, closes connections and the store.
+
+This module and the other ``ws_*`` modules are the only ones of the coordinator that import
+``websockets``; the rest sees :class:`~protocol.asyncio.channel.Channel` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import ssl
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from coordinator.jobs.files import JobFiles
+from coordinator.jobs.manager import JobManager, record_dict
+from coordinator.jobs.spill import QueuedInputs
+from coordinator.jobs.store import JobState, JobStore
+from coordinator.server.client_requests import ClientRequests
+from coordinator.server.clients import EVERYONE, ClientIdentity, ClientTokens
+from coordinator.server.http import process_request
+from coordinator.server.metrics import Metrics
+from coordinator.server.pending import MAX_PENDING_PER_ADDRESS, PendingConnections
+from coordinator.server.registry import DuplicateWorker, Registry, WorkerRecord
+from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
+from protocol.asyncio.handshake import receive_hello, refuse_hello
+from protocol.asyncio.turns import TurnGate
+from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
+from protocol.chunking import DEFAULT_STALL_SECONDS, Budget
+from protocol.errors import (
+    BadMessage,
+    ChannelClosed,
+    ErrorCode,
+    RemoteError,
+    RequestRefused,
+    UnexpectedHello,
+    VersionMismatch,
+)
+from protocol.messages import (
+    Ack,
+    ClientHello,
+    Deliver,
+    Shutdown,
+    Welcome,
+    WorkerHello,
+)
+
+log = logging.getLogger(__name__)
+
+SERVER = "somatize-coordinator/0.1.0"
+RELAY_TIMEOUT = 60.0
+"""Seconds a worker has to take a relayed tensor into its mailbox."""
+REASSEMBLY_BUDGET = 4 << 30
+"""Default bytes of chunked messages in progress on all connections together (4 GiB)."""
+HANDSHAKE_TIMEOUT = 10.0
+"""Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
+MAX_PENDING_CONNECTIONS = 64
+"""Default number of upgrades with a valid token but no hello yet beyond which upgrades get
+``503``."""
+STATUS_JOBS = 50
+"""How many of the latest jobs a status snapshot lists."""
+SENDS_PER_TURN = 32
+"""Messages over 16 KiB the coordinator starts sending per turn of its event loop, over all its
+connections (:class:`~protocol.asyncio.turns.TurnGate`): a round's model sent to 10,000 workers
+goes out 32 at a time between reads of what they send (a few milliseconds each)."""
+
+BULK_SENDS = 16
+"""Chunked messages the coordinator writes at once over all its connections (see
+:class:`~protocol.asyncio.channel.Channel`'s ``bulk_gate``): a 1 MB model sent to 1,000 workers
+keeps ~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait behind all of it."""
+
+
+class Coordinator:
+    """The coordinator daemon.
+
+    Args:
+        host, port: where to listen (port 0: any free port, see :attr:`port`).
+        state_dir: the job store's directory.
+        heartbeat_interval: seconds between an agent's heartbeats (told to agents).
+        heartbeat_timeout: seconds of silence after which a worker is lost.
+        call_timeout: seconds one command of a job may take on a worker.
+        job_threads: torch threads of each job's daemon (``None``: the agent's default).
+        max_message_bytes: largest (reassembled) message accepted from a peer.
+        max_inflight: requests handled at once per connection (one more: ``busy``).
+        max_pending_connections: upgrades with a valid token but no hello yet beyond which an
+            upgrade gets ``503`` (sockets without a valid upgrade are not counted).
+        max_pending_per_address: sockets from one IP address without a hello yet (token or
+            not) beyond which a new one from it is closed at its accept.
+        handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
+        worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
+            must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
+            upgrade, before any message is read. ``None``: that path is open (loopback only; the
+            CLI refuses otherwise unless ``--insecure``). A worker token cannot submit jobs.
+        tls: serve ``wss://`` (and ``https://`` health, metrics and status) with this context.
+        public_status: serve ``/``, ``/api/status`` and ``/metrics`` without the client token
+            (for a scraper on a trusted network). ``/healthz`` is always open.
+        client_tokens: named client tokens (``--client-tokens-file``), beside ``client_token``
+            (which is the ``client`` admin's): a client sees and cancels only its own jobs
+            unless it is an admin.
+        max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
+        forget_workers: worker ids whose identity key is dropped at :meth:`start` (their next
+            keyed hello enrols again).
+        max_reassembly_bytes: the bytes of chunked messages in progress on all connections
+            together (at least ``max_message_bytes``); a new one beyond it is ``too_large``
+            ("retry later"): a few peers cannot pin the coordinator's memory.
+        stall_timeout: seconds a chunked message may wait for its next chunk before it is
+            dropped and its memory freed.
+
+    A worker's hello for an id its operator chose carries the agent's identity key: the first
+    one enrols the id (the store keeps the key's SHA-256), and a later hello for that id with
+    another key, or none, is refused ``unauthorized`` — a worker token alone cannot take over
+    another worker's id.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        state_dir: str | Path,
+        *,
+        heartbeat_interval: float = 2.0,
+        heartbeat_timeout: float = 10.0,
+        call_timeout: float = 3600.0,
+        job_threads: int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        max_pending_connections: int = MAX_PENDING_CONNECTIONS,
+        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        worker_token: str | None = None,
+        client_token: str | None = None,
+        client_tokens: ClientTokens | None = None,
+        max_queued_jobs: int | None = None,
+        tls: ssl.SSLContext | None = None,
+        public_status: bool = False,
+        forget_workers: Sequence[str] = (),
+        max_reassembly_bytes: int = REASSEMBLY_BUDGET,
+        stall_timeout: float = DEFAULT_STALL_SECONDS,
+    ) -> None:
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
+        if min(max_message_bytes, max_inflight, max_pending_connections) < 1:
+            raise ValueError("message, in-flight and pending-connection limits must be positive")
+        if handshake_timeout <= 0:
+            raise ValueError("the handshake timeout must be positive")
+        self.host = host
+        self.port = port
+        self.state_dir = Path(state_dir)
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.call_timeout = call_timeout
+        self.job_threads = job_threads
+        self.max_message_bytes = max_message_bytes
+        self.max_inflight = max_inflight
+        self.max_pending_connections = max_pending_connections
+        self.handshake_timeout = handshake_timeout
+        self.pending = PendingConnections(max_pending_connections, max_pending_per_address)
+        """Connections between their accept and their hello (:mod:`coordinator.server.pending`)."""
+        self.tokens = {"/worker": worker_token}
+        self.client_tokens = client_tokens
+        if client_token is not None:
+            single = ClientTokens.single(client_token)
+            self.client_tokens = single if client_tokens is None else single.merged(client_tokens)
+        self.clients: weakref.WeakKeyDictionary[ServerConnection, ClientIdentity] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Who each ``/client`` connection is, from its token
+        (:mod:`coordinator.server.clients`)."""
+        self.tls = tls
+        self.public_status = public_status
+        self.forget_workers = tuple(forget_workers)
+        self.max_queued_jobs = max_queued_jobs
+        self.reassembly = Budget(max(max_reassembly_bytes, max_message_bytes))
+        """The chunked messages in progress on all connections together."""
+        self.stall_timeout = stall_timeout
+        self.metrics = Metrics()
+        self.registry = Registry(heartbeat_timeout)
+        self.store: JobStore | None = None
+        self.jobs: JobManager | None = None
+        self._server: Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._channels: set[Channel] = set()
+        self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
+        self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
+        self._turns = TurnGate(SENDS_PER_TURN)
+        self._stopped = asyncio.Event()
+        self.client_requests = ClientRequests(self)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the store, listen, start the scheduler and the heartbeat reaper."""
+        files = await asyncio.to_thread(JobFiles, self.state_dir)
+        resumable = await asyncio.to_thread(files.resumable)
+        store, recovered = await asyncio.to_thread(
+            JobStore.open, self.state_dir, resumable=resumable
+        )
+        self.store = store
+        requeued = [r for r in recovered if r.state is JobState.QUEUED]
+        for record in recovered:
+            if record.state is JobState.QUEUED:
+                log.warning("job %s was live when the coordinator stopped: queued again", record.id)
+            else:
+                log.warning(
+                    "job %s was %s when the coordinator stopped: marked failed",
+                    record.id,
+                    record.error and record.error.get("detail", {}).get("state"),
+                )
+        await asyncio.to_thread(files.forget_others, [r.id for r in requeued])
+        for worker_id in self.forget_workers:
+            if await asyncio.to_thread(store.forget_worker, worker_id):
+                log.warning("worker %s: identity forgotten; its next hello enrols again", worker_id)
+            else:
+                log.warning("worker %s: no identity to forget", worker_id)
+        self.jobs = JobManager(
+            store,
+            self.registry,
+            self.call_timeout,
+            self.job_threads,
+            self.metrics.observe,
+            max_queued_jobs=self.max_queued_jobs,
+            spill=await asyncio.to_thread(QueuedInputs, self.state_dir / "queued"),
+            files=files,
+        )
+        for record in requeued:
+            await self.jobs.requeue(record)
+        self.registry.on_change = self.jobs.kick
+        self._server = await serve(
+            self._connection,
+            self.host,
+            self.port,
+            ssl=self.tls,
+            process_request=self._http,
+            create_connection=_counted(self.pending),
+            server_header=SERVER,
+            **ws_options(
+                open_timeout=self.handshake_timeout,
+                ping_interval=max(self.heartbeat_interval, 1.0) * 5,
+                ping_timeout=self.heartbeat_timeout * 2,
+            ),
+        )
+        self.port = self._server.sockets[0].getsockname()[1] if self.port == 0 else self.port
+        self._tasks = [
+            asyncio.create_task(self.jobs.schedule_forever(), name="scheduler"),
+            asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
+        ]
+        log.info(
+            "coordinator listening on ws://%s:%d (state in %s)",
+            self.host,
+            self.port,
+            self.state_dir,
+        )
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Drain and stop: see the module docstring. Safe to call twice."""
+        if self._stopped.is_set() or self.jobs is None:
+            self._stopped.set()
+            return
+        log.info("coordinator stopping (grace %.0fs)", grace)
+        assert self._server is not None and self.store is not None
+        self._server.close(close_connections=False)  # stop accepting new connections
+        await self.jobs.shutdown(grace)
+        notice = Shutdown(reason="the coordinator is shutting down")
+        for record in self.registry:
+            if record.channel is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(2.0):
+                        await record.channel.send(notice)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(
+            *(c.close(1001, "coordinator shutting down") for c in list(self._channels))
+        )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await self._server.wait_closed()
+        await asyncio.to_thread(self.store.close)
+        self._stopped.set()
+        log.info("coordinator stopped")
+
+    async def _reap_forever(self) -> None:
+        period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            woke = loop.time() + period
+            await asyncio.sleep(period)
+            if loop.time() - woke > period:
+                # The loop itself was held up (importing torch for a first job, a long fold):
+                # the heartbeats that waited meanwhile are read before anyone is judged silent.
+                continue
+            for record in self.registry.reap():
+                log.warning("worker %s lost: %s", record.id, record.reason)
+                if record.channel is not None:
+                    # Not awaited: over a dead link the closing handshake takes its whole
+                    # timeout, and the next silent worker must not wait for it to be reaped.
+                    task = asyncio.ensure_future(record.channel.close(4000, "heartbeat timeout"))
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        return await process_request(self, connection, request)
+
+    @property
+    def pending_connections(self) -> int:
+        """Connections accepted that have not said hello yet (this one included)."""
+        return len(self.pending)
+
+    def admit(self, connection: ServerConnection) -> bool:
+        """Count an upgrade whose token was checked among those waiting for their hello;
+        ``False`` (not counted) beyond ``max_pending_connections`` of them. Sockets that sent
+        no valid upgrade are not counted: whoever holds no token cannot lock anyone out (they
+        are closed by the handshake timeout, and capped per address at their accept)."""
+        return self.pending.admit(connection)
+
+    @property
+    def channels(self) -> set[Channel]:
+        """Every connection's channel, hello or not."""
+        return self._channels
+
+    async def status(self, client: ClientIdentity = EVERYONE) -> dict[str, Any]:
+        """What ``somatize status`` and the status page show: every worker's summary and the
+        latest jobs' records (state, progress, error) that ``client`` may see, with the server's
+        name and clock (the page measures durations against it, not against the browser's)."""
+        assert self.jobs is not None
+        now = time.monotonic()
+        return {
+            "server": SERVER,
+            "time": time.time(),
+            "workers": [w.summary(now) for w in self.registry],
+            "jobs": await self.client_requests.records(client, STATUS_JOBS),
+        }
+
+    async def _connection(self, ws: ServerConnection) -> None:
+        path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
+        is_worker = path == "/worker"
+        channel = Channel(
+            ws,
+            f"{path[1:]} {ws.remote_address}",
+            None,
+            self.max_message_bytes,
+            self.max_inflight,
+            bulk_gate=self._bulk_gate,
+            budget=self.reassembly,
+            turns=self._turns,
+            stall_timeout=self.stall_timeout,
+        )
+        self._channels.add(channel)
+        try:
+            hello = await self._hello(ws, channel, path, is_worker)
+            if hello is None:
+                return
+            if isinstance(hello, WorkerHello):
+                await self._serve_worker(channel, hello)
+            else:
+                await self._serve_client(channel, hello)
+        except (ConnectionClosed, ChannelClosed) as exc:  # the peer went: nothing to answer
+            log.info("%s: connection closed: %s", channel.name, exc)
+        finally:
+            self.pending.done(ws)
+            self.metrics.retire(channel)
+            self._channels.discard(channel)
+
+    async def _hello(
+        self, ws: ServerConnection, channel: Channel, path: str, is_worker: bool
+    ) -> Any:
+        """The connection's hello, read by ``handshake_timeout`` after its TCP accept; ``None``
+        when it was refused (and the connection closed). It stops being pending."""
+        loop = asyncio.get_running_loop()
+        accepted = self.pending.accepted_at(ws)
+        deadline = (loop.time() if accepted is None else accepted) + self.handshake_timeout
+        expected = WorkerHello if is_worker else ClientHello
+        first = "worker_hello" if is_worker else "client_hello"
+        try:
+            return await receive_hello(
+                channel, expected, f"{path} expects {first} first, got {{kind}}", deadline=deadline
+            )
+        except UnexpectedHello as exc:
+            self.pending.done(ws)  # a valid message: no longer waiting for a hello
+            await self._refuse(ws, exc.info.code, exc.info.message)
+        except TimeoutError:
+            log.info("refused %s: no hello within the handshake timeout", ws.remote_address)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.handshake_timeout):
+                    await ws.close(4008, "no hello within the handshake timeout")
+        except VersionMismatch as exc:
+            await self._refuse(ws, ErrorCode.VERSION_MISMATCH, str(exc))
+        except BadMessage as exc:
+            await self._refuse(ws, exc.info.code, exc.info.message)
+        finally:
+            self.pending.done(ws)
+        return None
+
+    async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
+        log.info("refused %s: %s", ws.remote_address, message)
+        await refuse_hello(ws, code, message, self.handshake_timeout)
+
+    async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
+        if hello.worker_id is not None and not await self._identified(hello.worker_id, hello.key):
+            message = (
+                f"worker id {hello.worker_id!r} is enrolled with another identity key: a worker "
+                "registers only under its own id (if that machine lost its --identity-file, run "
+                f"the coordinator once with --forget-worker {hello.worker_id})"
+            )
+            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
+            return
+        try:
+            record = self.registry.attach(
+                hello.worker_id,
+                hello.tags,
+                hello.capabilities,
+                channel,
+                hello.datasets,
+                hello.peer_address,
+                _remote_host(channel.transport),
+            )
+        except DuplicateWorker as exc:
+            await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
+            return
+        channel.name = f"worker {record.id}"
+        channel.handler = lambda message: self._on_worker_message(record, message)
+        await channel.reply(
+            hello,
+            Welcome(
+                worker_id=record.id,
+                heartbeat_interval=self.heartbeat_interval,
+                heartbeat_timeout=self.heartbeat_timeout,
+                server=SERVER,
+            ),
+        )
+        log.info(
+            "worker %s connected (tags %s, %s cpus)",
+            record.id,
+            sorted(record.tags),
+            record.capabilities.cpus,
+        )
+        try:
+            await channel.run()
+        finally:
+            self.registry.detach(record, channel, channel.close_reason or "disconnected")
+            log.info("worker %s disconnected: %s", record.id, channel.close_reason)
+
+    async def _identified(self, worker_id: str, key: str | None) -> bool:
+        """Whether a hello for ``worker_id`` with ``key`` may register: the id's enrolled key, or
+        an id not enrolled yet (enrolled now when ``key`` is given)."""
+        assert self.store is not None
+        if key is None:
+            return not await asyncio.to_thread(self.store.is_enrolled, worker_id)
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return await asyncio.to_thread(self.store.identify, worker_id, digest)
+
+    async def _on_worker_message(self, record: WorkerRecord, message: Any) -> Any:
+        if message.kind == "heartbeat":
+            self.registry.heartbeat(record)
+            return None
+        if message.kind == "deliver":
+            return await self._relay(record, message)
+        raise RequestRefused.of(
+            ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a worker"
+        )
+
+    async def _relay(self, sender: WorkerRecord, message: Deliver) -> Ack:
+        """Forward a tensor between two workers of the same job with no direct link: the payload
+        stays an opaque frame (its tensors are not decoded here), and the receiver learns who
+        sent it from the connection it came on, not from the message.
+
+        Raises:
+            RequestRefused: the sender is not on that job, the target is not a connected worker
+                of it, or the target refused it or did not answer within ``RELAY_TIMEOUT``.
+        """
+        job_id = message.job_id
+        if sender.job_id != job_id:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"worker {sender.id} is not on job {job_id!r}: nothing is relayed for it",
+            )
+        target = self.registry.get(message.to)
+        if target is None or target.job_id != job_id or target.channel is None:
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST,
+                f"relay for job {job_id!r}: worker {message.to!r} is not a connected worker "
+                "of the job",
+                job_id=job_id,
+                to=message.to,
+            )
+        forwarded = message.model_copy(update={"sender": sender.id})
+        try:
+            await target.channel.request(forwarded, RELAY_TIMEOUT)  # request() gives it a new id
+        except RemoteError as exc:
+            raise RequestRefused(exc.info) from None
+        except (ChannelClosed, TimeoutError) as exc:
+            why = "its connection closed" if isinstance(exc, ChannelClosed) else "no answer"
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST,
+                f"relay of {message.key!r} to worker {message.to} for job {job_id!r} failed: {why}",
+                job_id=job_id,
+                to=message.to,
+            ) from None
+        self.metrics.relayed += len(message.payload)
+        return Ack()
+
+    async def _serve_client(self, channel: Channel, hello: ClientHello) -> None:
+        channel.name = f"client {hello.name or channel.name}"
+        channel.handler = lambda message: self._on_client_message(channel, message)
+        await channel.reply(
+            hello,
+            Welcome(
+                heartbeat_interval=self.heartbeat_interval,
+                heartbeat_timeout=self.heartbeat_timeout,
+                server=SERVER,
+            ),
+        )
+        await channel.run()
+
+    async def _on_client_message(self, channel: Channel, message: Any) -> Any:
+        return await self.client_requests.handle(channel, message)
+
+
+def _counted(pending: PendingConnections) -> type[ServerConnection]:
+    """A :class:`ServerConnection` class whose connections are in ``pending`` from their TCP
+    accept until they are taken out or close: idle sockets and half-sent upgrades count, not
+    only upgraded connections. A socket from an address that holds its share of pending
+    sockets is closed at once, before a byte is read."""
+
+    class Counted(ServerConnection):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            peer = transport.get_extra_info("peername")
+            host = peer[0] if isinstance(peer, tuple) and isinstance(peer[0], str) else None
+            counted = pending.accepted(self, host, self.loop.time())
+            super().connection_made(transport)
+            if not counted:
+                log.info(
+                    "refused %s at accept: %d sockets of that address wait for their hello",
+                    host,
+                    pending.max_per_address,
+                )
+                transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            pending.done(self)
+            super().connection_lost(exc)
+
+    return Counted
+
+
+__all__ = ["WS_MAX_SIZE", "Coordinator", "RemoteError", "record_dict"]
+
+
+def _remote_host(transport: object) -> str | None:
+    """The address a connection came from (``None`` when the transport does not say)."""
+    address = getattr(transport, "remote_address", None)
+    if isinstance(address, tuple) and address and isinstance(address[0], str):
+        return address[0]
+    return None

@@ -1,0 +1,195 @@
+"""What a connected client asks the coordinator, answered on behalf of who it is.
+
+Each request of a ``/client`` connection (``submit``, ``watch``, ``get_result``, ``cancel``,
+``get_job``, ``list_jobs``, ``status``, ``ping``) is one method here. The client is who its
+token says (:mod:`coordinator.server.clients`): it submits as itself, and sees only its own jobs
+unless it is an admin — another's job is ``unknown_job``, as one that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.server import ServerConnection
+
+from coordinator.server.clients import EVERYONE, ClientIdentity
+from protocol.asyncio.channel import Channel
+from protocol.errors import ChannelClosed, ErrorCode, RequestRefused
+from protocol.messages import Ack, JobEvent, Probe, Result
+
+if TYPE_CHECKING:
+    from coordinator.jobs.manager import JobManager
+    from coordinator.server.app import Coordinator
+
+__all__ = ["PROBE_TIMEOUT", "ClientRequests"]
+
+PROBE_TIMEOUT = 60.0
+"""Seconds a worker has to answer a ping (its spare daemon may still be starting)."""
+
+
+class ClientRequests:
+    """The client requests of coordinator ``server``."""
+
+    def __init__(self, server: Coordinator) -> None:
+        self.server = server
+        self._handlers: dict[str, Callable[[Channel, Any], Awaitable[Any]]] = {
+            "submit": self.on_submit,
+            "watch": self.on_watch,
+            "get_result": self.on_get_result,
+            "get_checkpoint": self.on_get_checkpoint,
+            "cancel": self.on_cancel,
+            "get_job": self.on_get_job,
+            "list_jobs": self.on_list_jobs,
+            "status": self.on_status,
+            "ping": self.on_ping,
+        }
+
+    def _jobs(self) -> JobManager:
+        assert self.server.jobs is not None, "the coordinator is not started"
+        return self.server.jobs
+
+    async def records(self, client: ClientIdentity, limit: int) -> list[dict[str, Any]]:
+        """The latest ``limit`` job records ``client`` may see."""
+        assert self.server.jobs is not None
+        records = await self.server.jobs.records(limit)
+        return [r for r in records if client.may_see(r["summary"].get("owner"))]
+
+    def _client(self, channel: Channel) -> ClientIdentity:
+        """Who the client on ``channel`` is (its token said, at the upgrade)."""
+        transport = channel.transport
+        known = (
+            self.server.clients.get(transport) if isinstance(transport, ServerConnection) else None
+        )
+        return known or EVERYONE
+
+    async def _visible(self, channel: Channel, job_id: str) -> ClientIdentity:
+        """The client of ``channel``, once it is found to own ``job_id`` (or be an admin).
+
+        Raises:
+            RequestRefused: ``unknown_job`` for another client's job, as for none at all.
+        """
+        assert self.server.jobs is not None
+        client = self._client(channel)
+        if not client.admin and not client.may_see(await self.server.jobs.owner(job_id)):
+            raise RequestRefused.of(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id)
+        return client
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def handle(self, channel: Channel, message: Any) -> Any:
+        """Answer one request of the client on ``channel``.
+
+        Raises:
+            RequestRefused: a kind no client sends, or the request's own refusal.
+        """
+        handler = self._handlers.get(message.kind)
+        if handler is None:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a client"
+            )
+        return await handler(channel, message)
+
+    async def on_submit(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        client = self._client(channel)
+        if message.resume_from is not None:  # another client's job is not there to continue
+            await self._visible(channel, message.resume_from)
+        job_id = await jobs.submit(message, client.name)
+        return Result(result={"job_id": job_id})
+
+    async def on_watch(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        async with _while_open(channel):
+            async for event in jobs.watch(message.job_id, message.after_seq):
+                await channel.reply(
+                    message,
+                    JobEvent(
+                        job_id=event.job_id,
+                        seq=event.seq,
+                        time=event.time,
+                        event=event.kind,
+                        data=event.data,
+                    ),
+                )
+        return Ack()
+
+    async def on_get_result(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        async with _while_open(channel):
+            return Result(result=await jobs.result(message.job_id, message.wait))
+
+    async def on_get_checkpoint(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        await jobs.owner(message.job_id)  # an unknown job is said so, not "no checkpoint"
+        if jobs.files is None:
+            raise RequestRefused.of(
+                ErrorCode.NO_CHECKPOINT, "this coordinator keeps no checkpoints (no --state-dir)"
+            )
+        found = await asyncio.to_thread(jobs.files.checkpoint, message.job_id, message.seq)
+        payload = found.payload
+        # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
+        # state of its differentiable nodes.
+        states = payload.get("states", payload.get("global_state", {}))
+        return Result(result={"seq": found.seq, "position": found.position, "states": states})
+
+    async def on_cancel(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        await jobs.cancel(message.job_id)
+        return Ack()
+
+    async def on_get_job(self, channel: Channel, message: Any) -> Any:
+        jobs = self._jobs()
+        await self._visible(channel, message.job_id)
+        return Result(result={"record": await jobs.record(message.job_id)})
+
+    async def on_list_jobs(self, channel: Channel, message: Any) -> Any:
+        client = self._client(channel)
+        return Result(result={"jobs": await self.records(client, message.limit)})
+
+    async def on_ping(self, channel: Channel, message: Any) -> Any:
+        """A no-op round trip: to the coordinator, or on through a worker to its daemon."""
+        if message.worker_id is None:
+            return Result(result={"worker_id": None})
+        record = self.server.registry.get(message.worker_id)
+        if record is None or record.channel is None:
+            known = [w.id for w in self.server.registry if w.connected]
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"no connected worker {message.worker_id!r} (connected: {known})",
+            )
+        try:
+            reply = await record.channel.request(Probe(), PROBE_TIMEOUT)
+        except TimeoutError as exc:
+            raise RequestRefused.of(
+                ErrorCode.TIMEOUT, f"worker {record.id!r} did not answer within {PROBE_TIMEOUT}s"
+            ) from exc
+        except ChannelClosed as exc:
+            raise RequestRefused.of(
+                ErrorCode.WORKER_LOST, f"worker {record.id!r} disconnected"
+            ) from exc
+        return Result(result=reply.result)
+
+    async def on_status(self, channel: Channel, message: Any) -> Any:
+        client = self._client(channel)
+        return Result(result=await self.server.status(client))
+
+
+@contextlib.asynccontextmanager
+async def _while_open(channel: Channel) -> AsyncIterator[None]:
+    """Cancel the body when ``channel``'s connection ends: a client's wait (a watch of a job
+    that stays queued, a long ``get_result``) must not outlive the client."""
+    task = asyncio.current_task()
+    assert task is not None
+    closed = asyncio.ensure_future(channel.closed.wait())
+    closed.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
+    try:
+        yield
+    finally:
+        closed.cancel()

@@ -1,0 +1,357 @@
+"""The status page's job view: what one job did, in order, and a button to stop it.
+
+A row of the jobs table opens it (``#job=ID`` in the address, so it can be linked and
+survives a reload); it polls ``GET /api/jobs/ID`` (:mod:`coordinator.server.status_api`) while it is
+open and shows the job's record (name, file, strategy, workers, times), its error with the
+filter's traceback, its loss curve (an inline SVG: the points ``somatize result --plot``
+draws, along the steps, rounds or epochs it counted) and the timeline of its events, each in
+the words the CLI uses (:mod:`somatize.progress`, :mod:`somatize.tables`). While the job is
+queued or running a Cancel button stops it: a first click asks, a second within five seconds
+cancels (``GET /api/jobs/ID/cancel`` with the header that request needs).
+
+Three strings go into :data:`coordinator.server.status_page.PAGE`: the view's CSS, its HTML and its
+script (run in the page's, sharing its helpers ``el``, ``cell``, ``pill``, ``isNum``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["JOB_CSS", "JOB_HTML", "JOB_JS"]
+
+JOB_CSS = r"""
+  #job-view header.bar-top {
+    display: flex; align-items: center; gap: 10px; padding: 12px 16px;
+    border-bottom: 1px solid var(--line); background: none; color: inherit;
+  }
+  #job-view h2 { border: 0; padding: 0; flex: 1; overflow-wrap: anywhere; }
+  #job-view button {
+    font: inherit; padding: 5px 12px; border-radius: 6px; border: 1px solid var(--line);
+    background: var(--panel); cursor: pointer;
+  }
+  #job-cancel { color: var(--bad); border-color: #f1b0aa !important; }
+  #job-cancel.armed { background: var(--bad) !important; color: #fff; }
+  .facts {
+    display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 8px 20px;
+    padding: 12px 16px; margin: 0;
+  }
+  .facts dt { color: var(--muted); font-size: 12px; text-transform: uppercase; }
+  .facts dd { margin: 0; overflow-wrap: anywhere; }
+  #job-error { margin: 0 16px 12px; padding: 10px 12px; border-radius: 8px;
+    background: var(--bad-bg); color: var(--bad); overflow-wrap: anywhere; }
+  #job-error pre { margin: 8px 0 0; white-space: pre-wrap; font-size: 12px; color: var(--ink); }
+  #job-curve { display: block; width: 100%; height: 220px; }
+  #job-curve text { font-size: 11px; fill: var(--muted); }
+  #job-events td.what { white-space: normal; overflow-wrap: anywhere; }
+"""
+
+JOB_HTML = r"""
+  <section class="panel" id="job-view" hidden>
+    <header class="bar-top">
+      <h2 id="job-title"></h2>
+      <button type="button" id="job-cancel" hidden>Cancel job</button>
+      <button type="button" id="job-close">Close</button>
+    </header>
+    <dl class="facts" id="job-facts"></dl>
+    <div id="job-error" hidden></div>
+    <svg id="job-curve" viewBox="0 0 760 220" hidden></svg>
+    <div class="scroll"><table id="job-events">
+      <thead><tr><th>At</th><th>Event</th><th>What</th></tr></thead>
+      <tbody></tbody>
+    </table></div>
+  </section>
+"""
+
+JOB_JS = r"""
+// -- the job view --------------------------------------------------------------------------
+let openJob = null;  // the id in #job=ID, or null
+let armedUntil = 0;  // the cancel button asks before it cancels
+
+function jobInHash() {
+  const m = /^#job=(.+)$/.exec(location.hash);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+
+function clockTime(t) {
+  return isNum(t) ? new Date(t * 1000).toLocaleTimeString() : "";
+}
+
+function fmt4(v) { return String(Number(v.toPrecision(4))); }  // Python's {:.4g}, mostly
+function grouped(n) { return Number(n).toLocaleString("en-US"); }
+
+// One progress event in the words of somatize/progress.py event_text.
+function progressEventText(d) {
+  const SEP = " \u00b7 ";
+  if (d.phase === "training" && Number.isInteger(d.step)) {
+    const parts = [progressText(d)];
+    if (isNum(d.loss)) parts.push("loss " + fmt4(d.loss) + " (last step)");
+    return parts.join(SEP);
+  }
+  if (d.phase === "round") {
+    const parts = ["round " + d.round + (d.rounds ? "/" + d.rounds : "")];
+    if (isNum(d.loss)) {
+      const among = Array.isArray(d.workers) ? "mean of " + d.workers.length + " workers" : "mean";
+      parts.push("loss " + fmt4(d.loss) + " (" + among + ")");
+    }
+    const dropped = d.dropped && typeof d.dropped === "object" ? Object.keys(d.dropped) : [];
+    if (dropped.length) parts.push("dropped " + dropped.join(", "));
+    if (Number.isInteger(d.rows)) parts.push(grouped(d.rows) + " rows");
+    return parts.join(SEP);
+  }
+  if (d.phase === "trained") return trainedText(d);
+  if (d.phase === "epoch" && Number.isInteger(d.epoch)) {
+    const loss = isNum(d.loss) ? SEP + "loss " + fmt4(d.loss) + " (epoch mean)" : "";
+    const said = "epoch " + d.epoch + loss;
+    return [said, ...figures(d)].join(SEP);
+  }
+  return phaseText(d);
+}
+
+// A history row's validation figures (somatize/progress.py _figures).
+const NOT_FIGURES = new Set(["phase", "epoch", "epochs", "round", "rounds", "loss", "lr",
+  "step", "steps", "rows"]);
+function figures(row) {
+  return Object.keys(row || {})
+    .filter((k) => !NOT_FIGURES.has(k) && isNum(row[k]))
+    .map((k) => k + " " + fmt4(row[k]));
+}
+
+// A run's last event (somatize/progress.py _trained_text).
+function trainedText(d) {
+  const SEP = " \u00b7 ";
+  const rows = Array.isArray(d.history) ? d.history : [];
+  const last = rows.length && rows[rows.length - 1] && typeof rows[rows.length - 1] === "object"
+    ? rows[rows.length - 1] : {};
+  const l = d.epoch_losses;
+  const loss = Array.isArray(l) && l.length ? l[l.length - 1] : last.loss;
+  let parts, unit = "epoch";
+  if (Number.isInteger(d.step)) {
+    parts = [progressText({ epoch: d.epoch, epochs: d.epochs, step: d.step, steps: d.steps })];
+  } else if (Number.isInteger(d.round)) {
+    parts = ["round " + d.round + (d.rounds ? "/" + d.rounds : "")];
+    unit = "round";
+  } else {
+    parts = ["trained" + (d.epochs ? " " + d.epochs + " epochs" : "")];
+  }
+  if (isNum(loss)) parts.push("loss " + fmt4(loss) + " (last " + unit + " mean)");
+  return [...parts, ...figures(last)].join(SEP);
+}
+
+// What a job does before and after its steps (somatize/progress.py _phase_text).
+function phaseText(d) {
+  const SEP = " \u00b7 ";
+  if (d.phase === "loading") {
+    for (const key of ["replicas", "stages", "nodes"]) {
+      if (Number.isInteger(d[key])) return "loading the filters (" + d[key] + " " + key + ")";
+    }
+    if (Array.isArray(d.workers)) return "loading the filters on " + d.workers.length + " workers";
+    return "loading the filters";
+  }
+  if (d.phase === "fitting") {
+    const nodes = Array.isArray(d.nodes) ? d.nodes.map((n) => "'" + n + "'").join(", ") : "";
+    return "fitting the plain filters" + (nodes ? " [" + nodes + "]" : "");
+  }
+  if (d.phase === "staged" && d.rows && typeof d.rows === "object") {
+    const counts = Object.values(d.rows).map(Number);
+    const total = grouped(counts.reduce((a, b) => a + b, 0));
+    return "staged " + total + " rows on " + counts.length + " workers";
+  }
+  if (d.phase === "linked") return "stages linked (" + (d.transport || "?") + ")";
+  if (d.phase === "training") {
+    const on = Number.isInteger(d.rows) ? " on " + grouped(d.rows) + " rows" : "";
+    return "training" + on + " (one worker runs the whole loop: its loss comes at the end)";
+  }
+  const shown = Object.keys(d)
+    .filter((k) => k !== "phase" && (typeof d[k] === "string" || typeof d[k] === "number"))
+    .map((k) => k + " " + d[k]);
+  return [d.phase, ...shown].filter((p) => p).join(SEP);
+}
+
+// A URL of this coordinator's API, without the credentials a person may have typed.
+function apiUrl(path) {
+  const url = new URL(path, location.href);
+  url.username = url.password = url.hash = "";
+  return url;
+}
+
+// somatize/tables.py placed_text and queued_text.
+function placedText(d) {
+  let workers = (d.workers || []).map(String);
+  if (Array.isArray(d.devices) && d.devices.length === workers.length) {
+    workers = workers.map((w, i) => w + " (" + d.devices[i] + ")");
+  }
+  let text = "placed on " + (workers.join(", ") || "?");
+  if (d.collective === "torch") {
+    text += "; gradients by torch.distributed (" + (d.backend || "?") + ")";
+  } else if (d.collective === "coordinator") {
+    text += "; gradients through the coordinator: " + (d.collective_reason || "");
+  }
+  return text;
+}
+
+function queuedText(d) {
+  const text = d.placement ? "queued: waiting for " + d.placement : "queued";
+  return text + (isNum(d.wait_for_workers) ? " (at most " + d.wait_for_workers + " s)" : "");
+}
+
+function eventText(e) {
+  const d = e.data || {};
+  if (e.event === "queued") return queuedText(d);
+  if (e.event === "placed") return placedText(d);
+  if (e.event === "progress") return progressEventText(d);
+  if (e.event === "failed" || e.event === "cancelled") {
+    return "[" + d.code + "] " + (d.message || "");
+  }
+  if (e.event === "succeeded") return "nodes " + (d.nodes || []).join(", ");
+  const said = Object.keys(d).filter((k) => typeof d[k] !== "object");
+  return said.map((k) => k + " " + d[k]).join(" \u00b7 ");
+}
+
+// The points somatize result --plot draws (somatize/cli.py loss_curve) and what x counts.
+function lossCurve(events) {
+  const points = [];
+  let unit = "epoch";
+  for (const e of events) {
+    const d = e.data || {};
+    if (e.event !== "progress") continue;
+    if (d.phase === "round") unit = "round";
+    else if (Number.isInteger(d.step) && unit !== "round") unit = "step";
+    if (Array.isArray(d.losses) && Number.isInteger(d.step)) {
+      const first = d.step - d.losses.length + 1;
+      d.losses.forEach((v, i) => points.push([first + i, v]));
+    } else if (isNum(d.loss) && d.phase !== "trained" && d.phase !== "epoch") {
+      points.push([d.step || d.round || points.length + 1, d.loss]);
+    } else if (Array.isArray(d.epoch_losses)) {
+      d.epoch_losses.forEach((v, i) => points.push([i + 1, v]));
+    }
+  }
+  return { points: points.filter((p) => isNum(p[0]) && isNum(p[1])), unit };
+}
+
+function svg(tag, attrs, text) {
+  // The curve's <svg> is in SVG's namespace already (the HTML parser puts it there).
+  const node = document.createElementNS(document.getElementById("job-curve").namespaceURI, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+function drawCurve(events) {
+  const box = document.getElementById("job-curve");
+  const { points, unit } = lossCurve(events);
+  box.hidden = points.length < 2;
+  box.dataset.points = String(points.length);
+  box.dataset.unit = unit;
+  if (box.hidden) return box.replaceChildren();
+  // As wide as it is shown (its text unstretched), in CSS pixels.
+  const W = Math.max(box.clientWidth, 320), H = 220, L = 56, R = 28, T = 12, B = 30;
+  box.setAttribute("viewBox", "0 0 " + W + " " + H);
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const sx = (x) => L + (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5) * (W - L - R);
+  const sy = (y) => T + (y1 > y0 ? (y1 - y) / (y1 - y0) : 0.5) * (H - T - B);
+  const line = points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
+  box.replaceChildren(
+    svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#e4e7ec" }),
+    svg("line", { x1: L, y1: T, x2: L, y2: H - B, stroke: "#e4e7ec" }),
+    svg("polyline", { points: line, fill: "none", stroke: "#3257d6", "stroke-width": 1.5 }),
+    svg("text", { x: L - 6, y: T + 10, "text-anchor": "end" }, fmt4(y1)),
+    svg("text", { x: L - 6, y: H - B, "text-anchor": "end" }, fmt4(y0)),
+    svg("text", { x: L, y: H - 8 }, unit + " " + x0),  // whole numbers: steps, rounds, epochs
+    svg("text", { x: W - R, y: H - 8, "text-anchor": "end" }, unit + " " + x1),
+    svg("text", { x: (L + W) / 2, y: H - 8, "text-anchor": "middle" }, "loss by " + unit),
+  );
+}
+
+function renderJob(view, now) {
+  const job = view.record, events = view.events || [], summary = job.summary || {};
+  document.getElementById("job-title").textContent =
+    "Job " + job.id + (summary.name ? " \u00b7 " + summary.name : "");
+  const facts = [
+    ["State", pill(job.state)], ["Strategy", job.strategy], ["File", summary.file || "\u2014"],
+    ["Submitted", clockTime(job.created)], ["Duration", duration(job, now || Date.now() / 1000)],
+    ["Workers", (job.workers || []).join(", ") || "\u2014"], ["Asked for", summary.placement || ""],
+  ];
+  document.getElementById("job-facts").replaceChildren(...facts.map(([k, v]) => {
+    const pair = el("div"), dd = el("dd");
+    if (v instanceof Node) dd.appendChild(v); else dd.textContent = String(v);
+    pair.append(el("dt", k), dd);
+    return pair;
+  }));
+  const error = document.getElementById("job-error");
+  error.hidden = !job.error;
+  if (job.error) {
+    const message = document.createTextNode(" " + (job.error.message || ""));
+    error.replaceChildren(el("code", job.error.code), message);
+    const trace = (job.error.detail || {}).traceback;
+    if (trace) error.appendChild(el("pre", trace));
+  }
+  drawCurve(events);
+  const start = isNum(job.created) ? job.created : (events[0] || {}).time;
+  const rows = events.map((e) => {
+    const tr = el("tr");
+    cell(tr, "+" + seconds(e.time - start), "num");
+    cell(tr, e.event);
+    cell(tr, eventText(e), "what");
+    return tr;
+  });
+  if (view.dropped) {
+    const tr = el("tr");
+    cell(tr, "");
+    cell(tr, "\u2026");
+    cell(tr, view.dropped + " earlier events not shown", "what muted");
+    rows.unshift(tr);
+  }
+  document.querySelector("#job-events tbody").replaceChildren(...rows);
+  const live = job.state === "queued" || job.state === "running";
+  const cancel = document.getElementById("job-cancel");
+  cancel.hidden = !live;
+  if (Date.now() > armedUntil) { cancel.className = ""; cancel.textContent = "Cancel job"; }
+}
+
+async function refreshJob(now) {
+  const wanted = jobInHash();
+  const view = document.getElementById("job-view");
+  if (wanted !== openJob) { openJob = wanted; armedUntil = 0; }
+  view.hidden = openJob === null;
+  if (openJob === null) return;
+  const title = document.getElementById("job-title");
+  try {
+    const url = apiUrl("api/jobs/" + encodeURIComponent(openJob));
+    const response = await fetch(url, { cache: "no-store" });
+    const json = response.headers.get("Content-Type") === "application/json";
+    const body = json ? await response.json() : {};
+    if (!response.ok) {
+      const why = (body.error || {}).message || "HTTP " + response.status;
+      title.textContent = "Job " + openJob + ": " + why;
+      return;
+    }
+    if (jobInHash() === openJob) renderJob(body, now);
+  } catch (exc) {
+    title.textContent = "Job " + openJob + ": " + exc.message;
+  }
+}
+
+document.getElementById("job-close").addEventListener("click", () => {
+  history.replaceState(null, "", location.pathname + location.search);
+  refreshJob(null);
+});
+
+document.getElementById("job-cancel").addEventListener("click", async () => {
+  const button = document.getElementById("job-cancel");
+  if (Date.now() > armedUntil) {  // the first click asks
+    armedUntil = Date.now() + 5000;
+    button.className = "armed";
+    button.textContent = "Click again to cancel";
+    return;
+  }
+  armedUntil = 0;
+  button.disabled = true;
+  button.textContent = "Cancelling\u2026";
+  try {
+    const url = apiUrl("api/jobs/" + encodeURIComponent(openJob) + "/cancel");
+    await fetch(url, { cache: "no-store", headers: { "X-Requested-By": "somatize-status-page" } });
+  } finally {
+    button.disabled = false;
+    await refreshJob(null);
+  }
+});
+"""

@@ -1,0 +1,204 @@
+"""``TransportContext``: a job's workers over their live WebSocket connections.
+
+Each command becomes a :class:`~protocol.messages.Call` on the worker's connection; the agent runs
+it on the job's filter daemon and answers with a ``result`` or a typed ``error``. Loading a job's
+filters is an :class:`~protocol.messages.OpenJob` (the agent starts a fresh daemon for the job).
+
+A worker that disconnects or stops heartbeating has its connection closed by the server, which
+fails its pending command at once with ``worker_lost``: a strategy waiting on a dead worker learns
+within the heartbeat timeout. A strategy that can go on (elastic DataParallel) asks for a
+replacement with :meth:`TransportContext.replace`; the job manager reserves it for the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
+from coordinator.errors import NoReplacement, WorkerCallError
+from coordinator.server.registry import WorkerRecord
+from protocol.asyncio.channel import Pacer
+from protocol.chunking import StreamSink
+from protocol.daemon import DaemonRequest, command_fields
+from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
+from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
+
+CLOSE_TIMEOUT = 10.0
+"""Seconds to wait for an agent to stop a job's daemon before giving up on it."""
+
+OPEN_TIMEOUT = 120.0
+"""Least seconds a worker has for ``open_job``, whatever the call timeout: it starts the job's
+daemon (a new Python importing torch: seconds on a loaded machine) or waits for its warm spare."""
+
+NETWORK_MARGIN = 5.0
+"""Extra seconds the coordinator waits beyond a command's own timeout, for the reply to travel."""
+
+
+class TransportContext(StrategyContext):
+    """The workers of job ``job_id``, reached through their registry records.
+
+    Args:
+        job_id: the job the commands belong to (the agent keeps one daemon per job).
+        workers: the records of the workers placed on the job, in strategy index order.
+        timeout: seconds one command may take on a worker.
+        threads: torch threads for each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` after each successful command (metrics).
+        recruit: waits up to the given seconds for an idle worker that matches the job's
+            placement and reserves it for the job (:meth:`JobManager.recruit`); ``None``
+            (the default) means lost workers are never replaced.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        workers: Sequence[WorkerRecord],
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        threads: int | None = None,
+        observe: Callable[[str, float], None] = lambda cmd, seconds: None,
+        recruit: Callable[[float], Awaitable[WorkerRecord | None]] | None = None,
+    ) -> None:
+        super().__init__([w.identity for w in workers], timeout)
+        self.job_id = job_id
+        self.records = list(workers)
+        self.threads = threads
+        self._observe = observe
+        self.recruit = recruit
+        self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
+        self.peer_secret = secrets.token_urlsafe(32)
+        """What the job's workers present to each other on a peer link (one per job)."""
+
+    def observe(self, cmd: str, seconds: float) -> None:
+        self._observe(cmd, seconds)
+
+    async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
+        """Start the job's daemon on the worker and load the filters into it."""
+        message = OpenJob(
+            job_id=self.job_id,
+            filters=dict(filters),
+            threads=self.threads,
+            peer_secret=self.peer_secret,
+        )
+        await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))
+
+    supports_peer_links = True
+    supports_process_groups = True
+
+    async def call(
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
+        message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)
+        reply = await self._request(worker_idx, message, request.cmd, pace=pace, sink=sink)
+        return reply.result
+
+    async def routed(
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        *,
+        input_from: str | None = None,
+        input_field: str = "x",
+        output_to: tuple[int, str] | None = None,
+        seq: int | None = None,
+    ) -> Any:
+        route = None
+        if output_to is not None:
+            route = PeerRoute(worker=self.records[output_to[0]].id, key=output_to[1])
+        message = Call(
+            job_id=self.job_id,
+            request=command_fields(request),
+            timeout=self.timeout,
+            input_from=input_from,
+            input_field=input_field,
+            output_to=route,
+            seq=seq,
+        )
+        reply = await self._request(worker_idx, message, request.cmd)
+        return reply.result
+
+    async def links(self, worker_idx: int, expects: Mapping[int, str]) -> dict[str, Any]:
+        addresses = {self.records[i].id: self.records[i].peer_address for i in expects}
+        prefixes = {self.records[i].id: prefix for i, prefix in expects.items()}
+        message = Links(job_id=self.job_id, peers=addresses, expects=prefixes)
+        reply = await self._request(worker_idx, message, "links")
+        return dict(reply.result)
+
+    async def replace(self, worker_idx: int, timeout: float) -> WorkerIdentity:  # noqa: ASYNC109
+        if self.recruit is None:
+            raise NoReplacement("this job's workers are not replaced when lost")
+        record = await self.recruit(timeout)
+        if record is None:
+            raise NoReplacement(f"no worker came within {timeout:g}s")
+        self.replaced.append(self.records[worker_idx])
+        self.records[worker_idx] = record
+        self.workers[worker_idx] = record.identity
+        return record.identity
+
+    def swap(self, a: int, b: int) -> None:
+        super().swap(a, b)
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    async def close(self) -> None:
+        """Stop the job's daemon on every worker still connected (best effort, bounded)."""
+
+        async def close_one(record: WorkerRecord) -> None:
+            if record.channel is None:
+                return
+            # Gone or stuck: the job is over either way.
+            with contextlib.suppress(RemoteError, ChannelClosed, TimeoutError):
+                await record.channel.request(CloseJob(job_id=self.job_id), CLOSE_TIMEOUT)
+
+        records = {id(r): r for r in self.records + self.replaced}  # a lost one may be back
+        await asyncio.gather(*(close_one(r) for r in records.values()))
+
+    async def _request(
+        self,
+        worker_idx: int,
+        message: Any,
+        cmd: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        pace: Pacer | None = None,
+        sink: StreamSink | None = None,
+    ) -> Any:
+        """``message`` to the worker, answered within ``timeout`` (default: the call timeout);
+        ``pace`` and ``sink`` as :meth:`call`'s."""
+        timeout = self.timeout if timeout is None else timeout
+        record = self.records[worker_idx]
+        channel = record.channel
+        if channel is None or channel.closed.is_set():
+            raise WorkerCallError(record.id, _lost(record, cmd))
+        started = time.perf_counter()
+        try:
+            reply = await channel.request(message, timeout + NETWORK_MARGIN, pace=pace, sink=sink)
+        except RemoteError as exc:
+            raise WorkerCallError(record.id, exc.info) from None
+        except ChannelClosed:
+            raise WorkerCallError(record.id, _lost(record, cmd)) from None
+        except TimeoutError:
+            info = ErrorInfo(
+                code=ErrorCode.TIMEOUT,
+                message=f"{cmd} for job {self.job_id} got no answer within {timeout}s",
+                detail={"cmd": cmd},
+            )
+            raise WorkerCallError(record.id, info) from None
+        self.observe(cmd, time.perf_counter() - started)
+        return reply
+
+
+def _lost(record: WorkerRecord, cmd: str) -> ErrorInfo:
+    reason = record.reason or "its connection closed"
+    return ErrorInfo(
+        code=ErrorCode.WORKER_LOST,
+        message=f"lost during {cmd}: {reason}",
+        detail={"cmd": cmd, "reason": reason},
+    )

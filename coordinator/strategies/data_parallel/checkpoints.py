@@ -1,0 +1,91 @@
+"""DataParallel's checkpoints: when its replicas stand together after a step, replica 0's model
+and optimizer state, and the step; a run that resumes sets every replica to them.
+
+The replicas are in lockstep, so one replica's state is every replica's: a checkpoint after
+step ``s`` is replica 0's states and optimizer states (momentum, Adam moments, step counts) once
+step ``s``'s update is applied everywhere. The data order is a function of the seed and the
+epoch (:mod:`protocol.rules.batching`), so the step is all the position a run needs: resumed, it
+trains steps ``s + 1 ...`` exactly as the undisturbed run would have.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.jobs.checkpoint_store import CheckpointPolicy
+from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.strategies.data_parallel.elastic import Replicas
+
+__all__ = ["ReplicaCheckpoints"]
+
+
+@dataclass
+class ReplicaCheckpoints:
+    """A DataParallel run's checkpoints (module docstring); with ``checkpoints`` ``None``
+    (``checkpoint_every=0``, or none kept) it saves nothing and resumes from nothing."""
+
+    run: Replicas
+    checkpoints: JobCheckpoints | None
+    policy: CheckpointPolicy
+    epochs: int
+
+    @classmethod
+    def of(
+        cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int
+    ) -> ReplicaCheckpoints:
+        policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
+        return cls(run, run.job.checkpoints, policy, epochs)
+
+    async def restore(self) -> int:
+        """Set every replica to the checkpoint the job resumes from, say so (``resumed``);
+        the steps it had done (``0`` when it starts from the beginning)."""
+        resume = self.checkpoints.resume if self.checkpoints is not None else None
+        if resume is None:
+            return 0
+        states, optimizers = resume.payload["states"], resume.payload["optimizers"]
+        ctx = self.run.ctx
+
+        async def put(i: int, fresh: bool) -> None:
+            await ctx.set_state(i, states)
+            await ctx.set_optimizer_state(i, optimizers)
+
+        await self.run.on_all(put, range(ctx.num_workers()))
+        assert self.checkpoints is not None
+        await self.run.emit("resumed", self.checkpoints.resumed())
+        return int(resume.position["step"])
+
+    def start(self) -> None:
+        """Training starts (or goes on, resumed) now."""
+        self.policy.start()
+
+    def stop_at(self, done: int, total: int) -> int:
+        """The step a chunk of training that starts after ``done`` should end at, at most."""
+        if self.checkpoints is None:
+            return total
+        return self.policy.next_due(done, total)
+
+    async def after(self, done: int, total: int) -> None:
+        """Save a checkpoint after step ``done`` if one is due (every replica has applied that
+        step's update)."""
+        if self.checkpoints is None or not self.policy.due(done, total):
+            return
+        snapshot = await self.run.snapshot(0)
+        per_epoch = max(1, self.policy.per_epoch)
+        position: dict[str, Any] = {
+            "step": done,
+            "epoch": min(self.epochs, (done - 1) // per_epoch + 1),
+        }
+        payload = {"states": snapshot.states, "optimizers": snapshot.optimizers}
+        await self.checkpoints.save(position, payload)
+        self.policy.saved()
+
+    async def finish(self) -> None:
+        """Wait for the last checkpoint's write (before the run returns)."""
+        if self.checkpoints is not None:
+            await self.checkpoints.flush()
+
+    def due(self, done: int, total: int) -> bool:
+        """Whether :meth:`after` would save after step ``done``."""
+        return self.checkpoints is not None and self.policy.due(done, total)

@@ -1,0 +1,347 @@
+"""DataParallel: synchronous data-parallel SGD over N replicas (all-reduce of gradients).
+
+Every global batch is exactly the batch ``graph.fit`` would take (:mod:`protocol.rules.batching`,
+with the last TorchFilter's ``batch_size``, ``shuffle`` and ``seed``); it is split across the
+replicas together with its labels (``numpy.array_split``: uneven splits allowed). Each replica
+computes the gradient of its slice's mean loss; the coordinator averages the gradients weighted by
+slice size — which is the gradient of the global batch's mean loss — and every replica applies that
+same mean with its own persistent optimizer. With a mean-reduced loss and no randomness in the
+model, the result equals single-process training on the same global batches (Goyal et al. 2017, §2:
+"the same as a single-worker minibatch of size kn").
+
+Data crosses the wire once per job: each replica is sent the rows it will ever see, staged in its
+filter daemon, and per step only row indices go out and gradients come back. Plain filters before
+the first TorchFilter are fitted on each replica's share of the first epoch, their states
+averaged (weighted by rows) and set everywhere before training starts.
+
+Over ``WorkerData`` each replica stages its own dataset instead and each step takes every
+replica's next ``batch_size`` rows of its own (:func:`protocol.rules.batching.replica_batches`, by
+:class:`~coordinator.strategies.steps.OwnData`); the rest is the same. It cannot be elastic: a
+replacement worker would hold other rows.
+
+A replica whose worker is lost (its connection closed or went silent, ``worker_lost``) or whose
+daemon died (``daemon_crashed``) fails the job at once, naming the worker — unless the job is
+``elastic``: then the step in flight is abandoned, the replica replaced and restored from a
+survivor (:mod:`~coordinator.strategies.data_parallel.elastic`), and the step resumed, so the result
+is still the one ``graph.fit`` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
+
+import numpy as np
+
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyFailed, StrategyOptionsError
+from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
+from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
+from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.data_parallel.star import Plan, StarTraining, average
+from coordinator.strategies.data_parallel.torch_collective import Choice, TorchTraining, choose
+from coordinator.strategies.history import (
+    VALIDATION,
+    Evaluate,
+    History,
+    ended,
+    row_weighted,
+    validation_stage,
+)
+from coordinator.strategies.steps import (
+    OwnData,
+    Training,
+    global_batches,
+    plain_prefix,
+    schedule_request,
+)
+from protocol.daemon import CompositeFitRequest, EvaluateRequest
+from protocol.errors import ErrorCode
+from protocol.options.strategies import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_ELASTIC_TIMEOUT,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_RESTART_TIMEOUT,
+    DataParallelOptions,
+)
+from protocol.rules.equivalence import data_parallel_notes
+from protocol.rules.rows import rows_of
+
+T = TypeVar("T")
+
+STAGED = "train"
+"""The name a replica's rows are staged under in its daemon."""
+
+
+class DataParallel(Strategy):
+    """``workers`` replicas (optionally all tagged ``tag``) train one model in lockstep; with
+    ``elastic``, a lost replica is replaced within ``elastic_timeout`` seconds and training
+    resumes from the last completed step."""
+
+    name = "data_parallel"
+    saves_checkpoints = True
+
+    def __init__(
+        self,
+        workers: int,
+        tag: str | None = None,
+        elastic: bool = False,
+        elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT,
+        device: str | None = None,
+        collective: str = "auto",
+        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        max_restarts: int = 0,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        self.workers = workers
+        self.tag = tag
+        self.elastic = elastic
+        self.elastic_timeout = elastic_timeout
+        self.device = device
+        self.collective = collective
+        self.collective_timeout = collective_timeout
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.max_restarts = max_restarts
+        self.restart_timeout = restart_timeout
+        self.sync_batchnorm = sync_batchnorm
+        self._prepared: _SetUp | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        checked = parse_options(DataParallelOptions, options)
+        return cls(
+            checked.workers,
+            checked.tag,
+            checked.elastic,
+            checked.elastic_timeout,
+            checked.device,
+            checked.collective,
+            checked.collective_timeout,
+            checked.checkpoint_every,
+            checked.keep_checkpoints,
+            checked.max_restarts,
+            checked.restart_timeout,
+            checked.sync_batchnorm,
+        )
+
+    def placement(self) -> Placement:
+        return Placement(workers=self.workers, tag=self.tag, device=self.device)
+
+    def validate(self, job: JobInputs) -> None:
+        self._plan(job)
+
+    async def prepare(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        """Ship the filters and each replica's rows, and choose the collective; what the
+        ``placed`` event says of it, with why the run will not equal ``graph.fit`` exactly
+        (``notes``: :mod:`protocol.rules.equivalence`) when it will not."""
+        self._prepared = await self._set_up(ctx, job, emit)
+        notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.sync_batchnorm)
+        return self._prepared.choice.describe() | ({"notes": notes} if notes else {})
+
+    async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
+        torch_nodes, _, training = self._plan(job)
+        n = rows_of(job.x) or 0
+        replicas = range(ctx.num_workers())
+        if job.dataset is None:
+            held = _held(global_batches(n, len(replicas), training), len(replicas))
+            plan = global_batches(n, len(replicas), training)
+        else:  # each replica's own rows: known once staged
+            held = [np.arange(0) for _ in replicas]
+        run = Replicas(
+            ctx,
+            job,
+            emit,
+            DataParallelPosition(held),
+            torch_nodes,
+            staged=STAGED,
+            elastic=self.elastic,
+            timeout=self.elastic_timeout,
+            placement=self.placement().describe(),
+            validation=validation_stage(job),
+        )
+        await run.on_all(run.set_up, replicas)
+        if job.dataset is not None:
+            own = OwnData.of([run.staged_rows[i] for i in replicas], run.ids)
+            run.position.own = own
+            run.position.held = [np.arange(size) for size in own.sizes]
+            plan = own.batches(training)
+        first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
+        run.schedule = schedule = schedule_request(training, steps_per_epoch)
+
+        async def tell(i: int, fresh: bool) -> None:
+            if not fresh:  # a replacement was told when it was set up
+                await ctx.call(i, schedule)
+
+        await run.on_all(tell, replicas)
+        choice = await choose(run, self.collective, self.collective_timeout)
+        if self.sync_batchnorm and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
+            )
+        return _SetUp(run, first_epoch, steps_per_epoch, choice)
+
+    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+        torch_nodes, prefix, training = self._plan(job)
+        n = rows_of(job.x) or 0
+        replicas = range(ctx.num_workers())
+
+        # 1. Ship the filters, then each replica's rows: the union of its slices over all steps;
+        #    choose the collective (done by prepare() when the job manager ran it).
+        await emit("progress", {"phase": "loading", "replicas": len(replicas)})
+        setup, self._prepared = self._prepared or await self._set_up(ctx, job, emit), None
+        run, first_epoch, steps_per_epoch = setup.run, setup.first_epoch, setup.steps_per_epoch
+        position = run.position
+
+        # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all;
+        #    or, resumed, every node's state and optimizer state from the job's checkpoint.
+        saves = ReplicaCheckpoints.of(run, self.checkpoint_every, steps_per_epoch, training.epochs)
+        start = await saves.restore()
+        if prefix and not start:
+            position.phase = "fitting"
+            await emit("progress", {"phase": "fitting", "nodes": prefix})
+            await _fit_prefix(run, prefix, first_epoch)
+        position.copy_state = True  # from here on every replica holds what a replacement copies
+
+        total_steps = steps_per_epoch * training.epochs
+        history, evaluate = History(emit), _evaluator(run, job)
+        saves.start()
+        if setup.choice.collective == "torch":
+            # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
+            #    only keeps time (coordinator.strategies.data_parallel.torch_collective).
+            await TorchTraining(
+                run,
+                setup.choice,
+                training,
+                n,
+                steps_per_epoch,
+                self.collective_timeout,
+                emit,
+                self.sync_batchnorm,
+                history,
+                evaluate,
+            ).train(total_steps, start, saves)
+            await saves.finish()
+            await history.finish(ended(training.epochs, total_steps))
+            return await _agreed_states(run, torch_nodes)
+
+        # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
+        #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
+        #    out with the next step's requests as it folds
+        #    (coordinator.strategies.data_parallel.star).
+        syncs = any(job.nodes[node].buffers for node in torch_nodes)
+        star = StarTraining(run, training, n, STAGED, emit, syncs, history, evaluate)
+        await star.train(total_steps, start, saves)
+        await saves.finish()
+        await history.finish(ended(training.epochs, total_steps))
+        return await _agreed_states(run, torch_nodes)
+
+    def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
+        """The torch nodes, the plain prefix and the training settings; or why not."""
+        if job.dataset is not None and self.elastic:
+            raise StrategyOptionsError(
+                "data_parallel on WorkerData cannot be elastic: a replacement worker holds "
+                "other rows than the replica it would replace"
+            )
+        torch_nodes, prefix = plain_prefix(job, self.name, "; use Local")
+        if job.y is None and job.dataset is None:
+            raise StrategyOptionsError("data_parallel trains with labels: y is missing")
+        return torch_nodes, prefix, Training.of(job.nodes[torch_nodes[-1]])
+
+
+@dataclass(frozen=True)
+class _SetUp:
+    """A run whose replicas hold the filters and their rows, and the collective chosen."""
+
+    run: Replicas
+    first_epoch: list[list[int]]
+    steps_per_epoch: int
+    choice: Choice
+
+
+async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any]:
+    """4. The final states, read back over the wire from every replica: they must agree."""
+    states = await run.read_back()
+    _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
+    return next(iter(states.values()))
+
+
+def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
+    """How the model is evaluated at an epoch's end (``None``: no validation data): on
+    replica 0, which holds the rows sent; or, on the workers' own split, every replica on its
+    own, the figures weighted by rows."""
+    if not job.validates:
+        return None
+    request = EvaluateRequest(node_ids=job.node_ids, data=VALIDATION)
+    which = range(run.ctx.num_workers()) if job.val_split is not None else [0]
+
+    async def one(i: int, fresh: bool) -> dict[str, Any]:
+        scores: dict[str, Any] = await run.ctx.call(i, request)
+        return scores
+
+    async def evaluate() -> dict[str, Any]:
+        return row_weighted(list((await run.on_all(one, which)).values()))
+
+    return evaluate
+
+
+async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[int]]) -> None:
+    """Fit the plain filters on each replica's share of the first epoch, then set their
+    row-weighted mean on every replica."""
+    held, replicas = run.position.held, range(len(run.position.held))
+    shards = [np.searchsorted(held[i], sorted(first_epoch[i])).tolist() for i in replicas]
+    fitting = [i for i in replicas if shards[i]]
+
+    async def fit(i: int, fresh: bool) -> Any:
+        request = CompositeFitRequest(node_ids=prefix, data=STAGED, rows=shards[i])
+        return await run.ctx.call(i, request)
+
+    fits = await run.on_all(fit, fitting)
+    averaged = average([(run.ids[i], len(shards[i]), fits[i]["states"]) for i in fitting])
+
+    async def set_averaged(i: int, fresh: bool) -> None:
+        await run.ctx.set_state(i, averaged)
+
+    await run.on_all(set_averaged, replicas)
+
+
+def _held(plan: Plan, replicas: int) -> list[Any]:
+    """The rows each replica will ever see, sorted: what it is sent of the client's data."""
+    needed: list[set[int]] = [set() for _ in range(replicas)]
+    for _, _, slices in plan:
+        for i, part in enumerate(slices):
+            needed[i].update(part.tolist())
+    return [np.array(sorted(rows), dtype=np.int64) for rows in needed]
+
+
+def _first_epoch(plan: Plan, replicas: int) -> tuple[list[list[int]], int]:
+    """The rows each replica sees in the first epoch (what plain filters in front fit on), and
+    the steps of an epoch; the plan is read no further than that epoch."""
+    first_epoch: list[list[int]] = [[] for _ in range(replicas)]
+    steps_per_epoch = 0
+    for epoch, step, slices in plan:
+        if epoch > 0:
+            break
+        steps_per_epoch = step + 1
+        for i, part in enumerate(slices):
+            first_epoch[i].extend(part.tolist())
+    return first_epoch, steps_per_epoch
+
+
+def _check_replicas_agree(ids: list[str], states: list[dict[str, Any]], nodes: list[str]) -> None:
+    """Every replica applied the same steps to the same start: their weights must be equal."""
+    for node in nodes:
+        for key, value in states[0][node].items():
+            reference = np.asarray(value)
+            for worker, other in zip(ids[1:], states[1:], strict=True):
+                if not np.array_equal(np.asarray(other[node][key]), reference):
+                    raise StrategyFailed(
+                        ErrorCode.INTERNAL,
+                        f"replicas diverged: node {node!r}, key {key!r} differs between "
+                        f"{ids[0]!r} and {worker!r}",
+                    )

@@ -1,0 +1,328 @@
+"""DataParallel's coordinator collective: every step's gradients averaged by the coordinator.
+
+The path for replicas that cannot reach each other (behind NAT, across sites), where a hub is
+the only way: per step each replica computes the gradient of its slice, the coordinator takes
+their mean weighted by slice size (Goyal et al. 2017: the gradient of the global batch's mean
+loss), and every replica applies that mean with its own persistent optimizer. A step's mean
+travels with the next step's request, so a step is one round trip.
+
+The exchange is streamed, not stored and forwarded
+(:mod:`~coordinator.strategies.data_parallel.mean_fold`): the mean is folded range by range as the
+replies arrive, and step ``s + 1``'s requests are sent while step ``s``'s replies are still coming
+in, each of their chunks as soon as the mean bytes it carries are final. So the coordinator's
+receiving, averaging and sending overlap, and the replicas start receiving the mean before the last
+gradient byte is in. Two steps are in flight at once only where nothing can need the first to be
+undone: not in an ``elastic`` run (a lost replica is restored from a survivor standing at the step
+that failed), nor across a checkpoint (saved once every replica has applied its step's mean).
+Replies the fold cannot take are averaged whole, with the same result and the same errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from coordinator.errors import StrategyFailed
+from coordinator.strategies.aggregate import AggregationError, weighted_mean
+from coordinator.strategies.base import Emit
+from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
+from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, MeanFold
+from coordinator.strategies.history import Evaluate, History
+from coordinator.strategies.steps import Training, global_batches
+from protocol.daemon import ApplyGradientsRequest, GradientsRequest
+from protocol.errors import ErrorCode
+from protocol.rules.batching import replica_seed
+
+__all__ = ["Plan", "StarTraining", "apply_mean", "average"]
+
+T = TypeVar("T")
+
+Plan = Iterable[tuple[int, int, list[Any]]]
+"""``(epoch, step, slices by replica)`` of every step of a run."""
+
+
+@dataclass
+class _Step:
+    """One global step in flight: its calls, and the fold its gradients land in."""
+
+    done: int  # the global step, from 1
+    epoch: int
+    weights: dict[int, int]  # rows of each replica that has any, by replica
+    fold: MeanFold
+    previous: MeanFold | None  # the mean its requests carry, released once they landed
+    calls: asyncio.Task[dict[int, Any]]
+    launched: float  # time.monotonic
+    ends_epoch: bool  # the last step of its epoch (epoch-wise schedulers step after it)
+    buffers: asyncio.Future[Any] | None  # replica 0's buffers after its forward (if synced)
+
+
+@dataclass(frozen=True)
+class _Prior:
+    """What a step's requests carry of the step before: its mean (``None``: applied already),
+    whether it ended an epoch, and replica 0's buffers after it (DDP's ``broadcast_buffers``:
+    the other replicas take them before their forward)."""
+
+    mean: MeanFold | None = None
+    ends_epoch: bool = False
+    buffers: asyncio.Future[Any] | None = None
+
+
+@dataclass
+class StarTraining:
+    """The training phase of a DataParallel run through the coordinator (module docstring).
+
+    Args:
+        run: the replicas, set up (rows staged; the plain prefix fitted or a checkpoint set).
+        training: the last TorchFilter's settings (batches, epochs).
+        rows: rows of the client's data (``0`` over WorkerData: each replica's own).
+        staged: the name each replica's rows are staged under.
+        emit: the job's events.
+    """
+
+    run: Replicas
+    training: Training
+    rows: int
+    staged: str
+    emit: Emit
+    syncs_buffers: bool = False  # the model has buffers: replica 0's are broadcast each step
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
+    pool: FoldBuffers = field(default_factory=FoldBuffers)
+    _total: int = 0
+
+    async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
+        """Train global steps ``start + 1 ... total``, saving checkpoints as ``saves`` says,
+        and apply the last mean everywhere."""
+        position = self.run.position
+        own, replicas = position.own, self.run.ctx.num_workers()
+        plan: Plan = (
+            own.batches(self.training)
+            if own
+            else global_batches(self.rows, replicas, self.training)
+        )
+        self._total = total
+        flying: _Step | None = None  # launched, not landed
+        try:
+            for done, (now, after) in enumerate(_with_next(plan), start=1):
+                if done <= start:
+                    continue  # trained before the checkpoint it resumed from
+                if flying is not None and not (
+                    self.run.elastic or saves.due(flying.done, total) or self._evaluates(flying)
+                ):
+                    # Pipelined: this step's requests go out as the last one's mean folds.
+                    landing = flying
+                    prior = _Prior(flying.fold, flying.ends_epoch, flying.buffers)
+                    flying = self._launch(done, now, after, prior)
+                    await self._land(landing)
+                    continue
+                if flying is not None:
+                    await self._land(flying)
+                    await self._checkpoint(flying, saves, total)
+                    await self._end_epoch(flying)
+                flying = self._launch(done, now, after, self._pending(flying))
+            if flying is not None:
+                await self._land(flying)
+                await self._end_epoch(flying)
+        finally:
+            if flying is not None and not flying.calls.done():
+                flying.calls.cancel()
+                with contextlib.suppress(BaseException):
+                    await flying.calls
+        position.phase, position.step = "finishing", None
+        await apply_mean(self.run, position)
+        await saves.after(total, total)  # the end: kept with the result, to continue from
+
+    def _launch(
+        self, done: int, now: tuple[int, int, list[Any]], after: Any, prior: _Prior
+    ) -> _Step:
+        """Start step ``done``'s calls: each replica applies the ``prior`` step's mean (a
+        fold, or ``None``), takes replica 0's buffers after it, then computes the gradient of
+        its slice into this step's fold; its rows of the next step (``after``) are read
+        meanwhile."""
+        position, held = self.run.position, self.run.position.held
+        epoch, _, slices = now
+        position.phase, position.epoch, position.step = "training", epoch, done
+        replicas = range(self.run.ctx.num_workers())
+        local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
+        # Rows on a worker's disk: each replica reads its next step's while this one is
+        # averaged (engine.data.read_ahead.NextRead).
+        ahead = {
+            i: np.searchsorted(held[i], after[2][i])
+            for i in local
+            if position.own and after is not None and len(after[2][i])
+        }
+        weights = {i: len(slices[i]) for i in sorted(local)}
+        fold = MeanFold(weights, self.pool)
+        targets = [i for i in replicas if i in local or prior.mean is not None]
+        buffers: asyncio.Future[Any] | None = None
+        if self.syncs_buffers:  # replica 0's after this step: its reply's, or as they were
+            buffers = (
+                prior.buffers if 0 not in local else asyncio.get_running_loop().create_future()
+            )
+        call = self._call(done, local, ahead, prior, fold, buffers)
+        calls = asyncio.ensure_future(self.run.on_all(call, targets))
+        launched = time.monotonic()
+        ends = after is None or after[0] != epoch
+        return _Step(done, epoch, weights, fold, prior.mean, calls, launched, ends, buffers)
+
+    def _call(
+        self,
+        done: int,
+        local: Mapping[int, Any],
+        ahead: Mapping[int, Any],
+        prior: _Prior,
+        fold: MeanFold,
+        buffers: asyncio.Future[Any] | None,
+    ) -> Callable[[int, bool], Awaitable[Any]]:
+        """A replica's part of step ``done``: apply the prior step's mean (unless the replica
+        is ``fresh``: it copied a survivor that had applied it), take replica 0's buffers (the
+        others), then the gradient of its ``local`` rows, if it has any this step, landing in
+        ``fold``, its forward seeded by the filter's seed, the replica and the step (dropout);
+        replica 0's reply sets ``buffers``."""
+        ctx, node_ids, mean = self.run.ctx, self.run.job.node_ids, prior.mean
+
+        async def call(i: int, fresh: bool) -> Any:
+            apply, pace = (None, None) if fresh or mean is None else await mean.take()
+            if i in local:
+                rows = np.asarray(local[i]).tolist()
+                after = np.asarray(ahead[i]).tolist() if i in ahead else None
+                broadcast = await prior.buffers if prior.buffers is not None and i else None
+                request = GradientsRequest(
+                    node_ids=node_ids,
+                    data=self.staged,
+                    rows=rows,
+                    apply=apply,
+                    apply_ends_epoch=apply is not None and prior.ends_epoch,
+                    read_next=after,
+                    seed=replica_seed(self.training.seed, i, done),
+                    buffers=broadcast,
+                    return_buffers=buffers is not None and i == 0,
+                )
+                result = await ctx.call(i, request, pace=pace, sink=fold.sink(i))
+                if i == 0 and buffers is not None and not buffers.done():
+                    buffers.set_result(_copied(result["buffers"]))  # the fold reuses its bytes
+                return result
+            if apply is not None:
+                await ctx.apply_gradients(i, apply, pace=pace, epoch_end=prior.ends_epoch)
+            return None
+
+        return call
+
+    async def _land(self, step: _Step) -> None:
+        """Await step ``step``'s replies: its mean (folded, or made from the whole replies),
+        its loss in a progress event."""
+        results = await step.calls
+        if step.previous is not None:
+            step.previous.release()  # its mean reached every replica with these requests
+        ids, ctx = self.run.ids, self.run.ctx
+        try:
+            mean = step.fold.result()
+            assert step.fold.finished is not None
+            ctx.observe("mean_streamed", step.fold.finished - step.launched)
+        except FoldDeclined:
+            grads = [(ids[i], w, results[i]["gradients"]) for i, w in step.weights.items()]
+            # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
+            mean = average(grads, precise=False)
+            step.fold.settle(mean)
+            ctx.observe("mean_whole", time.monotonic() - step.launched)
+        self.run.position.mean, self.run.position.mean_ends_epoch = mean, step.ends_epoch
+        if step.buffers is not None and step.buffers.done():
+            self.run.position.buffers = step.buffers.result()
+        weights = step.weights
+        losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
+        progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
+        progress |= {"step": step.done, "steps": self._total, "rows": sum(weights.values())}
+        loss, lr = sum(losses) / sum(weights.values()), results[min(weights)].get("lr")
+        progress |= {"loss": loss} | ({"lr": lr} if lr is not None else {})  # replicas alike
+        await self.emit("progress", progress)
+        if self.history is not None:
+            self.history.add(loss, sum(weights.values()), lr)
+            if step.ends_epoch and self.evaluate is None:
+                await self.history.close(step.epoch + 1)
+
+    async def _checkpoint(self, step: _Step, saves: ReplicaCheckpoints, total: int) -> None:
+        """If a checkpoint falls due after ``step``: every replica applies its mean, then it
+        is saved."""
+        if saves.due(step.done, total):
+            await self._apply(step)
+            await saves.after(step.done, total)
+
+    def _evaluates(self, step: _Step) -> bool:
+        """Whether the model is evaluated after ``step``: it ends an epoch of a run with
+        validation data."""
+        return self.evaluate is not None and step.ends_epoch
+
+    async def _end_epoch(self, step: _Step) -> None:
+        """If ``step`` ends an epoch of a run with validation data: every replica applies its
+        mean, the model is evaluated as it stands, and the epoch's row closes with its
+        figures."""
+        if self._evaluates(step):
+            assert self.evaluate is not None and self.history is not None
+            await self._apply(step)
+            await self.history.close(step.epoch + 1, await self.evaluate())
+
+    async def _apply(self, step: _Step) -> None:
+        """Every replica applies ``step``'s mean (if not done already): it may be read now."""
+        await apply_mean(self.run, self.run.position)
+        step.fold.release()
+
+    def _pending(self, step: _Step | None) -> _Prior:
+        """What the step after ``step`` applies: ``step``'s mean, unless applied already."""
+        if step is None:
+            return _Prior()
+        mean = None if self.run.position.mean is None else step.fold
+        return _Prior(mean, self.run.position.mean_ends_epoch, step.buffers)
+
+
+async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
+    """Every replica applies the last step's mean, if one is pending (a replica ``fresh`` from
+    a survivor that had applied it already skips it)."""
+    mean = position.mean
+    if mean is None:
+        return
+
+    ends, buffers = position.mean_ends_epoch, position.buffers
+
+    async def finish(i: int, fresh: bool) -> None:
+        if not fresh:
+            request = ApplyGradientsRequest(
+                gradients=mean, epoch_end=ends, buffers=buffers if i else None
+            )
+            await run.ctx.call(i, request)
+
+    await run.on_all(finish, range(run.ctx.num_workers()))
+    position.mean = None
+
+
+def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:
+    """The weighted mean of ``contributions``, or the job's failure naming what disagrees."""
+    try:
+        return weighted_mean(contributions, precise=precise)
+    except AggregationError as exc:
+        raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` (dicts down to tensors or arrays) with every tensor copied into memory of its
+    own."""
+    if isinstance(tree, Mapping):
+        return {k: _copied(v) for k, v in tree.items()}
+    return tree.clone() if hasattr(tree, "clone") else np.array(tree, copy=True)
+
+
+def _with_next(steps: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Each of ``steps`` with the one after it (``None`` after the last)."""
+    previous: list[T] = []
+    for step in steps:
+        if previous:
+            yield previous.pop(), step
+        previous.append(step)
+    if previous:
+        yield previous.pop(), None

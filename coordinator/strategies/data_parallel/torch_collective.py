@@ -1,0 +1,295 @@
+"""DataParallel's torch collective: the coordinator as rendezvous and clock, torch.distributed
+as the data plane.
+
+:func:`choose` decides how a run reduces its gradients. ``coordinator`` when asked for, or when
+the replicas cannot form a group (:mod:`~coordinator.strategies.process_group`: in-process
+workers, an address not known, a replica that cannot reach the rendezvous on replica 0; or a
+replica that holds no rows); else ``torch``. Under ``auto`` the reason says why either way.
+
+:class:`TorchTraining` then runs the training phase. Every replica joins one process group
+through that store (gloo, NCCL when every replica is on CUDA) with the plan they all walk, and
+is told to train a *chunk* of global steps at a time: per step its slice, forward, backward with
+DDP's bucketed all-reduce, one optimizer step (:mod:`engine.replica`). The coordinator never
+touches a gradient; per chunk it receives each replica's losses and emits one progress event
+(``step``: the steps done, ``losses``: each step's of the chunk).
+Chunks grow (doubling, from one step) until one takes about :data:`CHUNK_SECONDS`, so fast
+steps do not cost a message each and the progress stays live.
+
+Faults. When a call of a chunk fails, the others are given the collective timeout to end and
+are cancelled after it (:func:`~coordinator.strategies.process_group.settle`). Without
+``elastic`` the job fails, naming the lost worker rather than a survivor that only saw the group
+break. With it, the lost replicas are replaced, every replica is brought to the most advanced
+survivor's step (a survivor may have completed one step more than another when the group broke),
+the group is formed again on a fresh store and training resumes from that step — so the result
+is still ``graph.fit``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import Counter
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from coordinator.errors import StrategyFailed
+from coordinator.strategies.base import Emit, concurrently
+from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
+from coordinator.strategies.data_parallel.elastic import (
+    MAX_RECOVERIES,
+    RECOVERABLE,
+    Replicas,
+    every_replica_lost,
+)
+from coordinator.strategies.history import Evaluate, History
+from coordinator.strategies.process_group import (
+    PROBE_TIMEOUT,
+    Broken,
+    Rendezvous,
+    join,
+    leave,
+    rendezvous,
+    settle,
+)
+from coordinator.strategies.steps import Training
+from protocol.daemon import DistPlanRequest, DistTrainRequest
+from protocol.errors import ErrorCode
+
+__all__ = ["CHUNK_SECONDS", "Choice", "TorchTraining", "choose"]
+
+CHUNK_SECONDS = 0.5
+"""About how long one chunk of steps (one call, one progress event) should take."""
+
+MAX_CHUNK = 4096
+"""The most steps in one chunk, however fast they are."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How a run reduces its gradients, and why; for ``torch``, where the group meets."""
+
+    collective: str  # "torch" | "coordinator"
+    reason: str
+    backend: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What the ``placed`` event says of it."""
+        said: dict[str, Any] = {"collective": self.collective, "collective_reason": self.reason}
+        return said | ({"backend": self.backend} if self.backend else {})
+
+
+async def choose(run: Replicas, wanted: str, limit: float) -> Choice:
+    """The collective of a run whose replicas are set up (filters loaded, rows staged).
+
+    Raises:
+        StrategyFailed: ``COLLECTIVE_FAILED`` when ``torch`` was asked for and cannot be had.
+    """
+    if wanted == "coordinator":
+        return Choice("coordinator", "collective='coordinator' was asked for")
+    empty = [run.ids[i] for i, held in enumerate(run.position.held) if len(held) == 0]
+    replicas = list(range(run.ctx.num_workers()))
+    if empty:
+        meet: Rendezvous | str = f"{empty} hold no rows (fewer rows than replicas)"
+    else:
+        meet = await rendezvous(run.ctx, replicas, min(PROBE_TIMEOUT, limit), limit)
+    if isinstance(meet, Rendezvous):
+        return Choice("torch", meet.reason, meet.backend, meet.host, meet.port)
+    if wanted == "torch":
+        raise StrategyFailed(ErrorCode.COLLECTIVE_FAILED, f"collective='torch': {meet}")
+    return Choice("coordinator", meet)
+
+
+@dataclass
+class TorchTraining:
+    """The training phase of a DataParallel run on a torch group (module docstring)."""
+
+    run: Replicas
+    choice: Choice
+    training: Training
+    rows: int
+    steps_per_epoch: int
+    timeout: float
+    emit: Emit
+    sync_batchnorm: bool = False
+    history: History | None = None  # the rows of the run's epochs
+    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
+
+    def __post_init__(self) -> None:
+        self.token = secrets.token_hex(4)
+        self.formations = 0
+        self.breaks: Counter[int] = Counter()  # times the group broke, by the step resumed from
+
+    async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
+        """Train global steps ``[start, total)``, emitting progress per chunk, a chunk ending
+        where a checkpoint falls due (``saves``) and the checkpoint saved then."""
+        position, chunk, step = self.run.position, 1, start
+        await self._form(fresh_store=False, step=start)
+        loop = asyncio.get_running_loop()
+        while step < total:
+            stop = min(total, step + chunk, saves.stop_at(step, total))
+            if self.evaluate is not None:  # evaluated where an epoch ends
+                stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
+            position.phase, position.step = "training", step + 1
+            started = loop.time()
+            request = DistTrainRequest(start=step, stop=stop)
+            try:
+                results = await self._settle({i: self._call(i, request) for i in self._all()}, stop)
+            except Broken as broken:
+                step = await self._recover(broken, step)
+                chunk = 1
+                continue
+            await self._progress(step, stop, results)
+            elapsed = loop.time() - started
+            chunk = _next_chunk(chunk, stop - step, elapsed)
+            step = stop
+            await saves.after(step, total)
+        position.step = None
+
+    async def _form(self, fresh_store: bool, step: int) -> None:
+        """Every replica, standing at ``step``, joins the group (on a new store when
+        ``fresh_store``) and takes the plan."""
+        ctx, held, replicas = self.run.ctx, self.run.position.held, list(self._all())
+        meet = Rendezvous(self.choice.host or "", self.choice.port or 0, self._backend, "")
+        if fresh_store:
+            await leave(ctx, replicas)
+            probe = min(PROBE_TIMEOUT, self.timeout)
+            again = await rendezvous(ctx, replicas, probe, self.timeout)
+            if not isinstance(again, Rendezvous):
+                raise StrategyFailed(ErrorCode.COLLECTIVE_FAILED, f"forming the group: {again}")
+            meet = again
+        self.formations += 1
+        await join(ctx, replicas, meet, f"{self.token}/{self.formations}/", self.timeout)
+        training = self.training
+
+        own = self.run.position.own
+
+        def plan(i: int) -> DistPlanRequest:
+            if own is not None:  # the replicas' own rows: no row list to send
+                return DistPlanRequest(
+                    node_ids=self.run.job.node_ids,
+                    data=self.run.staged,
+                    held=[],
+                    sizes=own.in_order,
+                    position=own.places[i],
+                    rows=0,
+                    epochs=training.epochs,
+                    batch_size=training.batch_size,
+                    shuffle=training.shuffle,
+                    seed=training.seed,
+                    sync_batchnorm=self.sync_batchnorm,
+                )
+            return DistPlanRequest(
+                node_ids=self.run.job.node_ids,
+                data=self.run.staged,
+                held=np.asarray(held[i]).tolist(),
+                rows=self.rows,
+                epochs=training.epochs,
+                batch_size=training.batch_size,
+                shuffle=training.shuffle,
+                seed=training.seed,
+                sync_batchnorm=self.sync_batchnorm,
+            )
+
+        try:
+            await self._settle({i: self._call(i, plan(i)) for i in replicas}, step)
+        except Broken as broken:
+            raise broken.blame() from None
+
+    @property
+    def _backend(self) -> Literal["gloo", "nccl"]:
+        return "nccl" if self.choice.backend == "nccl" else "gloo"
+
+    async def _recover(self, broken: Broken, step: int) -> int:
+        """Without ``elastic``: fail. With it: replace the lost, bring every replica to the most
+        advanced survivor, form the group again; the step training resumes from."""
+        if not self.run.elastic:
+            raise broken.blame()
+        lost = {i: e for i, e in broken.errors.items() if e.code in RECOVERABLE}
+        odd = [e for i, e in broken.errors.items() if i not in lost and i not in broken.done]
+        if odd:
+            raise odd[0]
+        survivors = {i: done for i, done in broken.done.items() if i not in lost}
+        if not survivors:
+            raise every_replica_lost(lost, self.run.position.where)
+        source = max(survivors, key=lambda i: (survivors[i], -i))
+        resume = survivors[source]
+        self.breaks[resume] += 1
+        if self.breaks[resume] > MAX_RECOVERIES:  # a group that breaks at the same step anew
+            blamed = broken.blame()
+            raise StrategyFailed(
+                blamed.code,
+                f"step {resume + 1}: the group broke {MAX_RECOVERIES} times over; the last: "
+                f"{blamed}",
+                **blamed.to_info().detail,
+            )
+        self.run.position.step = resume + 1
+        snapshot = await self.run.recover(lost, source) if lost else None
+        behind = [i for i, done in survivors.items() if done < resume]
+        if behind:
+            if snapshot is None:
+                snapshot = await self.run.snapshot(source)
+            copy = snapshot
+
+            async def bring(i: int) -> None:
+                await self.run.ctx.set_state(i, copy.states)
+                await self.run.ctx.set_optimizer_state(i, copy.optimizers)
+
+            await concurrently(*(bring(i) for i in behind))
+        await self._form(fresh_store=True, step=resume)
+        return resume
+
+    async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
+        """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
+        the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
+        losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
+        for j in range(stop - start):
+            rows = [results[i]["rows"][j] for i in self._all()]
+            values = [results[i]["losses"][j] for i in self._all()]
+            weighted = sum(r * v for r, v in zip(rows, values, strict=True))
+            losses.append(weighted / max(sum(rows), 1))
+            batch_rows.append(sum(rows))
+        per_epoch = self.steps_per_epoch
+        await self.emit(
+            "progress",
+            {
+                "phase": "training",
+                "epoch": min(self.training.epochs, (stop - 1) // per_epoch + 1),
+                "epochs": self.training.epochs,
+                "step": stop,
+                "steps": per_epoch * self.training.epochs,
+                "loss": losses[-1],
+                "losses": losses,
+                "chunk": stop - start,
+                "rows": sum(batch_rows),
+                "batch_rows": batch_rows,
+            }
+            | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
+        )
+        if self.history is not None:
+            await self.history.steps(start, losses, batch_rows, lrs, per_epoch, self.evaluate)
+
+    def _all(self) -> range:
+        return range(self.run.ctx.num_workers())
+
+    def _call(self, i: int, request: Any) -> Awaitable[Any]:
+        return self.run.ctx.call(i, request)
+
+    async def _settle(self, calls: Mapping[int, Awaitable[Any]], stop: int) -> dict[int, Any]:
+        return await settle(calls, self.run.ids, self.timeout, stop, patient=self.run.elastic)
+
+
+def _next_chunk(chunk: int, ran: int, elapsed: float) -> int:
+    """The next chunk's steps: doubled while a chunk is well under :data:`CHUNK_SECONDS`,
+    halved when it is well over."""
+    if ran < chunk:
+        return chunk
+    if elapsed < CHUNK_SECONDS / 2:
+        return min(MAX_CHUNK, chunk * 2)
+    if elapsed > CHUNK_SECONDS * 2 and chunk > 1:
+        return chunk // 2
+    return chunk

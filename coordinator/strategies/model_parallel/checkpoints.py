@@ -1,0 +1,156 @@
+"""ModelParallel's checkpoints: after a global batch, when every stage has stepped, each stage's
+node states and optimizer states, and the batch.
+
+A pipeline's stages hold disjoint parts of the model, so a checkpoint is every training stage's
+``get_state`` and ``get_optimizer_state`` (momentum, Adam moments, step counts) read once all of
+them have stepped on global batch ``s``, plus ``s``. The data order is a function of the seed and
+the epoch (:mod:`protocol.rules.batching`) and the micro-batches a function of the global batch, so
+that is all the position a run needs: set back on every stage, it trains batches ``s + 1 ...``
+exactly as the undisturbed run would have. The optimizer states hold the learning-rate
+schedulers' (:mod:`engine.stepping`), and the payload the run's history as it stood (its rows
+so far and the open epoch's sums), so that a run set back goes on with both where they were.
+
+The newest checkpoint also stays in memory for the run itself: a stage that fails over to a
+spare (:mod:`~coordinator.strategies.model_parallel.model_parallel`) takes every stage back to it
+without reading the store. A run whose job keeps no checkpoints (``checkpoint_every=0``) goes back
+to the start instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.context import StrategyContext
+from coordinator.jobs.checkpoint_store import CheckpointPolicy
+from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.strategies.base import Emit, concurrently
+from coordinator.strategies.history import History
+
+__all__ = ["StageCheckpoints"]
+
+Guard = Callable[..., Awaitable[Any]]
+"""Awaits a stage's work, a worker's failure becoming the job's, naming the stage."""
+
+
+@dataclass
+class StageCheckpoints:
+    """A ModelParallel run's checkpoints (module docstring).
+
+    Args:
+        ctx: the stages' workers, stage ``s`` on worker ``s``.
+        stages: each stage's nodes.
+        pipeline: the stages that train, in order.
+        torch_nodes: the differentiable nodes (those with optimizers).
+        checkpoints: the job's (``None``: it keeps none).
+        policy: when one is due.
+        epochs: of the run, for the position's epoch.
+        emit: the job's events.
+        history: the run's rows per epoch, saved with each checkpoint and set back with it.
+    """
+
+    ctx: StrategyContext
+    stages: list[list[str]]
+    pipeline: list[int]
+    torch_nodes: Sequence[str]
+    checkpoints: JobCheckpoints | None
+    policy: CheckpointPolicy
+    epochs: int
+    emit: Emit
+    history: History | None = None
+
+    def __post_init__(self) -> None:
+        saves = self.checkpoints
+        self.newest: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = (
+            None
+            if saves is None or saves.resume is None
+            else (saves.resume.position, saves.resume.payload, saves.resumed())
+        )
+        """(position, payload, what ``resumed`` says) of the checkpoint a restore goes back to."""
+
+    @classmethod
+    def of(
+        cls,
+        ctx: StrategyContext,
+        stages: list[list[str]],
+        pipeline: list[int],
+        torch_nodes: Sequence[str],
+        checkpoints: JobCheckpoints | None,
+        every: int | None,
+        steps_per_epoch: int,
+        epochs: int,
+        emit: Emit,
+        history: History | None = None,
+    ) -> StageCheckpoints:
+        policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
+        return cls(ctx, stages, pipeline, torch_nodes, checkpoints, policy, epochs, emit, history)
+
+    @property
+    def states(self) -> dict[str, Any] | None:
+        """Every node's state in the checkpoint a restore goes back to (``None``: the start)."""
+        return None if self.newest is None else dict(self.newest[1]["states"])
+
+    async def restore(self, guard: Guard) -> int:
+        """Set every training stage to the newest checkpoint and say so (``resumed``), the
+        history to its rows; the global batches it had done (``0``: none, nothing set, the
+        history empty)."""
+        if self.newest is None:
+            if self.history is not None:
+                self.history.load_state_dict(None)
+            return 0
+        position, payload, said = self.newest
+        if self.history is not None:
+            self.history.load_state_dict(payload.get("history"))
+        states, optimizers = payload["states"], payload["optimizers"]
+
+        async def put(s: int) -> None:
+            own = {n: states[n] for n in self.stages[s] if n in states}
+            await guard(self.ctx.set_state(s, own), stage=s)
+            trained = {n: optimizers[n] for n in self.stages[s] if n in optimizers}
+            if trained:
+                await guard(self.ctx.set_optimizer_state(s, trained), stage=s)
+
+        await concurrently(*(put(s) for s in self.pipeline))
+        await self.emit("resumed", said)
+        return int(position["step"])
+
+    def start(self) -> None:
+        """Training starts (or goes on, restored) now."""
+        self.policy.start()
+
+    def stop_at(self, done: int, total: int) -> int:
+        """The global batch a chunk of training that starts after ``done`` should end at."""
+        if self.checkpoints is None:
+            return total
+        return self.policy.next_due(done, total)
+
+    async def after(self, done: int, total: int, guard: Guard) -> None:
+        """Save a checkpoint after global batch ``done`` if one is due (every stage stepped)."""
+        if self.checkpoints is None or not self.policy.due(done, total):
+            return
+        reads = await concurrently(*(self._read(s, guard) for s in range(len(self.stages))))
+        states = {n: state for part, _ in reads for n, state in part.items()}
+        optimizers = {n: state for _, part in reads for n, state in part.items()}
+        per_epoch = max(1, self.policy.per_epoch)
+        position = {"step": done, "epoch": min(self.epochs, (done - 1) // per_epoch + 1)}
+        payload: dict[str, Any] = {"states": states, "optimizers": optimizers}
+        if self.history is not None:
+            payload["history"] = self.history.state_dict()
+        await self.checkpoints.save(position, payload)
+        self.newest = (position, payload, position)
+        self.policy.saved()
+
+    async def finish(self) -> None:
+        """Wait for the last checkpoint's write."""
+        if self.checkpoints is not None:
+            await self.checkpoints.flush()
+
+    async def _read(self, s: int, guard: Guard) -> tuple[dict[str, Any], dict[str, Any]]:
+        states = await guard(self.ctx.get_state(s, self.stages[s]), stage=s)
+        trained = [n for n in self.stages[s] if n in self.torch_nodes]
+        optimizers = (
+            await guard(self.ctx.get_optimizer_state(s, trained), stage=s) if trained else {}
+        )
+        return states, optimizers

@@ -1,0 +1,375 @@
+"""One run of a ModelParallel job's pipeline, from its start or from its newest checkpoint.
+
+:class:`PipelineRun` loads every stage (a fresh daemon each), fits the plain filters in front
+(or, from a checkpoint, sets their states back and only applies them), picks the transport,
+sets every training stage back to the checkpoint, trains the remaining global batches — saving
+checkpoints as they fall due — and reads the states back. A stage that fails over to a spare
+(:mod:`~coordinator.strategies.model_parallel.model_parallel`) makes a new run: every stage is
+loaded again, so no daemon keeps anything of the batches after the checkpoint, nor a half-done
+schedule.
+
+A global batch is ``accumulate`` batches of the last TorchFilter (so that many times the
+micro-batches); every training stage is told the horizon of the run's learning-rate schedules
+before a checkpoint's optimizer (and scheduler) states are set; with ``clip_grad_norm`` the
+whole pipeline's gradient is clipped as one (each stage's part of the norm, one coefficient
+for all). With validation data the model is evaluated at each epoch's end, stage by stage, and
+the run's :class:`~coordinator.strategies.history.History` (kept in its checkpoints) gets a row
+per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyFailed, WorkerCallError
+from coordinator.strategies.base import Emit, JobInputs, concurrently
+from coordinator.strategies.history import VALIDATION, Evaluate, History, ended
+from coordinator.strategies.model_parallel.checkpoints import StageCheckpoints
+from coordinator.strategies.model_parallel.executor import (
+    STAGED,
+    GlobalBatch,
+    PipelinePosition,
+    ThroughStrategy,
+    WorkerToWorker,
+    expects,
+    run_schedule,
+)
+from coordinator.strategies.model_parallel.schedule import Schedule
+from coordinator.strategies.model_parallel.torch_transport import (
+    LABELS,
+    TorchPipeline,
+    choose_transport,
+)
+from coordinator.strategies.process_group import Rendezvous
+from coordinator.strategies.steps import Training, global_batches, schedule_request
+from protocol.daemon import (
+    BatchedFitRequest,
+    CompositeFitRequest,
+    CompositeForwardRequest,
+    EvaluateRequest,
+    StageNormRequest,
+    StageRequest,
+    StageStepRequest,
+)
+from protocol.errors import ErrorCode
+from protocol.rules.clipping import clip_coefficient
+
+__all__ = ["Guard", "PipelineRun"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class PipelineRun:
+    """One run of the pipeline (module docstring).
+
+    Args:
+        ctx: the job's workers, stage ``s`` on worker ``s``.
+        job: the job's inputs.
+        stages: each stage's nodes.
+        torch_nodes: the differentiable nodes.
+        training: the last TorchFilter's settings.
+        schedule: builds the schedule for a number of training stages and micro-batches.
+        micro_batches: per global batch.
+        transport: asked for (``auto``, ``torch``, ``websocket``).
+        timeout: the collective timeout.
+        emit: the job's events.
+        make_saves: the run's checkpoints, once it knows its training stages and batches per
+            epoch (the same object across runs: it keeps the newest checkpoint).
+        history: the job's rows per epoch (the same object across runs; a run set back to a
+            checkpoint takes the rows it holds).
+    """
+
+    ctx: StrategyContext
+    job: JobInputs
+    stages: list[list[str]]
+    torch_nodes: list[str]
+    training: Training
+    schedule: Callable[[int, int], Schedule]
+    micro_batches: int
+    transport: str
+    timeout: float
+    emit: Emit
+    make_saves: Callable[[list[int], int], StageCheckpoints]
+    history: History
+
+    async def __call__(self) -> dict[str, Any]:
+        ctx, job, stages, torch_nodes = self.ctx, self.job, self.stages, self.torch_nodes
+        guard = Guard([w.id for w in ctx.workers], stages)
+
+        # 1. Each stage's worker loads only its own nodes (a fresh daemon).
+        await self.emit("progress", {"phase": "loading", "stages": len(stages)})
+        loads = (ctx.load(s, {n: job.filters[n] for n in nodes}) for s, nodes in enumerate(stages))
+        await guard(concurrently(*loads))
+
+        # 2. Plain filters (before the first TorchFilter): fitted in one pass over the data, then
+        #    held — or, from a checkpoint, set back as they were. Stages made only of them are
+        #    applied here, once: the pipeline starts after. On WorkerData the first stage holds
+        #    the rows (its own) and fits them there.
+        x = job.x
+        first = next(s for s, nodes in enumerate(stages) if set(nodes) & set(torch_nodes))
+        own_rows = None
+        if job.dataset is not None:
+            staged = await guard(ctx.call(first, job.own_data(STAGED)), stage=first)
+            own_rows = int(staged["rows"])
+        pipeline = list(range(first, len(stages)))
+        count = int(x.shape[0]) if own_rows is None else own_rows
+        steps_per_epoch = self.training.steps_per_epoch(count)
+        saves = self.make_saves(pipeline, steps_per_epoch)
+        restored = saves.states
+        alone = len(pipeline) == 1  # the one stage that trains: it fits its own plain filters
+        for s, nodes in enumerate(stages[: first + (0 if alone else 1)]):
+            plain = [n for n in nodes if n not in torch_nodes]
+            if not plain:
+                continue
+            if restored is not None:  # set back; the training stages' nodes are, below
+                if s < first:
+                    await guard(ctx.set_state(s, {n: restored[n] for n in plain}), stage=s)
+                    forward = CompositeForwardRequest(node_ids=plain, x=x)
+                    x = await guard(ctx.call(s, forward), stage=s)
+                continue
+            data = {"data": STAGED} if own_rows is not None else {"x": x}
+            fit = await guard(ctx.call(s, CompositeFitRequest(node_ids=plain, **data)), stage=s)
+            if s < first:
+                x = fit["output"]
+        if alone:
+            # First stage and last: no activation to pass on. It trains its nodes on what the
+            # stages before it output, as graph.fit trains them on that: the whole training
+            # loop in one call, as Local's (no checkpoints in between).
+            source = {"data": STAGED} if own_rows is not None else {"x": x, "y": job.y}
+            await self._train_alone(guard, first, source)
+            return await _read_back(ctx, guard, stages)
+        # accumulate=k: a global batch is k batches, so k times the micro-batches of one.
+        micro_batches = self.micro_batches * self.training.accumulate
+        plan = self.schedule(len(pipeline), micro_batches)
+        # The schedules' horizon, before a checkpoint's schedulers are set back.
+        told = schedule_request(self.training, steps_per_epoch)
+        await guard(concurrently(*(ctx.call(s, told) for s in pipeline)))
+        evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
+        meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
+        if own_rows is None:
+            await guard(ctx.call(first, StageRequest(name=STAGED, x=x)), stage=first)
+        else:
+            await self._stage_own_labels(guard, pipeline[-1], own_rows)
+        if isinstance(meet, Rendezvous):
+            # 3. Training on torch.distributed: the stages run the schedule themselves.
+            await self.emit(
+                "progress", {"phase": "linked", "transport": "torch", "reason": meet.reason}
+            )
+            if own_rows is None:
+                sent = StageRequest(name=LABELS, x=job.y)
+                await guard(ctx.call(pipeline[-1], sent), stage=pipeline[-1])
+            pipe = TorchPipeline(
+                ctx,
+                guard,
+                pipeline,
+                stages,
+                plan,
+                self.training,
+                count,
+                micro_batches,
+                STAGED,
+                self.timeout,
+                self.emit,
+                self.history,
+                evaluate,
+            )
+            await pipe.train(meet, steps_per_epoch, saves)
+        else:
+            how = (plan, micro_batches, evaluate)
+            labels = None if own_rows is None else LABELS
+            await self._over_websockets(guard, pipeline, how, meet, count, labels, saves)
+        await saves.finish()
+        total = steps_per_epoch * self.training.epochs
+        await self.history.finish(ended(self.training.epochs, total))
+        return await _read_back(ctx, guard, stages)
+
+    async def _stage_own_labels(self, guard: Guard, last: int, rows: int) -> None:
+        """The last stage's worker stages its own dataset's ``y`` under :data:`LABELS`; it must
+        hold as many ``rows`` as the first stage's (which the workers' announcements promised
+        at submit, and a dataset a ``loader=`` makes can only tell now).
+
+        Raises:
+            StrategyFailed: ``BAD_REQUEST`` naming the worker, when the rows disagree.
+        """
+        request = self.job.own_data(LABELS).model_copy(update={"labels": True})
+        staged = await guard(self.ctx.call(last, request), stage=last)
+        if int(staged["rows"]) != rows:
+            raise StrategyFailed(
+                ErrorCode.BAD_REQUEST,
+                f"the last stage's worker {self.ctx.workers[last].id!r} holds {staged['rows']} "
+                f"labels and the first stage's {rows} rows: both must hold the dataset with "
+                "the same rows",
+                stage=last,
+            )
+
+    async def _train_alone(self, guard: Guard, stage: int, source: dict[str, Any]) -> None:
+        """3. The one stage that trains runs the whole training loop (``batched_fit``) on
+        ``source``: the output of the stages before it, or its own rows; with validation data
+        (sent through the stages before it, staged there) evaluated at each epoch's end."""
+        ctx, job = self.ctx, self.job
+        validation = None
+        if job.validates:
+            x_val = job.x_val
+            for s in range(stage):
+                forward = CompositeForwardRequest(node_ids=self.stages[s], x=x_val)
+                x_val = await guard(ctx.call(s, forward), stage=s)
+            staged = StageRequest(name=VALIDATION, x=x_val, y=job.y_val)
+            await guard(ctx.call(stage, staged), stage=stage)
+            validation = VALIDATION
+        await self.emit("progress", {"phase": "training", "stage": stage})
+        request = BatchedFitRequest(
+            node_ids=self.stages[stage],
+            validation=validation,
+            return_output=False,
+            return_states=False,
+            **source,
+        )
+        fit = await guard(ctx.call(stage, request), stage=stage)
+        losses = fit.get("epoch_losses") or []
+        self.history.load_state_dict(None)  # the whole run is this one call's
+        for row in fit.get("history") or []:
+            await self.history.record(row)
+        trained = {"phase": "trained", "loss": fit.get("loss"), "epochs": len(losses)}
+        if self.history.rows:
+            await self.history.finish(trained | {"epoch_losses": losses})
+        else:
+            await self.emit("progress", trained | {"epoch_losses": losses})
+
+    async def _over_websockets(
+        self,
+        guard: Guard,
+        pipeline: list[int],
+        how: tuple[Schedule, int, Evaluate | None],
+        reason: str,
+        count: int,
+        labels: str | None,
+        saves: StageCheckpoints,
+    ) -> None:
+        """3. Training (GPipe / 1F1B), every action a call from here: each global batch's
+        micro-batches through the schedule (``how``: the schedule, micro-batches per global
+        batch, the evaluation at an epoch's end), gradients accumulated, one step on every
+        stage (the gradient of them all clipped as one); from the newest checkpoint's batch
+        on. The first stage holds its ``count`` rows staged; the last takes the job's ``y``, or the
+        labels it staged under ``labels``."""
+        ctx, stages, training, history = self.ctx, self.stages, self.training, self.history
+        plan, micro_batches, evaluate = how
+        linked = ctx.supports_peer_links and len(pipeline) > 1
+        if linked:
+            # Neighbours dial each other; without a peer address the coordinator relays. A
+            # stage takes activations from the one before it and gradients from the one after.
+            links = (ctx.links(s, expects(pipeline, k)) for k, s in enumerate(pipeline))
+            routes = await guard(concurrently(*links))
+            direct = sorted({w for r in routes for w in r.get("direct", [])})
+            relayed = sorted({w for r in routes for w in r.get("relay", [])})
+            linked_by = {"transport": "websocket", "reason": reason}
+            await self.emit(
+                "progress", {"phase": "linked", "direct": direct, "relay": relayed} | linked_by
+            )
+        start = await saves.restore(guard)
+        saves.start()
+        at = PipelinePosition()
+        batches = list(global_batches(count, micro_batches, training))
+        total = len(batches)
+        per_epoch = training.steps_per_epoch(count)
+        for epoch, _, micro in batches:
+            at.epoch, at.step = epoch, at.step + 1
+            if at.step <= start:
+                continue  # trained before the checkpoint this run goes on from
+            micro = [m for m in micro if len(m)]
+            batch = GlobalBatch(pipeline, stages, micro, self.job.y, at.step, labels)
+            exchange: ThroughStrategy | WorkerToWorker = (
+                WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
+            )
+            answers = await guard(run_schedule(plan, batch, exchange))
+            coefficient = await _clipping(ctx, guard, pipeline, stages, training.clip_grad_norm)
+            ends = at.step % per_epoch == 0
+            steps = (
+                ctx.call(
+                    s,
+                    StageStepRequest(node_ids=stages[s], epoch_end=ends, coefficient=coefficient),
+                )
+                for s in pipeline
+            )
+            await guard(concurrently(*steps))
+            rows = [len(m) for m in micro]
+            losses = [float(a["loss"]) for a in answers]
+            loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
+            lr = answers[0].get("lr")
+            progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
+            progress |= {"step": at.step, "steps": total, "rows": sum(rows)}
+            progress |= {"lr": lr} if lr is not None else {}
+            await self.emit("progress", progress | {"loss": loss})
+            history.add(loss, sum(rows), lr)
+            if ends:
+                await history.close(epoch + 1, await evaluate() if evaluate is not None else None)
+            await saves.after(at.step, total, guard)
+
+
+def _evaluator(
+    ctx: StrategyContext, guard: Guard, stages: list[list[str]], pipeline: list[int], job: JobInputs
+) -> Evaluate:
+    """The pipeline's evaluation of the validation rows sent with the job: forward stage by
+    stage through the coordinator (plain stages in front too), the last stage's loss and
+    metrics."""
+
+    async def evaluate() -> dict[str, Any]:
+        x = job.x_val
+        for s in range(pipeline[-1]):
+            x = await guard(ctx.call(s, CompositeForwardRequest(node_ids=stages[s], x=x)), s)
+        last = EvaluateRequest(node_ids=stages[pipeline[-1]], x=x, y=job.y_val)
+        scores: dict[str, Any] = await guard(ctx.call(pipeline[-1], last), pipeline[-1])
+        return scores
+
+    return evaluate
+
+
+async def _clipping(
+    ctx: StrategyContext,
+    guard: Guard,
+    pipeline: list[int],
+    stages: list[list[str]],
+    clip: float | None,
+) -> float | None:
+    """The factor every stage multiplies its gradients by so that the pipeline's whole
+    gradient is clipped to ``clip`` (``torch.nn.utils.clip_grad_norm_``'s, from every stage's
+    part of the norm); ``None`` without clipping."""
+    if clip is None:
+        return None
+    parts = (ctx.call(s, StageNormRequest(node_ids=stages[s])) for s in pipeline)
+    squares = await guard(concurrently(*parts))
+    return clip_coefficient(math.sqrt(sum(float(p) for p in squares)), clip)
+
+
+async def _read_back(ctx: StrategyContext, guard: Guard, stages: list[list[str]]) -> dict[str, Any]:
+    """4. The states of every stage, read back over the wire."""
+    reads = (ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))
+    parts = await guard(concurrently(*reads))
+    return {node: state for part in parts for node, state in part.items()}
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Awaits a stage's work; a worker's failure becomes the job's, naming the stage and
+    worker (``stage`` in its detail)."""
+
+    ids: list[str]
+    stages: list[list[str]]
+
+    async def __call__(self, work: Awaitable[T], stage: int | None = None) -> T:
+        try:
+            return await work
+        except WorkerCallError as exc:
+            ids, stages = self.ids, self.stages
+            s = ids.index(exc.worker_id) if stage is None and exc.worker_id in ids else stage
+            where = f"stage {s} {stages[s]}" if s is not None else "a stage"
+            info = exc.to_info()
+            raise StrategyFailed(
+                info.code,
+                f"{where} on worker {exc.worker_id!r}: {exc.info.message}",
+                **{**info.detail, "stage": s},
+            ) from exc

@@ -1,0 +1,124 @@
+"""The daemon as a member of a torch.distributed process group: the rendezvous and the group.
+
+The coordinator sets a group up for a job
+(:mod:`coordinator.strategies.data_parallel.torch_collective`): replica 0 opens a ``TCPStore`` on a
+free port (:meth:`GroupMember.open_store`), every member checks it can reach it (:meth:`probe`),
+then all join through it (:meth:`join`: gloo, or NCCL when every member is on CUDA) under one key
+prefix per formation of the group. Every collective after that runs under the join's timeout, never
+torch's 30-minute default; a broken group (a peer that died, a timeout) becomes
+``COLLECTIVE_FAILED`` carrying ``steps_done``, the steps this member completed, which an elastic job
+needs to bring the members back to one point.
+
+What a group is used for lives apart: data-parallel training (:mod:`engine.replica`) and
+pipeline stages sending activations to each other (:mod:`engine.linked_stage`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from engine.errors import EngineError
+from engine.nodes import Nodes
+from protocol.errors import ErrorCode
+
+__all__ = ["GroupMember", "looks_collective"]
+
+
+class GroupMember(Nodes):
+    """The rendezvous (on replica 0) and the process group of this daemon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store: TCPStore | None = None  # the rendezvous, on replica 0 only
+        self._rank = 0
+        self._world = 1
+        self._done = 0  # steps completed in the group's current work
+
+    def open_store(self, timeout: float) -> int:
+        """Open the group's ``TCPStore`` on a free port (every interface); returns the port."""
+        self.leave()
+        wait = datetime.timedelta(seconds=timeout)
+        self._store = TCPStore("127.0.0.1", 0, None, True, wait, False)
+        return int(self._store.port)
+
+    @staticmethod
+    def probe(host: str, port: int, timeout: float) -> dict[str, Any]:
+        """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds."""
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return {"reachable": True, "error": None}
+        except OSError as exc:
+            return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def join(
+        self, host: str, port: int, prefix: str, backend: str, rank: int, world: int, timeout: float
+    ) -> dict[str, Any]:
+        """Join the group as ``rank`` of ``world`` (leaving any earlier one).
+
+        Raises:
+            EngineError: ``COLLECTIVE_FAILED`` when the group does not form within ``timeout``.
+        """
+        self._left_group()
+        wait = datetime.timedelta(seconds=timeout)
+        self._done = 0
+        try:
+            store = self._store
+            if store is None:
+                store = TCPStore(host, port, None, False, wait, False)
+            dist.init_process_group(
+                backend,
+                store=PrefixStore(prefix, store),
+                rank=rank,
+                world_size=world,
+                timeout=wait,
+                device_id=self.device if backend == "nccl" else None,
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            raise self.broken(f"joining the group as rank {rank} of {world}", exc) from exc
+        self._rank, self._world = rank, world
+        return {"backend": backend}
+
+    def place(self) -> tuple[int, int]:
+        """This member's rank and the group's size.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` when it is in no group (``dist_join`` first).
+        """
+        if not dist.is_initialized():
+            raise EngineError(ErrorCode.BAD_REQUEST, "not in a process group: dist_join first")
+        return self._rank, self._world
+
+    def leave(self) -> None:
+        """Leave the group and close the store; nothing to leave is fine."""
+        self._left_group()
+        self._store = None
+
+    def _left_group(self) -> None:
+        """What uses the group is dropped with it (subclasses drop their own first)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def broken(self, where: str, exc: BaseException) -> EngineError:
+        """``COLLECTIVE_FAILED`` at ``where``, with the steps this member completed."""
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        return EngineError(
+            ErrorCode.COLLECTIVE_FAILED,
+            f"the torch collective broke at {where}: {type(exc).__name__}: {first_line}",
+            {"steps_done": self._done},
+        )
+
+
+def looks_collective(exc: BaseException) -> bool:
+    """An error raised by the group (gloo, NCCL, a closed peer, a timeout) rather than by user
+    code: torch raises some transport failures as plain ``RuntimeError``."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return dist.is_initialized() and any(
+        word in text for word in ("gloo", "nccl", "connection", "timed out", "peer")
+    )

@@ -1,0 +1,275 @@
+"""A data-parallel replica that trains by itself, its gradients all-reduced by torch.distributed.
+
+The torch collective of ``DataParallel``
+(:mod:`coordinator.strategies.data_parallel.torch_collective`): the coordinator is only the
+rendezvous and the clock. The replicas join one process group (:mod:`engine.group_member`), take the
+plan they all walk (:meth:`Collective.plan_data_parallel`) and then train the steps they are told
+(:meth:`Collective.train`): per global step its own slice of the batch ``graph.fit`` takes
+(:func:`protocol.rules.batching.global_batches`), forward, loss, backward — during which
+``DistributedDataParallel`` all-reduces the gradients in buckets — and one step of its persistent
+optimizer.
+
+Uneven slices stay exact: DDP averages over the ``world`` replicas, so each replica scales its
+slice's mean loss by ``rows · world / batch`` first, and the average is the gradient of the
+global batch's mean loss. A replica with no rows in a step still takes part (every all-reduce
+needs every rank): it runs one held row through the model with its loss times zero.
+
+A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.data.npy_rows import Rows
+from engine.data.read_ahead import read_ahead
+from engine.errors import EngineError
+from engine.group_member import GroupMember, looks_collective
+from engine.nodes import Node, run_setting
+from engine.training import Training, backward
+from engine.transfer import autocast
+from protocol.errors import ErrorCode
+from protocol.rules.batching import global_batches, replica_batches, replica_seed
+
+__all__ = ["Collective", "Plan"]
+
+ONE_ROW = np.zeros(1, dtype=np.int64)
+"""The held row a replica runs through, loss times zero, on a step it has no rows of."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a replica walks: per global step the positions of its slice in the rows staged
+    under ``data``, and the global batch's size; and per step the fewest rows a replica has
+    (``least``: every replica runs as many forwards a step, each of which broadcasts buffers,
+    so a step is cut in at most that many ``accumulate`` slices)."""
+
+    data: str
+    node_ids: list[str]
+    steps: list[tuple[np.ndarray[Any, Any], int]]
+    least: list[int] = field(default_factory=list)
+    seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
+    sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
+
+    @classmethod
+    def of(
+        cls,
+        data: str,
+        node_ids: Sequence[str],
+        held: Sequence[int],
+        rank: int,
+        world: int,
+        rows: int,
+        epochs: int,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        sizes: Sequence[int] | None = None,
+        position: int = 0,
+    ) -> Plan:
+        if sizes is not None:  # each replica on its own dataset
+            own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
+            steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
+            least = [min(len(p) for p in s) for _, _, s in own]
+            return cls(data, list(node_ids), steps, least, seed)
+        staged = np.asarray(held, dtype=np.int64)
+        steps, least = [], []
+        for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+            least.append(min(len(s) for s in slices))
+            mine = slices[rank]
+            local = np.searchsorted(staged, mine)
+            if len(mine) and (
+                local.max() >= len(staged) or not np.array_equal(staged[local], mine)
+            ):
+                raise EngineError(
+                    ErrorCode.BAD_REQUEST,
+                    f"replica {rank}'s slice of a step has rows that were not staged here",
+                )
+            steps.append((local, sum(len(s) for s in slices)))
+        return cls(data, list(node_ids), steps, least, seed)
+
+
+class _Chain(torch.nn.Module):
+    """The differentiable run as one module for DDP: each filter under its own autocast."""
+
+    def __init__(self, run: list[Node], device: torch.device) -> None:
+        super().__init__()
+        self.filters = [node.filter for node in run]
+        self.parts = torch.nn.ModuleList([f.module for f in self.filters])
+        self.device = device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for f, module in zip(self.filters, self.parts, strict=True):
+            with autocast(f, self.device):
+                x = module(x)
+        return x
+
+
+def _synced_batchnorm(chain: _Chain) -> None:
+    """Every BatchNorm layer of ``chain`` as a ``torch.nn.SyncBatchNorm`` over the group (the
+    same parameters and buffers, now normalising with the global batch's statistics); each
+    filter keeps the module it trains."""
+    for k, module in enumerate(chain.parts):
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # type: ignore[no-untyped-call]
+        chain.parts[k] = synced
+        chain.filters[k].module = synced
+
+
+class Collective(Training, GroupMember):
+    """The loaded nodes as one replica of a torch.distributed data-parallel group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan: Plan | None = None
+        self._ddp: DistributedDataParallel | None = None
+
+    def plan_data_parallel(self, plan: Plan) -> None:
+        """Take the plan every replica walks and wrap the differentiable run in DDP (which
+        checks the replicas' parameters agree, and broadcasts replica 0's).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a join, or for a plan whose nodes are not plain
+                filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
+        """
+        run = self._run_of(plan.node_ids)
+        self.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
+        self.place()
+        self._ddp = None
+        try:
+            chain = _Chain(run, self.device)
+            if plan.sync_batchnorm:
+                _synced_batchnorm(chain)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self._ddp = DistributedDataParallel(chain, device_ids=ids)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.broken("wrapping the model in DDP", exc) from exc
+            raise
+        self._plan = plan
+
+    def train(self, start: int, stop: int) -> dict[str, Any]:
+        """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss and
+        rows per step.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
+                ``COLLECTIVE_FAILED`` when the group breaks, with ``steps_done``.
+        """
+        plan, ddp = self._plan, self._ddp
+        if plan is None or ddp is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "dist_train before dist_plan")
+        if stop > len(plan.steps):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, f"the plan has {len(plan.steps)} steps, not {stop}"
+            )
+        nodes = self._select(plan.node_ids)
+        first = next(i for i, n in enumerate(nodes) if n.differentiable)
+        prefix, run = nodes[:first], nodes[first:]
+        optimizers = [self._optimizer(node) for node in run]
+        scaler = self._scaler(run[-1])
+        parts = max(1, int(run_setting(run, "accumulate", 1) or 1))
+        losses: list[float] = []
+        rows: list[int] = []
+        lrs: list[float] = []
+        self._done = start
+
+        def read(step: int) -> tuple[Any, Any]:
+            local = plan.steps[step][0]
+            return self.held(plan.data, local if len(local) else ONE_ROW)
+
+        on_disk = isinstance(self.held(plan.data, lazy=True)[0], Rows)
+        steps = range(start, stop)
+        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if on_disk else 0), strict=True):
+            local, batch = plan.steps[step]
+            mine = len(local)
+            for node in prefix:
+                x = self._apply(node, x, self._state_for(node))
+            xt = self._on_device(run[0].filter.prepare_input(x))
+            yt = self._on_device(run[-1].filter.prepare_target(y))
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            try:
+                ddp.module.train()
+                torch.manual_seed(replica_seed(plan.seed, self._rank, step + 1))
+                cut = min(parts, plan.least[step]) if plan.least[step] else 1
+                loss = self._accumulated(ddp, run, xt, yt, mine, batch, cut, scaler)
+                ends = self.horizon is not None and self.horizon.ends_epoch(step + 1)
+                lrs.append(self._step_run(run, scaler, epoch_end=ends))
+            except RuntimeError as exc:
+                if looks_collective(exc):
+                    raise self.broken(f"step {step + 1}", exc) from exc
+                raise
+            self._done = step + 1
+            losses.append(loss)
+            rows.append(mine)
+        if stop == len(plan.steps):
+            self._broadcast_buffers(ddp)
+        if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
+            self.read_next(plan.data, plan.steps[stop][0])
+        return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _accumulated(
+        self,
+        ddp: DistributedDataParallel,
+        run: list[Node],
+        xt: torch.Tensor,
+        yt: torch.Tensor,
+        mine: int,
+        batch: int,
+        parts: int,
+        scaler: torch.amp.GradScaler | None,
+    ) -> float:
+        """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
+        step, in ``parts`` slices (``accumulate``; every replica as many, none empty) of which
+        only the last all-reduces (DDP's ``no_sync`` before it): the gradients left are the
+        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
+        if not mine:
+            out = ddp(xt)
+            backward(out.sum() * 0.0, scaler)
+            return 0.0
+        slices = np.array_split(np.arange(mine), parts)
+        total = 0.0
+        for j, rows in enumerate(slices):
+            index = torch.from_numpy(rows).to(xt.device)
+            syncing = contextlib.nullcontext() if j == len(slices) - 1 else ddp.no_sync()
+            with syncing:
+                loss = self._loss(run, ddp(xt[index]), yt[index])
+                backward(loss * (len(rows) * self._world / batch), scaler)
+            total += float(loss.detach()) * len(rows)
+        return total / mine
+
+    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
+        """Replica 0's buffers to every replica once more after the last step: DDP broadcasts
+        them before each forward, so the last one left each replica its own."""
+        try:
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer, 0)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.broken("broadcasting the buffers", exc) from exc
+            raise
+
+    def _left_group(self) -> None:
+        self._ddp = None
+        self._plan = None
+        super()._left_group()
+
+    def _run_of(self, node_ids: Sequence[str]) -> list[Node]:
+        nodes = self._select(node_ids)
+        run = [n for n in nodes if n.differentiable]
+        first = nodes.index(run[0]) if run else len(nodes)
+        if not run or any(not n.differentiable for n in nodes[first:]):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"a torch collective trains plain filters then one run of TorchFilters; "
+                f"got {list(node_ids)}",
+            )
+        return run

@@ -1,0 +1,126 @@
+"""coordinator.jobs.checkpoint_store: atomic, verified checkpoint files, and when a run saves
+one."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.jobs.checkpoint_store import CheckpointPolicy, CheckpointStore
+
+
+def _payload(k: float) -> dict:
+    return {
+        "states": {"net": {"weight": torch.full((3, 2), k), "bias": torch.zeros(3)}},
+        "optimizers": {"net": {"state": {0: {"momentum_buffer": torch.ones(3, 2) * k}}}},
+        "plain": {"center": np.arange(4.0) * k},
+    }
+
+
+def test_a_checkpoint_reads_back_as_it_was_saved(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    saved = store.save("job1", {"step": 40, "epoch": 2}, _payload(1.5), keep=2)
+    latest = store.latest("job1")
+    assert latest is not None and latest.seq == saved.seq == 1
+    assert latest.position == {"step": 40, "epoch": 2}
+    torch.testing.assert_close(latest.payload["states"]["net"]["weight"], torch.full((3, 2), 1.5))
+    momentum = latest.payload["optimizers"]["net"]["state"][0]["momentum_buffer"]
+    torch.testing.assert_close(momentum, torch.ones(3, 2) * 1.5)
+    np.testing.assert_array_equal(latest.payload["plain"]["center"], np.arange(4.0) * 1.5)
+    assert (
+        latest.nbytes
+        == saved.nbytes
+        == (tmp_path / "checkpoints/job1/00000001.ckpt").stat().st_size
+    )
+    assert (tmp_path / "checkpoints").stat().st_mode & 0o777 == 0o700
+    assert store.latest("other") is None
+
+
+def test_only_the_last_ones_are_kept_and_the_latest_wins(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for step in (10, 20, 30, 40):
+        store.save("j", {"step": step}, _payload(step), keep=2)
+    assert store.positions("j") == [(3, {"step": 30}), (4, {"step": 40})]
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 40}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty"])
+def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, damage):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    store.save("j", {"step": 20}, _payload(2.0), keep=2)
+    newest = tmp_path / "j" / "00000002.ckpt"
+    raw = bytearray(newest.read_bytes())
+    if damage == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flipped":
+        raw[len(raw) // 3] ^= 0xFF
+    else:
+        raw = bytearray()
+    newest.write_bytes(bytes(raw))
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 10}
+    assert store.positions("j") == [(1, {"step": 10})]
+
+
+def test_a_write_that_never_finished_leaves_the_previous_checkpoint_standing(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    (tmp_path / "j" / "00000002.partial").write_bytes(b"half a checkpoint")  # killed mid-write
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 10}
+    again = store.save("j", {"step": 20}, _payload(2.0), keep=2)  # the next one is whole
+    assert again.seq == 2 and not (tmp_path / "j" / "00000002.partial").exists()
+
+
+def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=1)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.save("j", {"step": 20}, _payload(2.0), keep=1)
+    monkeypatch.undo()
+    assert store.positions("j") == [(1, {"step": 10})]
+    assert [p.name for p in (tmp_path / "j").iterdir()] == ["00000001.ckpt"]
+
+
+def test_job_ids_cannot_name_other_directories_and_drop_removes_a_jobs_checkpoints(tmp_path):
+    store = CheckpointStore(tmp_path / "c")
+    for bad in ("", "..", "a/b"):
+        with pytest.raises(ValueError, match="not a job id"):
+            store.save(bad, {}, {}, keep=1)
+    store.save("j", {"step": 1}, {}, keep=1)
+    store.drop("j")
+    assert store.latest("j") is None and not (tmp_path / "c" / "j").exists()
+
+
+def test_policy_every_n_steps_and_at_the_end_or_never_with_zero():
+    policy = CheckpointPolicy(every=3, per_epoch=10, clock=lambda: 0.0)
+    assert [s for s in range(1, 11) if policy.due(s, 10)] == [3, 6, 9, 10]
+    assert [policy.next_due(s, 10) for s in (0, 3, 8, 9)] == [3, 6, 9, 10]
+    off = CheckpointPolicy(every=0, per_epoch=10, clock=lambda: 0.0)
+    assert not any(off.due(s, 100) for s in range(1, 101))
+    assert off.next_due(5, 100) == 100
+
+
+def test_policy_by_default_saves_every_epoch_or_after_a_minute_whichever_comes_first():
+    now = [0.0]
+    policy = CheckpointPolicy(every=None, per_epoch=4, clock=lambda: now[0], seconds=60.0)
+    policy.start()
+    assert [s for s in range(1, 13) if policy.due(s, 12)] == [4, 8, 12]  # the end too
+    assert policy.next_due(5, 12) == 8
+    now[0] = 59.0
+    assert not policy.due(5, 12)
+    now[0] = 61.0
+    assert policy.due(5, 12)  # a minute of training since the start
+    policy.saved()
+    assert not policy.due(6, 12)

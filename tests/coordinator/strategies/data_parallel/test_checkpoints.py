@@ -1,0 +1,75 @@
+"""DataParallel's checkpoints in process (the coordinator's collective): saved where the policy
+says, and a run resumed from any of them ends as the undisturbed run and a plain torch loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from coordinator.context import InMemoryContext
+from coordinator.jobs.checkpoint_store import CheckpointStore
+from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    dataset,
+    graph_for,
+    inputs,
+    reference_training,
+)
+from worker.daemon.main import Daemon
+
+
+def _run(strategy, job, store=None, resume=None):
+    events: list[tuple[str, dict]] = []
+
+    async def emit(event, data):
+        events.append((event, data))
+
+    if store is not None:
+        saves = JobCheckpoints("job", store, strategy.keep_checkpoints, emit, resume)
+        job = dataclasses.replace(job, checkpoints=saves)
+    states = asyncio.run(strategy.run(InMemoryContext(2, Daemon), job, emit))
+    return states, events
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_run_resumed_from_a_checkpoint_ends_as_the_undisturbed_run(tmp_path, optimizer):
+    x, y = dataset()
+    job = inputs(graph_for(optimizer, shuffle=True), x, y)
+    store = CheckpointStore(tmp_path)
+    strategy = DataParallel(2, collective="coordinator", checkpoint_every=5, keep_checkpoints=10)
+    straight, events = _run(strategy, job, store)
+    saved = [data for event, data in events if event == "checkpoint"]
+    assert [c["step"] for c in saved] == [5, 10, 15, 20, 21]  # 21 steps: the end too
+    assert [c["epoch"] for c in saved] == [1, 2, 3, 3, 3]  # 7 steps an epoch
+    expected = reference_training(x, y, optimizer, shuffle=True)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(straight["mlp"][key]), value, atol=1e-5, rtol=0)
+
+    chosen = [store.read("job", seq) for seq, _ in store.positions("job")[1:3]]
+    for checkpoint in chosen:  # from step 10, then from step 15
+        seq, position = checkpoint.seq, checkpoint.position
+        again = CheckpointStore(tmp_path / f"from-{seq}")
+        resumed, events = _run(DataParallel(2, collective="coordinator"), job, again, checkpoint)
+        assert ("resumed", position | {"checkpoint": seq}) in events
+        steps = [d["step"] for e, d in events if e == "progress" and "step" in d]
+        assert steps[0] == position["step"] + 1 and steps[-1] == 21
+        assert not any(d.get("phase") == "fitting" for e, d in events)  # states came back
+        for key, value in straight["mlp"].items():
+            torch.testing.assert_close(resumed["mlp"][key], value, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            torch.as_tensor(resumed["center"]["mean"]), torch.as_tensor(straight["center"]["mean"])
+        )
+
+
+def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
+    x, y = dataset()
+    job = inputs(graph_for("sgd"), x, y)
+    _, events = _run(DataParallel(2, collective="coordinator"), job, CheckpointStore(tmp_path))
+    assert [d["step"] for e, d in events if e == "checkpoint"] == [7, 14, 21]
+    off = DataParallel(2, collective="coordinator", checkpoint_every=0)
+    _, events = _run(off, job, CheckpointStore(tmp_path / "off"))
+    assert not [e for e, _ in events if e.startswith("checkpoint")]

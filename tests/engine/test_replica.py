@@ -1,0 +1,66 @@
+"""The torch collective's replica side that needs no group: the plan each replica walks, and the
+reachability probe (the group itself is tested on live workers, tests/integration)."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from engine.errors import EngineError
+from engine.replica import Collective, Plan
+from protocol.errors import ErrorCode
+
+
+def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_holds():
+    # 10 rows, batches of 4 in order, 3 replicas: array_split gives slices of 2/1/1, then 1/1/0.
+    held = {0: [0, 1, 4, 5, 8], 1: [2, 6, 9], 2: [3, 7]}
+    plans = {
+        rank: Plan.of("train", ["net"], rows, rank, 3, 10, 1, 4, False, 0)
+        for rank, rows in held.items()
+    }
+    batches = [4, 4, 2]
+    for plan in plans.values():
+        assert [size for _, size in plan.steps] == batches
+    assert [list(local) for local, _ in plans[0].steps] == [[0, 1], [2, 3], [4]]
+    assert [list(local) for local, _ in plans[1].steps] == [[0], [1], [2]]
+    assert [list(local) for local, _ in plans[2].steps] == [[0], [1], []]
+    # Every row once an epoch, across the replicas, as graph.fit sees them.
+    seen = sorted(
+        held[rank][i] for rank, plan in plans.items() for local, _ in plan.steps for i in local
+    )
+    assert seen == list(range(10))
+
+
+def test_a_plan_over_rows_that_were_not_staged_here_is_refused():
+    with pytest.raises(EngineError) as refused:
+        Plan.of("train", ["net"], [0, 1], 1, 2, 8, 1, 4, False, 0)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    assert "replica 1's slice of a step has rows that were not staged here" in str(refused.value)
+
+
+def test_the_probe_says_whether_the_rendezvous_can_be_reached():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert Collective.probe("127.0.0.1", port, 2.0) == {"reachable": True, "error": None}
+    closed = Collective.probe("127.0.0.1", port, 2.0)
+    assert closed["reachable"] is False
+    assert "ConnectionRefusedError" in closed["error"]
+
+
+def test_training_before_joining_a_group_is_refused():
+    with pytest.raises(EngineError, match="dist_train before dist_plan"):
+        Collective().train(0, 1)
+    with pytest.raises(EngineError, match="not in a process group: dist_join first"):
+        Collective().place()
+
+
+def test_shuffled_plans_cover_each_epoch_once():
+    rows = 23
+    held = [list(range(rows))] * 2
+    plans = [Plan.of("t", ["n"], held[r], r, 2, rows, 3, 5, True, 7) for r in range(2)]
+    for epoch in range(3):
+        steps = range(epoch * 5, epoch * 5 + 5)
+        seen = np.concatenate([plans[r].steps[s][0] for r in range(2) for s in steps])
+        assert sorted(seen.tolist()) == list(range(rows))

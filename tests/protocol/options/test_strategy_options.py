@@ -1,0 +1,307 @@
+"""The strategy options models: one set of rules, worded for the SDK or for the wire."""
+
+from __future__ import annotations
+
+import pytest
+
+import somatize as sz
+from coordinator.strategies import STRATEGIES, StrategyOptionsError, strategy_from_spec
+from protocol.daemon import GetStateRequest, StageRequest, command_fields, request_fields
+from protocol.options.strategies import (
+    DEVICES,
+    DataParallelOptions,
+    Dialect,
+    FedAvgOptions,
+    FedProxOptions,
+    LocalOptions,
+    ModelParallelOptions,
+    device_fits,
+    is_device,
+    parse,
+    server_options,
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "sdk", "wire"),
+    [
+        (LocalOptions, {"tag": 3}, "Local: tag must be a non-empty string or None, not 3",
+         "local: tag must be a non-empty string, not 3"),
+        (DataParallelOptions, {"workers": 2, "elastic": "yes"},
+         "DataParallel: elastic must be True or False, not 'yes'",
+         "data_parallel: elastic must be a boolean, not 'yes'"),
+        (FedAvgOptions, {"rounds": 0}, "FedAvg: rounds must be a positive integer, not 0",
+         "fedavg: rounds must be a positive integer, not 0"),
+    ],
+)  # fmt: skip
+def test_one_rule_is_worded_for_each_side(model, data, sdk, wire):
+    with pytest.raises(ValueError) as on_sdk:
+        parse(model, data, Dialect.SDK)
+    with pytest.raises(ValueError) as on_wire:
+        parse(model, data, Dialect.WIRE)
+    assert str(on_sdk.value) == sdk and str(on_wire.value) == wire
+
+
+def test_the_wire_refuses_options_a_strategy_does_not_take():
+    with pytest.raises(ValueError, match=r"strategy 'local' takes no option \['x'\]"):
+        parse(LocalOptions, {"x": 1}, Dialect.WIRE)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        sz.Local(tag="gpu"),
+        sz.DataParallel(3, elastic=True, elastic_timeout=2),
+        sz.FedAvg(4, fraction=0.5, server=sz.FedAdam(lr=0.1)),
+        sz.FedProx(0.1, 2, workers=3, tag="edge"),
+        sz.ModelParallel([sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w")], 2),
+        sz.Local(tag="gpu", device="cuda"),
+        sz.DataParallel(2, device="cuda:1"),
+        sz.DataParallel(2, collective="torch", collective_timeout=5),
+        sz.DataParallel(2, collective="coordinator"),
+        sz.FedAvg(2, device="mps"),
+        sz.FedProx(0.1, 2, device="cpu"),
+        sz.ModelParallel(
+            [sz.Partition(["a"], tag="s0", device="cpu"), sz.Partition(["b"], worker="w")],
+            device="cuda",
+        ),
+    ],
+)
+def test_what_the_sdk_sends_the_coordinator_accepts(strategy):
+    spec = strategy.spec()
+    assert isinstance(strategy_from_spec(spec.name, spec.options), STRATEGIES[spec.name])
+
+
+def test_the_collective_is_one_of_three_and_its_timeout_positive():
+    assert sz.DataParallel(2).options() == {"workers": 2}  # auto, 60 s: the defaults
+    assert sz.DataParallel(2, collective="torch").options()["collective"] == "torch"
+    with pytest.raises(ValueError, match="collective must be one of 'auto', 'torch', 'coord"):
+        sz.DataParallel(2, collective="nccl")
+    with pytest.raises(ValueError, match="collective_timeout must be > 0"):
+        sz.DataParallel(2, collective_timeout=0)
+    with pytest.raises(StrategyOptionsError, match="collective must be one of"):
+        strategy_from_spec("data_parallel", {"workers": 2, "collective": "mpi"})
+    parsed = strategy_from_spec("data_parallel", {"workers": 2, "collective_timeout": 7})
+    assert parsed.collective == "auto" and parsed.collective_timeout == 7
+
+
+def test_a_pipeline_transport_is_one_of_three():
+    stage = [sz.Partition(["a"], tag="s0")]
+    assert "transport" not in sz.ModelParallel(stage).options()  # auto: the default
+    assert sz.ModelParallel(stage, transport="websocket").options()["transport"] == "websocket"
+    with pytest.raises(ValueError, match="transport must be one of 'auto', 'torch', 'websocket'"):
+        sz.ModelParallel(stage, transport="grpc")
+    with pytest.raises(ValueError, match="collective_timeout must be > 0"):
+        sz.ModelParallel(stage, collective_timeout=-1)
+    options = {"partitions": [{"node_ids": ["a"], "tag": "s0"}], "transport": "torch"}
+    assert strategy_from_spec("model_parallel", options).transport == "torch"
+
+
+def test_server_optimizers_are_checked_by_name():
+    assert server_options("fedavgm", {}, Dialect.WIRE).hyperparameters() == {
+        "lr": 1.0,
+        "momentum": 0.9,
+    }
+    with pytest.raises(ValueError, match="fedyogi: tau must be > 0, got 0"):
+        server_options("fedyogi", {"tau": 0}, Dialect.WIRE)
+    with pytest.raises(StrategyOptionsError, match="fedavg: server: unknown server optimizer"):
+        strategy_from_spec("fedavg", {"rounds": 1, "server": {"name": "sgd"}})
+
+
+def test_partitions_are_checked_in_place_with_their_index():
+    bad = {"partitions": [{"node_ids": ["a"], "tag": "t"}, {"node_ids": ["b"]}]}
+    with pytest.raises(ValueError, match=r"partition 1 \['b'\] must be pinned"):
+        parse(ModelParallelOptions, bad, Dialect.WIRE)
+
+
+def test_a_command_travels_without_id_and_with_only_the_fields_set():
+    request = StageRequest(name="train", x=[1, 2])
+    assert command_fields(request) == {"cmd": "stage", "name": "train", "x": [1, 2]}
+    assert request_fields(GetStateRequest())["cmd"] == "get_state"
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+FORMS = "'cpu', 'cuda' (any CUDA device), 'cuda:N' or 'mps'"
+
+
+@pytest.mark.parametrize(
+    ("model", "data"),
+    [
+        (LocalOptions, {}),
+        (DataParallelOptions, {"workers": 2}),
+        (FedAvgOptions, {"rounds": 1}),
+        (FedProxOptions, {"mu": 0.1, "rounds": 1}),
+        (ModelParallelOptions, {"partitions": [{"node_ids": ["a"], "tag": "t"}]}),
+    ],
+)
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:-1", "cuda:01", "CPU", "", 0, True])
+def test_a_bad_device_is_refused_naming_the_forms_on_both_sides(model, data, device):
+    with pytest.raises(ValueError) as on_sdk:
+        parse(model, {**data, "device": device}, Dialect.SDK)
+    with pytest.raises(ValueError) as on_wire:
+        parse(model, {**data, "device": device}, Dialect.WIRE)
+    assert str(on_sdk.value) == (
+        f"{model.sdk_name}: device must be None (any device), {FORMS}, not {device!r}"
+    )
+    assert str(on_wire.value) == f"{model.wire_name}: device must be one of {FORMS}, not {device!r}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:12", "mps", None])
+def test_every_device_form_is_accepted_and_travels_only_when_set(device):
+    for model, data in [
+        (LocalOptions, {}),
+        (DataParallelOptions, {"workers": 2}),
+        (FedAvgOptions, {"rounds": 1}),
+        (FedProxOptions, {"mu": 0.1, "rounds": 1}),
+    ]:
+        wire = parse(model, {**data, "device": device}, Dialect.SDK).to_wire()
+        assert wire.get("device", "unset") == (device if device is not None else "unset"), model
+        assert parse(model, wire, Dialect.WIRE).device == device
+
+
+def test_a_partition_device_is_checked_with_its_index_and_defaults_to_the_pipelines():
+    tpu = {"node_ids": ["b"], "tag": "u", "device": "tpu"}
+    bad = {"partitions": [{"node_ids": ["a"], "tag": "t"}, tpu]}
+    with pytest.raises(ValueError) as refused:
+        parse(ModelParallelOptions, bad, Dialect.WIRE)
+    assert str(refused.value) == (
+        f"model_parallel: partition 1: device must be one of {FORMS}, not 'tpu'"
+    )
+    parts = [{"node_ids": ["a"], "tag": "t"}, {"node_ids": ["b"], "tag": "u", "device": "cpu"}]
+    options = parse(ModelParallelOptions, {"partitions": parts, "device": "cuda"}, Dialect.WIRE)
+    assert [options.device_of(0), options.device_of(1)] == ["cuda", "cpu"]
+    assert options.to_wire()["device"] == "cuda"
+    assert [p.get("device") for p in options.to_wire()["partitions"]] == [None, "cpu"]
+    plain = parse(ModelParallelOptions, {"partitions": parts[:1]}, Dialect.WIRE)
+    assert plain.device_of(0) is None and "device" not in plain.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("wanted", "device", "fits"),
+    [
+        (None, "cpu", True),
+        (None, "cuda:3", True),
+        ("cpu", "cpu", True),
+        ("cpu", "cuda:0", False),
+        ("cuda", "cuda:0", True),
+        ("cuda", "cuda:7", True),
+        ("cuda", "cpu", False),
+        ("cuda", "mps", False),
+        ("cuda:1", "cuda:1", True),
+        ("cuda:1", "cuda:0", False),
+        ("mps", "mps", True),
+        ("mps", "cpu", False),
+    ],
+)
+def test_a_device_fits_when_equal_or_any_cuda_device_for_cuda(wanted, device, fits):
+    assert device_fits(wanted, device) is fits
+
+
+def test_the_device_forms_are_exactly_the_documented_ones():
+    assert DEVICES == ("cpu", "cuda", "cuda:N", "mps")
+    assert all(is_device(d) for d in ["cpu", "cuda", "cuda:0", "cuda:10", "mps"])
+    assert not any(is_device(d) for d in ["cuda:N", "cuda:1:2", " cpu", "xla", None, 1])
+
+
+def test_the_device_the_sdk_asks_for_is_the_coordinators_placement():
+    for strategy in [
+        sz.Local(device="cuda"),
+        sz.DataParallel(2, device="cuda"),
+        sz.FedAvg(2, device="cuda"),
+        sz.FedProx(0.1, 2, device="cuda"),
+    ]:
+        spec = strategy.spec()
+        assert strategy_from_spec(spec.name, spec.options).placement().device == "cuda", spec
+    pipeline = sz.ModelParallel(
+        [sz.Partition(["a"], tag="s0", device="cpu"), sz.Partition(["b"], worker="w")],
+        device="cuda:1",
+    ).spec()
+    placement = strategy_from_spec(pipeline.name, pipeline.options).placement()
+    assert [(s.tag, s.id, s.device) for s in placement.slots] == [
+        ("s0", None, "cpu"),
+        (None, "w", "cuda:1"),
+    ]
+    assert placement.devices() == ["cpu", "cuda:1"]
+
+
+def test_the_coordinator_refuses_a_bad_device_as_a_strategy_options_error():
+    with pytest.raises(StrategyOptionsError) as refused:
+        strategy_from_spec("data_parallel", {"workers": 2, "device": "gpu"})
+    assert str(refused.value) == f"data_parallel: device must be one of {FORMS}, not 'gpu'"
+    strategy = strategy_from_spec("fedprox", {"mu": 0.1, "rounds": 1, "device": "cuda:0"})
+    assert strategy.placement().device == "cuda:0"
+
+
+RESUMABLE = [
+    (lambda **kw: sz.DataParallel(2, **kw), "data_parallel"),
+    (lambda **kw: sz.FedAvg(3, **kw), "fedavg"),
+    (lambda **kw: sz.FedProx(0.1, 3, **kw), "fedprox"),
+    (lambda **kw: sz.ModelParallel([sz.Partition(["a"], tag="s0")], **kw), "model_parallel"),
+]
+"""The strategies that take the checkpoint and restart options: a maker and the wire name."""
+
+
+@pytest.mark.parametrize(("make", "wire_name"), RESUMABLE)
+def test_checkpoint_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
+    assert "checkpoint_every" not in make().options()  # None: every epoch / round, or 60 s
+    assert "keep_checkpoints" not in make().options()  # 2
+    spec = make(checkpoint_every=0, keep_checkpoints=5).spec()
+    assert (spec.options["checkpoint_every"], spec.options["keep_checkpoints"]) == (0, 5)
+    parsed = strategy_from_spec(spec.name, spec.options)
+    assert (parsed.checkpoint_every, parsed.keep_checkpoints) == (0, 5)
+    assert parsed.saves_checkpoints
+    with pytest.raises(ValueError, match=r"checkpoint_every must be None or an integer >= 0"):
+        make(checkpoint_every=-1)
+    with pytest.raises(ValueError, match=r"keep_checkpoints must be a positive integer, not 0"):
+        make(keep_checkpoints=0)
+    options = spec.options | {"checkpoint_every": 2.5}
+    with pytest.raises(StrategyOptionsError, match=rf"{wire_name}: checkpoint_every must be an"):
+        strategy_from_spec(spec.name, options)
+
+
+@pytest.mark.parametrize(("make", "wire_name"), [*RESUMABLE, (sz.Local, "local")])
+def test_restart_options_travel_when_set_and_bad_ones_are_refused_on_both_sides(make, wire_name):
+    assert not {"max_restarts", "restart_timeout"} & set(make().options())  # 0: never
+    assert strategy_from_spec(wire_name, make().options()).max_restarts == 0
+    spec = make(max_restarts=3, restart_timeout=7.5).spec()
+    assert (spec.options["max_restarts"], spec.options["restart_timeout"]) == (3, 7.5)
+    parsed = strategy_from_spec(spec.name, spec.options)
+    assert (parsed.max_restarts, parsed.restart_timeout) == (3, 7.5)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"max_restarts must be an integer >= 0 \(0: never\)"):
+            make(max_restarts=bad)
+    with pytest.raises(ValueError, match=r"restart_timeout must be > 0, not 0"):
+        make(max_restarts=1, restart_timeout=0)
+    options = spec.options | {"restart_timeout": "soon"}
+    with pytest.raises(
+        StrategyOptionsError,
+        match=rf"{wire_name}: restart_timeout must be a positive number of seconds, not 'soon'",
+    ):
+        strategy_from_spec(spec.name, options)
+
+
+def test_strategies_without_checkpoints_say_so():
+    strategy = strategy_from_spec("local", sz.Local().spec().options)
+    assert not strategy.saves_checkpoints
+
+
+def test_a_pipelines_spares_travel_and_are_placed_after_its_stages():
+    partitions = [sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w9")]
+    assert "spares" not in sz.ModelParallel(partitions).options()
+    spec = sz.ModelParallel(partitions, spares=2, spare_tag="spare", device="cpu").spec()
+    assert (spec.options["spares"], spec.options["spare_tag"]) == (2, "spare")
+    placement = strategy_from_spec(spec.name, spec.options).placement()
+    assert [str(slot) for slot in placement.slots] == [
+        "tag 's0' on cpu",
+        "worker 'w9' on cpu",
+        "tag 'spare' on cpu",
+        "tag 'spare' on cpu",
+    ]
+    anyone = strategy_from_spec(spec.name, spec.options | {"spare_tag": None}).placement()
+    assert str(anyone.slots[-1]) == "any worker on cpu" and anyone.workers == 4
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"spares must be an integer >= 0"):
+            sz.ModelParallel(partitions, spares=bad)
+    with pytest.raises(ValueError, match=r"spare_tag names the spares' tag: give spares=N"):
+        sz.ModelParallel(partitions, spare_tag="spare")

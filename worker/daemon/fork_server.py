@@ -1,0 +1,203 @@
+"""The agent's fork server: ``python -m worker.daemon.fork_server --socket FD``.
+
+A filter daemon started anew spends seconds of CPU before it can answer: the interpreter, the
+torch import, the first optimizer's lazy imports (:func:`worker.daemon.main.warm_up`). The fork
+server pays that once. It is started by the agent with a daemon's environment, imports and warms
+up as a daemon would, and then, for every daemon the agent asks for, forks: the child is a
+daemon at once (:func:`worker.daemon.main.run`), sharing the server's memory copy-on-write.
+
+It talks to the agent over one ``SOCK_SEQPACKET`` socket (message boundaries kept), JSON
+messages with file descriptors beside them (``SCM_RIGHTS``):
+
+* server → agent, once: ``{"ready": pid}``;
+* agent → server: ``{"fork": seq, "threads": n}`` with the child's stdin and stdout (two pipe
+  ends) and, optionally, its two shared-memory regions; server → agent:
+  ``{"forked": seq, "pid": pid}`` (or ``{"failed": seq, "error": ...}``);
+* server → agent, whenever a child ends: ``{"exited": pid, "returncode": rc}`` (``rc`` as
+  :attr:`subprocess.Popen.returncode` gives it), once its process group is killed — what its
+  filters forked — and it is reaped.
+
+The server forks only while it runs no thread of its own beyond what importing torch starts
+(as every ``DataLoader`` worker forked after ``import torch`` does), and has not used a CUDA
+device or an OpenMP pool (its torch runs one thread and never computes): what a fork cannot
+carry over, it never made. It exits when the agent closes the socket or dies (its parent
+changes); a child whose server is gone is re-parented, and its own watchdog ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+__all__ = ["MAX_FDS", "recv_message", "send_message"]
+
+MAX_FDS = 4
+"""File descriptors one fork request carries at most: stdin, stdout, two shared regions."""
+MAX_MESSAGE = 4096
+"""Bytes one message takes at most."""
+EXIT_CHILD_FAILED = 70
+"""A child that could not become a daemon exits with this (its traceback in the log)."""
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One JSON message, with ``fds`` passed along."""
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The next message and the descriptors that came with it (close-on-exec); ``None`` at EOF.
+
+    Raises:
+        ValueError: not a JSON object.
+    """
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise ValueError(f"not a message: {data[:80]!r}")
+    return message, fds
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.daemon.fork_server", description=__doc__
+    )
+    parser.add_argument("--socket", type=int, required=True, help="the agent's socket (an fd)")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.socket)
+    os.set_inheritable(sock.fileno(), False)
+    parent = os.getppid()
+
+    # What every daemon needs, once: the allocator's settings, torch, the first optimizer.
+    from protocol.asyncio.memory import keep_freed_memory
+
+    keep_freed_memory()
+    import torch
+
+    imported = _threads()  # torch's own native helper thread: what DataLoader workers fork too
+    torch.set_num_threads(1)  # no intra-op pool to carry over a fork
+    from worker.daemon import main as daemon
+
+    daemon.warm_up()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes select via the pipe
+    send_message(sock, {"ready": os.getpid(), "threads": _threads(), "after_import": imported})
+    try:
+        status = _serve(sock, wake_r, parent)
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _serve(sock: socket.socket, wake: int, parent: int) -> int:
+    """Fork a daemon for each request and report each one's end, until EOF or orphaning."""
+    while True:
+        readable, _, _ = select.select([sock.fileno(), wake], [], [], 0.5)
+        if wake in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 512)
+        _reap(sock)
+        if os.getppid() != parent:
+            return 3  # the agent is gone
+        if sock.fileno() not in readable:
+            continue
+        try:
+            received = recv_message(sock)
+        except ValueError as exc:
+            print(f"fork server: {exc}", file=sys.stderr, flush=True)
+            continue
+        if received is None:
+            return 0  # the agent closed the socket
+        message, fds = received
+        _fork(sock, message, fds, wake)
+
+
+def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: int) -> None:
+    seq = message.get("fork")
+    threads = message.get("threads")
+    if not isinstance(threads, int) or threads < 1 or len(fds) not in (2, 4):
+        for fd in fds:
+            os.close(fd)
+        send_message(sock, {"failed": seq, "error": f"a bad fork request: {message}"})
+        return
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        send_message(sock, {"failed": seq, "error": f"fork: {exc}"})
+        return
+    if pid == 0:
+        _become_daemon(sock, wake, threads, fds)
+    for fd in fds:
+        os.close(fd)
+    send_message(sock, {"forked": seq, "pid": pid})
+
+
+def _become_daemon(sock: socket.socket, wake: int, threads: int, fds: list[int]) -> NoReturn:
+    """In the child: a session of its own, the pipes as fds 0 and 1, then serve as a daemon."""
+    try:
+        os.setsid()  # its own process group: the agent kills the daemon and what it forks
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        os.close(wake)
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        os.close(fds[0])
+        os.close(fds[1])
+        from worker.daemon import main as daemon
+        from worker.daemon.shared_memory import SharedRegion
+
+        shared = (SharedRegion(fds[2]), SharedRegion(fds[3])) if len(fds) == 4 else None
+        daemon.run(threads, "cpu", shared)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(EXIT_CHILD_FAILED)
+
+
+def _reap(sock: socket.socket) -> None:
+    """Report every child that ended: its process group killed first (what its filters forked
+    dies with it), then reaped, so its pid — the group's id — is not reused meanwhile."""
+    while True:
+        try:
+            found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if found is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(found.si_pid, signal.SIGKILL)
+        _, status = os.waitpid(found.si_pid, 0)
+        returncode = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):
+            send_message(sock, {"exited": found.si_pid, "returncode": returncode})
+
+
+if __name__ == "__main__":
+    main()

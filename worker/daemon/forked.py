@@ -1,0 +1,285 @@
+"""The agent's side of its fork server (:mod:`worker.daemon.fork_server`): starting it, asking it
+for a daemon, and each forked daemon as the supervisor handles it.
+
+:class:`ForkServer` runs the server process and one reader thread on its socket: replies to the
+fork requests go to whoever asked (one at a time, a lock), each child's end to that child's
+:class:`ForkedChild`. A :class:`ForkedChild` offers what the supervisor uses of a
+:class:`subprocess.Popen` (``pid``, ``stdin``, ``stdout``, ``returncode``, ``poll``, ``wait``):
+the child is the server's, not the agent's, so its exit status comes as a message, and
+:meth:`ForkedChild.reap` replaces the waiting on it. When the server dies its children are
+re-parented and end by their own watchdog; each one's end is then seen as its pid going.
+
+Every method here blocks (a process start, a socket round trip): the supervisor runs them in an
+executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from worker.daemon.cgroup import CgroupParent, JobCgroup
+from worker.daemon.fork_server import recv_message, send_message
+
+__all__ = ["ForkServer", "ForkedChild"]
+
+log = logging.getLogger(__name__)
+
+START_SECONDS = 120.0
+"""How long the server may take to import torch and say it is ready."""
+REPLY_SECONDS = 30.0
+"""How long one fork may take to be answered."""
+GONE_POLL = 0.05
+"""Seconds between two looks for the pid of a child whose server died."""
+
+
+class ForkedChild:
+    """A daemon forked by the server: what the supervisor uses of a ``Popen`` of it."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def ended(self, returncode: int) -> None:
+        """The server reaped it (or, the server gone, its pid went)."""
+        if self.returncode is None:
+            self.returncode = returncode
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it ended; its return code.
+
+        Raises:
+            subprocess.TimeoutExpired: not within ``timeout`` seconds.
+        """
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked daemon {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def reap(self, cgroup: JobCgroup | None, seconds: float) -> int:
+        """After its stdout closed: wait ``seconds`` for its end, SIGKILL its process group if
+        it lingers, remove its ``cgroup`` (what left the group), and its return code. (The
+        server kills the group before it reaps, so nothing of it outlives it.)"""
+        if not self._ended.wait(seconds):
+            log.warning("filter daemon %d closed its stdout but did not exit; killing it", self.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        if cgroup is not None:
+            cgroup.remove()
+        return self.wait()
+
+
+class ForkServer:
+    """The agent's fork server (module docstring).
+
+    Args:
+        python: the interpreter its daemons run on.
+        env: a daemon's environment (:func:`worker.daemon.environment.daemon_environment`).
+    """
+
+    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+        self.python = python
+        self.env = dict(env)
+        self.pid: int | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # one fork request at a time
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._children: dict[int, ForkedChild] = {}
+        self._early: dict[int, int] = {}  # ends that came before their fork's reply was taken
+        self._guard = threading.Lock()  # over _children, _early, _dead
+        self._dead = False
+        self._seq = 0
+
+    @property
+    def alive(self) -> bool:
+        """Whether it is up and answering."""
+        return self._sock is not None and not self._dead
+
+    def start(self) -> None:
+        """Start the server and wait until it has imported torch (blocking).
+
+        Raises:
+            OSError: it could not start, or died or said nothing within :data:`START_SECONDS`.
+        """
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            argv = [
+                self.python,
+                "-m",
+                "worker.daemon.fork_server",
+                "--socket",
+                str(theirs.fileno()),
+            ]
+            self._process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno(),  # its prints and its children's go to the log
+                env=self.env,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a Ctrl-C meant for the agent is not its
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.settimeout(START_SECONDS)
+        try:
+            ready = recv_message(mine)
+        except (OSError, ValueError) as exc:
+            self._stop(mine)
+            raise OSError(f"the fork server did not start: {exc}") from exc
+        if ready is None or "ready" not in ready[0]:
+            self._stop(mine)
+            raise OSError(f"the fork server did not start: it said {ready!r}")
+        mine.settimeout(None)
+        self._sock, self.pid = mine, int(ready[0]["ready"])
+        said = ready[0]
+        if said.get("threads") != said.get("after_import"):
+            log.warning(
+                "fork server %d started threads of its own (%s): forks may not be safe",
+                self.pid,
+                said,
+            )
+        threading.Thread(target=self._read, name="fork-server", daemon=True).start()
+        log.info("fork server %d ready (%s)", self.pid, self.python)
+
+    def fork(
+        self, threads: int, shared: Sequence[int] = (), cgroups: CgroupParent | None = None
+    ) -> tuple[ForkedChild, JobCgroup | None]:
+        """A new daemon of ``threads`` torch threads, its shared-memory regions ``shared`` (two
+        fds, or none), in a cgroup of its own with ``cgroups`` (blocking).
+
+        Raises:
+            OSError: the server is gone or refused; the caller starts the daemon otherwise.
+        """
+        if not self.alive:
+            raise OSError("the fork server is not running")
+        cgroup = None if cgroups is None else cgroups.new()
+        to_child, from_agent = os.pipe()
+        to_agent, from_child = os.pipe()
+        stdin, stdout = os.fdopen(from_agent, "wb", buffering=0), os.fdopen(to_agent, "rb", 0)
+        try:
+            with self._lock:
+                self._seq += 1
+                assert self._sock is not None
+                send_message(
+                    self._sock,
+                    {"fork": self._seq, "threads": threads},
+                    [to_child, from_child, *shared],
+                )
+                reply = self._replies.get(timeout=REPLY_SECONDS)
+        except (OSError, queue.Empty) as exc:
+            for end in (stdin, stdout):
+                end.close()
+            if cgroup is not None:
+                cgroup.remove()
+            raise OSError(f"the fork server did not answer: {exc}") from exc
+        finally:
+            os.close(to_child)
+            os.close(from_child)
+        if reply is None or "pid" not in reply:
+            for end in (stdin, stdout):
+                end.close()
+            if cgroup is not None:
+                cgroup.remove()
+            raise OSError(f"the fork server refused: {reply!r}")
+        child = ForkedChild(int(reply["pid"]), stdin, stdout)
+        with self._guard:
+            early = self._early.pop(child.pid, None)
+            if early is not None:
+                child.ended(early)
+            elif self._dead:
+                self._watch_gone(child)
+            else:
+                self._children[child.pid] = child
+        if cgroup is not None and not cgroup.add(child.pid):
+            cgroup.remove()
+            cgroup = None
+        return child, cgroup
+
+    def kill(self) -> None:
+        """SIGKILL the server, even while :meth:`start` waits for it (which then fails)."""
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+    def close(self) -> None:
+        """Stop the server (its children, re-parented, end by their watchdogs)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._stop(sock)
+
+    def _stop(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
+
+    def _read(self) -> None:
+        """The reader thread: replies to whoever forks, ends to their children."""
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                received = recv_message(sock)
+            except (OSError, ValueError):
+                received = None
+            if received is None:
+                break
+            message, fds = received
+            for fd in fds:
+                os.close(fd)
+            if "exited" in message:
+                pid, code = int(message["exited"]), int(message["returncode"])
+                with self._guard:
+                    child = self._children.pop(pid, None)
+                    if child is None:
+                        self._early[pid] = code
+                if child is not None:
+                    child.ended(code)
+            else:
+                self._replies.put(message)
+        # The server is gone: who waits for a reply is told, each child's end is its pid going.
+        with self._guard:
+            self._dead = True
+            orphans, self._children = list(self._children.values()), {}
+        self._replies.put(None)
+        if self._sock is not None:
+            log.warning(
+                "fork server %s is gone; daemons are started anew until it is back", self.pid
+            )
+        for child in orphans:
+            self._watch_gone(child)
+
+    @staticmethod
+    def _watch_gone(child: ForkedChild) -> None:
+        def watch() -> None:
+            while os.path.exists(f"/proc/{child.pid}"):
+                time.sleep(GONE_POLL)
+            child.ended(-signal.SIGKILL)
+
+        threading.Thread(target=watch, name=f"gone-{child.pid}", daemon=True).start()

@@ -1,0 +1,80 @@
+"""The filter daemon's commands for a daemon in a torch.distributed group: a data-parallel
+replica (``dist_*``) or a pipeline stage (``pipe_*``) that runs its own training loop, the
+coordinator keeping time. A mixin of :class:`worker.daemon.main.Daemon`, over its engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.engine import Engine
+from engine.replica import Plan
+from protocol.daemon import (
+    DistJoinRequest,
+    DistLeaveRequest,
+    DistPlanRequest,
+    DistProbeRequest,
+    DistStoreRequest,
+    DistTrainRequest,
+    PipePlanRequest,
+    PipeTrainRequest,
+)
+from protocol.rules.batching import global_batches
+
+__all__ = ["GroupCommands"]
+
+
+class GroupCommands:
+    """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
+    ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one engine method."""
+
+    engine: Engine
+
+    def on_dist_store(self, req: DistStoreRequest) -> dict[str, Any]:
+        return {"port": self.engine.open_store(req.timeout)}
+
+    def on_dist_probe(self, req: DistProbeRequest) -> dict[str, Any]:
+        return self.engine.probe(req.host, req.port, req.timeout)
+
+    def on_dist_join(self, req: DistJoinRequest) -> dict[str, Any]:
+        return self.engine.join(
+            req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
+        )
+
+    def on_dist_plan(self, req: DistPlanRequest) -> None:
+        rank, world = self.engine.place()
+        plan = Plan.of(
+            req.data,
+            req.node_ids,
+            req.held,
+            rank,
+            world,
+            req.rows,
+            req.epochs,
+            req.batch_size,
+            req.shuffle,
+            req.seed,
+            req.sizes,
+            req.position,
+        )
+        if req.sync_batchnorm:
+            plan = dataclasses.replace(plan, sync_batchnorm=True)
+        self.engine.plan_data_parallel(plan)
+
+    def on_pipe_plan(self, req: PipePlanRequest) -> None:
+        plan = global_batches(
+            req.rows, req.micro_batches, req.epochs, req.batch_size, req.shuffle, req.seed
+        )
+        batches = [micro for _, _, micro in plan]
+        self.engine.plan_pipeline(
+            req.node_ids, req.actions, batches, req.data, req.labels, req.clip_grad_norm
+        )
+
+    def on_pipe_train(self, req: PipeTrainRequest) -> dict[str, Any]:
+        return self.engine.pipe_train(req.start, req.stop)
+
+    def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
+        return self.engine.train(req.start, req.stop)
+
+    def on_dist_leave(self, req: DistLeaveRequest) -> None:
+        self.engine.leave()
