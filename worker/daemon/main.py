@@ -93,8 +93,11 @@ WATCHDOG_INTERVAL = 0.2
 Handler = Callable[[Any], Any]
 
 
-class Daemon(GroupCommands):
+class Daemon:
     """Turns request frames into reply messages, running them on one :class:`Engine`.
+
+    One handler per command, in one table: the daemon's own (``on_<cmd>``) and those of its
+    :class:`~worker.daemon.group_commands.GroupCommands` (``dist_*``, ``pipe_*``).
 
     No I/O here: :meth:`handle` takes the bytes of one request frame and returns the reply
     message, :meth:`respond` the same reply encoded as frame parts. :func:`main` feeds it from
@@ -107,6 +110,7 @@ class Daemon(GroupCommands):
         """Set by ``shutdown``: the serve loop exits after sending the reply."""
         self._filters: dict[str, Any] = {}
         self._secagg = SecAggClients()  # secure aggregation's secrets, by virtual client
+        self.group_commands = GroupCommands(self.engine)
         self._handlers: dict[str, Handler] = {
             "load": self.on_load,
             "fit": self.on_fit,
@@ -124,14 +128,6 @@ class Daemon(GroupCommands):
             "gradients": self.on_gradients,
             "schedule": self.on_schedule,
             "evaluate": self.on_evaluate,
-            "dist_store": self.on_dist_store,
-            "dist_probe": self.on_dist_probe,
-            "dist_join": self.on_dist_join,
-            "dist_plan": self.on_dist_plan,
-            "dist_train": self.on_dist_train,
-            "pipe_plan": self.on_pipe_plan,
-            "pipe_train": self.on_pipe_train,
-            "dist_leave": self.on_dist_leave,
             "stage_forward": self.on_stage_forward,
             "stage_backward": self.on_stage_backward,
             "stage_norm": self.on_stage_norm,
@@ -139,6 +135,7 @@ class Daemon(GroupCommands):
             "secagg": lambda req: self._secagg.handle(req, self.engine),
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
+            **self.group_commands.handlers,
         }
 
     # -- one request --------------------------------------------------------------------------
