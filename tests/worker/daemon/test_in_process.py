@@ -170,7 +170,7 @@ def test_a_filter_that_cannot_be_unpickled_is_named_and_the_old_ones_stay(daemon
     assert error["code"] == ErrorCode.FILTER_ERROR
     assert error["detail"]["node_id"] == "bad"
     assert "traceback" in error["detail"]
-    assert daemon.engine.node_ids == ["center", "explode"]
+    assert daemon.engine.nodes.node_ids == ["center", "explode"]
 
 
 def test_a_filter_calling_sys_exit_is_an_error_not_an_exit():
@@ -222,7 +222,7 @@ def test_decoded_tensors_reach_the_filter_as_writable_zero_copy_views():
     frame = bytearray(encode_frame({"id": 2, "cmd": "fit", "node_id": "p", "x": torch.zeros(64)}))
     assert d.handle(frame)["ok"] is True
     base = np.frombuffer(frame, np.uint8).ctypes.data
-    assert base <= d.engine.filter("p").address < base + len(frame)
+    assert base <= d.engine.nodes.filter("p").address < base + len(frame)
 
 
 # -- messages -----------------------------------------------------------------------------------
