@@ -218,8 +218,7 @@ class LinkedStage:
         """The step that ends global batch ``b``; the learning rate it took."""
         run = [n for n in self.nodes.select(plan.node_ids) if n.differentiable]
         lr = current_lr(self.optimizers.optimizer(run[-1]))
-        horizon = self.optimizers.horizon
-        ends = horizon is not None and horizon.ends_epoch(b + 1)
+        ends = self.optimizers.ends_epoch(b + 1)
         self.stage.stage_step(plan.node_ids, epoch_end=ends, coefficient=coefficient)
         return lr
 

@@ -35,19 +35,19 @@ class Optimizers:
 
     def __init__(self, nodes: Nodes) -> None:
         self.nodes = nodes
-        self._horizon: Horizon | None = None
+        self._horizon: Horizon | None = None  # what named schedules span (None: not told)
 
     # -- the horizon of named schedules --------------------------------------------------------
-
-    @property
-    def horizon(self) -> Horizon | None:
-        """What a named learning-rate schedule spans (``None``: not told yet)."""
-        return self._horizon
 
     def set_horizon(self, horizon: Horizon) -> None:
         """Span the schedules made from now on over ``horizon``: told by whoever runs the loop
         (a training loop counts it; a replica or a pipeline stage gets the schedule command)."""
         self._horizon = horizon
+
+    def ends_epoch(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (from 1) is the last of an epoch of the horizon
+        (never, when none was told): an epoch-wise scheduler steps after it."""
+        return self._horizon is not None and self._horizon.ends_epoch(step)
 
     # -- made on first use, kept --------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class Optimizers:
 
     def _make_scheduler(self, node: Node, optimizer: torch.optim.Optimizer) -> Any:
         """The filter's scheduler over ``optimizer`` (``None`` without one); a named schedule
-        spans :attr:`horizon` (:mod:`engine.stepping`).
+        spans the horizon (:meth:`set_horizon`; :mod:`engine.stepping`).
 
         Raises:
             EngineError: ``BAD_REQUEST`` for a named schedule when the horizon is not known.

@@ -249,8 +249,7 @@ class Replica:
         torch.manual_seed(replica_seed(plan.seed, self.group.rank, step + 1))
         cut = min(accumulate, plan.least[step]) if plan.least[step] else 1
         loss = self._accumulated(ddp, run, xt, yt, len(local), batch, cut, scaler)
-        horizon = self.optimizers.horizon
-        ends = horizon is not None and horizon.ends_epoch(step + 1)
+        ends = self.optimizers.ends_epoch(step + 1)
         return loss, self.optimizers.step_run(run, scaler, epoch_end=ends)
 
     def _accumulated(
