@@ -82,8 +82,8 @@ class Fitting:
         if node.differentiable:
             loss = self._backward_run([node], x, y)[1]
             return FitResult(None, self.nodes.get_state([node_id]), loss, num_rows(x))
-        node.state = node.filter.fit(x, y)
-        return FitResult(None, {node_id: node.state}, None, num_rows(x))
+        state = self.nodes.fit_plain(node, x, y)
+        return FitResult(None, {node_id: state}, None, num_rows(x))
 
     def composite_fit(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
         """One pass over a chain: plain filters fit then forward; each differentiable run does one
@@ -213,8 +213,7 @@ class Fitting:
 
     def _fit_plain(self, node: Node, x: Any, y: Any) -> Any:
         x = to_cpu(x)
-        node.state = node.filter.fit(x, y)
-        return node.filter.forward(x, node.state)
+        return node.filter.forward(x, self.nodes.fit_plain(node, x, y))
 
     def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> tuple[Any, float]:
         """Forward, loss and backward of ``x`` through the run, the gradients left on the

@@ -184,6 +184,12 @@ class Nodes:
             )
         return node.state
 
+    def fit_plain(self, node: Node, x: Any, y: Any) -> Any:
+        """Fit the plain filter of ``node`` on ``x`` (and ``y``) and keep what its ``fit``
+        returned: its state, which this returns."""
+        node.state = node.filter.fit(x, y)
+        return node.state
+
     def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
         """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
         copies of its tensors, on the CPU), a plain filter's fit result."""
