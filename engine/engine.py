@@ -2,20 +2,26 @@
 
 This is the code that runs user filters, wherever they run: ``graph.fit`` in the user's process
 builds an :class:`Engine` over copies of the graph's filters, and the filter daemon
-(:mod:`worker.daemon.main`) holds one :class:`Engine` per job and maps each command onto one method.
-There is no second copy of the training loop anywhere.
+(:mod:`worker.daemon.main`) holds one :class:`Engine` per job and maps each command onto one
+method of one of its parts. There is no second copy of the training loop anywhere.
 
-The engine is one set of loaded nodes (:mod:`engine.nodes`) seen by these parts, each owning
-one concern:
+An engine is one set of loaded nodes (:mod:`engine.nodes`) and the parts that work on them,
+each a class of its own that is handed the collaborators it uses:
 
-* :mod:`engine.training` — rows held under a name, fit, forward and the nodes' states;
-* :mod:`engine.gradients` — the persistent optimizers' state, reading and applying gradients;
-* :mod:`engine.stage` — the loaded nodes as one stage of a pipeline (ModelParallel),
-  and :mod:`engine.linked_stage` — such a stage running its part of the schedule itself,
-  talking to its neighbours over a torch.distributed group (ModelParallel's torch transport);
-* :mod:`engine.replica` — the loaded nodes as one replica of a torch.distributed
-  data-parallel group (DataParallel's torch collective); both groups are
-  :mod:`engine.group_member`'s.
+* :attr:`Engine.nodes` — the loaded filters, their states, forward passes on the device;
+* :attr:`Engine.optimizers` — their persistent optimizers, schedulers and one step of a run
+  (:mod:`engine.optimizers`);
+* :attr:`Engine.rows` — rows held under a name for later commands (:mod:`engine.held_rows`);
+* :attr:`Engine.evaluation` — validation loss and metrics (:mod:`engine.evaluation`);
+* :attr:`Engine.fitting` — fit, forward, and ``batched_fit``, which trains a chain with the one
+  training loop (:mod:`engine.fitting`, :mod:`engine.training`);
+* :attr:`Engine.gradients` — reading and applying gradients (:mod:`engine.gradients`);
+* :attr:`Engine.stage` — the nodes as one stage of a pipeline, driven by calls
+  (:mod:`engine.stage`);
+* :attr:`Engine.group` — membership of a torch.distributed group (:mod:`engine.group_member`),
+  which two parts train over: :attr:`Engine.replica`, one replica of a data-parallel group
+  (:mod:`engine.replica`), and :attr:`Engine.linked_stage`, a pipeline stage running its own
+  schedule (:mod:`engine.linked_stage`).
 
 An engine trains on one device (``Engine(device="cuda:0")``; default the CPU): modules move there
 when loaded and stay, batches move there once each, and everything the engine hands out is on the
@@ -24,20 +30,35 @@ CPU (:mod:`engine.transfer`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
+from engine.evaluation import Evaluation
+from engine.fitting import FitResult, FitSettings, Fitting
 from engine.gradients import Gradients
-from engine.linked_stage import PipelineLink
-from engine.nodes import DifferentiableFilter, is_differentiable, num_rows
-from engine.replica import Collective
-from engine.training import FitResult
+from engine.group_member import GroupMember
+from engine.held_rows import HeldRows
+from engine.linked_stage import LinkedStage
+from engine.nodes import DifferentiableFilter, Nodes, is_differentiable, num_rows
+from engine.optimizers import Optimizers
+from engine.replica import Replica
+from engine.stage import PipelineStage
 from engine.transfer import engine_device
 
-__all__ = ["DifferentiableFilter", "Engine", "FitResult", "is_differentiable", "num_rows"]
+__all__ = [
+    "DifferentiableFilter",
+    "Engine",
+    "FitResult",
+    "FitSettings",
+    "is_differentiable",
+    "num_rows",
+]
 
 
-class Engine(Collective, PipelineLink, Gradients):
-    """Filters by node id (in graph order), their states and their persistent optimizers.
+class Engine:
+    """Filters by node id (in graph order), and the parts that fit, train, step and serve them.
 
     Args:
         device: where the modules train (``"cpu"``, ``"cuda:N"``, ``"mps"``...).
@@ -47,5 +68,23 @@ class Engine(Collective, PipelineLink, Gradients):
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        super().__init__()
         self.device = engine_device(device)
+        self.nodes = Nodes(self.device)
+        self.optimizers = Optimizers(self.nodes)
+        self.rows = HeldRows()
+        self.evaluation = Evaluation(self.nodes)
+        self.fitting = Fitting(self.nodes, self.optimizers, self.evaluation)
+        self.gradients = Gradients(self.nodes, self.optimizers)
+        self.stage = PipelineStage(self.nodes, self.optimizers)
+        self.group = GroupMember(self.device)
+        self.replica = Replica(self.nodes, self.optimizers, self.rows, self.group)
+        self.linked_stage = LinkedStage(
+            self.nodes, self.optimizers, self.rows, self.stage, self.group
+        )
+
+    def load(self, filters: Mapping[str, Any]) -> None:
+        """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order): their
+        modules move to the device, and what was kept of the filters replaced — states,
+        optimizers, the pipeline stage's micro-batches in flight — goes with them."""
+        self.nodes.load(filters)
+        self.stage.forget_in_flight()

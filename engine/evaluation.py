@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.data.npy_rows import Rows
 from engine.errors import EngineError
-from engine.nodes import Node, Nodes, num_rows
+from engine.nodes import Node, Nodes, num_rows, whole
 from engine.transfer import autocast, to_cpu
 from protocol.errors import ErrorCode
 from protocol.rules.batching import batch_len, batch_rows, batches
@@ -26,8 +25,11 @@ from protocol.rules.batching import batch_len, batch_rows, batches
 __all__ = ["Evaluation"]
 
 
-class Evaluation(Nodes):
-    """The loaded nodes evaluated on validation data."""
+class Evaluation:
+    """``nodes`` evaluated on validation data, as they stand."""
+
+    def __init__(self, nodes: Nodes) -> None:
+        self.nodes = nodes
 
     def evaluate(self, node_ids: Sequence[str], x: Any, y: Any) -> dict[str, Any]:
         """``x`` through ``node_ids`` up to the last differentiable one, with the states they
@@ -39,7 +41,7 @@ class Evaluation(Nodes):
         Raises:
             EngineError: ``BAD_REQUEST`` without labels or a differentiable node.
         """
-        nodes = self._chain(node_ids, x, y)
+        nodes = self.nodes.chain(node_ids, x, y)
         last = max((k for k, n in enumerate(nodes) if n.differentiable), default=None)
         if last is None:
             raise EngineError(
@@ -48,23 +50,23 @@ class Evaluation(Nodes):
             )
         if y is None:
             raise EngineError(ErrorCode.BAD_REQUEST, "evaluating needs the validation labels (y)")
-        x, y = _whole(x), _whole(y)
+        x, y = whole(x), whole(y)
         out = x
         for node in nodes[: last + 1]:
-            out = self._apply(node, out, self._state_for(node))
+            out = self.nodes.apply(node, out, self.nodes.state_of(node))
         return self._scores(nodes[last], out, y)
 
     def _scores(self, node: Node, out: Any, y: Any) -> dict[str, Any]:
         """The loss and metrics of ``node``'s output ``out`` against ``y``."""
         f = node.filter
-        target = self._on_device(f.prepare_target(y))
+        target = self.nodes.on_device(f.prepare_target(y))
         with torch.no_grad():
             loss = float(f.compute_loss(out, target))
             metrics = getattr(f, "compute_metrics", None)
             scores = metrics(out, target) if metrics is not None else {}
         return {"val_loss": loss, **scores, "rows": num_rows(to_cpu(out))}
 
-    def _mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
+    def mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
         """The run's mean loss over all rows of ``x`` at its current weights: batches in order,
         evaluation mode, no gradients, nothing changed (BatchNorm's running statistics kept)."""
         if y is None:
@@ -87,14 +89,10 @@ class Evaluation(Nodes):
                     xb, yb = first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
                 else:
                     xb, yb = xt[index], yt[index]
-                out = self._on_device(xb)
+                out = self.nodes.on_device(xb)
                 for node in run:
-                    with autocast(node.filter, self.device):
+                    with autocast(node.filter, self.nodes.device):
                         out = node.filter.module(out)
-                total += float(self._loss(run, out, self._on_device(yb))) * batch_len(index, n)
+                loss = self.nodes.loss(run, out, self.nodes.on_device(yb))
+                total += float(loss) * batch_len(index, n)
         return total / n if n else float("nan")
-
-
-def _whole(data: Any) -> Any:
-    """Validation rows read from disk are read whole: it is evaluated at once."""
-    return np.asarray(data) if isinstance(data, Rows) else data

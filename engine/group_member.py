@@ -17,27 +17,50 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from engine.errors import EngineError
-from engine.nodes import Nodes
 from protocol.errors import ErrorCode
 
 __all__ = ["GroupMember", "looks_collective"]
 
 
-class GroupMember(Nodes):
-    """The rendezvous (on replica 0) and the process group of this daemon."""
+class GroupMember:
+    """The rendezvous (on replica 0) and the process group of this daemon.
 
-    def __init__(self) -> None:
-        super().__init__()
+    What trains over the group — a replica's plan (:mod:`engine.replica`), a linked stage's
+    (:mod:`engine.linked_stage`) — is dropped with it: each registers with :meth:`on_leave`.
+
+    Args:
+        device: the engine's device (NCCL binds the group to it).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._store: TCPStore | None = None  # the rendezvous, on replica 0 only
         self._rank = 0
         self._world = 1
-        self._done = 0  # steps completed in the group's current work
+        self._dropped_with_group: list[Callable[[], None]] = []
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the group it last joined."""
+        return self._rank
+
+    @property
+    def world(self) -> int:
+        """The size of the group it last joined."""
+        return self._world
+
+    def on_leave(self, drop: Callable[[], None]) -> None:
+        """Call ``drop`` whenever this member leaves a group (and before it joins one): what
+        ``drop`` forgets was made for that group."""
+        self._dropped_with_group.append(drop)
 
     def open_store(self, timeout: float) -> int:
         """Open the group's ``TCPStore`` on a free port (every interface); returns the port."""
@@ -65,7 +88,6 @@ class GroupMember(Nodes):
         """
         self._left_group()
         wait = datetime.timedelta(seconds=timeout)
-        self._done = 0
         try:
             store = self._store
             if store is None:
@@ -99,17 +121,21 @@ class GroupMember(Nodes):
         self._store = None
 
     def _left_group(self) -> None:
-        """What uses the group is dropped with it (subclasses drop their own first)."""
+        """What uses the group is dropped first (:meth:`on_leave`), then the group."""
+        for drop in self._dropped_with_group:
+            drop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def broken(self, where: str, exc: BaseException) -> EngineError:
-        """``COLLECTIVE_FAILED`` at ``where``, with the steps this member completed."""
+    def broken(self, where: str, exc: BaseException, steps_done: int = 0) -> EngineError:
+        """``COLLECTIVE_FAILED`` at ``where``, with ``steps_done``: the steps this member
+        completed in the group's current work, which an elastic job brings the members back
+        to."""
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         return EngineError(
             ErrorCode.COLLECTIVE_FAILED,
             f"the torch collective broke at {where}: {type(exc).__name__}: {first_line}",
-            {"steps_done": self._done},
+            {"steps_done": steps_done},
         )
 
 

@@ -3,9 +3,10 @@ gradients straight to the neighbouring stages' daemons (torch.distributed point-
 
 ModelParallel's torch transport (:mod:`coordinator.strategies.model_parallel.torch_transport`): the
 stages join one process group (:mod:`engine.group_member`; a stage's rank is its place in the
-pipeline), take the plan (:meth:`PipelineLink.plan_pipeline`: the micro-batches of every global
+pipeline), take the plan (:meth:`LinkedStage.set_plan`: the micro-batches of every global
 batch and this stage's actions of the schedule, GPipe or 1F1B) and then train the global batches
-they are told (:meth:`PipelineLink.pipe_train`), as ``torch.distributed.pipelining`` does: per
+they are told (:meth:`LinkedStage.train`, the loop a linked stage runs), as
+``torch.distributed.pipelining`` does: per
 action a forward (input from the staged rows, or received from the stage before; output sent on) or
 a backward (the output's gradient received from the stage after; the input's sent back), through
 the very :meth:`~engine.stage.PipelineStage.stage_forward` and ``stage_backward`` the
@@ -33,13 +34,15 @@ from engine.data.npy_rows import Rows
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
+from engine.held_rows import HeldRows
+from engine.nodes import Nodes
+from engine.optimizers import Optimizers
 from engine.stage import PipelineStage
 from engine.stepping import current_lr
-from engine.training import Training
 from protocol.errors import ErrorCode
 from protocol.rules.clipping import clip_coefficient
 
-__all__ = ["PipelineLink"]
+__all__ = ["LinkedStage"]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 """The dtypes an activation may have, by their code in a header."""
@@ -49,7 +52,10 @@ MAX_DIMS = 7
 
 
 @dataclass(frozen=True)
-class _PipePlan:
+class _StagePlan:
+    """What a linked stage walks: its nodes, its actions of the schedule (``("F", micro)``,
+    ``("B", micro)``), the micro-batches of every global batch."""
+
     node_ids: list[str]
     actions: list[tuple[str, int]]
     batches: list[list[np.ndarray[Any, Any]]]  # per global batch, the rows of each micro-batch
@@ -58,15 +64,28 @@ class _PipePlan:
     clip: float | None  # the clip_grad_norm of the whole pipeline's gradient
 
 
-class PipelineLink(Training, PipelineStage, GroupMember):
-    """The loaded nodes as one stage of a pipeline whose stages talk to each other directly
-    (its rows and labels held as :class:`~engine.training.Training` holds them)."""
+class LinkedStage:
+    """``nodes`` as one stage of a pipeline whose stages talk to each other directly: the
+    plan it walks and the loop it runs (:meth:`train`), each micro-batch through ``stage``, its
+    rows and labels from ``rows``, over ``group``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._pipe: _PipePlan | None = None
+    def __init__(
+        self,
+        nodes: Nodes,
+        optimizers: Optimizers,
+        rows: HeldRows,
+        stage: PipelineStage,
+        group: GroupMember,
+    ) -> None:
+        self.nodes = nodes
+        self.optimizers = optimizers
+        self.rows = rows
+        self.stage = stage
+        self.group = group
+        self._plan: _StagePlan | None = None
+        group.on_leave(self._forget)  # the plan was for that group
 
-    def plan_pipeline(
+    def set_plan(
         self,
         node_ids: Sequence[str],
         actions: Sequence[tuple[str, int]],
@@ -83,19 +102,20 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             EngineError: ``BAD_REQUEST`` before a join, for a first stage without its rows or a
                 last one without its labels.
         """
-        rank, world = self.place()
+        rank, world = self.group.place()
         if rank == 0 and data is None:
             raise EngineError(ErrorCode.BAD_REQUEST, "the first stage reads staged rows: name them")
         if rank == world - 1 and labels is None:
             raise EngineError(ErrorCode.BAD_REQUEST, "the last stage needs its labels staged")
         for name in (data, labels):
             if name is not None:
-                self.held(name, lazy=True)  # staged (not read), or a clear error now
+                self.rows.held(name, lazy=True)  # staged (not read), or a clear error now
         micro = [[m for m in batch if len(m)] for batch in batches]
-        self._pipe = _PipePlan(list(node_ids), list(actions), micro, data, labels, clip)
+        self._plan = _StagePlan(list(node_ids), list(actions), micro, data, labels, clip)
 
-    def pipe_train(self, start: int, stop: int) -> dict[str, Any]:
-        """Global batches ``[start, stop)`` (module docstring).
+    def train(self, start: int, stop: int) -> dict[str, Any]:
+        """Global batches ``[start, stop)`` (module docstring): per batch this stage's actions
+        of the schedule, the clipping of the whole pipeline's gradient, one step.
 
         Returns:
             ``{"losses", "rows", "lrs"}``: per batch, each micro-batch's loss and rows (the
@@ -105,28 +125,21 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             EngineError: ``BAD_REQUEST`` before a plan or for batches outside it;
                 ``COLLECTIVE_FAILED`` when the group breaks, with the batches completed.
         """
-        plan = self._pipe
-        if plan is None:
-            raise EngineError(ErrorCode.BAD_REQUEST, "pipe_train before pipe_plan")
-        if stop > len(plan.batches):
-            raise EngineError(
-                ErrorCode.BAD_REQUEST, f"the plan has {len(plan.batches)} batches, not {stop}"
-            )
+        plan = self._planned(stop)
         losses, rows, lrs = [], [], []
-        self._done = start
-        first, last = self._rank == 0, self._rank == self._world - 1
+        first, last = self.group.rank == 0, self.group.rank == self.group.world - 1
 
         def read(b: int) -> list[tuple[Any, Any]]:  # the x (first) and y (last) of b's micros
             return [
                 (
-                    self.held(plan.data or "", m)[0] if first else None,
-                    self.held(plan.labels or "", m)[0] if last else None,
+                    self.rows.held(plan.data or "", m)[0] if first else None,
+                    self.rows.held(plan.labels or "", m)[0] if last else None,
                 )
                 for m in plan.batches[b]
             ]
 
         names = [n for n, reads in ((plan.data, first), (plan.labels, last)) if n and reads]
-        on_disk = any(isinstance(self.held(n, lazy=True)[0], Rows) for n in names)
+        on_disk = any(isinstance(self.rows.held(n, lazy=True)[0], Rows) for n in names)
         batches = range(start, stop)
         for b, data in zip(batches, read_ahead(read, batches, 1 if on_disk else 0), strict=True):
             try:
@@ -134,30 +147,31 @@ class PipelineLink(Training, PipelineStage, GroupMember):
                 coefficient = None if plan.clip is None else self._clip_coefficient(plan)
             except RuntimeError as exc:
                 if looks_collective(exc):
-                    raise self.broken(f"global batch {b + 1}", exc) from exc
+                    raise self.group.broken(f"global batch {b + 1}", exc, steps_done=b) from exc
                 raise
-            run = [n for n in self._select(plan.node_ids) if n.differentiable]
-            lrs.append(current_lr(self._optimizer(run[-1])))
-            ends = self.horizon is not None and self.horizon.ends_epoch(b + 1)
-            self.stage_step(plan.node_ids, epoch_end=ends, coefficient=coefficient)
-            self._done = b + 1
+            lrs.append(self._step(plan, b, coefficient))
             losses.append(batch_losses)
             rows.append(batch_rows)
         return {"losses": losses, "rows": rows, "lrs": lrs}
 
-    def _clip_coefficient(self, plan: _PipePlan) -> float:
-        """The clipping of the whole pipeline's gradient: every stage's squared norm summed
-        over the group (an all-reduce of one float64), then ``torch.nn.utils.clip_grad_norm_``'s
-        coefficient."""
-        assert plan.clip is not None
-        total = torch.tensor([self.stage_norm(plan.node_ids)], dtype=torch.float64)
-        dist.all_reduce(total)
-        return clip_coefficient(math.sqrt(float(total[0])), plan.clip)
+    def _planned(self, stop: int) -> _StagePlan:
+        """The plan, when it goes as far as ``stop``."""
+        plan = self._plan
+        if plan is None:
+            raise EngineError(ErrorCode.BAD_REQUEST, "pipe_train before pipe_plan")
+        if stop > len(plan.batches):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, f"the plan has {len(plan.batches)} batches, not {stop}"
+            )
+        return plan
 
     def _one_batch(
-        self, plan: _PipePlan, micro: list[np.ndarray[Any, Any]], data: list[tuple[Any, Any]]
+        self, plan: _StagePlan, micro: list[np.ndarray[Any, Any]], data: list[tuple[Any, Any]]
     ) -> tuple[list[float], list[int]]:
-        rank, world = self._rank, self._world
+        """This stage's actions of one global batch: each forward (input received or read,
+        output sent on) and backward (gradient received, the input's sent back), the sends
+        waited for at the end. Each micro-batch's loss and rows (the last stage only)."""
+        rank, world = self.group.rank, self.group.world
         first, last = rank == 0, rank == world - 1
         total = sum(len(m) for m in micro)
         losses = [0.0] * len(micro) if last else []
@@ -176,14 +190,14 @@ class PipelineLink(Training, PipelineStage, GroupMember):
                 if not first:
                     x = headers[(kind, m)].tensor()
                 scale = len(micro[m]) / total
-                out = self.stage_forward(plan.node_ids, m, x, y, scale, last, first=first)
+                out = self.stage.stage_forward(plan.node_ids, m, x, y, scale, last, first=first)
                 if last:
                     losses[m] = float(out["loss"])
                 else:
                     sent += _send(out, rank + 1, _tag("F", m))
             else:
                 grad = None if last else headers[(kind, m)].tensor()
-                back = self.stage_backward(m, grad)
+                back = self.stage.stage_backward(m, grad)
                 if not first:
                     assert back is not None
                     sent += _send(back, rank - 1, _tag("B", m))
@@ -191,9 +205,25 @@ class PipelineLink(Training, PipelineStage, GroupMember):
             work.wait()
         return losses, [len(m) for m in micro] if last else []
 
-    def _left_group(self) -> None:
-        self._pipe = None
-        super()._left_group()
+    def _clip_coefficient(self, plan: _StagePlan) -> float:
+        """The clipping of the whole pipeline's gradient: every stage's squared norm summed
+        over the group (an all-reduce of one float64), then ``torch.nn.utils.clip_grad_norm_``'s
+        coefficient."""
+        assert plan.clip is not None
+        total = torch.tensor([self.stage.stage_norm(plan.node_ids)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return clip_coefficient(math.sqrt(float(total[0])), plan.clip)
+
+    def _step(self, plan: _StagePlan, b: int, coefficient: float | None) -> float:
+        """The step that ends global batch ``b``; the learning rate it took."""
+        run = [n for n in self.nodes.select(plan.node_ids) if n.differentiable]
+        lr = current_lr(self.optimizers.optimizer(run[-1]))
+        ends = self.optimizers.ends_epoch(b + 1)
+        self.stage.stage_step(plan.node_ids, epoch_end=ends, coefficient=coefficient)
+        return lr
+
+    def _forget(self) -> None:
+        self._plan = None
 
 
 def _send(tensor: torch.Tensor, peer: int, tag: int) -> list[tuple[Any, torch.Tensor]]:

@@ -25,7 +25,6 @@ import torch
 
 from engine.data.npy_rows import Rows
 from engine.errors import EngineError
-from engine.stepping import Horizon, current_lr
 from engine.transfer import autocast, tensors_to, to_cpu, to_device
 from protocol.errors import ErrorCode
 from protocol.rules.rows import rows_disagree
@@ -85,7 +84,9 @@ def check_same_rows(x: Any, y: Any) -> None:
 
 @dataclass
 class Node:
-    """One loaded filter, with what the engine keeps for it."""
+    """One loaded filter, with what the engine keeps for it: its state (plain filters), and
+    what :class:`~engine.optimizers.Optimizers` makes and keeps for it (differentiable ones).
+    A load replaces the nodes, and all of it with them."""
 
     node_id: str
     filter: Any
@@ -100,18 +101,20 @@ class Node:
 
 
 class Nodes:
-    """Filters by node id, in graph order: looking them up, their states and their optimizers.
+    """Filters by node id, in graph order: looking them up, their states, and forward passes
+    through them on the engine's device.
 
-    The base of the engine's parts (:mod:`engine.training`, :mod:`engine.gradients`,
-    :mod:`engine.stage`), which all work on the same nodes. Modules live on
-    ``device`` from :meth:`load` on; plain filters see CPU data.
+    Every part of the engine (:class:`engine.engine.Engine`) holds the same one: what one part
+    trains, the others see. Modules live on ``device`` from :meth:`load` on; plain filters see
+    CPU data.
+
+    Args:
+        device: where the differentiable filters' modules live and train.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None else torch.device("cpu")
         self._nodes: dict[str, Node] = {}
-        self.device = torch.device("cpu")
-        #: What a named learning-rate schedule spans (``None``: not told yet).
-        self.horizon: Horizon | None = None
 
     def load(self, filters: Mapping[str, Any]) -> None:
         """Replace whatever was loaded by ``filters`` (node id -> filter, in graph order), and
@@ -127,9 +130,16 @@ class Nodes:
 
     def filter(self, node_id: str) -> Any:
         """The loaded filter object of ``node_id``."""
-        return self._node(node_id).filter
+        return self.node(node_id).filter
 
-    def _node(self, node_id: str) -> Node:
+    # -- looking nodes up ---------------------------------------------------------------------
+
+    def node(self, node_id: str) -> Node:
+        """The loaded node ``node_id``.
+
+        Raises:
+            EngineError: ``UNKNOWN_NODE`` for a node that is not loaded.
+        """
         try:
             return self._nodes[node_id]
         except KeyError:
@@ -139,17 +149,31 @@ class Nodes:
                 {"node_id": node_id},
             ) from None
 
-    def _select(self, node_ids: Sequence[str] | None) -> list[Node]:
-        return list(self._nodes.values()) if node_ids is None else [self._node(n) for n in node_ids]
+    def select(self, node_ids: Sequence[str] | None) -> list[Node]:
+        """The nodes ``node_ids``, in that order; every loaded node for ``None``."""
+        return list(self._nodes.values()) if node_ids is None else [self.node(n) for n in node_ids]
 
-    def _chain(self, node_ids: Sequence[str], x: Any, y: Any = None) -> list[Node]:
-        nodes = self._select(node_ids)
+    def chain(self, node_ids: Sequence[str], x: Any, y: Any = None) -> list[Node]:
+        """The nodes of a chain that ``x`` (and labels ``y``, one per row) go through.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for an empty chain or labels that are not one a row.
+        """
+        nodes = self.select(node_ids)
         if not nodes:
             raise EngineError(ErrorCode.BAD_REQUEST, "an empty chain of nodes was given")
         check_same_rows(x, y)
         return nodes
 
-    def _state_for(self, node: Node) -> Any:
+    # -- states -------------------------------------------------------------------------------
+
+    def state_of(self, node: Node) -> Any:
+        """The state ``node`` holds: a differentiable module's live ``state_dict``, a plain
+        filter's fit result.
+
+        Raises:
+            EngineError: ``NOT_FITTED`` for a plain filter neither fitted nor given a state.
+        """
         if node.differentiable:
             return node.filter.module.state_dict()
         if node.state is UNSET:
@@ -160,102 +184,87 @@ class Nodes:
             )
         return node.state
 
-    def _check_trains(self, node: Node) -> None:
-        if not node.differentiable:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"node {node.node_id!r} is not differentiable: it has no optimizer",
-                {"node_id": node.node_id},
-            )
+    def fit_plain(self, node: Node, x: Any, y: Any) -> Any:
+        """Fit the plain filter of ``node`` on ``x`` (and ``y``) and keep what its ``fit``
+        returned: its state, which this returns."""
+        node.state = node.filter.fit(x, y)
+        return node.state
 
-    def _optimizer(self, node: Node) -> torch.optim.Optimizer:
-        """The node's optimizer, made on first use and kept (its moments survive), with its
-        learning-rate scheduler, if the filter has one."""
-        if node.optimizer is None:
-            optimizer = node.filter.make_optimizer(list(trainable(node).values()))
-            node.scheduler = self._make_scheduler(node, optimizer)
-            node.optimizer = optimizer
-        return node.optimizer
+    def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
+        """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
+        copies of its tensors, on the CPU), a plain filter's fit result."""
+        out: dict[str, Any] = {}
+        for node in self.select(node_ids):
+            if node.differentiable:
+                sd = node.filter.module.state_dict()
+                out[node.node_id] = {k: cpu_copy(v) for k, v in sd.items()}
+            else:
+                out[node.node_id] = self.state_of(node)
+        return out
 
-    def _make_scheduler(self, node: Node, optimizer: torch.optim.Optimizer) -> Any:
-        """The filter's scheduler over ``optimizer`` (``None`` without one); a named schedule
-        spans :attr:`horizon` (:mod:`engine.stepping`).
+    def set_state(self, states: Mapping[str, Any]) -> None:
+        """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""
+        nodes = [self.node(node_id) for node_id in states]
+        for node in nodes:
+            state = states[node.node_id]
+            if node.differentiable:
+                _load_module_state(node, state)
+            else:
+                node.state = state
+
+    def get_buffers(self, node_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The buffers of the differentiable nodes that have any (BatchNorm's running
+        statistics...), by node and name: CPU copies."""
+        out: dict[str, dict[str, Any]] = {}
+        for node in self.select(node_ids):
+            if node.differentiable:
+                named = dict(node.filter.module.named_buffers())
+                if named:
+                    out[node.node_id] = {k: cpu_copy(v) for k, v in named.items()}
+        return out
+
+    def set_buffers(self, buffers: Mapping[str, Mapping[str, Any]]) -> None:
+        """Copy ``buffers`` (as :meth:`get_buffers` gives them) into the nodes' modules: a
+        data-parallel replica takes replica 0's (DistributedDataParallel's
+        ``broadcast_buffers``). Every one is checked before any is written.
 
         Raises:
-            EngineError: ``BAD_REQUEST`` for a named schedule when the horizon is not known.
+            EngineError: ``STATE_MISMATCH`` for names or shapes that are not the module's.
         """
-        make = getattr(node.filter, "make_scheduler", None)
-        if make is None:
-            return None
-        named = isinstance(getattr(node.filter, "scheduler", None), str)
-        if named and self.horizon is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"node {node.node_id!r}: its scheduler {node.filter.scheduler!r} spans the run, "
-                "and this engine was not told its length (the schedule command)",
-                {"node_id": node.node_id},
-            )
-        interval = getattr(node.filter, "scheduler_interval", "step")
-        total = self.horizon.total(interval) if self.horizon is not None else None
-        return make(optimizer, total)
+        plan = []
+        for node_id, given in buffers.items():
+            node = self.node(node_id)
+            named = dict(node.filter.module.named_buffers()) if node.differentiable else {}
+            check_same_names(node_id, "buffers", set(given), set(named))
+            for name, value in given.items():
+                tensor = torch.as_tensor(value)
+                if tensor.shape != named[name].shape:
+                    raise EngineError(
+                        ErrorCode.STATE_MISMATCH,
+                        f"node {node_id!r}, buffer {name!r}: has shape {list(tensor.shape)}, "
+                        f"the module's has {list(named[name].shape)}",
+                        {"node_id": node_id, "key": name},
+                    )
+                plan.append((named[name], tensor))
+        with torch.no_grad():
+            for target, tensor in plan:
+                target.copy_(tensor)
 
-    def _set_lr(
-        self, run: Sequence[Node], optimizers: Sequence[torch.optim.Optimizer], lr: float
-    ) -> None:
-        """Every optimizer of the run to learning rate ``lr`` (a federated round's client
-        config), as though its filter asked for it: a scheduler is made again from it."""
-        for node, optimizer in zip(run, optimizers, strict=True):
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-                if node.scheduler is not None:
-                    group["initial_lr"] = lr  # the base a new scheduler starts from
-            if node.scheduler is not None:
-                node.scheduler = self._make_scheduler(node, optimizer)
+    # -- forward passes on the device ---------------------------------------------------------
 
-    def _step_run(
-        self,
-        run: Sequence[Node],
-        scaler: torch.amp.GradScaler | None = None,
-        *,
-        epoch_end: bool = False,
-        coefficient: float | None = None,
-        clip: bool = True,
-    ) -> float:
-        """One step of a run on the gradients its parameters hold (:mod:`engine.stepping`):
-        unscaled (fp16), clipped to the run's ``clip_grad_norm`` — or multiplied by
-        ``coefficient``, a clipping computed over more than this run; not at all without
-        ``clip`` — then every optimizer's step and every scheduler's (a step-wise one now, an
-        epoch-wise one at ``epoch_end``).
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the engine's device."""
+        return to_device(tensor, self.device)
 
-        Returns:
-            The learning rate the step took (the run's last filter's).
-        """
-        optimizers = [self._optimizer(node) for node in run]
-        lr = current_lr(optimizers[-1])
-        if scaler is not None:
-            for opt in optimizers:
-                scaler.unscale_(opt)
-        params = [p for node in run for p in trainable(node).values()]
-        if coefficient is not None:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coefficient)
-        elif clip and run_setting(run, "clip_grad_norm") is not None:
-            torch.nn.utils.clip_grad_norm_(params, run_setting(run, "clip_grad_norm"))
-        for opt in optimizers:
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)
-        if scaler is not None:
-            scaler.update()
-        for node in run:
-            interval = getattr(node.filter, "scheduler_interval", "step")
-            if node.scheduler is not None and (interval == "step" or epoch_end):
-                node.scheduler.step()
-        return lr
+    def apply(self, node: Node, x: Any, state: Any) -> Any:
+        """``forward`` of one node: a differentiable one on the device (input and ``state``
+        moved there), a plain one on CPU data. The output may be on the device."""
+        if not node.differentiable:
+            return node.filter.forward(to_cpu(x), state)
+        x = self.on_device(node.filter.prepare_input(x))
+        return node.filter.forward(x, tensors_to(state, self.device))
 
-    def _train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
+    def train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
         """Forward ``x`` through the run in training mode, building the autograd graph; each
         filter under its own precision's autocast."""
         out = x
@@ -265,23 +274,18 @@ class Nodes:
                 out = node.filter.module(out)
         return out
 
-    def _loss(self, run: list[Node], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, run: list[Node], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of the run's last filter, under its precision's autocast."""
         last = run[-1].filter
         with autocast(last, self.device):
             loss: torch.Tensor = last.compute_loss(out, y)
         return loss
 
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return to_device(tensor, self.device)
-
-    def _apply(self, node: Node, x: Any, state: Any) -> Any:
-        """``forward`` of one node: a differentiable one on the device (input and ``state``
-        moved there), a plain one on CPU data. The output may be on the device."""
-        if not node.differentiable:
-            return node.filter.forward(to_cpu(x), state)
-        x = self._on_device(node.filter.prepare_input(x))
-        return node.filter.forward(x, tensors_to(state, self.device))
+    def run_loss(self, run: list[Node], x: torch.Tensor, y: torch.Tensor) -> Any:
+        """Forward a batch through the run in training mode (moved to the device once, here);
+        the loss of its last filter, and the run's output."""
+        out = self.train_forward(run, self.on_device(x))
+        return self.loss(run, out, self.on_device(y)), out
 
 
 def segments(nodes: list[Node]) -> Iterator[list[Node]]:
@@ -302,6 +306,20 @@ def run_setting(run: Sequence[Node], name: str, default: Any = None) -> Any:
 def trainable(node: Node) -> dict[str, torch.nn.Parameter]:
     """The parameters of a differentiable node that take gradients, by name."""
     return {n: p for n, p in node.filter.module.named_parameters() if p.requires_grad}
+
+
+def check_trains(node: Node) -> None:
+    """Refuse a plain node where an optimizer is asked for.
+
+    Raises:
+        EngineError: ``BAD_REQUEST``: the node is not differentiable.
+    """
+    if not node.differentiable:
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"node {node.node_id!r} is not differentiable: it has no optimizer",
+            {"node_id": node.node_id},
+        )
 
 
 def check_same_names(node_id: str, what: str, given: set[str], expected: set[str]) -> None:
@@ -326,3 +344,40 @@ def take(data: Any, index: np.ndarray[Any, Any]) -> Any:
     if isinstance(data, np.ndarray | Rows):  # a dataset read from disk by rows too
         return np.asarray(data[index])  # reads those rows only
     return np.asarray(data)[index]
+
+
+def whole(data: Any) -> Any:
+    """``data`` in memory: a dataset read by rows (:class:`Rows`) is read whole here."""
+    return np.asarray(data) if isinstance(data, Rows) else data
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor`` on the CPU, its memory its own."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def _load_module_state(node: Node, state: Any) -> None:
+    module: torch.nn.Module = node.filter.module
+    if not isinstance(state, Mapping):
+        raise EngineError(
+            ErrorCode.STATE_MISMATCH,
+            f"node {node.node_id!r} is differentiable: its state is a mapping of tensors, "
+            f"not {type(state).__name__}",
+            {"node_id": node.node_id},
+        )
+    current = module.state_dict()
+    check_same_names(node.node_id, "state keys", set(state), set(current))
+    converted = {}
+    for key, value in state.items():
+        tensor = torch.as_tensor(value) if isinstance(value, np.ndarray | np.generic) else value
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != current[key].shape:
+            shape = list(getattr(tensor, "shape", [])) if tensor is not None else None
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH,
+                f"node {node.node_id!r}, key {key!r}: state has shape {shape}, "
+                f"module has {list(current[key].shape)}",
+                {"node_id": node.node_id, "key": key},
+            )
+        converted[key] = tensor
+    module.load_state_dict(converted)

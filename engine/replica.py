@@ -2,12 +2,12 @@
 
 The torch collective of ``DataParallel``
 (:mod:`coordinator.strategies.data_parallel.torch_collective`): the coordinator is only the
-rendezvous and the clock. The replicas join one process group (:mod:`engine.group_member`), take the
-plan they all walk (:meth:`Collective.plan_data_parallel`) and then train the steps they are told
-(:meth:`Collective.train`): per global step its own slice of the batch ``graph.fit`` takes
-(:func:`protocol.rules.batching.global_batches`), forward, loss, backward — during which
-``DistributedDataParallel`` all-reduces the gradients in buckets — and one step of its persistent
-optimizer.
+rendezvous and the clock. The replicas join one process group (:mod:`engine.group_member`),
+take the plan they all walk (:meth:`Replica.set_plan`) and then train the steps they are told
+(:meth:`Replica.train`, the loop a replica runs): per global step its own slice of the batch
+``graph.fit`` takes (:func:`protocol.rules.batching.global_batches`), forward, loss, backward —
+during which ``DistributedDataParallel`` all-reduces the gradients in buckets — and one step of
+its persistent optimizer.
 
 Uneven slices stay exact: DDP averages over the ``world`` replicas, so each replica scales its
 slice's mean loss by ``rows · world / batch`` first, and the average is the gradient of the
@@ -33,20 +33,22 @@ from engine.data.npy_rows import Rows
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
-from engine.nodes import Node, run_setting
-from engine.training import Training, backward
+from engine.held_rows import HeldRows
+from engine.nodes import Node, Nodes, run_setting
+from engine.optimizers import Optimizers
+from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.errors import ErrorCode
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 
-__all__ = ["Collective", "Plan"]
+__all__ = ["Replica", "ReplicaPlan"]
 
 ONE_ROW = np.zeros(1, dtype=np.int64)
 """The held row a replica runs through, loss times zero, on a step it has no rows of."""
 
 
 @dataclass(frozen=True)
-class Plan:
+class ReplicaPlan:
     """What a replica walks: per global step the positions of its slice in the rows staged
     under ``data``, and the global batch's size; and per step the fewest rows a replica has
     (``least``: every replica runs as many forwards a step, each of which broadcasts buffers,
@@ -74,7 +76,7 @@ class Plan:
         seed: int,
         sizes: Sequence[int] | None = None,
         position: int = 0,
-    ) -> Plan:
+    ) -> ReplicaPlan:
         if sizes is not None:  # each replica on its own dataset
             own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
@@ -123,15 +125,23 @@ def _synced_batchnorm(chain: _Chain) -> None:
         chain.filters[k].module = synced
 
 
-class Collective(Training, GroupMember):
-    """The loaded nodes as one replica of a torch.distributed data-parallel group."""
+class Replica:
+    """``nodes`` as one replica of a torch.distributed data-parallel group: the plan it walks
+    and the loop it runs (:meth:`train`), its rows from ``rows``, its steps taken with
+    ``optimizers``, over ``group``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._plan: Plan | None = None
+    def __init__(
+        self, nodes: Nodes, optimizers: Optimizers, rows: HeldRows, group: GroupMember
+    ) -> None:
+        self.nodes = nodes
+        self.optimizers = optimizers
+        self.rows = rows
+        self.group = group
+        self._plan: ReplicaPlan | None = None
         self._ddp: DistributedDataParallel | None = None
+        group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
-    def plan_data_parallel(self, plan: Plan) -> None:
+    def set_plan(self, plan: ReplicaPlan) -> None:
         """Take the plan every replica walks and wrap the differentiable run in DDP (which
         checks the replicas' parameters agree, and broadcasts replica 0's).
 
@@ -139,30 +149,67 @@ class Collective(Training, GroupMember):
             EngineError: ``BAD_REQUEST`` before a join, or for a plan whose nodes are not plain
                 filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
         """
-        run = self._run_of(plan.node_ids)
-        self.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
-        self.place()
+        _, run = self._prefix_and_run(plan.node_ids)
+        self.rows.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
+        self.group.place()
         self._ddp = None
+        device = self.nodes.device
         try:
-            chain = _Chain(run, self.device)
+            chain = _Chain(run, device)
             if plan.sync_batchnorm:
                 _synced_batchnorm(chain)
-            ids = [self.device.index] if self.device.type == "cuda" else None
+            ids = [device.index] if device.type == "cuda" else None
             self._ddp = DistributedDataParallel(chain, device_ids=ids)
         except RuntimeError as exc:
             if looks_collective(exc):
-                raise self.broken("wrapping the model in DDP", exc) from exc
+                raise self.group.broken("wrapping the model in DDP", exc) from exc
             raise
         self._plan = plan
 
     def train(self, start: int, stop: int) -> dict[str, Any]:
-        """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss and
-        rows per step.
+        """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
+        rows and learning rate per step.
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
                 ``COLLECTIVE_FAILED`` when the group breaks, with ``steps_done``.
         """
+        plan, ddp = self._planned(stop)
+        prefix, run = self._prefix_and_run(plan.node_ids)
+        optimizers = [self.optimizers.optimizer(node) for node in run]
+        scaler = self.optimizers.scaler(run[-1])
+        accumulate = max(1, int(run_setting(run, "accumulate", 1) or 1))
+        losses: list[float] = []
+        rows: list[int] = []
+        lrs: list[float] = []
+
+        def read(step: int) -> tuple[Any, Any]:  # on a step without rows of its own: one row
+            local = plan.steps[step][0]
+            return self.rows.held(plan.data, local if len(local) else ONE_ROW)
+
+        on_disk = isinstance(self.rows.held(plan.data, lazy=True)[0], Rows)
+        steps = range(start, stop)
+        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if on_disk else 0), strict=True):
+            xt, yt = self._inputs(prefix, run, x, y)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            try:
+                loss, lr = self._step(ddp, run, plan, step, xt, yt, accumulate, scaler)
+            except RuntimeError as exc:
+                if looks_collective(exc):
+                    raise self.group.broken(f"step {step + 1}", exc, steps_done=step) from exc
+                raise
+            losses.append(loss)
+            rows.append(len(plan.steps[step][0]))
+            lrs.append(lr)
+        if stop == len(plan.steps):
+            self._broadcast_buffers(ddp, steps_done=stop)
+        if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
+            self.rows.read_next(plan.data, plan.steps[stop][0])
+        return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _planned(self, stop: int) -> tuple[ReplicaPlan, DistributedDataParallel]:
+        """The plan and the DDP wrapper, when the plan goes as far as ``stop``."""
         plan, ddp = self._plan, self._ddp
         if plan is None or ddp is None:
             raise EngineError(ErrorCode.BAD_REQUEST, "dist_train before dist_plan")
@@ -170,51 +217,40 @@ class Collective(Training, GroupMember):
             raise EngineError(
                 ErrorCode.BAD_REQUEST, f"the plan has {len(plan.steps)} steps, not {stop}"
             )
-        nodes = self._select(plan.node_ids)
-        first = next(i for i, n in enumerate(nodes) if n.differentiable)
-        prefix, run = nodes[:first], nodes[first:]
-        optimizers = [self._optimizer(node) for node in run]
-        scaler = self._scaler(run[-1])
-        parts = max(1, int(run_setting(run, "accumulate", 1) or 1))
-        losses: list[float] = []
-        rows: list[int] = []
-        lrs: list[float] = []
-        self._done = start
+        return plan, ddp
 
-        def read(step: int) -> tuple[Any, Any]:
-            local = plan.steps[step][0]
-            return self.held(plan.data, local if len(local) else ONE_ROW)
+    def _inputs(
+        self, prefix: list[Node], run: list[Node], x: Any, y: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's rows through the plain filters before the run (the states they hold), as
+        the run's inputs and targets on the device."""
+        for node in prefix:
+            x = self.nodes.apply(node, x, self.nodes.state_of(node))
+        xt = self.nodes.on_device(run[0].filter.prepare_input(x))
+        yt = self.nodes.on_device(run[-1].filter.prepare_target(y))
+        return xt, yt
 
-        on_disk = isinstance(self.held(plan.data, lazy=True)[0], Rows)
-        steps = range(start, stop)
-        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if on_disk else 0), strict=True):
-            local, batch = plan.steps[step]
-            mine = len(local)
-            for node in prefix:
-                x = self._apply(node, x, self._state_for(node))
-            xt = self._on_device(run[0].filter.prepare_input(x))
-            yt = self._on_device(run[-1].filter.prepare_target(y))
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            try:
-                ddp.module.train()
-                torch.manual_seed(replica_seed(plan.seed, self._rank, step + 1))
-                cut = min(parts, plan.least[step]) if plan.least[step] else 1
-                loss = self._accumulated(ddp, run, xt, yt, mine, batch, cut, scaler)
-                ends = self.horizon is not None and self.horizon.ends_epoch(step + 1)
-                lrs.append(self._step_run(run, scaler, epoch_end=ends))
-            except RuntimeError as exc:
-                if looks_collective(exc):
-                    raise self.broken(f"step {step + 1}", exc) from exc
-                raise
-            self._done = step + 1
-            losses.append(loss)
-            rows.append(mine)
-        if stop == len(plan.steps):
-            self._broadcast_buffers(ddp)
-        if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
-            self.read_next(plan.data, plan.steps[stop][0])
-        return {"losses": losses, "rows": rows, "lrs": lrs}
+    def _step(
+        self,
+        ddp: DistributedDataParallel,
+        run: list[Node],
+        plan: ReplicaPlan,
+        step: int,
+        xt: torch.Tensor,
+        yt: torch.Tensor,
+        accumulate: int,
+        scaler: torch.amp.GradScaler | None,
+    ) -> tuple[float, float]:
+        """Global step ``step``: forward and backward of this replica's rows of it (their
+        gradients all-reduced), then one optimizer step; the replica's mean loss and the
+        learning rate the step took."""
+        local, batch = plan.steps[step]
+        ddp.module.train()
+        torch.manual_seed(replica_seed(plan.seed, self.group.rank, step + 1))
+        cut = min(accumulate, plan.least[step]) if plan.least[step] else 1
+        loss = self._accumulated(ddp, run, xt, yt, len(local), batch, cut, scaler)
+        ends = self.optimizers.ends_epoch(step + 1)
+        return loss, self.optimizers.step_run(run, scaler, epoch_end=ends)
 
     def _accumulated(
         self,
@@ -241,12 +277,12 @@ class Collective(Training, GroupMember):
             index = torch.from_numpy(rows).to(xt.device)
             syncing = contextlib.nullcontext() if j == len(slices) - 1 else ddp.no_sync()
             with syncing:
-                loss = self._loss(run, ddp(xt[index]), yt[index])
-                backward(loss * (len(rows) * self._world / batch), scaler)
+                loss = self.nodes.loss(run, ddp(xt[index]), yt[index])
+                backward(loss * (len(rows) * self.group.world / batch), scaler)
             total += float(loss.detach()) * len(rows)
         return total / mine
 
-    def _broadcast_buffers(self, ddp: DistributedDataParallel) -> None:
+    def _broadcast_buffers(self, ddp: DistributedDataParallel, steps_done: int) -> None:
         """Replica 0's buffers to every replica once more after the last step: DDP broadcasts
         them before each forward, so the last one left each replica its own."""
         try:
@@ -254,16 +290,20 @@ class Collective(Training, GroupMember):
                 dist.broadcast(buffer, 0)
         except RuntimeError as exc:
             if looks_collective(exc):
-                raise self.broken("broadcasting the buffers", exc) from exc
+                raise self.group.broken("broadcasting the buffers", exc, steps_done) from exc
             raise
 
-    def _left_group(self) -> None:
+    def _forget(self) -> None:
         self._ddp = None
         self._plan = None
-        super()._left_group()
 
-    def _run_of(self, node_ids: Sequence[str]) -> list[Node]:
-        nodes = self._select(node_ids)
+    def _prefix_and_run(self, node_ids: Sequence[str]) -> tuple[list[Node], list[Node]]:
+        """The plain filters before the differentiable run, and the run.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for nodes that are not plain filters then one run.
+        """
+        nodes = self.nodes.select(node_ids)
         run = [n for n in nodes if n.differentiable]
         first = nodes.index(run[0]) if run else len(nodes)
         if not run or any(not n.differentiable for n in nodes[first:]):
@@ -272,4 +312,4 @@ class Collective(Training, GroupMember):
                 f"a torch collective trains plain filters then one run of TorchFilters; "
                 f"got {list(node_ids)}",
             )
-        return run
+        return nodes[:first], run

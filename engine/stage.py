@@ -7,7 +7,7 @@ nodes, their gradients accumulate on the parameters, and the stage steps once pe
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.nodes import Node, Nodes, num_rows, segments, trainable
+from engine.optimizers import Optimizers
 from engine.stepping import current_lr, squared_norm
 from engine.transfer import cpu_tensor, to_cpu
 from protocol.errors import ErrorCode
@@ -29,17 +30,20 @@ class _InFlight:
     last: bool
 
 
-class PipelineStage(Nodes):
-    """The loaded nodes as one stage of a pipeline: its micro-batches in flight, its steps."""
+class PipelineStage:
+    """``nodes`` as one stage of a pipeline: its micro-batches in flight, its steps (taken
+    with ``optimizers``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, nodes: Nodes, optimizers: Optimizers) -> None:
+        self.nodes = nodes
+        self.optimizers = optimizers
         self._in_flight: dict[int, _InFlight] = {}  # by micro id
         self._batch_open = False  # a global batch has started and not been stepped
 
-    def load(self, filters: Mapping[str, Any]) -> None:
-        super().load(filters)
-        self._in_flight.clear()  # they belong to the modules just replaced
+    def forget_in_flight(self) -> None:
+        """Drop the micro-batches in flight and the open batch: the filters were replaced
+        (:meth:`engine.engine.Engine.load`), and they belong to the modules that were."""
+        self._in_flight.clear()
         self._batch_open = False
 
     def stage_forward(
@@ -57,8 +61,8 @@ class PipelineStage(Nodes):
         needs.
 
         A stage is zero or more plain filters followed by one run of differentiable filters. The
-        plain filters only *apply* the state they hold (fitted beforehand with :meth:`fit` or
-        :meth:`composite_fit`, then held fixed, as single-process training holds them); the run
+        plain filters only *apply* the state they hold (fitted beforehand with ``fit`` or
+        ``composite_fit``, then held fixed, as single-process training holds them); the run
         goes forward in training mode. Gradients cannot flow back through a plain filter, so
         plain filters may only open the first stage.
 
@@ -98,26 +102,27 @@ class PipelineStage(Nodes):
                 node.filter.module.zero_grad(set_to_none=True)
             self._batch_open = True
         for node in plain:
-            x = to_cpu(self._apply(node, x, self._state_for(node)))
-        xt = self._on_device(run[0].filter.prepare_input(x))
+            x = to_cpu(self.nodes.apply(node, x, self.nodes.state_of(node)))
+        xt = self.nodes.on_device(run[0].filter.prepare_input(x))
         leaf: torch.Tensor | None = None
         if not first and xt.is_floating_point():
             leaf = xt.detach().requires_grad_(True)  # detach: the caller's tensor is left alone
             xt = leaf
-        out = self._train_forward(run, xt)
+        out = self.nodes.train_forward(run, xt)
         if not last:
             self._in_flight[micro] = _InFlight(leaf, out, last=False)
             return to_cpu(out.detach())
-        loss = self._loss(run, out, self._on_device(run[-1].filter.prepare_target(y)))
+        target = self.nodes.on_device(run[-1].filter.prepare_target(y))
+        loss = self.nodes.loss(run, out, target)
         self._in_flight[micro] = _InFlight(leaf, loss * scale, last=True)
-        lr = current_lr(self._optimizer(run[-1]))  # what the step of this batch will take
+        lr = current_lr(self.optimizers.optimizer(run[-1]))  # what the step of this batch will take
         return {"loss": float(loss.detach()), "rows": num_rows(xt), "lr": lr}
 
     def _forward_parts(
         self, node_ids: Sequence[str], micro: int, x: Any, y: Any, *, first: bool, last: bool
     ) -> tuple[list[Node], list[Node]]:
         """The stage's plain nodes and its run, once the forward of ``micro`` can go ahead."""
-        nodes = self._chain(node_ids, x, y if last else None)
+        nodes = self.nodes.chain(node_ids, x, y if last else None)
         if micro in self._in_flight:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
@@ -200,7 +205,7 @@ class PipelineStage(Nodes):
         """The sum of the squared 2-norms of the gradients this stage's micro-batches left on
         its parameters: its part of the norm of the whole pipeline's gradient, which a
         ``clip_grad_norm`` clips (the coefficient comes back with :meth:`stage_step`)."""
-        nodes = [n for n in self._select(node_ids) if n.differentiable]
+        nodes = [n for n in self.nodes.select(node_ids) if n.differentiable]
         return squared_norm([p for node in nodes for p in trainable(node).values()])
 
     def stage_step(
@@ -215,9 +220,10 @@ class PipelineStage(Nodes):
         clipping), then each node's persistent optimizer and scheduler (an epoch-wise one
         at ``epoch_end``) — then zero them (``set_to_none``).
 
-        Gradients start as ``None`` after :meth:`load` and are zeroed here after each step, so
-        each global batch accumulates from zero without relying on the order of micro ids; the
-        first :meth:`stage_forward` after a step also clears whatever another command left.
+        Gradients start as ``None`` after a load (:meth:`engine.engine.Engine.load`) and are
+        zeroed here after each step, so each global batch accumulates from zero without relying
+        on the order of micro ids; the first :meth:`stage_forward` after a step also clears
+        whatever another command left.
 
         Returns:
             How many parameters were stepped (those with a gradient).
@@ -233,7 +239,7 @@ class PipelineStage(Nodes):
                 "before stepping",
                 {"in_flight": sorted(self._in_flight)},
             )
-        nodes = [n for n in self._select(node_ids) if n.differentiable]
+        nodes = [n for n in self.nodes.select(node_ids) if n.differentiable]
         stepped = sum(1 for node in nodes for p in trainable(node).values() if p.grad is not None)
         if not stepped:
             raise EngineError(
@@ -243,9 +249,9 @@ class PipelineStage(Nodes):
                 {"node_ids": list(node_ids)},
             )
         # The pipeline's clipping is the coefficient, never this stage's own norm.
-        self._step_run(nodes, epoch_end=epoch_end, coefficient=coefficient, clip=False)
+        self.optimizers.step_run(nodes, epoch_end=epoch_end, coefficient=coefficient, clip=False)
         for node in nodes:
-            self._optimizer(node).zero_grad(set_to_none=True)
+            self.optimizers.optimizer(node).zero_grad(set_to_none=True)
         self._batch_open = False
         return stepped
 

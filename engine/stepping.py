@@ -7,11 +7,12 @@ LRScheduler``, or one of :data:`SCHEDULES` by name. A named one spans the *horiz
 ``graph.fit`` and a daemon's ``batched_fit`` count it themselves, a data-parallel replica or a
 pipeline stage is told it (its plan, or the ``schedule`` command).
 
-A step of a run (:func:`step_run`) is, in order: the fp16 scaler's unscale, the clipping of
-the run's gradient to ``clip_grad_norm`` (the norm of all the run's parameters' gradients
-together, as ``torch.nn.utils.clip_grad_norm_`` computes it, or a coefficient computed
-elsewhere from a larger whole: a pipeline's stages), every optimizer's step, then every
-scheduler's (a step-wise one after each step, an epoch-wise one after an epoch's last).
+A step of a run (:meth:`engine.optimizers.Optimizers.step_run`) is, in order: the fp16
+scaler's unscale, the clipping of the run's gradient to ``clip_grad_norm`` (the norm of all the
+run's parameters' gradients together, as ``torch.nn.utils.clip_grad_norm_`` computes it, or a
+coefficient computed elsewhere from a larger whole: a pipeline's stages), every optimizer's
+step, then every scheduler's (a step-wise one after each step, an epoch-wise one after an
+epoch's last).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "INTERVALS",
     "SCHEDULES",
     "Horizon",
+    "backward",
     "check_schedule",
     "current_lr",
     "fast_forward",
@@ -150,3 +152,9 @@ def squared_norm(params: Sequence[torch.nn.Parameter]) -> float:
     if not norms:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack(norms).double(), 2) ** 2)
+
+
+def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward of ``loss``, through ``scaler`` for fp16 (the loss scaled; the step that
+    follows unscales, skips a step whose gradients overflowed and updates the scale)."""
+    torch.autograd.backward(loss if scaler is None else scaler.scale(loss))

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.devices import resolve_device
-from engine.engine import Engine
+from engine.engine import Engine, FitSettings
 from somatize.errors import GraphError
 from somatize.filters import Filter
 
@@ -81,7 +81,7 @@ class Graph:
         """Train the graph in this process and return the fitted graph.
 
         Plain filters are fitted in order on all rows; each run of TorchFilters trains as one
-        autograd graph (see :meth:`engine.engine.Engine.batched_fit`).
+        autograd graph (see :meth:`engine.fitting.Fitting.batched_fit`).
 
         Args:
             x: input rows (numpy array, torch tensor, or whatever the first filter takes).
@@ -100,9 +100,8 @@ class Graph:
         validation = checked_validation(validation)
         engine = Engine(device=resolve_device(device))
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
-        result = engine.batched_fit(
-            self.node_ids, x, y, batch_size=batch_size, validation=validation
-        )
+        settings = FitSettings(batch_size=batch_size, validation=validation)
+        result = engine.fitting.batched_fit(self.node_ids, x, y, settings)
         return FittedGraph(self, result.states, history=result.history)
 
 
@@ -141,7 +140,7 @@ class FittedGraph:
         """Run ``x`` through the graph with the learned states, in this process."""
         engine = Engine()
         engine.load(dict(self.graph.items()))
-        return engine.composite_forward(self.graph.node_ids, x, self.states)
+        return engine.fitting.composite_forward(self.graph.node_ids, x, self.states)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the learned states to ``path``, without pickle: ``torch.load(path,

@@ -159,7 +159,7 @@ def test_an_engine_on_the_cpu_trains_like_a_plain_torch_loop():
             "lin": sz.TorchFilter(module, optimizer="adam", lr=0.01, batch_size=16, epochs=2),
         }
     )
-    result = engine.batched_fit(["center", "lin"], x, y)
+    result = engine.fitting.batched_fit(["center", "lin"], x, y)
 
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     opt = torch.optim.Adam(reference.parameters(), lr=0.01)
@@ -183,18 +183,28 @@ def test_an_engine_on_the_cpu_equals_the_default_engine_on_every_path():
     engines = [Engine(), Engine(device="cpu")]
     for engine in engines:
         engine.load({"lin": sz.TorchFilter(_linear(), optimizer="sgd", lr=0.1)})
-    grads = [e.gradient_pass(["lin"], x, y) and e.get_gradients(["lin"]) for e in engines]
+    grads = [
+        e.fitting.gradient_pass(["lin"], x, y) and e.gradients.get_gradients(["lin"])
+        for e in engines
+    ]
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
     for engine in engines:
-        engine.apply_gradients({"lin": {k: v.clone() for k, v in grads[0]["lin"].items()}})
-        engine.stage_forward(["lin"], 0, x, y, scale=1.0, last=True, first=True)
-        engine.stage_backward(0)
-        engine.stage_step(["lin"])
-    torch.testing.assert_close(engines[0].get_state(), engines[1].get_state(), rtol=0, atol=0)
+        engine.gradients.apply_gradients(
+            {"lin": {k: v.clone() for k, v in grads[0]["lin"].items()}}
+        )
+        engine.stage.stage_forward(["lin"], 0, x, y, scale=1.0, last=True, first=True)
+        engine.stage.stage_backward(0)
+        engine.stage.stage_step(["lin"])
     torch.testing.assert_close(
-        engines[0].get_optimizer_state(["lin"]), engines[1].get_optimizer_state(["lin"])
+        engines[0].nodes.get_state(), engines[1].nodes.get_state(), rtol=0, atol=0
     )
-    torch.testing.assert_close(engines[0].forward("lin", x), engines[1].forward("lin", x))
+    torch.testing.assert_close(
+        engines[0].optimizers.get_optimizer_state(["lin"]),
+        engines[1].optimizers.get_optimizer_state(["lin"]),
+    )
+    torch.testing.assert_close(
+        engines[0].fitting.forward("lin", x), engines[1].fitting.forward("lin", x)
+    )
 
 
 def test_an_engine_refuses_a_string_that_is_no_device():

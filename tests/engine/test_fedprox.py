@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import somatize as sz
-from engine.engine import Engine
+from engine.engine import Engine, FitSettings
 from protocol.codec import encode_frame
 from worker.daemon.main import Daemon
 
@@ -59,8 +59,12 @@ def test_one_epoch_with_prox_mu_equals_the_proximal_loss_by_hand_and_differs_wit
     module = _linear()
     expected, expected_loss = _by_hand(module, x, y, mu=0.5)
 
-    prox = _engine(copy.deepcopy(module), lr=0.1).batched_fit(["lin"], x, y, prox_mu=0.5)
-    plain = _engine(copy.deepcopy(module), lr=0.1).batched_fit(["lin"], x, y, prox_mu=0.0)
+    prox = _engine(copy.deepcopy(module), lr=0.1).fitting.batched_fit(
+        ["lin"], x, y, FitSettings(prox_mu=0.5)
+    )
+    plain = _engine(copy.deepcopy(module), lr=0.1).fitting.batched_fit(
+        ["lin"], x, y, FitSettings(prox_mu=0.0)
+    )
 
     for key, value in expected.items():
         torch.testing.assert_close(prox.states["lin"][key], value, rtol=0, atol=1e-6)
@@ -75,10 +79,12 @@ def test_the_proximal_anchor_is_the_state_each_call_starts_from():
     """Each round's w0 is the global model it was given, not the weights of the first call."""
     x, y = _data()
     engine = _engine(_linear(), lr=0.1)
-    engine.batched_fit(["lin"], x, y, prox_mu=0.5)
+    engine.fitting.batched_fit(["lin"], x, y, FitSettings(prox_mu=0.5))
     start = _linear(seed=7)
-    engine.set_state({"lin": start.state_dict()})
-    second = engine.batched_fit(["lin"], x, y, prox_mu=0.5, reset_optimizer=True)
+    engine.nodes.set_state({"lin": start.state_dict()})
+    second = engine.fitting.batched_fit(
+        ["lin"], x, y, FitSettings(prox_mu=0.5, reset_optimizer=True)
+    )
     expected, _ = _by_hand(start, x, y, mu=0.5)
     for key, value in expected.items():
         torch.testing.assert_close(second.states["lin"][key], value, rtol=0, atol=1e-6)
@@ -90,13 +96,13 @@ def test_reset_optimizer_trains_with_a_fresh_optimizer_and_the_default_keeps_its
     kept = _engine(_linear(), **options)
     fresh = _engine(_linear(), **options)
     for engine in (kept, fresh):
-        engine.batched_fit(["lin"], x, y)
+        engine.fitting.batched_fit(["lin"], x, y)
     start = _linear(seed=3)
     for engine in (kept, fresh):
-        engine.set_state({"lin": start.state_dict()})
+        engine.nodes.set_state({"lin": start.state_dict()})
 
-    reset = fresh.batched_fit(["lin"], x, y, reset_optimizer=True)
-    carried = kept.batched_fit(["lin"], x, y)
+    reset = fresh.fitting.batched_fit(["lin"], x, y, FitSettings(reset_optimizer=True))
+    carried = kept.fitting.batched_fit(["lin"], x, y)
 
     expected, _ = _by_hand(start, x, y, mu=0.0, momentum=0.9)
     for key, value in expected.items():
@@ -112,7 +118,7 @@ def test_the_daemon_passes_prox_mu_epochs_and_reset_optimizer_through():
     daemon.engine.load(
         {"lin": sz.TorchFilter(copy.deepcopy(module), lr=0.1, batch_size=6, shuffle=False)}
     )
-    daemon.engine.hold("local", x, y)
+    daemon.engine.rows.hold("local", x, y)
     request = {
         "id": 1,
         "cmd": "batched_fit",

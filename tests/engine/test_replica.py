@@ -8,8 +8,10 @@ import socket
 import numpy as np
 import pytest
 
+from engine.engine import Engine
 from engine.errors import EngineError
-from engine.replica import Collective, Plan
+from engine.group_member import GroupMember
+from engine.replica import ReplicaPlan
 from protocol.errors import ErrorCode
 
 
@@ -17,7 +19,7 @@ def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_ho
     # 10 rows, batches of 4 in order, 3 replicas: array_split gives slices of 2/1/1, then 1/1/0.
     held = {0: [0, 1, 4, 5, 8], 1: [2, 6, 9], 2: [3, 7]}
     plans = {
-        rank: Plan.of("train", ["net"], rows, rank, 3, 10, 1, 4, False, 0)
+        rank: ReplicaPlan.of("train", ["net"], rows, rank, 3, 10, 1, 4, False, 0)
         for rank, rows in held.items()
     }
     batches = [4, 4, 2]
@@ -35,7 +37,7 @@ def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_ho
 
 def test_a_plan_over_rows_that_were_not_staged_here_is_refused():
     with pytest.raises(EngineError) as refused:
-        Plan.of("train", ["net"], [0, 1], 1, 2, 8, 1, 4, False, 0)
+        ReplicaPlan.of("train", ["net"], [0, 1], 1, 2, 8, 1, 4, False, 0)
     assert refused.value.code is ErrorCode.BAD_REQUEST
     assert "replica 1's slice of a step has rows that were not staged here" in str(refused.value)
 
@@ -43,23 +45,23 @@ def test_a_plan_over_rows_that_were_not_staged_here_is_refused():
 def test_the_probe_says_whether_the_rendezvous_can_be_reached():
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        assert Collective.probe("127.0.0.1", port, 2.0) == {"reachable": True, "error": None}
-    closed = Collective.probe("127.0.0.1", port, 2.0)
+        assert GroupMember.probe("127.0.0.1", port, 2.0) == {"reachable": True, "error": None}
+    closed = GroupMember.probe("127.0.0.1", port, 2.0)
     assert closed["reachable"] is False
     assert "ConnectionRefusedError" in closed["error"]
 
 
 def test_training_before_joining_a_group_is_refused():
     with pytest.raises(EngineError, match="dist_train before dist_plan"):
-        Collective().train(0, 1)
+        Engine().replica.train(0, 1)
     with pytest.raises(EngineError, match="not in a process group: dist_join first"):
-        Collective().place()
+        Engine().group.place()
 
 
 def test_shuffled_plans_cover_each_epoch_once():
     rows = 23
     held = [list(range(rows))] * 2
-    plans = [Plan.of("t", ["n"], held[r], r, 2, rows, 3, 5, True, 7) for r in range(2)]
+    plans = [ReplicaPlan.of("t", ["n"], held[r], r, 2, rows, 3, 5, True, 7) for r in range(2)]
     for epoch in range(3):
         steps = range(epoch * 5, epoch * 5 + 5)
         seen = np.concatenate([plans[r].steps[s][0] for r in range(2) for s in steps])

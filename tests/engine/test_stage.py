@@ -83,7 +83,7 @@ def _run_batch(stages: list[Stage], x: np.ndarray, y: np.ndarray, sizes: Sequenc
         act: Any = x[lo:hi]
         for s, (engine, ids) in enumerate(stages):
             last = s == len(stages) - 1
-            act = engine.stage_forward(
+            act = engine.stage.stage_forward(
                 ids, m, act, y[lo:hi] if last else None, (hi - lo) / n, last, first=s == 0
             )
         losses.append(act)
@@ -91,16 +91,16 @@ def _run_batch(stages: list[Stage], x: np.ndarray, y: np.ndarray, sizes: Sequenc
         grad = None
         for s in reversed(range(len(stages))):
             engine, _ = stages[s]
-            grad = engine.stage_backward(m, grad)
+            grad = engine.stage.stage_backward(m, grad)
             input_grads[s][m] = grad
     for engine, ids in stages:
-        assert engine.stage_step(ids) > 0
+        assert engine.stage.stage_step(ids) > 0
     return losses, input_grads
 
 
 def _assert_same_weights(stages: list[Stage], reference: Sequence[torch.nn.Module]) -> None:
     for (engine, ids), module in zip(stages, reference, strict=True):
-        state = engine.get_state(ids)[ids[-1]]  # the stage's torch node
+        state = engine.nodes.get_state(ids)[ids[-1]]  # the stage's torch node
         for key, value in module.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
 
@@ -163,7 +163,7 @@ def test_a_plain_filter_opening_the_first_stage_is_applied_not_refitted():
     s0 = sz.TorchFilter(copy.deepcopy(modules[0]), optimizer="sgd", lr=0.1)
     engine0.load({"center": HeldCenter(), "s0": s0})
     mean = np.array([0.5, -1.0, 2.0, 0.0])
-    engine0.set_state({"center": {"mean": mean}})
+    engine0.nodes.set_state({"center": {"mean": mean}})
     stages[0] = (engine0, ["center", "s0"])
     x, y = _data()
     model = torch.nn.Sequential(*[copy.deepcopy(m) for m in modules])
@@ -174,7 +174,7 @@ def test_a_plain_filter_opening_the_first_stage_is_applied_not_refitted():
     _run_batch(stages, x, y, [6, 6])
 
     _assert_same_weights(stages, list(model))
-    np.testing.assert_array_equal(engine0.get_state(["center"])["center"]["mean"], mean)
+    np.testing.assert_array_equal(engine0.nodes.get_state(["center"])["center"]["mean"], mean)
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -194,40 +194,40 @@ def _refused(call: Any, *args: Any, **kwargs: Any) -> EngineError:
 
 def test_backward_of_an_unknown_micro_names_the_ones_in_flight(last_stage):
     h, y = torch.zeros(4, 8, dtype=torch.float64), np.zeros((4, 2))
-    last_stage.stage_forward(["s1"], 3, h, y, last=True)
-    error = _refused(last_stage.stage_backward, 7)
+    last_stage.stage.stage_forward(["s1"], 3, h, y, last=True)
+    error = _refused(last_stage.stage.stage_backward, 7)
     assert error.code == ErrorCode.BAD_REQUEST
     assert "7" in error.message and error.detail["in_flight"] == [3]
 
 
 def test_a_micro_id_already_in_flight_is_refused(last_stage):
     h, y = torch.zeros(4, 8, dtype=torch.float64), np.zeros((4, 2))
-    last_stage.stage_forward(["s1"], 0, h, y, last=True)
-    error = _refused(last_stage.stage_forward, ["s1"], 0, h, y, last=True)
+    last_stage.stage.stage_forward(["s1"], 0, h, y, last=True)
+    error = _refused(last_stage.stage.stage_forward, ["s1"], 0, h, y, last=True)
     assert "already in flight" in error.message
 
 
 def test_step_with_micro_batches_in_flight_is_refused(last_stage):
     h, y = torch.zeros(4, 8, dtype=torch.float64), np.zeros((4, 2))
     for m in (0, 1):
-        last_stage.stage_forward(["s1"], m, h, y, last=True)
-    last_stage.stage_backward(0)
-    error = _refused(last_stage.stage_step, ["s1"])
+        last_stage.stage.stage_forward(["s1"], m, h, y, last=True)
+    last_stage.stage.stage_backward(0)
+    error = _refused(last_stage.stage.stage_step, ["s1"])
     assert error.detail["in_flight"] == [1] and "[1]" in error.message
-    last_stage.stage_backward(1)
-    assert last_stage.stage_step(["s1"]) == 4  # two Linear layers: weight and bias each
+    last_stage.stage.stage_backward(1)
+    assert last_stage.stage.stage_step(["s1"]) == 4  # two Linear layers: weight and bias each
 
 
 def test_the_last_stage_needs_labels(last_stage):
-    error = _refused(last_stage.stage_forward, ["s1"], 0, torch.zeros(4, 8), None, last=True)
+    error = _refused(last_stage.stage.stage_forward, ["s1"], 0, torch.zeros(4, 8), None, last=True)
     assert error.code == ErrorCode.BAD_REQUEST and "labels" in error.message
 
 
 def test_a_plain_filter_cannot_open_a_later_stage():
     engine = Engine()
     engine.load({"center": HeldCenter(), "lin": sz.TorchFilter(torch.nn.Linear(4, 2))})
-    engine.set_state({"center": {"mean": np.zeros(4)}})
-    error = _refused(engine.stage_forward, ["center", "lin"], 0, torch.zeros(3, 4))
+    engine.nodes.set_state({"center": {"mean": np.zeros(4)}})
+    error = _refused(engine.stage.stage_forward, ["center", "lin"], 0, torch.zeros(3, 4))
     assert "not the first" in error.message
 
 

@@ -102,12 +102,12 @@ def test_the_data_parallel_gradient_pass_hands_out_true_fp16_gradients():
     engine = Engine(device="cpu")
     engine.load({"mlp": _filter(module, "fp16")})
 
-    result = engine.gradient_pass(["mlp"], x, y)
+    result = engine.fitting.gradient_pass(["mlp"], x, y)
 
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.mse_loss(reference(torch.as_tensor(x)), torch.as_tensor(y))
     loss.backward()  # unscaled: the true gradient
-    grads = engine.get_gradients(["mlp"])["mlp"]
+    grads = engine.gradients.get_gradients(["mlp"])["mlp"]
     assert result.loss == pytest.approx(float(loss.detach()), abs=1e-6)
     for name, p in reference.named_parameters():
         assert grads[name].dtype == torch.float32
@@ -122,10 +122,10 @@ def test_a_bf16_pipeline_stage_runs_forward_and_loss_under_autocast():
     a.load({"a": sz.TorchFilter(first, precision="bf16")})
     b.load({"b": sz.TorchFilter(last, precision="bf16")})
 
-    act = a.stage_forward(["a"], 0, x, first=True)
-    out = b.stage_forward(["b"], 0, act, y, scale=1.0, last=True)
-    grad_in = b.stage_backward(0)
-    a.stage_backward(0, grad_in)
+    act = a.stage.stage_forward(["a"], 0, x, first=True)
+    out = b.stage.stage_forward(["b"], 0, act, y, scale=1.0, last=True)
+    grad_in = b.stage.stage_backward(0)
+    a.stage.stage_backward(0, grad_in)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = ref_first(torch.as_tensor(x))
@@ -134,7 +134,7 @@ def test_a_bf16_pipeline_stage_runs_forward_and_loss_under_autocast():
     assert act.dtype == torch.bfloat16  # the activation crossed as autocast produced it
     assert out["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
     for engine, node, ref in ((a, "a", ref_first), (b, "b", ref_last)):
-        grads = dict(engine.filter(node).module.named_parameters())
+        grads = dict(engine.nodes.filter(node).module.named_parameters())
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name].grad, p.grad, rtol=0, atol=1e-6)
 

@@ -1,14 +1,16 @@
 """The filter daemon's commands for a daemon in a torch.distributed group: a data-parallel
 replica (``dist_*``) or a pipeline stage (``pipe_*``) that runs its own training loop, the
-coordinator keeping time. A mixin of :class:`worker.daemon.main.Daemon`, over its engine."""
+coordinator keeping time. :class:`worker.daemon.main.Daemon` holds one :class:`GroupCommands`
+over its engine and takes its :attr:`~GroupCommands.handlers` into its own table."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from engine.engine import Engine
-from engine.replica import Plan
+from engine.replica import ReplicaPlan
 from protocol.daemon import (
     DistJoinRequest,
     DistLeaveRequest,
@@ -26,24 +28,37 @@ __all__ = ["GroupCommands"]
 
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
-    ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one engine method."""
+    ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one method of ``engine``'s
+    group membership, replica or linked stage."""
 
-    engine: Engine
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.handlers: dict[str, Callable[[Any], Any]] = {
+            "dist_store": self.on_dist_store,
+            "dist_probe": self.on_dist_probe,
+            "dist_join": self.on_dist_join,
+            "dist_plan": self.on_dist_plan,
+            "dist_train": self.on_dist_train,
+            "pipe_plan": self.on_pipe_plan,
+            "pipe_train": self.on_pipe_train,
+            "dist_leave": self.on_dist_leave,
+        }
+        """The group commands by name, for the daemon's handler table."""
 
     def on_dist_store(self, req: DistStoreRequest) -> dict[str, Any]:
-        return {"port": self.engine.open_store(req.timeout)}
+        return {"port": self.engine.group.open_store(req.timeout)}
 
     def on_dist_probe(self, req: DistProbeRequest) -> dict[str, Any]:
-        return self.engine.probe(req.host, req.port, req.timeout)
+        return self.engine.group.probe(req.host, req.port, req.timeout)
 
     def on_dist_join(self, req: DistJoinRequest) -> dict[str, Any]:
-        return self.engine.join(
+        return self.engine.group.join(
             req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> None:
-        rank, world = self.engine.place()
-        plan = Plan.of(
+        rank, world = self.engine.group.place()
+        plan = ReplicaPlan.of(
             req.data,
             req.node_ids,
             req.held,
@@ -59,22 +74,22 @@ class GroupCommands:
         )
         if req.sync_batchnorm:
             plan = dataclasses.replace(plan, sync_batchnorm=True)
-        self.engine.plan_data_parallel(plan)
+        self.engine.replica.set_plan(plan)
+
+    def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
+        return self.engine.replica.train(req.start, req.stop)
 
     def on_pipe_plan(self, req: PipePlanRequest) -> None:
         plan = global_batches(
             req.rows, req.micro_batches, req.epochs, req.batch_size, req.shuffle, req.seed
         )
         batches = [micro for _, _, micro in plan]
-        self.engine.plan_pipeline(
+        self.engine.linked_stage.set_plan(
             req.node_ids, req.actions, batches, req.data, req.labels, req.clip_grad_norm
         )
 
     def on_pipe_train(self, req: PipeTrainRequest) -> dict[str, Any]:
-        return self.engine.pipe_train(req.start, req.stop)
-
-    def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.train(req.start, req.stop)
+        return self.engine.linked_stage.train(req.start, req.stop)
 
     def on_dist_leave(self, req: DistLeaveRequest) -> None:
-        self.engine.leave()
+        self.engine.group.leave()

@@ -4,7 +4,7 @@ One daemon runs the user filters of one job for the worker agent (through
 :class:`worker.daemon.supervisor.DaemonSupervisor`), so that user code — which may hang, crash,
 print or leak — lives in its own process. It reads requests (:mod:`protocol.daemon`) from its stdin
 and writes replies to its stdout, one at a time, each a length-prefixed :mod:`protocol.codec` frame,
-and maps each command onto one method of one :class:`~engine.engine.Engine`.
+and maps each command onto one method of one part of one :class:`~engine.engine.Engine`.
 
 Lifecycle: startup → serve → exit.
 
@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from engine.data.datasets import load_dataset
 from engine.devices import resolve_device
-from engine.engine import Engine, is_differentiable
+from engine.engine import Engine, FitSettings, is_differentiable
 from engine.errors import EngineError
 from engine.stepping import Horizon
 from protocol.asyncio.memory import keep_freed_memory
@@ -93,8 +93,11 @@ WATCHDOG_INTERVAL = 0.2
 Handler = Callable[[Any], Any]
 
 
-class Daemon(GroupCommands):
+class Daemon:
     """Turns request frames into reply messages, running them on one :class:`Engine`.
+
+    One handler per command, in one table: the daemon's own (``on_<cmd>``) and those of its
+    :class:`~worker.daemon.group_commands.GroupCommands` (``dist_*``, ``pipe_*``).
 
     No I/O here: :meth:`handle` takes the bytes of one request frame and returns the reply
     message, :meth:`respond` the same reply encoded as frame parts. :func:`main` feeds it from
@@ -107,6 +110,7 @@ class Daemon(GroupCommands):
         """Set by ``shutdown``: the serve loop exits after sending the reply."""
         self._filters: dict[str, Any] = {}
         self._secagg = SecAggClients()  # secure aggregation's secrets, by virtual client
+        self.group_commands = GroupCommands(self.engine)
         self._handlers: dict[str, Handler] = {
             "load": self.on_load,
             "fit": self.on_fit,
@@ -124,21 +128,14 @@ class Daemon(GroupCommands):
             "gradients": self.on_gradients,
             "schedule": self.on_schedule,
             "evaluate": self.on_evaluate,
-            "dist_store": self.on_dist_store,
-            "dist_probe": self.on_dist_probe,
-            "dist_join": self.on_dist_join,
-            "dist_plan": self.on_dist_plan,
-            "dist_train": self.on_dist_train,
-            "pipe_plan": self.on_pipe_plan,
-            "pipe_train": self.on_pipe_train,
-            "dist_leave": self.on_dist_leave,
             "stage_forward": self.on_stage_forward,
             "stage_backward": self.on_stage_backward,
             "stage_norm": self.on_stage_norm,
             "stage_step": self.on_stage_step,
-            "secagg": lambda req: self._secagg.handle(req, self.engine),
+            "secagg": lambda req: self._secagg.handle(req, self.engine.nodes),
             "ping": self.on_ping,
             "shutdown": self.on_shutdown,
+            **self.group_commands.handlers,
         }
 
     # -- one request --------------------------------------------------------------------------
@@ -204,36 +201,35 @@ class Daemon(GroupCommands):
                 raise RequestRefused(info) from exc
         self.engine.load(filters)
         self._filters = filters
-        return self.engine.node_ids
+        return self.engine.nodes.node_ids
 
     def on_fit(self, req: FitRequest) -> dict[str, Any]:
-        return _plain(self.engine.fit(req.node_id, req.x, req.y))
+        return _plain(self.engine.fitting.fit(req.node_id, req.x, req.y))
 
     def on_forward(self, req: ForwardRequest) -> Any:
-        return self.engine.forward(req.node_id, req.x, req.state)
+        return self.engine.fitting.forward(req.node_id, req.x, req.state)
 
     def on_composite_fit(self, req: CompositeFitRequest) -> dict[str, Any]:
-        return _plain(self.engine.composite_fit(req.node_ids, *self._data(req)))
+        return _plain(self.engine.fitting.composite_fit(req.node_ids, *self._data(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
         if req.start is not None:
-            self.engine.set_state(req.start)
+            self.engine.nodes.set_state(req.start)
         # A dataset held whole is read from disk a batch at a time as the loop goes.
         x, y = self._data(req) if req.rows is not None else self._data(req, lazy=True)
-        result = self.engine.batched_fit(
-            req.node_ids,
-            x,
-            y,
-            req.batch_size,
+        settings = FitSettings(
+            batch_size=req.batch_size,
             epochs=req.epochs,
             prox_mu=req.prox_mu,
             reset_optimizer=req.reset_optimizer,
-            schedule=(req.schedule_before, req.schedule_epochs),
-            validation=None if req.validation is None else self.engine.held(req.validation),
+            schedule_before=req.schedule_before,
+            schedule_epochs=req.schedule_epochs,
+            validation=None if req.validation is None else self.engine.rows.held(req.validation),
             lr=req.lr,
             start_loss=req.start_loss,
             clip_norm=req.clip_norm,
         )
+        result = self.engine.fitting.batched_fit(req.node_ids, x, y, settings)
         if not req.return_output:
             result.output = None  # predictions on (perhaps private) data: not to be sent back
         if not req.return_states:
@@ -252,49 +248,50 @@ class Daemon(GroupCommands):
             x, y = load_dataset(req.dataset, req.loader, req.split)
             if req.labels:  # a pipeline's last stage holds only the labels, as its rows
                 x, y = y, None
-        return {"rows": self.engine.hold(req.name, x, y)}
+        return {"rows": self.engine.rows.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
         if req.apply is not None:  # finish the previous step first: one round trip per step
-            self.engine.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
+            self.engine.gradients.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
         if req.buffers is not None:  # replica 0's, as DDP broadcasts them before a forward
-            self.engine.set_buffers(req.buffers)
-        result = self.engine.gradient_pass(req.node_ids, *self._data(req), seed=req.seed)
+            self.engine.nodes.set_buffers(req.buffers)
+        result = self.engine.fitting.gradient_pass(req.node_ids, *self._data(req), seed=req.seed)
         if req.data is not None and req.read_next is not None:  # read while the mean is made
-            self.engine.read_next(req.data, req.read_next)
-        torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.filter(n))]
+            self.engine.rows.read_next(req.data, req.read_next)
+        torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.nodes.filter(n))]
         reply = {
             "loss": result.loss,
             "rows": result.rows,
-            "lr": self.engine.learning_rate(torch_nodes),  # what this step's update will take
-            "gradients": self.engine.get_gradients(torch_nodes),
+            # what this step's update will take
+            "lr": self.engine.optimizers.learning_rate(torch_nodes),
+            "gradients": self.engine.gradients.get_gradients(torch_nodes),
         }
         if req.return_buffers:
-            reply["buffers"] = self.engine.get_buffers(torch_nodes)
+            reply["buffers"] = self.engine.nodes.get_buffers(torch_nodes)
         return reply
 
     def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
-        return self.engine.evaluate(req.node_ids, *self._data(req, lazy=True))
+        return self.engine.evaluation.evaluate(req.node_ids, *self._data(req, lazy=True))
 
     def on_schedule(self, req: ScheduleRequest) -> None:
-        self.engine.horizon = Horizon(req.steps_per_epoch, req.epochs)
+        self.engine.optimizers.set_horizon(Horizon(req.steps_per_epoch, req.epochs))
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
         x, y = self._data(req)
         if req.labels is not None:
-            y = self.engine.held(req.labels, req.label_rows)[0]
-        return self.engine.stage_forward(
+            y = self.engine.rows.held(req.labels, req.label_rows)[0]
+        return self.engine.stage.stage_forward(
             req.node_ids, req.micro, x, y, req.scale, req.last, first=req.first
         )
 
     def on_stage_backward(self, req: StageBackwardRequest) -> torch.Tensor | None:
-        return self.engine.stage_backward(req.micro, req.grad_output)
+        return self.engine.stage.stage_backward(req.micro, req.grad_output)
 
     def on_stage_norm(self, req: StageNormRequest) -> float:
-        return self.engine.stage_norm(req.node_ids)
+        return self.engine.stage.stage_norm(req.node_ids)
 
     def on_stage_step(self, req: StageStepRequest) -> int:
-        return self.engine.stage_step(
+        return self.engine.stage.stage_step(
             req.node_ids, epoch_end=req.epoch_end, coefficient=req.coefficient
         )
 
@@ -306,30 +303,30 @@ class Daemon(GroupCommands):
     ) -> tuple[Any, Any]:
         if req.data is None:
             return req.x, req.y
-        return self.engine.held(req.data, req.rows, lazy=lazy)
+        return self.engine.rows.held(req.data, req.rows, lazy=lazy)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
-        return self.engine.composite_forward(req.node_ids, req.x, req.states)
+        return self.engine.fitting.composite_forward(req.node_ids, req.x, req.states)
 
     def on_get_state(self, req: GetStateRequest) -> dict[str, Any]:
-        return self.engine.get_state(req.node_ids)
+        return self.engine.nodes.get_state(req.node_ids)
 
     def on_set_state(self, req: SetStateRequest) -> None:
-        self.engine.set_state(req.states)
+        self.engine.nodes.set_state(req.states)
 
     def on_get_optimizer_state(self, req: GetOptimizerStateRequest) -> dict[str, Any]:
-        return self.engine.get_optimizer_state(req.node_ids)
+        return self.engine.optimizers.get_optimizer_state(req.node_ids)
 
     def on_set_optimizer_state(self, req: SetOptimizerStateRequest) -> None:
-        self.engine.set_optimizer_state(req.states)
+        self.engine.optimizers.set_optimizer_state(req.states)
 
     def on_get_gradients(self, req: GetGradientsRequest) -> dict[str, dict[str, Any]]:
-        return self.engine.get_gradients(req.node_ids)
+        return self.engine.gradients.get_gradients(req.node_ids)
 
     def on_apply_gradients(self, req: ApplyGradientsRequest) -> dict[str, int]:
-        applied = self.engine.apply_gradients(req.gradients, epoch_end=req.epoch_end)
+        applied = self.engine.gradients.apply_gradients(req.gradients, epoch_end=req.epoch_end)
         if req.buffers is not None:
-            self.engine.set_buffers(req.buffers)
+            self.engine.nodes.set_buffers(req.buffers)
         return applied
 
     def on_ping(self, req: PingRequest) -> None:

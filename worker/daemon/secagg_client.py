@@ -23,7 +23,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from engine.errors import EngineError
-from engine.training import Training
+from engine.nodes import Nodes
 from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode
@@ -49,8 +49,8 @@ class SecAggClients:
     def __init__(self) -> None:
         self.clients: dict[str, _Client] = {}
 
-    def handle(self, req: SecAggRequest, engine: Training) -> dict[str, Any]:
-        """One step for ``req.client``.
+    def handle(self, req: SecAggRequest, nodes: Nodes) -> dict[str, Any]:
+        """One step for ``req.client``, whose trained model is ``nodes``' states.
 
         Raises:
             EngineError: a step out of order, or a request that would break the protocol.
@@ -62,7 +62,7 @@ class SecAggClients:
         if req.step == "share":
             return {"sealed": self._share(req, client)}
         if req.step == "mask":
-            return {"masked": self._mask(req, client, engine)}
+            return {"masked": self._mask(req, client, nodes)}
         del self.clients[req.client]
         return self._unmask(req, client)
 
@@ -92,7 +92,7 @@ class SecAggClients:
             )
         return sealed
 
-    def _mask(self, req: SecAggRequest, client: _Client, engine: Training) -> Any:
+    def _mask(self, req: SecAggRequest, client: _Client, nodes: Nodes) -> Any:
         if req.layout is None or req.weight is None or req.bound is None:
             raise _refused("mask needs the layout, the weight and the bound")
         for v, blob in (req.sealed or {}).items():
@@ -107,7 +107,7 @@ class SecAggClients:
             raise _refused(
                 f"{len(client.held)} peers shared with {req.client!r}: fewer than the threshold"
             )
-        states = engine.get_state(sorted({node for node, _ in req.layout}))
+        states = nodes.get_state(sorted({node for node, _ in req.layout}))
         entries = [states[node][key].double().reshape(-1).numpy() for node, key in req.layout]
         values = np.concatenate([req.weight * np.concatenate(entries), [float(req.weight)]])
         peak = float(np.abs(values).max())

@@ -11,7 +11,7 @@ import pytest
 
 from engine.data.npy_rows import NpyRows
 from engine.data.read_ahead import NextRead, read_ahead
-from engine.training import Training
+from engine.held_rows import HeldRows
 
 WAIT = 10.0  # seconds a test waits for the other thread before it fails
 
@@ -147,8 +147,8 @@ def test_a_replica_told_its_next_rows_reads_them_ahead_and_hands_them_over(tmp_p
     y = np.arange(40, dtype=np.int64)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
-    engine = Training()
-    engine.hold("train", NpyRows(tmp_path / "x.npy"), NpyRows(tmp_path / "y.npy"))
+    rows = HeldRows()
+    rows.hold("train", NpyRows(tmp_path / "x.npy"), NpyRows(tmp_path / "y.npy"))
     readers: list[str] = []
     original = NpyRows._read
 
@@ -157,20 +157,20 @@ def test_a_replica_told_its_next_rows_reads_them_ahead_and_hands_them_over(tmp_p
         return original(self, index)
 
     monkeypatch.setattr(NpyRows, "_read", counting)
-    engine.read_next("train", [5, 1, 9])
-    xb, yb = engine.held("train", [5, 1, 9])
+    rows.read_next("train", [5, 1, 9])
+    xb, yb = rows.held("train", [5, 1, 9])
     assert len(readers) == 2 and all(name.startswith("read-next") for name in readers)
     np.testing.assert_array_equal(xb, x[[5, 1, 9]])
     np.testing.assert_array_equal(yb, y[[5, 1, 9]])
     readers.clear()
-    engine.read_next("train", [2, 3])
-    xb, _ = engine.held("train", [30, 31])  # not what was announced: read here, exactly
+    rows.read_next("train", [2, 3])
+    xb, _ = rows.held("train", [30, 31])  # not what was announced: read here, exactly
     np.testing.assert_array_equal(xb, x[[30, 31]])
     assert readers.count(threading.current_thread().name) == 2
 
 
 def test_rows_held_in_memory_are_not_read_ahead():
-    engine = Training()
-    engine.hold("train", np.zeros((4, 2), np.float32), np.zeros(4, np.int64))
-    engine.read_next("train", [0, 1])
-    assert engine._next.take(("train", np.asarray([0, 1], np.int64).tobytes())) is None
+    rows = HeldRows()
+    rows.hold("train", np.zeros((4, 2), np.float32), np.zeros(4, np.int64))
+    rows.read_next("train", [0, 1])
+    assert rows._next.take(("train", np.asarray([0, 1], np.int64).tobytes())) is None

@@ -6,13 +6,22 @@ path of the protocol is checked here directly; ``test_daemon.py`` proves the sam
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 import torch
 
 import somatize as sz
 from protocol.codec import decode, encode_frame
-from protocol.daemon import FitRequest, OkReply, reply_adapter, request_adapter, request_fields
+from protocol.daemon import (
+    DaemonRequest,
+    FitRequest,
+    OkReply,
+    reply_adapter,
+    request_adapter,
+    request_fields,
+)
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from worker.daemon.main import Daemon
@@ -71,6 +80,15 @@ def daemon() -> Daemon:
 
 
 # -- the request path ----------------------------------------------------------------------------
+
+
+def test_every_command_has_one_handler_in_one_table():
+    union = typing.get_args(DaemonRequest)[0]
+    commands = {model.model_fields["cmd"].default for model in typing.get_args(union)}
+    d = Daemon()
+    assert set(d._handlers) == commands
+    group = d.group_commands.handlers  # dist_* and pipe_*: the group commands' own
+    assert group and all(d._handlers[cmd] == handler for cmd, handler in group.items())
 
 
 def test_a_request_is_answered_with_its_id(daemon):
@@ -170,7 +188,7 @@ def test_a_filter_that_cannot_be_unpickled_is_named_and_the_old_ones_stay(daemon
     assert error["code"] == ErrorCode.FILTER_ERROR
     assert error["detail"]["node_id"] == "bad"
     assert "traceback" in error["detail"]
-    assert daemon.engine.node_ids == ["center", "explode"]
+    assert daemon.engine.nodes.node_ids == ["center", "explode"]
 
 
 def test_a_filter_calling_sys_exit_is_an_error_not_an_exit():
@@ -222,7 +240,7 @@ def test_decoded_tensors_reach_the_filter_as_writable_zero_copy_views():
     frame = bytearray(encode_frame({"id": 2, "cmd": "fit", "node_id": "p", "x": torch.zeros(64)}))
     assert d.handle(frame)["ok"] is True
     base = np.frombuffer(frame, np.uint8).ctypes.data
-    assert base <= d.engine.filter("p").address < base + len(frame)
+    assert base <= d.engine.nodes.filter("p").address < base + len(frame)
 
 
 # -- messages -----------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ class OwnData(Daemon):
         if req.dataset is None:
             return super().on_stage(req)
         assert req.dataset == "local"
-        return {"rows": self.engine.hold(req.name, *self.own)}
+        return {"rows": self.engine.rows.hold(req.name, *self.own)}
 
 
 def job_inputs(g: sz.Graph, x=None, y=None, dataset: str | None = "local") -> JobInputs:

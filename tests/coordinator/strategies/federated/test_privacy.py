@@ -16,7 +16,7 @@ from opacus.accountants import RDPAccountant
 import somatize as sz
 from coordinator.strategies import StrategyOptionsError, strategy_from_spec
 from coordinator.strategies.federated.privacy import DPFold
-from engine.training import Training
+from engine.engine import Engine, FitSettings
 from protocol.options.privacy import AdaptiveClippingOptions
 from tests.coordinator.strategies.federated.test_fedavg import (
     LR,
@@ -110,15 +110,18 @@ def test_a_client_clips_its_own_update_in_its_engine():
     (x, y), *_ = client_data()
     start = model().state_dict()
     delta = update(start, x, y)
-    engine = Training()
+    engine = Engine()
     engine.load(dict(private_graph().items()))
-    result = engine.batched_fit(["lin"], x, y, clip_norm=float(delta.norm()) / 4)
+    result = engine.fitting.batched_fit(
+        ["lin"], x, y, FitSettings(clip_norm=float(delta.norm()) / 4)
+    )
     got = flat(result.states["lin"]) - flat(start)
     torch.testing.assert_close(got, delta / 4, rtol=0, atol=1e-6)
     assert result.clipped is True
-    again = Training()
+    again = Engine()
     again.load(dict(private_graph().items()))
-    assert again.batched_fit(["lin"], x, y, clip_norm=10 * float(delta.norm())).clipped is False
+    settings = FitSettings(clip_norm=10 * float(delta.norm()))
+    assert again.fitting.batched_fit(["lin"], x, y, settings).clipped is False
 
 
 def test_adaptive_clipping_follows_the_target_quantile_worked_out_by_hand():

@@ -9,7 +9,7 @@ import torch
 
 import somatize as sz
 from coordinator.strategies import QFedAvg, StrategyOptionsError, strategy_from_spec
-from engine.training import Training
+from engine.engine import Engine, FitSettings
 from tests.coordinator.strategies.federated.test_fedavg import (
     LR,
     D,
@@ -106,8 +106,8 @@ def test_bad_qfedavg_options_are_refused(options, message):
 # -- the engine's pieces ----------------------------------------------------------------------
 
 
-def engine_with(g: sz.Graph) -> Training:
-    engine = Training()
+def engine_with(g: sz.Graph) -> Engine:
+    engine = Engine()
     engine.load(dict(g.items()))
     return engine
 
@@ -115,7 +115,9 @@ def engine_with(g: sz.Graph) -> Training:
 def test_the_loss_before_training_is_the_mean_loss_at_the_starting_weights():
     (x, y), *_ = shards()
     engine = engine_with(graph())
-    result = engine.batched_fit(["center", "lin"], x, y, epochs=1, start_loss=True)
+    result = engine.fitting.batched_fit(
+        ["center", "lin"], x, y, FitSettings(epochs=1, start_loss=True)
+    )
     assert result.start_loss == pytest.approx(loss_at(model().state_dict(), x, y), rel=1e-6)
     assert result.loss != pytest.approx(result.start_loss)  # training did move on from there
 
@@ -123,7 +125,8 @@ def test_the_loss_before_training_is_the_mean_loss_at_the_starting_weights():
 def test_lr_sets_the_fresh_optimizers_learning_rate():
     (x, y), *_ = shards()
     engine = engine_with(graph())
-    result = engine.batched_fit(["center", "lin"], x, y, epochs=1, reset_optimizer=True, lr=0.01)
+    settings = FitSettings(epochs=1, reset_optimizer=True, lr=0.01)
+    result = engine.fitting.batched_fit(["center", "lin"], x, y, settings)
     expected = local_training_with_lr(model().state_dict(), x, y, 0.01)
     for key, value in expected.items():
         torch.testing.assert_close(result.states["lin"][key], value, rtol=0, atol=1e-6)
@@ -156,8 +159,8 @@ def test_start_loss_leaves_batchnorm_statistics_alone():
         return sz.Graph([net.named("n")])
 
     (x, y), *_ = shards()
-    a = engine_with(normed()).batched_fit(["n"], x, y, start_loss=True)
-    b = engine_with(normed()).batched_fit(["n"], x, y)
+    a = engine_with(normed()).fitting.batched_fit(["n"], x, y, FitSettings(start_loss=True))
+    b = engine_with(normed()).fitting.batched_fit(["n"], x, y)
     assert a.start_loss is not None and a.start_loss > 0 and b.start_loss is None
     for key in a.states["n"]:
         assert torch.equal(a.states["n"][key], b.states["n"][key]), key

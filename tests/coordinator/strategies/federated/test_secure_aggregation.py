@@ -13,8 +13,8 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext, WorkerCallError
 from coordinator.strategies import FedAvg, StrategyFailed, StrategyOptionsError, strategy_from_spec
+from engine.engine import Engine
 from engine.errors import EngineError
-from engine.training import Training
 from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode, ErrorInfo
@@ -159,10 +159,10 @@ def test_the_coordinators_view_of_a_masked_model_is_indistinguishable_from_noise
     run(secure(1), ctx, job_inputs(wide_graph()))
     assert len(ctx.seen) == 3
     # What the client would have sent in the clear: its rows times its model, quantized.
-    plain = Training()
+    plain = Engine()
     plain.load(dict(wide_graph().items()))
     x, y = data[0]
-    trained = plain.batched_fit(["lin"], x, y).states["lin"]
+    trained = plain.fitting.batched_fit(["lin"], x, y).states["lin"]
     clear = secagg.quantize(
         np.concatenate(
             [
@@ -202,7 +202,7 @@ def test_quantization_rounds_to_within_half_a_step_and_sums_mod_2_64():
 
 
 def test_a_client_never_gives_both_shares_of_one_client():
-    clients, engine = SecAggClients(), Training()
+    clients, engine = SecAggClients(), Engine().nodes
     labels = ["a", "b", "c"]
     keys = {
         u: clients.handle(SecAggRequest(step="keys", round=1, client=u), engine) for u in labels

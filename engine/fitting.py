@@ -1,0 +1,272 @@
+"""Fitting and forwarding a chain of filters: one node, one pass, or the whole training.
+
+``fit``, ``composite_fit`` and ``gradient_pass`` of a differentiable filter run forward, loss
+and backward but never step: whoever owns the round owns the step (see
+:mod:`engine.gradients`). ``batched_fit`` trains a chain to completion, what ``graph.fit``
+runs: its plain filters fitted in order, each run of differentiable filters trained by the one
+training loop (:mod:`engine.training`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.data.npy_rows import Rows
+from engine.errors import EngineError
+from engine.evaluation import Evaluation
+from engine.nodes import Node, Nodes, num_rows, run_setting, segments, whole
+from engine.optimizers import Optimizers
+from engine.training import FitSettings, TrainingLoop
+from engine.transfer import to_cpu
+from protocol.errors import ErrorCode
+from protocol.rules.rows import needs_labels
+
+__all__ = ["FitResult", "FitSettings", "Fitting"]
+
+
+@dataclass
+class FitResult:
+    """What a fit command produced.
+
+    Attributes:
+        output: the chain's output on the fitted data (``None`` for a single-node ``fit``).
+        states: each fitted node's state, by node id.
+        loss: the loss of the last differentiable run (mean over the last epoch for a training
+            loop), ``None`` when no differentiable filter was involved.
+        rows: how many rows were fitted on.
+        epoch_losses: for a training loop, the mean loss of each epoch, in order.
+        start_loss: asked for, the mean loss over the rows at the weights the loop started
+            from, before any step (q-FedAvg's F_k(w_t)).
+        clipped: with ``clip_norm``, whether the update had to be scaled down to it.
+        history: for a training loop, a row per epoch: ``epoch`` (from 1), ``loss`` (its mean
+            training loss), ``lr`` (the learning rate its last step took) and, with validation
+            data, ``val_loss`` and each metric of the model at the epoch's end.
+    """
+
+    output: Any
+    states: dict[str, Any]
+    loss: float | None
+    rows: int
+    epoch_losses: list[float] = field(default_factory=list)
+    start_loss: float | None = None
+    clipped: bool | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+_GENERATOR = threading.Lock()
+"""Held while a seeded pass draws from torch's default generator (see :meth:`gradient_pass`)."""
+
+
+class Fitting:
+    """Fit, forward and train chains of ``nodes``, stepping ``optimizers``, scoring with
+    ``evaluation``."""
+
+    def __init__(self, nodes: Nodes, optimizers: Optimizers, evaluation: Evaluation) -> None:
+        self.nodes = nodes
+        self.optimizers = optimizers
+        self.evaluation = evaluation
+
+    # -- fit ----------------------------------------------------------------------------------
+
+    def fit(self, node_id: str, x: Any, y: Any = None) -> FitResult:
+        """Fit one node on ``x``: a plain filter's ``fit``, or one gradient pass (no step)."""
+        node = self.nodes.node(node_id)
+        if node.differentiable:
+            loss = self._backward_run([node], x, y)[1]
+            return FitResult(None, self.nodes.get_state([node_id]), loss, num_rows(x))
+        state = self.nodes.fit_plain(node, x, y)
+        return FitResult(None, {node_id: state}, None, num_rows(x))
+
+    def composite_fit(self, node_ids: Sequence[str], x: Any, y: Any = None) -> FitResult:
+        """One pass over a chain: plain filters fit then forward; each differentiable run does one
+        forward, loss and backward over all of ``x`` and leaves its gradients on the parameters,
+        without stepping (a data-parallel replica's half of a step)."""
+        nodes = self.nodes.chain(node_ids, x, y)
+        out, loss = x, None
+        for segment in segments(nodes):
+            if segment[0].differentiable:
+                out, loss = self._backward_run(segment, out, y)
+            else:
+                out = self._fit_plain(segment[0], out, y)
+        return FitResult(to_cpu(out), self.nodes.get_state(node_ids), loss, num_rows(x))
+
+    def gradient_pass(
+        self, node_ids: Sequence[str], x: Any, y: Any = None, *, seed: int | None = None
+    ) -> FitResult:
+        """A replica's half of a data-parallel step: plain filters only *apply* the state they
+        hold (fitted once, before training), each differentiable run does one forward, loss and
+        backward over ``x`` — in ``accumulate`` slices, its last filter's — and leaves its
+        gradients on the parameters. No step, no states. ``seed`` seeds torch's generator for
+        it (dropout: the replica's and step's masks)."""
+        nodes = self.nodes.chain(node_ids, x, y)
+        if seed is None:
+            return self._gradient_pass(nodes, x, y)
+        # torch's default generator is the process's: engines in one process (in-process
+        # workers) take turns with it, so each pass draws from its own seed.
+        with _GENERATOR:
+            torch.manual_seed(seed)
+            return self._gradient_pass(nodes, x, y)
+
+    def _gradient_pass(self, nodes: list[Node], x: Any, y: Any) -> FitResult:
+        out, loss = x, None
+        for segment in segments(nodes):
+            if segment[0].differentiable:
+                parts = int(run_setting(segment, "accumulate", 1) or 1)
+                out, loss = self._backward_run(segment, out, y, parts)
+            else:
+                node = segment[0]
+                out = self.nodes.apply(node, out, self.nodes.state_of(node))
+        return FitResult(None, {}, loss, num_rows(x))
+
+    def batched_fit(
+        self,
+        node_ids: Sequence[str],
+        x: Any,
+        y: Any = None,
+        settings: FitSettings | None = None,
+    ) -> FitResult:
+        """Train a chain to completion: what ``graph.fit`` does.
+
+        Plain filters are fitted on all rows, in order, each feeding the next. A differentiable
+        run trains for the epochs of its last filter, in batches of ``batch_size`` (default: the
+        last filter's), one optimizer step of every filter in the run per batch (or per
+        ``accumulate`` batches), on the mean loss of the batch: :class:`TrainingLoop`. With
+        ``shuffle`` the rows of each epoch are permuted by a ``torch.Generator`` seeded with
+        the filter's ``seed``; without it they are taken in order.
+
+        ``settings`` (:class:`FitSettings`) changes what the filters say: the epochs, FedProx's
+        term, fresh optimizers, the learning rate and its schedule, validation data scored at
+        the end of every epoch of the chain's last differentiable run, the loss before
+        training, the clipping of the update.
+        """
+        settings = settings if settings is not None else FitSettings()
+        nodes = self.nodes.chain(node_ids, x, y)
+        if settings.reset_optimizer:
+            self.optimizers.reset(nodes)
+        torch_ids = [n.node_id for n in nodes if n.differentiable]
+        start = self.nodes.get_state(torch_ids) if settings.clip_norm is not None else {}
+        out, loss, first_loss = x, None, None
+        history: list[dict[str, Any]] = []
+        runs = list(segments(nodes))
+        last_run = max((k for k, s in enumerate(runs) if s[0].differentiable), default=-1)
+        validation = settings.validation
+        val_x, val_y = validation if validation is not None else (None, None)
+        for k, segment in enumerate(runs):
+            if not segment[0].differentiable:  # a plain filter fits on all its rows at once
+                out = self._fit_plain(segment[0], whole(out), whole(y))
+                if validation is not None:
+                    val_x = self.nodes.apply(segment[0], whole(val_x), segment[0].state)
+                continue
+            scores = None
+            if validation is not None and k == last_run:
+                ids = [n.node_id for n in segment]
+                scores = functools.partial(self.evaluation.evaluate, ids, val_x, val_y)
+            if settings.start_loss:
+                first_loss = self.evaluation.mean_loss(segment, out, y, settings.batch_size)
+            loop = TrainingLoop(self.nodes, self.optimizers, segment, settings, scores)
+            history = loop.train(out, y)
+            loss = history[-1]["loss"] if history else None
+            if isinstance(out, Rows) and k == len(runs) - 1:
+                out = None  # rows read from disk: their output, all at once, is not made
+            else:
+                out = self._forward_segment(segment, whole(out))
+            if validation is not None and k < last_run:
+                val_x = self._forward_segment(segment, whole(val_x))
+        clipped = None
+        if settings.clip_norm is not None:
+            clipped = self._clip_update(start, settings.clip_norm)
+        rows = num_rows(x)
+        states = self.nodes.get_state(node_ids)
+        epoch_losses = [row["loss"] for row in history]
+        return FitResult(
+            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history
+        )
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, node_id: str, x: Any, state: Any = None) -> Any:
+        """``forward`` of one node with ``state``, or with the state it holds."""
+        node = self.nodes.node(node_id)
+        held = self.nodes.state_of(node) if state is None else state
+        return to_cpu(self.nodes.apply(node, x, held))
+
+    def composite_forward(
+        self, node_ids: Sequence[str], x: Any, states: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Forward ``x`` through a chain, each node with ``states[id]`` or its held state."""
+        for node in self.nodes.chain(node_ids, x):
+            if states is not None and node.node_id in states:
+                x = self.nodes.apply(node, x, states[node.node_id])
+            else:
+                x = self.nodes.apply(node, x, self.nodes.state_of(node))
+        return to_cpu(x)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _fit_plain(self, node: Node, x: Any, y: Any) -> Any:
+        x = to_cpu(x)
+        return node.filter.forward(x, self.nodes.fit_plain(node, x, y))
+
+    def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> tuple[Any, float]:
+        """Forward, loss and backward of ``x`` through the run, the gradients left on the
+        parameters; with ``parts`` in that many slices one after the other (each loss weighted
+        by its share of the rows, the gradients accumulating): the same gradient, a slice's
+        memory. The output and the mean loss."""
+        if y is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                needs_labels(run[-1].node_id, "fitting"),
+                {"node_id": run[-1].node_id},
+            )
+        for node in run:
+            node.filter.module.zero_grad(set_to_none=True)
+        # The true gradients, never scaled: whoever steps on them (the data-parallel mean, say)
+        # must not have to know this filter's precision.
+        xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
+        n = num_rows(xt)
+        if parts <= 1 or n <= 1:
+            loss, out = self.nodes.run_loss(run, xt, yt)
+            loss.backward()
+            return out.detach(), float(loss.detach())
+        outs, total = [], 0.0
+        for rows in np.array_split(np.arange(n), min(parts, n)):
+            index = torch.from_numpy(rows)
+            loss, out = self.nodes.run_loss(run, xt[index], yt[index])
+            (loss * (len(rows) / n)).backward()
+            outs.append(out.detach())
+            total += float(loss.detach()) * len(rows)
+        return torch.cat(outs), total / n
+
+    def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
+        """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``
+        when its L2 norm is larger; whether it was."""
+        current = self.nodes.get_state(list(start))
+        deltas = [
+            (node_id, key, value - start[node_id][key])
+            for node_id, state in current.items()
+            for key, value in state.items()
+            if value.is_floating_point()
+        ]
+        norm = math.sqrt(sum(float(d.double().square().sum()) for _, _, d in deltas))
+        if norm <= clip_norm:
+            return False
+        scale = clip_norm / norm
+        clipped = {node_id: dict(state) for node_id, state in current.items()}
+        for node_id, key, delta in deltas:
+            base = start[node_id][key]
+            clipped[node_id][key] = (base.double() + delta.double() * scale).to(base.dtype)
+        self.nodes.set_state(clipped)
+        return True
+
+    def _forward_segment(self, run: list[Node], x: Any) -> Any:
+        for node in run:
+            x = self.nodes.apply(node, x, node.filter.module.state_dict())
+        return x
