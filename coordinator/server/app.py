@@ -53,7 +53,7 @@ from coordinator.server.clients import EVERYONE, ClientIdentity, ClientTokens
 from coordinator.server.http import process_request
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import MAX_PENDING_PER_ADDRESS, PendingConnections
-from coordinator.server.registry import DuplicateWorker, Registry, WorkerRecord
+from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.turns import TurnGate
@@ -247,9 +247,9 @@ class Coordinator:
         self.jobs = JobManager(
             store,
             self.registry,
-            self.call_timeout,
-            self.job_threads,
-            self.metrics.observe,
+            call_timeout=self.call_timeout,
+            job_threads=self.job_threads,
+            observe=self.metrics.observe,
             max_queued_jobs=self.max_queued_jobs,
             spill=await asyncio.to_thread(QueuedInputs, self.state_dir / "queued"),
             files=files,
@@ -273,7 +273,7 @@ class Coordinator:
         )
         self.port = self._server.sockets[0].getsockname()[1] if self.port == 0 else self.port
         self._tasks = [
-            asyncio.create_task(self.jobs.schedule_forever(), name="scheduler"),
+            asyncio.create_task(self.jobs.place_forever(), name="job placement"),
             asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
         ]
         log.info(

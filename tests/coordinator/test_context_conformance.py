@@ -27,7 +27,7 @@ from coordinator.context import (
     WorkerIdentity,
 )
 from coordinator.server.app import Coordinator
-from coordinator.server.transport import TransportContext
+from coordinator.workers.transport import TransportContext
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.utils import UNIT, Center
