@@ -47,8 +47,11 @@ from benchmarks.attack_harness import (
     timed_refusals,
 )
 from benchmarks.fault_harness import until
-from coordinator.server.app import HANDSHAKE_TIMEOUT, MAX_PENDING_CONNECTIONS
-from coordinator.server.pending import MAX_PENDING_PER_ADDRESS
+from coordinator.server.config import (
+    HANDSHAKE_TIMEOUT,
+    MAX_PENDING_CONNECTIONS,
+    MAX_PENDING_PER_ADDRESS,
+)
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.codec import encode, encode_frame, frame_nbytes

@@ -1,32 +1,40 @@
-"""``somatize-coordinator``: run the coordinator daemon."""
+"""``somatize-coordinator``: run the coordinator daemon.
+
+The flags become one :class:`~coordinator.server.config.CoordinatorConfig` (:func:`config_from`),
+checked at its construction (what it refuses is a usage error here), and the
+:class:`~coordinator.server.app.Coordinator` runs on it until the first SIGTERM or SIGINT drains
+it (a second one exits at once).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
-import ipaddress
 import logging
 import os
 import signal
-import ssl
 import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.server.app import (
-    HANDSHAKE_TIMEOUT,
-    MAX_PENDING_CONNECTIONS,
-    REASSEMBLY_BUDGET,
-    Coordinator,
-)
+from coordinator.server.app import Coordinator
 from coordinator.server.clients import ClientTokens
 from coordinator.server.collector import tend
-from coordinator.server.pending import MAX_PENDING_PER_ADDRESS
+from coordinator.server.config import (
+    CALL_TIMEOUT,
+    GRACE,
+    HANDSHAKE_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    MAX_PENDING_CONNECTIONS,
+    MAX_PENDING_PER_ADDRESS,
+    REASSEMBLY_BUDGET,
+    CoordinatorConfig,
+)
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
-from protocol.asyncio.websocket import server_tls
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.token_file import token_file_problem
 
@@ -49,12 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         default=Path(os.environ.get("SOMATIZE_STATE_DIR", "~/.local/state/somatize")).expanduser(),
         help="where the job store lives (default ~/.local/state/somatize)",
     )
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL, metavar="S")
+    parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S")
     parser.add_argument(
         "--call-timeout",
         type=float,
-        default=3600.0,
+        default=CALL_TIMEOUT,
         metavar="S",
         help="seconds one command of a job may take on a worker",
     )
@@ -68,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grace",
         type=float,
-        default=10.0,
+        default=GRACE,
         metavar="S",
         help="seconds running jobs get to finish on shutdown",
     )
@@ -237,14 +245,12 @@ def _secret_file(path: str) -> str:
     return text
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+def config_from(args: argparse.Namespace) -> CoordinatorConfig:
+    """The coordinator's settings from its flags (and the token variables of the environment).
 
-
-async def _main(args: argparse.Namespace) -> None:
+    Raises:
+        SystemExit: a flag, a token file or a setting that is refused, saying why.
+    """
     host, port = _split(args.listen)
     worker_token = _token(args.worker_token_file, "SOMATIZE_WORKER_TOKEN")
     client_token = _token(args.client_token_file, "SOMATIZE_TOKEN")
@@ -256,53 +262,39 @@ async def _main(args: argparse.Namespace) -> None:
             )
         except ValueError as exc:
             raise SystemExit(f"somatize-coordinator: {exc}") from exc
-    any_client_token = client_token is not None or client_tokens is not None
-    if not _loopback(host) and not args.insecure and not (worker_token and any_client_token):
-        raise SystemExit(
-            f"somatize-coordinator: refusing to listen on {host} without tokens: a client can run "
-            "code on every worker. Give --worker-token-file and --client-token-file (or "
-            "SOMATIZE_WORKER_TOKEN and SOMATIZE_TOKEN), or --insecure to accept the risk."
+    try:
+        return CoordinatorConfig(
+            host,
+            port,
+            args.state_dir,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            call_timeout=args.call_timeout,
+            job_threads=args.job_threads,
+            grace=args.grace,
+            max_message_bytes=args.max_message_bytes,
+            max_inflight=args.max_inflight,
+            max_pending_connections=args.max_pending_connections,
+            max_pending_per_address=args.max_pending_per_address,
+            handshake_timeout=args.handshake_timeout,
+            worker_token=worker_token,
+            client_token=client_token,
+            client_tokens=client_tokens,
+            insecure=args.insecure,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            public_status=args.public_status,
+            max_queued_jobs=args.max_queued_jobs,
+            forget_workers=args.forget_worker,
+            max_reassembly_bytes=args.max_reassembly_bytes,
+            stall_timeout=args.stall_timeout,
         )
-    if worker_token is not None and (
-        worker_token == client_token or (client_tokens and client_tokens.holds(worker_token))
-    ):
-        raise SystemExit(
-            "somatize-coordinator: the worker and client tokens must differ (a worker token "
-            "must not be able to submit jobs)"
-        )
-    tls = None
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise SystemExit("somatize-coordinator: --tls-cert and --tls-key go together")
-    if args.tls_cert is not None:
-        try:
-            tls = server_tls(args.tls_cert, args.tls_key)
-        except (OSError, ssl.SSLError) as exc:
-            raise SystemExit(
-                f"somatize-coordinator: cannot load the TLS certificate: {exc}"
-            ) from exc
-    coordinator = Coordinator(
-        host,
-        port,
-        args.state_dir,
-        heartbeat_interval=args.heartbeat_interval,
-        heartbeat_timeout=args.heartbeat_timeout,
-        call_timeout=args.call_timeout,
-        job_threads=args.job_threads,
-        max_message_bytes=args.max_message_bytes,
-        max_inflight=args.max_inflight,
-        max_pending_connections=args.max_pending_connections,
-        max_pending_per_address=args.max_pending_per_address,
-        handshake_timeout=args.handshake_timeout,
-        worker_token=worker_token,
-        client_token=client_token,
-        client_tokens=client_tokens,
-        max_queued_jobs=args.max_queued_jobs,
-        tls=tls,
-        public_status=args.public_status,
-        forget_workers=args.forget_worker,
-        max_reassembly_bytes=args.max_reassembly_bytes,
-        stall_timeout=args.stall_timeout,
-    )
+    except ValueError as exc:
+        raise SystemExit(f"somatize-coordinator: {exc}") from exc
+
+
+async def _main(config: CoordinatorConfig) -> None:
+    coordinator = Coordinator(config)
     await coordinator.start()
     # What start-up made lives as long as the process: out of the cyclic collector's way, so a
     # full collection with thousands of connections open does not walk it too (a pause of the
@@ -311,15 +303,17 @@ async def _main(args: argparse.Namespace) -> None:
     gc.collect()
     gc.freeze()
     collector = asyncio.ensure_future(tend())
-    scheme = "wss" if tls is not None else "ws"
-    print(f"somatize-coordinator listening on {scheme}://{host}:{coordinator.port}", flush=True)
+    print(
+        f"somatize-coordinator listening on {config.scheme}://{config.host}:{coordinator.port}",
+        flush=True,
+    )
     loop = asyncio.get_running_loop()
     stopping: list[Any] = []
 
     def on_signal() -> None:
         if stopping:  # the second signal: no more waiting
             os._exit(1)
-        stopping.append(asyncio.ensure_future(coordinator.stop(args.grace)))
+        stopping.append(asyncio.ensure_future(coordinator.stop()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -348,6 +342,7 @@ def _one_maths_thread() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    config = config_from(args)
     keep_freed_memory()
     _one_maths_thread()
     logging.basicConfig(
@@ -358,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # websockets logs every connection at INFO; ours already says what matters, once.
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_main(args))
+        runner.run(_main(config))
     return 0
 
 

@@ -146,8 +146,7 @@ class StoreInUse(StoreError):
     """Another coordinator (or another open store in this process) holds the state directory."""
 
 
-# -- the worker registry's (coordinator.server.registry)
-# ---------------------------------------------
+# -- the worker registry's (coordinator.workers.registry) ----------------------------------------
 
 
 class DuplicateWorker(CoordinatorError):

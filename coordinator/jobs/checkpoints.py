@@ -1,36 +1,192 @@
-"""A running job's checkpoints, as its strategy sees them: the one to resume from, and saving.
+"""Checkpoints: what a job resumes from, how they are written, and when a run saves one.
 
-The job manager gives each run a :class:`JobCheckpoints` (``JobInputs.checkpoints``): the
-checkpoint the job resumes from, if any, and :meth:`JobCheckpoints.save`, which writes the next
-one off the event loop (:class:`~coordinator.jobs.checkpoint_store.CheckpointStore`) and says so in
-the job's events — ``checkpoint`` with its position, size and time, or ``checkpoint_failed`` with
-why (the disk full, say): training goes on, the checkpoints before it stand.
+A checkpoint is what a strategy needs to go on exactly as if it had never stopped: every node's
+state, every optimizer's state, and the position (step, epoch or round) — the strategy decides
+what it holds (:class:`Checkpoint`). It is written to
+``<state_dir>/checkpoints/<job id>/<seq>.ckpt`` as one :mod:`protocol.codec` frame followed by its
+SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A torn or damaged
+file fails its digest and is never used (the one before it is); the previous checkpoint is
+removed only once the new one is complete, and the last ``keep`` are kept.
 
-The write runs while training goes on (the payload is the coordinator's own copy): only reading
-the state stalls the run. One write is in flight at a time, in order; :meth:`flush` waits for
-it (a run does before it returns, the job manager before it records a job's end).
+* :class:`CheckpointStore` — the files of every job's checkpoints; its I/O blocks: callers run
+  it in a thread.
+* :class:`JobCheckpoints` — one running job's checkpoints as its strategy sees them
+  (``JobInputs.checkpoints``): the one to resume from, and :meth:`JobCheckpoints.save`, which
+  writes the next one off the event loop and says so in the job's events — ``checkpoint`` with
+  its position, size and time, or ``checkpoint_failed`` with why (the disk full, say): training
+  goes on, the checkpoints before it stand. The write runs while training goes on (the payload
+  is the coordinator's own copy): only reading the state stalls the run. One write is in flight
+  at a time, in order; :meth:`JobCheckpoints.flush` waits for it (a run does before it returns,
+  the job manager before it records a job's end).
+* :class:`CheckpointPolicy` — when a run saves one (pure logic, no I/O).
+
+The job manager makes each run's :class:`JobCheckpoints`
+(:meth:`~coordinator.jobs.files.JobFiles.checkpoints_for`); its strategy saves through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from coordinator.jobs.checkpoint_store import Checkpoint, CheckpointStore
+from coordinator.jobs.disk import job_path, write_atomically
+from protocol.codec import decode, encode
 from protocol.errors import FrameError
+from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
 
-__all__ = ["JobCheckpoints"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_SECONDS",
+    "DEFAULT_KEEP",
+    "Checkpoint",
+    "CheckpointPolicy",
+    "CheckpointStore",
+    "JobCheckpoints",
+]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_KEEP = DEFAULT_KEEP_CHECKPOINTS
+"""Checkpoints kept per job unless its strategy says otherwise."""
+
+DEFAULT_CHECKPOINT_SECONDS = 60.0
+"""With ``checkpoint_every`` unset a run saves at the end of every epoch (round) or after this
+many seconds of training since the last checkpoint, whichever comes first."""
+
+SUFFIX = ".ckpt"
+DIGEST_BYTES = hashlib.sha256().digest_size
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One saved checkpoint of a job.
+
+    Attributes:
+        seq: its number (1, 2, ... per job; the latest has the largest).
+        position: where the run stood (``{"step": 40, "epoch": 2}``, ``{"round": 3}``), as its
+            events say it.
+        payload: what the strategy saved (states, optimizer states, its own counters).
+        nbytes: the size of its file.
+    """
+
+    seq: int
+    position: dict[str, Any]
+    payload: dict[str, Any]
+    nbytes: int
+
+
+class CheckpointStore:
+    """The checkpoints of every job, one directory each.
+
+    Args:
+        directory: ``<state_dir>/checkpoints`` (made ``0700``).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+
+    def _job_dir(self, job_id: str) -> Path:
+        return job_path(self.directory, job_id)
+
+    def save(
+        self, job_id: str, position: dict[str, Any], payload: dict[str, Any], keep: int
+    ) -> Checkpoint:
+        """Write the job's next checkpoint atomically and keep only its last ``keep``.
+
+        Raises:
+            OSError: it could not be written (the disk full, say); the ones before stand.
+        """
+        folder = self._job_dir(job_id)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        seq = max(self._seqs(folder), default=0) + 1
+        parts = encode({"position": position, "payload": payload})
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        nbytes = write_atomically(folder / f"{seq:08d}{SUFFIX}", [*parts, digest.digest()])
+        for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
+            (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
+        return Checkpoint(seq, position, payload, nbytes)
+
+    def latest(self, job_id: str) -> Checkpoint | None:
+        """The job's newest checkpoint that reads back whole (a damaged one is skipped, and
+        said in the log); ``None`` when it has none."""
+        folder = self._job_dir(job_id)
+        for seq in sorted(self._seqs(folder), reverse=True):
+            path = folder / f"{seq:08d}{SUFFIX}"
+            try:
+                return _read(path, seq)
+            except (OSError, FrameError, ValueError) as exc:
+                log.warning("job %s: checkpoint %s is not usable: %s", job_id, path.name, exc)
+        return None
+
+    def read(self, job_id: str, seq: int) -> Checkpoint:
+        """The job's checkpoint number ``seq``.
+
+        Raises:
+            OSError: there is no such checkpoint.
+            ValueError, protocol.errors.FrameError: it is torn or damaged.
+        """
+        return _read(self._job_dir(job_id) / f"{seq:08d}{SUFFIX}", seq)
+
+    def positions(self, job_id: str) -> list[tuple[int, dict[str, Any]]]:
+        """``(seq, position)`` of each of the job's checkpoints that reads back, oldest first."""
+        folder = self._job_dir(job_id)
+        found = []
+        for seq in sorted(self._seqs(folder)):
+            with contextlib.suppress(OSError, FrameError, ValueError):
+                found.append((seq, _read(folder / f"{seq:08d}{SUFFIX}", seq).position))
+        return found
+
+    def drop(self, job_id: str) -> None:
+        """Remove every checkpoint of the job."""
+        shutil.rmtree(self._job_dir(job_id), ignore_errors=True)
+
+    def has(self, job_id: str) -> bool:
+        """Whether the job has any checkpoint file (not read: one may be damaged)."""
+        return bool(self._seqs(self._job_dir(job_id)))
+
+    def keep_newest(self, job_id: str) -> None:
+        """Remove every checkpoint of the job but its newest."""
+        folder = self._job_dir(job_id)
+        for old in sorted(self._seqs(folder))[:-1]:
+            (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
+
+    @staticmethod
+    def _seqs(folder: Path) -> list[int]:
+        if not folder.is_dir():
+            return []
+        return [int(p.stem) for p in folder.glob(f"*{SUFFIX}") if p.stem.isdigit()]
+
+
+def _read(path: Path, seq: int) -> Checkpoint:
+    with path.open("rb") as file:
+        raw = bytearray(os.fstat(file.fileno()).st_size)
+        file.readinto(raw)
+    if len(raw) <= DIGEST_BYTES:
+        raise ValueError("too short to be a checkpoint")
+    body = memoryview(raw)[:-DIGEST_BYTES]
+    if hashlib.sha256(body).digest() != bytes(raw[-DIGEST_BYTES:]):
+        raise ValueError("its digest does not match: the file is torn or damaged")
+    data = decode(body)
+    if not isinstance(data, dict) or not {"position", "payload"} <= set(data):
+        raise ValueError("it does not hold a position and a payload")
+    return Checkpoint(seq, dict(data["position"]), dict(data["payload"]), len(raw))
 
 
 @dataclass
 class JobCheckpoints:
-    """One job's checkpoints (module docstring).
+    """One running job's checkpoints (see the module docstring).
 
     Attributes:
         job_id: the job.
@@ -83,3 +239,52 @@ class JobCheckpoints:
             position | {"seq": saved.seq, "bytes": saved.nbytes, "seconds": round(seconds, 4)},
         )
         return True
+
+
+@dataclass
+class CheckpointPolicy:
+    """When a run saves a checkpoint.
+
+    ``every`` steps (or rounds) if it is set; ``0``: never; ``None``: at the end of every epoch
+    (``per_epoch`` steps; a federated round is an epoch of one step) or once ``seconds`` of
+    training have passed since the last one, whichever comes first. And at the end of the run
+    (unless never): the model's optimizer state is kept with its result, so that a job can be
+    continued exactly (``resume_from``). ``clock`` gives seconds.
+    """
+
+    every: int | None
+    per_epoch: int
+    clock: Callable[[], float]
+    seconds: float = DEFAULT_CHECKPOINT_SECONDS
+    _since: float | None = None
+
+    def start(self) -> None:
+        """Training (re)starts now: the time since the last checkpoint counts from here."""
+        self._since = self.clock()
+
+    def due(self, done: int, total: int) -> bool:
+        """Whether to save after ``done`` steps of ``total`` (always after the last, unless
+        never)."""
+        if self.every == 0:
+            return False
+        if done >= total:
+            return True
+        if self.every is not None:
+            return done % self.every == 0
+        if self.per_epoch and done % self.per_epoch == 0:
+            return True
+        return self._since is not None and self.clock() - self._since >= self.seconds
+
+    def saved(self) -> None:
+        """A checkpoint was just saved."""
+        self._since = self.clock()
+
+    def next_due(self, done: int, total: int) -> int:
+        """The step after ``done`` at which a checkpoint falls due by count (``total`` when
+        none does): where a run that trains in chunks stops one."""
+        step = total
+        if self.every:
+            step = min(step, (done // self.every + 1) * self.every)
+        elif self.every is None and self.per_epoch:
+            step = min(step, (done // self.per_epoch + 1) * self.per_epoch)
+        return step

@@ -1,13 +1,19 @@
 """What the coordinator keeps on disk of each live job so that a restart loses nothing: its
-submit message (:mod:`coordinator.jobs.specs`) and its checkpoints
-(:mod:`coordinator.jobs.checkpoint_store`).
+submit message (:class:`SubmitMessages`) and its checkpoints (:mod:`coordinator.jobs.checkpoints`).
+
+A job's submit message (its graph's pickled filters, its data or dataset name, its strategy) and
+the client that submitted it are written to ``<state_dir>/jobs/<job id>.submit`` (one
+:mod:`protocol.codec` frame, ``0600`` in a ``0700`` directory, synced) when the job is accepted,
+and removed when it ends. A coordinator that dies leaves the files of its live jobs behind: the
+next one on the same state directory reads them back and queues those jobs again, each from its
+last checkpoint.
 
 :class:`JobFiles` is what the job manager calls: at submit (:meth:`JobFiles.keep`), when a run
 starts (:meth:`JobFiles.checkpoints_for`: the checkpoint to resume from and the saving of new
 ones), when a restarted coordinator queues a job again (:meth:`JobFiles.load`) and when a job ends
 (:meth:`JobFiles.ended`: a succeeded job keeps only its newest checkpoint, the one at its end,
 from which it can be continued; a failed or cancelled one keeps them all). Every method blocks
-on file I/O except :meth:`checkpoints_for`.
+on file I/O except :meth:`JobFiles.checkpoints_for`: callers run them in a thread.
 """
 
 from __future__ import annotations
@@ -15,46 +21,96 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoint_store import Checkpoint, CheckpointStore
-from coordinator.jobs.checkpoints import JobCheckpoints
-from coordinator.jobs.specs import JobSpecs
+from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
+from coordinator.jobs.disk import job_path, write_atomically
 from coordinator.jobs.store import JobRecord
 from coordinator.strategies import Strategy
+from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, FrameError, RequestRefused
 from protocol.messages import Submit
 
-__all__ = ["JobFiles"]
+__all__ = ["JobFiles", "SubmitMessages"]
 
 log = logging.getLogger(__name__)
+
+SUBMIT_SUFFIX = ".submit"
+"""The suffix of a live job's submit message in ``<state_dir>/jobs``."""
+
+
+class SubmitMessages:
+    """The directory of live jobs' submit messages.
+
+    Args:
+        directory: ``<state_dir>/jobs`` (made ``0700``).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+
+    def _path(self, job_id: str) -> Path:
+        return job_path(self.directory, job_id, SUBMIT_SUFFIX)
+
+    def save(self, job_id: str, msg: Submit, owner: str) -> int:
+        """Write the job's submit message and owner (atomically, synced); the bytes written."""
+        parts = encode({"owner": owner, "submit": msg.model_dump()})
+        return write_atomically(self._path(job_id), parts)
+
+    def load(self, job_id: str) -> tuple[Submit, str]:
+        """The job's submit message and owner, as :meth:`save` wrote them.
+
+        Raises:
+            OSError: there is none, or it cannot be read.
+            protocol.errors.FrameError, pydantic.ValidationError: it is not what was written.
+        """
+        with self._path(job_id).open("rb") as file:
+            frame = bytearray(os.fstat(file.fileno()).st_size)
+            file.readinto(frame)
+        data = decode(frame)
+        return Submit.model_validate(data["submit"]), str(data["owner"])
+
+    def has(self, job_id: str) -> bool:
+        return self._path(job_id).is_file()
+
+    def ids(self) -> set[str]:
+        """The jobs whose submit messages are here."""
+        return {p.stem for p in self.directory.glob(f"*{SUBMIT_SUFFIX}")}
+
+    def drop(self, job_id: str) -> None:
+        """Remove the job's submit message (it ended)."""
+        with contextlib.suppress(OSError):
+            self._path(job_id).unlink(missing_ok=True)
 
 
 class JobFiles:
     """``<state_dir>/jobs`` and ``<state_dir>/checkpoints``."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.specs = JobSpecs(state_dir / "jobs")
+        self.submits = SubmitMessages(state_dir / "jobs")
         self.checkpoints = CheckpointStore(state_dir / "checkpoints")
 
     def resumable(self) -> set[str]:
         """The jobs a restarted coordinator can queue again (their submit message is here)."""
-        return self.specs.ids()
+        return self.submits.ids()
 
     def keep(self, job_id: str, msg: Submit, owner: str) -> None:
         """Keep a new job's submit message; one that cannot be written is said in the log (the
         job runs, but would not outlive a restart of the coordinator)."""
         try:
-            self.specs.save(job_id, msg, owner)
+            self.submits.save(job_id, msg, owner)
         except OSError as exc:
             log.warning("job %s: kept in memory only, it will not resume: %s", job_id, exc)
 
     def load(self, job_id: str) -> tuple[Submit, str]:
-        """The submit message and owner of a job to queue again (see :meth:`JobSpecs.load`)."""
-        return self.specs.load(job_id)
+        """The submit message and owner of a job to queue again (:meth:`SubmitMessages.load`)."""
+        return self.submits.load(job_id)
 
     async def checkpoints_for(
         self,
@@ -138,12 +194,12 @@ class JobFiles:
     def ended(self, job_id: str, succeeded: bool) -> None:
         """A job ended: its submit message goes; if it succeeded, its checkpoints but the
         newest (its end: what continues it, ``resume_from``)."""
-        self.specs.drop(job_id)
+        self.submits.drop(job_id)
         if succeeded:
             self.checkpoints.keep_newest(job_id)
 
     def forget_others(self, live: Iterable[str]) -> None:
         """Remove the submit messages of jobs not ``live`` (ended under a coordinator that died
         before it could remove them)."""
-        for job_id in self.specs.ids() - set(live):
-            self.specs.drop(job_id)
+        for job_id in self.submits.ids() - set(live):
+            self.submits.drop(job_id)

@@ -21,7 +21,11 @@ A placed job runs on the strategy context its :data:`ContextFactory` makes from 
 :class:`PlacedJob` (its workers, timeouts, the recruit callback): the live workers over their
 connections (:func:`transport_context`) in the server, in-memory ones in the unit tests.
 
-The store is SQLite: every call into it runs in a thread, never on the event loop.
+The store is SQLite: every call into it runs in a thread, never on the event loop. The write
+that records how a job ended is tried again while the store fails (a full disk may get room, a
+database locked by a backup be let go: :data:`STORE_RETRIES`); if it never goes through, the
+job's watchers are told anyway, and the job stays ``running`` in the store until the next
+coordinator start marks it failed (``coordinator_restarted``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import dataclasses
 import functools
 import importlib
 import logging
+import sqlite3
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +47,19 @@ from coordinator.context import (
     StrategyContext,
     WorkerCallError,
 )
+from coordinator.errors import StoreError
 from coordinator.jobs.events import JobEvents
 from coordinator.jobs.files import JobFiles
-from coordinator.jobs.placed import ContextFactory, PlacedJob, transport_context
-from coordinator.jobs.restarts import gave_up, restarting, restarts_for
+from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.jobs.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
-from coordinator.jobs.store_retry import stored
-from coordinator.jobs.submission import check_workers, placement_of, summary_of, vetted, waited
-from coordinator.server.clients import EVERYONE
-from coordinator.server.registry import Registry, WorkerRecord, WorkerState
+from coordinator.jobs.submission import (
+    check_workers,
+    no_workers_after_wait,
+    placement_of,
+    summary_of,
+    vetted,
+)
 from coordinator.strategies import (
     JobInputs,
     Placement,
@@ -58,11 +67,30 @@ from coordinator.strategies import (
     StrategyFailed,
     strategy_from_spec,
 )
+from coordinator.workers.registry import Registry, WorkerRecord, WorkerState
+from coordinator.workers.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import StrategySpec, Submit
 
+__all__ = [
+    "DEFAULT_OWNER",
+    "STORE_RETRIES",
+    "ContextFactory",
+    "JobManager",
+    "PlacedJob",
+    "record_dict",
+    "transport_context",
+]
+
 log = logging.getLogger(__name__)
+
+DEFAULT_OWNER = "client"
+"""The owner of a job submitted without a client name: the ``client`` admin, whom everyone is
+without client tokens (:data:`coordinator.server.clients.EVERYONE`)."""
+
+STORE_RETRIES = (0.5, 1.0, 2.0, 4.0)
+"""Seconds between the tries of a terminal write when the store fails."""
 
 
 def record_dict(record: JobRecord) -> dict[str, Any]:
@@ -72,12 +100,55 @@ def record_dict(record: JobRecord) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class PlacedJob:
+    """What a job's strategy context is made from, once the job has its workers.
+
+    Attributes:
+        job_id: the job.
+        workers: the registry records of its workers, in strategy index order.
+        timeout: seconds one command may take on a worker.
+        threads: torch threads of each job daemon (``None``: the agent's default).
+        observe: called with ``(command, seconds)`` for every successful worker command.
+        recruit: waits up to the given seconds for a worker to replace a lost one and reserves
+            it for the job (:meth:`JobManager.recruit`); ``None`` if none came.
+    """
+
+    job_id: str
+    workers: list[WorkerRecord]
+    timeout: float
+    threads: int | None
+    observe: Callable[[str, float], None]
+    recruit: Callable[[float], Awaitable[WorkerRecord | None]]
+
+
+ContextFactory = Callable[[PlacedJob], AbstractAsyncContextManager[StrategyContext]]
+"""Makes a placed job's strategy context; leaving it closes the job on its workers."""
+
+
+@asynccontextmanager
+async def transport_context(job: PlacedJob) -> AsyncIterator[StrategyContext]:
+    """The job's live workers over their connections (:class:`TransportContext`)."""
+    ctx = TransportContext(
+        job.job_id,
+        job.workers,
+        job.timeout,
+        job.threads,
+        observe=job.observe,
+        recruit=job.recruit,
+    )
+    try:
+        yield ctx
+    finally:
+        await ctx.close()
+
+
 @dataclass
 class _Job:
     id: str
     strategy: Strategy
     inputs: JobInputs
-    owner: str = EVERYONE.name  # the client that submitted it
+    owner: str = DEFAULT_OWNER  # the client that submitted it
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     workers: list[WorkerRecord] = field(default_factory=list)
@@ -121,10 +192,10 @@ class JobManager:
         self,
         store: JobStore,
         registry: Registry,
+        *,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         job_threads: int | None = None,
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
-        *,
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
         spill: QueuedInputs | None = None,
@@ -152,7 +223,7 @@ class JobManager:
         """Something changed that may let a queued job start."""
         self._wake.set()
 
-    async def schedule_forever(self) -> None:
+    async def place_forever(self) -> None:
         """Place queued jobs whenever workers or jobs change."""
         while True:
             await self._wake.wait()
@@ -226,7 +297,7 @@ class JobManager:
 
     # -- client requests ----------------------------------------------------------------------
 
-    async def submit(self, msg: Submit, owner: str = EVERYONE.name) -> str:
+    async def submit(self, msg: Submit, owner: str = DEFAULT_OWNER) -> str:
         """Validate and queue a job of client ``owner``; returns its id.
 
         The checks are linear in the graph's size and run off the event loop: a submit of a
@@ -295,12 +366,14 @@ class JobManager:
         waiting = {} if waits is None else {"wait_for_workers": waits}
         await self._emit(job.id, "queued", {"placement": placement} | data | waiting)
         if waits is not None:
-            job.wait_expiry = self._expire(job, waits, functools.partial(self._waited, job, waits))
+            job.wait_expiry = self._expire(
+                job, waits, functools.partial(self._no_workers_after_wait, job, waits)
+            )
         self.kick()
 
-    def _waited(self, job: _Job, seconds: float) -> ErrorInfo:
+    def _no_workers_after_wait(self, job: _Job, seconds: float) -> ErrorInfo:
         known = [w.identity for w in self.registry]
-        return waited(placement_of(job.strategy, job.inputs), known, seconds)
+        return no_workers_after_wait(placement_of(job.strategy, job.inputs), known, seconds)
 
     async def _park_if_waiting(self, job: _Job) -> None:
         """Put a job's inputs on disk when it cannot start now and they are worth it."""
@@ -443,9 +516,11 @@ class JobManager:
         """Queue again a job whose run the fault ``info`` ended (its workers are free now), or
         end it if that cannot be stored or it is stopped meanwhile."""
         try:
-            failure = await stored(job.id, self.store.requeue, job.id)
+            failure = await _failure_after_retries(job.id, self.store.requeue, job.id)
             if failure is None:
-                await self._emit(job.id, "restarting", restarting(info, job.strategy, job.restarts))
+                await self._emit(
+                    job.id, "restarting", restarting_event(info, job.strategy, job.restarts)
+                )
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -469,8 +544,8 @@ class JobManager:
         if job.spec is not None:
             job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
         self._queue.insert(0, job.id)
-        gave = functools.partial(gave_up, info, job.strategy, job.restarts)
-        job.wait_expiry = self._expire(job, job.strategy.restart_timeout, gave)
+        why = functools.partial(no_workers_for_restart, info, job.strategy, job.restarts)
+        job.wait_expiry = self._expire(job, job.strategy.restart_timeout, why)
 
     def _expire(
         self, job: _Job, seconds: float, why: Callable[[], ErrorInfo]
@@ -510,7 +585,7 @@ class JobManager:
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
             states = await job.strategy.run(ctx, job.inputs, emit)
             frame = await asyncio.to_thread(encode_frame, states)
-            failure = await stored(job.id, self.store.succeed, job.id, frame)
+            failure = await _failure_after_retries(job.id, self.store.succeed, job.id, frame)
             if failure is not None:
                 why = f"the job trained, but its result could not be stored: {failure}"
                 raise StrategyFailed(ErrorCode.INTERNAL, why)
@@ -545,7 +620,7 @@ class JobManager:
     async def _end_or_restart(self, job: _Job, info: ErrorInfo) -> None:
         """A fault ended the job's run: it fails, or (``max_restarts``) it is queued again to
         resume from its last checkpoint once its workers are freed (:meth:`_run`)."""
-        if not self.accepting or not restarts_for(info, job.strategy, job.restarts):
+        if not self.accepting or not should_restart(info, job.strategy, job.restarts):
             await self._end(job, info)
             return
         if job.inputs.checkpoints is not None:
@@ -564,10 +639,12 @@ class JobManager:
     async def _record_end(self, job_id: str, info: ErrorInfo) -> None:
         data = {"code": str(info.code), "message": info.message, "detail": info.detail}
         if info.code is ErrorCode.CANCELLED:
-            await stored(job_id, self.store.cancel, job_id, info.message)
+            await _failure_after_retries(job_id, self.store.cancel, job_id, info.message)
             await self._emit(job_id, "cancelled", data)
         else:
-            await stored(job_id, self.store.fail, job_id, str(info.code), info.message, info.detail)
+            await _failure_after_retries(
+                job_id, self.store.fail, job_id, str(info.code), info.message, info.detail
+            )
             await self._emit(job_id, "failed", data)
         await self._forget(job_id, succeeded=False)
 
@@ -598,3 +675,21 @@ def _code(code: Any) -> ErrorCode:
         return ErrorCode(code)
     except ValueError:
         return ErrorCode.INTERNAL
+
+
+async def _failure_after_retries(job_id: str, write: Callable[..., Any], *args: Any) -> str | None:
+    """Do ``write(*args)`` in a thread, tried again after each of :data:`STORE_RETRIES` while
+    the store fails. Returns the failure that outlasted the tries (``None``: it is written)."""
+    failure = ""
+    for delay in (*STORE_RETRIES, None):
+        try:
+            await asyncio.to_thread(write, *args)
+            return None
+        except (sqlite3.Error, StoreError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        if delay is None:
+            break
+        log.warning("job %s: the store failed (%s); again in %gs", job_id, failure, delay)
+        await asyncio.sleep(delay)
+    log.error("job %s: its end could not be stored: %s", job_id, failure)
+    return failure

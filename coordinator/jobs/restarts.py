@@ -17,7 +17,7 @@ from typing import Any
 from coordinator.strategies import Strategy
 from protocol.errors import ErrorCode, ErrorInfo
 
-__all__ = ["RESTARTABLE", "gave_up", "restarting", "restarts_for"]
+__all__ = ["RESTARTABLE", "no_workers_for_restart", "restarting_event", "should_restart"]
 
 RESTARTABLE = frozenset(
     {
@@ -31,12 +31,12 @@ RESTARTABLE = frozenset(
 """The faults a restart may get past: the cluster's, not the job's."""
 
 
-def restarts_for(info: ErrorInfo, strategy: Strategy, done: int) -> bool:
+def should_restart(info: ErrorInfo, strategy: Strategy, done: int) -> bool:
     """Whether a job that ended with ``info``, restarted ``done`` times so far, restarts."""
     return info.code in RESTARTABLE and done < strategy.max_restarts
 
 
-def restarting(info: ErrorInfo, strategy: Strategy, attempt: int) -> dict[str, Any]:
+def restarting_event(info: ErrorInfo, strategy: Strategy, attempt: int) -> dict[str, Any]:
     """The data of a job's ``restarting`` event: which restart, and the fault it gets past."""
     return {
         "attempt": attempt,
@@ -47,7 +47,7 @@ def restarting(info: ErrorInfo, strategy: Strategy, attempt: int) -> dict[str, A
     }
 
 
-def gave_up(info: ErrorInfo, strategy: Strategy, attempt: int) -> ErrorInfo:
+def no_workers_for_restart(info: ErrorInfo, strategy: Strategy, attempt: int) -> ErrorInfo:
     """How a job fails when its restart found no workers in time: with the fault that stopped
     it, saying so."""
     return ErrorInfo(

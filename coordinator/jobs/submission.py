@@ -13,8 +13,8 @@ from typing import Any
 
 from coordinator.context import Target, WorkerIdentity
 from coordinator.errors import StrategyOptionsError
-from coordinator.server.registry import WorkerRecord
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
+from coordinator.workers.registry import WorkerRecord
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import Submit
 from protocol.options.devices import device_fits
@@ -24,13 +24,13 @@ from protocol.wording import listed
 __all__ = [
     "check_targets",
     "check_workers",
+    "no_workers_after_wait",
     "placement_of",
     "rows_of",
     "summary_of",
     "unequal_stage_rows",
     "unlabelled",
     "vetted",
-    "waited",
 ]
 
 
@@ -218,7 +218,9 @@ def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None
             )
 
 
-def waited(placement: Placement, known: Sequence[WorkerIdentity], seconds: float) -> ErrorInfo:
+def no_workers_after_wait(
+    placement: Placement, known: Sequence[WorkerIdentity], seconds: float
+) -> ErrorInfo:
     """Why a job fails that waited ``seconds`` (``wait_for_workers``) for workers to take
     ``placement``: what no ``known`` worker has, or that too few of them were free."""
     why = f"{placement.describe()} did not become free"

@@ -1,11 +1,13 @@
 """The coordinator's server: one port for workers, clients, health, metrics and the status page.
 
-:mod:`~coordinator.server.app` accepts connections and routes them;
-:mod:`~coordinator.server.registry` keeps the workers, :mod:`~coordinator.server.transport` runs
-a job's strategy over their connections (``TransportContext``);
-:mod:`~coordinator.server.client_requests` answers clients, :mod:`~coordinator.server.clients`
-says who they are; :mod:`~coordinator.server.http`, :mod:`~coordinator.server.metrics`,
-:mod:`~coordinator.server.status_api` and :mod:`~coordinator.server.status_page` answer plain
-HTTP; :mod:`~coordinator.server.pending` and :mod:`~coordinator.server.collector` keep the
-server standing under many connections.
+:mod:`~coordinator.server.config` holds its settings (:class:`CoordinatorConfig`, built by
+:mod:`coordinator.cli`); :mod:`~coordinator.server.app` runs on them: it accepts connections,
+serves the workers' (their hello, heartbeats and relayed tensors) and routes the clients'
+requests to :mod:`~coordinator.server.client_requests`, which answers them on behalf of who
+:mod:`~coordinator.server.clients` says they are. :mod:`~coordinator.server.http` answers plain
+HTTP and checks each upgrade; :mod:`~coordinator.server.status` is what ``somatize status`` and
+the status page (``static/``) show; :mod:`~coordinator.server.metrics` counts for ``/metrics``;
+:mod:`~coordinator.server.pending` and :mod:`~coordinator.server.collector` keep the server
+standing under many connections. The workers themselves are kept in :mod:`coordinator.workers`,
+the jobs in :mod:`coordinator.jobs`.
 """

@@ -5,6 +5,15 @@
 * ``GET /healthz``, ``GET /metrics``, ``GET /`` and ``GET /api/status``: see
   :mod:`coordinator.server.http`, which also checks each upgrade's token.
 
+:class:`Coordinator` takes its settings whole
+(:class:`~coordinator.server.config.CoordinatorConfig`, built by :mod:`coordinator.cli`) and
+makes its collaborators: the workers (:class:`~coordinator.workers.registry.Registry`), the jobs
+(:class:`~coordinator.jobs.manager.JobManager`, over the store it opens at
+:meth:`Coordinator.start`), the HTTP side (:class:`~coordinator.server.http.HttpEndpoints`) and
+the clients' requests (:class:`~coordinator.server.client_requests.ClientRequests`), each given
+what it uses. What runs when a worker connects is here: its hello read, its identity key checked,
+its record attached in the registry, its heartbeats and relayed tensors served.
+
 Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
 an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
 has ``handshake_timeout`` for the upgrade and the hello together (a half-sent HTTP request is
@@ -23,7 +32,7 @@ jobs a previous process left running), the server and the background tasks; :met
 waits; :meth:`stop` drains — it stops accepting jobs, gives running jobs a grace period, fails what
 is left with the reason, tells workers it is going, closes connections and the store.
 
-This module and the other ``ws_*`` modules are the only ones of the coordinator that import
+This module and :mod:`coordinator.server.http` are the only ones of the coordinator that import
 ``websockets``; the rest sees :class:`~protocol.asyncio.channel.Channel` objects.
 """
 
@@ -33,32 +42,27 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import ssl
-import time
-import weakref
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 from coordinator.jobs.files import JobFiles
-from coordinator.jobs.manager import JobManager, record_dict
+from coordinator.jobs.manager import JobManager
 from coordinator.jobs.spill import QueuedInputs
 from coordinator.jobs.store import JobState, JobStore
 from coordinator.server.client_requests import ClientRequests
-from coordinator.server.clients import EVERYONE, ClientIdentity, ClientTokens
-from coordinator.server.http import process_request
+from coordinator.server.clients import ConnectedClients
+from coordinator.server.config import SERVER, CoordinatorConfig
+from coordinator.server.http import HttpEndpoints
 from coordinator.server.metrics import Metrics
-from coordinator.server.pending import MAX_PENDING_PER_ADDRESS, PendingConnections
-from coordinator.server.registry import DuplicateWorker, Registry, WorkerRecord
-from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES, Channel
+from coordinator.server.pending import PendingConnections
+from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
+from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
-from protocol.chunking import DEFAULT_STALL_SECONDS, Budget
+from protocol.chunking import Budget
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
@@ -77,20 +81,12 @@ from protocol.messages import (
     WorkerHello,
 )
 
+__all__ = ["WS_MAX_SIZE", "Coordinator", "connection_class_counted_in"]
+
 log = logging.getLogger(__name__)
 
-SERVER = "somatize-coordinator/0.1.0"
 RELAY_TIMEOUT = 60.0
 """Seconds a worker has to take a relayed tensor into its mailbox."""
-REASSEMBLY_BUDGET = 4 << 30
-"""Default bytes of chunked messages in progress on all connections together (4 GiB)."""
-HANDSHAKE_TIMEOUT = 10.0
-"""Default seconds a new connection has, from its TCP accept, for the upgrade and its hello."""
-MAX_PENDING_CONNECTIONS = 64
-"""Default number of upgrades with a valid token but no hello yet beyond which upgrades get
-``503``."""
-STATUS_JOBS = 50
-"""How many of the latest jobs a status snapshot lists."""
 SENDS_PER_TURN = 32
 """Messages over 16 KiB the coordinator starts sending per turn of its event loop, over all its
 connections (:class:`~protocol.asyncio.turns.TurnGate`): a round's model sent to 10,000 workers
@@ -103,112 +99,41 @@ keeps ~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait beh
 
 
 class Coordinator:
-    """The coordinator daemon.
-
-    Args:
-        host, port: where to listen (port 0: any free port, see :attr:`port`).
-        state_dir: the job store's directory.
-        heartbeat_interval: seconds between an agent's heartbeats (told to agents).
-        heartbeat_timeout: seconds of silence after which a worker is lost.
-        call_timeout: seconds one command of a job may take on a worker.
-        job_threads: torch threads of each job's daemon (``None``: the agent's default).
-        max_message_bytes: largest (reassembled) message accepted from a peer.
-        max_inflight: requests handled at once per connection (one more: ``busy``).
-        max_pending_connections: upgrades with a valid token but no hello yet beyond which an
-            upgrade gets ``503`` (sockets without a valid upgrade are not counted).
-        max_pending_per_address: sockets from one IP address without a hello yet (token or
-            not) beyond which a new one from it is closed at its accept.
-        handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
-        worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
-            must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
-            upgrade, before any message is read. ``None``: that path is open (loopback only; the
-            CLI refuses otherwise unless ``--insecure``). A worker token cannot submit jobs.
-        tls: serve ``wss://`` (and ``https://`` health, metrics and status) with this context.
-        public_status: serve ``/``, ``/api/status`` and ``/metrics`` without the client token
-            (for a scraper on a trusted network). ``/healthz`` is always open.
-        client_tokens: named client tokens (``--client-tokens-file``), beside ``client_token``
-            (which is the ``client`` admin's): a client sees and cancels only its own jobs
-            unless it is an admin.
-        max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
-        forget_workers: worker ids whose identity key is dropped at :meth:`start` (their next
-            keyed hello enrols again).
-        max_reassembly_bytes: the bytes of chunked messages in progress on all connections
-            together (at least ``max_message_bytes``); a new one beyond it is ``too_large``
-            ("retry later"): a few peers cannot pin the coordinator's memory.
-        stall_timeout: seconds a chunked message may wait for its next chunk before it is
-            dropped and its memory freed.
+    """The coordinator daemon, configured by ``config`` (see
+    :class:`~coordinator.server.config.CoordinatorConfig`).
 
     A worker's hello for an id its operator chose carries the agent's identity key: the first
     one enrols the id (the store keeps the key's SHA-256), and a later hello for that id with
     another key, or none, is refused ``unauthorized`` — a worker token alone cannot take over
     another worker's id.
+
+    Attributes:
+        config: the settings it was made with.
+        port: the port it listens on (the one the system chose for port 0, once started).
+        registry: the workers.
+        metrics: the counters of ``/metrics``.
+        store, jobs: the job store and the job manager, from :meth:`start` on (``None``
+            before).
     """
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        state_dir: str | Path,
-        *,
-        heartbeat_interval: float = 2.0,
-        heartbeat_timeout: float = 10.0,
-        call_timeout: float = 3600.0,
-        job_threads: int | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        max_pending_connections: int = MAX_PENDING_CONNECTIONS,
-        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        worker_token: str | None = None,
-        client_token: str | None = None,
-        client_tokens: ClientTokens | None = None,
-        max_queued_jobs: int | None = None,
-        tls: ssl.SSLContext | None = None,
-        public_status: bool = False,
-        forget_workers: Sequence[str] = (),
-        max_reassembly_bytes: int = REASSEMBLY_BUDGET,
-        stall_timeout: float = DEFAULT_STALL_SECONDS,
-    ) -> None:
-        if heartbeat_timeout <= heartbeat_interval:
-            raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
-        if min(max_message_bytes, max_inflight, max_pending_connections) < 1:
-            raise ValueError("message, in-flight and pending-connection limits must be positive")
-        if handshake_timeout <= 0:
-            raise ValueError("the handshake timeout must be positive")
-        self.host = host
-        self.port = port
-        self.state_dir = Path(state_dir)
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.call_timeout = call_timeout
-        self.job_threads = job_threads
-        self.max_message_bytes = max_message_bytes
-        self.max_inflight = max_inflight
-        self.max_pending_connections = max_pending_connections
-        self.handshake_timeout = handshake_timeout
-        self.pending = PendingConnections(max_pending_connections, max_pending_per_address)
-        """Connections between their accept and their hello (:mod:`coordinator.server.pending`)."""
-        self.tokens = {"/worker": worker_token}
-        self.client_tokens = client_tokens
-        if client_token is not None:
-            single = ClientTokens.single(client_token)
-            self.client_tokens = single if client_tokens is None else single.merged(client_tokens)
-        self.clients: weakref.WeakKeyDictionary[ServerConnection, ClientIdentity] = (
-            weakref.WeakKeyDictionary()
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.port = config.port
+        self.pending = PendingConnections(
+            config.max_pending_connections, config.max_pending_per_address
         )
+        """Connections between their accept and their hello (:mod:`coordinator.server.pending`)."""
+        self.clients = ConnectedClients()
         """Who each ``/client`` connection is, from its token
         (:mod:`coordinator.server.clients`)."""
-        self.tls = tls
-        self.public_status = public_status
-        self.forget_workers = tuple(forget_workers)
-        self.max_queued_jobs = max_queued_jobs
-        self.reassembly = Budget(max(max_reassembly_bytes, max_message_bytes))
+        self.reassembly = Budget(max(config.max_reassembly_bytes, config.max_message_bytes))
         """The chunked messages in progress on all connections together."""
-        self.stall_timeout = stall_timeout
         self.metrics = Metrics()
-        self.registry = Registry(heartbeat_timeout)
+        self.registry = Registry(config.heartbeat_timeout)
         self.store: JobStore | None = None
         self.jobs: JobManager | None = None
+        self._http: HttpEndpoints | None = None
+        self._client_requests: ClientRequests | None = None
         self._server: Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: set[Channel] = set()
@@ -216,16 +141,16 @@ class Coordinator:
         self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
         self._turns = TurnGate(SENDS_PER_TURN)
         self._stopped = asyncio.Event()
-        self.client_requests = ClientRequests(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Open the store, listen, start the scheduler and the heartbeat reaper."""
-        files = await asyncio.to_thread(JobFiles, self.state_dir)
+        config = self.config
+        files = await asyncio.to_thread(JobFiles, config.state_dir)
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(
-            JobStore.open, self.state_dir, resumable=resumable
+            JobStore.open, config.state_dir, resumable=resumable
         )
         self.store = store
         requeued = [r for r in recovered if r.state is JobState.QUEUED]
@@ -239,58 +164,70 @@ class Coordinator:
                     record.error and record.error.get("detail", {}).get("state"),
                 )
         await asyncio.to_thread(files.forget_others, [r.id for r in requeued])
-        for worker_id in self.forget_workers:
+        for worker_id in config.forget_workers:
             if await asyncio.to_thread(store.forget_worker, worker_id):
                 log.warning("worker %s: identity forgotten; its next hello enrols again", worker_id)
             else:
                 log.warning("worker %s: no identity to forget", worker_id)
-        self.jobs = JobManager(
+        self.jobs = jobs = JobManager(
             store,
             self.registry,
-            self.call_timeout,
-            self.job_threads,
-            self.metrics.observe,
-            max_queued_jobs=self.max_queued_jobs,
-            spill=await asyncio.to_thread(QueuedInputs, self.state_dir / "queued"),
+            call_timeout=config.call_timeout,
+            job_threads=config.job_threads,
+            observe=self.metrics.observe,
+            max_queued_jobs=config.max_queued_jobs,
+            spill=await asyncio.to_thread(QueuedInputs, config.state_dir / "queued"),
             files=files,
         )
         for record in requeued:
-            await self.jobs.requeue(record)
-        self.registry.on_change = self.jobs.kick
+            await jobs.requeue(record)
+        self.registry.on_change = jobs.kick
+        self._client_requests = ClientRequests(jobs, self.registry, self.clients)
+        self._http = HttpEndpoints(
+            config,
+            registry=self.registry,
+            jobs=jobs,
+            metrics=self.metrics,
+            pending=self.pending,
+            clients=self.clients,
+            channels=self._channels,
+        )
         self._server = await serve(
             self._connection,
-            self.host,
+            config.host,
             self.port,
-            ssl=self.tls,
-            process_request=self._http,
-            create_connection=_counted(self.pending),
+            ssl=config.tls,
+            process_request=self._http.process_request,
+            create_connection=connection_class_counted_in(self.pending),
             server_header=SERVER,
             **ws_options(
-                open_timeout=self.handshake_timeout,
-                ping_interval=max(self.heartbeat_interval, 1.0) * 5,
-                ping_timeout=self.heartbeat_timeout * 2,
+                open_timeout=config.handshake_timeout,
+                ping_interval=max(config.heartbeat_interval, 1.0) * 5,
+                ping_timeout=config.heartbeat_timeout * 2,
             ),
         )
         self.port = self._server.sockets[0].getsockname()[1] if self.port == 0 else self.port
         self._tasks = [
-            asyncio.create_task(self.jobs.schedule_forever(), name="scheduler"),
+            asyncio.create_task(jobs.place_forever(), name="job placement"),
             asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
         ]
         log.info(
             "coordinator listening on ws://%s:%d (state in %s)",
-            self.host,
+            config.host,
             self.port,
-            self.state_dir,
+            config.state_dir,
         )
 
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Drain and stop: see the module docstring. Safe to call twice."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop: see the module docstring; running jobs get ``grace`` seconds
+        (``None``: the config's). Safe to call twice."""
         if self._stopped.is_set() or self.jobs is None:
             self._stopped.set()
             return
+        grace = self.config.grace if grace is None else grace
         log.info("coordinator stopping (grace %.0fs)", grace)
         assert self._server is not None and self.store is not None
         self._server.close(close_connections=False)  # stop accepting new connections
@@ -314,7 +251,7 @@ class Coordinator:
         log.info("coordinator stopped")
 
     async def _reap_forever(self) -> None:
-        period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
         loop = asyncio.get_running_loop()
         while True:
             woke = loop.time() + period
@@ -332,40 +269,7 @@ class Coordinator:
                     self._closing.add(task)
                     task.add_done_callback(self._closing.discard)
 
-    # -- HTTP ---------------------------------------------------------------------------------
-
-    async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
-        return await process_request(self, connection, request)
-
-    @property
-    def pending_connections(self) -> int:
-        """Connections accepted that have not said hello yet (this one included)."""
-        return len(self.pending)
-
-    def admit(self, connection: ServerConnection) -> bool:
-        """Count an upgrade whose token was checked among those waiting for their hello;
-        ``False`` (not counted) beyond ``max_pending_connections`` of them. Sockets that sent
-        no valid upgrade are not counted: whoever holds no token cannot lock anyone out (they
-        are closed by the handshake timeout, and capped per address at their accept)."""
-        return self.pending.admit(connection)
-
-    @property
-    def channels(self) -> set[Channel]:
-        """Every connection's channel, hello or not."""
-        return self._channels
-
-    async def status(self, client: ClientIdentity = EVERYONE) -> dict[str, Any]:
-        """What ``somatize status`` and the status page show: every worker's summary and the
-        latest jobs' records (state, progress, error) that ``client`` may see, with the server's
-        name and clock (the page measures durations against it, not against the browser's)."""
-        assert self.jobs is not None
-        now = time.monotonic()
-        return {
-            "server": SERVER,
-            "time": time.time(),
-            "workers": [w.summary(now) for w in self.registry],
-            "jobs": await self.client_requests.records(client, STATUS_JOBS),
-        }
+    # -- connections ---------------------------------------------------------------------------
 
     async def _connection(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
@@ -374,12 +278,12 @@ class Coordinator:
             ws,
             f"{path[1:]} {ws.remote_address}",
             None,
-            self.max_message_bytes,
-            self.max_inflight,
+            self.config.max_message_bytes,
+            self.config.max_inflight,
             bulk_gate=self._bulk_gate,
             budget=self.reassembly,
             turns=self._turns,
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.config.stall_timeout,
         )
         self._channels.add(channel)
         try:
@@ -404,7 +308,7 @@ class Coordinator:
         when it was refused (and the connection closed). It stops being pending."""
         loop = asyncio.get_running_loop()
         accepted = self.pending.accepted_at(ws)
-        deadline = (loop.time() if accepted is None else accepted) + self.handshake_timeout
+        deadline = (loop.time() if accepted is None else accepted) + self.config.handshake_timeout
         expected = WorkerHello if is_worker else ClientHello
         first = "worker_hello" if is_worker else "client_hello"
         try:
@@ -417,7 +321,7 @@ class Coordinator:
         except TimeoutError:
             log.info("refused %s: no hello within the handshake timeout", ws.remote_address)
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.handshake_timeout):
+                async with asyncio.timeout(self.config.handshake_timeout):
                     await ws.close(4008, "no hello within the handshake timeout")
         except VersionMismatch as exc:
             await self._refuse(ws, ErrorCode.VERSION_MISMATCH, str(exc))
@@ -429,7 +333,7 @@ class Coordinator:
 
     async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
         log.info("refused %s: %s", ws.remote_address, message)
-        await refuse_hello(ws, code, message, self.handshake_timeout)
+        await refuse_hello(ws, code, message, self.config.handshake_timeout)
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
         if hello.worker_id is not None and not await self._identified(hello.worker_id, hello.key):
@@ -459,8 +363,8 @@ class Coordinator:
             hello,
             Welcome(
                 worker_id=record.id,
-                heartbeat_interval=self.heartbeat_interval,
-                heartbeat_timeout=self.heartbeat_timeout,
+                heartbeat_interval=self.config.heartbeat_interval,
+                heartbeat_timeout=self.config.heartbeat_timeout,
                 server=SERVER,
             ),
         )
@@ -541,18 +445,19 @@ class Coordinator:
         await channel.reply(
             hello,
             Welcome(
-                heartbeat_interval=self.heartbeat_interval,
-                heartbeat_timeout=self.heartbeat_timeout,
+                heartbeat_interval=self.config.heartbeat_interval,
+                heartbeat_timeout=self.config.heartbeat_timeout,
                 server=SERVER,
             ),
         )
         await channel.run()
 
     async def _on_client_message(self, channel: Channel, message: Any) -> Any:
-        return await self.client_requests.handle(channel, message)
+        assert self._client_requests is not None  # made by start(), before any connection
+        return await self._client_requests.handle(channel, message)
 
 
-def _counted(pending: PendingConnections) -> type[ServerConnection]:
+def connection_class_counted_in(pending: PendingConnections) -> type[ServerConnection]:
     """A :class:`ServerConnection` class whose connections are in ``pending`` from their TCP
     accept until they are taken out or close: idle sockets and half-sent upgrades count, not
     only upgraded connections. A socket from an address that holds its share of pending
@@ -577,9 +482,6 @@ def _counted(pending: PendingConnections) -> type[ServerConnection]:
             super().connection_lost(exc)
 
     return Counted
-
-
-__all__ = ["WS_MAX_SIZE", "Coordinator", "RemoteError", "record_dict"]
 
 
 def _remote_host(transport: object) -> str | None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from websockets.asyncio.server import ServerConnection
-
-from coordinator.server.clients import EVERYONE, ClientIdentity
+from coordinator.jobs.manager import JobManager
+from coordinator.server.clients import ClientIdentity, ConnectedClients
+from coordinator.server.status import status_snapshot, visible_records
+from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
 from protocol.errors import ChannelClosed, ErrorCode, RequestRefused
 from protocol.messages import Ack, JobEvent, Probe, Result
-
-if TYPE_CHECKING:
-    from coordinator.jobs.manager import JobManager
-    from coordinator.server.app import Coordinator
 
 __all__ = ["PROBE_TIMEOUT", "ClientRequests"]
 
@@ -31,10 +28,18 @@ PROBE_TIMEOUT = 60.0
 
 
 class ClientRequests:
-    """The client requests of coordinator ``server``."""
+    """The requests of the clients connected to a coordinator.
 
-    def __init__(self, server: Coordinator) -> None:
-        self.server = server
+    Args:
+        jobs: the jobs they submit, watch, fetch and cancel.
+        registry: the workers (``ping`` through one, ``status``).
+        clients: who each client connection is (its token said, at the upgrade).
+    """
+
+    def __init__(self, jobs: JobManager, registry: Registry, clients: ConnectedClients) -> None:
+        self.jobs = jobs
+        self.registry = registry
+        self.clients = clients
         self._handlers: dict[str, Callable[[Channel, Any], Awaitable[Any]]] = {
             "submit": self.on_submit,
             "watch": self.on_watch,
@@ -47,23 +52,9 @@ class ClientRequests:
             "ping": self.on_ping,
         }
 
-    def _jobs(self) -> JobManager:
-        assert self.server.jobs is not None, "the coordinator is not started"
-        return self.server.jobs
-
-    async def records(self, client: ClientIdentity, limit: int) -> list[dict[str, Any]]:
-        """The latest ``limit`` job records ``client`` may see."""
-        assert self.server.jobs is not None
-        records = await self.server.jobs.records(limit)
-        return [r for r in records if client.may_see(r["summary"].get("owner"))]
-
     def _client(self, channel: Channel) -> ClientIdentity:
         """Who the client on ``channel`` is (its token said, at the upgrade)."""
-        transport = channel.transport
-        known = (
-            self.server.clients.get(transport) if isinstance(transport, ServerConnection) else None
-        )
-        return known or EVERYONE
+        return self.clients.of(channel.transport)
 
     async def _visible(self, channel: Channel, job_id: str) -> ClientIdentity:
         """The client of ``channel``, once it is found to own ``job_id`` (or be an admin).
@@ -71,9 +62,8 @@ class ClientRequests:
         Raises:
             RequestRefused: ``unknown_job`` for another client's job, as for none at all.
         """
-        assert self.server.jobs is not None
         client = self._client(channel)
-        if not client.admin and not client.may_see(await self.server.jobs.owner(job_id)):
+        if not client.admin and not client.may_see(await self.jobs.owner(job_id)):
             raise RequestRefused.of(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id)
         return client
 
@@ -93,18 +83,16 @@ class ClientRequests:
         return await handler(channel, message)
 
     async def on_submit(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         client = self._client(channel)
         if message.resume_from is not None:  # another client's job is not there to continue
             await self._visible(channel, message.resume_from)
-        job_id = await jobs.submit(message, client.name)
+        job_id = await self.jobs.submit(message, client.name)
         return Result(result={"job_id": job_id})
 
     async def on_watch(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         await self._visible(channel, message.job_id)
         async with _while_open(channel):
-            async for event in jobs.watch(message.job_id, message.after_seq):
+            async for event in self.jobs.watch(message.job_id, message.after_seq):
                 await channel.reply(
                     message,
                     JobEvent(
@@ -118,20 +106,18 @@ class ClientRequests:
         return Ack()
 
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         await self._visible(channel, message.job_id)
         async with _while_open(channel):
-            return Result(result=await jobs.result(message.job_id, message.wait))
+            return Result(result=await self.jobs.result(message.job_id, message.wait))
 
     async def on_get_checkpoint(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         await self._visible(channel, message.job_id)
-        await jobs.owner(message.job_id)  # an unknown job is said so, not "no checkpoint"
-        if jobs.files is None:
+        await self.jobs.owner(message.job_id)  # an unknown job is said so, not "no checkpoint"
+        if self.jobs.files is None:
             raise RequestRefused.of(
                 ErrorCode.NO_CHECKPOINT, "this coordinator keeps no checkpoints (no --state-dir)"
             )
-        found = await asyncio.to_thread(jobs.files.checkpoint, message.job_id, message.seq)
+        found = await asyncio.to_thread(self.jobs.files.checkpoint, message.job_id, message.seq)
         payload = found.payload
         # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
         # state of its differentiable nodes.
@@ -139,27 +125,25 @@ class ClientRequests:
         return Result(result={"seq": found.seq, "position": found.position, "states": states})
 
     async def on_cancel(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         await self._visible(channel, message.job_id)
-        await jobs.cancel(message.job_id)
+        await self.jobs.cancel(message.job_id)
         return Ack()
 
     async def on_get_job(self, channel: Channel, message: Any) -> Any:
-        jobs = self._jobs()
         await self._visible(channel, message.job_id)
-        return Result(result={"record": await jobs.record(message.job_id)})
+        return Result(result={"record": await self.jobs.record(message.job_id)})
 
     async def on_list_jobs(self, channel: Channel, message: Any) -> Any:
         client = self._client(channel)
-        return Result(result={"jobs": await self.records(client, message.limit)})
+        return Result(result={"jobs": await visible_records(self.jobs, client, message.limit)})
 
     async def on_ping(self, channel: Channel, message: Any) -> Any:
         """A no-op round trip: to the coordinator, or on through a worker to its daemon."""
         if message.worker_id is None:
             return Result(result={"worker_id": None})
-        record = self.server.registry.get(message.worker_id)
+        record = self.registry.get(message.worker_id)
         if record is None or record.channel is None:
-            known = [w.id for w in self.server.registry if w.connected]
+            known = [w.id for w in self.registry if w.connected]
             raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 f"no connected worker {message.worker_id!r} (connected: {known})",
@@ -178,7 +162,7 @@ class ClientRequests:
 
     async def on_status(self, channel: Channel, message: Any) -> Any:
         client = self._client(channel)
-        return Result(result=await self.server.status(client))
+        return Result(result=await status_snapshot(self.registry, self.jobs, client))
 
 
 @contextlib.asynccontextmanager

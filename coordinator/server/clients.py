@@ -4,16 +4,21 @@ A coordinator takes one client token (``--client-token-file``: its holder is the
 admin) or several named ones (``--client-tokens-file``, a line ``NAME TOKEN [admin]`` each).
 A job belongs to the client that submitted it: a client sees, watches, fetches and cancels only
 its own jobs — another's is "no job" to it, as one that does not exist — unless it is an admin.
-Without client tokens (loopback, or ``--insecure``) everyone is the ``client`` admin. No I/O.
+Without client tokens (loopback, or ``--insecure``) everyone is the ``client`` admin. The
+server learns who a ``/client`` connection is from the token of its upgrade and keeps it for the
+connection's life (:class:`ConnectedClients`). No I/O.
 """
 
 from __future__ import annotations
 
 import hmac
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["EVERYONE", "ClientIdentity", "ClientTokens"]
+from coordinator.jobs.manager import DEFAULT_OWNER
+
+__all__ = ["EVERYONE", "ClientIdentity", "ClientTokens", "ConnectedClients"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class ClientIdentity:
         return self.admin or owner == self.name
 
 
-EVERYONE = ClientIdentity("client", admin=True)
+EVERYONE = ClientIdentity(DEFAULT_OWNER, admin=True)
 """Whoever connects without client tokens, or with the single ``--client-token-file`` one."""
 
 
@@ -101,3 +106,24 @@ class ClientTokens:
             if hmac.compare_digest(token, offered):
                 found = identity
         return found
+
+
+class ConnectedClients:
+    """Who each ``/client`` connection is, from the token of its upgrade, for as long as the
+    connection lives (the connections are weakly held: one that closes is forgotten)."""
+
+    def __init__(self) -> None:
+        self._by_connection: weakref.WeakKeyDictionary[object, ClientIdentity] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __setitem__(self, connection: object, client: ClientIdentity) -> None:
+        self._by_connection[connection] = client
+
+    def of(self, connection: object) -> ClientIdentity:
+        """Who the client on ``connection`` is; :data:`EVERYONE` for a connection no token
+        named (there are no client tokens)."""
+        try:
+            return self._by_connection.get(connection) or EVERYONE
+        except TypeError:  # not a connection that can be weakly held: not one of the server's
+            return EVERYONE

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-__all__ = ["COLLECT_EVERY", "FREEZE_EVERY", "Chore", "Schedule", "tend"]
+__all__ = ["COLLECT_EVERY", "FREEZE_EVERY", "Chore", "GcTimetable", "tend"]
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,16 @@ COLLECT_EVERY = 600.0
 
 
 class Chore(Enum):
+    """What the garbage collector is made to do at one tick."""
+
     FREEZE = "freeze"
     COLLECT = "collect"
 
 
-class Schedule:
-    """Which chore is due at ``now``: a full collection every ``collect_every`` seconds, a freeze
-    at every other call (the caller calls every ``freeze_every`` seconds)."""
+class GcTimetable:
+    """The garbage collector's timetable: which chore is due at ``now``, a full collection
+    every ``collect_every`` seconds, a freeze at every other call (the caller calls every
+    ``freeze_every`` seconds)."""
 
     def __init__(self, collect_every: float, now: float) -> None:
         if collect_every <= 0:
@@ -73,8 +76,8 @@ async def tend(
     collect_every: float = COLLECT_EVERY,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Freeze and collect on :class:`Schedule`, until cancelled."""
-    schedule = Schedule(collect_every, clock())
+    """Freeze and collect on :class:`GcTimetable`, until cancelled."""
+    timetable = GcTimetable(collect_every, clock())
     while True:
         await asyncio.sleep(freeze_every)
-        do(schedule.due(clock()))
+        do(timetable.due(clock()))

@@ -27,7 +27,8 @@ from coordinator.context import (
     WorkerIdentity,
 )
 from coordinator.server.app import Coordinator
-from coordinator.server.transport import TransportContext
+from coordinator.server.config import CoordinatorConfig
+from coordinator.workers.transport import TransportContext
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.utils import UNIT, Center
@@ -76,7 +77,9 @@ async def _transport_context(tmp_path) -> AsyncIterator[StrategyContext]:
     from worker.agent import Agent, AgentConfig
 
     coordinator = Coordinator(
-        "127.0.0.1", 0, tmp_path / "state", heartbeat_interval=0.5, heartbeat_timeout=5.0
+        CoordinatorConfig(
+            "127.0.0.1", 0, tmp_path / "state", heartbeat_interval=0.5, heartbeat_timeout=5.0
+        )
     )
     await coordinator.start()
     url = f"ws://127.0.0.1:{coordinator.port}"

@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import somatize as sz
 from coordinator.server.app import Coordinator
+from coordinator.server.config import CoordinatorConfig
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC
 from protocol.errors import ErrorCode, RemoteError
@@ -487,7 +488,7 @@ def test_a_clients_waits_end_with_its_connection(tmp_path):
     """A watch of a job that stays queued, a long get_result: gone when the client goes."""
 
     async def main() -> None:
-        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        coordinator = Coordinator(CoordinatorConfig("127.0.0.1", 0, tmp_path / "state"))
         await coordinator.start()
         assert coordinator.jobs is not None
         url = f"ws://127.0.0.1:{coordinator.port}"
@@ -529,7 +530,7 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
     6), not when the cyclic garbage collector happens to run."""
 
     async def main() -> None:
-        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        coordinator = Coordinator(CoordinatorConfig("127.0.0.1", 0, tmp_path / "state"))
         await coordinator.start()
         url = f"ws://127.0.0.1:{coordinator.port}"
         hellos = [
@@ -566,7 +567,7 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
 
 def test_healthz_says_when_the_job_store_cannot_be_written(tmp_path):
     async def main() -> None:
-        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state")
+        coordinator = Coordinator(CoordinatorConfig("127.0.0.1", 0, tmp_path / "state"))
         await coordinator.start()
         assert coordinator.store is not None
         store = coordinator.store

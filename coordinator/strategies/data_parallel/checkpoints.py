@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.jobs.checkpoint_store import CheckpointPolicy
-from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas
 
 __all__ = ["ReplicaCheckpoints"]

@@ -54,7 +54,7 @@ import numpy as np
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError, WorkerCallError
-from coordinator.jobs.checkpoint_store import CheckpointPolicy
+from coordinator.jobs.checkpoints import CheckpointPolicy
 from coordinator.strategies.aggregate import AggregationError
 from coordinator.strategies.base import (
     Emit,

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.context import StrategyContext
-from coordinator.jobs.checkpoint_store import CheckpointPolicy
-from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.base import Emit, concurrently
 from coordinator.strategies.history import History
 

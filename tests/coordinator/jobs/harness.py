@@ -11,10 +11,9 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext, NoReplacement
-from coordinator.jobs.manager import JobManager
-from coordinator.jobs.placed import PlacedJob
+from coordinator.jobs.manager import JobManager, PlacedJob
 from coordinator.jobs.store import JobStore
-from coordinator.server.registry import Registry
+from coordinator.workers.registry import Registry
 from protocol.filters import dump_filter
 from protocol.messages import Capabilities, DatasetSummary, GraphSpec, StrategySpec, Submit
 from somatize.client import graph_info
@@ -116,7 +115,7 @@ class Harness:
         return self.registry.attach(worker_id, list(tags), caps, FakeChannel(), summaries)
 
     async def __aenter__(self) -> Harness:
-        self.scheduler = asyncio.create_task(self.manager.schedule_forever())
+        self.scheduler = asyncio.create_task(self.manager.place_forever())
         return self
 
     async def __aexit__(self, *exc_info) -> None:

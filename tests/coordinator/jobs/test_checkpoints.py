@@ -1,4 +1,4 @@
-"""coordinator.jobs.checkpoint_store: atomic, verified checkpoint files, and when a run saves
+"""coordinator.jobs.checkpoints: atomic, verified checkpoint files, and when a run saves
 one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.jobs.checkpoint_store import CheckpointPolicy, CheckpointStore
+from coordinator.jobs.checkpoints import CheckpointPolicy, CheckpointStore
 
 
 def _payload(k: float) -> dict:

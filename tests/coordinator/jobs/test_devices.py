@@ -8,8 +8,8 @@ import pytest
 
 from coordinator.context import InMemoryContext, Target, TargetError, WorkerIdentity
 from coordinator.jobs.submission import WAIT_HINT
-from coordinator.server.registry import WorkerState
 from coordinator.strategies import Placement
+from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
 from tests.coordinator.jobs.harness import Harness, run, submit
 from tests.utils import UNIT

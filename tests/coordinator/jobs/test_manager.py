@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.jobs import store_retry
+from coordinator.jobs import manager
 from coordinator.jobs.store import JobState
-from coordinator.server.registry import WorkerState
+from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
 from tests.coordinator.jobs.harness import (
     Boom,
@@ -311,7 +311,7 @@ def test_a_huge_graph_is_checked_off_the_loop_and_refused_in_a_line(tmp_path):
 
 
 def test_with_the_store_full_a_running_job_still_ends_for_its_watchers(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_retry, "STORE_RETRIES", (0.01, 0.02))
+    monkeypatch.setattr(manager, "STORE_RETRIES", (0.01, 0.02))
 
     async def main():
         async with Harness(tmp_path, gate_open=False) as h:

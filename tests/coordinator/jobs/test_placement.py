@@ -9,7 +9,7 @@ import torch
 
 import somatize as sz
 from coordinator.jobs.submission import WAIT_HINT
-from coordinator.server.registry import WorkerState
+from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import ArrayShape, DatasetSummary
 from tests.coordinator.jobs.harness import FakeChannel, Harness, make_graph, run, submit

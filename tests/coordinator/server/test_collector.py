@@ -1,5 +1,5 @@
 """coordinator.server.collector: what is alive is frozen out of the collector's walks, and a cycle
-that became garbage meanwhile is taken by the next full collection, on its schedule."""
+that became garbage meanwhile is taken by the next full collection, on its timetable."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import weakref
 
 import pytest
 
-from coordinator.server.collector import Chore, Schedule, do, tend
+from coordinator.server.collector import Chore, GcTimetable, do, tend
 
 
 def test_a_full_collection_is_due_every_collect_every_seconds_and_a_freeze_otherwise():
-    schedule = Schedule(collect_every=10.0, now=100.0)
-    assert [schedule.due(t) for t in (101.0, 109.9, 110.0, 111.0, 119.9, 120.5)] == [
+    timetable = GcTimetable(collect_every=10.0, now=100.0)
+    assert [timetable.due(t) for t in (101.0, 109.9, 110.0, 111.0, 119.9, 120.5)] == [
         Chore.FREEZE,
         Chore.FREEZE,
         Chore.COLLECT,
@@ -23,7 +23,7 @@ def test_a_full_collection_is_due_every_collect_every_seconds_and_a_freeze_other
         Chore.COLLECT,
     ]
     with pytest.raises(ValueError, match="positive"):
-        Schedule(collect_every=0, now=0.0)
+        GcTimetable(collect_every=0, now=0.0)
 
 
 class Node:

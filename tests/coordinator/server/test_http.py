@@ -24,6 +24,7 @@ import pytest
 import somatize as sz
 from coordinator.server.app import Coordinator
 from coordinator.server.clients import ClientIdentity, ClientTokens
+from coordinator.server.config import CoordinatorConfig
 from tests.utils import UNIT, Center
 
 CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
@@ -37,7 +38,7 @@ def running(tmp_path: Path, **kwargs: Any) -> Iterator[str]:
     box: dict[str, Any] = {}
 
     async def main() -> None:
-        coordinator = Coordinator("127.0.0.1", 0, tmp_path / "state", **kwargs)
+        coordinator = Coordinator(CoordinatorConfig("127.0.0.1", 0, tmp_path / "state", **kwargs))
         await coordinator.start()
         box["loop"], box["coordinator"] = asyncio.get_running_loop(), coordinator
         ready.set()

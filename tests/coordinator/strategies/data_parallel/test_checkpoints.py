@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from coordinator.context import InMemoryContext
-from coordinator.jobs.checkpoint_store import CheckpointStore
-from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
-from coordinator.jobs.checkpoint_store import CheckpointStore
-from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed
 from coordinator.strategies.model_parallel.model_parallel import Partition
 from protocol.errors import ErrorCode

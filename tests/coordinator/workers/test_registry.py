@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.context import WorkerIdentity
 from coordinator.errors import DuplicateWorker
-from coordinator.server.registry import Registry, WorkerState
+from coordinator.workers.registry import Registry, WorkerState
 from protocol.messages import ArrayShape, Capabilities, DatasetSummary
 
 CAPS = Capabilities(cpus=2, memory_bytes=1 << 30, torch="2", python="3.11", cloudpickle="3")

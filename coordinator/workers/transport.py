@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
 from coordinator.errors import NoReplacement, WorkerCallError
-from coordinator.server.registry import WorkerRecord
+from coordinator.workers.registry import WorkerRecord
 from protocol.asyncio.channel import Pacer
 from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields

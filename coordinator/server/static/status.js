@@ -1,66 +1,220 @@
-"""The status page's job view: what one job did, in order, and a button to stop it.
+"use strict";
+const POLL_MS = 1000;
+// Beside this page, without the user:password@ a person may have typed (fetch refuses URLs with
+// credentials; the browser sends the ones it logged in with by itself, same origin and realm).
+const STATUS_URL = new URL("api/status", location.href);
+STATUS_URL.username = STATUS_URL.password = "";
 
-A row of the jobs table opens it (``#job=ID`` in the address, so it can be linked and
-survives a reload); it polls ``GET /api/jobs/ID`` (:mod:`coordinator.server.status_api`) while it is
-open and shows the job's record (name, file, strategy, workers, times), its error with the
-filter's traceback, its loss curve (an inline SVG: the points ``somatize result --plot``
-draws, along the steps, rounds or epochs it counted) and the timeline of its events, each in
-the words the CLI uses (:mod:`somatize.progress`, :mod:`somatize.tables`). While the job is
-queued or running a Cancel button stops it: a first click asks, a second within five seconds
-cancels (``GET /api/jobs/ID/cancel`` with the header that request needs).
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
 
-Three strings go into :data:`coordinator.server.status_page.PAGE`: the view's CSS, its HTML and its
-script (run in the page's, sharing its helpers ``el``, ``cell``, ``pill``, ``isNum``).
-"""
+function cell(row, content, cls) {
+  const td = el("td", undefined, cls);
+  if (content instanceof Node) td.appendChild(content);
+  else if (content !== undefined && content !== null) td.textContent = String(content);
+  row.appendChild(td);
+  return td;
+}
 
-from __future__ import annotations
+function pill(state) {
+  return el("span", state, "pill " + String(state).replace(/[^a-z]/g, ""));
+}
 
-__all__ = ["JOB_CSS", "JOB_HTML", "JOB_JS"]
+function isNum(v) { return typeof v === "number" && isFinite(v); }
 
-JOB_CSS = r"""
-  #job-view header.bar-top {
-    display: flex; align-items: center; gap: 10px; padding: 12px 16px;
-    border-bottom: 1px solid var(--line); background: none; color: inherit;
+function seconds(s) {
+  if (!isNum(s)) return "";
+  if (s < 60) return s.toFixed(1) + " s";
+  const m = Math.floor(s / 60);
+  if (m < 60) return m + " min " + Math.round(s - 60 * m) + " s";
+  return Math.floor(m / 60) + " h " + (m % 60) + " min";
+}
+
+function bytes(n) {
+  return isNum(n) && n > 0 ? (n / 2 ** 30).toFixed(1) + " GiB" : "";
+}
+
+// The training device as `somatize status` says it (somatize/cli.py device_text).
+function deviceText(caps) {
+  const parts = [caps.device ? String(caps.device) : "cpu"];
+  if (caps.device_name) parts.push(String(caps.device_name));
+  const memory = bytes(caps.device_memory_bytes);
+  if (memory) parts.push(memory);
+  return parts.join(" ");
+}
+
+// A worker's datasets as `somatize status` says them (somatize/tables.py datasets_text).
+function datasetsText(datasets) {
+  if (!datasets || typeof datasets !== "object") return "";
+  return Object.keys(datasets).sort().map((name) => {
+    const d = datasets[name] || {};
+    const words = [name, String(d.rows != null ? d.rows : "?")];
+    if (d.x) {
+      const trailing = (d.x.shape || []).slice(1).join(" × ");
+      words.push((trailing + " " + (d.x.dtype || "")).trim());
+    }
+    if (d.y) words.push("→ " + (d.y.dtype || ""));
+    if (d.kind === "shards") words.push("(" + d.shards + " shards)");
+    return words.filter((w) => w).join(" ");
+  }).join(", ");
+}
+
+// Where a job stands, in the words of `somatize jobs` (somatize/progress.py, the position):
+// `epoch 1/2 · step 40/66` (the step within its epoch), `round 3/10`, else its phase.
+function progressText(p) {
+  const parts = [];
+  const perEpoch = isNum(p.steps) && isNum(p.epochs) && p.epochs > 0 && p.steps % p.epochs === 0
+    ? p.steps / p.epochs : null;
+  if (p.epoch != null) parts.push("epoch " + p.epoch + (p.epochs ? "/" + p.epochs : ""));
+  if (p.round != null) parts.push("round " + p.round + (p.rounds ? "/" + p.rounds : ""));
+  if (p.step != null) {
+    if (perEpoch && isNum(p.epoch)) {
+      parts.push("step " + (p.step - (p.epoch - 1) * perEpoch) + "/" + perEpoch);
+    } else {
+      parts.push("step " + p.step + (p.steps ? "/" + p.steps : ""));
+    }
   }
-  #job-view h2 { border: 0; padding: 0; flex: 1; overflow-wrap: anywhere; }
-  #job-view button {
-    font: inherit; padding: 5px 12px; border-radius: 6px; border: 1px solid var(--line);
-    background: var(--panel); cursor: pointer;
+  if (!parts.length && p.phase) parts.push(String(p.phase));
+  // The last epoch's (round's) figures: validation loss, metrics, learning rate.
+  for (const [k, v] of Object.entries(p.metrics || {})) {
+    if (k !== "epoch" && k !== "round" && k !== "loss" && isNum(v)) {
+      parts.push(k + " " + (k === "lr" ? v.toPrecision(3) : v.toFixed(4)));
+    }
   }
-  #job-cancel { color: var(--bad); border-color: #f1b0aa !important; }
-  #job-cancel.armed { background: var(--bad) !important; color: #fff; }
-  .facts {
-    display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 8px 20px;
-    padding: 12px 16px; margin: 0;
+  return parts.join(" \u00b7 ");
+}
+
+function fraction(p, state) {
+  if (state === "succeeded") return 1;
+  for (const [done, total] of [["step", "steps"], ["round", "rounds"], ["epoch", "epochs"]]) {
+    if (isNum(p[done]) && isNum(p[total]) && p[total] > 0) return Math.min(p[done] / p[total], 1);
   }
-  .facts dt { color: var(--muted); font-size: 12px; text-transform: uppercase; }
-  .facts dd { margin: 0; overflow-wrap: anywhere; }
-  #job-error { margin: 0 16px 12px; padding: 10px 12px; border-radius: 8px;
-    background: var(--bad-bg); color: var(--bad); overflow-wrap: anywhere; }
-  #job-error pre { margin: 8px 0 0; white-space: pre-wrap; font-size: 12px; color: var(--ink); }
-  #job-curve { display: block; width: 100%; height: 220px; }
-  #job-curve text { font-size: 11px; fill: var(--muted); }
-  #job-events td.what { white-space: normal; overflow-wrap: anywhere; }
-"""
+  return null;
+}
 
-JOB_HTML = r"""
-  <section class="panel" id="job-view" hidden>
-    <header class="bar-top">
-      <h2 id="job-title"></h2>
-      <button type="button" id="job-cancel" hidden>Cancel job</button>
-      <button type="button" id="job-close">Close</button>
-    </header>
-    <dl class="facts" id="job-facts"></dl>
-    <div id="job-error" hidden></div>
-    <svg id="job-curve" viewBox="0 0 760 220" hidden></svg>
-    <div class="scroll"><table id="job-events">
-      <thead><tr><th>At</th><th>Event</th><th>What</th></tr></thead>
-      <tbody></tbody>
-    </table></div>
-  </section>
-"""
+function duration(job, now) {
+  if (isNum(job.started)) return seconds((isNum(job.finished) ? job.finished : now) - job.started);
+  if (isNum(job.created) && !isNum(job.finished)) return "waiting " + seconds(now - job.created);
+  return "";
+}
 
-JOB_JS = r"""
+function card(value, label) {
+  const div = el("div", undefined, "card");
+  div.appendChild(el("b", value));
+  div.appendChild(el("span", label));
+  return div;
+}
+
+function count(list, key, value) { return list.filter((x) => x[key] === value).length; }
+
+function renderCards(status) {
+  const w = status.workers, j = status.jobs;
+  const connected = count(w, "state", "idle") + count(w, "state", "busy");
+  document.getElementById("cards").replaceChildren(
+    card(connected, "workers connected"),
+    card(count(w, "state", "busy"), "workers busy"),
+    card(count(j, "state", "running"), "jobs running"),
+    card(count(j, "state", "queued"), "jobs queued"),
+    card(count(j, "state", "succeeded"), "jobs succeeded"),
+    card(count(j, "state", "failed"), "jobs failed"),
+  );
+}
+
+function renderWorkers(workers) {
+  const rows = workers.map((w) => {
+    const tr = el("tr");
+    tr.dataset.worker = w.id;
+    cell(tr, w.id, "id");
+    const tags = el("span");
+    for (const t of w.tags || []) tags.appendChild(el("span", t, "tag"));
+    if (!(w.tags || []).length) tags.appendChild(el("span", "\u2014", "muted"));
+    cell(tr, tags);
+    const state = cell(tr, pill(w.state));
+    if (w.reason && w.state !== "idle" && w.state !== "busy") {
+      state.appendChild(el("div", w.reason, "muted"));
+    }
+    cell(tr, isNum(w.last_heartbeat_age) ? seconds(w.last_heartbeat_age) + " ago" : "", "num");
+    cell(tr, w.job_id || "\u2014", w.job_id ? "id" : "muted");
+    const caps = w.capabilities || {};
+    cell(tr, caps.cpus, "num");
+    cell(tr, bytes(caps.memory_bytes), "num");
+    cell(tr, deviceText(caps));
+    cell(tr, datasetsText(w.datasets));
+    return tr;
+  });
+  document.querySelector("#workers tbody").replaceChildren(...rows);
+  document.getElementById("workers-empty").hidden = rows.length > 0;
+  document.getElementById("workers-count").textContent = rows.length ? "(" + rows.length + ")" : "";
+}
+
+function renderJobs(jobs, now) {
+  const rows = jobs.map((job) => {
+    const p = job.progress || {};
+    const tr = el("tr");
+    tr.dataset.job = job.id;
+    if (job.id === openJob) tr.className = "open";
+    tr.addEventListener("click", () => { location.hash = "job=" + encodeURIComponent(job.id); });
+    const id = cell(tr, job.id, "id");
+    const summary = job.summary || {};
+    if (summary.name) id.appendChild(el("span", summary.name, "name"));
+    cell(tr, job.strategy);
+    cell(tr, pill(job.state));
+    const prog = cell(tr, progressText(p), "wrap progress");
+    const f = fraction(p, job.state);
+    if (f !== null) {
+      const bar = el("div", undefined, job.state === "succeeded" ? "bar done" : "bar");
+      const fill = el("i");
+      fill.style.width = (100 * f).toFixed(1) + "%";
+      bar.appendChild(fill);
+      prog.appendChild(bar);
+    }
+    cell(tr, isNum(p.loss) ? p.loss.toPrecision(4) : "", "num");
+    cell(tr, (job.workers || []).join(", "), "wrap");
+    cell(tr, clockTime(job.created), "num");
+    cell(tr, duration(job, now), "num");
+    const err = cell(tr, undefined, "wrap clamp error");
+    if (job.error) {
+      const text = el("div");
+      text.appendChild(el("code", job.error.code));
+      text.appendChild(document.createTextNode(job.error.message || ""));
+      err.appendChild(text);
+    }
+    return tr;
+  });
+  document.querySelector("#jobs tbody").replaceChildren(...rows);
+  document.getElementById("jobs-empty").hidden = rows.length > 0;
+  document.getElementById("jobs-count").textContent =
+    rows.length ? "(latest " + rows.length + ")" : "";
+}
+
+function connection(ok, text) {
+  document.getElementById("dot").className = ok ? "live" : "down";
+  document.getElementById("conn-text").textContent = text;
+}
+
+async function poll() {
+  try {
+    const response = await fetch(STATUS_URL, { cache: "no-store" });
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    const status = await response.json();
+    renderCards(status);
+    renderWorkers(status.workers);
+    renderJobs(status.jobs, status.time);
+    await refreshJob(status.time);
+    connection(true, "live");
+    document.getElementById("footer").textContent =
+      (status.server || "") + " \u00b7 updated " + new Date().toLocaleTimeString();
+  } catch (exc) {
+    connection(false, "unreachable (" + exc.message + "), retrying");
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
 // -- the job view --------------------------------------------------------------------------
 let openJob = null;  // the id in #job=ID, or null
 let armedUntil = 0;  // the cancel button asks before it cancels
@@ -354,4 +508,6 @@ document.getElementById("job-cancel").addEventListener("click", async () => {
     await refreshJob(null);
   }
 });
-"""
+
+window.addEventListener("hashchange", () => refreshJob(null));
+poll();

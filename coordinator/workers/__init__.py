@@ -1,0 +1,8 @@
+"""The workers as the coordinator sees them, and how a job's commands reach them.
+
+:mod:`~coordinator.workers.registry` keeps every worker that ever connected (its id, tags,
+capabilities, datasets, connection and heartbeat); :mod:`~coordinator.workers.transport` runs a
+job's strategy over the connections of the workers placed on it (``TransportContext``). The job
+manager (:mod:`coordinator.jobs`) places jobs on them; the server (:mod:`coordinator.server`)
+attaches a worker here when it says hello.
+"""
