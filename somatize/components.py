@@ -1,33 +1,98 @@
-"""The base of the parts a federated strategy takes by name — a robust aggregator, a privacy
-mechanism, secure aggregation: each is checked when it is built, by the options model the
-coordinator checks it with, and travels as ``{"name": ..., parameter: value}``."""
+"""How the SDK's option classes are built: each is a model of :mod:`protocol.options` — the one
+definition of its options, their rules, their defaults and their documentation — subclassed only
+to take Python arguments, positionally as well as by keyword, and to name itself in refusals.
+
+:class:`SdkOptions` is that construction; :class:`Component` the base of the parts a federated
+strategy takes by name (a server optimizer, a robust aggregator, a privacy mechanism, secure
+aggregation), which travel as ``{"name": ..., parameter: value}``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+import inspect
 from typing import Any, ClassVar
 
-from protocol.options.base import Dialect, NamedOptions, from_spec
+from protocol.options.base import NamedOptions, Options, build, prefixed
 
-__all__ = ["Component"]
+__all__ = ["Component", "SdkOptions"]
+
+KEYWORD_ONLY = "*"
+"""In :attr:`SdkOptions.positional`: the arguments after it are keyword-only."""
 
 
-@dataclass(frozen=True)
-class Component:
-    """A named part of a strategy; subclasses set :attr:`name`, :attr:`registry` (its kind's
-    options models by name) and :attr:`kind` (how a refusal names the kind)."""
+class SdkOptions(Options):
+    """An option model built from Python arguments: ``Cls(a, b, c=...)`` binds them to the
+    model's fields in the order of :attr:`positional`, the model's rules check them, and a
+    refusal is a ``ValueError`` naming the class (``DataParallel: workers must be ...``).
 
-    #: The part's name on the wire.
-    name: ClassVar[str]
-    registry: ClassVar[Mapping[str, type[NamedOptions]]]
-    kind: ClassVar[str]
+    Each SDK class says ``__init__ = SdkOptions.__init__``: type checkers give every pydantic
+    model a keyword-only ``__init__`` of its own unless its class names one.
+    """
 
-    def __post_init__(self) -> None:
-        self.options()
+    positional: ClassVar[tuple[str, ...]] = ()
+    """The order the arguments are taken in, where it is not the model's field order (``"*"``:
+    the ones after it are keyword-only); every field exactly once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        try:
+            bound = cls.__signature__.bind(*args, **kwargs)
+        except TypeError as exc:  # as a call's: a missing argument, one it does not take
+            raise prefixed(cls.__name__, exc) from None
+        try:
+            values = cls._from_python(dict(bound.arguments))
+        except ValueError as refusal:
+            raise prefixed(cls.sdk_name, refusal) from None
+        build(self, values)
+
+    @classmethod
+    def _from_python(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The arguments as the model takes them (what the SDK takes in another form, turned
+        into the model's)."""
+        return values
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__signature__ = _signature(cls)
+        if cls.__doc__ is None:  # the model's: its arguments are documented there, once
+            models = (c for c in cls.__mro__ if not issubclass(c, SdkOptions))
+            cls.__doc__ = next((c.__doc__ for c in models if c.__doc__), None)
+
+    def __repr_args__(self) -> Any:
+        """The arguments in the order the class takes them."""
+        for name in type(self).__signature__.parameters:
+            yield name, getattr(self, name)
 
     def options(self) -> dict[str, Any]:
-        """``{"name": ..., parameter: value, ...}``, as the strategy sends it."""
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        checked = from_spec(self.registry, self.kind, {"name": self.name, **given}, Dialect.SDK)
-        return {"name": self.name, **checked.parameters()}
+        """The options sent to the coordinator (JSON values; unset options left out)."""
+        return self.to_wire()
+
+
+def _signature(cls: type[SdkOptions]) -> inspect.Signature:
+    """The parameters of ``cls``: its model's fields, in :attr:`~SdkOptions.positional`'s order
+    (else the fields'), with their defaults and types."""
+    order = cls.positional or tuple(cls.model_fields)
+    named = [name for name in order if name != KEYWORD_ONLY]
+    if sorted(named) != sorted(cls.model_fields):
+        raise TypeError(
+            f"{cls.__name__}.positional {list(order)} must name each of its fields "
+            f"{list(cls.model_fields)} once"
+        )
+    kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = []
+    for name in order:
+        if name == KEYWORD_ONLY:
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        field = cls.model_fields[name]
+        default = inspect.Parameter.empty if field.is_required() else field.default
+        parameters.append(
+            inspect.Parameter(name, kind, default=default, annotation=field.annotation)
+        )
+    return inspect.Signature(parameters)
+
+
+class Component(SdkOptions, NamedOptions):
+    """A named part of a federated strategy: checked when it is built, by its model's rules,
+    and sent as ``{"name": ..., parameter: value}`` (:meth:`options`)."""

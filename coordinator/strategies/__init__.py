@@ -1,24 +1,25 @@
 """Strategies: how a job's training is spread over workers.
 
-A strategy is a small class named after what it implements, with:
+A strategy is a class named after what it implements, built from its options model whole
+(:mod:`protocol.options`, the one definition the SDK and the wire share): with
 
-* ``from_options(options)`` — the client's options, checked by the models both sides share
-  (:mod:`protocol.options.strategies`; :class:`StrategyOptionsError` names the bad option);
+* ``from_options(options)`` — the client's JSON options, parsed into that model
+  (:class:`StrategyOptionsError` names the bad option), then ``cls(model)``;
 * ``placement()`` — how many workers it needs and which ones qualify;
-* ``async run(ctx, job, emit)`` — the training loop against a
+* ``async run(ctx, job, emit)`` — the training against a
   :class:`~coordinator.context.StrategyContext`, its paper's phases named in comments, reading
   and advancing one position dataclass, and returning the trained states by node id (read back
   over the wire, never recalled).
 
-The package, by module: ``base`` (inputs, placement, the strategy interface), ``steps`` (what
-several strategies do: the plain-prefix check, global batches, setting a worker up),
-``aggregate`` (weighted means), ``local``, ``data_parallel`` with ``elastic`` (replacing a
-lost replica), ``fedavg``, ``fedprox`` and ``qfedavg`` with ``federated`` (the run's
-position and workers), ``round_fold`` (a round's aggregate), ``robust`` (Byzantine-robust
-rules), ``flat`` (a state as one vector), ``fed_eval`` (evaluating the global model, federated
-or not) and ``server_opt`` (server optimizers), ``model_parallel`` with ``schedule`` (pipeline
-schedules as data) and ``pipeline`` (running one over the context); ``history`` (a run's rows
-per epoch, its validation data).
+The package, by module: ``base`` (inputs, placement, the strategy interface), ``rounds`` (the
+round loop a federated strategy fills with hooks), ``steps`` (what several strategies do: the
+plain-prefix check, global batches, setting a worker up), ``aggregate`` (weighted means),
+``history`` (a run's rows per epoch, its validation data), ``process_group`` (torch.distributed
+groups), ``local``; and a package per family: ``data_parallel/`` (synchronous SGD: the torch
+collective, the star through the coordinator, elastic replicas, checkpoints), ``federated/``
+(FedAvg, FedProx, q-FedAvg and their plug-ins: cohort, folds, robust rules, server optimizers,
+privacy, secure aggregation, evaluation), ``model_parallel/`` (pipelines: schedules as data and
+their execution).
 
 :data:`STRATEGIES` maps the wire name (``StrategySpec.name``) to the class.
 """

@@ -1,4 +1,6 @@
-"""What every strategy shares: its inputs, its placement needs, its event callback."""
+"""What every strategy shares: its inputs, its placement needs, its event callback, and the
+interface the job manager drives (:class:`Strategy`: built from its options model, placed,
+validated, prepared, run)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from coordinator.jobs.checkpoints import JobCheckpoints
 from protocol.daemon import StageRequest
 from protocol.messages import NodeInfo
 from protocol.options import strategies as so
+from protocol.options.base import CheckpointOptions, RestartOptions
 from protocol.options.devices import device_fits
 
 T = TypeVar("T")
@@ -131,25 +134,61 @@ class Placement:
 
 
 class Strategy(ABC):
-    """A training strategy; subclasses set :attr:`name` and implement the three hooks."""
+    """A training strategy: takes its options model whole (:attr:`options`; its class is
+    :attr:`options_model`, whose ``name`` is the strategy's) and implements the hooks.
 
+    A subclass sets :attr:`options_model` and narrows :attr:`options` to it."""
+
+    options_model: ClassVar[type[RestartOptions]]
     name: ClassVar[str]
 
     saves_checkpoints: ClassVar[bool] = False
     """Whether a run saves checkpoints and resumes from one (``JobInputs.checkpoints``); a job
     of any other strategy queued again after a coordinator restart starts from the beginning."""
-    checkpoint_every: int | None = None  # steps (rounds); None: every epoch or 60 s; 0: never
-    keep_checkpoints: int = so.DEFAULT_KEEP_CHECKPOINTS
-    max_restarts: int = 0
-    """How many times a job that a lost worker, a crashed daemon or a broken collective would
-    fail is queued again instead, to resume from its last checkpoint
-    (:mod:`coordinator.jobs.manager`)."""
-    restart_timeout: float = so.DEFAULT_RESTART_TIMEOUT  # seconds a restart waits for workers
+
+    options: RestartOptions
+
+    def __init__(self, options: RestartOptions) -> None:
+        self.options = options
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "options_model" in cls.__dict__:
+            cls.name = cls.options_model.name
 
     @classmethod
-    @abstractmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
         """Build from the client's options, refusing unknown or invalid ones."""
+        return cls(parse_options(cls.options_model, options))
+
+    # -- what the job manager reads of the options (:mod:`coordinator.jobs`) ---------------------
+
+    @property
+    def checkpoint_every(self) -> int | None:
+        """Steps (rounds) between checkpoints; ``None``: every epoch or 60 s; ``0``: never."""
+        options = self.options
+        return options.checkpoint_every if isinstance(options, CheckpointOptions) else None
+
+    @property
+    def keep_checkpoints(self) -> int:
+        options = self.options
+        if isinstance(options, CheckpointOptions):
+            return options.keep_checkpoints
+        return so.DEFAULT_KEEP_CHECKPOINTS
+
+    @property
+    def max_restarts(self) -> int:
+        """How many times a job that a lost worker, a crashed daemon or a broken collective
+        would fail is queued again instead, to resume from its last checkpoint
+        (:mod:`coordinator.jobs.manager`)."""
+        return self.options.max_restarts
+
+    @property
+    def restart_timeout(self) -> float:
+        """Seconds a restart waits for workers."""
+        return self.options.restart_timeout
+
+    # -- the hooks -------------------------------------------------------------------------------
 
     @abstractmethod
     def placement(self) -> Placement:
@@ -220,7 +259,7 @@ def parse_options(model: type[so.T], options: Mapping[str, Any]) -> so.T:
         StrategyOptionsError: an option it does not take or cannot accept, named.
     """
     try:
-        return so.parse(model, options, so.Dialect.WIRE)
+        return so.parse(model, options, so.Caller.WIRE)
     except ValueError as exc:
         raise StrategyOptionsError(str(exc)) from None
 

@@ -7,20 +7,13 @@ own dataset and fits on it, as ``graph.fit`` would on those rows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 from coordinator.context import StrategyContext
-from coordinator.strategies.base import (
-    Emit,
-    JobInputs,
-    Placement,
-    Strategy,
-    parse_options,
-)
+from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy
 from coordinator.strategies.history import VALIDATION, History, validation_stage
 from protocol.daemon import BatchedFitRequest
-from protocol.options.strategies import DEFAULT_RESTART_TIMEOUT, LocalOptions
+from protocol.options.strategies import LocalOptions
 
 STAGED = "local"
 """The name a worker's own dataset is staged under in its daemon."""
@@ -29,35 +22,12 @@ STAGED = "local"
 class Local(Strategy):
     """One worker, optionally pinned by id (``worker``) or by ``tag``, and by ``device``."""
 
-    name = "local"
-
-    def __init__(
-        self,
-        worker: str | None = None,
-        tag: str | None = None,
-        device: str | None = None,
-        max_restarts: int = 0,
-        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
-    ) -> None:
-        self.worker = worker
-        self.tag = tag
-        self.device = device
-        self.max_restarts = max_restarts
-        self.restart_timeout = restart_timeout
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(LocalOptions, options)
-        return cls(
-            checked.worker,
-            checked.tag,
-            checked.device,
-            checked.max_restarts,
-            checked.restart_timeout,
-        )
+    options_model = LocalOptions
+    options: LocalOptions
 
     def placement(self) -> Placement:
-        return Placement(workers=1, worker_id=self.worker, tag=self.tag, device=self.device)
+        o = self.options
+        return Placement(workers=1, worker_id=o.worker, tag=o.tag, device=o.device)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         # 1. Ship the filters to the worker's daemon, and the validation data.

@@ -21,7 +21,7 @@ from protocol.wording import listed
 
 
 @dataclass(frozen=True)
-class Training:
+class TrainingSettings:
     """The training settings of a run (those of its last TorchFilter).
 
     ``batch_size`` is the rows of one optimizer step: the filter's ``batch_size`` times its
@@ -38,7 +38,7 @@ class Training:
     clip_grad_norm: float | None = None
 
     @classmethod
-    def of(cls, info: NodeInfo) -> Training:
+    def of(cls, info: NodeInfo) -> TrainingSettings:
         accumulate = info.accumulate or 1
         return cls(
             epochs=info.epochs if info.epochs is not None else 1,
@@ -55,7 +55,7 @@ class Training:
 
 
 def global_batches(
-    rows: int, parts: int, training: Training
+    rows: int, parts: int, training: TrainingSettings
 ) -> Iterator[tuple[int, int, list[Any]]]:
     """``(epoch, step, slices)`` of every step of ``training`` over ``rows`` rows in ``parts``
     slices (:func:`protocol.rules.batching.global_batches`)."""
@@ -89,7 +89,7 @@ class OwnData:
             ordered[place] = self.sizes[i]
         return ordered
 
-    def batches(self, training: Training) -> Iterator[tuple[int, int, list[Any]]]:
+    def batches(self, training: TrainingSettings) -> Iterator[tuple[int, int, list[Any]]]:
         """``(epoch, step, slices)`` of every step, the slices by replica (rows of its own)."""
         for epoch, step, slices in batching.replica_batches(
             self.in_order, training.epochs, training.batch_size, training.shuffle, training.seed
@@ -121,7 +121,7 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
     return torch_nodes, job.node_ids[:first]
 
 
-def schedule_request(training: Training, steps_per_epoch: int) -> ScheduleRequest:
+def lr_schedule_request(training: TrainingSettings, steps_per_epoch: int) -> ScheduleRequest:
     """What tells a daemon the horizon of the run's learning-rate schedules."""
     return ScheduleRequest(steps_per_epoch=steps_per_epoch, epochs=training.epochs)
 

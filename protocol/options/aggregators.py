@@ -1,25 +1,39 @@
-"""FedAvg's ``aggregator`` options: the Byzantine-robust rules that may replace a round's
-weighted mean (``coordinator.strategies.federated.robust``), and how many clients each needs.
+"""FedAvg's ``aggregator``: the Byzantine-robust rules that may replace a round's weighted mean
+when a few clients may send anything (``coordinator.strategies.federated.robust`` runs them),
+and how many clients each needs::
 
-A rule travels as ``{"name": ..., parameter: value}``; :func:`aggregator_options` checks one.
-:func:`check_round_size` refuses, when a job is submitted, a rule its rounds cannot have
-enough clients for: a round goes on with as few as ``min_workers`` answers (times
+    sz.FedAvg(rounds=20, min_workers=7, aggregator=sz.Krum(byzantine=1, keep=3))
+
+Each rule weighs the clients equally (as its paper does) and is applied to the TorchFilters'
+weights; a server optimizer, if any, then steps on its result in place of the mean. In Python a
+rule is its model; on the wire ``{"name": ..., parameter: value}`` (:func:`aggregator_options`).
+:func:`check_round_size` refuses, when a job is submitted, a rule its rounds cannot have enough
+clients for: a round goes on with as few as ``min_workers`` answers (times
 ``clients_per_worker``), so that is the n each rule must hold with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from protocol.options.base import Dialect, NamedOptions, Say, check_named, from_spec
+from protocol.options.base import (
+    Caller,
+    Form,
+    NamedOptions,
+    count,
+    from_spec,
+    real,
+)
 
 __all__ = [
     "AGGREGATORS",
+    "FORMS",
     "AggregatorOptions",
     "BulyanOptions",
     "FedMedianOptions",
     "KrumOptions",
+    "RobustRuleOptions",
     "TrimmedMeanOptions",
     "aggregator_options",
     "bulyan_least_clients",
@@ -39,8 +53,9 @@ def bulyan_least_clients(byzantine: int) -> int:
     return 4 * byzantine + 3
 
 
-class _RuleOptions(NamedOptions):
-    """A robust rule's parameters; ``name`` selects it on the wire."""
+class RobustRuleOptions(NamedOptions):
+    """A Byzantine-robust rule in place of a round's weighted mean: its parameters, and the
+    fewest clients a round needs for it to hold."""
 
     def least_clients(self) -> int:
         """The fewest clients a round needs for the rule to hold."""
@@ -51,47 +66,54 @@ class _RuleOptions(NamedOptions):
         return ""
 
 
-class FedMedianOptions(_RuleOptions):
-    """The coordinate-wise median (Yin et al. 2018)."""
+class FedMedianOptions(RobustRuleOptions):
+    """The coordinate-wise median of the clients' models (Yin et al. 2018): robust to any
+    minority of bad clients, at some cost in accuracy on honest, varied data."""
 
-    wire_name = "fedmedian"
+    name = "fedmedian"
     sdk_name = "FedMedian"
 
-    name: Literal["fedmedian"] = "fedmedian"
 
+class TrimmedMeanOptions(RobustRuleOptions):
+    """The coordinate-wise β-trimmed mean (Yin et al. 2018): each coordinate's ⌊β n⌋ largest
+    and ⌊β n⌋ smallest values dropped, the rest averaged.
 
-class TrimmedMeanOptions(_RuleOptions):
-    """The coordinate-wise β-trimmed mean (Yin et al. 2018): ``beta`` in [0, 1/2)."""
+    Args:
+        beta: β, in [0, 0.5).
+    """
 
-    wire_name = "trimmed_mean"
+    name = "trimmed_mean"
     sdk_name = "TrimmedMean"
 
-    name: Literal["trimmed_mean"] = "trimmed_mean"
     beta: float
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         beta = cls._given(fields, "beta")
-        if not 0 <= say.real("beta", beta) < 0.5:
-            raise say.no(f"beta must be in [0, 0.5), not {beta!r}")
+        if not 0 <= real("beta", beta) < 0.5:
+            raise ValueError(f"beta must be in [0, 0.5), not {beta!r}")
         return fields
 
 
-class KrumOptions(_RuleOptions):
-    """Krum, Multi-Krum with ``keep`` > 1 (Blanchard et al. 2017): ``byzantine`` f >= 0,
-    ``keep`` m >= 1."""
+class KrumOptions(RobustRuleOptions):
+    """Krum (Blanchard et al. 2017): the client model closest to its n − f − 2 nearest
+    neighbours; with ``keep`` = m > 1, Multi-Krum, the mean of the m best. Needs n > 2f + 2.
 
-    wire_name = "krum"
+    Args:
+        byzantine: f, how many bad clients to withstand (>= 0).
+        keep: m, how many models are averaged (1: Krum).
+    """
+
+    name = "krum"
     sdk_name = "Krum"
 
-    name: Literal["krum"] = "krum"
     byzantine: int
     keep: int = 1
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._count(say, fields, "byzantine", 0)
-        cls._count(say, fields, "keep", 1)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        count("byzantine", cls._given(fields, "byzantine"), 0)
+        count("keep", cls._given(fields, "keep"), 1)
         return fields
 
     def least_clients(self) -> int:
@@ -102,18 +124,23 @@ class KrumOptions(_RuleOptions):
         return f"n > 2f + 2 = {2 * f + 2}" + (f" and n >= keep + f = {m + f}" if m > 1 else "")
 
 
-class BulyanOptions(_RuleOptions):
-    """Bulyan over Krum (El Mhamdi et al. 2018): ``byzantine`` f >= 0."""
+class BulyanOptions(RobustRuleOptions):
+    """Bulyan (El Mhamdi et al. 2018): θ = n − 2f models chosen by Krum one after the other,
+    then, coordinate by coordinate, the mean of the θ − 2f values closest to their median.
+    Needs n >= 4f + 3.
 
-    wire_name = "bulyan"
+    Args:
+        byzantine: f, how many bad clients to withstand (>= 0).
+    """
+
+    name = "bulyan"
     sdk_name = "Bulyan"
 
-    name: Literal["bulyan"] = "bulyan"
     byzantine: int
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._count(say, fields, "byzantine", 0)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        count("byzantine", cls._given(fields, "byzantine"), 0)
         return fields
 
     def least_clients(self) -> int:
@@ -125,35 +152,31 @@ class BulyanOptions(_RuleOptions):
 
 AggregatorOptions = FedMedianOptions | TrimmedMeanOptions | KrumOptions | BulyanOptions
 
-AGGREGATORS: dict[str, type[_RuleOptions]] = {
-    cls.wire_name: cls for cls in (FedMedianOptions, TrimmedMeanOptions, KrumOptions, BulyanOptions)
+AGGREGATORS: dict[str, type[RobustRuleOptions]] = {
+    cls.name: cls for cls in (FedMedianOptions, TrimmedMeanOptions, KrumOptions, BulyanOptions)
 }
 """The robust rules' options by the name a client gives."""
-
-
-def aggregator_options(spec: Mapping[str, Any], dialect: Dialect) -> AggregatorOptions:
-    """The robust rule ``{"name": ..., parameter: value}`` asks for, checked.
-
-    Raises:
-        ValueError: an unknown name, a parameter it does not take, or a value out of range.
-    """
-    options: AggregatorOptions = from_spec(AGGREGATORS, "aggregator", spec, dialect)  # type: ignore[assignment]
-    return options
-
 
 FORMS = "FedMedian(), TrimmedMean(beta), Krum(byzantine, keep), Bulyan(byzantine)"
 """The SDK's robust rules, as a refusal lists them."""
 
 
-def check_round_size(say: Say, spec: object, clients: int, counted: str) -> None:
-    """Refuse an ``aggregator`` spec that is not a rule, or whose rule a round of ``clients``
-    clients (the fewest a round may have: ``counted`` says how that is counted, and what to
-    raise) cannot hold."""
-    rule: AggregatorOptions = check_named(say, AGGREGATORS, "aggregator", "aggregator", FORMS, spec)  # type: ignore[assignment]
+def aggregator_options(spec: Mapping[str, Any], caller: Caller = Caller.WIRE) -> RobustRuleOptions:
+    """The robust rule ``{"name": ..., parameter: value}`` asks for, checked.
+
+    Raises:
+        ValueError: an unknown name, a parameter it does not take, or a value out of range.
+    """
+    return from_spec(AGGREGATORS, "aggregator", spec, caller)
+
+
+def check_round_size(rule: RobustRuleOptions, clients: int, counted: str) -> None:
+    """Refuse a rule that a round of ``clients`` clients (the fewest a round may have:
+    ``counted`` says how that is counted, and what to raise) cannot hold."""
     least = rule.least_clients()
     if clients < least:
         given = ", ".join(f"{k}={v!r}" for k, v in rule.parameters().items())
-        raise say.no(
+        raise ValueError(
             f"aggregator {rule.sdk_name}({given}) needs {rule.needs()}: at least {least} "
             f"clients in every round, and a round may go on with {clients} ({counted})"
         )

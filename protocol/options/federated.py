@@ -1,164 +1,106 @@
-"""Federated strategies' options: FedAvg, FedProx and the server optimizers (Reddi et al.
-2021) applied to each round's average; see :mod:`protocol.options.strategies`."""
+"""Federated strategies' options: FedAvg, FedProx and q-FedAvg, defined once (see
+:mod:`protocol.options.strategies`); the parts they take by name are defined beside them:
+:mod:`~protocol.options.server_optimizers`, :mod:`~protocol.options.aggregators`,
+:mod:`~protocol.options.privacy`, :mod:`~protocol.options.secure_aggregation`, and the per-round
+:mod:`~protocol.options.client_config`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from protocol.options.aggregators import check_round_size
-from protocol.options.base import CheckpointOptions, Dialect, NamedOptions, Say, named
+from pydantic import SerializeAsAny, field_serializer
+
+from protocol.options import aggregators, privacy, secure_aggregation, server_optimizers
+from protocol.options.aggregators import RobustRuleOptions, check_round_size
+from protocol.options.base import (
+    CheckpointOptions,
+    Form,
+    NamedOptions,
+    device,
+    is_finite,
+    part,
+    positive_int,
+    real,
+    selector,
+)
 from protocol.options.client_config import check_client_config
-from protocol.options.privacy import check_privacy
-from protocol.options.secure_aggregation import check_secagg
-
-__all__ = [
-    "SERVER_OPTIMIZERS",
-    "AdaptiveOptions",
-    "FedAdagradOptions",
-    "FedAdamOptions",
-    "FedAvgMOptions",
-    "FedAvgOptions",
-    "FedProxOptions",
-    "FedYogiOptions",
-    "PlainAveragingOptions",
-    "QFedAvgOptions",
-    "ServerOptions",
-    "server_options",
-]
-
-
-# -- server optimizers (Reddi et al. 2021) ------------------------------------------------------
-
-
-class _ServerOptions(NamedOptions):
-    """A server optimizer's hyperparameters; ``name`` selects it on the wire."""
-
-    def hyperparameters(self) -> dict[str, float]:
-        return self.parameters()
-
-    @classmethod
-    def _decay(cls, say: Say, fields: dict[str, Any], key: str) -> None:
-        value = cls._given(fields, key)
-        number = say.real(key, value, f"{key} must be a finite number, got {value!r}")
-        if not 0 <= number < 1:
-            raise say.no(
-                f"{key} must be in [0, 1), not {value!r}", f"{key} must be in [0, 1), got {value!r}"
-            )
-
-
-class PlainAveragingOptions(_ServerOptions):
-    """No server optimizer: the round's average is the next global model."""
-
-    wire_name = "fedavg"
-    sdk_name = "FedAvg"
-
-    name: Literal["fedavg"] = "fedavg"
-
-
-class FedAvgMOptions(_ServerOptions):
-    """Server momentum (Hsu et al. 2019): ``lr`` > 0, ``momentum`` in [0, 1)."""
-
-    wire_name = "fedavgm"
-    sdk_name = "FedAvgM"
-
-    name: Literal["fedavgm"] = "fedavgm"
-    lr: float = 1.0
-    momentum: float = 0.9
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._positive(say, fields, "lr")
-        cls._decay(say, fields, "momentum")
-        return fields
-
-
-class _MomentOptions(_ServerOptions):
-    """What the adaptive server optimizers share (Reddi et al. 2021, Algorithm 2): ``lr`` > 0,
-    ``beta1`` in [0, 1), and where they take them ``beta2`` in [0, 1) and ``tau`` > 0."""
-
-    lr: float = 0.01
-    beta1: float = 0.9
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._positive(say, fields, "lr")
-        cls._decay(say, fields, "beta1")
-        if "beta2" in cls.model_fields:
-            cls._decay(say, fields, "beta2")
-        cls._positive(say, fields, "tau")
-        return fields
-
-
-class FedAdagradOptions(_MomentOptions):
-    """Adagrad on the server: no ``beta2`` (v_t = v_{t−1} + Δ_t²)."""
-
-    wire_name = "fedadagrad"
-    sdk_name = "FedAdagrad"
-
-    name: Literal["fedadagrad"] = "fedadagrad"
-    tau: float = 1e-3
-
-
-class AdaptiveOptions(_MomentOptions):
-    """Adam-like server optimizers (Reddi et al. 2021, Algorithm 2)."""
-
-    beta2: float = 0.99
-    tau: float = 1e-3
-
-
-class FedAdamOptions(AdaptiveOptions):
-    wire_name = "fedadam"
-    sdk_name = "FedAdam"
-
-    name: Literal["fedadam"] = "fedadam"
-
-
-class FedYogiOptions(AdaptiveOptions):
-    wire_name = "fedyogi"
-    sdk_name = "FedYogi"
-
-    name: Literal["fedyogi"] = "fedyogi"
-
-
-ServerOptions = (
-    PlainAveragingOptions | FedAvgMOptions | FedAdagradOptions | FedAdamOptions | FedYogiOptions
+from protocol.options.privacy import PrivacyMechanismOptions, check_privacy
+from protocol.options.secure_aggregation import SecAggOptions, check_secagg
+from protocol.options.server_optimizers import (
+    SERVER_OPTIMIZERS,
+    PlainAveragingOptions,
+    ServerOptimizerOptions,
 )
 
-SERVER_OPTIMIZERS: dict[str, type[_ServerOptions]] = {
-    cls.wire_name: cls
-    for cls in (
-        PlainAveragingOptions,
-        FedAvgMOptions,
-        FedAdagradOptions,
-        FedAdamOptions,
-        FedYogiOptions,
-    )
-}
-"""The server optimizers' options by the name a client gives."""
-
-
-def server_options(
-    name: str, hyperparameters: Mapping[str, Any], dialect: Dialect
-) -> ServerOptions:
-    """The server optimizer ``name`` with ``hyperparameters``, checked.
-
-    Raises:
-        ValueError: an unknown name, an option it does not take, or a value out of range.
-    """
-    options: ServerOptions = named(
-        SERVER_OPTIMIZERS, "server optimizer", name, hyperparameters, dialect
-    )  # type: ignore[assignment]
-    return options
-
-
-# -- federated (McMahan et al. 2017; Li et al. 2020) --------------------------------------------
+__all__ = ["FedAvgOptions", "FedProxOptions", "QFedAvgOptions"]
 
 
 class FedAvgOptions(CheckpointOptions):
-    """Rounds of local training, averaged by rows; see ``somatize.FedAvg`` for each option."""
+    """Federated averaging (McMahan et al. 2017, Algorithm 1): rounds of local training.
 
-    wire_name = "fedavg"
+    Each round the coordinator selects max(``min_workers``, ⌈``fraction`` · K⌉) of the K
+    workers (a draw seeded with ``seed`` + round), sends them the global model, each trains
+    ``local_epochs`` epochs on its data with a fresh optimizer (its TorchFilters' own optimizer,
+    ``lr`` and ``batch_size``), and the new global model is their average weighted by rows,
+    stepped through ``server`` if one is given. The data is the workers' own
+    (``sz.WorkerData(name)``) or the rows sent, split in contiguous shards. Workers that fail in
+    a round are dropped from it and named in its event; the round fails when fewer than
+    ``min_workers`` answered. Plain filters are fitted by each worker on its own data and their
+    states averaged by rows.
+
+    Args:
+        rounds: communication rounds.
+        local_epochs: epochs of local training per round.
+        fraction: C, the share of the workers selected each round, in (0, 1].
+        min_workers: the least number of workers a round needs answers from.
+        workers: how many workers to reserve (default: every idle matching worker when the job
+            starts, at least ``min_workers``).
+        tag: only workers with this tag.
+        server: a server optimizer (``FedAvgM``, ``FedAdagrad``, ``FedAdam``, ``FedYogi``:
+            :mod:`protocol.options.server_optimizers`); default: plain averaging.
+        aggregator: a Byzantine-robust rule in place of the weighted mean (``FedMedian``,
+            ``TrimmedMean``, ``Krum``, ``Bulyan``: :mod:`protocol.options.aggregators`);
+            default: the mean. ``min_workers`` must be enough for it (Krum: > 2f + 2,
+            Bulyan: >= 4f + 3).
+        client_config: what each round's clients train with, one dict per round: ``lr``
+            (their optimizers' learning rate), ``local_epochs``, ``batch_size``
+            (:mod:`protocol.options.client_config`). The SDK takes a function of the round
+            (1, 2, ...), e.g. ``lambda r: {"lr": 0.1 * 0.9 ** r}``, called for every round when
+            the strategy is built (the coordinator runs no client code).
+        clients_per_worker: K, the virtual clients each worker trains in turn, client j on the
+            j-th of K contiguous partitions of its rows (its shard, or its own dataset), each
+            from w_t with a fresh optimizer: the same as K workers holding one partition each,
+            so that a round of 1,000 clients runs on 2 workers. Selection (``fraction``) is
+            over all clients, and a round needs ``min_workers`` × K answers.
+        privacy: user-level differential privacy (``FixedClipping``, ``AdaptiveClipping``:
+            :mod:`protocol.options.privacy`): clipped updates, Gaussian noise on their sum, ε
+            spent in each round's event. TorchFilters only; no ``aggregator`` with it.
+        secure_aggregation: ``SecAgg`` (:mod:`protocol.options.secure_aggregation`): the
+            coordinator learns only the sum of each round's client models (TorchFilters only;
+            no ``aggregator`` or ``privacy`` with it).
+        seed: seeds the selection of workers.
+        device: only workers training on this device (default: any).
+        evaluate_fraction: federated evaluation (Flower's ``evaluate``): each round this share
+            of the workers (at least one) evaluates the new global model on its own
+            validation data — the split named by ``validation=sz.WorkerData(name,
+            split=...)`` of the job, else ``"val"``: its dataset's ``x_val``/``y_val`` — and
+            the round's ``val_loss`` and metrics are their figures weighted by rows; the
+            round's event also names each worker's. ``0`` (default): none. The job must
+            train on ``WorkerData``.
+        checkpoint_every: save a checkpoint (the global model, the server optimizer's moments
+            and the round) every this many rounds; ``None`` (default): every round; ``0``:
+            never. A restarted coordinator resumes the job from its last one.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a worker is lost or a daemon crashes
+            beyond what ``min_workers`` allows, goes back to its last checkpoint (round) and
+            goes on from there instead of failing (default 0).
+        restart_timeout: seconds each restart waits for workers (default 60).
+
+    Raises:
+        ValueError: an argument out of range or of the wrong type.
+    """
+
+    name = "fedavg"
     sdk_name = "FedAvg"
 
     rounds: int
@@ -167,85 +109,95 @@ class FedAvgOptions(CheckpointOptions):
     min_workers: int = 1
     workers: int | None = None
     tag: str | None = None
-    server: dict[str, Any] | None = None  # {"name": ..., hyperparameter: value, ...}
-    aggregator: dict[str, Any] | None = None  # a robust rule: {"name": ..., parameter: value}
+    server: SerializeAsAny[ServerOptimizerOptions] | None = None
+    aggregator: SerializeAsAny[RobustRuleOptions] | None = None
     client_config: list[dict[str, Any]] | None = None  # one dict per round
     clients_per_worker: int = 1
-    privacy: dict[str, Any] | None = None  # {"name": ..., parameter: value}
-    secure_aggregation: dict[str, Any] | None = None  # {"name": "secagg", parameter: value}
+    privacy: SerializeAsAny[PrivacyMechanismOptions] | None = None
+    secure_aggregation: SecAggOptions | None = None
     seed: int = 0
     device: str | None = None
     evaluate_fraction: float = 0.0
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        rounds = say.positive_int("rounds", fields.get("rounds"))
-        share = fields.get("evaluate_fraction", 0.0)
-        wire = f"evaluate_fraction must be a number in [0, 1], not {share!r}"
-        if not 0 <= say.real("evaluate_fraction", share, wire) <= 1:
-            raise say.no(f"evaluate_fraction must be in [0, 1], not {share!r}", wire)
-        say.positive_int("local_epochs", fields.get("local_epochs", 1))
-        min_workers = say.positive_int("min_workers", fields.get("min_workers", 1))
-        fraction = fields.get("fraction", 1.0)
-        wire = f"fraction must be a number in (0, 1], not {fraction!r}"
-        if not 0 < say.real("fraction", fraction, wire) <= 1:
-            raise say.no(f"fraction must be in (0, 1], not {fraction!r}", wire)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        rounds = positive_int("rounds", fields.get("rounds"))
+        share = cls._given(fields, "evaluate_fraction")
+        if not is_finite(share) or not 0 <= share <= 1:
+            raise ValueError(f"evaluate_fraction must be a number in [0, 1], not {share!r}")
+        positive_int("local_epochs", cls._given(fields, "local_epochs"))
+        min_workers = positive_int("min_workers", cls._given(fields, "min_workers"))
+        fraction = cls._given(fields, "fraction")
+        if not is_finite(fraction) or not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be a number in (0, 1], not {fraction!r}")
         workers = fields.get("workers")
-        if workers is not None and say.positive_int("workers", workers) < min_workers:
-            raise say.no(f"workers ({workers}) must be at least min_workers ({min_workers})")
-        say.selector("tag", fields.get("tag"))
-        server = fields.get("server")
-        if server is not None:
-            if not isinstance(server, Mapping) or not isinstance(server.get("name"), str):
-                raise say.no(
-                    "server must be FedAvgM(...), FedAdagrad(...), FedAdam(...), FedYogi(...) or "
-                    "None, "
-                    f"not {server!r}",
-                    f"server must be an object with a name (one of {sorted(SERVER_OPTIMIZERS)}) "
-                    f"and its options, not {server!r}",
-                )
-            hyperparameters = {k: v for k, v in server.items() if k != "name"}
-            try:
-                server_options(server["name"], hyperparameters, say.dialect)
-            except ValueError as exc:
-                raise say.no(f"server: {exc}") from None
-        per_worker = say.positive_int("clients_per_worker", fields.get("clients_per_worker", 1))
-        aggregator = fields.get("aggregator")
+        if workers is not None and positive_int("workers", workers) < min_workers:
+            raise ValueError(f"workers ({workers}) must be at least min_workers ({min_workers})")
+        selector("tag", fields.get("tag"))
+        server = part(
+            SERVER_OPTIMIZERS,
+            "server",
+            "server optimizer",
+            server_optimizers.FORMS,
+            fields.get("server"),
+            form,
+        )
+        per_worker = positive_int("clients_per_worker", cls._given(fields, "clients_per_worker"))
+        least = min_workers * per_worker  # the fewest clients a round may go on with
+        aggregator = part(
+            aggregators.AGGREGATORS,
+            "aggregator",
+            "aggregator",
+            aggregators.FORMS,
+            fields.get("aggregator"),
+            form,
+        )
         if aggregator is not None:
             counted = f"min_workers is {min_workers}: raise it"
             if per_worker > 1:
                 counted = (
                     f"min_workers {min_workers} × clients_per_worker {per_worker}: raise either"
                 )
-            check_round_size(say, aggregator, min_workers * per_worker, counted)
-        privacy = fields.get("privacy")
-        if privacy is not None:
+            check_round_size(aggregator, least, counted)
+        mechanism = part(
+            privacy.PRIVACY, "privacy", "privacy", privacy.FORMS, fields.get("privacy"), form
+        )
+        if mechanism is not None:
             if aggregator is not None:
-                raise say.no(
+                raise ValueError(
                     "privacy and a robust aggregator do not go together: DP-FedAvg's noise is "
                     "sized for the sum of clipped updates"
                 )
-            check_privacy(say, privacy, min_workers * per_worker)
-        secure = fields.get("secure_aggregation")
+            check_privacy(mechanism, least)
+        secure = part(
+            secure_aggregation.SECAGG,
+            "secure_aggregation",
+            "secure aggregation",
+            secure_aggregation.FORMS,
+            fields.get("secure_aggregation"),
+            form,
+        )
         if secure is not None:
-            if aggregator is not None or privacy is not None:
-                raise say.no(
+            if aggregator is not None or mechanism is not None:
+                raise ValueError(
                     "secure_aggregation gives the coordinator the sum alone: a robust aggregator "
                     "or privacy, which need each client's model, cannot go with it"
                 )
-            check_secagg(say, secure, min_workers * per_worker)
+            check_secagg(least)
         config = fields.get("client_config")
         if config is not None:
-            try:
-                check_client_config(config, rounds)
-            except ValueError as exc:
-                raise say.no(str(exc)) from None
-        seed = fields.get("seed", 0)
+            check_client_config(config, rounds)
+        seed = cls._given(fields, "seed")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise say.no(f"seed must be a non-negative integer, not {seed!r}")
-        say.device("device", fields.get("device"))
-        cls._check_checkpoints(fields, say)
-        return fields
+            raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
+        device("device", fields.get("device"))
+        cls._check_checkpoints(fields)
+        parts = {"server": server, "aggregator": aggregator, "privacy": mechanism}
+        return fields | parts | {"secure_aggregation": secure}
+
+    @field_serializer("server", "aggregator", "privacy", "secure_aggregation")
+    def _part(self, part: NamedOptions | None) -> dict[str, Any] | None:
+        return part.to_wire() if part is not None else None
 
     def to_wire(self) -> dict[str, Any]:
         unset = {"checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout"}
@@ -255,59 +207,97 @@ class FedAvgOptions(CheckpointOptions):
             unset.add("clients_per_worker")
         return self.model_dump(exclude_none=True, exclude=unset) | self._checkpoints_wire()
 
-    def server_optimizer(self) -> ServerOptions:
+    def server_optimizer(self) -> ServerOptimizerOptions:
         """The server optimizer asked for (plain averaging when none is)."""
-        spec = self.server or {"name": PlainAveragingOptions.wire_name}
-        hyperparameters = {k: v for k, v in spec.items() if k != "name"}
-        return server_options(spec["name"], hyperparameters, Dialect.WIRE)
+        return self.server if self.server is not None else PlainAveragingOptions()
+
+    @property
+    def min_clients(self) -> int:
+        """The fewest clients a round needs answers from: ``min_workers`` workers' worth."""
+        return self.min_workers * self.clients_per_worker
+
+    def config_of(self, r: int) -> dict[str, Any]:
+        """Round ``r``'s client config (``{}``: the strategy's and the filters' own)."""
+        return self.client_config[r - 1] if self.client_config else {}
+
+    def epochs_through(self, r: int) -> int:
+        """The local epochs a client trains in rounds 1 to ``r``: what its learning-rate
+        schedules have stepped through by the end of round ``r``."""
+        rounds = range(1, r + 1)
+        return sum(self.config_of(t).get("local_epochs", self.local_epochs) for t in rounds)
 
 
 class FedProxOptions(FedAvgOptions):
-    """FedAvg with the proximal term μ/2 ‖w − w_t‖² on every local batch; ``mu`` > 0."""
+    """FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks"): FedAvg
+    whose workers add the proximal term μ/2 ‖w − w_t‖² to every local batch's loss, w_t being
+    the round's global model, which keeps local models near it on heterogeneous data.
 
-    wire_name = "fedprox"
+    Args:
+        mu: μ (> 0; with μ = 0 this is FedAvg).
+        rounds, local_epochs, fraction, min_workers, workers, tag, server, aggregator,
+            client_config, clients_per_worker, privacy, secure_aggregation, seed, device,
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvgOptions`.
+
+    Raises:
+        ValueError: an argument out of range or of the wrong type.
+    """
+
+    name = "fedprox"
     sdk_name = "FedProx"
 
     mu: float
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        mu = fields.get("mu")
-        wire = f"mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)"
-        if say.real("mu", mu, wire) <= 0:
-            raise say.no(f"mu must be > 0, not {mu!r}", wire)
-        return super()._check(fields, say)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        mu = cls._given(fields, "mu")
+        if not is_finite(mu) or mu <= 0:
+            raise ValueError(f"mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)")
+        return super()._check(fields, form)
 
     def to_wire(self) -> dict[str, Any]:
-        options = super().to_wire()
-        return {"mu": options.pop("mu"), **options}
+        return {"mu": self.mu, **super().to_wire()}
 
 
 class QFedAvgOptions(FedAvgOptions):
-    """FedAvg with q-FedAvg's server update (Li et al. 2020): ``q`` >= 0, ``lipschitz`` L > 0;
-    its own server step, so no ``server`` and no ``aggregator``."""
+    """q-FedAvg (Li et al. 2020, "Fair Resource Allocation in Federated Learning"): FedAvg's
+    rounds, and a server update that weighs each client by its loss at the round's model to the
+    power q, so that the clients the model fits worst pull hardest (q = 0: the unweighted mean
+    of the clients' models). For a model that must serve every client fairly, not only on
+    average. Each client also reports its loss before training. Takes no ``server`` and no
+    ``aggregator`` (its update is its own)::
 
-    wire_name = "qfedavg"
+        sz.QFedAvg(rounds=20, q=1.0, lipschitz=1 / lr)
+
+    Args:
+        q: q >= 0.
+        lipschitz: L > 0, the Lipschitz constant of the loss's gradient; the paper takes 1/η,
+            η the TorchFilters' learning rate.
+        rounds, local_epochs, fraction, min_workers, workers, tag, seed, device,
+            evaluate_fraction, checkpoint_every, keep_checkpoints, max_restarts,
+            restart_timeout: as :class:`FedAvgOptions`.
+    """
+
+    name = "qfedavg"
     sdk_name = "QFedAvg"
 
     q: float
     lipschitz: float
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         q = fields.get("q")
-        if say.real("q", q) < 0:
-            raise say.no(f"q must be >= 0, not {q!r}")
+        if real("q", q) < 0:
+            raise ValueError(f"q must be >= 0, not {q!r}")
         lipschitz = fields.get("lipschitz")
-        if say.real("lipschitz", lipschitz) <= 0:
-            raise say.no(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
+        if real("lipschitz", lipschitz) <= 0:
+            raise ValueError(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
         for key in ("server", "aggregator", "privacy", "secure_aggregation"):
             if fields.get(key) is not None:
-                raise say.no(
+                raise ValueError(
                     f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"
                 )
-        return super()._check(fields, say)
+        return super()._check(fields, form)
 
     def to_wire(self) -> dict[str, Any]:
-        options = super().to_wire()
-        return {"q": options.pop("q"), "lipschitz": options.pop("lipschitz"), **options}
+        return {"q": self.q, "lipschitz": self.lipschitz, **super().to_wire()}

@@ -1,5 +1,10 @@
-"""FedAvg's ``privacy`` options: user-level differential privacy by clipping each client's
-update and adding Gaussian noise to their sum (``coordinator.strategies.federated.privacy``).
+"""FedAvg's ``privacy``: user-level differential privacy by clipping each client's update and
+adding Gaussian noise to their sum (``coordinator.strategies.federated.privacy`` runs it), each
+round's event saying the privacy spent so far (ε at ``delta``, from ``dp_accounting``'s RDP
+accountant)::
+
+    sz.FedAvg(rounds=100, fraction=0.1, privacy=sz.FixedClipping(clip_norm=1.0,
+                                                                  noise_multiplier=1.1))
 
 * ``fixed_clipping`` — McMahan et al. 2018, "Learning Differentially Private Recurrent
   Language Models" (DP-FedAvg): every update clipped to ``clip_norm`` S, by the server
@@ -10,84 +15,116 @@ update and adding Gaussian noise to their sum (``coordinator.strategies.federate
   norms, from ``initial_clip``, at ``clip_lr`` η_C, the count of unclipped updates noised with
   ``count_stddev`` σ_b (default m/20, m the clients a round selects).
 
-``delta`` is the δ at which each round's event reports the ε spent so far.
+A private job trains TorchFilters only (plain filters' states would be averaged in the clear:
+refused at submit) and takes no robust aggregator; a server optimizer steps on the noised mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from protocol.options.base import Dialect, NamedOptions, Say, check_named, from_spec
+from protocol.options.base import (
+    Caller,
+    Form,
+    NamedOptions,
+    above_zero,
+    from_spec,
+    real,
+)
 
 __all__ = [
+    "FORMS",
     "PRIVACY",
     "AdaptiveClippingOptions",
     "FixedClippingOptions",
+    "PrivacyMechanismOptions",
     "PrivacyOptions",
     "check_privacy",
     "privacy_options",
 ]
 
-SIDES = ("server", "client")
+Side = Literal["server", "client"]
+SIDES: tuple[str, ...] = get_args(Side)
 
 
-class _PrivacyOptions(NamedOptions):
-    """A privacy mechanism's parameters; ``name`` selects it on the wire."""
+class PrivacyMechanismOptions(NamedOptions):
+    """A privacy mechanism: its noise multiplier z and the δ at which ε is reported."""
 
     noise_multiplier: float
     delta: float = 1e-5
 
     @classmethod
-    def _check_common(cls, fields: dict[str, Any], say: Say) -> None:
-        cls._positive(say, fields, "noise_multiplier", zero=True)
+    def _check_common(cls, fields: dict[str, Any]) -> None:
+        above_zero("noise_multiplier", cls._given(fields, "noise_multiplier"), zero=True)
         delta = cls._given(fields, "delta")
-        if not 0 < say.real("delta", delta) < 1:
-            raise say.no(f"delta must be in (0, 1), not {delta!r}")
+        if not 0 < real("delta", delta) < 1:
+            raise ValueError(f"delta must be in (0, 1), not {delta!r}")
 
 
-class FixedClippingOptions(_PrivacyOptions):
-    """DP-FedAvg with a fixed clipping norm (McMahan et al. 2018)."""
+class FixedClippingOptions(PrivacyMechanismOptions):
+    """DP-FedAvg (McMahan et al. 2018): every update clipped to ``clip_norm`` S and
+    N(0, (z S)²) added to their sum, z = ``noise_multiplier``. With ``side="client"`` each
+    client clips its own update before sending it (the server never holds an unclipped one);
+    ``"server"`` clips on the coordinator. Use when the update norms are known well enough to
+    pick S.
 
-    wire_name = "fixed_clipping"
+    Args:
+        clip_norm: S (> 0).
+        noise_multiplier: z (>= 0; 0: clipping only, no privacy).
+        side: ``"server"`` or ``"client"``.
+        delta: the δ at which ε is reported.
+    """
+
+    name = "fixed_clipping"
     sdk_name = "FixedClipping"
 
-    name: Literal["fixed_clipping"] = "fixed_clipping"
     clip_norm: float
-    side: Literal["server", "client"] = "server"
+    side: Side = "server"
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._positive(say, fields, "clip_norm")
-        cls._check_common(fields, say)
-        side = fields.get("side", "server")
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        above_zero("clip_norm", cls._given(fields, "clip_norm"))
+        cls._check_common(fields)
+        side = cls._given(fields, "side")
         if side not in SIDES:
-            raise say.no(f"side must be 'server' or 'client', not {side!r}")
+            raise ValueError(f"side must be 'server' or 'client', not {side!r}")
         return fields
 
 
-class AdaptiveClippingOptions(_PrivacyOptions):
-    """DP-FedAvg clipping at a quantile of the update norms (Andrew et al. 2021)."""
+class AdaptiveClippingOptions(PrivacyMechanismOptions):
+    """DP-FedAvg clipping at a quantile of the update norms (Andrew et al. 2021): the server's
+    clip C follows ``target_quantile`` γ (C ← C·exp(−η_C (b̃ − γ)), b̃ the noised share of
+    unclipped updates), so that no S has to be tuned. Use when the update norms are unknown or
+    change as training goes.
 
-    wire_name = "adaptive_clipping"
+    Args:
+        noise_multiplier: z (>= 0), split between the update and the count.
+        initial_clip: C_0 (> 0).
+        target_quantile: γ in [0, 1].
+        clip_lr: η_C (> 0).
+        count_stddev: σ_b (default: m/20, m the clients a round selects).
+        delta: the δ at which ε is reported.
+    """
+
+    name = "adaptive_clipping"
     sdk_name = "AdaptiveClipping"
 
-    name: Literal["adaptive_clipping"] = "adaptive_clipping"
     initial_clip: float = 0.1
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     count_stddev: float | None = None
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._positive(say, fields, "initial_clip")
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        above_zero("initial_clip", cls._given(fields, "initial_clip"))
         quantile = cls._given(fields, "target_quantile")
-        if not 0 <= say.real("target_quantile", quantile) <= 1:
-            raise say.no(f"target_quantile must be in [0, 1], not {quantile!r}")
-        cls._positive(say, fields, "clip_lr")
+        if not 0 <= real("target_quantile", quantile) <= 1:
+            raise ValueError(f"target_quantile must be in [0, 1], not {quantile!r}")
+        above_zero("clip_lr", cls._given(fields, "clip_lr"))
         if fields.get("count_stddev") is not None:
-            cls._positive(say, fields, "count_stddev", zero=True)
-        cls._check_common(fields, say)
+            above_zero("count_stddev", fields["count_stddev"], zero=True)
+        cls._check_common(fields)
         return fields
 
     def count_noise(self, clients: int) -> float:
@@ -119,29 +156,31 @@ class AdaptiveClippingOptions(_PrivacyOptions):
 
 PrivacyOptions = FixedClippingOptions | AdaptiveClippingOptions
 
-PRIVACY: dict[str, type[_PrivacyOptions]] = {
-    cls.wire_name: cls for cls in (FixedClippingOptions, AdaptiveClippingOptions)
+PRIVACY: dict[str, type[PrivacyMechanismOptions]] = {
+    cls.name: cls for cls in (FixedClippingOptions, AdaptiveClippingOptions)
 }
 """The privacy mechanisms' options by the name a client gives."""
 
+FORMS = "FixedClipping(...), AdaptiveClipping(...)"
+"""The SDK's privacy mechanisms, as a refusal lists them."""
 
-def privacy_options(spec: Mapping[str, Any], dialect: Dialect) -> PrivacyOptions:
+
+def privacy_options(
+    spec: Mapping[str, Any], caller: Caller = Caller.WIRE
+) -> PrivacyMechanismOptions:
     """The mechanism ``{"name": ..., parameter: value}`` asks for, checked.
 
     Raises:
         ValueError: an unknown name, a parameter it does not take, or a value out of range.
     """
-    options: PrivacyOptions = from_spec(PRIVACY, "privacy", spec, dialect)  # type: ignore[assignment]
-    return options
+    return from_spec(PRIVACY, "privacy", spec, caller)
 
 
-def check_privacy(say: Say, spec: object, clients: int) -> None:
-    """Refuse a ``privacy`` spec that is not a mechanism, or an adaptive one whose count noise
-    a round of ``clients`` clients (the fewest a round selects) leaves too small."""
-    forms = "FixedClipping(...), AdaptiveClipping(...)"
-    options = check_named(say, PRIVACY, "privacy", "privacy", forms, spec)
-    if isinstance(options, AdaptiveClippingOptions):
+def check_privacy(mechanism: PrivacyMechanismOptions, clients: int) -> None:
+    """Refuse an adaptive mechanism whose count noise a round of ``clients`` clients (the
+    fewest a round selects) leaves too small."""
+    if isinstance(mechanism, AdaptiveClippingOptions):
         try:
-            options.update_noise(clients)
+            mechanism.update_noise(clients)
         except ValueError as exc:
-            raise say.no(f"privacy: {exc}") from None
+            raise ValueError(f"privacy: {exc}") from None

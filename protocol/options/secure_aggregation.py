@@ -1,6 +1,8 @@
-"""FedAvg's ``secure_aggregation`` options
-(``coordinator.strategies.federated.secure_aggregation``): the coordinator learns only the sum of a
-round's client models (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020).
+"""FedAvg's ``secure_aggregation`` (``coordinator.strategies.federated.secure_aggregation``):
+the coordinator learns only the sum of a round's client models (Bonawitz et al. 2017; SecAgg+,
+Bell et al. 2020)::
+
+    sz.FedAvg(rounds=10, min_workers=3, secure_aggregation=sz.SecAgg())
 
 * ``neighbours`` k — the clients each one shares its secrets and pairwise masks with (SecAgg+'s
   sparse graph; every other client, Bonawitz et al.'s complete graph, when the round has at
@@ -16,54 +18,75 @@ round's client models (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from protocol.options.base import Dialect, NamedOptions, Say, check_named, from_spec
+from protocol.options.base import (
+    Caller,
+    Form,
+    NamedOptions,
+    count,
+    from_spec,
+    real,
+)
 
-__all__ = ["SECAGG", "SecAggOptions", "check_secagg", "secagg_options"]
+__all__ = ["FORMS", "SECAGG", "SecAggOptions", "check_secagg", "secagg_options"]
 
 
 class SecAggOptions(NamedOptions):
-    """Secure aggregation's parameters; see the module docstring."""
+    """Secure aggregation (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020): the coordinator
+    learns the sum of a round's client models, never one of them. Each client masks its model
+    (weighted by its rows) with pairwise masks that cancel in the sum and a self-mask whose seed
+    its neighbours hold in Shamir shares, so a client that drops out after sharing is unmasked
+    by the others. Values travel as fixed point mod 2^64: the mean is off by at most
+    2^−(scale_bits+1) per coordinate. Use when the coordinator must not see any one client's
+    model (it still sees their row counts); TorchFilters only, no aggregator, no privacy.
 
-    wire_name = "secagg"
+    Args:
+        neighbours: k, the clients each one shares secrets and masks with (a round of at most
+            k + 1 clients: all of them).
+        threshold: the share of a client's k + 1 shares that rebuilds its secrets, in (0.5, 1]:
+            the round survives as long as that many of its neighbours are left.
+        scale_bits: f, the fixed point, in [8, 40].
+    """
+
+    name = "secagg"
     sdk_name = "SecAgg"
 
-    name: Literal["secagg"] = "secagg"
     neighbours: int = 16
     threshold: float = 2 / 3
     scale_bits: int = 24
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        cls._count(say, fields, "neighbours", 2)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        count("neighbours", cls._given(fields, "neighbours"), 2)
         t = cls._given(fields, "threshold")
-        if not 0.5 < say.real("threshold", t) <= 1:
-            raise say.no(f"threshold must be in (0.5, 1], not {t!r}")
+        if not 0.5 < real("threshold", t) <= 1:
+            raise ValueError(f"threshold must be in (0.5, 1], not {t!r}")
         f = cls._given(fields, "scale_bits")
         if not isinstance(f, int) or isinstance(f, bool) or not 8 <= f <= 40:
-            raise say.no(f"scale_bits must be an integer in [8, 40], not {f!r}")
+            raise ValueError(f"scale_bits must be an integer in [8, 40], not {f!r}")
         return fields
 
 
-SECAGG = {"secagg": SecAggOptions}
+SECAGG = {SecAggOptions.name: SecAggOptions}
+
+FORMS = "SecAgg(...)"
+"""The SDK's secure aggregation, as a refusal names it."""
 
 
-def secagg_options(spec: Mapping[str, Any], dialect: Dialect) -> SecAggOptions:
+def secagg_options(spec: Mapping[str, Any], caller: Caller = Caller.WIRE) -> SecAggOptions:
     """The secure aggregation ``{"name": "secagg", ...}`` asks for, checked.
 
     Raises:
         ValueError: a parameter it does not take, or a value out of range.
     """
-    return from_spec(SECAGG, "secure aggregation", spec, dialect)
+    return from_spec(SECAGG, "secure aggregation", spec, caller)
 
 
-def check_secagg(say: Say, spec: object, clients: int) -> None:
-    """Refuse a ``secure_aggregation`` spec that is not one, or rounds that may have a single
-    client (whose sum is its model)."""
-    check_named(say, SECAGG, "secure_aggregation", "secure aggregation", "SecAgg(...)", spec)
+def check_secagg(clients: int) -> None:
+    """Refuse rounds that may have a single client (whose sum is its model)."""
     if clients < 2:
-        raise say.no(
+        raise ValueError(
             "secure_aggregation needs at least 2 clients in every round (the sum of one is its "
             f"model), and a round may go on with {clients}: raise min_workers"
         )

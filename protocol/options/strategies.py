@@ -1,65 +1,77 @@
-"""Strategy options: what a job may ask of each strategy, checked once for both sides (the
-federated ones in :mod:`protocol.options.federated`, the machinery in
+"""Strategy options: what a job may ask of each strategy, defined once for the SDK, the wire and
+the coordinator (the federated ones in :mod:`protocol.options.federated`, the machinery in
 :mod:`protocol.options.base`; all of them importable from here).
 
-The SDK (``somatize.strategies``) builds these models from its arguments, the coordinator
-(``coordinator.strategies``) from the JSON options of a
-:class:`~protocol.messages.StrategySpec`; both go through :func:`parse`, which raises a
-:class:`ValueError` naming the bad option. A model's :meth:`~StrategyOptions.to_wire` is the
-options dict a client sends (unset options left out).
-
-The rules are written once; their words follow the caller (:class:`Dialect`): the SDK names the
-Python class and argument (``FedAvg: rounds must be ...``, ``True or False``), the wire names
-the strategy and option as they travel (``fedavg: rounds must be ...``, ``a boolean``).
+The SDK's classes (``somatize.Local``, ``somatize.DataParallel``...) are these models, built from
+Python arguments; the coordinator (``coordinator.strategies``) parses the JSON options of a
+:class:`~protocol.messages.StrategySpec` into the same model (:func:`parse`) and takes it whole.
+A model's :meth:`~protocol.options.base.Options.to_wire` is the options dict a client sends
+(unset options left out). Each rule is worded once; a refusal names the SDK class
+(``FedAvg: rounds must be ...``) or the strategy as it travels (``fedavg: rounds must be ...``).
 
 Every strategy (and each pipeline partition) takes ``device``: ``None`` for any worker, else a
 worker's training device as it announces it (``"cpu"``, ``"cuda:N"``, ``"mps"``) or ``"cuda"``
-for any CUDA device (:func:`protocol.options.devices.device_fits`).
+for any CUDA device (:func:`protocol.options.devices.device_fits`)::
+
+    client.submit(graph, x, y, strategy=sz.DataParallel(2, device="cuda"))
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
+
+from pydantic import ValidationError
 
 from protocol.options.base import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
+    Caller,
     CheckpointOptions,
-    Dialect,
+    Form,
+    Options,
     RestartOptions,
-    Say,
     StrategyOptions,
     T,
+    boolean,
+    count,
+    device,
+    named_by,
     parse,
+    positive_int,
+    seconds,
+    selector,
 )
 from protocol.options.devices import DEVICES, device_fits, is_device
-from protocol.options.federated import (
+from protocol.options.federated import FedAvgOptions, FedProxOptions, QFedAvgOptions
+from protocol.options.server_optimizers import (
     SERVER_OPTIMIZERS,
     AdaptiveOptions,
     FedAdagradOptions,
     FedAdamOptions,
     FedAvgMOptions,
-    FedAvgOptions,
-    FedProxOptions,
     FedYogiOptions,
     PlainAveragingOptions,
-    QFedAvgOptions,
+    ServerOptimizerOptions,
     ServerOptions,
     server_options,
 )
 from protocol.wording import listed
 
 __all__ = [
+    "COLLECTIVES",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_ELASTIC_TIMEOUT",
     "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_RESTART_TIMEOUT",
     "DEVICES",
     "SCHEDULES",
     "SERVER_OPTIMIZERS",
+    "TRANSPORTS",
     "AdaptiveOptions",
+    "Caller",
     "CheckpointOptions",
     "DataParallelOptions",
-    "Dialect",
     "FedAdagradOptions",
     "FedAdamOptions",
     "FedAvgMOptions",
@@ -71,6 +83,8 @@ __all__ = [
     "PartitionOptions",
     "PlainAveragingOptions",
     "QFedAvgOptions",
+    "RestartOptions",
+    "ServerOptimizerOptions",
     "ServerOptions",
     "StrategyOptions",
     "T",
@@ -81,35 +95,59 @@ __all__ = [
     "server_options",
 ]
 
-SCHEDULES = ("1f1b", "gpipe")
+PipelineSchedule = Literal["gpipe", "1f1b"]
+SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 """The pipeline schedules ModelParallel runs."""
+
+Collective = Literal["auto", "torch", "coordinator"]
+COLLECTIVES: tuple[str, ...] = get_args(Collective)
+"""How DataParallel reduces gradients: torch.distributed between the replicas (``torch``),
+through the coordinator (``coordinator``), or the first when every replica can reach the
+rendezvous (``auto``)."""
+
+Transport = Literal["auto", "torch", "websocket"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+"""How ModelParallel's stages pass activations: torch.distributed point-to-point between their
+daemons (``torch``), calls from the coordinator over the WebSocket peer links (``websocket``),
+or the first when every stage can reach the rendezvous (``auto``)."""
 
 DEFAULT_COLLECTIVE_TIMEOUT = 60.0
 """Seconds a torch collective (joining the group, one all-reduce) may take before it fails:
 never torch's 30-minute default."""
 
-COLLECTIVES = ("auto", "torch", "coordinator")
-"""How DataParallel reduces gradients: torch.distributed between the replicas (``torch``),
-through the coordinator (``coordinator``), or the first when every replica can reach the
-rendezvous (``auto``)."""
-
-TRANSPORTS = ("auto", "torch", "websocket")
-"""How ModelParallel's stages pass activations: torch.distributed point-to-point between their
-daemons (``torch``), calls from the coordinator over the WebSocket peer links (``websocket``),
-or the first when every stage can reach the rendezvous (``auto``)."""
-
 DEFAULT_ELASTIC_TIMEOUT = 60.0
 """Seconds an elastic DataParallel job waits for a replacement worker unless told otherwise."""
+
+
+def _one_of(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}, not {value!r}")
 
 
 # -- single-worker and data-parallel ------------------------------------------------------------
 
 
 class LocalOptions(RestartOptions):
-    """The whole graph on one worker, pinned by id or by tag (not both) or neither; restarted
-    from the start (it keeps no checkpoints) up to ``max_restarts`` times after a fault."""
+    """The whole graph on one worker with all the data, trained as ``graph.fit`` would::
 
-    wire_name = "local"
+        client.submit(graph, x, y, strategy=sz.Local(tag="gpu"))
+
+    Args:
+        worker: run on the worker with this id (default: any idle worker).
+        tag: run on a worker that has this tag (default: any idle worker).
+        device: run on a worker training on this device (default: any).
+        max_restarts: how many times the job, when its worker is lost or its daemon crashes,
+            is queued again and trains from the start (a Local job keeps no checkpoints: its
+            one call trains the whole graph) instead of failing (default 0).
+        restart_timeout: seconds a restart waits for a worker.
+
+    Raises:
+        ValueError: ``worker`` or ``tag`` is not a non-empty string, or both are given;
+            ``device`` is not one of the device forms; ``max_restarts`` not an integer >= 0 or
+            ``restart_timeout`` not a positive number.
+    """
+
+    name = "local"
     sdk_name = "Local"
 
     worker: str | None = None
@@ -117,16 +155,16 @@ class LocalOptions(RestartOptions):
     device: str | None = None
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        worker = say.selector("worker", fields.get("worker"))
-        tag = say.selector("tag", fields.get("tag"))
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        worker = selector("worker", fields.get("worker"))
+        tag = selector("tag", fields.get("tag"))
         if worker is not None and tag is not None:
-            raise say.no(
+            raise ValueError(
                 "pin a Local job to a worker or to a tag, not both "
                 f"(worker={worker!r}, tag={tag!r})"
             )
-        say.device("device", fields.get("device"))
-        cls._check_restarts(fields, say)
+        device("device", fields.get("device"))
+        cls._check_restarts(fields)
         return fields
 
     def to_wire(self) -> dict[str, Any]:
@@ -135,17 +173,76 @@ class LocalOptions(RestartOptions):
         return pinned | on | self._restarts_wire()
 
 
-def _check_collective_timeout(fields: dict[str, Any], say: Say) -> None:
-    limit = fields.get("collective_timeout", DEFAULT_COLLECTIVE_TIMEOUT)
-    wire = f"collective_timeout must be a positive number of seconds, not {limit!r}"
-    if say.real("collective_timeout", limit, wire) <= 0:
-        raise say.no(f"collective_timeout must be > 0, not {limit!r}", wire)
-
-
 class DataParallelOptions(CheckpointOptions):
-    """``workers`` replicas in lockstep; ``elastic``: a lost one replaced within the timeout."""
+    """Synchronous data-parallel SGD over ``workers`` replicas (gradient all-reduce).
 
-    wire_name = "data_parallel"
+    Each global batch — exactly the batch ``graph.fit`` takes, by the last TorchFilter's
+    ``batch_size``, ``shuffle`` and ``seed`` — is split across the replicas with its labels; the
+    coordinator averages their gradients weighted by slice size and every replica takes the same
+    step with its own persistent optimizer. With a mean-reduced loss and no randomness in the
+    model, the result equals ``graph.fit``. Plain filters before the first TorchFilter are fitted
+    per shard and their states averaged by rows.
+
+    A replica whose worker is lost fails the job at once (``worker_lost``, naming the worker),
+    unless ``elastic``: then the step in flight is abandoned, the job waits up to
+    ``elastic_timeout`` seconds for a replacement (an idle worker that matches, or the lost one
+    reconnecting; a crashed daemon is restarted on its own worker), copies a surviving
+    replica's weights and optimizer state (momentum, moments, step counts) onto it and resumes
+    from the step that failed — so the result is still the one ``graph.fit`` gives. The job's
+    events say what happened (``worker_lost``, ``worker_replaced``, ``worker_restored``). No
+    replacement in time fails it with ``not_enough_workers``; every replica lost at once leaves
+    nothing to copy and fails it with ``worker_lost``.
+
+    How gradients are reduced (``collective``): ``"torch"`` — the replicas join one
+    torch.distributed process group (gloo; NCCL when every replica is on CUDA) through a
+    rendezvous the coordinator sets up on replica 0, and each runs the training loop itself,
+    its gradients all-reduced by ``DistributedDataParallel`` during the backward; the
+    coordinator then only sees progress. ``"coordinator"`` — every step's gradients go through
+    the coordinator (the one path for workers that cannot reach each other, behind NAT).
+    ``"auto"`` (default) — ``torch`` when every replica can open a connection to the rendezvous,
+    checked at job start, else ``coordinator``; the ``placed`` event says which and why. Either
+    gives the same result. A collective waits at most ``collective_timeout`` seconds.
+
+    Args:
+        workers: how many replicas (workers) to train on.
+        tag: only workers with this tag (default: any idle workers).
+        elastic: replace a lost replica and go on instead of failing.
+        elastic_timeout: seconds an elastic job waits for a replacement worker.
+        device: only workers training on this device (default: any).
+        collective: ``"auto"``, ``"torch"`` or ``"coordinator"`` (above).
+        collective_timeout: seconds joining the group or one collective may take.
+        checkpoint_every: save a checkpoint (every replica's model and optimizer state, and
+            the step) every this many steps; ``None`` (default): at the end of every epoch or
+            after 60 s of training, whichever comes first; ``0``: never. A coordinator that
+            dies and comes back on the same ``--state-dir`` resumes the job from its last one.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a replica's worker is lost, its daemon
+            crashes or the collective breaks, goes back to its last checkpoint and trains on
+            from there instead of failing (default 0; ``elastic`` recovers without going back,
+            on the step that failed). Each restart waits up to ``restart_timeout`` seconds for
+            workers; the job's events say ``restarting`` and then ``resumed``.
+        restart_timeout: seconds a restart waits for workers before the job fails with the
+            error that stopped it.
+        sync_batchnorm: BatchNorm layers normalise with the global batch's statistics
+            (``torch.nn.SyncBatchNorm``; CUDA workers on the torch collective). Without it each
+            replica normalises its slice with its own, and the running statistics follow
+            DistributedDataParallel's ``broadcast_buffers``: replica 0's, broadcast to every
+            replica each step. A model with BatchNorm or Dropout does not equal ``graph.fit``
+            exactly; the job says why when it is submitted (:attr:`Job.notes`) and in its
+            ``placed`` event. Dropout masks are drawn per replica from a generator seeded by
+            the filter's seed, the replica and the step: a rerun gives the same result.
+
+    Raises:
+        ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
+            ``elastic`` not a bool, ``sync_batchnorm`` without ``device="cuda"`` or with
+            ``collective="coordinator"``, ``elastic_timeout`` or ``collective_timeout`` not a
+            positive number, ``device`` not one of the device forms, ``collective`` not one
+            of the three, ``checkpoint_every`` not ``None`` or an integer >= 0,
+            ``keep_checkpoints`` not a positive integer, ``max_restarts`` not an integer >= 0
+            or ``restart_timeout`` not a positive number.
+    """
+
+    name = "data_parallel"
     sdk_name = "DataParallel"
 
     workers: int
@@ -153,33 +250,21 @@ class DataParallelOptions(CheckpointOptions):
     elastic: bool = False
     elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
     device: str | None = None
-    collective: str = "auto"
+    collective: Collective = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     sync_batchnorm: bool = False
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        say.positive_int("workers", fields.get("workers"))
-        _check_sync_batchnorm(fields, say)
-        collective = fields.get("collective", "auto")
-        if collective not in COLLECTIVES:
-            raise say.no(
-                f"collective must be one of {', '.join(map(repr, COLLECTIVES))}, not {collective!r}"
-            )
-        _check_collective_timeout(fields, say)
-        say.selector("tag", fields.get("tag"))
-        say.device("device", fields.get("device"))
-        elastic = fields.get("elastic", False)
-        if not isinstance(elastic, bool):
-            raise say.no(
-                f"elastic must be True or False, not {elastic!r}",
-                f"elastic must be a boolean, not {elastic!r}",
-            )
-        timeout = fields.get("elastic_timeout", DEFAULT_ELASTIC_TIMEOUT)
-        wire = f"elastic_timeout must be a positive number of seconds, not {timeout!r}"
-        if say.real("elastic_timeout", timeout, wire) <= 0:
-            raise say.no(f"elastic_timeout must be > 0, not {timeout!r}", wire)
-        cls._check_checkpoints(fields, say)
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        positive_int("workers", fields.get("workers"))
+        _check_sync_batchnorm(cls, fields)
+        _one_of("collective", cls._given(fields, "collective"), COLLECTIVES)
+        seconds("collective_timeout", cls._given(fields, "collective_timeout"))
+        selector("tag", fields.get("tag"))
+        device("device", fields.get("device"))
+        boolean("elastic", cls._given(fields, "elastic"))
+        seconds("elastic_timeout", cls._given(fields, "elastic_timeout"))
+        cls._check_checkpoints(fields)
         return fields
 
     def to_wire(self) -> dict[str, Any]:
@@ -199,44 +284,74 @@ class DataParallelOptions(CheckpointOptions):
         return options | self._checkpoints_wire()
 
 
-def _check_sync_batchnorm(fields: dict[str, Any], say: Say) -> None:
+def _check_sync_batchnorm(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
     """``sync_batchnorm``: a bool; torch's SyncBatchNorm runs on CUDA over a torch group only."""
-    sync = fields.get("sync_batchnorm", False)
-    if not isinstance(sync, bool):
-        raise say.no(f"sync_batchnorm must be True or False, not {sync!r}")
-    device = fields.get("device")
-    if sync and not (isinstance(device, str) and device.startswith("cuda")):
-        raise say.no(
+    sync = boolean("sync_batchnorm", cls._given(fields, "sync_batchnorm"))
+    on = fields.get("device")
+    if sync and not (isinstance(on, str) and on.startswith("cuda")):
+        raise ValueError(
             "sync_batchnorm=True needs device='cuda' (or 'cuda:N'): torch.nn.SyncBatchNorm "
-            f"normalises over a group of CUDA workers; device is {device!r}"
+            f"normalises over a group of CUDA workers; device is {on!r}"
         )
     if sync and fields.get("collective") == "coordinator":
-        raise say.no(
+        raise ValueError(
             "sync_batchnorm=True needs the torch collective (collective='auto' or 'torch'), "
             "not 'coordinator'"
         )
 
 
-class WorkerDataOptions(StrategyOptions):
-    """A job's input that stays on the workers: the name of each one's own dataset."""
+class WorkerDataOptions(Options):
+    """A job's input that stays on the workers: each trains on its own dataset called ``name``
+    (``somatize-worker --data NAME=PATH``: an ``.npz``, a directory of ``x.npy``/``y.npy`` or of
+    shards), with FedAvg/FedProx, DataParallel (each replica on its own rows) or Local::
+
+        client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10))
+        client.submit(graph, sz.WorkerData("shards"), strategy=sz.DataParallel(4))
+
+    ``loader``: the job's own code for any other format. ``loader(path)`` runs in each
+    worker's filter daemon on the path that worker serves as ``name`` (a client never names a
+    path) and returns a ``torch.utils.data.Dataset`` of ``(x, y)`` pairs; the rows each step
+    needs are read from it then. It is pickled with the job (``cloudpickle``), like a filter.
+
+    ``split``: as a job's ``validation=``, each worker's split of that name of the dataset it
+    trains on (default ``"val"``): an ``.npz``'s ``x_val``/``y_val``, a directory's
+    ``x_val.npy``/``y_val.npy``, or a dataset in its directory ``val/``::
+
+        client.submit(graph, sz.WorkerData("clinic"), strategy=sz.FedAvg(rounds=10),
+                      validation=sz.WorkerData("clinic", split="val"))
+
+    The wire carries the name (``Submit.dataset``), the pickled loader and the split
+    (``Submit.val_split``) as the job's own fields.
+    """
 
     wire_name = "worker_data"
     sdk_name = "WorkerData"
 
     name: str | None
+    loader: Any = None  # a function of the dataset's path (pickled by the client)
+    split: str | None = None
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        say.selector("name", fields.get("name"))
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        selector("name", fields.get("name"))
+        split = fields.get("split")
+        if split is not None and (not isinstance(split, str) or not split.isidentifier()):
+            raise ValueError(f"a split is a name like 'val', not {split!r}")
+        loader = fields.get("loader")
+        if loader is not None and not callable(loader):
+            raise TypeError(
+                f"loader must be a function of the dataset's path, not {type(loader).__name__}"
+            )
         return fields
 
 
 # -- pipelines (GPipe, 1F1B) --------------------------------------------------------------------
 
 
-class PartitionOptions(StrategyOptions):
-    """One pipeline stage: a run of node ids, pinned to a worker id or a tag (exactly one), on
-    ``device`` (unset: ModelParallel's ``device``)."""
+class PartitionOptions(Options):
+    """One pipeline stage: a contiguous run of node ids, pinned to a worker by id or by tag
+    (exactly one), on a worker training on ``device`` (default: the ModelParallel's
+    ``device``)."""
 
     wire_name = "partition"
     sdk_name = "Partition"
@@ -247,8 +362,8 @@ class PartitionOptions(StrategyOptions):
     device: str | None = None
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
-        return _check_partition(fields, say, "partition")
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        return _check_partition(fields, "partition")
 
     def to_wire(self) -> dict[str, Any]:
         pinned = {"worker": self.worker} if self.worker is not None else {"tag": self.tag}
@@ -256,7 +371,7 @@ class PartitionOptions(StrategyOptions):
         return {"node_ids": list(self.node_ids), **pinned, **on}
 
 
-def _check_partition(fields: dict[str, Any], say: Say, label: str) -> dict[str, Any]:
+def _check_partition(fields: dict[str, Any], label: str) -> dict[str, Any]:
     ids = fields.get("node_ids")
     if (
         not isinstance(ids, list | tuple)
@@ -264,64 +379,91 @@ def _check_partition(fields: dict[str, Any], say: Say, label: str) -> dict[str, 
         or not all(isinstance(n, str) and n for n in ids)
     ):
         shown = listed(ids) if isinstance(ids, list | tuple) else repr(ids)
-        raise say.no(f"{label}: node_ids must be one or more node ids, not {shown}")
-    worker = say.selector("worker", fields.get("worker"))
-    tag = say.selector("tag", fields.get("tag"))
+        raise ValueError(f"{label}: node_ids must be one or more node ids, not {shown}")
+    worker = selector("worker", fields.get("worker"))
+    tag = selector("tag", fields.get("tag"))
     if (worker is None) == (tag is None):
-        raise say.no(
+        raise ValueError(
             f"{label} {listed(ids)} must be pinned to a worker id or a tag, exactly one "
             f"(worker={worker!r}, tag={tag!r})"
         )
-    say.device(f"{label}: device", fields.get("device"))
+    device(f"{label}: device", fields.get("device"))
     return {**fields, "node_ids": tuple(ids)}
 
 
 class ModelParallelOptions(CheckpointOptions):
-    """The graph's partitions, in graph order; micro-batches per global batch; the schedule;
-    the device of the partitions that name none; ``spares`` more workers (tagged ``spare_tag``,
-    or any) held by the job to take a lost stage's place."""
+    """Pipeline-parallel training: the graph split in ``partitions``, each on its own worker.
 
-    wire_name = "model_parallel"
+    Every global batch (the batch ``graph.fit`` would take) is cut into ``micro_batches`` that
+    flow stage to stage; the last stage computes the loss; gradients flow back; each stage steps
+    its optimizer once per global batch (GPipe). The result equals ``graph.fit``.
+
+    How activations travel (``transport``): ``"torch"`` — the stages join one torch.distributed
+    group and each runs its part of the schedule itself, sending activations and their gradients
+    straight to its neighbours' daemons (point-to-point, as ``torch.distributed.pipelining``
+    does); the coordinator sees one call per stage per chunk of global batches.
+    ``"websocket"`` — every micro-batch's action is a call from the coordinator, the tensors
+    going over the agents' peer links (or relayed by the coordinator). ``"auto"`` (default) —
+    ``torch`` when every stage can reach the rendezvous on the first, else ``websocket``; a
+    ``linked`` progress event says which and why.
+
+    A lost stage fails the job at once, unless the job holds ``spares``: then the lost stage's
+    partition moves to a spare worker, every stage goes back to the last checkpoint (the start,
+    before the first) and training goes on from there — the result is still the undisturbed
+    run's. The events say ``worker_lost``, ``worker_replaced`` (which stage, which worker) and
+    ``resumed``. With no spare left, ``max_restarts`` still applies.
+
+    Args:
+        partitions: the stages (``Partition``), in graph order; together they hold every node
+            exactly once.
+        micro_batches: micro-batches per global batch.
+        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+        device: the device of every partition that names none (default: any).
+        transport: ``"auto"``, ``"torch"`` or ``"websocket"`` (above).
+        collective_timeout: seconds joining the group or one send/receive may take.
+        checkpoint_every: save a checkpoint (every stage's model and optimizer state, and the
+            global batch) every this many global batches; ``None`` (default): at the end of
+            every epoch or after 60 s of training, whichever comes first; ``0``: never.
+        keep_checkpoints: how many checkpoints of the job are kept (default 2).
+        max_restarts: how many times the job, when a stage's worker is lost (and no spare is
+            left), its daemon crashes or the group breaks, goes back to its last checkpoint on
+            the workers there are (default 0), waiting up to ``restart_timeout`` seconds.
+        restart_timeout: seconds a restart waits for workers.
+        spares: workers the job holds besides its stages, idle, each ready to take a lost
+            stage's place (default 0).
+        spare_tag: only workers with this tag are spares (default: any worker).
+    """
+
+    name = "model_parallel"
     sdk_name = "ModelParallel"
 
     partitions: tuple[PartitionOptions, ...]
     micro_batches: int = 1
-    schedule: str = "gpipe"
+    schedule: PipelineSchedule = "gpipe"
     device: str | None = None
-    transport: str = "auto"
+    transport: Transport = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     spares: int = 0
     spare_tag: str | None = None
 
     @classmethod
-    def _check(cls, fields: dict[str, Any], say: Say) -> dict[str, Any]:
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         raw = fields.get("partitions")
         if not isinstance(raw, list | tuple) or not raw:
-            raise say.no("partitions must be a non-empty list")
-        partitions = []
-        for p, item in enumerate(raw):
-            part = item.model_dump() if isinstance(item, PartitionOptions) else item
-            if not isinstance(part, Mapping):
-                raise say.no(f"partition {p} must be a mapping")
-            partitions.append(_check_partition(dict(part), say, f"partition {p}"))
-        say.positive_int("micro_batches", fields.get("micro_batches", 1))
-        schedule = fields.get("schedule", "gpipe")
+            raise ValueError(f"partitions must be a non-empty list of partitions, not {raw!r}")
+        partitions = [_partition(p, item, form) for p, item in enumerate(raw)]
+        positive_int("micro_batches", cls._given(fields, "micro_batches"))
+        schedule = cls._given(fields, "schedule")
         if schedule not in SCHEDULES:
-            raise say.no(f"schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
-        say.device("device", fields.get("device"))
-        transport = fields.get("transport", "auto")
-        if transport not in TRANSPORTS:
-            raise say.no(
-                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, not {transport!r}"
-            )
-        _check_collective_timeout(fields, say)
-        spares = fields.get("spares", 0)
-        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
-            raise say.no(f"spares must be an integer >= 0, not {spares!r}")
-        if say.selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
-            raise say.no("spare_tag names the spares' tag: give spares=N (N >= 1) too")
-        cls._check_checkpoints(fields, say)
-        return {**fields, "partitions": partitions}
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
+        device("device", fields.get("device"))
+        _one_of("transport", cls._given(fields, "transport"), TRANSPORTS)
+        seconds("collective_timeout", cls._given(fields, "collective_timeout"))
+        spares = count("spares", cls._given(fields, "spares"), 0)
+        if selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
+            raise ValueError("spare_tag names the spares' tag: give spares=N (N >= 1) too")
+        cls._check_checkpoints(fields)
+        return {**fields, "partitions": tuple(partitions)}
 
     def to_wire(self) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -345,3 +487,20 @@ class ModelParallelOptions(CheckpointOptions):
         """Where partition ``partition`` runs: its own device, else the pipeline's."""
         own = self.partitions[partition].device
         return own if own is not None else self.device
+
+
+def _partition(p: int, item: object, form: Form) -> PartitionOptions:
+    """Partition ``p`` as given: a :class:`PartitionOptions`, or on the wire its object."""
+    label = f"partition {p}"
+    if isinstance(item, PartitionOptions):
+        return item
+    if not isinstance(item, Mapping) or form is not Form.WIRE:
+        raise ValueError(
+            f"{label} must be a Partition(...) (on the wire: an object with node_ids and a "
+            f"worker or a tag), not {item!r}"
+        )
+    fields = _check_partition(dict(item), label)  # its rules, naming it by its place
+    try:
+        return PartitionOptions.model_validate(fields)
+    except ValidationError as exc:
+        raise ValueError(str(named_by(label, exc))) from None

@@ -39,7 +39,9 @@ def test_data_parallel_sends_the_elastic_options_only_when_elastic():
     }
     with pytest.raises(ValueError, match="elastic must be True or False, not 'yes'"):
         sz.DataParallel(2, elastic="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="elastic_timeout must be > 0, not 0"):
+    with pytest.raises(
+        ValueError, match="elastic_timeout must be a positive number of seconds, not 0"
+    ):
         sz.DataParallel(2, elastic=True, elastic_timeout=0)
 
 

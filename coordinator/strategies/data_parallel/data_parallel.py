@@ -28,18 +28,17 @@ is still the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
+from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
-from coordinator.strategies.data_parallel.star import Plan, StarTraining, average
+from coordinator.strategies.data_parallel.star import GlobalBatchPlan, StarTraining, average
 from coordinator.strategies.data_parallel.torch_collective import Choice, TorchTraining, choose
 from coordinator.strategies.history import (
     VALIDATION,
@@ -51,20 +50,14 @@ from coordinator.strategies.history import (
 )
 from coordinator.strategies.steps import (
     OwnData,
-    Training,
+    TrainingSettings,
     global_batches,
+    lr_schedule_request,
     plain_prefix,
-    schedule_request,
 )
 from protocol.daemon import CompositeFitRequest, EvaluateRequest
 from protocol.errors import ErrorCode
-from protocol.options.strategies import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    DEFAULT_ELASTIC_TIMEOUT,
-    DEFAULT_KEEP_CHECKPOINTS,
-    DEFAULT_RESTART_TIMEOUT,
-    DataParallelOptions,
-)
+from protocol.options.strategies import DataParallelOptions
 from protocol.rules.equivalence import data_parallel_notes
 from protocol.rules.rows import rows_of
 
@@ -79,58 +72,17 @@ class DataParallel(Strategy):
     ``elastic``, a lost replica is replaced within ``elastic_timeout`` seconds and training
     resumes from the last completed step."""
 
-    name = "data_parallel"
+    options_model = DataParallelOptions
+    options: DataParallelOptions
     saves_checkpoints = True
 
-    def __init__(
-        self,
-        workers: int,
-        tag: str | None = None,
-        elastic: bool = False,
-        elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT,
-        device: str | None = None,
-        collective: str = "auto",
-        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
-        max_restarts: int = 0,
-        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
-        sync_batchnorm: bool = False,
-    ) -> None:
-        self.workers = workers
-        self.tag = tag
-        self.elastic = elastic
-        self.elastic_timeout = elastic_timeout
-        self.device = device
-        self.collective = collective
-        self.collective_timeout = collective_timeout
-        self.checkpoint_every = checkpoint_every
-        self.keep_checkpoints = keep_checkpoints
-        self.max_restarts = max_restarts
-        self.restart_timeout = restart_timeout
-        self.sync_batchnorm = sync_batchnorm
+    def __init__(self, options: DataParallelOptions) -> None:
+        super().__init__(options)
         self._prepared: _SetUp | None = None
 
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(DataParallelOptions, options)
-        return cls(
-            checked.workers,
-            checked.tag,
-            checked.elastic,
-            checked.elastic_timeout,
-            checked.device,
-            checked.collective,
-            checked.collective_timeout,
-            checked.checkpoint_every,
-            checked.keep_checkpoints,
-            checked.max_restarts,
-            checked.restart_timeout,
-            checked.sync_batchnorm,
-        )
-
     def placement(self) -> Placement:
-        return Placement(workers=self.workers, tag=self.tag, device=self.device)
+        o = self.options
+        return Placement(workers=o.workers, tag=o.tag, device=o.device)
 
     def validate(self, job: JobInputs) -> None:
         self._plan(job)
@@ -140,7 +92,7 @@ class DataParallel(Strategy):
         ``placed`` event says of it, with why the run will not equal ``graph.fit`` exactly
         (``notes``: :mod:`protocol.rules.equivalence`) when it will not."""
         self._prepared = await self._set_up(ctx, job, emit)
-        notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.sync_batchnorm)
+        notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.options.sync_batchnorm)
         return self._prepared.choice.describe() | ({"notes": notes} if notes else {})
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
@@ -159,8 +111,8 @@ class DataParallel(Strategy):
             DataParallelPosition(held),
             torch_nodes,
             staged=STAGED,
-            elastic=self.elastic,
-            timeout=self.elastic_timeout,
+            elastic=self.options.elastic,
+            timeout=self.options.elastic_timeout,
             placement=self.placement().describe(),
             validation=validation_stage(job),
         )
@@ -171,15 +123,15 @@ class DataParallel(Strategy):
             run.position.held = [np.arange(size) for size in own.sizes]
             plan = own.batches(training)
         first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
-        run.schedule = schedule = schedule_request(training, steps_per_epoch)
+        run.schedule = schedule = lr_schedule_request(training, steps_per_epoch)
 
         async def tell(i: int, fresh: bool) -> None:
             if not fresh:  # a replacement was told when it was set up
                 await ctx.call(i, schedule)
 
         await run.on_all(tell, replicas)
-        choice = await choose(run, self.collective, self.collective_timeout)
-        if self.sync_batchnorm and choice.collective != "torch":
+        choice = await choose(run, self.options.collective, self.options.collective_timeout)
+        if self.options.sync_batchnorm and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
                 f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
@@ -200,7 +152,9 @@ class DataParallel(Strategy):
 
         # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all;
         #    or, resumed, every node's state and optimizer state from the job's checkpoint.
-        saves = ReplicaCheckpoints.of(run, self.checkpoint_every, steps_per_epoch, training.epochs)
+        saves = ReplicaCheckpoints.of(
+            run, self.options.checkpoint_every, steps_per_epoch, training.epochs
+        )
         start = await saves.restore()
         if prefix and not start:
             position.phase = "fitting"
@@ -220,9 +174,9 @@ class DataParallel(Strategy):
                 training,
                 n,
                 steps_per_epoch,
-                self.collective_timeout,
+                self.options.collective_timeout,
                 emit,
-                self.sync_batchnorm,
+                self.options.sync_batchnorm,
                 history,
                 evaluate,
             ).train(total_steps, start, saves)
@@ -241,9 +195,9 @@ class DataParallel(Strategy):
         await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
 
-    def _plan(self, job: JobInputs) -> tuple[list[str], list[str], Training]:
+    def _plan(self, job: JobInputs) -> tuple[list[str], list[str], TrainingSettings]:
         """The torch nodes, the plain prefix and the training settings; or why not."""
-        if job.dataset is not None and self.elastic:
+        if job.dataset is not None and self.options.elastic:
             raise StrategyOptionsError(
                 "data_parallel on WorkerData cannot be elastic: a replacement worker holds "
                 "other rows than the replica it would replace"
@@ -251,7 +205,7 @@ class DataParallel(Strategy):
         torch_nodes, prefix = plain_prefix(job, self.name, "; use Local")
         if job.y is None and job.dataset is None:
             raise StrategyOptionsError("data_parallel trains with labels: y is missing")
-        return torch_nodes, prefix, Training.of(job.nodes[torch_nodes[-1]])
+        return torch_nodes, prefix, TrainingSettings.of(job.nodes[torch_nodes[-1]])
 
 
 @dataclass(frozen=True)
@@ -310,7 +264,7 @@ async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[i
     await run.on_all(set_averaged, replicas)
 
 
-def _held(plan: Plan, replicas: int) -> list[Any]:
+def _held(plan: GlobalBatchPlan, replicas: int) -> list[Any]:
     """The rows each replica will ever see, sorted: what it is sent of the client's data."""
     needed: list[set[int]] = [set() for _ in range(replicas)]
     for _, _, slices in plan:
@@ -319,7 +273,7 @@ def _held(plan: Plan, replicas: int) -> list[Any]:
     return [np.array(sorted(rows), dtype=np.int64) for rows in needed]
 
 
-def _first_epoch(plan: Plan, replicas: int) -> tuple[list[list[int]], int]:
+def _first_epoch(plan: GlobalBatchPlan, replicas: int) -> tuple[list[list[int]], int]:
     """The rows each replica sees in the first epoch (what plain filters in front fit on), and
     the steps of an epoch; the plan is read no further than that epoch."""
     first_epoch: list[list[int]] = [[] for _ in range(replicas)]

@@ -19,7 +19,7 @@ The fold reads a reply's header as :mod:`protocol.codec` lays frames out, and ta
 trees of plain dicts down to float32 or float64 arrays, the same in every reply. Anything else
 (an error reply, another dtype, trees that differ) it *declines*: nothing of it is folded, a
 paced request waiting on it raises :class:`FoldDeclined` before any of its mean bytes went out,
-and the strategy averages the replies as before (:meth:`MeanFold.settle`), which names whatever
+and the strategy averages the replies as before (:meth:`StreamedMean.settle`), which names whatever
 disagrees. The sink callbacks run on the event loop, a chunk's worth of work at a time.
 """
 
@@ -38,7 +38,7 @@ import orjson
 
 from protocol.codec import ALIGNMENT, FRAME_VERSION, Part
 
-__all__ = ["FoldBuffers", "FoldDeclined", "MeanFold"]
+__all__ = ["FoldBuffers", "FoldDeclined", "StreamedMean"]
 
 MIN_FOLD_BYTES = 256 << 10
 """A range is folded once this many of its bytes are in from every reply (or its tensor ends):
@@ -82,7 +82,7 @@ class _Leaf:
 
 class FoldBuffers:
     """Buffers kept from step to step by one run: a fold takes what it needs and gives it back
-    when the step's mean has reached every replica (:meth:`MeanFold.release`)."""
+    when the step's mean has reached every replica (:meth:`StreamedMean.release`)."""
 
     def __init__(self) -> None:
         self._free: dict[Any, list[np.ndarray[Any, Any]]] = {}
@@ -103,7 +103,7 @@ class FoldBuffers:
 class _Reply:
     """One contributor's reply as it arrives (the :class:`~protocol.chunking.StreamSink`)."""
 
-    fold: MeanFold
+    fold: StreamedMean
     place: int  # its position among the contributors
     weight: float
     buffer: np.ndarray[Any, Any] | None = None
@@ -139,7 +139,7 @@ class _Sink:
 
 
 @dataclass
-class MeanFold:
+class StreamedMean:
     """One step's gradient mean, folded from the replies as they arrive (module docstring).
 
     Args:
@@ -290,7 +290,7 @@ class MeanFold:
 
     # -- the mean -----------------------------------------------------------------------------
 
-    async def take(self) -> tuple[Any, MeanFold | None]:
+    async def take(self) -> tuple[Any, StreamedMean | None]:
         """The mean's tree for the next step's requests, and the pacer to send them with
         (``None`` once the mean is whole). Waits for the first reply's header.
 

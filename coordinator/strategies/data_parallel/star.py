@@ -15,6 +15,10 @@ gradient byte is in. Two steps are in flight at once only where nothing can need
 undone: not in an ``elastic`` run (a lost replica is restored from a survivor standing at the step
 that failed), nor across a checkpoint (saved once every replica has applied its step's mean).
 Replies the fold cannot take are averaged whole, with the same result and the same errors.
+
+This is why its loop is its own, not the round loop of :mod:`coordinator.strategies.rounds`:
+there a round ends (aggregated, recorded) before the next is configured; here step ``s + 1`` is
+launched while step ``s`` is still landing.
 """
 
 from __future__ import annotations
@@ -33,18 +37,18 @@ from coordinator.strategies.aggregate import AggregationError, weighted_mean
 from coordinator.strategies.base import Emit
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
-from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, MeanFold
+from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, StreamedMean
 from coordinator.strategies.history import Evaluate, History
-from coordinator.strategies.steps import Training, global_batches
+from coordinator.strategies.steps import TrainingSettings, global_batches
 from protocol.daemon import ApplyGradientsRequest, GradientsRequest
 from protocol.errors import ErrorCode
 from protocol.rules.batching import replica_seed
 
-__all__ = ["Plan", "StarTraining", "apply_mean", "average"]
+__all__ = ["GlobalBatchPlan", "StarTraining", "apply_mean", "average"]
 
 T = TypeVar("T")
 
-Plan = Iterable[tuple[int, int, list[Any]]]
+GlobalBatchPlan = Iterable[tuple[int, int, list[Any]]]
 """``(epoch, step, slices by replica)`` of every step of a run."""
 
 
@@ -55,8 +59,8 @@ class _Step:
     done: int  # the global step, from 1
     epoch: int
     weights: dict[int, int]  # rows of each replica that has any, by replica
-    fold: MeanFold
-    previous: MeanFold | None  # the mean its requests carry, released once they landed
+    fold: StreamedMean
+    previous: StreamedMean | None  # the mean its requests carry, released once they landed
     calls: asyncio.Task[dict[int, Any]]
     launched: float  # time.monotonic
     ends_epoch: bool  # the last step of its epoch (epoch-wise schedulers step after it)
@@ -69,7 +73,7 @@ class _Prior:
     whether it ended an epoch, and replica 0's buffers after it (DDP's ``broadcast_buffers``:
     the other replicas take them before their forward)."""
 
-    mean: MeanFold | None = None
+    mean: StreamedMean | None = None
     ends_epoch: bool = False
     buffers: asyncio.Future[Any] | None = None
 
@@ -87,7 +91,7 @@ class StarTraining:
     """
 
     run: Replicas
-    training: Training
+    training: TrainingSettings
     rows: int
     staged: str
     emit: Emit
@@ -102,7 +106,7 @@ class StarTraining:
         and apply the last mean everywhere."""
         position = self.run.position
         own, replicas = position.own, self.run.ctx.num_workers()
-        plan: Plan = (
+        plan: GlobalBatchPlan = (
             own.batches(self.training)
             if own
             else global_batches(self.rows, replicas, self.training)
@@ -159,7 +163,7 @@ class StarTraining:
             if position.own and after is not None and len(after[2][i])
         }
         weights = {i: len(slices[i]) for i in sorted(local)}
-        fold = MeanFold(weights, self.pool)
+        fold = StreamedMean(weights, self.pool)
         targets = [i for i in replicas if i in local or prior.mean is not None]
         buffers: asyncio.Future[Any] | None = None
         if self.syncs_buffers:  # replica 0's after this step: its reply's, or as they were
@@ -178,7 +182,7 @@ class StarTraining:
         local: Mapping[int, Any],
         ahead: Mapping[int, Any],
         prior: _Prior,
-        fold: MeanFold,
+        fold: StreamedMean,
         buffers: asyncio.Future[Any] | None,
     ) -> Callable[[int, bool], Awaitable[Any]]:
         """A replica's part of step ``done``: apply the prior step's mean (unless the replica

@@ -14,6 +14,8 @@ touches a gradient; per chunk it receives each replica's losses and emits one pr
 (``step``: the steps done, ``losses``: each step's of the chunk).
 Chunks grow (doubling, from one step) until one takes about :data:`CHUNK_SECONDS`, so fast
 steps do not cost a message each and the progress stays live.
+The loop over steps is the replicas' own (``engine.replica``); the coordinator's, over chunks
+that end where a checkpoint falls due, has no round to configure or aggregate.
 
 Faults. When a call of a chunk fails, the others are given the collective timeout to end and
 are cancelled after it (:func:`~coordinator.strategies.process_group.settle`). Without
@@ -54,7 +56,7 @@ from coordinator.strategies.process_group import (
     rendezvous,
     settle,
 )
-from coordinator.strategies.steps import Training
+from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest
 from protocol.errors import ErrorCode
 
@@ -110,7 +112,7 @@ class TorchTraining:
 
     run: Replicas
     choice: Choice
-    training: Training
+    training: TrainingSettings
     rows: int
     steps_per_epoch: int
     timeout: float

@@ -42,7 +42,7 @@ class FederatedPosition:
     advances this; nothing else holds it."""
 
     global_state: dict[str, Any]  # w_t
-    server: server_opt.ServerOptimizer
+    server: server_opt.ServerOptimizer[Any]
     cohort: Cohort
     round: int = 0  # rounds completed
     privacy: Privacy | None = None  # DP-FedAvg's clip and accountant, for a private job

@@ -9,25 +9,16 @@ heterogeneous data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Self
-
-from coordinator.strategies.base import parse_options
-from coordinator.strategies.federated.fedavg import FedAvg, arguments
-from protocol.options.strategies import FedProxOptions
+from coordinator.strategies.federated.fedavg import FedAvg
+from protocol.options.federated import FedProxOptions
 
 
 class FedProx(FedAvg):
-    """FedAvg whose clients add μ/2 ‖w − w_t‖² to their loss (Li et al. 2020).
+    """FedAvg whose clients add μ/2 ‖w − w_t‖² to their loss (Li et al. 2020); its options are
+    :class:`~protocol.options.federated.FedProxOptions`, FedAvg's and ``mu``."""
 
-    Args:
-        mu: μ > 0 (with μ = 0 this would be FedAvg: ask for FedAvg instead).
-        **kwargs: as :class:`FedAvg`.
-    """
+    options_model = FedProxOptions
+    options: FedProxOptions
 
-    name = "fedprox"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(FedProxOptions, options)
-        return cls(**arguments(checked), prox_mu=checked.mu)
+    def proximal_mu(self) -> float:
+        return self.options.mu

@@ -43,7 +43,6 @@ from coordinator.strategies.aggregate import Accumulator, Tree
 from coordinator.strategies.federated.flat import Flat, Vector
 from coordinator.strategies.federated.round_fold import RoundFold
 from protocol.options import privacy as po
-from protocol.options.base import Dialect
 
 ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 """The RDP orders the accountant tries (as opacus' and TensorFlow Privacy's accountants)."""
@@ -116,20 +115,30 @@ class DPFold(RoundFold):
         return model, {}
 
 
+def load_accountant() -> None:
+    """Import ``dp_accounting`` (seconds, the first time; only a private job pays for it): best
+    off the event loop, where a submitted job is vetted."""
+    import dp_accounting  # noqa: F401
+
+
 class Privacy:
     """What DP-FedAvg keeps across rounds: the clipping norm (it moves with adaptive clipping)
     and the accountant; :meth:`fold` makes a round's aggregation, :meth:`spent` closes it."""
 
-    def __init__(self, spec: Mapping[str, Any], rng: np.random.Generator | None = None) -> None:
-        self.options = po.privacy_options(spec, Dialect.WIRE)
+    def __init__(
+        self, options: po.PrivacyMechanismOptions, rng: np.random.Generator | None = None
+    ) -> None:
+        self.options = options
         self.rng = rng if rng is not None else np.random.default_rng()
         self.adaptive = isinstance(self.options, po.AdaptiveClippingOptions)
-        if isinstance(self.options, po.AdaptiveClippingOptions):
-            self.clip = self.options.initial_clip
+        if isinstance(options, po.AdaptiveClippingOptions):
+            self.clip = options.initial_clip
+        elif isinstance(options, po.FixedClippingOptions):
+            self.clip = options.clip_norm
         else:
-            self.clip = self.options.clip_norm
+            raise TypeError(f"no privacy mechanism {type(options).__name__}")
         self.rates: list[float] = []  # each round's sampling rate q = m / K
-        import dp_accounting  # noqa: F401 - once, as the job starts: not inside a round
+        load_accountant()  # once, as the job starts: never inside a round
 
     @property
     def client_clip(self) -> float | None:

@@ -12,37 +12,20 @@ takes no server optimizer and no robust aggregator (refused at submit).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
-from coordinator.strategies.base import parse_options
-from coordinator.strategies.federated.fedavg import FedAvg, arguments
+from coordinator.strategies.federated.fedavg import FedAvg
 from coordinator.strategies.federated.round_fold import QFold, RoundFold
-from protocol.options.strategies import QFedAvgOptions
+from protocol.options.federated import QFedAvgOptions
 
 
 class QFedAvg(FedAvg):
-    """FedAvg with q-FedAvg's server update (Li et al. 2020).
+    """FedAvg with q-FedAvg's server update (Li et al. 2020); its options are
+    :class:`~protocol.options.federated.QFedAvgOptions`, FedAvg's and ``q``, ``lipschitz``."""
 
-    Args:
-        q: q >= 0, how much more the worse-fitted clients weigh (0: the unweighted mean).
-        lipschitz: L > 0, the Lipschitz constant of the loss's gradient (the paper: 1/η,
-            η the clients' learning rate).
-        **kwargs: as :class:`FedAvg`.
-    """
-
-    name = "qfedavg"
+    options_model = QFedAvgOptions
+    options: QFedAvgOptions
     asks_start_loss: ClassVar[bool] = True
 
-    def __init__(self, q: float, lipschitz: float, **kwargs: Any) -> None:
-        self.q = q
-        self.lipschitz = lipschitz
-        super().__init__(**kwargs)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(QFedAvgOptions, options)
-        return cls(checked.q, checked.lipschitz, **arguments(checked))
-
-    def _fold(self, torch_nodes: list[str], start: Mapping[str, Any]) -> RoundFold:
-        return QFold(start, torch_nodes, self.q, self.lipschitz)
+    def round_fold(self, torch_nodes: list[str], start: dict[str, Any]) -> RoundFold:
+        return QFold(start, torch_nodes, self.options.q, self.options.lipschitz)

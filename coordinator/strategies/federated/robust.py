@@ -30,6 +30,10 @@ the models w_k equals w_t plus aggregating the updates w_k − w_t: the server o
 (:mod:`~coordinator.strategies.federated.server_optimizers`) then steps on the robust aggregate in
 place of the mean, as Reddi et al.'s Algorithm 2 steps on its "Δ_t" and Blanchard et al.'s SGD on
 Krum's choice. Ties (equal scores, equal distances) go to the lowest client position.
+
+Each rule takes its options model (:mod:`protocol.options.aggregators`: the parameters and their
+checks, defined once) and implements the maths; :func:`for_options` builds the one a model asks
+for.
 """
 
 from __future__ import annotations
@@ -37,21 +41,37 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 import numpy as np
 
-from protocol.options import aggregators as ao
-from protocol.options.base import Dialect
+from protocol.options.aggregators import (
+    BulyanOptions,
+    FedMedianOptions,
+    KrumOptions,
+    RobustRuleOptions,
+    TrimmedMeanOptions,
+    aggregator_options,
+)
 
 Matrix: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 Vector: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
+R = TypeVar("R", bound=RobustRuleOptions)
 
 
-class RobustRule(ABC):
+class RobustRule(ABC, Generic[R]):
     """n client vectors (the rows of a matrix) to one; see the module docstring."""
 
+    options_model: ClassVar[type[RobustRuleOptions]]
     name: ClassVar[str]
+
+    def __init__(self, options: R) -> None:
+        self.options = options
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "options_model" in cls.__dict__:
+            cls.name = cls.options_model.name
 
     @abstractmethod
     def combine(self, stack: Matrix) -> tuple[Vector, list[int] | None]:
@@ -60,85 +80,54 @@ class RobustRule(ABC):
 
     def least_clients(self) -> int:
         """The fewest clients a round needs for this rule to hold."""
-        return 1
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The rule's parameters, as the client sent them."""
-        public = {key: value for key, value in vars(self).items() if not key.startswith("_")}
-        return ao.aggregator_options({"name": self.name, **public}, Dialect.WIRE).parameters()
+        return self.options.least_clients()
 
 
-class FedMedian(RobustRule):
+class FedMedian(RobustRule[FedMedianOptions]):
     """The coordinate-wise median (Yin et al. 2018); the mean of the two middle values when n
     is even."""
 
-    name = "fedmedian"
+    options_model = FedMedianOptions
+
+    def __init__(self, options: FedMedianOptions | None = None) -> None:
+        super().__init__(options if options is not None else FedMedianOptions())
 
     def combine(self, stack: Matrix) -> tuple[Vector, list[int] | None]:
         return np.median(stack, axis=0), None
 
 
-class TrimmedMean(RobustRule):
+class TrimmedMean(RobustRule[TrimmedMeanOptions]):
     """The coordinate-wise mean of what is left once the ⌊β n⌋ largest and ⌊β n⌋ smallest
-    values are removed (Yin et al. 2018).
+    values are removed (Yin et al. 2018; β ``beta``)."""
 
-    Args:
-        beta: β, in [0, 1/2).
-    """
-
-    name = "trimmed_mean"
-
-    def __init__(self, beta: float) -> None:
-        self.beta = beta
+    options_model = TrimmedMeanOptions
 
     def combine(self, stack: Matrix) -> tuple[Vector, list[int] | None]:
         n = len(stack)
-        cut = math.floor(self.beta * n)
+        cut = math.floor(self.options.beta * n)
         ordered = np.sort(stack, axis=0)
         return ordered[cut : n - cut].mean(axis=0), None
 
 
-class Krum(RobustRule):
-    """Krum, or Multi-Krum with ``keep`` > 1 (Blanchard et al. 2017).
+class Krum(RobustRule[KrumOptions]):
+    """Krum, or Multi-Krum with ``keep`` m > 1: the m vectors of least score averaged
+    (Blanchard et al. 2017; f ``byzantine``)."""
 
-    Args:
-        byzantine: f, the number of bad clients to withstand (>= 0).
-        keep: m, how many vectors of least score are averaged (1: Krum).
-    """
-
-    name = "krum"
-
-    def __init__(self, byzantine: int, keep: int = 1) -> None:
-        self.byzantine = byzantine
-        self.keep = keep
-
-    def least_clients(self) -> int:
-        return ao.krum_least_clients(self.byzantine, self.keep)
+    options_model = KrumOptions
 
     def combine(self, stack: Matrix) -> tuple[Vector, list[int] | None]:
-        scores = krum_scores(stack, self.byzantine)
-        kept = sorted(np.argsort(scores, kind="stable")[: self.keep].tolist())
+        scores = krum_scores(stack, self.options.byzantine)
+        kept = sorted(np.argsort(scores, kind="stable")[: self.options.keep].tolist())
         return stack[kept].mean(axis=0), kept
 
 
-class Bulyan(RobustRule):
-    """Bulyan over Krum (El Mhamdi et al. 2018).
+class Bulyan(RobustRule[BulyanOptions]):
+    """Bulyan over Krum (El Mhamdi et al. 2018; f ``byzantine``)."""
 
-    Args:
-        byzantine: f, the number of bad clients to withstand (>= 0).
-    """
-
-    name = "bulyan"
-
-    def __init__(self, byzantine: int) -> None:
-        self.byzantine = byzantine
-
-    def least_clients(self) -> int:
-        return ao.bulyan_least_clients(self.byzantine)
+    options_model = BulyanOptions
 
     def combine(self, stack: Matrix) -> tuple[Vector, list[int] | None]:
-        f, n = self.byzantine, len(stack)
+        f, n = self.options.byzantine, len(stack)
         theta = n - 2 * f
         remaining, selected = list(range(n)), list[int]()
         while len(selected) < theta:
@@ -166,17 +155,21 @@ def krum_scores(stack: Matrix, byzantine: int) -> Vector:
     return np.asarray(nearest.sum(axis=1), dtype=np.float64)
 
 
-RULES: dict[str, type[RobustRule]] = {
+RULES: dict[str, type[RobustRule[Any]]] = {
     cls.name: cls for cls in (FedMedian, TrimmedMean, Krum, Bulyan)
 }
 """The robust rules by the name a client gives."""
 
 
-def from_options(spec: Mapping[str, Any]) -> RobustRule:
+def for_options(options: RobustRuleOptions) -> RobustRule[Any]:
+    """The rule ``options`` asks for."""
+    return RULES[options.name](options)
+
+
+def from_options(spec: Mapping[str, Any]) -> RobustRule[Any]:
     """The rule ``{"name": ..., parameter: value}`` asks for, checked.
 
     Raises:
         ValueError: an unknown name, a parameter it does not take, or a value out of range.
     """
-    checked = ao.aggregator_options(spec, Dialect.WIRE)
-    return RULES[checked.name](**checked.parameters())
+    return for_options(aggregator_options(spec))

@@ -4,8 +4,8 @@ optimizer then steps towards (:func:`~coordinator.strategies.federated.server_op
 A fold takes each client's trained states as they arrive (:meth:`RoundFold.add`) and gives the
 aggregate once the round is in (:meth:`RoundFold.result`):
 
-* :class:`MeanFold` — FedAvg's row-weighted mean (McMahan et al. 2017), folded in as the states
-  arrive: the coordinator holds a few client states, not the round's.
+* :class:`RowWeightedMean` — FedAvg's row-weighted mean (McMahan et al. 2017), folded in as the
+  states arrive: the coordinator holds a few client states, not the round's.
 * :class:`RobustFold` — a Byzantine-robust rule (:mod:`~coordinator.strategies.federated.robust`) on
   the TorchFilters' float leaves, which needs every client's vector at once (n × d float64 held);
   everything else (plain filters' states, integer leaves) is the row-weighted mean, checked as
@@ -44,7 +44,7 @@ class RoundFold(ABC):
         """x̄, and what the round's event adds about how it was made."""
 
 
-class MeanFold(RoundFold):
+class RowWeightedMean(RoundFold):
     """Σ (n_k / n) w_k, folded in as the clients arrive."""
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class RobustFold(RoundFold):
     """``rule`` on the float leaves of ``nodes`` (the TorchFilters), the row-weighted mean for
     the rest."""
 
-    def __init__(self, rule: RobustRule, nodes: Sequence[str]) -> None:
+    def __init__(self, rule: RobustRule[Any], nodes: Sequence[str]) -> None:
         self.rule = rule
         self.nodes = list(nodes)
         self.mean = Accumulator()

@@ -42,7 +42,8 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.aggregate import Tree, leaf_kind, like
 from coordinator.strategies.base import concurrently
-from coordinator.strategies.federated.cohort import Cohort, DroppedWorker
+from coordinator.strategies.federated.cohort import Cohort, DroppedWorker, reasons
+from coordinator.strategies.federated.collection import Collection
 from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode
@@ -223,3 +224,47 @@ async def each_client(
 
     groups = await concurrently(*(on_worker(i, mine) for i, mine in turns.items()))
     return [d for group in groups for d in group]
+
+
+@dataclass
+class SecureSum(Collection):
+    """Secure aggregation as a round's collection: keys and shares before the clients train
+    (Bonawitz et al. 2017, rounds 0 and 1), each client's masked model after (round 2), the
+    survivors' shares and the sum at the end (round 3, Unmasking); w_t is ``start``'s states
+    and what the sum leaves alone (the TorchFilters' integer entries, plain filters')."""
+
+    secure: SecureRound
+    start: Mapping[str, Any]
+
+    async def before_training(
+        self, ctx: StrategyContext, cohort: Cohort, selected: Sequence[int]
+    ) -> list[DroppedWorker]:
+        secure = self.secure
+        dropped = await each_client(ctx, cohort, selected, secure.keys_request, secure.took_keys)
+        keyed = [c for c in selected if cohort.label(c) in secure.keys]
+        dropped += await each_client(ctx, cohort, keyed, secure.share_request, secure.took_shares)
+        return dropped
+
+    def trains(self, label: str) -> bool:
+        return label in self.secure.shared  # else dropped out before training: counted there
+
+    async def collect(
+        self, ctx: StrategyContext, i: int, label: str, fit: Mapping[str, Any], nodes: list[str]
+    ) -> None:
+        # Its masked model, never the model itself.
+        masked = await ctx.call(i, self.secure.mask_request(label, fit["rows"]))
+        self.secure.took_masked(label, masked["masked"])
+
+    async def aggregate(
+        self, ctx: StrategyContext, cohort: Cohort, selected: Sequence[int]
+    ) -> tuple[Tree, dict[str, Any]]:
+        """The survivors' shares, and from them the mean of their models; the survivors that
+        failed it (their models are in the sum all the same)."""
+        secure = self.secure
+        survivors = [c for c in selected if cohort.label(c) in secure.masked]
+        late = await each_client(ctx, cohort, survivors, secure.unmask_request, secure.took_unmask)
+        model = secure.result()
+        summary: dict[str, Any] = {"summed": len(secure.masked)}
+        if late:
+            summary["unmask_failed"] = reasons(late)
+        return {**self.start, **model}, {"secure_aggregation": summary}

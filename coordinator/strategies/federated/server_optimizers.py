@@ -25,15 +25,17 @@ BatchNorm ``num_batches_tracked``, a filter's name) have no gradient: they are t
 they are. Complex leaves are refused by the moment-based optimizers, whose rules are written
 for real numbers.
 
-:func:`from_options` builds one by name and hyperparameters, checked by the options models
-clients are checked by (:mod:`protocol.options.strategies`); :func:`step_on` is a round's step.
+Each takes its options model (:mod:`protocol.options.server_optimizers`: the hyperparameters,
+their defaults and their checks, defined once) and implements the maths; :func:`for_options`
+builds the one a model asks for, :func:`from_options` the one a name and hyperparameters do;
+:func:`step_on` is a round's step.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -49,19 +51,39 @@ from coordinator.strategies.aggregate import (
     to_numpy,
 )
 from protocol.errors import ErrorCode
-from protocol.options import strategies as so
+from protocol.options.server_optimizers import (
+    AdaptiveOptions,
+    FedAdagradOptions,
+    FedAdamOptions,
+    FedAvgMOptions,
+    FedYogiOptions,
+    PlainAveragingOptions,
+    ServerOptimizerOptions,
+    server_options,
+)
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
+S = TypeVar("S", bound=ServerOptimizerOptions)
+M = TypeVar("M", FedAdagradOptions, FedAdamOptions, FedYogiOptions, AdaptiveOptions)
 
 
-class ServerOptimizer(ABC):
+class ServerOptimizer(ABC, Generic[S]):
     """Turns the global model and a round's average into the next global model.
 
-    Subclasses set :attr:`name` (the option value that selects them) and take their
-    hyperparameters as keyword arguments to ``__init__``, which :func:`from_options` reads.
+    Subclasses set :attr:`options_model` (its ``name`` is the option value that selects them)
+    and take an instance of it (default: its defaults).
     """
 
+    options_model: ClassVar[type[ServerOptimizerOptions]]
     name: ClassVar[str]
+
+    def __init__(self, options: S | None = None) -> None:
+        self.options: S = options if options is not None else self.options_model()  # type: ignore[assignment]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "options_model" in cls.__dict__:
+            cls.name = cls.options_model.name
 
     @abstractmethod
     def step(self, global_state: Tree, averaged: Tree) -> Tree:
@@ -84,34 +106,30 @@ class ServerOptimizer(ABC):
         averaging)."""
         return []
 
-    def load_state_dict(self, state: list[Any]) -> None:  # noqa: B027 - most keep nothing
+    def load_state_dict(self, state: list[Any]) -> None:
         """Take back what :meth:`state_dict` gave (a resumed run's server optimizer)."""
 
-    @property
-    def options(self) -> dict[str, float]:
-        """The hyperparameters: ``from_options(opt.name, opt.options)`` builds an equal one."""
-        public = {key: value for key, value in vars(self).items() if not key.startswith("_")}
-        return so.server_options(self.name, public, so.Dialect.WIRE).hyperparameters()
-
     def __repr__(self) -> str:
-        args = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+        hyperparameters = self.options.hyperparameters().items()
+        args = ", ".join(f"{key}={value!r}" for key, value in hyperparameters)
         return f"{type(self).__name__}({args})"
 
 
-class FedAvgServer(ServerOptimizer):
+class FedAvgServer(ServerOptimizer[PlainAveragingOptions]):
     """Plain FedAvg: the average becomes the global model, x_{t+1} = x̄."""
 
-    name = "fedavg"
+    options_model = PlainAveragingOptions
 
     def step(self, global_state: Tree, averaged: Tree) -> Tree:
         """Return ``averaged`` itself (no check against ``global_state``, no copy)."""
         return averaged
 
 
-class _MomentOptimizer(ServerOptimizer):
+class _MomentOptimizer(ServerOptimizer[S]):
     """Walks x_t and x̄ together and updates each float leaf with :meth:`_update`."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: S | None = None) -> None:
+        super().__init__(options)
         self._moments: dict[Path, tuple[Array, ...]] = {}
 
     def state_dict(self) -> list[Any]:
@@ -191,20 +209,11 @@ class _MomentOptimizer(ServerOptimizer):
         """x_{t+1} and the new moments of one leaf, from x_t, Δ_t and the old moments."""
 
 
-class FedAvgM(_MomentOptimizer):
-    """FedAvg with server momentum: m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t.
+class FedAvgM(_MomentOptimizer[FedAvgMOptions]):
+    """FedAvg with server momentum: m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t (η ``lr``,
+    β ``momentum``)."""
 
-    Args:
-        lr: η, the server learning rate (> 0).
-        momentum: β, in [0, 1).
-    """
-
-    name = "fedavgm"
-
-    def __init__(self, lr: float = 1.0, momentum: float = 0.9) -> None:
-        super().__init__()
-        checked = _checked(self, lr=lr, momentum=momentum)
-        self.lr, self.momentum = checked["lr"], checked["momentum"]
+    options_model = FedAvgMOptions
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
         return (np.zeros(shape),)
@@ -213,107 +222,70 @@ class FedAvgM(_MomentOptimizer):
         self, x: Array, delta: Array, moments: tuple[Array, ...]
     ) -> tuple[Array, tuple[Array, ...]]:
         (m,) = moments
-        m = self.momentum * m + delta
-        return x + self.lr * m, (m,)
+        m = self.options.momentum * m + delta
+        return x + self.options.lr * m, (m,)
 
 
-class _AdaptiveOptimizer(_MomentOptimizer):
+class _AdaptiveOptimizer(_MomentOptimizer[M]):
     """FedAdagrad, FedAdam and FedYogi: they differ only in how the second moment follows
-    Δ_t² (and so in whether they take β2)."""
-
-    lr: float
-    beta1: float
-    tau: float
-
-    def __init__(self, **hyperparameters: float) -> None:
-        super().__init__()
-        for key, value in _checked(self, **hyperparameters).items():
-            setattr(self, key, value)
+    Δ_t² (and so in whether they take β2); η ``lr``, β1 ``beta1``, τ ``tau``."""
 
     def _initial_moments(self, shape: tuple[int, ...]) -> tuple[Array, ...]:
-        return np.zeros(shape), np.full(shape, self.tau**2)
+        return np.zeros(shape), np.full(shape, self.options.tau**2)
 
     def _update(
         self, x: Array, delta: Array, moments: tuple[Array, ...]
     ) -> tuple[Array, tuple[Array, ...]]:
         m, v = moments
-        m = self.beta1 * m + (1 - self.beta1) * delta
+        beta1, lr, tau = self.options.beta1, self.options.lr, self.options.tau
+        m = beta1 * m + (1 - beta1) * delta
         v = self._second_moment(v, np.square(delta))
-        return x + self.lr * m / (np.sqrt(v) + self.tau), (m, v)
+        return x + lr * m / (np.sqrt(v) + tau), (m, v)
 
     @abstractmethod
     def _second_moment(self, v: Array, delta2: Array) -> Array:
         """v_t from v_{t−1} and Δ_t²."""
 
 
-class FedAdagrad(_AdaptiveOptimizer):
-    """Adagrad on the server (Reddi et al. 2021): v_t = v_{t−1} + Δ_t².
+class FedAdagrad(_AdaptiveOptimizer[FedAdagradOptions]):
+    """Adagrad on the server (Reddi et al. 2021): v_t = v_{t−1} + Δ_t²."""
 
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, the first-moment decay, in [0, 1).
-        tau: τ, the adaptivity (> 0): added to √v_t, and v_{−1} = τ².
-    """
-
-    name = "fedadagrad"
-
-    def __init__(self, lr: float = 0.01, beta1: float = 0.9, tau: float = 1e-3) -> None:
-        super().__init__(lr=lr, beta1=beta1, tau=tau)
+    options_model = FedAdagradOptions
 
     def _second_moment(self, v: Array, delta2: Array) -> Array:
         return v + delta2
 
 
-class _AdamLike(_AdaptiveOptimizer):
-    """FedAdam and FedYogi, which take a second-moment decay β2 as well."""
+class FedAdam(_AdaptiveOptimizer[FedAdamOptions]):
+    """Adam on the server (Reddi et al. 2021): v_t = β2 v_{t−1} + (1 − β2) Δ_t² (β2
+    ``beta2``)."""
 
-    beta2: float
-
-    def __init__(
-        self, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
-    ) -> None:
-        super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
-
-
-class FedAdam(_AdamLike):
-    """Adam on the server (Reddi et al. 2021): v_t = β2 v_{t−1} + (1 − β2) Δ_t².
-
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, the first-moment decay, in [0, 1).
-        beta2: β2, the second-moment decay, in [0, 1).
-        tau: τ, the adaptivity (> 0): added to √v_t, and v_{−1} = τ².
-    """
-
-    name = "fedadam"
+    options_model = FedAdamOptions
 
     def _second_moment(self, v: Array, delta2: Array) -> Array:
-        return self.beta2 * v + (1 - self.beta2) * delta2
+        beta2 = self.options.beta2
+        return beta2 * v + (1 - beta2) * delta2
 
 
-class FedYogi(_AdamLike):
-    """Yogi on the server (Reddi et al. 2021): v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²).
+class FedYogi(_AdaptiveOptimizer[FedYogiOptions]):
+    """Yogi on the server (Reddi et al. 2021): v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²)
+    (β2 ``beta2``)."""
 
-    Args:
-        lr: η, the server learning rate (> 0).
-        beta1: β1, the first-moment decay, in [0, 1).
-        beta2: β2, the second-moment decay, in [0, 1).
-        tau: τ, the adaptivity (> 0): added to √v_t, and v_{−1} = τ².
-    """
-
-    name = "fedyogi"
+    options_model = FedYogiOptions
 
     def _second_moment(self, v: Array, delta2: Array) -> Array:
-        return v - (1 - self.beta2) * delta2 * np.sign(v - delta2)
+        return v - (1 - self.options.beta2) * delta2 * np.sign(v - delta2)
 
 
-OPTIMIZERS: dict[str, type[ServerOptimizer]] = {
+OPTIMIZERS: dict[str, type[ServerOptimizer[Any]]] = {
     cls.name: cls for cls in (FedAvgServer, FedAvgM, FedAdagrad, FedAdam, FedYogi)
 }
 """The server optimizers by the name a client gives."""
 
 
-def step_on(server: ServerOptimizer, x: Tree, xbar: Tree, nodes: Sequence[str], r: int) -> Tree:
+def step_on(
+    server: ServerOptimizer[Any], x: Tree, xbar: Tree, nodes: Sequence[str], r: int
+) -> Tree:
     """x_{t+1} after round ``r``: ``server``'s step on ``nodes`` (the TorchFilters), the mean
     x̄ as it is for the others (plain filters, fitted anew each round); or ``StrategyFailed``."""
     current = {n: x[n] for n in nodes}
@@ -326,19 +298,19 @@ def step_on(server: ServerOptimizer, x: Tree, xbar: Tree, nodes: Sequence[str], 
     return {**xbar, **stepped}
 
 
-def from_options(name: str, options: Mapping[str, Any]) -> ServerOptimizer:
+def for_options(options: ServerOptimizerOptions) -> ServerOptimizer[Any]:
+    """A new server optimizer (fresh moments) of the kind and hyperparameters ``options``
+    says."""
+    return OPTIMIZERS[options.name](options)
+
+
+def from_options(name: str, options: Mapping[str, Any]) -> ServerOptimizer[Any]:
     """The server optimizer called ``name``, with hyperparameters from ``options``.
 
     Raises:
         ValueError: an unknown name, an option it does not take, or a value out of range.
     """
-    checked = so.server_options(name, options, so.Dialect.WIRE)
-    return OPTIMIZERS[name](**checked.hyperparameters())
-
-
-def _checked(owner: ServerOptimizer, **hyperparameters: float) -> dict[str, float]:
-    """``owner``'s hyperparameters, checked by the options model clients are checked by."""
-    return so.server_options(owner.name, hyperparameters, so.Dialect.WIRE).hyperparameters()
+    return for_options(server_options(name, options))
 
 
 def _mismatch(path: Path, xbar: Any, x: Any) -> AggregationError:

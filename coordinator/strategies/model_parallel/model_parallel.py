@@ -23,41 +23,37 @@ strategy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 from coordinator.context import StrategyContext, Target
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy, parse_options
+from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy
 from coordinator.strategies.data_parallel.elastic import MAX_RECOVERIES, RECOVERABLE
 from coordinator.strategies.history import History
 from coordinator.strategies.model_parallel.checkpoints import StageCheckpoints
 from coordinator.strategies.model_parallel.run import PipelineRun
 from coordinator.strategies.model_parallel.schedule import gpipe, one_f_one_b
-from coordinator.strategies.steps import Training, plain_prefix
+from coordinator.strategies.steps import TrainingSettings, plain_prefix
 from protocol.errors import ErrorCode
 from protocol.options.devices import device_fits
-from protocol.options.strategies import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    DEFAULT_KEEP_CHECKPOINTS,
-    DEFAULT_RESTART_TIMEOUT,
-    ModelParallelOptions,
-)
+from protocol.options.strategies import ModelParallelOptions
 from protocol.wording import listed
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 @dataclass(frozen=True)
-class Partition:
-    """The nodes of one stage and where it runs."""
+class PipelineStage:
+    """A stage of the pipeline as it is placed: its nodes (a partition's) and the worker it
+    asks for (id or tag, and device: the partition's, else the pipeline's)."""
 
     node_ids: tuple[str, ...]
     target: Target
 
 
-def check_partitions(node_ids: Sequence[str], partitions: Sequence[Partition]) -> None:
+def check_partitions(node_ids: Sequence[str], partitions: Sequence[PipelineStage]) -> None:
     """Refuse partitions that do not tile the graph, naming the node and partitions involved.
 
     Linear in the nodes, so that a graph of tens of thousands is checked at once."""
@@ -99,62 +95,21 @@ class ModelParallel(Strategy):
     """A pipeline over ``partitions`` with ``micro_batches`` micro-batches per global batch;
     ``spares`` more workers (tagged ``spare_tag``, or any) held to take a lost stage's place."""
 
-    name = "model_parallel"
+    options_model = ModelParallelOptions
+    options: ModelParallelOptions
     saves_checkpoints = True
 
-    def __init__(
-        self,
-        partitions: Sequence[Partition],
-        micro_batches: int = 1,
-        order: str = "gpipe",
-        transport: str = "auto",
-        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
-        max_restarts: int = 0,
-        restart_timeout: float = DEFAULT_RESTART_TIMEOUT,
-        spares: int = 0,
-        spare_tag: str | None = None,
-        device: str | None = None,
-    ) -> None:
-        self.partitions = list(partitions)
-        self.micro_batches = micro_batches
-        self.order = order
-        self.transport = transport
-        self.collective_timeout = collective_timeout
-        self.checkpoint_every = checkpoint_every
-        self.keep_checkpoints = keep_checkpoints
-        self.max_restarts = max_restarts
-        self.restart_timeout = restart_timeout
-        self.spares = spares
-        self.spare_tag = spare_tag
-        self.device = device
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        checked = parse_options(ModelParallelOptions, options)
-        partitions = [
-            Partition(p.node_ids, Target(id=p.worker, tag=p.tag, device=checked.device_of(i)))
-            for i, p in enumerate(checked.partitions)
+    def __init__(self, options: ModelParallelOptions) -> None:
+        super().__init__(options)
+        self.partitions = [
+            PipelineStage(p.node_ids, Target(id=p.worker, tag=p.tag, device=options.device_of(i)))
+            for i, p in enumerate(options.partitions)
         ]
-        return cls(
-            partitions,
-            checked.micro_batches,
-            checked.schedule,
-            checked.transport,
-            checked.collective_timeout,
-            checked.checkpoint_every,
-            checked.keep_checkpoints,
-            checked.max_restarts,
-            checked.restart_timeout,
-            checked.spares,
-            checked.spare_tag,
-            checked.device,
-        )
+        """The stages, placed: each partition's nodes and the worker it asks for."""
 
     def placement(self) -> Placement:
-        spare = Target(tag=self.spare_tag, device=self.device)
-        slots = (*(p.target for p in self.partitions), *([spare] * self.spares))
+        spare = Target(tag=self.options.spare_tag, device=self.options.device)
+        slots = (*(p.target for p in self.partitions), *([spare] * self.options.spares))
         return Placement(workers=len(slots), slots=slots)
 
     def dataset_slots(self, slots: int) -> tuple[int, ...]:
@@ -165,7 +120,7 @@ class ModelParallel(Strategy):
     def validate(self, job: JobInputs) -> None:
         self._plan(job)
 
-    def _plan(self, job: JobInputs) -> tuple[list[str], Training]:
+    def _plan(self, job: JobInputs) -> tuple[list[str], TrainingSettings]:
         """The differentiable nodes and the training settings; or why the job cannot run."""
         check_partitions(job.node_ids, self.partitions)
         torch_nodes, _ = plain_prefix(job, self.name, "")
@@ -178,7 +133,7 @@ class ModelParallel(Strategy):
                 "model_parallel evaluates validation data sent with the job (x_val, y_val), "
                 "not the workers' own split: its stages hold different parts of the model"
             )
-        return torch_nodes, Training.of(job.nodes[torch_nodes[-1]])
+        return torch_nodes, TrainingSettings.of(job.nodes[torch_nodes[-1]])
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         torch_nodes, training = self._plan(job)
@@ -196,7 +151,7 @@ class ModelParallel(Strategy):
                         pipeline,
                         torch_nodes,
                         job.checkpoints,
-                        self.checkpoint_every,
+                        self.options.checkpoint_every,
                         steps_per_epoch,
                         training.epochs,
                         emit,
@@ -211,10 +166,10 @@ class ModelParallel(Strategy):
             stages,
             torch_nodes,
             training,
-            SCHEDULES[self.order],
-            self.micro_batches,
-            self.transport,
-            self.collective_timeout,
+            SCHEDULES[self.options.schedule],
+            self.options.micro_batches,
+            self.options.transport,
+            self.options.collective_timeout,
             emit,
             make_saves,
             history,
@@ -273,7 +228,7 @@ def _lost(stage: int, worker: str, failed: StrategyFailed) -> dict[str, Any]:
     }
 
 
-def own_data_checks(partitions: Sequence[Partition], torch_nodes: Sequence[str]) -> None:
+def own_data_checks(partitions: Sequence[PipelineStage], torch_nodes: Sequence[str]) -> None:
     """What ModelParallel on ``WorkerData`` needs: a first partition that trains (the output of
     plain filters alone would travel through the coordinator).
 
@@ -287,4 +242,4 @@ def own_data_checks(partitions: Sequence[Partition], torch_nodes: Sequence[str])
         )
 
 
-__all__ = ["ModelParallel", "Partition", "check_partitions", "own_data_checks"]
+__all__ = ["ModelParallel", "PipelineStage", "check_partitions", "own_data_checks"]

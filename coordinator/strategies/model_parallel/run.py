@@ -15,13 +15,18 @@ whole pipeline's gradient is clipped as one (each stage's part of the norm, one 
 for all). With validation data the model is evaluated at each epoch's end, stage by stage, and
 the run's :class:`~coordinator.strategies.history.History` (kept in its checkpoints) gets a row
 per epoch.
+
+Over WebSockets every global batch is a round of the loop the federated strategies run
+(:func:`~coordinator.strategies.rounds.run_rounds` over :class:`GlobalBatchSteps`); over
+torch.distributed the stages run the schedule themselves
+(:mod:`~coordinator.strategies.model_parallel.torch_transport`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
@@ -45,7 +50,8 @@ from coordinator.strategies.model_parallel.torch_transport import (
     choose_transport,
 )
 from coordinator.strategies.process_group import Rendezvous
-from coordinator.strategies.steps import Training, global_batches, schedule_request
+from coordinator.strategies.rounds import run_rounds
+from coordinator.strategies.steps import TrainingSettings, global_batches, lr_schedule_request
 from protocol.daemon import (
     BatchedFitRequest,
     CompositeFitRequest,
@@ -88,7 +94,7 @@ class PipelineRun:
     job: JobInputs
     stages: list[list[str]]
     torch_nodes: list[str]
-    training: Training
+    training: TrainingSettings
     schedule: Callable[[int, int], Schedule]
     micro_batches: int
     transport: str
@@ -147,7 +153,7 @@ class PipelineRun:
         micro_batches = self.micro_batches * self.training.accumulate
         plan = self.schedule(len(pipeline), micro_batches)
         # The schedules' horizon, before a checkpoint's schedulers are set back.
-        told = schedule_request(self.training, steps_per_epoch)
+        told = lr_schedule_request(self.training, steps_per_epoch)
         await guard(concurrently(*(ctx.call(s, told) for s in pipeline)))
         evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
         meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
@@ -272,42 +278,120 @@ class PipelineRun:
             )
         start = await saves.restore(guard)
         saves.start()
-        at = PipelinePosition()
         batches = list(global_batches(count, micro_batches, training))
-        total = len(batches)
-        per_epoch = training.steps_per_epoch(count)
-        for epoch, _, micro in batches:
-            at.epoch, at.step = epoch, at.step + 1
-            if at.step <= start:
-                continue  # trained before the checkpoint this run goes on from
-            micro = [m for m in micro if len(m)]
-            batch = GlobalBatch(pipeline, stages, micro, self.job.y, at.step, labels)
-            exchange: ThroughStrategy | WorkerToWorker = (
-                WorkerToWorker(ctx, batch, at) if linked else ThroughStrategy(ctx, batch)
+        steps = GlobalBatchSteps(
+            ctx,
+            guard,
+            pipeline,
+            stages,
+            plan,
+            batches,
+            training.steps_per_epoch(count),
+            y=self.job.y,
+            labels=labels,
+            linked=linked,
+            training=training,
+            evaluate=evaluate,
+            emit=self.emit,
+            history=history,
+            saves=saves,
+        )
+        # Each global batch a round of the loop (coordinator.strategies.rounds): its
+        # micro-batches through the schedule, one step on every stage, its row, a checkpoint.
+        await run_rounds(steps, _Trained(start), len(batches))
+
+
+@dataclass
+class _Trained:
+    """The global batches a run over WebSockets has trained (from the checkpoint it went on
+    from), and where its stages' calls stand."""
+
+    round: int
+    position: PipelinePosition = field(default_factory=PipelinePosition)
+
+
+@dataclass
+class _Batch:
+    """Global batch ``t`` (of ``epoch``) in flight, and what it gave."""
+
+    t: int
+    epoch: int
+    batch: GlobalBatch
+    ends: bool  # the last of its epoch
+    answers: list[Any] = field(default_factory=list)
+    scores: dict[str, Any] | None = None
+
+
+@dataclass
+class GlobalBatchSteps:
+    """A pipeline's global batches as rounds of the loop (:func:`run_rounds`), every action a
+    call from the coordinator: configure (the micro-batches), train (the schedule), aggregate
+    (the gradient clipped as one, one step on every stage), evaluate (at an epoch's end),
+    record (its progress, the history's row), checkpoint."""
+
+    ctx: StrategyContext
+    guard: Guard
+    pipeline: list[int]
+    stages: list[list[str]]
+    plan: Schedule
+    batches: list[tuple[int, int, list[Any]]]  # (epoch, step, micro-batches' rows) of each
+    per_epoch: int
+    _: KW_ONLY
+    y: Any  # the job's labels (None: the last stage's own, staged under ``labels``)
+    labels: str | None
+    linked: bool  # the workers pass tensors to each other; else through the coordinator
+    training: TrainingSettings
+    evaluate: Evaluate | None
+    emit: Emit
+    history: History
+    saves: StageCheckpoints
+
+    async def configure_round(self, run: _Trained, t: int) -> _Batch:
+        epoch, _, micro = self.batches[t - 1]
+        micro = [m for m in micro if len(m)]
+        batch = GlobalBatch(self.pipeline, self.stages, micro, self.y, t, self.labels)
+        return _Batch(t, epoch, batch, t % self.per_epoch == 0)
+
+    async def train_round(self, run: _Trained, work: _Batch) -> None:
+        exchange: ThroughStrategy | WorkerToWorker = (
+            WorkerToWorker(self.ctx, work.batch, run.position)
+            if self.linked
+            else ThroughStrategy(self.ctx, work.batch)
+        )
+        work.answers = await self.guard(run_schedule(self.plan, work.batch, exchange))
+
+    async def aggregate_round(self, run: _Trained, work: _Batch) -> None:
+        ctx, stages = self.ctx, self.stages
+        clip = self.training.clip_grad_norm
+        coefficient = await _clipping(ctx, self.guard, self.pipeline, stages, clip)
+        steps = (
+            ctx.call(
+                s,
+                StageStepRequest(node_ids=stages[s], epoch_end=work.ends, coefficient=coefficient),
             )
-            answers = await guard(run_schedule(plan, batch, exchange))
-            coefficient = await _clipping(ctx, guard, pipeline, stages, training.clip_grad_norm)
-            ends = at.step % per_epoch == 0
-            steps = (
-                ctx.call(
-                    s,
-                    StageStepRequest(node_ids=stages[s], epoch_end=ends, coefficient=coefficient),
-                )
-                for s in pipeline
-            )
-            await guard(concurrently(*steps))
-            rows = [len(m) for m in micro]
-            losses = [float(a["loss"]) for a in answers]
-            loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
-            lr = answers[0].get("lr")
-            progress = {"phase": "training", "epoch": epoch + 1, "epochs": training.epochs}
-            progress |= {"step": at.step, "steps": total, "rows": sum(rows)}
-            progress |= {"lr": lr} if lr is not None else {}
-            await self.emit("progress", progress | {"loss": loss})
-            history.add(loss, sum(rows), lr)
-            if ends:
-                await history.close(epoch + 1, await evaluate() if evaluate is not None else None)
-            await saves.after(at.step, total, guard)
+            for s in self.pipeline
+        )
+        await self.guard(concurrently(*steps))
+
+    async def evaluate_round(self, run: _Trained, work: _Batch) -> None:
+        if work.ends and self.evaluate is not None:
+            work.scores = await self.evaluate()
+
+    async def record_round(self, run: _Trained, work: _Batch) -> None:
+        rows = [len(m) for m in work.batch.micro]
+        losses = [float(a["loss"]) for a in work.answers]
+        loss = sum(r * v for r, v in zip(rows, losses, strict=True)) / sum(rows)
+        lr = work.answers[0].get("lr")
+        progress = {"phase": "training", "epoch": work.epoch + 1, "epochs": self.training.epochs}
+        progress |= {"step": work.t, "steps": len(self.batches), "rows": sum(rows)}
+        progress |= {"lr": lr} if lr is not None else {}
+        await self.emit("progress", progress | {"loss": loss})
+        self.history.add(loss, sum(rows), lr)
+        if work.ends:
+            await self.history.close(work.epoch + 1, work.scores)
+
+    async def checkpoint_round(self, run: _Trained, work: _Batch) -> None:
+        await self.saves.after(work.t, len(self.batches), self.guard)
 
 
 def _evaluator(

@@ -39,7 +39,7 @@ from coordinator.strategies.process_group import (
     rendezvous,
     settle,
 )
-from coordinator.strategies.steps import Training
+from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import PipePlanRequest, PipeTrainRequest
 from protocol.errors import ErrorCode
 
@@ -80,7 +80,7 @@ class TorchPipeline:
     pipeline: list[int]  # the stages that train, by worker index, in order
     stages: list[list[str]]  # every stage's nodes
     schedule: Schedule
-    training: Training
+    training: TrainingSettings
     rows: int
     micro_batches: int
     data: str  # what the first stage's rows are staged under

@@ -14,6 +14,7 @@ from coordinator.jobs.restarts import RESTARTABLE, no_workers_for_restart, shoul
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.options.strategies import DataParallelOptions
 from tests.coordinator.jobs.harness import (
     Boom,
     GatedContext,
@@ -39,15 +40,19 @@ class Disconnecting(RecruitingContext):
 
 
 def test_only_the_clusters_faults_restart_and_only_while_restarts_are_left():
-    strategy = DataParallel(2, max_restarts=2)
+    strategy = DataParallel(DataParallelOptions(workers=2, max_restarts=2))
     lost = ErrorInfo(code=ErrorCode.WORKER_LOST, message="worker 'b' lost")
     assert should_restart(lost, strategy, 0) and should_restart(lost, strategy, 1)
     assert not should_restart(lost, strategy, 2)
     for code in (ErrorCode.FILTER_ERROR, ErrorCode.RESOURCE_LIMIT, ErrorCode.BAD_REQUEST):
         assert code not in RESTARTABLE
         assert not should_restart(ErrorInfo(code=code, message="the job's own"), strategy, 0)
-    assert not should_restart(lost, DataParallel(2), 0)  # max_restarts=0: the default
-    why = no_workers_for_restart(lost, DataParallel(2, max_restarts=2, restart_timeout=5.0), 1)
+    assert not should_restart(
+        lost, DataParallel(DataParallelOptions(workers=2)), 0
+    )  # max_restarts=0: the default
+    why = no_workers_for_restart(
+        lost, DataParallel(DataParallelOptions(workers=2, max_restarts=2, restart_timeout=5.0)), 1
+    )
     assert why.code is ErrorCode.WORKER_LOST
     assert why.message == (
         "worker 'b' lost (restart 1 of 2 found no workers within restart_timeout=5s)"

@@ -12,6 +12,7 @@ import somatize as sz
 from coordinator.context import InMemoryContext, WorkerIdentity
 from coordinator.strategies import JobInputs, Local, StrategyOptionsError, strategy_from_spec
 from protocol.filters import dump_filter
+from protocol.options.strategies import LocalOptions
 from tests.utils import Center
 from worker.daemon.main import Daemon
 
@@ -31,7 +32,7 @@ def test_local_trains_on_one_worker_and_equals_graph_fit():
 
     inputs = JobInputs(graph.node_ids, {n: dump_filter(f) for n, f in graph.items()}, x, y)
     ctx = InMemoryContext(1, Daemon)
-    states = asyncio.run(Local().run(ctx, inputs, emit))
+    states = asyncio.run(Local(LocalOptions()).run(ctx, inputs, emit))
 
     expected = graph.fit(x, y).states
     for k, v in expected["head"].items():
@@ -43,11 +44,11 @@ def test_local_trains_on_one_worker_and_equals_graph_fit():
 
 
 def test_placement_by_id_and_tag():
-    by_tag = Local(tag="gpu").placement()
+    by_tag = Local(LocalOptions(tag="gpu")).placement()
     assert by_tag.workers == 1
     assert by_tag.accepts(WorkerIdentity("a", frozenset({"gpu"})))
     assert not by_tag.accepts(WorkerIdentity("b", frozenset({"cpu"})))
-    by_id = Local(worker="b").placement()
+    by_id = Local(LocalOptions(worker="b")).placement()
     assert by_id.accepts(WorkerIdentity("b")) and not by_id.accepts(WorkerIdentity("a"))
     assert by_id.describe() == "1 worker with id 'b'"
 
@@ -61,7 +62,7 @@ def test_placement_by_id_and_tag():
             r"strategy 'local' takes no option \['workers'\]; "
             r"it takes \['device', 'max_restarts', 'restart_timeout', 'tag', 'worker'\]",
         ),
-        ("local", {"tag": 3}, "tag must be a non-empty string, not 3"),
+        ("local", {"tag": 3}, "tag must be a non-empty string or None, not 3"),
         ("gossip", {}, r"unknown strategy 'gossip'; this coordinator runs \[.*'local'.*\]"),
     ],
 )

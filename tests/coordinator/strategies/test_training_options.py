@@ -14,11 +14,17 @@ import pytest
 import torch
 
 import somatize as sz
-from coordinator.context import InMemoryContext, Target, WorkerIdentity
+from coordinator.context import InMemoryContext, WorkerIdentity
 from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import DataParallel, FedAvg, JobInputs, Local, ModelParallel
-from coordinator.strategies.model_parallel.model_parallel import Partition
 from protocol.filters import dump_filter
+from protocol.options.strategies import (
+    DataParallelOptions,
+    FedAvgOptions,
+    LocalOptions,
+    ModelParallelOptions,
+    PartitionOptions,
+)
 from somatize.client import graph_info
 from tests.training_reference import FILTER, classes, mlp, reference_fit
 from worker.daemon.main import Daemon
@@ -79,7 +85,9 @@ def test_data_parallel_with_a_cosine_schedule_clipping_and_accumulation_equals_g
     expected = reference_fit(mlp(), x, y, accumulate=3, clip=0.5, cosine=True)
     fitted = graph.fit(x, y).states["mlp"]
     assert_close(fitted, expected.state())
-    states, progress, _ = run(DataParallel(2), graph, x, y, InMemoryContext(2, Daemon))
+    states, progress, _ = run(
+        DataParallel(DataParallelOptions(workers=2)), graph, x, y, InMemoryContext(2, Daemon)
+    )
     assert_close(states["mlp"], expected.state())
     steps = [p for p in progress if p.get("phase") == "training"]
     assert [p["step"] for p in steps] == list(range(1, 16))  # 5 steps of 48 rows an epoch
@@ -90,7 +98,9 @@ def test_an_epoch_wise_schedule_steps_at_each_epochs_end_in_data_parallel():
     x, y = classes()
     graph = net_graph(scheduler_interval="epoch", clip_grad_norm=None, epochs=4)
     expected = reference_fit(mlp(), x, y, cosine=True, interval="epoch", epochs=4)
-    states, progress, _ = run(DataParallel(3), graph, x, y, InMemoryContext(3, Daemon))
+    states, progress, _ = run(
+        DataParallel(DataParallelOptions(workers=3)), graph, x, y, InMemoryContext(3, Daemon)
+    )
     assert_close(states["mlp"], expected.state())
     lrs = [p["lr"] for p in progress if p.get("phase") == "training"]
     assert lrs == pytest.approx(expected.lrs, abs=1e-12)
@@ -103,10 +113,16 @@ def test_model_parallel_with_a_cosine_schedule_clipping_and_accumulation_equals_
     graph = split_graph(accumulate=2)
     expected = reference_fit(mlp(), x, y, accumulate=2, clip=0.5, cosine=True)
     assert_close(joined(graph.fit(x, y).states), expected.state())
-    parts = [Partition((n,), Target(tag=f"s{i}")) for i, n in enumerate("ab")]
+    parts = [PartitionOptions(node_ids=(n,), tag=f"s{i}") for i, n in enumerate("ab")]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
     ctx = InMemoryContext(workers, Daemon)
-    states, progress, _ = run(ModelParallel(parts, 2, order), graph, x, y, ctx)
+    states, progress, _ = run(
+        ModelParallel(ModelParallelOptions(partitions=parts, micro_batches=2, schedule=order)),
+        graph,
+        x,
+        y,
+        ctx,
+    )
     assert_close(joined(states), expected.state())
     lrs = [p["lr"] for p in progress if p.get("phase") == "training"]
     assert lrs == pytest.approx(expected.lrs, abs=1e-12)
@@ -117,9 +133,15 @@ def test_clipping_in_a_pipeline_is_of_the_whole_models_gradient():
     x, y = classes()
     graph = split_graph(scheduler=None, clip_grad_norm=0.05, epochs=1)
     expected = reference_fit(mlp(), x, y, clip=0.05, epochs=1)
-    parts = [Partition((n,), Target(tag=f"s{i}")) for i, n in enumerate("ab")]
+    parts = [PartitionOptions(node_ids=(n,), tag=f"s{i}") for i, n in enumerate("ab")]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
-    states, _, _ = run(ModelParallel(parts, 1), graph, x, y, InMemoryContext(workers, Daemon))
+    states, _, _ = run(
+        ModelParallel(ModelParallelOptions(partitions=parts)),
+        graph,
+        x,
+        y,
+        InMemoryContext(workers, Daemon),
+    )
     assert_close(joined(states), expected.state())
     per_stage = copy.deepcopy(mlp())
     opt = torch.optim.SGD(per_stage.parameters(), lr=0.1, momentum=0.9)
@@ -141,7 +163,7 @@ def test_local_reports_each_epochs_learning_rate():
     x, y = classes()
     graph = net_graph(accumulate=2)
     expected = reference_fit(mlp(), x, y, accumulate=2, clip=0.5, cosine=True)
-    states, progress, _ = run(Local(), graph, x, y, InMemoryContext(1, Daemon))
+    states, progress, _ = run(Local(LocalOptions()), graph, x, y, InMemoryContext(1, Daemon))
     assert_close(states["mlp"], expected.state())
     trained = next(p for p in progress if p.get("phase") == "trained")
     per_epoch = len(expected.lrs) // 3
@@ -154,7 +176,9 @@ def test_fedavg_clients_continue_the_runs_schedule_from_round_to_round():
     optimizer, its cosine schedule (over all the rounds' steps) where the last round left it."""
     x, y = classes()
     graph = net_graph(optimizer_options={}, clip_grad_norm=None, epochs=1)
-    states, progress, _ = run(FedAvg(rounds=3), graph, x, y, InMemoryContext(1, Daemon))
+    states, progress, _ = run(
+        FedAvg(FedAvgOptions(rounds=3)), graph, x, y, InMemoryContext(1, Daemon)
+    )
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=13 * 3)
@@ -193,7 +217,7 @@ def test_a_client_configs_learning_rate_is_the_base_of_the_runs_schedule(schedul
     x, y = classes()
     graph = net_graph(optimizer_options={}, clip_grad_norm=None, epochs=1, scheduler=scheduler)
     config = [{"lr": 0.1}, {"lr": 0.05, "local_epochs": 2}, {"lr": 0.02}]
-    strategy = FedAvg(rounds=3, client_config=config)
+    strategy = FedAvg(FedAvgOptions(rounds=3, client_config=config))
     states, progress, _ = run(strategy, graph, x, y, InMemoryContext(1, Daemon))
     net = mlp()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
@@ -221,7 +245,7 @@ def test_a_data_parallel_run_resumed_from_a_checkpoint_keeps_its_schedule(tmp_pa
     graph = net_graph(accumulate=2)
     job = inputs(graph, x, y)
     store = CheckpointStore(tmp_path)
-    strategy = DataParallel(2, checkpoint_every=4, keep_checkpoints=10)
+    strategy = DataParallel(DataParallelOptions(workers=2, checkpoint_every=4, keep_checkpoints=10))
     saves = JobCheckpoints("job", store, strategy.keep_checkpoints, _ignore, None)
     straight, _, _ = run(
         strategy,
@@ -235,7 +259,7 @@ def test_a_data_parallel_run_resumed_from_a_checkpoint_keeps_its_schedule(tmp_pa
     assert checkpoint.position["step"] == 8
     again = JobCheckpoints("job", CheckpointStore(tmp_path / "again"), 2, _ignore, checkpoint)
     resumed, progress, _ = run(
-        DataParallel(2),
+        DataParallel(DataParallelOptions(workers=2)),
         graph,
         x,
         y,

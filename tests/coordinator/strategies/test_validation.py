@@ -11,11 +11,17 @@ import pytest
 import torch
 
 import somatize as sz
-from coordinator.context import InMemoryContext, Target, WorkerIdentity
+from coordinator.context import InMemoryContext, WorkerIdentity
 from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import DataParallel, FedAvg, JobInputs, Local, ModelParallel
-from coordinator.strategies.model_parallel.model_parallel import Partition
 from protocol.filters import dump_filter
+from protocol.options.strategies import (
+    DataParallelOptions,
+    FedAvgOptions,
+    LocalOptions,
+    ModelParallelOptions,
+    PartitionOptions,
+)
 from somatize.client import graph_info
 from tests.coordinator.strategies.model_parallel.test_checkpoints import LosesAStage
 from tests.coordinator.strategies.test_training_options import OPTIONS
@@ -93,29 +99,37 @@ def check_rows(events, reference, figures, unit="epoch"):
 def test_data_parallel_evaluates_the_model_at_each_epochs_end(workers):
     reference, figures = expected(accumulate=2)
     _, events = run(
-        DataParallel(workers), net_graph(accumulate=2), InMemoryContext(workers, Daemon)
+        DataParallel(DataParallelOptions(workers=workers)),
+        net_graph(accumulate=2),
+        InMemoryContext(workers, Daemon),
     )
     check_rows(events, reference, figures)
 
 
 def test_local_evaluates_the_model_at_each_epochs_end():
     reference, figures = expected()
-    _, events = run(Local(), net_graph(), InMemoryContext(1, Daemon))
+    _, events = run(Local(LocalOptions()), net_graph(), InMemoryContext(1, Daemon))
     check_rows(events, reference, figures)
 
 
 def test_model_parallel_evaluates_the_whole_pipeline_at_each_epochs_end():
     reference, figures = expected()
-    parts = [Partition((n,), Target(tag=f"s{i}")) for i, n in enumerate("ab")]
+    parts = [PartitionOptions(node_ids=(n,), tag=f"s{i}") for i, n in enumerate("ab")]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
-    _, events = run(ModelParallel(parts, 2), split_graph(), InMemoryContext(workers, Daemon))
+    _, events = run(
+        ModelParallel(ModelParallelOptions(partitions=parts, micro_batches=2)),
+        split_graph(),
+        InMemoryContext(workers, Daemon),
+    )
     check_rows(events, reference, figures)
 
 
 def _pipeline(**options) -> tuple[ModelParallel, list[WorkerIdentity]]:
-    parts = [Partition((n,), Target(tag=f"s{i}")) for i, n in enumerate("ab")]
+    parts = [PartitionOptions(node_ids=(n,), tag=f"s{i}") for i, n in enumerate("ab")]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"s{i}"})) for i in range(2)]
-    return ModelParallel(parts, 2, **options), workers
+    return ModelParallel(
+        ModelParallelOptions(partitions=parts, micro_batches=2, **options)
+    ), workers
 
 
 def test_a_pipeline_resumed_mid_epoch_goes_on_with_its_schedule_and_its_history(tmp_path):
@@ -160,7 +174,7 @@ def test_fedavg_evaluates_the_global_model_each_round():
     """One client, plain SGD, no schedule: each round is an epoch from the global model (a
     fresh optimizer and the first shuffle each round), evaluated after it."""
     graph = net_graph(optimizer_options={}, scheduler=None, epochs=1)
-    _, events = run(FedAvg(rounds=3), graph, InMemoryContext(1, Daemon))
+    _, events = run(FedAvg(FedAvgOptions(rounds=3)), graph, InMemoryContext(1, Daemon))
     x, y = classes()
     x_val, y_val = classes(n=61, seed=2)
     figures: list[dict[str, float]] = []

@@ -12,6 +12,7 @@ import torch
 from coordinator.context import InMemoryContext
 from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from protocol.options.strategies import DataParallelOptions
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
     graph_for,
@@ -39,7 +40,11 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_the_undisturbed_run(tmp_path, o
     x, y = dataset()
     job = inputs(graph_for(optimizer, shuffle=True), x, y)
     store = CheckpointStore(tmp_path)
-    strategy = DataParallel(2, collective="coordinator", checkpoint_every=5, keep_checkpoints=10)
+    strategy = DataParallel(
+        DataParallelOptions(
+            workers=2, collective="coordinator", checkpoint_every=5, keep_checkpoints=10
+        )
+    )
     straight, events = _run(strategy, job, store)
     saved = [data for event, data in events if event == "checkpoint"]
     assert [c["step"] for c in saved] == [5, 10, 15, 20, 21]  # 21 steps: the end too
@@ -52,7 +57,12 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_the_undisturbed_run(tmp_path, o
     for checkpoint in chosen:  # from step 10, then from step 15
         seq, position = checkpoint.seq, checkpoint.position
         again = CheckpointStore(tmp_path / f"from-{seq}")
-        resumed, events = _run(DataParallel(2, collective="coordinator"), job, again, checkpoint)
+        resumed, events = _run(
+            DataParallel(DataParallelOptions(workers=2, collective="coordinator")),
+            job,
+            again,
+            checkpoint,
+        )
         assert ("resumed", position | {"checkpoint": seq}) in events
         steps = [d["step"] for e, d in events if e == "progress" and "step" in d]
         assert steps[0] == position["step"] + 1 and steps[-1] == 21
@@ -67,8 +77,12 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_the_undisturbed_run(tmp_path, o
 def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
     x, y = dataset()
     job = inputs(graph_for("sgd"), x, y)
-    _, events = _run(DataParallel(2, collective="coordinator"), job, CheckpointStore(tmp_path))
+    _, events = _run(
+        DataParallel(DataParallelOptions(workers=2, collective="coordinator")),
+        job,
+        CheckpointStore(tmp_path),
+    )
     assert [d["step"] for e, d in events if e == "checkpoint"] == [7, 14, 21]
-    off = DataParallel(2, collective="coordinator", checkpoint_every=0)
+    off = DataParallel(DataParallelOptions(workers=2, collective="coordinator", checkpoint_every=0))
     _, events = _run(off, job, CheckpointStore(tmp_path / "off"))
     assert not [e for e, _ in events if e.startswith("checkpoint")]

@@ -13,9 +13,10 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import DataParallel, JobInputs, StrategyFailed, StrategyOptionsError
-from coordinator.strategies.steps import Training
+from coordinator.strategies.steps import TrainingSettings
 from coordinator.strategies.steps import global_batches as schedule
 from protocol.filters import dump_filter
+from protocol.options.strategies import DataParallelOptions
 from somatize.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
@@ -103,7 +104,9 @@ def run_in_memory(graph, x, y, workers: int):
         events.append(data)
 
     ctx = InMemoryContext(workers, Daemon)
-    states = asyncio.run(DataParallel(workers).run(ctx, inputs(graph, x, y), emit))
+    states = asyncio.run(
+        DataParallel(DataParallelOptions(workers=workers)).run(ctx, inputs(graph, x, y), emit)
+    )
     return states, events
 
 
@@ -124,7 +127,7 @@ def test_data_parallel_equals_single_process_training(workers, optimizer):
 
 
 def test_the_schedule_splits_each_global_batch_unevenly_and_covers_every_row_once_an_epoch():
-    training = Training(epochs=2, batch_size=10, shuffle=True, seed=5)
+    training = TrainingSettings(epochs=2, batch_size=10, shuffle=True, seed=5)
     plan = list(schedule(23, 3, training))
     assert [len(s) for _, _, slices in plan[:2] for s in slices] == [4, 3, 3] * 2
     assert [len(s) for s in plan[2][2]] == [1, 1, 1]  # the last batch: 3 rows, one each
@@ -152,12 +155,12 @@ def test_jobs_data_parallel_cannot_run_are_refused_up_front():
     x, y = dataset(n=10)
     plain = sz.Graph([Center().named("c")])
     with pytest.raises(StrategyOptionsError, match="has none; use Local"):
-        DataParallel(2).validate(inputs(plain, x, y))
+        DataParallel(DataParallelOptions(workers=2)).validate(inputs(plain, x, y))
     late = sz.TorchFilter(model()).named("m") >> Center().named("c")
     with pytest.raises(StrategyOptionsError, match=r"\['c'\] come after 'm'"):
-        DataParallel(2).validate(inputs(late, x, y))
+        DataParallel(DataParallelOptions(workers=2)).validate(inputs(late, x, y))
     with pytest.raises(StrategyOptionsError, match="y is missing"):
-        DataParallel(2).validate(inputs(graph_for("sgd"), x, None))
+        DataParallel(DataParallelOptions(workers=2)).validate(inputs(graph_for("sgd"), x, None))
     with pytest.raises(StrategyOptionsError, match="workers must be a positive integer, not 0"):
         DataParallel.from_options({"workers": 0})
 
@@ -173,7 +176,7 @@ def test_a_replica_with_no_rows_in_a_step_still_takes_the_step():
 def test_in_process_replicas_reduce_through_the_coordinator_and_refuse_the_torch_collective():
     x, y = dataset()
     ctx = InMemoryContext(2, Daemon)
-    strategy = DataParallel(2)
+    strategy = DataParallel(DataParallelOptions(workers=2))
     job = inputs(graph_for("sgd", epochs=1), x, y)
 
     async def emit(event, data):
@@ -187,6 +190,10 @@ def test_in_process_replicas_reduce_through_the_coordinator_and_refuse_the_torch
         "collective_reason": "the workers are in-process and share one process",
     }
     with pytest.raises(StrategyFailed) as failed:
-        asyncio.run(DataParallel(2, collective="torch").run(InMemoryContext(2, Daemon), job, emit))
+        asyncio.run(
+            DataParallel(DataParallelOptions(workers=2, collective="torch")).run(
+                InMemoryContext(2, Daemon), job, emit
+            )
+        )
     assert failed.value.info.code == "collective_failed"
     assert "collective='torch': the workers are in-process" in str(failed.value)

@@ -13,6 +13,7 @@ import torch
 from coordinator.context import InMemoryContext, WorkerCallError
 from coordinator.strategies import DataParallel, StrategyFailed, StrategyOptionsError
 from protocol.errors import ErrorCode
+from protocol.options.strategies import DataParallelOptions
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
     graph_for,
@@ -46,7 +47,9 @@ def run_losing(
             for i in losses.pop((data["phase"], data.get("step")), []):
                 ctx.lose(i, "killed by the test")
 
-    strategy = DataParallel(workers, elastic=elastic, elastic_timeout=timeout)
+    strategy = DataParallel(
+        DataParallelOptions(workers=workers, elastic=elastic, elastic_timeout=timeout)
+    )
     states = asyncio.run(strategy.run(ctx, inputs(graph_for(optimizer), x, y), emit))
     assert not losses, f"never reached: {losses}"
     return states, events, x, y
@@ -141,8 +144,9 @@ def test_without_elastic_a_lost_replica_fails_the_job_at_once_naming_it():
 
 
 def test_elastic_options_are_checked():
-    assert DataParallel.from_options({"workers": 2, "elastic": True}).elastic_timeout == 60.0
-    with pytest.raises(StrategyOptionsError, match="elastic must be a boolean, not 'yes'"):
+    parsed = DataParallel.from_options({"workers": 2, "elastic": True})
+    assert parsed.options.elastic_timeout == 60.0
+    with pytest.raises(StrategyOptionsError, match="elastic must be True or False, not 'yes'"):
         DataParallel.from_options({"workers": 2, "elastic": "yes"})
     for bad in (0, -1, float("inf"), True, "10"):
         with pytest.raises(StrategyOptionsError, match="elastic_timeout must be a positive"):
@@ -159,7 +163,7 @@ def test_a_step_that_loses_its_replica_every_time_fails_after_a_bounded_number_o
         if (event == "progress" and data.get("step") == 5) or event == "worker_restored":
             ctx.lose(1, "killed again")
 
-    strategy = DataParallel(2, elastic=True, elastic_timeout=5)
+    strategy = DataParallel(DataParallelOptions(workers=2, elastic=True, elastic_timeout=5))
     with pytest.raises(StrategyFailed) as failure:
         asyncio.run(strategy.run(ctx, inputs(graph_for("sgd"), x, y), emit))
     info = failure.value.info

@@ -17,6 +17,7 @@ import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import DataParallel, JobInputs
 from protocol.filters import dump_filter
+from protocol.options.strategies import DataParallelOptions
 from somatize.client import graph_info
 from tests.training_reference import classes
 from worker.daemon.main import Daemon
@@ -56,7 +57,7 @@ def run(graph: sz.Graph, x, y, workers: int) -> tuple[dict, dict]:
     then run."""
     filters = {n: dump_filter(f) for n, f in graph.items()}
     job = JobInputs(graph.node_ids, filters, x, y, graph_info(graph))
-    strategy = DataParallel(workers)
+    strategy = DataParallel(DataParallelOptions(workers=workers))
     strategy.validate(job)
     ctx = InMemoryContext(workers, Daemon)
 
@@ -146,4 +147,4 @@ def test_a_plain_model_gets_no_note_and_sync_batchnorm_is_checked_at_submit():
     with pytest.raises(ValueError, match="needs the torch collective"):
         sz.DataParallel(2, sync_batchnorm=True, device="cuda", collective="coordinator")
     spec = sz.DataParallel(2, sync_batchnorm=True, device="cuda").spec()
-    assert DataParallel.from_options(spec.options).sync_batchnorm is True
+    assert DataParallel.from_options(spec.options).options.sync_batchnorm is True

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.strategies.aggregate import weighted_mean
-from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, MeanFold
+from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, StreamedMean
 from protocol.codec import decode, encode, encode_frame, frame_nbytes
 from protocol.daemon import GradientsRequest, command_fields
 from protocol.messages import Call
@@ -47,7 +47,7 @@ def cuts(total: int, rng: random.Random) -> list[int]:
     return ends
 
 
-def feed(fold: MeanFold, frames: dict[int, bytes], rng: random.Random) -> None:
+def feed(fold: StreamedMean, frames: dict[int, bytes], rng: random.Random) -> None:
     """Every frame into its replica's sink, in randomly interleaved pieces."""
     sinks = {i: fold.sink(i) for i in frames}
     buffers = {i: sinks[i].buffer(len(frame)) for i, frame in frames.items()}
@@ -72,7 +72,7 @@ def leaves(tree: dict) -> dict[str, np.ndarray]:
 def test_the_fold_is_the_weighted_mean_however_the_replies_are_cut(weights, dtype):
     trees = {i: gradients(seed=i, dtype=dtype) for i in weights}
     for seed in range(3):
-        fold = MeanFold(weights, FoldBuffers())
+        fold = StreamedMean(weights, FoldBuffers())
         feed(fold, {i: reply_frame(trees[i]) for i in weights}, random.Random(seed))
         assert fold.complete and fold.declined is None
         got = leaves(fold.result())
@@ -94,7 +94,7 @@ def test_the_fold_is_the_weighted_mean_however_the_replies_are_cut(weights, dtyp
 
 def test_a_range_is_folded_only_once_every_reply_holds_it():
     frames = {0: reply_frame(gradients(0, shapes=BIG)), 1: reply_frame(gradients(1, shapes=BIG))}
-    fold = MeanFold({0: 1, 1: 1}, FoldBuffers())
+    fold = StreamedMean({0: 1, 1: 1}, FoldBuffers())
     sinks = {i: fold.sink(i) for i in frames}
     buffers = {i: sinks[i].buffer(len(f)) for i, f in frames.items()}
     half = len(frames[0]) // 2
@@ -111,7 +111,7 @@ def test_a_range_is_folded_only_once_every_reply_holds_it():
 
 def test_one_contributor_gives_its_gradients_exactly():
     tree = gradients(3)
-    fold = MeanFold({2: 17}, FoldBuffers())
+    fold = StreamedMean({2: 17}, FoldBuffers())
     feed(fold, {2: reply_frame(tree)}, random.Random(0))
     for key, value in leaves(fold.result()).items():
         node, param = key.split("/")
@@ -129,7 +129,7 @@ def test_paced_bytes_of_the_next_request_wait_for_the_fold():
     async def scenario() -> None:
         trees = [gradients(0, shapes=BIG), gradients(1, shapes=BIG)]
         frames = {i: reply_frame(tree) for i, tree in enumerate(trees)}
-        fold = MeanFold({0: 2, 1: 1}, FoldBuffers())
+        fold = StreamedMean({0: 2, 1: 1}, FoldBuffers())
         sinks = {i: fold.sink(i) for i in frames}
         buffers = {i: sinks[i].buffer(len(f)) for i, f in frames.items()}
         taking = asyncio.ensure_future(fold.take())
@@ -172,7 +172,7 @@ def test_paced_bytes_of_the_next_request_wait_for_the_fold():
 )
 def test_replies_it_cannot_fold_are_declined_and_the_whole_mean_settles(second, why):
     async def scenario() -> None:
-        fold = MeanFold({0: 1, 1: 1}, FoldBuffers())
+        fold = StreamedMean({0: 1, 1: 1}, FoldBuffers())
         first = reply_frame(gradients(0))
         sink = fold.sink(0)
         sink.buffer(len(first))[:] = first
@@ -199,11 +199,11 @@ def test_replies_it_cannot_fold_are_declined_and_the_whole_mean_settles(second, 
 def test_released_buffers_serve_the_next_steps():
     pool = FoldBuffers()
     frames = {0: reply_frame(gradients(0)), 1: reply_frame(gradients(1))}
-    first = MeanFold({0: 1, 1: 1}, pool)
+    first = StreamedMean({0: 1, 1: 1}, pool)
     feed(first, frames, random.Random(1))
     kept = {id(b) for b in (first._mean, *(r.buffer for r in first._replies.values()))}
     first.release()
-    second = MeanFold({0: 1, 1: 1}, pool)
+    second = StreamedMean({0: 1, 1: 1}, pool)
     feed(second, frames, random.Random(2))
     reused = {id(b) for b in (second._mean, *(r.buffer for r in second._replies.values()))}
     assert reused == kept

@@ -27,6 +27,7 @@ from coordinator.strategies.federated.cohort import Cohort as _Workers
 from coordinator.strategies.federated.cohort import DroppedWorker
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.filters import dump_filter
+from protocol.options.strategies import FedAvgOptions
 from somatize.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
@@ -212,7 +213,9 @@ def test_fedavg_equals_the_row_weighted_average_of_independent_local_trainings(r
     data = shards()
     expected = reference_rounds(data, rounds, epochs=2)
     states, events = run(
-        FedAvg(rounds, local_epochs=2), own_data_context(data), job_inputs(graph())
+        FedAvg(FedAvgOptions(rounds=rounds, local_epochs=2)),
+        own_data_context(data),
+        job_inputs(graph()),
     )
     assert_model(states, expected[-1][0])
     np.testing.assert_allclose(states["center"]["mean"], center_of(data, [0, 1, 2]), rtol=1e-6)
@@ -228,7 +231,9 @@ def test_each_round_trains_with_a_fresh_client_optimizer():
     """With momentum, a client optimizer kept across rounds would carry its buffers over."""
     data = shards()
     expected = reference_rounds(data, 3, epochs=1, momentum=0.9)
-    states, _ = run(FedAvg(3), own_data_context(data), job_inputs(graph(momentum=0.9)))
+    states, _ = run(
+        FedAvg(FedAvgOptions(rounds=3)), own_data_context(data), job_inputs(graph(momentum=0.9))
+    )
     assert_model(states, expected[-1][0])
 
 
@@ -238,7 +243,9 @@ def test_fedavg_on_sent_rows_splits_them_in_contiguous_shards():
     data = [(x[:34], y[:34]), (x[34:67], y[34:67]), (x[67:], y[67:])]
     expected = reference_rounds(data, 2, epochs=1)
     states, events = run(
-        FedAvg(2), InMemoryContext(3, Daemon), job_inputs(graph(), x, y, dataset=None)
+        FedAvg(FedAvgOptions(rounds=2)),
+        InMemoryContext(3, Daemon),
+        job_inputs(graph(), x, y, dataset=None),
     )
     assert_model(states, expected[-1][0])
     np.testing.assert_allclose(states["center"]["mean"], x.mean(0), rtol=1e-5)
@@ -249,7 +256,7 @@ def test_fedadam_on_the_server_equals_the_hand_computed_update_on_the_average():
     data = shards()
     options = {"lr": 0.05, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}
     expected = reference_rounds(data, 2, epochs=1, server=HandAdam(**options))
-    strategy = FedAvg(2, server="fedadam", server_options=options)
+    strategy = FedAvg(FedAvgOptions(rounds=2, server={"name": "fedadam", **options}))
     states, _ = run(strategy, own_data_context(data), job_inputs(graph()))
     assert_model(states, expected[-1][0])
     plain = reference_rounds(data, 2, epochs=1)  # the server step really did something
@@ -281,7 +288,7 @@ def test_fraction_selects_the_documented_subset_each_round():
 
     expected = reference_rounds(data, 3, epochs=1, select=documented)
     assert len({tuple(chosen) for _, _, chosen in expected}) > 1  # not the same subset each time
-    strategy = FedAvg(3, fraction=fraction, seed=seed)
+    strategy = FedAvg(FedAvgOptions(rounds=3, fraction=fraction, seed=seed))
     states, events = run(strategy, own_data_context(data), job_inputs(graph()))
     assert_model(states, expected[-1][0])
     for event, (_, _, chosen) in zip(events, expected, strict=True):
@@ -297,7 +304,7 @@ def test_a_round_below_min_workers_fails_naming_the_dropped_worker():
     data = shards()
     g = graph(Fragile(rows=50).named("fragile"))
     with pytest.raises(StrategyFailed) as failure:
-        run(FedAvg(2, min_workers=3), own_data_context(data), job_inputs(g))
+        run(FedAvg(FedAvgOptions(rounds=2, min_workers=3)), own_data_context(data), job_inputs(g))
     info = failure.value.info
     assert info.code is ErrorCode.NOT_ENOUGH_WORKERS
     assert info.message.startswith(
@@ -315,7 +322,9 @@ def test_a_worker_failing_in_one_round_is_dropped_from_it_and_back_in_the_next()
         return [0, 2] if r == 2 else [0, 1, 2]
 
     expected = reference_rounds(data, 3, epochs=1, select=without_1_in_round_2)
-    states, events = run(FedAvg(3, min_workers=2), own_data_context(data), job_inputs(g))
+    states, events = run(
+        FedAvg(FedAvgOptions(rounds=3, min_workers=2)), own_data_context(data), job_inputs(g)
+    )
     assert_model(states, expected[-1][0])
     assert [e["workers"] for e in events] == [
         ["mem-0", "mem-1", "mem-2"],
@@ -349,13 +358,13 @@ def test_a_lost_worker_is_not_selected_again_and_training_goes_on():
     ctx = own_data_context(data, LosesWorker)
     select = {1: [0, 1, 2], 2: [0, 2], 3: [0, 2]}
     expected = reference_rounds(data, 3, epochs=1, select=select.__getitem__)
-    states, events = run(FedAvg(3, min_workers=2), ctx, job_inputs(graph()))
+    states, events = run(FedAvg(FedAvgOptions(rounds=3, min_workers=2)), ctx, job_inputs(graph()))
     assert_model(states, expected[-1][0])
     assert events[1]["dropped"] == {"mem-1": "worker_lost: lost: connection closed"}
     assert events[2]["selected"] == ["mem-0", "mem-2"] and events[2]["dropped"] == {}
     two = own_data_context(data[:2], LosesWorker)
     with pytest.raises(StrategyFailed, match=r"round 2: 1 of 2 selected workers answered") as e:
-        run(FedAvg(3, min_workers=2), two, job_inputs(graph()))
+        run(FedAvg(FedAvgOptions(rounds=3, min_workers=2)), two, job_inputs(graph()))
     assert e.value.info.detail["dropped"] == {"mem-1": "worker_lost: lost: connection closed"}
 
 
@@ -378,7 +387,7 @@ def test_a_worker_whose_daemon_crashed_is_set_up_again_before_it_trains_next():
     data = shards()
     ctx = own_data_context(data, CrashesOnce)
     expected = reference_rounds(data, 3, epochs=1, select=lambda r: [0, 2] if r == 2 else [0, 1, 2])
-    states, events = run(FedAvg(3, min_workers=2), ctx, job_inputs(graph()))
+    states, events = run(FedAvg(FedAvgOptions(rounds=3, min_workers=2)), ctx, job_inputs(graph()))
     assert_model(states, expected[-1][0])
     assert events[1]["dropped"] == {"mem-1": "daemon_crashed: the daemon died"}
     assert events[2]["workers"] == ["mem-0", "mem-1", "mem-2"]
@@ -393,7 +402,11 @@ def test_aggregation_that_does_not_fit_fails_the_job_as_a_mismatch():
             return x
 
     with pytest.raises(StrategyFailed, match="round 1: node 'shape', key 'rows'") as failure:
-        run(FedAvg(1), own_data_context(shards()), job_inputs(graph(Shape().named("shape"))))
+        run(
+            FedAvg(FedAvgOptions(rounds=1)),
+            own_data_context(shards()),
+            job_inputs(graph(Shape().named("shape"))),
+        )
     assert failure.value.info.code is ErrorCode.AGGREGATION_MISMATCH
 
 
@@ -404,15 +417,20 @@ def test_the_sdk_objects_travel_to_the_coordinator_strategies():
     spec = sz.FedAvg(4, local_epochs=2, fraction=0.5, min_workers=2, workers=3, tag="edge").spec()
     strategy = strategy_from_spec(spec.name, spec.options)
     assert isinstance(strategy, FedAvg) and not isinstance(strategy, FedProx)
-    assert (strategy.rounds, strategy.local_epochs, strategy.fraction) == (4, 2, 0.5)
+    assert (strategy.rounds, strategy.options.local_epochs, strategy.options.fraction) == (
+        4,
+        2,
+        0.5,
+    )
     assert strategy.placement().workers == 3 and not strategy.placement().all_matching
     assert strategy.placement().tag == "edge"
     server = sz.FedYogi(lr=0.1, tau=0.01)
     spec = sz.FedProx(0.1, 2, server=server).spec()
     assert spec.name == "fedprox" and spec.options["server"]["name"] == "fedyogi"
     strategy = strategy_from_spec(spec.name, spec.options)
-    assert isinstance(strategy, FedProx) and strategy.prox_mu == 0.1
-    assert strategy.server == "fedyogi" and strategy.server_options["tau"] == 0.01
+    assert isinstance(strategy, FedProx) and strategy.proximal_mu() == 0.1
+    server = strategy.options.server_optimizer()
+    assert server.name == "fedyogi" and server.hyperparameters()["tau"] == 0.01
     placement = strategy.placement()
     assert placement.all_matching and placement.workers == 1
     assert placement.describe() == "every idle worker (at least 1)"
@@ -429,7 +447,11 @@ def test_the_sdk_objects_travel_to_the_coordinator_strategies():
         ("fedavg", {"rounds": 2, "workers": 2, "min_workers": 3}, r"workers \(2\) must be at"),
         ("fedavg", {"rounds": 2, "seed": -1}, "seed must be a non-negative integer"),
         ("fedavg", {"rounds": 2, "mu": 0.1}, r"takes no option \['mu'\]"),
-        ("fedavg", {"rounds": 2, "server": "fedadam"}, "server must be an object with a name"),
+        (
+            "fedavg",
+            {"rounds": 2, "server": "fedadam"},
+            "server must be FedAvgM.* an object with a name",
+        ),
         ("fedavg", {"rounds": 2, "server": {"name": "sgd"}}, "unknown server optimizer 'sgd'"),
         ("fedavg", {"rounds": 2, "server": {"name": "fedadam", "beta1": 1}}, r"beta1 must be in"),
         ("fedprox", {"rounds": 2}, r"mu must be a finite number > 0, not None \(mu = 0 is"),
@@ -445,12 +467,12 @@ def test_bad_options_are_refused_naming_them(name, options, message):
     ("make", "message"),
     [
         (lambda: sz.FedAvg(0), "FedAvg: rounds must be a positive integer, not 0"),
-        (lambda: sz.FedAvg(2, fraction=0.0), r"fraction must be in \(0, 1\]"),
+        (lambda: sz.FedAvg(2, fraction=0.0), r"fraction must be a number in \(0, 1\]"),
         (lambda: sz.FedAvg(2, workers=1, min_workers=2), r"workers \(1\) must be at least"),
         (lambda: sz.FedAvg(2, tag=""), "tag must be a non-empty string"),
         (lambda: sz.FedAvg(2, server="fedadam"), "server must be FedAvgM"),
         (lambda: sz.FedAvg(2, seed=1.5), "seed must be a non-negative integer"),
-        (lambda: sz.FedProx(0, 2), "FedProx: mu must be > 0, not 0"),
+        (lambda: sz.FedProx(0, 2), "FedProx: mu must be a finite number > 0, not 0"),
         (lambda: sz.FedProx(float("nan"), 2), "mu must be a finite number"),
         (lambda: sz.FedAdam(lr=0), "FedAdam: lr must be > 0"),
         (lambda: sz.FedYogi(beta2=1.0), r"FedYogi: beta2 must be in \[0, 1\)"),
@@ -466,16 +488,20 @@ def test_jobs_fedavg_cannot_run_are_refused_up_front():
     x, y = shards()[0]
     plain = sz.Graph([Center().named("c")])
     with pytest.raises(StrategyOptionsError, match="no TorchFilter; use Local"):
-        FedAvg(2).validate(job_inputs(plain, x, y, dataset=None))
+        FedAvg(FedAvgOptions(rounds=2)).validate(job_inputs(plain, x, y, dataset=None))
     with pytest.raises(StrategyOptionsError, match="y is missing"):
-        FedAvg(2).validate(job_inputs(graph(), x, None, dataset=None))
+        FedAvg(FedAvgOptions(rounds=2)).validate(job_inputs(graph(), x, None, dataset=None))
     with pytest.raises(StrategyOptionsError, match=r"x has 30 rows, too few .* 40 workers"):
-        FedAvg(2, workers=40).validate(job_inputs(graph(), x, y, dataset=None))
-    FedAvg(2).validate(job_inputs(graph()))  # WorkerData: the labels are the workers' own
+        FedAvg(FedAvgOptions(rounds=2, workers=40)).validate(
+            job_inputs(graph(), x, y, dataset=None)
+        )
+    FedAvg(FedAvgOptions(rounds=2)).validate(
+        job_inputs(graph())
+    )  # WorkerData: the labels are the workers' own
 
 
 def test_the_selection_is_a_pure_function_of_seed_round_and_usable_workers():
-    strategy = FedAvg(1, fraction=0.3, min_workers=2, seed=9)
+    strategy = FedAvg(FedAvgOptions(rounds=1, fraction=0.3, min_workers=2, seed=9))
     workers = _Workers([f"w{i}" for i in range(10)], lost={3: DroppedWorker("w3", None, "gone")})
     picks = [strategy._select(r, workers) for r in (1, 2, 1)]
     assert picks[0] == picks[2] and all(len(p) == 3 for p in picks)  # ceil(0.3 * 9) = 3

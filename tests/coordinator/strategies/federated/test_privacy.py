@@ -17,7 +17,7 @@ import somatize as sz
 from coordinator.strategies import StrategyOptionsError, strategy_from_spec
 from coordinator.strategies.federated.privacy import DPFold
 from engine.engine import Engine, FitSettings
-from protocol.options.privacy import AdaptiveClippingOptions
+from protocol.options.privacy import AdaptiveClippingOptions, privacy_options
 from tests.coordinator.strategies.federated.test_fedavg import (
     LR,
     D,
@@ -230,14 +230,14 @@ def test_a_checkpoint_keeps_the_clip_and_the_privacy_spent():
     from coordinator.strategies.federated.privacy import Privacy
 
     spec = sz.AdaptiveClipping(noise_multiplier=0.3, count_stddev=1.0).options()
-    first = Privacy(spec, np.random.default_rng(1))
+    first = Privacy(privacy_options(spec), np.random.default_rng(1))
     for _ in range(2):
         fold = first.fold({"lin": {"w": np.zeros(3)}}, ["lin"], 4)
         for k in range(4):
             fold.add(f"c{k}", {"rows": 1}, {"lin": {"w": np.full(3, 0.1 * k)}})
         fold.result()
         first.spent(fold, 4, 10)
-    again = Privacy(spec)
+    again = Privacy(privacy_options(spec))
     again.load_state_dict(first.state_dict())
     assert again.clip == first.clip != 0.1
     assert again.epsilon() == first.epsilon() > 0

@@ -10,6 +10,7 @@ import torch
 import somatize as sz
 from coordinator.strategies import QFedAvg, StrategyOptionsError, strategy_from_spec
 from engine.engine import Engine, FitSettings
+from protocol.options.strategies import QFedAvgOptions
 from tests.coordinator.strategies.federated.test_fedavg import (
     LR,
     D,
@@ -75,7 +76,11 @@ def test_qfedavg_with_q_0_is_the_unweighted_mean_of_the_client_models():
     start = model().state_dict()
     trained = [flat(local_training(start, x, y, epochs=1)[0]) for x, y in data]
     expected = unflat(torch.stack(trained).mean(0))
-    states, _ = run(QFedAvg(0.0, 1 / LR, rounds=1), own_data_context(data), job_inputs(graph()))
+    states, _ = run(
+        QFedAvg(QFedAvgOptions(q=0.0, lipschitz=1 / LR, rounds=1)),
+        own_data_context(data),
+        job_inputs(graph()),
+    )
     for key, value in expected.items():
         torch.testing.assert_close(states["lin"][key], value, rtol=0, atol=1e-6)
 

@@ -12,6 +12,8 @@ import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import FedAvg, StrategyOptionsError, strategy_from_spec
 from coordinator.strategies.federated.robust import Bulyan, FedMedian, Krum, TrimmedMean
+from protocol.options.aggregators import BulyanOptions, KrumOptions, TrimmedMeanOptions
+from protocol.options.strategies import FedAvgOptions
 from tests.coordinator.strategies.federated.test_fedavg import (
     D,
     OwnData,
@@ -42,9 +44,13 @@ def test_fedmedian_is_the_coordinate_wise_median():
 def test_trimmed_mean_drops_floor_beta_n_values_at_each_end():
     stack = np.array([[1.0, -7.0], [2.0, 0.0], [3.0, 1.0], [4.0, 2.0], [100.0, 3.0]])
     # beta n = 1.25: one value off each end -> (2 + 3 + 4) / 3 and (0 + 1 + 2) / 3.
-    np.testing.assert_allclose(TrimmedMean(0.25).combine(stack)[0], [3.0, 1.0])
+    np.testing.assert_allclose(
+        TrimmedMean(TrimmedMeanOptions(beta=0.25)).combine(stack)[0], [3.0, 1.0]
+    )
     # beta n = 0.95: nothing dropped, the plain mean.
-    np.testing.assert_allclose(TrimmedMean(0.19).combine(stack)[0], [22.0, -0.2])
+    np.testing.assert_allclose(
+        TrimmedMean(TrimmedMeanOptions(beta=0.19)).combine(stack)[0], [22.0, -0.2]
+    )
 
 
 def test_krum_and_multi_krum_on_points_worked_by_hand():
@@ -52,10 +58,10 @@ def test_krum_and_multi_krum_on_points_worked_by_hand():
     # s(0) = 1 + 4 = 5, s(1) = 1 + 1 = 2, s(2) = 1 + 1 = 2, s(3) = 1 + 4 = 5,
     # s(100) = 97^2 + 98^2 = 19013. Krum: the least, the first of equal ones: V_1 = 1.
     stack = column(0, 1, 2, 3, 100)
-    value, kept = Krum(byzantine=1).combine(stack)
+    value, kept = Krum(KrumOptions(byzantine=1)).combine(stack)
     assert kept == [1] and value.tolist() == [1.0]
     # Multi-Krum, m = 3: the three least scores are V_1, V_2 and V_0 (5, before V_3's 5).
-    value, kept = Krum(byzantine=1, keep=3).combine(stack)
+    value, kept = Krum(KrumOptions(byzantine=1, keep=3)).combine(stack)
     assert kept == [0, 1, 2] and value.tolist() == [1.0]
 
 
@@ -69,7 +75,7 @@ def test_bulyan_on_points_worked_by_hand():
     # pick 5 over 0, 9, -100 (n - f - 2 = 0, counted as 1): s = 81, 81, ... -> 0
     # selected 0, 1, 3, 4, 8: median 3; the 3 closest: 3, 4, 1 -> 8/3.
     stack = column(0, 1, 3, 4, 8, 9, -100)
-    value, kept = Bulyan(byzantine=1).combine(stack)
+    value, kept = Bulyan(BulyanOptions(byzantine=1)).combine(stack)
     assert kept == [0, 1, 2, 3, 4]
     assert value.tolist() == pytest.approx([8 / 3], rel=1e-15)
 
@@ -180,11 +186,11 @@ def test_one_poisoned_client_ruins_fedavg_and_no_robust_rule():
         return InMemoryContext(len(data), lambda: next(daemons))
 
     untrained = loss_on({"lin": model().state_dict()}, honest)
-    clean, _ = run(FedAvg(6), own_data_context(honest), job_inputs(graph()))
+    clean, _ = run(FedAvg(FedAvgOptions(rounds=6)), own_data_context(honest), job_inputs(graph()))
     clean_loss = loss_on(clean, honest)
     assert clean_loss < untrained / 10
     # FedAvg with the poisoned client: far worse than no training at all.
-    ruined, _ = run(FedAvg(6), poisoned_context(), job_inputs(graph()))
+    ruined, _ = run(FedAvg(FedAvgOptions(rounds=6)), poisoned_context(), job_inputs(graph()))
     assert loss_on(ruined, honest) > 1000 * untrained
     # Each rule learns nearly what the honest clients learn alone.
     rules = [sz.FedMedian(), sz.TrimmedMean(0.15), sz.Krum(1, keep=3), sz.Bulyan(1)]
@@ -239,7 +245,10 @@ def test_a_rule_composes_with_a_server_optimizer():
             r"needs n >= 4f \+ 3 = 11: at least 11 clients",
         ),
         ({"rounds": 1, "aggregator": {"name": "mean"}}, r"unknown aggregator 'mean'"),
-        ({"rounds": 1, "aggregator": "krum"}, "aggregator must be an object with a name"),
+        (
+            {"rounds": 1, "aggregator": "krum"},
+            "aggregator must be FedMedian.* an object with a name",
+        ),
         (
             {"rounds": 1, "aggregator": {"name": "trimmed_mean", "beta": 0.5}},
             r"beta must be in \[0, 0.5\)",

@@ -18,6 +18,8 @@ from engine.errors import EngineError
 from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.options.secure_aggregation import SecAggOptions
+from protocol.options.strategies import FedAvgOptions
 from tests.coordinator.strategies.federated.test_fedavg import LR, D, OwnData, job_inputs, run
 from tests.coordinator.strategies.federated.test_privacy import client_data, private_graph
 from tests.utils import Center
@@ -53,7 +55,7 @@ def max_gap(a, b) -> float:
 @pytest.mark.parametrize("scale_bits", [24, 8])
 def test_the_secure_aggregate_is_fedavg_to_within_the_quantization_error(scale_bits):
     data = client_data(k=4)
-    plain, _ = run(FedAvg(1), context(data), job_inputs(private_graph()))
+    plain, _ = run(FedAvg(FedAvgOptions(rounds=1)), context(data), job_inputs(private_graph()))
     masked, events = run(
         secure(1, scale_bits=scale_bits), context(data), job_inputs(private_graph())
     )
@@ -88,14 +90,19 @@ class DropsAfterSharing(InMemoryContext):
 def test_clients_dropping_after_sharing_are_unmasked_by_their_neighbours(clients, neighbours, drop):
     data = client_data(k=clients)
     survivors = [d for i, d in enumerate(data) if f"mem-{i}" not in drop]
-    plain, _ = run(FedAvg(2), context(survivors), job_inputs(private_graph()))
+    plain, _ = run(FedAvg(FedAvgOptions(rounds=2)), context(survivors), job_inputs(private_graph()))
 
     class Drops(DropsAfterSharing):
         pass
 
     Drops.drop = frozenset(drop)
     masked, events = run(
-        FedAvg(2, secure_aggregation={"name": "secagg", "neighbours": neighbours}),
+        # (min_workers 1: the rule that refuses it at submit is not what is tested here)
+        FedAvg(
+            FedAvgOptions.model_construct(
+                rounds=2, secure_aggregation=SecAggOptions(neighbours=neighbours)
+            )
+        ),
         context(data, Drops),
         job_inputs(private_graph()),
     )
@@ -116,7 +123,11 @@ def test_a_round_whose_dropped_clients_cannot_be_unmasked_fails_naming_them():
         match=r"the self-mask of client 'mem-2' needs 3 shares and its neighbours sent 0",
     ) as e:
         run(
-            FedAvg(1, secure_aggregation={"name": "secagg", "threshold": 1.0}),
+            FedAvg(
+                FedAvgOptions.model_construct(
+                    rounds=1, secure_aggregation=SecAggOptions(threshold=1.0)
+                )
+            ),
             context(client_data(k=3), Drops),
             job_inputs(private_graph()),
         )
@@ -244,10 +255,14 @@ def test_secure_aggregation_refusals():
 def test_virtual_clients_mask_each_their_own_model():
     """Three clients a worker: each masks right after its own training, under its own keys."""
     data = client_data(k=2, rows=60)
-    plain, _ = run(FedAvg(1, clients_per_worker=3), context(data), job_inputs(private_graph()))
+    plain, _ = run(
+        FedAvg(FedAvgOptions(rounds=1, clients_per_worker=3)),
+        context(data),
+        job_inputs(private_graph()),
+    )
     options = {"name": "secagg", "neighbours": 4}
     masked, events = run(
-        FedAvg(1, clients_per_worker=3, secure_aggregation=options),
+        FedAvg(FedAvgOptions(rounds=1, clients_per_worker=3, secure_aggregation=options)),
         context(data),
         job_inputs(private_graph()),
     )

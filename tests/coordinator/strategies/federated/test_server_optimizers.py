@@ -20,6 +20,12 @@ from coordinator.strategies.federated.server_optimizers import (
     from_options,
 )
 from protocol.codec import decode, encode_frame
+from protocol.options.server_optimizers import (
+    FedAdagradOptions,
+    FedAdamOptions,
+    FedAvgMOptions,
+    FedYogiOptions,
+)
 
 # A 2-leaf state: a float64 numpy array and a float32 torch tensor.
 X0 = {"net": {"w": np.array([1.0, -2.0]), "b": torch.tensor([0.5], dtype=torch.float32)}}
@@ -86,7 +92,7 @@ def test_fedavgm_three_rounds():
         m[i] = beta * m[i] + delta  # m_t = β m_{t−1} + Δ_t
         return x + lr * m[i]  # x_{t+1} = x_t + η m_t
 
-    assert_rounds_match(run_rounds(FedAvgM(lr=lr, momentum=beta)), by_hand(update))
+    assert_rounds_match(run_rounds(FedAvgM(FedAvgMOptions(lr=lr, momentum=beta))), by_hand(update))
 
 
 def test_fedadam_three_rounds():
@@ -99,7 +105,9 @@ def test_fedadam_three_rounds():
         v[i] = b2 * v[i] + (1 - b2) * delta**2
         return x + lr * m[i] / (np.sqrt(v[i]) + tau)
 
-    assert_rounds_match(run_rounds(FedAdam(lr=lr, beta1=b1, beta2=b2, tau=tau)), by_hand(update))
+    assert_rounds_match(
+        run_rounds(FedAdam(FedAdamOptions(lr=lr, beta1=b1, beta2=b2, tau=tau))), by_hand(update)
+    )
 
 
 def test_fedyogi_three_rounds():
@@ -112,7 +120,9 @@ def test_fedyogi_three_rounds():
         v[i] = v[i] - (1 - b2) * delta**2 * np.sign(v[i] - delta**2)
         return x + lr * m[i] / (np.sqrt(v[i]) + tau)
 
-    assert_rounds_match(run_rounds(FedYogi(lr=lr, beta1=b1, beta2=b2, tau=tau)), by_hand(update))
+    assert_rounds_match(
+        run_rounds(FedYogi(FedYogiOptions(lr=lr, beta1=b1, beta2=b2, tau=tau))), by_hand(update)
+    )
 
 
 def test_fedadagrad_three_rounds():
@@ -125,14 +135,16 @@ def test_fedadagrad_three_rounds():
         v[i] = v[i] + delta**2  # Reddi et al. 2021, Algorithm 2, FedAdagrad
         return x + lr * m[i] / (np.sqrt(v[i]) + tau)
 
-    assert_rounds_match(run_rounds(FedAdagrad(lr=lr, beta1=b1, tau=tau)), by_hand(update))
+    assert_rounds_match(
+        run_rounds(FedAdagrad(FedAdagradOptions(lr=lr, beta1=b1, tau=tau))), by_hand(update)
+    )
 
 
 def test_fedadagrad_two_rounds_in_numbers():
     # x = 1, x̄ = 4: Δ = 3. β1 = 0.5, τ = 1, η = 2: m = 1.5; v = 1 + 9 = 10;
     # x' = 1 + 2·1.5 / (√10 + 1) = 1 + 3 / 4.16227766... = 1.72075922...
     # Then x̄ = x': Δ = 0, m = 0.75, v = 10: x'' = x' + 2·0.75 / (√10 + 1) = 2.08113883...
-    opt = FedAdagrad(lr=2.0, beta1=0.5, tau=1.0)
+    opt = FedAdagrad(FedAdagradOptions(lr=2.0, beta1=0.5, tau=1.0))
     first = opt.step({"n": {"x": 1.0}}, {"n": {"x": 4.0}})["n"]["x"]
     assert first == pytest.approx(1.7207592200561264, rel=1e-15)
     assert opt.step({"n": {"x": first}}, {"n": {"x": first}})["n"]["x"] == pytest.approx(
@@ -143,26 +155,31 @@ def test_fedadagrad_two_rounds_in_numbers():
 def test_fedadam_first_round_in_numbers():
     # x = 1, x̄ = 3: Δ = 2. β1 = 0.5, β2 = 0.75, τ = 2, η = 1:
     # m = 0.5·0 + 0.5·2 = 1; v = 0.75·τ² + 0.25·4 = 3 + 1 = 4; x' = 1 + 1·1 / (√4 + 2) = 1.25.
-    opt = FedAdam(lr=1.0, beta1=0.5, beta2=0.75, tau=2.0)
+    opt = FedAdam(FedAdamOptions(lr=1.0, beta1=0.5, beta2=0.75, tau=2.0))
     assert opt.step({"n": {"x": 1.0}}, {"n": {"x": 3.0}}) == {"n": {"x": 1.25}}
 
 
 def test_fedyogi_first_round_in_numbers():
     # x = 1, x̄ = 5: Δ = 4, Δ² = 16. β1 = 0.5, β2 = 0.25, τ = 2, η = 3:
     # m = 0.5·4 = 2; v = 4 − 0.75·16·sign(4 − 16) = 4 + 12 = 16; x' = 1 + 3·2 / (4 + 2) = 2.
-    opt = FedYogi(lr=3.0, beta1=0.5, beta2=0.25, tau=2.0)
+    opt = FedYogi(FedYogiOptions(lr=3.0, beta1=0.5, beta2=0.25, tau=2.0))
     assert opt.step({"n": {"x": 1.0}}, {"n": {"x": 5.0}}) == {"n": {"x": 2.0}}
 
 
 def test_fedavgm_with_no_momentum_and_lr_1_is_fedavg():
-    plain, momentum = run_rounds(FedAvgServer()), run_rounds(FedAvgM(lr=1.0, momentum=0.0))
+    plain, momentum = (
+        run_rounds(FedAvgServer()),
+        run_rounds(FedAvgM(FedAvgMOptions(lr=1.0, momentum=0.0))),
+    )
     for a, b in zip(plain, momentum, strict=True):
         np.testing.assert_allclose(a["net"]["w"], b["net"]["w"], rtol=1e-15)
         assert torch.equal(a["net"]["b"], b["net"]["b"])
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: FedAvgM(lr=1.0, momentum=0.5), FedAdam, FedYogi], ids=["m", "adam", "yogi"]
+    "make",
+    [lambda: FedAvgM(FedAvgMOptions(lr=1.0, momentum=0.5)), FedAdam, FedYogi],
+    ids=["m", "adam", "yogi"],
 )
 def test_moments_persist_between_rounds(make):
     opt = make()
@@ -176,7 +193,7 @@ def test_non_float_leaves_come_from_the_average():
     x = {"bn": {"w": np.array([0.0]), "num_batches_tracked": torch.tensor(3), "kind": "bn"}}
     xbar = {"bn": {"w": np.array([2.0]), "num_batches_tracked": torch.tensor(8), "kind": "bn"}}
     # FedAvgM η = 1, β = 0.5, first round: m = Δ = 2, x' = 0 + 2.
-    new = FedAvgM(lr=1.0, momentum=0.5).step(x, xbar)
+    new = FedAvgM(FedAvgMOptions(lr=1.0, momentum=0.5)).step(x, xbar)
     assert new["bn"]["w"].tolist() == [2.0]
     assert new["bn"]["num_batches_tracked"].item() == 8
     assert new["bn"]["kind"] == "bn"
@@ -184,7 +201,7 @@ def test_non_float_leaves_come_from_the_average():
 
 def test_python_float_and_numpy_scalar_leaves_keep_their_type():
     # η = 1, β = 0: x' = x̄.
-    new = FedAvgM(lr=1.0, momentum=0.0).step(
+    new = FedAvgM(FedAvgMOptions(lr=1.0, momentum=0.0)).step(
         {"f": {"mu": 1.0, "sd": np.float32(1.0)}}, {"f": {"mu": 2.0, "sd": np.float32(3.0)}}
     )
     assert type(new["f"]["mu"]) is float and new["f"]["mu"] == 2.0
@@ -252,12 +269,12 @@ def test_from_options_builds_each_and_round_trips():
     assert set(OPTIMIZERS) == {"fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"}
     opt = from_options("fedyogi", {"lr": 0.5, "tau": 0.01})
     assert isinstance(opt, FedYogi) and isinstance(opt, ServerOptimizer)
-    assert opt.options == {"lr": 0.5, "beta1": 0.9, "beta2": 0.99, "tau": 0.01}
-    again = from_options(opt.name, opt.options)
+    assert opt.options.hyperparameters() == {"lr": 0.5, "beta1": 0.9, "beta2": 0.99, "tau": 0.01}
+    again = from_options(opt.name, opt.options.hyperparameters())
     assert repr(again) == repr(opt) == "FedYogi(lr=0.5, beta1=0.9, beta2=0.99, tau=0.01)"
     assert isinstance(from_options("fedavg", {}), FedAvgServer)
-    assert from_options("fedavgm", {}).options == {"lr": 1.0, "momentum": 0.9}
-    assert from_options("fedadam", {}).options == {
+    assert from_options("fedavgm", {}).options.hyperparameters() == {"lr": 1.0, "momentum": 0.9}
+    assert from_options("fedadam", {}).options.hyperparameters() == {
         "lr": 0.01,
         "beta1": 0.9,
         "beta2": 0.99,
@@ -268,7 +285,7 @@ def test_from_options_builds_each_and_round_trips():
 def test_a_refused_step_keeps_the_moments():
     # FedAvgM η = 1, β = 0.5. Round 1 on "a" then a refused step ("b" mismatches), then round 2:
     # m_1 = 2, m_2 = 0.5·2 + 2 = 3 — the refused step must not have counted.
-    opt = FedAvgM(lr=1.0, momentum=0.5)
+    opt = FedAvgM(FedAvgMOptions(lr=1.0, momentum=0.5))
     state = opt.step({"n": {"a": 0.0, "b": 0.0}}, {"n": {"a": 2.0, "b": 0.0}})
     assert state == {"n": {"a": 2.0, "b": 0.0}}
     with pytest.raises(AggregationError):
@@ -277,7 +294,7 @@ def test_a_refused_step_keeps_the_moments():
 
 
 @pytest.mark.parametrize(
-    "make", [FedAvgServer, lambda: FedAvgM(lr=0.5, momentum=0.9), FedAdam, FedYogi]
+    "make", [FedAvgServer, lambda: FedAvgM(FedAvgMOptions(lr=0.5, momentum=0.9)), FedAdam, FedYogi]
 )
 def test_a_server_optimizer_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(make):
     """A checkpoint holds ``state_dict()`` (through the codec, as a checkpoint file does); a

@@ -12,6 +12,7 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import FedAvg, StrategyFailed, StrategyOptionsError, strategy_from_spec
+from protocol.options.strategies import FedAvgOptions
 from tests.coordinator.strategies.federated.test_fedavg import (
     D,
     graph,
@@ -51,7 +52,7 @@ def test_k_clients_per_worker_equal_k_times_as_many_workers(fraction):
         strategy_from_spec("fedavg", spec.options), own_data_context(data), job_inputs(graph())
     )
     alone, alone_events = run(
-        FedAvg(3, fraction=fraction, seed=4),
+        FedAvg(FedAvgOptions(rounds=3, fraction=fraction, seed=4)),
         own_data_context(partitions(data, 3)),
         job_inputs(graph()),
     )
@@ -69,7 +70,7 @@ def test_clients_on_sent_rows_partition_each_workers_shard():
     y = np.concatenate([b for _, b in shards()])[:100]
     expected = reference_rounds(partitions([(x[:50], y[:50]), (x[50:], y[50:])], 2), 2, epochs=1)
     states, events = run(
-        FedAvg(2, clients_per_worker=2),
+        FedAvg(FedAvgOptions(rounds=2, clients_per_worker=2)),
         InMemoryContext(2, Daemon),
         job_inputs(graph(), x, y, dataset=None),
     )
@@ -89,7 +90,9 @@ def test_a_round_of_1000_clients_on_2_workers_equals_1000_local_trainings():
     trained = [(len(px), local_training(start, px, py, 1)[0]) for px, py in partitions(data, 500)]
     expected = weighted_average(trained)
     states, events = run(
-        FedAvg(1, clients_per_worker=500), own_data_context(data), job_inputs(graph())
+        FedAvg(FedAvgOptions(rounds=1, clients_per_worker=500)),
+        own_data_context(data),
+        job_inputs(graph()),
     )
     for key, value in expected.items():
         torch.testing.assert_close(torch.as_tensor(states["lin"][key]), value, rtol=0, atol=1e-6)
@@ -100,11 +103,15 @@ def test_a_worker_with_fewer_rows_than_clients_is_left_out_naming_why():
     data = shards((30, 2))
     with pytest.raises(StrategyFailed, match="its dataset has 2 rows, too few for 3 clients"):
         run(
-            FedAvg(1, min_workers=2, clients_per_worker=3),
+            FedAvg(FedAvgOptions(rounds=1, min_workers=2, clients_per_worker=3)),
             own_data_context(data),
             job_inputs(graph()),
         )
-    _, events = run(FedAvg(1, clients_per_worker=3), own_data_context(data), job_inputs(graph()))
+    _, events = run(
+        FedAvg(FedAvgOptions(rounds=1, clients_per_worker=3)),
+        own_data_context(data),
+        job_inputs(graph()),
+    )
     assert events[0]["workers"] == ["mem-0/0", "mem-0/1", "mem-0/2"]
 
 
@@ -120,6 +127,8 @@ def test_clients_per_worker_options_are_checked():
         StrategyOptionsError, match=r"too few to give each of 40 clients \(2 workers\)"
     ):
         x, y = shards()[0]
-        FedAvg(1, min_workers=2, clients_per_worker=20).validate(job_inputs(graph(), x, y, None))
+        FedAvg(FedAvgOptions(rounds=1, min_workers=2, clients_per_worker=20)).validate(
+            job_inputs(graph(), x, y, None)
+        )
     assert "clients_per_worker" not in sz.FedAvg(1).spec().options
     assert sz.FedAvg(1, clients_per_worker=4).spec().options["clients_per_worker"] == 4

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.context import InMemoryContext, Target, WorkerIdentity
+from coordinator.context import InMemoryContext, WorkerIdentity
 from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed
-from coordinator.strategies.model_parallel.model_parallel import Partition
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
+from protocol.options.strategies import ModelParallelOptions, PartitionOptions
 from somatize.client import graph_info
 from tests.coordinator.strategies.model_parallel.test_model_parallel import (
     dataset,
@@ -65,8 +65,8 @@ def run(strategy, job, store=None, resume=None, spares=0, lose_at=0):
 
 
 def pipeline(optimizer: str = "adam", **options) -> ModelParallel:
-    parts = [Partition(nodes, Target(tag=f"stage{i}")) for i, nodes in enumerate(SPLIT)]
-    return ModelParallel(parts, micro_batches=2, **options)
+    parts = [PartitionOptions(node_ids=nodes, tag=f"stage{i}") for i, nodes in enumerate(SPLIT)]
+    return ModelParallel(ModelParallelOptions(partitions=parts, micro_batches=2, **options))
 
 
 def inputs(optimizer: str = "adam", epochs: int = 3):

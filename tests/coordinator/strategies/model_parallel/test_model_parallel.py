@@ -13,8 +13,9 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed, StrategyOptionsError
-from coordinator.strategies.model_parallel.model_parallel import Partition, check_partitions
+from coordinator.strategies.model_parallel.model_parallel import PipelineStage, check_partitions
 from protocol.filters import dump_filter
+from protocol.options.strategies import ModelParallelOptions, PartitionOptions
 from somatize.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
@@ -73,7 +74,9 @@ SPLITS = {
 
 
 def run_in_memory(g: sz.Graph, x, y, stages: int, micro: int, order: str = "gpipe"):
-    parts = [Partition(nodes, Target(tag=f"stage{i}")) for i, nodes in enumerate(SPLITS[stages])]
+    parts = [
+        PartitionOptions(node_ids=nodes, tag=f"stage{i}") for i, nodes in enumerate(SPLITS[stages])
+    ]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"stage{i}"})) for i in range(stages)]
     events: list[dict] = []
 
@@ -81,7 +84,9 @@ def run_in_memory(g: sz.Graph, x, y, stages: int, micro: int, order: str = "gpip
         events.append(data)
 
     inputs = JobInputs(g.node_ids, {n: dump_filter(f) for n, f in g.items()}, x, y, graph_info(g))
-    strategy = ModelParallel(parts, micro, order)
+    strategy = ModelParallel(
+        ModelParallelOptions(partitions=parts, micro_batches=micro, schedule=order)
+    )
     strategy.validate(inputs)
     states = asyncio.run(strategy.run(InMemoryContext(workers, Daemon), inputs, emit))
     return states, events
@@ -127,7 +132,7 @@ def test_1f1b_and_adam_and_uneven_micro_batches_also_equal_the_unsplit_model():
     ],
 )
 def test_invalid_partitions_are_refused_naming_the_node_and_partitions(partitions, message):
-    parts = [Partition(tuple(nodes), Target(tag="t")) for nodes in partitions]
+    parts = [PipelineStage(tuple(nodes), Target(tag="t")) for nodes in partitions]
     with pytest.raises(StrategyOptionsError, match=message):
         check_partitions(["a", "b", "c"], parts)
 
@@ -137,7 +142,7 @@ def test_options_are_checked_and_the_sdk_spec_round_trips():
         [sz.Partition(["a"], tag="s0"), sz.Partition(["b"], worker="w1")], 4
     ).spec()
     strategy = ModelParallel.from_options(spec.options)
-    assert strategy.micro_batches == 4
+    assert strategy.options.micro_batches == 4
     assert [p.target for p in strategy.partitions] == [Target(tag="s0"), Target(id="w1")]
     assert strategy.placement().describe() == "2 workers: tag 's0', worker 'w1'"
     with pytest.raises(StrategyOptionsError, match="micro_batches must be a positive integer"):
@@ -179,7 +184,7 @@ def test_in_process_stages_go_over_the_strategy_and_refuse_the_torch_transport()
     x, y = dataset()
     _, events = run_in_memory(graph(), x, y, 2, 2)  # auto: no group can form in one process
     assert not [e for e in events if e.get("phase") == "linked"]  # no peer links either
-    parts = [Partition(nodes, Target(tag=f"stage{i}")) for i, nodes in enumerate(SPLITS[2])]
+    parts = [PartitionOptions(node_ids=nodes, tag=f"stage{i}") for i, nodes in enumerate(SPLITS[2])]
     workers = [WorkerIdentity(f"w{i}", frozenset({f"stage{i}"})) for i in range(2)]
     g = graph()
     inputs = JobInputs(g.node_ids, {n: dump_filter(f) for n, f in g.items()}, x, y, graph_info(g))
@@ -187,7 +192,9 @@ def test_in_process_stages_go_over_the_strategy_and_refuse_the_torch_transport()
     async def emit(event, data):
         pass
 
-    strategy = ModelParallel(parts, 2, transport="torch")
+    strategy = ModelParallel(
+        ModelParallelOptions(partitions=parts, micro_batches=2, transport="torch")
+    )
     with pytest.raises(StrategyFailed) as failed:
         asyncio.run(strategy.run(InMemoryContext(workers, Daemon), inputs, emit))
     assert failed.value.info.code == "collective_failed"
