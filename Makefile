@@ -35,10 +35,15 @@ typecheck: setup
 
 # Two test processes, each taking whole files (a module's shared cluster stays one): most of a
 # test's time is its processes starting and waiting on one another, so two of them fill two cores.
+# The project's bytecode is written first: every coordinator, worker and daemon a test starts
+# then loads it instead of compiling each module again (PYTHONDONTWRITEBYTECODE keeps processes
+# from writing it themselves). The slowest tests are listed at the end; PYTEST_ARGS adds to them.
 TEST_PROCESSES ?= 2
+PYTEST_ARGS ?=
 
 test: lint typecheck browser
-	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile
+	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
+	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks

@@ -4,19 +4,37 @@ session's own.
 Every ``somatize-worker --id`` a test starts keeps its identity key under
 ``$XDG_STATE_HOME/somatize`` unless told otherwise: the session points that at a temporary
 directory, so that no test writes into the home of whoever runs it.
+
+The files that start real processes run first: ``make test`` hands whole files to two test
+processes, and a long file handed out last would leave one of them idle while the other finishes
+it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.utils import timeout_unit
 
+_TESTS = Path(__file__).parent
 _STATE_HOME = tempfile.TemporaryDirectory(prefix="somatize-test-state-")
 os.environ["XDG_STATE_HOME"] = _STATE_HOME.name
+
+
+def _weight(item: pytest.Item) -> int:
+    """0 for the files that start clusters (the longest), 1 for the benchmarks' checks, 2 for
+    the rest."""
+    first = item.path.relative_to(_TESTS).parts[0]
+    return {"integration": 0, "benchmarks": 1}.get(first, 2)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The process-starting files first, each file's tests in their own order."""
+    items.sort(key=_weight)
 
 
 @pytest.fixture
