@@ -14,6 +14,11 @@ slice's mean loss by ``rows · world / batch`` first, and the average is the gra
 global batch's mean loss. A replica with no rows in a step still takes part (every all-reduce
 needs every rank): it runs one held row through the model with its loss times zero.
 
+A plan with an ``outer`` step is DiLoCo's (:mod:`engine.outer_step`): the same loop with no
+all-reduce in the backward (DDP's ``no_sync``), each replica stepping on its own slice's
+gradient, and after the steps that end a round the replicas' pseudo-gradients averaged and one
+outer step taken on the global weights.
+
 A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has completed.
 """
 
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.compression import bucketing, compress
 from engine.data.npy_rows import Rows
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
@@ -36,8 +42,10 @@ from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting
 from engine.optimizers import Optimizers
+from engine.outer_step import OuterStep, syncs
 from engine.stepping import backward
 from engine.transfer import autocast
+from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 
@@ -60,6 +68,9 @@ class ReplicaPlan:
     least: list[int] = field(default_factory=list)
     seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
     sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
+    outer: OuterStepSpec | None = None  # DiLoCo: inner steps alone, an outer step at each sync
+    compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
+    syncs: list[bool] = field(default_factory=list)  # per step, with ``outer``: a sync after it
 
     @classmethod
     def of(
@@ -76,15 +87,18 @@ class ReplicaPlan:
         seed: int,
         sizes: Sequence[int] | None = None,
         position: int = 0,
+        outer: OuterStepSpec | None = None,
     ) -> ReplicaPlan:
         if sizes is not None:  # each replica on its own dataset
             own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
-            return cls(data, list(node_ids), steps, least, seed)
+            rounds = _rounds([(e, k) for e, k, _ in own], outer)
+            return cls(data, list(node_ids), steps, least, seed, outer=outer, syncs=rounds)
         staged = np.asarray(held, dtype=np.int64)
-        steps, least = [], []
-        for _, _, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+        steps, least, places = [], [], []
+        for epoch, k, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+            places.append((epoch, k))
             least.append(min(len(s) for s in slices))
             mine = slices[rank]
             local = np.searchsorted(staged, mine)
@@ -96,7 +110,20 @@ class ReplicaPlan:
                     f"replica {rank}'s slice of a step has rows that were not staged here",
                 )
             steps.append((local, sum(len(s) for s in slices)))
-        return cls(data, list(node_ids), steps, least, seed)
+        rounds = _rounds(places, outer)
+        return cls(data, list(node_ids), steps, least, seed, outer=outer, syncs=rounds)
+
+
+def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> list[bool]:
+    """Per step (``(epoch, step in epoch)``), whether DiLoCo synchronises after it; nothing
+    without ``outer``."""
+    if outer is None:
+        return []
+    per_epoch: dict[int, int] = {}
+    for epoch, k in places:
+        per_epoch[epoch] = max(per_epoch.get(epoch, 0), k + 1)
+    in_epoch = [k for _, k in places]
+    return syncs(in_epoch, [per_epoch[e] for e, _ in places], outer.sync_every)
 
 
 class _Chain(torch.nn.Module):
@@ -139,6 +166,7 @@ class Replica:
         self.group = group
         self._plan: ReplicaPlan | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._outer: OuterStep | None = None
         group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
     def set_plan(self, plan: ReplicaPlan) -> None:
@@ -159,12 +187,19 @@ class Replica:
             if plan.sync_batchnorm:
                 _synced_batchnorm(chain)
             ids = [device.index] if device.type == "cuda" else None
-            self._ddp = DistributedDataParallel(chain, device_ids=ids)
+            buckets = bucketing(plan.compression)
+            self._ddp = DistributedDataParallel(chain, device_ids=ids, **buckets)
+            if plan.compression is not None:
+                compress(self._ddp, plan.compression, plan.seed)
         except RuntimeError as exc:
             if looks_collective(exc):
                 raise self.group.broken("wrapping the model in DDP", exc) from exc
             raise
         self._plan = plan
+        self._outer = None
+        if plan.outer is not None:  # the global weights: replica 0's, as DDP broadcast them
+            trained = [p for p in self._ddp.module.parameters() if p.requires_grad]
+            self._outer = OuterStep(trained, plan.outer)
 
     def train(self, start: int, stop: int) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
@@ -199,6 +234,8 @@ class Replica:
                 if looks_collective(exc):
                     raise self.group.broken(f"step {step + 1}", exc, steps_done=step) from exc
                 raise
+            if self._outer is not None and plan.syncs[step]:
+                self._synchronise(self._outer, optimizers, step)
             losses.append(loss)
             rows.append(len(plan.steps[step][0]))
             lrs.append(lr)
@@ -207,6 +244,16 @@ class Replica:
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def _synchronise(self, outer: OuterStep, inner: list[torch.optim.Optimizer], step: int) -> None:
+        """DiLoCo's synchronisation after global step ``step`` (:mod:`engine.outer_step`)."""
+        try:
+            outer.sync(inner)
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                where = f"synchronising after step {step + 1}"
+                raise self.group.broken(where, exc, steps_done=step) from exc
+            raise
 
     def _planned(self, stop: int) -> tuple[ReplicaPlan, DistributedDataParallel]:
         """The plan and the DDP wrapper, when the plan goes as far as ``stop``."""
@@ -248,7 +295,8 @@ class Replica:
         ddp.module.train()
         torch.manual_seed(replica_seed(plan.seed, self.group.rank, step + 1))
         cut = min(accumulate, plan.least[step]) if plan.least[step] else 1
-        loss = self._accumulated(ddp, run, xt, yt, len(local), batch, cut, scaler)
+        alone = plan.outer is not None  # DiLoCo's inner step: no all-reduce
+        loss = self._accumulated(ddp, run, xt, yt, len(local), batch, cut, scaler, alone)
         ends = self.optimizers.ends_epoch(step + 1)
         return loss, self.optimizers.step_run(run, scaler, epoch_end=ends)
 
@@ -262,20 +310,24 @@ class Replica:
         batch: int,
         parts: int,
         scaler: torch.amp.GradScaler | None,
+        alone: bool = False,
     ) -> float:
         """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
         step, in ``parts`` slices (``accumulate``; every replica as many, none empty) of which
-        only the last all-reduces (DDP's ``no_sync`` before it): the gradients left are the
-        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
+        only the last all-reduces (DDP's ``no_sync`` before it; before all of them when
+        ``alone``): the gradients left are the global batch's mean loss's. The replica's mean
+        loss (0 with no rows)."""
         if not mine:
-            out = ddp(xt)
-            backward(out.sum() * 0.0, scaler)
+            with ddp.no_sync() if alone else contextlib.nullcontext():
+                out = ddp(xt)
+                backward(out.sum() * 0.0, scaler)
             return 0.0
         slices = np.array_split(np.arange(mine), parts)
         total = 0.0
         for j, rows in enumerate(slices):
             index = torch.from_numpy(rows).to(xt.device)
-            syncing = contextlib.nullcontext() if j == len(slices) - 1 else ddp.no_sync()
+            last = j == len(slices) - 1 and not alone
+            syncing = contextlib.nullcontext() if last else ddp.no_sync()
             with syncing:
                 loss = self.nodes.loss(run, ddp(xt[index]), yt[index])
                 backward(loss * (len(rows) * self.group.world / batch), scaler)
@@ -296,6 +348,7 @@ class Replica:
     def _forget(self) -> None:
         self._ddp = None
         self._plan = None
+        self._outer = None
 
     def _prefix_and_run(self, node_ids: Sequence[str]) -> tuple[list[Node], list[Node]]:
         """The plain filters before the differentiable run, and the run.

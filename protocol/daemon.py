@@ -57,6 +57,7 @@ __all__ = [
     "GradientsRequest",
     "LoadRequest",
     "OkReply",
+    "OuterStepSpec",
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
@@ -287,6 +288,22 @@ class _BatchPlan(_Request):
     seed: int = 0
 
 
+class OuterStepSpec(BaseModel):
+    """DiLoCo's outer optimisation, as a replica runs it (Douillard et al. 2023, Algorithm 1):
+    after every ``sync_every`` inner steps of an epoch, and at the epoch's end, the replicas
+    average their pseudo-gradients (global weights − local weights) and take one step of SGD
+    on the global weights (``lr``, ``momentum``, Nesterov when ``nesterov``); the inner
+    optimizer's state is kept across synchronisations, or dropped at each (``reset``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sync_every: PositiveInt
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    momentum: Annotated[float, Field(ge=0, lt=1)]
+    nesterov: bool
+    inner_state: Literal["keep", "reset"] = "keep"
+
+
 class DistPlanRequest(_BatchPlan):
     """A data-parallel replica's plan, once joined: train ``node_ids`` on its slice of every
     global batch, the slices cut over the group's ranks; ``held`` are the global row ids staged
@@ -302,6 +319,8 @@ class DistPlanRequest(_BatchPlan):
     sizes: list[NonNegativeInt] | None = None
     position: NonNegativeInt = 0
     sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
+    outer: OuterStepSpec | None = None  # DiLoCo: local inner steps, an outer step at each sync
+    compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
 
 
 class PipePlanRequest(_BatchPlan):
@@ -552,16 +571,23 @@ def command_fields(request: BaseModel) -> dict[str, Any]:
     """A request as it travels before it is numbered (a coordinator's ``Call.request``): the
     fields its sender set and its ``cmd``, no ``id``. Shallow, as :func:`request_fields`."""
     names = (request.model_fields_set | {"cmd"}) - {"id"}
-    return {name: getattr(request, name) for name in type(request).model_fields if name in names}
+    fields = type(request).model_fields
+    return {name: _plain(getattr(request, name)) for name in fields if name in names}
 
 
 def request_fields(request: BaseModel) -> dict[str, Any]:
     """A request model as the plain dict that goes on the wire.
 
     Shallow on purpose: ``model_dump`` would rebuild every dict and list under the ``Any`` fields,
-    and the values there are tensors the codec sends as they are.
+    and the values there are tensors the codec sends as they are. A field that is a model itself
+    (:class:`OuterStepSpec`) is dumped.
     """
-    return {name: getattr(request, name) for name in type(request).model_fields}
+    return {name: _plain(getattr(request, name)) for name in type(request).model_fields}
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as the codec takes it: a nested model as its dict."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
 from somatize.strategies import (
     DataParallel,
+    DiLoCo,
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -85,6 +86,7 @@ __all__ = [
     "ClientError",
     "ConnectionFailed",
     "DataParallel",
+    "DiLoCo",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",

@@ -36,6 +36,7 @@ from somatize.server_optimizers import (
 
 __all__ = [
     "DataParallel",
+    "DiLoCo",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
@@ -81,6 +82,28 @@ class DataParallel(Strategy, strategies.DataParallelOptions):
         "collective_timeout",
         *RESUMING,
         "sync_batchnorm",
+        "compression",
+    )
+
+
+class DiLoCo(Strategy, strategies.DiLoCoOptions):
+    __init__ = SdkOptions.__init__
+    positional = (
+        "workers",
+        "sync_every",
+        "outer_lr",
+        "outer_momentum",
+        "nesterov",
+        "inner_state",
+        "tag",
+        "device",
+        "collective",
+        "collective_timeout",
+        "elastic",
+        "elastic_timeout",
+        *RESUMING,
+        "sync_batchnorm",
+        "compression",
     )
 
 

@@ -15,8 +15,9 @@ The package, by module: ``base`` (inputs, placement, the strategy interface), ``
 round loop a federated strategy fills with hooks), ``steps`` (what several strategies do: the
 plain-prefix check, global batches, setting a worker up), ``aggregate`` (weighted means),
 ``history`` (a run's rows per epoch, its validation data), ``process_group`` (torch.distributed
-groups), ``local``; and a package per family: ``data_parallel/`` (synchronous SGD: the torch
-collective, the star through the coordinator, elastic replicas, checkpoints), ``federated/``
+groups), ``local``; and a package per family: ``data_parallel/`` (synchronous SGD and DiLoCo:
+the torch collective, the star through the coordinator, elastic replicas, checkpoints),
+``federated/``
 (FedAvg, FedProx, q-FedAvg and their plug-ins: cohort, folds, robust rules, server optimizers,
 privacy, secure aggregation, evaluation), ``model_parallel/`` (pipelines: schedules as data and
 their execution).
@@ -36,6 +37,7 @@ from coordinator.strategies.base import (
     strategy_from_spec,
 )
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from coordinator.strategies.data_parallel.diloco import DiLoCo
 from coordinator.strategies.federated.fedavg import FedAvg
 from coordinator.strategies.federated.fedprox import FedProx
 from coordinator.strategies.federated.qfedavg import QFedAvg
@@ -43,12 +45,13 @@ from coordinator.strategies.local import Local
 from coordinator.strategies.model_parallel.model_parallel import ModelParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, DataParallel, FedAvg, FedProx, QFedAvg, ModelParallel)
+    cls.name: cls for cls in (Local, DataParallel, DiLoCo, FedAvg, FedProx, QFedAvg, ModelParallel)
 }
 
 __all__ = [
     "STRATEGIES",
     "DataParallel",
+    "DiLoCo",
     "Emit",
     "FedAvg",
     "FedProx",

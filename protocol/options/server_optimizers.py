@@ -16,6 +16,7 @@ from protocol.options.base import (
     Form,
     NamedOptions,
     above_zero,
+    boolean,
     decay,
     named,
 )
@@ -41,7 +42,7 @@ class ServerOptimizerOptions(NamedOptions):
     client models, it steps on the pseudo-gradient Δ_t = x̄ − x_t. Without one (the default)
     the average is the next global model, x_{t+1} = x̄, as in FedAvg."""
 
-    def hyperparameters(self) -> dict[str, float]:
+    def hyperparameters(self) -> dict[str, Any]:
         """The hyperparameters by name."""
         return self.parameters()
 
@@ -54,11 +55,14 @@ class PlainAveragingOptions(ServerOptimizerOptions):
 
 
 class FedAvgMOptions(ServerOptimizerOptions):
-    """Server momentum (Hsu et al. 2019): m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t.
+    """Server momentum (Hsu et al. 2019): m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t; with
+    ``nesterov``, x_{t+1} = x_t + η (Δ_t + β m_t), Nesterov's momentum — DiLoCo's outer step
+    (Douillard et al. 2023), ``torch.optim.SGD(nesterov=True)`` with −Δ_t as the gradient.
 
     Args:
         lr: η, the server learning rate (> 0).
         momentum: β, in [0, 1).
+        nesterov: Nesterov's momentum instead of heavy-ball (default ``False``).
     """
 
     name = "fedavgm"
@@ -66,11 +70,13 @@ class FedAvgMOptions(ServerOptimizerOptions):
 
     lr: float = 1.0
     momentum: float = 0.9
+    nesterov: bool = False
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         above_zero("lr", cls._given(fields, "lr"))
         decay("momentum", cls._given(fields, "momentum"))
+        boolean("nesterov", cls._given(fields, "nesterov"))
         return fields
 
 

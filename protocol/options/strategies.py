@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
 
+from protocol.daemon import OuterStepSpec
 from protocol.options.base import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
@@ -36,6 +37,7 @@ from protocol.options.base import (
     boolean,
     count,
     device,
+    is_finite,
     named_by,
     parse,
     positive_int,
@@ -65,6 +67,7 @@ __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_RESTART_TIMEOUT",
     "DEVICES",
+    "INNER_STATES",
     "SCHEDULES",
     "SERVER_OPTIMIZERS",
     "TRANSPORTS",
@@ -72,6 +75,7 @@ __all__ = [
     "Caller",
     "CheckpointOptions",
     "DataParallelOptions",
+    "DiLoCoOptions",
     "FedAdagradOptions",
     "FedAdamOptions",
     "FedAvgMOptions",
@@ -92,6 +96,7 @@ __all__ = [
     "device_fits",
     "is_device",
     "parse",
+    "powersgd_rank",
     "server_options",
 ]
 
@@ -231,6 +236,14 @@ class DataParallelOptions(CheckpointOptions):
             exactly; the job says why when it is submitted (:attr:`Job.notes`) and in its
             ``placed`` event. Dropout masks are drawn per replica from a generator seeded by
             the filter's seed, the replica and the step: a rerun gives the same result.
+        compression: what the gradients travel as, on the torch collective, through torch's
+            own DDP communication hooks: ``None`` (default, fp32), ``"fp16"`` or ``"bf16"``
+            (each bucket cast before its all-reduce and back after: a relative error of at most
+            2⁻¹¹ and 2⁻⁸ per value; ``"bf16"`` on CUDA workers, over NCCL), or
+            ``"powersgd:RANK"`` (Vogels et al. 2019: each matrix's gradient sent as a
+            rank-RANK factorisation, with error feedback and warm start; the first two steps
+            all-reduce uncompressed). The result is then close to ``graph.fit``'s, not equal.
+            Not yet: ``"int8"`` and compression through the coordinator.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
@@ -253,11 +266,13 @@ class DataParallelOptions(CheckpointOptions):
     collective: Collective = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     sync_batchnorm: bool = False
+    compression: str | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         positive_int("workers", fields.get("workers"))
         _check_sync_batchnorm(cls, fields)
+        _check_compression(fields)
         _one_of("collective", cls._given(fields, "collective"), COLLECTIVES)
         seconds("collective_timeout", cls._given(fields, "collective_timeout"))
         selector("tag", fields.get("tag"))
@@ -281,7 +296,46 @@ class DataParallelOptions(CheckpointOptions):
             options["collective_timeout"] = self.collective_timeout
         if self.sync_batchnorm:
             options["sync_batchnorm"] = True
+        if self.compression is not None:
+            options["compression"] = self.compression
         return options | self._checkpoints_wire()
+
+
+def powersgd_rank(compression: object) -> int | None:
+    """RANK of ``"powersgd:RANK"`` (a positive integer); ``None`` for anything else."""
+    if not isinstance(compression, str) or not compression.startswith("powersgd:"):
+        return None
+    rank = compression.removeprefix("powersgd:")
+    return int(rank) if rank.isdigit() and rank.isascii() and int(rank) > 0 else None
+
+
+def _check_compression(fields: dict[str, Any]) -> None:
+    """``compression``: unset, ``"fp16"``, ``"bf16"`` or ``"powersgd:RANK"``, on the torch
+    collective."""
+    compression = fields.get("compression")
+    if compression is None:
+        return
+    if compression not in ("fp16", "bf16", "int8") and powersgd_rank(compression) is None:
+        raise ValueError(
+            "compression must be None, 'fp16', 'bf16' or 'powersgd:RANK' (RANK a positive "
+            f"integer), not {compression!r}"
+        )
+    if compression == "int8":
+        raise ValueError(
+            "compression='int8' is not taken yet: it quantises what goes through the "
+            "coordinator; 'fp16', 'bf16' and 'powersgd:RANK' run on the torch collective"
+        )
+    on = fields.get("device")
+    if compression == "bf16" and not (isinstance(on, str) and on.startswith("cuda")):
+        raise ValueError(
+            "compression='bf16' needs device='cuda' (or 'cuda:N'): torch's bf16 hook runs on "
+            f"NCCL; device is {on!r} ('fp16' runs everywhere)"
+        )
+    if fields.get("collective") == "coordinator":
+        raise ValueError(
+            f"compression={compression!r} runs on the torch collective (collective='auto' or "
+            "'torch'), not 'coordinator', for now"
+        )
 
 
 def _check_sync_batchnorm(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
@@ -297,6 +351,111 @@ def _check_sync_batchnorm(cls: type[DataParallelOptions], fields: dict[str, Any]
         raise ValueError(
             "sync_batchnorm=True needs the torch collective (collective='auto' or 'torch'), "
             "not 'coordinator'"
+        )
+
+
+InnerState = Literal["keep", "reset"]
+INNER_STATES: tuple[str, ...] = get_args(InnerState)
+"""What DiLoCo does with each replica's inner optimizer at a synchronisation."""
+
+
+class DiLoCoOptions(DataParallelOptions):
+    """DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+    Language Models"): data parallelism that talks every ``sync_every`` steps instead of every
+    step, for workers on slow links.
+
+    Each replica takes its slice of every global batch, as in ``DataParallel``, but steps on
+    its own slice's gradient with the TorchFilter's own optimizer (the *inner* optimizer, kept
+    across synchronisations: AdamW in the paper) and sends nothing. After every ``sync_every``
+    steps of an epoch, and at the epoch's end, the replicas average their pseudo-gradients
+    (global weights − local weights, one bucketed all-reduce) and take one *outer* step of SGD
+    on the global weights — ``outer_lr``, ``outer_momentum``, Nesterov's momentum by default —
+    from which the next inner steps start. A step's progress is the replicas' inner losses,
+    weighted by rows; validation and the result see the global model.
+
+    With ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and an inner SGD this is
+    ``DataParallel`` (each replica's loss is weighted by its share of the global batch, so the
+    average of the replicas' steps is the global batch's).
+
+    The outer step runs on the torch collective (the replicas' torch.distributed group);
+    ``collective="auto"`` (default) fails at job start, saying why, where the replicas cannot
+    form one. Not yet: ``collective="coordinator"``, ``elastic``, checkpoints
+    (``checkpoint_every`` is 0) and ``max_restarts``.
+
+    Args:
+        workers: how many replicas (workers) to train on.
+        sync_every: the inner steps between two synchronisations (H, >= 1).
+        outer_lr: the outer SGD's learning rate (> 0; 0.7 in the paper).
+        outer_momentum: the outer SGD's momentum, in [0, 1) (0.9 in the paper).
+        nesterov: Nesterov's momentum for the outer step (default ``True``, as the paper).
+        inner_state: ``"keep"`` (default) the inner optimizer's state across synchronisations,
+            or ``"reset"`` it at each.
+        (the rest as ``DataParallel``.)
+
+    Raises:
+        ValueError: as ``DataParallel``; ``sync_every`` not a positive integer, ``outer_lr``
+            not a positive number, ``outer_momentum`` not in [0, 1), ``nesterov`` not a bool,
+            ``inner_state`` not ``"keep"`` or ``"reset"``, or one of the options not yet taken.
+    """
+
+    name = "diloco"
+    sdk_name = "DiLoCo"
+
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    inner_state: InnerState = "keep"
+    checkpoint_every: int | None = 0
+
+    @classmethod
+    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
+        fields = super()._check(fields, form)
+        positive_int("sync_every", cls._given(fields, "sync_every"))
+        lr = cls._given(fields, "outer_lr")
+        if not is_finite(lr) or lr <= 0:
+            raise ValueError(f"outer_lr must be a finite number > 0, not {lr!r}")
+        momentum = cls._given(fields, "outer_momentum")
+        if not is_finite(momentum) or not 0 <= momentum < 1:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
+        boolean("nesterov", cls._given(fields, "nesterov"))
+        _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
+        checkpoints = "each replica's inner optimizer state is its own, and not saved yet"
+        not_yet = {
+            "collective='coordinator'": (
+                cls._given(fields, "collective") == "coordinator",
+                "the outer step runs on the torch collective",
+            ),
+            "elastic=True": (cls._given(fields, "elastic") is True, checkpoints),
+            "checkpoint_every other than 0": (
+                cls._given(fields, "checkpoint_every") != 0,
+                checkpoints,
+            ),
+            "max_restarts above 0": (bool(cls._given(fields, "max_restarts")), checkpoints),
+            "compression": (
+                fields.get("compression") is not None,
+                "the pseudo-gradients travel uncompressed",
+            ),
+        }
+        for option, (asked, why) in not_yet.items():
+            if asked:
+                raise ValueError(f"{option} is not taken yet by DiLoCo: {why}")
+        return fields
+
+    def to_wire(self) -> dict[str, Any]:
+        defaults = type(self).model_fields
+        own = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "inner_state")
+        given = {k: getattr(self, k) for k in own if getattr(self, k) != defaults[k].default}
+        return super().to_wire() | given
+
+    def outer_step(self) -> OuterStepSpec:
+        """The outer step as a replica runs it."""
+        return OuterStepSpec(
+            sync_every=self.sync_every,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.nesterov,
+            inner_state=self.inner_state,
         )
 
 

@@ -71,9 +71,12 @@ class GroupCommands:
             req.seed,
             req.sizes,
             req.position,
+            req.outer,
         )
         if req.sync_batchnorm:
             plan = dataclasses.replace(plan, sync_batchnorm=True)
+        if req.compression is not None:
+            plan = dataclasses.replace(plan, compression=req.compression)
         self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from coordinator.strategies.steps import (
     lr_schedule_request,
     plain_prefix,
 )
-from protocol.daemon import CompositeFitRequest, EvaluateRequest
+from protocol.daemon import CompositeFitRequest, EvaluateRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
 from protocol.rules.equivalence import data_parallel_notes
@@ -93,7 +93,10 @@ class DataParallel(Strategy):
         (``notes``: :mod:`protocol.rules.equivalence`) when it will not."""
         self._prepared = await self._set_up(ctx, job, emit)
         notes = data_parallel_notes(job.nodes, self._plan(job)[0], self.options.sync_batchnorm)
-        return self._prepared.choice.describe() | ({"notes": notes} if notes else {})
+        compression = self.options.compression
+        said = self._prepared.choice.describe()
+        said |= {"compression": compression} if compression is not None else {}
+        return said | ({"notes": notes} if notes else {})
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
         torch_nodes, _, training = self._plan(job)
@@ -131,6 +134,17 @@ class DataParallel(Strategy):
 
         await run.on_all(tell, replicas)
         choice = await choose(run, self.options.collective, self.options.collective_timeout)
+        if self._outer_step() is not None and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"{self.name} takes its outer steps on the torch collective, and {choice.reason}",
+            )
+        if self.options.compression is not None and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"compression={self.options.compression!r} runs on the torch collective, and "
+                f"{choice.reason}",
+            )
         if self.options.sync_batchnorm and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
@@ -179,6 +193,8 @@ class DataParallel(Strategy):
                 self.options.sync_batchnorm,
                 history,
                 evaluate,
+                self._outer_step(),
+                self.options.compression,
             ).train(total_steps, start, saves)
             await saves.finish()
             await history.finish(ended(training.epochs, total_steps))
@@ -194,6 +210,11 @@ class DataParallel(Strategy):
         await saves.finish()
         await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
+
+    def _outer_step(self) -> OuterStepSpec | None:
+        """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
+        step's gradients are reduced."""
+        return None
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], TrainingSettings]:
         """The torch nodes, the plain prefix and the training settings; or why not."""

@@ -57,7 +57,7 @@ from coordinator.strategies.process_group import (
     settle,
 )
 from coordinator.strategies.steps import TrainingSettings
-from protocol.daemon import DistPlanRequest, DistTrainRequest
+from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 
 __all__ = ["CHUNK_SECONDS", "Choice", "TorchTraining", "choose"]
@@ -120,6 +120,8 @@ class TorchTraining:
     sync_batchnorm: bool = False
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
+    outer: OuterStepSpec | None = None  # DiLoCo's: the replicas step alone, synchronising
+    compression: str | None = None  # what the gradients travel as (DDP's communication hooks)
 
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
@@ -184,6 +186,8 @@ class TorchTraining:
                     shuffle=training.shuffle,
                     seed=training.seed,
                     sync_batchnorm=self.sync_batchnorm,
+                    outer=self.outer,
+                    compression=self.compression,
                 )
             return DistPlanRequest(
                 node_ids=self.run.job.node_ids,
@@ -195,6 +199,8 @@ class TorchTraining:
                 shuffle=training.shuffle,
                 seed=training.seed,
                 sync_batchnorm=self.sync_batchnorm,
+                outer=self.outer,
+                compression=self.compression,
             )
 
         try:

@@ -211,7 +211,7 @@ class _MomentOptimizer(ServerOptimizer[S]):
 
 class FedAvgM(_MomentOptimizer[FedAvgMOptions]):
     """FedAvg with server momentum: m_t = β m_{t−1} + Δ_t; x_{t+1} = x_t + η m_t (η ``lr``,
-    β ``momentum``)."""
+    β ``momentum``); with ``nesterov``, x_{t+1} = x_t + η (Δ_t + β m_t)."""
 
     options_model = FedAvgMOptions
 
@@ -222,8 +222,10 @@ class FedAvgM(_MomentOptimizer[FedAvgMOptions]):
         self, x: Array, delta: Array, moments: tuple[Array, ...]
     ) -> tuple[Array, tuple[Array, ...]]:
         (m,) = moments
-        m = self.options.momentum * m + delta
-        return x + self.options.lr * m, (m,)
+        beta = self.options.momentum
+        m = beta * m + delta
+        step = delta + beta * m if self.options.nesterov else m
+        return x + self.options.lr * step, (m,)
 
 
 class _AdaptiveOptimizer(_MomentOptimizer[M]):

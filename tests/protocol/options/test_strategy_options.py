@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import somatize as sz
 from coordinator.strategies import STRATEGIES, StrategyOptionsError, strategy_from_spec
-from protocol.daemon import GetStateRequest, StageRequest, command_fields, request_fields
+from protocol.daemon import (
+    DistPlanRequest,
+    GetStateRequest,
+    OuterStepSpec,
+    StageRequest,
+    command_fields,
+    request_fields,
+)
 from protocol.options.strategies import (
     DEVICES,
     Caller,
@@ -101,6 +110,7 @@ def test_server_optimizers_are_checked_by_name():
     assert server_options("fedavgm", {}, Caller.WIRE).hyperparameters() == {
         "lr": 1.0,
         "momentum": 0.9,
+        "nesterov": False,
     }
     with pytest.raises(ValueError, match="fedyogi: tau must be > 0, got 0"):
         server_options("fedyogi", {"tau": 0}, Caller.WIRE)
@@ -118,6 +128,19 @@ def test_a_command_travels_without_id_and_with_only_the_fields_set():
     request = StageRequest(name="train", x=[1, 2])
     assert command_fields(request) == {"cmd": "stage", "name": "train", "x": [1, 2]}
     assert request_fields(GetStateRequest())["cmd"] == "get_state"
+    # A field that is a model (DiLoCo's outer step) travels as its dict, and is read back.
+    outer = OuterStepSpec(sync_every=5, lr=0.7, momentum=0.9, nesterov=True)
+    plan = DistPlanRequest(node_ids=["n"], data="t", held=[0], rows=1, epochs=1, outer=outer)
+    sent = command_fields(plan)
+    assert sent["outer"] == {
+        "sync_every": 5,
+        "lr": 0.7,
+        "momentum": 0.9,
+        "nesterov": True,
+        "inner_state": "keep",
+    }
+    assert request_fields(plan)["outer"] == sent["outer"]
+    assert DistPlanRequest.model_validate(sent).outer == outer
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -313,3 +336,67 @@ def test_a_pipelines_spares_travel_and_are_placed_after_its_stages():
             sz.ModelParallel(partitions, spares=bad)
     with pytest.raises(ValueError, match=r"spare_tag names the spares' tag: give spares=N"):
         sz.ModelParallel(partitions, spare_tag="spare")
+
+
+def test_diloco_takes_its_outer_step_and_refuses_what_it_does_not_take_yet():
+    d = sz.DiLoCo(2, 10, outer_lr=0.5)
+    assert (d.workers, d.sync_every, d.outer_lr, d.outer_momentum, d.nesterov) == (
+        2,
+        10,
+        0.5,
+        0.9,
+        True,
+    )
+    assert d.to_wire() == {"workers": 2, "checkpoint_every": 0, "sync_every": 10, "outer_lr": 0.5}
+    again = strategy_from_spec("diloco", d.to_wire()).options
+    assert again.outer_step().model_dump() == {
+        "sync_every": 10,
+        "lr": 0.5,
+        "momentum": 0.9,
+        "nesterov": True,
+        "inner_state": "keep",
+    }
+    refusals = {
+        "sync_every must be a positive integer, not 0": {"sync_every": 0},
+        "outer_lr must be a finite number > 0, not 0": {"outer_lr": 0},
+        r"outer_momentum must be a number in \[0, 1\), not 1": {"outer_momentum": 1},
+        "nesterov must be True or False, not 'yes'": {"nesterov": "yes"},
+        "inner_state must be one of 'keep', 'reset', not 'fresh'": {"inner_state": "fresh"},
+        "collective='coordinator' is not taken yet by DiLoCo": {"collective": "coordinator"},
+        "elastic=True is not taken yet by DiLoCo": {"elastic": True},
+        "checkpoint_every other than 0 is not taken yet by DiLoCo": {"checkpoint_every": None},
+        "max_restarts above 0 is not taken yet by DiLoCo": {"max_restarts": 1},
+    }
+    for words, bad in refusals.items():
+        with pytest.raises(ValueError, match=f"^DiLoCo: {words}"):
+            sz.DiLoCo(2, **bad)
+    with pytest.raises(StrategyOptionsError, match=r"^diloco: sync_every must be"):
+        strategy_from_spec("diloco", {"workers": 2, "sync_every": -1})
+
+
+def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
+    assert sz.DataParallel(2, compression="powersgd:4").to_wire() == {
+        "workers": 2,
+        "compression": "powersgd:4",
+    }
+    assert sz.DataParallel(2, compression="bf16", device="cuda").compression == "bf16"
+    assert strategy_from_spec("data_parallel", {"workers": 2, "compression": "fp16"})
+    refusals = {
+        "compression must be None, 'fp16', 'bf16' or 'powersgd:RANK'": [
+            {"compression": "gzip"},
+            {"compression": "powersgd:0"},
+            {"compression": "powersgd:x"},
+            {"compression": 16},
+        ],
+        "compression='int8' is not taken yet": [{"compression": "int8"}],
+        "compression='bf16' needs device='cuda'": [{"compression": "bf16"}],
+        "compression='fp16' runs on the torch collective": [
+            {"compression": "fp16", "collective": "coordinator"}
+        ],
+    }
+    for words, cases in refusals.items():
+        for bad in cases:
+            with pytest.raises(ValueError, match=f"^DataParallel: {re.escape(words)}"):
+                sz.DataParallel(2, **bad)
+    with pytest.raises(ValueError, match=r"^DiLoCo: compression is not taken yet by DiLoCo"):
+        sz.DiLoCo(2, compression="fp16")

@@ -95,6 +95,24 @@ def test_fedavgm_three_rounds():
     assert_rounds_match(run_rounds(FedAvgM(FedAvgMOptions(lr=lr, momentum=beta))), by_hand(update))
 
 
+def test_fedavgm_with_nesterov_steps_as_torchs_nesterov_sgd_on_minus_the_pseudo_gradient():
+    """DiLoCo's outer step: torch.optim.SGD(nesterov=True) given −Δ_t as the gradient."""
+    lr, beta = 0.7, 0.9
+    params = [torch.tensor(leaf, dtype=torch.float64) for leaf in flat(X0)]
+    sgd = torch.optim.SGD(params, lr=lr, momentum=beta, nesterov=True)
+    expected = []
+    for averaged in AVERAGES:
+        for p, xbar in zip(params, flat(averaged), strict=True):
+            p.grad = p.detach() - torch.as_tensor(xbar)  # −Δ_t = x_t − x̄
+        sgd.step()
+        params[1].data = params[1].data.float().double()  # the server stores float32
+        expected.append(tuple(p.detach().numpy().copy() for p in params))
+    options = FedAvgMOptions(lr=lr, momentum=beta, nesterov=True)
+    assert_rounds_match(run_rounds(FedAvgM(options)), expected)
+    heavy_ball = run_rounds(FedAvgM(FedAvgMOptions(lr=lr, momentum=beta)))
+    assert not np.allclose(flat(heavy_ball[1])[0], expected[1][0])
+
+
 def test_fedadam_three_rounds():
     lr, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
     m = [np.zeros(2), np.zeros(1)]
@@ -273,7 +291,11 @@ def test_from_options_builds_each_and_round_trips():
     again = from_options(opt.name, opt.options.hyperparameters())
     assert repr(again) == repr(opt) == "FedYogi(lr=0.5, beta1=0.9, beta2=0.99, tau=0.01)"
     assert isinstance(from_options("fedavg", {}), FedAvgServer)
-    assert from_options("fedavgm", {}).options.hyperparameters() == {"lr": 1.0, "momentum": 0.9}
+    assert from_options("fedavgm", {}).options.hyperparameters() == {
+        "lr": 1.0,
+        "momentum": 0.9,
+        "nesterov": False,
+    }
     assert from_options("fedadam", {}).options.hyperparameters() == {
         "lr": 0.01,
         "beta1": 0.9,

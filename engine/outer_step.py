@@ -1,0 +1,95 @@
+"""DiLoCo's outer step on a replica (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models", Algorithm 1).
+
+Between two synchronisations every replica trains alone: its inner steps take its own slice of
+each global batch with the filter's own optimizer, and nothing crosses the network. At a
+synchronisation the replicas all-reduce their *pseudo-gradients* Δ = θ_global − θ_local (averaged
+over the group, in buckets), and each takes the same outer step on the global weights it keeps —
+SGD with momentum, Nesterov's by default (``torch.optim.SGD``, whose update with Δ as the
+gradient is the paper's outer optimiser) — and starts its next inner steps from them. Every
+replica holds the same global weights and outer momentum, so none of it travels.
+
+With ``sync_every=1``, an outer SGD of ``lr=1`` and no momentum, one synchronisation averages the
+replicas' weights after one step each: with an inner SGD that is DataParallel's step, since each
+replica's loss is weighted by its share of the global batch (:mod:`engine.replica`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from protocol.daemon import OuterStepSpec
+
+__all__ = ["BUCKET_BYTES", "OuterStep", "syncs"]
+
+BUCKET_BYTES = 25 * 1024 * 1024
+"""The most bytes of pseudo-gradients in one all-reduce (DDP's default bucket)."""
+
+
+def syncs(in_epoch: Sequence[int], epoch_steps: Sequence[int], every: int) -> list[bool]:
+    """Per global step, whether the replicas synchronise after it: after every ``every``-th
+    step of an epoch and after its last (``in_epoch[g]``: step ``g``'s place in its epoch,
+    ``epoch_steps[g]``: its epoch's steps) — so an epoch's validation and its checkpoint see the
+    global model."""
+    return [(k + 1) % every == 0 or k + 1 == n for k, n in zip(in_epoch, epoch_steps, strict=True)]
+
+
+class OuterStep:
+    """The global weights of ``params`` and their outer optimizer, over the default process
+    group (module docstring)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], spec: OuterStepSpec) -> None:
+        self.spec = spec
+        self.params = list(params)
+        self.global_params = [p.detach().clone() for p in self.params]
+        nesterov = spec.nesterov and spec.momentum > 0  # Nesterov's step needs a momentum
+        self.optimizer = torch.optim.SGD(
+            self.global_params, lr=spec.lr, momentum=spec.momentum, nesterov=nesterov
+        )
+
+    def sync(self, inner: Sequence[torch.optim.Optimizer]) -> None:
+        """Average the pseudo-gradients over the group, step the global weights, and set the
+        local weights to them; drop the ``inner`` optimizers' state when the spec says so.
+
+        Raises:
+            RuntimeError: the group broke (torch.distributed's own error).
+        """
+        world = dist.get_world_size()
+        with torch.no_grad():
+            deltas = [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
+            for bucket in _buckets(deltas):
+                flat = torch.cat([d.reshape(-1) for d in bucket])
+                dist.all_reduce(flat)
+                flat.div_(world)
+                offset = 0
+                for d in bucket:
+                    d.copy_(flat[offset : offset + d.numel()].view_as(d))
+                    offset += d.numel()
+            for g, delta in zip(self.global_params, deltas, strict=True):
+                g.grad = delta
+            self.optimizer.step()
+            for g, p in zip(self.global_params, self.params, strict=True):
+                p.copy_(g)
+                g.grad = None
+        if self.spec.inner_state == "reset":
+            for optimizer in inner:
+                optimizer.state = defaultdict(dict)
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in runs of at most :data:`BUCKET_BYTES` (a larger one alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
