@@ -172,35 +172,25 @@ class TorchTraining:
 
         own = self.run.position.own
 
+        shared = DistPlanRequest(
+            node_ids=self.run.job.node_ids,
+            data=self.run.staged,
+            held=[],
+            rows=0,
+            epochs=training.epochs,
+            batch_size=training.batch_size,
+            shuffle=training.shuffle,
+            seed=training.seed,
+            sync_batchnorm=self.sync_batchnorm,
+            outer=self.outer,
+            compression=self.compression,
+        )
+
         def plan(i: int) -> DistPlanRequest:
             if own is not None:  # the replicas' own rows: no row list to send
-                return DistPlanRequest(
-                    node_ids=self.run.job.node_ids,
-                    data=self.run.staged,
-                    held=[],
-                    sizes=own.in_order,
-                    position=own.places[i],
-                    rows=0,
-                    epochs=training.epochs,
-                    batch_size=training.batch_size,
-                    shuffle=training.shuffle,
-                    seed=training.seed,
-                    sync_batchnorm=self.sync_batchnorm,
-                    outer=self.outer,
-                    compression=self.compression,
-                )
-            return DistPlanRequest(
-                node_ids=self.run.job.node_ids,
-                data=self.run.staged,
-                held=np.asarray(held[i]).tolist(),
-                rows=self.rows,
-                epochs=training.epochs,
-                batch_size=training.batch_size,
-                shuffle=training.shuffle,
-                seed=training.seed,
-                sync_batchnorm=self.sync_batchnorm,
-                outer=self.outer,
-                compression=self.compression,
+                return shared.model_copy(update={"sizes": own.in_order, "position": own.places[i]})
+            return shared.model_copy(
+                update={"held": np.asarray(held[i]).tolist(), "rows": self.rows}
             )
 
         try:
