@@ -9,6 +9,11 @@ torch's 30-minute default; a broken group (a peer that died, a timeout) becomes
 ``COLLECTIVE_FAILED`` carrying ``steps_done``, the steps this member completed, which an elastic job
 needs to bring the members back to one point.
 
+Gloo connects every pair of members through one network interface of each. Unless the operator
+names it (``GLOO_SOCKET_IFNAME``), a member takes the interface whose address the kernel routes
+to the rendezvous from (:func:`interface_towards`), never the one its host name resolves to: a
+host name that resolves to 127.0.0.1 would have it offer the others a loopback address.
+
 What a group is used for lives apart: data-parallel training (:mod:`engine.replica`) and
 pipeline stages sending activations to each other (:mod:`engine.linked_stage`).
 """
@@ -16,7 +21,10 @@ pipeline stages sending activations to each other (:mod:`engine.linked_stage`).
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
 import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +35,13 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from engine.errors import EngineError
 from protocol.errors import ErrorCode
 
-__all__ = ["GroupMember", "looks_collective"]
+__all__ = ["GroupMember", "interface_towards", "looks_collective"]
+
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"
+"""The environment variable that names the interface gloo connects through."""
+
+SIOCGIFADDR = 0x8915
+"""Linux's ioctl for an interface's IPv4 address."""
 
 
 class GroupMember:
@@ -46,6 +60,7 @@ class GroupMember:
         self._rank = 0
         self._world = 1
         self._dropped_with_group: list[Callable[[], None]] = []
+        self._chose_interface = False  # GLOO_SOCKET_IFNAME is this member's choice, not set
 
     @property
     def rank(self) -> int:
@@ -88,6 +103,8 @@ class GroupMember:
         """
         self._left_group()
         wait = datetime.timedelta(seconds=timeout)
+        if backend == "gloo" and (self._chose_interface or GLOO_INTERFACE not in os.environ):
+            self._choose_interface(host, port)
         try:
             store = self._store
             if store is None:
@@ -104,6 +121,16 @@ class GroupMember:
             raise self.broken(f"joining the group as rank {rank} of {world}", exc) from exc
         self._rank, self._world = rank, world
         return {"backend": backend}
+
+    def _choose_interface(self, host: str, port: int) -> None:
+        """Have gloo connect through the interface that reaches ``host`` (module docstring)."""
+        name = interface_towards(host, port)
+        if name is None:
+            os.environ.pop(GLOO_INTERFACE, None)
+            self._chose_interface = False
+        else:
+            os.environ[GLOO_INTERFACE] = name
+            self._chose_interface = True
 
     def place(self) -> tuple[int, int]:
         """This member's rank and the group's size.
@@ -137,6 +164,33 @@ class GroupMember:
             f"the torch collective broke at {where}: {type(exc).__name__}: {first_line}",
             {"steps_done": steps_done},
         )
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of this machine's network interface whose IPv4 address the kernel routes to
+    ``host`` from; ``None`` when there is no such route or interface, or the system cannot say
+    (not Linux)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # a UDP "connection" sends nothing: it picks the route
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        if _address_of(name) == address:
+            return name
+    return None
+
+
+def _address_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface``; ``None`` without one."""
+    request = struct.pack("256s", interface[:15].encode())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            reply = fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])
 
 
 def looks_collective(exc: BaseException) -> bool:

@@ -3,14 +3,16 @@ reachability probe (the group itself is tested on live workers, tests/integratio
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
 
 import numpy as np
 import pytest
 
 from engine.engine import Engine
 from engine.errors import EngineError
-from engine.group_member import GroupMember
+from engine.group_member import GroupMember, interface_towards
 from engine.outer_step import syncs
 from engine.replica import ReplicaPlan
 from protocol.daemon import OuterStepSpec
@@ -81,3 +83,18 @@ def test_diloco_synchronises_every_h_steps_of_an_epoch_and_at_its_end():
     own = ReplicaPlan.of("t", ["n"], [], 0, 2, 0, 1, 2, False, 0, sizes=[5, 6], outer=outer)
     assert own.syncs == [False, False, True]
     assert ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0).syncs == []
+
+
+def test_gloo_connects_through_the_interface_that_routes_to_the_rendezvous():
+    assert interface_towards("127.0.0.1", 29500) == "lo"
+    # A rendezvous at one of this machine's other addresses: the interface that holds it
+    # (the kernel sends from that address), never lo.
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                reply = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()))
+            except OSError:
+                continue  # no IPv4 address
+        address = socket.inet_ntoa(reply[20:24])
+        if not address.startswith("127."):
+            assert interface_towards(address, 29500) == name

@@ -20,7 +20,7 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     model,
     reference_training,
 )
-from tests.integration.cluster import cluster
+from tests.integration.cluster import Cluster, cluster
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
@@ -76,11 +76,16 @@ def diloco_by_hand(
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory) -> Iterator[sz.Client]:
+def live(tmp_path_factory) -> Iterator[tuple[Cluster, sz.Client]]:
     """One cluster of two workers for the module (its start is most of a test's time)."""
     directory = tmp_path_factory.mktemp("far-apart")
     with cluster(directory, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as connected:
-        yield connected
+        yield c, connected
+
+
+@pytest.fixture
+def client(live) -> sz.Client:
+    return live[1]
 
 
 def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs_every_step(
@@ -134,3 +139,27 @@ def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, c
     assert 0 < max(differences) <= atol, differences
     placed = placed_event(job)
     assert (placed.data["collective"], placed.data["compression"]) == ("torch", compression)
+
+
+def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(live):
+    """Two workers that reach the rendezvous but one of whose gloo cannot connect (it is told
+    to use an interface that does not exist): ``auto`` tries the group, trains through the
+    coordinator and says why; DiLoCo, which needs the group, fails saying so."""
+    c, client = live
+    c.start_worker("w3", "apart")
+    c.start_worker("w4", "apart", prefix=["env", "GLOO_SOCKET_IFNAME=nowhere0"])
+    x, y = dataset(n=64)
+    graph = graph_for("sgd", epochs=1)
+    job = client.submit(graph, x, y, strategy=sz.DataParallel(2, tag="apart"))
+    fitted = job.result(timeout=120 * UNIT)
+    placed = placed_event(job)
+    assert placed.data["collective"] == "coordinator"
+    reason = placed.data["collective_reason"]
+    assert "every replica reached the rendezvous" in reason
+    assert "but their group did not form" in reason and "nowhere0" in reason, reason
+    expected = reference_training(x, y, "sgd", epochs=1)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    diloco = client.submit(graph, x, y, strategy=sz.DiLoCo(2, 2, tag="apart"))
+    with pytest.raises(sz.JobFailed, match="diloco takes its outer steps on the torch collective"):
+        diloco.result(timeout=120 * UNIT)

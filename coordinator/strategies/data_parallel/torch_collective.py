@@ -4,7 +4,10 @@ as the data plane.
 :func:`choose` decides how a run reduces its gradients. ``coordinator`` when asked for, or when
 the replicas cannot form a group (:mod:`~coordinator.strategies.process_group`: in-process
 workers, an address not known, a replica that cannot reach the rendezvous on replica 0; or a
-replica that holds no rows); else ``torch``. Under ``auto`` the reason says why either way.
+replica that holds no rows); else ``torch``. Under ``auto`` the replicas that reached the
+rendezvous also form a trial group — the data plane itself, gloo's connections between every
+pair, not only the store — and a group that does not form falls back to ``coordinator``. The
+reason says why either way.
 
 :class:`TorchTraining` then runs the training phase. Every replica joins one process group
 through that store (gloo, NCCL when every replica is on CUDA) with the plan they all walk, and
@@ -37,7 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from coordinator.errors import StrategyFailed
+from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, concurrently
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import (
@@ -60,7 +63,7 @@ from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 
-__all__ = ["CHUNK_SECONDS", "Choice", "TorchTraining", "choose"]
+__all__ = ["CHUNK_SECONDS", "TRIAL_TIMEOUT", "Choice", "TorchTraining", "choose"]
 
 CHUNK_SECONDS = 0.5
 """About how long one chunk of steps (one call, one progress event) should take."""
@@ -100,10 +103,38 @@ async def choose(run: Replicas, wanted: str, limit: float) -> Choice:
     else:
         meet = await rendezvous(run.ctx, replicas, min(PROBE_TIMEOUT, limit), limit)
     if isinstance(meet, Rendezvous):
-        return Choice("torch", meet.reason, meet.backend, meet.host, meet.port)
+        failed = await _trial_group(run, replicas, meet, limit) if wanted == "auto" else None
+        if failed is None:
+            return Choice("torch", meet.reason, meet.backend, meet.host, meet.port)
+        meet = f"{meet.reason}, but their group did not form: {failed}"
     if wanted == "torch":
         raise StrategyFailed(ErrorCode.COLLECTIVE_FAILED, f"collective='torch': {meet}")
     return Choice("coordinator", meet)
+
+
+TRIAL_TIMEOUT = 10.0
+"""Seconds ``auto``'s trial group may take to form before the run trains through the
+coordinator instead."""
+
+
+async def _trial_group(
+    run: Replicas, replicas: list[int], meet: Rendezvous, limit: float
+) -> str | None:
+    """Form the group once (a trial): ``None`` when it formed (it is formed again, on the same
+    store, to train), else why not, the store closed.
+
+    Raises:
+        WorkerCallError: a replica failed otherwise than by its group (its worker was lost).
+    """
+    prefix = f"trial-{secrets.token_hex(4)}/"
+    try:
+        await join(run.ctx, replicas, meet, prefix, min(TRIAL_TIMEOUT, limit))
+    except WorkerCallError as exc:
+        if exc.code is not ErrorCode.COLLECTIVE_FAILED:
+            raise
+        await leave(run.ctx, replicas)
+        return str(exc)
+    return None
 
 
 @dataclass
