@@ -37,12 +37,15 @@ def diloco_by_hand(
     epochs: int = 3,
     batch_size: int = 32,
     shuffle: bool = True,
+    validation=None,
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
     optimizer of its own (kept), its loss weighted by its share of the global batch; after every
     ``sync_every`` steps of an epoch and at its end the mean of θ_global − θ_local is the
-    gradient of one outer Nesterov-SGD step, and every replica starts again from θ_global."""
+    gradient of one outer Nesterov-SGD step, and every replica starts again from θ_global.
+    With ``validation`` (centred as the training rows), also the global model's loss on it
+    at each epoch's end."""
     _, make = OPTIMIZERS[optimizer]
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     global_net = copy.deepcopy(model())
@@ -53,6 +56,7 @@ def diloco_by_hand(
     inner = [make(net.parameters()) for net in nets]
     order = torch.Generator().manual_seed(11)
     steps = -(-len(xt) // batch_size)
+    val_losses = []
     for _ in range(epochs):
         rows = torch.randperm(len(xt), generator=order) if shuffle else torch.arange(len(xt))
         for step in range(steps):
@@ -72,7 +76,11 @@ def diloco_by_hand(
             outer.step()
             for net in nets:
                 net.load_state_dict(global_net.state_dict())
-    return global_net.state_dict()
+        if validation is not None:
+            xv, yv = (torch.as_tensor(a) for a in validation)
+            with torch.no_grad():
+                val_losses.append(float(torch.nn.functional.cross_entropy(global_net(xv), yv)))
+    return global_net.state_dict(), val_losses
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +104,31 @@ def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs
     loop above; SGD with momentum synchronised every step by an outer SGD of lr 1 and no
     momentum equals DataParallel's answer, graph.fit's."""
     x, y = dataset()
+    x_val, y_val = dataset(n=50, seed=9)
     strategy = sz.DiLoCo(2, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
-    job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
+    graph = graph_for("adam", shuffle=True)
+    job = client.submit(graph, x, y, strategy=strategy, validation=(x_val, y_val))
     fitted = job.result(timeout=120 * UNIT)
     record = job.status()
     placed = placed_event(job)
     every_step = sz.DiLoCo(2, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
     as_dp = client.submit(graph_for("sgd", shuffle=True), x, y, strategy=every_step)
     synced = as_dp.result(timeout=120 * UNIT)
-    expected = diloco_by_hand(x, y, "adam", 2, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
+    expected, val_losses = diloco_by_hand(
+        x,
+        y,
+        "adam",
+        2,
+        sync_every=3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        validation=(x_val - x.mean(0), y_val),  # the Center fitted on the training rows
+    )
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert [row["epoch"] for row in fitted.history] == [1, 2, 3]
+    for row, val_loss in zip(fitted.history, val_losses, strict=True):
+        assert row["val_loss"] == pytest.approx(val_loss, abs=1e-5)
     assert record["strategy"] == "diloco"
     assert record["progress"]["step"] == record["progress"]["steps"] == 21
     assert placed.data["collective"] == "torch"
@@ -114,7 +136,7 @@ def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs
     for key, value in data_parallel.items():
         torch.testing.assert_close(synced.states["mlp"][key], value, rtol=0, atol=1e-5)
     # Not DataParallel's: the same job synchronised every 3 steps gives another model.
-    apart = diloco_by_hand(x, y, "adam", 2, sync_every=1, outer_lr=0.7, outer_momentum=0.9)
+    apart, _ = diloco_by_hand(x, y, "adam", 2, sync_every=1, outer_lr=0.7, outer_momentum=0.9)
     assert not torch.allclose(apart["2.weight"], expected["2.weight"], atol=1e-4)
 
 
