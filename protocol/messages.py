@@ -33,7 +33,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    StrictBytes,
+    StrictInt,
+    TypeAdapter,
+)
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorInfo
@@ -308,6 +316,10 @@ class NodeInfo(BaseModel):
     randomness: list[Annotated[str, Field(max_length=128)]] = Field(
         default_factory=list, max_length=64
     )  # classes that draw random numbers in training (Dropout...)
+    # The trainable parameters' shapes: the bytes a step exchanges (protocol.rules.traffic).
+    parameter_shapes: list[Annotated[list[NonNegativeInt], Field(max_length=16)]] = Field(
+        default_factory=list, max_length=1 << 16
+    )
 
 
 MAX_GRAPH_NODES = 4096

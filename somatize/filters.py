@@ -65,12 +65,14 @@ _RANDOM = (
 def layer_kinds(module: Any) -> dict[str, Any]:
     """What in ``module`` makes data-parallel replicas differ from one process training it
     (:mod:`protocol.rules.equivalence`): whether it holds buffers, its classes that normalise with
-    batch statistics and those that draw random numbers in training (nothing for what is not
-    a module)."""
+    batch statistics and those that draw random numbers in training; and the shapes of its
+    trainable parameters (what a step exchanges: :mod:`protocol.rules.traffic`). Nothing for
+    what is not a module."""
     if not isinstance(module, torch.nn.Module):
         return {}
     modules = list(module.modules())
     return {
+        "parameter_shapes": [list(p.shape) for p in module.parameters() if p.requires_grad],
         "buffers": any(True for _ in module.buffers()),
         "normalization": sorted({type(m).__name__ for m in modules if isinstance(m, _NORM)}),
         "randomness": sorted({type(m).__name__ for m in modules if isinstance(m, _RANDOM)}),

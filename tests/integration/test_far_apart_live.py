@@ -132,6 +132,8 @@ def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs
     assert record["strategy"] == "diloco"
     assert record["progress"]["step"] == record["progress"]["steps"] == 21
     assert placed.data["collective"] == "torch"
+    values = 6 * 16 + 16 + 16 * 3 + 3  # the MLP's trainable parameters
+    assert (placed.data["sync_bytes"], placed.data["sync_every"]) == (4 * values, 3)
     data_parallel = reference_training(x, y, "sgd", shuffle=True)
     for key, value in data_parallel.items():
         torch.testing.assert_close(synced.states["mlp"][key], value, rtol=0, atol=1e-5)
@@ -161,6 +163,10 @@ def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, c
     assert 0 < max(differences) <= atol, differences
     placed = placed_event(job)
     assert (placed.data["collective"], placed.data["compression"]) == ("torch", compression)
+    # fp16: 2 bytes a gradient. PowerSGD rank 1: the 16x6 and 3x16 matrices as their factors,
+    # 16 + 6 and 3 + 16 values (under half of 96 and 48), the biases whole; 4 bytes a value.
+    by_hand = {"fp16": 2 * (6 * 16 + 16 + 16 * 3 + 3), "powersgd:1": 4 * (22 + 16 + 19 + 3)}
+    assert placed.data["step_bytes"] == by_hand[compression]
 
 
 def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(live):

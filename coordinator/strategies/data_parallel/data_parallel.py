@@ -60,6 +60,7 @@ from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
 from protocol.rules.equivalence import data_parallel_notes
 from protocol.rules.rows import rows_of
+from protocol.rules.traffic import step_bytes
 
 T = TypeVar("T")
 
@@ -96,7 +97,14 @@ class DataParallel(Strategy):
         compression = self.options.compression
         said = self._prepared.choice.describe()
         said |= {"compression": compression} if compression is not None else {}
+        said |= self._traffic([job.nodes[n].parameter_shapes for n in self._plan(job)[0]])
         return said | ({"notes": notes} if notes else {})
+
+    def _traffic(self, shapes: list[list[list[int]]]) -> dict[str, Any]:
+        """What the ``placed`` event says of the bytes a replica exchanges: a step's gradients
+        (:mod:`protocol.rules.traffic`); nothing when the client did not say the shapes."""
+        flat = [shape for node in shapes for shape in node]
+        return {"step_bytes": step_bytes(flat, self.options.compression)} if flat else {}
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
         torch_nodes, _, training = self._plan(job)

@@ -11,9 +11,12 @@ holds alike.
 
 from __future__ import annotations
 
+from typing import Any
+
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from protocol.daemon import OuterStepSpec
 from protocol.options.strategies import DiLoCoOptions
+from protocol.rules.traffic import sync_bytes
 
 __all__ = ["DiLoCo"]
 
@@ -27,3 +30,10 @@ class DiLoCo(DataParallel):
 
     def _outer_step(self) -> OuterStepSpec:
         return self.options.outer_step()
+
+    def _traffic(self, shapes: list[list[list[int]]]) -> dict[str, Any]:
+        """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
+        flat = [shape for node in shapes for shape in node]
+        if not flat:
+            return {}
+        return {"sync_bytes": sync_bytes(flat), "sync_every": self.options.sync_every}

@@ -186,6 +186,7 @@ def test_a_device_job_waits_for_workers_on_its_device_and_says_so(tmp_path):
                 "devices": ["cuda:0", "cuda:1"],
                 "collective": "coordinator",
                 "collective_reason": "the workers are in-process and share one process",
+                "step_bytes": 4 * (3 * 2 + 2),  # Linear(3, 2): 8 fp32 gradients a step
             }
 
     run(main())

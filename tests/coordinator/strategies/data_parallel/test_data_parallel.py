@@ -188,6 +188,7 @@ def test_in_process_replicas_reduce_through_the_coordinator_and_refuse_the_torch
     assert asyncio.run(prepared()) == {
         "collective": "coordinator",
         "collective_reason": "the workers are in-process and share one process",
+        "step_bytes": 4 * (6 * 16 + 16 + 16 * 3 + 3),  # the MLP's 163 fp32 gradients a step
     }
     with pytest.raises(StrategyFailed) as failed:
         asyncio.run(
