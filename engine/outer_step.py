@@ -24,18 +24,10 @@ import torch.distributed as dist
 
 from protocol.daemon import OuterStepSpec
 
-__all__ = ["BUCKET_BYTES", "OuterStep", "syncs"]
+__all__ = ["BUCKET_BYTES", "OuterStep"]
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """The most bytes of pseudo-gradients in one all-reduce (DDP's default bucket)."""
-
-
-def syncs(in_epoch: Sequence[int], epoch_steps: Sequence[int], every: int) -> list[bool]:
-    """Per global step, whether the replicas synchronise after it: after every ``every``-th
-    step of an epoch and after its last (``in_epoch[g]``: step ``g``'s place in its epoch,
-    ``epoch_steps[g]``: its epoch's steps) — so an epoch's validation and its checkpoint see the
-    global model."""
-    return [(k + 1) % every == 0 or k + 1 == n for k, n in zip(in_epoch, epoch_steps, strict=True)]
 
 
 class OuterStep:

@@ -19,12 +19,18 @@ all-reduce in the backward (DDP's ``no_sync``), each replica stepping on its own
 gradient, and after the steps that end a round the replicas' pseudo-gradients averaged and one
 outer step taken on the global weights.
 
+A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
+each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
+between synchronisations and the coordinator averages the replicas' weights and takes the outer
+step (:mod:`coordinator.strategies.data_parallel.diloco`).
+
 A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has completed.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +48,17 @@ from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting
 from engine.optimizers import Optimizers
-from engine.outer_step import OuterStep, syncs
+from engine.outer_step import OuterStep
 from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
-from protocol.rules.batching import global_batches, replica_batches, replica_seed
+from protocol.rules.batching import (
+    global_batches,
+    replica_batches,
+    replica_seed,
+    synchronises,
+)
 
 __all__ = ["Replica", "ReplicaPlan"]
 
@@ -68,7 +79,10 @@ class ReplicaPlan:
     least: list[int] = field(default_factory=list)
     seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
     sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
-    outer: OuterStepSpec | None = None  # DiLoCo: inner steps alone, an outer step at each sync
+    outer: OuterStepSpec | None = None  # DiLoCo: inner steps, an outer step at each sync
+    alone: bool = False  # no group: the coordinator takes DiLoCo's outer step
+    rank: int = 0  # this replica's place, and the replicas there are
+    world: int = 1
     compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
     syncs: list[bool] = field(default_factory=list)  # per step, with ``outer``: a sync after it
 
@@ -94,7 +108,17 @@ class ReplicaPlan:
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
             rounds = _rounds([(e, k) for e, k, _ in own], outer)
-            return cls(data, list(node_ids), steps, least, seed, outer=outer, syncs=rounds)
+            return cls(
+                data,
+                list(node_ids),
+                steps,
+                least,
+                seed,
+                outer=outer,
+                syncs=rounds,
+                rank=rank,
+                world=world,
+            )
         staged = np.asarray(held, dtype=np.int64)
         steps, least, places = [], [], []
         for epoch, k, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
@@ -111,7 +135,25 @@ class ReplicaPlan:
                 )
             steps.append((local, sum(len(s) for s in slices)))
         rounds = _rounds(places, outer)
-        return cls(data, list(node_ids), steps, least, seed, outer=outer, syncs=rounds)
+        return cls(
+            data,
+            list(node_ids),
+            steps,
+            least,
+            seed,
+            outer=outer,
+            syncs=rounds,
+            rank=rank,
+            world=world,
+        )
+
+
+def _reset_inner(plan: ReplicaPlan, inner: list[torch.optim.Optimizer]) -> None:
+    """At a synchronisation of a replica ``alone``: drop the inner optimizers' state when the
+    plan says ``reset`` (the coordinator takes the outer step)."""
+    if plan.outer is not None and plan.outer.inner_state == "reset":
+        for optimizer in inner:
+            optimizer.state = defaultdict(dict)
 
 
 def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> list[bool]:
@@ -123,7 +165,7 @@ def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> l
     for epoch, k in places:
         per_epoch[epoch] = max(per_epoch.get(epoch, 0), k + 1)
     in_epoch = [k for _, k in places]
-    return syncs(in_epoch, [per_epoch[e] for e, _ in places], outer.sync_every)
+    return synchronises(in_epoch, [per_epoch[e] for e, _ in places], outer.sync_every)
 
 
 class _Chain(torch.nn.Module):
@@ -152,6 +194,24 @@ def _synced_batchnorm(chain: _Chain) -> None:
         chain.filters[k].module = synced
 
 
+class _Alone:
+    """The chain as a replica that all-reduces nothing (a plan ``alone``): DDP's face, no DDP."""
+
+    def __init__(self, chain: _Chain) -> None:
+        self.module = chain
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.module(x)
+        return out
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+Wrapped = DistributedDataParallel | _Alone
+"""The differentiable run as a replica trains it."""
+
+
 class Replica:
     """``nodes`` as one replica of a torch.distributed data-parallel group: the plan it walks
     and the loop it runs (:meth:`train`), its rows from ``rows``, its steps taken with
@@ -165,7 +225,7 @@ class Replica:
         self.rows = rows
         self.group = group
         self._plan: ReplicaPlan | None = None
-        self._ddp: DistributedDataParallel | None = None
+        self._ddp: Wrapped | None = None
         self._outer: OuterStep | None = None
         group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
@@ -179,8 +239,11 @@ class Replica:
         """
         _, run = self._prefix_and_run(plan.node_ids)
         self.rows.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
-        self.group.place()
         self._ddp = None
+        if plan.alone:
+            self._ddp, self._plan, self._outer = _Alone(_Chain(run, self.nodes.device)), plan, None
+            return
+        self.group.place()
         device = self.nodes.device
         try:
             chain = _Chain(run, device)
@@ -236,10 +299,12 @@ class Replica:
                 raise
             if self._outer is not None and plan.syncs[step]:
                 self._synchronise(self._outer, optimizers, step)
+            elif plan.alone and plan.syncs and plan.syncs[step]:  # the coordinator's outer step
+                _reset_inner(plan, optimizers)
             losses.append(loss)
             rows.append(len(plan.steps[step][0]))
             lrs.append(lr)
-        if stop == len(plan.steps):
+        if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
@@ -255,7 +320,7 @@ class Replica:
                 raise self.group.broken(where, exc, steps_done=step) from exc
             raise
 
-    def _planned(self, stop: int) -> tuple[ReplicaPlan, DistributedDataParallel]:
+    def _planned(self, stop: int) -> tuple[ReplicaPlan, Wrapped]:
         """The plan and the DDP wrapper, when the plan goes as far as ``stop``."""
         plan, ddp = self._plan, self._ddp
         if plan is None or ddp is None:
@@ -279,7 +344,7 @@ class Replica:
 
     def _step(
         self,
-        ddp: DistributedDataParallel,
+        ddp: Wrapped,
         run: list[Node],
         plan: ReplicaPlan,
         step: int,
@@ -293,32 +358,34 @@ class Replica:
         learning rate the step took."""
         local, batch = plan.steps[step]
         ddp.module.train()
-        torch.manual_seed(replica_seed(plan.seed, self.group.rank, step + 1))
+        torch.manual_seed(replica_seed(plan.seed, plan.rank, step + 1))
         cut = min(accumulate, plan.least[step]) if plan.least[step] else 1
-        alone = plan.outer is not None  # DiLoCo's inner step: no all-reduce
-        loss = self._accumulated(ddp, run, xt, yt, len(local), batch, cut, scaler, alone)
+        inner = plan.outer is not None  # DiLoCo's inner step: no all-reduce
+        loss = self._accumulated(
+            ddp, run, xt, yt, (len(local), batch, plan.world), cut, scaler, inner
+        )
         ends = self.optimizers.ends_epoch(step + 1)
         return loss, self.optimizers.step_run(run, scaler, epoch_end=ends)
 
     def _accumulated(
         self,
-        ddp: DistributedDataParallel,
+        ddp: Wrapped,
         run: list[Node],
         xt: torch.Tensor,
         yt: torch.Tensor,
-        mine: int,
-        batch: int,
+        rows_of: tuple[int, int, int],
         parts: int,
         scaler: torch.amp.GradScaler | None,
-        alone: bool = False,
+        inner: bool = False,
     ) -> float:
         """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
-        step, in ``parts`` slices (``accumulate``; every replica as many, none empty) of which
-        only the last all-reduces (DDP's ``no_sync`` before it; before all of them when
-        ``alone``): the gradients left are the global batch's mean loss's. The replica's mean
-        loss (0 with no rows)."""
+        step over ``world`` replicas (``rows_of``), in ``parts`` slices (``accumulate``; every
+        replica as many, none empty) of which only the last all-reduces (DDP's ``no_sync``
+        before it; before all of them for DiLoCo's ``inner`` step): the gradients left are the
+        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
+        mine, batch, world = rows_of
         if not mine:
-            with ddp.no_sync() if alone else contextlib.nullcontext():
+            with ddp.no_sync() if inner else contextlib.nullcontext():
                 out = ddp(xt)
                 backward(out.sum() * 0.0, scaler)
             return 0.0
@@ -326,11 +393,11 @@ class Replica:
         total = 0.0
         for j, rows in enumerate(slices):
             index = torch.from_numpy(rows).to(xt.device)
-            last = j == len(slices) - 1 and not alone
+            last = j == len(slices) - 1 and not inner
             syncing = contextlib.nullcontext() if last else ddp.no_sync()
             with syncing:
                 loss = self.nodes.loss(run, ddp(xt[index]), yt[index])
-                backward(loss * (len(rows) * self.group.world / batch), scaler)
+                backward(loss * (len(rows) * world / batch), scaler)
             total += float(loss.detach()) * len(rows)
         return total / mine
 

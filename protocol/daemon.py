@@ -321,6 +321,10 @@ class DistPlanRequest(_BatchPlan):
     sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
     outer: OuterStepSpec | None = None  # DiLoCo: local inner steps, an outer step at each sync
     compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
+    # A replica with no group (DiLoCo through the coordinator): its place and the replicas.
+    alone: bool = False
+    rank: NonNegativeInt = 0
+    world: PositiveInt = 1
 
 
 class PipePlanRequest(_BatchPlan):

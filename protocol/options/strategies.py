@@ -377,10 +377,14 @@ class DiLoCoOptions(DataParallelOptions):
     ``DataParallel`` (each replica's loss is weighted by its share of the global batch, so the
     average of the replicas' steps is the global batch's).
 
-    The outer step runs on the torch collective (the replicas' torch.distributed group);
-    ``collective="auto"`` (default) fails at job start, saying why, where the replicas cannot
-    form one. Not yet: ``collective="coordinator"``, ``elastic``, checkpoints
-    (``checkpoint_every`` is 0) and ``max_restarts``.
+    How the replicas synchronise (``collective``): ``"torch"`` — over their torch.distributed
+    group, each taking the outer step itself; ``"coordinator"`` — through the coordinator, for
+    workers that cannot reach each other (behind NAT): it reads every replica's weights at a
+    synchronisation, takes the outer step and sets them all to the result; ``"auto"``
+    (default) — ``torch`` when the replicas' group forms, checked at job start, else
+    ``coordinator``. Either gives the same result. Not yet: ``elastic``, checkpoints
+    (``checkpoint_every`` is 0; a job that a coordinator restart queues again starts from the
+    beginning), ``max_restarts`` and compression of the pseudo-gradients.
 
     Args:
         workers: how many replicas (workers) to train on.
@@ -422,10 +426,6 @@ class DiLoCoOptions(DataParallelOptions):
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
         checkpoints = "each replica's inner optimizer state is its own, and not saved yet"
         not_yet = {
-            "collective='coordinator'": (
-                cls._given(fields, "collective") == "coordinator",
-                "the outer step runs on the torch collective",
-            ),
             "elastic=True": (cls._given(fields, "elastic") is True, checkpoints),
             "checkpoint_every other than 0": (
                 cls._given(fields, "checkpoint_every") != 0,

@@ -117,3 +117,11 @@ def replica_seed(seed: int, replica: int, step: int) -> int:
     same ones (``numpy.random.SeedSequence([seed, replica, step])``)."""
     entropy = [seed % 2**64, replica, step]
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
+
+
+def synchronises(in_epoch: Sequence[int], epoch_steps: Sequence[int], every: int) -> list[bool]:
+    """Per global step, whether DiLoCo's replicas synchronise after it: after every
+    ``every``-th step of an epoch and after its last (``in_epoch[g]``: step ``g``'s place in
+    its epoch, ``epoch_steps[g]``: its epoch's steps) — so an epoch's validation and its
+    checkpoint see the global model."""
+    return [(k + 1) % every == 0 or k + 1 == n for k, n in zip(in_epoch, epoch_steps, strict=True)]

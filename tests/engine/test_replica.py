@@ -13,10 +13,10 @@ import pytest
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.group_member import GroupMember, interface_towards
-from engine.outer_step import syncs
 from engine.replica import ReplicaPlan
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
+from protocol.rules.batching import synchronises
 
 
 def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_holds():
@@ -77,8 +77,8 @@ def test_diloco_synchronises_every_h_steps_of_an_epoch_and_at_its_end():
     outer = OuterStepSpec(sync_every=3, lr=0.7, momentum=0.9, nesterov=True)
     plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=outer)
     assert plan.syncs == [False, False, True, True] * 2
-    assert syncs([0, 1, 2, 3, 4], [5] * 5, 2) == [False, True, False, True, True]
-    assert syncs([0, 1, 2], [3] * 3, 1) == [True, True, True]
+    assert synchronises([0, 1, 2, 3, 4], [5] * 5, 2) == [False, True, False, True, True]
+    assert synchronises([0, 1, 2], [3] * 3, 1) == [True, True, True]
     # On the replicas' own datasets (WorkerData): 5 and 6 rows, batches of 2: 3 steps an epoch.
     own = ReplicaPlan.of("t", ["n"], [], 0, 2, 0, 1, 2, False, 0, sizes=[5, 6], outer=outer)
     assert own.syncs == [False, False, True]

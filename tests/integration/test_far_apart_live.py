@@ -96,22 +96,25 @@ def client(live) -> sz.Client:
     return live[1]
 
 
+@pytest.mark.parametrize("collective", ["torch", "coordinator"])
 def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs_every_step(
-    client,
+    client, collective
 ):
     """203 rows in shuffled batches of 32 (uneven slices), 3 epochs over 2 replicas: Adam
     inner steps with a sync every 3 steps (and at each epoch's end, every 7th step) equal the
     loop above; SGD with momentum synchronised every step by an outer SGD of lr 1 and no
-    momentum equals DataParallel's answer, graph.fit's."""
+    momentum equals DataParallel's answer, graph.fit's. Over a torch group the replicas take
+    the outer step themselves; through the coordinator (workers that cannot reach each other)
+    the coordinator averages their weights and takes it: the same answer."""
     x, y = dataset()
     x_val, y_val = dataset(n=50, seed=9)
-    strategy = sz.DiLoCo(2, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, collective=collective)
     graph = graph_for("adam", shuffle=True)
     job = client.submit(graph, x, y, strategy=strategy, validation=(x_val, y_val))
     fitted = job.result(timeout=120 * UNIT)
     record = job.status()
     placed = placed_event(job)
-    every_step = sz.DiLoCo(2, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    every_step = sz.DiLoCo(2, 1, 1.0, 0.0, collective=collective)
     as_dp = client.submit(graph_for("sgd", shuffle=True), x, y, strategy=every_step)
     synced = as_dp.result(timeout=120 * UNIT)
     expected, val_losses = diloco_by_hand(
@@ -131,7 +134,7 @@ def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs
         assert row["val_loss"] == pytest.approx(val_loss, abs=1e-5)
     assert record["strategy"] == "diloco"
     assert record["progress"]["step"] == record["progress"]["steps"] == 21
-    assert placed.data["collective"] == "torch"
+    assert placed.data["collective"] == collective
     values = 6 * 16 + 16 + 16 * 3 + 3  # the MLP's trainable parameters
     assert (placed.data["sync_bytes"], placed.data["sync_every"]) == (4 * values, 3)
     data_parallel = reference_training(x, y, "sgd", shuffle=True)
@@ -172,7 +175,7 @@ def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, c
 def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(live):
     """Two workers that reach the rendezvous but one of whose gloo cannot connect (it is told
     to use an interface that does not exist): ``auto`` tries the group, trains through the
-    coordinator and says why; DiLoCo, which needs the group, fails saying so."""
+    coordinator and says why; so does DiLoCo, which then takes its outer steps there."""
     c, client = live
     c.start_worker("w3", "apart")
     c.start_worker("w4", "apart", prefix=["env", "GLOO_SOCKET_IFNAME=nowhere0"])
@@ -188,6 +191,8 @@ def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(
     expected = reference_training(x, y, "sgd", epochs=1)
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
-    diloco = client.submit(graph, x, y, strategy=sz.DiLoCo(2, 2, tag="apart"))
-    with pytest.raises(sz.JobFailed, match="diloco takes its outer steps on the torch collective"):
-        diloco.result(timeout=120 * UNIT)
+    diloco = client.submit(graph, x, y, strategy=sz.DiLoCo(2, 1, 1.0, 0.0, tag="apart"))
+    synced = diloco.result(timeout=120 * UNIT)
+    assert placed_event(diloco).data["collective"] == "coordinator"
+    for key, value in expected.items():  # H = 1, an outer SGD of lr 1: DataParallel's
+        torch.testing.assert_close(synced.states["mlp"][key], value, rtol=0, atol=1e-5)

@@ -57,7 +57,7 @@ class GroupCommands:
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> None:
-        rank, world = self.engine.group.place()
+        rank, world = (req.rank, req.world) if req.alone else self.engine.group.place()
         plan = ReplicaPlan.of(
             req.data,
             req.node_ids,
@@ -77,6 +77,8 @@ class GroupCommands:
             plan = dataclasses.replace(plan, sync_batchnorm=True)
         if req.compression is not None:
             plan = dataclasses.replace(plan, compression=req.compression)
+        if req.alone:
+            plan = dataclasses.replace(plan, alone=True)
         self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class DataParallel(Strategy):
 
     def __init__(self, options: DataParallelOptions) -> None:
         super().__init__(options)
-        self._prepared: _SetUp | None = None
+        self._prepared: SetUp | None = None
 
     def placement(self) -> Placement:
         o = self.options
@@ -106,7 +106,7 @@ class DataParallel(Strategy):
         flat = [shape for node in shapes for shape in node]
         return {"step_bytes": step_bytes(flat, self.options.compression)} if flat else {}
 
-    async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> _SetUp:
+    async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> SetUp:
         torch_nodes, _, training = self._plan(job)
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
@@ -142,11 +142,6 @@ class DataParallel(Strategy):
 
         await run.on_all(tell, replicas)
         choice = await choose(run, self.options.collective, self.options.collective_timeout)
-        if self._outer_step() is not None and choice.collective != "torch":
-            raise StrategyFailed(
-                ErrorCode.COLLECTIVE_FAILED,
-                f"{self.name} takes its outer steps on the torch collective, and {choice.reason}",
-            )
         if self.options.compression is not None and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
@@ -158,7 +153,7 @@ class DataParallel(Strategy):
                 ErrorCode.COLLECTIVE_FAILED,
                 f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
             )
-        return _SetUp(run, first_epoch, steps_per_epoch, choice)
+        return SetUp(run, first_epoch, steps_per_epoch, choice)
 
     async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
         torch_nodes, prefix, training = self._plan(job)
@@ -208,16 +203,31 @@ class DataParallel(Strategy):
             await history.finish(ended(training.epochs, total_steps))
             return await _agreed_states(run, torch_nodes)
 
-        # 3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
-        #    gradient, their weighted mean, one step everywhere; streamed, a step's mean going
-        #    out with the next step's requests as it folds
-        #    (coordinator.strategies.data_parallel.star).
-        syncs = any(job.nodes[node].buffers for node in torch_nodes)
-        star = StarTraining(run, training, n, STAGED, emit, syncs, history, evaluate)
-        await star.train(total_steps, start, saves)
+        await self._through_coordinator(
+            setup, training, n, history, evaluate, total_steps, start, saves
+        )
         await saves.finish()
         await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
+
+    async def _through_coordinator(
+        self,
+        setup: SetUp,
+        training: TrainingSettings,
+        rows: int,
+        history: History,
+        evaluate: Evaluate | None,
+        total: int,
+        start: int,
+        saves: ReplicaCheckpoints,
+    ) -> None:
+        """3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
+        gradient, their weighted mean, one step everywhere; streamed, a step's mean going out
+        with the next step's requests as it folds (:mod:`.star`)."""
+        run = setup.run
+        syncs = any(run.job.nodes[node].buffers for node in run.torch_nodes)
+        star = StarTraining(run, training, rows, STAGED, run.emit, syncs, history, evaluate)
+        await star.train(total, start, saves)
 
     def _outer_step(self) -> OuterStepSpec | None:
         """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
@@ -238,7 +248,7 @@ class DataParallel(Strategy):
 
 
 @dataclass(frozen=True)
-class _SetUp:
+class SetUp:
     """A run whose replicas hold the filters and their rows, and the collective chosen."""
 
     run: Replicas

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import Counter
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -63,7 +63,15 @@ from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 
-__all__ = ["CHUNK_SECONDS", "TRIAL_TIMEOUT", "Choice", "TorchTraining", "choose"]
+__all__ = [
+    "CHUNK_SECONDS",
+    "TRIAL_TIMEOUT",
+    "Choice",
+    "TorchTraining",
+    "choose",
+    "chunk_progress",
+    "replica_plans",
+]
 
 CHUNK_SECONDS = 0.5
 """About how long one chunk of steps (one call, one progress event) should take."""
@@ -188,7 +196,7 @@ class TorchTraining:
     async def _form(self, fresh_store: bool, step: int) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
         ``fresh_store``) and takes the plan."""
-        ctx, held, replicas = self.run.ctx, self.run.position.held, list(self._all())
+        ctx, replicas = self.run.ctx, list(self._all())
         meet = Rendezvous(self.choice.host or "", self.choice.port or 0, self._backend, "")
         if fresh_store:
             await leave(ctx, replicas)
@@ -200,8 +208,6 @@ class TorchTraining:
         self.formations += 1
         await join(ctx, replicas, meet, f"{self.token}/{self.formations}/", self.timeout)
         training = self.training
-
-        own = self.run.position.own
 
         shared = DistPlanRequest(
             node_ids=self.run.job.node_ids,
@@ -217,12 +223,7 @@ class TorchTraining:
             compression=self.compression,
         )
 
-        def plan(i: int) -> DistPlanRequest:
-            if own is not None:  # the replicas' own rows: no row list to send
-                return shared.model_copy(update={"sizes": own.in_order, "position": own.places[i]})
-            return shared.model_copy(
-                update={"held": np.asarray(held[i]).tolist(), "rows": self.rows}
-            )
+        plan = replica_plans(self.run, shared, self.rows)
 
         try:
             await self._settle({i: self._call(i, plan(i)) for i in replicas}, step)
@@ -273,34 +274,15 @@ class TorchTraining:
         return resume
 
     async def _progress(self, start: int, stop: int, results: Mapping[int, Any]) -> None:
-        """One progress event for steps ``[start, stop)``: each step's loss, row-weighted over
-        the replicas as ``graph.fit`` reports a batch's mean loss (``loss``: the last one's)."""
-        losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
-        for j in range(stop - start):
-            rows = [results[i]["rows"][j] for i in self._all()]
-            values = [results[i]["losses"][j] for i in self._all()]
-            weighted = sum(r * v for r, v in zip(rows, values, strict=True))
-            losses.append(weighted / max(sum(rows), 1))
-            batch_rows.append(sum(rows))
-        per_epoch = self.steps_per_epoch
-        await self.emit(
-            "progress",
-            {
-                "phase": "training",
-                "epoch": min(self.training.epochs, (stop - 1) // per_epoch + 1),
-                "epochs": self.training.epochs,
-                "step": stop,
-                "steps": per_epoch * self.training.epochs,
-                "loss": losses[-1],
-                "losses": losses,
-                "chunk": stop - start,
-                "rows": sum(batch_rows),
-                "batch_rows": batch_rows,
-            }
-            | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
+        await chunk_progress(
+            self.emit,
+            self.training,
+            self.steps_per_epoch,
+            (start, stop),
+            results,
+            self.history,
+            self.evaluate,
         )
-        if self.history is not None:
-            await self.history.steps(start, losses, batch_rows, lrs, per_epoch, self.evaluate)
 
     def _all(self) -> range:
         return range(self.run.ctx.num_workers())
@@ -310,6 +292,62 @@ class TorchTraining:
 
     async def _settle(self, calls: Mapping[int, Awaitable[Any]], stop: int) -> dict[int, Any]:
         return await settle(calls, self.run.ids, self.timeout, stop, patient=self.run.elastic)
+
+
+def replica_plans(
+    run: Replicas, shared: DistPlanRequest, rows: int
+) -> Callable[[int], DistPlanRequest]:
+    """Each replica's plan: ``shared`` with the rows replica ``i`` holds of the ``rows`` sent,
+    or, on the replicas' own datasets, their sizes and its place among them."""
+    own, held = run.position.own, run.position.held
+
+    def plan(i: int) -> DistPlanRequest:
+        if own is not None:  # the replicas' own rows: no row list to send
+            return shared.model_copy(update={"sizes": own.in_order, "position": own.places[i]})
+        return shared.model_copy(update={"held": np.asarray(held[i]).tolist(), "rows": rows})
+
+    return plan
+
+
+async def chunk_progress(
+    emit: Emit,
+    training: TrainingSettings,
+    per_epoch: int,
+    steps: tuple[int, int],
+    results: Mapping[int, Any],
+    history: History | None,
+    evaluate: Evaluate | None,
+) -> None:
+    """One progress event for the steps ``[start, stop)`` the replicas trained (``results``,
+    by replica): each step's loss, row-weighted over the replicas as ``graph.fit`` reports a
+    batch's mean loss (``loss``: the last one's); and the history's rows, evaluated where an
+    epoch ends."""
+    start, stop = steps
+    losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
+    for j in range(stop - start):
+        rows = [results[i]["rows"][j] for i in results]
+        values = [results[i]["losses"][j] for i in results]
+        weighted = sum(r * v for r, v in zip(rows, values, strict=True))
+        losses.append(weighted / max(sum(rows), 1))
+        batch_rows.append(sum(rows))
+    await emit(
+        "progress",
+        {
+            "phase": "training",
+            "epoch": min(training.epochs, (stop - 1) // per_epoch + 1),
+            "epochs": training.epochs,
+            "step": stop,
+            "steps": per_epoch * training.epochs,
+            "loss": losses[-1],
+            "losses": losses,
+            "chunk": stop - start,
+            "rows": sum(batch_rows),
+            "batch_rows": batch_rows,
+        }
+        | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
+    )
+    if history is not None:
+        await history.steps(start, losses, batch_rows, lrs, per_epoch, evaluate)
 
 
 def _next_chunk(chunk: int, ran: int, elapsed: float) -> int:

@@ -362,7 +362,6 @@ def test_diloco_takes_its_outer_step_and_refuses_what_it_does_not_take_yet():
         r"outer_momentum must be a number in \[0, 1\), not 1": {"outer_momentum": 1},
         "nesterov must be True or False, not 'yes'": {"nesterov": "yes"},
         "inner_state must be one of 'keep', 'reset', not 'fresh'": {"inner_state": "fresh"},
-        "collective='coordinator' is not taken yet by DiLoCo": {"collective": "coordinator"},
         "elastic=True is not taken yet by DiLoCo": {"elastic": True},
         "checkpoint_every other than 0 is not taken yet by DiLoCo": {"checkpoint_every": None},
         "max_restarts above 0 is not taken yet by DiLoCo": {"max_restarts": 1},
