@@ -107,33 +107,11 @@ class ReplicaPlan:
             own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
-            rounds = _rounds([(e, k) for e, k, _ in own], outer)
-            return cls(
-                data,
-                list(node_ids),
-                steps,
-                least,
-                seed,
-                outer=outer,
-                syncs=rounds,
-                rank=rank,
-                world=world,
+            places = [(e, k) for e, k, _ in own]
+        else:
+            steps, least, places = _slices(
+                held, rank, world, rows, epochs, batch_size, shuffle, seed
             )
-        staged = np.asarray(held, dtype=np.int64)
-        steps, least, places = [], [], []
-        for epoch, k, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
-            places.append((epoch, k))
-            least.append(min(len(s) for s in slices))
-            mine = slices[rank]
-            local = np.searchsorted(staged, mine)
-            if len(mine) and (
-                local.max() >= len(staged) or not np.array_equal(staged[local], mine)
-            ):
-                raise EngineError(
-                    ErrorCode.BAD_REQUEST,
-                    f"replica {rank}'s slice of a step has rows that were not staged here",
-                )
-            steps.append((local, sum(len(s) for s in slices)))
         rounds = _rounds(places, outer)
         return cls(
             data,
@@ -146,6 +124,39 @@ class ReplicaPlan:
             rank=rank,
             world=world,
         )
+
+
+def _slices(
+    held: Sequence[int],
+    rank: int,
+    world: int,
+    rows: int,
+    epochs: int,
+    batch_size: int | None,
+    shuffle: bool,
+    seed: int,
+) -> tuple[list[tuple[np.ndarray[Any, Any], int]], list[int], list[tuple[int, int]]]:
+    """Replica ``rank``'s slice of every global batch, as positions among the rows ``held``
+    here, with the batch's size; the fewest rows a replica has per step; each step's epoch and
+    place in it.
+
+    Raises:
+        EngineError: ``BAD_REQUEST`` for a slice with rows that were not staged here.
+    """
+    staged = np.asarray(held, dtype=np.int64)
+    steps, least, places = [], [], []
+    for epoch, k, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+        places.append((epoch, k))
+        least.append(min(len(s) for s in slices))
+        mine = slices[rank]
+        local = np.searchsorted(staged, mine)
+        if len(mine) and (local.max() >= len(staged) or not np.array_equal(staged[local], mine)):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"replica {rank}'s slice of a step has rows that were not staged here",
+            )
+        steps.append((local, sum(len(s) for s in slices)))
+    return steps, least, places
 
 
 def _reset_inner(plan: ReplicaPlan, inner: list[torch.optim.Optimizer]) -> None:
