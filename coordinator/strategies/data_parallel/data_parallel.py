@@ -97,14 +97,14 @@ class DataParallel(Strategy):
         compression = self.options.compression
         said = self._prepared.choice.describe()
         said |= {"compression": compression} if compression is not None else {}
-        said |= self._traffic([job.nodes[n].parameter_shapes for n in self._plan(job)[0]])
+        shapes = [shape for n in self._plan(job)[0] for shape in job.nodes[n].parameter_shapes]
+        said |= self._traffic(shapes) if shapes else {}  # (unless the client did not say them)
         return said | ({"notes": notes} if notes else {})
 
-    def _traffic(self, shapes: list[list[list[int]]]) -> dict[str, Any]:
-        """What the ``placed`` event says of the bytes a replica exchanges: a step's gradients
-        (:mod:`protocol.rules.traffic`); nothing when the client did not say the shapes."""
-        flat = [shape for node in shapes for shape in node]
-        return {"step_bytes": step_bytes(flat, self.options.compression)} if flat else {}
+    def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
+        """What the ``placed`` event says of the bytes a replica exchanges, from the trainable
+        parameters' ``shapes``: a step's gradients (:mod:`protocol.rules.traffic`)."""
+        return {"step_bytes": step_bytes(shapes, self.options.compression)}
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> SetUp:
         torch_nodes, _, training = self._plan(job)
@@ -180,54 +180,49 @@ class DataParallel(Strategy):
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
         total_steps = steps_per_epoch * training.epochs
-        history, evaluate = History(emit), _evaluator(run, job)
+        history = History(emit)
+        phase = TrainingPhase(
+            setup, training, n, history, _evaluator(run, job), total_steps, start, saves
+        )
         saves.start()
         if setup.choice.collective == "torch":
-            # 3. Synchronous SGD on torch.distributed: the replicas train, the coordinator
-            #    only keeps time (coordinator.strategies.data_parallel.torch_collective).
-            await TorchTraining(
-                run,
-                setup.choice,
-                training,
-                n,
-                steps_per_epoch,
-                self.options.collective_timeout,
-                emit,
-                self.options.sync_batchnorm,
-                history,
-                evaluate,
-                self._outer_step(),
-                self.options.compression,
-            ).train(total_steps, start, saves)
-            await saves.finish()
-            await history.finish(ended(training.epochs, total_steps))
-            return await _agreed_states(run, torch_nodes)
-
-        await self._through_coordinator(
-            setup, training, n, history, evaluate, total_steps, start, saves
-        )
+            await self._on_torch(phase)
+        else:
+            await self._through_coordinator(phase)
         await saves.finish()
         await history.finish(ended(training.epochs, total_steps))
         return await _agreed_states(run, torch_nodes)
 
-    async def _through_coordinator(
-        self,
-        setup: SetUp,
-        training: TrainingSettings,
-        rows: int,
-        history: History,
-        evaluate: Evaluate | None,
-        total: int,
-        start: int,
-        saves: ReplicaCheckpoints,
-    ) -> None:
+    async def _on_torch(self, phase: TrainingPhase) -> None:
+        """3. Synchronous SGD on torch.distributed: the replicas train, the coordinator only
+        keeps time (:mod:`.torch_collective`)."""
+        setup, o = phase.setup, self.options
+        training = TorchTraining(
+            setup.run,
+            setup.choice,
+            phase.training,
+            phase.rows,
+            setup.steps_per_epoch,
+            o.collective_timeout,
+            setup.run.emit,
+            o.sync_batchnorm,
+            phase.history,
+            phase.evaluate,
+            self._outer_step(),
+            o.compression,
+        )
+        await training.train(phase.total, phase.start, phase.saves)
+
+    async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
         gradient, their weighted mean, one step everywhere; streamed, a step's mean going out
         with the next step's requests as it folds (:mod:`.star`)."""
-        run = setup.run
+        run = phase.setup.run
         syncs = any(run.job.nodes[node].buffers for node in run.torch_nodes)
-        star = StarTraining(run, training, rows, STAGED, run.emit, syncs, history, evaluate)
-        await star.train(total, start, saves)
+        star = StarTraining(
+            run, phase.training, phase.rows, STAGED, run.emit, syncs, phase.history, phase.evaluate
+        )
+        await star.train(phase.total, phase.start, phase.saves)
 
     def _outer_step(self) -> OuterStepSpec | None:
         """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
@@ -245,6 +240,21 @@ class DataParallel(Strategy):
         if job.y is None and job.dataset is None:
             raise StrategyOptionsError("data_parallel trains with labels: y is missing")
         return torch_nodes, prefix, TrainingSettings.of(job.nodes[torch_nodes[-1]])
+
+
+@dataclass(frozen=True)
+class TrainingPhase:
+    """What step 3 of a run, the training, works with: the replicas set up, the settings, the
+    rows sent, the history and evaluation, the steps ``[start, total)`` and the checkpoints."""
+
+    setup: SetUp
+    training: TrainingSettings
+    rows: int
+    history: History
+    evaluate: Evaluate | None
+    total: int
+    start: int
+    saves: ReplicaCheckpoints
 
 
 @dataclass(frozen=True)

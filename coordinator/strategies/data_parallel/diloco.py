@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.context import StrategyContext
-from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
-from coordinator.strategies.data_parallel.data_parallel import DataParallel, SetUp
+from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
 from coordinator.strategies.data_parallel.elastic import Replicas
 from coordinator.strategies.data_parallel.star import average
 from coordinator.strategies.data_parallel.torch_collective import chunk_progress, replica_plans
@@ -52,29 +51,23 @@ class DiLoCo(DataParallel):
     def _outer_step(self) -> OuterStepSpec:
         return self.options.outer_step()
 
-    def _traffic(self, shapes: list[list[list[int]]]) -> dict[str, Any]:
+    def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
         """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
-        flat = [shape for node in shapes for shape in node]
-        if not flat:
-            return {}
-        return {"sync_bytes": sync_bytes(flat), "sync_every": self.options.sync_every}
+        return {"sync_bytes": sync_bytes(shapes), "sync_every": self.options.sync_every}
 
-    async def _through_coordinator(
-        self,
-        setup: SetUp,
-        training: TrainingSettings,
-        rows: int,
-        history: History,
-        evaluate: Evaluate | None,
-        total: int,
-        start: int,
-        saves: ReplicaCheckpoints,
-    ) -> None:
+    async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. DiLoCo through the coordinator (module docstring)."""
+        setup = phase.setup
         syncs = CoordinatorSyncs(
-            setup.run, training, rows, setup.steps_per_epoch, self.options, history, evaluate
+            setup.run,
+            phase.training,
+            phase.rows,
+            setup.steps_per_epoch,
+            self.options,
+            phase.history,
+            phase.evaluate,
         )
-        await syncs.train(total, start)
+        await syncs.train(phase.total, phase.start)
 
 
 @dataclass
