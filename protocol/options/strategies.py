@@ -382,9 +382,19 @@ class DiLoCoOptions(DataParallelOptions):
     workers that cannot reach each other (behind NAT): it reads every replica's weights at a
     synchronisation, takes the outer step and sets them all to the result; ``"auto"``
     (default) — ``torch`` when the replicas' group forms, checked at job start, else
-    ``coordinator``. Either gives the same result. Not yet: ``elastic``, checkpoints
-    (``checkpoint_every`` is 0; a job that a coordinator restart queues again starts from the
-    beginning), ``max_restarts`` and compression of the pseudo-gradients.
+    ``coordinator``. Either gives the same result.
+
+    What must outlive a replica — the global model, the outer momentum, every replica's inner
+    optimizer state — is kept by the coordinator, so a job that is ``elastic``, saves
+    checkpoints (``checkpoint_every`` not 0; DiLoCo's default is 0) or has ``max_restarts``
+    trains through the coordinator (``auto`` picks it and says why; ``torch`` is refused).
+    ``elastic``: a replica whose worker is lost during a round is dropped from that round's
+    average and the others go on without waiting; at a later synchronisation an idle worker
+    takes its place, set to the global model and a survivor's inner optimizer state (the job's
+    events ``worker_dropped`` and ``worker_joined`` say who). A checkpoint is taken after a
+    synchronisation (the first at or after every ``checkpoint_every`` steps; ``None``: at each
+    epoch's end or after 60 s); a job resumed from one trains on exactly as it would have.
+    Not yet: compression of the pseudo-gradients.
 
     Args:
         workers: how many replicas (workers) to train on.
@@ -424,22 +434,17 @@ class DiLoCoOptions(DataParallelOptions):
             raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
         boolean("nesterov", cls._given(fields, "nesterov"))
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
-        checkpoints = "each replica's inner optimizer state is its own, and not saved yet"
-        not_yet = {
-            "elastic=True": (cls._given(fields, "elastic") is True, checkpoints),
-            "checkpoint_every other than 0": (
-                cls._given(fields, "checkpoint_every") != 0,
-                checkpoints,
-            ),
-            "max_restarts above 0": (bool(cls._given(fields, "max_restarts")), checkpoints),
-            "compression": (
-                fields.get("compression") is not None,
-                "the pseudo-gradients travel uncompressed",
-            ),
-        }
-        for option, (asked, why) in not_yet.items():
-            if asked:
-                raise ValueError(f"{option} is not taken yet by DiLoCo: {why}")
+        if fields.get("compression") is not None:
+            raise ValueError(
+                "compression is not taken yet by DiLoCo: the pseudo-gradients travel uncompressed"
+            )
+        keeps = cls._keeps(fields)
+        if keeps and cls._given(fields, "collective") == "torch":
+            raise ValueError(
+                f"DiLoCo with {keeps} trains through the coordinator, which keeps the global "
+                "model and the outer momentum; collective='torch' keeps them on the replicas: "
+                "use collective='auto' or 'coordinator'"
+            )
         return fields
 
     def to_wire(self) -> dict[str, Any]:
@@ -447,6 +452,21 @@ class DiLoCoOptions(DataParallelOptions):
         own = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "inner_state")
         given = {k: getattr(self, k) for k in own if getattr(self, k) != defaults[k].default}
         return super().to_wire() | given
+
+    @classmethod
+    def _keeps(cls, fields: dict[str, Any]) -> str:
+        """What of ``fields`` asks the run to outlive a replica ("" for nothing)."""
+        asked = {
+            "elastic=True": cls._given(fields, "elastic") is True,
+            "checkpoints": cls._given(fields, "checkpoint_every") != 0,
+            "max_restarts": bool(cls._given(fields, "max_restarts")),
+        }
+        return ", ".join(option for option, on in asked.items() if on)
+
+    def keeps_state(self) -> str:
+        """What of these options asks the run to outlive a replica (``elastic``, checkpoints,
+        ``max_restarts``), in words; ``""`` for none."""
+        return self._keeps(dict(self))
 
     def outer_step(self) -> OuterStepSpec:
         """The outer step as a replica runs it."""

@@ -1,86 +1,33 @@
 """What runs for workers far apart, on live workers: DiLoCo gives a plain-torch DiLoCo loop's
 answer, and DataParallel's when it synchronises every step with an outer SGD of lr 1 and no
 momentum; DataParallel's compressed gradients (torch's DDP communication hooks) train to within
-their error of graph.fit's."""
+their error of graph.fit's; a worker killed between synchronisations is dropped and replaced;
+workers in network namespaces that cannot reach each other train through the coordinator."""
 
 from __future__ import annotations
 
-import copy
+import os
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
 import somatize as sz
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
-    OPTIMIZERS,
     dataset,
     graph_for,
     model,
     reference_training,
 )
-from tests.integration.cluster import Cluster, cluster
+from tests.coordinator.strategies.data_parallel.test_diloco import diloco_by_hand
+from tests.integration.cluster import Cluster, cluster, wait_for
+from tests.integration.netns import Netns, NetnsUnavailable
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
-
-
-def diloco_by_hand(
-    x,
-    y,
-    optimizer: str,
-    replicas: int,
-    sync_every: int,
-    outer_lr: float,
-    outer_momentum: float,
-    epochs: int = 3,
-    batch_size: int = 32,
-    shuffle: bool = True,
-    validation=None,
-):
-    """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
-    ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
-    optimizer of its own (kept), its loss weighted by its share of the global batch; after every
-    ``sync_every`` steps of an epoch and at its end the mean of θ_global − θ_local is the
-    gradient of one outer Nesterov-SGD step, and every replica starts again from θ_global.
-    With ``validation`` (centred as the training rows), also the global model's loss on it
-    at each epoch's end."""
-    _, make = OPTIMIZERS[optimizer]
-    xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
-    global_net = copy.deepcopy(model())
-    outer = torch.optim.SGD(
-        global_net.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True
-    )
-    nets = [copy.deepcopy(global_net) for _ in range(replicas)]
-    inner = [make(net.parameters()) for net in nets]
-    order = torch.Generator().manual_seed(11)
-    steps = -(-len(xt) // batch_size)
-    val_losses = []
-    for _ in range(epochs):
-        rows = torch.randperm(len(xt), generator=order) if shuffle else torch.arange(len(xt))
-        for step in range(steps):
-            batch = rows[step * batch_size : (step + 1) * batch_size].numpy()
-            for net, opt, part in zip(nets, inner, np.array_split(batch, replicas), strict=True):
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(net(xt[part]), yt[part])
-                (loss * (len(part) * replicas / len(batch))).backward()
-                opt.step()
-            if (step + 1) % sync_every and step + 1 != steps:
-                continue
-            with torch.no_grad():
-                for g, *local in zip(
-                    global_net.parameters(), *(n.parameters() for n in nets), strict=True
-                ):
-                    g.grad = torch.stack([g - p for p in local]).mean(0)
-            outer.step()
-            for net in nets:
-                net.load_state_dict(global_net.state_dict())
-        if validation is not None:
-            xv, yv = (torch.as_tensor(a) for a in validation)
-            with torch.no_grad():
-                val_losses.append(float(torch.nn.functional.cross_entropy(global_net(xv), yv)))
-    return global_net.state_dict(), val_losses
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +148,83 @@ def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(
     assert placed_event(diloco).data["collective"] == "coordinator"
     for key, value in expected.items():  # H = 1, an outer SGD of lr 1: DataParallel's
         torch.testing.assert_close(synced.states["mlp"][key], value, rtol=0, atol=1e-5)
+
+
+class Slow(torch.nn.Sequential):
+    """The tests' MLP (same parameters, same maths), slowed down: a worker can be killed while
+    a round of inner steps runs."""
+
+    def forward(self, x):
+        time.sleep(0.08)
+        return super().forward(x)
+
+
+def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(tmp_path):
+    """Elastic DiLoCo on two replicas and a spare: replica w2's agent SIGKILLed during a round
+    is dropped from that round's average while w1 goes on without waiting; at the round's
+    synchronisation the spare takes its place with the global model and w1's inner Adam
+    state. The result is the hand-written loop's with w2 missing from that round."""
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, module=Slow(*model()))
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, elastic=True)
+    with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 3, 60 * UNIT, "3")
+        c.send_signal(c.workers["w2"], signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = list(job.events(timeout=30 * UNIT))
+    placed = next(e for e in events if e.event == "placed")
+    assert placed.data["collective"] == "coordinator"
+    assert placed.data["collective_reason"].startswith("DiLoCo with elastic=True synchronises")
+    lost = next(e for e in events if e.event == "worker_lost")
+    dropped = next(e for e in events if e.event == "worker_dropped")
+    joined = next(e for e in events if e.event == "worker_joined")
+    assert (lost.data["worker"], dropped.data["worker"], dropped.data["replicas"]) == (
+        "w2",
+    ) * 2 + (1,)
+    assert (joined.data["lost"], joined.data["worker"], joined.data["from"]) == ("w2", "w3", "w1")
+    syncs = [3, 6, 7, 10, 13, 14, 17, 20, 21]  # every 3 steps of an epoch of 7, and its end
+    round_ = next(r for r, end in enumerate(syncs) if lost.data["step"] <= end)
+    assert round_ >= 1 and joined.data["step"] == lost.data["step"]
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent={round_: {1}})
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
+    assert [e.data["step"] for e in training] == syncs  # each round once, none waited for
+
+
+def test_auto_trains_through_the_coordinator_for_workers_in_namespaces_that_cannot_meet(
+    tmp_path,
+):
+    """Two workers in network namespaces of their own, each reaching the coordinator's address
+    and nothing of the other (as two sites behind NAT): ``auto`` finds the rendezvous out of
+    reach, trains DiLoCo through the coordinator and says why, to the hand loop's answer."""
+    sites = [Netns.numbered(os.getpid() * 2 + k) for k in range(2)]
+    try:
+        for ns in sites:
+            ns.create()
+        # The second site reaches the coordinator (on the first site's host end) through its
+        # own host end; neither has a route to the other site.
+        route = ["ip", "route", "add", f"{sites[0].host_ip}/32", "via", sites[1].host_ip]
+        subprocess.run([*sites[1].prefix, *route], check=True, capture_output=True, timeout=30)
+    except NetnsUnavailable as exc:
+        pytest.fail(f"this test puts workers in network namespaces and cannot: {exc}")
+    x, y = dataset()
+    tokens = {"worker_token": "apart-worker-token-0123", "client_token": "apart-client-token-3210"}
+    try:
+        with cluster(tmp_path, {}, host=sites[0].host_ip, **tokens) as c:
+            for k, ns in enumerate(sites):
+                c.start_worker(f"site{k}", prefix=ns.prefix)
+            with c.client(timeout=10 * UNIT) as client:
+                strategy = sz.DiLoCo(2, 3, 0.7, 0.9, collective_timeout=5 * UNIT)
+                job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
+                fitted = job.result(timeout=120 * UNIT)
+                placed = placed_event(job)
+    finally:
+        for ns in sites:
+            ns.delete()
+    assert placed.data["collective"] == "coordinator", placed.data
+    assert "rendezvous" in placed.data["collective_reason"], placed.data
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)

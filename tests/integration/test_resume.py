@@ -17,6 +17,7 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     graph_for,
     reference_training,
 )
+from tests.coordinator.strategies.data_parallel.test_diloco import diloco_by_hand
 from tests.coordinator.strategies.federated.test_fedavg import (
     HandAdam,
     assert_model,
@@ -83,6 +84,31 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
         assert steps[-1] == 21
         kept = list((c.state_dir / "checkpoints" / job.id).glob("*.ckpt"))
         assert len(kept) == 1  # it succeeded: its end alone is kept, to continue from
+
+
+def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(tmp_path):
+    """DiLoCo with checkpoints (through the coordinator, which keeps the global model and the
+    outer momentum): SIGKILLed after its checkpoint at a synchronisation, resumed by the next
+    coordinator with every replica's own inner Adam state, it ends as the hand-written loop."""
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, module=paced())
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, checkpoint_every=5)
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
+        with sz.connect(c.url) as client:
+            job = client.submit(graph, x, y, strategy=strategy)
+            saved = _checkpointed_at(job, 10)
+            assert saved.data["step"] in (10, 13, 14, 17, 20)  # a synchronisation's step
+        assert c.stop_coordinator(signal.SIGKILL) != 0
+        c.start_coordinator()
+        with sz.connect(c.url) as client:
+            fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
+            events = list(client.job(job.id).events())
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    resumed = next(e for e in events if e.event == "resumed")
+    assert resumed.data["step"] >= 10
+    assert [e.event for e in events].count("queued") == 2
 
 
 def test_a_job_that_fails_or_is_cancelled_ends_in_its_event_stream_and_keeps_its_checkpoints(

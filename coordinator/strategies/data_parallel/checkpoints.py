@@ -6,18 +6,23 @@ step ``s`` is replica 0's states and optimizer states (momentum, Adam moments, s
 step ``s``'s update is applied everywhere. The data order is a function of the seed and the
 epoch (:mod:`protocol.rules.batching`), so the step is all the position a run needs: resumed, it
 trains steps ``s + 1 ...`` exactly as the undisturbed run would have.
+
+DiLoCo's replicas stand together only at a synchronisation, and each keeps an inner optimizer
+of its own: :class:`SyncCheckpoints` saves, after a synchronisation, the global model, every
+replica's inner optimizer state (by replica) and the outer optimizer's state (its momentum).
+``checkpoint_every`` steps then means the first synchronisation at or after each multiple.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas
 
-__all__ = ["ReplicaCheckpoints"]
+__all__ = ["ReplicaCheckpoints", "SyncCheckpoints"]
 
 
 @dataclass
@@ -31,9 +36,7 @@ class ReplicaCheckpoints:
     epochs: int
 
     @classmethod
-    def of(
-        cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int
-    ) -> ReplicaCheckpoints:
+    def of(cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int) -> Self:
         policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
         return cls(run, run.job.checkpoints, policy, epochs)
 
@@ -88,3 +91,67 @@ class ReplicaCheckpoints:
     def due(self, done: int, total: int) -> bool:
         """Whether :meth:`after` would save after step ``done``."""
         return self.checkpoints is not None and self.policy.due(done, total)
+
+
+@dataclass
+class SyncCheckpoints(ReplicaCheckpoints):
+    """DiLoCo's checkpoints through the coordinator, saved after a synchronisation (module
+    docstring); ``outer`` is the outer optimizer's state a resumed run starts from."""
+
+    outer: Any = None
+    last: int = 0  # the step of the last checkpoint saved (or resumed from)
+
+    async def restore(self) -> int:
+        """Every replica set to the checkpoint's global model and its own inner optimizer
+        state (a replica with none saved, dropped then, takes the first replica's); the steps
+        it had done (``0`` when the run starts from the beginning)."""
+        resume = self.checkpoints.resume if self.checkpoints is not None else None
+        if resume is None:
+            return 0
+        states, optimizers = resume.payload["states"], resume.payload["optimizers"]
+        self.outer = resume.payload["outer"]
+        ctx = self.run.ctx
+        first = optimizers[min(optimizers, key=int)]
+
+        async def put(i: int, fresh: bool) -> None:
+            await ctx.set_state(i, states)
+            await ctx.set_optimizer_state(i, optimizers.get(str(i), first))
+
+        await self.run.on_all(put, range(ctx.num_workers()))
+        assert self.checkpoints is not None
+        await self.run.emit("resumed", self.checkpoints.resumed())
+        self.last = int(resume.position["step"])
+        return self.last
+
+    def stop_at(self, done: int, total: int) -> int:
+        return total  # saved where a synchronisation falls, not where a count does
+
+    def due(self, done: int, total: int) -> bool:
+        """Whether to save after the synchronisation that ends step ``done``: when the policy
+        says so, or when a multiple of ``checkpoint_every`` was passed since the last one."""
+        if self.checkpoints is None:
+            return False
+        every = self.policy.every
+        passed = bool(every) and done // every > self.last // every  # type: ignore[operator]
+        return passed or self.policy.due(done, total)
+
+    async def after_sync(
+        self, done: int, global_state: Any, optimizers: dict[int, Any], outer: Any
+    ) -> None:
+        """Save the run as it stands after the synchronisation that ends step ``done``:
+        ``global_state``, the inner ``optimizers`` of the replicas present (by replica) and the
+        ``outer`` optimizer's state. Call it when :meth:`due`."""
+        assert self.checkpoints is not None
+        per_epoch = max(1, self.policy.per_epoch)
+        position: dict[str, Any] = {
+            "step": done,
+            "epoch": min(self.epochs, (done - 1) // per_epoch + 1),
+        }
+        payload = {
+            "states": global_state,
+            "optimizers": {str(i): state for i, state in optimizers.items()},
+            "outer": outer,
+        }
+        await self.checkpoints.save(position, payload)
+        self.policy.saved()
+        self.last = done

@@ -76,6 +76,7 @@ class DataParallel(Strategy):
     options_model = DataParallelOptions
     options: DataParallelOptions
     saves_checkpoints = True
+    checkpoints_kind: type[ReplicaCheckpoints] = ReplicaCheckpoints
 
     def __init__(self, options: DataParallelOptions) -> None:
         super().__init__(options)
@@ -141,7 +142,7 @@ class DataParallel(Strategy):
                 await ctx.call(i, schedule)
 
         await run.on_all(tell, replicas)
-        choice = await choose(run, self.options.collective, self.options.collective_timeout)
+        choice = await self._choose(run)
         if self.options.compression is not None and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
@@ -169,7 +170,7 @@ class DataParallel(Strategy):
 
         # 2. Plain filters before the torch part: fitted per shard, averaged by rows, set on all;
         #    or, resumed, every node's state and optimizer state from the job's checkpoint.
-        saves = ReplicaCheckpoints.of(
+        saves = self.checkpoints_kind.of(
             run, self.options.checkpoint_every, steps_per_epoch, training.epochs
         )
         start = await saves.restore()
@@ -224,6 +225,10 @@ class DataParallel(Strategy):
         )
         await star.train(phase.total, phase.start, phase.saves)
 
+    async def _choose(self, run: Replicas) -> Choice:
+        """The collective the run trains on (:func:`.torch_collective.choose`)."""
+        return await choose(run, self.options.collective, self.options.collective_timeout)
+
     def _outer_step(self) -> OuterStepSpec | None:
         """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
         step's gradients are reduced."""
@@ -275,19 +280,20 @@ async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any
 
 
 def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
-    """How the model is evaluated at an epoch's end (``None``: no validation data): on
-    replica 0, which holds the rows sent; or, on the workers' own split, every replica on its
-    own, the figures weighted by rows."""
+    """How the model is evaluated at an epoch's end (``None``: no validation data): on the
+    first replica present, which holds the rows sent; or, on the workers' own split, every
+    replica present on its own, the figures weighted by rows."""
     if not job.validates:
         return None
     request = EvaluateRequest(node_ids=job.node_ids, data=VALIDATION)
-    which = range(run.ctx.num_workers()) if job.val_split is not None else [0]
 
     async def one(i: int, fresh: bool) -> dict[str, Any]:
         scores: dict[str, Any] = await run.ctx.call(i, request)
         return scores
 
     async def evaluate() -> dict[str, Any]:
+        present = run.present()  # (DiLoCo's elastic rounds drop replicas: those left hold it)
+        which = present if job.val_split is not None else present[:1]
         return row_weighted(list((await run.on_all(one, which)).values()))
 
     return evaluate

@@ -16,23 +16,47 @@ It then sets every replica to the new global weights. Each replica keeps its inn
 Either way the synchronisations fall after every ``sync_every`` steps of an epoch and at its end
 (:func:`protocol.rules.batching.synchronises`), so the epoch's validation, its history row and the
 result see the global model, which every replica holds alike.
+
+What outlives a replica is kept where the global model is: through the coordinator. So a DiLoCo
+job that is ``elastic``, saves checkpoints or may restart trains through the coordinator (``auto``
+picks it and says why; ``torch`` is refused at submit). There, with ``elastic``, a replica whose
+worker or daemon is lost during a round is *dropped* from that round's average (``worker_lost``,
+then ``worker_dropped``) and the others go on at once, without waiting; at each synchronisation
+that follows, a lost replica's place is taken by a worker that is idle then — its own worker
+with a fresh daemon when only the daemon died — set to the new global model and a survivor's
+inner optimizer state (``worker_joined``), the outer state staying with the coordinator (as
+torchft's DiLoCo). A checkpoint (:class:`~.checkpoints.SyncCheckpoints`) is taken after a
+synchronisation: the global model, every replica's inner optimizer state and the outer momentum.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
+from coordinator.errors import NoReplacement, WorkerCallError
+from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
-from coordinator.strategies.data_parallel.elastic import Replicas
+from coordinator.strategies.data_parallel.elastic import (
+    RECOVERABLE,
+    Lost,
+    Replicas,
+    Snapshot,
+    every_replica_lost,
+)
 from coordinator.strategies.data_parallel.star import average
-from coordinator.strategies.data_parallel.torch_collective import chunk_progress, replica_plans
+from coordinator.strategies.data_parallel.torch_collective import (
+    Choice,
+    chunk_progress,
+    replica_plans,
+)
 from coordinator.strategies.federated.server_optimizers import FedAvgM
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
+from protocol.errors import ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
 from protocol.options.strategies import DiLoCoOptions
 from protocol.rules.batching import synchronises
@@ -40,13 +64,15 @@ from protocol.rules.traffic import sync_bytes
 
 __all__ = ["CoordinatorSyncs", "DiLoCo"]
 
+T = TypeVar("T")
+
 
 class DiLoCo(DataParallel):
     """``workers`` replicas that synchronise every ``sync_every`` steps (module docstring)."""
 
     options_model = DiLoCoOptions
     options: DiLoCoOptions
-    saves_checkpoints = False
+    checkpoints_kind = SyncCheckpoints
 
     def _outer_step(self) -> OuterStepSpec:
         return self.options.outer_step()
@@ -55,9 +81,21 @@ class DiLoCo(DataParallel):
         """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
         return {"sync_bytes": sync_bytes(shapes), "sync_every": self.options.sync_every}
 
+    async def _choose(self, run: Replicas) -> Choice:
+        """Through the coordinator when the run must outlive a replica (module docstring)."""
+        keeps = self.options.keeps_state()
+        if keeps:
+            return Choice(
+                "coordinator",
+                f"DiLoCo with {keeps} synchronises through the coordinator, which keeps the "
+                "global model and the outer momentum",
+            )
+        return await super()._choose(run)
+
     async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. DiLoCo through the coordinator (module docstring)."""
         setup = phase.setup
+        assert isinstance(phase.saves, SyncCheckpoints)
         syncs = CoordinatorSyncs(
             setup.run,
             phase.training,
@@ -66,6 +104,7 @@ class DiLoCo(DataParallel):
             self.options,
             phase.history,
             phase.evaluate,
+            phase.saves,
         )
         await syncs.train(phase.total, phase.start)
 
@@ -82,30 +121,39 @@ class CoordinatorSyncs:
     options: DiLoCoOptions
     history: History
     evaluate: Evaluate | None
+    saves: SyncCheckpoints
+    lost: dict[int, WorkerCallError] = field(default_factory=dict)  # dropped, and why
 
     async def train(self, total: int, start: int) -> None:
-        """Global steps ``[start, total)``: each round's inner steps on every replica, then
-        the synchronisation; one progress event a round."""
+        """Global steps ``[start, total)``: each round's inner steps on every replica present,
+        then the synchronisation (and the lost replicas' places taken); one progress event a
+        round."""
         run, ctx = self.run, self.run.ctx
-        replicas = list(range(ctx.num_workers()))
         plan = self._plans()
-        await run.on_all(lambda i, fresh: ctx.call(i, plan(i)), replicas)
+        await run.on_all(lambda i, fresh: ctx.call(i, plan(i)), run.present())
         nodes = run.torch_nodes
-        global_state = await ctx.get_state(0, nodes)  # every replica's, after set-up
+        global_state = next(iter((await self._on_present(_get(ctx, nodes))).values()))
         o = self.options
         outer = FedAvgM(
             FedAvgMOptions(lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov)
         )
+        if self.saves.outer is not None:  # resumed: the outer momentum as it was saved
+            outer.load_state_dict(self.saves.outer)
         step = start
         for stop in self._rounds(total):
             if stop <= step:
                 continue
             run.position.phase, run.position.step = "training", step + 1
-            results = await run.on_all(_train(ctx, step, stop), replicas)
-            states = await run.on_all(lambda i, fresh: ctx.get_state(i, nodes), replicas)
-            mean = average([(run.ids[i], 1.0, states[i]) for i in replicas])
+            results = await self._on_present(_train(ctx, step, stop))
+            states = await self._on_present(_get(ctx, nodes))
+            results = {i: r for i, r in results.items() if i in states}
+            mean = average([(run.ids[i], 1.0, states[i]) for i in sorted(states)])
             global_state = outer.step(global_state, mean)
-            await run.on_all(_set(ctx, global_state), replicas)
+            await self._on_present(_set(ctx, global_state))
+            if self.lost:
+                await self._join(plan)
+            if self.saves.due(stop, total):
+                await self._checkpoint(stop, global_state, outer.state_dict())
             await chunk_progress(
                 run.emit,
                 self.training,
@@ -117,6 +165,74 @@ class CoordinatorSyncs:
             )
             step = stop
         run.position.step = None
+
+    async def _checkpoint(self, done: int, global_state: dict[str, Any], outer: Any) -> None:
+        """Save the run after the synchronisation that ends step ``done``: the global model
+        with the plain filters' states (fitted once, the same everywhere), every replica's
+        inner optimizer state and the ``outer`` optimizer's."""
+        run, ctx = self.run, self.run.ctx
+        prefix = [n for n in run.job.node_ids if n not in run.torch_nodes]
+        optimizers = await self._on_present(_get_optimizers(ctx, run.torch_nodes))
+        fitted = await ctx.get_state(run.present()[0], prefix) if prefix else {}
+        await self.saves.after_sync(done, fitted | global_state, optimizers, outer)
+
+    async def _on_present(self, call: Callable[[int], Awaitable[T]]) -> dict[int, T]:
+        """``call(i)`` on every replica present; their results by replica. With ``elastic`` a
+        replica whose worker or daemon is lost is dropped and the others' results stand.
+
+        Raises:
+            StrategyFailed: every replica present was lost (``worker_lost``).
+        """
+        run = self.run
+        try:
+            return await run.each({i: call(i) for i in run.present()})
+        except Lost as lost:
+            await run.report(lost.errors)
+            for i, error in lost.errors.items():
+                run.absent.add(i)
+                self.lost[i] = error
+            if not lost.results:
+                raise every_replica_lost(lost.errors, run.position.where) from None
+            for i, error in lost.errors.items():
+                await run.emit(
+                    "worker_dropped",
+                    {"replica": i, "worker": error.worker_id, "replicas": len(run.present())}
+                    | run.position.at(),
+                )
+            return lost.results
+
+    async def _join(self, plan: Callable[[int], DistPlanRequest]) -> None:
+        """At a synchronisation, each lost replica's place taken by a worker idle now (its own,
+        with a fresh daemon, when only the daemon died), set to a survivor's states — the
+        global model, just set — and inner optimizer state; a place nobody takes stays empty
+        until the next."""
+        run, ctx = self.run, self.run.ctx
+        source = run.present()[0]
+        snapshot: Snapshot | None = None
+        for i, error in sorted(self.lost.items()):
+            old = run.ids[i]
+            if error.code is not ErrorCode.DAEMON_CRASHED:
+                try:
+                    await ctx.replace(i, 0.0)
+                except NoReplacement:
+                    continue
+            try:
+                if snapshot is None:  # (the plain filters' states with the global model)
+                    snapshot = await run.snapshot(source)
+                await run.restore(i, snapshot)
+                await ctx.call(i, plan(i))
+            except WorkerCallError as exc:
+                if exc.code not in RECOVERABLE or exc.worker_id == run.ids[source]:
+                    raise
+                self.lost[i] = exc  # the joiner went too: the place stays empty
+                continue
+            del self.lost[i]
+            run.absent.discard(i)
+            await run.emit(
+                "worker_joined",
+                {"replica": i, "lost": old, "worker": run.ids[i], "from": run.ids[source]}
+                | run.position.at(),
+            )
 
     def _plans(self) -> Callable[[int], DistPlanRequest]:
         """Each replica's plan: its rows, its place among the replicas, no group."""
@@ -145,12 +261,24 @@ class CoordinatorSyncs:
         return [g + 1 for g in range(total) if ends[g]]
 
 
-def _train(ctx: StrategyContext, start: int, stop: int) -> Callable[[int, bool], Awaitable[Any]]:
-    """A replica's inner steps ``[start, stop)``, as :meth:`Replicas.on_all` calls it."""
+def _train(ctx: StrategyContext, start: int, stop: int) -> Callable[[int], Awaitable[Any]]:
+    """A replica's inner steps ``[start, stop)``."""
     request = DistTrainRequest(start=start, stop=stop)
-    return lambda i, fresh: ctx.call(i, request)
+    return lambda i: ctx.call(i, request)
 
 
-def _set(ctx: StrategyContext, states: dict[str, Any]) -> Callable[[int, bool], Awaitable[None]]:
+def _get(ctx: StrategyContext, nodes: list[str]) -> Callable[[int], Awaitable[dict[str, Any]]]:
+    """A replica's weights of ``nodes``."""
+    return lambda i: ctx.get_state(i, nodes)
+
+
+def _get_optimizers(
+    ctx: StrategyContext, nodes: list[str]
+) -> Callable[[int], Awaitable[dict[str, Any]]]:
+    """A replica's inner optimizer states of ``nodes``."""
+    return lambda i: ctx.get_optimizer_state(i, nodes)
+
+
+def _set(ctx: StrategyContext, states: dict[str, Any]) -> Callable[[int], Awaitable[None]]:
     """A replica set to the global weights ``states``."""
-    return lambda i, fresh: ctx.set_state(i, states)
+    return lambda i: ctx.set_state(i, states)

@@ -102,11 +102,16 @@ class Replicas:
     staged_rows: dict[int, int] = field(default_factory=dict)  # by replica, as staging said
     schedule: ScheduleRequest | None = None  # the schedules' horizon, once it is known
     validation: StageRequest | None = None  # stages the job's validation data, if it has any
+    absent: set[int] = field(default_factory=set)  # replicas dropped (DiLoCo), until one joins
 
     @property
     def ids(self) -> list[str]:
         """The workers' ids now, by replica (a replacement takes its replica's index)."""
         return [w.id for w in self.ctx.workers]
+
+    def present(self) -> list[int]:
+        """The replicas taking part now: all but those dropped (DiLoCo's elastic rounds)."""
+        return [i for i in range(len(self.position.held)) if i not in self.absent]
 
     async def set_up(self, i: int, fresh: bool) -> None:
         """Load the filters on replica ``i`` and stage its rows (already done when ``fresh``)."""
@@ -161,7 +166,7 @@ class Replicas:
         what was copied (``None`` before there is any state to copy)."""
         pending = dict(errors)  # replicas to restore, and why each was lost
         unmanned = dict(errors)  # those of them still without a worker
-        await self._report(errors)
+        await self.report(errors)
         where = self.position.where
         while True:
             self.recoveries[where] += 1
@@ -181,7 +186,7 @@ class Replicas:
                 await self.each({i: self.restore(i, snapshot) for i in pending})
                 return snapshot
             except Lost as more:  # a survivor or a replacement went too
-                await self._report(more.errors)
+                await self.report(more.errors)
                 pending = {i: e for i, e in pending.items() if i not in more.results}
                 pending |= more.errors
                 unmanned = dict(more.errors)
@@ -208,14 +213,13 @@ class Replicas:
             )
 
     async def read_back(self) -> dict[int, dict[str, Any]]:
-        """Every replica's final state; with ``elastic`` a lost one is left out."""
+        """Every present replica's final state; with ``elastic`` a lost one is left out."""
         self.position.phase, self.position.step = "reading", None
-        replicas = range(len(self.position.held))
-        reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in replicas}
+        reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in self.present()}
         try:
             return await self.each(reads)
         except Lost as lost:
-            await self._report(lost.errors)
+            await self.report(lost.errors)
             if not lost.results:
                 raise every_replica_lost(lost.errors, "reading the final states") from None
             return lost.results
@@ -265,7 +269,8 @@ class Replicas:
         optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
         return Snapshot(self.ids[source], states, optimizers)
 
-    async def _report(self, errors: Mapping[int, WorkerCallError]) -> None:
+    async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
+        """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""
         for i, error in errors.items():
             await self.emit(
                 "worker_lost",

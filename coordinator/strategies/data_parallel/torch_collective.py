@@ -323,7 +323,8 @@ async def chunk_progress(
     batch's mean loss (``loss``: the last one's); and the history's rows, evaluated where an
     epoch ends."""
     start, stop = steps
-    losses, lrs, batch_rows = [], results[0].get("lrs") or [], []  # replicas step alike
+    losses, batch_rows = [], []
+    lrs = next(iter(results.values())).get("lrs") or []  # the replicas step alike
     for j in range(stop - start):
         rows = [results[i]["rows"][j] for i in results]
         values = [results[i]["losses"][j] for i in results]

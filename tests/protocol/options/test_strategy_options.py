@@ -338,7 +338,7 @@ def test_a_pipelines_spares_travel_and_are_placed_after_its_stages():
         sz.ModelParallel(partitions, spare_tag="spare")
 
 
-def test_diloco_takes_its_outer_step_and_refuses_what_it_does_not_take_yet():
+def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
     d = sz.DiLoCo(2, 10, outer_lr=0.5)
     assert (d.workers, d.sync_every, d.outer_lr, d.outer_momentum, d.nesterov) == (
         2,
@@ -362,13 +362,22 @@ def test_diloco_takes_its_outer_step_and_refuses_what_it_does_not_take_yet():
         r"outer_momentum must be a number in \[0, 1\), not 1": {"outer_momentum": 1},
         "nesterov must be True or False, not 'yes'": {"nesterov": "yes"},
         "inner_state must be one of 'keep', 'reset', not 'fresh'": {"inner_state": "fresh"},
-        "elastic=True is not taken yet by DiLoCo": {"elastic": True},
-        "checkpoint_every other than 0 is not taken yet by DiLoCo": {"checkpoint_every": None},
-        "max_restarts above 0 is not taken yet by DiLoCo": {"max_restarts": 1},
+        "DiLoCo with elastic=True trains through the coordinator": {
+            "elastic": True,
+            "collective": "torch",
+        },
+        "DiLoCo with checkpoints, max_restarts trains through the coordinator, which keeps": {
+            "checkpoint_every": None,
+            "max_restarts": 1,
+            "collective": "torch",
+        },
     }
     for words, bad in refusals.items():
         with pytest.raises(ValueError, match=f"^DiLoCo: {words}"):
             sz.DiLoCo(2, **bad)
+    kept = sz.DiLoCo(2, elastic=True, checkpoint_every=10, max_restarts=1)
+    assert kept.keeps_state() == "elastic=True, checkpoints, max_restarts"
+    assert sz.DiLoCo(2).keeps_state() == ""
     with pytest.raises(StrategyOptionsError, match=r"^diloco: sync_every must be"):
         strategy_from_spec("diloco", {"workers": 2, "sync_every": -1})
 

@@ -1,0 +1,201 @@
+"""DiLoCo through the coordinator in memory, against a plain-torch DiLoCo loop: checkpoints
+taken after synchronisations, a run resumed from any of them ending as the undisturbed run, and
+elastic rounds — a replica lost between two synchronisations dropped from that average, its place
+taken at the synchronisation by a spare (or left empty). Live: test_far_apart_live.py."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.context import InMemoryContext
+from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
+from coordinator.strategies.data_parallel.diloco import DiLoCo
+from protocol.options.strategies import DiLoCoOptions
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    OPTIMIZERS,
+    dataset,
+    graph_for,
+    inputs,
+    model,
+)
+from worker.daemon.main import Daemon
+
+STEPS = 3 * 7  # 3 epochs of ceil(203 / 32) steps; with sync_every=3: syncs after 3, 6, 7, 10...
+
+
+def diloco_by_hand(
+    x,
+    y,
+    optimizer: str,
+    replicas: int,
+    sync_every: int,
+    outer_lr: float,
+    outer_momentum: float,
+    epochs: int = 3,
+    batch_size: int = 32,
+    shuffle: bool = True,
+    validation=None,
+    absent: dict[int, set[int]] | None = None,
+):
+    """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
+    ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
+    optimizer of its own (kept), its loss weighted by its share of the global batch; after every
+    ``sync_every`` steps of an epoch and at its end the mean of θ_global − θ_local is the
+    gradient of one outer Nesterov-SGD step, and every replica starts again from θ_global.
+    With ``validation`` (centred as the training rows), also the global model's loss on it
+    at each epoch's end.
+
+    ``absent``: by round (from 0), the replicas that take no part in it (lost: no steps, not in
+    the average). One that is back in the next round starts it from θ_global with a copy of the
+    first present replica's inner optimizer state, as a worker joining at a synchronisation."""
+    absent = absent or {}
+    _, make = OPTIMIZERS[optimizer]
+    xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
+    global_net = copy.deepcopy(model())
+    outer = torch.optim.SGD(
+        global_net.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True
+    )
+    nets = [copy.deepcopy(global_net) for _ in range(replicas)]
+    inner = [make(net.parameters()) for net in nets]
+    order = torch.Generator().manual_seed(11)
+    steps = -(-len(xt) // batch_size)
+    val_losses = []
+    round_ = 0
+    for _ in range(epochs):
+        rows = torch.randperm(len(xt), generator=order) if shuffle else torch.arange(len(xt))
+        for step in range(steps):
+            batch = rows[step * batch_size : (step + 1) * batch_size].numpy()
+            here = [r for r in range(replicas) if r not in absent.get(round_, set())]
+            for r, part in enumerate(np.array_split(batch, replicas)):
+                if r not in here:
+                    continue
+                inner[r].zero_grad()
+                loss = torch.nn.functional.cross_entropy(nets[r](xt[part]), yt[part])
+                (loss * (len(part) * replicas / len(batch))).backward()
+                inner[r].step()
+            if (step + 1) % sync_every and step + 1 != steps:
+                continue
+            with torch.no_grad():
+                for g, *local in zip(
+                    global_net.parameters(), *(nets[r].parameters() for r in here), strict=True
+                ):
+                    g.grad = torch.stack([g - p for p in local]).mean(0)
+            outer.step()
+            round_ += 1
+            back = [r for r in range(replicas) if r not in here and r not in absent.get(round_, ())]
+            for r in back:  # joins: the first present replica's inner state, copied
+                inner[r].load_state_dict(copy.deepcopy(inner[here[0]].state_dict()))
+            for net in nets:
+                net.load_state_dict(global_net.state_dict())
+        if validation is not None:
+            xv, yv = (torch.as_tensor(a) for a in validation)
+            with torch.no_grad():
+                val_losses.append(float(torch.nn.functional.cross_entropy(global_net(xv), yv)))
+    return global_net.state_dict(), val_losses
+
+
+def _run(options: DiLoCoOptions, optimizer: str, *, spares=0, losing=None, store=None, resume=None):
+    """Train ``graph_for(optimizer, shuffle=True)`` with DiLoCo in memory (2 workers); lose the
+    replicas ``losing[step]`` right after the progress event of that step (their next call
+    fails with ``worker_lost``)."""
+    x, y = dataset()
+    job = inputs(graph_for(optimizer, shuffle=True), x, y)
+    ctx = InMemoryContext(2, Daemon, spares=spares)
+    losing = dict(losing or {})
+    events: list[tuple[str, dict]] = []
+    strategy = DiLoCo(options)
+
+    async def emit(event, data):
+        events.append((event, data))
+        if event == "progress":
+            for i in losing.pop(data.get("step"), []):
+                ctx.lose(i, "killed by the test")
+
+    if store is not None:
+        saves = JobCheckpoints("job", store, strategy.keep_checkpoints, emit, resume)
+        job = dataclasses.replace(job, checkpoints=saves)
+    states = asyncio.run(strategy.run(ctx, job, emit))
+    assert not losing, f"never reached: {losing}"
+    return states, events
+
+
+def _assert_states(states, expected, atol=1e-5):
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(states["mlp"][key]), value, rtol=0, atol=atol)
+
+
+def test_checkpoints_fall_on_synchronisations_and_a_resumed_run_ends_as_the_undisturbed_one(
+    tmp_path,
+):
+    x, y = dataset()
+    store = CheckpointStore(tmp_path)
+    options = DiLoCoOptions(
+        workers=2, sync_every=3, checkpoint_every=5, keep_checkpoints=10, collective="auto"
+    )
+    straight, events = _run(options, "adam", store=store)
+    saved = [data for event, data in events if event == "checkpoint"]
+    # The first synchronisation at or after each multiple of 5 (syncs: 3 6 7 10 13 14 17 20 21).
+    assert [c["step"] for c in saved] == [6, 10, 17, 20, 21]
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    _assert_states(straight, expected)
+
+    for seq, position in store.positions("job")[1:4]:  # from steps 10, 17 and 20
+        checkpoint = store.read("job", seq)
+        resumed, events = _run(
+            DiLoCoOptions(workers=2, sync_every=3, checkpoint_every=5),
+            "adam",
+            store=CheckpointStore(tmp_path / f"from-{seq}"),
+            resume=checkpoint,
+        )
+        assert ("resumed", position | {"checkpoint": seq}) in events
+        steps = [d["step"] for e, d in events if e == "progress" and "step" in d]
+        assert steps[0] > position["step"] and steps[-1] == STEPS
+        for key, value in straight["mlp"].items():
+            torch.testing.assert_close(resumed["mlp"][key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("spares", [1, 0])
+def test_a_replica_lost_between_syncs_is_dropped_from_that_average_and_its_place_taken_after(
+    spares,
+):
+    """Replica 1 is lost after the sync of step 3: the round of steps 4-6 averages replica 0
+    alone; at that round's sync a spare takes its place (the global model, replica 0's inner
+    Adam state) — or, with none, the job ends on one replica. Either way as the hand loop."""
+    x, y = dataset()
+    options = DiLoCoOptions(workers=2, sync_every=3, elastic=True)
+    states, events = _run(options, "adam", spares=spares, losing={3: [1]})
+    rounds = 9  # syncs after 3 6 7 | 10 13 14 | 17 20 21
+    absent = {1: {1}} if spares else {r: {1} for r in range(1, rounds)}
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent)
+    _assert_states(states, expected)
+    kinds = [kind for kind, _ in events]
+    lost = events[kinds.index("worker_lost")][1]
+    dropped = events[kinds.index("worker_dropped")][1]
+    assert (lost["worker"], lost["step"]) == ("mem-1", 4)
+    assert (dropped["replica"], dropped["worker"], dropped["replicas"]) == (1, "mem-1", 1)
+    steps = [d["step"] for k, d in events if k == "progress" and d["phase"] == "training"]
+    assert steps == [3, 6, 7, 10, 13, 14, 17, 20, 21]  # every round once, none waited for
+    if spares:
+        joined = events[kinds.index("worker_joined")][1]
+        assert (joined["replica"], joined["lost"], joined["worker"], joined["from"]) == (
+            1,
+            "mem-1",
+            "mem-2",
+            "mem-0",
+        )
+        assert kinds.index("worker_joined") < kinds.index("progress", kinds.index("worker_dropped"))
+    else:
+        assert "worker_joined" not in kinds
+
+
+def test_every_replica_lost_fails_the_job_naming_them():
+    from coordinator.strategies import StrategyFailed
+
+    with pytest.raises(StrategyFailed, match="every replica was lost"):
+        _run(DiLoCoOptions(workers=2, sync_every=3, elastic=True), "sgd", losing={6: [0, 1]})
