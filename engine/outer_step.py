@@ -6,7 +6,8 @@ each global batch with the filter's own optimizer, and nothing crosses the netwo
 synchronisation the replicas all-reduce their *pseudo-gradients* Δ = θ_global − θ_local (averaged
 over the group, in buckets), and each takes the same outer step on the global weights it keeps —
 SGD with momentum, Nesterov's by default (``torch.optim.SGD``, whose update with Δ as the
-gradient is the paper's outer optimiser) — and starts its next inner steps from them. Every
+gradient is the paper's outer optimiser); they travel in fp32 or compressed
+(:class:`engine.compression.CompressedMean`) — and starts its next inner steps from them. Every
 replica holds the same global weights and outer momentum, so none of it travels.
 
 With ``sync_every=1``, an outer SGD of ``lr=1`` and no momentum, one synchronisation averages the
@@ -20,8 +21,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
+from engine.compression import CompressedMean
 from protocol.daemon import OuterStepSpec
 
 __all__ = ["BUCKET_BYTES", "OuterStep"]
@@ -34,8 +35,14 @@ class OuterStep:
     """The global weights of ``params`` and their outer optimizer, over the default process
     group (module docstring)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], spec: OuterStepSpec) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        spec: OuterStepSpec,
+        compression: str | None = None,
+    ) -> None:
         self.spec = spec
+        self.pseudo_gradients = CompressedMean(compression)
         self.params = list(params)
         self.global_params = [p.detach().clone() for p in self.params]
         nesterov = spec.nesterov and spec.momentum > 0  # Nesterov's step needs a momentum
@@ -50,13 +57,11 @@ class OuterStep:
         Raises:
             RuntimeError: the group broke (torch.distributed's own error).
         """
-        world = dist.get_world_size()
         with torch.no_grad():
             deltas = [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
-            for bucket in _buckets(deltas):
+            for k, bucket in enumerate(_buckets(deltas)):
                 flat = torch.cat([d.reshape(-1) for d in bucket])
-                dist.all_reduce(flat)
-                flat.div_(world)
+                self.pseudo_gradients.mean(flat, k)
                 offset = 0
                 for d in bucket:
                     d.copy_(flat[offset : offset + d.numel()].view_as(d))

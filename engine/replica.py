@@ -83,7 +83,7 @@ class ReplicaPlan:
     alone: bool = False  # no group: the coordinator takes DiLoCo's outer step
     rank: int = 0  # this replica's place, and the replicas there are
     world: int = 1
-    compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
+    compression: str | None = None  # the gradients (DiLoCo's: pseudo-gradients) as they travel
     syncs: list[bool] = field(default_factory=list)  # per step, with ``outer``: a sync after it
 
     @classmethod
@@ -263,7 +263,7 @@ class Replica:
             ids = [device.index] if device.type == "cuda" else None
             buckets = bucketing(plan.compression)
             self._ddp = DistributedDataParallel(chain, device_ids=ids, **buckets)
-            if plan.compression is not None:
+            if plan.compression is not None and plan.outer is None:  # (DiLoCo's: at a sync)
                 compress(self._ddp, plan.compression, plan.seed)
         except RuntimeError as exc:
             if looks_collective(exc):
@@ -273,7 +273,7 @@ class Replica:
         self._outer = None
         if plan.outer is not None:  # the global weights: replica 0's, as DDP broadcast them
             trained = [p for p in self._ddp.module.parameters() if p.requires_grad]
-            self._outer = OuterStep(trained, plan.outer)
+            self._outer = OuterStep(trained, plan.outer, plan.compression)
 
     def train(self, start: int, stop: int) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,

@@ -242,8 +242,12 @@ class DataParallelOptions(CheckpointOptions):
             2⁻¹¹ and 2⁻⁸ per value; ``"bf16"`` on CUDA workers, over NCCL), or
             ``"powersgd:RANK"`` (Vogels et al. 2019: each matrix's gradient sent as a
             rank-RANK factorisation, with error feedback and warm start; the first two steps
-            all-reduce uncompressed). The result is then close to ``graph.fit``'s, not equal.
-            Not yet: ``"int8"`` and compression through the coordinator.
+            all-reduce uncompressed), or ``"int8"`` (each replica's bucket quantised to 8 bits
+            over its range and all-gathered: every value within half of (max − min) / 255 of
+            the bucket's). The result is then close to ``graph.fit``'s, not equal. Not yet:
+            compression through the coordinator. DiLoCo takes ``"fp16"``, ``"bf16"`` and
+            ``"int8"`` for its pseudo-gradients (int8 in chunks of 4,096 values, each within
+            max|chunk| / 254, with error feedback).
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
@@ -310,20 +314,15 @@ def powersgd_rank(compression: object) -> int | None:
 
 
 def _check_compression(fields: dict[str, Any]) -> None:
-    """``compression``: unset, ``"fp16"``, ``"bf16"`` or ``"powersgd:RANK"``, on the torch
-    collective."""
+    """``compression``: unset, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"powersgd:RANK"``, on
+    the torch collective."""
     compression = fields.get("compression")
     if compression is None:
         return
     if compression not in ("fp16", "bf16", "int8") and powersgd_rank(compression) is None:
         raise ValueError(
-            "compression must be None, 'fp16', 'bf16' or 'powersgd:RANK' (RANK a positive "
-            f"integer), not {compression!r}"
-        )
-    if compression == "int8":
-        raise ValueError(
-            "compression='int8' is not taken yet: it quantises what goes through the "
-            "coordinator; 'fp16', 'bf16' and 'powersgd:RANK' run on the torch collective"
+            "compression must be None, 'fp16', 'bf16', 'int8' or 'powersgd:RANK' (RANK a "
+            f"positive integer), not {compression!r}"
         )
     on = fields.get("device")
     if compression == "bf16" and not (isinstance(on, str) and on.startswith("cuda")):
@@ -394,7 +393,9 @@ class DiLoCoOptions(DataParallelOptions):
     events ``worker_dropped`` and ``worker_joined`` say who). A checkpoint is taken after a
     synchronisation (the first at or after every ``checkpoint_every`` steps; ``None``: at each
     epoch's end or after 60 s); a job resumed from one trains on exactly as it would have.
-    Not yet: compression of the pseudo-gradients.
+    ``compression`` (``"fp16"``, ``"bf16"``, ``"int8"``) is what the pseudo-gradients travel as
+    on the torch collective; int8 keeps what quantisation leaves out and sends it with the next
+    synchronisation (error feedback).
 
     Args:
         workers: how many replicas (workers) to train on.
@@ -434,11 +435,18 @@ class DiLoCoOptions(DataParallelOptions):
             raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
         boolean("nesterov", cls._given(fields, "nesterov"))
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
-        if fields.get("compression") is not None:
+        compression = fields.get("compression")
+        if powersgd_rank(compression) is not None:
             raise ValueError(
-                "compression is not taken yet by DiLoCo: the pseudo-gradients travel uncompressed"
+                f"compression={compression!r} factorises DataParallel's gradients; DiLoCo's "
+                "pseudo-gradients travel as 'fp16', 'bf16' or 'int8'"
             )
         keeps = cls._keeps(fields)
+        if keeps and compression is not None:
+            raise ValueError(
+                f"compression={compression!r} runs on the torch collective, and DiLoCo with "
+                f"{keeps} trains through the coordinator"
+            )
         if keeps and cls._given(fields, "collective") == "torch":
             raise ValueError(
                 f"DiLoCo with {keeps} trains through the coordinator, which keeps the global "

@@ -1,7 +1,8 @@
 """Compressed gradients (:mod:`engine.compression`) against their documented bounds, in a
 one-rank gloo group: fp16 is each gradient rounded to half precision and back; PowerSGD sends a
 matrix's gradient exactly when its rank is at most the factorisation's, and with error feedback
-what it leaves out of one step is sent with the next."""
+what it leaves out of one step is sent with the next; int8 keeps every value within half its
+quantisation step; DiLoCo's pseudo-gradients lose nothing over synchronisations."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.compression import bucketing, compress
+from engine.compression import (
+    INT8_CHUNK,
+    CompressedMean,
+    bucketing,
+    compress,
+    dequantize_int8,
+    quantize_int8,
+)
 
 
 @pytest.fixture
@@ -70,3 +78,55 @@ def test_powersgd_sends_what_it_left_out_with_the_next_steps(group):
     one = (steps[0][0] - true).norm() / true.norm()
     mean = (torch.stack([sent for sent, _ in steps]).mean(0) - true).norm() / true.norm()
     assert mean < one / 4, (float(mean), float(one))
+
+
+def test_int8_is_each_gradient_within_half_a_step_and_sends_the_rest_with_the_next(group):
+    batch = torch.randn(8, 64)
+    steps = gradients("int8", [batch] * 3)
+    (sent, true), (second, _), (third, _) = steps
+    assert (sent - true).abs().max() <= true.abs().max() / 254 * (1 + 1e-6)
+    assert not torch.equal(sent, true)
+    # Error feedback: what the first step left out travels with the second.
+    left_out = true - sent
+    assert (second - (true + left_out)).abs().max() <= (true + left_out).abs().max() / 254 + 1e-6
+    # Over the steps only the last residual is missing: within one step of the gradient's max.
+    missing = (sent + second + third - 3 * true).abs().max()
+    assert missing <= true.abs().max() * 1.01 / 254 < (sent - true).abs().max() * 3
+
+
+def test_quantize_int8_keeps_each_value_within_its_chunks_step():
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(INT8_CHUNK) * 100, torch.randn(1000) * 1e-3, torch.zeros(5)])
+    codes, scales = quantize_int8(values)
+    assert codes.dtype == torch.int8 and codes.shape == (2, INT8_CHUNK) and scales.shape == (2,)
+    back = dequantize_int8(codes, scales, values.numel())
+    for chunk in (slice(0, INT8_CHUNK), slice(INT8_CHUNK, None)):
+        bound = values[chunk].abs().max() / 254
+        assert (back[chunk] - values[chunk]).abs().max() <= bound * (1 + 1e-6)
+    assert torch.equal(back[-5:], torch.zeros(5))  # (the small chunk keeps its own scale)
+    assert float((back[INT8_CHUNK:-5] - values[INT8_CHUNK:-5]).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+def test_pseudo_gradients_lose_nothing_over_synchronisations(group, compression):
+    """fp16: the mean is each value rounded to half precision. int8 with error feedback: what a
+    synchronisation left out is sent with the next, so the sum of what was sent is the sum of
+    the pseudo-gradients less the last residual, which stays within one step."""
+    torch.manual_seed(1)
+    codec = CompressedMean(compression)
+    deltas = [torch.randn(5000) * 0.01 for _ in range(6)]
+    sent = []
+    for delta in deltas:
+        flat = delta.clone()
+        codec.mean(flat, 0)
+        sent.append(flat)
+    if compression == "fp16":
+        for delta, out in zip(deltas, sent, strict=True):
+            assert torch.equal(out, delta.half().float())
+        return
+    residual = codec.residuals[0]
+    torch.testing.assert_close(sum(sent) + residual, sum(deltas), rtol=0, atol=1e-6)
+    assert residual.abs().max() <= (deltas[-1] + residual).abs().max() / 254 + 1e-6
+    assert not torch.equal(sent[0], deltas[0])
+    with pytest.raises(ValueError, match="no compressed mean is 'powersgd:2'"):
+        CompressedMean("powersgd:2")

@@ -96,11 +96,14 @@ def placed_event(job: sz.Job):
     return next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
 
 
-@pytest.mark.parametrize(("compression", "atol"), [("fp16", 2e-3), ("powersgd:1", 0.1)])
+@pytest.mark.parametrize(
+    ("compression", "atol"), [("fp16", 2e-3), ("int8", 2e-2), ("powersgd:1", 0.1)]
+)
 def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, compression, atol):
     """SGD with momentum, 21 steps over 2 replicas: fp16 rounds each gradient (2⁻¹¹
-    relative), PowerSGD sends a rank-1 factorisation with error feedback: each ends
-    close to graph.fit's model, none equal to it, and the placed event says what ran."""
+    relative), int8 quantises it (within 1/254 of its largest) with error feedback, PowerSGD
+    sends a rank-1 factorisation with error feedback: each ends close to graph.fit's model,
+    none equal to it, and the placed event says what ran."""
     x, y = dataset()
     strategy = sz.DataParallel(2, collective="torch", compression=compression)
     job = client.submit(graph_for("sgd"), x, y, strategy=strategy)
@@ -115,8 +118,35 @@ def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, c
     assert (placed.data["collective"], placed.data["compression"]) == ("torch", compression)
     # fp16: 2 bytes a gradient. PowerSGD rank 1: the 16x6 and 3x16 matrices as their factors,
     # 16 + 6 and 3 + 16 values (under half of 96 and 48), the biases whole; 4 bytes a value.
-    by_hand = {"fp16": 2 * (6 * 16 + 16 + 16 * 3 + 3), "powersgd:1": 4 * (22 + 16 + 19 + 3)}
+    values = 6 * 16 + 16 + 16 * 3 + 3
+    by_hand = {
+        "fp16": 2 * values,
+        "int8": values + 8,  # a byte a value, a scale and zero point for DDP's one bucket
+        "powersgd:1": 4 * (22 + 16 + 19 + 3),
+    }
     assert placed.data["step_bytes"] == by_hand[compression]
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+def test_diloco_compressed_pseudo_gradients_equal_the_hand_loop_compressing_alike(
+    client, compression
+):
+    """DiLoCo's pseudo-gradients in fp16, or in int8 with error feedback, over the torch
+    group: the hand-written loop that rounds and quantises alike gives the same model, and the
+    placed event says the bytes a synchronisation sends."""
+    x, y = dataset()
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, collective="torch", compression=compression)
+    job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
+    fitted = job.result(timeout=120 * UNIT)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, compression=compression)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    assert not torch.allclose(plain["2.weight"], expected["2.weight"], rtol=0, atol=1e-7)
+    values = 6 * 16 + 16 + 16 * 3 + 3
+    placed = placed_event(job)
+    assert placed.data["compression"] == compression
+    assert placed.data["sync_bytes"] == {"fp16": 2 * values, "int8": values + 4}[compression]
 
 
 def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(live):

@@ -79,7 +79,8 @@ class DiLoCo(DataParallel):
 
     def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
         """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
-        return {"sync_bytes": sync_bytes(shapes), "sync_every": self.options.sync_every}
+        said = sync_bytes(shapes, self.options.compression)
+        return {"sync_bytes": said, "sync_every": self.options.sync_every}
 
     async def _choose(self, run: Replicas) -> Choice:
         """Through the coordinator when the run must outlive a replica (module docstring)."""

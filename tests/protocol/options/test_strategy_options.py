@@ -390,13 +390,12 @@ def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
     assert sz.DataParallel(2, compression="bf16", device="cuda").compression == "bf16"
     assert strategy_from_spec("data_parallel", {"workers": 2, "compression": "fp16"})
     refusals = {
-        "compression must be None, 'fp16', 'bf16' or 'powersgd:RANK'": [
+        "compression must be None, 'fp16', 'bf16', 'int8' or 'powersgd:RANK'": [
             {"compression": "gzip"},
             {"compression": "powersgd:0"},
             {"compression": "powersgd:x"},
             {"compression": 16},
         ],
-        "compression='int8' is not taken yet": [{"compression": "int8"}],
         "compression='bf16' needs device='cuda'": [{"compression": "bf16"}],
         "compression='fp16' runs on the torch collective": [
             {"compression": "fp16", "collective": "coordinator"}
@@ -406,5 +405,11 @@ def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
         for bad in cases:
             with pytest.raises(ValueError, match=f"^DataParallel: {re.escape(words)}"):
                 sz.DataParallel(2, **bad)
-    with pytest.raises(ValueError, match=r"^DiLoCo: compression is not taken yet by DiLoCo"):
-        sz.DiLoCo(2, compression="fp16")
+    assert sz.DataParallel(2, compression="int8").to_wire()["compression"] == "int8"
+    assert sz.DiLoCo(2, compression="int8").compression == "int8"
+    with pytest.raises(ValueError, match=r"^DiLoCo: compression='powersgd:2' factorises"):
+        sz.DiLoCo(2, compression="powersgd:2")
+    with pytest.raises(ValueError, match=r"^DiLoCo: compression='fp16' runs on the torch coll"):
+        sz.DiLoCo(2, compression="fp16", collective="coordinator")
+    with pytest.raises(ValueError, match=r"^DiLoCo: compression='int8' runs on the torch c"):
+        sz.DiLoCo(2, compression="int8", elastic=True)

@@ -42,6 +42,7 @@ def diloco_by_hand(
     shuffle: bool = True,
     validation=None,
     absent: dict[int, set[int]] | None = None,
+    compression: str | None = None,
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
@@ -53,8 +54,12 @@ def diloco_by_hand(
 
     ``absent``: by round (from 0), the replicas that take no part in it (lost: no steps, not in
     the average). One that is back in the next round starts it from θ_global with a copy of the
-    first present replica's inner optimizer state, as a worker joining at a synchronisation."""
+    first present replica's inner optimizer state, as a worker joining at a synchronisation.
+
+    ``compression``: the pseudo-gradients travel as ``"fp16"`` (each replica's share rounded
+    to half precision, summed in it) or ``"int8"`` (:func:`int8_by_hand`)."""
     absent = absent or {}
+    residuals: dict[int, torch.Tensor] = {}
     _, make = OPTIMIZERS[optimizer]
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     global_net = copy.deepcopy(model())
@@ -82,10 +87,21 @@ def diloco_by_hand(
             if (step + 1) % sync_every and step + 1 != steps:
                 continue
             with torch.no_grad():
-                for g, *local in zip(
-                    global_net.parameters(), *(nets[r].parameters() for r in here), strict=True
-                ):
-                    g.grad = torch.stack([g - p for p in local]).mean(0)
+                flat_global = torch.cat([g.reshape(-1) for g in global_net.parameters()])
+                deltas = {
+                    r: flat_global - torch.cat([p.reshape(-1) for p in nets[r].parameters()])
+                    for r in here
+                }
+                if compression == "fp16":
+                    mean = sum((d / len(here)).half() for d in deltas.values()).float()
+                elif compression == "int8":
+                    mean = int8_by_hand(deltas, residuals) / len(here)
+                else:
+                    mean = torch.stack(list(deltas.values())).mean(0)
+                offset = 0
+                for g in global_net.parameters():
+                    g.grad = mean[offset : offset + g.numel()].view_as(g).clone()
+                    offset += g.numel()
             outer.step()
             round_ += 1
             back = [r for r in range(replicas) if r not in here and r not in absent.get(round_, ())]
@@ -98,6 +114,24 @@ def diloco_by_hand(
             with torch.no_grad():
                 val_losses.append(float(torch.nn.functional.cross_entropy(global_net(xv), yv)))
     return global_net.state_dict(), val_losses
+
+
+def int8_by_hand(deltas: dict[int, torch.Tensor], residuals: dict[int, torch.Tensor]):
+    """The sum over replicas of each one's ``deltas`` plus its residual, quantised to int8 in
+    chunks of 4096 values (scale max|chunk| / 127, rounded to nearest) and back; each replica's
+    residual becomes what quantisation left out (error feedback)."""
+    total = 0
+    for r, delta in deltas.items():
+        sent = delta + residuals.get(r, torch.zeros_like(delta))
+        back = torch.empty_like(sent)
+        for start in range(0, len(sent), 4096):
+            chunk = sent[start : start + 4096]
+            scale = chunk.abs().max() / 127
+            codes = torch.round(chunk / scale).clamp(-127, 127) if scale > 0 else chunk * 0
+            back[start : start + 4096] = codes * scale
+        residuals[r] = sent - back
+        total = total + back
+    return total
 
 
 def _run(options: DiLoCoOptions, optimizer: str, *, spares=0, losing=None, store=None, resume=None):
