@@ -58,10 +58,10 @@ coordinator job, one process, the parts), on one cluster; the byte runs, whose f
 depend on the machine's speed, once. Every process started here is killed at the end (also on
 Ctrl-C); logs are printed on failure. On 2 cores the default run took 4.8 minutes (with another
 0.8 core of load on the machine), ``--quick`` about 3; the print-out's last line says how long.
-There a step of 256 rows per replica takes about a quarter of a second or more (half of
-:data:`coordinator.strategies.data_parallel.torch_collective.CHUNK_SECONDS`, under which a chunk
-doubles), so the torch collective's chunks stay at 1 or 2 steps; on faster machines they grow, which
-the per-step measure above does not mind.
+There a step of 256 rows per replica takes about a quarter of a second or more, so the torch
+collective's chunks (which double while under half of
+:data:`coordinator.strategies.data_parallel.torch_collective.CHUNK_SECONDS`) stay at a few steps;
+on faster machines they grow, which the per-step measure above does not mind.
 """
 
 from __future__ import annotations

@@ -73,8 +73,12 @@ __all__ = [
     "replica_plans",
 ]
 
-CHUNK_SECONDS = 0.5
-"""About how long one chunk of steps (one call, one progress event) should take."""
+CHUNK_SECONDS = 2.0
+"""About how long one chunk of steps (one call, one progress event) should take. Each chunk's
+end is a round trip through the coordinator in which no replica trains: on links of 20 ms round
+trip, chunks of half a second cost DataParallel with PowerSGD 1.24× and DiLoCo 1.16× their
+plain-torch anchors' time, two-second chunks 1.10× and 1.05× (``python -m
+benchmarks.slow_links``)."""
 
 MAX_CHUNK = 4096
 """The most steps in one chunk, however fast they are."""
