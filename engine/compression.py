@@ -148,6 +148,8 @@ class CompressedMean:
 
     def _int8(self, flat: torch.Tensor, bucket: int, world: int) -> None:
         residual = self.residuals.get(bucket)
+        if residual is not None and residual.shape != flat.shape:
+            residual = None  # DDP rebuilt its buckets after the first step: that one's is lost
         sent = flat + residual if residual is not None else flat.clone()
         codes, scales = quantize_int8(sent)
         self.residuals[bucket] = sent - dequantize_int8(codes, scales, sent.numel())
