@@ -41,6 +41,7 @@ from benchmarks.report import (
     now,
     number,
     render_markdown,
+    sections,
     to_json,
     verdict,
 )
@@ -198,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if write:
         args.docs.mkdir(parents=True, exist_ok=True)
-        (args.docs / "benchmarks.md").write_text(render_markdown(rows, meta))
+        document = args.docs / "benchmarks.md"
+        kept = sections(document.read_text()) if document.exists() else ""  # others' sections
+        document.write_text(render_markdown(rows, meta) + ("\n" + kept if kept else ""))
         payload = to_json(rows, meta, details)
         (args.docs / "benchmarks.json").write_text(json.dumps(payload, indent=1, default=str))
         console.print(f"wrote {args.docs / 'benchmarks.md'} and {args.docs / 'benchmarks.json'}")

@@ -15,6 +15,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,3 +258,23 @@ def now() -> str:
 def command_line(argv: Sequence[str]) -> str:
     """How this run was started, as one would type it."""
     return shlex.join(["python", "-m", "benchmarks", *argv])
+
+
+SECTION = re.compile(r"<!-- section: (?P<name>[\w.]+) -->\n.*?<!-- end: (?P=name) -->\n", re.S)
+"""A block of ``docs/benchmarks.md`` that another benchmark writes (its module's name), which
+``python -m benchmarks`` keeps when it writes the rest."""
+
+
+def with_section(document: str, name: str, body: str) -> str:
+    """``document`` with the section ``name`` (:data:`SECTION`) replaced by ``body``, or added
+    at its end."""
+    block = f"<!-- section: {name} -->\n{body.rstrip()}\n<!-- end: {name} -->\n"
+    for found in SECTION.finditer(document):
+        if found.group("name") == name:
+            return document[: found.start()] + block + document[found.end() :]
+    return document.rstrip("\n") + "\n\n" + block
+
+
+def sections(document: str) -> str:
+    """Every section of ``document`` that another benchmark wrote, as they stand."""
+    return "".join(found.group(0) for found in SECTION.finditer(document))

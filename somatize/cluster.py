@@ -150,6 +150,7 @@ class LocalCluster:
         prefix: Sequence[str] = (),
         device: str | None = None,
         args: Sequence[str] = (),
+        connect: str | None = None,
     ) -> None:
         """Start a worker agent and wait until the coordinator lists it connected: idle, or
         busy when a job took it at once (a job waiting for a replacement, or a queued one).
@@ -158,9 +159,11 @@ class LocalCluster:
         ``peer_link`` makes it listen for other workers' tensors (``--peer-listen``) on a free
         loopback port; ``prefix`` goes before the command (``ip netns exec NS``: the worker in
         another network namespace); ``device`` is its ``--device`` (``auto`` when ``None``);
-        ``args`` are more ``somatize-worker`` arguments.
+        ``args`` are more ``somatize-worker`` arguments; ``connect`` the URL it dials (default
+        :attr:`url`: a worker in a namespace may reach the coordinator at another address).
         """
-        argv = [*prefix, str(BIN / "somatize-worker"), "--connect", self.url, "--id", worker_id]
+        url = connect or self.url
+        argv = [*prefix, str(BIN / "somatize-worker"), "--connect", url, "--id", worker_id]
         argv += ["--identity-file", str(self.logs.parent / "identities" / f"{worker_id}.key")]
         argv += ["--threads", str(threads or self.job_threads)]
         if device is not None:

@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from benchmarks.report import Row, Target, number, render_markdown, to_json
+from benchmarks.report import (
+    Row,
+    Target,
+    number,
+    render_markdown,
+    sections,
+    to_json,
+    with_section,
+)
 
 META = {
     "date": "2025-01-01 00:00 UTC",
@@ -84,3 +92,16 @@ def test_the_markdown_holds_date_machine_command_table_and_targets() -> None:
     assert "- pipeline: RuntimeError: boom" in text
     payload = to_json(rows, META, {"codec": {"results": {}}})
     assert payload["rows"][0]["ratio"] == pytest.approx(0.6) and payload["rows"][1]["met"] is False
+
+
+def test_a_section_another_benchmark_wrote_is_replaced_added_and_kept():
+    table = "# Benchmarks\n\n| a | b |\n"
+    once = with_section(table, "slow_links", "## Workers far apart\n\nfirst")
+    assert once.startswith(table) and once.endswith(
+        "<!-- section: slow_links -->\n## Workers far apart\n\nfirst\n<!-- end: slow_links -->\n"
+    )
+    twice = with_section(once, "slow_links", "## Workers far apart\n\nsecond\n")
+    assert "first" not in twice and twice.count("<!-- section: slow_links -->") == 1
+    kept = sections(twice)
+    assert kept == twice[twice.index("<!-- section") :]
+    assert sections("# Benchmarks\n") == ""
