@@ -26,10 +26,12 @@ os.environ["XDG_STATE_HOME"] = _STATE_HOME.name
 
 
 def _weight(item: pytest.Item) -> int:
-    """0 for the files that start clusters (the longest), 1 for the benchmarks' checks, 2 for
-    the rest."""
+    """0 for the files that start clusters (the longest), 1 for the benchmarks' checks and the
+    worker's tests (which start agents and daemons: ``test_supervisor`` alone takes a minute,
+    and handed out last it held one test process for that minute while the other idled), 2
+    for the rest."""
     first = item.path.relative_to(_TESTS).parts[0]
-    return {"integration": 0, "benchmarks": 1}.get(first, 2)
+    return {"integration": 0, "benchmarks": 1, "worker": 1}.get(first, 2)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
