@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from protocol.options.strategies import powersgd_rank
+from protocol.rules.traffic import INT8_CHUNK
 
 __all__ = [
     "INT8_CHUNK",
@@ -48,8 +49,6 @@ __all__ = [
     "quantize_int8",
 ]
 
-INT8_CHUNK = 4096
-"""Values that share one scale in DiLoCo's int8 pseudo-gradients (4 bytes of scale each)."""
 
 ONE_BUCKET_MB = 1 << 20
 """DDP's ``bucket_cap_mb`` that puts every gradient in one bucket (1 TiB)."""

@@ -18,17 +18,15 @@ replica's loss is weighted by its share of the global batch (:mod:`engine.replic
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from engine.compression import CompressedMean
 from protocol.daemon import OuterStepSpec
+from protocol.rules.traffic import buckets
 
-__all__ = ["BUCKET_BYTES", "OuterStep"]
-
-BUCKET_BYTES = 25 * 1024 * 1024
-"""The most bytes of pseudo-gradients in one all-reduce (DDP's default bucket)."""
+__all__ = ["OuterStep"]
 
 
 class OuterStep:
@@ -59,7 +57,9 @@ class OuterStep:
         """
         with torch.no_grad():
             deltas = [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
-            for k, bucket in enumerate(_buckets(deltas)):
+            sizes = [d.numel() * d.element_size() for d in deltas]
+            for k, run in enumerate(buckets(sizes)):  # (protocol.rules.traffic counts them so)
+                bucket = [deltas[j] for j in run]
                 flat = torch.cat([d.reshape(-1) for d in bucket])
                 self.pseudo_gradients.mean(flat, k)
                 offset = 0
@@ -75,18 +75,3 @@ class OuterStep:
         if self.spec.inner_state == "reset":
             for optimizer in inner:
                 optimizer.state = defaultdict(dict)
-
-
-def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """``tensors`` in runs of at most :data:`BUCKET_BYTES` (a larger one alone)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > BUCKET_BYTES:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket

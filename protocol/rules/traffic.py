@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from protocol.options.strategies import powersgd_rank
 
-__all__ = ["FP32", "step_bytes", "sync_bytes"]
+__all__ = ["BUCKET_BYTES", "FP32", "INT8_CHUNK", "buckets", "step_bytes", "sync_bytes"]
 
 FP32 = 4
 """Bytes of one uncompressed gradient value."""
@@ -25,12 +25,11 @@ FP32 = 4
 HALF = 2
 """Bytes of one value compressed to fp16 or bf16."""
 
-DDP_BUCKET_BYTES = 25 * 1024 * 1024
-"""DDP's default bucket, and DiLoCo's largest all-reduce (``engine.outer_step.BUCKET_BYTES``)."""
+BUCKET_BYTES = 25 * 1024 * 1024
+"""DDP's default bucket, and DiLoCo's largest all-reduce of pseudo-gradients."""
 
 INT8_CHUNK = 4096
-"""Values that share one scale in DiLoCo's int8 pseudo-gradients
-(``engine.compression.INT8_CHUNK``)."""
+"""Values that share one scale when int8 compresses them (``engine.compression``)."""
 
 MIN_COMPRESSION_RATE = 2
 """PowerSGD compresses a matrix only when that makes it this many times smaller (torch's)."""
@@ -44,7 +43,7 @@ def step_bytes(shapes: Sequence[Sequence[int]], compression: str | None) -> int:
         return HALF * _values(shapes)
     if compression == "int8":
         values = _values(shapes)
-        return values + 2 * FP32 * math.ceil(FP32 * values / DDP_BUCKET_BYTES)
+        return values + 2 * FP32 * math.ceil(FP32 * values / BUCKET_BYTES)
     rank = powersgd_rank(compression)
     if rank is None:
         return FP32 * _values(shapes)
@@ -66,23 +65,27 @@ def sync_bytes(shapes: Sequence[Sequence[int]], compression: str | None = None) 
         return HALF * _values(shapes)
     if compression == "int8":
         total = 0
-        for bucket in _buckets([math.prod(shape) for shape in shapes]):
-            total += bucket + FP32 * math.ceil(bucket / INT8_CHUNK)
+        sizes = [math.prod(shape) for shape in shapes]
+        for bucket in buckets([FP32 * size for size in sizes]):
+            values = sum(sizes[k] for k in bucket)
+            total += values + FP32 * math.ceil(values / INT8_CHUNK)
         return total
     return FP32 * _values(shapes)
 
 
-def _buckets(sizes: Sequence[int]) -> list[int]:
-    """The values of each bucket DiLoCo's synchronisation cuts tensors of ``sizes`` into (runs
-    of whole tensors of at most :data:`DDP_BUCKET_BYTES`, a larger one alone)."""
-    buckets: list[int] = []
-    current = 0
-    for size in sizes:
-        if current and (current + size) * FP32 > DDP_BUCKET_BYTES:
-            buckets.append(current)
-            current = 0
-        current += size
-    return buckets + ([current] if current else [])
+def buckets(nbytes: Sequence[int]) -> list[list[int]]:
+    """The tensors of ``nbytes`` bytes each, in order, cut in runs of at most
+    :data:`BUCKET_BYTES` (a larger one alone): each run's indices. DiLoCo's synchronisation
+    all-reduces one run at a time (``engine.outer_step``), and its bytes are counted so."""
+    runs: list[list[int]] = []
+    size = 0
+    for k, n in enumerate(nbytes):
+        if not runs or size + n > BUCKET_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(k)
+        size += n
+    return runs
 
 
 def _values(shapes: Sequence[Sequence[int]]) -> int:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from protocol.rules.traffic import step_bytes, sync_bytes
+from protocol.rules.traffic import buckets, step_bytes, sync_bytes
 
 # An MLP 784-2048-10: two matrices and two bias vectors.
 SHAPES = [[2048, 784], [2048], [10, 2048], [10]]
@@ -46,3 +46,9 @@ def test_the_powersgd_count_is_the_one_torchs_hook_reports():
         assert 4 * state.total_numel_after_compression == step_bytes(shapes, "powersgd:4")
     finally:
         dist.destroy_process_group()
+
+
+def test_buckets_cut_runs_of_whole_tensors_a_larger_one_alone():
+    mib = 1024 * 1024
+    assert buckets([10 * mib, 10 * mib, 10 * mib, 30 * mib, 1]) == [[0, 1], [2], [3], [4]]
+    assert buckets([]) == []
