@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
 from protocol.options.strategies import powersgd_rank
-from protocol.rules.traffic import INT8_CHUNK
 
 __all__ = [
     "INT8_CHUNK",
@@ -89,21 +88,6 @@ def compress(ddp: DistributedDataParallel, compression: str, seed: int) -> None:
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
-def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (flat) as int8 in chunks of :data:`INT8_CHUNK`, each with its scale
-    max|chunk| / 127 (the last chunk padded with zeros): ``(codes, scales)``."""
-    padded = F.pad(values, (0, -values.numel() % INT8_CHUNK)).view(-1, INT8_CHUNK)
-    scales = padded.abs().amax(dim=1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scales
-
-
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` values that ``codes`` and ``scales`` (:func:`quantize_int8`) stand for."""
-    return (codes.to(scales.dtype) * scales[:, None]).view(-1)[:n]
-
-
 def _mean_hook(mean, bucket):  # type: ignore[no-untyped-def]  # (DDP checks the annotations)
     """DDP's communication hook (a ``dist.GradBucket`` in, a done future of its mean out) that
     averages a bucket through ``mean``, a :class:`CompressedMean`."""
@@ -151,12 +135,12 @@ class CompressedMean:
             residual = None  # DDP rebuilt its buckets after the first step: that one's is lost
         sent = flat + residual if residual is not None else flat.clone()
         codes, scales = quantize_int8(sent)
-        self.residuals[bucket] = sent - dequantize_int8(codes, scales, sent.numel())
+        self.residuals[bucket] = sent - dequantize_int8(codes, scales)
         all_codes = [torch.empty_like(codes) for _ in range(world)]
         all_scales = [torch.empty_like(scales) for _ in range(world)]
         dist.all_gather(all_scales, scales)
         dist.all_gather(all_codes, codes)
         flat.zero_()
         for c, s in zip(all_codes, all_scales, strict=True):
-            flat.add_(dequantize_int8(c, s, flat.numel()))
+            flat.add_(dequantize_int8(c, s))
         flat.div_(world)

@@ -4,6 +4,11 @@ The gradient primitives never report an empty success: no gradient at all is an 
 (:mod:`engine.fitting`) leaves gradients on the parameters without stepping, because whoever
 owns the round owns the step: :meth:`Gradients.apply_gradients` writes a gradient (the mean of
 the replicas', say) and steps the persistent optimizers (:mod:`engine.optimizers`).
+
+Through the coordinator, gradients may travel compressed both ways
+(:mod:`protocol.compressed_trees`): read out encoded by this replica's own
+:class:`~protocol.compressed_trees.TreeCompressor` (which keeps the int8 residual from step to
+step), and a compressed mean decoded before it is applied.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from engine.errors import EngineError
 from engine.nodes import Node, Nodes, check_same_names, trainable
 from engine.optimizers import Optimizers
 from engine.transfer import to_cpu
-from protocol.errors import ErrorCode
+from protocol.compressed_trees import TreeCompressor, decode, is_compressed
+from protocol.errors import BadCompressedTree, ErrorCode
 
-__all__ = ["Gradients"]
+__all__ = ["Gradients", "received"]
 
 
 class Gradients:
@@ -29,6 +35,14 @@ class Gradients:
     def __init__(self, nodes: Nodes, optimizers: Optimizers) -> None:
         self.nodes = nodes
         self.optimizers = optimizers
+        self._sent: TreeCompressor | None = None  # what the gradients last travelled as
+
+    def sent(self, gradients: dict[str, dict[str, Any]], compression: str) -> dict[str, Any]:
+        """``gradients`` as they travel under ``compression``, the int8 residual of the last
+        ones added (and this one's kept)."""
+        if self._sent is None or self._sent.compression != compression:
+            self._sent = TreeCompressor(compression)
+        return self._sent.encode(gradients)
 
     def get_gradients(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         """The gradients left by the last ``fit``/``composite_fit``, by node and parameter name.
@@ -74,23 +88,25 @@ class Gradients:
         return out
 
     def apply_gradients(
-        self, gradients: Mapping[str, Mapping[str, Any]], *, epoch_end: bool = False
+        self, gradients: Mapping[str, Any], *, epoch_end: bool = False
     ) -> dict[str, int]:
         """Write ``gradients`` onto the parameters and take one step of the nodes as a run
         (:meth:`~engine.optimizers.Optimizers.step_run`: their gradient clipped as a whole,
         each node's persistent optimizer, then its scheduler; an epoch-wise one when
         ``epoch_end``).
 
-        Every node and tensor is checked before anything is written, so a mismatch leaves the
-        model untouched.
+        ``gradients`` may be compressed (:mod:`protocol.compressed_trees`). Every node and
+        tensor is checked before anything is written, so a mismatch leaves the model untouched.
 
         Returns:
             How many parameters were stepped, by node id.
 
         Raises:
             EngineError: ``GRADIENT_MISMATCH`` when names or shapes are not the same model,
-                ``NO_GRADIENTS`` for an empty gradient set.
+                ``NO_GRADIENTS`` for an empty gradient set, ``BAD_REQUEST`` for a compressed
+                one that cannot be decoded.
         """
+        gradients = received(gradients)
         if not gradients:
             raise EngineError(ErrorCode.NO_GRADIENTS, "apply_gradients was given no gradients")
         plan: list[tuple[Node, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
@@ -123,3 +139,17 @@ class Gradients:
             applied[node.node_id] = len(pairs)
         self.optimizers.step_run([node for node, _ in plan], epoch_end=epoch_end)
         return applied
+
+
+def received(tree: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``tree`` as it was sent: decoded when it travelled compressed.
+
+    Raises:
+        EngineError: ``BAD_REQUEST`` for a compressed tree that cannot be decoded.
+    """
+    if not is_compressed(tree):
+        return tree
+    try:
+        return decode(tree)
+    except BadCompressedTree as exc:
+        raise EngineError(ErrorCode.BAD_REQUEST, f"a compressed tree: {exc}") from exc

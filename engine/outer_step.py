@@ -10,6 +10,11 @@ gradient is the paper's outer optimiser); they travel in fp32 or compressed
 (:class:`engine.compression.CompressedMean`) — and starts its next inner steps from them. Every
 replica holds the same global weights and outer momentum, so none of it travels.
 
+A replica ``alone`` (DiLoCo through the coordinator, with compression) holds a
+:class:`SyncPoint` instead: the weights of its last synchronisation, from which its
+pseudo-gradients are read out compressed, and onto which the coordinator's outer update — the
+step the coordinator took, compressed too — is added.
+
 With ``sync_every=1``, an outer SGD of ``lr=1`` and no momentum, one synchronisation averages the
 replicas' weights after one step each: with an inner SGD that is DataParallel's step, since each
 replica's loss is weighted by its share of the global batch (:mod:`engine.replica`).
@@ -23,10 +28,13 @@ from collections.abc import Sequence
 import torch
 
 from engine.compression import CompressedMean
+from engine.errors import EngineError
+from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
+from protocol.errors import BadCompressedTree, ErrorCode
 from protocol.rules.traffic import buckets
 
-__all__ = ["OuterStep"]
+__all__ = ["OuterStep", "SyncPoint"]
 
 
 class OuterStep:
@@ -75,3 +83,56 @@ class OuterStep:
         if self.spec.inner_state == "reset":
             for optimizer in inner:
                 optimizer.state = defaultdict(dict)
+
+
+class SyncPoint:
+    """A replica ``alone``: the weights ``params`` (node → name → parameter) had at its last
+    synchronisation, its pseudo-gradients from them, and the coordinator's outer update onto
+    them (module docstring)."""
+
+    def __init__(self, params: dict[str, dict[str, torch.nn.Parameter]]) -> None:
+        self.params = params
+        self.anchor = {
+            node: {name: p.detach().clone() for name, p in named.items()}
+            for node, named in params.items()
+        }
+        self._sent: TreeCompressor | None = None
+
+    def pseudo_gradients(self, compression: str) -> dict[str, object]:
+        """θ_sync − θ_now, as ``compression`` has it travel (int8: the residual of the last
+        synchronisation added, this one's kept)."""
+        if self._sent is None or self._sent.compression != compression:
+            self._sent = TreeCompressor(compression)
+        with torch.no_grad():
+            deltas = {
+                node: {name: self.anchor[node][name] - p.detach() for name, p in named.items()}
+                for node, named in self.params.items()
+            }
+        return self._sent.encode(deltas)
+
+    def update(self, message: dict[str, object]) -> None:
+        """Add the coordinator's outer update (compressed) to the weights of the last
+        synchronisation; the weights become them.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for an update that cannot be decoded,
+                ``GRADIENT_MISMATCH`` for one that is not of this model's parameters.
+        """
+        try:
+            update = decode(message)
+        except BadCompressedTree as exc:
+            raise EngineError(ErrorCode.BAD_REQUEST, f"an outer update: {exc}") from exc
+        expected = {(n, k): tuple(p.shape) for n, ps in self.params.items() for k, p in ps.items()}
+        given = {(n, k): tuple(t.shape) for n, ts in update.items() for k, t in ts.items()}
+        if given != expected:
+            raise EngineError(
+                ErrorCode.GRADIENT_MISMATCH,
+                "an outer update must hold every trainable parameter of the replica, in its "
+                f"shape: expected {sorted(expected)}, got {sorted(given)}",
+            )
+        with torch.no_grad():
+            for node, named in self.params.items():
+                for name, p in named.items():
+                    anchor = self.anchor[node][name]
+                    anchor.add_(update[node][name].to(anchor.device, anchor.dtype))
+                    p.copy_(anchor)

@@ -46,9 +46,9 @@ from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
-from engine.nodes import Node, Nodes, run_setting
+from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
-from engine.outer_step import OuterStep
+from engine.outer_step import OuterStep, SyncPoint
 from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.daemon import OuterStepSpec
@@ -238,6 +238,7 @@ class Replica:
         self._plan: ReplicaPlan | None = None
         self._ddp: Wrapped | None = None
         self._outer: OuterStep | None = None
+        self._sync_point: SyncPoint | None = None  # a plan alone: its last synchronisation
         group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
     def set_plan(self, plan: ReplicaPlan) -> None:
@@ -253,6 +254,9 @@ class Replica:
         self._ddp = None
         if plan.alone:
             self._ddp, self._plan, self._outer = _Alone(_Chain(run, self.nodes.device)), plan, None
+            self._sync_point = None  # (the coordinator reads the weights themselves)
+            if plan.compression is not None:  # the pseudo-gradients travel compressed
+                self._sync_point = SyncPoint({node.node_id: trainable(node) for node in run})
             return
         self.group.place()
         device = self.nodes.device
@@ -320,6 +324,33 @@ class Replica:
         if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         return {"losses": losses, "rows": rows, "lrs": lrs}
+
+    def pseudo_gradients(self, compression: str) -> dict[str, Any]:
+        """A replica ``alone`` at a synchronisation: its pseudo-gradients as ``compression``
+        has them travel (:class:`~engine.outer_step.SyncPoint`).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` without a plan ``alone``.
+        """
+        return self._alone().pseudo_gradients(compression)
+
+    def outer_update(self, update: dict[str, Any]) -> None:
+        """A replica ``alone`` takes the coordinator's outer ``update`` (compressed).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` without a plan ``alone`` or for an update that cannot
+                be decoded; ``GRADIENT_MISMATCH`` for one of another model.
+        """
+        self._alone().update(update)
+
+    def _alone(self) -> SyncPoint:
+        if self._sync_point is None or self._plan is None or not self._plan.alone:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                "pseudo-gradients and outer updates are for a replica planned alone, with "
+                "compression",
+            )
+        return self._sync_point
 
     def _synchronise(self, outer: OuterStep, inner: list[torch.optim.Optimizer], step: int) -> None:
         """DiLoCo's synchronisation after global step ``step`` (:mod:`engine.outer_step`)."""
@@ -427,6 +458,7 @@ class Replica:
         self._ddp = None
         self._plan = None
         self._outer = None
+        self._sync_point = None
 
     def _prefix_and_run(self, node_ids: Sequence[str]) -> tuple[list[Node], list[Node]]:
         """The plain filters before the differentiable run, and the run.

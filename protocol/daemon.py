@@ -28,10 +28,24 @@ from pydantic import (
     StrictBytes,
     StrictInt,
     TypeAdapter,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
 
+from protocol.compressed_trees import WireCompression, is_compressed
 from protocol.errors import ErrorInfo
+
+
+def _plain_or_compressed(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A compressed tree as it is (:func:`protocol.compressed_trees.decode` checks it where it
+    is used); anything else validated as a plain tree."""
+    return value if is_compressed(value) else handler(value)
+
+
+GradientTree = Annotated[dict[str, dict[str, Any]], WrapValidator(_plain_or_compressed)]
+"""Node id → parameter name → tensor, or such a tree compressed
+(:mod:`protocol.compressed_trees`)."""
 
 __all__ = [
     "ApplyGradientsRequest",
@@ -43,8 +57,10 @@ __all__ = [
     "DataSource",
     "DistJoinRequest",
     "DistLeaveRequest",
+    "DistOuterUpdateRequest",
     "DistPlanRequest",
     "DistProbeRequest",
+    "DistPseudoGradientsRequest",
     "DistStoreRequest",
     "DistTrainRequest",
     "ErrorReply",
@@ -196,12 +212,14 @@ class GradientsRequest(DataSource):
 
     cmd: Literal["gradients"] = "gradients"
     node_ids: Annotated[list[str], Field(min_length=1)]
-    apply: dict[str, dict[str, Any]] | None = None  # the previous step's mean, applied first
+    apply: GradientTree | None = None  # the previous step's mean, applied first
     apply_ends_epoch: bool = False  # that step was its epoch's last (epoch-wise schedulers)
     read_next: list[int] | None = None  # the rows of ``data`` the next step will ask for
     seed: int | None = None
     buffers: dict[str, dict[str, Any]] | None = None
     return_buffers: bool = False
+    # The gradients travel back compressed (protocol.compressed_trees, with error feedback).
+    compression: WireCompression | None = None
 
 
 class EvaluateRequest(DataSource):
@@ -361,6 +379,24 @@ class DistTrainRequest(_Steps):
     cmd: Literal["dist_train"] = "dist_train"
 
 
+class DistPseudoGradientsRequest(_Request):
+    """A replica ``alone`` at a synchronisation of DiLoCo through the coordinator: its
+    pseudo-gradients (the weights of its last synchronisation minus its weights now) as
+    ``compression`` has them travel (:mod:`protocol.compressed_trees`, int8 with error
+    feedback)."""
+
+    cmd: Literal["dist_pseudo_gradients"] = "dist_pseudo_gradients"
+    compression: WireCompression
+
+
+class DistOuterUpdateRequest(_Request):
+    """A replica ``alone`` takes the coordinator's outer step: ``update`` (a compressed tree)
+    added to the weights of its last synchronisation, which its weights become."""
+
+    cmd: Literal["dist_outer_update"] = "dist_outer_update"
+    update: dict[str, Any]
+
+
 class DistLeaveRequest(_Request):
     """Leave the process group (and close the store, on replica 0); nothing to leave is fine."""
 
@@ -480,7 +516,7 @@ class ApplyGradientsRequest(_Request):
     """Write gradients onto the parameters and step each node's persistent optimizer."""
 
     cmd: Literal["apply_gradients"] = "apply_gradients"
-    gradients: dict[str, dict[str, Any]]
+    gradients: GradientTree
     epoch_end: bool = False  # the step ends an epoch (epoch-wise schedulers step after it)
     buffers: dict[str, dict[str, Any]] | None = None  # replica 0's, set after the step
 
@@ -542,6 +578,8 @@ DaemonRequest = Annotated[
     | DistJoinRequest
     | DistPlanRequest
     | DistTrainRequest
+    | DistPseudoGradientsRequest
+    | DistOuterUpdateRequest
     | PipePlanRequest
     | PipeTrainRequest
     | DistLeaveRequest

@@ -8,6 +8,7 @@ Exception tree::
     │       └── ReassemblyFull  refused for now: the chunked messages in progress fill the budget
     ├── Located              inside the codec only: a failure deep in a value, with its path
     ├── BadMessage           an incoming message that is not a frame or not a valid message
+    ├── BadCompressedTree    a compressed tree (protocol.compressed_trees) that cannot be decoded
     ├── VersionMismatch      the peer speaks another protocol version
     ├── UnexpectedReply      the peer answered with a kind of message this side did not ask for
     ├── ChannelClosed        the connection closed before the reply came
@@ -123,6 +124,10 @@ class BadMessage(ProtocolError):
         super().__init__(info.message)
         self.info = info
         self.reply_to = reply_to
+
+
+class BadCompressedTree(ProtocolError):
+    """A compressed tree (:mod:`protocol.compressed_trees`) that cannot be decoded: why."""
 
 
 class VersionMismatch(ProtocolError):

@@ -236,18 +236,19 @@ class DataParallelOptions(CheckpointOptions):
             exactly; the job says why when it is submitted (:attr:`Job.notes`) and in its
             ``placed`` event. Dropout masks are drawn per replica from a generator seeded by
             the filter's seed, the replica and the step: a rerun gives the same result.
-        compression: what the gradients travel as, on the torch collective, through torch's
+        compression: what the gradients travel as. On the torch collective, through torch's
             own DDP communication hooks: ``None`` (default, fp32), ``"fp16"`` or ``"bf16"``
             (each bucket cast before its all-reduce and back after: a relative error of at most
             2⁻¹¹ and 2⁻⁸ per value; ``"bf16"`` on CUDA workers, over NCCL), or
             ``"powersgd:RANK"`` (Vogels et al. 2019: each matrix's gradient sent as a
             rank-RANK factorisation, with error feedback and warm start; the first two steps
             all-reduce uncompressed), or ``"int8"`` (each replica's bucket quantised to 8 bits
-            over its range and all-gathered: every value within half of (max − min) / 255 of
-            the bucket's). The result is then close to ``graph.fit``'s, not equal. Not yet:
-            compression through the coordinator. DiLoCo takes ``"fp16"``, ``"bf16"`` and
-            ``"int8"`` for its pseudo-gradients (int8 in chunks of 4,096 values, each within
-            max|chunk| / 254, with error feedback).
+            in chunks of 4,096 values, every value within max|chunk| / 254, all-gathered, with
+            error feedback). Through the coordinator, ``"fp16"``, ``"bf16"`` (on any device)
+            and ``"int8"`` compress both legs of the star: each replica's gradients and the
+            mean sent back, int8 with error feedback on both (``"powersgd:RANK"`` is refused
+            there). The result is then close to ``graph.fit``'s, not equal. DiLoCo takes
+            ``"fp16"``, ``"bf16"`` and ``"int8"`` for its pseudo-gradients and outer updates.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
@@ -314,8 +315,8 @@ def powersgd_rank(compression: object) -> int | None:
 
 
 def _check_compression(fields: dict[str, Any]) -> None:
-    """``compression``: unset, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"powersgd:RANK"``, on
-    the torch collective."""
+    """``compression``: unset, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"powersgd:RANK"``; bf16
+    on the torch collective over CUDA only, PowerSGD on the torch collective only."""
     compression = fields.get("compression")
     if compression is None:
         return
@@ -324,16 +325,18 @@ def _check_compression(fields: dict[str, Any]) -> None:
             "compression must be None, 'fp16', 'bf16', 'int8' or 'powersgd:RANK' (RANK a "
             f"positive integer), not {compression!r}"
         )
-    on = fields.get("device")
-    if compression == "bf16" and not (isinstance(on, str) and on.startswith("cuda")):
+    on, collective = fields.get("device"), fields.get("collective")
+    cuda = isinstance(on, str) and on.startswith("cuda")
+    if compression == "bf16" and not cuda and collective != "coordinator":
         raise ValueError(
-            "compression='bf16' needs device='cuda' (or 'cuda:N'): torch's bf16 hook runs on "
-            f"NCCL; device is {on!r} ('fp16' runs everywhere)"
+            "compression='bf16' needs device='cuda' (or 'cuda:N') on the torch collective: "
+            f"torch's bf16 hook runs on NCCL; device is {on!r} ('fp16' runs everywhere, and "
+            "'bf16' with collective='coordinator')"
         )
-    if fields.get("collective") == "coordinator":
+    if powersgd_rank(compression) is not None and collective == "coordinator":
         raise ValueError(
             f"compression={compression!r} runs on the torch collective (collective='auto' or "
-            "'torch'), not 'coordinator', for now"
+            "'torch'); through the coordinator gradients travel as 'fp16', 'bf16' or 'int8'"
         )
 
 
@@ -394,8 +397,9 @@ class DiLoCoOptions(DataParallelOptions):
     synchronisation (the first at or after every ``checkpoint_every`` steps; ``None``: at each
     epoch's end or after 60 s); a job resumed from one trains on exactly as it would have.
     ``compression`` (``"fp16"``, ``"bf16"``, ``"int8"``) is what the pseudo-gradients travel as
-    on the torch collective; int8 keeps what quantisation leaves out and sends it with the next
-    synchronisation (error feedback).
+    (and, through the coordinator, the outer update sent back); int8 keeps what quantisation
+    leaves out and sends it with the next synchronisation (error feedback). A resumed run's or
+    a new replica's int8 residual starts empty.
 
     Args:
         workers: how many replicas (workers) to train on.
@@ -442,11 +446,6 @@ class DiLoCoOptions(DataParallelOptions):
                 "pseudo-gradients travel as 'fp16', 'bf16' or 'int8'"
             )
         keeps = cls._keeps(fields)
-        if keeps and compression is not None:
-            raise ValueError(
-                f"compression={compression!r} runs on the torch collective, and DiLoCo with "
-                f"{keeps} trains through the coordinator"
-            )
         if keeps and cls._given(fields, "collective") == "torch":
             raise ValueError(
                 f"DiLoCo with {keeps} trains through the coordinator, which keeps the global "

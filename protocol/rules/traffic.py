@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from protocol.compressed_trees import INT8_CHUNK
 from protocol.options.strategies import powersgd_rank
 
 __all__ = ["BUCKET_BYTES", "FP32", "INT8_CHUNK", "buckets", "step_bytes", "sync_bytes"]
@@ -28,22 +29,17 @@ HALF = 2
 BUCKET_BYTES = 25 * 1024 * 1024
 """DDP's default bucket, and DiLoCo's largest all-reduce of pseudo-gradients."""
 
-INT8_CHUNK = 4096
-"""Values that share one scale when int8 compresses them (``engine.compression``)."""
-
 MIN_COMPRESSION_RATE = 2
 """PowerSGD compresses a matrix only when that makes it this many times smaller (torch's)."""
 
 
 def step_bytes(shapes: Sequence[Sequence[int]], compression: str | None) -> int:
     """The bytes of one replica's gradients in one DataParallel step under ``compression``
-    (int8: a byte a value, and a scale and zero point, 8 bytes, per DDP bucket of 25 MiB of
-    fp32 gradients)."""
+    (int8: as :func:`sync_bytes`, a byte a value and a 4-byte scale a chunk of each bucket)."""
     if compression in ("fp16", "bf16"):
         return HALF * _values(shapes)
     if compression == "int8":
-        values = _values(shapes)
-        return values + 2 * FP32 * math.ceil(FP32 * values / BUCKET_BYTES)
+        return sync_bytes(shapes, compression)
     rank = powersgd_rank(compression)
     if rank is None:
         return FP32 * _values(shapes)

@@ -23,6 +23,10 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     reference_training,
 )
 from tests.coordinator.strategies.data_parallel.test_diloco import diloco_by_hand
+from tests.coordinator.strategies.data_parallel.test_star_compression import (
+    float64_dataset,
+    star_by_hand,
+)
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.integration.netns import Netns, NetnsUnavailable
 from tests.utils import UNIT
@@ -121,7 +125,7 @@ def test_compressed_gradients_train_to_within_their_error_of_graph_fit(client, c
     values = 6 * 16 + 16 + 16 * 3 + 3
     by_hand = {
         "fp16": 2 * values,
-        "int8": values + 8,  # a byte a value, a scale and zero point for DDP's one bucket
+        "int8": values + 4,  # a byte a value, a 4-byte scale for its one chunk
         "powersgd:1": 4 * (22 + 16 + 19 + 3),
     }
     assert placed.data["step_bytes"] == by_hand[compression]
@@ -147,6 +151,34 @@ def test_diloco_compressed_pseudo_gradients_equal_the_hand_loop_compressing_alik
     placed = placed_event(job)
     assert placed.data["compression"] == compression
     assert placed.data["sync_bytes"] == {"fp16": 2 * values, "int8": values + 4}[compression]
+
+
+def test_through_the_coordinator_both_legs_compressed_equal_the_hand_loops(client):
+    """int8 through the coordinator, on live workers: DataParallel's gradients and means (a
+    float64 model, so no int8 code flips on rounding noise) equal the DoubleSqueeze hand loop,
+    and DiLoCo's pseudo-gradients and outer updates the hand loop compressing both legs; the
+    placed events say what travels."""
+    x64, y = float64_dataset()
+    graph = graph_for("sgd", module=model().double())
+    strategy = sz.DataParallel(2, collective="coordinator", compression="int8")
+    star = client.submit(graph, x64, y, strategy=strategy)
+    x, _ = dataset()
+    diloco = sz.DiLoCo(2, 3, 0.7, 0.9, collective="coordinator", compression="int8")
+    synced = client.submit(graph_for("adam", shuffle=True), x, y, strategy=diloco)
+    for key, value in star_by_hand(x64, y, "sgd", 2, "int8").items():
+        fitted = star.result(timeout=120 * UNIT).states["mlp"][key]
+        torch.testing.assert_close(torch.as_tensor(fitted), value, rtol=0, atol=1e-7)
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, 0.7, 0.9, compression="int8", through="coordinator"
+    )
+    for key, value in expected.items():
+        fitted = synced.result(timeout=120 * UNIT).states["mlp"][key]
+        torch.testing.assert_close(fitted, value, rtol=0, atol=1e-5)
+    values = 6 * 16 + 16 + 16 * 3 + 3
+    for job, counted in ((star, "step_bytes"), (synced, "sync_bytes")):
+        placed = placed_event(job)
+        assert (placed.data["collective"], placed.data["compression"]) == ("coordinator", "int8")
+        assert placed.data[counted] == values + 4
 
 
 def test_auto_falls_back_to_the_coordinator_when_the_replicas_group_cannot_form(live):

@@ -14,8 +14,10 @@ from engine.replica import ReplicaPlan
 from protocol.daemon import (
     DistJoinRequest,
     DistLeaveRequest,
+    DistOuterUpdateRequest,
     DistPlanRequest,
     DistProbeRequest,
+    DistPseudoGradientsRequest,
     DistStoreRequest,
     DistTrainRequest,
     PipePlanRequest,
@@ -28,7 +30,8 @@ __all__ = ["GroupCommands"]
 
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
-    ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one method of ``engine``'s
+    ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and
+    ``dist_leave``, each onto one method of ``engine``'s
     group membership, replica or linked stage."""
 
     def __init__(self, engine: Engine) -> None:
@@ -39,6 +42,8 @@ class GroupCommands:
             "dist_join": self.on_dist_join,
             "dist_plan": self.on_dist_plan,
             "dist_train": self.on_dist_train,
+            "dist_pseudo_gradients": self.on_dist_pseudo_gradients,
+            "dist_outer_update": self.on_dist_outer_update,
             "pipe_plan": self.on_pipe_plan,
             "pipe_train": self.on_pipe_train,
             "dist_leave": self.on_dist_leave,
@@ -83,6 +88,12 @@ class GroupCommands:
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
         return self.engine.replica.train(req.start, req.stop)
+
+    def on_dist_pseudo_gradients(self, req: DistPseudoGradientsRequest) -> dict[str, Any]:
+        return self.engine.replica.pseudo_gradients(req.compression)
+
+    def on_dist_outer_update(self, req: DistOuterUpdateRequest) -> None:
+        self.engine.replica.outer_update(req.update)
 
     def on_pipe_plan(self, req: PipePlanRequest) -> None:
         plan = global_batches(

@@ -259,12 +259,15 @@ class Daemon:
         if req.data is not None and req.read_next is not None:  # read while the mean is made
             self.engine.rows.read_next(req.data, req.read_next)
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.nodes.filter(n))]
+        gradients: dict[str, Any] = self.engine.gradients.get_gradients(torch_nodes)
+        if req.compression is not None:  # (with this replica's int8 residual)
+            gradients = self.engine.gradients.sent(gradients, req.compression)
         reply = {
             "loss": result.loss,
             "rows": result.rows,
             # what this step's update will take
             "lr": self.engine.optimizers.learning_rate(torch_nodes),
-            "gradients": self.engine.gradients.get_gradients(torch_nodes),
+            "gradients": gradients,
         }
         if req.return_buffers:
             reply["buffers"] = self.engine.nodes.get_buffers(torch_nodes)

@@ -57,7 +57,7 @@ from coordinator.strategies.steps import (
 )
 from protocol.daemon import CompositeFitRequest, EvaluateRequest, OuterStepSpec
 from protocol.errors import ErrorCode
-from protocol.options.strategies import DataParallelOptions
+from protocol.options.strategies import DataParallelOptions, powersgd_rank
 from protocol.rules.equivalence import data_parallel_notes
 from protocol.rules.rows import rows_of
 from protocol.rules.traffic import step_bytes
@@ -143,11 +143,12 @@ class DataParallel(Strategy):
 
         await run.on_all(tell, replicas)
         choice = await self._choose(run)
-        if self.options.compression is not None and choice.collective != "torch":
+        compression = self.options.compression
+        if powersgd_rank(compression) is not None and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
-                f"compression={self.options.compression!r} runs on the torch collective, and "
-                f"{choice.reason}",
+                f"compression={compression!r} runs on the torch collective, and "
+                f"{choice.reason} (through the coordinator: 'fp16', 'bf16' or 'int8')",
             )
         if self.options.sync_batchnorm and choice.collective != "torch":
             raise StrategyFailed(
@@ -221,7 +222,15 @@ class DataParallel(Strategy):
         run = phase.setup.run
         syncs = any(run.job.nodes[node].buffers for node in run.torch_nodes)
         star = StarTraining(
-            run, phase.training, phase.rows, STAGED, run.emit, syncs, phase.history, phase.evaluate
+            run,
+            phase.training,
+            phase.rows,
+            STAGED,
+            run.emit,
+            syncs,
+            phase.history,
+            phase.evaluate,
+            compression=self.options.compression,
         )
         await star.train(phase.total, phase.start, phase.saves)
 

@@ -12,6 +12,12 @@ models) and takes the outer step on the global weights it keeps: Nesterov SGD on
 pseudo-gradient x − x̄ is :class:`~coordinator.strategies.federated.server_optimizers.FedAvgM`
 with ``nesterov`` (x + η (Δ + β m), Δ = x̄ − x), the same maths the replicas run over a group.
 It then sets every replica to the new global weights. Each replica keeps its inner optimizer.
+With ``compression`` the weights do not travel: each replica sends its pseudo-gradient
+θ_sync − θ_local encoded (:mod:`protocol.compressed_trees`; int8 with its own error feedback),
+the coordinator averages them into Δ̄, takes the outer step on −Δ̄ alone (Nesterov's update
+needs no weights: η (−Δ̄ + β m)) and sends that update encoded (int8 with its own error
+feedback), which each replica adds to its weights of the last synchronisation
+(:class:`engine.outer_step.SyncPoint`).
 
 Either way the synchronisations fall after every ``sync_every`` steps of an epoch and at its end
 (:func:`protocol.rules.batching.synchronises`), so the epoch's validation, its history row and the
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
-from coordinator.errors import NoReplacement, WorkerCallError
+from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
 from coordinator.strategies.data_parallel.elastic import (
@@ -55,8 +61,15 @@ from coordinator.strategies.data_parallel.torch_collective import (
 from coordinator.strategies.federated.server_optimizers import FedAvgM
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.steps import TrainingSettings
-from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
-from protocol.errors import ErrorCode
+from protocol.compressed_trees import TreeCompressor, decode
+from protocol.daemon import (
+    DistOuterUpdateRequest,
+    DistPlanRequest,
+    DistPseudoGradientsRequest,
+    DistTrainRequest,
+    OuterStepSpec,
+)
+from protocol.errors import BadCompressedTree, ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
 from protocol.options.strategies import DiLoCoOptions
 from protocol.rules.batching import synchronises
@@ -133,8 +146,11 @@ class CoordinatorSyncs:
         plan = self._plans()
         await run.on_all(lambda i, fresh: ctx.call(i, plan(i)), run.present())
         nodes = run.torch_nodes
-        global_state = next(iter((await self._on_present(_get(ctx, nodes))).values()))
         o = self.options
+        updates = None if o.compression is None else TreeCompressor(o.compression)
+        global_state: dict[str, Any] = {}  # (with compression, on the replicas only)
+        if updates is None:
+            global_state = next(iter((await self._on_present(_get(ctx, nodes))).values()))
         outer = FedAvgM(
             FedAvgMOptions(lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov)
         )
@@ -146,14 +162,19 @@ class CoordinatorSyncs:
                 continue
             run.position.phase, run.position.step = "training", step + 1
             results = await self._on_present(_train(ctx, step, stop))
-            states = await self._on_present(_get(ctx, nodes))
-            results = {i: r for i, r in results.items() if i in states}
-            mean = average([(run.ids[i], 1.0, states[i]) for i in sorted(states)])
-            global_state = outer.step(global_state, mean)
-            await self._on_present(_set(ctx, global_state))
+            if updates is None:
+                states = await self._on_present(_get(ctx, nodes))
+                results = {i: r for i, r in results.items() if i in states}
+                mean = average([(run.ids[i], 1.0, states[i]) for i in sorted(states)])
+                global_state = outer.step(global_state, mean)
+                await self._on_present(_set(ctx, global_state))
+            else:
+                results = await self._compressed_sync(results, outer, updates)
             if self.lost:
                 await self._join(plan)
             if self.saves.due(stop, total):
+                if updates is not None:  # every replica holds the global model alike
+                    global_state = await ctx.get_state(run.present()[0], nodes)
                 await self._checkpoint(stop, global_state, outer.state_dict())
             await chunk_progress(
                 run.emit,
@@ -166,6 +187,23 @@ class CoordinatorSyncs:
             )
             step = stop
         run.position.step = None
+
+    async def _compressed_sync(
+        self, results: dict[int, Any], outer: FedAvgM, updates: TreeCompressor
+    ) -> dict[int, Any]:
+        """A synchronisation with compression (module docstring): the replicas' pseudo-gradients
+        averaged, the outer update sent encoded and taken; the rounds' ``results`` of the
+        replicas still present."""
+        run, ctx, compression = self.run, self.run.ctx, updates.compression
+        ask = DistPseudoGradientsRequest(compression=compression)
+        sent = await self._on_present(lambda i: ctx.call(i, ask))
+        deltas = [(run.ids[i], 1.0, _decoded(run.ids[i], sent[i])) for i in sorted(sent)]
+        mean = average(deltas)  # Δ̄ = θ − x̄
+        zeros = {n: {k: v.new_zeros(v.shape) for k, v in ps.items()} for n, ps in mean.items()}
+        towards = {n: {k: -v for k, v in ps.items()} for n, ps in mean.items()}  # x̄ − θ
+        update = DistOuterUpdateRequest(update=updates.encode(outer.step(zeros, towards)))
+        await self._on_present(lambda i: ctx.call(i, update))
+        return {i: r for i, r in results.items() if i in sent}
 
     async def _checkpoint(self, done: int, global_state: dict[str, Any], outer: Any) -> None:
         """Save the run after the synchronisation that ends step ``done``: the global model
@@ -250,6 +288,7 @@ class CoordinatorSyncs:
             outer=self.options.outer_step(),
             alone=True,
             world=world,
+            compression=self.options.compression,
         )
         plan = replica_plans(self.run, shared, self.rows)
         return lambda i: plan(i).model_copy(update={"rank": i})
@@ -260,6 +299,21 @@ class CoordinatorSyncs:
         in_epoch = [g % per_epoch for g in range(total)]
         ends = synchronises(in_epoch, [per_epoch] * total, self.options.sync_every)
         return [g + 1 for g in range(total) if ends[g]]
+
+
+def _decoded(worker: str, message: Any) -> Any:
+    """A replica's pseudo-gradients as it sent them.
+
+    Raises:
+        StrategyFailed: ``AGGREGATION_MISMATCH`` naming ``worker``, for what cannot be decoded.
+    """
+    try:
+        return decode(message)
+    except BadCompressedTree as exc:
+        raise StrategyFailed(
+            ErrorCode.AGGREGATION_MISMATCH,
+            f"worker {worker!r} sent pseudo-gradients that cannot be decoded: {exc}",
+        ) from exc
 
 
 def _train(ctx: StrategyContext, start: int, stop: int) -> Callable[[int], Awaitable[Any]]:

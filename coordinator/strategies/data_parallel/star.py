@@ -16,6 +16,13 @@ undone: not in an ``elastic`` run (a lost replica is restored from a survivor st
 that failed), nor across a checkpoint (saved once every replica has applied its step's mean).
 Replies the fold cannot take are averaged whole, with the same result and the same errors.
 
+With ``compression`` (``"fp16"``, ``"bf16"``, ``"int8"``) both legs travel compressed
+(:mod:`protocol.compressed_trees`): each replica sends its gradients encoded (int8 with its own
+error feedback), the coordinator decodes them, averages them whole (a compressed reply is not
+folded as it arrives) and sends the mean encoded by its own compressor (int8 with the
+coordinator's error feedback: DoubleSqueeze, Tang et al. 2019), which each replica decodes before
+applying it. The residuals are not checkpointed: a resumed run's start empty.
+
 This is why its loop is its own, not the round loop of :mod:`coordinator.strategies.rounds`:
 there a round ends (aggregated, recorded) before the next is configured; here step ``s + 1`` is
 launched while step ``s`` is still landing.
@@ -40,8 +47,13 @@ from coordinator.strategies.data_parallel.elastic import DataParallelPosition, R
 from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, StreamedMean
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.steps import TrainingSettings, global_batches
+from protocol.compressed_trees import (
+    TreeCompressor,
+    decode,
+    is_compressed,
+)
 from protocol.daemon import ApplyGradientsRequest, GradientsRequest
-from protocol.errors import ErrorCode
+from protocol.errors import BadCompressedTree, ErrorCode
 from protocol.rules.batching import replica_seed
 
 __all__ = ["GlobalBatchPlan", "StarTraining", "apply_mean", "average"]
@@ -99,7 +111,13 @@ class StarTraining:
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     pool: FoldBuffers = field(default_factory=FoldBuffers)
+    compression: str | None = None  # what gradients and means travel as
     _total: int = 0
+    _means: TreeCompressor | None = None  # the coordinator's, with its int8 residual
+
+    def __post_init__(self) -> None:
+        if self.compression is not None:
+            self._means = TreeCompressor(self.compression)
 
     async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
         """Train global steps ``start + 1 ... total``, saving checkpoints as ``saves`` says,
@@ -164,6 +182,8 @@ class StarTraining:
         }
         weights = {i: len(slices[i]) for i in sorted(local)}
         fold = StreamedMean(weights, self.pool)
+        if self.compression is not None:
+            fold.decline(f"the gradients travel as {self.compression}: averaged whole")
         targets = [i for i in replicas if i in local or prior.mean is not None]
         buffers: asyncio.Future[Any] | None = None
         if self.syncs_buffers:  # replica 0's after this step: its reply's, or as they were
@@ -208,8 +228,10 @@ class StarTraining:
                     seed=replica_seed(self.training.seed, i, done),
                     buffers=broadcast,
                     return_buffers=buffers is not None and i == 0,
+                    compression=None if self._means is None else self._means.compression,
                 )
-                result = await ctx.call(i, request, pace=pace, sink=fold.sink(i))
+                sink = fold.sink(i) if self.compression is None else None
+                result = await ctx.call(i, request, pace=pace, sink=sink)
                 if i == 0 and buffers is not None and not buffers.done():
                     buffers.set_result(_copied(result["buffers"]))  # the fold reuses its bytes
                 return result
@@ -231,9 +253,14 @@ class StarTraining:
             assert step.fold.finished is not None
             ctx.observe("mean_streamed", step.fold.finished - step.launched)
         except FoldDeclined:
-            grads = [(ids[i], w, results[i]["gradients"]) for i, w in step.weights.items()]
+            grads = [
+                (ids[i], w, _received(ids[i], results[i]["gradients"]))
+                for i, w in step.weights.items()
+            ]
             # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
             mean = average(grads, precise=False)
+            if self._means is not None:
+                mean = self._means.encode(mean)
             step.fold.settle(mean)
             ctx.observe("mean_whole", time.monotonic() - step.launched)
         self.run.position.mean, self.run.position.mean_ends_epoch = mean, step.ends_epoch
@@ -311,6 +338,24 @@ def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = Tru
         return weighted_mean(contributions, precise=precise)
     except AggregationError as exc:
         raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
+
+
+def _received(worker: str, gradients: Any) -> Any:
+    """A replica's ``gradients`` as it sent them: decoded when they travelled compressed.
+
+    Raises:
+        StrategyFailed: ``AGGREGATION_MISMATCH`` naming ``worker``, for a compressed tree that
+            cannot be decoded.
+    """
+    if not is_compressed(gradients):
+        return gradients
+    try:
+        return decode(gradients)
+    except BadCompressedTree as exc:
+        raise StrategyFailed(
+            ErrorCode.AGGREGATION_MISMATCH,
+            f"worker {worker!r} sent gradients that cannot be decoded: {exc}",
+        ) from exc
 
 
 def _copied(tree: Any) -> Any:

@@ -382,7 +382,7 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
         strategy_from_spec("diloco", {"workers": 2, "sync_every": -1})
 
 
-def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
+def test_compression_is_one_of_torchs_hooks_on_the_torch_collective_or_travels_the_star():
     assert sz.DataParallel(2, compression="powersgd:4").to_wire() == {
         "workers": 2,
         "compression": "powersgd:4",
@@ -396,9 +396,12 @@ def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
             {"compression": "powersgd:x"},
             {"compression": 16},
         ],
-        "compression='bf16' needs device='cuda'": [{"compression": "bf16"}],
-        "compression='fp16' runs on the torch collective": [
-            {"compression": "fp16", "collective": "coordinator"}
+        "compression='bf16' needs device='cuda' (or 'cuda:N') on the torch collective": [
+            {"compression": "bf16"},
+            {"compression": "bf16", "collective": "torch"},
+        ],
+        "compression='powersgd:2' runs on the torch collective": [
+            {"compression": "powersgd:2", "collective": "coordinator"}
         ],
     }
     for words, cases in refusals.items():
@@ -406,10 +409,10 @@ def test_compression_is_one_of_torchs_hooks_on_the_torch_collective():
             with pytest.raises(ValueError, match=f"^DataParallel: {re.escape(words)}"):
                 sz.DataParallel(2, **bad)
     assert sz.DataParallel(2, compression="int8").to_wire()["compression"] == "int8"
+    for compression in ("fp16", "bf16", "int8"):  # both legs of the star, on any device
+        star = sz.DataParallel(2, compression=compression, collective="coordinator")
+        assert star.compression == compression
+        assert sz.DiLoCo(2, compression=compression, collective="coordinator", elastic=True)
     assert sz.DiLoCo(2, compression="int8").compression == "int8"
     with pytest.raises(ValueError, match=r"^DiLoCo: compression='powersgd:2' factorises"):
         sz.DiLoCo(2, compression="powersgd:2")
-    with pytest.raises(ValueError, match=r"^DiLoCo: compression='fp16' runs on the torch coll"):
-        sz.DiLoCo(2, compression="fp16", collective="coordinator")
-    with pytest.raises(ValueError, match=r"^DiLoCo: compression='int8' runs on the torch c"):
-        sz.DiLoCo(2, compression="int8", elastic=True)

@@ -52,3 +52,11 @@ def test_buckets_cut_runs_of_whole_tensors_a_larger_one_alone():
     mib = 1024 * 1024
     assert buckets([10 * mib, 10 * mib, 10 * mib, 30 * mib, 1]) == [[0, 1], [2], [3], [4]]
     assert buckets([]) == []
+
+
+def test_int8_counts_a_byte_a_value_and_a_scale_a_chunk_of_each_bucket():
+    # 10,000 values: chunks of 4,096 -> 3 scales; a step's gradients and a sync's alike.
+    assert step_bytes([[100, 100]], "int8") == sync_bytes([[100, 100]], "int8") == 10_000 + 12
+    # Two tensors of 4 MiB (fp32) and one of 24 MiB: buckets of 25 MiB cut after the first two.
+    big = [[1 << 20], [1 << 20], [6 << 20]]
+    assert sync_bytes(big, "int8") == (2 << 20) + 4 * 512 + (6 << 20) + 4 * 1536

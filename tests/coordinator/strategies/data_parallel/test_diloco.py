@@ -43,6 +43,7 @@ def diloco_by_hand(
     validation=None,
     absent: dict[int, set[int]] | None = None,
     compression: str | None = None,
+    through: str = "torch",
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
@@ -57,9 +58,15 @@ def diloco_by_hand(
     first present replica's inner optimizer state, as a worker joining at a synchronisation.
 
     ``compression``: the pseudo-gradients travel as ``"fp16"`` (each replica's share rounded
-    to half precision, summed in it) or ``"int8"`` (:func:`int8_by_hand`)."""
+    to half precision, summed in it) or ``"int8"`` (:func:`int8_by_hand`). ``through=
+    "coordinator"``: each replica's pseudo-gradient travels up as :func:`travelled` has it, the
+    coordinator averages them (in float64) into Δ̄, takes the Nesterov step on −Δ̄ alone in
+    float64 (m ← βm − Δ̄, u = η(−Δ̄ + βm)) and sends ``u`` down as :func:`travelled` has it, with
+    an error feedback of its own; each replica adds it to θ_global (DoubleSqueeze's two legs).
+    A replica that joins starts with no residual."""
     absent = absent or {}
-    residuals: dict[int, torch.Tensor] = {}
+    residuals: dict[object, torch.Tensor] = {}
+    momentum = None
     _, make = OPTIMIZERS[optimizer]
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     global_net = copy.deepcopy(model())
@@ -92,7 +99,18 @@ def diloco_by_hand(
                     r: flat_global - torch.cat([p.reshape(-1) for p in nets[r].parameters()])
                     for r in here
                 }
-                if compression == "fp16":
+                if through == "coordinator" and compression is not None:
+                    sent = [travelled(deltas[r], compression, residuals, r) for r in here]
+                    mean64 = torch.stack(sent).double().mean(0).float().double()
+                    momentum = -mean64 if momentum is None else outer_momentum * momentum - mean64
+                    update = (outer_lr * (-mean64 + outer_momentum * momentum)).float()
+                    update = travelled(update, compression, residuals, "coordinator")
+                    offset = 0
+                    for g in global_net.parameters():
+                        g.add_(update[offset : offset + g.numel()].view_as(g))
+                        offset += g.numel()
+                    mean = None
+                elif compression == "fp16":
                     mean = sum((d / len(here)).half() for d in deltas.values()).float()
                 elif compression == "int8":
                     mean = int8_by_hand(deltas, residuals) / len(here)
@@ -100,13 +118,16 @@ def diloco_by_hand(
                     mean = torch.stack(list(deltas.values())).mean(0)
                 offset = 0
                 for g in global_net.parameters():
-                    g.grad = mean[offset : offset + g.numel()].view_as(g).clone()
+                    if mean is not None:
+                        g.grad = mean[offset : offset + g.numel()].view_as(g).clone()
                     offset += g.numel()
-            outer.step()
+            if mean is not None:
+                outer.step()
             round_ += 1
             back = [r for r in range(replicas) if r not in here and r not in absent.get(round_, ())]
             for r in back:  # joins: the first present replica's inner state, copied
                 inner[r].load_state_dict(copy.deepcopy(inner[here[0]].state_dict()))
+                residuals.pop(r, None)
             for net in nets:
                 net.load_state_dict(global_net.state_dict())
         if validation is not None:
@@ -132,6 +153,16 @@ def int8_by_hand(deltas: dict[int, torch.Tensor], residuals: dict[int, torch.Ten
         residuals[r] = sent - back
         total = total + back
     return total
+
+
+def travelled(values: torch.Tensor, compression: str, residuals: dict, key: object):
+    """``values`` as they arrive after travelling as ``compression``: rounded to half
+    precision, or (``"int8"``) quantised with ``key``'s residual (:func:`int8_by_hand`)."""
+    if compression == "fp16":
+        return values.half().float()
+    if compression == "bf16":
+        return values.bfloat16().float()
+    return int8_by_hand({key: values}, residuals)
 
 
 def _run(options: DiLoCoOptions, optimizer: str, *, spares=0, losing=None, store=None, resume=None):
@@ -233,3 +264,36 @@ def test_every_replica_lost_fails_the_job_naming_them():
 
     with pytest.raises(StrategyFailed, match="every replica was lost"):
         _run(DiLoCoOptions(workers=2, sync_every=3, elastic=True), "sgd", losing={6: [0, 1]})
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
+def test_through_the_coordinator_compressed_pseudo_gradients_and_updates_equal_the_hand_loop(
+    compression,
+):
+    """The replicas send their pseudo-gradients compressed and the coordinator its outer
+    update (int8: error feedback on both legs): the hand loop that compresses both alike gives
+    the same model, and one that does not gives another."""
+    x, y = dataset()
+    options = DiLoCoOptions(
+        workers=2, sync_every=3, compression=compression, collective="coordinator"
+    )
+    states, _ = _run(options, "adam")
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, 0.7, 0.9, compression=compression, through="coordinator"
+    )
+    _assert_states(states, expected)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    assert not torch.allclose(plain["2.weight"], expected["2.weight"], rtol=0, atol=1e-7)
+
+
+def test_compressed_and_elastic_a_joining_replica_starts_with_no_residual():
+    """int8 with ``elastic``: replica 1 lost after step 3 is dropped from the next average and a
+    spare joins at its sync with the global model and no residual: as the hand loop."""
+    x, y = dataset()
+    options = DiLoCoOptions(workers=2, sync_every=3, elastic=True, compression="int8")
+    states, events = _run(options, "adam", spares=1, losing={3: [1]})
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, 0.7, 0.9, absent={1: {1}}, compression="int8", through="coordinator"
+    )
+    _assert_states(states, expected)
+    assert "worker_joined" in [kind for kind, _ in events]
