@@ -70,9 +70,12 @@ def test_live_data_parallel_equals_single_process_training_with_2_and_3_workers(
         expected = reference_training(x, y, "sgd", epochs=1, module=wide())
         for key, value in expected.items():
             torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
-        means = mean_counts(c.port)
+        means, ahead = mean_counts(c.port), sent_ahead(c.port)
     steps = 21 + 21 + 7  # 203 rows in batches of 32: 7 steps an epoch; 3, 3 and 1 epochs
     assert means == ({"mean_streamed": steps} if collective == "coordinator" else {})
+    # On the torch collective a chunk (1, 2, then 4 steps) goes out while the one before
+    # trains, within an epoch: its end is checkpointed, so nothing is sent past it.
+    assert (ahead > 0) == (collective == "torch")
 
 
 def wide(seed: int = 0) -> torch.nn.Module:
@@ -89,6 +92,14 @@ def mean_counts(port: int) -> dict[str, int]:
         text = reply.read().decode()
     found = re.findall(r'somatize_worker_call_seconds_count\{cmd="(mean_\w+)"\} (\d+)', text)
     return {how: int(count) for how, count in found}
+
+
+def sent_ahead(port: int) -> int:
+    """How many chunks of steps the coordinator sent while the one before was training."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = re.findall(r'somatize_worker_call_seconds_count\{cmd="chunk_sent_ahead"\} (\d+)', text)
+    return int(found[0]) if found else 0
 
 
 def test_auto_falls_back_to_the_coordinator_when_a_replica_cannot_reach_the_rendezvous(

@@ -16,7 +16,10 @@ DDP's bucketed all-reduce, one optimizer step (:mod:`engine.replica`). The coord
 touches a gradient; per chunk it receives each replica's losses and emits one progress event
 (``step``: the steps done, ``losses``: each step's of the chunk).
 Chunks grow (doubling, from one step) until one takes about :data:`CHUNK_SECONDS`, so fast
-steps do not cost a message each and the progress stays live.
+steps do not cost a message each and the progress stays live. The next chunk is sent while one
+trains — each worker queues it behind the one running, so no replica waits a round trip to the
+coordinator between them — except where the coordinator reads the replicas in between (a
+checkpoint, an epoch's evaluation) or could have to undo it (``elastic``).
 The loop over steps is the replicas' own (``engine.replica``); the coordinator's, over chunks
 that end where a checkpoint falls due, has no round to configure or aggregate.
 
@@ -32,6 +35,7 @@ is still ``graph.fit``'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -173,29 +177,61 @@ class TorchTraining:
 
     async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
         """Train global steps ``[start, total)``, emitting progress per chunk, a chunk ending
-        where a checkpoint falls due (``saves``) and the checkpoint saved then."""
+        where a checkpoint falls due (``saves``) and the checkpoint saved then; the next chunk
+        sent while one trains where nothing is read between them (module docstring)."""
         position, chunk, step = self.run.position, 1, start
         await self._form(fresh_store=False, step=start)
         loop = asyncio.get_running_loop()
-        while step < total:
-            stop = min(total, step + chunk, saves.stop_at(step, total))
-            if self.evaluate is not None:  # evaluated where an epoch ends
-                stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
-            position.phase, position.step = "training", step + 1
-            started = loop.time()
-            request = DistTrainRequest(start=step, stop=stop)
-            try:
-                results = await self._settle({i: self._call(i, request) for i in self._all()}, stop)
-            except Broken as broken:
-                step = await self._recover(broken, step)
-                chunk = 1
-                continue
-            await self._progress(step, stop, results)
-            elapsed = loop.time() - started
-            chunk = _next_chunk(chunk, stop - step, elapsed)
-            step = stop
-            await saves.after(step, total)
+        ahead: _Chunk | None = None  # the next chunk, queued on every replica behind this one
+        landed = loop.time()  # when the last chunk's results were in
+        try:
+            while step < total:
+                now = ahead or self._send(step, self._stop(step, chunk, total, saves))
+                ahead = None
+                if self._overlaps(now.stop, total, saves):
+                    ahead = self._send(now.stop, self._stop(now.stop, chunk, total, saves))
+                position.phase, position.step = "training", step + 1
+                try:
+                    results = await now.calls
+                except Broken as broken:
+                    await _cancelled(ahead)
+                    ahead = None
+                    step = await self._recover(broken, step)
+                    chunk = 1
+                    continue
+                if now.sent < landed:  # sent ahead: the metrics count it
+                    self.run.ctx.observe("chunk_sent_ahead", loop.time() - now.sent)
+                began, landed = max(now.sent, landed), loop.time()
+                await self._progress(step, now.stop, results)
+                chunk = _next_chunk(chunk, now.stop - step, landed - began)
+                step = now.stop
+                await saves.after(step, total)
+        finally:
+            await _cancelled(ahead)
         position.step = None
+
+    def _stop(self, step: int, chunk: int, total: int, saves: ReplicaCheckpoints) -> int:
+        """Where a chunk of ``chunk`` steps after ``step`` ends: at ``total``, at a checkpoint
+        due, at an epoch's end when the model is evaluated there."""
+        stop = min(total, step + chunk, saves.stop_at(step, total))
+        if self.evaluate is not None:  # evaluated where an epoch ends
+            stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
+        return stop
+
+    def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
+        """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
+        when nothing reads the replicas between them (no checkpoint, no evaluation) and no
+        recovery could need the chunk undone (not ``elastic``)."""
+        evaluated = self.evaluate is not None and stop % self.steps_per_epoch == 0
+        return stop < total and not (self.run.elastic or evaluated or saves.due(stop, total))
+
+    def _send(self, step: int, stop: int) -> _Chunk:
+        """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
+        one at a time, so a chunk sent early waits behind the one before)."""
+        request = DistTrainRequest(start=step, stop=stop)
+        calls = {i: self._call(i, request) for i in self._all()}
+        settled = asyncio.ensure_future(self._settle(calls, stop))
+        return _Chunk(stop, settled, asyncio.get_running_loop().time())
 
     async def _form(self, fresh_store: bool, step: int) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
@@ -353,6 +389,23 @@ async def chunk_progress(
     )
     if history is not None:
         await history.steps(start, losses, batch_rows, lrs, per_epoch, evaluate)
+
+
+@dataclass
+class _Chunk:
+    """A chunk of steps sent to every replica: where it ends, its settling, when it was sent."""
+
+    stop: int
+    calls: asyncio.Future[dict[int, Any]]
+    sent: float  # the loop's clock
+
+
+async def _cancelled(chunk: _Chunk | None) -> None:
+    """``chunk``'s calls cancelled, if it was sent and is not over."""
+    if chunk is not None and not chunk.calls.done():
+        chunk.calls.cancel()
+        with contextlib.suppress(BaseException):
+            await chunk.calls
 
 
 def _next_chunk(chunk: int, ran: int, elapsed: float) -> int:
