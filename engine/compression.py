@@ -16,11 +16,12 @@ codec.
   (``op.preamble.length <= op.nbytes``).
 * ``"int8"`` — :class:`CompressedMean` as a communication hook (torch's own
   ``quantization_pertensor_hook`` fails inside its callback on torch 2.13, ``invalid index of a
-  0-dim tensor``): symmetric 8-bit quantisation in chunks of :data:`INT8_CHUNK` values, each
-  value within max|chunk| / 254 of what was sent, all-gathered (a quarter of the bytes go out;
-  W − 1 replicas' come in) and averaged, with *error feedback* — what quantisation left out of
-  one step is added to the next (Seide et al. 2014; Karimireddy et al. 2019), so nothing is
-  lost, only delayed. The hook runs the exchange in the backward's thread: no overlap.
+  0-dim tensor``): symmetric 8-bit quantisation in chunks of 4,096 values
+  (:func:`protocol.compressed_trees.quantize_int8`), each value within max|chunk| / 254 of what
+  was sent, all-gathered (a quarter of the bytes go out; W − 1 replicas' come in) and averaged,
+  with *error feedback* — what quantisation left out of one step is added to the next (Seide et
+  al. 2014; Karimireddy et al. 2019), so nothing is lost, only delayed. The hook runs the
+  exchange in the backward's thread: no overlap.
 
 DiLoCo's pseudo-gradients (no DDP) travel the same ways through :class:`CompressedMean`:
 ``"fp16"``/``"bf16"`` (cast, all-reduced, cast back) or ``"int8"``.
@@ -35,18 +36,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
+from protocol.compressed_trees import dequantize_int8, quantize_int8
 from protocol.options.strategies import powersgd_rank
 
-__all__ = [
-    "INT8_CHUNK",
-    "ONE_BUCKET_MB",
-    "CompressedMean",
-    "bucketing",
-    "compress",
-    "dequantize_int8",
-    "quantize_int8",
-]
+__all__ = ["ONE_BUCKET_MB", "CompressedMean", "bucketing", "compress"]
 
 
 ONE_BUCKET_MB = 1 << 20

@@ -25,7 +25,7 @@ from engine.transfer import to_cpu
 from protocol.compressed_trees import TreeCompressor, decode, is_compressed
 from protocol.errors import BadCompressedTree, ErrorCode
 
-__all__ = ["Gradients", "received"]
+__all__ = ["Gradients"]
 
 
 class Gradients:
@@ -106,7 +106,7 @@ class Gradients:
                 ``NO_GRADIENTS`` for an empty gradient set, ``BAD_REQUEST`` for a compressed
                 one that cannot be decoded.
         """
-        gradients = received(gradients)
+        gradients = _received(gradients)
         if not gradients:
             raise EngineError(ErrorCode.NO_GRADIENTS, "apply_gradients was given no gradients")
         plan: list[tuple[Node, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
@@ -141,7 +141,7 @@ class Gradients:
         return applied
 
 
-def received(tree: Mapping[str, Any]) -> Mapping[str, Any]:
+def _received(tree: Mapping[str, Any]) -> Mapping[str, Any]:
     """``tree`` as it was sent: decoded when it travelled compressed.
 
     Raises:

@@ -14,14 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.compression import (
-    INT8_CHUNK,
-    CompressedMean,
-    bucketing,
-    compress,
-    dequantize_int8,
-    quantize_int8,
-)
+from engine.compression import CompressedMean, bucketing, compress
+from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
 
 
 @pytest.fixture
