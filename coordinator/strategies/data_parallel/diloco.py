@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
-from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
+from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
 from coordinator.strategies.data_parallel.elastic import (
@@ -52,7 +52,7 @@ from coordinator.strategies.data_parallel.elastic import (
     Snapshot,
     every_replica_lost,
 )
-from coordinator.strategies.data_parallel.star import average
+from coordinator.strategies.data_parallel.star import average, received
 from coordinator.strategies.data_parallel.torch_collective import (
     Choice,
     chunk_progress,
@@ -61,7 +61,7 @@ from coordinator.strategies.data_parallel.torch_collective import (
 from coordinator.strategies.federated.server_optimizers import FedAvgM
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.steps import TrainingSettings
-from protocol.compressed_trees import TreeCompressor, decode
+from protocol.compressed_trees import TreeCompressor
 from protocol.daemon import (
     DistOuterUpdateRequest,
     DistPlanRequest,
@@ -69,7 +69,7 @@ from protocol.daemon import (
     DistTrainRequest,
     OuterStepSpec,
 )
-from protocol.errors import BadCompressedTree, ErrorCode
+from protocol.errors import ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
 from protocol.options.strategies import DiLoCoOptions
 from protocol.rules.batching import synchronises
@@ -197,7 +197,10 @@ class CoordinatorSyncs:
         run, ctx, compression = self.run, self.run.ctx, updates.compression
         ask = DistPseudoGradientsRequest(compression=compression)
         sent = await self._on_present(lambda i: ctx.call(i, ask))
-        deltas = [(run.ids[i], 1.0, _decoded(run.ids[i], sent[i])) for i in sorted(sent)]
+        deltas = [
+            (run.ids[i], 1.0, received(run.ids[i], "pseudo-gradients", sent[i]))
+            for i in sorted(sent)
+        ]
         mean = average(deltas)  # Δ̄ = θ − x̄
         zeros = {n: {k: v.new_zeros(v.shape) for k, v in ps.items()} for n, ps in mean.items()}
         towards = {n: {k: -v for k, v in ps.items()} for n, ps in mean.items()}  # x̄ − θ
@@ -299,21 +302,6 @@ class CoordinatorSyncs:
         in_epoch = [g % per_epoch for g in range(total)]
         ends = synchronises(in_epoch, [per_epoch] * total, self.options.sync_every)
         return [g + 1 for g in range(total) if ends[g]]
-
-
-def _decoded(worker: str, message: Any) -> Any:
-    """A replica's pseudo-gradients as it sent them.
-
-    Raises:
-        StrategyFailed: ``AGGREGATION_MISMATCH`` naming ``worker``, for what cannot be decoded.
-    """
-    try:
-        return decode(message)
-    except BadCompressedTree as exc:
-        raise StrategyFailed(
-            ErrorCode.AGGREGATION_MISMATCH,
-            f"worker {worker!r} sent pseudo-gradients that cannot be decoded: {exc}",
-        ) from exc
 
 
 def _train(ctx: StrategyContext, start: int, stop: int) -> Callable[[int], Awaitable[Any]]:

@@ -56,7 +56,7 @@ from protocol.daemon import ApplyGradientsRequest, GradientsRequest
 from protocol.errors import BadCompressedTree, ErrorCode
 from protocol.rules.batching import replica_seed
 
-__all__ = ["GlobalBatchPlan", "StarTraining", "apply_mean", "average"]
+__all__ = ["GlobalBatchPlan", "StarTraining", "apply_mean", "average", "received"]
 
 T = TypeVar("T")
 
@@ -254,7 +254,7 @@ class StarTraining:
             ctx.observe("mean_streamed", step.fold.finished - step.launched)
         except FoldDeclined:
             grads = [
-                (ids[i], w, _received(ids[i], results[i]["gradients"]))
+                (ids[i], w, received(ids[i], "gradients", results[i]["gradients"]))
                 for i, w in step.weights.items()
             ]
             # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
@@ -340,21 +340,22 @@ def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = Tru
         raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
 
 
-def _received(worker: str, gradients: Any) -> Any:
-    """A replica's ``gradients`` as it sent them: decoded when they travelled compressed.
+def received(worker: str, what: str, tree: Any) -> Any:
+    """``tree`` (a worker's ``what``: gradients, pseudo-gradients) as the worker sent it:
+    decoded when it travelled compressed.
 
     Raises:
         StrategyFailed: ``AGGREGATION_MISMATCH`` naming ``worker``, for a compressed tree that
             cannot be decoded.
     """
-    if not is_compressed(gradients):
-        return gradients
+    if not is_compressed(tree):
+        return tree
     try:
-        return decode(gradients)
+        return decode(tree)
     except BadCompressedTree as exc:
         raise StrategyFailed(
             ErrorCode.AGGREGATION_MISMATCH,
-            f"worker {worker!r} sent gradients that cannot be decoded: {exc}",
+            f"worker {worker!r} sent {what} that cannot be decoded: {exc}",
         ) from exc
 
 
