@@ -35,13 +35,14 @@ from typing import Any
 
 import torch
 
+from engine.batches import num_rows
 from engine.evaluation import Evaluation
 from engine.fitting import FitResult, FitSettings, Fitting
 from engine.gradients import Gradients
 from engine.group_member import GroupMember
 from engine.held_rows import HeldRows
 from engine.linked_stage import LinkedStage
-from engine.nodes import DifferentiableFilter, Nodes, is_differentiable, num_rows
+from engine.nodes import DifferentiableFilter, Nodes, is_differentiable
 from engine.optimizers import Optimizers
 from engine.replica import Replica
 from engine.stage import PipelineStage

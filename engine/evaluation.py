@@ -2,10 +2,12 @@
 and a run's mean loss on its training rows before it trains (q-FedAvg's F_k(w_t)).
 
 A chain is evaluated up to its last differentiable filter, whose loss (``val_loss``) and
-``metrics`` (:mod:`engine.metrics`) are taken on the whole validation set at once, the modules
-in eval mode and no gradient kept — plain filters apply the state they hold. It is what
-``graph.fit(..., validation=)`` and every strategy do at the end of an epoch (or round), on a
-worker, or, in a pipeline, on the last stage with the stage before's activation.
+``metrics`` (:mod:`engine.metrics`) are taken batch by batch (its ``eval_batch_size`` rows,
+default its ``batch_size``: the memory of a batch, never of the validation set), the modules in
+eval mode and no gradient kept, each figure the mean over the rows; with a ``step`` function,
+what it returns (``val_loss``, ``val_<name>``). Plain filters apply the state they hold. It is
+what ``graph.fit(..., validation=)`` and every strategy do at the end of an epoch (or round), on
+a worker, or, in a pipeline, on the last stage with the stage before's activation.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any
 
 import torch
 
-from engine.data.npy_rows import Rows
+from engine.batches import Batches, concat, whole
 from engine.errors import EngineError
-from engine.nodes import Node, Nodes, num_rows, whole
-from engine.transfer import autocast, to_cpu
+from engine.metrics import RowMeans
+from engine.nodes import Node, Nodes, segments
+from engine.transfer import to_cpu
 from protocol.errors import ErrorCode
-from protocol.rules.batching import batch_len, batch_rows, batches
+from protocol.rules.batching import batch_len, batches
 
 __all__ = ["Evaluation"]
 
@@ -33,13 +36,14 @@ class Evaluation:
 
     def evaluate(self, node_ids: Sequence[str], x: Any, y: Any) -> dict[str, Any]:
         """``x`` through ``node_ids`` up to the last differentiable one, with the states they
-        hold; that filter's loss and metrics against ``y``.
+        hold; that run's loss and metrics against ``y``, batch by batch.
 
         Returns:
             ``{"val_loss": float, <metric>: float..., "rows": int}``.
 
         Raises:
-            EngineError: ``BAD_REQUEST`` without labels or a differentiable node.
+            EngineError: ``BAD_REQUEST`` without a differentiable node, or without labels
+                its loss needs.
         """
         nodes = self.nodes.chain(node_ids, x, y)
         last = max((k for k, n in enumerate(nodes) if n.differentiable), default=None)
@@ -48,51 +52,60 @@ class Evaluation:
                 ErrorCode.BAD_REQUEST,
                 f"nodes {list(node_ids)} have no TorchFilter to evaluate a loss with",
             )
-        if y is None:
-            raise EngineError(ErrorCode.BAD_REQUEST, "evaluating needs the validation labels (y)")
-        x, y = whole(x), whole(y)
+        runs = list(segments(nodes[: last + 1]))
         out = x
-        for node in nodes[: last + 1]:
-            out = self.nodes.apply(node, out, self.nodes.state_of(node))
-        return self._scores(nodes[last], out, y)
+        for segment in runs[:-1]:
+            out = self.forward(segment, out)
+        self.nodes.check_labels(runs[-1], y, "evaluating")
+        return self._scores(runs[-1], out, y)
 
-    def _scores(self, node: Node, out: Any, y: Any) -> dict[str, Any]:
-        """The loss and metrics of ``node``'s output ``out`` against ``y``."""
-        f = node.filter
-        target = self.nodes.on_device(f.prepare_target(y))
+    def forward(self, segment: list[Node], x: Any, batch_size: int | None = None) -> Any:
+        """``x`` through one segment with the states its nodes hold, on the CPU: a plain
+        filter's forward on all of it, a run of TorchFilters batch by batch (its
+        ``eval_batch_size``, or ``batch_size``) in eval mode."""
+        if not segment[0].differentiable:
+            node = segment[0]
+            return self.nodes.apply(node, whole(x), self.nodes.state_of(node))
+        data = Batches.evaluated(segment, x, None, batch_size)
+        outs, sizes = [], []
         with torch.no_grad():
-            loss = float(f.compute_loss(out, target))
-            metrics = getattr(f, "compute_metrics", None)
-            scores = metrics(out, target) if metrics is not None else {}
-        return {"val_loss": loss, **scores, "rows": num_rows(to_cpu(out))}
+            for index in batches(data.rows, data.size, None):
+                xb, _ = data.read(index)
+                out = self.nodes.train_forward(segment, self.nodes.on_device(xb), training=False)
+                outs.append(to_cpu(out))
+                sizes.append(batch_len(index, data.rows))
+        if not outs:
+            return self.nodes.apply(segment[0], x, segment[0].filter.module.state_dict())
+        return concat(outs, sizes)
+
+    def _scores(self, run: list[Node], x: Any, y: Any) -> dict[str, Any]:
+        """The loss and metrics of ``run`` on ``x`` against ``y``, batch by batch."""
+        f = run[-1].filter
+        data = Batches.evaluated(run, x, y, None)
+        figures = RowMeans()
+        with torch.no_grad():
+            for index in batches(data.rows, data.size, None):
+                xb, yb = data.read(index)
+                xb, yb = self.nodes.on_device(xb), self.nodes.on_device(yb)
+                computed = self.nodes.batch_loss(run, xb, yb, training=False)
+                scores = {"val_loss": float(computed.loss)}
+                scores |= {f"val_{k}": v for k, v in computed.metrics.items()}
+                metrics = getattr(f, "compute_metrics", None)
+                if metrics is not None and computed.out is not None:
+                    scores |= metrics(computed.out, yb)
+                figures.add(scores, batch_len(index, data.rows))
+        return {**figures.means(), "rows": data.rows}
 
     def mean_loss(self, run: list[Node], x: Any, y: Any, batch_size: int | None) -> float:
         """The run's mean loss over all rows of ``x`` at its current weights: batches in order,
         evaluation mode, no gradients, nothing changed (BatchNorm's running statistics kept)."""
-        if y is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} is differentiable: its loss needs labels (y)",
-                {"node_id": run[-1].node_id},
-            )
-        first, last = run[0].filter, run[-1].filter
-        lazy = isinstance(x, Rows)
-        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
-        n = num_rows(xt)
+        self.nodes.check_labels(run, y, "evaluating")
+        data = Batches.of(run, x, y, batch_size)
         total = 0.0
         with torch.no_grad():
-            for node in run:
-                node.filter.module.eval()
-            for index in batches(n, batch_size or last.batch_size or n, None):
-                if lazy:
-                    picked = batch_rows(index, n)
-                    xb, yb = first.prepare_input(xt[picked]), last.prepare_target(yt[picked])
-                else:
-                    xb, yb = xt[index], yt[index]
-                out = self.nodes.on_device(xb)
-                for node in run:
-                    with autocast(node.filter, self.nodes.device):
-                        out = node.filter.module(out)
-                loss = self.nodes.loss(run, out, self.nodes.on_device(yb))
-                total += float(loss) * batch_len(index, n)
-        return total / n if n else float("nan")
+            for index in batches(data.rows, data.size, None):
+                xb, yb = data.read(index)
+                xb, yb = self.nodes.on_device(xb), self.nodes.on_device(yb)
+                loss = self.nodes.batch_loss(run, xb, yb, training=False).loss
+                total += float(loss) * batch_len(index, data.rows)
+        return total / data.rows if data.rows else float("nan")

@@ -19,15 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.batches import concat, num_rows, part_of, whole
 from engine.data.npy_rows import Rows
-from engine.errors import EngineError
 from engine.evaluation import Evaluation
-from engine.nodes import Node, Nodes, num_rows, run_setting, segments, whole
+from engine.nodes import Node, Nodes, run_setting, segments
 from engine.optimizers import Optimizers
+from engine.stepping import backward
 from engine.training import FitSettings, TrainingLoop
 from engine.transfer import to_cpu
-from protocol.errors import ErrorCode
-from protocol.rules.rows import needs_labels
 
 __all__ = ["FitResult", "FitSettings", "Fitting"]
 
@@ -174,12 +173,12 @@ class Fitting:
             loop = TrainingLoop(self.nodes, self.optimizers, segment, settings, scores)
             history = loop.train(out, y)
             loss = history[-1]["loss"] if history else None
-            if isinstance(out, Rows) and k == len(runs) - 1:
-                out = None  # rows read from disk: their output, all at once, is not made
-            else:
-                out = self._forward_segment(segment, whole(out))
+            if k == len(runs) - 1 and (isinstance(out, Rows) or not settings.output):
+                out = None  # not asked for; of rows read from disk, all at once, never made
+            else:  # batch by batch: the memory of a batch, not of the dataset
+                out = self.evaluation.forward(segment, out)
             if validation is not None and k < last_run:
-                val_x = self._forward_segment(segment, whole(val_x))
+                val_x = self.evaluation.forward(segment, val_x)
         clipped = None
         if settings.clip_norm is not None:
             clipped = self._clip_update(start, settings.clip_norm)
@@ -219,31 +218,28 @@ class Fitting:
         """Forward, loss and backward of ``x`` through the run, the gradients left on the
         parameters; with ``parts`` in that many slices one after the other (each loss weighted
         by its share of the rows, the gradients accumulating): the same gradient, a slice's
-        memory. The output and the mean loss."""
-        if y is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                needs_labels(run[-1].node_id, "fitting"),
-                {"node_id": run[-1].node_id},
-            )
+        memory. The output (``None`` from a step function) and the mean loss."""
+        self.nodes.check_labels(run, y, "fitting")
         for node in run:
             node.filter.module.zero_grad(set_to_none=True)
         # The true gradients, never scaled: whoever steps on them (the data-parallel mean, say)
         # must not have to know this filter's precision.
-        xt, yt = run[0].filter.prepare_input(x), run[-1].filter.prepare_target(y)
+        xt = self.nodes.on_device(run[0].filter.prepare_input(x))
+        yt = self.nodes.on_device(run[-1].filter.prepare_target(y))
         n = num_rows(xt)
         if parts <= 1 or n <= 1:
-            loss, out = self.nodes.run_loss(run, xt, yt)
-            loss.backward()
-            return out.detach(), float(loss.detach())
-        outs, total = [], 0.0
-        for rows in np.array_split(np.arange(n), min(parts, n)):
-            index = torch.from_numpy(rows)
-            loss, out = self.nodes.run_loss(run, xt[index], yt[index])
-            (loss * (len(rows) / n)).backward()
-            outs.append(out.detach())
-            total += float(loss.detach()) * len(rows)
-        return torch.cat(outs), total / n
+            computed = self.nodes.batch_loss(run, xt, yt)
+            backward(computed.loss, None)
+            return _detached(computed.out), float(computed.loss.detach())
+        outs, sizes, total = [], [], 0.0
+        for part in np.array_split(np.arange(n), min(parts, n)):
+            index = torch.from_numpy(part).to(self.nodes.device)
+            computed = self.nodes.batch_loss(run, part_of(xt, index), part_of(yt, index))
+            backward(computed.loss * (len(part) / n), None)
+            outs.append(_detached(computed.out))
+            sizes.append(len(part))
+            total += float(computed.loss.detach()) * len(part)
+        return concat(outs, sizes), total / n
 
     def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
         """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``
@@ -266,7 +262,13 @@ class Fitting:
         self.nodes.set_state(clipped)
         return True
 
-    def _forward_segment(self, run: list[Node], x: Any) -> Any:
-        for node in run:
-            x = self.nodes.apply(node, x, node.filter.module.state_dict())
-        return x
+
+def _detached(out: Any) -> Any:
+    """A run's output without its autograd graph (through tuples and mappings)."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, Mapping):
+        return {k: _detached(v) for k, v in out.items()}
+    if isinstance(out, tuple | list):
+        return type(out)(_detached(v) for v in out)
+    return out

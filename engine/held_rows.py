@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.batches import num_rows, take, whole
 from engine.data.npy_rows import Rows
 from engine.data.read_ahead import NextRead
 from engine.errors import EngineError
-from engine.nodes import check_same_rows, num_rows, take, whole
+from engine.nodes import check_same_rows
 from protocol.errors import ErrorCode
 
 __all__ = ["HeldRows"]

@@ -16,18 +16,19 @@ every filter of the run steps its own optimizer).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from engine.data.npy_rows import Rows
+from engine.batches import call_module, num_rows
 from engine.errors import EngineError
+from engine.step_functions import BatchLoss, StepModel, step_of, step_result, takes_labels
 from engine.transfer import autocast, tensors_to, to_cpu, to_device
 from protocol.errors import ErrorCode
-from protocol.rules.rows import rows_disagree
+from protocol.rules.rows import model_loss_with_labels, needs_labels, rows_disagree
 
 UNSET: Any = object()
 """The state of a plain filter that was neither fitted nor given a state."""
@@ -46,11 +47,11 @@ class DifferentiableFilter(Protocol):
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer: ...
 
-    def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def compute_loss(self, output: Any, y: Any) -> torch.Tensor: ...
 
-    def prepare_input(self, x: Any) -> torch.Tensor: ...
+    def prepare_input(self, x: Any) -> Any: ...
 
-    def prepare_target(self, y: Any) -> torch.Tensor: ...
+    def prepare_target(self, y: Any) -> Any: ...
 
     def forward(self, x: Any, state: Any) -> Any: ...
 
@@ -60,19 +61,6 @@ def is_differentiable(f: Any) -> bool:
     return bool(getattr(f, "differentiable", False)) and isinstance(
         getattr(f, "module", None), torch.nn.Module
     )
-
-
-def num_rows(x: Any) -> int:
-    """Rows of a batch: the first dimension of an array/tensor, or ``len()``."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) > 0:
-        return int(shape[0])
-    try:
-        return len(x)
-    except TypeError as exc:
-        raise EngineError(
-            ErrorCode.BAD_REQUEST, f"input of type {type(x).__name__} has no rows"
-        ) from exc
 
 
 def check_same_rows(x: Any, y: Any) -> None:
@@ -252,9 +240,11 @@ class Nodes:
 
     # -- forward passes on the device ---------------------------------------------------------
 
-    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` on the engine's device."""
-        return to_device(tensor, self.device)
+    def on_device(self, batch: Any) -> Any:
+        """``batch`` (a tensor, or a tuple or dict of them) on the engine's device."""
+        if isinstance(batch, torch.Tensor):
+            return to_device(batch, self.device)
+        return tensors_to(batch, self.device)
 
     def apply(self, node: Node, x: Any, state: Any) -> Any:
         """``forward`` of one node: a differentiable one on the device (input and ``state``
@@ -264,28 +254,79 @@ class Nodes:
         x = self.on_device(node.filter.prepare_input(x))
         return node.filter.forward(x, tensors_to(state, self.device))
 
-    def train_forward(self, run: list[Node], x: torch.Tensor) -> torch.Tensor:
-        """Forward ``x`` through the run in training mode, building the autograd graph; each
-        filter under its own precision's autocast."""
+    def train_forward(self, run: list[Node], x: Any, *, training: bool = True) -> Any:
+        """Forward ``x`` through the run in training mode (building the autograd graph) or in
+        evaluation mode; each filter under its own precision's autocast, its module called as
+        its ``inputs`` says."""
         out = x
         for node in run:
-            node.filter.module.train()
+            node.filter.module.train(training)
             with autocast(node.filter, self.device):
-                out = node.filter.module(out)
+                out = call_module(node.filter, out)
         return out
 
-    def loss(self, run: list[Node], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, run: list[Node], out: Any, y: Any) -> torch.Tensor:
         """The loss of the run's last filter, under its precision's autocast."""
         last = run[-1].filter
         with autocast(last, self.device):
             loss: torch.Tensor = last.compute_loss(out, y)
         return loss
 
-    def run_loss(self, run: list[Node], x: torch.Tensor, y: torch.Tensor) -> Any:
-        """Forward a batch through the run in training mode (moved to the device once, here);
-        the loss of its last filter, and the run's output."""
-        out = self.train_forward(run, self.on_device(x))
-        return self.loss(run, out, self.on_device(y)), out
+    def batch_loss(
+        self,
+        run: list[Node],
+        x: Any,
+        y: Any,
+        through: Callable[..., Any] | None = None,
+        *,
+        training: bool = True,
+    ) -> BatchLoss:
+        """What one training step computes on a batch already on the device, in training (or
+        evaluation) mode: its run's output and loss, or, with a ``step`` function on the run's
+        filter, what that returns (:mod:`engine.step_functions`). ``through`` stands for the
+        run's modules (a DistributedDataParallel wrapping them, whose forward all-reduces).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a step function in a run of several filters.
+        """
+        last = run[-1].filter
+        step = step_of(last)
+        if step is None:
+            out = self.train_forward(run, x, training=training) if through is None else through(x)
+            return BatchLoss(self.loss(run, out, y), out, {})
+        if len(run) > 1:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"node {run[-1].node_id!r} has a step function, and TorchFilters "
+                f"{[n.node_id for n in run[:-1]]} run before it as one model: a filter with "
+                "a step trains alone (put the modules in one, or a plain filter between)",
+                {"node_id": run[-1].node_id},
+            )
+        last.module.train(training)
+        model = last.module if through is None else StepModel(through, last.module)
+        with autocast(last, self.device):
+            returned = step(model, x if y is None else (x, y))
+        loss, metrics = step_result(returned, run[-1].node_id)
+        return BatchLoss(loss, None, metrics)
+
+    def check_labels(self, run: list[Node], y: Any, doing: str) -> None:
+        """Refuse to train or evaluate ``run`` without labels its loss needs, or with labels
+        that a model computing its own loss has nowhere to put.
+
+        Raises:
+            EngineError: ``BAD_REQUEST``, naming the run's last node.
+        """
+        last = run[-1]
+        if y is None and takes_labels(last.filter):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, needs_labels(last.node_id, doing), {"node_id": last.node_id}
+            )
+        if y is not None and getattr(last.filter, "loss", None) == "model":
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                model_loss_with_labels(last.node_id),
+                {"node_id": last.node_id},
+            )
 
 
 def segments(nodes: list[Node]) -> Iterator[list[Node]]:
@@ -335,20 +376,6 @@ def check_same_names(node_id: str, what: str, given: set[str], expected: set[str
                 "unexpected": sorted(given - expected),
             },
         )
-
-
-def take(data: Any, index: np.ndarray[Any, Any]) -> Any:
-    """Rows ``index`` of an array or tensor (a copy: the held data stays as it was)."""
-    if isinstance(data, torch.Tensor):
-        return data[torch.from_numpy(index)]
-    if isinstance(data, np.ndarray | Rows):  # a dataset read from disk by rows too
-        return np.asarray(data[index])  # reads those rows only
-    return np.asarray(data)[index]
-
-
-def whole(data: Any) -> Any:
-    """``data`` in memory: a dataset read by rows (:class:`Rows`) is read whole here."""
-    return np.asarray(data) if isinstance(data, Rows) else data
 
 
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:

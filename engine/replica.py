@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.batches import call_module, part_of
 from engine.compression import bucketing, compress
 from engine.data.npy_rows import Rows
 from engine.data.read_ahead import read_ahead
@@ -49,6 +50,7 @@ from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
 from engine.outer_step import OuterStep, SyncPoint
+from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.daemon import OuterStepSpec
@@ -180,18 +182,25 @@ def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> l
 
 
 class _Chain(torch.nn.Module):
-    """The differentiable run as one module for DDP: each filter under its own autocast."""
+    """The differentiable run as one module for DDP: each filter under its own autocast, its
+    module called on a batch as its ``inputs`` says. A filter with a ``step`` function (alone
+    in its run) is called with what the function passes."""
 
     def __init__(self, run: list[Node], device: torch.device) -> None:
         super().__init__()
         self.filters = [node.filter for node in run]
         self.parts = torch.nn.ModuleList([f.module for f in self.filters])
         self.device = device
+        self.stepped = step_of(self.filters[-1]) is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stepped:
+            with autocast(self.filters[0], self.device):
+                return self.parts[0](*args, **kwargs)
+        (x,) = args
         for f, module in zip(self.filters, self.parts, strict=True):
             with autocast(f, self.device):
-                x = module(x)
+                x = call_module(f, x, module)
         return x
 
 
@@ -211,9 +220,8 @@ class _Alone:
     def __init__(self, chain: _Chain) -> None:
         self.module = chain
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.module(x)
-        return out
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -390,8 +398,8 @@ class Replica:
         run: list[Node],
         plan: ReplicaPlan,
         step: int,
-        xt: torch.Tensor,
-        yt: torch.Tensor,
+        xt: Any,
+        yt: Any,
         accumulate: int,
         scaler: torch.amp.GradScaler | None,
     ) -> tuple[float, float]:
@@ -413,8 +421,8 @@ class Replica:
         self,
         ddp: Wrapped,
         run: list[Node],
-        xt: torch.Tensor,
-        yt: torch.Tensor,
+        xt: Any,
+        yt: Any,
         rows_of: tuple[int, int, int],
         parts: int,
         scaler: torch.amp.GradScaler | None,
@@ -426,21 +434,21 @@ class Replica:
         before it; before all of them for DiLoCo's ``inner`` step): the gradients left are the
         global batch's mean loss's. The replica's mean loss (0 with no rows)."""
         mine, batch, world = rows_of
-        if not mine:
+        if not mine:  # one row read to join the all-reduce, its loss counted for nothing
             with ddp.no_sync() if inner else contextlib.nullcontext():
-                out = ddp(xt)
-                backward(out.sum() * 0.0, scaler)
+                loss = self.nodes.batch_loss(run, xt, yt, ddp).loss
+                backward(loss * 0.0, scaler)
             return 0.0
         slices = np.array_split(np.arange(mine), parts)
         total = 0.0
-        for j, rows in enumerate(slices):
-            index = torch.from_numpy(rows).to(xt.device)
+        for j, part in enumerate(slices):
+            index = torch.from_numpy(part).to(self.nodes.device)
             last = j == len(slices) - 1 and not inner
             syncing = contextlib.nullcontext() if last else ddp.no_sync()
             with syncing:
-                loss = self.nodes.loss(run, ddp(xt[index]), yt[index])
-                backward(loss * (len(rows) * world / batch), scaler)
-            total += float(loss.detach()) * len(rows)
+                computed = self.nodes.batch_loss(run, part_of(xt, index), part_of(yt, index), ddp)
+                backward(computed.loss * (len(part) * world / batch), scaler)
+            total += float(computed.loss.detach()) * len(part)
         return total / mine
 
     def _broadcast_buffers(self, ddp: DistributedDataParallel, steps_done: int) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from engine.batches import num_rows
 from engine.errors import EngineError
-from engine.nodes import Node, Nodes, num_rows, segments, trainable
+from engine.nodes import Node, Nodes, segments, trainable
 from engine.optimizers import Optimizers
 from engine.stepping import current_lr, squared_norm
 from engine.transfer import cpu_tensor, to_cpu
@@ -105,15 +106,22 @@ class PipelineStage:
             x = to_cpu(self.nodes.apply(node, x, self.nodes.state_of(node)))
         xt = self.nodes.on_device(run[0].filter.prepare_input(x))
         leaf: torch.Tensor | None = None
+        if not first and not isinstance(xt, torch.Tensor):
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"stage {list(node_ids)} gets the stage before's output, and a stage after "
+                f"the first takes one tensor, not {type(xt).__name__}",
+                {"micro": micro},
+            )
         if not first and xt.is_floating_point():
             leaf = xt.detach().requires_grad_(True)  # detach: the caller's tensor is left alone
             xt = leaf
-        out = self.nodes.train_forward(run, xt)
         if not last:
+            out = self.nodes.train_forward(run, xt)
             self._in_flight[micro] = _InFlight(leaf, out, last=False)
             return to_cpu(out.detach())
         target = self.nodes.on_device(run[-1].filter.prepare_target(y))
-        loss = self.nodes.loss(run, out, target)
+        loss = self.nodes.batch_loss(run, xt, target).loss
         self._in_flight[micro] = _InFlight(leaf, loss * scale, last=True)
         lr = current_lr(self.optimizers.optimizer(run[-1]))  # what the step of this batch will take
         return {"loss": float(loss.detach()), "rows": num_rows(xt), "lr": lr}
@@ -137,12 +145,8 @@ class PipelineStage:
                 "gradients cannot flow back through them",
                 {"node_ids": [n.node_id for n in plain]},
             )
-        if last and y is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} ends the last stage: its forward needs labels (y)",
-                {"node_id": run[-1].node_id, "micro": micro},
-            )
+        if last:
+            self.nodes.check_labels(run, y, "training")
         return plain, run
 
     def stage_backward(self, micro: int, grad_output: Any = None) -> torch.Tensor | None:

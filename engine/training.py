@@ -16,15 +16,13 @@ from typing import Any
 
 import torch
 
-from engine.data.npy_rows import Rows
+from engine.batches import Batches
 from engine.data.read_ahead import read_ahead
-from engine.errors import EngineError
-from engine.nodes import Node, Nodes, num_rows, run_setting, trainable
+from engine.metrics import RowMeans
+from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
 from engine.stepping import Horizon, backward, fast_forward
-from protocol.errors import ErrorCode
-from protocol.rules.batching import batch_len, batch_rows, batches, generator
-from protocol.rules.rows import needs_labels
+from protocol.rules.batching import batch_len, generator
 
 __all__ = ["FitSettings", "TrainingLoop"]
 
@@ -53,6 +51,8 @@ class FitSettings:
             from, over all its rows, before training (q-FedAvg's F_k(w_t)).
         clip_norm: the L2 norm the update of the chain's TorchFilters is scaled down to when
             longer (client-side clipping for differential privacy, McMahan et al. 2018).
+        output: make the chain's output on its training rows (``FitResult.output``); without
+            it the last run's is never made (``graph.fit`` keeps none).
     """
 
     batch_size: int | None = None
@@ -65,43 +65,7 @@ class FitSettings:
     lr: float | None = None
     start_loss: bool = False
     clip_norm: float | None = None
-
-
-@dataclass(frozen=True)
-class _Batches:
-    """The rows a run trains on, cut in batches: prepared once when they are in memory, read
-    and prepared a batch at a time when they are on disk (:class:`Rows`, never read whole)."""
-
-    x: Any
-    y: Any
-    rows: int
-    size: int
-    lazy: bool
-    first: Any  # the run's first filter: it prepares the inputs
-    last: Any  # the run's last filter: it prepares the targets
-
-    @classmethod
-    def of(cls, run: list[Node], x: Any, y: Any, batch_size: int | None) -> _Batches:
-        first, last = run[0].filter, run[-1].filter
-        lazy = isinstance(x, Rows)
-        xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
-        n = num_rows(xt)
-        return cls(xt, yt, n, batch_size or last.batch_size or n, lazy, first, last)
-
-    def steps_per_epoch(self, every: int) -> int:
-        """Optimizer steps in an epoch, one every ``every`` batches (and after its last)."""
-        return (-(-self.rows // self.size) + every - 1) // every if self.rows else 0
-
-    def epoch(self, order: torch.Generator | None) -> list[Any]:
-        """The batches of an epoch: row indices, shuffled by ``order``, or in order."""
-        return list(batches(self.rows, self.size, order))
-
-    def read(self, index: Any) -> tuple[Any, Any]:
-        """A batch (on disk: in a read-ahead thread)."""
-        if not self.lazy:
-            return self.x[index], self.y[index]
-        picked = batch_rows(index, self.rows)
-        return self.first.prepare_input(self.x[picked]), self.last.prepare_target(self.y[picked])
+    output: bool = True
 
 
 class TrainingLoop:
@@ -145,13 +109,8 @@ class TrainingLoop:
         Raises:
             EngineError: ``BAD_REQUEST`` without labels.
         """
-        if y is None:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                needs_labels(self.run[-1].node_id, "training"),
-                {"node_id": self.run[-1].node_id},
-            )
-        data = _Batches.of(self.run, x, y, self.settings.batch_size)
+        self.nodes.check_labels(self.run, y, "training")
+        data = Batches.of(self.run, x, y, self.settings.batch_size)
         optimizers = self._start(data.steps_per_epoch(self.every))
         scaler = self.optimizers.scaler(self.run[-1])
         penalty = _Proximal.of(self.run, self.settings.prox_mu)
@@ -163,8 +122,9 @@ class TrainingLoop:
             history = []
             for number in range(1, self.epochs + 1):
                 epoch = data.epoch(order if self.last.shuffle else None)
-                loss, lr = self._epoch(data, epoch, optimizers, scaler, penalty)
-                history.append({"epoch": number, "loss": loss, "lr": lr} | self._scored())
+                loss, lr, metrics = self._epoch(data, epoch, optimizers, scaler, penalty)
+                row = {"epoch": number, "loss": loss, "lr": lr} | metrics
+                history.append(row | self._scored())
         return history
 
     def _start(self, steps_per_epoch: int) -> list[torch.optim.Optimizer]:
@@ -188,30 +148,36 @@ class TrainingLoop:
 
     def _epoch(
         self,
-        data: _Batches,
+        data: Batches,
         epoch: list[Any],
         optimizers: list[torch.optim.Optimizer],
         scaler: torch.amp.GradScaler | None,
         penalty: _Proximal | None,
-    ) -> tuple[float, float]:
-        """One epoch's batches, a step every :attr:`every` of them; its mean loss and the
-        learning rate its last step took."""
+    ) -> tuple[float, float, dict[str, float]]:
+        """One epoch's batches, a step every :attr:`every` of them; its mean loss, the
+        learning rate its last step took and the epoch's mean of each metric a step function
+        returned."""
         every, last_batch = self.every, len(epoch) - 1
         sizes = [batch_len(index, data.rows) for index in epoch]
         step_rows = [sum(sizes[g : g + every]) for g in range(0, len(epoch), every)]
         total, lr = 0.0, float("nan")
+        metrics = RowMeans()
         for j, (xb, yb) in enumerate(read_ahead(data.read, epoch, 1 if data.lazy else 0)):
             if j % every == 0:  # a step starts
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
-            loss, _ = self.nodes.run_loss(self.run, xb, yb)
+            computed = self.nodes.batch_loss(
+                self.run, self.nodes.on_device(xb), self.nodes.on_device(yb)
+            )
+            loss = computed.loss
             if penalty is not None:
                 loss = penalty.added_to(loss)
             backward(loss * (sizes[j] / step_rows[j // every]) if every > 1 else loss, scaler)
             total += float(loss.detach()) * sizes[j]
+            metrics.add(computed.metrics, sizes[j])
             if (j + 1) % every == 0 or j == last_batch:  # a step ends
                 lr = self.optimizers.step_run(self.run, scaler, epoch_end=j == last_batch)
-        return (total / data.rows if data.rows else float("nan")), lr
+        return (total / data.rows if data.rows else float("nan")), lr, metrics.means()
 
     def _scored(self) -> dict[str, Any]:
         """What :attr:`scores` gives now (its row count left out), or nothing."""

@@ -308,6 +308,10 @@ class NodeInfo(BaseModel):
     seed: int | None = None
     accumulate: Annotated[int, Field(ge=1)] | None = None
     clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # Its loss needs labels y (not a model that computes its own, loss="model", nor a step=
+    # function); it has a step= function (which trains it alone: no TorchFilter beside it).
+    labels: bool = True
+    step: bool = False
     # What makes replicas of it differ from one process training it (DataParallel's notes):
     buffers: bool = False  # the module holds buffers (replica 0's are broadcast each step)
     normalization: list[Annotated[str, Field(max_length=128)]] = Field(

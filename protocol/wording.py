@@ -1,11 +1,13 @@
 """How error messages name many things: a few of them and how many in all, so that a message
-about a 50,000-node graph stays a line long."""
+about a 50,000-node graph stays a line long; and the one a mistyped name was probably meant
+to be."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 
-__all__ = ["LISTED", "listed"]
+__all__ = ["LISTED", "did_you_mean", "listed"]
 
 LISTED = 8
 """The most items a message lists."""
@@ -18,3 +20,14 @@ def listed(items: Sequence[object], limit: int = LISTED) -> str:
         return repr(list(items))
     shown = ", ".join(repr(item) for item in items[:limit])
     return f"[{shown}, ... ({len(items)} in all)]"
+
+
+def did_you_mean(given: str, choices: Iterable[str], most: int = 3) -> str:
+    """``" (did you mean 'dp'?)"``: the choices nearest to a mistyped ``given`` (``'dpp'``;
+    the same letters swapped, ``'pd'``, too), at most ``most`` of them; nothing when none is
+    near."""
+    options = sorted(set(choices))
+    swapped = [c for c in options if sorted(c) == sorted(given) and c != given]
+    close = difflib.get_close_matches(given, options, n=most, cutoff=0.6)
+    near = sorted(dict.fromkeys(swapped + close))[:most]
+    return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""

@@ -428,6 +428,7 @@ class Client:
 def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     """What the coordinator is told of each node (it never unpickles the filters): whether it
     trains by gradient descent, and then its training settings."""
+    from engine.step_functions import step_of, takes_labels
     from somatize.filters import layer_kinds  # (torch: imported when a job is submitted)
 
     info = {}
@@ -441,6 +442,8 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
                 seed=getattr(f, "seed", None),
                 accumulate=getattr(f, "accumulate", None),
                 clip_grad_norm=getattr(f, "clip_grad_norm", None),
+                labels=takes_labels(f),
+                step=step_of(f) is not None,
                 **layer_kinds(getattr(f, "module", None)),
             )
         else:

@@ -20,14 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from engine.batches import INPUTS, arguments
 from engine.metrics import METRICS, check_metrics, metric_name
+from engine.step_functions import model_loss
 from engine.stepping import check_schedule, made_scheduler, named_scheduler
 from engine.transfer import PRECISIONS
+from protocol.rules.rows import map_leaves
+from protocol.wording import did_you_mean
 
 if TYPE_CHECKING:
     from somatize.graph import Graph
 
-LossSpec = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossSpec = str | Callable[[Any, torch.Tensor], torch.Tensor]
+StepSpec = Callable[[Any, Any], Any]
 OptimizerSpec = str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerSpec = str | Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
@@ -39,6 +44,9 @@ _LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "bce_with_logits": F.binary_cross_entropy_with_logits,
 }
 _REGRESSION_LOSSES = {"mse", "l1", "bce_with_logits"}
+_CLASS_LOSSES = {"cross_entropy", "nll"}
+MODEL_LOSS = "model"
+"""``loss="model"``: the module computes its own loss (``output.loss``, or a scalar output)."""
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
@@ -124,9 +132,15 @@ class TorchFilter(Filter):
     """A filter that wraps a ``torch.nn.Module`` and learns by gradient descent.
 
     Args:
-        module: the model; its current weights are the initial weights of training.
-        loss: ``"mse"``, ``"l1"``, ``"cross_entropy"``, ``"nll"``, ``"bce_with_logits"``, or a
-            callable ``(output, y) -> scalar tensor``. Only the last filter of a chain of
+        module: the model; its current weights are the initial weights of training. It is
+            called on a batch as ``inputs`` says: by default ``module(x)`` for an array,
+            ``module(*x)`` for a tuple of arrays, ``module(**x)`` for a dict of them.
+        loss: ``"mse"``, ``"l1"``, ``"cross_entropy"``, ``"nll"``, ``"bce_with_logits"``, a
+            callable ``(output, y) -> scalar tensor``, or ``"model"``: the module computes its
+            own loss from the batch (``output.loss``, as a Hugging Face model given
+            ``labels``; ``output["loss"]``; or a scalar output), and there is no ``y``.
+            ``"cross_entropy"``/``"nll"`` take sequence logits ``(B, T, V)`` against ``(B, T)``
+            targets too (the mean over every token). Only the last filter of a chain of
             TorchFilters has its loss used.
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"``, or a callable ``(params) -> Optimizer``.
         lr: learning rate of a named optimizer.
@@ -155,7 +169,20 @@ class TorchFilter(Filter):
             batches, in the memory of ``batch_size`` rows.
         metrics: what to evaluate on validation data at the end of every epoch, beside
             ``val_loss``: ``"accuracy"``, ``"mse"``, ``"mae"``, or callables ``(output, y) ->
-            float`` (named after the function), each on the whole validation set at once.
+            float`` (named after the function), each the mean of its value on every
+            validation batch weighted by the batch's rows.
+        step: what a training step computes, when the loss is more than ``loss(output, y)``:
+            ``step(model, batch) -> loss`` (a scalar tensor) or ``(loss, {name: value})``,
+            ``batch`` being ``x`` (``(x, y)`` with labels) on the device. The engine still
+            owns the optimizer, accumulation, clipping, precision, the collectives and
+            checkpoints; validation computes ``val_loss`` and ``val_<name>`` with it, and the
+            history's rows carry each metric's epoch mean. A filter with a step function
+            trains alone (no other TorchFilter right before or after it).
+        inputs: how the module takes a batch: ``"auto"`` (above) or ``"one"`` (``module(x)``
+            whatever ``x`` is: a module whose ``forward`` takes the whole dict).
+        eval_batch_size: rows per forward when evaluating validation data and forwarding the
+            training data after training (default ``batch_size``): memory bounded by a batch,
+            never the dataset.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
     ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps
@@ -183,17 +210,36 @@ class TorchFilter(Filter):
         clip_grad_norm: float | None = None,
         accumulate: int = 1,
         metrics: Sequence[str | Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
+        step: StepSpec | None = None,
+        inputs: str = "auto",
+        eval_batch_size: int | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
-        if isinstance(loss, str) and loss not in _LOSSES:
+        if isinstance(loss, str) and loss not in _LOSSES and loss != MODEL_LOSS:
             raise ValueError(
-                f"unknown loss {loss!r}; choose one of {sorted(_LOSSES)} or a callable"
+                f"unknown loss {loss!r}; choose one of {sorted(_LOSSES)}, 'model' or a callable"
+                + did_you_mean(loss, [*_LOSSES, MODEL_LOSS])
             )
+        if step is not None and not callable(step):
+            raise TypeError(f"step is a function (model, batch) -> loss, not {step!r:.60}")
+        if step is not None and metrics:
+            raise ValueError(
+                "a step function returns its metrics itself, (loss, {name: value}): "
+                "leave metrics= out"
+            )
+        if inputs not in INPUTS:
+            raise ValueError(f"inputs is one of {list(INPUTS)}, not {inputs!r}")
+        if eval_batch_size is not None and (
+            isinstance(eval_batch_size, bool)
+            or not isinstance(eval_batch_size, int)
+            or eval_batch_size < 1
+        ):
+            raise ValueError(f"eval_batch_size must be at least 1, not {eval_batch_size!r}")
         if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)} "
-                "or a callable"
+                "or a callable" + did_you_mean(optimizer, _OPTIMIZERS)
             )
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -227,6 +273,9 @@ class TorchFilter(Filter):
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.accumulate = accumulate
         self.metrics = checked_metrics
+        self.step = step
+        self.inputs = inputs
+        self.eval_batch_size = eval_batch_size
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -255,10 +304,15 @@ class TorchFilter(Filter):
             raise ValueError(f"the scheduler {scheduler!r} needs the run's length")
         return named_scheduler(scheduler, optimizer, total, self.scheduler_options)
 
-    def compute_loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, output: Any, y: Any) -> torch.Tensor:
         """The mean loss of a batch."""
         if callable(self.loss):
             return self.loss(output, y)
+        if self.loss == MODEL_LOSS:
+            return model_loss(output, self.name or self.default_name())
+        if self.loss in _CLASS_LOSSES and output.dim() > 2 and output.dim() == y.dim() + 1:
+            # Sequence logits (B, T, V) against (B, T) targets: every token a row.
+            output, y = output.reshape(-1, output.shape[-1]), y.reshape(-1)
         if self.loss in _REGRESSION_LOSSES:
             # The weights' dtype, not a bf16/fp16 autocast output's: labels are not rounded.
             # (getattr: a filter pickled before precision existed has none.)
@@ -276,28 +330,34 @@ class TorchFilter(Filter):
             out[metric_name(metric)] = float(compute(output, y))
         return out
 
-    def prepare_input(self, x: Any) -> torch.Tensor:
-        """``x`` as a tensor; floating input is cast to the module's floating dtype."""
-        tensor = torch.as_tensor(x)
+    def prepare_input(self, x: Any) -> Any:
+        """``x`` as a tensor (a tuple or dict of arrays: each as one); floating input is cast
+        to the module's floating dtype."""
         dtype = self._float_dtype()
-        if tensor.is_floating_point() and dtype is not None and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        return tensor
 
-    def prepare_target(self, y: Any) -> torch.Tensor:
-        """``y`` as a tensor (its dtype is settled against the output in :meth:`compute_loss`)."""
-        return torch.as_tensor(y)
+        def one(array: Any) -> torch.Tensor:
+            tensor = torch.as_tensor(array)
+            if tensor.is_floating_point() and dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            return tensor
+
+        return map_leaves(one, x)
+
+    def prepare_target(self, y: Any) -> Any:
+        """``y`` as a tensor, or tensors (its dtype is settled against the output in
+        :meth:`compute_loss`); ``None`` stays ``None``."""
+        return None if y is None else map_leaves(torch.as_tensor, y)
 
     def forward(self, x: Any, state: Any) -> Any:
         """Run the module on ``x`` with the weights in ``state`` (eval mode, no gradient)."""
-        x = self.prepare_input(x)
+        args, kwargs = arguments(getattr(self, "inputs", "auto"), self.prepare_input(x))
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
                 if state is None or not state:
-                    return self.module(x)
-                return functional_call(self.module, dict(state), (x,))
+                    return self.module(*args, **kwargs)
+                return functional_call(self.module, dict(state), args, kwargs)
         finally:
             self.module.train(was_training)
 

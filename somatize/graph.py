@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.devices import resolve_device
 from engine.engine import Engine, FitSettings
+from protocol.rules.rows import batch_problem, rows_of
 from somatize.errors import GraphError
 from somatize.filters import Filter
 
@@ -84,14 +85,19 @@ class Graph:
         autograd graph (see :meth:`engine.fitting.Fitting.batched_fit`).
 
         Args:
-            x: input rows (numpy array, torch tensor, or whatever the first filter takes).
-            y: labels, row-aligned with ``x``.
+            x: input rows: a numpy array or torch tensor, a tuple or dict of them with as many
+                rows each (``{"ids": ..., "mask": ...}``: a TorchFilter's module is called as
+                ``module(**x)``, a tuple's as ``module(*x)``), or whatever the first filter
+                takes.
+            y: labels, row-aligned with ``x``; none when the model computes its own loss
+                (``loss="model"``) or a ``step`` function takes what the batch holds.
             batch_size: overrides the TorchFilters' own ``batch_size``.
             device: where the TorchFilters train (``"cpu"``, ``"cuda"``, ``"cuda:N"``,
                 ``"mps"``); the fitted states are CPU tensors whatever it is.
-            validation: ``(x_val, y_val)``, evaluated at the end of every epoch with the model
-                as it stands then: ``val_loss`` (the last TorchFilter's loss) and its
-                ``metrics``, in :attr:`FittedGraph.history`.
+            validation: ``(x_val, y_val)`` (``(x_val, None)`` without labels), evaluated at the
+                end of every epoch with the model as it stands then, a batch at a time:
+                ``val_loss`` (the last TorchFilter's loss) and its ``metrics``, in
+                :attr:`FittedGraph.history`.
 
         Raises:
             ValueError: ``device`` is not a device, or not one of this machine's;
@@ -100,7 +106,7 @@ class Graph:
         validation = checked_validation(validation)
         engine = Engine(device=resolve_device(device))
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
-        settings = FitSettings(batch_size=batch_size, validation=validation)
+        settings = FitSettings(batch_size=batch_size, validation=validation, output=False)
         result = engine.fitting.batched_fit(self.node_ids, x, y, settings)
         return FittedGraph(self, result.states, history=result.history)
 
@@ -159,7 +165,8 @@ class FittedGraph:
 
 
 def checked_validation(validation: Any) -> tuple[Any, Any] | None:
-    """``validation`` as ``(x_val, y_val)``.
+    """``validation`` as ``(x_val, y_val)``: a pair of batches with as many rows, ``y_val``
+    ``None`` for a model that takes no labels (its own loss, or a step function).
 
     Raises:
         ValueError: it is not a pair of row-aligned inputs and labels.
@@ -167,19 +174,21 @@ def checked_validation(validation: Any) -> tuple[Any, Any] | None:
     if validation is None:
         return None
     if not isinstance(validation, tuple | list) or len(validation) != 2:
-        raise ValueError(f"validation is a pair (x_val, y_val), not {validation!r:.80}")
+        raise ValueError(
+            f"validation is a pair (x_val, y_val), or (x_val, None) without labels, not "
+            f"{validation!r:.80}"
+        )
     x_val, y_val = validation
-    rows = [_rows(x_val), _rows(y_val)]
+    for name, data in (("x_val", x_val), ("y_val", y_val)):
+        problem = batch_problem(data, name)
+        if problem is not None:
+            raise ValueError(problem)
+    rows = [rows_of(x_val), rows_of(y_val) if y_val is not None else rows_of(x_val)]
     if None in rows or rows[0] != rows[1] or not rows[0]:
         raise ValueError(
             f"validation needs x_val and y_val with as many rows (got {rows[0]} and {rows[1]})"
         )
     return x_val, y_val
-
-
-def _rows(data: Any) -> int | None:
-    shape = getattr(data, "shape", None)
-    return int(shape[0]) if shape is not None and len(shape) > 0 else None
 
 
 def _assign_ids(filters: list[Filter]) -> list[str]:

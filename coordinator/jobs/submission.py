@@ -7,7 +7,6 @@ graph's size, nothing here touches the event loop or the store.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,10 +15,10 @@ from coordinator.errors import StrategyOptionsError
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
 from coordinator.workers.registry import WorkerRecord
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
-from protocol.messages import Submit
+from protocol.messages import NodeInfo, Submit
 from protocol.options.devices import device_fits
-from protocol.rules.rows import inline_data_problem, rows_of
-from protocol.wording import listed
+from protocol.rules.rows import batch_problem, inline_data_problem, rows_of
+from protocol.wording import did_you_mean, listed
 
 __all__ = [
     "check_targets",
@@ -63,7 +62,6 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             "a job trains on data it sends (x, y) or on the workers' own dataset, "
             "exactly one of the two",
         )
-    check_validation(msg)
     inputs = JobInputs(
         msg.graph.node_ids,
         filters,
@@ -80,10 +78,14 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     why = (
         None
         if msg.dataset is not None
-        else inline_data_problem(inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y)
+        else inline_data_problem(
+            inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y, set(inputs.labelled())
+        )
     )
+    why = why or lone_steps_problem(inputs)
     if why is not None:
         raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
+    check_validation(msg, inputs)
     try:
         strategy.validate(inputs)
     except StrategyOptionsError as exc:
@@ -91,9 +93,27 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     return strategy, inputs, placement_of(strategy, inputs)
 
 
-def check_validation(msg: Submit) -> None:
-    """Refuse validation data that cannot be evaluated: a split of no dataset, or rows and
-    labels that do not pair up.
+def lone_steps_problem(inputs: JobInputs) -> str | None:
+    """Why a node with a ``step`` function cannot train where it stands: a TorchFilter right
+    before or after it, which would train with it as one model (the engine refuses it in the
+    same words); ``None`` when every such node stands alone."""
+    ids, torch_nodes = inputs.node_ids, set(inputs.differentiable())
+    for k, node_id in enumerate(ids):
+        if not inputs.nodes.get(node_id, NodeInfo()).step:
+            continue
+        joined = [n for n in (ids[k - 1] if k else None, *ids[k + 1 : k + 2]) if n in torch_nodes]
+        if joined:
+            return (
+                f"node {node_id!r} has a step function, and TorchFilters {joined} stand beside "
+                "it as one model: a filter with a step trains alone (put the modules in one, "
+                "or a plain filter between)"
+            )
+    return None
+
+
+def check_validation(msg: Submit, inputs: JobInputs) -> None:
+    """Refuse validation data that cannot be evaluated: a split of no dataset, rows and labels
+    that do not pair up, or no labels where the job's loss needs them.
 
     Raises:
         RequestRefused: ``BAD_REQUEST`` saying which.
@@ -104,12 +124,26 @@ def check_validation(msg: Submit) -> None:
             "val_split names a split of the workers' dataset: the job trains on one "
             "(dataset) and sends no x_val",
         )
-    if msg.val_split is None and (msg.x_val is None) != (msg.y_val is None):
-        raise RequestRefused.of(
-            ErrorCode.BAD_REQUEST, "validation data is x_val and y_val, both or neither"
-        )
+    if msg.x_val is None:
+        if msg.y_val is not None:
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, "validation labels y_val need x_val")
+        return
+    torch_nodes = inputs.differentiable()
+    for name, data in (("x_val", msg.x_val), ("y_val", msg.y_val)):
+        problem = batch_problem(data, name)
+        if problem is not None:
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, problem)
+    if msg.y_val is None:
+        if torch_nodes and torch_nodes[-1] in inputs.labelled():
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"validation data is x_val and y_val: node {torch_nodes[-1]!r} needs labels",
+            )
+        if not rows_of(msg.x_val):
+            raise RequestRefused.of(ErrorCode.BAD_REQUEST, "x_val must hold at least one row")
+        return
     rows = [rows_of(v) for v in (msg.x_val, msg.y_val)]
-    if msg.x_val is not None and (None in rows or rows[0] != rows[1] or not rows[0]):
+    if None in rows or rows[0] != rows[1] or not rows[0]:
         raise RequestRefused.of(
             ErrorCode.BAD_REQUEST,
             f"x_val and y_val must hold as many rows, at least one (got {rows[0]} and {rows[1]})",
@@ -146,7 +180,10 @@ def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
     return dataclasses.replace(placement, dataset=name, slots=slots)
 
 
-WAIT_HINT = "; to wait for such a worker instead, submit with wait_for_workers=SECONDS"
+WAIT_HINT = (
+    "; to wait for such a worker instead, submit with wait_for_workers=SECONDS "
+    "(somatize submit --wait-for-workers SECONDS)"
+)
 """What every refusal for want of a worker ends with: the way to queue the job anyway."""
 
 
@@ -240,9 +277,8 @@ def _target_of(placement: Placement) -> Target | None:
 
 
 def _nearest(name: str | None, names: Sequence[str]) -> str:
-    """`` (did you mean 'dp'?)``: the names nearest to one no worker has, if any is near."""
-    near = sorted(difflib.get_close_matches(name or "", sorted(set(names)), n=3, cutoff=0.6))
-    return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
+    """`` (did you mean 'dp'?)``: the name nearest to one no worker has, if any is near."""
+    return did_you_mean(name or "", sorted(set(names)))
 
 
 def _no_workers(message: str, **detail: Any) -> RequestRefused:

@@ -67,6 +67,18 @@ class JobInputs:
         """The nodes that train by gradient descent, in graph order."""
         return [n for n in self.node_ids if self.nodes.get(n, NodeInfo()).differentiable]
 
+    def labelled(self) -> list[str]:
+        """The differentiable nodes whose loss needs labels (``y``), in graph order: not those
+        whose model computes its own loss, nor those with a ``step`` function."""
+        return [n for n in self.differentiable() if self.nodes.get(n, NodeInfo()).labels]
+
+    def missing_labels(self, node_id: str, strategy: str) -> str | None:
+        """Why the run ending at ``node_id`` cannot train on the data sent (``x`` without the
+        ``y`` its loss needs); ``None`` when it can (or trains on the workers' own data)."""
+        if self.dataset is None and self.y is None and node_id in self.labelled():
+            return f"{strategy} trains with labels: y is missing (node {node_id!r} needs them)"
+        return None
+
 
 @dataclass(frozen=True)
 class Placement:

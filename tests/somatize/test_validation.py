@@ -24,7 +24,9 @@ def check_history(history, expected, figures, atol=1e-5):
         assert row["loss"] == pytest.approx(loss, abs=atol)
         assert row["lr"] == pytest.approx(lr, abs=1e-12)
         assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=atol)
-        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
+        # The reference's float32 mean over the whole set; ours the mean of its batches' in
+        # float64: one row's share is 1/61, so 1e-6 still tells every row apart.
+        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-6)
 
 
 def test_each_epochs_row_holds_the_models_validation_figures_at_that_epochs_end():
@@ -52,7 +54,9 @@ def test_plain_filters_in_front_apply_their_fitted_state_to_the_validation_rows(
     )
     for row, scores in zip(fitted.history, figures, strict=True):
         assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=1e-5)
-        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
+        # The reference's float32 mean over the whole set; ours the mean of its batches' in
+        # float64: one row's share is 1/61, so 1e-6 still tells every row apart.
+        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-6)
         assert isinstance(row["top_logit"], float)
 
 

@@ -224,14 +224,16 @@ class Daemon:
             reset_optimizer=req.reset_optimizer,
             schedule_before=req.schedule_before,
             schedule_epochs=req.schedule_epochs,
-            validation=None if req.validation is None else self.engine.rows.held(req.validation),
+            validation=None
+            if req.validation is None
+            else self.engine.rows.held(req.validation, lazy=True),  # read a batch at a time
             lr=req.lr,
             start_loss=req.start_loss,
             clip_norm=req.clip_norm,
+            # predictions on (perhaps private) data are not sent back: nor made
+            output=req.return_output,
         )
         result = self.engine.fitting.batched_fit(req.node_ids, x, y, settings)
-        if not req.return_output:
-            result.output = None  # predictions on (perhaps private) data: not to be sent back
         if not req.return_states:
             result.states = {}  # the caller pulls them with get_state when it has room
         return _plain(result)

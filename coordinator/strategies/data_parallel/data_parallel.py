@@ -251,8 +251,9 @@ class DataParallel(Strategy):
                 "other rows than the replica it would replace"
             )
         torch_nodes, prefix = plain_prefix(job, self.name, "; use Local")
-        if job.y is None and job.dataset is None:
-            raise StrategyOptionsError("data_parallel trains with labels: y is missing")
+        missing = job.missing_labels(torch_nodes[-1], "data_parallel")
+        if missing is not None:
+            raise StrategyOptionsError(missing)
         return torch_nodes, prefix, TrainingSettings.of(job.nodes[torch_nodes[-1]])
 
 

@@ -28,6 +28,7 @@ from coordinator.strategies.base import Emit, JobInputs, concurrently
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
+from protocol.rules.rows import take_rows
 
 T = TypeVar("T")
 
@@ -197,7 +198,8 @@ class Replicas:
             data = self.job.own_data(self.staged)
         else:
             rows = self.position.held[i]
-            data = StageRequest(name=self.staged, x=self.job.x[rows], y=self.job.y[rows])
+            x, y = take_rows(self.job.x, rows), take_rows(self.job.y, rows)
+            data = StageRequest(name=self.staged, x=x, y=y)
         staged = await set_up(self.ctx, i, self.job.filters, data)
         self.staged_rows[i] = int(staged["rows"])
         if self.validation is not None:

@@ -25,7 +25,7 @@ from coordinator.strategies.federated.privacy import Privacy
 from coordinator.strategies.steps import set_up
 from protocol.daemon import StageRequest
 from protocol.errors import ErrorCode
-from protocol.rules.rows import rows_of
+from protocol.rules.rows import rows_of, take_rows
 
 Shards = list[tuple[Any, Any]]
 """The client's rows cut in one ``(x, y)`` shard per worker."""
@@ -256,6 +256,6 @@ def contiguous_shards(job: JobInputs, k: int, strategy: str) -> Shards | None:
         )
     bounds = np.cumsum([0, *(len(part) for part in np.array_split(np.arange(n), k))])
     return [
-        (job.x[start:stop], job.y[start:stop])
+        (take_rows(job.x, slice(start, stop)), take_rows(job.y, slice(start, stop)))
         for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
     ]

@@ -198,8 +198,10 @@ class FedAvg(RoundStrategy[FederatedRun, FederatedRound]):
                 )
         if job.dataset is not None:
             return  # the labels are the workers' own: each one's first round will tell
-        if job.y is None:
-            raise StrategyOptionsError(f"{self.name} trains with labels: y is missing")
+        torch_nodes = job.differentiable()
+        missing = torch_nodes and job.missing_labels(torch_nodes[-1], self.name)
+        if missing:
+            raise StrategyOptionsError(missing)
         rows = rows_of(job.x)
         least = o.workers if o.workers is not None else o.min_workers
         if rows is not None and rows < least * o.clients_per_worker:

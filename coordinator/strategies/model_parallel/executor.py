@@ -24,6 +24,7 @@ from coordinator.context import StrategyContext
 from coordinator.strategies.base import concurrently
 from coordinator.strategies.model_parallel.schedule import Action, Schedule
 from protocol.daemon import StageBackwardRequest, StageForwardRequest
+from protocol.rules.rows import take_rows
 
 STAGED = "train"
 """The name the first stage's input rows are staged under in its daemon."""
@@ -88,7 +89,7 @@ class GlobalBatch:
             rows = self.micro[m]
             fields |= {"scale": len(rows) / self.rows, "last": True}
             if self.labels is None:
-                fields["y"] = self.y[rows]
+                fields["y"] = take_rows(self.y, rows)
             else:
                 fields |= {"labels": self.labels, "label_rows": rows.tolist()}
         return StageForwardRequest(**fields)

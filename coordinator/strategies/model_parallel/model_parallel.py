@@ -124,8 +124,15 @@ class ModelParallel(Strategy):
         """The differentiable nodes and the training settings; or why the job cannot run."""
         check_partitions(job.node_ids, self.partitions)
         torch_nodes, _ = plain_prefix(job, self.name, "")
-        if job.dataset is None and job.y is None:
-            raise StrategyOptionsError("model_parallel trains with labels: y is missing")
+        missing = job.missing_labels(torch_nodes[-1], "model_parallel")
+        if missing is not None:
+            raise StrategyOptionsError(missing)
+        if torch_nodes[-1] not in job.labelled():
+            raise StrategyOptionsError(
+                f"model_parallel takes the loss of its last stage against labels y, and node "
+                f"{torch_nodes[-1]!r} computes its own (loss='model' or step=): train it with "
+                "Local, DataParallel or FedAvg"
+            )
         if job.dataset is not None:
             own_data_checks(self.partitions, torch_nodes)
         if job.val_split is not None:

@@ -63,6 +63,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode
 from protocol.rules.clipping import clip_coefficient
+from protocol.rules.rows import rows_of
 
 __all__ = ["Guard", "PipelineRun"]
 
@@ -123,7 +124,7 @@ class PipelineRun:
             staged = await guard(ctx.call(first, job.own_data(STAGED)), stage=first)
             own_rows = int(staged["rows"])
         pipeline = list(range(first, len(stages)))
-        count = int(x.shape[0]) if own_rows is None else own_rows
+        count = (rows_of(x) or 0) if own_rows is None else own_rows
         steps_per_epoch = self.training.steps_per_epoch(count)
         saves = self.make_saves(pipeline, steps_per_epoch)
         restored = saves.states

@@ -12,6 +12,7 @@ from coordinator.jobs.submission import WAIT_HINT
 from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.messages import ArrayShape, DatasetSummary
+from protocol.rules.rows import needs_labels
 from tests.coordinator.jobs.harness import FakeChannel, Harness, make_graph, run, submit
 from tests.utils import UNIT, Center
 
@@ -225,9 +226,7 @@ def test_data_graph_fit_would_refuse_is_refused_at_submit_for_every_strategy(
             unlabelled = msg.model_copy(update={"y": None})
             with pytest.raises(RequestRefused) as caught:
                 await h.manager.submit(unlabelled)
-            assert caught.value.info.message == (
-                "node 'lin' is differentiable: training it needs labels (y)"
-            )
+            assert caught.value.info.message == needs_labels("lin")
             assert h.store.list(None, 10) == [] and h.contexts == []
 
     run(main())

@@ -92,7 +92,9 @@ def check_rows(events, reference, figures, unit="epoch"):
         assert row["loss"] == pytest.approx(loss, abs=1e-5)
         assert row["lr"] == pytest.approx(lr, abs=1e-12)
         assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=1e-5)
-        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
+        assert row["accuracy"] == pytest.approx(
+            scores["accuracy"], abs=1e-6
+        )  # float32 vs float64 mean
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -189,6 +191,8 @@ def test_fedavg_evaluates_the_global_model_each_round():
     for row, loss, scores in zip(rows, losses, figures, strict=True):
         assert row["loss"] == pytest.approx(loss, abs=1e-5)
         assert row["val_loss"] == pytest.approx(scores["val_loss"], abs=1e-5)
-        assert row["accuracy"] == pytest.approx(scores["accuracy"], abs=1e-9)
+        assert row["accuracy"] == pytest.approx(
+            scores["accuracy"], abs=1e-6
+        )  # float32 vs float64 mean
     history = next(e for e in events if e.get("phase") == "trained")["history"]
     assert [r["round"] for r in history] == [1, 2, 3]
