@@ -23,7 +23,7 @@ from engine.data.npy_rows import Rows
 from engine.errors import EngineError
 from protocol.errors import ErrorCode
 from protocol.rules.batching import batch_rows, batches
-from protocol.rules.rows import is_batch_tree, map_leaves, rows_of
+from protocol.rules.rows import is_batch_tree, leaves, map_leaves, rows_of
 
 __all__ = [
     "INPUTS",
@@ -32,6 +32,7 @@ __all__ = [
     "call_module",
     "concat",
     "num_rows",
+    "on_disk",
     "part_of",
     "take",
     "whole",
@@ -60,7 +61,7 @@ class Batches:
     @classmethod
     def of(cls, run: Sequence[Any], x: Any, y: Any, batch_size: int | None) -> Batches:
         first, last = run[0].filter, run[-1].filter
-        lazy = isinstance(x, Rows)
+        lazy = on_disk(x)
         xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
         n = num_rows(xt)
         return cls(xt, yt, n, batch_size or last.batch_size or n, lazy, first, last)
@@ -89,6 +90,12 @@ class Batches:
         return self.first.prepare_input(take(self.x, picked)), self.last.prepare_target(
             take(self.y, picked)
         )
+
+
+def on_disk(data: Any) -> bool:
+    """Whether some array of ``data`` is read from disk (or a dataset) by rows (:class:`Rows`):
+    it is then read a batch at a time, never whole."""
+    return any(isinstance(array, Rows) for _, array in leaves(data))
 
 
 def num_rows(x: Any) -> int:

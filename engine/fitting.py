@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batches import concat, num_rows, part_of, whole
-from engine.data.npy_rows import Rows
+from engine.batches import concat, num_rows, on_disk, part_of, whole
 from engine.evaluation import Evaluation
 from engine.nodes import Node, Nodes, run_setting, segments
 from engine.optimizers import Optimizers
@@ -173,7 +172,7 @@ class Fitting:
             loop = TrainingLoop(self.nodes, self.optimizers, segment, settings, scores)
             history = loop.train(out, y)
             loss = history[-1]["loss"] if history else None
-            if k == len(runs) - 1 and (isinstance(out, Rows) or not settings.output):
+            if k == len(runs) - 1 and (on_disk(out) or not settings.output):
                 out = None  # not asked for; of rows read from disk, all at once, never made
             else:  # batch by batch: the memory of a batch, not of the dataset
                 out = self.evaluation.forward(segment, out)

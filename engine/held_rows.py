@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.batches import num_rows, take, whole
-from engine.data.npy_rows import Rows
+from engine.batches import num_rows, on_disk, take, whole
 from engine.data.read_ahead import NextRead
 from engine.errors import EngineError
 from engine.nodes import check_same_rows
@@ -78,7 +77,7 @@ class HeldRows:
         step before is averaged. Data in memory needs no reading ahead: nothing is done."""
         x, y = self._held.get(name, (None, None))
         index = np.asarray(rows, dtype=np.int64)
-        if isinstance(x, Rows) and index.size and 0 <= index.min() <= index.max() < len(x):
+        if on_disk(x) and index.size and 0 <= index.min() <= index.max() < num_rows(x):
 
             def read() -> tuple[Any, Any]:
                 return take(x, index), None if y is None else take(y, index)

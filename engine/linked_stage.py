@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.data.npy_rows import Rows
+from engine.batches import on_disk
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
@@ -139,9 +139,9 @@ class LinkedStage:
             ]
 
         names = [n for n, reads in ((plan.data, first), (plan.labels, last)) if n and reads]
-        on_disk = any(isinstance(self.rows.held(n, lazy=True)[0], Rows) for n in names)
+        from_disk = any(on_disk(self.rows.held(n, lazy=True)[0]) for n in names)
         batches = range(start, stop)
-        for b, data in zip(batches, read_ahead(read, batches, 1 if on_disk else 0), strict=True):
+        for b, data in zip(batches, read_ahead(read, batches, 1 if from_disk else 0), strict=True):
             try:
                 batch_losses, batch_rows = self._one_batch(plan, plan.batches[b], data)
                 coefficient = None if plan.clip is None else self._clip_coefficient(plan)

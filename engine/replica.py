@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.batches import call_module, part_of
+from engine.batches import call_module, on_disk, part_of
 from engine.compression import bucketing, compress
-from engine.data.npy_rows import Rows
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
@@ -308,9 +307,9 @@ class Replica:
             local = plan.steps[step][0]
             return self.rows.held(plan.data, local if len(local) else ONE_ROW)
 
-        on_disk = isinstance(self.rows.held(plan.data, lazy=True)[0], Rows)
+        from_disk = on_disk(self.rows.held(plan.data, lazy=True)[0])
         steps = range(start, stop)
-        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if on_disk else 0), strict=True):
+        for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if from_disk else 0), strict=True):
             xt, yt = self._inputs(prefix, run, x, y)
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -329,7 +328,7 @@ class Replica:
             lrs.append(lr)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
-        if on_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
+        if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         return {"losses": losses, "rows": rows, "lrs": lrs}
 

@@ -190,7 +190,7 @@ class BatchedFitRequest(DataSource):
 class StageRequest(_Request):
     """Keep data under ``name`` for later commands: sent inline (``x``, ``y``), or a dataset of
     the worker's own (``dataset``: a name the agent was given with ``--data NAME=PATH``), opened
-    by the job's pickled ``loader`` when one is given (:mod:`engine.data.loader_rows`)."""
+    by the job's pickled ``loader`` when one is given (:mod:`engine.data.dataset_rows`)."""
 
     cmd: Literal["stage"] = "stage"
     name: str

@@ -337,6 +337,7 @@ class Client:
             if y is not None:
                 raise ValueError("with WorkerData the labels are the workers' own: y must be None")
             x = None
+        x, y = sent_data(x, y)
         info = graph_info(graph)
         x_val, y_val, val_split = _validation(validation, dataset)
         message = Submit(
@@ -425,6 +426,17 @@ class Client:
         return end
 
 
+def sent_data(x: Any, y: Any) -> tuple[Any, Any]:
+    """``x`` and ``y`` as a job sends them: a map-style dataset read into arrays (it travels
+    with the job; to train on one without sending it, serve its files on the workers and give
+    ``sz.WorkerData(name, loader=...)``)."""
+    from engine.batches import whole
+    from somatize.graph import dataset_data
+
+    x, y = dataset_data(x, y)
+    return whole(x), whole(y)
+
+
 def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     """What the coordinator is told of each node (it never unpickles the filters): whether it
     trains by gradient descent, and then its training settings."""
@@ -467,7 +479,11 @@ def _validation(validation: Any, dataset: str | None) -> tuple[Any, Any, str | N
     from somatize.graph import checked_validation
 
     checked = checked_validation(validation)
-    return (None, None, None) if checked is None else (*checked, None)
+    if checked is None:
+        return None, None, None
+    from engine.batches import whole  # a dataset's rows travel with the job
+
+    return whole(checked[0]), whole(checked[1]), None
 
 
 def _notes(strategy: Strategy, info: dict[str, NodeInfo]) -> list[str]:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from engine.data.dataset_rows import dataset_rows, is_map_dataset
 from engine.devices import resolve_device
 from engine.engine import Engine, FitSettings
 from protocol.rules.rows import batch_problem, rows_of
@@ -87,8 +88,9 @@ class Graph:
         Args:
             x: input rows: a numpy array or torch tensor, a tuple or dict of them with as many
                 rows each (``{"ids": ..., "mask": ...}``: a TorchFilter's module is called as
-                ``module(**x)``, a tuple's as ``module(*x)``), or whatever the first filter
-                takes.
+                ``module(**x)``, a tuple's as ``module(*x)``), a map-style dataset (read a
+                batch at a time, never whole; its ``(x, y)`` items' labels are ``y``), or
+                whatever the first filter takes.
             y: labels, row-aligned with ``x``; none when the model computes its own loss
                 (``loss="model"``) or a ``step`` function takes what the batch holds.
             batch_size: overrides the TorchFilters' own ``batch_size``.
@@ -103,6 +105,7 @@ class Graph:
             ValueError: ``device`` is not a device, or not one of this machine's;
                 ``validation`` is not a pair of row-aligned inputs and labels.
         """
+        x, y = dataset_data(x, y)
         validation = checked_validation(validation)
         engine = Engine(device=resolve_device(device))
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
@@ -164,15 +167,31 @@ class FittedGraph:
         return f"FittedGraph({self.graph!r})"
 
 
+def dataset_data(x: Any, y: Any) -> tuple[Any, Any]:
+    """``x`` and ``y`` as the engine takes them: a map-style dataset (``torch.utils.data``'s,
+    a Hugging Face ``datasets.Dataset`` in its torch format) as row tables read a batch at a
+    time (:mod:`engine.data.dataset_rows`), its pairs' labels as ``y`` unless ``y`` is
+    given; anything else as it is."""
+    if not is_map_dataset(x):
+        return x, y
+    rows, labels = dataset_rows(x)
+    return rows, labels if y is None else y
+
+
 def checked_validation(validation: Any) -> tuple[Any, Any] | None:
     """``validation`` as ``(x_val, y_val)``: a pair of batches with as many rows, ``y_val``
-    ``None`` for a model that takes no labels (its own loss, or a step function).
+    ``None`` for a model that takes no labels (its own loss, or a step function); or a
+    map-style dataset (:func:`dataset_data`).
 
     Raises:
         ValueError: it is not a pair of row-aligned inputs and labels.
     """
     if validation is None:
         return None
+    if is_map_dataset(validation):
+        return dataset_data(validation, None)
+    if isinstance(validation, tuple | list) and len(validation) == 2:
+        validation = dataset_data(*validation)
     if not isinstance(validation, tuple | list) or len(validation) != 2:
         raise ValueError(
             f"validation is a pair (x_val, y_val), or (x_val, None) without labels, not "

@@ -3,6 +3,6 @@
 A worker's own datasets (``somatize-worker --data NAME=PATH``) are opened without reading them
 whole (:mod:`~engine.data.dataset_files`, :mod:`~engine.data.datasets`); a batch's rows are read
 from disk as they are asked for (:mod:`~engine.data.npy_rows`, :mod:`~engine.data.row_reads`), or
-from the job's own ``Dataset`` (:mod:`~engine.data.loader_rows`), one batch ahead of training
+from a map-style ``Dataset`` (:mod:`~engine.data.dataset_rows`), one batch ahead of training
 (:mod:`~engine.data.read_ahead`).
 """

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.data.dataset_files import ArrayInfo, DatasetInfo, describe, open_dataset
-from engine.data.loader_rows import loader_rows
+from engine.data.dataset_rows import loader_rows
 from engine.errors import EngineError
 from protocol.errors import ErrorCode
 from protocol.filters import load_filter

@@ -180,3 +180,33 @@ def test_a_module_that_takes_the_whole_dict_says_inputs_one():
     ).fit(x, y)
     model, _ = plain_loop(MaskedPool(), x, y, cross_entropy)
     close({k.removeprefix("inner."): v for k, v in fitted.states["whole_dict"].items()}, model)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """The token rows as a map-style dataset of ``({"ids", "mask"}, label)`` pairs."""
+
+    def __init__(self, x: dict, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        return {k: torch.as_tensor(v[i]) for k, v in self.x.items()}, int(self.y[i])
+
+
+def test_a_map_style_dataset_trains_a_batch_at_a_time_as_its_arrays_do():
+    x, y = token_rows()
+    x_val, y_val = token_rows(40, seed=9)
+    net = sz.TorchFilter(MaskedPool(), loss="cross_entropy", metrics=("accuracy",), **SETTINGS)
+    data = TokenDataset(x, y)
+    fitted = sz.Graph([net]).fit(data, validation=TokenDataset(x_val, y_val))
+    model, _ = plain_loop(MaskedPool(), x, y, cross_entropy)
+    close(fitted.states["masked_pool"], model)
+    # Each item read once an epoch (the three columns of a batch share its read), plus the
+    # first item to learn the columns' shapes: never the whole dataset at once.
+    assert data.reads == 2 * 150 + 1
+    arrays = sz.Graph([net]).fit(x, y, validation=(x_val, y_val))
+    assert fitted.history == arrays.history
