@@ -23,8 +23,17 @@ browser:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -q --no-install-recommends chromium; }
 
-demo: setup
+# The demo needs the package and its own dependencies only, not the dev extras (pytest, mypy,
+# ruff, hypothesis, opacus, tensorboard): make setup adds those to the same virtualenv.
+DEMO_STAMP := $(VENV)/.installed-demo
+
+demo: $(DEMO_STAMP)
 	$(BIN)/somatize demo
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	touch $(DEMO_STAMP)
 
 lint: setup
 	$(BIN)/ruff check .

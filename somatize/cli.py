@@ -17,16 +17,8 @@ Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a
 a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
 Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.interrupt`).
 
-A job file is a Python file run with :func:`runpy.run_path`; it defines ``graph`` (a
-:class:`~somatize.Graph`) and ``x``, and optionally ``y`` and ``strategy`` (default
-:class:`~somatize.Local`)::
-
-    import numpy as np, torch, somatize as sz
-
-    x = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
-    y = (x.sum(1) > 0).astype(np.int64)
-    graph = sz.Graph([sz.TorchFilter(torch.nn.Linear(8, 2), loss="cross_entropy", epochs=5)])
-    strategy = sz.Local(tag="gpu")
+A job file (:mod:`somatize.job_files`) is a Python file that defines ``graph`` and ``x``, and
+may define ``y``, ``strategy``, ``validation``, ``name`` and ``wait_for_workers``.
 """
 
 from __future__ import annotations
@@ -34,14 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import runpy
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.token_file import token_file_problem
+from protocol.user_tracebacks import with_source
 from somatize.curves import (
     HistoryWriter,
     curve_unit,
@@ -55,6 +46,7 @@ from somatize.curves import (
 )
 from somatize.errors import UsageError
 from somatize.interrupt import exit_signals, when_stopped
+from somatize.job_files import load_job_file
 from somatize.progress import Progress as JobProgress
 from somatize.progress import bar_position
 from somatize.tables import (
@@ -66,6 +58,7 @@ from somatize.tables import (
     printable,
     queued_text,
     replica_text,
+    states_summary,
     workers_table,
 )
 
@@ -73,9 +66,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from somatize.client import Client
-    from somatize.graph import Graph
     from somatize.jobs import Job
-    from somatize.strategies import Strategy
 
 DEFAULT_COORDINATOR = "ws://127.0.0.1:8765"
 
@@ -136,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
         "submit",
         parents=[remote],
         help="submit the job a Python file defines and follow it",
-        description="Run FILE (it defines graph, x, and optionally y and strategy), submit the "
-        "job, print its id and follow its progress until it ends.",
+        description="Run FILE (it defines graph and x, and may define y, strategy, "
+        "validation, name and wait_for_workers), submit the job, print its id and follow its "
+        "progress until it ends.",
     )
     submit.add_argument("file", metavar="FILE.py", help="the job file")
     submit.add_argument(
@@ -188,6 +180,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write the states (no pickle: torch.load(PATH, weights_only=True) or "
         "somatize.load(PATH, graph) reads them)",
+    )
+    result.add_argument(
+        "--states",
+        action="store_true",
+        help="list every tensor of the states (node, key, shape, dtype), not one line",
     )
     result.add_argument(
         "--checkpoint",
@@ -305,61 +302,25 @@ def _token(args: argparse.Namespace) -> str | None:
 # -- submit ------------------------------------------------------------------------------------
 
 
-def load_job_file(path: str) -> tuple[Graph, Any, Any, Strategy]:
-    """Run a job file and return its ``graph``, ``x``, ``y`` and ``strategy``.
-
-    Raises:
-        UsageError: no such file, the file raised, or it lacks a name or defines a wrong one.
-    """
-    from somatize.graph import Graph
-    from somatize.strategies import Local, Strategy
-
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"{path}: no such file")
-    folder = str(file.resolve().parent)
-    sys.path.insert(0, folder)  # the file's own helper modules, as `python FILE` would see them
-    try:
-        namespace = runpy.run_path(str(file), run_name="__somatize_job__")
-    except Exception as exc:
-        trace = "".join(traceback.format_exception(exc)).rstrip()
-        raise UsageError(f"{path} raised {type(exc).__name__} while loading:\n{trace}") from exc
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-    missing = [name for name in ("graph", "x") if name not in namespace]
-    if missing:
-        raise UsageError(
-            f"{path} does not define {' and '.join(missing)}: a job file defines graph "
-            "(a somatize.Graph) and x, and optionally y and strategy"
-        )
-    graph = namespace["graph"]
-    if not isinstance(graph, Graph):
-        raise UsageError(
-            f"{path}: graph must be a somatize.Graph (a >> b, or somatize.Graph([f])), "
-            f"not {type(graph).__name__}"
-        )
-    strategy = namespace.get("strategy", Local())
-    if not isinstance(strategy, Strategy):
-        raise UsageError(
-            f"{path}: strategy must be a somatize strategy (somatize.Local...), "
-            f"not {type(strategy).__name__}"
-        )
-    return graph, namespace["x"], namespace.get("y"), strategy
-
-
 def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
-    graph, x, y, strategy = load_job_file(args.file)
+    spec = load_job_file(args.file)
+    for warning in spec.warnings:
+        err.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    wait = args.wait_for_workers if args.wait_for_workers is not None else spec.wait_for_workers
     with _connect(args) as client:
-        job = client.submit(
-            graph,
-            x,
-            y,
-            strategy=strategy,
-            wait_for_workers=args.wait_for_workers,
-            name=args.name or Path(args.file).stem,
-            file=args.file,
-        )
+        try:
+            job = client.submit(
+                spec.graph,
+                spec.x,
+                spec.y,
+                strategy=spec.strategy,
+                validation=spec.validation,
+                wait_for_workers=wait,
+                name=args.name or spec.name or Path(args.file).stem,
+                file=args.file,
+            )
+        except ValueError as exc:  # what the SDK refuses of the file's data, before sending
+            raise UsageError(f"{args.file}: {exc}") from exc
         started, line = time.monotonic(), JobProgress()
         board = None
         # From here the job exists: a Ctrl-C at any point asks about it (one while its id is
@@ -431,6 +392,8 @@ def follow(
                 row = row_of(event.data)
                 if board is not None and row is not None:
                     board.add(row)
+                elif board is not None and isinstance(event.data.get("step"), int):
+                    board.add_steps(loss_curve([event]))
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
@@ -445,8 +408,8 @@ def follow(
 def _print_failure(err: Console, exc: Any) -> None:
     err.print(str(exc), markup=False, soft_wrap=True)
     trace = exc.traceback
-    if trace:
-        err.print(trace.rstrip(), markup=False, soft_wrap=True)
+    if trace:  # the user's frames, with their source lines from the files here
+        err.print(with_source(trace).rstrip(), markup=False, soft_wrap=True)
 
 
 # -- cancel, status, jobs, result --------------------------------------------------------------
@@ -512,30 +475,45 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
                     soft_wrap=True,
                 )
             return EXIT_JOB_FAILED
-    table = Table(title=Text(title), title_justify="left")
-    for column in ("node", "key", "shape", "dtype"):
-        table.add_column(column, no_wrap=column != "dtype")
-    for node_id, state in states.items():
-        rows = list(describe_state(state)) or [("", "", "(empty)")]
-        for key, shape, dtype in rows:
-            table.add_row(*cells(node_id, key, shape, dtype))
-            node_id = ""
-    out.print(table)
+    if args.states:
+        table = Table(title=Text(title), title_justify="left")
+        for column in ("node", "key", "shape", "dtype"):
+            table.add_column(column, no_wrap=column != "dtype")
+        for node_id, state in states.items():
+            rows = list(describe_state(state)) or [("", "", "(empty)")]
+            for key, shape, dtype in rows:
+                table.add_row(*cells(node_id, key, shape, dtype))
+                node_id = ""
+        out.print(table)
+    else:
+        out.print(
+            f"{title}: {printable(states_summary(states))} (--states lists them)",
+            markup=False,
+            soft_wrap=True,
+        )
     if history:
         out.print(history_table(history, f"job {printable(args.job_id)}: history"))
-    if args.plot and history:
-        plot_history(history, args.plot, title=f"job {args.job_id}")
-        unit = unit_of(history)
-        err.print(f"saved the curves ({len(history)} {unit}s) to {args.plot}", markup=False)
-    elif args.plot:
+    steps: list[tuple[float, float]] = []
+    if args.plot or args.tensorboard:
         with _connect(args) as client:
             events = list(client.job(args.job_id).events(timeout=client.timeout))
+        unit = curve_unit(events)
+        steps = loss_curve(events) if unit == "step" else []
+    if args.plot and history:
+        plot_history(history, args.plot, title=f"job {args.job_id}", steps=steps)
+        each = f"{len(steps)} steps and " if steps else ""
+        err.print(
+            f"saved the curves ({each}{len(history)} {unit_of(history)}s) to {args.plot}",
+            markup=False,
+        )
+    elif args.plot:
         points = loss_curve(events)
-        plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=curve_unit(events))
+        plot_loss(points, args.plot, title=f"job {args.job_id}", x_label=unit)
         err.print(f"saved the loss curve ({len(points)} points) to {args.plot}", markup=False)
     if args.tensorboard:
         board = HistoryWriter(args.tensorboard)
         board.add_all(history)
+        board.add_steps(steps)
         board.close()
         err.print(
             f"wrote {board.written} rows of figures to {args.tensorboard}",

@@ -4,9 +4,11 @@ The history is a row per epoch (per round for FedAvg/FedProx): ``epoch`` (or ``r
 ``loss`` (the epoch's mean training loss), ``lr`` and, with validation data, ``val_loss`` and
 each metric (``FittedGraph.history``; each row is a ``progress`` event with ``phase`` the unit,
 and the job's last progress event holds them all). ``somatize result ID`` prints it,
-``--plot FILE.png`` draws it (epochs or rounds on the x-axis), ``--tensorboard DIR`` writes it
-as TensorBoard scalars (``torch.utils.tensorboard``, the ``tensorboard`` extra), as
-``somatize submit --tensorboard DIR`` does while the job runs.
+``--plot FILE.png`` draws it (epochs or rounds on the x-axis) beside the training loss of every
+step (:func:`loss_curve`, from the job's progress events), ``--tensorboard DIR`` writes both as
+TensorBoard scalars (``torch.utils.tensorboard``, the ``tensorboard`` extra: ``step/loss`` by
+step, each figure of a row by epoch or round), as ``somatize submit --tensorboard DIR`` does
+while the job runs.
 """
 
 from __future__ import annotations
@@ -96,9 +98,16 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def plot_history(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> list[str]:
-    """Save the training and validation curves as an image: ``loss`` and ``val_loss`` over the
-    epochs (or rounds), and each metric on a second panel (matplotlib, no display needed).
+def plot_history(
+    rows: Sequence[Mapping[str, Any]],
+    path: str,
+    title: str,
+    steps: Sequence[tuple[float, float]] = (),
+) -> list[str]:
+    """Save the training and validation curves as an image: the training loss of each of
+    ``steps`` (``(step, loss)``, when given) on a panel of its own, ``loss`` and ``val_loss``
+    over the epochs (or rounds), and each metric on another panel (matplotlib, no display
+    needed).
 
     Returns:
         Each panel's ``x-axis label: its curves``, as drawn.
@@ -110,20 +119,29 @@ def plot_history(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> li
 
     unit = unit_of(rows)
     metrics = [c for c in _columns(rows)[1:] if c not in ("loss", "val_loss", "lr")]
-    panels = 2 if metrics else 1
+    panels = 1 + bool(metrics) + bool(steps)
     figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 3.5), dpi=100, squeeze=False)
+    row_axes = list(axes[0])
+    if steps:
+        by_step = row_axes.pop(0)
+        by_step.plot([p[0] for p in steps], [p[1] for p in steps], label="training loss")
+        by_step.set_xlabel("step")
+        by_step.set_ylabel("loss")
+        by_step.set_title(title)
+        by_step.legend()
+        by_step.grid(alpha=0.3)
     xs = [row[unit] for row in rows]
-    losses = axes[0][0]
+    losses = row_axes[0]
     for name, label in (("loss", "training loss"), ("val_loss", "validation loss")):
         if any(name in row for row in rows):
             losses.plot(xs, [row.get(name, math.nan) for row in rows], marker="o", label=label)
     losses.set_xlabel(unit)
     losses.set_ylabel("loss")
-    losses.set_title(title)
+    losses.set_title(f"{title}, by {unit}" if steps else title)
     losses.legend()
     losses.grid(alpha=0.3)
     if metrics:
-        scores = axes[0][1]
+        scores = row_axes[1]
         for name in metrics:
             scores.plot(xs, [row.get(name, math.nan) for row in rows], marker="o", label=name)
         scores.set_xlabel(unit)
@@ -142,7 +160,8 @@ def plot_history(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> li
 
 class HistoryWriter:
     """History rows as TensorBoard scalars in ``directory`` (one tag per figure, the step the
-    epoch or round), written as they come (``torch.utils.tensorboard.SummaryWriter``).
+    epoch or round), and the training loss of each step (``step/loss``), written as they come
+    (``torch.utils.tensorboard.SummaryWriter``).
 
     Raises:
         RuntimeError: the ``tensorboard`` package is not installed.
@@ -158,7 +177,8 @@ class HistoryWriter:
             ) from exc
         self.directory = directory
         self._writer = SummaryWriter(log_dir=directory)
-        self.written = 0
+        self.written = 0  # rows
+        self.steps = 0
 
     def add(self, row: Mapping[str, Any]) -> None:
         """Every figure of one row."""
@@ -174,11 +194,17 @@ class HistoryWriter:
         for row in rows:
             self.add(row)
 
+    def add_steps(self, points: Iterable[tuple[float, float]]) -> None:
+        """The training loss of each ``(step, loss)``, as ``step/loss``."""
+        for step, loss in points:
+            self._writer.add_scalar("step/loss", loss, global_step=int(step))
+            self.steps += 1
+
     def close(self) -> None:
         self._writer.close()
 
 
-# -- the loss curve of a job without a history (from its progress events) --------------------
+# -- the loss curve of every step (from a job's progress events) -------------------------------
 
 
 ROWS_AND_END = ("epoch", "trained")

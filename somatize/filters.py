@@ -74,8 +74,8 @@ def layer_kinds(module: Any) -> dict[str, Any]:
     """What in ``module`` makes data-parallel replicas differ from one process training it
     (:mod:`protocol.rules.equivalence`): whether it holds buffers, its classes that normalise with
     batch statistics and those that draw random numbers in training; and the shapes of its
-    trainable parameters (what a step exchanges: :mod:`protocol.rules.traffic`). Nothing for
-    what is not a module."""
+    trainable parameters (what a step exchanges: :mod:`protocol.rules.traffic`). A dropout
+    layer with ``p=0`` draws nothing. Nothing for what is not a module."""
     if not isinstance(module, torch.nn.Module):
         return {}
     modules = list(module.modules())
@@ -83,8 +83,15 @@ def layer_kinds(module: Any) -> dict[str, Any]:
         "parameter_shapes": [list(p.shape) for p in module.parameters() if p.requires_grad],
         "buffers": any(True for _ in module.buffers()),
         "normalization": sorted({type(m).__name__ for m in modules if isinstance(m, _NORM)}),
-        "randomness": sorted({type(m).__name__ for m in modules if isinstance(m, _RANDOM)}),
+        "randomness": sorted(
+            {type(m).__name__ for m in modules if isinstance(m, _RANDOM) and _draws(m)}
+        ),
     }
+
+
+def _draws(module: torch.nn.Module) -> bool:
+    """Whether a dropout layer draws anything in training: not with ``p=0``."""
+    return float(getattr(module, "p", 1.0)) > 0
 
 
 def snake_case(name: str) -> str:

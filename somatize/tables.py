@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from protocol.wording import listed
 from somatize.progress import event_text
 
 __all__ = [
@@ -231,3 +232,39 @@ def describe_state(state: Any, prefix: str = "") -> Iterator[tuple[str, str, str
     else:
         text = repr(state)
         yield prefix, "", type(state).__name__ + (f" {text}" if len(text) <= 40 else "")
+
+
+def states_summary(states: dict[str, Any]) -> str:
+    """The states in one line: their nodes, how many tensors and numbers they hold and their
+    bytes (``somatize result --states`` lists every tensor)."""
+    tensors = numbers = nbytes = 0
+
+    def count(value: Any) -> None:
+        nonlocal tensors, numbers, nbytes
+        if isinstance(value, dict):
+            for item in value.values():
+                count(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                count(item)
+        elif (
+            getattr(value, "shape", None) is not None and getattr(value, "dtype", None) is not None
+        ):
+            size = 1
+            for n in value.shape:
+                size *= int(n)
+            tensors, numbers = tensors + 1, numbers + size
+            nbytes += size * int(getattr(value.dtype, "itemsize", 0) or 0)
+
+    count(states)
+    nodes = listed(list(states), 6)
+    held = f"{tensors} tensors, {numbers:,} numbers ({_bytes(nbytes)})" if tensors else "no tensors"
+    plural = "" if len(states) == 1 else "s"
+    return f"states of {len(states)} node{plural} {nodes}: {held}"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -108,10 +108,13 @@ class PlacedJob:
         job_id: the job.
         workers: the registry records of its workers, in strategy index order.
         timeout: seconds one command may take on a worker.
-        threads: torch threads of each job daemon (``None``: the agent's default).
+        threads: torch threads of each job daemon (``None``: each worker's ``shares``).
         observe: called with ``(command, seconds)`` for every successful worker command.
         recruit: waits up to the given seconds for a worker to replace a lost one and reserves
             it for the job (:meth:`JobManager.recruit`); ``None`` if none came.
+        shares: a worker's torch threads when ``threads`` is ``None``: its share of a machine
+            other workers run on too (:meth:`Registry.thread_share`), or ``None`` (the agent's
+            own default).
     """
 
     job_id: str
@@ -120,6 +123,7 @@ class PlacedJob:
     threads: int | None
     observe: Callable[[str, float], None]
     recruit: Callable[[float], Awaitable[WorkerRecord | None]]
+    shares: Callable[[WorkerRecord], int | None] = lambda record: None
 
 
 ContextFactory = Callable[[PlacedJob], AbstractAsyncContextManager[StrategyContext]]
@@ -136,6 +140,7 @@ async def transport_context(job: PlacedJob) -> AsyncIterator[StrategyContext]:
         job.threads,
         observe=job.observe,
         recruit=job.recruit,
+        shares=job.shares,
     )
     try:
         yield ctx
@@ -494,7 +499,13 @@ class JobManager:
             return await self.recruit(job.id, timeout)
 
         placed = PlacedJob(
-            job.id, job.workers, self.call_timeout, self.job_threads, self.observe, recruit
+            job.id,
+            job.workers,
+            self.call_timeout,
+            self.job_threads,
+            self.observe,
+            recruit,
+            self.registry.thread_share,
         )
         try:
             async with self.context_factory(placed) as ctx:

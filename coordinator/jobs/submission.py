@@ -208,8 +208,9 @@ def check_workers(
 
 def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None:
     """Refuse a placement pinned to a worker id or tag, a dataset or a device no known worker
-    could ever take (instead of queueing it forever), listing the workers, tags, datasets and
-    devices that exist, and the nearest names to a name no worker has.
+    could ever take, or that needs more such workers than are known, busy or idle (instead of
+    queueing it forever), listing the workers, tags, datasets and devices that exist, and the
+    nearest names to a name no worker has.
 
     Raises:
         RequestRefused: ``NO_WORKERS`` saying which.
@@ -253,6 +254,16 @@ def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None
                 f"are {listed(serving)}",
                 dataset=slot.dataset,
             )
+    # Each fits, but fewer of them, busy or idle, than asked for. (With none registered yet a
+    # job waits: workers starting beside the coordinator register after a first submit.)
+    if known and placement.choose(known) is None:
+        fitting = [w.id for w in known if placement.accepts(w)]
+        raise _no_workers(
+            f"the job needs {placement.describe()}, and {len(fitting)} of the registered "
+            f"workers can take it: {listed(fitting)}",
+            workers=placement.workers,
+            fitting=fitting,
+        )
 
 
 def no_workers_after_wait(

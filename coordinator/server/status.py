@@ -113,7 +113,8 @@ async def status_snapshot(
     return {
         "server": SERVER,
         "time": time.time(),
-        "workers": [w.summary(now) for w in registry],
+        # threads: a job daemon's default torch threads there (None: all the worker's cores)
+        "workers": [w.summary(now) | {"threads": registry.thread_share(w)} for w in registry],
         "jobs": await visible_records(jobs, client, STATUS_JOBS),
     }
 

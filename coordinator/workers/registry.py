@@ -162,6 +162,25 @@ class Registry:
             record.reason = reason
         self.on_change()
 
+    def thread_share(self, record: WorkerRecord) -> int | None:
+        """The torch threads a job daemon of ``record`` gets when nobody says: its machine's
+        cores shared among the connected workers that registered from the same host (as many
+        cores, the same address), so two workers on one 2-core machine train with one thread
+        each rather than both with two (2.6x slower); ``None`` for a worker alone on its host
+        (the agent's own default, all its cores)."""
+        if record.host is None:
+            return None
+        sharing = [
+            w
+            for w in self._workers.values()
+            if w.connected
+            and w.host == record.host
+            and w.capabilities.cpus == record.capabilities.cpus
+        ]
+        if len(sharing) <= 1:
+            return None
+        return max(1, record.capabilities.cpus // len(sharing))
+
     def idle(self) -> list[WorkerRecord]:
         """Connected workers without a job, in registration order."""
         return [w for w in self._workers.values() if w.connected and w.state is WorkerState.IDLE]

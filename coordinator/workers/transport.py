@@ -51,6 +51,8 @@ class TransportContext(StrategyContext):
         recruit: waits up to the given seconds for an idle worker that matches the job's
             placement and reserves it for the job (:meth:`JobManager.recruit`); ``None``
             (the default) means lost workers are never replaced.
+        shares: a worker's torch threads when ``threads`` is ``None`` (its share of a machine
+            other workers run on: :meth:`~coordinator.workers.registry.Registry.thread_share`).
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class TransportContext(StrategyContext):
         threads: int | None = None,
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
         recruit: Callable[[float], Awaitable[WorkerRecord | None]] | None = None,
+        shares: Callable[[WorkerRecord], int | None] = lambda record: None,
     ) -> None:
         super().__init__([w.identity for w in workers], timeout)
+        self.shares = shares
         self.job_id = job_id
         self.records = list(workers)
         self.threads = threads
@@ -80,7 +84,9 @@ class TransportContext(StrategyContext):
         message = OpenJob(
             job_id=self.job_id,
             filters=dict(filters),
-            threads=self.threads,
+            threads=self.threads
+            if self.threads is not None
+            else self.shares(self.records[worker_idx]),
             peer_secret=self.peer_secret,
         )
         await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))

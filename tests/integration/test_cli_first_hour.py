@@ -351,9 +351,10 @@ def test_a_pipeline_whose_first_stage_is_a_plain_filter_trains_like_graph_fit(
     job_id = submitted.stdout.strip()
     assert f"job {job_id} succeeded" in submitted.stderr
 
-    from somatize.cli import load_job_file
+    from somatize.job_files import load_job_file
 
-    graph, x, y, _ = load_job_file(job_file)
+    spec = load_job_file(job_file)
+    graph, x, y = spec.graph, spec.x, spec.y
     fitted = client.job(job_id, graph).result(timeout=30 * UNIT)
     reference = graph.fit(x, y)
     for node, state in reference.states.items():
@@ -395,7 +396,7 @@ def test_a_result_saved_by_the_cli_loads_without_pickle_and_predicts(live, clien
     job_id = submitted.stdout.strip()
 
     saved = tmp_path / "states.pt"
-    result = _somatize(live, "result", job_id, "--save", str(saved), seconds=60)
+    result = _somatize(live, "result", job_id, "--states", "--save", str(saved), seconds=60)
     assert result.returncode == 0, result.stderr
     rows = {line.split("│")[2].strip(): line for line in result.stdout.splitlines() if "│" in line}
     assert "float32" in rows["scale"] and "float32" in rows["weight"]
@@ -404,9 +405,10 @@ def test_a_result_saved_by_the_cli_loads_without_pickle_and_predicts(live, clien
     raw = torch.load(saved, weights_only=True)  # what a user tries first
     assert sorted(raw["states"]) == ["linear", "scale"]
 
-    from somatize.cli import load_job_file
+    from somatize.job_files import load_job_file
 
-    graph, x, _, _ = load_job_file(job_file)
+    spec = load_job_file(job_file)
+    graph, x = spec.graph, spec.x
     loaded = sz.load(saved, graph)
     remote = client.job(job_id, graph).result(timeout=30 * UNIT)
     assert isinstance(loaded.states["scale"]["scale"], np.ndarray)  # as the filter made it
@@ -458,9 +460,10 @@ def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
     # graph.fit reports as its last epoch loss (DataParallel trains what it trains).
     found = re.search(r"epoch 2/2 · step 8/8 · loss ([\d.]+) \(epoch mean\) · [\d,]+ rows/s$", said)
     assert found, said
-    from somatize.cli import load_job_file
+    from somatize.job_files import load_job_file
 
-    graph, x, y, _ = load_job_file(job_file)
+    spec = load_job_file(job_file)
+    graph, x, y = spec.graph, spec.x, spec.y
     assert float(found.group(1)) == pytest.approx(graph.fit(x, y).epoch_losses[-1], rel=1e-3)
 
     listed = subprocess.run(

@@ -257,7 +257,12 @@ def test_cli_submit_jobs_and_result(live, tmp_path):
         assert row.split("│")[column].strip() == "cpu", row
 
     saved = tmp_path / "states.pt"
-    result = _somatize(live, "result", job_id, "--save", str(saved), seconds=30)
+    summary = _somatize(live, "result", job_id, seconds=30)
+    assert summary.returncode == 0, summary.stderr
+    # One line of the states (3 tensors: scale's and linear's weight and bias), not a table.
+    assert "states of 2 nodes ['scale', 'linear']: 3 tensors" in summary.stdout
+    assert "(2, 4)" not in summary.stdout
+    result = _somatize(live, "result", job_id, "--states", "--save", str(saved), seconds=30)
     assert result.returncode == 0, result.stderr
     assert "scale" in result.stdout and "linear" in result.stdout
     assert "weight" in result.stdout and "(2, 4)" in result.stdout
@@ -332,7 +337,8 @@ def test_cli_plots_a_jobs_loss_curve_and_watches_the_job_list(live, client, tmp_
     plotted = _somatize(live, "result", job.id, "--plot", str(png), seconds=60)
     assert plotted.returncode == 0, plotted.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "saved the curves (3 epochs)" in plotted.stderr  # by epoch, not by step
+    # Every step's loss beside the epochs' rows: 3 epochs of 192 rows in batches of 32.
+    assert "saved the curves (18 steps and 3 epochs)" in plotted.stderr
 
     env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
     before = _open_connections(live)

@@ -257,6 +257,13 @@ def test_the_job_view_shows_events_error_curve_and_cancels(tmp_path):
             rows = {j["Job"].split()[0]: j for j in after["jobs"]}
             steps = record["progress"]["steps"]  # the pipeline's row says its total
             assert f"step {steps}/{steps}" in rows[pipeline.id]["Progress"]
+            assert rows[broken.id]["Progress"].startswith("failed ")  # not its last phase
+            for p, state, said in [
+                ({"phase": "loading", "replicas": 2}, "failed", "failed while loading"),
+                ({"epoch": 1, "epochs": 3}, "cancelled", "cancelled at epoch 1/3"),
+                ({"epoch": 1, "epochs": 3}, "running", "epoch 1/3"),
+            ]:
+                assert page.evaluate(f"jobProgressText({json.dumps(p)}, '{state}')") == said
 
             page.resize(WIDE, HEIGHT)
             wide = page.evaluate(

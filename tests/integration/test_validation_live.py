@@ -86,16 +86,19 @@ def test_live_federated_evaluation_and_validation(tmp_path):
     table = shown.stdout + shown.stderr
     assert "val_loss" in table and "accuracy" in table
     assert f"{fitted.history[-1]['val_loss']:.4f}" in table
-    assert "saved the curves (3 epochs)" in shown.stderr
+    assert "saved the curves (39 steps and 3 epochs)" in shown.stderr  # 13 steps an epoch
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     scalars = _scalars(board)
-    assert sorted(scalars) == ["accuracy", "loss", "lr", "val_loss"]
+    assert sorted(scalars) == ["accuracy", "loss", "lr", "step/loss", "val_loss"]
+    assert [step for step, _ in scalars.pop("step/loss")] == list(range(1, 40))
     for tag, points in scalars.items():
         assert points == [(row["epoch"], pytest.approx(row[tag])) for row in fitted.history]
-    # Written while the job ran: its two epochs' loss and learning rate.
+    # Written while the job ran: its two epochs' loss and learning rate, and every step's loss.
     assert submitted.returncode == 0, submitted.stderr
     written = _scalars(live_board)
-    assert sorted(written) == ["loss", "lr"] and [s for s, _ in written["loss"]] == [1, 2]
+    assert sorted(written) == ["loss", "lr", "step/loss"]
+    assert [s for s, _ in written["loss"]] == [1, 2]
+    assert [s for s, _ in written["step/loss"]] == [1, 2, 3, 4]  # 64 rows, batches of 32
 
 
 JOB_FILE = """

@@ -36,6 +36,7 @@ from protocol.messages import (
 )
 from somatize import cli, curves, tables
 from somatize.client import client_url
+from somatize.job_files import load_job_file
 from tests.utils import UNIT
 
 # -- URLs and arguments ------------------------------------------------------------------------
@@ -200,16 +201,44 @@ def test_submit_a_file_without_graph_is_a_clear_usage_error(tmp_path, capsys):
 )
 def test_job_file_errors(tmp_path, extra, text):
     with pytest.raises(cli.UsageError, match=text):
-        cli.load_job_file(_job_file(tmp_path, extra))
+        load_job_file(_job_file(tmp_path, extra))
 
 
 def test_job_file_defaults(tmp_path):
-    graph, x, y, strategy = cli.load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])"))
-    assert graph.node_ids == ["double"]
-    assert x.shape == (4, 2) and y is None
-    assert strategy == sz.Local()
+    spec = load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])"))
+    assert spec.graph.node_ids == ["double"]
+    assert spec.x.shape == (4, 2) and spec.y is None
+    assert spec.strategy == sz.Local()
+    assert spec.validation is None and spec.name is None and spec.warnings == []
     with pytest.raises(cli.UsageError, match="no such file"):
-        cli.load_job_file(str(tmp_path / "missing.py"))
+        load_job_file(str(tmp_path / "missing.py"))
+
+
+def test_a_job_file_says_validation_and_name_and_is_warned_of_what_it_misspells(tmp_path):
+    extra = (
+        "graph = sz.Graph([Double()])\n"
+        "validation = (x[:2], None)\n"
+        "name = 'doubling'\n"
+        "wait_for_workers = 5\n"
+        "stratgey = sz.DataParallel(2)\n"
+        "y_val = x[:2]\n"
+        "helper = 3\n"
+    )
+    spec = load_job_file(_job_file(tmp_path, extra))
+    assert spec.name == "doubling" and spec.wait_for_workers == 5.0
+    assert spec.validation[0].shape == (2, 2) and spec.validation[1] is None
+    assert len(spec.warnings) == 1  # y_val sits beside validation; helper is the file's own
+    assert (
+        "defines 'stratgey', which the job does not read (did you mean 'strategy'?)"
+        in (spec.warnings[0])
+    )
+    alone = load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])\nx_val = x"))
+    assert alone.warnings == [
+        f"{tmp_path / 'job.py'} defines 'x_val' and no validation: the job evaluates nothing "
+        "(say validation = (x_val, y_val))"
+    ]
+    with pytest.raises(cli.UsageError, match="name must be a non-empty string"):
+        load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])\nname = 3"))
 
 
 def test_status_shows_each_workers_device():
@@ -261,6 +290,10 @@ def test_state_and_progress_descriptions():
         ("n", "", "int 3"),
         ("l[0]", "", "NoneType None"),
     ]
+    # 6 + 3 numbers of 4 bytes each, in one line; the plain values are no tensors.
+    summary = tables.states_summary({"mlp": state, "center": {"mean": np.zeros(256)}})
+    assert summary == "states of 2 nodes ['mlp', 'center']: 3 tensors, 265 numbers (2.0 kB)"
+    assert tables.states_summary({"f": {}}) == "states of 1 node ['f']: no tensors"
     step = {"phase": "training", "epoch": 2, "epochs": 5, "step": 7, "loss": 0.5}
     assert tables.progress_text(step) == "epoch 2/5 · step 7 · loss 0.5 (last step)"
     trained = {"phase": "trained", "epochs": 3, "epoch_losses": [1.0], "nodes": 2}

@@ -39,6 +39,13 @@ def test_the_plot_has_epochs_or_rounds_on_its_x_axis(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rounds = [{"round": r, "loss": 1.0 / r} for r in (1, 2)]
     assert plot_history(rounds, str(tmp_path / "rounds.png"), "job") == ["round: training loss"]
+    steps = [(float(k), 1.0 / k) for k in range(1, 10)]
+    drawn = plot_history(history, str(tmp_path / "steps.png"), "job", steps=steps)
+    assert drawn == [
+        "step: training loss",
+        "epoch: training loss, validation loss",
+        "epoch: accuracy",
+    ]
 
 
 def test_the_table_and_the_rows_of_events():

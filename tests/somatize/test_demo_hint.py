@@ -6,14 +6,15 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from somatize.cli import load_job_file
 from somatize.demo import ELSEWHERE, EXAMPLE_JOB
+from somatize.job_files import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_closing_hint_starts_workers_the_example_job_can_run_on():
-    _, _, _, strategy = load_job_file(str(ROOT / EXAMPLE_JOB))
+    strategy = load_job_file(str(ROOT / EXAMPLE_JOB)).strategy
+    assert strategy is not None
     options = strategy.spec().options
     worker = shlex.split(next(line for line in ELSEWHERE if "somatize-worker" in line))
     tags = [worker[i + 1] for i, word in enumerate(worker) if word == "--tag"]

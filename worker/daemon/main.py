@@ -73,6 +73,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
+from protocol.user_tracebacks import folded
 from worker.daemon.group_commands import GroupCommands
 from worker.daemon.pipe import FrameReader, FrameWriter
 from worker.daemon.requests import parse_request
@@ -400,7 +401,8 @@ def _exception_info(exc: BaseException, what: str, cmd: str) -> ErrorInfo:
         message=f"{what}: {type(exc).__name__}: {exc}",
         detail={
             "type": type(exc).__name__,
-            "traceback": "".join(traceback.format_exception(exc)),
+            "traceback": folded(exc),  # the user's frames; ours and torch's folded
+            "full_traceback": "".join(traceback.format_exception(exc)),
             "cmd": cmd,
         },
     )

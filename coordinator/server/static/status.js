@@ -88,6 +88,15 @@ function progressText(p) {
   return parts.join(" \u00b7 ");
 }
 
+// A job's progress cell: where it stands; for a job that failed or was cancelled, that it did
+// and where (`failed at epoch 1/3 · step 4/7`, `failed while loading`), never a bare phase.
+function jobProgressText(p, state) {
+  if (state !== "failed" && state !== "cancelled") return progressText(p);
+  const placed = p.epoch != null || p.round != null || p.step != null;
+  if (placed) return state + " at " + progressText(p);
+  return p.phase ? state + " while " + p.phase : state;
+}
+
 function fraction(p, state) {
   if (state === "succeeded") return 1;
   for (const [done, total] of [["step", "steps"], ["round", "rounds"], ["epoch", "epochs"]]) {
@@ -163,7 +172,7 @@ function renderJobs(jobs, now) {
     if (summary.name) id.appendChild(el("span", summary.name, "name"));
     cell(tr, job.strategy);
     cell(tr, pill(job.state));
-    const prog = cell(tr, progressText(p), "wrap progress");
+    const prog = cell(tr, jobProgressText(p, job.state), "wrap progress");
     const f = fraction(p, job.state);
     if (f !== null) {
       const bar = el("div", undefined, job.state === "succeeded" ? "bar done" : "bar");

@@ -162,13 +162,15 @@ def test_a_device_job_waits_for_workers_on_its_device_and_says_so(tmp_path):
         async with Harness(tmp_path) as h:
             h.worker("a")
             h.worker("g0", device="cuda:0")
-            job_id = await h.manager.submit(submit("data_parallel", workers=2, device="cuda"))
+            msg = submit("data_parallel", workers=2, device="cuda")
+            waits = msg.model_copy(update={"wait_for_workers": 60.0})  # one on cuda yet
+            job_id = await h.manager.submit(waits)
             await h.settle()
             record = await h.manager.record(job_id)
             assert record["state"] == "queued"
             assert record["summary"]["placement"] == "2 workers on cuda"
             events = await h.events_until(job_id, "queued")
-            assert events[0].data == {"placement": "2 workers on cuda"}
+            assert events[0].data == {"placement": "2 workers on cuda", "wait_for_workers": 60.0}
 
             h.worker("b")  # a second idle worker, but on the cpu: still waiting
             await h.settle()

@@ -24,13 +24,20 @@ def test_a_job_waits_queued_with_its_reason_until_its_workers_come(tmp_path):
         async with Harness(tmp_path) as h:
             h.worker("a", "cpu")
             h.worker("b", "dp")
-            job_id = await h.manager.submit(submit("data_parallel", workers=2, tag="dp"))
+            msg = submit("data_parallel", workers=2, tag="dp")
+            with pytest.raises(RequestRefused, match="1 of the registered workers can take it"):
+                await h.manager.submit(msg)  # not queued for ever, unless it says it waits
+            waits = msg.model_copy(update={"wait_for_workers": 60.0})
+            job_id = await h.manager.submit(waits)
             await h.settle()
             record = await h.manager.record(job_id)
             assert record["state"] == "queued"
             assert record["summary"]["placement"] == "2 workers tagged 'dp'"
             events = await h.events_until(job_id, "queued")
-            assert events[0].data == {"placement": "2 workers tagged 'dp'"}
+            assert events[0].data == {
+                "placement": "2 workers tagged 'dp'",
+                "wait_for_workers": 60.0,
+            }
             assert h.contexts == []
 
             h.worker("c", "dp")  # the second one tagged dp: now it can start
@@ -354,6 +361,16 @@ def test_a_tag_or_worker_id_no_worker_has_is_refused_with_the_nearest_names(tmp_
                     submit("fedavg", rounds=1, tag="gpu"),
                     "no worker answers to tag 'gpu': workers ['box-1', 'box-2'], tags ['dp', "
                     "'stage0']",
+                ),
+                (  # 'pd' for 'dp': the same letters, swapped
+                    submit("data_parallel", workers=2, tag="pd"),
+                    "no worker answers to tag 'pd' (did you mean 'dp'?): workers ['box-1', "
+                    "'box-2'], tags ['dp', 'stage0']",
+                ),
+                (  # three asked for, two such workers registered: never queued for ever
+                    submit("data_parallel", workers=3, tag="dp"),
+                    "the job needs 3 workers tagged 'dp', and 2 of the registered workers can "
+                    "take it: ['box-1', 'box-2']",
                 ),
             ]
             for msg, message in cases:

@@ -152,3 +152,19 @@ def test_summary_is_what_status_shows():
         },
         "capabilities": CAPS.model_dump(),
     }
+
+
+def test_workers_sharing_a_host_share_its_cores_as_their_default_threads():
+    registry = Registry(heartbeat_timeout=5)
+    eight = CAPS.model_copy(update={"cpus": 8})
+    a = registry.attach("a", [], eight, FakeChannel(), remote_host="10.0.0.1")
+    assert registry.thread_share(a) is None  # alone on its machine: the agent's own default
+    b = registry.attach("b", [], eight, FakeChannel(), remote_host="10.0.0.1")
+    c = registry.attach("c", [], eight, FakeChannel(), remote_host="10.0.0.1")
+    elsewhere = registry.attach("d", [], eight, FakeChannel(), remote_host="10.0.0.2")
+    assert [registry.thread_share(w) for w in (a, b, c, elsewhere)] == [2, 2, 2, None]
+    gone = FakeChannel()
+    e = registry.attach("e", [], eight, gone, remote_host="10.0.0.2")
+    assert registry.thread_share(elsewhere) == 4
+    registry.detach(e, gone, "closed")
+    assert registry.thread_share(elsewhere) is None  # only connected workers share

@@ -142,6 +142,10 @@ def test_a_plain_model_gets_no_note_and_sync_batchnorm_is_checked_at_submit():
     plain = torch.nn.Sequential(torch.nn.Linear(6, 3))
     _, placed = run(graph_of(plain, epochs=1), x, y, workers=2)
     assert "notes" not in placed
+    # A Dropout with p=0 draws nothing: no note either (a transformer's default config).
+    still = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Dropout(0.0))
+    _, placed = run(graph_of(still, epochs=1), x, y, workers=2)
+    assert "notes" not in placed
     with pytest.raises(ValueError, match="sync_batchnorm=True needs device='cuda'"):
         sz.DataParallel(2, sync_batchnorm=True)
     with pytest.raises(ValueError, match="needs the torch collective"):

@@ -1,0 +1,141 @@
+"""Job files: a Python file that says what ``somatize submit FILE`` trains.
+
+A job file is run with :func:`runpy.run_path`; it defines ``graph`` (a :class:`~somatize.Graph`)
+and ``x``, and may define ``y``, ``strategy`` (default :class:`~somatize.Local`),
+``validation`` (``(x_val, y_val)``, ``(x_val, None)`` or ``sz.WorkerData(name, split=...)``),
+``name`` (what the job list calls the job) and ``wait_for_workers`` (seconds), each what
+:meth:`somatize.client.Client.submit` takes of that name. Any other name is the file's own,
+except one that looks like a misspelt or misplaced one of those (``validaton``, ``x_val``): it is
+warned about, since it would otherwise be silently left out::
+
+    import numpy as np, torch, somatize as sz
+
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
+    y = (x.sum(1) > 0).astype(np.int64)
+    graph = sz.Graph([sz.TorchFilter(torch.nn.Linear(8, 2), loss="cross_entropy", epochs=5)])
+    strategy = sz.Local(tag="gpu")
+    validation = (x[:32], y[:32])
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from protocol.user_tracebacks import folded
+from protocol.wording import did_you_mean
+from somatize.errors import UsageError
+
+if TYPE_CHECKING:
+    from somatize.graph import Graph
+    from somatize.strategies import Strategy
+
+__all__ = ["NAMES", "JobFile", "load_job_file"]
+
+NAMES = ("graph", "x", "y", "strategy", "validation", "name", "wait_for_workers")
+"""What a job file may define for the job."""
+
+_VALIDATION_PARTS = ("x_val", "y_val", "val_x", "val_y", "x_valid", "y_valid")
+"""Names of validation data a job file may define without saying ``validation``."""
+
+
+@dataclass
+class JobFile:
+    """What a job file defines for its job, and what looked wrong in it (``warnings``)."""
+
+    graph: Graph
+    x: Any
+    y: Any = None
+    strategy: Strategy | None = None
+    validation: Any = None
+    name: str | None = None
+    wait_for_workers: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_job_file(path: str) -> JobFile:
+    """Run a job file and return what it defines for its job.
+
+    Raises:
+        UsageError: no such file, the file raised, or it lacks a name or defines a wrong one.
+    """
+    from somatize.graph import Graph
+    from somatize.strategies import Local, Strategy
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{path}: no such file")
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)  # the file's own helper modules, as `python FILE` would see them
+    try:
+        namespace = runpy.run_path(str(file), run_name="__somatize_job__")
+    except Exception as exc:
+        trace = folded(exc).rstrip()  # the file's frames; runpy's folded
+        raise UsageError(f"{path} raised {type(exc).__name__} while loading:\n{trace}") from exc
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    missing = [name for name in ("graph", "x") if name not in namespace]
+    if missing:
+        raise UsageError(
+            f"{path} does not define {' and '.join(missing)}: a job file defines graph "
+            f"(a somatize.Graph) and x, and may define {', '.join(NAMES[2:])}"
+        )
+    graph = namespace["graph"]
+    if not isinstance(graph, Graph):
+        raise UsageError(
+            f"{path}: graph must be a somatize.Graph (a >> b, or somatize.Graph([f])), "
+            f"not {type(graph).__name__}"
+        )
+    strategy = namespace.get("strategy", Local())
+    if not isinstance(strategy, Strategy):
+        raise UsageError(
+            f"{path}: strategy must be a somatize strategy (somatize.Local...), "
+            f"not {type(strategy).__name__}"
+        )
+    name = namespace.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise UsageError(f"{path}: name must be a non-empty string, not {name!r:.60}")
+    wait = namespace.get("wait_for_workers")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)):
+        raise UsageError(f"{path}: wait_for_workers must be seconds, not {wait!r:.60}")
+    return JobFile(
+        graph,
+        namespace["x"],
+        namespace.get("y"),
+        strategy,
+        namespace.get("validation"),
+        name,
+        None if wait is None else float(wait),
+        _warnings(path, namespace),
+    )
+
+
+def _warnings(path: str, namespace: dict[str, Any]) -> list[str]:
+    """A line for each name of ``namespace`` that looks meant for the job but is not read."""
+    out = []
+    for defined, value in namespace.items():
+        if defined in NAMES or defined.startswith("_") or _is_code(value):
+            continue
+        if defined in _VALIDATION_PARTS:
+            if "validation" not in namespace:
+                out.append(
+                    f"{path} defines {defined!r} and no validation: the job evaluates "
+                    "nothing (say validation = (x_val, y_val))"
+                )
+            continue
+        near = did_you_mean(defined, NAMES)
+        if near and len(defined) > 3:
+            out.append(f"{path} defines {defined!r}, which the job does not read{near}")
+    return out
+
+
+def _is_code(value: Any) -> bool:
+    """Modules, classes and functions: a job file's imports and helpers."""
+    return isinstance(
+        value, types.ModuleType | type | types.FunctionType | types.BuiltinFunctionType
+    )
