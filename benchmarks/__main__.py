@@ -57,7 +57,7 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon", "worker_data", "checkpoints", "federated")
+EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model")
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -82,6 +82,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "worker_data": {"gib": 0.25, "shuffles": (True,)},
     "checkpoints": {"steps": 18, "rounds": 1},
     "federated": {"quick": True},
+    "own_model": {"rows": 640},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

@@ -68,14 +68,13 @@ class Evaluation:
             return self.nodes.apply(node, whole(x), self.nodes.state_of(node))
         data = Batches.evaluated(segment, x, None, batch_size)
         outs, sizes = [], []
+        cuts = list(batches(data.rows, data.size, None)) or [slice(0, 0)]  # no rows: their output
         with torch.no_grad():
-            for index in batches(data.rows, data.size, None):
+            for index in cuts:
                 xb, _ = data.read(index)
                 out = self.nodes.train_forward(segment, self.nodes.on_device(xb), training=False)
                 outs.append(to_cpu(out))
                 sizes.append(batch_len(index, data.rows))
-        if not outs:
-            return self.nodes.apply(segment[0], x, segment[0].filter.module.state_dict())
         return concat(outs, sizes)
 
     def _scores(self, run: list[Node], x: Any, y: Any) -> dict[str, Any]:

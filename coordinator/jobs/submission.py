@@ -17,7 +17,12 @@ from coordinator.workers.registry import WorkerRecord
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import NodeInfo, Submit
 from protocol.options.devices import device_fits
-from protocol.rules.rows import batch_problem, inline_data_problem, rows_of
+from protocol.rules.rows import (
+    batch_problem,
+    inline_data_problem,
+    model_loss_with_labels,
+    rows_of,
+)
 from protocol.wording import did_you_mean, listed
 
 __all__ = [
@@ -82,7 +87,7 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             inputs.node_ids, set(inputs.differentiable()), msg.x, msg.y, set(inputs.labelled())
         )
     )
-    why = why or lone_steps_problem(inputs)
+    why = why or lone_steps_problem(inputs) or labels_unused_problem(inputs)
     if why is not None:
         raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
     check_validation(msg, inputs)
@@ -109,6 +114,17 @@ def lone_steps_problem(inputs: JobInputs) -> str | None:
                 "or a plain filter between)"
             )
     return None
+
+
+def labels_unused_problem(inputs: JobInputs) -> str | None:
+    """Why labels ``y`` sent with a job cannot be used: its TorchFilters' last one computes its
+    own loss from the batch (``loss="model"``: no labels, no step function); ``None`` when
+    they can."""
+    torch_nodes = inputs.differentiable()
+    if inputs.y is None or not torch_nodes:
+        return None
+    info = inputs.nodes.get(torch_nodes[-1], NodeInfo())
+    return None if info.labels or info.step else model_loss_with_labels(torch_nodes[-1])
 
 
 def check_validation(msg: Submit, inputs: JobInputs) -> None:

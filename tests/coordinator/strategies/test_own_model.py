@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import somatize as sz
 from coordinator.context import InMemoryContext, WorkerIdentity
+from coordinator.jobs.submission import labels_unused_problem, lone_steps_problem
 from coordinator.strategies import DataParallel, FedAvg, ModelParallel
 from coordinator.strategies.base import StrategyOptionsError
 from protocol.options.strategies import (
@@ -21,6 +22,7 @@ from protocol.options.strategies import (
     ModelParallelOptions,
     PartitionOptions,
 )
+from protocol.rules.rows import model_loss_with_labels
 from tests.coordinator.strategies.test_training_options import inputs, run
 from tests.somatize.own_models import (
     CLASSES,
@@ -160,6 +162,15 @@ def test_what_cannot_run_is_refused_at_submit():
     parts = [PartitionOptions(node_ids=("self_scoring",), tag="s0")]
     with pytest.raises(StrategyOptionsError, match=r"computes its own \(loss=.model. or step=\)"):
         ModelParallel(ModelParallelOptions(partitions=parts)).validate(inputs(own, x, None))
+    # What the engine would refuse mid-run, refused at submit in its words.
+    assert labels_unused_problem(inputs(own, x, None)) is None
+    assert labels_unused_problem(inputs(own, x, y)) == model_loss_with_labels("self_scoring")
+    stepped = sz.TorchFilter(TokenTagger(), step=masked_token_step).named("tagger")
+    assert lone_steps_problem(inputs(sz.Graph([stepped]), x, None)) is None
+    before = sz.TorchFilter(torch.nn.Linear(2, 2)).named("before")
+    assert "a filter with a step trains alone" in str(
+        lone_steps_problem(inputs(before >> stepped, x, None))
+    )
     assert np.asarray(y).shape == (20,)
 
 
