@@ -47,6 +47,9 @@ class FitResult:
         history: for a training loop, a row per epoch: ``epoch`` (from 1), ``loss`` (its mean
             training loss), ``lr`` (the learning rate its last step took) and, with validation
             data, ``val_loss`` and each metric of the model at the epoch's end.
+        step_scores: with validation data and ``validate_every`` (the last filter's), a row
+            every that many optimizer steps within an epoch: ``epoch``, ``step`` (of the run,
+            from 1), ``val_loss`` and each metric.
     """
 
     output: Any
@@ -57,6 +60,7 @@ class FitResult:
     start_loss: float | None = None
     clipped: bool | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    step_scores: list[dict[str, Any]] = field(default_factory=list)
 
 
 _GENERATOR = threading.Lock()
@@ -153,6 +157,7 @@ class Fitting:
         start = self.nodes.get_state(torch_ids) if settings.clip_norm is not None else {}
         out, loss, first_loss = x, None, None
         history: list[dict[str, Any]] = []
+        step_scores: list[dict[str, Any]] = []
         runs = list(segments(nodes))
         last_run = max((k for k, s in enumerate(runs) if s[0].differentiable), default=-1)
         validation = settings.validation
@@ -171,6 +176,7 @@ class Fitting:
                 first_loss = self.evaluation.mean_loss(segment, out, y, settings.batch_size)
             loop = TrainingLoop(self.nodes, self.optimizers, segment, settings, scores)
             history = loop.train(out, y)
+            step_scores = loop.step_scores
             loss = history[-1]["loss"] if history else None
             if k == len(runs) - 1 and (on_disk(out) or not settings.output):
                 out = None  # not asked for; of rows read from disk, all at once, never made
@@ -185,7 +191,7 @@ class Fitting:
         states = self.nodes.get_state(node_ids)
         epoch_losses = [row["loss"] for row in history]
         return FitResult(
-            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history
+            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history, step_scores
         )
 
     # -- forward ------------------------------------------------------------------------------

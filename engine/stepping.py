@@ -56,14 +56,21 @@ SCHEDULES: dict[str, frozenset[str]] = {
 
 @dataclass(frozen=True)
 class Horizon:
-    """What a run's schedules span: optimizer steps per epoch, and epochs."""
+    """What a run's schedules span: optimizer steps per epoch, and epochs; the run stops after
+    ``max_steps`` steps when it is given and comes first."""
 
     steps_per_epoch: int
     epochs: int
+    max_steps: int | None = None
 
     def total(self, interval: str) -> int:
         """How many times a scheduler stepping every ``interval`` steps in the whole run."""
-        return self.epochs if interval == "epoch" else self.steps_per_epoch * self.epochs
+        steps = self.steps_per_epoch * self.epochs
+        if self.max_steps is not None:
+            steps = min(steps, self.max_steps)
+        if interval != "epoch":
+            return steps
+        return -(-steps // self.steps_per_epoch) if self.steps_per_epoch else self.epochs
 
     def ends_epoch(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) is the last of its epoch."""

@@ -101,6 +101,11 @@ class TrainingLoop:
         self.last = run[-1].filter
         self.epochs: int = self.last.epochs if settings.epochs is None else settings.epochs
         self.every = max(1, int(run_setting(run, "accumulate", 1) or 1))  # batches per step
+        self.max_steps: int | None = run_setting(run, "max_steps")
+        self.validate_every: int | None = run_setting(run, "validate_every")
+        self.steps = 0  # optimizer steps taken
+        self.step_scores: list[dict[str, Any]] = []  # validate_every's rows
+        self._number = 0  # the epoch under way
 
     def train(self, x: Any, y: Any) -> list[dict[str, Any]]:
         """Train on inputs ``x`` and labels ``y``; a history row per epoch: its number, mean
@@ -121,7 +126,12 @@ class TrainingLoop:
             order = generator(self.last.seed)
             history = []
             for number in range(1, self.epochs + 1):
+                if self.max_steps is not None and self.steps >= self.max_steps:
+                    break
+                self._number = number
                 epoch = data.epoch(order if self.last.shuffle else None)
+                if self.max_steps is not None:  # the batches of the steps left, at most
+                    epoch = epoch[: (self.max_steps - self.steps) * self.every]
                 loss, lr, metrics = self._epoch(data, epoch, optimizers, scaler, penalty)
                 row = {"epoch": number, "loss": loss, "lr": lr} | metrics
                 history.append(row | self._scored())
@@ -134,7 +144,7 @@ class TrainingLoop:
         before, span = self.settings.schedule_before, self.settings.schedule_epochs
         fresh = any(node.optimizer is None for node in self.run)
         epochs = span if span is not None else before + self.epochs
-        self.optimizers.set_horizon(Horizon(steps_per_epoch, epochs))
+        self.optimizers.set_horizon(Horizon(steps_per_epoch, epochs, self.max_steps))
         optimizers = [self.optimizers.optimizer(node) for node in self.run]
         if self.settings.lr is not None:
             self.optimizers.set_lr(self.run, optimizers, self.settings.lr)
@@ -177,7 +187,20 @@ class TrainingLoop:
             metrics.add(computed.metrics, sizes[j])
             if (j + 1) % every == 0 or j == last_batch:  # a step ends
                 lr = self.optimizers.step_run(self.run, scaler, epoch_end=j == last_batch)
-        return (total / data.rows if data.rows else float("nan")), lr, metrics.means()
+                self.steps += 1
+                if self._validates_now(last=j == last_batch):
+                    scored = {"epoch": self._number, "step": self.steps}
+                    self.step_scores.append(scored | self._scored())
+        trained = sum(sizes)
+        return (total / trained if trained else float("nan")), lr, metrics.means()
+
+    def _validates_now(self, last: bool) -> bool:
+        """Whether the step just taken is one of ``validate_every``'s: every that many steps,
+        with validation data, not at an epoch's end (its row has the scores)."""
+        every = self.validate_every
+        if not every or last or self.scores is None:
+            return False
+        return self.steps % every == 0
 
     def _scored(self) -> dict[str, Any]:
         """What :attr:`scores` gives now (its row count left out), or nothing."""

@@ -312,6 +312,9 @@ class NodeInfo(BaseModel):
     # function); it has a step= function (which trains it alone: no TorchFilter beside it).
     labels: bool = True
     step: bool = False
+    # Optimizer steps after which training stops; validation every so many steps.
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    validate_every: Annotated[int, Field(ge=1)] | None = None
     # What makes replicas of it differ from one process training it (DataParallel's notes):
     buffers: bool = False  # the module holds buffers (replica 0's are broadcast each step)
     normalization: list[Annotated[str, Field(max_length=128)]] = Field(

@@ -456,6 +456,8 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
                 clip_grad_norm=getattr(f, "clip_grad_norm", None),
                 labels=takes_labels(f),
                 step=step_of(f) is not None,
+                max_steps=getattr(f, "max_steps", None),
+                validate_every=getattr(f, "validate_every", None),
                 **layer_kinds(getattr(f, "module", None)),
             )
         else:

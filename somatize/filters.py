@@ -190,6 +190,12 @@ class TorchFilter(Filter):
         eval_batch_size: rows per forward when evaluating validation data and forwarding the
             training data after training (default ``batch_size``): memory bounded by a batch,
             never the dataset.
+        max_steps: stop after this many optimizer steps, mid-epoch if need be (the schedules
+            span the steps actually taken; the last epoch's row is of the batches it trained).
+            ``graph.fit`` and Local for now; the other strategies refuse it at submit.
+        validate_every: with validation data, evaluate it every this many optimizer steps
+            too, beside each epoch's end (``FittedGraph.validations``). ``graph.fit`` for
+            now; strategies refuse it at submit.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
     ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps
@@ -220,6 +226,8 @@ class TorchFilter(Filter):
         step: StepSpec | None = None,
         inputs: str = "auto",
         eval_batch_size: int | None = None,
+        max_steps: int | None = None,
+        validate_every: int | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -237,6 +245,11 @@ class TorchFilter(Filter):
             )
         if inputs not in INPUTS:
             raise ValueError(f"inputs is one of {list(INPUTS)}, not {inputs!r}")
+        for name, value in (("max_steps", max_steps), ("validate_every", validate_every)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} is a whole number of steps >= 1, not {value!r}")
         if eval_batch_size is not None and (
             isinstance(eval_batch_size, bool)
             or not isinstance(eval_batch_size, int)
@@ -283,6 +296,8 @@ class TorchFilter(Filter):
         self.step = step
         self.inputs = inputs
         self.eval_batch_size = eval_batch_size
+        self.max_steps = max_steps
+        self.validate_every = validate_every
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)

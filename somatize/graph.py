@@ -111,7 +111,9 @@ class Graph:
         engine.load({node_id: copy.deepcopy(f) for node_id, f in self.items()})
         settings = FitSettings(batch_size=batch_size, validation=validation, output=False)
         result = engine.fitting.batched_fit(self.node_ids, x, y, settings)
-        return FittedGraph(self, result.states, history=result.history)
+        return FittedGraph(
+            self, result.states, history=result.history, validations=result.step_scores
+        )
 
 
 class FittedGraph:
@@ -125,6 +127,9 @@ class FittedGraph:
             (the learning rate of its last step) and, with validation data, ``val_loss`` and
             each metric of the model at the epoch's end.
         epoch_losses: the ``loss`` of each row of the history.
+        validations: with ``validate_every=N`` (a TorchFilter's), the model's validation
+            figures every N optimizer steps within an epoch: ``epoch``, ``step``, ``val_loss``
+            and each metric (an epoch's end is in its history row).
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class FittedGraph:
         states: Mapping[str, Any],
         *,
         history: list[dict[str, Any]] | None = None,
+        validations: list[dict[str, Any]] | None = None,
     ) -> None:
         missing = [node_id for node_id in graph.node_ids if node_id not in states]
         if missing:
@@ -140,6 +146,7 @@ class FittedGraph:
         self.graph = graph
         self.states = dict(states)
         self.history = [dict(row) for row in history or []]
+        self.validations = [dict(row) for row in validations or []]
 
     @property
     def epoch_losses(self) -> list[float]:

@@ -91,6 +91,9 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     if why is not None:
         raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
     check_validation(msg, inputs)
+    why = steps_limits_problem(strategy.name, inputs)
+    if why is not None:
+        raise RequestRefused.of(ErrorCode.BAD_REQUEST, why)
     try:
         strategy.validate(inputs)
     except StrategyOptionsError as exc:
@@ -125,6 +128,26 @@ def labels_unused_problem(inputs: JobInputs) -> str | None:
         return None
     info = inputs.nodes.get(torch_nodes[-1], NodeInfo())
     return None if info.labels or info.step else model_loss_with_labels(torch_nodes[-1])
+
+
+def steps_limits_problem(strategy: str, inputs: JobInputs) -> str | None:
+    """Why a TorchFilter's ``max_steps`` or ``validate_every`` cannot be honoured by
+    ``strategy``: only Local's training loop (``graph.fit``'s, on a worker) stops after
+    ``max_steps`` yet, and only ``graph.fit`` validates between epochs; ``None`` when the job
+    asks for neither where it cannot have it."""
+    for node_id in inputs.differentiable():
+        info = inputs.nodes.get(node_id, NodeInfo())
+        if info.max_steps is not None and strategy != "local":
+            return (
+                f"node {node_id!r} has max_steps={info.max_steps}, which {strategy} does not "
+                "honour yet (graph.fit and Local do): give it epochs instead"
+            )
+        if info.validate_every is not None:
+            return (
+                f"node {node_id!r} has validate_every={info.validate_every}: jobs validate at "
+                "each epoch's (round's) end; graph.fit alone validates between them for now"
+            )
+    return None
 
 
 def check_validation(msg: Submit, inputs: JobInputs) -> None:

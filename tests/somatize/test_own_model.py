@@ -210,3 +210,57 @@ def test_a_map_style_dataset_trains_a_batch_at_a_time_as_its_arrays_do():
     assert data.reads == 2 * 150 + 1
     arrays = sz.Graph([net]).fit(x, y, validation=(x_val, y_val))
     assert fitted.history == arrays.history
+
+
+def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
+    from tests.training_reference import classes, mlp
+
+    x, y = classes()  # 203 rows: 13 steps of 16 rows an epoch
+    x_val, y_val = classes(n=61, seed=2)
+    net = sz.TorchFilter(
+        mlp(),
+        loss="cross_entropy",
+        scheduler="cosine",
+        max_steps=20,
+        validate_every=5,
+        **(SETTINGS | {"epochs": 3}),
+    )
+    fitted = sz.Graph([net.named("mlp")]).fit(x, y, validation=(x_val, y_val))
+    # By hand: SGD with momentum, a cosine schedule over the 20 steps taken, stopped after the
+    # 7th batch of the second epoch; the validation loss after steps 5, 10 and 15 (13 and 20
+    # end their epochs: their rows have it).
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+    order = torch.Generator().manual_seed(7)
+    xt, yt, vx, vy = map(torch.as_tensor, (x, y, x_val, y_val))
+    steps, scores, losses = 0, {}, []
+    while steps < 20:
+        perm = torch.randperm(len(xt), generator=order)
+        total, rows = 0.0, 0
+        for start in range(0, len(xt), 16):
+            if steps == 20:
+                break
+            b = perm[start : start + 16]
+            loss = F.cross_entropy(model(xt[b]), yt[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+            steps += 1
+            total, rows = total + float(loss.detach()) * len(b), rows + len(b)
+            with torch.no_grad():
+                scores[steps] = float(F.cross_entropy(model(vx), vy))
+        losses.append(total / rows)
+    assert [row["epoch"] for row in fitted.history] == [1, 2]
+    assert [row["loss"] for row in fitted.history] == pytest.approx(losses, abs=1e-6)
+    assert [row["val_loss"] for row in fitted.history] == pytest.approx(
+        [scores[13], scores[20]], abs=1e-6
+    )
+    assert [(r["epoch"], r["step"]) for r in fitted.validations] == [(1, 5), (1, 10), (2, 15)]
+    assert [r["val_loss"] for r in fitted.validations] == pytest.approx(
+        [scores[5], scores[10], scores[15]], abs=1e-6
+    )
+    close(fitted.states["mlp"], model)
+    with pytest.raises(ValueError, match="max_steps is a whole number of steps"):
+        sz.TorchFilter(mlp(), max_steps=0)

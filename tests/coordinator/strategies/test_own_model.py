@@ -13,7 +13,11 @@ import torch.nn.functional as F
 
 import somatize as sz
 from coordinator.context import InMemoryContext, WorkerIdentity
-from coordinator.jobs.submission import labels_unused_problem, lone_steps_problem
+from coordinator.jobs.submission import (
+    labels_unused_problem,
+    lone_steps_problem,
+    steps_limits_problem,
+)
 from coordinator.strategies import DataParallel, FedAvg, ModelParallel
 from coordinator.strategies.base import StrategyOptionsError
 from protocol.options.strategies import (
@@ -192,3 +196,28 @@ def test_sequence_logits_train_through_data_parallel():
 
     model, _ = plain_loop(TokenTagger(), (ids[:, :-1],), ids[:, 1:], every_token)
     close(states["token_tagger"], model)
+
+
+def test_local_stops_after_max_steps_and_other_strategies_refuse_it_at_submit():
+    from coordinator.strategies import Local
+    from protocol.options.strategies import LocalOptions
+
+    x, y = token_rows()  # 150 rows: 10 steps an epoch
+    graph = sz.Graph([sz.TorchFilter(MaskedPool(), loss="cross_entropy", max_steps=7, **SETTINGS)])
+    states, _, _ = run(Local(LocalOptions()), graph, x, y, InMemoryContext(1, Daemon))
+    # graph.fit stops after max_steps as a plain loop does (tests/somatize/test_own_model.py);
+    # Local runs the same loop on a worker.
+    expected = graph.fit(x, y)
+    assert [row["epoch"] for row in expected.history] == [1]
+    for key, value in expected.states["masked_pool"].items():
+        torch.testing.assert_close(torch.as_tensor(states["masked_pool"][key]), value)
+    job = inputs(graph, x, y)
+    assert steps_limits_problem("local", job) is None
+    assert steps_limits_problem("data_parallel", job) == (
+        "node 'masked_pool' has max_steps=7, which data_parallel does not honour yet "
+        "(graph.fit and Local do): give it epochs instead"
+    )
+    every = sz.Graph([sz.TorchFilter(MaskedPool(), validate_every=3)])
+    assert "graph.fit alone validates between them" in str(
+        steps_limits_problem("local", inputs(every, x, y))
+    )
