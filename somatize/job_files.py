@@ -49,8 +49,8 @@ class JobFile:
 
     graph: Graph
     x: Any
+    strategy: Strategy
     y: Any = None
-    strategy: Strategy | None = None
     validation: Any = None
     name: str | None = None
     wait_for_workers: float | None = None
@@ -104,14 +104,14 @@ def load_job_file(path: str) -> JobFile:
     if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)):
         raise UsageError(f"{path}: wait_for_workers must be seconds, not {wait!r:.60}")
     return JobFile(
-        graph,
-        namespace["x"],
-        namespace.get("y"),
-        strategy,
-        namespace.get("validation"),
-        name,
-        None if wait is None else float(wait),
-        _warnings(path, namespace),
+        graph=graph,
+        x=namespace["x"],
+        strategy=strategy,
+        y=namespace.get("y"),
+        validation=namespace.get("validation"),
+        name=name,
+        wait_for_workers=None if wait is None else float(wait),
+        warnings=_warnings(path, namespace),
     )
 
 

@@ -103,9 +103,9 @@ def test_the_job_file_is_mounted_and_its_result_lands_on_a_volume(compose: dict[
 
 def test_every_worker_service_serves_the_job(compose: dict[str, Any]) -> None:
     """No service that nothing uses: the example job's strategy takes every worker."""
-    from somatize.cli import load_job_file
+    from somatize.job_files import load_job_file
 
-    _, _, _, strategy = load_job_file(str(ROOT / "examples" / "digits_job.py"))
+    strategy = load_job_file(str(ROOT / "examples" / "digits_job.py")).strategy
     options = strategy.spec().options
     workers = [s["command"] for s in services(compose).values()]
     workers = [c for c in workers if c[0] == "somatize-worker"]
@@ -366,9 +366,9 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
         assert rows and "succeeded" in rows[0], table
         assert "data_parallel" in rows[0], table
         # The result, where the results volume is: it loads without pickle, as the graph.
-        from somatize.cli import load_job_file
+        from somatize.job_files import load_job_file
 
-        graph, _, _, _ = load_job_file(str(ROOT / "examples" / "digits_job.py"))
+        graph = load_job_file(str(ROOT / "examples" / "digits_job.py")).graph
         fitted = sz.load(state.parent / "results" / "states.pt", graph)
         assert fitted.graph.node_ids == ["standardize", "hidden", "head"]
     print(f"compose topology ran its job in {time.monotonic() - started:.1f} s")
