@@ -25,7 +25,7 @@ from engine.nodes import Node, Nodes, run_setting, segments
 from engine.optimizers import Optimizers
 from engine.stepping import backward
 from engine.training import FitSettings, TrainingLoop
-from engine.transfer import to_cpu
+from engine.transfer import map_tensors, to_cpu
 
 __all__ = ["FitResult", "FitSettings", "Fitting"]
 
@@ -235,13 +235,13 @@ class Fitting:
         if parts <= 1 or n <= 1:
             computed = self.nodes.batch_loss(run, xt, yt)
             backward(computed.loss, None)
-            return _detached(computed.out), float(computed.loss.detach())
+            return map_tensors(torch.Tensor.detach, computed.out), float(computed.loss.detach())
         outs, sizes, total = [], [], 0.0
         for part in np.array_split(np.arange(n), min(parts, n)):
             index = torch.from_numpy(part).to(self.nodes.device)
             computed = self.nodes.batch_loss(run, part_of(xt, index), part_of(yt, index))
             backward(computed.loss * (len(part) / n), None)
-            outs.append(_detached(computed.out))
+            outs.append(map_tensors(torch.Tensor.detach, computed.out))
             sizes.append(len(part))
             total += float(computed.loss.detach()) * len(part)
         return concat(outs, sizes), total / n
@@ -266,14 +266,3 @@ class Fitting:
             clipped[node_id][key] = (base.double() + delta.double() * scale).to(base.dtype)
         self.nodes.set_state(clipped)
         return True
-
-
-def _detached(out: Any) -> Any:
-    """A run's output without its autograd graph (through tuples and mappings)."""
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, Mapping):
-        return {k: _detached(v) for k, v in out.items()}
-    if isinstance(out, tuple | list):
-        return type(out)(_detached(v) for v in out)
-    return out

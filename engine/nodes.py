@@ -28,7 +28,12 @@ from engine.errors import EngineError
 from engine.step_functions import BatchLoss, StepModel, step_of, step_result, takes_labels
 from engine.transfer import autocast, tensors_to, to_cpu, to_device
 from protocol.errors import ErrorCode
-from protocol.rules.rows import model_loss_with_labels, needs_labels, rows_disagree
+from protocol.rules.rows import (
+    model_loss_with_labels,
+    needs_labels,
+    rows_disagree,
+    step_not_alone,
+)
 
 UNSET: Any = object()
 """The state of a plain filter that was neither fitted nor given a state."""
@@ -297,9 +302,7 @@ class Nodes:
         if len(run) > 1:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                f"node {run[-1].node_id!r} has a step function, and TorchFilters "
-                f"{[n.node_id for n in run[:-1]]} run before it as one model: a filter with "
-                "a step trains alone (put the modules in one, or a plain filter between)",
+                step_not_alone(run[-1].node_id, [n.node_id for n in run[:-1]]),
                 {"node_id": run[-1].node_id},
             )
         last.module.train(training)

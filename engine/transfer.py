@@ -9,7 +9,7 @@ same tensor comes back), so a CPU engine works on the very tensors it was given.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,26 +66,26 @@ def cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (through mappings, lists and tuples;
+    anything else as it is)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
+
+
 def to_cpu(value: Any) -> Any:
     """``value`` with every tensor in it (through mappings, lists and tuples) on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return cpu_tensor(value)
-    if isinstance(value, Mapping):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_cpu(v) for v in value)
-    return value
+    return map_tensors(cpu_tensor, value)
 
 
 def tensors_to(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor in it (through mappings, lists and tuples) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return to_device(value, device)
-    if isinstance(value, Mapping):
-        return {k: tensors_to(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(tensors_to(v, device) for v in value)
-    return value
+    return map_tensors(lambda tensor: to_device(tensor, device), value)
 
 
 def precision_of(f: Any) -> str:

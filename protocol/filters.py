@@ -9,31 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import sysconfig
 import types
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-# Packages every worker has installed: pickled by reference, never by value.
-_OURS = ("protocol", "engine", "worker", "coordinator", "somatize")
-_INSTALLED_ROOTS = tuple(
-    str(Path(p).resolve())
-    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
-    | {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-)
-
-
-def _is_user_module(name: str) -> bool:
-    """True for a module defined by the user's own files (not stdlib, not installed, not ours)."""
-    if name == "__main__" or name.split(".")[0] in _OURS:
-        return False
-    module = sys.modules.get(name)
-    file = getattr(module, "__file__", None)
-    if module is None or file is None:
-        return False
-    return not str(Path(file).resolve()).startswith(_INSTALLED_ROOTS)
+from protocol.code_owners import is_user_module
 
 
 def _submodule_classes(value: Any) -> set[str]:
@@ -66,13 +47,13 @@ def dump_filter(obj: Any) -> bytes:
     pickled by value; installed packages, the standard library and somatize itself by reference.
     """
     for name in _referenced_modules(obj):
-        if _is_user_module(name):
+        if is_user_module(name):
             cloudpickle.register_pickle_by_value(sys.modules[name])
     try:
         return bytes(cloudpickle.dumps(obj, protocol=5))
     finally:
         for name in _referenced_modules(obj):
-            if _is_user_module(name):
+            if is_user_module(name):
                 cloudpickle.unregister_pickle_by_value(sys.modules[name])
 
 

@@ -12,42 +12,13 @@ from __future__ import annotations
 
 import linecache
 import re
-import sysconfig
 import traceback
-from pathlib import Path
+
+from protocol.code_owners import file_owner
 
 __all__ = ["folded", "with_source"]
 
-_OURS = ("protocol", "engine", "worker", "coordinator", "somatize")
-_ROOT = str(Path(__file__).resolve().parents[1])
-_INSTALLED = tuple(  # site-packages first: it may lie inside the standard library's folder
-    sorted(
-        {
-            str(Path(sysconfig.get_paths()[k]).resolve())
-            for k in ("stdlib", "platstdlib", "purelib", "platlib")
-        },
-        key=len,
-        reverse=True,
-    )
-)
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in .+$')
-
-
-def _owner(filename: str) -> str | None:
-    """Whose frame a file's is: this project's package, ``"python"`` or an installed package's
-    name; ``None`` for the user's own."""
-    if filename.startswith("<frozen") or filename.startswith("<string"):
-        return "python"
-    path = str(Path(filename).resolve()) if filename.startswith("/") else filename
-    for package in _OURS:
-        if path.startswith(f"{_ROOT}/{package}/"):
-            return "somatize"
-    for root in _INSTALLED:
-        if path.startswith(root + "/"):
-            rest = path[len(root) + 1 :]
-            top = rest.split("/", 1)[0]
-            return top if "site-packages" in root or "dist-packages" in root else "python"
-    return None
 
 
 def folded(exc: BaseException) -> str:
@@ -76,7 +47,7 @@ def folded(exc: BaseException) -> str:
         end = k + 1
         while end < len(lines) and lines[end].startswith("    "):
             end += 1
-        owner = _owner(frame["file"])
+        owner = file_owner(frame["file"])
         if owner is None:
             close_run()
             kept.extend(lines[k:end])

@@ -22,6 +22,7 @@ from protocol.rules.rows import (
     inline_data_problem,
     model_loss_with_labels,
     rows_of,
+    step_not_alone,
 )
 from protocol.wording import did_you_mean, listed
 
@@ -111,11 +112,7 @@ def lone_steps_problem(inputs: JobInputs) -> str | None:
             continue
         joined = [n for n in (ids[k - 1] if k else None, *ids[k + 1 : k + 2]) if n in torch_nodes]
         if joined:
-            return (
-                f"node {node_id!r} has a step function, and TorchFilters {joined} stand beside "
-                "it as one model: a filter with a step trains alone (put the modules in one, "
-                "or a plain filter between)"
-            )
+            return step_not_alone(node_id, joined)
     return None
 
 

@@ -133,6 +133,16 @@ def model_loss_with_labels(node_id: str) -> str:
     )
 
 
+def step_not_alone(node_id: str, joined: Sequence[str]) -> str:
+    """Why the TorchFilter ``node_id`` with a ``step`` function cannot train with the
+    TorchFilters ``joined`` next to it (which would train with it as one model)."""
+    return (
+        f"node {node_id!r} has a step function, and TorchFilters {list(joined)} stand beside "
+        "it as one model: a filter with a step trains alone (put the modules in one, or a "
+        "plain filter between)"
+    )
+
+
 def inline_data_problem(
     node_ids: Sequence[str],
     differentiable: Collection[str],
