@@ -19,11 +19,11 @@ import torch
 
 from engine.batches import Batches, concat, whole
 from engine.errors import EngineError
-from engine.metrics import RowMeans
 from engine.nodes import Node, Nodes, segments
 from engine.transfer import to_cpu
 from protocol.errors import ErrorCode
 from protocol.rules.batching import batch_len, batches
+from protocol.rules.row_means import RowMeans
 
 __all__ = ["Evaluation"]
 

@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from engine.optimizers import Optimizers
 from engine.stepping import backward
 from engine.training import FitSettings, TrainingLoop
 from engine.transfer import map_tensors, to_cpu
+from protocol.rules.row_means import RowMeans
 
 __all__ = ["FitResult", "FitSettings", "Fitting"]
 
@@ -61,6 +62,16 @@ class FitResult:
     clipped: bool | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     step_scores: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _Pass(NamedTuple):
+    """What a forward and backward through a run gave: its output, mean loss and the mean of
+    each metric its step function returned."""
+
+    out: Any
+    loss: float
+    metrics: dict[str, float]
 
 
 _GENERATOR = threading.Lock()
@@ -82,7 +93,7 @@ class Fitting:
         """Fit one node on ``x``: a plain filter's ``fit``, or one gradient pass (no step)."""
         node = self.nodes.node(node_id)
         if node.differentiable:
-            loss = self._backward_run([node], x, y)[1]
+            loss = self._backward_run([node], x, y).loss
             return FitResult(None, self.nodes.get_state([node_id]), loss, num_rows(x))
         state = self.nodes.fit_plain(node, x, y)
         return FitResult(None, {node_id: state}, None, num_rows(x))
@@ -95,7 +106,7 @@ class Fitting:
         out, loss = x, None
         for segment in segments(nodes):
             if segment[0].differentiable:
-                out, loss = self._backward_run(segment, out, y)
+                out, loss, _ = self._backward_run(segment, out, y)
             else:
                 out = self._fit_plain(segment[0], out, y)
         return FitResult(to_cpu(out), self.nodes.get_state(node_ids), loss, num_rows(x))
@@ -119,14 +130,15 @@ class Fitting:
 
     def _gradient_pass(self, nodes: list[Node], x: Any, y: Any) -> FitResult:
         out, loss = x, None
+        metrics: dict[str, float] = {}
         for segment in segments(nodes):
             if segment[0].differentiable:
                 parts = int(run_setting(segment, "accumulate", 1) or 1)
-                out, loss = self._backward_run(segment, out, y, parts)
+                out, loss, metrics = self._backward_run(segment, out, y, parts)
             else:
                 node = segment[0]
                 out = self.nodes.apply(node, out, self.nodes.state_of(node))
-        return FitResult(None, {}, loss, num_rows(x))
+        return FitResult(None, {}, loss, num_rows(x), metrics=metrics)
 
     def batched_fit(
         self,
@@ -219,11 +231,12 @@ class Fitting:
         x = to_cpu(x)
         return node.filter.forward(x, self.nodes.fit_plain(node, x, y))
 
-    def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> tuple[Any, float]:
+    def _backward_run(self, run: list[Node], x: Any, y: Any, parts: int = 1) -> _Pass:
         """Forward, loss and backward of ``x`` through the run, the gradients left on the
         parameters; with ``parts`` in that many slices one after the other (each loss weighted
         by its share of the rows, the gradients accumulating): the same gradient, a slice's
-        memory. The output (``None`` from a step function) and the mean loss."""
+        memory. The output (``None`` from a step function), the mean loss and the mean of each
+        metric a step function returned."""
         self.nodes.check_labels(run, y, "fitting")
         for node in run:
             node.filter.module.zero_grad(set_to_none=True)
@@ -235,8 +248,9 @@ class Fitting:
         if parts <= 1 or n <= 1:
             computed = self.nodes.batch_loss(run, xt, yt)
             backward(computed.loss, None)
-            return map_tensors(torch.Tensor.detach, computed.out), float(computed.loss.detach())
-        outs, sizes, total = [], [], 0.0
+            out = map_tensors(torch.Tensor.detach, computed.out)
+            return _Pass(out, float(computed.loss.detach()), dict(computed.metrics))
+        outs, sizes, total, metrics = [], [], 0.0, RowMeans()
         for part in np.array_split(np.arange(n), min(parts, n)):
             index = torch.from_numpy(part).to(self.nodes.device)
             computed = self.nodes.batch_loss(run, part_of(xt, index), part_of(yt, index))
@@ -244,7 +258,8 @@ class Fitting:
             outs.append(map_tensors(torch.Tensor.detach, computed.out))
             sizes.append(len(part))
             total += float(computed.loss.detach()) * len(part)
-        return concat(outs, sizes), total / n
+            metrics.add(computed.metrics, len(part))
+        return _Pass(concat(outs, sizes), total / n, metrics.means())
 
     def _clip_update(self, start: Mapping[str, Any], clip_norm: float) -> bool:
         """Scale the update since ``start`` (the TorchFilters' states) down to ``clip_norm``

@@ -3,10 +3,10 @@ evaluation on validation data.
 
 ``TorchFilter(metrics=("accuracy", ...))``, or callables ``(output, y) -> float``, each
 evaluated on every validation batch (``eval_batch_size`` rows) with the model in eval mode, and
-their mean weighted by the batches' rows taken (:class:`RowMeans`), beside ``val_loss``: the
-filter's own loss on it. The named ones are means over rows, so they are exactly the whole set's;
-a metric that does not average over rows (an F1, an AUC) is the whole set's when
-``eval_batch_size`` holds all of it.
+their mean weighted by the batches' rows taken (:class:`protocol.rules.row_means.RowMeans`),
+beside ``val_loss``: the filter's own loss on it. The named ones are means over rows, so they
+are exactly the whole set's; a metric that does not average over rows (an F1, an AUC) is the
+whole set's when ``eval_batch_size`` holds all of it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["METRICS", "RowMeans", "check_metrics", "metric_name"]
+__all__ = ["METRICS", "check_metrics", "metric_name"]
 
 Metric = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -78,25 +78,3 @@ def check_metrics(metrics: Sequence[str | Metric] | None) -> tuple[str | Metric,
     if taken:
         raise ValueError(f"metric names must be unique and not {sorted(RESERVED)}: {taken}")
     return tuple(checked)
-
-
-class RowMeans:
-    """Means over rows of figures given a batch at a time (each batch's figure a mean over its
-    rows): an epoch's loss and metrics, a validation set's."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._rows: dict[str, int] = {}
-
-    def add(self, figures: dict[str, float], rows: int) -> None:
-        """A batch of ``rows`` rows with its ``figures``."""
-        for name, value in figures.items():
-            self._sums[name] = self._sums.get(name, 0.0) + float(value) * rows
-            self._rows[name] = self._rows.get(name, 0) + rows
-
-    def means(self, prefix: str = "") -> dict[str, float]:
-        """Each figure's mean over the rows that gave it, named ``prefix + name``."""
-        return {
-            prefix + name: total / self._rows[name] if self._rows[name] else float("nan")
-            for name, total in self._sums.items()
-        }

@@ -30,6 +30,7 @@ A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from protocol.rules.batching import (
     replica_seed,
     synchronises,
 )
+from protocol.rules.row_means import RowMeans
 
 __all__ = ["Replica", "ReplicaPlan"]
 
@@ -103,15 +105,20 @@ class ReplicaPlan:
         sizes: Sequence[int] | None = None,
         position: int = 0,
         outer: OuterStepSpec | None = None,
+        max_steps: int | None = None,
     ) -> ReplicaPlan:
         if sizes is not None:  # each replica on its own dataset
-            own = list(replica_batches(sizes, epochs, batch_size, shuffle, seed))
+            own = list(
+                itertools.islice(
+                    replica_batches(sizes, epochs, batch_size, shuffle, seed), max_steps
+                )
+            )
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
             places = [(e, k) for e, k, _ in own]
         else:
             steps, least, places = _slices(
-                held, rank, world, rows, epochs, batch_size, shuffle, seed
+                held, rank, world, rows, epochs, batch_size, shuffle, seed, max_steps
             )
         rounds = _rounds(places, outer)
         return cls(
@@ -136,17 +143,19 @@ def _slices(
     batch_size: int | None,
     shuffle: bool,
     seed: int,
+    max_steps: int | None = None,
 ) -> tuple[list[tuple[np.ndarray[Any, Any], int]], list[int], list[tuple[int, int]]]:
-    """Replica ``rank``'s slice of every global batch, as positions among the rows ``held``
-    here, with the batch's size; the fewest rows a replica has per step; each step's epoch and
-    place in it.
+    """Replica ``rank``'s slice of every global batch (the first ``max_steps``), as positions
+    among the rows ``held`` here, with the batch's size; the fewest rows a replica has per
+    step; each step's epoch and place in it.
 
     Raises:
         EngineError: ``BAD_REQUEST`` for a slice with rows that were not staged here.
     """
     staged = np.asarray(held, dtype=np.int64)
     steps, least, places = [], [], []
-    for epoch, k, slices in global_batches(rows, world, epochs, batch_size, shuffle, seed):
+    batches = global_batches(rows, world, epochs, batch_size, shuffle, seed)
+    for epoch, k, slices in itertools.islice(batches, max_steps):
         places.append((epoch, k))
         least.append(min(len(s) for s in slices))
         mine = slices[rank]
@@ -288,7 +297,7 @@ class Replica:
 
     def train(self, start: int, stop: int) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
-        rows and learning rate per step.
+        rows, learning rate and (from a step function) metrics per step.
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
@@ -302,6 +311,7 @@ class Replica:
         losses: list[float] = []
         rows: list[int] = []
         lrs: list[float] = []
+        metrics: list[dict[str, float]] = []
 
         def read(step: int) -> tuple[Any, Any]:  # on a step without rows of its own: one row
             local = plan.steps[step][0]
@@ -314,7 +324,7 @@ class Replica:
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             try:
-                loss, lr = self._step(ddp, run, plan, step, xt, yt, accumulate, scaler)
+                loss, lr, figures = self._step(ddp, run, plan, step, xt, yt, accumulate, scaler)
             except RuntimeError as exc:
                 if looks_collective(exc):
                     raise self.group.broken(f"step {step + 1}", exc, steps_done=step) from exc
@@ -326,11 +336,13 @@ class Replica:
             losses.append(loss)
             rows.append(len(plan.steps[step][0]))
             lrs.append(lr)
+            metrics.append(figures)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
-        return {"losses": losses, "rows": rows, "lrs": lrs}
+        said = {"losses": losses, "rows": rows, "lrs": lrs}
+        return said | ({"metrics": metrics} if any(metrics) else {})
 
     def pseudo_gradients(self, compression: str) -> dict[str, Any]:
         """A replica ``alone`` at a synchronisation: its pseudo-gradients as ``compression``
@@ -401,20 +413,20 @@ class Replica:
         yt: Any,
         accumulate: int,
         scaler: torch.amp.GradScaler | None,
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, dict[str, float]]:
         """Global step ``step``: forward and backward of this replica's rows of it (their
-        gradients all-reduced), then one optimizer step; the replica's mean loss and the
-        learning rate the step took."""
+        gradients all-reduced), then one optimizer step; the replica's mean loss, the
+        learning rate the step took and the replica's mean of each metric."""
         local, batch = plan.steps[step]
         ddp.module.train()
         torch.manual_seed(replica_seed(plan.seed, plan.rank, step + 1))
         cut = min(accumulate, plan.least[step]) if plan.least[step] else 1
         inner = plan.outer is not None  # DiLoCo's inner step: no all-reduce
-        loss = self._accumulated(
+        loss, metrics = self._accumulated(
             ddp, run, xt, yt, (len(local), batch, plan.world), cut, scaler, inner
         )
         ends = self.optimizers.ends_epoch(step + 1)
-        return loss, self.optimizers.step_run(run, scaler, epoch_end=ends)
+        return loss, self.optimizers.step_run(run, scaler, epoch_end=ends), metrics
 
     def _accumulated(
         self,
@@ -426,20 +438,21 @@ class Replica:
         parts: int,
         scaler: torch.amp.GradScaler | None,
         inner: bool = False,
-    ) -> float:
+    ) -> tuple[float, dict[str, float]]:
         """Forward and backward of this replica's ``mine`` rows of a ``batch``-row global
         step over ``world`` replicas (``rows_of``), in ``parts`` slices (``accumulate``; every
         replica as many, none empty) of which only the last all-reduces (DDP's ``no_sync``
         before it; before all of them for DiLoCo's ``inner`` step): the gradients left are the
-        global batch's mean loss's. The replica's mean loss (0 with no rows)."""
+        global batch's mean loss's. The replica's mean loss (0 with no rows) and its mean of
+        each metric a step function returned."""
         mine, batch, world = rows_of
         if not mine:  # one row read to join the all-reduce, its loss counted for nothing
             with ddp.no_sync() if inner else contextlib.nullcontext():
                 loss = self.nodes.batch_loss(run, xt, yt, ddp).loss
                 backward(loss * 0.0, scaler)
-            return 0.0
+            return 0.0, {}
         slices = np.array_split(np.arange(mine), parts)
-        total = 0.0
+        total, metrics = 0.0, RowMeans()
         for j, part in enumerate(slices):
             index = torch.from_numpy(part).to(self.nodes.device)
             last = j == len(slices) - 1 and not inner
@@ -448,7 +461,8 @@ class Replica:
                 computed = self.nodes.batch_loss(run, part_of(xt, index), part_of(yt, index), ddp)
                 backward(computed.loss * (len(part) * world / batch), scaler)
             total += float(computed.loss.detach()) * len(part)
-        return total / mine
+            metrics.add(computed.metrics, len(part))
+        return total / mine, metrics.means()
 
     def _broadcast_buffers(self, ddp: DistributedDataParallel, steps_done: int) -> None:
         """Replica 0's buffers to every replica once more after the last step: DDP broadcasts

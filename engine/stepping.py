@@ -73,7 +73,10 @@ class Horizon:
         return -(-steps // self.steps_per_epoch) if self.steps_per_epoch else self.epochs
 
     def ends_epoch(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (from 1) is the last of its epoch."""
+        """Whether optimizer step ``step`` (from 1) is the last of its epoch, or the last of
+        a run that ``max_steps`` stops mid-epoch."""
+        if self.max_steps is not None and step == self.max_steps:
+            return True
         return self.steps_per_epoch > 0 and step % self.steps_per_epoch == 0
 
 

@@ -18,11 +18,11 @@ import torch
 
 from engine.batches import Batches
 from engine.data.read_ahead import read_ahead
-from engine.metrics import RowMeans
 from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
 from engine.stepping import Horizon, backward, fast_forward
 from protocol.rules.batching import batch_len, generator
+from protocol.rules.row_means import RowMeans
 
 __all__ = ["FitSettings", "TrainingLoop"]
 

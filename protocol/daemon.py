@@ -234,11 +234,13 @@ class EvaluateRequest(DataSource):
 class ScheduleRequest(_Request):
     """The horizon of the run's learning-rate schedules, for a daemon that is told each step
     rather than running the loop (a data-parallel replica, a pipeline stage): optimizer steps
-    per epoch, and epochs. Sent before any optimizer is made or loaded."""
+    per epoch, epochs, and the step the run stops after when ``max_steps`` comes first. Sent
+    before any optimizer is made or loaded."""
 
     cmd: Literal["schedule"] = "schedule"
     steps_per_epoch: NonNegativeInt
     epochs: NonNegativeInt
+    max_steps: PositiveInt | None = None
 
 
 class DistStoreRequest(_Request):
@@ -297,13 +299,15 @@ class _Steps(_Request):
 
 class _BatchPlan(_Request):
     r"""The global batches of a run, as every member computes them: ``rows`` rows, ``epochs``,
-    ``batch_size`` (default: all rows), in order or ``shuffle``\ d with ``seed``."""
+    ``batch_size`` (default: all rows), in order or ``shuffle``\ d with ``seed``; the first
+    ``max_steps`` of them when it is given."""
 
     rows: NonNegativeInt
     epochs: NonNegativeInt
     batch_size: PositiveInt | None = None
     shuffle: bool = False
     seed: int = 0
+    max_steps: PositiveInt | None = None
 
 
 class OuterStepSpec(BaseModel):

@@ -43,6 +43,7 @@ from somatize.curves import (
     plot_loss,
     row_of,
     unit_of,
+    validations_of,
 )
 from somatize.errors import UsageError
 from somatize.interrupt import exit_signals, when_stopped
@@ -392,6 +393,8 @@ def follow(
                 row = row_of(event.data)
                 if board is not None and row is not None:
                     board.add(row)
+                elif board is not None and event.data.get("phase") == "validation":
+                    board.add_validations([event.data])
                 elif board is not None and isinstance(event.data.get("step"), int):
                     board.add_steps(loss_curve([event]))
             elif event.event in ("worker_lost", "worker_replaced"):
@@ -460,7 +463,8 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
                 title += f", checkpoint {saved.seq} at {position_text(saved.position)}"
             else:
                 states = job.states(timeout=args.wait)
-            history = history_of(job.status())
+            record = job.status()
+            history, validations = history_of(record), validations_of(record)
         except TimeoutError as exc:
             err.print(f"somatize result: {exc}", markup=False, soft_wrap=True)
             return EXIT_JOB_FAILED
@@ -500,7 +504,9 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         unit = curve_unit(events)
         steps = loss_curve(events) if unit == "step" else []
     if args.plot and history:
-        plot_history(history, args.plot, title=f"job {args.job_id}", steps=steps)
+        plot_history(
+            history, args.plot, title=f"job {args.job_id}", steps=steps, validations=validations
+        )
         each = f"{len(steps)} steps and " if steps else ""
         err.print(
             f"saved the curves ({each}{len(history)} {unit_of(history)}s) to {args.plot}",
@@ -513,6 +519,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.tensorboard:
         board = HistoryWriter(args.tensorboard)
         board.add_all(history)
+        board.add_validations(validations)
         board.add_steps(steps)
         board.close()
         err.print(

@@ -8,7 +8,9 @@ and the job's last progress event holds them all). ``somatize result ID`` prints
 step (:func:`loss_curve`, from the job's progress events), ``--tensorboard DIR`` writes both as
 TensorBoard scalars (``torch.utils.tensorboard``, the ``tensorboard`` extra: ``step/loss`` by
 step, each figure of a row by epoch or round), as ``somatize submit --tensorboard DIR`` does
-while the job runs.
+while the job runs. With ``validate_every``, the validations between epoch ends
+(``FittedGraph.validations``: ``step`` and the figures) join the per-step panel and are written
+as ``step/val_loss`` (and each metric) by step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "plot_loss",
     "row_of",
     "unit_of",
+    "validations_of",
 ]
 
 UNITS = ("epoch", "round")
@@ -53,11 +56,18 @@ def row_of(data: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def history_of(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The history a job's record holds (its last progress event's), or ``[]``."""
+def history_of(record: Mapping[str, Any], name: str = "history") -> list[dict[str, Any]]:
+    """The history a job's record holds (its last progress event's), or ``[]``; ``name``
+    ``"validations"``: the validations between epoch ends."""
     progress = record.get("progress")
-    rows = progress.get("history") if isinstance(progress, Mapping) else None
-    return [dict(r) for r in rows] if isinstance(rows, list) else []
+    rows = progress.get(name) if isinstance(progress, Mapping) else None
+    return [dict(r) for r in rows if isinstance(r, Mapping)] if isinstance(rows, list) else []
+
+
+def validations_of(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The validations between epoch ends a job's record holds (``validate_every``), or
+    ``[]``."""
+    return history_of(record, "validations")
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -103,11 +113,12 @@ def plot_history(
     path: str,
     title: str,
     steps: Sequence[tuple[float, float]] = (),
+    validations: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
     """Save the training and validation curves as an image: the training loss of each of
-    ``steps`` (``(step, loss)``, when given) on a panel of its own, ``loss`` and ``val_loss``
-    over the epochs (or rounds), and each metric on another panel (matplotlib, no display
-    needed).
+    ``steps`` (``(step, loss)``, when given) on a panel of its own with the validation loss of
+    each of ``validations`` (``validate_every``'s, by step), ``loss`` and ``val_loss`` over the
+    epochs (or rounds), and each metric on another panel (matplotlib, no display needed).
 
     Returns:
         Each panel's ``x-axis label: its curves``, as drawn.
@@ -125,6 +136,10 @@ def plot_history(
     if steps:
         by_step = row_axes.pop(0)
         by_step.plot([p[0] for p in steps], [p[1] for p in steps], label="training loss")
+        scored = [(v["step"], v["val_loss"]) for v in validations if "val_loss" in v]
+        if scored:
+            at = [step for step, _ in scored]
+            by_step.plot(at, [v for _, v in scored], "o--", label="validation loss")
         by_step.set_xlabel("step")
         by_step.set_ylabel("loss")
         by_step.set_title(title)
@@ -193,6 +208,15 @@ class HistoryWriter:
     def add_all(self, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
             self.add(row)
+
+    def add_validations(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Each figure of validations between epoch ends (``validate_every``'s), by step:
+        ``step/val_loss`` and each metric."""
+        for row in rows:
+            for name, value in row.items():
+                number = _number(value)
+                if name not in ("epoch", "step") and number is not None:
+                    self._writer.add_scalar(f"step/{name}", number, global_step=int(row["step"]))
 
     def add_steps(self, points: Iterable[tuple[float, float]]) -> None:
         """The training loss of each ``(step, loss)``, as ``step/loss``."""

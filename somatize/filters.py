@@ -192,10 +192,12 @@ class TorchFilter(Filter):
             never the dataset.
         max_steps: stop after this many optimizer steps, mid-epoch if need be (the schedules
             span the steps actually taken; the last epoch's row is of the batches it trained).
-            ``graph.fit`` and Local for now; the other strategies refuse it at submit.
+            ``graph.fit``, Local, DataParallel and DiLoCo (which synchronises at the last
+            step); the federated strategies (whose horizon is rounds) and ModelParallel refuse
+            it at submit.
         validate_every: with validation data, evaluate it every this many optimizer steps
-            too, beside each epoch's end (``FittedGraph.validations``). ``graph.fit`` for
-            now; strategies refuse it at submit.
+            too, beside each epoch's end (``FittedGraph.validations``). ``graph.fit``, Local
+            and DataParallel; the other strategies refuse it at submit.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
     ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps

@@ -217,7 +217,11 @@ class Job:
 
         result = self._fetch(timeout).result
         states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
-        return FittedGraph(graph, states, history=_history(result))
+        history, validations = (
+            _trained_rows(result, "history"),
+            _trained_rows(result, "validations"),
+        )
+        return FittedGraph(graph, states, history=history, validations=validations)
 
     def _fetch(self, timeout: float | None) -> Result:
         if timeout is not None and timeout < 0:
@@ -303,12 +307,13 @@ def _writable(value: Any) -> Any:
     return value
 
 
-def _history(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The history a result's record carries: the rows of its run's last progress event
-    (``phase``: ``"trained"``), one per epoch (or round)."""
+def _trained_rows(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Rows a result's record carries in its run's last progress event (``phase``:
+    ``"trained"``): its ``history`` (one per epoch or round) or its ``validations``
+    (``validate_every``'s)."""
     record = result.get("record")
     progress = record.get("progress") if isinstance(record, dict) else None
-    rows = progress.get("history") if isinstance(progress, dict) else None
+    rows = progress.get(name) if isinstance(progress, dict) else None
     if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
         return [dict(row) for row in rows]
     return []

@@ -129,22 +129,40 @@ def labels_unused_problem(inputs: JobInputs) -> str | None:
 
 def steps_limits_problem(strategy: str, inputs: JobInputs) -> str | None:
     """Why a TorchFilter's ``max_steps`` or ``validate_every`` cannot be honoured by
-    ``strategy``: only Local's training loop (``graph.fit``'s, on a worker) stops after
-    ``max_steps`` yet, and only ``graph.fit`` validates between epochs; ``None`` when the job
-    asks for neither where it cannot have it."""
+    ``strategy``; ``None`` when the job asks for neither where it cannot have it.
+
+    Local (``graph.fit``'s loop on a worker) and DataParallel honour both; DiLoCo stops after
+    ``max_steps`` but evaluates only where its replicas hold the global model (an epoch's end);
+    the federated strategies count rounds, not steps; ModelParallel does neither yet.
+    """
     for node_id in inputs.differentiable():
         info = inputs.nodes.get(node_id, NodeInfo())
-        if info.max_steps is not None and strategy != "local":
-            return (
-                f"node {node_id!r} has max_steps={info.max_steps}, which {strategy} does not "
-                "honour yet (graph.fit and Local do): give it epochs instead"
+        if info.max_steps is not None and strategy not in {"local", "data_parallel", "diloco"}:
+            return f"node {node_id!r} has max_steps={info.max_steps}: " + _NO_MAX_STEPS.get(
+                strategy, f"{strategy} does not honour it yet (Local and DataParallel do)"
             )
-        if info.validate_every is not None:
-            return (
-                f"node {node_id!r} has validate_every={info.validate_every}: jobs validate at "
-                "each epoch's (round's) end; graph.fit alone validates between them for now"
+        if info.validate_every is not None and strategy not in {"local", "data_parallel"}:
+            return f"node {node_id!r} has validate_every={info.validate_every}: " + (
+                _NO_VALIDATE_EVERY.get(
+                    strategy,
+                    f"{strategy} validates at each epoch's (round's) end only; Local and "
+                    "DataParallel validate between them",
+                )
             )
     return None
+
+
+_FEDERATED_STEPS = (
+    "a federated job's horizon is its rounds (each client trains its epochs every round): "
+    "give rounds= and epochs= instead"
+)
+_NO_MAX_STEPS = {name: _FEDERATED_STEPS for name in ("fedavg", "fedprox", "qfedavg")}
+_NO_VALIDATE_EVERY = _NO_MAX_STEPS | {
+    "diloco": (
+        "DiLoCo's replicas hold the global model only where they synchronise, so it validates "
+        "at each epoch's end (DataParallel validates between them)"
+    ),
+}
 
 
 def check_validation(msg: Submit, inputs: JobInputs) -> None:

@@ -56,6 +56,8 @@ class Local(Strategy):
         history = History(emit)
         for row in fit.get("history") or []:
             await history.record(row)
+        for row in fit.get("step_scores") or []:  # validate_every's, made as the loop ran
+            history.validations.append(dict(row))
         losses = [row["loss"] for row in history.rows]  # as before histories: the loss curve's
         await history.finish({"epochs": len(history.rows), "epoch_losses": losses})
         # 3. The states, read back over the wire.

@@ -28,6 +28,10 @@ class TrainingSettings:
     ``accumulate`` (the batches of an epoch are one permutation cut in order, so ``accumulate``
     consecutive batches are exactly one batch that many times larger). A replica or a stage
     then computes its part of such a step in ``accumulate`` slices.
+
+    ``max_steps`` stops the run after that many optimizer steps, mid-epoch if need be (the
+    epoch it stops in ends there); ``validate_every`` evaluates the model every that many
+    steps besides each epoch's end (``graph.fit``'s meanings).
     """
 
     epochs: int
@@ -36,6 +40,8 @@ class TrainingSettings:
     seed: int
     accumulate: int = 1
     clip_grad_norm: float | None = None
+    max_steps: int | None = None
+    validate_every: int | None = None
 
     @classmethod
     def of(cls, info: NodeInfo) -> TrainingSettings:
@@ -47,11 +53,76 @@ class TrainingSettings:
             seed=info.seed or 0,
             accumulate=accumulate,
             clip_grad_norm=info.clip_grad_norm,
+            max_steps=info.max_steps,
+            validate_every=info.validate_every,
         )
 
     def steps_per_epoch(self, rows: int) -> int:
         """Optimizer steps in an epoch over ``rows`` rows."""
         return -(-rows // (self.batch_size or rows)) if rows else 0
+
+    def batch_plan(self) -> dict[str, Any]:
+        """How every member of a run cuts its global batches: the fields of a plan request
+        (:class:`protocol.daemon.DistPlanRequest`, :class:`~protocol.daemon.PipePlanRequest`)
+        but the rows."""
+        return {
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "max_steps": self.max_steps,
+        }
+
+    def boundaries(self, steps_per_epoch: int) -> StepBoundaries:
+        """Where a run of epochs of ``steps_per_epoch`` steps closes epochs and validates."""
+        total = steps_per_epoch * self.epochs
+        if self.max_steps is not None:
+            total = min(total, self.max_steps)
+        return StepBoundaries(steps_per_epoch, self.epochs, total, self.validate_every)
+
+
+@dataclass(frozen=True)
+class StepBoundaries:
+    """Where a run's optimizer steps (counted from 1) close its epochs and where the model is
+    evaluated between them, as ``graph.fit``'s training loop does: an epoch closes at its last
+    step, or at the run's last (``total``, which ``max_steps`` may put mid-epoch); with
+    ``validate_every``, the model is evaluated after every that many steps too, except where an
+    epoch closes (its row has the figures)."""
+
+    per_epoch: int
+    epochs: int  # asked for
+    total: int
+    validate_every: int | None = None
+
+    def ends_epoch(self, done: int) -> bool:
+        """Whether step ``done`` closes its epoch."""
+        return done == self.total or (self.per_epoch > 0 and done % self.per_epoch == 0)
+
+    def validates_after(self, done: int) -> bool:
+        """Whether the model is evaluated after step ``done`` for ``validate_every``."""
+        every = self.validate_every
+        return every is not None and done % every == 0 and not self.ends_epoch(done)
+
+    def reads_after(self, done: int) -> bool:
+        """Whether the model is read after step ``done`` (an epoch closes or a validation):
+        with validation data, nothing may run ahead of it."""
+        return self.ends_epoch(done) or self.validates_after(done)
+
+    def next_read(self, step: int) -> int:
+        """The first step after ``step`` that the model is read after (:meth:`reads_after`)."""
+        stop = min(self.total, (step // self.per_epoch + 1) * self.per_epoch)
+        if self.validate_every:
+            stop = min(stop, (step // self.validate_every + 1) * self.validate_every)
+        return stop
+
+    def epoch(self, done: int) -> int:
+        """The epoch (from 1) step ``done`` belongs to."""
+        return -(-done // self.per_epoch) if self.per_epoch else 1
+
+    @property
+    def epochs_run(self) -> int:
+        """The epochs the run trains in (the last cut short by ``max_steps``)."""
+        return self.epoch(self.total) if self.total else self.epochs
 
 
 def global_batches(
@@ -123,7 +194,11 @@ def plain_prefix(job: JobInputs, strategy: str, none: str) -> tuple[list[str], l
 
 def lr_schedule_request(training: TrainingSettings, steps_per_epoch: int) -> ScheduleRequest:
     """What tells a daemon the horizon of the run's learning-rate schedules."""
-    return ScheduleRequest(steps_per_epoch=steps_per_epoch, epochs=training.epochs)
+    return ScheduleRequest(
+        steps_per_epoch=steps_per_epoch,
+        epochs=training.epochs,
+        max_steps=training.max_steps,
+    )
 
 
 async def set_up(

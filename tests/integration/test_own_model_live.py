@@ -1,7 +1,8 @@
-"""Your own model on live workers: a dict batch through DataParallel on the torch collective,
-a ``step=`` function through the coordinator, FedAvg on a dict batch and a torch pipeline whose
-first stage takes the dict — each equal to the plain torch loop written in
-:mod:`tests.somatize.own_models`."""
+"""Your own model on live workers: a dict batch and a ``step=`` function (its metric in the
+history) through DataParallel on the torch collective, ``max_steps`` and ``validate_every``
+there and in DiLoCo, and a torch pipeline whose first stage takes the dict — each equal to the
+plain torch loop written in the tests (FedAvg on a dict batch: in process, in
+:mod:`tests.coordinator.strategies.test_own_model`)."""
 
 from __future__ import annotations
 
@@ -18,38 +19,76 @@ from tests.somatize.own_models import (
     plain_loop,
     token_rows,
 )
-from tests.somatize.test_own_model import SETTINGS, close, cross_entropy
+from tests.somatize.test_own_model import (
+    SETTINGS,
+    assert_stopped_like_the_loop,
+    close,
+    cross_entropy,
+    stopped_loop,
+    stopped_run,
+)
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
 
-def test_live_strategies_train_dict_batches_and_step_functions(tmp_path):
-    x, y = token_rows()
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """Two workers (tagged ``stage0`` and ``stage1``) and a client of their coordinator."""
     workers = {"w0": ("stage0",), "w1": ("stage1",)}
-    with cluster(tmp_path, workers) as c, sz.connect(c.url) as client:
-        pooled = sz.Graph([sz.TorchFilter(MaskedPool(), loss="cross_entropy", **SETTINGS)])
-        strategy = sz.DataParallel(2, collective="torch")
-        job = client.submit(pooled, x, y, strategy=strategy)
-        fitted = job.result(timeout=120 * UNIT)
-        placed = next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
-        assert placed.data["collective"] == "torch"
-        model, _ = plain_loop(MaskedPool(), x, y, cross_entropy)
-        close(fitted.states["masked_pool"], model)
+    with cluster(tmp_path_factory.mktemp("own"), workers) as c, sz.connect(c.url) as connected:
+        yield connected
 
-        stepped = sz.Graph([sz.TorchFilter(TokenTagger(), step=masked_token_step, **SETTINGS)])
-        strategy = sz.DataParallel(2, collective="coordinator")
-        fitted = client.submit(stepped, x, strategy=strategy).result(timeout=120 * UNIT)
-        model, _ = plain_loop(TokenTagger(), x, None, lambda m, b, _: masked_token_step(m, b))
-        close(fitted.states["token_tagger"], model)
 
-        first = sz.TorchFilter(Pooled(), **SETTINGS).named("pooled")
-        last = sz.TorchFilter(head(), loss="cross_entropy", **SETTINGS).named("head")
-        partitions = [sz.Partition(["pooled"], tag="stage0"), sz.Partition(["head"], tag="stage1")]
-        strategy = sz.ModelParallel(partitions, 2, transport="torch")
-        fitted = client.submit(first >> last, x, y, strategy=strategy).result(timeout=120 * UNIT)
-        expected = plain_loop(Whole(Pooled(), head()), x, y, cross_entropy)[0].state_dict()
-        for node in ("pooled", "head"):
-            for key, value in fitted.states[node].items():
-                want = expected[f"{node}.{key}"]
-                torch.testing.assert_close(torch.as_tensor(value), want, atol=1e-5, rtol=0)
+def test_live_strategies_train_dict_batches_and_step_functions(client):
+    x, y = token_rows()
+    pooled = sz.Graph([sz.TorchFilter(MaskedPool(), loss="cross_entropy", **SETTINGS)])
+    strategy = sz.DataParallel(2, collective="torch")
+    job = client.submit(pooled, x, y, strategy=strategy)
+    fitted = job.result(timeout=120 * UNIT)
+    placed = next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
+    assert placed.data["collective"] == "torch"
+    model, _ = plain_loop(MaskedPool(), x, y, cross_entropy)
+    close(fitted.states["masked_pool"], model)
+
+    stepped = sz.Graph([sz.TorchFilter(TokenTagger(), step=masked_token_step, **SETTINGS)])
+    strategy = sz.DataParallel(2, collective="torch")
+    fitted = client.submit(stepped, x, strategy=strategy).result(timeout=120 * UNIT)
+    model, history = plain_loop(TokenTagger(), x, None, lambda m, b, _: masked_token_step(m, b))
+    close(fitted.states["token_tagger"], model)
+    assert [row["token_accuracy"] for row in fitted.history] == pytest.approx(
+        [row["token_accuracy"] for row in history], abs=1e-6
+    )
+
+    first = sz.TorchFilter(Pooled(), **SETTINGS).named("pooled")
+    last = sz.TorchFilter(head(), loss="cross_entropy", **SETTINGS).named("head")
+    partitions = [sz.Partition(["pooled"], tag="stage0"), sz.Partition(["head"], tag="stage1")]
+    strategy = sz.ModelParallel(partitions, 2, transport="torch")
+    fitted = client.submit(first >> last, x, y, strategy=strategy).result(timeout=120 * UNIT)
+    expected = plain_loop(Whole(Pooled(), head()), x, y, cross_entropy)[0].state_dict()
+    for node in ("pooled", "head"):
+        for key, value in fitted.states[node].items():
+            want = expected[f"{node}.{key}"]
+            torch.testing.assert_close(torch.as_tensor(value), want, atol=1e-5, rtol=0)
+
+
+def test_live_max_steps_and_validate_every_on_the_torch_collective(client):
+    net, x, y, x_val, y_val = stopped_run()
+    strategy = sz.DataParallel(2, collective="torch")
+    job = client.submit(sz.Graph([net]), x, y, strategy=strategy, validation=(x_val, y_val))
+    fitted = job.result(timeout=120 * UNIT)
+    model, losses, scores = stopped_loop(x, y, x_val, y_val)
+    assert_stopped_like_the_loop(fitted.history, fitted.validations, losses, scores)
+    close(fitted.states["mlp"], model)
+    # DiLoCo stops there too, synchronising at the last step: on the torch collective as
+    # through the coordinator (which tests/coordinator/strategies/data_parallel/test_diloco.py
+    # holds to a hand loop).
+    fits = {}
+    for collective in ("torch", "coordinator"):
+        diloco = sz.DiLoCo(2, sync_every=4, collective=collective)
+        graph = sz.Graph([stopped_run(validate_every=None)[0]])
+        fits[collective] = client.submit(graph, x, y, strategy=diloco).result(timeout=120 * UNIT)
+        assert [row["epoch"] for row in fits[collective].history] == [1, 2]
+    for key, value in fits["coordinator"].states["mlp"].items():
+        want = torch.as_tensor(value)
+        torch.testing.assert_close(torch.as_tensor(fits["torch"].states["mlp"][key]), want)

@@ -76,14 +76,14 @@ class SelfScoring(torch.nn.Module):
 def masked_token_step(model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """A ``step=`` function: next-token cross-entropy over the unmasked positions, each row's
     mean over its tokens then the batch's mean over rows (a mean over rows, so data-parallel
-    replicas average to it); the token accuracy as a metric."""
+    replicas average to it); the token accuracy as a metric, a mean over rows too."""
     ids, mask = batch["ids"], batch["mask"]
     logits = model(ids[:, :-1])
     target, weight = ids[:, 1:], mask[:, 1:]
     each = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
     per_row = (each * weight).sum(1) / weight.sum(1).clamp(min=1)
-    hits = ((logits.argmax(-1) == target).float() * weight).sum() / weight.sum()
-    return per_row.mean(), {"token_accuracy": hits}
+    hits = ((logits.argmax(-1) == target).float() * weight).sum(1) / weight.sum(1).clamp(min=1)
+    return per_row.mean(), {"token_accuracy": hits.mean()}
 
 
 def plain_loop(

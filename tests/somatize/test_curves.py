@@ -48,6 +48,32 @@ def test_the_plot_has_epochs_or_rounds_on_its_x_axis(tmp_path):
     ]
 
 
+def test_validations_between_epochs_join_the_step_panel_and_tensorboard(tmp_path):
+    x, y = classes()
+    fitted = sz.Graph([net(validate_every=5)]).fit(x, y, validation=classes(n=61, seed=2))
+    assert [row["step"] for row in fitted.validations] == [5, 10, 15, 20, 25, 30, 35]
+    steps = [(float(k), 1.0 / k) for k in range(1, 40)]
+    drawn = plot_history(
+        fitted.history,
+        str(tmp_path / "steps.png"),
+        "job",
+        steps=steps,
+        validations=fitted.validations,
+    )
+    assert drawn[0] == "step: training loss, validation loss"
+    board = HistoryWriter(str(tmp_path / "board"))
+    board.add_validations(fitted.validations)
+    board.close()
+    events = EventAccumulator(str(tmp_path / "board"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["step/accuracy", "step/val_loss"]
+    scalars = events.Scalars("step/val_loss")
+    assert [s.step for s in scalars] == [5, 10, 15, 20, 25, 30, 35]
+    assert [s.value for s in scalars] == pytest.approx(
+        [row["val_loss"] for row in fitted.validations]
+    )
+
+
 def test_the_table_and_the_rows_of_events():
     history = _history()
     console = Console(record=True, width=120)

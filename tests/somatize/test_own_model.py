@@ -5,6 +5,8 @@ that say what to do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -212,7 +214,9 @@ def test_a_map_style_dataset_trains_a_batch_at_a_time_as_its_arrays_do():
     assert fitted.history == arrays.history
 
 
-def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
+def stopped_run(validate_every: int | None = 5) -> tuple[sz.TorchFilter, Any, Any, Any, Any]:
+    """An MLP filter stopped by ``max_steps=20`` mid-way through its second epoch of 13
+    steps, validated every ``validate_every`` steps; its training rows and validation rows."""
     from tests.training_reference import classes, mlp
 
     x, y = classes()  # 203 rows: 13 steps of 16 rows an epoch
@@ -222,13 +226,18 @@ def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
         loss="cross_entropy",
         scheduler="cosine",
         max_steps=20,
-        validate_every=5,
+        validate_every=validate_every,
         **(SETTINGS | {"epochs": 3}),
-    )
-    fitted = sz.Graph([net.named("mlp")]).fit(x, y, validation=(x_val, y_val))
-    # By hand: SGD with momentum, a cosine schedule over the 20 steps taken, stopped after the
-    # 7th batch of the second epoch; the validation loss after steps 5, 10 and 15 (13 and 20
-    # end their epochs: their rows have it).
+    ).named("mlp")
+    return net, x, y, x_val, y_val
+
+
+def stopped_loop(x: Any, y: Any, x_val: Any, y_val: Any) -> tuple[Any, list[float], dict]:
+    """:func:`stopped_run` by hand: SGD with momentum, a cosine schedule over the 20 steps
+    taken, stopped after the 7th batch of the second epoch; the model, each epoch's mean loss
+    and the validation loss after every step."""
+    from tests.training_reference import mlp
+
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
@@ -252,15 +261,30 @@ def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
             with torch.no_grad():
                 scores[steps] = float(F.cross_entropy(model(vx), vy))
         losses.append(total / rows)
-    assert [row["epoch"] for row in fitted.history] == [1, 2]
-    assert [row["loss"] for row in fitted.history] == pytest.approx(losses, abs=1e-6)
-    assert [row["val_loss"] for row in fitted.history] == pytest.approx(
-        [scores[13], scores[20]], abs=1e-6
-    )
-    assert [(r["epoch"], r["step"]) for r in fitted.validations] == [(1, 5), (1, 10), (2, 15)]
-    assert [r["val_loss"] for r in fitted.validations] == pytest.approx(
+    return model, losses, scores
+
+
+def assert_stopped_like_the_loop(
+    history: list[dict], validations: list[dict], losses: list[float], scores: dict
+) -> None:
+    """Rows for the two epochs trained (the second cut short), validations after steps 5, 10
+    and 15 (13 and 20 close their epochs: their rows have it), as the loop gives them."""
+    assert [row["epoch"] for row in history] == [1, 2]
+    assert [row["loss"] for row in history] == pytest.approx(losses, abs=1e-6)
+    assert [row["val_loss"] for row in history] == pytest.approx([scores[13], scores[20]], abs=1e-6)
+    assert [(r["epoch"], r["step"]) for r in validations] == [(1, 5), (1, 10), (2, 15)]
+    assert [r["val_loss"] for r in validations] == pytest.approx(
         [scores[5], scores[10], scores[15]], abs=1e-6
     )
+
+
+def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
+    from tests.training_reference import mlp
+
+    net, x, y, x_val, y_val = stopped_run()
+    fitted = sz.Graph([net]).fit(x, y, validation=(x_val, y_val))
+    model, losses, scores = stopped_loop(x, y, x_val, y_val)
+    assert_stopped_like_the_loop(fitted.history, fitted.validations, losses, scores)
     close(fitted.states["mlp"], model)
     with pytest.raises(ValueError, match="max_steps is a whole number of steps"):
         sz.TorchFilter(mlp(), max_steps=0)

@@ -77,6 +77,7 @@ class GroupCommands:
             req.sizes,
             req.position,
             req.outer,
+            req.max_steps,
         )
         if req.sync_batchnorm:
             plan = dataclasses.replace(plan, sync_batchnorm=True)

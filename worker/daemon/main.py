@@ -272,6 +272,8 @@ class Daemon:
             "lr": self.engine.optimizers.learning_rate(torch_nodes),
             "gradients": gradients,
         }
+        if result.metrics:  # a step function's, each the mean over this replica's rows
+            reply["metrics"] = result.metrics
         if req.return_buffers:
             reply["buffers"] = self.engine.nodes.get_buffers(torch_nodes)
         return reply
@@ -280,7 +282,7 @@ class Daemon:
         return self.engine.evaluation.evaluate(req.node_ids, *self._data(req, lazy=True))
 
     def on_schedule(self, req: ScheduleRequest) -> None:
-        self.engine.optimizers.set_horizon(Horizon(req.steps_per_epoch, req.epochs))
+        self.engine.optimizers.set_horizon(Horizon(req.steps_per_epoch, req.epochs, req.max_steps))
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
         x, y = self._data(req)

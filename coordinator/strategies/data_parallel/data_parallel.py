@@ -28,6 +28,8 @@ is still the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -112,7 +114,10 @@ class DataParallel(Strategy):
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
         if job.dataset is None:
-            held = _held(global_batches(n, len(replicas), training), len(replicas))
+            held = _held(
+                itertools.islice(global_batches(n, len(replicas), training), training.max_steps),
+                len(replicas),
+            )
             plan = global_batches(n, len(replicas), training)
         else:  # each replica's own rows: known once staged
             held = [np.arange(0) for _ in replicas]
@@ -181,7 +186,8 @@ class DataParallel(Strategy):
             await _fit_prefix(run, prefix, first_epoch)
         position.copy_state = True  # from here on every replica holds what a replacement copies
 
-        total_steps = steps_per_epoch * training.epochs
+        bounds = training.boundaries(steps_per_epoch)
+        total_steps = bounds.total
         history = History(emit)
         phase = TrainingPhase(
             setup, training, n, history, _evaluator(run, job), total_steps, start, saves
@@ -192,7 +198,7 @@ class DataParallel(Strategy):
         else:
             await self._through_coordinator(phase)
         await saves.finish()
-        await history.finish(ended(training.epochs, total_steps))
+        await history.finish(ended(bounds.epochs_run, total_steps))
         return await _agreed_states(run, torch_nodes)
 
     async def _on_torch(self, phase: TrainingPhase) -> None:
@@ -231,6 +237,7 @@ class DataParallel(Strategy):
             phase.history,
             phase.evaluate,
             compression=self.options.compression,
+            bounds=phase.training.boundaries(phase.setup.steps_per_epoch),
         )
         await star.train(phase.total, phase.start, phase.saves)
 
@@ -329,8 +336,9 @@ async def _fit_prefix(run: Replicas, prefix: list[str], first_epoch: list[list[i
     await run.on_all(set_averaged, replicas)
 
 
-def _held(plan: GlobalBatchPlan, replicas: int) -> list[Any]:
-    """The rows each replica will ever see, sorted: what it is sent of the client's data."""
+def _held(plan: Iterable[tuple[int, int, list[Any]]], replicas: int) -> list[Any]:
+    """The rows each replica will ever see (in the steps of ``plan``), sorted: what it is sent
+    of the client's data."""
     needed: list[set[int]] = [set() for _ in range(replicas)]
     for _, _, slices in plan:
         for i, part in enumerate(slices):

@@ -284,10 +284,7 @@ class CoordinatorSyncs:
             data=self.run.staged,
             held=[],
             rows=0,
-            epochs=self.training.epochs,
-            batch_size=self.training.batch_size,
-            shuffle=self.training.shuffle,
-            seed=self.training.seed,
+            **self.training.batch_plan(),
             outer=self.options.outer_step(),
             alone=True,
             world=world,
@@ -300,7 +297,9 @@ class CoordinatorSyncs:
         """The steps after which the replicas synchronise, as ``stop`` bounds."""
         per_epoch = self.steps_per_epoch
         in_epoch = [g % per_epoch for g in range(total)]
-        ends = synchronises(in_epoch, [per_epoch] * total, self.options.sync_every)
+        # An epoch's steps: all of them, but the last epoch's that max_steps cuts short.
+        epoch_steps = [min(per_epoch, total - g // per_epoch * per_epoch) for g in range(total)]
+        ends = synchronises(in_epoch, epoch_steps, self.options.sync_every)
         return [g + 1 for g in range(total) if ends[g]]
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, StreamedMean
 from coordinator.strategies.history import Evaluate, History
-from coordinator.strategies.steps import TrainingSettings, global_batches
+from coordinator.strategies.steps import StepBoundaries, TrainingSettings, global_batches
 from protocol.compressed_trees import (
     TreeCompressor,
     decode,
@@ -112,6 +113,7 @@ class StarTraining:
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     pool: FoldBuffers = field(default_factory=FoldBuffers)
     compression: str | None = None  # what gradients and means travel as
+    bounds: StepBoundaries | None = None  # where validate_every evaluates between epoch ends
     _total: int = 0
     _means: TreeCompressor | None = None  # the coordinator's, with its int8 residual
 
@@ -132,7 +134,8 @@ class StarTraining:
         self._total = total
         flying: _Step | None = None  # launched, not landed
         try:
-            for done, (now, after) in enumerate(_with_next(plan), start=1):
+            steps = itertools.islice(_with_next(plan), total)  # (max_steps may stop mid-epoch)
+            for done, (now, after) in enumerate(steps, start=1):
                 if done <= start:
                     continue  # trained before the checkpoint it resumed from
                 if flying is not None and not (
@@ -147,11 +150,11 @@ class StarTraining:
                 if flying is not None:
                     await self._land(flying)
                     await self._checkpoint(flying, saves, total)
-                    await self._end_epoch(flying)
+                    await self._validate(flying)
                 flying = self._launch(done, now, after, self._pending(flying))
             if flying is not None:
                 await self._land(flying)
-                await self._end_epoch(flying)
+                await self._validate(flying)
         finally:
             if flying is not None and not flying.calls.done():
                 flying.calls.cancel()
@@ -170,6 +173,7 @@ class StarTraining:
         meanwhile."""
         position, held = self.run.position, self.run.position.held
         epoch, _, slices = now
+        after = after if done < self._total else None  # the run's last step
         position.phase, position.epoch, position.step = "training", epoch, done
         replicas = range(self.run.ctx.num_workers())
         local = {i: np.searchsorted(held[i], slices[i]) for i in replicas if len(slices[i])}
@@ -268,13 +272,17 @@ class StarTraining:
             self.run.position.buffers = step.buffers.result()
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
-        progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": self.training.epochs}
+        epochs = self.bounds.epochs_run if self.bounds is not None else self.training.epochs
+        progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": epochs}
         progress |= {"step": step.done, "steps": self._total, "rows": sum(weights.values())}
         loss, lr = sum(losses) / sum(weights.values()), results[min(weights)].get("lr")
         progress |= {"loss": loss} | ({"lr": lr} if lr is not None else {})  # replicas alike
         await self.emit("progress", progress)
         if self.history is not None:
-            self.history.add(loss, sum(weights.values()), lr)
+            figures = [
+                (results[i]["metrics"], w) for i, w in weights.items() if "metrics" in results[i]
+            ]
+            self.history.add(loss, sum(weights.values()), lr, figures)
             if step.ends_epoch and self.evaluate is None:
                 await self.history.close(step.epoch + 1)
 
@@ -286,18 +294,23 @@ class StarTraining:
             await saves.after(step.done, total)
 
     def _evaluates(self, step: _Step) -> bool:
-        """Whether the model is evaluated after ``step``: it ends an epoch of a run with
-        validation data."""
-        return self.evaluate is not None and step.ends_epoch
+        """Whether the model is evaluated after ``step``, in a run with validation data: it
+        ends an epoch, or ``validate_every`` falls there."""
+        validates = self.bounds is not None and self.bounds.validates_after(step.done)
+        return self.evaluate is not None and (step.ends_epoch or validates)
 
-    async def _end_epoch(self, step: _Step) -> None:
-        """If ``step`` ends an epoch of a run with validation data: every replica applies its
-        mean, the model is evaluated as it stands, and the epoch's row closes with its
-        figures."""
+    async def _validate(self, step: _Step) -> None:
+        """If the model is evaluated after ``step``: every replica applies its mean, the model
+        is evaluated as it stands, and the epoch's row closes with its figures (or, between
+        epoch ends, the history records a validation)."""
         if self._evaluates(step):
             assert self.evaluate is not None and self.history is not None
             await self._apply(step)
-            await self.history.close(step.epoch + 1, await self.evaluate())
+            scores = await self.evaluate()
+            if step.ends_epoch:
+                await self.history.close(step.epoch + 1, scores)
+            else:
+                await self.history.validated(step.epoch + 1, step.done, scores)
 
     async def _apply(self, step: _Step) -> None:
         """Every replica applies ``step``'s mean (if not done already): it may be read now."""

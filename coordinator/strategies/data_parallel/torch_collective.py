@@ -63,7 +63,7 @@ from coordinator.strategies.process_group import (
     rendezvous,
     settle,
 )
-from coordinator.strategies.steps import TrainingSettings
+from coordinator.strategies.steps import StepBoundaries, TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 
@@ -214,16 +214,21 @@ class TorchTraining:
         """Where a chunk of ``chunk`` steps after ``step`` ends: at ``total``, at a checkpoint
         due, at an epoch's end when the model is evaluated there."""
         stop = min(total, step + chunk, saves.stop_at(step, total))
-        if self.evaluate is not None:  # evaluated where an epoch ends
-            stop = min(stop, (step // self.steps_per_epoch + 1) * self.steps_per_epoch)
+        if self.evaluate is not None:  # evaluated where an epoch ends, and validate_every's
+            stop = min(stop, self.bounds.next_read(step))
         return stop
 
     def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
         when nothing reads the replicas between them (no checkpoint, no evaluation) and no
         recovery could need the chunk undone (not ``elastic``)."""
-        evaluated = self.evaluate is not None and stop % self.steps_per_epoch == 0
+        evaluated = self.evaluate is not None and self.bounds.reads_after(stop)
         return stop < total and not (self.run.elastic or evaluated or saves.due(stop, total))
+
+    @property
+    def bounds(self) -> StepBoundaries:
+        """Where the run's epochs close and the model is validated."""
+        return self.training.boundaries(self.steps_per_epoch)
 
     def _send(self, step: int, stop: int) -> _Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
@@ -254,10 +259,7 @@ class TorchTraining:
             data=self.run.staged,
             held=[],
             rows=0,
-            epochs=training.epochs,
-            batch_size=training.batch_size,
-            shuffle=training.shuffle,
-            seed=training.seed,
+            **training.batch_plan(),
             sync_batchnorm=self.sync_batchnorm,
             outer=self.outer,
             compression=self.compression,
@@ -361,9 +363,10 @@ async def chunk_progress(
     """One progress event for the steps ``[start, stop)`` the replicas trained (``results``,
     by replica): each step's loss, row-weighted over the replicas as ``graph.fit`` reports a
     batch's mean loss (``loss``: the last one's); and the history's rows, evaluated where an
-    epoch ends."""
+    epoch ends (and where ``validate_every`` says)."""
     start, stop = steps
-    losses, batch_rows = [], []
+    bounds = training.boundaries(per_epoch)
+    losses, batch_rows, metrics = [], [], []
     lrs = next(iter(results.values())).get("lrs") or []  # the replicas step alike
     for j in range(stop - start):
         rows = [results[i]["rows"][j] for i in results]
@@ -371,14 +374,16 @@ async def chunk_progress(
         weighted = sum(r * v for r, v in zip(rows, values, strict=True))
         losses.append(weighted / max(sum(rows), 1))
         batch_rows.append(sum(rows))
+        stepped = [i for i in results if results[i].get("metrics")]  # a step function's
+        metrics.append([(results[i]["metrics"][j], results[i]["rows"][j]) for i in stepped])
     await emit(
         "progress",
         {
             "phase": "training",
-            "epoch": min(training.epochs, (stop - 1) // per_epoch + 1),
-            "epochs": training.epochs,
+            "epoch": bounds.epoch(stop),
+            "epochs": bounds.epochs_run,
             "step": stop,
-            "steps": per_epoch * training.epochs,
+            "steps": bounds.total,
             "loss": losses[-1],
             "losses": losses,
             "chunk": stop - start,
@@ -388,7 +393,7 @@ async def chunk_progress(
         | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
     )
     if history is not None:
-        await history.steps(start, losses, batch_rows, lrs, per_epoch, evaluate)
+        await history.steps(start, losses, batch_rows, lrs, bounds, evaluate, metrics)
 
 
 @dataclass

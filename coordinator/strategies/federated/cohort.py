@@ -57,13 +57,24 @@ class ClientUpdate:
     rows: int
     loss: float
     lr: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)  # a step function's, last epoch
 
     @classmethod
     def of(cls, client: int, fit: Mapping[str, Any]) -> ClientUpdate:
         """Client ``client``'s update from its ``batched_fit`` reply (its history's last row
-        has the learning rate)."""
-        history = fit.get("history") or [{}]
-        return cls(client, int(fit["rows"]), float(fit["loss"]), history[-1].get("lr"))
+        has the learning rate and the epoch's mean of each metric a step function returned)."""
+        last = (fit.get("history") or [{}])[-1]
+        metrics = {
+            k: float(v)
+            for k, v in last.items()
+            if k not in _LOOP_FIGURES and not k.startswith("val_")
+        }
+        return cls(client, int(fit["rows"]), float(fit["loss"]), last.get("lr"), metrics)
+
+
+_LOOP_FIGURES = frozenset({"epoch", "loss", "lr"})
+"""The figures of a training loop's history row that are not a step function's metrics (nor
+are its ``val_`` figures)."""
 
 
 def round_lr(answered: Sequence[ClientUpdate]) -> float | None:

@@ -302,7 +302,9 @@ class FedAvg(RoundStrategy[FederatedRun, FederatedRound]):
     async def record_round(self, run: FederatedRun, work: FederatedRound) -> None:
         answered, cohort = work.answered, run.cohort
         rows = sum(u.rows for u in answered)
-        run.history.add(sum(u.rows * u.loss for u in answered) / rows, rows, round_lr(answered))
+        figures = [(u.metrics, u.rows) for u in answered]
+        loss = sum(u.rows * u.loss for u in answered) / rows
+        run.history.add(loss, rows, round_lr(answered), figures)
         said = {
             "rounds": self.rounds,
             "selected": [cohort.label(c) for c in work.selected],

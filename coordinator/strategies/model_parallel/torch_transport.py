@@ -127,10 +127,7 @@ class TorchPipeline:
             data=self.data if first else None,
             labels=LABELS if last else None,
             rows=self.rows,
-            epochs=self.training.epochs,
-            batch_size=self.training.batch_size,
-            shuffle=self.training.shuffle,
-            seed=self.training.seed,
+            **self.training.batch_plan(),
         )
 
     async def _settle(self, calls: Mapping[int, Awaitable[Any]], stop: int) -> dict[int, Any]:
@@ -168,4 +165,5 @@ class TorchPipeline:
         if self.history is not None:
             rows = [sum(r) for r in last["rows"]]
             lrs = last.get("lrs") or []
-            await self.history.steps(start, losses, rows, lrs, steps_per_epoch, self.evaluate)
+            bounds = self.training.boundaries(steps_per_epoch)
+            await self.history.steps(start, losses, rows, lrs, bounds, self.evaluate)

@@ -6,6 +6,8 @@ submit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +41,14 @@ from tests.somatize.own_models import (
     plain_loop,
     token_rows,
 )
-from tests.somatize.test_own_model import SETTINGS, close, cross_entropy
+from tests.somatize.test_own_model import (
+    SETTINGS,
+    assert_stopped_like_the_loop,
+    close,
+    cross_entropy,
+    stopped_loop,
+    stopped_run,
+)
 from worker.daemon.main import Daemon
 
 
@@ -68,6 +77,10 @@ def test_data_parallel_trains_a_step_function_and_a_model_with_its_own_loss():
     close(states["token_tagger"], model)
     epochs = [p for p in progress if p.get("phase") == "epoch"]
     assert [p["loss"] for p in epochs] == pytest.approx([h["loss"] for h in history], abs=1e-6)
+    # The step function's metric, each epoch's mean over rows as the plain loop has it.
+    assert [p["token_accuracy"] for p in epochs] == pytest.approx(
+        [h["token_accuracy"] for h in history], abs=1e-6
+    )
 
     own = sz.Graph([sz.TorchFilter(SelfScoring(), loss="model", **SETTINGS)])
     states, _, _ = run(
@@ -102,6 +115,30 @@ def test_fedavg_averages_two_workers_trained_on_their_shares_of_a_dict_batch():
         torch.testing.assert_close(
             torch.as_tensor(states["masked_pool"][key]), value, atol=1e-5, rtol=0
         )
+
+
+def test_fedavg_with_a_step_function_reports_its_metric_per_round():
+    x, _ = token_rows(100)
+    graph = sz.Graph([sz.TorchFilter(TokenTagger(), step=masked_token_step, **SETTINGS)])
+    _, progress, _ = run(
+        FedAvg(FedAvgOptions(rounds=1, local_epochs=2)), graph, x, None, InMemoryContext(2, Daemon)
+    )
+    # By hand: each half trained alone; the round's figures are the halves' last local
+    # epochs', weighted by rows (50 and 50).
+    halves = [slice(0, 50), slice(50, 100)]
+    trained = [
+        plain_loop(
+            TokenTagger(),
+            {k: v[h] for k, v in x.items()},
+            None,
+            lambda m, b, _: masked_token_step(m, b),
+        )
+        for h in halves
+    ]
+    (row,) = [p for p in progress if p.get("phase") == "round"]
+    want = sum(history[-1]["token_accuracy"] for _, history in trained) / 2
+    assert row["token_accuracy"] == pytest.approx(want, abs=1e-6)
+    assert row["loss"] == pytest.approx(sum(h[-1]["loss"] for _, h in trained) / 2, abs=1e-6)
 
 
 class Pooled(torch.nn.Module):
@@ -198,26 +235,51 @@ def test_sequence_logits_train_through_data_parallel():
     close(states["token_tagger"], model)
 
 
-def test_local_stops_after_max_steps_and_other_strategies_refuse_it_at_submit():
+def _trained(progress: list[dict]) -> dict:
+    """A run's last progress event: its history and validations."""
+    return next(p for p in progress if p.get("phase") == "trained")
+
+
+@pytest.mark.parametrize("strategy", ["local", "data_parallel_2", "data_parallel_3"])
+def test_max_steps_and_validate_every_run_as_the_plain_loop(strategy):
     from coordinator.strategies import Local
     from protocol.options.strategies import LocalOptions
 
-    x, y = token_rows()  # 150 rows: 10 steps an epoch
-    graph = sz.Graph([sz.TorchFilter(MaskedPool(), loss="cross_entropy", max_steps=7, **SETTINGS)])
-    states, _, _ = run(Local(LocalOptions()), graph, x, y, InMemoryContext(1, Daemon))
-    # graph.fit stops after max_steps as a plain loop does (tests/somatize/test_own_model.py);
-    # Local runs the same loop on a worker.
-    expected = graph.fit(x, y)
-    assert [row["epoch"] for row in expected.history] == [1]
-    for key, value in expected.states["masked_pool"].items():
-        torch.testing.assert_close(torch.as_tensor(states["masked_pool"][key]), value)
-    job = inputs(graph, x, y)
-    assert steps_limits_problem("local", job) is None
-    assert steps_limits_problem("data_parallel", job) == (
-        "node 'masked_pool' has max_steps=7, which data_parallel does not honour yet "
-        "(graph.fit and Local do): give it epochs instead"
+    net, x, y, x_val, y_val = stopped_run()
+    graph = sz.Graph([net])
+    job = dataclasses.replace(inputs(graph, x, y), x_val=x_val, y_val=y_val)
+    workers = int(strategy[-1]) if strategy.startswith("data_parallel") else 1
+    chosen = (
+        Local(LocalOptions())
+        if strategy == "local"
+        else DataParallel(DataParallelOptions(workers=workers))
     )
-    every = sz.Graph([sz.TorchFilter(MaskedPool(), validate_every=3)])
-    assert "graph.fit alone validates between them" in str(
-        steps_limits_problem("local", inputs(every, x, y))
+    states, progress, _ = run(chosen, graph, x, y, InMemoryContext(workers, Daemon), job)
+    model, losses, scores = stopped_loop(x, y, x_val, y_val)
+    trained = _trained(progress)
+    assert_stopped_like_the_loop(trained["history"], trained["validations"], losses, scores)
+    close(states["mlp"], model)
+    if strategy != "local":  # where it stopped, as each step's event said
+        steps = [p for p in progress if p.get("phase") == "training" and "step" in p]
+        assert (steps[-1]["step"], steps[-1]["steps"], steps[-1]["epochs"]) == (20, 20, 2)
+        assert [p["step"] for p in progress if p.get("phase") == "validation"] == [5, 10, 15]
+
+
+def test_steps_limits_are_refused_where_a_strategy_cannot_keep_them():
+    x, y = token_rows()
+    stopped = inputs(sz.Graph([sz.TorchFilter(MaskedPool(), max_steps=7)]), x, y)
+    every = inputs(sz.Graph([sz.TorchFilter(MaskedPool(), validate_every=3)]), x, y)
+    for name in ("local", "data_parallel", "diloco"):
+        assert steps_limits_problem(name, stopped) is None
+    for name in ("local", "data_parallel"):
+        assert steps_limits_problem(name, every) is None
+    assert steps_limits_problem("fedavg", stopped) == (
+        "node 'masked_pool' has max_steps=7: a federated job's horizon is its rounds (each "
+        "client trains its epochs every round): give rounds= and epochs= instead"
+    )
+    assert "model_parallel does not honour it yet" in str(
+        steps_limits_problem("model_parallel", stopped)
+    )
+    assert "DiLoCo's replicas hold the global model only where they synchronise" in str(
+        steps_limits_problem("diloco", every)
     )

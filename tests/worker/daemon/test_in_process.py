@@ -105,6 +105,7 @@ def test_a_request_is_answered_with_its_id(daemon):
         "clipped",
         "history",
         "step_scores",
+        "metrics",
     }
     np.testing.assert_array_equal(reply["result"]["states"]["center"]["mean"], [2.0, 3.0])
     assert _ask(daemon, id=42, cmd="ping") == {"id": 42, "ok": True, "result": None}

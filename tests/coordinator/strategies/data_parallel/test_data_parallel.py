@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,8 +47,10 @@ def graph_for(
     batch_size: int = 32,
     shuffle: bool = False,
     module: torch.nn.Module | None = None,
+    **settings: Any,
 ):
-    """Center >> the MLP (``module``: another with its parameters and maths) as a TorchFilter."""
+    """Center >> the MLP (``module``: another with its parameters and maths) as a TorchFilter
+    (with ``settings`` besides: ``max_steps``, say)."""
     options, _ = OPTIMIZERS[optimizer]
     net = sz.TorchFilter(
         model() if module is None else module,
@@ -59,6 +62,7 @@ def graph_for(
         shuffle=shuffle,
         seed=11,
         optimizer_options=options,
+        **settings,
     )
     return Center().named("center") >> net.named("mlp")
 

@@ -44,6 +44,7 @@ def diloco_by_hand(
     absent: dict[int, set[int]] | None = None,
     compression: str | None = None,
     through: str = "torch",
+    max_steps: int | None = None,
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
@@ -63,7 +64,8 @@ def diloco_by_hand(
     coordinator averages them (in float64) into Δ̄, takes the Nesterov step on −Δ̄ alone in
     float64 (m ← βm − Δ̄, u = η(−Δ̄ + βm)) and sends ``u`` down as :func:`travelled` has it, with
     an error feedback of its own; each replica adds it to θ_global (DoubleSqueeze's two legs).
-    A replica that joins starts with no residual."""
+    A replica that joins starts with no residual. ``max_steps``: the run stops after that many
+    steps, mid-epoch, with a synchronisation (its epoch's end)."""
     absent = absent or {}
     residuals: dict[object, torch.Tensor] = {}
     momentum = None
@@ -78,10 +80,13 @@ def diloco_by_hand(
     order = torch.Generator().manual_seed(11)
     steps = -(-len(xt) // batch_size)
     val_losses = []
-    round_ = 0
+    round_, taken = 0, 0
     for _ in range(epochs):
         rows = torch.randperm(len(xt), generator=order) if shuffle else torch.arange(len(xt))
         for step in range(steps):
+            if taken == max_steps:
+                break
+            taken += 1
             batch = rows[step * batch_size : (step + 1) * batch_size].numpy()
             here = [r for r in range(replicas) if r not in absent.get(round_, set())]
             for r, part in enumerate(np.array_split(batch, replicas)):
@@ -91,7 +96,7 @@ def diloco_by_hand(
                 loss = torch.nn.functional.cross_entropy(nets[r](xt[part]), yt[part])
                 (loss * (len(part) * replicas / len(batch))).backward()
                 inner[r].step()
-            if (step + 1) % sync_every and step + 1 != steps:
+            if (step + 1) % sync_every and step + 1 != steps and taken != max_steps:
                 continue
             with torch.no_grad():
                 flat_global = torch.cat([g.reshape(-1) for g in global_net.parameters()])
@@ -165,12 +170,21 @@ def travelled(values: torch.Tensor, compression: str, residuals: dict, key: obje
     return int8_by_hand({key: values}, residuals)
 
 
-def _run(options: DiLoCoOptions, optimizer: str, *, spares=0, losing=None, store=None, resume=None):
+def _run(
+    options: DiLoCoOptions,
+    optimizer: str,
+    *,
+    spares=0,
+    losing=None,
+    store=None,
+    resume=None,
+    max_steps=None,
+):
     """Train ``graph_for(optimizer, shuffle=True)`` with DiLoCo in memory (2 workers); lose the
     replicas ``losing[step]`` right after the progress event of that step (their next call
     fails with ``worker_lost``)."""
     x, y = dataset()
-    job = inputs(graph_for(optimizer, shuffle=True), x, y)
+    job = inputs(graph_for(optimizer, shuffle=True, max_steps=max_steps), x, y)
     ctx = InMemoryContext(2, Daemon, spares=spares)
     losing = dict(losing or {})
     events: list[tuple[str, dict]] = []
@@ -297,3 +311,15 @@ def test_compressed_and_elastic_a_joining_replica_starts_with_no_residual():
     )
     _assert_states(states, expected)
     assert "worker_joined" in [kind for kind, _ in events]
+
+
+def test_max_steps_stops_mid_epoch_after_a_synchronisation_as_the_hand_loop():
+    """Stopped after 16 steps (the second of the third epoch, no sync_every boundary): the
+    replicas synchronise there, as at an epoch's end, and the model is the hand loop's."""
+    x, y = dataset()
+    options = DiLoCoOptions(workers=2, sync_every=3, collective="coordinator")
+    states, events = _run(options, "adam", max_steps=16)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, max_steps=16)
+    _assert_states(states, expected)
+    trained = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
+    assert (trained["step"], trained["epochs"], len(trained["history"])) == (16, 3, 3)
