@@ -161,8 +161,18 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=REASSEMBLY_BUDGET,
         metavar="N",
-        help="bytes of chunked messages in progress on all connections together, beyond which "
-        f"a new one gets too_large, retry later (default {REASSEMBLY_BUDGET}: 4 GiB)",
+        help="bytes received of chunked messages in progress on all workers' connections "
+        "together, and as many on all clients'; a chunk beyond it ends its message with busy, "
+        f"retry later (default {REASSEMBLY_BUDGET}: 4 GiB)",
+    )
+    parser.add_argument(
+        "--max-client-reassembly-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="bytes of chunked messages in progress one client may hold over all its "
+        "connections, so that one client cannot keep another's messages out (default: half "
+        "of --max-reassembly-bytes, at least --max-message-bytes)",
     )
     parser.add_argument(
         "--stall-timeout",
@@ -287,6 +297,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             max_queued_jobs=args.max_queued_jobs,
             forget_workers=args.forget_worker,
             max_reassembly_bytes=args.max_reassembly_bytes,
+            max_client_reassembly_bytes=args.max_client_reassembly_bytes,
             stall_timeout=args.stall_timeout,
         )
     except ValueError as exc:

@@ -54,16 +54,48 @@ DEFAULT_STALL_SECONDS = 60.0
 
 
 class Budget:
-    """The announced bytes of chunked messages in progress, over every :class:`Reassembler`
-    that shares it (all of a coordinator's connections, all of an agent's peer links): one
-    peer, or a few, cannot pin more than ``limit`` of the process's memory however many
-    connections they open."""
+    """The bytes received of chunked messages not yet whole, bounded: ``limit`` over every
+    :class:`Reassembler` that charges it (all of an agent's peer links, one client's
+    connections), and over the budgets below it — a budget with a ``parent`` is a share of it
+    (a client's share of the coordinator's pool for clients), every charge counted in both.
 
-    def __init__(self, limit: int) -> None:
+    Bytes are charged as they arrive, not as announced: announcing a size costs nothing (a
+    stream's buffer is committed only as its bytes are written, :func:`frame_buffer`), and a
+    peer that sends slowly holds only what it sent — so one that announces 2 GiB and trickles
+    it in cannot keep a message of another from being received.
+    """
+
+    def __init__(self, limit: int, name: str = "all connections", parent: Budget | None = None):
         if limit < 1:
             raise ValueError("a reassembly budget must be positive")
         self.limit = limit
+        self.name = name
+        self.parent = parent
         self.used = 0
+
+    def refusal(self, nbytes: int) -> str | None:
+        """Why ``nbytes`` more bytes cannot be charged (this budget, or one it is a share of,
+        would be over its limit); ``None`` when they can."""
+        budget: Budget | None = self
+        while budget is not None:
+            if budget.used + nbytes > budget.limit:
+                return (
+                    f"{budget.used} bytes of messages are in progress on {budget.name} (the "
+                    f"budget is {budget.limit} bytes)"
+                )
+            budget = budget.parent
+        return None
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` received (here and in every budget this is a share of)."""
+        budget: Budget | None = self
+        while budget is not None:
+            budget.used += nbytes
+            budget = budget.parent
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` charged: their message is whole, or dropped."""
+        self.charge(-nbytes)
 
 
 class StreamSink(Protocol):
@@ -126,6 +158,8 @@ class _Stream:
     last: float
     received: int = 0
     sink: StreamSink | None = None
+    ids: tuple[int | None, int | None] = (None, None)  # its id and reply_to (peek_ids)
+    budget: Budget | None = None  # what its bytes are charged to
 
 
 def frame_buffer(nbytes: int) -> memoryview:
@@ -153,8 +187,10 @@ class Reassembler:
       front);
     * a stream that was refused (too large, out of order) has the rest of its chunks dropped
       silently: one error per stream, not one per chunk;
-    * with a ``budget``, a new stream that would take the announced totals of every stream in
-      progress under that budget over its limit is refused too;
+    * with a ``budget``, each chunk's bytes are charged to it as they arrive (:class:`Budget`):
+      a chunk that would take it over its limit ends its stream, refused ``busy`` (retry
+      later), and what the stream held is freed; a stream larger than the budget could ever
+      hold is refused on its first chunk;
     * a stream with no chunk for ``stall_seconds`` is dropped (its buffer freed, its later
       chunks dropped silently) at the next :meth:`add` or :meth:`expire`.
 
@@ -226,6 +262,18 @@ class Reassembler:
                 f"chunk stream {stream}: got bytes {offset}..{end} of {total}, "
                 f"expected the next at {current.received} of {size}"
             )
+        budget = current.budget
+        if budget is not None:
+            why = budget.refusal(len(data))
+            if why is not None:
+                self._drop(stream)
+                self._refuse(stream, end < total)
+                raise ReassemblyFull(
+                    f"chunked message of {total} bytes refused at byte {offset}: {why}; "
+                    "retry later",
+                    *current.ids,
+                )
+            budget.charge(len(data))
         current.buffer[offset:end] = data
         current.received, current.last = end, now
         if current.sink is not None:
@@ -261,8 +309,8 @@ class Reassembler:
 
     def _drop(self, stream: int) -> None:
         dropped = self._streams.pop(stream)
-        if self.budget is not None:
-            self.budget.used -= len(dropped.buffer)
+        if dropped.budget is not None:
+            dropped.budget.release(dropped.received)
 
     def _open(self, stream: int, offset: int, total: int, data: memoryview, now: float) -> _Stream:
         more = offset + len(data) < total  # chunks of this stream will follow
@@ -272,7 +320,7 @@ class Reassembler:
                 f"chunk stream {stream} starts at offset {offset} of {total} bytes: "
                 "a stream starts at 0 of a positive total"
             )
-        why, budget_full = None, False
+        why = None
         if total > self.max_bytes:
             why = f"chunked message of {total} bytes exceeds the limit of {self.max_bytes} bytes"
         elif len(self._streams) >= self.max_streams:
@@ -285,12 +333,10 @@ class Reassembler:
                 f"chunked message of {total} bytes refused: with the {pending} bytes of the "
                 f"{len(self._streams)} in progress it exceeds the limit of {self.max_bytes} bytes"
             )
-        elif self.budget is not None and self.budget.used + total > self.budget.limit:
-            budget_full = True
+        elif self.budget is not None and total > (room := _least_limit(self.budget)):
             why = (
-                f"chunked message of {total} bytes refused: {self.budget.used} bytes of "
-                f"messages are in progress on all connections (the budget is "
-                f"{self.budget.limit} bytes); retry later"
+                f"chunked message of {total} bytes exceeds the {room} bytes its sender may "
+                "have in progress at once"
             )
         if why is None:
             sink = None if self.claim is None else self.claim(data)
@@ -299,13 +345,10 @@ class Reassembler:
             except (MemoryError, ValueError) as exc:  # it cannot be had
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:
-                self._streams[stream] = _Stream(buffer, now, sink=sink)
-                if self.budget is not None:
-                    self.budget.used += total
+                ids = peek_ids(data)
+                self._streams[stream] = _Stream(buffer, now, sink=sink, ids=ids, budget=self.budget)
                 return self._streams[stream]
         self._refuse(stream, more)
-        if budget_full:
-            raise ReassemblyFull(why, *peek_ids(data))
         raise MessageTooLarge(why, *peek_ids(data))
 
     def _refuse(self, stream: int, more: bool) -> None:
@@ -315,3 +358,13 @@ class Reassembler:
         self._refused[stream] = None
         while len(self._refused) > REFUSED_MEMORY:
             del self._refused[next(iter(self._refused))]
+
+
+def _least_limit(budget: Budget) -> int:
+    """The smallest limit of ``budget`` and those it is a share of: the largest message it can
+    ever hold."""
+    least = budget.limit
+    while budget.parent is not None:
+        budget = budget.parent
+        least = min(least, budget.limit)
+    return least

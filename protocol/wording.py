@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 
-__all__ = ["LISTED", "did_you_mean", "listed"]
+__all__ = ["LISTED", "capped", "did_you_mean", "listed"]
 
 LISTED = 8
 """The most items a message lists."""
@@ -31,3 +31,12 @@ def did_you_mean(given: str, choices: Iterable[str], most: int = 3) -> str:
     close = difflib.get_close_matches(given, options, n=most, cutoff=0.6)
     near = sorted(dict.fromkeys(swapped + close))[:most]
     return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
+
+
+def capped(text: str, limit: int) -> str:
+    """``text`` cut to its first ``limit`` characters (and a note of how many more there were)
+    when it is longer: a record, a status answer or a log line stays bounded whatever a peer
+    or a filter said."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"

@@ -80,14 +80,17 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def history_table(rows: Sequence[Mapping[str, Any]], title: str) -> Any:
-    """The rows as a ``rich`` table: the unit, ``loss``, ``val_loss``, each metric, ``lr``."""
+    """The rows as a ``rich`` table: the unit, ``loss``, ``val_loss``, each metric, ``lr``
+    (a metric's name is a filter's: shown as text, its escape sequences written out)."""
     from rich.table import Table
     from rich.text import Text
+
+    from somatize.tables import printable
 
     table = Table(title=Text(title), title_justify="left")
     columns = _columns(rows)
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(Text(printable(column)), justify="right")
     for row in rows:
         table.add_row(*(_cell(row.get(c), c) for c in columns))
     return table

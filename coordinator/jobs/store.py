@@ -53,6 +53,7 @@ from coordinator.errors import (
     UnknownJob,
 )
 from coordinator.jobs.store_schema import LOCK_NAME, DirLock, check_integrity, make_private, migrate
+from protocol.wording import capped
 
 __all__ = [
     "TERMINAL_STATES",
@@ -161,8 +162,19 @@ def _record(row: tuple[Any, ...]) -> JobRecord:
     )
 
 
+ERROR_CHARACTERS = 4096
+"""The most characters of an error's message a job record keeps (a filter may raise with
+megabytes of text)."""
+DETAIL_CHARACTERS = 65536
+"""The most characters of each text in an error's detail (a traceback, say) it keeps."""
+
+
 def _error(code: str, message: str, detail: dict[str, Any] | None) -> dict[str, Any]:
-    return {"code": code, "message": message, "detail": dict(detail or {})}
+    kept = {
+        key: capped(value, DETAIL_CHARACTERS) if isinstance(value, str) else value
+        for key, value in (detail or {}).items()
+    }
+    return {"code": code, "message": capped(message, ERROR_CHARACTERS), "detail": kept}
 
 
 class JobStore:

@@ -24,7 +24,7 @@ from protocol.rules.rows import (
     rows_of,
     step_not_alone,
 )
-from protocol.wording import did_you_mean, listed
+from protocol.wording import capped, did_you_mean, listed
 
 __all__ = [
     "check_targets",
@@ -204,10 +204,17 @@ def check_validation(msg: Submit, inputs: JobInputs) -> None:
         )
 
 
+SUMMARY_NODES = 32
+"""Node ids a job's record keeps (the graph itself is the job's, not the record's)."""
+
+
 def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
     """What the job's record keeps of its submit message (no data, no code)."""
+    ids = msg.graph.node_ids
     summary = {
-        "node_ids": msg.graph.node_ids,
+        # the first ones, and how many: a record stays small however large the graph
+        "node_ids": [capped(n, 64) for n in ids[:SUMMARY_NODES]],
+        "nodes": len(ids),
         "strategy": msg.strategy.model_dump(),
         "rows": rows_of(msg.x),
         "dataset": msg.dataset,

@@ -57,12 +57,12 @@ from coordinator.server.config import SERVER, CoordinatorConfig
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import PendingConnections
+from coordinator.server.reassembly_shares import ReassemblyShares
 from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
-from protocol.chunking import Budget
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
@@ -126,8 +126,11 @@ class Coordinator:
         self.clients = ConnectedClients()
         """Who each ``/client`` connection is, from its token
         (:mod:`coordinator.server.clients`)."""
-        self.reassembly = Budget(max(config.max_reassembly_bytes, config.max_message_bytes))
-        """The chunked messages in progress on all connections together."""
+        pool = max(config.max_reassembly_bytes, config.max_message_bytes)
+        share = config.max_client_reassembly_bytes or pool // 2
+        self.reassembly = ReassemblyShares(pool, max(share, config.max_message_bytes))
+        """The bytes of chunked messages in progress each side and each client may hold
+        (:mod:`coordinator.server.reassembly_shares`)."""
         self.metrics = Metrics()
         self.registry = Registry(config.heartbeat_timeout)
         self.store: JobStore | None = None
@@ -281,7 +284,7 @@ class Coordinator:
             self.config.max_message_bytes,
             self.config.max_inflight,
             bulk_gate=self._bulk_gate,
-            budget=self.reassembly,
+            budget=self.reassembly.of_worker() if is_worker else self.reassembly.clients,
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
         )
@@ -441,6 +444,7 @@ class Coordinator:
 
     async def _serve_client(self, channel: Channel, hello: ClientHello) -> None:
         channel.name = f"client {hello.name or channel.name}"
+        channel.budget = self.reassembly.of_client(self.clients.of(channel.transport))
         channel.handler = lambda message: self._on_client_message(channel, message)
         await channel.reply(
             hello,

@@ -82,7 +82,8 @@ class CoordinatorConfig:
         client_tokens: named client tokens (``--client-tokens-file``), beside ``client_token``
             (which is the ``client`` admin's): a client sees and cancels only its own jobs
             unless it is an admin.
-        insecure: allow listening beyond loopback without a worker token and a client token.
+        insecure: allow listening beyond loopback without a worker token and a client token,
+            and client tokens without a worker token.
         tls_cert, tls_key: serve ``wss://`` (and ``https://`` health, metrics and status) with
             this certificate chain and its private key (PEM files), loaded at construction
             into :attr:`tls`.
@@ -91,16 +92,21 @@ class CoordinatorConfig:
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
         forget_workers: worker ids whose identity key is dropped at start (their next keyed
             hello enrols again).
-        max_reassembly_bytes: the bytes of chunked messages in progress on all connections
-            together (at least ``max_message_bytes``); a new one beyond it is ``too_large``
-            ("retry later"): a few peers cannot pin the coordinator's memory.
+        max_reassembly_bytes: the bytes received of chunked messages in progress on all
+            workers' connections together, and as many on all clients' (each at least
+            ``max_message_bytes``); a chunk beyond it ends its message ``busy`` ("retry
+            later"): a few peers cannot pin the coordinator's memory, and clients cannot take
+            the room of workers' replies (:mod:`coordinator.server.reassembly_shares`).
+        max_client_reassembly_bytes: the part of the clients' that one client may hold
+            (``None``: half, at least ``max_message_bytes``).
         stall_timeout: seconds a chunked message may wait for its next chunk before it is
             dropped and its memory freed.
 
     Raises:
-        ValueError: listening beyond loopback without both tokens (unless ``insecure``), a
-            worker token that is also a client's, half a TLS pair or one that does not load, a
-            heartbeat timeout not longer than the interval, or a limit that is not positive.
+        ValueError: listening beyond loopback without both tokens, or client tokens without a
+            worker token (unless ``insecure``), a worker token that is also a client's, half a
+            TLS pair or one that does not load, a heartbeat timeout not longer than the
+            interval, or a limit that is not positive.
     """
 
     host: str
@@ -126,6 +132,7 @@ class CoordinatorConfig:
     max_queued_jobs: int | None = None
     forget_workers: Sequence[str] = ()
     max_reassembly_bytes: int = REASSEMBLY_BUDGET
+    max_client_reassembly_bytes: int | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
     tls: ssl.SSLContext | None = field(default=None, init=False, repr=False)
     """The TLS context of ``tls_cert`` and ``tls_key`` (``None``: plain ``ws://``)."""
@@ -149,6 +156,8 @@ class CoordinatorConfig:
             raise ValueError("pending-connection limits must be positive")
         if self.handshake_timeout <= 0:
             raise ValueError("the handshake timeout must be positive")
+        if min(self.max_reassembly_bytes, self.max_client_reassembly_bytes or 1) < 1:
+            raise ValueError("reassembly limits must be positive")
 
     def _check_tokens(self) -> None:
         """Refuse a coordinator anyone on the network could run code through, and a worker
@@ -160,6 +169,13 @@ class CoordinatorConfig:
                 f"refusing to listen on {self.host} without tokens: a client can run code on "
                 "every worker. Give --worker-token-file and --client-token-file (or "
                 "SOMATIZE_WORKER_TOKEN and SOMATIZE_TOKEN), or --insecure to accept the risk."
+            )
+        if any_client_token and not self.worker_token and not self.insecure:
+            raise ValueError(
+                "client tokens without a worker token: any process that reaches the coordinator "
+                "could register as a worker and be sent the clients' filters and data. Give "
+                "--worker-token-file (or SOMATIZE_WORKER_TOKEN) too, or --insecure to accept "
+                "the risk."
             )
         worker = self.worker_token
         if worker is not None and (

@@ -47,6 +47,7 @@ __all__ = [
     "MAX_EVENTS",
     "PAGE",
     "STATUS_JOBS",
+    "compact",
     "job_view",
     "parse_job_path",
     "status_snapshot",
@@ -101,7 +102,20 @@ async def visible_records(
 ) -> list[dict[str, Any]]:
     """The latest ``limit`` job records ``client`` may see."""
     records = await jobs.records(limit)
-    return [r for r in records if client.may_see(r["summary"].get("owner"))]
+    return [compact(r) for r in records if client.may_see(r["summary"].get("owner"))]
+
+
+def compact(record: dict[str, Any]) -> dict[str, Any]:
+    """A job record as a status answer lists it: its last progress event without the lists a
+    long run grows (the history but its last row, each step of a chunk, the validations), so
+    that an answer of many jobs stays small (a job's own record keeps them all)."""
+    progress = dict(record.get("progress") or {})
+    for name in ("history", "epoch_losses", "losses", "lrs"):
+        if isinstance(progress.get(name), list):
+            progress[name] = progress[name][-1:]
+    for name in ("validations", "batch_rows"):
+        progress.pop(name, None)
+    return record | {"progress": progress}
 
 
 async def status_snapshot(

@@ -191,6 +191,16 @@ class Channel:
         """Bytes received on this connection so far."""
         return self._inbox.bytes_in
 
+    @property
+    def budget(self) -> Budget | None:
+        """What the chunks of its messages still arriving are charged to (the owner may give
+        it another once it knows who the peer is: the messages begun before keep theirs)."""
+        return self._inbox.reassembler.budget
+
+    @budget.setter
+    def budget(self, budget: Budget | None) -> None:
+        self._inbox.reassembler.budget = budget
+
     # -- sending -----------------------------------------------------------------------------
 
     def next_id(self) -> int:

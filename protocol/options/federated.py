@@ -183,7 +183,7 @@ class FedAvgOptions(CheckpointOptions):
                     "secure_aggregation gives the coordinator the sum alone: a robust aggregator "
                     "or privacy, which need each client's model, cannot go with it"
                 )
-            check_secagg(least)
+            check_secagg(min_workers, per_worker)
         config = fields.get("client_config")
         if config is not None:
             check_client_config(config, rounds)

@@ -83,10 +83,13 @@ def secagg_options(spec: Mapping[str, Any], caller: Caller = Caller.WIRE) -> Sec
     return from_spec(SECAGG, "secure aggregation", spec, caller)
 
 
-def check_secagg(clients: int) -> None:
-    """Refuse rounds that may have a single client (whose sum is its model)."""
-    if clients < 2:
+def check_secagg(workers: int, clients_per_worker: int = 1) -> None:
+    """Refuse rounds that may have a single worker's clients only: the sum of one worker's
+    virtual clients is still that worker's update (its data), whatever their number."""
+    if workers < 2:
         raise ValueError(
-            "secure_aggregation needs at least 2 clients in every round (the sum of one is its "
-            f"model), and a round may go on with {clients}: raise min_workers"
+            "secure_aggregation needs the clients of at least 2 workers in every round (the "
+            f"sum of one worker's is its update), and a round may go on with {workers}"
+            + (f" worker's {clients_per_worker} clients" if clients_per_worker > 1 else "")
+            + ": raise min_workers"
         )

@@ -286,13 +286,17 @@ def test_chunked_messages_share_one_budget_and_a_stalled_one_is_dropped_in_time(
             readers = [asyncio.ensure_future(c.run()) for c in (a, b)]
             errors: asyncio.Queue[Any] = asyncio.Queue()
             a.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
-            # 2.5 MiB announced on one connection, one chunk of it sent, then nothing.
+            # 2.5 MiB announced on one connection, 2 MiB of it sent (what counts), then nothing.
             await ws_a.send(_chunk_head(9, 0, half) + bytes(CHUNK_BYTES))
+            await ws_a.send(_chunk_head(9, CHUNK_BYTES, half) + bytes(CHUNK_BYTES))
             await asyncio.wait_for(a.request(Status(), 10 * UNIT), 10 * UNIT)  # it arrived
             stalled_at = time.monotonic()
-            # Another 2.5 MiB on another connection: the budget is full, retry later.
+            # Another 2.5 MiB on another connection: 4.5 MiB received would fill the clients'
+            # pool (4 MiB); busy, retry later.
             deliver = Deliver(job_id="j", to="x", key="k", payload=bytes(half))
-            with pytest.raises(RemoteError, match=r"on all connections \(the budget is") as full:
+            with pytest.raises(
+                RemoteError, match=r"all clients' connections \(the budget is"
+            ) as full:
                 await b.request(deliver, 10 * UNIT)
             assert full.value.code == ErrorCode.BUSY
             # Once the first stalls it is dropped, and the same request goes through (to be
@@ -309,7 +313,7 @@ def test_chunked_messages_share_one_budget_and_a_stalled_one_is_dropped_in_time(
             waited = time.monotonic() - stalled_at
             assert STALL * 0.9 <= waited <= STALL + 5 * UNIT
             # The rest of the stalled message is dropped without an error; its connection works.
-            await ws_a.send(_chunk_head(9, CHUNK_BYTES, half) + bytes(half - CHUNK_BYTES))
+            await ws_a.send(_chunk_head(9, 2 * CHUNK_BYTES, half) + bytes(half - 2 * CHUNK_BYTES))
             assert (await a.request(Status(), 10 * UNIT)).kind == "result"
             assert errors.empty()
             for channel in (a, b):
@@ -549,7 +553,9 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
                     await ws.send(_chunk_head(3, 0, 2 * CHUNK_BYTES) + bytes(CHUNK_BYTES))
                     await asyncio.sleep(0.1)
                     served = [weakref.ref(c) for c in coordinator._channels]
-                    assert coordinator.reassembly.used == 2 * CHUNK_BYTES
+                    side = coordinator.reassembly.clients if path == "/client" else None
+                    side = side or coordinator.reassembly.workers
+                    assert side.used == CHUNK_BYTES  # what was received, not announced
                     await channel.close()
                     await reader
                 for _ in range(int(10 * UNIT / 0.05)):  # the server side's teardown
@@ -557,7 +563,7 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
                         break
                     await asyncio.sleep(0.05)
                 assert [ref() for ref in served] == [None], path
-                assert coordinator.reassembly.used == 0
+                assert side.used == 0
         finally:
             gc.enable()
             await coordinator.stop()

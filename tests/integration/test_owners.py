@@ -43,6 +43,7 @@ def test_a_client_sees_and_cancels_only_its_own_jobs_and_queues_at_most_its_quot
     tokens_file.chmod(0o600)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k}
+    env["SOMATIZE_WORKER_TOKEN"] = secrets.token_urlsafe(16)  # wanted beside client tokens
     argv = [str(BIN / "somatize-coordinator"), "--listen", f"127.0.0.1:{port}"]
     argv += ["--state-dir", str(tmp_path / "state"), "--client-tokens-file", str(tokens_file)]
     argv += ["--max-queued-jobs", "2"]

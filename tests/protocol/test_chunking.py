@@ -131,28 +131,40 @@ def test_a_stream_with_no_chunk_for_the_stall_timeout_is_dropped_and_its_rest_ig
     assert reassembler.pending_bytes == 0 and reassembler.next_stall() is None
 
 
-def test_a_budget_bounds_the_streams_in_progress_over_every_connection_sharing_it():
+def test_a_budget_counts_the_bytes_received_over_every_connection_and_share_charging_it():
     from protocol.chunking import Budget, Reassembler
-    from protocol.errors import ReassemblyFull
+    from protocol.errors import MessageTooLarge, ReassemblyFull
 
-    budget = Budget(5 * CHUNK_BYTES)
-    one, two = Reassembler(1 << 30, budget=budget), Reassembler(1 << 30, budget=budget)
-    first, second, third = (
-        _stream(1, 2 * CHUNK_BYTES),
-        _stream(2, 2 * CHUNK_BYTES),
-        _stream(3, 2 * CHUNK_BYTES),
-    )
-    assert one.add(first[0]) is None and two.add(second[0]) is None
-    assert budget.used == 2 * (len(b"".join(c[32:] for c in first)))
-    with pytest.raises(ReassemblyFull, match=r"on all connections \(the budget is 5242880"):
-        one.add(third[0])
-    two.close()  # its connection went: what it held is free again
-    assert budget.used == len(b"".join(c[32:] for c in first))
-    retry = _stream(4, 2 * CHUNK_BYTES)  # the refused stream's own chunks are dropped
-    assert one.add(retry[0]) is None
-    for chunk in first[1:]:
-        one.add(chunk)
-    assert budget.used == len(b"".join(c[32:] for c in retry))
+    pool = Budget(5 * CHUNK_BYTES)
+    one, two = Reassembler(1 << 30, budget=pool), Reassembler(1 << 30, budget=pool)
+    first, second = _stream(1, 4 * CHUNK_BYTES), _stream(2, 4 * CHUNK_BYTES)
+    # Announcing 4 MiB costs nothing: each chunk is charged as it arrives.
+    assert one.add(first[0]) is None and one.add(first[1]) is None
+    assert pool.used == 2 * CHUNK_BYTES
+    assert two.add(second[0]) is None and two.add(second[1]) is None
+    assert pool.used == 4 * CHUNK_BYTES
+    assert two.add(second[2]) is None  # 5 MiB received: the pool is full
+    # The stream whose chunk would go over ends, busy, naming its request (the Call's id);
+    # what it held is freed.
+    with pytest.raises(ReassemblyFull, match=r"on all connections \(the budget is 5242880") as full:
+        two.add(second[3])
+    assert full.value.reply_to == 2
+    assert pool.used == 2 * CHUNK_BYTES  # the first stream's two chunks, still in progress
+    assert all(two.add(chunk) is None for chunk in second[3:])  # its rest dropped silently
+    assert [one.add(chunk) is not None for chunk in first[2:]][-1]  # the first completes
+    # (the first stream's last chunks fit now that the second's bytes are freed)
+    assert pool.used == 0
+
+    # A share of the pool: charged in both, bounded by the smaller.
+    share = Budget(3 * CHUNK_BYTES, "client 'a'", parent=pool)
+    three = Reassembler(1 << 30, budget=share)
+    third = _stream(3, 2 * CHUNK_BYTES)
+    assert three.add(third[0]) is None
+    assert share.used == pool.used == CHUNK_BYTES
+    with pytest.raises(MessageTooLarge, match="exceeds the 3145728 bytes its sender may have"):
+        three.add(_stream(4, 4 * CHUNK_BYTES)[0])
+    three.close()  # its connection went: what it held is free again
+    assert share.used == pool.used == 0
 
 
 def test_a_claimed_stream_lands_in_its_sinks_buffer_and_is_told_each_chunk():

@@ -91,3 +91,10 @@ def test_the_table_and_the_rows_of_events():
     }
     assert row_of(event) == {"round": 2, "loss": 0.5, "val_loss": 0.7}
     assert row_of({"phase": "training", "step": 3, "loss": 0.1}) is None
+    # A metric named by a filter prints as text: no markup, no escape sequence reaches the
+    # terminal (issue 32).
+    hostile = [{"epoch": 1, "loss": 0.5, "[red]x\x1b[2J": 0.25}]
+    console = Console(record=True, width=120)
+    console.print(history_table(hostile, "job: history"))
+    text = console.export_text()
+    assert "[red]x\\x1b[2J" in text and "\x1b" not in text

@@ -239,14 +239,14 @@ def test_peer_links_share_one_reassembly_budget_and_a_stalled_message_is_dropped
             hello = PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET)
             links = [await dial(b_agent.peer_address, hello) for _ in range(2)]
             (first, _, _), (second, _, _) = links
-            # 4 MiB announced on one link, its first chunk sent, then nothing more.
-            await first.transport.send(
-                CHUNK_HEAD.pack(CHUNK_MAGIC, 9, 0, 4 * CHUNK_BYTES) + bytes(64)
-            )
+            # 4 MiB announced on one link, 3 MiB of it sent (what counts), then nothing more.
+            for k in range(3):
+                head = CHUNK_HEAD.pack(CHUNK_MAGIC, 9, k * CHUNK_BYTES, 4 * CHUNK_BYTES)
+                await first.transport.send(head + bytes(CHUNK_BYTES))
             stalled_at = time.monotonic()
             big = Deliver(job_id="j", to="B", key="act/0/0", payload=bytes(4 * CHUNK_BYTES))
             with pytest.raises(RemoteError, match="on all connections") as full:
-                await second.request(big, 10 * UNIT)  # 8 MiB in progress > the 6 MiB budget
+                await second.request(big, 10 * UNIT)  # 3 + 4 MiB received > the 6 MiB budget
             assert full.value.code == ErrorCode.BUSY
             async with asyncio.timeout(stall + 10 * UNIT):
                 while True:

@@ -170,6 +170,7 @@ def _become_daemon(sock: socket.socket, wake: int, threads: int, fds: list[int])
         os.dup2(fds[1], 1)
         os.close(fds[0])
         os.close(fds[1])
+        _reseed()
         from worker.daemon import main as daemon
         from worker.daemon.shared_memory import SharedRegion
 
@@ -179,6 +180,20 @@ def _become_daemon(sock: socket.socket, wake: int, threads: int, fds: list[int])
         traceback.print_exc()
         sys.stderr.flush()
     os._exit(EXIT_CHILD_FAILED)
+
+
+def _reseed() -> None:
+    """Fresh seeds from the OS for the generators the server's imports made (torch's default,
+    numpy's global), so that no daemon draws what another of this server draws, nor what a
+    job that knows the server's state could predict (``random`` reseeds itself after a
+    fork)."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
 
 
 def _reap(sock: socket.socket) -> None:

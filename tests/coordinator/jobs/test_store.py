@@ -104,6 +104,19 @@ def test_fail_and_cancel_end_a_live_job(store: JobStore, state: JobState) -> Non
     assert other.error is not None and other.error["message"] == "shutting down"
 
 
+def test_an_error_of_megabytes_is_kept_capped(store: JobStore) -> None:
+    """A filter may raise with megabytes of text: the record keeps the first 4,096 characters
+    of the message and 65,536 of each text of the detail, and says how many more there were."""
+    job = job_in_state(store, JobState.RUNNING)
+    said = "x" * 3_000_000
+    failed = store.fail(job.id, "filter_error", said, {"full_traceback": said, "line": 9})
+    assert failed.error is not None
+    assert failed.error["message"] == "x" * 4096 + f"… ({3_000_000 - 4096} more characters)"
+    traceback = failed.error["detail"]["full_traceback"]
+    assert traceback == "x" * 65536 + f"… ({3_000_000 - 65536} more characters)"
+    assert failed.error["detail"]["line"] == 9
+
+
 # -- events -----------------------------------------------------------------------------------
 
 

@@ -124,7 +124,7 @@ def test_without_tokens_everything_is_open(tmp_path):
 
 
 def test_the_page_and_its_json_are_what_somatize_status_shows(tmp_path):
-    with running(tmp_path, client_token=CLIENT) as url:
+    with running(tmp_path, client_token=CLIENT, worker_token=WORKER) as url:
         auth = f"Bearer {CLIENT}"
         status, headers, body = get(url + "/", auth)
         assert status == 200
@@ -170,7 +170,7 @@ def test_the_job_view_shows_and_cancels_a_job_only_to_its_owner(tmp_path):
     tokens = ClientTokens(
         {"alice-token-0123456": ClientIdentity("alice"), "bob-token-65432": ClientIdentity("bob")}
     )
-    with running(tmp_path, client_tokens=tokens) as url:
+    with running(tmp_path, client_tokens=tokens, worker_token=WORKER) as url:
         with sz.connect(url.replace("http", "ws"), token="alice-token-0123456") as client:
             job = client.submit(sz.Graph([Center()]), np.zeros((4, 2), np.float32))  # no worker
             job_id = job.id
@@ -196,9 +196,25 @@ def test_the_job_view_shows_and_cancels_a_job_only_to_its_owner(tmp_path):
 
 
 def test_a_public_status_shows_a_job_to_anyone_but_cancels_only_with_the_token(tmp_path):
-    with running(tmp_path, client_token=CLIENT, public_status=True) as url:
+    with running(tmp_path, client_token=CLIENT, worker_token=WORKER, public_status=True) as url:
         with sz.connect(url.replace("http", "ws"), token=CLIENT) as client:
             job_id = client.submit(sz.Graph([Center()]), np.zeros((4, 2), np.float32)).id
         assert _job_api(url, f"/api/jobs/{job_id}", None)[0] == 200
         assert _job_api(url, f"/api/jobs/{job_id}/cancel", None, True)[0] == 401
         assert _job_api(url, f"/api/jobs/{job_id}/cancel", CLIENT, True)[0] == 200
+
+
+def test_a_status_answer_stays_small_however_large_the_jobs_graphs(tmp_path):
+    """Issue 32: 4,096 node ids of 256 characters made a 3.2 MB job record and a status answer
+    of 100 MB. A record keeps the first 32 ids (64 characters each at most) and their count."""
+    graph = sz.Graph([Center().named(f"{k:04d}" + "n" * 252) for k in range(4096)])
+    with running(tmp_path) as url:
+        with sz.connect(url.replace("http", "ws")) as client:
+            ids = [client.submit(graph, np.zeros((4, 2), np.float32)).id for _ in range(3)]
+            listed = client.jobs(limit=3)
+        status, _, body = get(url + "/api/status")
+    assert status == 200 and len(body) < 64 * 1024, len(body)
+    assert {job["id"] for job in listed} == set(ids)
+    summary = listed[0]["summary"]
+    assert summary["nodes"] == 4096 and len(summary["node_ids"]) == 32
+    assert summary["node_ids"][0] == "0000" + "n" * 60 + "… (192 more characters)"

@@ -20,7 +20,16 @@ from protocol.daemon import PingRequest, ShutdownRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.utils import UNIT
-from tests.worker.daemon.supervised import Center, Die, Driver, Hang, driving, gone, wait_gone
+from tests.worker.daemon.supervised import (
+    Center,
+    Die,
+    Draw,
+    Driver,
+    Hang,
+    driving,
+    gone,
+    wait_gone,
+)
 from worker.daemon.forked import ForkServer
 from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonCrashed, DaemonNotRunning, DaemonTimeout
@@ -242,6 +251,31 @@ def test_a_forked_daemon_is_the_servers_child_and_outlives_nothing_of_a_dead_ser
                 assert _parent_of(supervisor.pid) == os.getpid()
         finally:
             await asyncio.to_thread(server.close)
+
+    asyncio.run(scenario())
+
+
+def test_two_daemons_forked_by_one_server_draw_different_unseeded_numbers():
+    """Every forked daemon reseeds torch's and numpy's generators from the OS: two jobs'
+    unseeded ``torch.rand`` differ (issue 32), as two spawned daemons' do."""
+
+    async def draw(server: ForkServer) -> dict[str, torch.Tensor]:
+        supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=server)
+        async with supervisor:
+            assert _parent_of(supervisor.pid) == server.pid
+            await supervisor.request_dict({"cmd": "load", "filters": {"d": dump_filter(Draw())}})
+            fit = await supervisor.request_dict({"cmd": "fit", "node_id": "d", "x": [1.0]})
+            return dict(fit["states"]["d"])
+
+    async def scenario() -> None:
+        server = ForkServer(sys.executable, DaemonSupervisor().environment())
+        await asyncio.to_thread(server.start)
+        try:
+            first, second = await draw(server), await draw(server)
+        finally:
+            await asyncio.to_thread(server.close)
+        for generator in ("torch", "numpy"):
+            assert not torch.equal(first[generator], second[generator]), generator
 
     asyncio.run(scenario())
 

@@ -238,8 +238,11 @@ def test_secure_aggregation_refusals():
     plain = sz.Graph([Center().named("center"), *(f for _, f in private_graph().items())])
     with pytest.raises(StrategyOptionsError, match=r"plain filters \['center'\] would be averaged"):
         strategy.validate(job_inputs(plain))
-    with pytest.raises(StrategyOptionsError, match="at least 2 clients in every round"):
+    with pytest.raises(StrategyOptionsError, match="the clients of at least 2 workers"):
         strategy_from_spec("fedavg", options)
+    # One worker's virtual clients sum to that worker's update: refused however many.
+    with pytest.raises(StrategyOptionsError, match="go on with 1 worker's 2 clients"):
+        strategy_from_spec("fedavg", options | {"min_workers": 1, "clients_per_worker": 2})
     with pytest.raises(StrategyOptionsError, match="a robust aggregator or privacy"):
         strategy_from_spec(
             "fedavg", options | {"min_workers": 5, "aggregator": {"name": "fedmedian"}}
@@ -262,7 +265,9 @@ def test_virtual_clients_mask_each_their_own_model():
     )
     options = {"name": "secagg", "neighbours": 4}
     masked, events = run(
-        FedAvg(FedAvgOptions(rounds=1, clients_per_worker=3, secure_aggregation=options)),
+        FedAvg(
+            FedAvgOptions(rounds=1, min_workers=2, clients_per_worker=3, secure_aggregation=options)
+        ),
         context(data),
         job_inputs(private_graph()),
     )
