@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup browser demo test lint typecheck bench flower-env clean
+.PHONY: setup browser bubblewrap demo test lint typecheck bench flower-env clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,14 @@ browser:
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -q --no-install-recommends chromium; }
+
+# Installs Debian's bubblewrap when it is missing: workers sandbox job code with it
+# (worker/daemon/sandbox.py; tests/integration/test_sandbox.py).
+bubblewrap:
+	@command -v bwrap >/dev/null || { \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends bubblewrap; }
 
 # The demo needs the package and its own dependencies only, not the dev extras (pytest, mypy,
 # ruff, hypothesis, opacus, tensorboard): make setup adds those to the same virtualenv.
@@ -50,7 +58,7 @@ typecheck: setup
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
-test: lint typecheck browser
+test: lint typecheck browser bubblewrap
 	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
 	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15 $(PYTEST_ARGS)
 

@@ -84,6 +84,7 @@ class Capabilities(BaseModel):
     python: str
     cloudpickle: str
     platform: str = ""
+    sandbox: str = ""  # what a job's code runs inside there: "bwrap", "uid", "none" (or unsaid)
 
 
 class ArrayShape(BaseModel):

@@ -68,6 +68,7 @@ class LocalCluster:
         spare_daemons: whether each worker keeps a filter daemon started for its next job
             (``--spare-daemon``). Off, a job waits for its daemons to start (a torch import,
             about 2 s) and nothing idle holds CPU or memory: what many short clusters want.
+        sandbox: each worker's ``--sandbox`` (:mod:`worker.daemon.sandbox`).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class LocalCluster:
         client_token: str | None = None,
         call_timeout: float | None = None,
         spare_daemons: bool = True,
+        sandbox: str = "auto",
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
         base = Path(self._tmp.name) if self._tmp is not None else None
@@ -99,6 +101,7 @@ class LocalCluster:
         self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.spare_daemons = spare_daemons
+        self.sandbox = sandbox
         self.logs = logs if logs is not None else self.state_dir.parent / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.startup = startup
@@ -170,6 +173,8 @@ class LocalCluster:
             argv += ["--device", device]
         if not self.spare_daemons:
             argv += ["--spare-daemon", "off"]
+        if "--sandbox" not in args:
+            argv += ["--sandbox", self.sandbox]
         if peer_link:
             port = free_port()
             argv += ["--peer-listen", f"127.0.0.1:{port}"]

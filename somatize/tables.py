@@ -37,17 +37,20 @@ def workers_table(workers: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="workers", title_justify="left")
-    for column in ("id", "tags", "state", "device", "datasets", "heartbeat", "job"):
+    columns = ("id", "tags", "state", "device", "sandbox", "datasets", "heartbeat", "job")
+    for column in columns:
         table.add_column(column, no_wrap=column in ("id", "device"))
     for w in workers:
         age = w.get("last_heartbeat_age")
         capabilities = w.get("capabilities")
+        said = capabilities if isinstance(capabilities, dict) else {}
         table.add_row(
             *cells(
                 w.get("id", ""),
                 ", ".join(str(t) for t in w.get("tags") or []),
                 w.get("state", ""),
-                device_text(capabilities if isinstance(capabilities, dict) else {}),
+                device_text(said),
+                said.get("sandbox") or "?",
                 datasets_text(w.get("datasets")),
                 f"{age:.1f} s ago" if isinstance(age, int | float) else "",
                 w.get("job_id") or "",

@@ -229,6 +229,16 @@ class Agent:
             # detect() may import torch (CUDA devices): keep it off the loop.
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
+        sandbox = self.config.sandbox
+        self._capabilities = self._capabilities.model_copy(update={"sandbox": sandbox.level})
+        if sandbox.level == "none":
+            log.warning(
+                "NO SANDBOX for job code: %s. Install bubblewrap (apt-get install bubblewrap) "
+                "for --sandbox auto to use it, or run this worker as a user of its own.",
+                sandbox.describe(),
+            )
+        else:
+            log.info("job code runs sandboxed: %s", sandbox.describe())
         await asyncio.to_thread(self._pool.find_cgroups)
         self._pool.start_fork_server()
         if self._peer_server is not None:

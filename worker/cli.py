@@ -37,6 +37,7 @@ from protocol.asyncio.memory import keep_freed_memory
 from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
+from worker.daemon.sandbox import LEVELS, choose
 from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
@@ -126,6 +127,16 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (default): each job's filter daemon gets a cgroup v2 of its own where this "
         "agent may make one (what its filters fork cannot leave it, even by setsid; the log "
         "says which), else a process group; off: a process group only",
+    )
+    parser.add_argument(
+        "--sandbox",
+        choices=LEVELS,
+        default="auto",
+        help="what each job's filter daemon runs inside: bwrap (bubblewrap: file system "
+        "read-only, private /tmp and /dev/shm, its own /proc and PIDs, this agent's token and "
+        "identity files hidden), uid (a root agent gives each daemon an unprivileged uid of its "
+        "own; datasets must be readable by others), none (as this agent's user: job code can "
+        "read its secrets); auto (default): bwrap where it works, else none, said loudly",
     )
     parser.add_argument(
         "--daemon-env",
@@ -249,6 +260,14 @@ async def _serve(agent: Agent) -> int:
     return 0
 
 
+def _secret_files(args: argparse.Namespace) -> list[str]:
+    """The files a job must not read: this agent's token file and identity key."""
+    files = [args.token_file, args.identity_file]
+    if args.id is not None and args.identity_file is None:
+        files.append(default_identity_file(args.id))
+    return [str(f) for f in files if f]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the agent; returns the exit status."""
     parser = _parser()
@@ -284,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             max_job_memory=args.max_job_memory,
             max_job_procs=args.max_job_procs,
             job_cgroups=args.job_cgroups == "auto",
+            sandbox=choose(args.sandbox, _secret_files(args), list(datasets.values())),
             identity_key=identity_key,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,

@@ -18,6 +18,7 @@ from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
 from worker.daemon.environment import refused_names
 from worker.daemon.limits import JobLimits
+from worker.daemon.sandbox import NO_SANDBOX, Sandbox
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
 
@@ -78,6 +79,8 @@ class AgentConfig:
             ``None``: any.
         job_cgroups: give each job's daemon a cgroup v2 of its own where the agent may make one
             (``--job-cgroups auto``; :mod:`worker.daemon.cgroup`); ``False``: a process group only.
+        sandbox: what each job's daemon runs inside (``--sandbox``, chosen by
+            :func:`worker.daemon.sandbox.choose`); the default runs it as the agent's user.
         stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
             next chunk before it is dropped and its memory freed.
         max_message_bytes: largest message accepted from the coordinator or a peer (and the
@@ -122,6 +125,7 @@ class AgentConfig:
     max_job_memory: int | None = None
     max_job_procs: int | None = None
     job_cgroups: bool = True
+    sandbox: Sandbox = NO_SANDBOX
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"

@@ -17,7 +17,10 @@ __all__ = ["Cluster", "cluster", "healthy", "wait_for"]
 class Cluster(LocalCluster):
     """A :class:`LocalCluster` whose waits scale with ``SOMATIZE_TEST_TIMEOUT_SCALE``, and whose
     workers keep no spare daemon unless asked (``spare_daemons=True``): a spare's start is a
-    torch import and a warm-up, about 3 s of CPU, and most tests run one job and stop."""
+    torch import and a warm-up, about 3 s of CPU, and most tests run one job and stop. Its
+    workers run ``--sandbox none`` unless asked: a sandboxed daemon is started anew for each
+    job (2-3 s of CPU, where the fork server forks one in milliseconds);
+    :mod:`tests.integration.test_sandbox` runs them sandboxed."""
 
     def __init__(
         self,
@@ -25,6 +28,7 @@ class Cluster(LocalCluster):
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 3.0,
         spare_daemons: bool = False,
+        sandbox: str = "none",
         **options: Any,
     ):
         super().__init__(
@@ -32,6 +36,7 @@ class Cluster(LocalCluster):
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             spare_daemons=spare_daemons,
+            sandbox=sandbox,
             startup=60 * UNIT,
             **options,
         )

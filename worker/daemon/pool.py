@@ -63,6 +63,8 @@ class DaemonPool:
         config = self._config
         if not config.fork_server or config.device != "cpu" or not hasattr(os, "fork"):
             return
+        if not config.sandbox.forks:  # a sandboxed daemon is started anew, in its sandbox
+            return
         if self._forks_starting is not None and not self._forks_starting.done():
             return
         if self._forks is not None and self._forks.alive:
@@ -117,6 +119,7 @@ class DaemonPool:
             limits=JobLimits(config.max_job_memory, config.max_job_procs),
             cgroups=self.cgroups,
             fork_server=self._fork_server,
+            sandbox=config.sandbox,
         )
 
     async def _fork_server(self) -> ForkServer | None:

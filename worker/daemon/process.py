@@ -30,6 +30,7 @@ from protocol.errors import FrameError
 from worker.daemon.cgroup import CgroupParent, JobCgroup
 from worker.daemon.forked import ForkedChild
 from worker.daemon.pipe import FrameReader, FrameWriter
+from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
 from worker.daemon.shared_memory import SharedRegion
 
 __all__ = ["DaemonProcess", "describe_exit", "reap", "shared_regions", "spawn"]
@@ -67,10 +68,13 @@ class DaemonProcess:
         on_exit: Callable[[DaemonProcess, int], None],
         shared: tuple[SharedRegion, SharedRegion] | None = None,
         cgroup: JobCgroup | None = None,
+        confinement: UidConfinement | None = None,
     ) -> None:
         assert popen.stdin is not None and popen.stdout is not None
         self.popen = popen
         self.pid = popen.pid
+        self.confinement = confinement
+        """What a ``uid`` sandbox gave the daemon (cleared once it is reaped), or ``None``."""
         self.cgroup = cgroup
         """The daemon's own cgroup (:mod:`worker.daemon.cgroup`), or ``None``: its process group."""
         self._on_frame = on_frame
@@ -166,7 +170,9 @@ class DaemonProcess:
         if isinstance(self.popen, ForkedChild):  # the fork server's child: it reaps it
             reaping = self._loop.run_in_executor(None, self.popen.reap, self.cgroup, REAP_SECONDS)
         else:
-            reaping = self._loop.run_in_executor(None, reap, self.popen, self.cgroup)
+            reaping = self._loop.run_in_executor(
+                None, reap, self.popen, self.cgroup, self.confinement
+            )
         reaping.add_done_callback(self._on_reaped)
 
     def _on_reaped(self, reaping: asyncio.Future[int]) -> None:
@@ -208,11 +214,16 @@ class DaemonProcess:
         return pending
 
 
-def reap(popen: subprocess.Popen[bytes], cgroup: JobCgroup | None = None) -> int:
+def reap(
+    popen: subprocess.Popen[bytes],
+    cgroup: JobCgroup | None = None,
+    confinement: UidConfinement | None = None,
+) -> int:
     """Wait for a daemon that closed its stdout, killing it if it lingers, then kill what is
     left of its process group (what its filters forked) before reaping it: until then its pid,
     which is the group's id, cannot be given to another process. With a ``cgroup``, what is
-    left in it is killed too and the cgroup removed. Runs in an executor."""
+    left in it is killed too and the cgroup removed; with a ``confinement``, what runs as its
+    uid, and its private directory goes. Runs in an executor."""
     deadline = time.monotonic() + REAP_SECONDS
     while not _exited(popen.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -222,6 +233,8 @@ def reap(popen: subprocess.Popen[bytes], cgroup: JobCgroup | None = None) -> int
         os.killpg(popen.pid, signal.SIGKILL)
     if cgroup is not None:
         cgroup.remove()  # kills what left the process group, waits for the cgroup to empty
+    if confinement is not None:
+        confinement.clear()
     return popen.wait()
 
 
@@ -239,37 +252,66 @@ def spawn(
     env: dict[str, str],
     pass_fds: tuple[int, ...] = (),
     cgroups: CgroupParent | None = None,
-) -> tuple[subprocess.Popen[bytes], JobCgroup | None]:
-    """Start the daemon process and, with ``cgroups``, move it into a new cgroup of its own
-    before it reads a request (so before any filter runs); the cgroup it is in, ``None``
-    without ``cgroups`` or when that failed (blocking: fork/exec; run in an executor)."""
+    sandbox: Sandbox = NO_SANDBOX,
+) -> tuple[subprocess.Popen[bytes], JobCgroup | None, UidConfinement | None]:
+    """Start the daemon process, inside ``sandbox``, and, with ``cgroups``, move it — and what
+    it started already (bubblewrap's own children) — into a new cgroup of its own before it
+    reads a request (so before any filter runs); the cgroup it is in, ``None`` without
+    ``cgroups`` or when that failed, and what a ``uid`` sandbox gave it (blocking: fork/exec;
+    run in an executor)."""
     cgroup = None if cgroups is None else cgroups.new()
+    argv, env = sandbox.command(argv, env)
+    options, confinement = sandbox.process(env)
     try:
-        popen = _popen(argv, env, pass_fds)
+        popen = _popen(argv, options, pass_fds)
     except BaseException:
         if cgroup is not None:
             cgroup.remove()
+        if confinement is not None:
+            confinement.clear()
         raise
-    if cgroup is not None and not cgroup.add(popen.pid):
+    if cgroup is not None and not all(
+        cgroup.add(pid) for pid in [popen.pid, *_children(popen.pid)]
+    ):
         cgroup.remove()
         cgroup = None
-    return popen, cgroup
+    return popen, cgroup, confinement
+
+
+def _children(pid: int) -> list[int]:
+    """Every process ``pid`` started, and what they started, as of now."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/stat", encoding="ascii", errors="replace") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _popen(
-    argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+    argv: list[str], options: dict[str, Any], pass_fds: tuple[int, ...]
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=None,  # inherited: user prints and tracebacks go to the worker's log
-        env=env,
         close_fds=True,
         pass_fds=pass_fds,
         # Its own session: a Ctrl-C meant for the agent must not hit the daemon mid-request;
         # the agent decides when it stops (and the daemon's watchdog follows the agent).
         start_new_session=True,
+        **options,
     )
 
 

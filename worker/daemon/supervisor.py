@@ -67,6 +67,7 @@ from worker.daemon.process import (
     spawn,
 )
 from worker.daemon.requests import parse_command
+from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
 from worker.errors import (
     DaemonAlreadyRunning,
     DaemonCrashed,
@@ -122,9 +123,11 @@ class DaemonSupervisor:
         limits: JobLimits = NO_LIMITS,
         cgroups: CgroupParent | None = None,
         fork_server: ForkServer | Callable[[], Awaitable[ForkServer | None]] | None = None,
+        sandbox: Sandbox = NO_SANDBOX,
     ) -> None:
         self.python = python
-        self.fork_server = fork_server
+        self.sandbox = sandbox
+        self.fork_server = fork_server if sandbox.forks else None
         self.device = device
         self.threads = threads if threads is not None else (os.cpu_count() or 1)
         self.env = dict(env or {})
@@ -399,10 +402,14 @@ class DaemonSupervisor:
             except OSError as exc:
                 log.warning("the fork server could not start a daemon (%s): starting one anew", exc)
         try:
-            started: tuple[subprocess.Popen[bytes] | ForkedChild, JobCgroup | None] = (
-                forked
+            started: tuple[
+                subprocess.Popen[bytes] | ForkedChild, JobCgroup | None, UidConfinement | None
+            ] = (
+                (*forked, None)
                 if forked is not None
-                else await loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups)
+                else await loop.run_in_executor(
+                    None, spawn, argv, env, fds, self.cgroups, self.sandbox
+                )
             )
         except OSError as exc:
             for region in shared or ():
@@ -412,7 +419,7 @@ class DaemonSupervisor:
                 f"cannot start the filter daemon with {self.python}: {exc}",
                 {"argv": argv},
             ) from exc
-        popen, cgroup = started
+        popen, cgroup, confinement = started
         self._child = DaemonProcess(
             popen,
             on_frame=self._on_frame,
@@ -420,6 +427,7 @@ class DaemonSupervisor:
             on_exit=self._on_exit,
             shared=shared,
             cgroup=cgroup,
+            confinement=confinement,
         )
         self._last_exit = {}
         log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
