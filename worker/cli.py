@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             max_job_memory=args.max_job_memory,
             max_job_procs=args.max_job_procs,
             job_cgroups=args.job_cgroups == "auto",
-            sandbox=choose(args.sandbox, _secret_files(args), list(datasets.values())),
+            sandbox=choose(args.sandbox, _secret_files(args), [str(p) for p in datasets.values()]),
             identity_key=identity_key,
             max_message_bytes=args.max_message_bytes,
             max_inflight=args.max_inflight,
