@@ -199,8 +199,9 @@ class OpenJob(_Message):
     filters: dict[str, StrictBytes]
     threads: int | None = None
     peer_secret: str | None = None
-    """The job's peer-link secret, the same for all its workers: a peer link for the job is
-    accepted only from a worker that presents it (``None``: none is)."""
+    """This worker's link key in the job (:func:`protocol.peer_credentials.link_key`): a peer
+    link for the job is accepted only from a worker that presents its credential made from it
+    (``None``: none is)."""
 
 
 class PeerRoute(BaseModel):
@@ -251,6 +252,9 @@ class Links(_Message):
     job_id: str
     peers: dict[str, str | None]
     expects: dict[str, str] = Field(default_factory=dict)
+    credentials: dict[str, str] = Field(default_factory=dict)
+    """Peer id → what this worker presents to it when it dials it
+    (:func:`protocol.peer_credentials.credential`)."""
 
 
 class Deliver(_Message):
@@ -268,9 +272,9 @@ class Deliver(_Message):
 
 
 class PeerHello(_Message):
-    """First message on a peer link: which worker dials, for which job, and the job's peer
-    secret (:attr:`OpenJob.peer_secret`), which the receiver checks in constant time. A link
-    serves that one job."""
+    """First message on a peer link: which worker dials, for which job, and its credential to
+    the receiver (:attr:`Links.credentials`), which the receiver checks against the id claimed,
+    in constant time (:mod:`protocol.peer_credentials`). A link serves that one job."""
 
     kind: Literal["peer_hello"] = "peer_hello"
     worker_id: str

@@ -14,7 +14,6 @@ and ``job_id``. A job's mailbox entries go with the job.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from protocol.messages import (
     Probe,
     Result,
 )
+from protocol.peer_credentials import matches
 from worker.config import AgentConfig
 from worker.daemon.pool import DaemonPool
 from worker.daemon.supervisor import DaemonSupervisor
@@ -278,12 +278,12 @@ class JobHandlers:
         job.expects = dict(message.expects)
         direct: list[str] = []
         relay: list[str] = []
-        secret = job.peer_secret
         for worker_id, address in message.peers.items():
+            presented = message.credentials.get(worker_id)
             if (
                 address is not None
-                and secret is not None
-                and await self._links.connect(job.job_id, secret, worker_id, address)
+                and presented is not None
+                and await self._links.connect(job.job_id, presented, worker_id, address)
             ):
                 direct.append(worker_id)
             else:
@@ -292,20 +292,19 @@ class JobHandlers:
         return Result(result={"direct": direct, "relay": relay})
 
     def admit_peer(self, hello: PeerHello) -> None:
-        """Whether a peer link may open: ``hello`` names a job open here and presents its peer
-        secret (compared in constant time; a job unknown here is refused the same way).
+        """Whether a peer link may open: ``hello`` names a job open here and presents the
+        credential of the worker it claims to be (:mod:`protocol.peer_credentials`, compared in
+        constant time; a job unknown here is refused the same way).
 
         Raises:
             RequestRefused: ``unauthorized``, naming only the job the hello named.
         """
         job = self.jobs.get(hello.job_id)
-        expected = "" if job is None or job.peer_secret is None else job.peer_secret
-        matches = hmac.compare_digest(hello.secret.encode(), expected.encode())
-        if not (matches and expected):
+        if not matches(None if job is None else job.peer_secret, hello.worker_id, hello.secret):
             raise RequestRefused.of(
                 ErrorCode.UNAUTHORIZED,
                 f"worker {self._worker_id()}: peer link from {hello.worker_id!r} refused: no "
-                f"open job {hello.job_id!r} with that secret here",
+                f"open job {hello.job_id!r} here for which it holds that credential",
             )
 
     async def deliver(self, message: Deliver) -> Ack:

@@ -27,6 +27,7 @@ from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
+from protocol.peer_credentials import credential, link_key
 
 CLOSE_TIMEOUT = 10.0
 """Seconds to wait for an agent to stop a job's daemon before giving up on it."""
@@ -74,7 +75,8 @@ class TransportContext(StrategyContext):
         self.recruit = recruit
         self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
         self.peer_secret = secrets.token_urlsafe(32)
-        """What the job's workers present to each other on a peer link (one per job)."""
+        """The job's secret its workers' link keys are made from (never sent:
+        :mod:`protocol.peer_credentials`)."""
 
     def observe(self, cmd: str, seconds: float) -> None:
         self._observe(cmd, seconds)
@@ -87,7 +89,7 @@ class TransportContext(StrategyContext):
             threads=self.threads
             if self.threads is not None
             else self.shares(self.records[worker_idx]),
-            peer_secret=self.peer_secret,
+            peer_secret=link_key(self.peer_secret, self.records[worker_idx].id),
         )
         await self._request(worker_idx, message, "open_job", max(self.timeout, OPEN_TIMEOUT))
 
@@ -134,7 +136,13 @@ class TransportContext(StrategyContext):
     async def links(self, worker_idx: int, expects: Mapping[int, str]) -> dict[str, Any]:
         addresses = {self.records[i].id: self.records[i].peer_address for i in expects}
         prefixes = {self.records[i].id: prefix for i, prefix in expects.items()}
-        message = Links(job_id=self.job_id, peers=addresses, expects=prefixes)
+        own = self.records[worker_idx].id
+        credentials = {
+            peer: credential(link_key(self.peer_secret, peer), own) for peer in addresses
+        }
+        message = Links(
+            job_id=self.job_id, peers=addresses, expects=prefixes, credentials=credentials
+        )
         reply = await self._request(worker_idx, message, "links")
         return dict(reply.result)
 

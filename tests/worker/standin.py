@@ -169,6 +169,16 @@ def drive(main: Callable[[], Awaitable[None]], seconds: float = 40) -> None:
 
 
 PEER_SECRET = "the-job-peer-secret"
+"""The link key of the stand-in's jobs on the agent under test (``OpenJob.peer_secret``)."""
+
+
+def presented(sender: str, key: str = PEER_SECRET) -> str:
+    """What worker ``sender`` presents on a peer link to the worker holding ``key``."""
+    from protocol.peer_credentials import credential
+
+    return credential(key, sender)
+
+
 """The peer secret :func:`open_job` gives a job (as the coordinator gives each job its own)."""
 
 

@@ -27,12 +27,12 @@ from protocol.messages import CHUNK_BYTES, Ack, Call, CloseJob, Deliver, PeerHel
 from protocol.parsing import encode_small
 from tests.utils import UNIT, Center
 from tests.worker.standin import (
-    PEER_SECRET,
     StandIn,
     call_error,
     drive,
     no_process_left,
     open_job,
+    presented,
     running,
 )
 from tests.worker.test_peer import free_port
@@ -172,7 +172,7 @@ def test_a_peer_link_refuses_what_is_too_large_and_deliveries_for_other_jobs():
             ws = await websockets.connect(f"{address}/peer", compression=None, max_size=1 << 24)
             channel = Channel(ws, "raw peer")
             reader = asyncio.ensure_future(channel.run())
-            hello = PeerHello(worker_id="p", job_id="j", secret=PEER_SECRET)
+            hello = PeerHello(worker_id="p", job_id="j", secret=presented("p"))
             try:
                 assert isinstance(await channel.request(hello, 10 * UNIT), Ack)
                 big = Deliver(job_id="j", to="x", key="k", payload=bytes(LIMIT))
@@ -190,7 +190,7 @@ def test_a_peer_link_refuses_what_is_too_large_and_deliveries_for_other_jobs():
                 await ws.close()
             # The endpoint still takes links.
             async with websockets.connect(f"{address}/peer") as again:
-                again_hello = PeerHello(id=1, worker_id="q", job_id="j", secret=PEER_SECRET)
+                again_hello = PeerHello(id=1, worker_id="q", job_id="j", secret=presented("q"))
                 await again.send(encode_small(again_hello))
                 assert b'"ack"' in await asyncio.wait_for(again.recv(), 10 * UNIT)
 

@@ -21,12 +21,22 @@ from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorInfo, RequestRefused
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
 from tests.utils import UNIT, Center
-from tests.worker.standin import StandIn, drive, listening, no_process_left, open_job
+from tests.worker.standin import (
+    StandIn,
+    drive,
+    listening,
+    no_process_left,
+    open_job,
+    presented,
+)
 from worker.agent import Agent, AgentConfig, Backoff
 from worker.peer import CallOrder, Mailbox, MailboxDropped, OutOfOrder, PeerLinks
 
 pytestmark = pytest.mark.integration
 __all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
+
+A_TO_B = {"B": presented("A")}
+"""What A presents to B (both hold the stand-in's link key)."""
 
 
 class RelayStandIn(StandIn):
@@ -135,7 +145,9 @@ def test_a_stage_output_goes_to_the_next_worker_over_a_direct_link() -> None:
         async with two_agents(stand_in) as (_, a, b_agent, b):
             await open_job(a, "j", center=Center())
             await open_job(b, "j", center=Center())
-            links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
+            links = await request(
+                a, Links(job_id="j", peers={"B": b_agent.peer_address}, credentials=A_TO_B)
+            )
             assert links.result == {"direct": ["B"], "relay": []}
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             y = await exchange(a, b, x, mean)
@@ -154,7 +166,14 @@ def test_without_a_direct_link_the_coordinator_relays_the_output() -> None:
         async with two_agents(stand_in) as (_, a, _, b):
             await open_job(a, "j", center=Center())
             await open_job(b, "j", center=Center())
-            links = await request(a, Links(job_id="j", peers={"B": None, "C": "ws://127.0.0.1:1"}))
+            links = await request(
+                a,
+                Links(
+                    job_id="j",
+                    peers={"B": None, "C": "ws://127.0.0.1:1"},
+                    credentials={"C": presented("A")},
+                ),
+            )
             assert links.result == {"direct": [], "relay": ["B", "C"]}
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             taking = asyncio.ensure_future(exchange(a, b, x, mean))

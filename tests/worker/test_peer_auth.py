@@ -22,13 +22,16 @@ from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, RemoteError
 from protocol.messages import CHUNK_BYTES, Ack, Call, Deliver, Links, PeerHello, PeerRoute, Result
 from tests.utils import UNIT, Center, self_signed
-from tests.worker.standin import PEER_SECRET, drive, no_process_left, open_job
+from tests.worker.standin import drive, no_process_left, open_job, presented
 from tests.worker.test_peer import RelayStandIn, exchange, request, two_agents
 from worker import peer_server
 from worker.peer import DeliveredTwice, Mailbox, MailboxFull
 
 pytestmark = pytest.mark.integration
 __all__ = ["no_process_left"]  # the autouse fixture: no daemon is left behind
+
+A_TO_B = {"B": presented("A")}
+"""What A presents to B (both hold the stand-in's link key)."""
 
 
 async def dial(address: str, hello: PeerHello) -> tuple[Channel, asyncio.Task[None], object]:
@@ -53,21 +56,25 @@ def test_a_peer_hello_without_the_jobs_secret_is_refused_and_the_link_closed() -
             assert b_agent.peer_address is not None
             forged = [
                 PeerHello(worker_id="A", job_id="j", secret=""),
-                PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET[:-1] + "x"),
-                PeerHello(worker_id="A", job_id="no-such-job", secret=PEER_SECRET),
+                PeerHello(worker_id="A", job_id="j", secret=presented("A")[:-1] + "x"),
+                PeerHello(worker_id="A", job_id="no-such-job", secret=presented("A")),
+                # A stage of the job speaking for another with its own credential: refused.
+                PeerHello(worker_id="C", job_id="j", secret=presented("A")),
             ]
             for hello in forged:
                 channel, reader, answer = await dial(b_agent.peer_address, hello)
                 assert isinstance(answer, RemoteError), answer
                 assert answer.code == ErrorCode.UNAUTHORIZED
-                assert f"no open job {hello.job_id!r} with that secret" in str(answer)
+                assert f"no open job {hello.job_id!r} here for which it holds" in str(answer)
                 assert "secret-job" not in str(answer)  # no other job is named
                 async with asyncio.timeout(10 * UNIT):
                     await reader  # the agent closed the link
                 assert channel.closed.is_set()
             # The job's own peers still link and exchange.
             await open_job(a, "j", center=Center())
-            links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
+            links = await request(
+                a, Links(job_id="j", peers={"B": b_agent.peer_address}, credentials=A_TO_B)
+            )
             assert links.result == {"direct": ["B"], "relay": []}
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             x, mean = torch.randn(8, 4), torch.randn(4)
@@ -86,7 +93,7 @@ def test_an_authenticated_link_takes_only_its_job_the_expected_keys_and_each_key
             await open_job(b, "other", center=Center())
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "act/"}))
             assert b_agent.peer_address is not None
-            hello = PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET)
+            hello = PeerHello(worker_id="A", job_id="j", secret=presented("A"))
             channel, reader, answer = await dial(b_agent.peer_address, hello)
             assert isinstance(answer, Ack)
             try:
@@ -184,10 +191,12 @@ def test_with_a_certificate_peer_links_are_wss_and_a_plain_dialer_gets_nothing(t
             # In clear, the TLS endpoint does not even upgrade.
             plain = "ws://" + b_agent.peer_address.removeprefix("wss://")
             with pytest.raises((OSError, websockets.InvalidHandshake, TimeoutError)):
-                await dial(plain, PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET))
+                await dial(plain, PeerHello(worker_id="A", job_id="j", secret=presented("A")))
             await open_job(a, "j", center=Center())
             await open_job(b, "j", center=Center())
-            links = await request(a, Links(job_id="j", peers={"B": b_agent.peer_address}))
+            links = await request(
+                a, Links(job_id="j", peers={"B": b_agent.peer_address}, credentials=A_TO_B)
+            )
             assert links.result == {"direct": ["B"], "relay": []}
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "k"}))
             x, mean = torch.randn(8, 4), torch.randn(4)
@@ -236,7 +245,7 @@ def test_peer_links_share_one_reassembly_budget_and_a_stalled_message_is_dropped
             await open_job(b, "j", center=Center())
             await request(b, Links(job_id="j", peers={"A": None}, expects={"A": "act/"}))
             assert b_agent.peer_address is not None
-            hello = PeerHello(worker_id="A", job_id="j", secret=PEER_SECRET)
+            hello = PeerHello(worker_id="A", job_id="j", secret=presented("A"))
             links = [await dial(b_agent.peer_address, hello) for _ in range(2)]
             (first, _, _), (second, _, _) = links
             # 4 MiB announced on one link, 3 MiB of it sent (what counts), then nothing more.
