@@ -102,6 +102,15 @@ def _security_options(parser: argparse.ArgumentParser) -> None:
         "(default: no limit)",
     )
     parser.add_argument(
+        "--enroll",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="enrol worker ID (repeatable): once any is given, only these ids may register, "
+        "each binding its identity key at its first registration; without it any worker-token "
+        "holder may register a new id",
+    )
+    parser.add_argument(
         "--forget-worker",
         action="append",
         default=[],
@@ -296,6 +305,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             public_status=args.public_status,
             max_queued_jobs=args.max_queued_jobs,
             forget_workers=args.forget_worker,
+            enrolled=args.enroll,
             max_reassembly_bytes=args.max_reassembly_bytes,
             max_client_reassembly_bytes=args.max_client_reassembly_bytes,
             stall_timeout=args.stall_timeout,

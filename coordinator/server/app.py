@@ -339,6 +339,15 @@ class Coordinator:
         await refuse_hello(ws, code, message, self.config.handshake_timeout)
 
     async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
+        enrolled = self.config.enrolled
+        if enrolled and hello.worker_id not in enrolled:
+            who = "a worker without --id" if hello.worker_id is None else f"{hello.worker_id!r}"
+            message = (
+                f"{who} is not enrolled on this coordinator: its operator enrolls a worker id "
+                "with somatize-coordinator --enroll ID"
+            )
+            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
+            return
         if hello.worker_id is not None and not await self._identified(hello.worker_id, hello.key):
             message = (
                 f"worker id {hello.worker_id!r} is enrolled with another identity key: a worker "

@@ -92,6 +92,8 @@ class CoordinatorConfig:
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
         forget_workers: worker ids whose identity key is dropped at start (their next keyed
             hello enrols again).
+        enrolled: the only worker ids that may register (``--enroll``), each binding its key at
+            its first registration; empty: any id may (the first hello of an id binds it).
         max_reassembly_bytes: the bytes received of chunked messages in progress on all
             workers' connections together, and as many on all clients' (each at least
             ``max_message_bytes``); a chunk beyond it ends its message ``busy`` ("retry
@@ -131,6 +133,7 @@ class CoordinatorConfig:
     public_status: bool = False
     max_queued_jobs: int | None = None
     forget_workers: Sequence[str] = ()
+    enrolled: Sequence[str] = ()
     max_reassembly_bytes: int = REASSEMBLY_BUDGET
     max_client_reassembly_bytes: int | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
@@ -140,6 +143,7 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "forget_workers", tuple(self.forget_workers))
+        object.__setattr__(self, "enrolled", frozenset(self.enrolled))
         self._check_tokens()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")

@@ -124,13 +124,33 @@ async def status_snapshot(
     """What ``somatize status`` and the status page show ``client`` (the module docstring):
     the page measures durations against the server's clock, not against the browser's."""
     now = time.monotonic()
+    workers = []
+    for w in registry:
+        # threads: a job daemon's default torch threads there (None: all the worker's cores)
+        summary = w.summary(now) | {"threads": registry.thread_share(w)}
+        if summary["job_id"] is not None and not await _sees(jobs, client, summary["job_id"]):
+            summary["job_id"] = OTHERS  # busy, and whose job is not this client's business
+        workers.append(summary)
     return {
         "server": SERVER,
         "time": time.time(),
-        # threads: a job daemon's default torch threads there (None: all the worker's cores)
-        "workers": [w.summary(now) | {"threads": registry.thread_share(w)} for w in registry],
+        "workers": workers,
         "jobs": await visible_records(jobs, client, STATUS_JOBS),
     }
+
+
+OTHERS = "(another client's)"
+"""What a worker's job reads as to a client that may not see that job."""
+
+
+async def _sees(jobs: JobManager, client: ClientIdentity, job_id: str) -> bool:
+    """Whether ``client`` may see job ``job_id`` (one gone from the store: no)."""
+    if client.admin:
+        return True
+    try:
+        return client.may_see(await jobs.owner(job_id))
+    except RequestRefused:
+        return False
 
 
 def parse_job_path(path: str) -> tuple[str, bool] | None:

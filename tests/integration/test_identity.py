@@ -4,7 +4,8 @@ A real coordinator and a real ``somatize-worker`` on loopback. The worker's firs
 its id with its identity key; while it is down, a process holding the worker token (as a filter
 that read it could) says hello as that id, with no key or a guessed one, and is refused — so a
 job submitted meanwhile waits for the real worker and runs there. A rebuilt machine that lost
-its key registers again once the operator runs the coordinator with ``--forget-worker``.
+its key registers again once the operator runs the coordinator with ``--forget-worker``. With
+``--enroll``, an id the operator did not enrol is refused even to its first hello.
 """
 
 from __future__ import annotations
@@ -71,4 +72,31 @@ def test_an_enrolled_worker_id_is_refused_to_anyone_without_its_key(tmp_path):
         assert c.stop_coordinator() == 0
         c.start_coordinator(args=["--forget-worker", "w1"])
         c.start_worker("w1", args=rebuilt)
+        assert c.worker_state("w1") == "idle"
+
+
+def test_with_enrolled_ids_any_other_id_is_refused_at_its_first_hello(tmp_path):
+    """Issue 32: a worker id not yet enrolled was claimed by any worker-token holder. With
+    ``--enroll w1``, only w1 may register (binding its key); w2 — never seen before — and a
+    worker without an id are refused, and the refusal names no enrolled id."""
+    worker_token = secrets.token_urlsafe(16)
+    tokens = {"worker_token": worker_token, "client_token": secrets.token_urlsafe(16)}
+    with cluster(tmp_path, {}, **tokens) as c:
+        assert c.stop_coordinator() == 0
+        c.start_coordinator(args=["--enroll", "w1"])
+        for worker_id in ("w2", None):
+            hello = WorkerHello(id=1, worker_id=worker_id, capabilities=_CAPS)
+
+            async def say(hello: WorkerHello = hello) -> RemoteError:
+                headers = {"Authorization": f"Bearer {worker_token}"}
+                async with websockets.connect(f"{c.url}/worker", additional_headers=headers) as ws:
+                    with pytest.raises(RemoteError) as refused:
+                        await send_hello(Channel(ws, "new"), hello, Welcome, 10 * UNIT, first=True)
+                return refused.value
+
+            refused = asyncio.run(say())
+            assert refused.code == ErrorCode.UNAUTHORIZED
+            assert "is not enrolled on this coordinator" in refused.info.message
+            assert "w1" not in refused.info.message
+        c.start_worker("w1")
         assert c.worker_state("w1") == "idle"

@@ -4,7 +4,8 @@ A real ``somatize-coordinator`` with ``--client-tokens-file`` (alice, bob, and r
 and ``--max-queued-jobs 2``, no worker: every job stays queued. Alice sees, watches and cancels
 only her jobs (bob's is "no job" to her, as one that does not exist, and is missing from her
 lists); root sees and cancels anyone's; a third queued job of one client is refused ``busy``
-while the other's still go in.
+while the other's still go in. Then a worker takes bob's job: alice's status shows it busy with
+"another client's" job, never its id.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import somatize as sz
 from somatize.cluster import free_port, wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, Sleepy
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,8 @@ def test_a_client_sees_and_cancels_only_its_own_jobs_and_queues_at_most_its_quot
     tokens_file.chmod(0o600)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k}
-    env["SOMATIZE_WORKER_TOKEN"] = secrets.token_urlsafe(16)  # wanted beside client tokens
+    worker_token = secrets.token_urlsafe(16)  # wanted beside client tokens
+    env["SOMATIZE_WORKER_TOKEN"] = worker_token
     argv = [str(BIN / "somatize-coordinator"), "--listen", f"127.0.0.1:{port}"]
     argv += ["--state-dir", str(tmp_path / "state"), "--client-tokens-file", str(tokens_file)]
     argv += ["--max-queued-jobs", "2"]
@@ -82,6 +84,34 @@ def test_a_client_sees_and_cancels_only_its_own_jobs_and_queues_at_most_its_quot
             alice.submit(_graph(), np.ones((2, 2)))  # room again under her quota
             root.job(theirs.id).cancel()  # the admin cancels anyone's
             assert bob.job(theirs.id).status()["state"] == "cancelled"
+            for job in alice.jobs():
+                if job["state"] == "queued":
+                    alice.job(job["id"]).cancel()
+
+            # A worker busy with bob's job: whose job it is, alice is not told.
+            argv = [str(BIN / "somatize-worker"), "--connect", url, "--id", "w1"]
+            argv += ["--identity-file", str(tmp_path / "w1.key"), "--sandbox", "none"]
+            with (tmp_path / "worker.log").open("ab") as log:
+                worker = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env | {"SOMATIZE_WORKER_TOKEN": worker_token},
+                    start_new_session=True,
+                )
+            busy = bob.submit(sz.Graph([Sleepy().named("s")]), np.ones((2, 2)))
+
+            def busy_worker(client: sz.Client) -> str | None:
+                found = [w["job_id"] for w in client.status()["workers"] if w["job_id"]]
+                return found[0] if found else None
+
+            assert wait_for(lambda: busy_worker(bob), 60 * UNIT, "w1 to run bob's job") == busy.id
+            assert busy_worker(root) == busy.id
+            assert busy_worker(alice) == "(another client's)"
+            busy.cancel()
     finally:
+        if "worker" in locals():
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=20 * UNIT)
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20 * UNIT)
