@@ -59,6 +59,7 @@ from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, cpu_seconds, free_port, port_open
 from coordinator.strategies.aggregate import weighted_mean
 from somatize.cluster import LocalCluster
+from worker.daemon.procfs import descendants
 
 SIZES = (784, 2048, 2048, 10)
 """The MLP's layer widths: Linear 784→2048, ReLU, Linear 2048→2048, ReLU, Linear 2048→10."""
@@ -246,23 +247,6 @@ def foreign_cores(start: tuple[float, float, float], end: tuple[float, float, fl
     results (every process this one started must have been reaped by ``end``): the noise."""
     wall = end[0] - start[0]
     return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / wall) if wall > 0 else 0.0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children...), from ``/proc``."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _tree_cpu(pids: list[int]) -> float:

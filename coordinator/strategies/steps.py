@@ -110,7 +110,9 @@ class StepBoundaries:
 
     def next_read(self, step: int) -> int:
         """The first step after ``step`` that the model is read after (:meth:`reads_after`)."""
-        stop = min(self.total, (step // self.per_epoch + 1) * self.per_epoch)
+        stop = self.total
+        if self.per_epoch:
+            stop = min(stop, (step // self.per_epoch + 1) * self.per_epoch)
         if self.validate_every:
             stop = min(stop, (step // self.validate_every + 1) * self.validate_every)
         return stop

@@ -30,6 +30,7 @@ from protocol.errors import FrameError
 from worker.daemon.cgroup import CgroupParent, JobCgroup
 from worker.daemon.forked import ForkedChild
 from worker.daemon.pipe import FrameReader, FrameWriter
+from worker.daemon.procfs import descendants
 from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
 from worker.daemon.shared_memory import SharedRegion
 
@@ -271,31 +272,11 @@ def spawn(
             confinement.clear()
         raise
     if cgroup is not None and not all(
-        cgroup.add(pid) for pid in [popen.pid, *_children(popen.pid)]
+        cgroup.add(pid) for pid in [popen.pid, *descendants(popen.pid)]
     ):
         cgroup.remove()
         cgroup = None
     return popen, cgroup, confinement
-
-
-def _children(pid: int) -> list[int]:
-    """Every process ``pid`` started, and what they started, as of now."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"{entry.path}/stat", encoding="ascii", errors="replace") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _popen(

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.daemon.procfs import running_as
+
 __all__ = ["LEVELS", "NO_SANDBOX", "UID_BASE", "Sandbox", "UidConfinement", "choose"]
 
 LEVELS = ("auto", "bwrap", "uid", "none")
@@ -124,24 +126,26 @@ class UidConfinement:
 
     def clear(self) -> None:
         """Once the daemon is gone: SIGKILL whatever still runs as its uid (what its filters
-        forked, even out of its process group) and remove its private directory (blocking)."""
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and _uid_of(entry.path) == self.uid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(int(entry.name), signal.SIGKILL)
+        forked, even out of its process group), remove its private directory and what it left
+        in ``/tmp`` and ``/dev/shm`` (blocking)."""
+        for pid in running_as(self.uid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.private, ignore_errors=True)
+        for shared in ("/tmp", "/dev/shm"):  # what it left where everyone may write
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(shared):
+                    with contextlib.suppress(OSError):
+                        if entry.stat(follow_symlinks=False).st_uid == self.uid:
+                            _remove(entry.path)
 
 
-def _uid_of(proc: str) -> int | None:
-    """The real uid of the process whose ``/proc`` entry is ``proc`` (``None``: gone)."""
-    try:
-        with open(f"{proc}/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def _remove(path: str) -> None:
+    """Remove a file or a directory tree (its symlinks, not what they point to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.unlink(path)
 
 
 NO_SANDBOX = Sandbox("none")
@@ -184,6 +188,9 @@ def choose(requested: str, hidden: Sequence[str] = (), exposed: Sequence[str] = 
     if requested == "uid":
         if os.geteuid() != 0:
             raise ValueError("--sandbox uid needs the agent to run as root (to give uids)")
+        problem = _runs_unprivileged(sys.executable)
+        if problem is not None:
+            raise ValueError(f"--sandbox uid: {problem}")
         return Sandbox("uid", hidden)
     found = shutil.which("bwrap")
     problem = "bubblewrap is not installed (apt-get install bubblewrap)" if found is None else None
@@ -195,6 +202,30 @@ def choose(requested: str, hidden: Sequence[str] = (), exposed: Sequence[str] = 
     if requested == "bwrap":
         raise ValueError(f"--sandbox bwrap: {problem}")
     return Sandbox("none", hidden)
+
+
+def _runs_unprivileged(python: str) -> str | None:
+    """Why a daemon's interpreter cannot run as an unprivileged uid here (a home directory only
+    root may enter, say); ``None`` when it can."""
+    try:
+        done = subprocess.run(
+            [python, "-c", "import numpy, torch"],
+            user=UID_BASE,
+            group=UID_BASE,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=6 * PROBE_TIMEOUT,
+            check=False,
+            cwd="/",
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} cannot be run by an unprivileged uid: {exc}"
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()
+        why = said[-1] if said else f"exit status {done.returncode}"
+        return f"{python} cannot be run by an unprivileged uid ({why})"
+    return None
 
 
 def _probe(bwrap: str) -> str | None:
