@@ -127,10 +127,12 @@ class WorkerHello(_Message):
     capabilities: Capabilities
     peer_address: str | None = None
     datasets: dict[str, DatasetSummary] = Field(default_factory=dict)  # its own, by name
-    key: str | None = None
-    """The agent's identity key, with an id its operator chose: the first such hello enrols
-    the id (the coordinator keeps the key's hash); a later hello for an enrolled id is refused
-    unless it presents the same key."""
+    public_key: str | None = None
+    """With an id its operator chose, the agent's public identity key
+    (:mod:`protocol.identity_proof`): the first such hello enrols the id; a later hello for an
+    enrolled id is refused unless it proves the same key."""
+    proof: str | None = None
+    """The agent's signature of its connection's challenge and its id, by that key."""
 
 
 class ClientHello(_Message):

@@ -70,6 +70,7 @@ from engine.data.datasets import summaries
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.websocket import close_reason, tls_hint
 from protocol.errors import ErrorCode, RequestRefused
+from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
 from protocol.messages import Shutdown, WorkerHello
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
@@ -334,7 +335,9 @@ class Agent:
         reason = "handshake failed"
         welcomed = False
         try:
-            welcome = await handshake(channel, self._hello(channel), self.config.open_timeout)
+            issued = ws.response.headers.get(CHALLENGE_HEADER) if ws.response else None
+            hello = self._hello(channel, issued)
+            welcome = await handshake(channel, hello, self.config.open_timeout)
             # -- serve
             self._backoff.reset()
             if welcome.worker_id is not None:
@@ -387,8 +390,14 @@ class Agent:
         if welcomed:
             log.info("disconnected from %s: %s", self.url, reason)
 
-    def _hello(self, channel: Channel) -> WorkerHello:
+    def _hello(self, channel: Channel, issued: str | None) -> WorkerHello:
+        """This agent's hello; with an id its operator chose, its public identity key and its
+        proof of it for the coordinator's challenge ``issued`` (:mod:`protocol.identity_proof`):
+        the key itself never leaves the agent. (An id the coordinator assigned may be handed to
+        another agent after a coordinator restart: it is bound to no key.)"""
         assert self._capabilities is not None
+        secret, worker_id = self.config.identity_key, self.config.worker_id
+        proven = secret is not None and worker_id is not None
         return WorkerHello(
             id=channel.next_id(),
             worker_id=self._worker_id,
@@ -396,9 +405,12 @@ class Agent:
             capabilities=self._capabilities,
             peer_address=self.peer_address,
             datasets=self._datasets,
-            # Only an id the operator chose is bound to this agent's key: one the coordinator
-            # assigned may be handed to another agent after a coordinator restart.
-            key=self.config.identity_key if self.config.worker_id is not None else None,
+            public_key=public_key(secret) if proven and secret is not None else None,
+            proof=(
+                prove(secret, issued, worker_id)
+                if proven and secret is not None and worker_id is not None and issued
+                else None
+            ),
         )
 
     async def _wait_idle(self) -> None:

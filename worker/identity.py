@@ -1,8 +1,10 @@
 """This agent's identity key: made once, kept in a file only its user can read.
 
-The coordinator binds a worker id to the key of the first agent that registers with it
-(``WorkerHello.key``, an id chosen with ``--id``); a later registration of that id with
-another key — someone holding the worker token, not the machine — is refused. The key lives
+The coordinator binds a worker id to the key of the first agent that registers with it (an id
+chosen with ``--id``); a later registration of that id with another key — someone holding the
+worker token, not the machine — is refused. The key never leaves the agent: its hello carries
+the public half of a key pair derived from it and a signature of the connection's challenge
+(:mod:`protocol.identity_proof`). The key lives
 in ``--identity-file`` (by default ``~/.local/state/somatize/worker-<ID>.key``), created
 ``0600`` on the first start; a file that others can read is refused like a token file.
 """

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from typing import Any
 
@@ -72,6 +71,7 @@ from protocol.errors import (
     UnexpectedHello,
     VersionMismatch,
 )
+from protocol.identity_proof import fingerprint, verified
 from protocol.messages import (
     Ack,
     ClientHello,
@@ -201,6 +201,7 @@ class Coordinator:
             self.port,
             ssl=config.tls,
             process_request=self._http.process_request,
+            process_response=self._http.process_response,
             create_connection=connection_class_counted_in(self.pending),
             server_header=SERVER,
             **ws_options(
@@ -348,14 +349,14 @@ class Coordinator:
             )
             await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
             return
-        if hello.worker_id is not None and not await self._identified(hello.worker_id, hello.key):
-            message = (
-                f"worker id {hello.worker_id!r} is enrolled with another identity key: a worker "
-                "registers only under its own id (if that machine lost its --identity-file, run "
-                f"the coordinator once with --forget-worker {hello.worker_id})"
-            )
-            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
-            return
+        if hello.worker_id is not None:
+            assert self._http is not None  # made by start(), before any connection
+            transport: Any = channel.transport
+            issued: str | None = self._http.challenges.pop(transport, None)
+            problem = await self._identity_problem(hello, issued)
+            if problem is not None:
+                await self._refuse(transport, ErrorCode.UNAUTHORIZED, problem)
+                return
         try:
             record = self.registry.attach(
                 hello.worker_id,
@@ -392,14 +393,31 @@ class Coordinator:
             self.registry.detach(record, channel, channel.close_reason or "disconnected")
             log.info("worker %s disconnected: %s", record.id, channel.close_reason)
 
-    async def _identified(self, worker_id: str, key: str | None) -> bool:
-        """Whether a hello for ``worker_id`` with ``key`` may register: the id's enrolled key, or
-        an id not enrolled yet (enrolled now when ``key`` is given)."""
-        assert self.store is not None
-        if key is None:
-            return not await asyncio.to_thread(self.store.is_enrolled, worker_id)
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        return await asyncio.to_thread(self.store.identify, worker_id, digest)
+    async def _identity_problem(self, hello: WorkerHello, issued: str | None) -> str | None:
+        """Why a hello for an id its operator chose may not register (``None``: it may): it
+        proves no key or another than the id enrolled with, or its proof does not verify
+        against its connection's challenge ``issued`` (:mod:`protocol.identity_proof`). An id
+        not enrolled yet is enrolled now with the key it proves (trust on first use)."""
+        assert self.store is not None and hello.worker_id is not None
+        worker_id = hello.worker_id
+        other_key = (
+            f"worker id {worker_id!r} is enrolled with another identity key: a worker "
+            "registers only under its own id (if that machine lost its --identity-file, run "
+            f"the coordinator once with --forget-worker {worker_id})"
+        )
+        if hello.public_key is None:
+            enrolled = await asyncio.to_thread(self.store.is_enrolled, worker_id)
+            return other_key if enrolled else None
+        if (
+            issued is None
+            or hello.proof is None
+            or not verified(hello.public_key, hello.proof, issued, worker_id)
+        ):
+            return f"worker id {worker_id!r}: its hello does not prove its identity key"
+        known = await asyncio.to_thread(
+            self.store.identify, worker_id, fingerprint(hello.public_key)
+        )
+        return None if known else other_key
 
     async def _on_worker_message(self, record: WorkerRecord, message: Any) -> Any:
         if message.kind == "heartbeat":

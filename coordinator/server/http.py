@@ -23,6 +23,7 @@ import hmac
 import http
 import logging
 import math
+import weakref
 from collections.abc import Set
 from typing import Any
 
@@ -45,6 +46,7 @@ from coordinator.server.status import (
 )
 from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
+from protocol.identity_proof import CHALLENGE_HEADER, challenge
 
 __all__ = ["HttpEndpoints", "authorized", "offered"]
 
@@ -88,6 +90,24 @@ class HttpEndpoints:
         self.channels = channels
         self._worker_token = config.worker_token
         self._client_tokens = config.clients
+        self.challenges: weakref.WeakKeyDictionary[ServerConnection, str] = (
+            weakref.WeakKeyDictionary()
+        )
+        """The challenge each ``/worker`` connection's hello must sign."""
+
+    def process_response(
+        self, connection: ServerConnection, request: Request, response: Response
+    ) -> Response:
+        """A ``/worker`` upgrade's answer carries a fresh challenge the worker's hello signs
+        (:mod:`protocol.identity_proof`), kept for its connection; ``websockets``'
+        ``process_response`` hook."""
+        if response.status_code == http.HTTPStatus.SWITCHING_PROTOCOLS and (
+            request.path.split("?", 1)[0] == "/worker"
+        ):
+            issued = challenge()
+            self.challenges[connection] = issued
+            response.headers[CHALLENGE_HEADER] = issued
+        return response
 
     async def process_request(
         self, connection: ServerConnection, request: Request

@@ -22,6 +22,7 @@ import somatize as sz
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.errors import ErrorCode, RemoteError
+from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
 from protocol.messages import Welcome, WorkerHello
 from somatize.errors import ClusterError
 from tests.integration.cluster import cluster, wait_for
@@ -33,12 +34,21 @@ pytestmark = pytest.mark.integration
 _CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpickle="3")
 
 
-async def _hello_as(url: str, token: str, worker_id: str, key: str | None) -> RemoteError:
-    """Say hello as ``worker_id`` with the worker token; the refusal it gets."""
+async def _hello_as(
+    url: str, token: str, worker_id: str, secret: str | None, forged: str | None = None
+) -> RemoteError:
+    """Say hello as ``worker_id`` with the worker token, proving the key derived from
+    ``secret`` for the connection's challenge (or presenting its public key with the proof
+    ``forged``); the refusal it gets."""
     headers = {"Authorization": f"Bearer {token}"}
     async with websockets.connect(f"{url}/worker", additional_headers=headers) as ws:
         channel = Channel(ws, "impostor")
-        hello = WorkerHello(id=1, worker_id=worker_id, capabilities=_CAPS, key=key)
+        issued = ws.response.headers[CHALLENGE_HEADER]
+        proven = {}
+        if secret is not None:
+            proof = forged if forged is not None else prove(secret, issued, worker_id)
+            proven = {"public_key": public_key(secret), "proof": proof}
+        hello = WorkerHello(id=1, worker_id=worker_id, capabilities=_CAPS, **proven)
         with pytest.raises(RemoteError) as refused:
             await send_hello(channel, hello, Welcome, 10 * UNIT, first=True)
     return refused.value
@@ -56,6 +66,14 @@ def test_an_enrolled_worker_id_is_refused_to_anyone_without_its_key(tmp_path):
             assert refused.code == ErrorCode.UNAUTHORIZED
             assert "worker id 'w1' is enrolled with another identity key" in refused.info.message
             assert "--forget-worker w1" in refused.info.message
+        # The real key's public half with a proof made for another connection's challenge
+        # (what a listener on an old hello could replay): refused. The key itself never
+        # travelled: the hello carries its public half and a signature.
+        real = (tmp_path / "identities" / "w1.key").read_text().strip()
+        replayed = prove(real, "another connection's challenge", "w1")
+        refused = asyncio.run(_hello_as(c.url, worker_token, "w1", real, forged=replayed))
+        assert refused.code == ErrorCode.UNAUTHORIZED
+        assert "its hello does not prove its identity key" in refused.info.message
         job = client.submit(sz.Graph([Center().named("f")]), np.ones((4, 2)))
         c.start_worker("w1")  # the same machine: its identity file
         fitted = job.result(timeout=60 * UNIT)
