@@ -438,12 +438,16 @@ class GetJob(_Message):
     job_id: str
 
 
+MAX_LISTED = 1000
+"""The most job records one list answer holds."""
+
+
 class ListJobs(_Message):
     """The newest jobs (at most 1,000: an answer stays bounded), as records listed compactly
     (their history but its last row; a job's own record has it all)."""
 
     kind: Literal["list_jobs"] = "list_jobs"
-    limit: Annotated[int, Field(ge=0, le=1000)] = 50
+    limit: Annotated[int, Field(ge=0, le=MAX_LISTED)] = 50
 
 
 class Status(_Message):

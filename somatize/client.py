@@ -41,6 +41,7 @@ from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
     MAX_GRAPH_NODES,
+    MAX_LISTED,
     GraphSpec,
     JobEvent,
     ListJobs,
@@ -377,8 +378,11 @@ class Client:
 
     def jobs(self, limit: int = 50) -> list[dict[str, Any]]:
         """The newest jobs' records, newest first (``id``, ``state``, ``strategy``, times...)."""
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive integer, not {limit!r}")
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_LISTED:
+            raise ValueError(
+                f"limit must be a whole number from 1 to {MAX_LISTED} (a coordinator lists "
+                f"at most that many), not {limit!r}"
+            )
         jobs = result_field(self._call(ListJobs(limit=limit)), "jobs", "list_jobs")
         return list(jobs)
 
