@@ -492,17 +492,27 @@ def connection_class_counted_in(pending: PendingConnections) -> type[ServerConne
     """A :class:`ServerConnection` class whose connections are in ``pending`` from their TCP
     accept until they are taken out or close: idle sockets and half-sent upgrades count, not
     only upgraded connections. A socket from an address that holds its share of pending
-    sockets is closed at once, before a byte is read."""
+    sockets takes the place of the address's oldest one without a valid token (closed), or,
+    when each has shown a token, is closed at once, before a byte is read."""
 
     class Counted(ServerConnection):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             peer = transport.get_extra_info("peername")
             host = peer[0] if isinstance(peer, tuple) and isinstance(peer[0], str) else None
-            counted = pending.accepted(self, host, self.loop.time())
+            accepted = pending.accepted(self, host, self.loop.time())
             super().connection_made(transport)
-            if not counted:
+            if isinstance(accepted.displaced, ServerConnection):
                 log.info(
-                    "refused %s at accept: %d sockets of that address wait for their hello",
+                    "closed %s's oldest socket without a token: %d of its sockets wait for "
+                    "their hello",
+                    host,
+                    pending.max_per_address,
+                )
+                accepted.displaced.transport.close()
+            if not accepted.counted:
+                log.info(
+                    "refused %s at accept: %d sockets of that address with a token wait for "
+                    "their hello",
                     host,
                     pending.max_per_address,
                 )

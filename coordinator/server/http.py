@@ -190,6 +190,7 @@ class HttpEndpoints:
             self.channels,
             len(self.pending),
             self.pending.refused_at_accept,
+            self.pending.displaced,
         )
         return _respond(connection, "text/plain; version=0.0.4; charset=utf-8", text)
 

@@ -42,6 +42,7 @@ class Metrics:
         channels: Iterable[Channel],
         pending: int = 0,
         refused_at_accept: int = 0,
+        displaced_pending: int = 0,
     ) -> str:
         live = list(channels)
         lines = [
@@ -61,9 +62,13 @@ class Metrics:
             "# TYPE somatize_refused_upgrades_total counter",
             f"somatize_refused_upgrades_total {self.refused_upgrades}",
             "# HELP somatize_refused_accepts_total Sockets closed at accept: their address "
-            "held its share of pending sockets.",
+            "held its share of pending sockets, each with a token shown.",
             "# TYPE somatize_refused_accepts_total counter",
             f"somatize_refused_accepts_total {refused_at_accept}",
+            "# HELP somatize_displaced_pending_total Pending sockets without a token closed to "
+            "make room for a newer one from their address.",
+            "# TYPE somatize_displaced_pending_total counter",
+            f"somatize_displaced_pending_total {displaced_pending}",
             "# HELP somatize_busy_refusals_total Requests refused: too many in flight.",
             "# TYPE somatize_busy_refusals_total counter",
             f"somatize_busy_refusals_total {self.retired_busy + sum(c.refused_busy for c in live)}",

@@ -3,9 +3,13 @@
 A connection is *pending* from the accept until its hello is read (or it is refused, or it
 closes). Two limits keep pending sockets from locking anyone out:
 
-* **per address**: beyond ``max_per_address`` pending sockets from one IP address, a new one
-  from it is closed at its accept, before a byte is read — whoever opens sockets by the
-  hundred exhausts only their own address's share, and every other machine still connects;
+* **per address**: one IP address holds at most ``max_per_address`` pending sockets. A new
+  one beyond that takes the place of the address's oldest socket whose upgrade showed no valid
+  token yet (that one is closed): whoever opens sockets by the hundred churns only through
+  their own address's idle sockets, every other machine still connects, and so does a client
+  with a token behind the same address (a NAT, a shared host) — its upgrade, read at once,
+  makes its socket one that is never displaced. Only when every pending socket of the address
+  has shown a valid token is the new one closed at its accept, before a byte is read;
 * **admitted**: beyond ``max_admitted`` pending upgrades *whose token was checked*, a new
   upgrade is answered ``503`` (sockets without a valid upgrade are not counted there: whoever
   holds no token cannot fill it).
@@ -18,9 +22,20 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 MAX_PENDING_PER_ADDRESS = 32
 """Default number of pending sockets one IP address may hold (more are closed at accept)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What :meth:`PendingConnections.accepted` decided for a socket just accepted."""
+
+    counted: bool
+    """The socket is pending (``False``: close it now)."""
+    displaced: Hashable | None = None
+    """The address's older socket, without a valid token, whose place it took: close that one."""
 
 
 class PendingConnections:
@@ -38,27 +53,41 @@ class PendingConnections:
         self.max_per_address = max_per_address
         self._accepted_at: dict[Hashable, float] = {}
         self._address: dict[Hashable, str | None] = {}
-        self._per_address: collections.Counter[str] = collections.Counter()
+        # Each address's pending sockets, oldest first (a dict keeps their accept order).
+        self._by_address: collections.defaultdict[str, dict[Hashable, None]] = (
+            collections.defaultdict(dict)
+        )
         # Upgrades whose token was checked and whose hello has not come yet: what admit() counts
         # (a set of the pending ones, not a scan of every connection: O(1) an upgrade).
         self._admitted: set[Hashable] = set()
         self.refused_at_accept = 0
-        """Sockets closed at their accept because their address held its share."""
+        """Sockets closed at their accept because their address held its share, all of it
+        sockets that had shown a valid token."""
+        self.displaced = 0
+        """Sockets without a valid token closed to make room for a newer one of their address."""
 
     def __len__(self) -> int:
         return len(self._accepted_at)
 
-    def accepted(self, connection: Hashable, address: str | None, now: float) -> bool:
-        """Count a socket just accepted from ``address`` (``None``: unknown, never capped);
-        ``False`` (not counted: close it) when that address already holds its share."""
+    def accepted(self, connection: Hashable, address: str | None, now: float) -> Accepted:
+        """Count a socket just accepted from ``address`` (``None``: unknown, never capped). When
+        the address holds its share, the new socket takes the place of the address's oldest one
+        that has not shown a valid token (returned as ``displaced``: close it); when every one
+        of them has, the new socket is not counted (close it)."""
+        displaced = None
         if address is not None:
-            if self._per_address[address] >= self.max_per_address:
-                self.refused_at_accept += 1
-                return False
-            self._per_address[address] += 1
+            mine = self._by_address[address]
+            if len(mine) >= self.max_per_address:
+                displaced = next((c for c in mine if c not in self._admitted), None)
+                if displaced is None:
+                    self.refused_at_accept += 1
+                    return Accepted(counted=False)
+                self.done(displaced)
+                self.displaced += 1
+            self._by_address[address][connection] = None
         self._accepted_at[connection] = now
         self._address[connection] = address
-        return True
+        return Accepted(counted=True, displaced=displaced)
 
     def accepted_at(self, connection: Hashable) -> float | None:
         """When a pending connection was accepted (``None``: it is not pending)."""
@@ -71,9 +100,10 @@ class PendingConnections:
             return
         address = self._address.pop(connection, None)
         if address is not None:
-            self._per_address[address] -= 1
-            if self._per_address[address] <= 0:
-                del self._per_address[address]
+            mine = self._by_address[address]
+            mine.pop(connection, None)
+            if not mine:
+                del self._by_address[address]
 
     def admit(self, connection: Hashable) -> bool:
         """Count an upgrade whose token was checked among those waiting for their hello;
@@ -86,4 +116,4 @@ class PendingConnections:
 
     def from_address(self, address: str) -> int:
         """Pending sockets from ``address`` now."""
-        return self._per_address.get(address, 0)
+        return len(self._by_address.get(address, ()))

@@ -175,18 +175,29 @@ def test_idle_sockets_lock_nobody_out_and_silent_upgrades_beyond_the_limit_get_5
 
         # TCP only: not a byte sent, no token shown.
         idle = [await idle_socket("127.0.0.1") for _ in range(4 * PENDING)]
-        # Another address opens more than its share: those beyond it are closed at their
-        # accept, before a byte is read; the others are held like any idle socket.
+        # Another address opens more than its share: each beyond it takes the place of the
+        # address's oldest idle socket, which is closed; the others are held like any idle one.
         greedy = [await idle_socket("127.0.0.2") for _ in range(PER_ADDRESS + 8)]
         await asyncio.sleep(0.2 * UNIT)  # accepted by the server
         closed = [s for s in greedy if _closed_now(s)]
-        assert len(closed) == 8
-        # Whoever shows no token cannot lock a valid client out (issue 14, row 4).
+        assert closed == greedy[:8]
+        # Whoever shows no token cannot lock a valid client out (issue 14, row 4), nor one
+        # behind their own address, whose flood holds its share (issue 32).
         with await asyncio.to_thread(sz.connect, url, timeout=10 * UNIT) as client:
             assert client.status()["workers"] == []
+        same_address = await websockets.connect(
+            f"{url}/client", local_addr=("127.0.0.2", 0), open_timeout=10 * UNIT
+        )
+        channel = Channel(same_address, "behind the flood's address")
+        await channel.send(ClientHello(name="neighbour"))
+        async with asyncio.timeout(10 * UNIT):
+            assert (await channel.receive()).kind == "welcome"
+        await same_address.close()
         assert await asyncio.to_thread(healthy, _port(url))
         metrics = await asyncio.to_thread(_metrics, _port(url))
-        assert "somatize_refused_accepts_total 8\n" in metrics
+        assert "somatize_displaced_pending_total 9\n" in metrics
+        assert "somatize_refused_accepts_total 0\n" in metrics
+        closed.append(next(s for s in greedy[8:] if _closed_now(s)))  # the neighbour's room
         for sock in closed:
             sock.close()
         idle += [s for s in greedy if s not in closed]

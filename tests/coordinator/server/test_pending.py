@@ -4,34 +4,52 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.server.pending import PendingConnections
+from coordinator.server.pending import Accepted, PendingConnections
 
 
 class Conn:
     """A stand-in connection: hashable and weak-referenceable, as a real one is."""
 
 
-def test_an_address_gets_its_share_and_gets_it_back_as_its_sockets_finish():
+def test_a_new_socket_displaces_its_addresss_oldest_one_without_a_token():
     pending = PendingConnections(max_admitted=2, max_per_address=2)
     a, b, c, d = Conn(), Conn(), Conn(), Conn()
-    assert pending.accepted(a, "10.0.0.1", 0.0)
-    assert pending.accepted(b, "10.0.0.1", 0.0)
-    assert not pending.accepted(c, "10.0.0.1", 0.0)  # its share is taken
-    assert pending.accepted(d, "10.0.0.2", 1.5)  # another address is not affected
-    assert (len(pending), pending.refused_at_accept, pending.accepted_at(d)) == (3, 1, 1.5)
-    pending.done(a)
-    pending.done(a)  # idempotent: the count does not go below what is there
-    pending.done(c)  # never counted: nothing to give back
+    assert pending.accepted(a, "10.0.0.1", 0.0) == Accepted(counted=True)
+    assert pending.accepted(b, "10.0.0.1", 0.0) == Accepted(counted=True)
+    # The share is taken: the oldest idle socket makes room (whoever floods churns their own).
+    assert pending.accepted(c, "10.0.0.1", 1.0) == Accepted(counted=True, displaced=a)
+    assert pending.accepted(d, "10.0.0.2", 1.5) == Accepted(counted=True)  # another address
+    assert (len(pending), pending.displaced, pending.accepted_at(a)) == (3, 1, None)
+    pending.done(a)  # its connection_lost comes later: idempotent
+    assert pending.from_address("10.0.0.1") == 2
+    # A socket whose upgrade showed a token is never displaced: b made its way in.
+    assert pending.admit(b)
+    e = Conn()
+    assert pending.accepted(e, "10.0.0.1", 2.0) == Accepted(counted=True, displaced=c)
+    pending.done(b)  # its hello came
+    pending.done(b)  # idempotent: the count does not go below what is there
     assert pending.from_address("10.0.0.1") == 1
-    assert pending.accepted(c, "10.0.0.1", 2.0)
-    assert pending.accepted_at(a) is None
+
+
+def test_a_socket_is_closed_at_accept_only_when_its_addresss_sockets_all_showed_a_token():
+    pending = PendingConnections(max_admitted=4, max_per_address=2)
+    a, b, c = Conn(), Conn(), Conn()
+    for conn in (a, b):
+        assert pending.accepted(conn, "10.0.0.1", 0.0).counted
+        assert pending.admit(conn)
+    assert pending.accepted(c, "10.0.0.1", 0.0) == Accepted(counted=False)
+    assert (pending.refused_at_accept, pending.displaced) == (1, 0)
+    pending.done(c)  # never counted: nothing to give back
+    assert pending.from_address("10.0.0.1") == 2
+    pending.done(a)
+    assert pending.accepted(c, "10.0.0.1", 2.0) == Accepted(counted=True)
 
 
 def test_only_admitted_upgrades_that_are_still_pending_count_against_the_limit():
     pending = PendingConnections(max_admitted=1, max_per_address=8)
     a, b = Conn(), Conn()
     for conn in (a, b):
-        assert pending.accepted(conn, None, 0.0)  # an unknown address is never capped
+        assert pending.accepted(conn, None, 0.0).counted  # an unknown address is never capped
     assert pending.admit(a)
     assert not pending.admit(b)
     pending.done(a)  # its hello came: it no longer holds a place
