@@ -24,8 +24,9 @@ connections (:func:`transport_context`) in the server, in-memory ones in the uni
 The store is SQLite: every call into it runs in a thread, never on the event loop. The write
 that records how a job ended is tried again while the store fails (a full disk may get room, a
 database locked by a backup be let go: :data:`STORE_RETRIES`); if it never goes through, the
-job's watchers are told anyway, and the job stays ``running`` in the store until the next
-coordinator start marks it failed (``coordinator_restarted``).
+job's watchers are told anyway, its record reads as it ended, and the end is written as soon as
+the store takes it (:mod:`coordinator.jobs.owed_ends`; a coordinator stopped before then marks
+it failed at its next start, ``coordinator_restarted``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import importlib
 import logging
 import sqlite3
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from coordinator.context import (
 from coordinator.errors import StoreError
 from coordinator.jobs.events import JobEvents
 from coordinator.jobs.files import JobFiles
+from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.jobs.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
@@ -219,6 +222,8 @@ class JobManager:
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
         self.events = JobEvents(store)
+        self.owed_ends = OwedEnds()
+        """Ends the store refused, written when it can (:meth:`OwedEnds.pay_forever`)."""
         self._wake = asyncio.Event()
         self.accepting = True
 
@@ -456,7 +461,7 @@ class JobManager:
 
     async def records(self, limit: int = 50) -> list[dict[str, Any]]:
         records = await asyncio.to_thread(self.store.list, None, limit)
-        return [record_dict(r) for r in records]
+        return [record_dict(self.owed_ends.as_recorded(r)) for r in records]
 
     async def counts(self) -> dict[JobState, int]:
         return await asyncio.to_thread(self.store.counts)
@@ -650,13 +655,17 @@ class JobManager:
     async def _record_end(self, job_id: str, info: ErrorInfo) -> None:
         data = {"code": str(info.code), "message": info.message, "detail": info.detail}
         if info.code is ErrorCode.CANCELLED:
-            await _failure_after_retries(job_id, self.store.cancel, job_id, info.message)
-            await self._emit(job_id, "cancelled", data)
+            state, event = JobState.CANCELLED, "cancelled"
+            write = functools.partial(self.store.cancel, job_id, info.message)
         else:
-            await _failure_after_retries(
-                job_id, self.store.fail, job_id, str(info.code), info.message, info.detail
+            state, event = JobState.FAILED, "failed"
+            write = functools.partial(
+                self.store.fail, job_id, str(info.code), info.message, info.detail
             )
-            await self._emit(job_id, "failed", data)
+        if await _failure_after_retries(job_id, write) is not None:
+            error = {"code": str(info.code), "message": info.message, "detail": info.detail or {}}
+            self.owed_ends.owe(job_id, state, error, time.time(), write)
+        await self._emit(job_id, event, data)
         await self._forget(job_id, succeeded=False)
 
     async def _forget(self, job_id: str, succeeded: bool) -> None:
@@ -669,8 +678,9 @@ class JobManager:
         await self.events.emit(job_id, event, data)
 
     async def _record(self, job_id: str) -> JobRecord:
+        """The job's record, as it reads once an end the store refused is written."""
         try:
-            return await asyncio.to_thread(self.store.get, job_id)
+            return self.owed_ends.as_recorded(await asyncio.to_thread(self.store.get, job_id))
         except UnknownJob as exc:
             raise RequestRefused.of(
                 ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}", job_id=job_id

@@ -214,6 +214,7 @@ class Coordinator:
         self._tasks = [
             asyncio.create_task(jobs.place_forever(), name="job placement"),
             asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
+            asyncio.create_task(jobs.owed_ends.pay_forever(), name="owed job ends"),
         ]
         log.info(
             "coordinator listening on ws://%s:%d (state in %s)",
@@ -236,6 +237,8 @@ class Coordinator:
         assert self._server is not None and self.store is not None
         self._server.close(close_connections=False)  # stop accepting new connections
         await self.jobs.shutdown(grace)
+        if await self.jobs.owed_ends.pay():  # a last try; the next start marks them failed
+            log.error("%d job ends could not be stored", len(self.jobs.owed_ends))
         notice = Shutdown(reason="the coordinator is shutting down")
         for record in self.registry:
             if record.channel is not None:

@@ -350,3 +350,40 @@ def test_with_the_store_full_a_running_job_still_ends_for_its_watchers(tmp_path,
             assert h.store.write_failure is None
 
     run(main())
+
+
+def test_a_job_cancelled_while_the_store_fails_reads_cancelled_and_is_stored_so_later(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(manager, "STORE_RETRIES", (0.01, 0.02))
+
+    async def main():
+        async with Harness(tmp_path, gate_open=False) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit())
+            await h.until(lambda: h.store.get(job_id).state is JobState.RUNNING)
+            # Every write fails, as on a full disk where not even the journal can grow.
+            conn = h.store._connection()
+            conn.execute("PRAGMA query_only = 1")
+            await h.manager.cancel(job_id)
+            # The store could not take the end: the job has ended all the same, and says so.
+            assert h.store.get(job_id).state is JobState.RUNNING
+            assert job_id in h.manager.owed_ends
+            record = await h.manager.record(job_id)
+            assert (record["state"], record["error"]["code"]) == ("cancelled", "cancelled")
+            assert [r["state"] for r in await h.manager.records() if r["id"] == job_id] == [
+                "cancelled"
+            ]
+            with pytest.raises(RequestRefused, match="cancelled by the client"):
+                await h.manager.result(job_id)
+            assert await h.manager.owed_ends.pay() == 1  # still full: still owed
+            conn.execute("PRAGMA query_only = 0")  # room again
+            assert await h.manager.owed_ends.pay() == 0
+            stored = h.store.get(job_id)
+            assert (stored.state, stored.error["message"]) == (
+                JobState.CANCELLED,
+                "cancelled by the client",
+            )
+            assert job_id not in h.manager.owed_ends
+
+    run(main())
