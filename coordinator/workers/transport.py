@@ -6,8 +6,12 @@ filters is an :class:`~protocol.messages.OpenJob` (the agent starts a fresh daem
 
 A worker that disconnects or stops heartbeating has its connection closed by the server, which
 fails its pending command at once with ``worker_lost``: a strategy waiting on a dead worker learns
-within the heartbeat timeout. A strategy that can go on (elastic DataParallel) asks for a
-replacement with :meth:`TransportContext.replace`; the job manager reserves it for the job.
+within the heartbeat timeout. A command waiting for its input in its worker's mailbox (a
+pipeline stage's activation or gradient, :meth:`TransportContext.routed`) fails as soon as any
+other worker of the job is lost, with that worker's ``worker_lost``: its input may never come (a
+stage that answered its commands and left would otherwise hold the job up to the call timeout).
+A strategy that can go on (elastic DataParallel) asks for a replacement with
+:meth:`TransportContext.replace`; the job manager reserves it for the job.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class TransportContext(StrategyContext):
         self.peer_secret = secrets.token_urlsafe(32)
         """The job's secret its workers' link keys are made from (never sent:
         :mod:`protocol.peer_credentials`)."""
+        self._loss: asyncio.Task[WorkerRecord] | None = None
+        """Completes with the first of :attr:`records` whose connection closes
+        (:meth:`_first_loss`)."""
 
     def observe(self, cmd: str, seconds: float) -> None:
         self._observe(cmd, seconds)
@@ -130,8 +137,30 @@ class TransportContext(StrategyContext):
             output_to=route,
             seq=seq,
         )
-        reply = await self._request(worker_idx, message, request.cmd)
-        return reply.result
+        if input_from is None:
+            return (await self._request(worker_idx, message, request.cmd)).result
+        answer = asyncio.ensure_future(self._request(worker_idx, message, request.cmd))
+        loss = self._first_loss()
+        await asyncio.wait((answer, loss), return_when=asyncio.FIRST_COMPLETED)
+        if answer.done() or not loss.done():
+            return (await answer).result
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, WorkerCallError):
+            await answer
+        lost = loss.result()
+        raise WorkerCallError(lost.id, _lost(lost, f"{request.cmd} waiting for {input_from}"))
+
+    def _first_loss(self) -> asyncio.Task[WorkerRecord]:
+        """A task that completes with the first of the job's current workers whose connection
+        closes (made again once a lost one is replaced)."""
+        loss = self._loss
+        if (
+            loss is None
+            or loss.cancelled()
+            or (loss.done() and (loss.result() not in self.records or loss.result().connected))
+        ):
+            loss = self._loss = asyncio.create_task(_first_closed(list(self.records)))
+        return loss
 
     async def links(self, worker_idx: int, expects: Mapping[int, str]) -> dict[str, Any]:
         addresses = {self.records[i].id: self.records[i].peer_address for i in expects}
@@ -163,6 +192,8 @@ class TransportContext(StrategyContext):
 
     async def close(self) -> None:
         """Stop the job's daemon on every worker still connected (best effort, bounded)."""
+        if self._loss is not None:
+            self._loss.cancel()
 
         async def close_one(record: WorkerRecord) -> None:
             if record.channel is None:
@@ -207,6 +238,22 @@ class TransportContext(StrategyContext):
             raise WorkerCallError(record.id, info) from None
         self.observe(cmd, time.perf_counter() - started)
         return reply
+
+
+async def _first_closed(records: Sequence[WorkerRecord]) -> WorkerRecord:
+    """The first of ``records`` whose connection closes (one without a connection at once)."""
+    for record in records:
+        if record.channel is None or record.channel.closed.is_set():
+            return record
+    waits = {
+        asyncio.ensure_future(r.channel.closed.wait()): r for r in records if r.channel is not None
+    }
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return waits[next(iter(done))]
 
 
 def _lost(record: WorkerRecord, cmd: str) -> ErrorInfo:
