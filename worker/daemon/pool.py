@@ -139,7 +139,11 @@ class DaemonPool:
         supervisor = self.new(None)
 
         async def start() -> DaemonSupervisor:
-            await supervisor.start()
+            try:
+                await supervisor.start()
+            except asyncio.CancelledError:  # given up (the agent stops): its process goes too
+                await self.close(supervisor)
+                raise
             return supervisor
 
         self._spare = owned_task(start())

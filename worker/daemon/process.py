@@ -239,6 +239,24 @@ def reap(
     return popen.wait()
 
 
+def discard(
+    started: tuple[subprocess.Popen[bytes] | ForkedChild, JobCgroup | None, UidConfinement | None],
+) -> None:
+    """Kill and reap a daemon whose start was given up before it was looked after (its
+    starter was cancelled while the process was being made): its pipes closed, what it
+    started, its cgroup and its uid's files gone. Blocking: run it in an executor."""
+    child, cgroup, confinement = started
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    for stream in (child.stdin, child.stdout):
+        if stream is not None:
+            stream.close()
+    if isinstance(child, ForkedChild):
+        child.reap(cgroup, REAP_SECONDS)
+    else:
+        reap(child, cgroup, confinement)
+
+
 def _exited(pid: int) -> bool:
     """Whether ``pid`` (a child) has exited, leaving it unreaped."""
     try:

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from pydantic import ValidationError
 
@@ -63,6 +63,7 @@ from worker.daemon.process import (
     REAP_SECONDS,
     DaemonProcess,
     describe_exit,
+    discard,
     shared_regions,
     spawn,
 )
@@ -79,6 +80,8 @@ from worker.errors import (
 __all__ = ["DaemonSupervisor"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The directory holding the ``worker`` and ``protocol`` packages: put on the child's PYTHONPATH so
 # ``python -m worker.daemon`` imports this very code whatever the cwd and the interpreter.
@@ -395,8 +398,9 @@ class DaemonSupervisor:
         forked: tuple[ForkedChild, JobCgroup | None] | None = None
         if forks is not None and forks.alive and self.device == "cpu":
             try:
-                forked = await loop.run_in_executor(
-                    None, forks.fork, self.threads, fds, self.cgroups
+                forked = await _discarded_if_cancelled(
+                    loop.run_in_executor(None, forks.fork, self.threads, fds, self.cgroups),
+                    lambda made: discard((*made, None)),
                 )
                 argv = [f"(forked by fork server {forks.pid})", "--threads", str(self.threads)]
             except OSError as exc:
@@ -407,8 +411,9 @@ class DaemonSupervisor:
             ] = (
                 (*forked, None)
                 if forked is not None
-                else await loop.run_in_executor(
-                    None, spawn, argv, env, fds, self.cgroups, self.sandbox
+                else await _discarded_if_cancelled(
+                    loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups, self.sandbox),
+                    discard,
                 )
             )
         except OSError as exc:
@@ -464,6 +469,26 @@ class DaemonSupervisor:
                 await asyncio.wait_for(asyncio.shield(child.exited), REAP_SECONDS * 2)
             except TimeoutError:
                 log.error("filter daemon %d could not be reaped after SIGKILL", child.pid)
+
+
+async def _discarded_if_cancelled(making: asyncio.Future[T], discarded: Callable[[T], None]) -> T:
+    """What ``making`` (a process being made in an executor) makes; when the caller is
+    cancelled first, ``discarded(it)`` runs in an executor once it is made, so that no process
+    is left without an owner (a spare daemon's start cancelled by the agent's close)."""
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+
+        def discard_when_made(made: asyncio.Future[T]) -> None:
+            if made.cancelled() or made.exception() is not None:
+                return
+            try:
+                asyncio.get_running_loop().run_in_executor(None, discarded, made.result())
+            except RuntimeError:  # the loop is closing: discard it here, now
+                discarded(made.result())
+
+        making.add_done_callback(discard_when_made)
+        raise
 
 
 def _usage(child: DaemonProcess) -> Usage:
