@@ -57,7 +57,7 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model")
+EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model", "sandbox")
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -83,6 +83,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "checkpoints": {"steps": 18, "rounds": 1},
     "federated": {"quick": True},
     "own_model": {"rows": 640},
+    "sandbox": {"repeats": 1, "steps": 16},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

@@ -57,6 +57,7 @@ from protocol.asyncio.handshake import send_hello
 from protocol.codec import encode, encode_frame, frame_nbytes
 from protocol.errors import ErrorCode, RemoteError
 from protocol.filters import dump_filter
+from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
 from protocol.messages import (
     MAX_GRAPH_NODES,
     Ack,
@@ -72,7 +73,7 @@ from protocol.parsing import dump
 from somatize.client import graph_info
 from somatize.connection import client_url, dial, handshake
 from tests.utils import Center
-from tests.worker.standin import PEER_SECRET, drive, open_job
+from tests.worker.standin import drive, open_job, presented
 from tests.worker.test_peer import RelayStandIn, two_agents
 from worker.peer import MAILBOX_JOB_ENTRIES
 
@@ -112,7 +113,7 @@ def forged_peer_hello(site: Site) -> Attack:
                 await channel.close()
                 return answer
 
-        words = f"no open job {job_id!r} with that secret"
+        words = f"no open job {job_id!r} here for which it holds that credential"
         return await timed_refusals(attempt, lambda e: refused(e, ErrorCode.UNAUTHORIZED, words))
 
     with site.client() as client:
@@ -130,7 +131,8 @@ def forged_peer_hello(site: Site) -> Attack:
         f"{ATTEMPTS} dials of w1's `/peer`, each a `peer_hello` naming the running "
         'ModelParallel job (w0 → w1, `transport="websocket"`, peer links) as w0, with no '
         "secret or a guessed 32-byte one",
-        'each refused `unauthorized` ("no open job … with that secret"), '
+        'each refused `unauthorized` ("no open job … here for which it holds that '
+        'credential"), '
         "the link closed by the agent; the job went on over its own direct link and succeeded "
         f"equal to the unsplit model trained in one process (max abs diff {diff:.1e})",
         took,
@@ -194,13 +196,13 @@ def forged_relay(site: Site) -> Attack:
 
 @contextlib.asynccontextmanager
 async def peer_link(address: str, worker_id: str, job_id: str) -> AsyncIterator[Channel]:
-    """A link to the ``/peer`` at ``address`` as ``worker_id``, for ``job_id`` with its secret
-    (as a peer of the job has it); closed on exit."""
+    """A link to the ``/peer`` at ``address`` as ``worker_id``, for ``job_id`` with its
+    credential (as a peer of the job has it); closed on exit."""
     async with websockets.connect(f"{address}/peer", **WS_OPTIONS) as ws:
         channel = Channel(ws, f"{worker_id}'s link for {job_id}")
         reader = asyncio.ensure_future(channel.run())
         try:
-            hello = PeerHello(worker_id=worker_id, job_id=job_id, secret=PEER_SECRET)
+            hello = PeerHello(worker_id=worker_id, job_id=job_id, secret=presented(worker_id))
             if not isinstance(await channel.request(hello, WAIT), Ack):
                 raise AssertionError(f"{worker_id}, a peer of {job_id}, was not let in")
             yield channel
@@ -336,8 +338,11 @@ def impersonated_worker(site: Site) -> Attack:
             headers = {"Authorization": f"Bearer {token}"}
             url = f"{c.url}/worker"
             async with websockets.connect(url, additional_headers=headers, **WS_OPTIONS) as ws:
-                key = secrets.token_urlsafe(32) if n % 2 else None
-                hello = WorkerHello(id=1, worker_id="w1", capabilities=CAPS, key=key)
+                proven = {}
+                if n % 2:  # a key of its own, proven for this connection's challenge
+                    key, issued = secrets.token_urlsafe(32), ws.response.headers[CHALLENGE_HEADER]
+                    proven = {"public_key": public_key(key), "proof": prove(key, issued, "w1")}
+                hello = WorkerHello(id=1, worker_id="w1", capabilities=CAPS, **proven)
                 return await send_hello(Channel(ws, "impostor"), hello, Welcome, WAIT, first=True)
 
         words = "worker id 'w1' is enrolled with another identity key", "--forget-worker w1"
@@ -359,8 +364,8 @@ def impersonated_worker(site: Site) -> Attack:
     return Attack(
         "3",
         "impersonation of an enrolled worker id",
-        f"w1 SIGKILLed; {ATTEMPTS} hellos as `w1` on `/worker` with the worker token and no "
-        "identity key or a guessed one",
+        f"w1 SIGKILLed; {ATTEMPTS} hellos as `w1` on `/worker` with the worker token, proving "
+        "no identity key or one of its own (signing the connection's challenge)",
         "each refused `unauthorized` (\"worker id 'w1' is enrolled with another identity key\", "
         "naming `--forget-worker w1`); the real w1 restarted with its identity file registered "
         "again under its id (its connection count up by one: no impostor got in)",
@@ -398,8 +403,28 @@ def _closed(socks: list[socket.socket], opened: list[float]) -> list[float]:
     return [closed[n] for n in range(len(socks))]
 
 
+def _hello_from(site: Site, address: str) -> float:
+    """Seconds for a client with the token, from ``address``, to connect and be welcomed."""
+
+    async def hello() -> None:
+        url = client_url(site.cluster.url)
+        started = time.perf_counter()
+        async with websockets.connect(
+            url,
+            additional_headers={"Authorization": f"Bearer {site.client_token}"},
+            local_addr=(address, 0),
+            open_timeout=WAIT,
+        ) as ws:
+            await handshake(Channel(ws, f"client from {address}"), url, WAIT)
+        took.append(time.perf_counter() - started)
+
+    took: list[float] = []
+    asyncio.run(hello())
+    return took[0]
+
+
 ATTACKER = "127.0.0.2"
-"""The address the idle sockets come from (loopback: the valid client's is 127.0.0.1)."""
+"""The address the idle sockets come from (loopback: the other valid client's is 127.0.0.1)."""
 
 
 @scenario
@@ -416,6 +441,7 @@ def idle_sockets(site: Site) -> Attack:
             )
         time.sleep(0.1)  # accepted by the server
         held = [_connect_and_status(site) for _ in range(5)]
+        neighbour = [_hello_from(site, ATTACKER) for _ in range(5)]
         if not c.healthy():
             raise AssertionError("/healthz failed while the idle sockets were held")
         after = rss_kib(pid_of(c.coordinator))
@@ -427,16 +453,19 @@ def idle_sockets(site: Site) -> Attack:
     if max(closes) > HANDSHAKE_TIMEOUT + 2.0:
         raise AssertionError(f"an idle socket was held {max(closes):.1f} s")
     return Attack(
-        "4",
-        "pre-auth lockout by idle sockets",
+        "4 (14), 2 (32)",
+        "pre-auth lockout by idle sockets, from another address and from the same one",
         f"{IDLE_SOCKETS} TCP connections from {ATTACKER} to the coordinator's port, not a byte "
         f"sent (more than its {MAX_PENDING_CONNECTIONS} pending upgrades); meanwhile a client "
-        "with the token connects from 127.0.0.1 and asks for status, 5 times",
-        "the valid client connected and got status every time (idle sockets show no token, so "
-        "they do not count against the pending limit); `/healthz` answered; beyond its share of "
-        f"{MAX_PENDING_PER_ADDRESS} pending sockets the address's sockets were closed at their "
-        f"accept ({at_accept} of them), the others by the handshake timeout "
-        f"({HANDSHAKE_TIMEOUT:g} s from their accept)",
+        "with the token connects from 127.0.0.1 and asks for status, 5 times, and another "
+        f"connects from {ATTACKER} itself (a NAT's neighbour) and is welcomed, 5 times",
+        "both valid clients connected every time (idle sockets show no token, so they do not "
+        "count against the pending limit, and one behind the same address takes the place of "
+        "the oldest idle one); `/healthz` answered; beyond its share of "
+        f"{MAX_PENDING_PER_ADDRESS} pending sockets each new socket of the address displaced "
+        f"its oldest idle one, closed within a second of its accept ({at_accept} of them), the "
+        f"others were closed by the handshake timeout ({HANDSHAKE_TIMEOUT:g} s from their "
+        "accept)",
         closes,
         "connect → closed by the coordinator",
         "test_limits.py::test_idle_sockets_lock_nobody_out_and_silent_upgrades_beyond_the_"
@@ -444,7 +473,8 @@ def idle_sockets(site: Site) -> Attack:
         Memory("coordinator", before, after),
         [
             f"valid connect + status with the sockets held: {spread(held)} "
-            f"(alone: {spread(alone)})",
+            f"(alone: {spread(alone)}); from {ATTACKER}, connect + welcome: "
+            f"{spread(neighbour)}",
         ],
     )
 
