@@ -11,6 +11,7 @@ then two TorchFilters: Linear 16-64 + ReLU, Linear 64-4; SGD with momentum, cros
    (FedAvg does not train what ``graph.fit`` trains; the device must not change it);
 4. ``sz.DataParallel(2, device=D)`` with each collective (``torch``: gloo over CUDA tensors,
    since NCCL takes no two ranks on one GPU; ``coordinator``): both workers on the one device;
+   and ``sz.DataParallel(2, sharding="full")`` (FSDP2) on the torch collective;
 5. ``sz.ModelParallel`` with 2 partitions (one per worker, device D);
 6. a DataParallel step of each collective (the time between the job's ``training`` events over
    the steps between them, after warm-up) against one step of a plain torch loop (the same
@@ -223,6 +224,10 @@ def cluster_checks(
                     fitted, stamps, took = submit(client, sizes, x, y, strategy)
                     checks.append(compared(f"{name} vs graph.fit", fitted, reference, took))
                     timed.append((name, stamps))
+                sharded = sz.DataParallel(2, device=device, collective="torch", sharding="full")
+                fitted, _, took = submit(client, sizes, x, y, sharded)
+                name = "DataParallel(2, sharding='full') vs graph.fit"
+                checks.append(compared(name, fitted, reference, took))
                 stages = [
                     sz.Partition(["center", "hidden"], worker="dev-1"),
                     sz.Partition(["head"], worker="dev-2"),

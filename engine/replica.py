@@ -19,6 +19,11 @@ all-reduce in the backward (DDP's ``no_sync``), each replica stepping on its own
 gradient, and after the steps that end a round the replicas' pseudo-gradients averaged and one
 outer step taken on the global weights.
 
+A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
+(:mod:`engine.sharding`): the same loop, each replica holding a shard of every parameter,
+gradient and optimizer moment; a chunk of steps that the coordinator reads after (``gather``,
+and the plan's last) ends with the whole model gathered on every replica.
+
 A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
 each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
 between synchronisations and the coordinator averages the replicas' weights and takes the outer
@@ -50,6 +55,7 @@ from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
 from engine.outer_step import OuterStep, SyncPoint
+from engine.sharding import Sharded, ShardedRun, unit_classes
 from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
@@ -88,6 +94,8 @@ class ReplicaPlan:
     world: int = 1
     compression: str | None = None  # the gradients (DiLoCo's: pseudo-gradients) as they travel
     syncs: list[bool] = field(default_factory=list)  # per step, with ``outer``: a sync after it
+    sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.sharding)
+    shard_units: tuple[str, ...] | None = None  # the classes sharded as one unit each
 
     @classmethod
     def of(
@@ -235,7 +243,7 @@ class _Alone:
         return contextlib.nullcontext()
 
 
-Wrapped = DistributedDataParallel | _Alone
+Wrapped = DistributedDataParallel | _Alone | Sharded
 """The differentiable run as a replica trains it."""
 
 
@@ -255,16 +263,19 @@ class Replica:
         self._ddp: Wrapped | None = None
         self._outer: OuterStep | None = None
         self._sync_point: SyncPoint | None = None  # a plan alone: its last synchronisation
+        self._sharded: ShardedRun | None = None  # a plan with sharding: the run's shards
         group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
-    def set_plan(self, plan: ReplicaPlan) -> None:
+    def set_plan(self, plan: ReplicaPlan) -> dict[str, int] | None:
         """Take the plan every replica walks and wrap the differentiable run in DDP (which
-        checks the replicas' parameters agree, and broadcasts replica 0's).
+        checks the replicas' parameters agree, and broadcasts replica 0's); or, sharded, shard
+        it and say what this replica holds (:meth:`ShardedRun.held`).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a join, or for a plan whose nodes are not plain
                 filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
         """
+        self._unshardable()
         _, run = self._prefix_and_run(plan.node_ids)
         self.rows.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
         self._ddp = None
@@ -273,11 +284,13 @@ class Replica:
             self._sync_point = None  # (the coordinator reads the weights themselves)
             if plan.compression is not None:  # the pseudo-gradients travel compressed
                 self._sync_point = SyncPoint({node.node_id: trainable(node) for node in run})
-            return
+            return None
         self.group.place()
         device = self.nodes.device
         try:
             chain = _Chain(run, device)
+            if plan.sharding != "none":
+                return self._shard(chain, run, plan)
             if plan.sync_batchnorm:
                 _synced_batchnorm(chain)
             ids = [device.index] if device.type == "cuda" else None
@@ -294,16 +307,42 @@ class Replica:
         if plan.outer is not None:  # the global weights: replica 0's, as DDP broadcast them
             trained = [p for p in self._ddp.module.parameters() if p.requires_grad]
             self._outer = OuterStep(trained, plan.outer, plan.compression)
+        return None
 
-    def train(self, start: int, stop: int) -> dict[str, Any]:
+    def _shard(self, chain: _Chain, run: list[Node], plan: ReplicaPlan) -> dict[str, int]:
+        """The run sharded by FSDP2 over the group (:mod:`engine.sharding`), its optimizers
+        made over the shards: what :meth:`train` steps; what this replica holds of it."""
+        units = None if plan.shard_units is None else unit_classes(plan.shard_units)
+        self._sharded = ShardedRun(chain, run, self.optimizers, plan.sharding == "full", units)
+        self._ddp, self._plan, self._outer = self._sharded.wrapped, plan, None
+        return self._sharded.held()
+
+    def _unshardable(self) -> None:
+        """Before a new plan: a run still sharded over a group that is gone cannot train.
+
+        Raises:
+            EngineError: ``BAD_REQUEST``: the model is sharded and was not gathered.
+        """
+        if self._sharded is not None and not self._sharded.gathered:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                "this replica's model is sharded over a group that is gone, never gathered: "
+                "its filters must be loaded again",
+            )
+        self._sharded = None  # gathered: the filters hold the whole model, a plan starts anew
+
+    def train(self, start: int, stop: int, gather: bool = False) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
-        rows, learning rate and (from a step function) metrics per step.
+        rows, learning rate and (from a step function) metrics per step. A sharded replica
+        then gathers the whole model when ``gather`` or at the plan's end.
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
                 ``COLLECTIVE_FAILED`` when the group breaks, with ``steps_done``.
         """
         plan, ddp = self._planned(stop)
+        if self._sharded is not None:
+            self._sharded.resume()
         prefix, run = self._prefix_and_run(plan.node_ids)
         optimizers = [self.optimizers.optimizer(node) for node in run]
         scaler = self.optimizers.scaler(run[-1])
@@ -339,6 +378,8 @@ class Replica:
             metrics.append(figures)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
+        if self._sharded is not None and (gather or stop == len(plan.steps)):
+            self._gather(self._sharded, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         said = {"losses": losses, "rows": rows, "lrs": lrs}
@@ -475,7 +516,18 @@ class Replica:
                 raise self.group.broken("broadcasting the buffers", exc, steps_done) from exc
             raise
 
+    def _gather(self, sharded: ShardedRun, steps_done: int) -> None:
+        """The whole model and optimizer state onto every replica (a collective)."""
+        try:
+            sharded.gather()
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.group.broken("gathering the sharded model", exc, steps_done) from exc
+            raise
+
     def _forget(self) -> None:
+        if self._sharded is not None and self._sharded.gathered:
+            self._sharded = None  # the filters hold the whole model: nothing sharded is left
         self._ddp = None
         self._plan = None
         self._outer = None

@@ -343,6 +343,10 @@ class DistPlanRequest(_BatchPlan):
     sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
     outer: OuterStepSpec | None = None  # DiLoCo: local inner steps, an outer step at each sync
     compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
+    # FSDP2: what the replicas shard ("full" / "gradients"), and the module classes (qualified
+    # names) sharded as one unit each (None: each TorchFilter module's children).
+    sharding: Literal["none", "full", "gradients"] = "none"
+    shard_units: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = None
     # A replica with no group (DiLoCo through the coordinator): its place and the replicas.
     alone: bool = False
     rank: NonNegativeInt = 0
@@ -378,9 +382,12 @@ class DistTrainRequest(_Steps):
     """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
-    per step."""
+    per step. A sharded replica with ``gather`` then gathers the whole model and optimizer
+    state (every replica takes part), so that it can be read, evaluated or checkpointed as an
+    unsharded one until its next ``dist_train``."""
 
     cmd: Literal["dist_train"] = "dist_train"
+    gather: bool = False
 
 
 class DistPseudoGradientsRequest(_Request):

@@ -206,6 +206,10 @@ def _phase_text(data: dict[str, Any]) -> str:
         return f"staged {sum(int(n) for n in rows.values()):,} rows on {len(rows)} workers"
     if phase == "linked":
         return f"stages linked ({data.get('transport', '?')})"
+    if phase == "sharded":
+        held = [v["parameter_bytes"] for v in data.values() if isinstance(v, dict)]
+        most = f": at most {max(held):,} bytes of parameters a replica" if held else ""
+        return f"model sharded ({data.get('sharding', '?')}){most}"
     if phase == "training":
         rows = _int(data.get("rows"))
         on = f" on {rows:,} rows" if rows is not None else ""

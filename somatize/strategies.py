@@ -83,6 +83,8 @@ class DataParallel(Strategy, strategies.DataParallelOptions):
         *RESUMING,
         "sync_batchnorm",
         "compression",
+        "sharding",
+        "shard_units",
     )
 
 
@@ -104,6 +106,8 @@ class DiLoCo(Strategy, strategies.DiLoCoOptions):
         *RESUMING,
         "sync_batchnorm",
         "compression",
+        "sharding",
+        "shard_units",
     )
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "INNER_STATES",
     "SCHEDULES",
     "SERVER_OPTIMIZERS",
+    "SHARDINGS",
     "TRANSPORTS",
     "AdaptiveOptions",
     "Caller",
@@ -90,6 +91,7 @@ __all__ = [
     "RestartOptions",
     "ServerOptimizerOptions",
     "ServerOptions",
+    "Sharding",
     "StrategyOptions",
     "T",
     "WorkerDataOptions",
@@ -109,6 +111,14 @@ COLLECTIVES: tuple[str, ...] = get_args(Collective)
 """How DataParallel reduces gradients: torch.distributed between the replicas (``torch``),
 through the coordinator (``coordinator``), or the first when every replica can reach the
 rendezvous (``auto``)."""
+
+Sharding = Literal["none", "full", "gradients"]
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+"""What DataParallel's replicas shard (FSDP2 on the torch collective): nothing (``none``: each
+holds the whole model, as DDP), parameters, gradients and optimizer state (``full``: as
+``fully_shard(reshard_after_forward=True)``), or gradients and optimizer state with the
+parameters kept gathered from forward to backward (``gradients``: ``reshard_after_forward=
+False``, ZeRO-2-like)."""
 
 Transport = Literal["auto", "torch", "websocket"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
@@ -249,6 +259,17 @@ class DataParallelOptions(CheckpointOptions):
             mean sent back, int8 with error feedback on both (``"powersgd:RANK"`` is refused
             there). The result is then close to ``graph.fit``'s, not equal. DiLoCo takes
             ``"fp16"``, ``"bf16"`` and ``"int8"`` for its pseudo-gradients and outer updates.
+        sharding: ``"none"`` (default): every replica holds the whole model, its gradients
+            and its optimizer state. ``"full"``: each replica holds a 1/N shard of each
+            (torch's FSDP2, ``fully_shard``), gathering a unit's parameters for its forward and
+            again for its backward; ``"gradients"``: parameters stay gathered from forward to
+            backward (more memory, one all-gather less). On the torch collective only, with a
+            mean-reduced loss it equals ``graph.fit`` as unsharded DataParallel does. Where the
+            coordinator reads the model (a checkpoint, a validation, the result) the replicas
+            gather it whole first.
+        shard_units: the module classes (or their qualified names, ``"torch.nn.
+            TransformerEncoderLayer"``) each sharded as one unit; default: each TorchFilter's
+            module's children.
 
     Raises:
         ValueError: ``workers`` is not a positive integer, ``tag`` not a non-empty string,
@@ -272,12 +293,15 @@ class DataParallelOptions(CheckpointOptions):
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     sync_batchnorm: bool = False
     compression: str | None = None
+    sharding: Sharding = "none"
+    shard_units: tuple[str, ...] | None = None
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         positive_int("workers", fields.get("workers"))
         _check_sync_batchnorm(cls, fields)
         _check_compression(fields)
+        _check_sharding(cls, fields)
         _one_of("collective", cls._given(fields, "collective"), COLLECTIVES)
         seconds("collective_timeout", cls._given(fields, "collective_timeout"))
         selector("tag", fields.get("tag"))
@@ -303,6 +327,10 @@ class DataParallelOptions(CheckpointOptions):
             options["sync_batchnorm"] = True
         if self.compression is not None:
             options["compression"] = self.compression
+        if self.sharding != "none":
+            options["sharding"] = self.sharding
+        if self.shard_units is not None:
+            options["shard_units"] = list(self.shard_units)
         return options | self._checkpoints_wire()
 
 
@@ -338,6 +366,62 @@ def _check_compression(fields: dict[str, Any]) -> None:
             f"compression={compression!r} runs on the torch collective (collective='auto' or "
             "'torch'); through the coordinator gradients travel as 'fp16', 'bf16' or 'int8'"
         )
+
+
+def _check_sharding(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
+    """``sharding``: one of :data:`SHARDINGS`, on the torch collective, not ``elastic`` nor
+    compressed; ``shard_units``: module classes or their qualified names (made names here)."""
+    sharding = cls._given(fields, "sharding")
+    _one_of("sharding", sharding, SHARDINGS)
+    units = fields.get("shard_units")
+    if units is not None:
+        if isinstance(units, (str, type)) or not isinstance(units, (list, tuple)) or not units:
+            raise ValueError(
+                "shard_units must be a non-empty list of module classes or their qualified "
+                f"names, not {units!r}"
+            )
+        fields["shard_units"] = tuple(_qualified_name(unit) for unit in units)
+        if sharding == "none":
+            raise ValueError("shard_units is for sharding='full' or 'gradients'")
+    if sharding == "none":
+        return
+    refused = [
+        (
+            fields.get("collective") == "coordinator",
+            "collective='coordinator' (FSDP2 runs on "
+            "the torch collective: collective='auto' or 'torch')",
+        ),
+        (
+            bool(cls._given(fields, "elastic")),
+            "elastic=True (a replacement would need every replica's shard)",
+        ),
+        (
+            fields.get("compression") is not None,
+            "compression (FSDP2 reduce-scatters the gradients as they are)",
+        ),
+        (bool(cls._given(fields, "sync_batchnorm")), "sync_batchnorm=True"),
+    ]
+    for cannot, what in refused:
+        if cannot:
+            raise ValueError(f"sharding={sharding!r} does not go with {what}")
+
+
+def _qualified_name(unit: object) -> str:
+    """``module.QualName`` of a module class, or a name given as such.
+
+    Raises:
+        ValueError: ``unit`` is neither a class of ``torch.nn.Module`` nor a dotted name.
+    """
+    if isinstance(unit, type):
+        if not any(k.__module__ == "torch.nn.modules.module" for k in unit.__mro__):
+            raise ValueError(f"shard_units takes torch.nn.Module classes, not {unit!r}")
+        return f"{unit.__module__}.{unit.__qualname__}"
+    if isinstance(unit, str) and "." in unit.strip(".") and unit.isascii():
+        return unit
+    raise ValueError(
+        "shard_units takes module classes or their qualified names (such as "
+        f"'torch.nn.TransformerEncoderLayer'), not {unit!r}"
+    )
 
 
 def _check_sync_batchnorm(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
@@ -439,6 +523,11 @@ class DiLoCoOptions(DataParallelOptions):
             raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
         boolean("nesterov", cls._given(fields, "nesterov"))
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
+        if cls._given(fields, "sharding") != "none":
+            raise ValueError(
+                "DiLoCo's replicas each keep a whole model between synchronisations: sharding "
+                "is for DataParallel"
+            )
         compression = fields.get("compression")
         if powersgd_rank(compression) is not None:
             raise ValueError(

@@ -56,13 +56,17 @@ def _checkpointed_at(job: sz.Job, at: int, key: str = "step") -> sz.JobEventInfo
     raise AssertionError("the job's events ended before its checkpoint")
 
 
-@pytest.mark.parametrize("collective", ["torch", "coordinator"])
+@pytest.mark.parametrize(
+    ("collective", "sharding"), [("torch", "none"), ("coordinator", "none"), ("torch", "full")]
+)
 def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(
-    tmp_path, collective
+    tmp_path, collective, sharding
 ):
+    """Sharded (FSDP2), the checkpoint is the model gathered whole, and the resumed replicas
+    shard it again, with its optimizer's momentum."""
     x, y = dataset()
     graph = graph_for("sgd", shuffle=True, module=paced())
-    strategy = sz.DataParallel(2, collective=collective, checkpoint_every=5)
+    strategy = sz.DataParallel(2, collective=collective, checkpoint_every=5, sharding=sharding)
     with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
         with sz.connect(c.url) as client:
             job = client.submit(graph, x, y, strategy=strategy)

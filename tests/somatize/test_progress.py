@@ -82,6 +82,14 @@ def test_one_event_alone_says_its_loss_is_the_last_steps():
     staged = {"phase": "staged", "rows": {"a": 1000, "b": 347}, "dropped": {}}
     assert event_text(staged) == "staged 1,347 rows on 2 workers"
     assert event_text({"phase": "checking", "shard": "s1", "ok": True}) == "checking · shard s1"
+    sharded = {
+        "phase": "sharded",
+        "sharding": "full",
+        "w1": {"units": 3, "parameter_bytes": 360},
+        "w2": {"units": 3, "parameter_bytes": 2920},
+    }
+    most = "at most 2,920 bytes of parameters a replica"
+    assert event_text(sharded) == f"model sharded (full): {most}"
 
 
 def test_the_bar_goes_by_steps_else_rounds_else_epochs():

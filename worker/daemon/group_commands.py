@@ -61,7 +61,7 @@ class GroupCommands:
             req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
         )
 
-    def on_dist_plan(self, req: DistPlanRequest) -> None:
+    def on_dist_plan(self, req: DistPlanRequest) -> dict[str, Any] | None:
         rank, world = (req.rank, req.world) if req.alone else self.engine.group.place()
         plan = ReplicaPlan.of(
             req.data,
@@ -85,10 +85,13 @@ class GroupCommands:
             plan = dataclasses.replace(plan, compression=req.compression)
         if req.alone:
             plan = dataclasses.replace(plan, alone=True)
-        self.engine.replica.set_plan(plan)
+        if req.sharding != "none":
+            units = None if req.shard_units is None else tuple(req.shard_units)
+            plan = dataclasses.replace(plan, sharding=req.sharding, shard_units=units)
+        return self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.replica.train(req.start, req.stop)
+        return self.engine.replica.train(req.start, req.stop, gather=req.gather)
 
     def on_dist_pseudo_gradients(self, req: DistPseudoGradientsRequest) -> dict[str, Any]:
         return self.engine.replica.pseudo_gradients(req.compression)

@@ -318,6 +318,7 @@ function phaseText(d) {
     return "staged " + total + " rows on " + counts.length + " workers";
   }
   if (d.phase === "linked") return "stages linked (" + (d.transport || "?") + ")";
+  if (d.phase === "sharded") return "model sharded (" + (d.sharding || "?") + ")";
   if (d.phase === "training") {
     const on = Number.isInteger(d.rows) ? " on " + grouped(d.rows) + " rows" : "";
     return "training" + on + " (one worker runs the whole loop: its loss comes at the end)";

@@ -61,6 +61,7 @@ from protocol.daemon import CompositeFitRequest, EvaluateRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions, powersgd_rank
 from protocol.rules.equivalence import data_parallel_notes
+from protocol.rules.replica_memory import replica_bytes
 from protocol.rules.rows import rows_of
 from protocol.rules.traffic import step_bytes
 
@@ -106,8 +107,13 @@ class DataParallel(Strategy):
 
     def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
         """What the ``placed`` event says of the bytes a replica exchanges, from the trainable
-        parameters' ``shapes``: a step's gradients (:mod:`protocol.rules.traffic`)."""
-        return {"step_bytes": step_bytes(shapes, self.options.compression)}
+        parameters' ``shapes``: a step's gradients (:mod:`protocol.rules.traffic`); and, sharded,
+        what each replica holds of them."""
+        said: dict[str, Any] = {"step_bytes": step_bytes(shapes, self.options.compression)}
+        if self.options.sharding != "none":
+            said["sharding"] = self.options.sharding
+            said["replica_bytes"] = replica_bytes(shapes, self.options.workers)
+        return said
 
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> SetUp:
         torch_nodes, _, training = self._plan(job)
@@ -159,6 +165,12 @@ class DataParallel(Strategy):
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
                 f"sync_batchnorm=True needs the torch collective, and {choice.reason}",
+            )
+        if self.options.sharding != "none" and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"sharding={self.options.sharding!r} shards the model with FSDP2 on the torch "
+                f"collective, and {choice.reason}",
             )
         return SetUp(run, first_epoch, steps_per_epoch, choice)
 
@@ -218,6 +230,8 @@ class DataParallel(Strategy):
             phase.evaluate,
             self._outer_step(),
             o.compression,
+            o.sharding,
+            o.shard_units,
         )
         await training.train(phase.total, phase.start, phase.saves)
 

@@ -66,6 +66,7 @@ from coordinator.strategies.process_group import (
 from coordinator.strategies.steps import StepBoundaries, TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
 from protocol.errors import ErrorCode
+from protocol.options.strategies import Sharding
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -169,6 +170,8 @@ class TorchTraining:
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     outer: OuterStepSpec | None = None  # DiLoCo's: the replicas step alone, synchronising
     compression: str | None = None  # what the gradients travel as (DDP's communication hooks)
+    sharding: Sharding = "none"  # FSDP2 on the replicas: "full" or "gradients" (engine.sharding)
+    shard_units: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         self.token = secrets.token_hex(4)
@@ -186,10 +189,13 @@ class TorchTraining:
         landed = loop.time()  # when the last chunk's results were in
         try:
             while step < total:
-                now = ahead or self._send(step, self._stop(step, chunk, total, saves))
-                ahead = None
+                if ahead is None:
+                    stop = self._stop(step, chunk, total, saves)
+                    ahead = self._send(step, stop, self._read_after(stop, total, saves))
+                now, ahead = ahead, None
                 if self._overlaps(now.stop, total, saves):
-                    ahead = self._send(now.stop, self._stop(now.stop, chunk, total, saves))
+                    after = self._stop(now.stop, chunk, total, saves)
+                    ahead = self._send(now.stop, after, self._read_after(after, total, saves))
                 position.phase, position.step = "training", step + 1
                 try:
                     results = await now.calls
@@ -205,7 +211,8 @@ class TorchTraining:
                 await self._progress(step, now.stop, results)
                 chunk = _next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
-                await saves.after(step, total)
+                if now.gathered or self.sharding == "none":  # (sharded: read only gathered)
+                    await saves.after(step, total)
         finally:
             await _cancelled(ahead)
         position.step = None
@@ -217,6 +224,15 @@ class TorchTraining:
         if self.evaluate is not None:  # evaluated where an epoch ends, and validate_every's
             stop = min(stop, self.bounds.next_read(step))
         return stop
+
+    def _read_after(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
+        """Whether a sharded run's replicas gather the whole model after the chunk ending at
+        ``stop``: the coordinator reads them then (the end, a checkpoint due, a validation);
+        never for an unsharded run, which is read as it is."""
+        if self.sharding == "none":
+            return False
+        evaluated = self.evaluate is not None and self.bounds.reads_after(stop)
+        return stop >= total or evaluated or saves.due(stop, total)
 
     def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
@@ -230,13 +246,14 @@ class TorchTraining:
         """Where the run's epochs close and the model is validated."""
         return self.training.boundaries(self.steps_per_epoch)
 
-    def _send(self, step: int, stop: int) -> _Chunk:
+    def _send(self, step: int, stop: int, gather: bool = False) -> _Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
-        one at a time, so a chunk sent early waits behind the one before)."""
-        request = DistTrainRequest(start=step, stop=stop)
+        one at a time, so a chunk sent early waits behind the one before); sharded replicas
+        with ``gather`` end it with the whole model gathered."""
+        request = DistTrainRequest(start=step, stop=stop, gather=gather)
         calls = {i: self._call(i, request) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
-        return _Chunk(stop, settled, asyncio.get_running_loop().time())
+        return _Chunk(stop, settled, asyncio.get_running_loop().time(), gather)
 
     async def _form(self, fresh_store: bool, step: int) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
@@ -263,14 +280,19 @@ class TorchTraining:
             sync_batchnorm=self.sync_batchnorm,
             outer=self.outer,
             compression=self.compression,
+            sharding=self.sharding,
+            shard_units=None if self.shard_units is None else list(self.shard_units),
         )
 
         plan = replica_plans(self.run, shared, self.rows)
 
         try:
-            await self._settle({i: self._call(i, plan(i)) for i in replicas}, step)
+            planned = await self._settle({i: self._call(i, plan(i)) for i in replicas}, step)
         except Broken as broken:
             raise broken.blame() from None
+        if self.sharding != "none":  # what each replica holds of the model, as it says
+            held = {self.run.ids[i]: planned[i] for i in sorted(planned)}
+            await self.emit("progress", {"phase": "sharded", "sharding": self.sharding} | held)
 
     @property
     def _backend(self) -> Literal["gloo", "nccl"]:
@@ -403,6 +425,7 @@ class _Chunk:
     stop: int
     calls: asyncio.Future[dict[int, Any]]
     sent: float  # the loop's clock
+    gathered: bool = False  # sharded replicas end it with the whole model gathered
 
 
 async def _cancelled(chunk: _Chunk | None) -> None:

@@ -416,3 +416,49 @@ def test_compression_is_one_of_torchs_hooks_on_the_torch_collective_or_travels_t
     assert sz.DiLoCo(2, compression="int8").compression == "int8"
     with pytest.raises(ValueError, match=r"^DiLoCo: compression='powersgd:2' factorises"):
         sz.DiLoCo(2, compression="powersgd:2")
+
+
+def test_sharding_shards_on_the_torch_collective_and_names_its_units():
+    import torch
+
+    sharded = sz.DataParallel(2, sharding="full", shard_units=[torch.nn.TransformerEncoderLayer])
+    assert sharded.to_wire() == {
+        "workers": 2,
+        "sharding": "full",
+        "shard_units": ["torch.nn.modules.transformer.TransformerEncoderLayer"],
+    }
+    again = strategy_from_spec("data_parallel", sharded.to_wire()).options
+    assert again.shard_units == ("torch.nn.modules.transformer.TransformerEncoderLayer",)
+    assert sz.DataParallel(2, sharding="gradients", shard_units=["my.Block"]).shard_units == (
+        "my.Block",
+    )
+    assert "sharding" not in sz.DataParallel(2).to_wire()
+    refusals = {
+        "sharding must be one of 'none', 'full', 'gradients', not 'zero3'": [{"sharding": "zero3"}],
+        "sharding='full' does not go with collective='coordinator'": [
+            {"sharding": "full", "collective": "coordinator"}
+        ],
+        "sharding='full' does not go with elastic=True": [{"sharding": "full", "elastic": True}],
+        "sharding='gradients' does not go with compression": [
+            {"sharding": "gradients", "compression": "fp16"}
+        ],
+        "shard_units is for sharding='full' or 'gradients'": [{"shard_units": ["a.B"]}],
+        "shard_units must be a non-empty list": [
+            {"sharding": "full", "shard_units": "torch.nn.Linear"},
+            {"sharding": "full", "shard_units": []},
+        ],
+        "shard_units takes torch.nn.Module classes, not <class 'int'>": [
+            {"sharding": "full", "shard_units": [int]}
+        ],
+        "shard_units takes module classes or their qualified names": [
+            {"sharding": "full", "shard_units": ["Linear"]}
+        ],
+    }
+    for words, cases in refusals.items():
+        for bad in cases:
+            with pytest.raises(ValueError, match=f"^DataParallel: {re.escape(words)}"):
+                sz.DataParallel(2, **bad)
+    with pytest.raises(ValueError, match=r"^DiLoCo: DiLoCo's replicas each keep a whole model"):
+        sz.DiLoCo(2, sharding="full")
+    with pytest.raises(StrategyOptionsError, match="sharding='full' does not go with"):
+        strategy_from_spec("data_parallel", {"workers": 2, "sharding": "full", "elastic": True})

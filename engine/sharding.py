@@ -1,0 +1,233 @@
+"""A data-parallel replica's model sharded by FSDP2 (torch's ``fully_shard``), and the whole
+model gathered from the shards where it must be read.
+
+:class:`ShardedRun` shards the differentiable run a replica trains (its chain of TorchFilter
+modules, ``parts``): each *unit* — every module of a class named in ``shard_units``, else each
+filter module's children that hold parameters — is sharded with ``fully_shard`` over the
+group's ranks, then the chain itself (what no unit took). Each replica then holds 1/N of every
+parameter, gradient and optimizer moment; a unit's parameters are all-gathered for its forward
+(and, resharded after it, again for its backward) and its gradients reduce-scattered, averaged
+over the replicas as DDP's all-reduce averages them: the replica's loop is DDP's, and so is
+the equivalence with ``graph.fit``. The optimizers are made over the sharded parameters.
+
+The coordinator reads a replica as an unsharded one (its states, its optimizer state, an
+evaluation, a checkpoint). :meth:`ShardedRun.gather` — a collective: every replica at once —
+gives each filter a plain module with the whole weights and a plain optimizer with the whole
+state (torch.distributed.checkpoint's full state dicts), the sharded ones set aside;
+:meth:`ShardedRun.resume` puts them back for the next steps. A replica whose nodes arrive with
+an optimizer state (a resumed checkpoint) has it moved onto the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from engine.nodes import Node
+from engine.optimizers import Optimizers
+
+__all__ = ["Sharded", "ShardedRun", "unit_classes"]
+
+WHOLE = StateDictOptions(full_state_dict=True)
+"""State dicts of whole tensors (every replica gathers them): what the coordinator reads."""
+
+
+def unit_classes(names: Sequence[str]) -> tuple[type, ...] | tuple[str, ...]:
+    """The module classes ``names`` (qualified names) stand for, importable here; a name that
+    is not (a class of the user's own module, pickled with the filter) stays a name, matched
+    against a module's classes' qualified names."""
+    found: list[Any] = []
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module_name), attribute))
+        except (ImportError, AttributeError, ValueError):
+            found.append(name)
+    return tuple(found)
+
+
+def _is_unit(module: torch.nn.Module, units: Sequence[Any]) -> bool:
+    """Whether ``module`` is of one of ``units`` (classes, or qualified names of classes)."""
+    for unit in units:
+        if isinstance(unit, type):
+            if isinstance(module, unit):
+                return True
+        elif any(f"{k.__module__}.{k.__qualname__}" == unit for k in type(module).__mro__):
+            return True
+    return False
+
+
+def _holds_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s structure with its parameters on the meta device (no memory): what a
+    gathered module is made from. Its buffers are copies (the full state dict refills them)."""
+    memo: dict[int, Any] = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for p in module.parameters()
+    }
+    return copy.deepcopy(module, memo)
+
+
+class _Parts(torch.nn.Module):
+    """Modules under ``parts``, as the chain holds them: the names its state dicts use."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+
+@dataclass
+class _Set:
+    """What a node trains with while sharded: its module, optimizer and scheduler."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+
+
+class Sharded:
+    """The sharded chain as the replica's loop calls it (DDP's face): ``module``, a call, and
+    ``no_sync`` (no reduce-scatter in the backwards it covers: accumulation)."""
+
+    def __init__(self, chain: torch.nn.Module) -> None:
+        self.module = chain
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert isinstance(self.module, FSDPModule)
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
+class ShardedRun:
+    """The differentiable run ``run`` of a replica, its ``chain`` (``parts``: the filters'
+    modules, in order) sharded over the group (module docstring).
+
+    Args:
+        chain: the run's modules as one module, ``chain.parts[k]`` the module of ``run[k]``.
+        run: the run's nodes.
+        optimizers: the replica's optimizers (made again over the sharded parameters).
+        reshard: reshard each unit's parameters after its forward (``sharding="full"``), or
+            keep them gathered until its backward (``"gradients"``).
+        units: the module classes (or qualified names) sharded as one unit each; ``None``:
+            each filter module's children that hold parameters.
+    """
+
+    def __init__(
+        self,
+        chain: torch.nn.Module,
+        run: Sequence[Node],
+        optimizers: Optimizers,
+        reshard: bool,
+        units: Sequence[Any] | None,
+    ) -> None:
+        self.chain, self.run, self.optimizers = chain, list(run), optimizers
+        parts: Sequence[torch.nn.Module] = chain.parts  # type: ignore[assignment]
+        self._templates = [_meta_copy(part) for part in parts]
+        state = self._whole_optimizer_state()  # before sharding: of the plain parameters
+        for part in parts:
+            chosen = (
+                [m for m in part.modules() if _is_unit(m, units)]
+                if units is not None
+                else [m for m in part.children() if _holds_parameters(m)]
+            )
+            for unit in reversed(chosen):  # inner units before those holding them
+                fully_shard(unit, reshard_after_forward=reshard)
+        fully_shard(chain, reshard_after_forward=reshard)
+        optimizers.reset(self.run)  # made again over the sharded parameters
+        made = [optimizers.optimizer(node) for node in self.run]
+        if state is not None:
+            whole, schedulers = state
+            set_optimizer_state_dict(chain, made, whole, options=WHOLE)
+            for node, scheduler in zip(self.run, schedulers, strict=True):
+                if node.scheduler is not None and scheduler is not None:
+                    node.scheduler.load_state_dict(scheduler)
+        self.wrapped = Sharded(chain)
+        self._aside: list[_Set] | None = None  # the sharded sets while gathered
+
+    def held(self) -> dict[str, int]:
+        """What this replica holds of the run: ``units`` sharded (the chain's own included)
+        and ``parameter_bytes``, its shards of the trainable parameters (their gradients take
+        as many; the optimizer's state that times its moments)."""
+        held = 0
+        for node in self.run:
+            for p in node.filter.module.parameters():
+                if p.requires_grad:
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    held += local.numel() * local.element_size()
+        units = sum(1 for m in self.chain.modules() if isinstance(m, FSDPModule))
+        return {"units": units, "parameter_bytes": held}
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the filters hold the whole model now (:meth:`gather`)."""
+        return self._aside is not None
+
+    def _whole_optimizer_state(self) -> tuple[dict[str, Any], list[Any]] | None:
+        """The run's optimizers' whole state and their schedulers' (``None``: no node has an
+        optimizer yet); any node without one gets a fresh one first."""
+        if all(node.optimizer is None for node in self.run):
+            return None
+        made = [self.optimizers.optimizer(node) for node in self.run]
+        schedulers = [None if n.scheduler is None else n.scheduler.state_dict() for n in self.run]
+        return get_optimizer_state_dict(self.chain, made, options=WHOLE), schedulers
+
+    def gather(self) -> None:
+        """Give every filter a plain module with the whole weights and a plain optimizer with
+        the whole state, the sharded ones set aside (a collective: every replica calls it)."""
+        if self._aside is not None:
+            return
+        made = [self.optimizers.optimizer(node) for node in self.run]
+        weights = get_model_state_dict(self.chain, options=WHOLE)
+        moments = get_optimizer_state_dict(self.chain, made, options=WHOLE)
+        plain = []
+        for k, template in enumerate(self._templates):
+            module = copy.deepcopy(template)
+            prefix = f"parts.{k}."
+            own = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
+            module.load_state_dict(own, assign=True)
+            plain.append(module)
+        aside = [_Set(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
+        schedulers = [None if s.scheduler is None else s.scheduler.state_dict() for s in aside]
+        for node, module in zip(self.run, plain, strict=True):
+            node.filter.module = module
+            node.optimizer = node.scheduler = None
+        mine = [self.optimizers.optimizer(node) for node in self.run]
+        set_optimizer_state_dict(_Parts(plain), mine, moments, options=WHOLE)
+        for node, scheduler in zip(self.run, schedulers, strict=True):
+            if node.scheduler is not None and scheduler is not None:
+                node.scheduler.load_state_dict(scheduler)
+        self._aside = aside
+
+    def resume(self) -> None:
+        """Put the sharded modules and optimizers back for the next steps (the gathered ones
+        dropped); nothing to do when not gathered."""
+        if self._aside is None:
+            return
+        for node, kept in zip(self.run, self._aside, strict=True):
+            node.filter.module = kept.module
+            node.optimizer, node.scheduler = kept.optimizer, kept.scheduler
+        self._aside = None
