@@ -55,7 +55,14 @@ from coordinator.jobs.files import JobFiles
 from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
-from coordinator.jobs.store import JobEvent, JobRecord, JobState, JobStore, UnknownJob
+from coordinator.jobs.store import (
+    JobEvent,
+    JobRecord,
+    JobState,
+    JobStore,
+    UnknownJob,
+    error_record,
+)
 from coordinator.jobs.submission import (
     check_workers,
     no_workers_after_wait,
@@ -663,7 +670,7 @@ class JobManager:
                 self.store.fail, job_id, str(info.code), info.message, info.detail
             )
         if await _failure_after_retries(job_id, write) is not None:
-            error = {"code": str(info.code), "message": info.message, "detail": info.detail or {}}
+            error = error_record(str(info.code), info.message, info.detail)
             self.owed_ends.owe(job_id, state, error, time.time(), write)
         await self._emit(job_id, event, data)
         await self._forget(job_id, succeeded=False)

@@ -169,7 +169,8 @@ DETAIL_CHARACTERS = 65536
 """The most characters of each text in an error's detail (a traceback, say) it keeps."""
 
 
-def _error(code: str, message: str, detail: dict[str, Any] | None) -> dict[str, Any]:
+def error_record(code: str, message: str, detail: dict[str, Any] | None) -> dict[str, Any]:
+    """A job's ``error`` as the store keeps it: its message and detail texts capped."""
     kept = {
         key: capped(value, DETAIL_CHARACTERS) if isinstance(value, str) else value
         for key, value in (detail or {}).items()
@@ -351,7 +352,7 @@ class JobStore:
                 if job_id in resumable:
                     recovered.append(self._transition(conn, job_id, "requeue", started=None))
                     continue
-                error = _error(
+                error = error_record(
                     RESTARTED,
                     f"the coordinator restarted while the job was {state}",
                     {"state": state},
@@ -485,13 +486,13 @@ class JobStore:
         self, job_id: str, code: str, message: str, detail: dict[str, Any] | None = None
     ) -> JobRecord:
         """Queued or running → failed, with ``error{code, message, detail}``."""
-        error_json = _dumps(_error(code, message, detail))
+        error_json = _dumps(error_record(code, message, detail))
         with self._write(durable=True) as conn:
             return self._transition(conn, job_id, "fail", finished=self._clock(), error=error_json)
 
     def cancel(self, job_id: str, reason: str = "cancelled by the client") -> JobRecord:
         """Queued or running → cancelled; the reason is kept as ``error{"code": "cancelled"}``."""
-        error_json = _dumps(_error(CANCELLED, reason, None))
+        error_json = _dumps(error_record(CANCELLED, reason, None))
         with self._write(durable=True) as conn:
             return self._transition(
                 conn, job_id, "cancel", finished=self._clock(), error=error_json

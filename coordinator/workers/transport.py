@@ -248,6 +248,8 @@ async def _first_closed(records: Sequence[WorkerRecord]) -> WorkerRecord:
     waits = {
         asyncio.ensure_future(r.channel.closed.wait()): r for r in records if r.channel is not None
     }
+    if not waits:  # no workers: none to lose
+        await asyncio.get_running_loop().create_future()
     try:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
