@@ -85,6 +85,28 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def _load_whole(
+    model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], whole: dict[str, Any]
+) -> None:
+    """Load an optimizer state of whole tensors (``get_optimizer_state_dict``'s) into
+    ``optimizers`` over ``model``'s parameters, sharded or not. A state with nothing per
+    parameter (SGD without momentum, or no step taken yet) has only its groups' settings to
+    give, which torch's loader cannot place on a device: those are copied."""
+    per_parameter = [
+        t for state in whole["state"].values() for t in state.values() if _is_tensor(t)
+    ]
+    if per_parameter:
+        set_optimizer_state_dict(model, list(optimizers), whole, options=WHOLE)
+        return
+    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+    for group, saved in zip(groups, whole["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
 class _Parts(torch.nn.Module):
     """Modules under ``parts``, as the chain holds them: the names its state dicts use."""
 
@@ -94,7 +116,7 @@ class _Parts(torch.nn.Module):
 
 
 @dataclass
-class _Set:
+class _SetAside:
     """What a node trains with while sharded: its module, optimizer and scheduler."""
 
     module: torch.nn.Module
@@ -161,12 +183,12 @@ class ShardedRun:
         made = [optimizers.optimizer(node) for node in self.run]
         if state is not None:
             whole, schedulers = state
-            set_optimizer_state_dict(chain, made, whole, options=WHOLE)
+            _load_whole(chain, made, whole)
             for node, scheduler in zip(self.run, schedulers, strict=True):
                 if node.scheduler is not None and scheduler is not None:
                     node.scheduler.load_state_dict(scheduler)
         self.wrapped = Sharded(chain)
-        self._aside: list[_Set] | None = None  # the sharded sets while gathered
+        self._aside: list[_SetAside] | None = None  # the sharded sets while gathered
 
     def held(self) -> dict[str, int]:
         """What this replica holds of the run: ``units`` sharded (the chain's own included)
@@ -210,13 +232,13 @@ class ShardedRun:
             own = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
             module.load_state_dict(own, assign=True)
             plain.append(module)
-        aside = [_Set(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
+        aside = [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
         schedulers = [None if s.scheduler is None else s.scheduler.state_dict() for s in aside]
         for node, module in zip(self.run, plain, strict=True):
             node.filter.module = module
             node.optimizer = node.scheduler = None
         mine = [self.optimizers.optimizer(node) for node in self.run]
-        set_optimizer_state_dict(_Parts(plain), mine, moments, options=WHOLE)
+        _load_whole(_Parts(plain), mine, moments)
         for node, scheduler in zip(self.run, schedulers, strict=True):
             if node.scheduler is not None and scheduler is not None:
                 node.scheduler.load_state_dict(scheduler)

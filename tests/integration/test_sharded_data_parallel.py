@@ -97,6 +97,14 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             saved = [e for e in events if e.event == "checkpoint"]
             assert len(saved) >= FILTER["epochs"]  # every epoch's end, read whole
 
+        # SGD without momentum keeps no state per parameter: what the replicas gather is its
+        # groups' settings alone.
+        plain = FILTER | {"optimizer_options": {}, "epochs": 1}
+        graph = sz.Graph([sz.TorchFilter(mlp(), **plain).named("mlp")])
+        strategy = sz.DataParallel(2, sharding="full", collective="torch")
+        fitted = client.submit(graph, x, y, strategy=strategy).result(timeout=180 * UNIT)
+        _close(fitted.states["mlp"], reference_fit(mlp(), x, y, momentum=0.0, epochs=1).state())
+
         # A TransformerEncoder, each layer a unit, Adam, parameters kept from forward to
         # backward: 3 replicas, in order.
         rng = np.random.default_rng(2)
