@@ -57,7 +57,7 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model", "sandbox")
+EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model", "sandbox", "sharded")
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -84,6 +84,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "federated": {"quick": True},
     "own_model": {"rows": 640},
     "sandbox": {"repeats": 1, "steps": 16},
+    "sharded": {"steps": 4, "rounds": 1},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

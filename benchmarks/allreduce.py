@@ -104,8 +104,15 @@ if MODE == "allreduce":
             dist.all_reduce(t)
             t.div_(world)
         times.append(time.perf_counter() - start)
-else:  # "train": plain, or DistributedDataParallel when world > 1; end time of every step
-    if world > 1:
+else:  # "train": plain, or DistributedDataParallel (FSDP2 with "fsdp") when world > 1;
+    # the end time of every step
+    if world > 1 and ARGS.get("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    elif world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=ARGS["lr"])
     g = torch.Generator().manual_seed(ARGS["seed"] + 1 + rank)
@@ -129,8 +136,9 @@ if rank == 0:
         json.dump({"times": times}, f)
 """
 """Run as ``python -c TORCH_SCRIPT MODE JSON_ARGS OUT``: ``train`` (one process, or DDP over gloo
-when ``world`` > 1) writes the end time of every step (after a start time); ``allreduce`` writes
-the duration of every repetition. Only rank 0 writes ``OUT``."""
+when ``world`` > 1; FSDP2, each layer a unit, with ``"fsdp": true``) writes the end time of
+every step (after a start time); ``allreduce`` writes the duration of every repetition. Only
+rank 0 writes ``OUT``."""
 
 WS_ECHO = """
 import asyncio, sys

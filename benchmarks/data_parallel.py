@@ -167,9 +167,10 @@ def run_job(
     n: int,
     collective: str,
     epochs: int,
+    sharding: str = "none",
 ) -> dict[str, Any]:
-    """Train ``model`` with ``sz.DataParallel(n, collective=collective)`` for ``epochs`` epochs
-    of :func:`data` on cluster ``c``.
+    """Train ``model`` with ``sz.DataParallel(n, collective=collective, sharding=sharding)``
+    for ``epochs`` epochs of :func:`data` on cluster ``c``.
 
     Returns ``{"collective", "workers", "marks", "chunks", "steps", "step_s", "wall_s",
     "to_first_step_s", "after_last_step_s", "bytes", "cpu_per_step_ms"}``: ``marks`` the
@@ -208,7 +209,7 @@ def run_job(
         # No checkpoints (DDP, the anchor, takes none): the default saves one at every epoch's
         # end, which with these 4-step epochs would be a 23 MB state a few steps
         # (benchmarks.checkpoints measures what they cost).
-        strategy = sz.DataParallel(n, collective=collective, checkpoint_every=0)
+        strategy = sz.DataParallel(n, collective=collective, checkpoint_every=0, sharding=sharding)
         job = client.submit(graph, x, y, strategy=strategy)
         end = None
         for event in job.events(timeout=EVENT_TIMEOUT):
