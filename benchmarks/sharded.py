@@ -44,8 +44,9 @@ def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
     """Ours sharded, the FSDP2 anchor and ours unsharded, ``rounds`` times interleaved.
 
     Returns:
-        ``{"steps", "rounds", "sharded_s", "fsdp_s", "ddp_job_s", "ratio", "seconds"}``: the
-        median seconds per step of each, and ours sharded over the anchor.
+        ``{"steps", "rounds", "sharded_s", "fsdp_s", "unsharded_s", "ratio", "all",
+        "seconds"}``: the median seconds per step of each, ours sharded over the anchor, and
+        every round's figures (``all``).
     """
     began = time.monotonic()
     model = mlp()

@@ -81,6 +81,7 @@ __all__ = [
     "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
+    "Sharding",
     "ShutdownRequest",
     "StageBackwardRequest",
     "StageForwardRequest",
@@ -94,6 +95,12 @@ __all__ = [
 
 # --------------------------------------------------------------------------------------------
 # Requests
+
+
+Sharding = Literal["none", "full", "gradients"]
+"""What DataParallel's replicas shard with FSDP2 (``none``: nothing; ``full``: parameters,
+gradients and optimizer state; ``gradients``: those, the parameters kept gathered from forward
+to backward); :data:`protocol.options.strategies.SHARDINGS` lists them."""
 
 
 class _Request(BaseModel):
@@ -345,7 +352,7 @@ class DistPlanRequest(_BatchPlan):
     compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
     # FSDP2: what the replicas shard ("full" / "gradients"), and the module classes (qualified
     # names) sharded as one unit each (None: each TorchFilter module's children).
-    sharding: Literal["none", "full", "gradients"] = "none"
+    sharding: Sharding = "none"
     shard_units: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = None
     # A replica with no group (DiLoCo through the coordinator): its place and the replicas.
     alone: bool = False

@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
 
-from protocol.daemon import OuterStepSpec
+from protocol.daemon import OuterStepSpec, Sharding
 from protocol.options.base import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
@@ -112,7 +112,6 @@ COLLECTIVES: tuple[str, ...] = get_args(Collective)
 through the coordinator (``coordinator``), or the first when every replica can reach the
 rendezvous (``auto``)."""
 
-Sharding = Literal["none", "full", "gradients"]
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 """What DataParallel's replicas shard (FSDP2 on the torch collective): nothing (``none``: each
 holds the whole model, as DDP), parameters, gradients and optimizer state (``full``: as

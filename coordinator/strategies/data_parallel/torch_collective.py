@@ -229,17 +229,19 @@ class TorchTraining:
         """Whether a sharded run's replicas gather the whole model after the chunk ending at
         ``stop``: the coordinator reads them then (the end, a checkpoint due, a validation);
         never for an unsharded run, which is read as it is."""
-        if self.sharding == "none":
-            return False
-        evaluated = self.evaluate is not None and self.bounds.reads_after(stop)
-        return stop >= total or evaluated or saves.due(stop, total)
+        return self.sharding != "none" and (stop >= total or self._read_at(stop, total, saves))
 
     def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
         when nothing reads the replicas between them (no checkpoint, no evaluation) and no
         recovery could need the chunk undone (not ``elastic``)."""
+        return stop < total and not (self.run.elastic or self._read_at(stop, total, saves))
+
+    def _read_at(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
+        """Whether the coordinator reads the replicas after step ``stop``: a checkpoint due,
+        or an evaluation."""
         evaluated = self.evaluate is not None and self.bounds.reads_after(stop)
-        return stop < total and not (self.run.elastic or evaluated or saves.due(stop, total))
+        return evaluated or saves.due(stop, total)
 
     @property
     def bounds(self) -> StepBoundaries:
