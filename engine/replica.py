@@ -21,8 +21,9 @@ outer step taken on the global weights.
 
 A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
 (:mod:`engine.sharding`): the same loop, each replica holding a shard of every parameter,
-gradient and optimizer moment; a chunk of steps that the coordinator reads after (``gather``,
-and the plan's last) ends with the whole model gathered on every replica.
+gradient and optimizer moment. The coordinator reads each replica's shards where they lie
+(:meth:`Replica.pieces`); only a chunk of steps before an evaluation (``gather``) ends with the
+whole model's weights gathered on every replica.
 
 A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
 each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
@@ -334,7 +335,7 @@ class Replica:
     def train(self, start: int, stop: int, gather: bool = False) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
         rows, learning rate and (from a step function) metrics per step. A sharded replica
-        then gathers the whole model when ``gather`` or at the plan's end.
+        then gathers the whole model's weights when ``gather`` (an evaluation follows).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
@@ -378,12 +379,25 @@ class Replica:
             metrics.append(figures)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
-        if self._sharded is not None and (gather or stop == len(plan.steps)):
+        if self._sharded is not None and gather:
             self._gather(self._sharded, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         said = {"losses": losses, "rows": rows, "lrs": lrs}
         return said | ({"metrics": metrics} if any(metrics) else {})
+
+    def pieces(self) -> dict[str, Any]:
+        """A sharded replica's shards of its model and optimizer state, where they lie, and
+        which they are (:meth:`ShardedRun.pieces`): no collective.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a replica whose plan is not sharded.
+        """
+        if self._sharded is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, "dist_pieces reads a sharded replica, and this one is not"
+            )
+        return self._sharded.pieces()
 
     def pseudo_gradients(self, compression: str) -> dict[str, Any]:
         """A replica ``alone`` at a synchronisation: its pseudo-gradients as ``compression``
@@ -517,7 +531,7 @@ class Replica:
             raise
 
     def _gather(self, sharded: ShardedRun, steps_done: int) -> None:
-        """The whole model and optimizer state onto every replica (a collective)."""
+        """The whole model's weights onto every replica (a collective)."""
         try:
             sharded.gather()
         except RuntimeError as exc:

@@ -1,5 +1,5 @@
-"""A data-parallel replica's model sharded by FSDP2 (torch's ``fully_shard``), and the whole
-model gathered from the shards where it must be read.
+"""A data-parallel replica's model sharded by FSDP2 (torch's ``fully_shard``), read where its
+shards lie, and gathered whole only where it must run whole.
 
 :class:`ShardedRun` shards the differentiable run a replica trains (its chain of TorchFilter
 modules, ``parts``): each *unit* — every module of a class named in ``shard_units``, else each
@@ -10,12 +10,16 @@ parameter, gradient and optimizer moment; a unit's parameters are all-gathered f
 over the replicas as DDP's all-reduce averages them: the replica's loop is DDP's, and so is
 the equivalence with ``graph.fit``. The optimizers are made over the sharded parameters.
 
-The coordinator reads a replica as an unsharded one (its states, its optimizer state, an
-evaluation, a checkpoint). :meth:`ShardedRun.gather` — a collective: every replica at once —
-gives each filter a plain module with the whole weights and a plain optimizer with the whole
-state (torch.distributed.checkpoint's full state dicts), the sharded ones set aside;
-:meth:`ShardedRun.resume` puts them back for the next steps. A replica whose nodes arrive with
-an optimizer state (a resumed checkpoint) has it moved onto the sharded parameters.
+The coordinator reads a sharded replica where its shards lie (:meth:`ShardedRun.pieces`: no
+collective, nothing gathered): each parameter's and each optimizer moment's rows held here, and
+which of what it sends are such rows; it joins the replicas' pieces into the whole states
+itself (:mod:`coordinator.strategies.data_parallel.shard_pieces`) for a checkpoint and the
+result, so no replica ever holds the whole model for them. Only an evaluation runs the whole
+model in one replica: :meth:`ShardedRun.gather` — a collective: every replica at once — gives
+each filter a plain module with the whole weights (torch.distributed.checkpoint's full state
+dict), the sharded ones set aside, and :meth:`ShardedRun.resume` puts them back for the next
+steps. A replica whose nodes arrive with an optimizer state (a resumed checkpoint) has it moved
+onto the sharded parameters.
 """
 
 from __future__ import annotations
@@ -38,12 +42,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.nodes import Node
-from engine.optimizers import Optimizers
+from engine.optimizers import SCHEDULER, Optimizers
+from engine.transfer import to_cpu
 
 __all__ = ["Sharded", "ShardedRun", "unit_classes"]
 
 WHOLE = StateDictOptions(full_state_dict=True)
-"""State dicts of whole tensors (every replica gathers them): what the coordinator reads."""
+"""State dicts of whole tensors (every replica gathers them): what an evaluation runs with."""
+
+KeyPath = list[str | int]
+"""Where a value lies in :meth:`ShardedRun.pieces`' answer: its keys, outermost first."""
 
 
 def unit_classes(names: Sequence[str]) -> tuple[type, ...] | tuple[str, ...]:
@@ -101,6 +109,17 @@ def _load_whole(
     groups = [group for optimizer in optimizers for group in optimizer.param_groups]
     for group, saved in zip(groups, whole["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _local(value: Any, path: KeyPath, split: list[KeyPath]) -> Any:
+    """``value`` as it travels from this replica: a sharded tensor as the rows held here
+    (``path`` noted in ``split``); a tensor on the CPU as it is (the reply is encoded before
+    the next command can step it: no copy of the shards is made for it), one elsewhere
+    copied to the CPU."""
+    if isinstance(value, DTensor):
+        split.append(path)
+        value = value.to_local()
+    return to_cpu(value.detach()) if isinstance(value, torch.Tensor) else value
 
 
 def _is_tensor(value: Any) -> bool:
@@ -218,31 +237,56 @@ class ShardedRun:
         return get_optimizer_state_dict(self.chain, made, options=WHOLE), schedulers
 
     def gather(self) -> None:
-        """Give every filter a plain module with the whole weights and a plain optimizer with
-        the whole state, the sharded ones set aside (a collective: every replica calls it)."""
+        """Give every filter a plain module with the whole weights, the sharded modules and
+        their optimizers set aside (a collective: every replica calls it): what an evaluation
+        runs. The optimizers' state is not gathered: nothing reads it whole here."""
         if self._aside is not None:
             return
-        made = [self.optimizers.optimizer(node) for node in self.run]
         weights = get_model_state_dict(self.chain, options=WHOLE)
-        moments = get_optimizer_state_dict(self.chain, made, options=WHOLE)
-        plain = []
-        for k, template in enumerate(self._templates):
+        aside = [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
+        for k, (node, template) in enumerate(zip(self.run, self._templates, strict=True)):
             module = copy.deepcopy(template)
             prefix = f"parts.{k}."
             own = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
             module.load_state_dict(own, assign=True)
-            plain.append(module)
-        aside = [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
-        schedulers = [None if s.scheduler is None else s.scheduler.state_dict() for s in aside]
-        for node, module in zip(self.run, plain, strict=True):
             node.filter.module = module
             node.optimizer = node.scheduler = None
-        mine = [self.optimizers.optimizer(node) for node in self.run]
-        _load_whole(_Parts(plain), mine, moments)
-        for node, scheduler in zip(self.run, schedulers, strict=True):
-            if node.scheduler is not None and scheduler is not None:
-                node.scheduler.load_state_dict(scheduler)
         self._aside = aside
+
+    def pieces(self) -> dict[str, Any]:
+        """This replica's shards, read where they lie (no collective, nothing gathered):
+        ``states`` and ``optimizers`` by node as an unsharded replica's ``get_state`` and
+        ``get_optimizer_state`` give them, but with each sharded tensor — a parameter, an
+        optimizer moment — as the rows of it held here (FSDP2 shards dim 0, in rank order);
+        ``split``: the paths of those tensors. Everything else (buffers, step counts, the
+        groups' settings, a scheduler's state) every replica holds alike."""
+        kept = self._aside or [
+            _SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run
+        ]
+        split: list[KeyPath] = []
+        states: dict[str, Any] = {}
+        optimizers: dict[str, Any] = {}
+        for node, held in zip(self.run, kept, strict=True):
+            key = node.node_id
+            module_state = held.module.state_dict()
+            states[key] = {
+                name: _local(v, ["states", key, name], split) for name, v in module_state.items()
+            }
+            if held.optimizer is None:
+                optimizers[key] = None
+                continue
+            saved = held.optimizer.state_dict()
+            per_parameter = {
+                index: {
+                    name: _local(v, ["optimizers", key, "state", index, name], split)
+                    for name, v in moments.items()
+                }
+                for index, moments in saved["state"].items()
+            }
+            optimizers[key] = {"state": per_parameter, "param_groups": saved["param_groups"]}
+            if held.scheduler is not None:
+                optimizers[key][SCHEDULER] = held.scheduler.state_dict()
+        return {"states": states, "optimizers": optimizers, "split": split}
 
     def resume(self) -> None:
         """Put the sharded modules and optimizers back for the next steps (the gathered ones

@@ -58,6 +58,7 @@ __all__ = [
     "DistJoinRequest",
     "DistLeaveRequest",
     "DistOuterUpdateRequest",
+    "DistPiecesRequest",
     "DistPlanRequest",
     "DistProbeRequest",
     "DistPseudoGradientsRequest",
@@ -389,12 +390,21 @@ class DistTrainRequest(_Steps):
     """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
-    per step. A sharded replica with ``gather`` then gathers the whole model and optimizer
-    state (every replica takes part), so that it can be read, evaluated or checkpointed as an
-    unsharded one until its next ``dist_train``."""
+    per step. A sharded replica with ``gather`` then gathers the whole model's weights (every
+    replica takes part), so that it can be evaluated as an unsharded one until its next
+    ``dist_train``."""
 
     cmd: Literal["dist_train"] = "dist_train"
     gather: bool = False
+
+
+class DistPiecesRequest(_Request):
+    """A sharded replica's shards of its model and optimizer state, read where they lie (no
+    collective): ``{"states": ..., "optimizers": ...}`` by node, as ``get_state`` and
+    ``get_optimizer_state`` give them but with each sharded tensor as this replica's rows of
+    it (dim 0, in rank order), and ``"split"``: the key paths of those tensors."""
+
+    cmd: Literal["dist_pieces"] = "dist_pieces"
 
 
 class DistPseudoGradientsRequest(_Request):
@@ -596,6 +606,7 @@ DaemonRequest = Annotated[
     | DistJoinRequest
     | DistPlanRequest
     | DistTrainRequest
+    | DistPiecesRequest
     | DistPseudoGradientsRequest
     | DistOuterUpdateRequest
     | PipePlanRequest

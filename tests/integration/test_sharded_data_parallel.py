@@ -2,12 +2,12 @@
 of the model, gradients and optimizer state, and the result is still the plain torch loop's
 (issue 33).
 
-An MLP with momentum SGD, a cosine schedule, clipping and accumulation, validated and
-checkpointed every epoch (each time the replicas gather the whole model for the coordinator to
-read), over 2 and 3 replicas (uneven shards: 16 rows over 3); and a small TransformerEncoder
-with Adam, each encoder layer a unit of its own, its parameters kept gathered from forward to
-backward (``sharding="gradients"``). Each is checked against a loop written here or in
-:mod:`tests.training_reference`, never against the code under test.
+An MLP with momentum SGD, a cosine schedule, clipping and accumulation, validated (the replicas
+gather the weights to run the model whole) and checkpointed (the coordinator joins the
+replicas' shards) every epoch, over 2 and 3 replicas (uneven shards: 16 rows over 3); and a
+small TransformerEncoder with Adam, each encoder layer a unit of its own, its parameters kept
+gathered from forward to backward (``sharding="gradients"``). Each is checked against a loop
+written here or in :mod:`tests.training_reference`, never against the code under test.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             assert [sharded[w]["parameter_bytes"] for w in ids] == [4 * v for v in held]
             assert all(sharded[w]["units"] == 3 for w in ids)  # two Linear layers, the chain
             saved = [e for e in events if e.event == "checkpoint"]
-            assert len(saved) >= FILTER["epochs"]  # every epoch's end, read whole
+            assert len(saved) >= FILTER["epochs"]  # every epoch's end, joined from the shards
 
         # SGD without momentum keeps no state per parameter: what the replicas gather is its
         # groups' settings alone.

@@ -15,6 +15,7 @@ from protocol.daemon import (
     DistJoinRequest,
     DistLeaveRequest,
     DistOuterUpdateRequest,
+    DistPiecesRequest,
     DistPlanRequest,
     DistProbeRequest,
     DistPseudoGradientsRequest,
@@ -30,9 +31,9 @@ __all__ = ["GroupCommands"]
 
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
-    ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and
-    ``dist_leave``, each onto one method of ``engine``'s
-    group membership, replica or linked stage."""
+    ``dist_pieces``, ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``,
+    ``pipe_train`` and ``dist_leave``, each onto one method of ``engine``'s group membership,
+    replica or linked stage."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -42,6 +43,7 @@ class GroupCommands:
             "dist_join": self.on_dist_join,
             "dist_plan": self.on_dist_plan,
             "dist_train": self.on_dist_train,
+            "dist_pieces": self.on_dist_pieces,
             "dist_pseudo_gradients": self.on_dist_pseudo_gradients,
             "dist_outer_update": self.on_dist_outer_update,
             "pipe_plan": self.on_pipe_plan,
@@ -92,6 +94,9 @@ class GroupCommands:
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
         return self.engine.replica.train(req.start, req.stop, gather=req.gather)
+
+    def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
+        return self.engine.replica.pieces()
 
     def on_dist_pseudo_gradients(self, req: DistPseudoGradientsRequest) -> dict[str, Any]:
         return self.engine.replica.pseudo_gradients(req.compression)

@@ -151,6 +151,11 @@ class Daemon:
             raw = decode(frame)
         except FrameError as exc:
             return _error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)))
+        return self.run(raw)
+
+    def run(self, raw: Any) -> dict[str, Any]:
+        """Run the decoded request ``raw`` and return the reply message (never raises
+        ``Exception``)."""
         request_id = _request_id(raw)
         try:
             request = parse_request(raw)
@@ -175,8 +180,15 @@ class Daemon:
         A result the codec cannot carry (a filter state holding an arbitrary object) becomes an
         error reply, since it is the filter's doing and the request is over either way.
         """
+        return self._encoded(lambda: self.handle(frame))
+
+    def answer(self, raw: Any) -> list[bytes | memoryview]:
+        """:meth:`run` on a decoded request, encoded as :meth:`respond` encodes."""
+        return self._encoded(lambda: self.run(raw))
+
+    def _encoded(self, reply_to: Callable[[], dict[str, Any]]) -> list[bytes | memoryview]:
         try:
-            reply = self.handle(frame)
+            reply = reply_to()
         except Exception as exc:  # a bug of ours: still answer, so the agent is not left waiting
             info = _exception_info(exc, "the daemon failed", "?")
             info.code = ErrorCode.INTERNAL
@@ -503,8 +515,17 @@ def serve(channel: PipeChannel, daemon: Daemon) -> int:
             return EXIT_BROKEN_STREAM
         if frame is None:
             return 0
-        parts = daemon.respond(frame)
-        del frame  # the reply may still view it; drop our reference as soon as possible
+        try:
+            raw = decode(frame)
+        except FrameError as exc:
+            parts = encode(_error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc))))
+        else:
+            # Dropped before the request runs: what it decoded to as bytes (a filter's pickle)
+            # is a copy, so a frame that carried no tensor is freed now, not after the request
+            # (loading a model does not hold it twice over). Tensors view the frame and keep it.
+            del frame
+            parts = daemon.answer(raw)
+            del raw
         try:
             channel.write_frame(parts)
         except BrokenPipeError:

@@ -138,6 +138,7 @@ class DataParallel(Strategy):
             timeout=self.options.elastic_timeout,
             placement=self.placement().describe(),
             validation=validation_stage(job),
+            sharded=self.options.sharding != "none",
         )
         await run.on_all(run.set_up, replicas)
         if job.dataset is not None:

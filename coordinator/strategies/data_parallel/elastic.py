@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, concurrently
+from coordinator.strategies.data_parallel.shard_pieces import PiecesMismatch, joined
 from coordinator.strategies.steps import OwnData, set_up
-from protocol.daemon import ScheduleRequest, StageRequest
+from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
 from protocol.rules.rows import take_rows
 
@@ -104,6 +105,7 @@ class Replicas:
     schedule: ScheduleRequest | None = None  # the schedules' horizon, once it is known
     validation: StageRequest | None = None  # stages the job's validation data, if it has any
     absent: set[int] = field(default_factory=set)  # replicas dropped (DiLoCo), until one joins
+    sharded: bool = False  # FSDP2 shards the torch nodes: read from every replica's pieces
 
     @property
     def ids(self) -> list[str]:
@@ -217,6 +219,8 @@ class Replicas:
     async def read_back(self) -> dict[int, dict[str, Any]]:
         """Every present replica's final state; with ``elastic`` a lost one is left out."""
         self.position.phase, self.position.step = "reading", None
+        if self.sharded:  # one whole model, joined from every replica's shards
+            return {0: (await self._joined()).states}
         reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in self.present()}
         try:
             return await self.each(reads)
@@ -266,10 +270,35 @@ class Replicas:
         return (await self.each({source: self.snapshot(source)}))[source]
 
     async def snapshot(self, source: int) -> Snapshot:
-        """Replica ``source``'s model and optimizer state."""
+        """Replica ``source``'s model and optimizer state; a sharded run's, every replica's
+        shards joined (:meth:`_joined`)."""
+        if self.sharded:
+            return await self._joined()
         states = await self.ctx.get_state(source, self.job.node_ids)
         optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
         return Snapshot(self.ids[source], states, optimizers)
+
+    async def _joined(self) -> Snapshot:
+        """A sharded run's model and optimizer state: each replica's shards read where they
+        lie and joined here, off the event loop (:mod:`.shard_pieces`); the plain filters
+        before the torch nodes read from replica 0, which holds them as every replica does.
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH`` when the replicas' shards are not of one model.
+        """
+        replicas = range(self.ctx.num_workers())
+        pieces = await self.each({i: self.ctx.call(i, DistPiecesRequest()) for i in replicas})
+        plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
+        states = await self.ctx.get_state(0, plain) if plain else {}
+        try:
+            whole = await asyncio.to_thread(joined, [pieces[i] for i in replicas])
+        except PiecesMismatch as exc:
+            raise StrategyFailed(
+                ErrorCode.STATE_MISMATCH, f"joining the sharded model from {self.ids}: {exc}"
+            ) from exc
+        states |= whole.states
+        ordered = {node: states[node] for node in self.job.node_ids}
+        return Snapshot(", ".join(self.ids), ordered, whole.optimizers)
 
     async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
         """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""

@@ -191,11 +191,11 @@ class TorchTraining:
             while step < total:
                 if ahead is None:
                     stop = self._stop(step, chunk, total, saves)
-                    ahead = self._send(step, stop, self._read_after(stop, total, saves))
+                    ahead = self._send(step, stop, self._read_after(stop))
                 now, ahead = ahead, None
                 if self._overlaps(now.stop, total, saves):
                     after = self._stop(now.stop, chunk, total, saves)
-                    ahead = self._send(now.stop, after, self._read_after(after, total, saves))
+                    ahead = self._send(now.stop, after, self._read_after(after))
                 position.phase, position.step = "training", step + 1
                 try:
                     results = await now.calls
@@ -211,7 +211,7 @@ class TorchTraining:
                 await self._progress(step, now.stop, results)
                 chunk = _next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
-                if now.gathered or self.sharding == "none":  # (sharded: read only gathered)
+                if ahead is None:  # (a chunk sent ahead would be read with this checkpoint)
                     await saves.after(step, total)
         finally:
             await _cancelled(ahead)
@@ -225,11 +225,11 @@ class TorchTraining:
             stop = min(stop, self.bounds.next_read(step))
         return stop
 
-    def _read_after(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
-        """Whether a sharded run's replicas gather the whole model after the chunk ending at
-        ``stop``: the coordinator reads them then (the end, a checkpoint due, a validation);
-        never for an unsharded run, which is read as it is."""
-        return self.sharding != "none" and (stop >= total or self._read_at(stop, total, saves))
+    def _read_after(self, stop: int) -> bool:
+        """Whether a sharded run's replicas gather the whole model's weights after the chunk
+        ending at ``stop``: an evaluation runs it then (a checkpoint and the end read the
+        shards where they lie); never for an unsharded run."""
+        return self.sharding != "none" and self._evaluated_at(stop)
 
     def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
@@ -240,8 +240,11 @@ class TorchTraining:
     def _read_at(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
         """Whether the coordinator reads the replicas after step ``stop``: a checkpoint due,
         or an evaluation."""
-        evaluated = self.evaluate is not None and self.bounds.reads_after(stop)
-        return evaluated or saves.due(stop, total)
+        return self._evaluated_at(stop) or saves.due(stop, total)
+
+    def _evaluated_at(self, stop: int) -> bool:
+        """Whether the model is evaluated after step ``stop``."""
+        return self.evaluate is not None and self.bounds.reads_after(stop)
 
     @property
     def bounds(self) -> StepBoundaries:
@@ -251,11 +254,11 @@ class TorchTraining:
     def _send(self, step: int, stop: int, gather: bool = False) -> _Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
         one at a time, so a chunk sent early waits behind the one before); sharded replicas
-        with ``gather`` end it with the whole model gathered."""
+        with ``gather`` end it with the whole model's weights gathered (to evaluate it)."""
         request = DistTrainRequest(start=step, stop=stop, gather=gather)
         calls = {i: self._call(i, request) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
-        return _Chunk(stop, settled, asyncio.get_running_loop().time(), gather)
+        return _Chunk(stop, settled, asyncio.get_running_loop().time())
 
     async def _form(self, fresh_store: bool, step: int) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
@@ -427,7 +430,6 @@ class _Chunk:
     stop: int
     calls: asyncio.Future[dict[int, Any]]
     sent: float  # the loop's clock
-    gathered: bool = False  # sharded replicas end it with the whole model gathered
 
 
 async def _cancelled(chunk: _Chunk | None) -> None:

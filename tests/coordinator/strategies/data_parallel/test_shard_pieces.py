@@ -1,0 +1,100 @@
+"""A sharded run's pieces joined into its whole states: rows of dim 0, in rank order, as
+FSDP2 lays them out (``torch.chunk``'s chunks, the last replicas' maybe empty)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.strategies.data_parallel.shard_pieces import PiecesMismatch, joined
+
+
+def _rows(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Replica ``r``'s rows of ``tensor`` as FSDP2 shards it over ``world`` replicas, by hand:
+    ceil(n / world) rows each, from the top, the rest empty."""
+    each = -(-tensor.shape[0] // world)
+    return [tensor[r * each : (r + 1) * each] for r in range(world)]
+
+
+def _pieces(weight, bias, momentum, world):
+    out = []
+    for r in range(world):
+        out.append(
+            {
+                "states": {
+                    "net": {
+                        "weight": _rows(weight, world)[r],
+                        "bias": _rows(bias, world)[r],
+                        "running": torch.full((2,), float(r)),  # a buffer: replica 0's is kept
+                    }
+                },
+                "optimizers": {
+                    "net": {
+                        "state": {
+                            0: {"momentum_buffer": _rows(momentum, world)[r]},
+                            1: {"step": torch.tensor(7.0)},
+                        },
+                        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+                        "scheduler": {"last_epoch": 3},
+                    }
+                },
+                "split": [
+                    ["states", "net", "weight"],
+                    ["states", "net", "bias"],
+                    ["optimizers", "net", "state", 0, "momentum_buffer"],
+                ],
+            }
+        )
+    return out
+
+
+def test_joined_rows_are_the_whole_tensors_and_the_rest_is_replica_0s():
+    weight = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    bias = torch.arange(5, dtype=torch.float32)
+    momentum = -weight
+    # 5 rows over 4 replicas: 2, 2, 1 and none.
+    pieces = _pieces(weight, bias, momentum, world=4)
+    assert [p["states"]["net"]["weight"].shape[0] for p in pieces] == [2, 2, 1, 0]
+    whole = joined(pieces)
+    assert torch.equal(whole.states["net"]["weight"], weight)
+    assert torch.equal(whole.states["net"]["bias"], bias)
+    assert torch.equal(whole.states["net"]["running"], torch.zeros(2))
+    opt = whole.optimizers["net"]
+    assert torch.equal(opt["state"][0]["momentum_buffer"], momentum)
+    assert opt["state"][1]["step"].item() == 7.0
+    assert opt["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    assert opt["scheduler"] == {"last_epoch": 3}
+    # Replica 0's answer is left as it came (the whole is a frame of its own).
+    assert pieces[0]["states"]["net"]["weight"].shape == (2, 3)
+
+
+def test_rows_that_arrive_as_arrays_are_joined_too():
+    weight = np.arange(12, dtype=np.float32).reshape(4, 3)
+    pieces = [
+        {
+            "states": {"n": {"w": weight[:2]}},
+            "optimizers": {"n": None},
+            "split": [["states", "n", "w"]],
+        },
+        {
+            "states": {"n": {"w": weight[2:]}},
+            "optimizers": {"n": None},
+            "split": [["states", "n", "w"]],
+        },
+    ]
+    whole = joined(pieces)
+    np.testing.assert_array_equal(whole.states["n"]["w"], weight)
+    assert whole.optimizers == {"n": None}
+
+
+def test_replicas_that_split_other_tensors_or_rows_that_do_not_stack_are_refused():
+    weight = torch.ones(4, 3)
+    pieces = _pieces(weight, torch.ones(4), weight, world=2)
+    pieces[1]["split"] = pieces[1]["split"][:2]
+    with pytest.raises(PiecesMismatch, match="replica 1 split other tensors"):
+        joined(pieces)
+    pieces = _pieces(weight, torch.ones(4), weight, world=2)
+    pieces[1]["states"]["net"]["weight"] = torch.ones(2, 5)
+    with pytest.raises(PiecesMismatch, match="states/net/weight do not stack"):
+        joined(pieces)
