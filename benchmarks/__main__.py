@@ -57,7 +57,16 @@ SUITE = (
 )
 """The benchmarks of the suite, in the order they run."""
 
-EXTRA = ("daemon", "worker_data", "checkpoints", "federated", "own_model", "sandbox", "sharded")
+EXTRA = (
+    "daemon",
+    "worker_data",
+    "checkpoints",
+    "federated",
+    "own_model",
+    "sandbox",
+    "sharded",
+    "sharded_memory",
+)
 """Benchmarks that run only when named (not part of the suite's table)."""
 
 SUITE_ARGS: dict[str, dict[str, Any]] = {
@@ -85,6 +94,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "own_model": {"rows": 640},
     "sandbox": {"repeats": 1, "steps": 16},
     "sharded": {"steps": 4, "rounds": 1},
+    "sharded_memory": {"replicas": (1, 2), "width": 1024},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 

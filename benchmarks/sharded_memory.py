@@ -1,0 +1,242 @@
+"""What a sharded replica holds: each daemon's peak resident memory for N = 1, 2 and 4 replicas,
+next to the training state it should hold (the model's weights, gradients and Adam moments
+over N).
+
+``python -m benchmarks.sharded_memory [--width W] [--layers L] [--replicas 1 2 4]`` trains L
+W × W Linear layers (4 of 4096: 256 MiB of weights, 1 GiB of training state with Adam) as
+``sz.DataParallel(N, sharding="full", collective="torch")`` for one epoch of 2 steps (64 rows,
+32 a step; checkpointed at its end, the result read back) on a
+:class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling every job
+daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20 ms.
+Per replica, and per phase as the job's events mark them — *loading* (the filters arriving,
+until the replicas say what they hold), *training* (until the last step's progress) and
+*reading* (the checkpoint and the result, read from each replica's shards) — the peak over the
+daemon's resident memory when idle (its Python and torch, read before the job).
+
+The anchor is the arithmetic: the training state over N (weights, gradients, two moments) plus
+the activations (rows × width × layers, fp32, forward and backward: a few MiB here). The
+target: the training phase's peak within 15 % of it. FSDP2's own all-gathered units (a layer,
+W² values, while it runs forward or backward, and its whole gradient before it is
+reduce-scattered) come on top, as does the whole model arriving pickled before it is sharded
+(the loading phase).
+
+What the figures point to, on CPU: glibc's heap. Blocks under the daemon's mmap threshold
+(32 MiB, :mod:`protocol.asyncio.memory`) come from the heap and fragment it: with 16 layers of
+2048 (16 MiB units) a replica of two held 2.1 GiB after two steps, for 512 MiB of state, and
+torch's own ``fully_shard`` in two plain processes does the same (1.8 GiB after four steps
+with glibc's defaults). With ``MALLOC_MMAP_THRESHOLD_=1048576`` the plain processes hold
+832 MiB (the state and a unit or two) — at twice the step time (853 against 450 ms for four
+2048-wide layers), every buffer's pages faulted in afresh. Layers over 32 MiB (the default
+model's 64 MiB) are mapped and unmapped whole, and do not fragment the heap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.report import Row, Target
+
+WIDTH = 4096
+LAYERS = 4
+ROWS = 64
+BATCH = 32
+REPLICAS = (1, 2, 4)
+TARGET = 0.15
+"""How far the training peak may be from the training state over N plus activations."""
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _groups(skip: set[int]) -> dict[int, int]:
+    """Resident bytes by process group of every process that is not the agents', the
+    coordinator's or in ``skip`` (this process's group)."""
+    out: dict[int, int] = defaultdict(int)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{entry}/statm") as f:
+                rss = int(f.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            continue
+        group = int(stat[stat.rindex(")") + 2 :].split()[2])
+        if group in skip or b"somatize-worker" in cmd or b"somatize-coordinator" in cmd:
+            continue
+        out[group] += rss
+    return out
+
+
+class _Sampler:
+    """Every daemon group's resident bytes every ``period`` seconds, stamped."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self.samples: list[tuple[float, dict[int, int]]] = []
+        self._stop = threading.Event()
+        self._skip = {os.getpgid(0)}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), _groups(self._skip)))
+            time.sleep(self.period)
+
+
+def _model(width: int, layers: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def run(
+    replicas: Sequence[int] = REPLICAS, width: int = WIDTH, layers: int = LAYERS
+) -> dict[str, Any]:
+    """Each N's per-replica peaks by phase, over the idle daemon (module docstring).
+
+    Returns:
+        ``{"width", "state_bytes", "activation_bytes", "by_n": {N: {"idle", "loading",
+        "training", "reading"}}, "seconds"}``: bytes; each phase's figure the largest over
+        the replicas of their peak above their idle resident memory.
+    """
+    import somatize as sz
+    from somatize.cluster import LocalCluster
+
+    began = time.monotonic()
+    params = layers * (width * width + width) * 4
+    activations = 2 * BATCH * width * (layers + 1) * 4
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, width)).astype(np.float32)
+    y = rng.integers(0, width, size=ROWS)
+    options = {
+        "loss": "cross_entropy",
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "batch_size": BATCH,
+        "epochs": 1,
+        "shuffle": False,
+    }
+    by_n: dict[int, dict[str, int]] = {}
+    with LocalCluster(job_threads=1) as c:
+        c.start_coordinator()
+        for k in range(max(replicas)):
+            c.start_worker(f"w{k}")
+        with sz.connect(c.url, timeout=300) as client:
+            for n in replicas:
+                time.sleep(1.0)  # the spare daemons settle
+                idle = _groups({os.getpgid(0)})
+                graph = sz.Graph([sz.TorchFilter(_model(width, layers), **options).named("net")])
+                strategy = sz.DataParallel(n, sharding="full", collective="torch")
+                marks: dict[str, float] = {}
+                with _Sampler() as sampler:
+                    job = client.submit(graph, x, y, strategy=strategy)
+                    for event in job.events(timeout=600):
+                        data = event.data
+                        if data.get("phase") == "sharded":
+                            marks["sharded"] = time.monotonic()
+                        elif data.get("phase") == "training" and data["step"] == data["steps"]:
+                            marks["trained"] = time.monotonic()
+                    job.result(timeout=60)
+                by_n[n] = _phases(sampler.samples, idle, marks)
+    return {
+        "width": width,
+        "layers": layers,
+        "state_bytes": 4 * params,
+        "activation_bytes": activations,
+        "by_n": by_n,
+        "seconds": time.monotonic() - began,
+    }
+
+
+def _phases(
+    samples: list[tuple[float, dict[int, int]]], idle: dict[int, int], marks: dict[str, float]
+) -> dict[str, int]:
+    """The job's daemons' largest peak above idle in each phase, and their idle memory."""
+    groups = {g for _, seen in samples for g in seen if g in idle}
+    busy = {g for g in groups if max(s.get(g, 0) for _, s in samples) - idle[g] > 64 << 20}
+    out = {"idle": max((idle[g] for g in busy), default=0)}
+    spans = {
+        "loading": (0.0, marks.get("sharded", 0.0)),
+        "training": (marks.get("sharded", 0.0), marks.get("trained", float("inf"))),
+        "reading": (marks.get("trained", float("inf")), float("inf")),
+    }
+    for phase, (start, stop) in spans.items():
+        peaks = [
+            s.get(g, 0) - idle[g] for t, s in samples if start <= t < stop for g in busy if g in s
+        ]
+        out[phase] = max(peaks, default=0)
+    return out
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Per N, the training peak per replica against the state over N plus activations."""
+    out = []
+    state, activations = results["state_bytes"], results["activation_bytes"]
+    for n, figures in sorted(results["by_n"].items()):
+        expected = state / n + activations
+        out.append(
+            Row(
+                bench="sharded_memory",
+                name=f"DataParallel({n}, sharding='full') peak per replica, training",
+                ours=figures["training"] / 2**20,
+                unit="MiB",
+                anchor=expected / 2**20,
+                anchor_name=f"training state / {n} + activations",
+                target=Target(
+                    "<=", 1 + TARGET, text=f"within {TARGET:.0%} of state / N + activations"
+                ),
+                note=(
+                    f"loading {figures['loading'] / 2**20:.0f} MiB, reading "
+                    f"{figures['reading'] / 2**20:.0f} MiB, idle {figures['idle'] / 2**20:.0f} MiB"
+                ),
+            )
+        )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sharded_memory", description=__doc__
+    )
+    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--replicas", type=int, nargs="+", default=list(REPLICAS))
+    args = parser.parse_args(argv)
+    results = run(args.replicas, args.width, args.layers)
+    state = results["state_bytes"]
+    print(
+        f"{args.layers} × Linear({args.width}, {args.width}), Adam: training state "
+        f"{state / 2**20:.0f} MiB, activations {results['activation_bytes'] / 2**20:.1f} MiB"
+    )
+    print("  N   state/N   loading  training   reading   (per replica, over idle; MiB)")
+    for n, f in sorted(results["by_n"].items()):
+        print(
+            f"  {n}  {state / n / 2**20:8.0f}  {f['loading'] / 2**20:8.0f}  "
+            f"{f['training'] / 2**20:8.0f}  {f['reading'] / 2**20:8.0f}   idle "
+            f"{f['idle'] / 2**20:.0f}"
+        )
+    print(f"took {results['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
