@@ -8,7 +8,9 @@ group's ranks, then the chain itself (what no unit took). Each replica then hold
 parameter, gradient and optimizer moment; a unit's parameters are all-gathered for its forward
 (and, resharded after it, again for its backward) and its gradients reduce-scattered, averaged
 over the replicas as DDP's all-reduce averages them: the replica's loop is DDP's, and so is
-the equivalence with ``graph.fit``. The optimizers are made over the sharded parameters.
+the equivalence with ``graph.fit``. The optimizers are made over the sharded parameters. A
+filter of ``precision="bf16"`` has its units gathered and run in bf16 through FSDP2's
+``MixedPrecisionPolicy`` (:data:`BF16`), its gradients reduced and its weights kept in fp32.
 
 The coordinator reads a sharded replica where its shards lie (:meth:`ShardedRun.pieces`: no
 collective, nothing gathered): each parameter's and each optimizer moment's rows held here, and
@@ -38,14 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.nodes import Node
 from engine.optimizers import SCHEDULER, Optimizers
-from engine.transfer import to_cpu
+from engine.transfer import precision_of, to_cpu
 
-__all__ = ["Sharded", "ShardedRun", "unit_classes"]
+__all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 
 WHOLE = StateDictOptions(full_state_dict=True)
 """State dicts of whole tensors (every replica gathers them): what an evaluation runs with."""
@@ -66,6 +68,23 @@ def unit_classes(names: Sequence[str]) -> tuple[type, ...] | tuple[str, ...]:
         except (ImportError, AttributeError, ValueError):
             found.append(name)
     return tuple(found)
+
+
+BF16 = MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+)
+"""A bf16 filter's units: parameters all-gathered in bf16 (half the bytes) and run in it, the
+gradients reduce-scattered and kept in fp32 (as the sharded weights and the optimizer's state
+are), what leaves them fp32."""
+
+
+def precision_policy(run: Sequence[Node]) -> MixedPrecisionPolicy:
+    """How FSDP2 casts the units of ``run``'s filters: :data:`BF16` when every one of them is
+    ``precision="bf16"``, else nothing (fp32, or fp16 under its autocast and gradient
+    scaler)."""
+    if run and all(precision_of(node.filter) == "bf16" for node in run):
+        return BF16
+    return MixedPrecisionPolicy()
 
 
 def _is_unit(module: torch.nn.Module, units: Sequence[Any]) -> bool:
@@ -189,15 +208,16 @@ class ShardedRun:
         parts: Sequence[torch.nn.Module] = chain.parts  # type: ignore[assignment]
         self._templates = [_meta_copy(part) for part in parts]
         state = self._whole_optimizer_state()  # before sharding: of the plain parameters
-        for part in parts:
+        for part, node in zip(parts, self.run, strict=True):
             chosen = (
                 [m for m in part.modules() if _is_unit(m, units)]
                 if units is not None
                 else [m for m in part.children() if _holds_parameters(m)]
             )
+            policy = precision_policy([node])
             for unit in reversed(chosen):  # inner units before those holding them
-                fully_shard(unit, reshard_after_forward=reshard)
-        fully_shard(chain, reshard_after_forward=reshard)
+                fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(chain, reshard_after_forward=reshard, mp_policy=precision_policy(self.run))
         optimizers.reset(self.run)  # made again over the sharded parameters
         made = [optimizers.optimizer(node) for node in self.run]
         if state is not None:

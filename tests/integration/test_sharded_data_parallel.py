@@ -134,3 +134,67 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
         assert {v["units"] for k, v in sharded.items() if k.startswith("w")} == {3}  # 2 layers
         reference = _adam_reference(_encoder(), xs, ys, epochs=2, batch_size=16, lr=1e-2)
         _close(fitted.states["enc"], reference)
+
+
+class _Recording(torch.nn.Linear):
+    """A Linear that records, in a buffer, whether its weight was bf16 when it ran."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.register_buffer("ran_bf16", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ran_bf16.fill_(float(self.weight.dtype == torch.bfloat16))
+        return super().forward(x)
+
+
+def _recording_mlp() -> torch.nn.Sequential:
+    torch.manual_seed(4)
+    return torch.nn.Sequential(_Recording(6, 16), torch.nn.Tanh(), _Recording(16, 3))
+
+
+def _bf16_reference(module, x, y, epochs: int, batch_size: int, lr: float) -> dict:
+    """SGD with fp32 weights, each step run in bf16 (weights and inputs cast, the logits cast
+    back to fp32 for the loss): the plain loop FSDP2's bf16 policy stands for, on the whole
+    batch at once."""
+    net = copy.deepcopy(module)
+    layers = [net[0], net[2]]
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    for _ in range(epochs):
+        for start in range(0, len(xt), batch_size):
+            h = xt[start : start + batch_size].to(torch.bfloat16)
+            for k, layer in enumerate(layers):
+                h = torch.nn.functional.linear(
+                    h, layer.weight.to(torch.bfloat16), layer.bias.to(torch.bfloat16)
+                )
+                if k == 0:
+                    h = torch.tanh(h)
+            loss = torch.nn.functional.cross_entropy(h.float(), yt[start : start + batch_size])
+            net.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= lr * p.grad
+    return net.state_dict()
+
+
+def test_bf16_replicas_gather_and_run_in_bf16_and_keep_fp32_weights(tmp_path):
+    x, y = classes(n=96)
+    options = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.1, "batch_size": 16}
+    options |= {"epochs": 2, "shuffle": False, "precision": "bf16"}
+    with (
+        cluster(tmp_path, {"w1": (), "w2": ()}) as c,
+        sz.connect(c.url, timeout=60 * UNIT) as client,
+    ):
+        graph = sz.Graph([sz.TorchFilter(_recording_mlp(), **options).named("mlp")])
+        strategy = sz.DataParallel(2, sharding="full", collective="torch", checkpoint_every=0)
+        fitted = client.submit(graph, x, y, strategy=strategy).result(timeout=180 * UNIT)
+    states = fitted.states["mlp"]
+    # Each layer ran with bf16 weights (gathered in bf16 by the policy); the weights kept are
+    # fp32, and they are the plain loop's up to bf16's rounding of the half batches' sums.
+    assert float(states["0.ran_bf16"]) == float(states["2.ran_bf16"]) == 1.0
+    reference = _bf16_reference(_recording_mlp(), x, y, epochs=2, batch_size=16, lr=0.1)
+    for key in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        got = torch.as_tensor(states[key])
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, reference[key], rtol=0, atol=5e-3)
