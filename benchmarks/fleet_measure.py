@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import resource
 import statistics
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.periodic import Periodic
 from benchmarks.roundtrip import cpu_seconds, rss_bytes
 
 PROBE = """
@@ -106,24 +106,22 @@ class RssSampler:
         self.pid = pid
         self.every = every
         self.samples: list[tuple[float, int, float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
+        self._periodic = Periodic(self._sample, every, "rss sampler")
 
     def __enter__(self) -> RssSampler:
-        self._thread.start()
+        self._periodic.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._periodic.__exit__(*exc)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                sample = (time.time(), rss_bytes(self.pid), cpu_seconds(self.pid))
-                self.samples.append((*sample, time.process_time()))
-            except (OSError, RuntimeError):  # the process is gone
-                return
+    def _sample(self) -> bool:
+        try:
+            sample = (time.time(), rss_bytes(self.pid), cpu_seconds(self.pid))
+        except (OSError, RuntimeError):  # the process is gone
+            return False
+        self.samples.append((*sample, time.process_time()))
+        return True
 
     def peak(self, start: float, stop: float) -> int:
         return max((s[1] for s in self.samples if start <= s[0] <= stop), default=0)

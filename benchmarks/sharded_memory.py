@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target
 
 WIDTH = 4096
@@ -79,27 +79,23 @@ def _groups(skip: set[int]) -> dict[int, int]:
 
 
 class _Sampler:
-    """Every daemon group's resident bytes every ``period`` seconds, stamped."""
+    """Every daemon group's resident bytes every ``period`` seconds, stamped, while a ``with``
+    block runs."""
 
     def __init__(self, period: float = 0.02) -> None:
-        self.period = period
         self.samples: list[tuple[float, dict[int, int]]] = []
-        self._stop = threading.Event()
         self._skip = {os.getpgid(0)}
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._periodic = Periodic(self._sample, period, "daemon memory")
 
     def __enter__(self) -> _Sampler:
-        self._thread.start()
+        self._periodic.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._periodic.__exit__(*exc)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), _groups(self._skip)))
-            time.sleep(self.period)
+    def _sample(self) -> None:
+        self.samples.append((time.monotonic(), _groups(self._skip)))
 
 
 def _model(width: int, layers: int) -> Any:
@@ -128,7 +124,7 @@ def run(
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, width)).astype(np.float32)
     y = rng.integers(0, width, size=ROWS)
-    options = {
+    options: dict[str, Any] = {
         "loss": "cross_entropy",
         "optimizer": "adam",
         "lr": 1e-3,

@@ -14,7 +14,6 @@ import mmap
 import os
 import shutil
 import statistics
-import threading
 import time
 import zipfile
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from benchmarks.allreduce import cpu_snapshot, descendants, foreign_cores
+from benchmarks.periodic import Periodic
 from engine.data.npy_rows import NpyRows
 from protocol.rules.batching import replica_batches
 
@@ -246,28 +246,23 @@ class Watcher:
         self.agents = agents
         self.peak_kib: dict[str, dict[int, int]] = {w: {} for w in agents}
         self.io: dict[str, dict[int, dict[str, int]]] = {w: {} for w in agents}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._periodic = Periodic(self._sample, SAMPLE_S, "daemon watcher")
 
     def __enter__(self) -> Watcher:
-        self._thread.start()
+        self._periodic.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._periodic.__exit__(*exc)
 
-    def _run(self) -> None:
-        while True:
-            for worker, agent in self.agents.items():
-                for pid in descendants(agent):
-                    peak = proc_status(pid).get("VmHWM", 0)
-                    mine = self.peak_kib[worker]
-                    mine[pid] = max(mine.get(pid, 0), peak)
-                    if io := proc_io(pid):
-                        self.io[worker][pid] = io
-            if self._stop.wait(SAMPLE_S):
-                return
+    def _sample(self) -> None:
+        for worker, agent in self.agents.items():
+            for pid in descendants(agent):
+                peak = proc_status(pid).get("VmHWM", 0)
+                mine = self.peak_kib[worker]
+                mine[pid] = max(mine.get(pid, 0), peak)
+                if io := proc_io(pid):
+                    self.io[worker][pid] = io
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per worker: ``peak_mb`` (its largest daemon's ``VmHWM``), ``read_mb`` and

@@ -150,12 +150,11 @@ class Daemon:
         try:
             raw = decode(frame)
         except FrameError as exc:
-            return _error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)))
-        return self.run(raw)
+            return _bad_frame(exc)
+        return self.handle_decoded(raw)
 
-    def run(self, raw: Any) -> dict[str, Any]:
-        """Run the decoded request ``raw`` and return the reply message (never raises
-        ``Exception``)."""
+    def handle_decoded(self, raw: Any) -> dict[str, Any]:
+        """:meth:`handle` on a request already decoded (never raises ``Exception``)."""
         request_id = _request_id(raw)
         try:
             request = parse_request(raw)
@@ -182,9 +181,9 @@ class Daemon:
         """
         return self._encoded(lambda: self.handle(frame))
 
-    def answer(self, raw: Any) -> list[bytes | memoryview]:
-        """:meth:`run` on a decoded request, encoded as :meth:`respond` encodes."""
-        return self._encoded(lambda: self.run(raw))
+    def respond_decoded(self, raw: Any) -> list[bytes | memoryview]:
+        """:meth:`respond` on a request already decoded."""
+        return self._encoded(lambda: self.handle_decoded(raw))
 
     def _encoded(self, reply_to: Callable[[], dict[str, Any]]) -> list[bytes | memoryview]:
         try:
@@ -399,6 +398,11 @@ def _plain(result: Any) -> dict[str, Any]:
     raise TypeError(f"expected a FitResult, got {type(result).__name__}")
 
 
+def _bad_frame(exc: FrameError) -> dict[str, Any]:
+    """The reply to bytes that are not a frame."""
+    return _error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)))
+
+
 def _error(request_id: int, info: ErrorInfo) -> dict[str, Any]:
     return {"id": request_id, "ok": False, "error": info.model_dump(mode="json")}
 
@@ -518,13 +522,13 @@ def serve(channel: PipeChannel, daemon: Daemon) -> int:
         try:
             raw = decode(frame)
         except FrameError as exc:
-            parts = encode(_error(-1, ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc))))
+            parts = encode(_bad_frame(exc))
         else:
             # Dropped before the request runs: what it decoded to as bytes (a filter's pickle)
             # is a copy, so a frame that carried no tensor is freed now, not after the request
             # (loading a model does not hold it twice over). Tensors view the frame and keep it.
             del frame
-            parts = daemon.answer(raw)
+            parts = daemon.respond_decoded(raw)
             del raw
         try:
             channel.write_frame(parts)
