@@ -178,6 +178,10 @@ def _slices(
     return steps, least, places
 
 
+def _ids(nodes: Sequence[Node]) -> list[str]:
+    return [node.node_id for node in nodes]
+
+
 def _reset_inner(plan: ReplicaPlan, inner: list[torch.optim.Optimizer]) -> None:
     """At a synchronisation of a replica ``alone``: drop the inner optimizers' state when the
     plan says ``reset`` (the coordinator takes the outer step)."""
@@ -332,10 +336,13 @@ class Replica:
             )
         self._sharded = None  # gathered: the filters hold the whole model, a plan starts anew
 
-    def train(self, start: int, stop: int, gather: bool = False) -> dict[str, Any]:
+    def train(
+        self, start: int, stop: int, gather: bool = False, snapshot: bool = False
+    ) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
         rows, learning rate and (from a step function) metrics per step. A sharded replica
-        then gathers the whole model's weights when ``gather`` (an evaluation follows).
+        then gathers the whole model's weights when ``gather`` (an evaluation follows). With
+        ``snapshot``, also what a checkpoint saves of it now (:meth:`_snapshot`).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
@@ -384,7 +391,20 @@ class Replica:
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         said = {"losses": losses, "rows": rows, "lrs": lrs}
+        if snapshot:
+            said["snapshot"] = self._snapshot(plan, prefix, run)
         return said | ({"metrics": metrics} if any(metrics) else {})
+
+    def _snapshot(self, plan: ReplicaPlan, prefix: list[Node], run: list[Node]) -> dict[str, Any]:
+        """What a checkpoint saves of this replica as its chunk ends, sent in the chunk's own
+        reply: its states and its run's optimizer states; sharded, its shards where they lie
+        (:meth:`pieces`) and its plain filters' states (``plain``)."""
+        if self._sharded is not None:
+            return self._sharded.pieces() | {"plain": self.nodes.get_state(_ids(prefix))}
+        return {
+            "states": self.nodes.get_state(plan.node_ids),
+            "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
+        }
 
     def pieces(self) -> dict[str, Any]:
         """A sharded replica's shards of its model and optimizer state, where they lie, and

@@ -392,10 +392,15 @@ class DistTrainRequest(_Steps):
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
     per step. A sharded replica with ``gather`` then gathers the whole model's weights (every
     replica takes part), so that it can be evaluated as an unsharded one until its next
-    ``dist_train``."""
+    ``dist_train``. With ``snapshot`` the reply also carries, under ``"snapshot"``, what a
+    checkpoint saves of the replica as the chunk ends: ``{"states", "optimizers"}`` as
+    ``get_state`` and ``get_optimizer_state`` give them, or, sharded, its ``dist_pieces``
+    answer and the plain filters' states under ``"plain"`` — read in the chunk's own reply,
+    while the next chunk trains, not by a request queued behind it."""
 
     cmd: Literal["dist_train"] = "dist_train"
     gather: bool = False
+    snapshot: bool = False
 
 
 class DistPiecesRequest(_Request):

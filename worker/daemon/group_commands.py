@@ -93,7 +93,9 @@ class GroupCommands:
         return self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.replica.train(req.start, req.stop, gather=req.gather)
+        return self.engine.replica.train(
+            req.start, req.stop, gather=req.gather, snapshot=req.snapshot
+        )
 
     def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
         return self.engine.replica.pieces()

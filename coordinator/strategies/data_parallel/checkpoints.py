@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
-from coordinator.strategies.data_parallel.elastic import Replicas
+from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 
 __all__ = ["ReplicaCheckpoints", "SyncCheckpoints"]
 
@@ -70,10 +70,17 @@ class ReplicaCheckpoints:
 
     async def after(self, done: int, total: int) -> None:
         """Save a checkpoint after step ``done`` if one is due (every replica has applied that
-        step's update)."""
+        step's update), read from the replicas now."""
         if self.checkpoints is None or not self.policy.due(done, total):
             return
-        snapshot = await self.run.snapshot(0)
+        await self.save(done, total, await self.run.snapshot(0))
+
+    async def save(self, done: int, total: int, snapshot: Snapshot) -> None:
+        """Save ``snapshot``, the replicas as they stood after step ``done`` (taken as a chunk
+        of steps ended, sent with its reply), if a checkpoint is still due then (one due by
+        time is not, once another was saved since)."""
+        if self.checkpoints is None or not self.policy.due(done, total):
+            return
         per_epoch = max(1, self.policy.per_epoch)
         position: dict[str, Any] = {
             "step": done,

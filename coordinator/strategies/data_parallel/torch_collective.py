@@ -18,8 +18,11 @@ touches a gradient; per chunk it receives each replica's losses and emits one pr
 Chunks grow (doubling, from one step) until one takes about :data:`CHUNK_SECONDS`, so fast
 steps do not cost a message each and the progress stays live. The next chunk is sent while one
 trains — each worker queues it behind the one running, so no replica waits a round trip to the
-coordinator between them — except where the coordinator reads the replicas in between (a
-checkpoint, an epoch's evaluation) or could have to undo it (``elastic``).
+coordinator between them — except where the coordinator reads the replicas in between (an
+epoch's evaluation) or could have to undo it (``elastic``). A checkpoint does not stop it: the
+chunk that ends where one falls due carries it in its reply (``snapshot``: replica 0's states
+and optimizer states, a sharded run's every replica's shards), so training goes on while the
+snapshot travels and is written.
 The loop over steps is the replicas' own (``engine.replica``); the coordinator's, over chunks
 that end where a checkpoint falls due, has no round to configure or aggregate.
 
@@ -51,6 +54,7 @@ from coordinator.strategies.data_parallel.elastic import (
     MAX_RECOVERIES,
     RECOVERABLE,
     Replicas,
+    Snapshot,
     every_replica_lost,
 )
 from coordinator.strategies.history import Evaluate, History
@@ -191,11 +195,11 @@ class TorchTraining:
             while step < total:
                 if ahead is None:
                     stop = self._stop(step, chunk, total, saves)
-                    ahead = self._send(step, stop, self._read_after(stop))
+                    ahead = self._send(step, stop, saves.due(stop, total))
                 now, ahead = ahead, None
-                if self._overlaps(now.stop, total, saves):
+                if self._overlaps(now.stop, total):
                     after = self._stop(now.stop, chunk, total, saves)
-                    ahead = self._send(now.stop, after, self._read_after(after))
+                    ahead = self._send(now.stop, after, saves.due(after, total))
                 position.phase, position.step = "training", step + 1
                 try:
                     results = await now.calls
@@ -211,8 +215,8 @@ class TorchTraining:
                 await self._progress(step, now.stop, results)
                 chunk = _next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
-                if ahead is None:  # (a chunk sent ahead would be read with this checkpoint)
-                    await saves.after(step, total)
+                if now.snapshot:  # taken as the chunk ended, while the next one trains
+                    await saves.save(step, total, await self._snapshot(results))
         finally:
             await _cancelled(ahead)
         position.step = None
@@ -231,16 +235,11 @@ class TorchTraining:
         shards where they lie); never for an unsharded run."""
         return self.sharding != "none" and self._evaluated_at(stop)
 
-    def _overlaps(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
+    def _overlaps(self, stop: int, total: int) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
-        when nothing reads the replicas between them (no checkpoint, no evaluation) and no
-        recovery could need the chunk undone (not ``elastic``)."""
-        return stop < total and not (self.run.elastic or self._read_at(stop, total, saves))
-
-    def _read_at(self, stop: int, total: int, saves: ReplicaCheckpoints) -> bool:
-        """Whether the coordinator reads the replicas after step ``stop``: a checkpoint due,
-        or an evaluation."""
-        return self._evaluated_at(stop) or saves.due(stop, total)
+        when no evaluation reads the replicas between them (a checkpoint comes with the
+        chunk's reply) and no recovery could need the chunk undone (not ``elastic``)."""
+        return stop < total and not (self.run.elastic or self._evaluated_at(stop))
 
     def _evaluated_at(self, stop: int) -> bool:
         """Whether the model is evaluated after step ``stop``."""
@@ -251,14 +250,30 @@ class TorchTraining:
         """Where the run's epochs close and the model is validated."""
         return self.training.boundaries(self.steps_per_epoch)
 
-    def _send(self, step: int, stop: int, gather: bool = False) -> _Chunk:
+    def _send(self, step: int, stop: int, snapshot: bool) -> _Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
         one at a time, so a chunk sent early waits behind the one before); sharded replicas
-        with ``gather`` end it with the whole model's weights gathered (to evaluate it)."""
-        request = DistTrainRequest(start=step, stop=stop, gather=gather)
-        calls = {i: self._call(i, request) for i in self._all()}
+        end it with the whole model's weights gathered where it is evaluated then. With
+        ``snapshot`` (a checkpoint due after it) replica 0 — sharded: every replica — sends
+        what the checkpoint saves with its reply."""
+        gather = self._read_after(stop)
+        sharded = self.sharding != "none"
+
+        def request(i: int) -> DistTrainRequest:
+            taken = snapshot and (sharded or i == 0)
+            return DistTrainRequest(start=step, stop=stop, gather=gather, snapshot=taken)
+
+        calls = {i: self._call(i, request(i)) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
-        return _Chunk(stop, settled, asyncio.get_running_loop().time())
+        return _Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
+
+    async def _snapshot(self, results: Mapping[int, Any]) -> Snapshot:
+        """The checkpoint's snapshot the replicas sent with a chunk's ``results``."""
+        if self.sharding != "none":
+            pieces = [results[i]["snapshot"] for i in self._all()]
+            return await self.run.join_pieces(pieces, pieces[0]["plain"])
+        taken = results[0]["snapshot"]
+        return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 
     async def _form(self, fresh_store: bool, step: int) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
@@ -430,6 +445,7 @@ class _Chunk:
     stop: int
     calls: asyncio.Future[dict[int, Any]]
     sent: float  # the loop's clock
+    snapshot: bool = False  # its replies carry a checkpoint's snapshot
 
 
 async def _cancelled(chunk: _Chunk | None) -> None:
