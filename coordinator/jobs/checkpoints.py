@@ -15,7 +15,9 @@ removed only once the new one is complete, and the last ``keep`` are kept.
   writes the next one off the event loop and says so in the job's events — ``checkpoint`` with
   its position, size and time, or ``checkpoint_failed`` with why (the disk full, say): training
   goes on, the checkpoints before it stand. The write runs while training goes on (the payload
-  is the coordinator's own copy): only reading the state stalls the run. One write is in flight
+  is the coordinator's own copy): only reading the state can stall the run, and DataParallel
+  on the torch collective reads it with the reply of the chunk it ends, the next chunk already
+  training (:mod:`coordinator.strategies.data_parallel.torch_collective`). One write is in flight
   at a time, in order; :meth:`JobCheckpoints.flush` waits for it (a run does before it returns,
   the job manager before it records a job's end).
 * :class:`CheckpointPolicy` — when a run saves one (pure logic, no I/O).
