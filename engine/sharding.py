@@ -145,14 +145,6 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-class _Parts(torch.nn.Module):
-    """Modules under ``parts``, as the chain holds them: the names its state dicts use."""
-
-    def __init__(self, parts: Sequence[torch.nn.Module]) -> None:
-        super().__init__()
-        self.parts = torch.nn.ModuleList(parts)
-
-
 @dataclass
 class _SetAside:
     """What a node trains with while sharded: its module, optimizer and scheduler."""
@@ -263,7 +255,7 @@ class ShardedRun:
         if self._aside is not None:
             return
         weights = get_model_state_dict(self.chain, options=WHOLE)
-        aside = [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
+        aside = self._held()
         for k, (node, template) in enumerate(zip(self.run, self._templates, strict=True)):
             module = copy.deepcopy(template)
             prefix = f"parts.{k}."
@@ -280,9 +272,7 @@ class ShardedRun:
         optimizer moment — as the rows of it held here (FSDP2 shards dim 0, in rank order);
         ``split``: the paths of those tensors. Everything else (buffers, step counts, the
         groups' settings, a scheduler's state) every replica holds alike."""
-        kept = self._aside or [
-            _SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run
-        ]
+        kept = self._aside or self._held()
         split: list[KeyPath] = []
         states: dict[str, Any] = {}
         optimizers: dict[str, Any] = {}
@@ -307,6 +297,10 @@ class ShardedRun:
             if held.scheduler is not None:
                 optimizers[key][SCHEDULER] = held.scheduler.state_dict()
         return {"states": states, "optimizers": optimizers, "split": split}
+
+    def _held(self) -> list[_SetAside]:
+        """What the run's nodes train with now: their modules, optimizers and schedulers."""
+        return [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
 
     def resume(self) -> None:
         """Put the sharded modules and optimizers back for the next steps (the gathered ones
