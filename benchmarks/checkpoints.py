@@ -1,10 +1,13 @@
 """What DataParallel's checkpoints cost a training step: the default interval against none.
 
-``python -m benchmarks.checkpoints [--rounds R] [--steps S] [--json PATH]`` trains the MLP
+``python -m benchmarks.checkpoints [--rounds R] [--steps S] [--sharding full] [--json PATH]``
+trains the MLP
 784-2048-2048-10 of :mod:`benchmarks.data_parallel` (5.8M float32 parameters, 23.3 MB;
 :func:`benchmarks.allreduce.mlp`, seeded; SGD lr 0.01 without momentum, so no optimizer state;
 cross-entropy on random rows, 256 per replica, global batch 512) with
-``sz.DataParallel(2, collective="torch", checkpoint_every=K, keep_checkpoints=2)`` on one
+``sz.DataParallel(2, collective="torch", checkpoint_every=K, keep_checkpoints=2)`` (with
+``--sharding``, the model sharded so: each checkpoint every replica's shards saved with
+torch.distributed.checkpoint as the chunk ends, its files in the replies) on one
 :class:`somatize.cluster.LocalCluster`: a real coordinator, its ``--state-dir`` on the machine's
 disk, job threads 1, and two ``somatize-worker --threads 1 --spare-daemon off`` (a spare daemon
 importing torch as a job starts would take CPU from the timed one). The data is
@@ -178,9 +181,11 @@ def cluster() -> Iterator[LocalCluster]:
             raise
 
 
-def run_job(c: LocalCluster, model: torch.nn.Module, variant: str, epochs: int) -> dict[str, Any]:
+def run_job(
+    c: LocalCluster, model: torch.nn.Module, variant: str, epochs: int, sharding: str = "none"
+) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs of :func:`data` with ``checkpoint_every`` of
-    ``variant`` (:data:`VARIANTS`), once the machine is quiet.
+    ``variant`` (:data:`VARIANTS`) and ``sharding``, once the machine is quiet.
 
     Returns ``{"variant", "every", "marks", "chunks", "steps", "span", "step_s", "wall_s",
     "quiet_wait_s", "checkpoints"}``: ``marks`` the ``(step, coordinator time)`` of every
@@ -200,7 +205,11 @@ def run_job(c: LocalCluster, model: torch.nn.Module, variant: str, epochs: int) 
         seed=SEED,
     )
     strategy = sz.DataParallel(
-        WORKERS, collective="torch", checkpoint_every=every, keep_checkpoints=2
+        WORKERS,
+        collective="torch",
+        checkpoint_every=every,
+        keep_checkpoints=2,
+        sharding=sharding,  # type: ignore[arg-type]
     )
     total = EPOCH_STEPS * epochs
     marks: list[tuple[int, float]] = []
@@ -239,10 +248,10 @@ def run_job(c: LocalCluster, model: torch.nn.Module, variant: str, epochs: int) 
     }
 
 
-def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
+def run(steps: int = STEPS, rounds: int = ROUNDS, sharding: str = "none") -> dict[str, Any]:
     """The three variants of the job, ``rounds`` times interleaved (module docstring).
 
-    Returns ``{"steps", "epochs", "epoch_steps", "total_steps", "rounds", "workers",
+    Returns ``{"sharding", "steps", "epochs", "epoch_steps", "total_steps", "rounds", "workers",
     "params", "model_bytes", "step", "ratio", "checkpoints", "jobs", "pytest_seen",
     "foreign_cores", "seconds"}``: ``step`` each variant's :func:`benchmarks.allreduce.ms` of
     its jobs' per-step means, ``ratio`` its median over the anchor's, ``checkpoints`` its
@@ -258,11 +267,12 @@ def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
     with cluster() as c:
         for r in range(rounds):
             for variant in names[r % len(names) :] + names[: r % len(names)]:
-                jobs[variant].append(run_job(c, model, variant, epochs))
+                jobs[variant].append(run_job(c, model, variant, epochs, sharding))
                 pytest_seen = pytest_seen or pytest_running()
     foreign = foreign_cores(start, cpu_snapshot())
     step = {v: ms([j["step_s"] for j in runs]) for v, runs in jobs.items()}
     return {
+        "sharding": sharding,
         "steps": epochs * EPOCH_STEPS - WARMUP,
         "epochs": epochs,
         "epoch_steps": EPOCH_STEPS,
@@ -340,8 +350,10 @@ def rows(results: dict[str, Any]) -> list[Row]:
 def report(results: dict[str, Any]) -> None:
     """Print the results."""
     b = results["model_bytes"]
+    sharding = results.get("sharding", "none")
     print(
-        f"checkpoints of DataParallel({WORKERS}, collective='torch') training the MLP "
+        f"checkpoints of DataParallel({WORKERS}, collective='torch', sharding={sharding!r}) "
+        "training the MLP "
         f"{'-'.join(map(str, SIZES))} ({results['params']:,} float32 parameters; state "
         f"{b['state'] / 1e6:.1f} MB, SGD state {b['optimizer'] / 1e6:.1f} MB), global batch "
         f"{PER_REPLICA * WORKERS}; {results['epochs']} epochs of {results['epoch_steps']} steps, "
@@ -387,13 +399,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=STEPS, help="measured steps, at least")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds")
+    parser.add_argument(
+        "--sharding",
+        choices=("none", "full", "gradients"),
+        default="none",
+        help="shard the model over the replicas (FSDP2): checkpoints of each one's shards",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results there")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
-    results = run(steps=args.steps, rounds=args.rounds)
+    results = run(steps=args.steps, rounds=args.rounds, sharding=args.sharding)
     report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1, default=str))

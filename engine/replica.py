@@ -21,9 +21,12 @@ outer step taken on the global weights.
 
 A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
 (:mod:`engine.sharding`): the same loop, each replica holding a shard of every parameter,
-gradient and optimizer moment. The coordinator reads each replica's shards where they lie
-(:meth:`Replica.pieces`); only a chunk of steps before an evaluation (``gather``) ends with the
-whole model's weights gathered on every replica.
+gradient and optimizer moment. A checkpoint saves every replica's shards with
+torch.distributed.checkpoint, as files the chunk's reply carries, and a resumed run loads them
+back, each replica the rows it holds (:meth:`Replica.load_shards`); the coordinator reads each
+replica's shards where they lie for the result (:meth:`Replica.pieces`); only a chunk of steps
+before an evaluation (``gather``) ends with the whole model's weights gathered on every
+replica.
 
 A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
 each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
@@ -37,14 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.batches import call_module, on_disk, part_of
@@ -269,6 +275,7 @@ class Replica:
         self._outer: OuterStep | None = None
         self._sync_point: SyncPoint | None = None  # a plan alone: its last synchronisation
         self._sharded: ShardedRun | None = None  # a plan with sharding: the run's shards
+        self._incoming: tempfile.TemporaryDirectory[str] | None = None  # shard_file's files
         group.on_leave(self._forget)  # the plan and its DDP wrapper were for that group
 
     def set_plan(self, plan: ReplicaPlan) -> dict[str, int] | None:
@@ -392,19 +399,72 @@ class Replica:
             self.rows.read_next(plan.data, plan.steps[stop][0])
         said = {"losses": losses, "rows": rows, "lrs": lrs}
         if snapshot:
-            said["snapshot"] = self._snapshot(plan, prefix, run)
+            said["snapshot"] = self._snapshot(plan, prefix, run, stop)
         return said | ({"metrics": metrics} if any(metrics) else {})
 
-    def _snapshot(self, plan: ReplicaPlan, prefix: list[Node], run: list[Node]) -> dict[str, Any]:
+    def _snapshot(
+        self, plan: ReplicaPlan, prefix: list[Node], run: list[Node], done: int
+    ) -> dict[str, Any]:
         """What a checkpoint saves of this replica as its chunk ends, sent in the chunk's own
-        reply: its states and its run's optimizer states; sharded, its shards where they lie
-        (:meth:`pieces`) and its plain filters' states (``plain``)."""
+        reply: its states and its run's optimizer states; sharded, its shards saved with
+        torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`: every replica at once)
+        as the files it wrote (``shards``: name → bytes; replica 0's include the
+        ``.metadata``), what every replica holds alike (``rest``) and its plain filters'
+        states (``plain``). ``done``: the steps taken."""
         if self._sharded is not None:
-            return self._sharded.pieces() | {"plain": self.nodes.get_state(_ids(prefix))}
+            with tempfile.TemporaryDirectory(prefix="somatize-shards-") as folder:
+                try:
+                    rest = self._sharded.save_shards(folder)
+                except (RuntimeError, CheckpointException) as exc:
+                    if isinstance(exc, RuntimeError) and not looks_collective(exc):
+                        raise
+                    where = "saving the checkpoint's shards"
+                    raise self.group.broken(where, exc, steps_done=done) from exc
+                files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+            return {"shards": files, "rest": rest, "plain": self.nodes.get_state(_ids(prefix))}
         return {
             "states": self.nodes.get_state(plan.node_ids),
             "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
         }
+
+    def shard_file(self, name: str, data: bytes) -> None:
+        """Keep one file of a sharded checkpoint (:meth:`_snapshot`'s) until
+        :meth:`load_shards` reads it: the coordinator sends them one at a time, this replica's
+        own shards and the ``.metadata``.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a name that is not a plain file name.
+        """
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise EngineError(ErrorCode.BAD_REQUEST, f"{name!r} is not a checkpoint file's name")
+        if self._incoming is None:
+            self._incoming = tempfile.TemporaryDirectory(prefix="somatize-shards-")
+        (Path(self._incoming.name) / name).write_bytes(data)
+
+    def load_shards(self, rest: dict[str, Any]) -> None:
+        """Load the sharded checkpoint whose files :meth:`shard_file` kept into this replica's
+        shards (a collective: every replica at once; :meth:`ShardedRun.load_shards`), then
+        drop the files. ``rest``: what every replica holds alike, as it was saved.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a replica not sharded or without the files;
+                ``STATE_MISMATCH`` for a checkpoint of other tensors; ``COLLECTIVE_FAILED``.
+        """
+        incoming, self._incoming = self._incoming, None
+        if self._sharded is None or incoming is None:
+            if incoming is not None:
+                incoming.cleanup()
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                "dist_load_shards loads a sharded replica from the files dist_shard_file gave it",
+            )
+        with incoming:
+            try:
+                self._sharded.load_shards(incoming.name, rest)
+            except (RuntimeError, CheckpointException) as exc:
+                if isinstance(exc, RuntimeError) and not looks_collective(exc):
+                    raise
+                raise self.group.broken("loading the checkpoint's shards", exc) from exc
 
     def pieces(self) -> dict[str, Any]:
         """A sharded replica's shards of its model and optimizer state, where they lie, and
@@ -560,6 +620,9 @@ class Replica:
             raise
 
     def _forget(self) -> None:
+        if self._incoming is not None:  # a checkpoint's files never loaded
+            self._incoming.cleanup()
+            self._incoming = None
         if self._sharded is not None and self._sharded.gathered:
             self._sharded = None  # the filters hold the whole model: nothing sharded is left
         self._ddp = None

@@ -29,28 +29,38 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as load_checkpoint
+from torch.distributed.checkpoint.state_dict_saver import save as save_checkpoint
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from engine.errors import EngineError
 from engine.nodes import Node
 from engine.optimizers import SCHEDULER, Optimizers
 from engine.transfer import precision_of, to_cpu
+from protocol.errors import ErrorCode
 
 __all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 
 WHOLE = StateDictOptions(full_state_dict=True)
 """State dicts of whole tensors (every replica gathers them): what an evaluation runs with."""
+
+SAVE_PLANNER = DefaultSavePlanner(enable_plan_caching=True)
+"""How a replica plans its shards' saves: each save's plans kept for the next, which a run's
+unchanged shards make the same (torch.distributed.checkpoint's plan caching)."""
 
 KeyPath = list[str | int]
 """Where a value lies in :meth:`ShardedRun.pieces`' answer: its keys, outermost first."""
@@ -139,6 +149,18 @@ def _local(value: Any, path: KeyPath, split: list[KeyPath]) -> Any:
         split.append(path)
         value = value.to_local()
     return to_cpu(value.detach()) if isinstance(value, torch.Tensor) else value
+
+
+def _filled(saved: Any, now: Any) -> Any:
+    """``saved`` (part of :meth:`ShardedRun.save_shards`' rest) with each sharded tensor it
+    left out (``None``) taken from ``now``, the same part as the run holds it (keys matched as
+    text: integer keys may have travelled as strings)."""
+    if isinstance(now, DTensor):
+        return now
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        by_text = {str(k): v for k, v in now.items()}
+        return {k: _filled(v, by_text.get(str(k))) for k, v in saved.items()}
+    return saved
 
 
 def _is_tensor(value: Any) -> bool:
@@ -272,23 +294,98 @@ class ShardedRun:
         optimizer moment — as the rows of it held here (FSDP2 shards dim 0, in rank order);
         ``split``: the paths of those tensors. Everything else (buffers, step counts, the
         groups' settings, a scheduler's state) every replica holds alike."""
-        kept = self._aside or self._held()
         split: list[KeyPath] = []
-        states: dict[str, Any] = {}
-        optimizers: dict[str, Any] = {}
+        return self._tree(lambda value, path: _local(value, path, split)) | {"split": split}
+
+    def save_shards(self, directory: str) -> dict[str, Any]:
+        """Save this replica's shards with torch.distributed.checkpoint into ``directory`` —
+        a collective: every replica saves its own at once, replica 0 also the ``.metadata``
+        that says where each shard lies — and return the rest, which every replica holds
+        alike: :meth:`pieces`' answer with each sharded tensor ``None``, ``split`` the paths
+        of those tensors (the checkpoint's key of ``split[i]`` is ``str(i)``)."""
+        shards: dict[str, DTensor] = {}
+        split: list[KeyPath] = []
+
+        def rest(value: Any, path: KeyPath) -> Any:
+            if isinstance(value, DTensor):
+                shards[str(len(split))] = value
+                split.append(path)
+                return None
+            return to_cpu(value.detach()) if isinstance(value, torch.Tensor) else value
+
+        held = self._tree(rest)
+        # Not synced: the files are read back at once for the reply (the coordinator's store
+        # is what makes a checkpoint durable); the plans kept from one save to the next.
+        writer = FileSystemWriter(directory, sync_files=False)
+        save_checkpoint(shards, storage_writer=writer, planner=SAVE_PLANNER)
+        return held | {"split": split}
+
+    def load_shards(self, directory: str, rest: Mapping[str, Any]) -> None:
+        """Load a checkpoint :meth:`save_shards` made (a collective: every replica at once):
+        each replica reads, of the shards in ``directory``, the rows it holds now, straight
+        into its parameters and optimizer moments; ``rest`` (that call's answer) gives the
+        buffers, step counts, the groups' settings and the schedulers.
+
+        Raises:
+            EngineError: ``STATE_MISMATCH``: the checkpoint is of other tensors.
+        """
+        kept = self._aside or self._held()
+        made = [held.optimizer for held in kept if held.optimizer is not None]
+        if made:  # moments to load into: torch's own initialisation (a step of zero lr)
+            get_optimizer_state_dict(self.chain, made)
+        saved = {tuple(path): str(i) for i, path in enumerate(rest["split"])}
+        target: dict[str, torch.Tensor] = {}
+
+        def into(value: Any, path: KeyPath) -> Any:
+            if isinstance(value, DTensor):
+                key = saved.get(tuple(path))
+                if key is None:
+                    raise EngineError(
+                        ErrorCode.STATE_MISMATCH,
+                        f"the checkpoint holds no shards of {'/'.join(map(str, path))}",
+                    )
+                target[key] = value
+            return value
+
+        now = self._tree(into)
+        if len(target) != len(saved):
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH,
+                f"the checkpoint holds {len(saved)} sharded tensors, this model {len(target)}",
+            )
+        load_checkpoint(target, checkpoint_id=directory)  # in place: the tensors of ``now``
         for node, held in zip(self.run, kept, strict=True):
             key = node.node_id
+            held.module.load_state_dict(_filled(rest["states"][key], now["states"][key]))
+            saved_optimizer = rest["optimizers"].get(key)
+            if held.optimizer is None or saved_optimizer is None:
+                continue
+            state = _filled(saved_optimizer["state"], now["optimizers"][key]["state"])
+            groups = saved_optimizer["param_groups"]
+            held.optimizer.load_state_dict(
+                {"state": {int(i): v for i, v in state.items()}, "param_groups": groups}
+            )
+            if held.scheduler is not None and SCHEDULER in saved_optimizer:
+                held.scheduler.load_state_dict(saved_optimizer[SCHEDULER])
+
+    def _tree(self, leaf: Callable[[Any, KeyPath], Any]) -> dict[str, Any]:
+        """``states`` and ``optimizers`` by node, as an unsharded replica's ``get_state`` and
+        ``get_optimizer_state`` give them (a scheduler's state with its optimizer's), each
+        value — a tensor, sharded or not, a step count — given by ``leaf`` of it and its
+        path."""
+        states: dict[str, Any] = {}
+        optimizers: dict[str, Any] = {}
+        for node, held in zip(self.run, self._aside or self._held(), strict=True):
+            key = node.node_id
             module_state = held.module.state_dict()
-            states[key] = {
-                name: _local(v, ["states", key, name], split) for name, v in module_state.items()
-            }
+            states[key] = {name: leaf(v, ["states", key, name]) for name, v in module_state.items()}
             if held.optimizer is None:
                 optimizers[key] = None
                 continue
             saved = held.optimizer.state_dict()
             per_parameter = {
                 index: {
-                    name: _local(v, ["optimizers", key, "state", index, name], split)
+                    name: leaf(v, ["optimizers", key, "state", index, name])
                     for name, v in moments.items()
                 }
                 for index, moments in saved["state"].items()
@@ -296,7 +393,7 @@ class ShardedRun:
             optimizers[key] = {"state": per_parameter, "param_groups": saved["param_groups"]}
             if held.scheduler is not None:
                 optimizers[key][SCHEDULER] = held.scheduler.state_dict()
-        return {"states": states, "optimizers": optimizers, "split": split}
+        return {"states": states, "optimizers": optimizers}
 
     def _held(self) -> list[_SetAside]:
         """What the run's nodes train with now: their modules, optimizers and schedulers."""

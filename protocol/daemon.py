@@ -57,11 +57,13 @@ __all__ = [
     "DataSource",
     "DistJoinRequest",
     "DistLeaveRequest",
+    "DistLoadShardsRequest",
     "DistOuterUpdateRequest",
     "DistPiecesRequest",
     "DistPlanRequest",
     "DistProbeRequest",
     "DistPseudoGradientsRequest",
+    "DistShardFileRequest",
     "DistStoreRequest",
     "DistTrainRequest",
     "ErrorReply",
@@ -394,9 +396,11 @@ class DistTrainRequest(_Steps):
     replica takes part), so that it can be evaluated as an unsharded one until its next
     ``dist_train``. With ``snapshot`` the reply also carries, under ``"snapshot"``, what a
     checkpoint saves of the replica as the chunk ends: ``{"states", "optimizers"}`` as
-    ``get_state`` and ``get_optimizer_state`` give them, or, sharded, its ``dist_pieces``
-    answer and the plain filters' states under ``"plain"`` — read in the chunk's own reply,
-    while the next chunk trains, not by a request queued behind it."""
+    ``get_state`` and ``get_optimizer_state`` give them, or, sharded (every replica at once),
+    ``"shards"``: the files torch.distributed.checkpoint wrote of its shards (name → bytes),
+    ``"rest"``: what every replica holds alike, and the plain filters' states under
+    ``"plain"`` — read in the chunk's own reply, while the next chunk trains, not by a
+    request queued behind it."""
 
     cmd: Literal["dist_train"] = "dist_train"
     gather: bool = False
@@ -410,6 +414,24 @@ class DistPiecesRequest(_Request):
     it (dim 0, in rank order), and ``"split"``: the key paths of those tensors."""
 
     cmd: Literal["dist_pieces"] = "dist_pieces"
+
+
+class DistShardFileRequest(_Request):
+    """One file of a sharded checkpoint (a ``dist_train`` snapshot's ``shards``) for this
+    replica to keep until ``dist_load_shards``: its own shards, and the ``.metadata``."""
+
+    cmd: Literal["dist_shard_file"] = "dist_shard_file"
+    name: Annotated[str, Field(min_length=1, max_length=255)]
+    data: StrictBytes
+
+
+class DistLoadShardsRequest(_Request):
+    """Load the sharded checkpoint whose files ``dist_shard_file`` gave into this replica's
+    shards, every replica at once (a collective), after ``dist_plan``; ``rest``: the snapshot's
+    ``rest``, what every replica holds alike (buffers, step counts, schedulers)."""
+
+    cmd: Literal["dist_load_shards"] = "dist_load_shards"
+    rest: dict[str, Any]
 
 
 class DistPseudoGradientsRequest(_Request):
@@ -612,6 +634,8 @@ DaemonRequest = Annotated[
     | DistPlanRequest
     | DistTrainRequest
     | DistPiecesRequest
+    | DistShardFileRequest
+    | DistLoadShardsRequest
     | DistPseudoGradientsRequest
     | DistOuterUpdateRequest
     | PipePlanRequest

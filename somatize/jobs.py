@@ -257,7 +257,13 @@ class Job:
             ClientError: ``no_checkpoint`` (saying which it has), ``unknown_job``.
         """
         reply = self._client._call(GetCheckpoint(job_id=self.id, seq=seq))
-        states = _writable(dict(result_field(reply, "states", "get_checkpoint")))
+        sharded = isinstance(reply, Result) and isinstance(reply.result, dict)
+        if sharded and "shards" in reply.result:  # a sharded run's: its shards joined here
+            from somatize.sharded_checkpoints import whole_states  # (torch: imported here)
+
+            states = whole_states(reply.result["shards"])
+        else:
+            states = _writable(dict(result_field(reply, "states", "get_checkpoint")))
         position = dict(result_field(reply, "position", "get_checkpoint"))
         return JobCheckpoint(int(result_field(reply, "seq", "get_checkpoint")), position, states)
 

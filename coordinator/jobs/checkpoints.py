@@ -4,9 +4,11 @@ A checkpoint is what a strategy needs to go on exactly as if it had never stoppe
 state, every optimizer's state, and the position (step, epoch or round) — the strategy decides
 what it holds (:class:`Checkpoint`). It is written to
 ``<state_dir>/checkpoints/<job id>/<seq>.ckpt`` as one :mod:`protocol.codec` frame followed by its
-SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A torn or damaged
-file fails its digest and is never used (the one before it is); the previous checkpoint is
-removed only once the new one is complete, and the last ``keep`` are kept.
+SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A sharded run's
+replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
+first, as they came (never joined here), and the frame lists them with their digests. A torn
+or damaged file fails its digest and is never used (the one before it is); the previous
+checkpoint is removed only once the new one is complete, and the last ``keep`` are kept.
 
 * :class:`CheckpointStore` — the files of every job's checkpoints; its I/O blocks: callers run
   it in a thread.
@@ -35,7 +37,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ DEFAULT_CHECKPOINT_SECONDS = 60.0
 many seconds of training since the last checkpoint, whichever comes first."""
 
 SUFFIX = ".ckpt"
+SHARDS_SUFFIX = ".shards"
 DIGEST_BYTES = hashlib.sha256().digest_size
 
 
@@ -76,13 +79,36 @@ class Checkpoint:
         position: where the run stood (``{"step": 40, "epoch": 2}``, ``{"round": 3}``), as its
             events say it.
         payload: what the strategy saved (states, optimizer states, its own counters).
-        nbytes: the size of its file.
+        nbytes: the size of its file, and of its shards' files.
+        shards: the folder of a sharded run's files, each replica's shards as
+            torch.distributed.checkpoint wrote them (``payload["shards"]["files"]`` lists them
+            with their sizes and digests); ``None`` for a checkpoint whole in its file.
     """
 
     seq: int
     position: dict[str, Any]
     payload: dict[str, Any]
     nbytes: int
+    shards: Path | None = None
+
+    def shard(self, name: str) -> bytes:
+        """The bytes of its shards' file ``name``.
+
+        Raises:
+            OSError: it has no such file.
+            ValueError: the file is damaged (its digest does not match).
+        """
+        listed = self.payload.get("shards", {}).get("files", {})
+        if self.shards is None or name not in listed:
+            raise FileNotFoundError(f"checkpoint {self.seq} has no shards' file {name!r}")
+        data = (self.shards / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != listed[name]["sha256"]:
+            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is damaged")
+        return data
+
+    def shard_files(self) -> dict[str, bytes]:
+        """Every one of its shards' files, by name (:meth:`shard`)."""
+        return {name: self.shard(name) for name in self.payload.get("shards", {}).get("files", {})}
 
 
 class CheckpointStore:
@@ -101,9 +127,17 @@ class CheckpointStore:
         return job_path(self.directory, job_id)
 
     def save(
-        self, job_id: str, position: dict[str, Any], payload: dict[str, Any], keep: int
+        self,
+        job_id: str,
+        position: dict[str, Any],
+        payload: dict[str, Any],
+        keep: int,
+        shards: Mapping[str, bytes] | None = None,
     ) -> Checkpoint:
         """Write the job's next checkpoint atomically and keep only its last ``keep``.
+        ``shards`` (a sharded run's files, by name) go to a folder of their own, written
+        before the checkpoint's file, which lists them with their digests: the checkpoint
+        counts once that file is whole.
 
         Raises:
             OSError: it could not be written (the disk full, say); the ones before stand.
@@ -111,14 +145,19 @@ class CheckpointStore:
         folder = self._job_dir(job_id)
         folder.mkdir(mode=0o700, exist_ok=True)
         seq = max(self._seqs(folder), default=0) + 1
+        written = 0
+        if shards is not None:
+            listed, written = _write_shards(folder / f"{seq:08d}{SHARDS_SUFFIX}", shards)
+            payload = payload | {"shards": payload.get("shards", {}) | {"files": listed}}
         parts = encode({"position": position, "payload": payload})
         digest = hashlib.sha256()
         for part in parts:
             digest.update(part)
         nbytes = write_atomically(folder / f"{seq:08d}{SUFFIX}", [*parts, digest.digest()])
         for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
-            (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
-        return Checkpoint(seq, position, payload, nbytes)
+            _remove(folder, old)
+        where = folder / f"{seq:08d}{SHARDS_SUFFIX}" if shards is not None else None
+        return Checkpoint(seq, position, payload, nbytes + written, where)
 
     def latest(self, job_id: str) -> Checkpoint | None:
         """The job's newest checkpoint that reads back whole (a damaged one is skipped, and
@@ -127,7 +166,7 @@ class CheckpointStore:
         for seq in sorted(self._seqs(folder), reverse=True):
             path = folder / f"{seq:08d}{SUFFIX}"
             try:
-                return _read(path, seq)
+                return _read(path, seq, verify=True)
             except (OSError, FrameError, ValueError) as exc:
                 log.warning("job %s: checkpoint %s is not usable: %s", job_id, path.name, exc)
         return None
@@ -139,7 +178,7 @@ class CheckpointStore:
             OSError: there is no such checkpoint.
             ValueError, protocol.errors.FrameError: it is torn or damaged.
         """
-        return _read(self._job_dir(job_id) / f"{seq:08d}{SUFFIX}", seq)
+        return _read(self._job_dir(job_id) / f"{seq:08d}{SUFFIX}", seq, verify=True)
 
     def positions(self, job_id: str) -> list[tuple[int, dict[str, Any]]]:
         """``(seq, position)`` of each of the job's checkpoints that reads back, oldest first."""
@@ -158,11 +197,17 @@ class CheckpointStore:
         """Whether the job has any checkpoint file (not read: one may be damaged)."""
         return bool(self._seqs(self._job_dir(job_id)))
 
+    def sharded(self, job_id: str) -> bool:
+        """Whether the job's newest checkpoint holds a sharded run's shards (not read)."""
+        folder = self._job_dir(job_id)
+        seqs = self._seqs(folder)
+        return bool(seqs) and (folder / f"{max(seqs):08d}{SHARDS_SUFFIX}").is_dir()
+
     def keep_newest(self, job_id: str) -> None:
         """Remove every checkpoint of the job but its newest."""
         folder = self._job_dir(job_id)
         for old in sorted(self._seqs(folder))[:-1]:
-            (folder / f"{old:08d}{SUFFIX}").unlink(missing_ok=True)
+            _remove(folder, old)
 
     @staticmethod
     def _seqs(folder: Path) -> list[int]:
@@ -171,7 +216,9 @@ class CheckpointStore:
         return [int(p.stem) for p in folder.glob(f"*{SUFFIX}") if p.stem.isdigit()]
 
 
-def _read(path: Path, seq: int) -> Checkpoint:
+def _read(path: Path, seq: int, verify: bool = False) -> Checkpoint:
+    """The checkpoint in ``path``, its shards' files (if any) each there and of its size;
+    with ``verify``, of its digest too (every byte read)."""
     with path.open("rb") as file:
         raw = bytearray(os.fstat(file.fileno()).st_size)
         file.readinto(raw)
@@ -183,7 +230,48 @@ def _read(path: Path, seq: int) -> Checkpoint:
     data = decode(body)
     if not isinstance(data, dict) or not {"position", "payload"} <= set(data):
         raise ValueError("it does not hold a position and a payload")
-    return Checkpoint(seq, dict(data["position"]), dict(data["payload"]), len(raw))
+    payload = dict(data["payload"])
+    if "shards" not in payload:
+        return Checkpoint(seq, dict(data["position"]), payload, len(raw))
+    shards = path.with_suffix(SHARDS_SUFFIX)
+    listed = payload["shards"]["files"]
+    for name, said in listed.items():
+        if (shards / name).stat().st_size != said["bytes"]:
+            raise ValueError(f"its shards' file {name} is torn")
+        if verify:
+            digest = hashlib.sha256()
+            with (shards / name).open("rb") as file:
+                while block := file.read(1 << 22):
+                    digest.update(block)
+            if digest.hexdigest() != said["sha256"]:
+                raise ValueError(f"its shards' file {name} is damaged")
+    nbytes = len(raw) + sum(int(said["bytes"]) for said in listed.values())
+    return Checkpoint(seq, dict(data["position"]), payload, nbytes, shards)
+
+
+def _write_shards(folder: Path, shards: Mapping[str, bytes]) -> tuple[dict[str, Any], int]:
+    """Each of ``shards`` written to ``folder`` (made afresh: one left by a write that never
+    finished goes); what the checkpoint lists of them (size and digest, by name) and their
+    bytes."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o700)
+    listed: dict[str, Any] = {}
+    try:
+        for name, data in shards.items():
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise OSError(f"{name!r} is not a shards' file name")
+            listed[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            write_atomically(folder / name, [data])
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return listed, sum(len(data) for data in shards.values())
+
+
+def _remove(folder: Path, seq: int) -> None:
+    """Checkpoint ``seq``'s file and its shards' folder gone."""
+    (folder / f"{seq:08d}{SUFFIX}").unlink(missing_ok=True)
+    shutil.rmtree(folder / f"{seq:08d}{SHARDS_SUFFIX}", ignore_errors=True)
 
 
 @dataclass
@@ -214,22 +302,33 @@ class JobCheckpoints:
         said = self.resume.position | {"checkpoint": self.resume.seq}
         return said | ({"from_job": self.source} if self.source not in (None, self.job_id) else {})
 
-    async def save(self, position: dict[str, Any], payload: dict[str, Any]) -> None:
+    async def save(
+        self,
+        position: dict[str, Any],
+        payload: dict[str, Any],
+        shards: Mapping[str, bytes] | None = None,
+    ) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is
-        written); ``payload`` must not change meanwhile."""
+        written), with a sharded run's ``shards`` (files by name, :meth:`CheckpointStore.save`);
+        neither must change meanwhile."""
         await self.flush()
-        self._writing = asyncio.create_task(self._write(position, payload))
+        self._writing = asyncio.create_task(self._write(position, payload, shards))
 
     async def flush(self) -> bool | None:
         """Wait for the checkpoint being written, if any; whether it was written."""
         task, self._writing = self._writing, None
         return None if task is None else await task
 
-    async def _write(self, position: dict[str, Any], payload: dict[str, Any]) -> bool:
+    async def _write(
+        self,
+        position: dict[str, Any],
+        payload: dict[str, Any],
+        shards: Mapping[str, bytes] | None,
+    ) -> bool:
         began = time.perf_counter()
         try:
             saved = await asyncio.to_thread(
-                self.store.save, self.job_id, position, payload, self.keep
+                self.store.save, self.job_id, position, payload, self.keep, shards
             )
         except (OSError, FrameError) as exc:
             log.warning("job %s: the checkpoint at %s failed: %s", self.job_id, position, exc)

@@ -145,7 +145,7 @@ class JobFiles:
     def continuable(self, source: JobRecord, strategy: Strategy) -> None:
         """Refuse continuing job ``source`` with ``strategy`` when it cannot be: another kind
         of strategy (its checkpoint holds another kind of state), a strategy that keeps none,
-        or no checkpoint left of it.
+        no checkpoint left of it, or a sharded run's checkpoint for a run not sharded.
 
         Raises:
             RequestRefused: ``bad_request`` saying which.
@@ -168,6 +168,13 @@ class JobFiles:
                 ErrorCode.BAD_REQUEST,
                 f"{said}: that job ({source.state}) kept no checkpoint to start from "
                 "(it saved none, or they were removed)",
+            )
+        if self.checkpoints.sharded(source.id) and not strategy.shards_checkpoints:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"{said}: that job's checkpoint holds each replica's shards of the model "
+                "(it ran sharded) and this job's replicas would each load the whole model: "
+                "continue it with sharding='full' or 'gradients'",
             )
 
     def checkpoint(self, job_id: str, seq: int | None = None) -> Checkpoint:

@@ -119,10 +119,16 @@ class ClientRequests:
             )
         found = await asyncio.to_thread(self.jobs.files.checkpoint, message.job_id, message.seq)
         payload = found.payload
+        said = {"seq": found.seq, "position": found.position}
+        if "shards" in payload:  # a sharded run's: the client joins the replicas' shards
+            files = await asyncio.to_thread(found.shard_files)
+            kept = payload["shards"]
+            shards = {"files": files, "rest": kept["rest"], "plain": kept["plain"]}
+            return Result(result=said | {"shards": shards})
         # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
         # state of its differentiable nodes.
         states = payload.get("states", payload.get("global_state", {}))
-        return Result(result={"seq": found.seq, "position": found.position, "states": states})
+        return Result(result=said | {"states": states})
 
     async def on_cancel(self, channel: Channel, message: Any) -> Any:
         await self._visible(channel, message.job_id)

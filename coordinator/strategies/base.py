@@ -182,6 +182,12 @@ class Strategy(ABC):
         return options.checkpoint_every if isinstance(options, CheckpointOptions) else None
 
     @property
+    def shards_checkpoints(self) -> bool:
+        """Whether its checkpoints hold each replica's shards of the model (a sharded run's)
+        rather than whole states."""
+        return False
+
+    @property
     def keep_checkpoints(self) -> int:
         options = self.options
         if isinstance(options, CheckpointOptions):

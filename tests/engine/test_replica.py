@@ -98,3 +98,14 @@ def test_gloo_connects_through_the_interface_that_routes_to_the_rendezvous():
         address = socket.inet_ntoa(reply[20:24])
         if not address.startswith("127."):
             assert interface_towards(address, 29500) == name
+
+
+def test_a_checkpoints_files_must_be_plain_names_and_loading_needs_a_sharded_plan():
+    replica = Engine().replica
+    for bad in ("../x", "a/b", "..", "."):
+        with pytest.raises(EngineError, match="is not a checkpoint file's name") as refused:
+            replica.shard_file(bad, b"")
+        assert refused.value.code is ErrorCode.BAD_REQUEST
+    replica.shard_file(".metadata", b"kept until dist_load_shards")
+    with pytest.raises(EngineError, match="dist_load_shards loads a sharded replica"):
+        replica.load_shards({"split": []})

@@ -52,6 +52,30 @@ def test_a_job_continued_with_more_epochs_equals_one_longer_run_and_refusals(tmp
     assert steps[0] == 15 and steps[-1] == 28
 
 
+def test_a_sharded_job_is_continued_from_its_replicas_shards_and_only_sharded(tmp_path):
+    """Adam over 2 replicas sharding parameters and moments: 1 epoch, then 2 more over 3
+    replicas from its end's shards (each replica reading its rows of every replica's files):
+    the 3-epoch plain torch loop. Continuing it unsharded is refused at submit."""
+    x, y = dataset()
+    two = sz.DataParallel(2, collective="torch", sharding="full")
+    workers = {"w1": (), "w2": (), "w3": ()}
+    with cluster(tmp_path, workers) as c, sz.connect(c.url) as client:
+        first = client.submit(graph_for("adam", epochs=1), x, y, strategy=two)
+        first.result(timeout=120 * UNIT)
+        longer = graph_for("adam", epochs=3)
+        with pytest.raises(sz.ClientError, match="continue it with sharding='full'"):
+            unsharded = sz.DataParallel(2, collective="torch")
+            client.submit(longer, x, y, strategy=unsharded, resume_from=first)
+        three = sz.DataParallel(3, collective="torch", sharding="full")
+        second = client.submit(longer, x, y, strategy=three, resume_from=first)
+        fitted = second.result(timeout=120 * UNIT)
+        events = list(second.events())
+    expected = reference_training(x, y, "adam", epochs=3)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert next(e.data for e in events if e.event == "resumed")["step"] == 7
+
+
 def test_a_cancelled_jobs_checkpoint_is_fetched_and_offered(tmp_path):
     x, y = dataset()
     graph = graph_for("sgd", module=paced())

@@ -62,8 +62,9 @@ def _checkpointed_at(job: sz.Job, at: int, key: str = "step") -> sz.JobEventInfo
 def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(
     tmp_path, collective, sharding
 ):
-    """Sharded (FSDP2), the checkpoint is the model gathered whole, and the resumed replicas
-    shard it again, with its optimizer's momentum."""
+    """Sharded (FSDP2), the checkpoint is each replica's shards as torch.distributed.checkpoint
+    saved them, never joined on the coordinator, and each resumed replica loads its own,
+    with its optimizer's momentum; the client joins them when it fetches one."""
     x, y = dataset()
     graph = graph_for("sgd", shuffle=True, module=paced())
     strategy = sz.DataParallel(2, collective=collective, checkpoint_every=5, sharding=sharding)
@@ -77,6 +78,7 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
         with sz.connect(c.url) as client:
             fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
             events = list(client.job(job.id).events())
+            last = client.job(job.id).checkpoint()  # its end's
         expected = reference_training(x, y, "sgd", shuffle=True)
         for key, value in expected.items():
             torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)
@@ -86,8 +88,17 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
         assert kinds.count("queued") == 2 and kinds[-1] == "succeeded"
         steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]
         assert steps[-1] == 21
+        for key, value in expected.items():
+            torch.testing.assert_close(last.states["mlp"][key], value, rtol=0, atol=1e-6)
         kept = list((c.state_dir / "checkpoints" / job.id).glob("*.ckpt"))
         assert len(kept) == 1  # it succeeded: its end alone is kept, to continue from
+        folders = list((c.state_dir / "checkpoints" / job.id).glob("*.shards"))
+        if sharding == "none":
+            assert folders == []
+        else:  # each replica's shards, replica 0's with where each lies
+            assert len(folders) == 1 and folders[0].stem == kept[0].stem
+            files = sorted(p.name for p in folders[0].iterdir())
+            assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(tmp_path):

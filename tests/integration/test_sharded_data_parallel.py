@@ -3,9 +3,10 @@ of the model, gradients and optimizer state, and the result is still the plain t
 (issue 33).
 
 An MLP with momentum SGD, a cosine schedule, clipping and accumulation, validated (the replicas
-gather the weights to run the model whole) and checkpointed (the coordinator joins the
-replicas' shards) every epoch, over 2 and 3 replicas (uneven shards: 16 rows over 3); and a
-small TransformerEncoder with Adam, each encoder layer a unit of its own, its parameters kept
+gather the weights to run the model whole) and checkpointed (each replica saving its shards
+with torch.distributed.checkpoint) every epoch, over 2 and 3 replicas (uneven shards: 16 rows
+over 3); and a small TransformerEncoder with Adam, each encoder layer a unit of its own, its
+parameters kept
 gathered from forward to backward (``sharding="gradients"``). Each is checked against a loop
 written here or in :mod:`tests.training_reference`, never against the code under test.
 """
@@ -95,7 +96,7 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             assert [sharded[w]["parameter_bytes"] for w in ids] == [4 * v for v in held]
             assert all(sharded[w]["units"] == 3 for w in ids)  # two Linear layers, the chain
             saved = [e for e in events if e.event == "checkpoint"]
-            assert len(saved) >= FILTER["epochs"]  # every epoch's end, joined from the shards
+            assert len(saved) >= FILTER["epochs"]  # every epoch's end, each replica's shards
 
         # SGD without momentum keeps no state per parameter: what the replicas gather is its
         # groups' settings alone.

@@ -14,11 +14,13 @@ from engine.replica import ReplicaPlan
 from protocol.daemon import (
     DistJoinRequest,
     DistLeaveRequest,
+    DistLoadShardsRequest,
     DistOuterUpdateRequest,
     DistPiecesRequest,
     DistPlanRequest,
     DistProbeRequest,
     DistPseudoGradientsRequest,
+    DistShardFileRequest,
     DistStoreRequest,
     DistTrainRequest,
     PipePlanRequest,
@@ -31,9 +33,9 @@ __all__ = ["GroupCommands"]
 
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
-    ``dist_pieces``, ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``,
-    ``pipe_train`` and ``dist_leave``, each onto one method of ``engine``'s group membership,
-    replica or linked stage."""
+    ``dist_pieces``, ``dist_shard_file``, ``dist_load_shards``, ``dist_pseudo_gradients``,
+    ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one
+    method of ``engine``'s group membership, replica or linked stage."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -44,6 +46,8 @@ class GroupCommands:
             "dist_plan": self.on_dist_plan,
             "dist_train": self.on_dist_train,
             "dist_pieces": self.on_dist_pieces,
+            "dist_shard_file": self.on_dist_shard_file,
+            "dist_load_shards": self.on_dist_load_shards,
             "dist_pseudo_gradients": self.on_dist_pseudo_gradients,
             "dist_outer_update": self.on_dist_outer_update,
             "pipe_plan": self.on_pipe_plan,
@@ -99,6 +103,12 @@ class GroupCommands:
 
     def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
         return self.engine.replica.pieces()
+
+    def on_dist_shard_file(self, req: DistShardFileRequest) -> None:
+        self.engine.replica.shard_file(req.name, req.data)
+
+    def on_dist_load_shards(self, req: DistLoadShardsRequest) -> None:
+        self.engine.replica.load_shards(req.rest)
 
     def on_dist_pseudo_gradients(self, req: DistPseudoGradientsRequest) -> dict[str, Any]:
         return self.engine.replica.pseudo_gradients(req.compression)

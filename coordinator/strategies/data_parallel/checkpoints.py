@@ -7,6 +7,12 @@ step ``s``'s update is applied everywhere. The data order is a function of the s
 epoch (:mod:`protocol.rules.batching`), so the step is all the position a run needs: resumed, it
 trains steps ``s + 1 ...`` exactly as the undisturbed run would have.
 
+A sharded run's replicas each hold a shard of the model: its checkpoint (:class:`Shards`) is the
+files torch.distributed.checkpoint wrote of each replica's shards, every replica at once as the
+chunk ended, stored as they came (the coordinator never joins them); a resumed run, sharded
+again, sends each replica its own files and the ``.metadata`` and has them all load at once,
+each reading the rows it holds (:meth:`ReplicaCheckpoints.load_shards`).
+
 DiLoCo's replicas stand together only at a synchronisation, and each keeps an inner optimizer
 of its own: :class:`SyncCheckpoints` saves, after a synchronisation, the global model, every
 replica's inner optimizer state (by replica) and the outer optimizer's state (its momentum).
@@ -15,14 +21,56 @@ replica's inner optimizer state (by replica) and the outer optimizer's state (it
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Self
 
-from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
+from coordinator.errors import StrategyFailed
+from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
+from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
+from protocol.errors import ErrorCode
 
-__all__ = ["ReplicaCheckpoints", "SyncCheckpoints"]
+__all__ = ["METADATA", "ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
+
+METADATA = ".metadata"
+"""The file of a sharded checkpoint that says where each shard lies (replica 0 writes it):
+torch.distributed.checkpoint's name for it. Every replica reads it to load its shards."""
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A sharded run's checkpoint as its replicas sent it with a chunk's replies: the files
+    torch.distributed.checkpoint wrote of each replica's shards (``files[i]``: replica
+    ``i``'s, by name), what every replica holds alike (``rest``: buffers, step counts, the
+    groups' settings, schedulers) and the plain filters' states (``plain``)."""
+
+    files: list[dict[str, bytes]]
+    rest: dict[str, Any]
+    plain: dict[str, Any]
+
+    def payload(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """What the checkpoint's file holds, and the shards' files by name.
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH``: two replicas wrote files of one name.
+        """
+        every: dict[str, bytes] = {}
+        for i, written in enumerate(self.files):
+            for name, data in written.items():
+                if name in every:
+                    raise StrategyFailed(
+                        ErrorCode.STATE_MISMATCH, f"two replicas (one: {i}) saved a file {name}"
+                    )
+                every[name] = data
+        said = {"by_replica": [sorted(written) for written in self.files]}
+        return {"shards": said | {"rest": self.rest, "plain": self.plain}}, every
+
+
+Settle = Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]]
+"""Calls on every replica of a group, awaited together under the collective's timeout."""
 
 
 @dataclass
@@ -34,6 +82,7 @@ class ReplicaCheckpoints:
     checkpoints: JobCheckpoints | None
     policy: CheckpointPolicy
     epochs: int
+    shards_to_load: Checkpoint | None = field(default=None, repr=False)  # once sharded
 
     @classmethod
     def of(cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int) -> Self:
@@ -46,17 +95,71 @@ class ReplicaCheckpoints:
         resume = self.checkpoints.resume if self.checkpoints is not None else None
         if resume is None:
             return 0
-        states, optimizers = resume.payload["states"], resume.payload["optimizers"]
         ctx = self.run.ctx
+        if "shards" in resume.payload:  # loaded once the replicas are sharded again
+            self.shards_to_load = self._shards_of(resume)
+            plain = resume.payload["shards"]["plain"]
 
-        async def put(i: int, fresh: bool) -> None:
-            await ctx.set_state(i, states)
-            await ctx.set_optimizer_state(i, optimizers)
+            async def put(i: int, fresh: bool) -> None:
+                if plain:
+                    await ctx.set_state(i, plain)
+
+        else:
+            states, optimizers = resume.payload["states"], resume.payload["optimizers"]
+
+            async def put(i: int, fresh: bool) -> None:
+                await ctx.set_state(i, states)
+                await ctx.set_optimizer_state(i, optimizers)
 
         await self.run.on_all(put, range(ctx.num_workers()))
         assert self.checkpoints is not None
         await self.run.emit("resumed", self.checkpoints.resumed())
         return int(resume.position["step"])
+
+    def _shards_of(self, resume: Checkpoint) -> Checkpoint:
+        """``resume``, a sharded checkpoint, when this run can load it.
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH``: the run is not sharded.
+        """
+        if not self.run.sharded:
+            raise StrategyFailed(
+                ErrorCode.STATE_MISMATCH,
+                f"checkpoint {resume.seq} holds a sharded run's shards: resume it with "
+                "sharding='full' or 'gradients'",
+            )
+        return resume
+
+    async def load_shards(self, settle: Settle) -> None:
+        """Load the sharded checkpoint :meth:`restore` found into the replicas, sharded now:
+        each is sent its own files and the ``.metadata`` (every file, when the checkpoint was
+        of another number of replicas), one file at a time, then all load them together
+        (``settle``), each reading the rows it holds. Nothing to do for a run that did not
+        resume from one.
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH``: a file of the checkpoint is gone or damaged.
+        """
+        resume, self.shards_to_load = self.shards_to_load, None
+        if resume is None:
+            return
+        said = resume.payload["shards"]
+        ctx = self.run.ctx
+        replicas = range(ctx.num_workers())
+        everything = sorted(said["files"])
+        same = len(said["by_replica"]) == len(replicas)
+        for i in replicas:
+            names = sorted({*said["by_replica"][i], METADATA}) if same else everything
+            for name in names:
+                try:
+                    data = await asyncio.to_thread(resume.shard, name)
+                except (OSError, ValueError) as exc:
+                    raise StrategyFailed(
+                        ErrorCode.STATE_MISMATCH, f"resuming from checkpoint {resume.seq}: {exc}"
+                    ) from exc
+                await ctx.call(i, DistShardFileRequest(name=name, data=data))
+        rest = said["rest"]
+        await settle({i: ctx.call(i, DistLoadShardsRequest(rest=rest)) for i in replicas})
 
     def start(self) -> None:
         """Training starts (or goes on, resumed) now."""
@@ -75,7 +178,7 @@ class ReplicaCheckpoints:
             return
         await self.save(done, total, await self.run.snapshot(0))
 
-    async def save(self, done: int, total: int, snapshot: Snapshot) -> None:
+    async def save(self, done: int, total: int, snapshot: Snapshot | Shards) -> None:
         """Save ``snapshot``, the replicas as they stood after step ``done`` (taken as a chunk
         of steps ended, sent with its reply), if a checkpoint is still due then (one due by
         time is not, once another was saved since)."""
@@ -86,8 +189,12 @@ class ReplicaCheckpoints:
             "step": done,
             "epoch": min(self.epochs, (done - 1) // per_epoch + 1),
         }
-        payload = {"states": snapshot.states, "optimizers": snapshot.optimizers}
-        await self.checkpoints.save(position, payload)
+        if isinstance(snapshot, Shards):
+            payload, files = snapshot.payload()
+            await self.checkpoints.save(position, payload, files)
+        else:
+            payload = {"states": snapshot.states, "optimizers": snapshot.optimizers}
+            await self.checkpoints.save(position, payload)
         self.policy.saved()
 
     async def finish(self) -> None:

@@ -85,6 +85,10 @@ class DataParallel(Strategy):
         super().__init__(options)
         self._prepared: SetUp | None = None
 
+    @property
+    def shards_checkpoints(self) -> bool:
+        return self.options.sharding != "none"
+
     def placement(self) -> Placement:
         o = self.options
         return Placement(workers=o.workers, tag=o.tag, device=o.device)

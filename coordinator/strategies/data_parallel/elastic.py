@@ -280,26 +280,18 @@ class Replicas:
 
     async def _joined(self) -> Snapshot:
         """A sharded run's model and optimizer state: each replica's shards read where they
-        lie and joined here (:meth:`join_pieces`); the plain filters before the torch nodes
-        read from replica 0, which holds them as every replica does."""
-        replicas = range(self.ctx.num_workers())
-        pieces = await self.each({i: self.ctx.call(i, DistPiecesRequest()) for i in replicas})
-        plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
-        states = await self.ctx.get_state(0, plain) if plain else {}
-        return await self.join_pieces([pieces[i] for i in replicas], states)
-
-    async def join_pieces(
-        self, pieces: Sequence[Mapping[str, Any]], plain: dict[str, Any]
-    ) -> Snapshot:
-        """The snapshot of a sharded run from every replica's ``pieces`` (by replica) and the
-        plain filters' ``plain`` states, joined off the event loop (:mod:`.shard_pieces`).
+        lie and joined here, off the event loop (:mod:`.shard_pieces`); the plain filters
+        before the torch nodes read from replica 0, which holds them as every replica does.
 
         Raises:
             StrategyFailed: ``STATE_MISMATCH`` when the replicas' shards are not of one model.
         """
-        states = dict(plain)
+        replicas = range(self.ctx.num_workers())
+        pieces = await self.each({i: self.ctx.call(i, DistPiecesRequest()) for i in replicas})
+        plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
+        states = await self.ctx.get_state(0, plain) if plain else {}
         try:
-            whole = await asyncio.to_thread(joined, pieces)
+            whole = await asyncio.to_thread(joined, [pieces[i] for i in replicas])
         except PiecesMismatch as exc:
             raise StrategyFailed(
                 ErrorCode.STATE_MISMATCH, f"joining the sharded model from {self.ids}: {exc}"

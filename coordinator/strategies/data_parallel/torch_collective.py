@@ -21,8 +21,8 @@ trains — each worker queues it behind the one running, so no replica waits a r
 coordinator between them — except where the coordinator reads the replicas in between (an
 epoch's evaluation) or could have to undo it (``elastic``). A checkpoint does not stop it: the
 chunk that ends where one falls due carries it in its reply (``snapshot``: replica 0's states
-and optimizer states, a sharded run's every replica's shards), so training goes on while the
-snapshot travels and is written.
+and optimizer states, a sharded run's every replica's shards as torch.distributed.checkpoint
+saved them), so training goes on while the snapshot travels and is written.
 The loop over steps is the replicas' own (``engine.replica``); the coordinator's, over chunks
 that end where a checkpoint falls due, has no round to configure or aggregate.
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, concurrently
-from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
+from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.elastic import (
     MAX_RECOVERIES,
     RECOVERABLE,
@@ -188,6 +188,10 @@ class TorchTraining:
         sent while one trains where nothing is read between them (module docstring)."""
         position, chunk, step = self.run.position, 1, start
         await self._form(fresh_store=False, step=start)
+        try:  # resumed from a sharded checkpoint: each replica loads its shards now
+            await saves.load_shards(lambda calls: self._settle(calls, start))
+        except Broken as broken:
+            raise broken.blame() from None
         loop = asyncio.get_running_loop()
         ahead: _Chunk | None = None  # the next chunk, queued on every replica behind this one
         landed = loop.time()  # when the last chunk's results were in
@@ -216,7 +220,7 @@ class TorchTraining:
                 chunk = _next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
                 if now.snapshot:  # taken as the chunk ended, while the next one trains
-                    await saves.save(step, total, await self._snapshot(results))
+                    await saves.save(step, total, self._snapshot(results))
         finally:
             await _cancelled(ahead)
         position.step = None
@@ -267,11 +271,12 @@ class TorchTraining:
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return _Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
-    async def _snapshot(self, results: Mapping[int, Any]) -> Snapshot:
-        """The checkpoint's snapshot the replicas sent with a chunk's ``results``."""
+    def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
+        """The checkpoint's snapshot the replicas sent with a chunk's ``results``: replica
+        0's, or every sharded replica's files."""
         if self.sharding != "none":
-            pieces = [results[i]["snapshot"] for i in self._all()]
-            return await self.run.join_pieces(pieces, pieces[0]["plain"])
+            taken = [results[i]["snapshot"] for i in self._all()]
+            return Shards([t["shards"] for t in taken], taken[0]["rest"], taken[0]["plain"])
         taken = results[0]["snapshot"]
         return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 

@@ -4,6 +4,7 @@ one."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 
 import numpy as np
@@ -124,3 +125,73 @@ def test_policy_by_default_saves_every_epoch_or_after_a_minute_whichever_comes_f
     assert policy.due(5, 12)  # a minute of training since the start
     policy.saved()
     assert not policy.due(6, 12)
+
+
+SHARDS = {".metadata": b"where each shard lies", "__0_0.distcp": b"a" * 10, "__1_0.distcp": b"b"}
+
+
+def _sharded(k: int) -> dict:
+    return {"shards": {"by_replica": [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]], "k": k}}
+
+
+def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_digest(tmp_path):
+    store = CheckpointStore(tmp_path)
+    saved = store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
+    folder = tmp_path / "j" / "00000001.shards"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(SHARDS)
+    latest = store.latest("j")
+    assert latest is not None and latest.shards == folder == saved.shards
+    listed = latest.payload["shards"]["files"]
+    for name, data in SHARDS.items():
+        assert listed[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert latest.shard(name) == data
+    assert latest.shard_files() == SHARDS and latest.payload["shards"]["k"] == 1
+    file_size = (tmp_path / "j" / "00000001.ckpt").stat().st_size
+    assert latest.nbytes == saved.nbytes == file_size + sum(len(d) for d in SHARDS.values())
+    with pytest.raises(FileNotFoundError, match="no shards' file 'other'"):
+        latest.shard("other")
+    for k in (2, 3):
+        store.save("j", {"step": 5 * k}, _sharded(k), keep=2, shards=SHARDS)
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
+        "00000002.ckpt",
+        "00000002.shards",
+        "00000003.ckpt",
+        "00000003.shards",
+    ]
+    store.keep_newest("j")
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
+        "00000003.ckpt",
+        "00000003.shards",
+    ]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "gone"])
+def test_a_sharded_checkpoint_whose_shards_are_damaged_is_never_used(tmp_path, damage):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
+    store.save("j", {"step": 10}, _sharded(2), keep=2, shards=SHARDS)
+    shard = tmp_path / "j" / "00000002.shards" / "__0_0.distcp"
+    if damage == "flipped":  # same size: only its digest tells
+        shard.write_bytes(b"a" * 9 + b"x")
+    elif damage == "truncated":
+        shard.write_bytes(b"a" * 4)
+    else:
+        shard.unlink()
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 5}
+    with pytest.raises((OSError, ValueError)):
+        store.read("j", 2)
+
+
+def test_shards_that_cannot_be_written_leave_no_folder_and_the_one_before_stands(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
+    with pytest.raises(OSError, match="not a shards' file name"):
+        store.save("j", {"step": 10}, _sharded(2), keep=2, shards={"../escape": b"x"})
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
+        "00000001.ckpt",
+        "00000001.shards",
+    ]
+    assert not (tmp_path / "escape").exists()
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 5}

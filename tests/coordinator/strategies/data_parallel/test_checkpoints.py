@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from coordinator.context import InMemoryContext
+from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
+from coordinator.strategies.data_parallel.checkpoints import Shards
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
@@ -86,3 +89,26 @@ def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
     off = DataParallel(DataParallelOptions(workers=2, collective="coordinator", checkpoint_every=0))
     _, events = _run(off, job, CheckpointStore(tmp_path / "off"))
     assert not [e for e, _ in events if e.startswith("checkpoint")]
+
+
+def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
+    """The replicas of a run not sharded would each have to load the whole model: the run
+    fails saying how to resume it, rather than load it whole."""
+    x, y = dataset()
+    store = CheckpointStore(tmp_path)
+    said = Shards([{".metadata": b"m", "__0_0.distcp": b"a"}, {"__1_0.distcp": b"b"}], {}, {})
+    payload, files = said.payload()
+    assert files == {".metadata": b"m", "__0_0.distcp": b"a", "__1_0.distcp": b"b"}
+    assert payload["shards"]["by_replica"] == [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]]
+    saved = store.save("job", {"step": 7, "epoch": 1}, payload, keep=2, shards=files)
+    strategy = DataParallel(DataParallelOptions(workers=2, collective="coordinator"))
+    with pytest.raises(StrategyFailed, match="resume it with sharding='full'") as failed:
+        _run(strategy, inputs(graph_for("sgd", epochs=2), x, y), store, saved)
+    assert failed.value.info.code is ErrorCode.STATE_MISMATCH
+
+
+def test_two_replicas_files_of_one_name_are_refused():
+    said = Shards([{".metadata": b"m"}, {".metadata": b"n"}], {}, {})
+    with pytest.raises(StrategyFailed, match=r"saved a file \.metadata") as failed:
+        said.payload()
+    assert failed.value.info.code is ErrorCode.STATE_MISMATCH
