@@ -26,6 +26,10 @@ pytestmark = pytest.mark.integration
 
 WIDTH = 4096
 LIMIT = "1350M"
+# The coordinator's own default (10 s), not the test cluster's 3 s: two daemons multiplying
+# 4096 × 4096 layers and moving 256 MiB shards on two shared cores starved an agent's heartbeat
+# for 3.3 s in CI. This test is about memory; liveness has its own tests.
+HEARTBEAT_TIMEOUT = 10.0
 OPTIONS = {
     "loss": "cross_entropy",
     "optimizer": "adam",
@@ -59,7 +63,10 @@ def test_a_model_over_one_workers_memory_fails_alone_and_trains_sharded_over_two
     x = rng.normal(size=(64, WIDTH)).astype(np.float32)
     y = rng.integers(0, WIDTH, size=64)
     limited = ("--max-job-memory", LIMIT)
-    with cluster(tmp_path, {}) as c, sz.connect(c.url, timeout=120 * UNIT) as client:
+    with (
+        cluster(tmp_path, {}, heartbeat_timeout=HEARTBEAT_TIMEOUT * UNIT) as c,
+        sz.connect(c.url, timeout=120 * UNIT) as client,
+    ):
         for worker in ("w1", "w2"):
             c.start_worker(worker, args=limited)
 
