@@ -75,6 +75,7 @@ from protocol.rules.batching import (
     synchronises,
 )
 from protocol.rules.row_means import RowMeans
+from protocol.shard_files import is_plain_file_name
 
 __all__ = ["Replica", "ReplicaPlan"]
 
@@ -435,7 +436,7 @@ class Replica:
         Raises:
             EngineError: ``BAD_REQUEST`` for a name that is not a plain file name.
         """
-        if name in ("", ".", "..") or Path(name).name != name:
+        if not is_plain_file_name(name):
             raise EngineError(ErrorCode.BAD_REQUEST, f"{name!r} is not a checkpoint file's name")
         if self._incoming is None:
             self._incoming = tempfile.TemporaryDirectory(prefix="somatize-shards-")

@@ -29,12 +29,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from protocol.shard_files import METADATA, is_plain_file_name
 from somatize.errors import ClientError
 
 __all__ = ["whole_states"]
-
-METADATA = ".metadata"
-"""DCP's file that says where each shard lies."""
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -76,7 +74,7 @@ def whole_states(shards: Mapping[str, Any]) -> dict[str, Any]:
         written = Path(folder) / "dcp"
         written.mkdir()
         for name, data in shards["files"].items():
-            if Path(name).name != name or name in ("", ".", ".."):
+            if not is_plain_file_name(name):
                 raise ClientError(f"the checkpoint names a file {name!r}")
             if name == METADATA:
                 _checked_metadata(data)

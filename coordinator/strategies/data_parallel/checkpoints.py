@@ -32,12 +32,9 @@ from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckp
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
+from protocol.shard_files import METADATA
 
-__all__ = ["METADATA", "ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
-
-METADATA = ".metadata"
-"""The file of a sharded checkpoint that says where each shard lies (replica 0 writes it):
-torch.distributed.checkpoint's name for it. Every replica reads it to load its shards."""
+__all__ = ["ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
 
 
 @dataclass(frozen=True)
