@@ -8,11 +8,16 @@ eval mode and no gradient kept, each figure the mean over the rows; with a ``ste
 what it returns (``val_loss``, ``val_<name>``). Plain filters apply the state they hold. It is
 what ``graph.fit(..., validation=)`` and every strategy do at the end of an epoch (or round), on
 a worker, or, in a pipeline, on the last stage with the stage before's activation.
+
+A sharded data-parallel replica evaluates its part of the rows through its sharded run
+(``through``), each forward a collective: every replica must forward as many batches, so a
+``lockstep`` says how many the group forwards, and one with fewer forwards its first batch again
+for the others' sake, counted for nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +30,11 @@ from protocol.errors import ErrorCode
 from protocol.rules.batching import batch_len, batches
 from protocol.rules.row_means import RowMeans
 
-__all__ = ["Evaluation"]
+__all__ = ["Evaluation", "Lockstep"]
+
+Lockstep = Callable[[int], int]
+"""Given the batches a replica holds, how many every replica of its group forwards: the most
+any holds (a collective)."""
 
 
 class Evaluation:
@@ -34,9 +43,18 @@ class Evaluation:
     def __init__(self, nodes: Nodes) -> None:
         self.nodes = nodes
 
-    def evaluate(self, node_ids: Sequence[str], x: Any, y: Any) -> dict[str, Any]:
+    def evaluate(
+        self,
+        node_ids: Sequence[str],
+        x: Any,
+        y: Any,
+        through: Callable[..., Any] | None = None,
+        lockstep: Lockstep | None = None,
+    ) -> dict[str, Any]:
         """``x`` through ``node_ids`` up to the last differentiable one, with the states they
-        hold; that run's loss and metrics against ``y``, batch by batch.
+        hold; that run's loss and metrics against ``y``, batch by batch. ``through`` stands
+        for the last run's modules (a sharded replica's), ``lockstep`` makes it forward as
+        many batches as its group (module docstring; ``x`` must then have a row).
 
         Returns:
             ``{"val_loss": float, <metric>: float..., "rows": int}``.
@@ -57,7 +75,7 @@ class Evaluation:
         for segment in runs[:-1]:
             out = self.forward(segment, out)
         self.nodes.check_labels(runs[-1], y, "evaluating")
-        return self._scores(runs[-1], out, y)
+        return self._scores(runs[-1], out, y, through, lockstep)
 
     def forward(self, segment: list[Node], x: Any, batch_size: int | None = None) -> Any:
         """``x`` through one segment with the states its nodes hold, on the CPU: a plain
@@ -77,16 +95,32 @@ class Evaluation:
                 sizes.append(batch_len(index, data.rows))
         return concat(outs, sizes)
 
-    def _scores(self, run: list[Node], x: Any, y: Any) -> dict[str, Any]:
-        """The loss and metrics of ``run`` on ``x`` against ``y``, batch by batch."""
+    def _scores(
+        self,
+        run: list[Node],
+        x: Any,
+        y: Any,
+        through: Callable[..., Any] | None,
+        lockstep: Lockstep | None,
+    ) -> dict[str, Any]:
+        """The loss and metrics of ``run`` on ``x`` against ``y``, batch by batch (through
+        ``through``, in ``lockstep``: :meth:`evaluate`)."""
         f = run[-1].filter
         data = Batches.evaluated(run, x, y, None)
+        cuts = list(batches(data.rows, data.size, None))
+        forwarded = len(cuts) if lockstep is None else lockstep(len(cuts))
+        if forwarded > len(cuts) and not cuts:
+            raise EngineError(ErrorCode.BAD_REQUEST, "a replica in lockstep needs a row")
         figures = RowMeans()
         with torch.no_grad():
-            for index in batches(data.rows, data.size, None):
+            for j in range(forwarded):
+                own = j < len(cuts)  # else the group's forward, not this replica's rows
+                index = cuts[j] if own else cuts[0]
                 xb, yb = data.read(index)
                 xb, yb = self.nodes.on_device(xb), self.nodes.on_device(yb)
-                computed = self.nodes.batch_loss(run, xb, yb, training=False)
+                computed = self.nodes.batch_loss(run, xb, yb, through, training=False)
+                if not own:
+                    continue
                 scores = {"val_loss": float(computed.loss)}
                 scores |= {f"val_{k}": v for k, v in computed.metrics.items()}
                 metrics = getattr(f, "compute_metrics", None)

@@ -24,9 +24,9 @@ A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
 gradient and optimizer moment. A checkpoint saves every replica's shards with
 torch.distributed.checkpoint, as files the chunk's reply carries, and a resumed run loads them
 back, each replica the rows it holds (:meth:`Replica.load_shards`); the coordinator reads each
-replica's shards where they lie for the result (:meth:`Replica.pieces`); only a chunk of steps
-before an evaluation (``gather``) ends with the whole model's weights gathered on every
-replica.
+replica's shards where they lie for the result (:meth:`Replica.pieces`), and every replica
+evaluates its part of the validation rows through its shards (:meth:`Replica.evaluate`): no
+replica ever holds the whole model.
 
 A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
 each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
@@ -53,10 +53,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.batches import call_module, on_disk, part_of
+from engine.batches import call_module, num_rows, on_disk, part_of
 from engine.compression import bucketing, compress
 from engine.data.read_ahead import read_ahead
 from engine.errors import EngineError
+from engine.evaluation import Evaluation
 from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting, trainable
@@ -288,8 +289,8 @@ class Replica:
             EngineError: ``BAD_REQUEST`` before a join, or for a plan whose nodes are not plain
                 filters then one differentiable run; ``COLLECTIVE_FAILED`` when the group broke.
         """
-        self._unshardable()
         _, run = self._prefix_and_run(plan.node_ids)
+        self._unshardable(run)
         self.rows.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
         self._ddp = None
         if plan.alone:
@@ -330,35 +331,31 @@ class Replica:
         self._ddp, self._plan, self._outer = self._sharded.wrapped, plan, None
         return self._sharded.held()
 
-    def _unshardable(self) -> None:
-        """Before a new plan: a run still sharded over a group that is gone cannot train.
+    def _unshardable(self, run: list[Node]) -> None:
+        """Before a new plan over ``run``: nodes still sharded over a group that is gone cannot
+        train (their filters loaded again can).
 
         Raises:
-            EngineError: ``BAD_REQUEST``: the model is sharded and was not gathered.
+            EngineError: ``BAD_REQUEST``: ``run``'s nodes are the ones sharded before.
         """
-        if self._sharded is not None and not self._sharded.gathered:
+        if self._sharded is not None and {id(n) for n in run} & {id(n) for n in self._sharded.run}:
             raise EngineError(
                 ErrorCode.BAD_REQUEST,
-                "this replica's model is sharded over a group that is gone, never gathered: "
-                "its filters must be loaded again",
+                "this replica's model is sharded over a group that is gone: its filters must "
+                "be loaded again",
             )
-        self._sharded = None  # gathered: the filters hold the whole model, a plan starts anew
+        self._sharded = None
 
-    def train(
-        self, start: int, stop: int, gather: bool = False, snapshot: bool = False
-    ) -> dict[str, Any]:
+    def train(self, start: int, stop: int, snapshot: bool = False) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
-        rows, learning rate and (from a step function) metrics per step. A sharded replica
-        then gathers the whole model's weights when ``gather`` (an evaluation follows). With
-        ``snapshot``, also what a checkpoint saves of it now (:meth:`_snapshot`).
+        rows, learning rate and (from a step function) metrics per step. With ``snapshot``,
+        also what a checkpoint saves of it now (:meth:`_snapshot`).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
                 ``COLLECTIVE_FAILED`` when the group breaks, with ``steps_done``.
         """
         plan, ddp = self._planned(stop)
-        if self._sharded is not None:
-            self._sharded.resume()
         prefix, run = self._prefix_and_run(plan.node_ids)
         optimizers = [self.optimizers.optimizer(node) for node in run]
         scaler = self.optimizers.scaler(run[-1])
@@ -394,8 +391,6 @@ class Replica:
             metrics.append(figures)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
-        if self._sharded is not None and gather:
-            self._gather(self._sharded, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         said = {"losses": losses, "rows": rows, "lrs": lrs}
@@ -466,6 +461,42 @@ class Replica:
                 if isinstance(exc, RuntimeError) and not looks_collective(exc):
                     raise
                 raise self.group.broken("loading the checkpoint's shards", exc) from exc
+
+    def evaluate(self, node_ids: Sequence[str], x: Any, y: Any) -> dict[str, Any]:
+        """A sharded replica's model evaluated on its part of the validation rows (``x``,
+        ``y``) through its shards, every replica of the group at once and forwarding as many
+        batches (:mod:`engine.evaluation`); with no rows of its own it forwards one training
+        row for the others' sake. Its figures, ``rows``: 0 with none.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a replica whose plan is not sharded;
+                ``COLLECTIVE_FAILED`` when the group breaks.
+        """
+        sharded, plan = self._sharded, self._plan
+        if sharded is None or plan is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                "dist_evaluate evaluates a sharded replica, and this one is not",
+            )
+        counted = num_rows(x) > 0
+        if not counted:
+            x, y = self.rows.held(plan.data, ONE_ROW)
+        sharded.wrapped.module.eval()
+        try:
+            scores = Evaluation(self.nodes).evaluate(
+                node_ids, x, y, sharded.wrapped, self._most_batches
+            )
+        except RuntimeError as exc:
+            if looks_collective(exc):
+                raise self.group.broken("evaluating the sharded model", exc) from exc
+            raise
+        return scores if counted else scores | {"rows": 0}
+
+    def _most_batches(self, batches: int) -> int:
+        """The most batches any replica of the group evaluates (a collective)."""
+        most = torch.tensor([batches], dtype=torch.int64, device=self.nodes.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
 
     def pieces(self) -> dict[str, Any]:
         """A sharded replica's shards of its model and optimizer state, where they lie, and
@@ -611,21 +642,10 @@ class Replica:
                 raise self.group.broken("broadcasting the buffers", exc, steps_done) from exc
             raise
 
-    def _gather(self, sharded: ShardedRun, steps_done: int) -> None:
-        """The whole model's weights onto every replica (a collective)."""
-        try:
-            sharded.gather()
-        except RuntimeError as exc:
-            if looks_collective(exc):
-                raise self.group.broken("gathering the sharded model", exc, steps_done) from exc
-            raise
-
     def _forget(self) -> None:
         if self._incoming is not None:  # a checkpoint's files never loaded
             self._incoming.cleanup()
             self._incoming = None
-        if self._sharded is not None and self._sharded.gathered:
-            self._sharded = None  # the filters hold the whole model: nothing sharded is left
         self._ddp = None
         self._plan = None
         self._outer = None

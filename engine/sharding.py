@@ -1,5 +1,5 @@
-"""A data-parallel replica's model sharded by FSDP2 (torch's ``fully_shard``), read where its
-shards lie, and gathered whole only where it must run whole.
+"""A data-parallel replica's model sharded by FSDP2 (torch's ``fully_shard``), read and saved
+where its shards lie: never whole in one replica.
 
 :class:`ShardedRun` shards the differentiable run a replica trains (its chain of TorchFilter
 modules, ``parts``): each *unit* — every module of a class named in ``shard_units``, else each
@@ -15,19 +15,16 @@ filter of ``precision="bf16"`` has its units gathered and run in bf16 through FS
 The coordinator reads a sharded replica where its shards lie (:meth:`ShardedRun.pieces`: no
 collective, nothing gathered): each parameter's and each optimizer moment's rows held here, and
 which of what it sends are such rows; it joins the replicas' pieces into the whole states
-itself (:mod:`coordinator.strategies.data_parallel.shard_pieces`) for a checkpoint and the
-result, so no replica ever holds the whole model for them. Only an evaluation runs the whole
-model in one replica: :meth:`ShardedRun.gather` — a collective: every replica at once — gives
-each filter a plain module with the whole weights (torch.distributed.checkpoint's full state
-dict), the sharded ones set aside, and :meth:`ShardedRun.resume` puts them back for the next
-steps. A replica whose nodes arrive with an optimizer state (a resumed checkpoint) has it moved
-onto the sharded parameters.
+itself (:mod:`coordinator.strategies.data_parallel.shard_pieces`) for the result, so no
+replica ever holds the whole model for it; a checkpoint is each replica's shards saved with
+torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`, :meth:`ShardedRun.load_shards`);
+an evaluation runs through the sharded chain (:meth:`engine.replica.Replica.evaluate`). A
+replica whose nodes arrive with an optimizer state has it moved onto the sharded parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +35,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -56,7 +52,8 @@ from protocol.errors import ErrorCode
 __all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 
 WHOLE = StateDictOptions(full_state_dict=True)
-"""State dicts of whole tensors (every replica gathers them): what an evaluation runs with."""
+"""State dicts of whole tensors: the optimizer state a replica's nodes arrive with, before they
+are sharded."""
 
 SAVE_PLANNER = DefaultSavePlanner(enable_plan_caching=True)
 """How a replica plans its shards' saves: each save's plans kept for the next, which a run's
@@ -112,16 +109,6 @@ def _holds_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """``module``'s structure with its parameters on the meta device (no memory): what a
-    gathered module is made from. Its buffers are copies (the full state dict refills them)."""
-    memo: dict[int, Any] = {
-        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for p in module.parameters()
-    }
-    return copy.deepcopy(module, memo)
-
-
 def _load_whole(
     model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], whole: dict[str, Any]
 ) -> None:
@@ -168,7 +155,7 @@ def _is_tensor(value: Any) -> bool:
 
 
 @dataclass
-class _SetAside:
+class _Held:
     """What a node trains with while sharded: its module, optimizer and scheduler."""
 
     module: torch.nn.Module
@@ -220,7 +207,6 @@ class ShardedRun:
     ) -> None:
         self.chain, self.run, self.optimizers = chain, list(run), optimizers
         parts: Sequence[torch.nn.Module] = chain.parts  # type: ignore[assignment]
-        self._templates = [_meta_copy(part) for part in parts]
         state = self._whole_optimizer_state()  # before sharding: of the plain parameters
         for part, node in zip(parts, self.run, strict=True):
             chosen = (
@@ -241,7 +227,6 @@ class ShardedRun:
                 if node.scheduler is not None and scheduler is not None:
                     node.scheduler.load_state_dict(scheduler)
         self.wrapped = Sharded(chain)
-        self._aside: list[_SetAside] | None = None  # the sharded sets while gathered
 
     def held(self) -> dict[str, int]:
         """What this replica holds of the run: ``units`` sharded (the chain's own included)
@@ -256,11 +241,6 @@ class ShardedRun:
         units = sum(1 for m in self.chain.modules() if isinstance(m, FSDPModule))
         return {"units": units, "parameter_bytes": held}
 
-    @property
-    def gathered(self) -> bool:
-        """Whether the filters hold the whole model now (:meth:`gather`)."""
-        return self._aside is not None
-
     def _whole_optimizer_state(self) -> tuple[dict[str, Any], list[Any]] | None:
         """The run's optimizers' whole state and their schedulers' (``None``: no node has an
         optimizer yet); any node without one gets a fresh one first."""
@@ -269,23 +249,6 @@ class ShardedRun:
         made = [self.optimizers.optimizer(node) for node in self.run]
         schedulers = [None if n.scheduler is None else n.scheduler.state_dict() for n in self.run]
         return get_optimizer_state_dict(self.chain, made, options=WHOLE), schedulers
-
-    def gather(self) -> None:
-        """Give every filter a plain module with the whole weights, the sharded modules and
-        their optimizers set aside (a collective: every replica calls it): what an evaluation
-        runs. The optimizers' state is not gathered: nothing reads it whole here."""
-        if self._aside is not None:
-            return
-        weights = get_model_state_dict(self.chain, options=WHOLE)
-        aside = self._held()
-        for k, (node, template) in enumerate(zip(self.run, self._templates, strict=True)):
-            module = copy.deepcopy(template)
-            prefix = f"parts.{k}."
-            own = {name[len(prefix) :]: v for name, v in weights.items() if name.startswith(prefix)}
-            module.load_state_dict(own, assign=True)
-            node.filter.module = module
-            node.optimizer = node.scheduler = None
-        self._aside = aside
 
     def pieces(self) -> dict[str, Any]:
         """This replica's shards, read where they lie (no collective, nothing gathered):
@@ -329,7 +292,7 @@ class ShardedRun:
         Raises:
             EngineError: ``STATE_MISMATCH``: the checkpoint is of other tensors.
         """
-        kept = self._aside or self._held()
+        kept = self._held()
         made = [held.optimizer for held in kept if held.optimizer is not None]
         if made:  # moments to load into: torch's own initialisation (a step of zero lr)
             get_optimizer_state_dict(self.chain, made)
@@ -375,7 +338,7 @@ class ShardedRun:
         path."""
         states: dict[str, Any] = {}
         optimizers: dict[str, Any] = {}
-        for node, held in zip(self.run, self._aside or self._held(), strict=True):
+        for node, held in zip(self.run, self._held(), strict=True):
             key = node.node_id
             module_state = held.module.state_dict()
             states[key] = {name: leaf(v, ["states", key, name]) for name, v in module_state.items()}
@@ -395,16 +358,6 @@ class ShardedRun:
                 optimizers[key][SCHEDULER] = held.scheduler.state_dict()
         return {"states": states, "optimizers": optimizers}
 
-    def _held(self) -> list[_SetAside]:
+    def _held(self) -> list[_Held]:
         """What the run's nodes train with now: their modules, optimizers and schedulers."""
-        return [_SetAside(n.filter.module, n.optimizer, n.scheduler) for n in self.run]
-
-    def resume(self) -> None:
-        """Put the sharded modules and optimizers back for the next steps (the gathered ones
-        dropped); nothing to do when not gathered."""
-        if self._aside is None:
-            return
-        for node, kept in zip(self.run, self._aside, strict=True):
-            node.filter.module = kept.module
-            node.optimizer, node.scheduler = kept.optimizer, kept.scheduler
-        self._aside = None
+        return [_Held(n.filter.module, n.optimizer, n.scheduler) for n in self.run]

@@ -55,6 +55,7 @@ __all__ = [
     "DaemonReply",
     "DaemonRequest",
     "DataSource",
+    "DistEvaluateRequest",
     "DistJoinRequest",
     "DistLeaveRequest",
     "DistLoadShardsRequest",
@@ -392,9 +393,7 @@ class DistTrainRequest(_Steps):
     """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
-    per step. A sharded replica with ``gather`` then gathers the whole model's weights (every
-    replica takes part), so that it can be evaluated as an unsharded one until its next
-    ``dist_train``. With ``snapshot`` the reply also carries, under ``"snapshot"``, what a
+    per step. With ``snapshot`` the reply also carries, under ``"snapshot"``, what a
     checkpoint saves of the replica as the chunk ends: ``{"states", "optimizers"}`` as
     ``get_state`` and ``get_optimizer_state`` give them, or, sharded (every replica at once),
     ``"shards"``: the files torch.distributed.checkpoint wrote of its shards (name → bytes),
@@ -403,8 +402,20 @@ class DistTrainRequest(_Steps):
     request queued behind it."""
 
     cmd: Literal["dist_train"] = "dist_train"
-    gather: bool = False
     snapshot: bool = False
+
+
+class DistEvaluateRequest(DataSource):
+    """Evaluate a sharded replica's model as it stands on the data (``rows`` of the staged
+    validation data, or all of its own split), with its shards where they lie: every replica
+    of the group at once, each unit's weights gathered for its forward and dropped after it,
+    every replica forwarding as many batches (one with fewer, or none, of its own repeats one
+    it holds, or reads a training row, counted for nothing). Returns ``{"val_loss",
+    <metric>..., "rows"}`` of this replica's rows (``rows``: 0 with none), which the
+    coordinator weights by rows."""
+
+    cmd: Literal["dist_evaluate"] = "dist_evaluate"
+    node_ids: Annotated[list[str], Field(min_length=1)]
 
 
 class DistPiecesRequest(_Request):
@@ -633,6 +644,7 @@ DaemonRequest = Annotated[
     | DistJoinRequest
     | DistPlanRequest
     | DistTrainRequest
+    | DistEvaluateRequest
     | DistPiecesRequest
     | DistShardFileRequest
     | DistLoadShardsRequest

@@ -6,10 +6,13 @@ from __future__ import annotations
 import fcntl
 import socket
 import struct
+import types
 
 import numpy as np
 import pytest
+import torch
 
+import somatize as sz
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.group_member import GroupMember, interface_towards
@@ -109,3 +112,22 @@ def test_a_checkpoints_files_must_be_plain_names_and_loading_needs_a_sharded_pla
     replica.shard_file(".metadata", b"kept until dist_load_shards")
     with pytest.raises(EngineError, match="dist_load_shards loads a sharded replica"):
         replica.load_shards({"split": []})
+
+
+def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
+    # A sharded run's nodes hold shards over its group; once the group is gone (the job ended
+    # or broke) a new plan over them is refused: only filters loaded again can train.
+    engine = Engine()
+    engine.load({"net": sz.TorchFilter(torch.nn.Linear(2, 2), loss="mse")})
+    replica = engine.replica
+    # as _shard leaves it:
+    replica._sharded = types.SimpleNamespace(run=engine.nodes.select(["net"]))
+    plan = ReplicaPlan.of("train", ["net"], [0, 1], 0, 1, 2, 1, 2, False, 0)
+    with pytest.raises(EngineError, match="sharded over a group that is gone") as refused:
+        replica.set_plan(plan)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    engine.load({"net": sz.TorchFilter(torch.nn.Linear(2, 2), loss="mse")})
+    with pytest.raises(EngineError) as past:  # past that check: the rows were never staged
+        replica.set_plan(plan)
+    assert "sharded" not in str(past.value)
+    assert replica._sharded is None

@@ -2,13 +2,16 @@
 of the model, gradients and optimizer state, and the result is still the plain torch loop's
 (issue 33).
 
-An MLP with momentum SGD, a cosine schedule, clipping and accumulation, validated (the replicas
-gather the weights to run the model whole) and checkpointed (each replica saving its shards
-with torch.distributed.checkpoint) every epoch, over 2 and 3 replicas (uneven shards: 16 rows
-over 3); and a small TransformerEncoder with Adam, each encoder layer a unit of its own, its
-parameters kept
-gathered from forward to backward (``sharding="gradients"``). Each is checked against a loop
-written here or in :mod:`tests.training_reference`, never against the code under test.
+An MLP with momentum SGD, a cosine schedule, clipping and accumulation, validated (every
+replica its part of the rows, through its shards: 33 rows over 2 replicas are 2 batches of 16
+on one and 1 on the other, which forwards one again for the group) and checkpointed (each
+replica saving its shards with torch.distributed.checkpoint) every epoch, over 2 and 3
+replicas (uneven shards: 16 rows over 3); one validated on a single row (the other replica has
+none, and forwards a training row counted for nothing); and a small TransformerEncoder with
+Adam, each encoder layer a unit of its own, its parameters kept gathered from forward to
+backward (``sharding="gradients"``); and one on the workers' own rows, validated on each
+worker's own split (9, 21 and 37 rows: 1, 2 and 3 batches of 16). Each is checked against a
+loop written here or in :mod:`tests.training_reference`, never against the code under test.
 """
 
 from __future__ import annotations
@@ -63,16 +66,60 @@ def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float):
     return net.state_dict()
 
 
+OWN = {"w1": (40, 21), "w2": (56, 37), "w3": (24, 9)}
+"""Each worker's own rows and own validation rows."""
+
+
+def _own_data(directory) -> dict[str, tuple]:
+    """Each worker's ``local`` dataset, an .npz with a ``val`` split: its arrays by worker."""
+    data = {}
+    for k, (worker, (n, n_val)) in enumerate(OWN.items()):
+        x, y = classes(n=n, seed=30 + k)
+        x_val, y_val = classes(n=n_val, seed=40 + k)
+        np.savez(directory / f"{worker}.npz", x=x, y=y, x_val=x_val, y_val=y_val)
+        data[worker] = (x, y, x_val, y_val)
+    return data
+
+
+def _own_reference(data: dict[str, tuple], workers: list[str], epochs: int):
+    """Momentum SGD over the global batches of the replicas' own rows in order (step ``s``
+    takes rows ``[16s, 16s + 16)`` of each), the loss their mean; after each epoch the model's
+    mean cross-entropy over every replica's validation rows together."""
+    own = [data[w] for w in sorted(workers)]
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=FILTER["lr"], momentum=0.9)
+    x_val = torch.as_tensor(np.concatenate([d[2] for d in own]))
+    y_val = torch.as_tensor(np.concatenate([d[3] for d in own]))
+    steps = max(-(-len(d[0]) // 16) for d in own)
+    val_losses = []
+    for _ in range(epochs):
+        for step in range(steps):
+            part = slice(16 * step, 16 * step + 16)
+            xb = torch.as_tensor(np.concatenate([d[0][part] for d in own]))
+            yb = torch.as_tensor(np.concatenate([d[1][part] for d in own]))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+        with torch.no_grad():
+            val_losses.append(float(torch.nn.functional.cross_entropy(net(x_val), y_val)))
+    return net.state_dict(), val_losses
+
+
 def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
     x, y = classes()
-    x_val, y_val = classes(n=61, seed=9)
+    x_val, y_val = classes(n=33, seed=9)
     seen: list[dict[str, float]] = []
     at_epoch_end = evaluation(x_val, y_val, seen)
     expected = reference_fit(
         mlp(), x, y, accumulate=3, clip=0.5, cosine=True, at_epoch_end=at_epoch_end
     )
     workers = {"w1": (), "w2": (), "w3": ()}
-    with cluster(tmp_path, workers) as c, sz.connect(c.url, timeout=60 * UNIT) as client:
+    own = _own_data(tmp_path)
+    paths = {w: {"local": tmp_path / f"{w}.npz"} for w in workers}
+    with (
+        cluster(tmp_path, workers, data=paths) as c,
+        sz.connect(c.url, timeout=60 * UNIT) as client,
+    ):
         for replicas in (2, 3):
             graph = sz.Graph([sz.TorchFilter(mlp(), **OPTIONS).named("mlp")])
             strategy = sz.DataParallel(replicas, sharding="full", collective="torch")
@@ -99,12 +146,37 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             assert len(saved) >= FILTER["epochs"]  # every epoch's end, each replica's shards
 
         # SGD without momentum keeps no state per parameter: what the replicas gather is its
-        # groups' settings alone.
+        # groups' settings alone. One validation row: replica 1 has none of its own.
         plain = FILTER | {"optimizer_options": {}, "epochs": 1}
         graph = sz.Graph([sz.TorchFilter(mlp(), **plain).named("mlp")])
         strategy = sz.DataParallel(2, sharding="full", collective="torch")
-        fitted = client.submit(graph, x, y, strategy=strategy).result(timeout=180 * UNIT)
-        _close(fitted.states["mlp"], reference_fit(mlp(), x, y, momentum=0.0, epochs=1).state())
+        one_row: list[dict[str, float]] = []
+        job = client.submit(graph, x, y, strategy=strategy, validation=(x_val[:1], y_val[:1]))
+        fitted = job.result(timeout=180 * UNIT)
+        plain_loop = reference_fit(
+            mlp(),
+            x,
+            y,
+            momentum=0.0,
+            epochs=1,
+            at_epoch_end=evaluation(x_val[:1], y_val[:1], one_row),
+        )
+        _close(fitted.states["mlp"], plain_loop.state())
+        [row] = fitted.history
+        assert row["val_loss"] == pytest.approx(one_row[0]["val_loss"], abs=1e-5)
+
+        # The workers' own rows, validated on their own split: 3 replicas, in order.
+        graph = sz.Graph(
+            [sz.TorchFilter(mlp(), **FILTER | {"shuffle": False, "epochs": 2}).named("mlp")]
+        )
+        strategy = sz.DataParallel(3, sharding="full", collective="torch")
+        validation = sz.WorkerData("local", split="val")
+        job = client.submit(graph, sz.WorkerData("local"), strategy=strategy, validation=validation)
+        fitted = job.result(timeout=180 * UNIT)
+        expected_state, val_losses = _own_reference(own, job.status()["workers"], epochs=2)
+        _close(fitted.states["mlp"], expected_state)
+        got = [row["val_loss"] for row in fitted.history]
+        np.testing.assert_allclose(got, val_losses, rtol=0, atol=1e-5)
 
         # A TransformerEncoder, each layer a unit, Adam, parameters kept from forward to
         # backward: 3 replicas, in order.

@@ -12,6 +12,7 @@ from typing import Any
 from engine.engine import Engine
 from engine.replica import ReplicaPlan
 from protocol.daemon import (
+    DistEvaluateRequest,
     DistJoinRequest,
     DistLeaveRequest,
     DistLoadShardsRequest,
@@ -33,9 +34,10 @@ __all__ = ["GroupCommands"]
 
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
-    ``dist_pieces``, ``dist_shard_file``, ``dist_load_shards``, ``dist_pseudo_gradients``,
-    ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and ``dist_leave``, each onto one
-    method of ``engine``'s group membership, replica or linked stage."""
+    ``dist_evaluate``, ``dist_pieces``, ``dist_shard_file``, ``dist_load_shards``,
+    ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and
+    ``dist_leave``, each onto one method of ``engine``'s group membership, replica or linked
+    stage."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -45,6 +47,7 @@ class GroupCommands:
             "dist_join": self.on_dist_join,
             "dist_plan": self.on_dist_plan,
             "dist_train": self.on_dist_train,
+            "dist_evaluate": self.on_dist_evaluate,
             "dist_pieces": self.on_dist_pieces,
             "dist_shard_file": self.on_dist_shard_file,
             "dist_load_shards": self.on_dist_load_shards,
@@ -97,9 +100,14 @@ class GroupCommands:
         return self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.replica.train(
-            req.start, req.stop, gather=req.gather, snapshot=req.snapshot
-        )
+        return self.engine.replica.train(req.start, req.stop, snapshot=req.snapshot)
+
+    def on_dist_evaluate(self, req: DistEvaluateRequest) -> dict[str, Any]:
+        if req.data is None:
+            x, y = req.x, req.y
+        else:
+            x, y = self.engine.rows.held(req.data, req.rows, lazy=True)
+        return self.engine.replica.evaluate(req.node_ids, x, y)
 
     def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
         return self.engine.replica.pieces()

@@ -57,7 +57,12 @@ from coordinator.strategies.steps import (
     lr_schedule_request,
     plain_prefix,
 )
-from protocol.daemon import CompositeFitRequest, EvaluateRequest, OuterStepSpec
+from protocol.daemon import (
+    CompositeFitRequest,
+    DistEvaluateRequest,
+    EvaluateRequest,
+    OuterStepSpec,
+)
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions, powersgd_rank
 from protocol.rules.equivalence import data_parallel_notes
@@ -318,9 +323,13 @@ async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any
 def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
     """How the model is evaluated at an epoch's end (``None``: no validation data): on the
     first replica present, which holds the rows sent; or, on the workers' own split, every
-    replica present on its own, the figures weighted by rows."""
+    replica present on its own, the figures weighted by rows. A sharded run's replicas
+    evaluate together, through their shards, each its part of the rows sent (or its own
+    split)."""
     if not job.validates:
         return None
+    if run.sharded:
+        return _sharded_evaluator(run, job)
     request = EvaluateRequest(node_ids=job.node_ids, data=VALIDATION)
 
     async def one(i: int, fresh: bool) -> dict[str, Any]:
@@ -331,6 +340,27 @@ def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
         present = run.present()  # (DiLoCo's elastic rounds drop replicas: those left hold it)
         which = present if job.val_split is not None else present[:1]
         return row_weighted(list((await run.on_all(one, which)).values()))
+
+    return evaluate
+
+
+def _sharded_evaluator(run: Replicas, job: JobInputs) -> Evaluate:
+    """Every replica of a sharded run evaluates at once (each forward is a collective),
+    replica ``i`` the ``i``-th of as many even parts of the rows sent, or its own split; their
+    figures weighted by rows."""
+    replicas = list(range(run.ctx.num_workers()))
+    parts: list[list[int] | None] = [None for _ in replicas]
+    if job.val_split is None:
+        rows = np.arange(rows_of(job.x_val) or 0)
+        parts = [part.tolist() for part in np.array_split(rows, len(replicas))]
+
+    async def one(i: int, fresh: bool) -> dict[str, Any]:
+        request = DistEvaluateRequest(node_ids=job.node_ids, data=VALIDATION, rows=parts[i])
+        scores: dict[str, Any] = await run.ctx.call(i, request)
+        return scores
+
+    async def evaluate() -> dict[str, Any]:
+        return row_weighted(list((await run.on_all(one, replicas)).values()))
 
     return evaluate
 

@@ -233,12 +233,6 @@ class TorchTraining:
             stop = min(stop, self.bounds.next_read(step))
         return stop
 
-    def _read_after(self, stop: int) -> bool:
-        """Whether a sharded run's replicas gather the whole model's weights after the chunk
-        ending at ``stop``: an evaluation runs it then (a checkpoint and the end read the
-        shards where they lie); never for an unsharded run."""
-        return self.sharding != "none" and self._evaluated_at(stop)
-
     def _overlaps(self, stop: int, total: int) -> bool:
         """Whether the chunk after the one ending at ``stop`` may be sent before that one ends:
         when no evaluation reads the replicas between them (a checkpoint comes with the
@@ -256,16 +250,14 @@ class TorchTraining:
 
     def _send(self, step: int, stop: int, snapshot: bool) -> _Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
-        one at a time, so a chunk sent early waits behind the one before); sharded replicas
-        end it with the whole model's weights gathered where it is evaluated then. With
+        one at a time, so a chunk sent early waits behind the one before). With
         ``snapshot`` (a checkpoint due after it) replica 0 — sharded: every replica — sends
         what the checkpoint saves with its reply."""
-        gather = self._read_after(stop)
         sharded = self.sharding != "none"
 
         def request(i: int) -> DistTrainRequest:
             taken = snapshot and (sharded or i == 0)
-            return DistTrainRequest(start=step, stop=stop, gather=gather, snapshot=taken)
+            return DistTrainRequest(start=step, stop=stop, snapshot=taken)
 
         calls = {i: self._call(i, request(i)) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
