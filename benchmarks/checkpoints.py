@@ -1,13 +1,16 @@
 """What DataParallel's checkpoints cost a training step: the default interval against none.
 
-``python -m benchmarks.checkpoints [--rounds R] [--steps S] [--sharding full] [--json PATH]``
-trains the MLP
+``python -m benchmarks.checkpoints [--rounds R] [--steps S] [--sharding full]
+[--strategy model_parallel] [--json PATH]`` trains the MLP
 784-2048-2048-10 of :mod:`benchmarks.data_parallel` (5.8M float32 parameters, 23.3 MB;
 :func:`benchmarks.allreduce.mlp`, seeded; SGD lr 0.01 without momentum, so no optimizer state;
 cross-entropy on random rows, 256 per replica, global batch 512) with
 ``sz.DataParallel(2, collective="torch", checkpoint_every=K, keep_checkpoints=2)`` (with
 ``--sharding``, the model sharded so: each checkpoint every replica's shards saved with
-torch.distributed.checkpoint as the chunk ends, its files in the replies) on one
+torch.distributed.checkpoint as the chunk ends, its files in the replies; with ``--strategy
+model_parallel``, the same MLP as a pipeline of two stages, ``Linear(784, 2048)`` + ReLU on one
+worker and the rest on the other, ``sz.ModelParallel(..., micro_batches=2, transport="torch")``:
+each checkpoint every stage's states in the replies of the chunk it ends) on one
 :class:`somatize.cluster.LocalCluster`: a real coordinator, its ``--state-dir`` on the machine's
 disk, job threads 1, and two ``somatize-worker --threads 1 --spare-daemon off`` (a spare daemon
 importing torch as a job starts would take CPU from the timed one). The data is
@@ -181,11 +184,53 @@ def cluster() -> Iterator[LocalCluster]:
             raise
 
 
+def job_of(
+    model: torch.nn.Module, every: int | None, epochs: int, sharding: str, strategy: str
+) -> tuple[sz.Graph, sz.Strategy]:
+    """The graph and strategy of one job: ``model`` as one filter over :data:`WORKERS`
+    DataParallel replicas (``sharding``), or (``strategy="model_parallel"``) split after its
+    first Linear and ReLU into two stages on ``w0`` and ``w1``; SGD, ``checkpoint_every``
+    ``every``."""
+    settings: dict[str, Any] = {"optimizer": "sgd", "lr": LR}
+    last = settings | {
+        "loss": "cross_entropy",
+        "batch_size": PER_REPLICA * WORKERS,
+        "epochs": epochs,
+        "shuffle": False,
+        "seed": SEED,
+    }
+    if strategy == "model_parallel":
+        head = torch.nn.Sequential(*list(model)[:2])
+        tail = torch.nn.Sequential(*list(model)[2:])
+        graph = sz.TorchFilter(head, **settings).named("s0") >> sz.TorchFilter(tail, **last).named(
+            "s1"
+        )
+        parts = [sz.Partition(["s0"], worker="w0"), sz.Partition(["s1"], worker="w1")]
+        pipeline = sz.ModelParallel(
+            parts, micro_batches=2, transport="torch", checkpoint_every=every, keep_checkpoints=2
+        )
+        return graph, pipeline
+    replicas = sz.DataParallel(
+        WORKERS,
+        collective="torch",
+        checkpoint_every=every,
+        keep_checkpoints=2,
+        sharding=sharding,  # type: ignore[arg-type]
+    )
+    return sz.Graph([sz.TorchFilter(model, **last).named("mlp")]), replicas
+
+
 def run_job(
-    c: LocalCluster, model: torch.nn.Module, variant: str, epochs: int, sharding: str = "none"
+    c: LocalCluster,
+    model: torch.nn.Module,
+    variant: str,
+    epochs: int,
+    sharding: str = "none",
+    strategy: str = "data_parallel",
 ) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs of :func:`data` with ``checkpoint_every`` of
-    ``variant`` (:data:`VARIANTS`) and ``sharding``, once the machine is quiet.
+    ``variant`` (:data:`VARIANTS`), ``sharding`` and ``strategy`` (:func:`job_of`), once the
+    machine is quiet.
 
     Returns ``{"variant", "every", "marks", "chunks", "steps", "span", "step_s", "wall_s",
     "quiet_wait_s", "checkpoints"}``: ``marks`` the ``(step, coordinator time)`` of every
@@ -194,23 +239,7 @@ def run_job(
     """
     x, y = data()
     every = VARIANTS[variant]
-    filt = sz.TorchFilter(
-        model,
-        loss="cross_entropy",
-        optimizer="sgd",
-        lr=LR,
-        batch_size=PER_REPLICA * WORKERS,
-        epochs=epochs,
-        shuffle=False,
-        seed=SEED,
-    )
-    strategy = sz.DataParallel(
-        WORKERS,
-        collective="torch",
-        checkpoint_every=every,
-        keep_checkpoints=2,
-        sharding=sharding,  # type: ignore[arg-type]
-    )
+    graph, chosen = job_of(model, every, epochs, sharding, strategy)
     total = EPOCH_STEPS * epochs
     marks: list[tuple[int, float]] = []
     chunks: list[int] = []
@@ -218,7 +247,7 @@ def run_job(
     quiet = wait_quiet()
     with sz.connect(c.url, timeout=60) as client:
         submitted = time.time()
-        job = client.submit(sz.Graph([filt.named("mlp")]), x, y, strategy=strategy)
+        job = client.submit(graph, x, y, strategy=chosen)
         end = None
         for event in job.events(timeout=EVENT_TIMEOUT):
             if event.event == "progress" and event.data.get("phase") == "training":
@@ -248,14 +277,20 @@ def run_job(
     }
 
 
-def run(steps: int = STEPS, rounds: int = ROUNDS, sharding: str = "none") -> dict[str, Any]:
+def run(
+    steps: int = STEPS,
+    rounds: int = ROUNDS,
+    sharding: str = "none",
+    strategy: str = "data_parallel",
+) -> dict[str, Any]:
     """The three variants of the job, ``rounds`` times interleaved (module docstring).
 
-    Returns ``{"sharding", "steps", "epochs", "epoch_steps", "total_steps", "rounds", "workers",
-    "params", "model_bytes", "step", "ratio", "checkpoints", "jobs", "pytest_seen",
-    "foreign_cores", "seconds"}``: ``step`` each variant's :func:`benchmarks.allreduce.ms` of
-    its jobs' per-step means, ``ratio`` its median over the anchor's, ``checkpoints`` its
-    :func:`summarize`, ``jobs`` every :func:`run_job` result without its marks.
+    Returns ``{"sharding", "strategy", "steps", "epochs", "epoch_steps", "total_steps",
+    "rounds", "workers", "params", "model_bytes", "step", "ratio", "checkpoints", "jobs",
+    "pytest_seen", "foreign_cores", "seconds"}``: ``step`` each variant's
+    :func:`benchmarks.allreduce.ms` of its jobs' per-step means, ``ratio`` its median over the
+    anchor's, ``checkpoints`` its :func:`summarize`, ``jobs`` every :func:`run_job` result
+    without its marks.
     """
     began = time.monotonic()
     model = mlp()
@@ -267,12 +302,13 @@ def run(steps: int = STEPS, rounds: int = ROUNDS, sharding: str = "none") -> dic
     with cluster() as c:
         for r in range(rounds):
             for variant in names[r % len(names) :] + names[: r % len(names)]:
-                jobs[variant].append(run_job(c, model, variant, epochs, sharding))
+                jobs[variant].append(run_job(c, model, variant, epochs, sharding, strategy))
                 pytest_seen = pytest_seen or pytest_running()
     foreign = foreign_cores(start, cpu_snapshot())
     step = {v: ms([j["step_s"] for j in runs]) for v, runs in jobs.items()}
     return {
         "sharding": sharding,
+        "strategy": strategy,
         "steps": epochs * EPOCH_STEPS - WARMUP,
         "epochs": epochs,
         "epoch_steps": EPOCH_STEPS,
@@ -299,11 +335,12 @@ def rows(results: dict[str, Any]) -> list[Row]:
     step's for context, and one checkpoint's stall, write time and bytes."""
     step, ck = results["step"], results["checkpoints"]["default"]
     off = step["off"]["p50_ms"]
-    anchor = f"no checkpoints, {WORKERS} workers, torch collective"
+    pipeline = results.get("strategy") == "model_parallel"
+    anchor = f"no checkpoints, {WORKERS} {'stages' if pipeline else 'workers'}, torch collective"
     one = f"one {ck['stall_s'] * 1e3:.0f} ms (write {ck['seconds'] * 1e3:.0f} ms)"
     kept = results["model_bytes"]["state"] + results["model_bytes"]["optimizer"]
     every = results["checkpoints"]["every_step"]
-    bench = "checkpoints"
+    bench = "pipeline checkpoints" if pipeline else "checkpoints"
     return [
         Row(
             bench,
@@ -351,9 +388,13 @@ def report(results: dict[str, Any]) -> None:
     """Print the results."""
     b = results["model_bytes"]
     sharding = results.get("sharding", "none")
+    strategy = (
+        f"ModelParallel({WORKERS} stages, micro_batches=2, transport='torch')"
+        if results.get("strategy") == "model_parallel"
+        else f"DataParallel({WORKERS}, collective='torch', sharding={sharding!r})"
+    )
     print(
-        f"checkpoints of DataParallel({WORKERS}, collective='torch', sharding={sharding!r}) "
-        "training the MLP "
+        f"checkpoints of {strategy} training the MLP "
         f"{'-'.join(map(str, SIZES))} ({results['params']:,} float32 parameters; state "
         f"{b['state'] / 1e6:.1f} MB, SGD state {b['optimizer'] / 1e6:.1f} MB), global batch "
         f"{PER_REPLICA * WORKERS}; {results['epochs']} epochs of {results['epoch_steps']} steps, "
@@ -405,13 +446,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="none",
         help="shard the model over the replicas (FSDP2): checkpoints of each one's shards",
     )
+    parser.add_argument(
+        "--strategy",
+        choices=("data_parallel", "model_parallel"),
+        default="data_parallel",
+        help="the MLP over 2 replicas, or as a pipeline of 2 stages on the torch transport",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results there")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
-    results = run(steps=args.steps, rounds=args.rounds, sharding=args.sharding)
+    results = run(args.steps, args.rounds, args.sharding, args.strategy)
     report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -60,7 +60,7 @@ Ctrl-C); logs are printed on failure. On 2 cores the default run took 4.8 minute
 0.8 core of load on the machine), ``--quick`` about 3; the print-out's last line says how long.
 There a step of 256 rows per replica takes about a quarter of a second or more, so the torch
 collective's chunks (which double while under half of
-:data:`coordinator.strategies.data_parallel.torch_collective.CHUNK_SECONDS`) stay at a few steps;
+:data:`coordinator.strategies.chunks.CHUNK_SECONDS`) stay at a few steps;
 on faster machines they grow, which the per-step measure above does not mind.
 """
 

@@ -113,13 +113,16 @@ class LinkedStage:
         micro = [[m for m in batch if len(m)] for batch in batches]
         self._plan = _StagePlan(list(node_ids), list(actions), micro, data, labels, clip)
 
-    def train(self, start: int, stop: int) -> dict[str, Any]:
+    def train(self, start: int, stop: int, snapshot: bool = False) -> dict[str, Any]:
         """Global batches ``[start, stop)`` (module docstring): per batch this stage's actions
         of the schedule, the clipping of the whole pipeline's gradient, one step.
 
         Returns:
             ``{"losses", "rows", "lrs"}``: per batch, each micro-batch's loss and rows (the
-            last stage only; empty lists elsewhere) and the learning rate of its step.
+            last stage only; empty lists elsewhere) and the learning rate of its step; with
+            ``snapshot``, also what a checkpoint saves of the stage now (``"snapshot"``: its
+            nodes' states and its TorchFilters' optimizer states), in this reply, which is
+            encoded before the next request can step them.
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for batches outside it;
@@ -152,7 +155,14 @@ class LinkedStage:
             lrs.append(self._step(plan, b, coefficient))
             losses.append(batch_losses)
             rows.append(batch_rows)
-        return {"losses": losses, "rows": rows, "lrs": lrs}
+        said: dict[str, Any] = {"losses": losses, "rows": rows, "lrs": lrs}
+        if snapshot:
+            trained = [n.node_id for n in self.nodes.select(plan.node_ids) if n.differentiable]
+            said["snapshot"] = {
+                "states": self.nodes.get_state(plan.node_ids),
+                "optimizers": self.optimizers.get_optimizer_state(trained) if trained else {},
+            }
+        return said
 
     def _planned(self, stop: int) -> _StagePlan:
         """The plan, when it goes as far as ``stop``."""

@@ -384,9 +384,13 @@ class PipeTrainRequest(_Steps):
     """Train global batches ``[start, stop)`` of the pipeline plan: this stage's actions of
     each, activations and their gradients sent to the neighbouring stages' daemons, then one
     optimizer step. Returns ``{"losses": [[...]], "rows": [[...]]}``: per batch, per
-    micro-batch (the last stage's; empty lists elsewhere)."""
+    micro-batch (the last stage's; empty lists elsewhere). With ``snapshot`` the reply also
+    carries, under ``"snapshot"``, what a checkpoint saves of the stage as the chunk ends:
+    ``{"states", "optimizers"}`` of its nodes (its TorchFilters' optimizers), as ``get_state``
+    and ``get_optimizer_state`` give them."""
 
     cmd: Literal["pipe_train"] = "pipe_train"
+    snapshot: bool = False
 
 
 class DistTrainRequest(_Steps):

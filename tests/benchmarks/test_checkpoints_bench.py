@@ -81,3 +81,17 @@ def test_the_job_is_whole_epochs_of_10_steps_and_the_model_needs_no_optimizer_by
     assert x.shape == (256 * 2 * 10, 784) and y.shape == (5120,)
     small = torch.nn.Linear(3, 2)
     assert ck.model_bytes(small) == {"state": (3 * 2 + 2) * 4, "optimizer": 0}
+
+
+def test_the_pipeline_variant_splits_the_mlp_after_its_first_layer_over_two_stages() -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    )
+    graph, strategy = ck.job_of(model, None, 5, "none", "model_parallel")
+    assert graph.node_ids == ["s0", "s1"]
+    assert [list(p.node_ids) for p in strategy.partitions] == [["s0"], ["s1"]]
+    assert [p.worker for p in strategy.partitions] == ["w0", "w1"]
+    assert strategy.transport == "torch" and strategy.checkpoint_every is None
+    graph, strategy = ck.job_of(model, 0, 5, "full", "data_parallel")
+    assert graph.node_ids == ["mlp"]
+    assert strategy.sharding == "full" and strategy.checkpoint_every == 0

@@ -1,6 +1,8 @@
 """No progress lost in a pipeline: a ModelParallel job outlives a SIGKILLed coordinator (resumed
 from its checkpoint by the next one), and a stage whose worker is SIGKILLed moves to a spare;
-either way the result is the unsplit model's in a plain torch loop."""
+either way the result is the unsplit model's in a plain torch loop. On the torch transport a
+checkpoint is what the stages sent with the replies of the chunk it ends (``snapshot``), saved
+while the next chunk trains."""
 
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ def test_a_pipeline_outlives_a_sigkilled_coordinator_and_equals_the_unsplit_mode
             fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
             events = list(client.job(job.id).events())
     assert_unsplit(fitted.states, atol=1e-6)
+    linked = [e.data for e in events if e.data.get("phase") == "linked"]
+    assert {said["transport"] for said in linked} == {"torch"}  # checkpoints in the replies
     resumed = next(e for e in events if e.event == "resumed")
     assert resumed.data["step"] >= 6  # from its checkpoint, not the start
     steps = [e.data["step"] for e in events if e.event == "progress" and "step" in e.data]

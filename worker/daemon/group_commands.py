@@ -134,7 +134,7 @@ class GroupCommands:
         )
 
     def on_pipe_train(self, req: PipeTrainRequest) -> dict[str, Any]:
-        return self.engine.linked_stage.train(req.start, req.stop)
+        return self.engine.linked_stage.train(req.start, req.stop, snapshot=req.snapshot)
 
     def on_dist_leave(self, req: DistLeaveRequest) -> None:
         self.engine.group.leave()

@@ -14,12 +14,10 @@ through that store (gloo, NCCL when every replica is on CUDA) with the plan they
 is told to train a *chunk* of global steps at a time: per step its slice, forward, backward with
 DDP's bucketed all-reduce, one optimizer step (:mod:`engine.replica`). The coordinator never
 touches a gradient; per chunk it receives each replica's losses and emits one progress event
-(``step``: the steps done, ``losses``: each step's of the chunk).
-Chunks grow (doubling, from one step) until one takes about :data:`CHUNK_SECONDS`, so fast
-steps do not cost a message each and the progress stays live. The next chunk is sent while one
-trains — each worker queues it behind the one running, so no replica waits a round trip to the
-coordinator between them — except where the coordinator reads the replicas in between (an
-epoch's evaluation) or could have to undo it (``elastic``). A checkpoint does not stop it: the
+(``step``: the steps done, ``losses``: each step's of the chunk); the chunks grow and are
+sent ahead as :mod:`coordinator.strategies.chunks` says — the next while one trains — except
+where the coordinator reads the replicas in between (an epoch's evaluation) or could have to
+undo it (``elastic``). A checkpoint does not stop it: the
 chunk that ends where one falls due carries it in its reply (``snapshot``: replica 0's states
 and optimizer states, a sharded run's every replica's shards as torch.distributed.checkpoint
 saved them), so training goes on while the snapshot travels and is written.
@@ -38,7 +36,6 @@ is still ``graph.fit``'s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -49,6 +46,7 @@ import numpy as np
 
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, concurrently
+from coordinator.strategies.chunks import Chunk, cancelled, next_chunk
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.elastic import (
     MAX_RECOVERIES,
@@ -73,7 +71,6 @@ from protocol.errors import ErrorCode
 from protocol.options.strategies import Sharding
 
 __all__ = [
-    "CHUNK_SECONDS",
     "TRIAL_TIMEOUT",
     "Choice",
     "TorchTraining",
@@ -81,16 +78,6 @@ __all__ = [
     "chunk_progress",
     "replica_plans",
 ]
-
-CHUNK_SECONDS = 2.0
-"""About how long one chunk of steps (one call, one progress event) should take. Each chunk's
-end is a round trip through the coordinator in which no replica trains: on links of 20 ms round
-trip, chunks of half a second cost DataParallel with PowerSGD 1.24× and DiLoCo 1.16× their
-plain-torch anchors' time, two-second chunks 1.10× and 1.05× (``python -m
-benchmarks.slow_links``)."""
-
-MAX_CHUNK = 4096
-"""The most steps in one chunk, however fast they are."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +180,7 @@ class TorchTraining:
         except Broken as broken:
             raise broken.blame() from None
         loop = asyncio.get_running_loop()
-        ahead: _Chunk | None = None  # the next chunk, queued on every replica behind this one
+        ahead: Chunk | None = None  # the next chunk, queued on every replica behind this one
         landed = loop.time()  # when the last chunk's results were in
         try:
             while step < total:
@@ -208,7 +195,7 @@ class TorchTraining:
                 try:
                     results = await now.calls
                 except Broken as broken:
-                    await _cancelled(ahead)
+                    await cancelled(ahead)
                     ahead = None
                     step = await self._recover(broken, step)
                     chunk = 1
@@ -217,12 +204,12 @@ class TorchTraining:
                     self.run.ctx.observe("chunk_sent_ahead", loop.time() - now.sent)
                 began, landed = max(now.sent, landed), loop.time()
                 await self._progress(step, now.stop, results)
-                chunk = _next_chunk(chunk, now.stop - step, landed - began)
+                chunk = next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
                 if now.snapshot:  # taken as the chunk ended, while the next one trains
                     await saves.save(step, total, self._snapshot(results))
         finally:
-            await _cancelled(ahead)
+            await cancelled(ahead)
         position.step = None
 
     def _stop(self, step: int, chunk: int, total: int, saves: ReplicaCheckpoints) -> int:
@@ -248,7 +235,7 @@ class TorchTraining:
         """Where the run's epochs close and the model is validated."""
         return self.training.boundaries(self.steps_per_epoch)
 
-    def _send(self, step: int, stop: int, snapshot: bool) -> _Chunk:
+    def _send(self, step: int, stop: int, snapshot: bool) -> Chunk:
         """Steps ``[step, stop)`` sent to every replica (each worker's daemon takes requests
         one at a time, so a chunk sent early waits behind the one before). With
         ``snapshot`` (a checkpoint due after it) replica 0 — sharded: every replica — sends
@@ -261,7 +248,7 @@ class TorchTraining:
 
         calls = {i: self._call(i, request(i)) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
-        return _Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
+        return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
     def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
         """The checkpoint's snapshot the replicas sent with a chunk's ``results``: replica
@@ -433,33 +420,3 @@ async def chunk_progress(
     )
     if history is not None:
         await history.steps(start, losses, batch_rows, lrs, bounds, evaluate, metrics)
-
-
-@dataclass
-class _Chunk:
-    """A chunk of steps sent to every replica: where it ends, its settling, when it was sent."""
-
-    stop: int
-    calls: asyncio.Future[dict[int, Any]]
-    sent: float  # the loop's clock
-    snapshot: bool = False  # its replies carry a checkpoint's snapshot
-
-
-async def _cancelled(chunk: _Chunk | None) -> None:
-    """``chunk``'s calls cancelled, if it was sent and is not over."""
-    if chunk is not None and not chunk.calls.done():
-        chunk.calls.cancel()
-        with contextlib.suppress(BaseException):
-            await chunk.calls
-
-
-def _next_chunk(chunk: int, ran: int, elapsed: float) -> int:
-    """The next chunk's steps: doubled while a chunk is well under :data:`CHUNK_SECONDS`,
-    halved when it is well over."""
-    if ran < chunk:
-        return chunk
-    if elapsed < CHUNK_SECONDS / 2:
-        return min(MAX_CHUNK, chunk * 2)
-    if elapsed > CHUNK_SECONDS * 2 and chunk > 1:
-        return chunk // 2
-    return chunk

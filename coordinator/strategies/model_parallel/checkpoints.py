@@ -19,7 +19,7 @@ to the start instead.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,11 +125,31 @@ class StageCheckpoints:
             return total
         return self.policy.next_due(done, total)
 
+    def due(self, done: int, total: int) -> bool:
+        """Whether a checkpoint falls due after global batch ``done``."""
+        return self.checkpoints is not None and self.policy.due(done, total)
+
     async def after(self, done: int, total: int, guard: Guard) -> None:
-        """Save a checkpoint after global batch ``done`` if one is due (every stage stepped)."""
+        """Save a checkpoint after global batch ``done`` if one is due (every stage stepped),
+        each stage's states read now."""
+        if not self.due(done, total):
+            return
+        await self.save(done, total, {}, guard)
+
+    async def save(self, done: int, total: int, snapshots: Mapping[int, Any], guard: Guard) -> None:
+        """Save the checkpoint after global batch ``done``, if one is still due then (one due
+        by time is not, once another was saved since): the stages' states and optimizer
+        states as ``snapshots`` has them (by stage: what a chunk's replies carried, taken as it
+        ended), every other stage's read now."""
         if self.checkpoints is None or not self.policy.due(done, total):
             return
-        reads = await concurrently(*(self._read(s, guard) for s in range(len(self.stages))))
+
+        async def read(s: int) -> tuple[dict[str, Any], dict[str, Any]]:
+            if s in snapshots:
+                return snapshots[s]["states"], snapshots[s]["optimizers"]
+            return await self._read(s, guard)
+
+        reads = await concurrently(*(read(s) for s in range(len(self.stages))))
         states = {n: state for part, _ in reads for n, state in part.items()}
         optimizers = {n: state for _, part in reads for n, state in part.items()}
         per_epoch = max(1, self.policy.per_epoch)

@@ -11,9 +11,13 @@ the pipeline), the last stage is sent the labels once, and each stage takes its 
 micro-batches of every global batch — cut as the WebSocket path cuts them — and its own
 actions of the schedule (:mod:`~coordinator.strategies.model_parallel.schedule`, GPipe or 1F1B).
 Then every stage is told to train a chunk of global batches at a time (:mod:`engine.linked_stage`):
-one call per stage per chunk, the chunks growing as DataParallel's do, one progress event per chunk
-with each batch's loss. A stage lost mid-chunk breaks the group, its neighbours' receives fail at
-once, and the job fails naming the lost stage and worker — never a hang.
+one call per stage per chunk, one progress event per chunk with each batch's loss, the chunks
+growing and the next sent while one trains (:mod:`coordinator.strategies.chunks`) except where
+an epoch's evaluation reads the model between them. A checkpoint does not stop it: the chunk
+that ends where one falls due carries every stage's states and optimizer states in its replies
+(``snapshot``), saved while the next chunk trains. A stage lost mid-chunk breaks the group, its
+neighbours' receives fail at once, and the job fails naming the lost stage and worker — never a
+hang.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
 from coordinator.strategies.base import Emit
-from coordinator.strategies.data_parallel.torch_collective import _next_chunk
+from coordinator.strategies.chunks import Chunk, cancelled, next_chunk
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.model_parallel.checkpoints import StageCheckpoints
 from coordinator.strategies.model_parallel.schedule import Schedule
@@ -104,18 +108,52 @@ class TorchPipeline:
         total = steps_per_epoch * self.training.epochs
         loop = asyncio.get_running_loop()
         chunk = 1
-        while step < total:
-            stop = min(total, step + chunk, saves.stop_at(step, total))
-            if self.evaluate is not None:  # evaluated where an epoch ends
-                stop = min(stop, (step // steps_per_epoch + 1) * steps_per_epoch)
-            started = loop.time()
-            request = PipeTrainRequest(start=step, stop=stop)
-            calls = {s: ctx.call(s, request) for s in self.pipeline}
-            results = await self.guard(self._settle(calls, stop))
-            await self._progress(step, stop, results[last], steps_per_epoch)
-            chunk = _next_chunk(chunk, stop - step, loop.time() - started)
-            step = stop
-            await saves.after(step, total, self.guard)
+        ahead: Chunk | None = None  # the next chunk, queued on every stage behind this one
+        landed = loop.time()  # when the last chunk's results were in
+        try:
+            while step < total:
+                if ahead is None:
+                    stop = self._stop(step, chunk, total, steps_per_epoch, saves)
+                    ahead = self._send(step, stop, saves.due(stop, total))
+                now, ahead = ahead, None
+                if now.stop < total and not self._evaluated_at(now.stop, steps_per_epoch):
+                    after = self._stop(now.stop, chunk, total, steps_per_epoch, saves)
+                    ahead = self._send(now.stop, after, saves.due(after, total))
+                results = await self.guard(now.calls)
+                began, landed = max(now.sent, landed), loop.time()
+                await self._progress(step, now.stop, results[last], steps_per_epoch)
+                chunk = next_chunk(chunk, now.stop - step, landed - began)
+                step = now.stop
+                if now.snapshot:  # taken as the chunk ended, while the next one trains
+                    snapshot = {s: results[s]["snapshot"] for s in self.pipeline}
+                    await saves.save(step, total, snapshot, self.guard)
+        finally:
+            await cancelled(ahead)
+
+    def _stop(
+        self, step: int, chunk: int, total: int, steps_per_epoch: int, saves: StageCheckpoints
+    ) -> int:
+        """Where a chunk of ``chunk`` batches after ``step`` ends: at ``total``, at a
+        checkpoint due, where the model is evaluated (an epoch's end, ``validate_every``)."""
+        stop = min(total, step + chunk, saves.stop_at(step, total))
+        if self.evaluate is not None:
+            stop = min(stop, self.training.boundaries(steps_per_epoch).next_read(step))
+        return stop
+
+    def _evaluated_at(self, stop: int, steps_per_epoch: int) -> bool:
+        """Whether the model is evaluated after global batch ``stop``."""
+        bounds = self.training.boundaries(steps_per_epoch)
+        return self.evaluate is not None and bounds.reads_after(stop)
+
+    def _send(self, step: int, stop: int, snapshot: bool) -> Chunk:
+        """Global batches ``[step, stop)`` sent to every stage (each daemon takes requests one
+        at a time, so a chunk sent early waits behind the one before); with ``snapshot`` (a
+        checkpoint due after it) each stage sends what the checkpoint saves of it with its
+        reply."""
+        request = PipeTrainRequest(start=step, stop=stop, snapshot=snapshot)
+        calls = {s: self.ctx.call(s, request) for s in self.pipeline}
+        settled = asyncio.ensure_future(self._settle(calls, stop))
+        return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
     def _plan(self, k: int, stage: int) -> PipePlanRequest:
         first, last = k == 0, k == len(self.pipeline) - 1

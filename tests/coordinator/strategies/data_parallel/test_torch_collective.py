@@ -9,11 +9,7 @@ import time
 import pytest
 
 from coordinator.errors import WorkerCallError
-from coordinator.strategies.data_parallel.torch_collective import (
-    CHUNK_SECONDS,
-    MAX_CHUNK,
-    _next_chunk,
-)
+from coordinator.strategies.chunks import CHUNK_SECONDS, MAX_CHUNK, next_chunk
 from coordinator.strategies.process_group import Broken, settle
 from protocol.errors import ErrorCode, ErrorInfo
 
@@ -23,12 +19,12 @@ def error(worker: str, code: ErrorCode) -> WorkerCallError:
 
 
 def test_chunks_double_while_fast_halve_when_slow_and_stay_bounded():
-    assert _next_chunk(1, 1, CHUNK_SECONDS / 10) == 2
-    assert _next_chunk(8, 8, CHUNK_SECONDS) == 8
-    assert _next_chunk(8, 8, CHUNK_SECONDS * 3) == 4
-    assert _next_chunk(1, 1, CHUNK_SECONDS * 3) == 1
-    assert _next_chunk(MAX_CHUNK, MAX_CHUNK, 0.0) == MAX_CHUNK
-    assert _next_chunk(8, 3, 0.0) == 8  # a short last chunk says nothing about the speed
+    assert next_chunk(1, 1, CHUNK_SECONDS / 10) == 2
+    assert next_chunk(8, 8, CHUNK_SECONDS) == 8
+    assert next_chunk(8, 8, CHUNK_SECONDS * 3) == 4
+    assert next_chunk(1, 1, CHUNK_SECONDS * 3) == 1
+    assert next_chunk(MAX_CHUNK, MAX_CHUNK, 0.0) == MAX_CHUNK
+    assert next_chunk(8, 3, 0.0) == 8  # a short last chunk says nothing about the speed
 
 
 def test_a_broken_chunk_is_blamed_on_the_lost_worker_not_on_the_survivor_that_saw_it():
