@@ -52,8 +52,9 @@ def _encoder() -> torch.nn.Module:
     )
 
 
-def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float):
-    """Adam on cross-entropy over the batches in order: the plain loop."""
+def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float, seen=None):
+    """Adam on cross-entropy over the batches in order: the plain loop; ``seen`` (an
+    :func:`tests.training_reference.evaluation`) sees the model after each epoch."""
     net = copy.deepcopy(module)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
@@ -63,6 +64,8 @@ def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float):
             batch = slice(start, start + batch_size)
             torch.nn.functional.cross_entropy(net(xt[batch]), yt[batch]).backward()
             opt.step()
+        if seen is not None:
+            seen(net)
     return net.state_dict()
 
 
@@ -179,10 +182,12 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
         np.testing.assert_allclose(got, val_losses, rtol=0, atol=1e-5)
 
         # A TransformerEncoder, each layer a unit, Adam, parameters kept from forward to
-        # backward: 3 replicas, in order.
+        # backward (and after an evaluation's forward): 3 replicas, in order, validated.
         rng = np.random.default_rng(2)
         xs = rng.normal(size=(90, 4, 8)).astype(np.float32)
         ys = rng.integers(0, 3, size=90)
+        xs_val = rng.normal(size=(40, 4, 8)).astype(np.float32)
+        ys_val = rng.integers(0, 3, size=40)
         net = sz.TorchFilter(
             _encoder(),
             loss="cross_entropy",
@@ -199,13 +204,20 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             collective="torch",
             checkpoint_every=0,
         )
-        job = client.submit(sz.Graph([net.named("enc")]), xs, ys, strategy=strategy)
+        job = client.submit(
+            sz.Graph([net.named("enc")]), xs, ys, strategy=strategy, validation=(xs_val, ys_val)
+        )
         fitted = job.result(timeout=180 * UNIT)
         events = list(job.events(timeout=10 * UNIT))
         sharded = next(e.data for e in events if e.data.get("phase") == "sharded")
         assert sharded["sharding"] == "gradients"
         assert {v["units"] for k, v in sharded.items() if k.startswith("w")} == {3}  # 2 layers
-        reference = _adam_reference(_encoder(), xs, ys, epochs=2, batch_size=16, lr=1e-2)
+        seen_val: list[dict[str, float]] = []
+        reference = _adam_reference(
+            _encoder(), xs, ys, 2, 16, 1e-2, evaluation(xs_val, ys_val, seen_val)
+        )
+        got = [row["val_loss"] for row in fitted.history]
+        np.testing.assert_allclose(got, [s["val_loss"] for s in seen_val], rtol=0, atol=1e-5)
         _close(fitted.states["enc"], reference)
 
 
