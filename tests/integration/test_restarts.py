@@ -50,13 +50,23 @@ def _replica_worker(job: sz.Job, exclude: str | None = None) -> str:
     return next(w for w in workers if w != exclude)
 
 
-def test_a_replica_sigkilled_restarts_the_job_from_its_checkpoint_on_a_spare_worker(tmp_path):
+@pytest.mark.parametrize(
+    ("collective", "sharding"),
+    [("coordinator", "none"), ("torch", "full")],
+    ids=["plain", "sharded"],
+)
+def test_a_replica_sigkilled_restarts_the_job_from_its_checkpoint_on_a_spare_worker(
+    tmp_path, collective, sharding
+):
     """DataParallel(2, max_restarts=1) on three workers: one replica's worker SIGKILLed after
     the checkpoint at step 10, the job restarts on the survivor and the idle one from that
-    checkpoint, and its model is the plain torch loop's to 1e-6."""
+    checkpoint, and its model is the plain torch loop's to 1e-6. Sharded (FSDP2), the
+    checkpoint is each replica's shards, which the restarted replicas load, each its own."""
     x, y = dataset()
     graph = graph_for("sgd", epochs=EPOCHS, shuffle=True, module=paced())
-    strategy = sz.DataParallel(2, collective="coordinator", checkpoint_every=5, max_restarts=1)
+    strategy = sz.DataParallel(
+        2, collective=collective, checkpoint_every=5, max_restarts=1, sharding=sharding
+    )
     with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(graph, x, y, strategy=strategy)
         _checkpointed_at(job, 10)
