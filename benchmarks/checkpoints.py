@@ -87,8 +87,9 @@ at the end of each."""
 STEPS = 40
 """Measured global steps (after :data:`WARMUP`), at least; rounded up to whole epochs."""
 ROUNDS = 2
-TARGET = 1.05
-"""Default interval / no checkpoints, per step, at most (the issue)."""
+TARGET = 1.03
+"""Default interval / no checkpoints, per step, at most: issue 33's "within 3 %" (an earlier
+issue's bound was 5 %)."""
 VARIANTS: dict[str, int | None] = {"off": 0, "default": None, "every_step": 1}
 """``checkpoint_every`` of each variant."""
 LABELS = ("anchor: none", "ours: the default (each epoch)", "context: every step")
