@@ -17,6 +17,7 @@ from engine.batches import num_rows, on_disk, take, whole
 from engine.data.read_ahead import NextRead
 from engine.errors import EngineError
 from engine.nodes import check_same_rows
+from protocol.daemon import DataSource
 from protocol.errors import ErrorCode
 
 __all__ = ["HeldRows"]
@@ -35,6 +36,13 @@ class HeldRows:
         self._next.drop()
         self._held[name] = (x, y)
         return num_rows(x)
+
+    def of(self, source: DataSource, lazy: bool = False) -> tuple[Any, Any]:
+        """The ``x`` and ``y`` a request names: given inline, or the ``rows`` (all: ``None``)
+        of what is held under its ``data`` (:meth:`held`)."""
+        if source.data is None:
+            return source.x, source.y
+        return self.held(source.data, source.rows, lazy=lazy)
 
     def held(
         self,

@@ -103,11 +103,7 @@ class GroupCommands:
         return self.engine.replica.train(req.start, req.stop, snapshot=req.snapshot)
 
     def on_dist_evaluate(self, req: DistEvaluateRequest) -> dict[str, Any]:
-        if req.data is None:
-            x, y = req.x, req.y
-        else:
-            x, y = self.engine.rows.held(req.data, req.rows, lazy=True)
-        return self.engine.replica.evaluate(req.node_ids, x, y)
+        return self.engine.replica.evaluate(req.node_ids, *self.engine.rows.of(req, lazy=True))
 
     def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
         return self.engine.replica.pieces()

@@ -314,15 +314,8 @@ class Daemon:
             req.node_ids, epoch_end=req.epoch_end, coefficient=req.coefficient
         )
 
-    def _data(
-        self,
-        req: DataSource,
-        *,
-        lazy: bool = False,
-    ) -> tuple[Any, Any]:
-        if req.data is None:
-            return req.x, req.y
-        return self.engine.rows.held(req.data, req.rows, lazy=lazy)
+    def _data(self, req: DataSource, *, lazy: bool = False) -> tuple[Any, Any]:
+        return self.engine.rows.of(req, lazy=lazy)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
         return self.engine.fitting.composite_forward(req.node_ids, req.x, req.states)
