@@ -54,13 +54,16 @@ typecheck: setup
 # test's time is its processes starting and waiting on one another, so two of them fill two cores.
 # The project's bytecode is written first: every coordinator, worker and daemon a test starts
 # then loads it instead of compiling each module again (PYTHONDONTWRITEBYTECODE keeps processes
-# from writing it themselves). The slowest tests are listed at the end; PYTEST_ARGS adds to them.
+# from writing it themselves). A test process that dies ends the run, failed, rather than being
+# replaced (xdist's replacement had left the run waiting forever). The slowest tests are listed
+# at the end; PYTEST_ARGS adds to them.
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
 test: lint typecheck browser bubblewrap
 	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
-	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
+		$(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks

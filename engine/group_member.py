@@ -60,6 +60,7 @@ class GroupMember:
         self._rank = 0
         self._world = 1
         self._dropped_with_group: list[Callable[[], None]] = []
+        self._last_left: object | None = None  # the group left last, kept: see _left_group
         self._chose_interface = False  # GLOO_SOCKET_IFNAME is this member's choice, not set
 
     @property
@@ -148,11 +149,21 @@ class GroupMember:
         self._store = None
 
     def _left_group(self) -> None:
-        """What uses the group is dropped first (:meth:`on_leave`), then the group."""
+        """What uses the group is dropped first (:meth:`on_leave`), then the group.
+
+        The group left is kept until the next leave, so its last reference is never dropped
+        while gloo's worker threads may still be releasing what its last collectives left (a
+        comm hook's closures, the work's saved thread state): those releases take the GIL, and
+        the group's destructor joins those threads holding it. Dropped then, the daemon hung
+        (the destructor on the main thread) or aborted (on the worker thread itself: "Resource
+        deadlock avoided"). By the next leave they have long been idle.
+        """
         for drop in self._dropped_with_group:
             drop()
         if dist.is_initialized():
+            left = dist.group.WORLD
             dist.destroy_process_group()
+            self._last_left = left  # (the one before it goes now)
 
     def broken(self, where: str, exc: BaseException, steps_done: int = 0) -> EngineError:
         """``COLLECTIVE_FAILED`` at ``where``, with ``steps_done``: the steps this member

@@ -11,20 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.compression import CompressedMean, bucketing, compress
 from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
+from tests.gloo_group import one_rank_gloo_group
 
 
 @pytest.fixture
 def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_gloo_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def gradients(compression: str, batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:

@@ -4,11 +4,11 @@ hook reports having compressed."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from protocol.rules.traffic import buckets, step_bytes, sync_bytes
+from tests.gloo_group import one_rank_gloo_group
 
 # An MLP 784-2048-10: two matrices and two bias vectors.
 SHAPES = [[2048, 784], [2048], [10, 2048], [10]]
@@ -30,8 +30,7 @@ def test_powersgd_sends_the_factors_of_the_matrices_worth_compressing():
 
 
 def test_the_powersgd_count_is_the_one_torchs_hook_reports():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_gloo_group():
         model = torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.Linear(2048, 10))
         ddp = DistributedDataParallel(model, bucket_cap_mb=1 << 20)
         state = powerSGD_hook.PowerSGDState(
@@ -44,8 +43,6 @@ def test_the_powersgd_count_is_the_one_torchs_hook_reports():
         shapes = [list(p.shape) for p in model.parameters()]
         assert sorted(shapes) == sorted(SHAPES)
         assert 4 * state.total_numel_after_compression == step_bytes(shapes, "powersgd:4")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_buckets_cut_runs_of_whole_tensors_a_larger_one_alone():
