@@ -24,9 +24,9 @@ A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
 gradient and optimizer moment. A checkpoint saves every replica's shards with
 torch.distributed.checkpoint, as files the chunk's reply carries, and a resumed run loads them
 back, each replica the rows it holds (:meth:`Replica.load_shards`); the coordinator reads each
-replica's shards where they lie for the result (:meth:`Replica.pieces`), and every replica
-evaluates its part of the validation rows through its shards (:meth:`Replica.evaluate`): no
-replica ever holds the whole model.
+replica's shards of the model where they lie for the result (:meth:`Replica.pieces`), and
+every replica evaluates its part of the validation rows through its shards
+(:meth:`Replica.evaluate`): no replica ever holds the whole model.
 
 A plan ``alone`` is a replica of DiLoCo through the coordinator, for workers that cannot reach
 each other: no group, no DDP, its rank and the world given with the plan; it trains its slices
@@ -499,8 +499,8 @@ class Replica:
         return int(most.item())
 
     def pieces(self) -> dict[str, Any]:
-        """A sharded replica's shards of its model and optimizer state, where they lie, and
-        which they are (:meth:`ShardedRun.pieces`): no collective.
+        """A sharded replica's shards of its model, where they lie, and which they are
+        (:meth:`ShardedRun.pieces`): no collective, no optimizer state.
 
         Raises:
             EngineError: ``BAD_REQUEST`` for a replica whose plan is not sharded.

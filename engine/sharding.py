@@ -12,11 +12,12 @@ the equivalence with ``graph.fit``. The optimizers are made over the sharded par
 filter of ``precision="bf16"`` has its units gathered and run in bf16 through FSDP2's
 ``MixedPrecisionPolicy`` (:data:`BF16`), its gradients reduced and its weights kept in fp32.
 
-The coordinator reads a sharded replica where its shards lie (:meth:`ShardedRun.pieces`: no
-collective, nothing gathered): each parameter's and each optimizer moment's rows held here, and
-which of what it sends are such rows; it joins the replicas' pieces into the whole states
-itself (:mod:`coordinator.strategies.data_parallel.shard_pieces`) for the result, so no
-replica ever holds the whole model for it; a checkpoint is each replica's shards saved with
+The coordinator reads a sharded replica's model where its shards lie for the job's result
+(:meth:`ShardedRun.pieces`: no collective, nothing gathered, no optimizer state): each
+parameter's rows held here, and which of what it sends are such rows; it joins the replicas'
+pieces into the whole states itself
+(:mod:`coordinator.strategies.data_parallel.shard_pieces`), so no replica ever holds the whole
+model for it; a checkpoint is each replica's shards saved with
 torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`, :meth:`ShardedRun.load_shards`);
 an evaluation runs through the sharded chain (:meth:`engine.replica.Replica.evaluate`). A
 replica whose nodes arrive with an optimizer state has it moved onto the sharded parameters.
@@ -60,7 +61,7 @@ SAVE_PLANNER = DefaultSavePlanner(enable_plan_caching=True)
 unchanged shards make the same (torch.distributed.checkpoint's plan caching)."""
 
 KeyPath = list[str | int]
-"""Where a value lies in :meth:`ShardedRun.pieces`' answer: its keys, outermost first."""
+"""Where a value lies in :meth:`ShardedRun.save_shards`' rest: its keys, outermost first."""
 
 
 def unit_classes(names: Sequence[str]) -> tuple[type, ...] | tuple[str, ...]:
@@ -251,14 +252,14 @@ class ShardedRun:
         return get_optimizer_state_dict(self.chain, made, options=WHOLE), schedulers
 
     def pieces(self) -> dict[str, Any]:
-        """This replica's shards, read where they lie (no collective, nothing gathered):
-        ``states`` and ``optimizers`` by node as an unsharded replica's ``get_state`` and
-        ``get_optimizer_state`` give them, but with each sharded tensor — a parameter, an
-        optimizer moment — as the rows of it held here (FSDP2 shards dim 0, in rank order);
-        ``split``: the paths of those tensors. Everything else (buffers, step counts, the
-        groups' settings, a scheduler's state) every replica holds alike."""
+        """This replica's shards of the model, read where they lie (no collective, nothing
+        gathered), for the job's result: ``states`` by node as an unsharded replica's
+        ``get_state`` gives them, but with each sharded parameter as the rows of it held here
+        (FSDP2 shards dim 0, in rank order); ``split``: the paths of those tensors. The
+        buffers every replica holds alike. No optimizer state: a result does not keep it."""
         split: list[KeyPath] = []
-        return self._tree(lambda value, path: _local(value, path, split)) | {"split": split}
+        states = self._tree(lambda value, path: _local(value, path, split), optimizers=False)
+        return states | {"split": split}
 
     def save_shards(self, directory: str) -> dict[str, Any]:
         """Save this replica's shards with torch.distributed.checkpoint into ``directory`` —
@@ -331,19 +332,21 @@ class ShardedRun:
             if held.scheduler is not None and SCHEDULER in saved_optimizer:
                 held.scheduler.load_state_dict(saved_optimizer[SCHEDULER])
 
-    def _tree(self, leaf: Callable[[Any, KeyPath], Any]) -> dict[str, Any]:
-        """``states`` and ``optimizers`` by node, as an unsharded replica's ``get_state`` and
-        ``get_optimizer_state`` give them (a scheduler's state with its optimizer's), each
-        value — a tensor, sharded or not, a step count — given by ``leaf`` of it and its
-        path."""
+    def _tree(self, leaf: Callable[[Any, KeyPath], Any], optimizers: bool = True) -> dict[str, Any]:
+        """``states`` and (with ``optimizers``) ``optimizers`` by node, as an unsharded
+        replica's ``get_state`` and ``get_optimizer_state`` give them (a scheduler's state with
+        its optimizer's), each value — a tensor, sharded or not, a step count — given by
+        ``leaf`` of it and its path."""
         states: dict[str, Any] = {}
-        optimizers: dict[str, Any] = {}
+        optimizer_states: dict[str, Any] = {}
         for node, held in zip(self.run, self._held(), strict=True):
             key = node.node_id
             module_state = held.module.state_dict()
             states[key] = {name: leaf(v, ["states", key, name]) for name, v in module_state.items()}
+            if not optimizers:
+                continue
             if held.optimizer is None:
-                optimizers[key] = None
+                optimizer_states[key] = None
                 continue
             saved = held.optimizer.state_dict()
             per_parameter = {
@@ -353,10 +356,12 @@ class ShardedRun:
                 }
                 for index, moments in saved["state"].items()
             }
-            optimizers[key] = {"state": per_parameter, "param_groups": saved["param_groups"]}
+            optimizer_states[key] = {"state": per_parameter, "param_groups": saved["param_groups"]}
             if held.scheduler is not None:
-                optimizers[key][SCHEDULER] = held.scheduler.state_dict()
-        return {"states": states, "optimizers": optimizers}
+                optimizer_states[key][SCHEDULER] = held.scheduler.state_dict()
+        if not optimizers:
+            return {"states": states}
+        return {"states": states, "optimizers": optimizer_states}
 
     def _held(self) -> list[_Held]:
         """What the run's nodes train with now: their modules, optimizers and schedulers."""

@@ -423,10 +423,10 @@ class DistEvaluateRequest(DataSource):
 
 
 class DistPiecesRequest(_Request):
-    """A sharded replica's shards of its model and optimizer state, read where they lie (no
-    collective): ``{"states": ..., "optimizers": ...}`` by node, as ``get_state`` and
-    ``get_optimizer_state`` give them but with each sharded tensor as this replica's rows of
-    it (dim 0, in rank order), and ``"split"``: the key paths of those tensors."""
+    """A sharded replica's shards of its model, read where they lie (no collective) for the
+    job's result: ``{"states": ...}`` by node, as ``get_state`` gives them but with each
+    sharded tensor as this replica's rows of it (dim 0, in rank order), and ``"split"``: the
+    key paths of those tensors. No optimizer state."""
 
     cmd: Literal["dist_pieces"] = "dist_pieces"
 

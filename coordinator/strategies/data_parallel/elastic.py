@@ -220,7 +220,7 @@ class Replicas:
         """Every present replica's final state; with ``elastic`` a lost one is left out."""
         self.position.phase, self.position.step = "reading", None
         if self.sharded:  # one whole model, joined from every replica's shards
-            return {0: (await self._joined()).states}
+            return {0: await self._joined()}
         reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in self.present()}
         try:
             return await self.each(reads)
@@ -270,16 +270,15 @@ class Replicas:
         return (await self.each({source: self.snapshot(source)}))[source]
 
     async def snapshot(self, source: int) -> Snapshot:
-        """Replica ``source``'s model and optimizer state; a sharded run's, every replica's
-        shards joined (:meth:`_joined`)."""
-        if self.sharded:
-            return await self._joined()
+        """Replica ``source``'s model and optimizer state (a sharded run's replicas hold
+        theirs as shards: their checkpoints come with their chunks' replies)."""
+        assert not self.sharded, "a sharded run is not elastic, and checkpoints in shards"
         states = await self.ctx.get_state(source, self.job.node_ids)
         optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
         return Snapshot(self.ids[source], states, optimizers)
 
-    async def _joined(self) -> Snapshot:
-        """A sharded run's model and optimizer state: each replica's shards read where they
+    async def _joined(self) -> dict[str, Any]:
+        """A sharded run's final states: each replica's shards of the model read where they
         lie and joined here, off the event loop (:mod:`.shard_pieces`); the plain filters
         before the torch nodes read from replica 0, which holds them as every replica does.
 
@@ -296,9 +295,8 @@ class Replicas:
             raise StrategyFailed(
                 ErrorCode.STATE_MISMATCH, f"joining the sharded model from {self.ids}: {exc}"
             ) from exc
-        states |= whole.states
-        ordered = {node: states[node] for node in self.job.node_ids}
-        return Snapshot(", ".join(self.ids), ordered, whole.optimizers)
+        states |= whole
+        return {node: states[node] for node in self.job.node_ids}
 
     async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
         """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""

@@ -1,42 +1,33 @@
-"""A sharded DataParallel run's model and optimizer state made whole from its replicas' pieces.
+"""A sharded DataParallel run's model made whole from its replicas' pieces, for the job's result.
 
-Each replica of a run sharded by FSDP2 holds, of every parameter and every optimizer moment,
-its rows of dim 0: replica ``r`` of ``N`` the ``r``-th of ``torch.chunk``'s ``N`` chunks (the
-last replicas' may be empty). It answers ``dist_pieces`` with its states and optimizer states
-shaped as an unsharded replica's, each sharded tensor replaced by its rows, and the key paths
-of those tensors (``split``); what it holds whole (buffers, step counts, the groups' settings,
-schedulers) every replica holds alike. :func:`joined` puts the rows back together, in rank
-order: the states an unsharded replica would have given, which checkpoints store, resumes load
-and the job returns — while no replica ever held them whole.
+Each replica of a run sharded by FSDP2 holds, of every parameter, its rows of dim 0: replica
+``r`` of ``N`` the ``r``-th of ``torch.chunk``'s ``N`` chunks (the last replicas' may be
+empty). It answers ``dist_pieces`` with its states shaped as an unsharded replica's, each
+sharded parameter replaced by its rows, and the key paths of those tensors (``split``); what
+it holds whole (buffers) every replica holds alike. :func:`joined` puts the rows back
+together, in rank order: the states an unsharded replica would have given, which the job
+returns — while no replica ever held them whole. The optimizer state never travels for it
+(checkpoints keep theirs as the replicas' own files: :mod:`.checkpoints`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Joined", "PiecesMismatch", "joined"]
+__all__ = ["PiecesMismatch", "joined"]
 
 
 class PiecesMismatch(ValueError):
     """The replicas' pieces are not of one model: their split paths or their shapes differ."""
 
 
-@dataclass(frozen=True)
-class Joined:
-    """The whole states and optimizer states of a sharded run's nodes."""
-
-    states: dict[str, Any]
-    optimizers: dict[str, Any]
-
-
-def joined(pieces: Sequence[Mapping[str, Any]]) -> Joined:
-    """The whole states and optimizer states from every replica's ``dist_pieces`` answer
-    (``pieces[r]``: replica ``r``'s); what is not split is taken from replica 0.
+def joined(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole states by node from every replica's ``dist_pieces`` answer (``pieces[r]``:
+    replica ``r``'s); what is not split is taken from replica 0.
 
     Raises:
         PiecesMismatch: the replicas name other split paths, or their rows cannot be stacked.
@@ -46,11 +37,12 @@ def joined(pieces: Sequence[Mapping[str, Any]]) -> Joined:
     for r, piece in enumerate(pieces[1:], start=1):
         if [list(path) for path in piece["split"]] != split:
             raise PiecesMismatch(f"replica {r} split other tensors than replica 0")
-    whole = {"states": _copied(first["states"]), "optimizers": _copied(first["optimizers"])}
+    whole = {"states": _copied(first["states"])}
     for path in split:
         rows = [_at(piece, path) for piece in pieces]
         _put(whole, path, _stacked(rows, path))
-    return Joined(whole["states"], whole["optimizers"])
+    states: dict[str, Any] = whole["states"]
+    return states
 
 
 def _copied(value: Any) -> Any:

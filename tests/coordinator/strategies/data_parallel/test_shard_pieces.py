@@ -17,7 +17,7 @@ def _rows(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
     return [tensor[r * each : (r + 1) * each] for r in range(world)]
 
 
-def _pieces(weight, bias, momentum, world):
+def _pieces(weight, bias, world):
     out = []
     for r in range(world):
         out.append(
@@ -29,21 +29,7 @@ def _pieces(weight, bias, momentum, world):
                         "running": torch.full((2,), float(r)),  # a buffer: replica 0's is kept
                     }
                 },
-                "optimizers": {
-                    "net": {
-                        "state": {
-                            0: {"momentum_buffer": _rows(momentum, world)[r]},
-                            1: {"step": torch.tensor(7.0)},
-                        },
-                        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
-                        "scheduler": {"last_epoch": 3},
-                    }
-                },
-                "split": [
-                    ["states", "net", "weight"],
-                    ["states", "net", "bias"],
-                    ["optimizers", "net", "state", 0, "momentum_buffer"],
-                ],
+                "split": [["states", "net", "weight"], ["states", "net", "bias"]],
             }
         )
     return out
@@ -52,19 +38,14 @@ def _pieces(weight, bias, momentum, world):
 def test_joined_rows_are_the_whole_tensors_and_the_rest_is_replica_0s():
     weight = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
     bias = torch.arange(5, dtype=torch.float32)
-    momentum = -weight
     # 5 rows over 4 replicas: 2, 2, 1 and none.
-    pieces = _pieces(weight, bias, momentum, world=4)
+    pieces = _pieces(weight, bias, world=4)
     assert [p["states"]["net"]["weight"].shape[0] for p in pieces] == [2, 2, 1, 0]
     whole = joined(pieces)
-    assert torch.equal(whole.states["net"]["weight"], weight)
-    assert torch.equal(whole.states["net"]["bias"], bias)
-    assert torch.equal(whole.states["net"]["running"], torch.zeros(2))
-    opt = whole.optimizers["net"]
-    assert torch.equal(opt["state"][0]["momentum_buffer"], momentum)
-    assert opt["state"][1]["step"].item() == 7.0
-    assert opt["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
-    assert opt["scheduler"] == {"last_epoch": 3}
+    assert sorted(whole) == ["net"] and sorted(whole["net"]) == ["bias", "running", "weight"]
+    assert torch.equal(whole["net"]["weight"], weight)
+    assert torch.equal(whole["net"]["bias"], bias)
+    assert torch.equal(whole["net"]["running"], torch.zeros(2))
     # Replica 0's answer is left as it came (the whole is a frame of its own).
     assert pieces[0]["states"]["net"]["weight"].shape == (2, 3)
 
@@ -72,29 +53,19 @@ def test_joined_rows_are_the_whole_tensors_and_the_rest_is_replica_0s():
 def test_rows_that_arrive_as_arrays_are_joined_too():
     weight = np.arange(12, dtype=np.float32).reshape(4, 3)
     pieces = [
-        {
-            "states": {"n": {"w": weight[:2]}},
-            "optimizers": {"n": None},
-            "split": [["states", "n", "w"]],
-        },
-        {
-            "states": {"n": {"w": weight[2:]}},
-            "optimizers": {"n": None},
-            "split": [["states", "n", "w"]],
-        },
+        {"states": {"n": {"w": weight[:2]}}, "split": [["states", "n", "w"]]},
+        {"states": {"n": {"w": weight[2:]}}, "split": [["states", "n", "w"]]},
     ]
-    whole = joined(pieces)
-    np.testing.assert_array_equal(whole.states["n"]["w"], weight)
-    assert whole.optimizers == {"n": None}
+    np.testing.assert_array_equal(joined(pieces)["n"]["w"], weight)
 
 
 def test_replicas_that_split_other_tensors_or_rows_that_do_not_stack_are_refused():
     weight = torch.ones(4, 3)
-    pieces = _pieces(weight, torch.ones(4), weight, world=2)
-    pieces[1]["split"] = pieces[1]["split"][:2]
+    pieces = _pieces(weight, torch.ones(4), world=2)
+    pieces[1]["split"] = pieces[1]["split"][:1]
     with pytest.raises(PiecesMismatch, match="replica 1 split other tensors"):
         joined(pieces)
-    pieces = _pieces(weight, torch.ones(4), weight, world=2)
+    pieces = _pieces(weight, torch.ones(4), world=2)
     pieces[1]["states"]["net"]["weight"] = torch.ones(2, 5)
     with pytest.raises(PiecesMismatch, match="states/net/weight do not stack"):
         joined(pieces)
