@@ -61,7 +61,7 @@ SAVE_PLANNER = DefaultSavePlanner(enable_plan_caching=True)
 unchanged shards make the same (torch.distributed.checkpoint's plan caching)."""
 
 KeyPath = list[str | int]
-"""Where a value lies in :meth:`ShardedRun.save_shards`' rest: its keys, outermost first."""
+"""Where a value lies in :meth:`ShardedRun._tree`'s answer: its keys, outermost first."""
 
 
 def unit_classes(names: Sequence[str]) -> tuple[type, ...] | tuple[str, ...]:

@@ -272,7 +272,7 @@ class Replicas:
     async def snapshot(self, source: int) -> Snapshot:
         """Replica ``source``'s model and optimizer state (a sharded run's replicas hold
         theirs as shards: their checkpoints come with their chunks' replies)."""
-        assert not self.sharded, "a sharded run is not elastic, and checkpoints in shards"
+        assert not self.sharded, "a sharded run is never elastic: no replacement copies it"
         states = await self.ctx.get_state(source, self.job.node_ids)
         optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
         return Snapshot(self.ids[source], states, optimizers)
