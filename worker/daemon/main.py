@@ -51,7 +51,6 @@ from protocol.daemon import (
     BatchedFitRequest,
     CompositeFitRequest,
     CompositeForwardRequest,
-    DataSource,
     EvaluateRequest,
     FitRequest,
     ForwardRequest,
@@ -222,13 +221,13 @@ class Daemon:
         return self.engine.fitting.forward(req.node_id, req.x, req.state)
 
     def on_composite_fit(self, req: CompositeFitRequest) -> dict[str, Any]:
-        return _plain(self.engine.fitting.composite_fit(req.node_ids, *self._data(req)))
+        return _plain(self.engine.fitting.composite_fit(req.node_ids, *self.engine.rows.of(req)))
 
     def on_batched_fit(self, req: BatchedFitRequest) -> dict[str, Any]:
         if req.start is not None:
             self.engine.nodes.set_state(req.start)
         # A dataset held whole is read from disk a batch at a time as the loop goes.
-        x, y = self._data(req) if req.rows is not None else self._data(req, lazy=True)
+        x, y = self.engine.rows.of(req, lazy=req.rows is None)
         settings = FitSettings(
             batch_size=req.batch_size,
             epochs=req.epochs,
@@ -269,7 +268,8 @@ class Daemon:
             self.engine.gradients.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
         if req.buffers is not None:  # replica 0's, as DDP broadcasts them before a forward
             self.engine.nodes.set_buffers(req.buffers)
-        result = self.engine.fitting.gradient_pass(req.node_ids, *self._data(req), seed=req.seed)
+        x, y = self.engine.rows.of(req)
+        result = self.engine.fitting.gradient_pass(req.node_ids, x, y, seed=req.seed)
         if req.data is not None and req.read_next is not None:  # read while the mean is made
             self.engine.rows.read_next(req.data, req.read_next)
         torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.nodes.filter(n))]
@@ -290,13 +290,13 @@ class Daemon:
         return reply
 
     def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
-        return self.engine.evaluation.evaluate(req.node_ids, *self._data(req, lazy=True))
+        return self.engine.evaluation.evaluate(req.node_ids, *self.engine.rows.of(req, lazy=True))
 
     def on_schedule(self, req: ScheduleRequest) -> None:
         self.engine.optimizers.set_horizon(Horizon(req.steps_per_epoch, req.epochs, req.max_steps))
 
     def on_stage_forward(self, req: StageForwardRequest) -> Any:
-        x, y = self._data(req)
+        x, y = self.engine.rows.of(req)
         if req.labels is not None:
             y = self.engine.rows.held(req.labels, req.label_rows)[0]
         return self.engine.stage.stage_forward(
@@ -313,9 +313,6 @@ class Daemon:
         return self.engine.stage.stage_step(
             req.node_ids, epoch_end=req.epoch_end, coefficient=req.coefficient
         )
-
-    def _data(self, req: DataSource, *, lazy: bool = False) -> tuple[Any, Any]:
-        return self.engine.rows.of(req, lazy=lazy)
 
     def on_composite_forward(self, req: CompositeForwardRequest) -> Any:
         return self.engine.fitting.composite_forward(req.node_ids, req.x, req.states)
