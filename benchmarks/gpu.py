@@ -39,6 +39,7 @@ import torch
 import somatize as sz
 from engine.devices import resolve_device
 from somatize.cluster import LocalCluster
+from worker.daemon.sandbox import LEVELS
 
 TOLERANCE = 1e-4
 SEED = 0
@@ -197,12 +198,18 @@ def step_check(
 
 
 def cluster_checks(
-    device: str, sizes: Sizes, x: np.ndarray, y: np.ndarray, reference: sz.FittedGraph
+    device: str,
+    sizes: Sizes,
+    x: np.ndarray,
+    y: np.ndarray,
+    reference: sz.FittedGraph,
+    sandbox: str = "auto",
 ) -> list[Check]:
     """Checks (2)-(6) on a LocalCluster: 2 workers on ``device`` (and 2 on the cpu for the
     FedAvg reference, unless ``device`` is the cpu)."""
     checks = []
-    with LocalCluster(heartbeat_interval=1.0, heartbeat_timeout=30.0, job_threads=1) as c:
+    beats = {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0}
+    with LocalCluster(**beats, job_threads=1, sandbox=sandbox) as c:
         try:
             c.start_coordinator()
             for i in (1, 2):
@@ -242,14 +249,15 @@ def cluster_checks(
     return checks
 
 
-def run(device: str, quick: bool = False) -> list[Check]:
-    """Every check on ``device`` (a resolved device)."""
+def run(device: str, quick: bool = False, sandbox: str = "auto") -> list[Check]:
+    """Every check on ``device`` (a resolved device), the workers' job code run in
+    ``sandbox``."""
     sizes = Sizes.of(quick)
     x, y = make_data(sizes.rows)
     started = time.perf_counter()
     reference = make_graph(sizes.epochs).fit(x, y, device=device)
     baseline = Check("graph.fit (baseline)", 0.0, "-", True, time.perf_counter() - started)
-    return [baseline, *cluster_checks(device, sizes, x, y, reference)]
+    return [baseline, *cluster_checks(device, sizes, x, y, reference, sandbox)]
 
 
 def print_table(checks: list[Check]) -> None:
@@ -270,6 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
     parser.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (default cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny data, 2 epochs")
+    parser.add_argument(
+        "--sandbox",
+        default="auto",
+        choices=LEVELS,
+        help="the workers' --sandbox (default auto: bubblewrap where it is installed)",
+    )
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
@@ -283,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"GPU check on {device}: {sizes.rows} rows, batch {BATCH}, {sizes.epochs} epochs, "
         f"FedAvg {sizes.rounds} rounds; state tensors within {TOLERANCE:g} of the reference"
     )
-    checks = run(device, args.quick)
+    checks = run(device, args.quick, args.sandbox)
     print_table(checks)
     failed = [check.name for check in checks if not check.ok]
     print(f"failed: {', '.join(failed)}" if failed else "every check ok")

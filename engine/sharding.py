@@ -14,13 +14,13 @@ filter of ``precision="bf16"`` has its units gathered and run in bf16 through FS
 
 The coordinator reads a sharded replica's model where its shards lie for the job's result
 (:meth:`ShardedRun.pieces`: no collective, nothing gathered, no optimizer state): each
-parameter's rows held here, and which of what it sends are such rows; it joins the replicas'
-pieces into the whole states itself
-(:mod:`coordinator.strategies.data_parallel.shard_pieces`), so no replica ever holds the whole
-model for it; a checkpoint is each replica's shards saved with
-torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`, :meth:`ShardedRun.load_shards`);
-an evaluation runs through the sharded chain (:meth:`engine.replica.Replica.evaluate`). A
-replica whose nodes arrive with an optimizer state has it moved onto the sharded parameters.
+parameter's rows held here, and which of what it sends are such rows; it keeps the replicas'
+pieces as they came and the client joins them (:mod:`protocol.shard_pieces`), so no replica,
+and not the coordinator, ever holds the whole model for it; a checkpoint is each replica's
+shards saved with torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`,
+:meth:`ShardedRun.load_shards`); an evaluation runs through the sharded chain
+(:meth:`engine.replica.Replica.evaluate`). A replica whose nodes arrive with an optimizer state
+has it moved onto the sharded parameters.
 """
 
 from __future__ import annotations

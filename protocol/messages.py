@@ -16,7 +16,8 @@ Conversation shapes:
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
-  states), :class:`GetCheckpoint` (→ :class:`Result` with one checkpoint's position and states),
+  states; a sharded run's as its replicas' pieces, which the client joins),
+  :class:`GetCheckpoint` (→ :class:`Result` with one checkpoint's position and states),
   :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
   (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
   one).
@@ -408,7 +409,9 @@ class JobEvent(_Message):
 
 
 class GetResult(_Message):
-    """The trained states of a finished job (``wait`` seconds for it to finish, at most)."""
+    """The trained states of a finished job (``wait`` seconds for it to finish, at most):
+    ``states`` by node, or for a sharded run ``pieces`` (each replica's rows of every
+    parameter, :mod:`protocol.shard_pieces`), which the client joins."""
 
     kind: Literal["get_result"] = "get_result"
     job_id: str

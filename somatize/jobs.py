@@ -17,6 +17,7 @@ import numpy as np
 
 from protocol.errors import ErrorCode
 from protocol.messages import Ack, Cancel, GetCheckpoint, GetJob, GetResult, Result
+from protocol.shard_pieces import PiecesMismatch, joined
 from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 
@@ -189,10 +190,7 @@ class Job:
             TimeoutError: the job did not end within ``timeout`` seconds.
             ClientError: the coordinator does not know the job.
         """
-        states: dict[str, Any] = _writable(
-            dict(result_field(self._fetch(timeout), "states", "get_result"))
-        )
-        return states
+        return result_states(self._fetch(timeout))
 
     def result(self, timeout: float | None = None, *, graph: Graph | None = None) -> FittedGraph:
         """The trained graph, once the job succeeded: what ``graph.fit(x, y)`` returns.
@@ -215,8 +213,8 @@ class Job:
             )
         from somatize.graph import FittedGraph  # (torch: imported when a result is rebuilt)
 
-        result = self._fetch(timeout).result
-        states = _writable(dict(result_field(Result(result=result), "states", "get_result")))
+        reply = self._fetch(timeout)
+        result, states = reply.result, result_states(reply)
         history, validations = (
             _trained_rows(result, "history"),
             _trained_rows(result, "validations"),
@@ -278,6 +276,27 @@ class Job:
         ``error``, ``summary``."""
         record = result_field(self._client._call(GetJob(job_id=self.id)), "record", "get_job")
         return dict(record)
+
+
+def result_states(reply: Result) -> dict[str, Any]:
+    """The states by node of a reply to ``get_result``: as they came, or, of a sharded run,
+    joined here from its replicas' pieces (:mod:`protocol.shard_pieces`: the coordinator keeps
+    them as the replicas held them).
+
+    Raises:
+        ClientError: the reply holds neither, or pieces that are not of one model.
+    """
+    if isinstance(reply.result, dict) and "pieces" in reply.result:
+        kept = reply.result["pieces"]
+        try:
+            whole = joined(kept["replicas"])
+        except (PiecesMismatch, KeyError, TypeError) as exc:
+            raise ClientError(f"the sharded result's pieces cannot be joined: {exc}") from exc
+        every = dict(kept["plain"]) | whole
+        states: dict[str, Any] = _writable({node: every[node] for node in kept["node_ids"]})
+        return states
+    states = _writable(dict(result_field(reply, "states", "get_result")))
+    return states
 
 
 def result_field(reply: Any, key: str, request: str) -> Any:

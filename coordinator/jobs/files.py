@@ -1,5 +1,6 @@
 """What the coordinator keeps on disk of each live job so that a restart loses nothing: its
-submit message (:class:`SubmitMessages`) and its checkpoints (:mod:`coordinator.jobs.checkpoints`).
+submit message (:class:`SubmitMessages`) and its checkpoints (:mod:`coordinator.jobs.checkpoints`);
+and of a sharded job, its result's pieces (:mod:`coordinator.jobs.result_pieces`).
 
 A job's submit message (its graph's pickled filters, its data or dataset name, its strategy) and
 the client that submitted it are written to ``<state_dir>/jobs/<job id>.submit`` (one
@@ -29,6 +30,7 @@ from typing import Any
 from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
 from coordinator.jobs.disk import job_path, write_atomically
+from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
 from coordinator.strategies import Strategy
 from protocol.codec import decode, encode
@@ -90,11 +92,13 @@ class SubmitMessages:
 
 
 class JobFiles:
-    """``<state_dir>/jobs`` and ``<state_dir>/checkpoints``."""
+    """``<state_dir>/jobs``, ``<state_dir>/checkpoints`` and ``<state_dir>/results`` (a
+    sharded job's pieces: :mod:`coordinator.jobs.result_pieces`)."""
 
     def __init__(self, state_dir: Path) -> None:
         self.submits = SubmitMessages(state_dir / "jobs")
         self.checkpoints = CheckpointStore(state_dir / "checkpoints")
+        self.results = ResultPieces(state_dir / "results")
 
     def resumable(self) -> set[str]:
         """The jobs a restarted coordinator can queue again (their submit message is here)."""

@@ -54,6 +54,7 @@ from coordinator.jobs.events import JobEvents
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
+from coordinator.jobs.result_pieces import pieces_frame, pieces_of
 from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.jobs.store import (
     JobEvent,
@@ -73,6 +74,7 @@ from coordinator.jobs.submission import (
 from coordinator.strategies import (
     JobInputs,
     Placement,
+    ShardedStates,
     Strategy,
     StrategyFailed,
     strategy_from_spec,
@@ -411,7 +413,8 @@ class JobManager:
         return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
 
     async def result(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
-        """The states of a succeeded job, waiting up to ``wait`` seconds for it to end."""
+        """The states of a succeeded job (``states``; a sharded run's as its replicas' pieces,
+        ``pieces``, which the client joins), waiting up to ``wait`` seconds for it to end."""
         job = self._jobs.get(job_id)
         if job is not None and wait > 0:
             try:
@@ -421,9 +424,22 @@ class JobManager:
                 pass
         record = await self._record(job_id)
         if record.state is JobState.SUCCEEDED:
+            said = {"job_id": job_id, "record": record_dict(record)}
+            kind = await asyncio.to_thread(self.store.result_kind, job_id)
             blob = await asyncio.to_thread(self.store.result, job_id)
-            states = await asyncio.to_thread(decode, bytearray(blob))
-            return {"job_id": job_id, "states": states, "record": record_dict(record)}
+            stored = await asyncio.to_thread(decode, bytearray(blob))
+            if kind == "states":
+                return said | {"states": stored}
+            files = None if self.files is None else self.files.results
+            try:  # a sharded run's: the client joins the replicas' pieces
+                pieces = await asyncio.to_thread(pieces_of, stored, files, job_id)
+            except (OSError, FrameError) as exc:
+                raise RequestRefused.of(
+                    ErrorCode.INTERNAL,
+                    f"job {job_id} succeeded, but its sharded result cannot be read: {exc}",
+                    job_id=job_id,
+                ) from exc
+            return said | {"pieces": pieces}
         if record.state.terminal:
             error = record.error or {"code": "internal", "message": "no error recorded"}
             raise RequestRefused.of(
@@ -607,12 +623,13 @@ class JobManager:
             how = await job.strategy.prepare(ctx, job.inputs, emit)
             await self._emit(job.id, "placed", {"workers": ids, "devices": devices} | how)
             states = await job.strategy.run(ctx, job.inputs, emit)
-            frame = await asyncio.to_thread(encode_frame, states)
-            failure = await _failure_after_retries(job.id, self.store.succeed, job.id, frame)
+            kind, frame = await self._result_frame(job.id, states)
+            failure = await _failure_after_retries(job.id, self.store.succeed, job.id, frame, kind)
             if failure is not None:
                 why = f"the job trained, but its result could not be stored: {failure}"
                 raise StrategyFailed(ErrorCode.INTERNAL, why)
-            await self._emit(job.id, "succeeded", {"nodes": sorted(states)})
+            nodes = states.node_ids if isinstance(states, ShardedStates) else states
+            await self._emit(job.id, "succeeded", {"nodes": sorted(nodes)})
             await self._forget(job.id, succeeded=True)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -628,6 +645,27 @@ class JobManager:
         except Exception as exc:
             log.exception("job %s failed on the coordinator", job.id)
             await self._end(job, _internal(f"{type(exc).__name__}: {exc}"))
+
+    async def _result_frame(
+        self, job_id: str, states: dict[str, Any] | ShardedStates
+    ) -> tuple[str, bytes | bytearray]:
+        """The kind and frame of the result row for a run's final ``states``; a sharded run's
+        pieces written to their files first (:mod:`coordinator.jobs.result_pieces`), or kept
+        in the frame where there are no files.
+
+        Raises:
+            StrategyFailed: ``INTERNAL``: the pieces could not be written.
+        """
+        if not isinstance(states, ShardedStates):
+            return "states", await asyncio.to_thread(encode_frame, states)
+        if self.files is not None:
+            try:
+                await asyncio.to_thread(self.files.results.save, job_id, states.pieces)
+            except OSError as exc:
+                why = f"the job trained, but its sharded result could not be written: {exc}"
+                raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
+        said = pieces_frame(states, inline=self.files is None)
+        return "pieces", await asyncio.to_thread(encode_frame, said)
 
     async def _unpark(self, job: _Job) -> None:
         """Read a parked job's inputs back before it runs."""

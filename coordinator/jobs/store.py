@@ -449,8 +449,11 @@ class JobStore:
             ).fetchall()
         return [JobEvent(job_id, seq, t, kind, json.loads(data)) for seq, t, kind, data in rows]
 
-    def succeed(self, job_id: str, result: bytes | bytearray | memoryview) -> JobRecord:
-        """Running → succeeded, storing ``result`` in the same transaction.
+    def succeed(
+        self, job_id: str, result: bytes | bytearray | memoryview, kind: str = "states"
+    ) -> JobRecord:
+        """Running → succeeded, storing ``result`` (a frame of the ``kind`` the schema names)
+        in the same transaction.
 
         Raises:
             InvalidTransition: The job is not running.
@@ -473,8 +476,8 @@ class JobStore:
             # Reserve the space, then copy the caller's buffer straight into the database pages:
             # binding it as a parameter would make SQLite take a full private copy first.
             cursor = conn.execute(
-                "INSERT INTO results (job_id, data) VALUES (?, zeroblob(?))",
-                (job_id, view.nbytes),
+                "INSERT INTO results (job_id, data, kind) VALUES (?, zeroblob(?), ?)",
+                (job_id, view.nbytes, kind),
             )
             if view.nbytes:
                 assert cursor.lastrowid is not None
@@ -542,6 +545,22 @@ class JobStore:
             # Blob.read() fills one new bytes object directly; SELECT would copy it twice.
             with conn.blobopen("results", "data", rowid, readonly=True) as blob:
                 return blob.read()
+
+    def result_kind(self, job_id: str) -> str:
+        """What the stored result of a succeeded job holds: ``"states"`` or ``"pieces"``.
+
+        Raises:
+            UnknownJob: No job has this id.
+            NoResult: The job has not succeeded.
+        """
+        with self._read() as conn:
+            record = self._get(conn, job_id)
+            if record.state is not JobState.SUCCEEDED:
+                raise NoResult(record.id, record.state, record.error)
+            (kind,) = conn.execute(
+                "SELECT kind FROM results WHERE job_id = ?", (job_id,)
+            ).fetchone()
+            return str(kind)
 
     def counts(self) -> dict[JobState, int]:
         """How many jobs are in each state (every state present, zeros included)."""

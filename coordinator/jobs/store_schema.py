@@ -1,6 +1,6 @@
 """The job store's files: the SQLite schema, its migrations, and the state directory's lock.
 
-Schema version 2 (``PRAGMA user_version``)::
+Schema version 3 (``PRAGMA user_version``)::
 
     jobs     pk INTEGER PRIMARY KEY         insertion order: "newest first" never trusts clocks
              id TEXT UNIQUE                 the public job id
@@ -19,6 +19,9 @@ Schema version 2 (``PRAGMA user_version``)::
              state TEXT                     always 'succeeded': (job_id, state) is a deferred
                                             foreign key to jobs (id, state)
              data BLOB                      the opaque result frame
+             kind TEXT                      'states': the frame holds the states by node;
+                                            'pieces': a sharded run's, which the client joins
+                                            (the frame says where each replica's pieces are)
 
     workers  id TEXT PRIMARY KEY            a worker id, enrolled by its first keyed hello
              key_sha256 TEXT                SHA-256 of its identity key, hex (never the key)
@@ -41,7 +44,7 @@ from typing import IO
 
 from coordinator.errors import StoreError, StoreInUse
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 LOCK_NAME = "jobs.lock"
 """The file whose lock says a coordinator holds the state directory."""
 
@@ -78,6 +81,7 @@ CREATE TABLE results (
     job_id TEXT PRIMARY KEY,
     state  TEXT NOT NULL DEFAULT 'succeeded' CHECK (state = 'succeeded'),
     data   BLOB NOT NULL,
+    kind   TEXT NOT NULL DEFAULT 'states' CHECK (kind IN ('states', 'pieces')),
     FOREIGN KEY (job_id, state) REFERENCES jobs (id, state) DEFERRABLE INITIALLY DEFERRED
 );
 
@@ -104,8 +108,13 @@ CREATE TABLE workers (
 """
 )
 
+RESULT_KIND = """
+ALTER TABLE results ADD COLUMN
+    kind TEXT NOT NULL DEFAULT 'states' CHECK (kind IN ('states', 'pieces'));
+"""
+
 # Schema upgrades: MIGRATIONS[v] turns version v into v + 1.
-MIGRATIONS: dict[int, str] = {1: WORKERS}
+MIGRATIONS: dict[int, str] = {1: WORKERS, 2: RESULT_KIND}
 
 
 def statements(script: str) -> Iterator[str]:

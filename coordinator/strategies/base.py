@@ -25,6 +25,7 @@ __all__ = [
     "Emit",
     "JobInputs",
     "Placement",
+    "ShardedStates",
     "Strategy",
     "StrategyFailed",
     "StrategyOptionsError",
@@ -35,6 +36,19 @@ __all__ = [
 
 Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 """``await emit(event, data)``: record a job event (``"progress"`` with step, loss...)."""
+
+
+@dataclass(frozen=True)
+class ShardedStates:
+    """A sharded run's final states as its replicas held them: each replica's pieces of the
+    model (its ``dist_pieces`` answer, in rank order, checked to be of one model:
+    :mod:`protocol.shard_pieces`) and the plain filters' states (``plain``), for the nodes
+    ``node_ids``. The job keeps them so and the client joins them: the whole model is never
+    in the coordinator's memory."""
+
+    pieces: list[dict[str, Any]]
+    plain: dict[str, Any]
+    node_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -228,8 +242,11 @@ class Strategy(ABC):
         return {}
 
     @abstractmethod
-    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
-        """Train and return the final states by node id."""
+    async def run(
+        self, ctx: StrategyContext, job: JobInputs, emit: Emit
+    ) -> dict[str, Any] | ShardedStates:
+        """Train and return the final states by node id (a sharded run: as its replicas hold
+        them, :class:`ShardedStates`)."""
 
 
 STARTS_PER_TURN = 64

@@ -16,13 +16,17 @@ loop written here or in :mod:`tests.training_reference`, never against the code 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sqlite3
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import somatize as sz
+from coordinator.jobs.store import DB_NAME
 from tests.integration.cluster import cluster
 from tests.training_reference import FILTER, classes, evaluation, mlp, reference_fit
 from tests.utils import UNIT
@@ -129,6 +133,8 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             job = client.submit(graph, x, y, strategy=strategy, validation=(x_val, y_val))
             fitted = job.result(timeout=180 * UNIT)
             _close(fitted.states["mlp"], expected.state())
+            _close(job.states(timeout=0)["mlp"], expected.state())  # (somatize result --save's)
+            _kept_as_pieces(c.state_dir, job.id, replicas)
             val = [row["val_loss"] for row in fitted.history]
             np.testing.assert_allclose(val, [s["val_loss"] for s in seen], rtol=0, atol=1e-5)
             events = list(job.events(timeout=10 * UNIT))
@@ -219,6 +225,24 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
         got = [row["val_loss"] for row in fitted.history]
         np.testing.assert_allclose(got, [s["val_loss"] for s in seen_val], rtol=0, atol=1e-5)
         _close(fitted.states["enc"], reference)
+
+        # A result whose pieces are gone is said so, and the coordinator answers on.
+        (c.state_dir / "results" / job.id / "1.pieces").unlink()
+        with pytest.raises(sz.ClientError, match="its sharded result cannot be read"):
+            job.states(timeout=0)
+        assert client.job(job.id).status()["state"] == "succeeded"
+
+
+def _kept_as_pieces(state_dir: Path, job_id: str, replicas: int) -> None:
+    """The coordinator kept a sharded job's result as its replicas' pieces, one file each, and
+    its row in the store says so, holding no weights (the MLP's are 652 bytes of float32)."""
+    kept = sorted(p.name for p in (state_dir / "results" / job_id).iterdir())
+    assert kept == [f"{r}.pieces" for r in range(replicas)]
+    with contextlib.closing(sqlite3.connect(state_dir / DB_NAME)) as db:
+        kind, size = db.execute(
+            "SELECT kind, length(data) FROM results WHERE job_id = ?", (job_id,)
+        ).fetchone()
+    assert kind == "pieces" and size < 400, (kind, size)
 
 
 class _Recording(torch.nn.Linear):

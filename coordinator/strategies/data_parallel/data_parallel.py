@@ -37,7 +37,7 @@ import numpy as np
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.strategies.base import Emit, JobInputs, Placement, Strategy
+from coordinator.strategies.base import Emit, JobInputs, Placement, ShardedStates, Strategy
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.data_parallel.star import GlobalBatchPlan, StarTraining, average
@@ -184,7 +184,9 @@ class DataParallel(Strategy):
             )
         return SetUp(run, first_epoch, steps_per_epoch, choice)
 
-    async def run(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> dict[str, Any]:
+    async def run(
+        self, ctx: StrategyContext, job: JobInputs, emit: Emit
+    ) -> dict[str, Any] | ShardedStates:
         torch_nodes, prefix, training = self._plan(job)
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
@@ -221,6 +223,8 @@ class DataParallel(Strategy):
             await self._through_coordinator(phase)
         await saves.finish()
         await history.finish(ended(bounds.epochs_run, total_steps))
+        if run.sharded:  # kept as the replicas hold it: the client joins the pieces
+            return await run.pieces()
         return await _agreed_states(run, torch_nodes)
 
     async def _on_torch(self, phase: TrainingPhase) -> None:

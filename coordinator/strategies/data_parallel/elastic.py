@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
-from coordinator.strategies.base import Emit, JobInputs, concurrently
-from coordinator.strategies.data_parallel.shard_pieces import PiecesMismatch, joined
+from coordinator.strategies.base import Emit, JobInputs, ShardedStates, concurrently
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
 from protocol.rules.rows import take_rows
+from protocol.shard_pieces import PiecesMismatch, check
 
 T = TypeVar("T")
 
@@ -219,8 +219,6 @@ class Replicas:
     async def read_back(self) -> dict[int, dict[str, Any]]:
         """Every present replica's final state; with ``elastic`` a lost one is left out."""
         self.position.phase, self.position.step = "reading", None
-        if self.sharded:  # one whole model, joined from every replica's shards
-            return {0: await self._joined()}
         reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in self.present()}
         try:
             return await self.each(reads)
@@ -277,26 +275,28 @@ class Replicas:
         optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
         return Snapshot(self.ids[source], states, optimizers)
 
-    async def _joined(self) -> dict[str, Any]:
-        """A sharded run's final states: each replica's shards of the model read where they
-        lie and joined here, off the event loop (:mod:`.shard_pieces`); the plain filters
-        before the torch nodes read from replica 0, which holds them as every replica does.
+    async def pieces(self) -> ShardedStates:
+        """A sharded run's final states as its replicas hold them: each replica's pieces of
+        the model, read where they lie (no collective), one replica after another, checked to
+        be of one model but not joined (:mod:`protocol.shard_pieces`: the client joins them);
+        the plain filters before the torch nodes read from replica 0, which holds them as
+        every replica does.
 
         Raises:
-            StrategyFailed: ``STATE_MISMATCH`` when the replicas' shards are not of one model.
+            StrategyFailed: ``STATE_MISMATCH`` when the replicas' pieces are not of one model.
         """
+        self.position.phase, self.position.step = "reading", None
         replicas = range(self.ctx.num_workers())
-        pieces = await self.each({i: self.ctx.call(i, DistPiecesRequest()) for i in replicas})
-        plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
-        states = await self.ctx.get_state(0, plain) if plain else {}
+        pieces = [await self.ctx.call(i, DistPiecesRequest()) for i in replicas]
         try:
-            whole = await asyncio.to_thread(joined, [pieces[i] for i in replicas])
+            check(pieces)
         except PiecesMismatch as exc:
             raise StrategyFailed(
-                ErrorCode.STATE_MISMATCH, f"joining the sharded model from {self.ids}: {exc}"
+                ErrorCode.STATE_MISMATCH, f"the sharded model's pieces from {self.ids}: {exc}"
             ) from exc
-        states |= whole
-        return {node: states[node] for node in self.job.node_ids}
+        plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
+        states = await self.ctx.get_state(0, plain) if plain else {}
+        return ShardedStates(pieces, states, list(self.job.node_ids))
 
     async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
         """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""

@@ -11,6 +11,7 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext, NoReplacement
+from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager, PlacedJob
 from coordinator.jobs.store import JobStore
 from coordinator.workers.registry import Registry
@@ -88,15 +89,23 @@ class RecruitingContext(GatedContext):
 
 
 class Harness:
-    """A manager over a real store in ``tmp_path``, a hand-filled registry, gated contexts."""
+    """A manager over a real store in ``tmp_path``, a hand-filled registry, gated contexts;
+    with ``files``, the job files of a state directory (``tmp_path`` too)."""
 
-    def __init__(self, tmp_path, gate_open: bool = True, context=GatedContext) -> None:
+    def __init__(
+        self, tmp_path, gate_open: bool = True, context=GatedContext, files: bool = False
+    ) -> None:
         self.store = JobStore(tmp_path)
         self.registry = Registry(heartbeat_timeout=10.0)
         self.gate = Gate(gate_open)
         self.contexts: list[GatedContext] = []
         self.context_class = context
-        self.manager = JobManager(self.store, self.registry, context_factory=self._context)
+        self.manager = JobManager(
+            self.store,
+            self.registry,
+            context_factory=self._context,
+            files=JobFiles(tmp_path) if files else None,
+        )
         self.registry.on_change = self.manager.kick
         self.scheduler: asyncio.Task[None] | None = None
 

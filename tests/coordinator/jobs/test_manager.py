@@ -14,8 +14,11 @@ import torch
 
 from coordinator.jobs import manager
 from coordinator.jobs.store import JobState
+from coordinator.strategies import Local, ShardedStates
 from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
+from protocol.messages import Result
+from somatize.jobs import result_states
 from tests.coordinator.jobs.harness import (
     Boom,
     Harness,
@@ -53,6 +56,47 @@ def test_a_job_succeeds_with_the_states_read_back_and_its_events_stored(tmp_path
             assert h.store.get(job_id).progress["phase"] == "trained"
 
     run(main())
+
+
+@pytest.mark.parametrize("files", [True, False], ids=["state-dir", "no-state-dir"])
+def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_client(
+    tmp_path, monkeypatch, files
+):
+    # What a sharded run returns: 5 rows of a weight over 2 replicas (3 and 2), a buffer
+    # every replica holds alike, a plain filter's state.
+    weight = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    split = [["states", "lin", "weight"]]
+    pieces = [
+        {"states": {"lin": {"weight": rows, "seen": torch.ones(1)}}, "split": split}
+        for rows in (weight[:3], weight[3:])
+    ]
+
+    async def sharded_run(self, ctx, job, emit):
+        return ShardedStates(pieces, {"c": {"mean": np.full(2, 0.5)}}, ["c", "lin"])
+
+    monkeypatch.setattr(Local, "run", sharded_run)
+
+    async def main():
+        async with Harness(tmp_path, files=files) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit())
+            result = await h.manager.result(job_id, wait=30 * UNIT)
+            assert h.store.result_kind(job_id) == "pieces"
+            kept = tmp_path / "results" / job_id
+            if files:  # one file a replica; else in the store's row (a manager without files)
+                assert sorted(p.name for p in kept.iterdir()) == ["0.pieces", "1.pieces"]
+            else:
+                assert not kept.exists()
+            assert h.store.events(job_id)[-1].data == {"nodes": ["c", "lin"]}
+            return result
+
+    result = run(main())
+    assert "states" not in result and result["record"]["state"] == "succeeded"
+    states = result_states(Result(result=result))  # what the client does with it
+    assert list(states) == ["c", "lin"]
+    torch.testing.assert_close(torch.as_tensor(states["lin"]["weight"]), weight)
+    torch.testing.assert_close(torch.as_tensor(states["lin"]["seen"]), torch.ones(1))
+    np.testing.assert_array_equal(states["c"]["mean"], [0.5, 0.5])
 
 
 def test_a_filter_that_raises_fails_the_job_naming_the_worker(tmp_path):

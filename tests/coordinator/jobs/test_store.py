@@ -379,21 +379,58 @@ def test_a_worker_id_is_bound_to_the_first_key_it_presents_until_forgotten(tmp_p
     reopened.close()
 
 
+def _as_version(path: Path, version: int) -> None:
+    """Turn the store at ``path`` back into what schema ``version`` (1 or 2) left."""
+    with sqlite3.connect(path / DB_NAME) as conn:
+        conn.execute("ALTER TABLE results DROP COLUMN kind")  # version 3's
+        if version < 2:
+            conn.execute("DROP TABLE workers")
+        conn.execute(f"PRAGMA user_version = {version}")
+    conn.close()
+
+
+def _version(path: Path) -> int:
+    with sqlite3.connect(path / DB_NAME) as conn:
+        found = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    conn.close()
+    return found
+
+
 def test_a_version_1_store_gains_the_workers_table_and_keeps_its_jobs(tmp_path: Path) -> None:
     store = JobStore(tmp_path)
     job_id = store.create("local", {"n": 1}).id
     store.close()
-    with sqlite3.connect(tmp_path / DB_NAME) as conn:  # as version 1 left it
-        conn.execute("DROP TABLE workers")
-        conn.execute("PRAGMA user_version = 1")
-    conn.close()
+    _as_version(tmp_path, 1)
     upgraded = JobStore(tmp_path)
     assert upgraded.get(job_id).summary == {"n": 1}
     assert upgraded.identify("w1", "c" * 64) and not upgraded.identify("w1", "d" * 64)
     upgraded.close()
-    with sqlite3.connect(tmp_path / DB_NAME) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
-    conn.close()
+    assert _version(tmp_path) == 3
+
+
+def test_a_version_2_stores_results_are_states_and_new_ones_say_their_kind(
+    tmp_path: Path,
+) -> None:
+    store = JobStore(tmp_path)
+    old = store.create("local", {}).id
+    store.start(old, ["w1"])
+    store.succeed(old, b"states of old")
+    store.close()
+    _as_version(tmp_path, 2)
+    upgraded = JobStore(tmp_path)
+    assert upgraded.result(old) == b"states of old"
+    assert upgraded.result_kind(old) == "states"
+    new = upgraded.create("data_parallel", {}).id
+    upgraded.start(new, ["w1", "w2"])
+    upgraded.succeed(new, b"where the pieces are", kind="pieces")
+    assert upgraded.result_kind(new) == "pieces"
+    assert upgraded.result(new) == b"where the pieces are"
+    with pytest.raises(sqlite3.IntegrityError):  # the schema knows no other kind
+        another = upgraded.create("local", {}).id
+        upgraded.start(another, ["w1"])
+        upgraded.succeed(another, b"?", kind="joined")
+    upgraded.close()
+    assert _version(tmp_path) == 3
 
 
 def test_the_state_directory_and_its_files_are_private_to_their_user(tmp_path: Path) -> None:

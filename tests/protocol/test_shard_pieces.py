@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.strategies.data_parallel.shard_pieces import PiecesMismatch, joined
+from protocol.shard_pieces import PiecesMismatch, check, joined
 
 
 def _rows(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -60,12 +60,23 @@ def test_rows_that_arrive_as_arrays_are_joined_too():
 
 
 def test_replicas_that_split_other_tensors_or_rows_that_do_not_stack_are_refused():
+    # check() says it without joining (the coordinator's look), joined() while joining.
     weight = torch.ones(4, 3)
     pieces = _pieces(weight, torch.ones(4), world=2)
+    check(pieces)
     pieces[1]["split"] = pieces[1]["split"][:1]
-    with pytest.raises(PiecesMismatch, match="replica 1 split other tensors"):
-        joined(pieces)
+    for look in (check, joined):
+        with pytest.raises(PiecesMismatch, match="replica 1 split other tensors"):
+            look(pieces)
     pieces = _pieces(weight, torch.ones(4), world=2)
     pieces[1]["states"]["net"]["weight"] = torch.ones(2, 5)
+    for look in (check, joined):
+        with pytest.raises(PiecesMismatch, match="states/net/weight do not stack"):
+            look(pieces)
+    pieces = _pieces(weight, torch.ones(4), world=2)
+    pieces[1]["states"]["net"]["weight"] = torch.ones(2, 3, dtype=torch.float64)
     with pytest.raises(PiecesMismatch, match="states/net/weight do not stack"):
-        joined(pieces)
+        check(pieces)  # (torch.cat would promote the dtype rather than refuse)
+    pieces[1]["states"]["net"]["weight"] = 1.0  # not rows at all
+    with pytest.raises(PiecesMismatch, match="states/net/weight do not stack"):
+        check(pieces)

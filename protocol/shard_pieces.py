@@ -1,0 +1,103 @@
+"""A sharded run's model made whole from its replicas' pieces, on the client.
+
+Each replica of a run sharded by FSDP2 holds, of every parameter, its rows of dim 0: replica
+``r`` of ``N`` the ``r``-th of ``torch.chunk``'s ``N`` chunks (the last replicas' may be
+empty). At the run's end it answers ``dist_pieces`` with its states shaped as an unsharded
+replica's, each sharded parameter replaced by its rows, and the key paths of those tensors
+(``split``); what it holds whole (buffers) every replica holds alike. The coordinator keeps the
+pieces as they came, one file a replica, after :func:`check` found them of one model; the
+client that asks for the result puts the rows back together, in rank order (:func:`joined`):
+the states an unsharded replica would have given — while no replica, and not the coordinator,
+ever held them whole. The optimizer state never travels for it (checkpoints keep theirs as the
+replicas' own files).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from protocol.errors import PiecesMismatch
+
+__all__ = ["PiecesMismatch", "check", "joined"]
+
+
+def check(pieces: Sequence[Mapping[str, Any]]) -> None:
+    """That every replica's ``dist_pieces`` answer (``pieces[r]``: replica ``r``'s) is of one
+    model, without joining them: the same split paths, and rows of one dtype whose shapes
+    differ in dim 0 alone.
+
+    Raises:
+        PiecesMismatch: which replica or tensor does not fit.
+    """
+    split = _split(pieces)
+    for path in split:
+        rows = [_at(piece, path) for piece in pieces]
+        kinds = {(tuple(getattr(r, "shape", ()))[1:], str(getattr(r, "dtype", None))) for r in rows}
+        if len(kinds) > 1 or any(not hasattr(r, "shape") or not r.shape for r in rows):
+            raise PiecesMismatch(f"the replicas' rows of {_where(path)} do not stack: {kinds}")
+
+
+def joined(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole states by node from every replica's ``dist_pieces`` answer (``pieces[r]``:
+    replica ``r``'s); what is not split is taken from replica 0.
+
+    Raises:
+        PiecesMismatch: the replicas name other split paths, or their rows cannot be stacked.
+    """
+    first, split = pieces[0], _split(pieces)
+    whole = {"states": _copied(first["states"])}
+    for path in split:
+        rows = [_at(piece, path) for piece in pieces]
+        _put(whole, path, _stacked(rows, path))
+    states: dict[str, Any] = whole["states"]
+    return states
+
+
+def _split(pieces: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+    """The paths of the split tensors, which every replica must name alike."""
+    split = [list(path) for path in pieces[0]["split"]]
+    for r, piece in enumerate(pieces[1:], start=1):
+        if [list(path) for path in piece["split"]] != split:
+            raise PiecesMismatch(f"replica {r} split other tensors than replica 0")
+    return split
+
+
+def _where(path: Sequence[Any]) -> str:
+    return "/".join(str(k) for k in path)
+
+
+def _copied(value: Any) -> Any:
+    """``value``'s mappings and lists copied (its leaves shared): a frame to put rows in."""
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
+def _at(tree: Mapping[str, Any], path: Sequence[Any]) -> Any:
+    value: Any = tree
+    for key in path:
+        value = value[key]
+    return value
+
+
+def _put(tree: dict[str, Any], path: Sequence[Any], value: Any) -> None:
+    _at(tree, path[:-1])[path[-1]] = value
+
+
+def _stacked(rows: Sequence[Any], path: Sequence[Any]) -> Any:
+    """The replicas' ``rows`` of one tensor, in rank order, as the whole tensor. Rows that
+    came as torch tensors (the codec imported torch to decode them: the coordinator does not
+    import it for itself) are joined as tensors."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and all(isinstance(r, torch.Tensor) for r in rows):
+            return torch.cat(list(rows), dim=0)
+        return np.concatenate([np.asarray(r) for r in rows], axis=0)
+    except (RuntimeError, ValueError) as exc:
+        raise PiecesMismatch(f"the replicas' rows of {_where(path)} do not stack: {exc}") from exc
