@@ -410,21 +410,29 @@ class JobEvent(_Message):
 
 class GetResult(_Message):
     """The trained states of a finished job (``wait`` seconds for it to finish, at most):
-    ``states`` by node, or for a sharded run ``pieces`` (each replica's rows of every
-    parameter, :mod:`protocol.shard_pieces`), which the client joins."""
+    ``states`` by node; or, for a sharded run, ``pieces``: how many ``replicas`` hold them,
+    the plain filters' states (``plain``) and the nodes (``node_ids``). The client then asks
+    for each replica's pieces (``replica``: its rows of every parameter,
+    :mod:`protocol.shard_pieces`), one at a time, and joins them."""
 
     kind: Literal["get_result"] = "get_result"
     job_id: str
     wait: Seconds = 0.0
+    replica: NonNegativeInt | None = None
 
 
 class GetCheckpoint(_Message):
     """One of a job's checkpoints: its position and its nodes' states (``seq``: its number;
-    ``None``: the newest)."""
+    ``None``: the newest). A sharded run's holds, for ``states``, ``shards``: the names of
+    its files (``names``: each replica's shards as torch.distributed.checkpoint wrote them),
+    what every replica holds alike (``rest``) and the plain filters' states (``plain``); the
+    client then asks for each ``file`` of checkpoint ``seq`` in turn (→ ``{"file", "data"}``)
+    and joins them."""
 
     kind: Literal["get_checkpoint"] = "get_checkpoint"
     job_id: str
     seq: Annotated[int, Field(ge=1)] | None = None
+    file: Annotated[str, Field(min_length=1, max_length=255)] | None = None
 
 
 class Cancel(_Message):

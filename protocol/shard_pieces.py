@@ -16,29 +16,58 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from protocol.errors import PiecesMismatch
 
-__all__ = ["PiecesMismatch", "check", "joined"]
+__all__ = ["Layout", "PiecesMismatch", "check", "joined"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What must agree between the replicas' pieces of one model, read from one replica's:
+    the paths of the split tensors (``split``), and of each its rows' shape past dim 0 and
+    their dtype (``rows``; ``None`` for a value that is not rows of a tensor)."""
+
+    split: list[list[Any]]
+    rows: list[tuple[tuple[int, ...], str] | None]
+
+    @classmethod
+    def of(cls, piece: Mapping[str, Any]) -> Layout:
+        split = [list(path) for path in piece["split"]]
+        return cls(split, [_rows_kind(_at(piece, path)) for path in split])
+
+    def fits(self, other: Layout, replica: int) -> None:
+        """That replica ``replica``'s pieces, laid out as ``other``, stack onto this one's
+        (replica 0's).
+
+        Raises:
+            PiecesMismatch: which replica or tensor does not fit.
+        """
+        if other.split != self.split:
+            raise PiecesMismatch(f"replica {replica} split other tensors than replica 0")
+        for path, mine, theirs in zip(self.split, self.rows, other.rows, strict=True):
+            if mine is None or theirs is None or mine != theirs:
+                raise PiecesMismatch(
+                    f"the replicas' rows of {_where(path)} do not stack: replica 0's are "
+                    f"{mine}, replica {replica}'s {theirs} (shape past dim 0, dtype)"
+                )
 
 
 def check(pieces: Sequence[Mapping[str, Any]]) -> None:
     """That every replica's ``dist_pieces`` answer (``pieces[r]``: replica ``r``'s) is of one
-    model, without joining them: the same split paths, and rows of one dtype whose shapes
-    differ in dim 0 alone.
+    model, without joining them (:class:`Layout`): the same split paths, and rows of one
+    dtype whose shapes differ in dim 0 alone.
 
     Raises:
         PiecesMismatch: which replica or tensor does not fit.
     """
-    split = _split(pieces)
-    for path in split:
-        rows = [_at(piece, path) for piece in pieces]
-        kinds = {(tuple(getattr(r, "shape", ()))[1:], str(getattr(r, "dtype", None))) for r in rows}
-        if len(kinds) > 1 or any(not hasattr(r, "shape") or not r.shape for r in rows):
-            raise PiecesMismatch(f"the replicas' rows of {_where(path)} do not stack: {kinds}")
+    first = Layout.of(pieces[0])
+    for replica, piece in enumerate(pieces):
+        first.fits(Layout.of(piece), replica)
 
 
 def joined(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -64,6 +93,15 @@ def _split(pieces: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
         if [list(path) for path in piece["split"]] != split:
             raise PiecesMismatch(f"replica {r} split other tensors than replica 0")
     return split
+
+
+def _rows_kind(value: Any) -> tuple[tuple[int, ...], str] | None:
+    """Rows' shape past dim 0 and dtype (an array's or a tensor's); ``None`` for a value that
+    is not rows."""
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0:
+        return None
+    return tuple(int(d) for d in shape[1:]), str(value.dtype)
 
 
 def _where(path: Sequence[Any]) -> str:

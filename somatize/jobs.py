@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -190,7 +190,7 @@ class Job:
             TimeoutError: the job did not end within ``timeout`` seconds.
             ClientError: the coordinator does not know the job.
         """
-        return result_states(self._fetch(timeout))
+        return self._states(self._fetch(timeout))
 
     def result(self, timeout: float | None = None, *, graph: Graph | None = None) -> FittedGraph:
         """The trained graph, once the job succeeded: what ``graph.fit(x, y)`` returns.
@@ -214,12 +214,27 @@ class Job:
         from somatize.graph import FittedGraph  # (torch: imported when a result is rebuilt)
 
         reply = self._fetch(timeout)
-        result, states = reply.result, result_states(reply)
+        result, states = reply.result, self._states(reply)
         history, validations = (
             _trained_rows(result, "history"),
             _trained_rows(result, "validations"),
         )
         return FittedGraph(graph, states, history=history, validations=validations)
+
+    def _states(self, reply: Result) -> dict[str, Any]:
+        """The states by node of ``reply`` to ``get_result``: as they came; or, of a sharded
+        run, each replica's pieces asked for in turn and joined here (:func:`joined_states`)."""
+        if not (isinstance(reply.result, dict) and "pieces" in reply.result):
+            states: dict[str, Any] = _writable(dict(result_field(reply, "states", "get_result")))
+            return states
+        kept = reply.result["pieces"]
+        pieces = [
+            result_field(
+                self._client._call(GetResult(job_id=self.id, replica=r)), "pieces", "get_result"
+            )
+            for r in range(int(kept["replicas"]))
+        ]
+        return joined_states(kept, pieces)
 
     def _fetch(self, timeout: float | None) -> Result:
         if timeout is not None and timeout < 0:
@@ -259,7 +274,16 @@ class Job:
         if sharded and "shards" in reply.result:  # a sharded run's: its shards joined here
             from somatize.sharded_checkpoints import whole_states  # (torch: imported here)
 
-            states = whole_states(reply.result["shards"])
+            found = int(result_field(reply, "seq", "get_checkpoint"))
+
+            def fetch(name: str) -> bytes:
+                asked = GetCheckpoint(job_id=self.id, seq=found, file=name)
+                data = result_field(self._client._call(asked), "data", "get_checkpoint")
+                if not isinstance(data, bytes | bytearray | memoryview):
+                    raise ClientError(f"the checkpoint's file {name} came as {type(data)}")
+                return bytes(data)
+
+            states = whole_states(reply.result["shards"], fetch)
         else:
             states = _writable(dict(result_field(reply, "states", "get_checkpoint")))
         position = dict(result_field(reply, "position", "get_checkpoint"))
@@ -278,24 +302,20 @@ class Job:
         return dict(record)
 
 
-def result_states(reply: Result) -> dict[str, Any]:
-    """The states by node of a reply to ``get_result``: as they came, or, of a sharded run,
-    joined here from its replicas' pieces (:mod:`protocol.shard_pieces`: the coordinator keeps
-    them as the replicas held them).
+def joined_states(kept: Mapping[str, Any], pieces: Sequence[Any]) -> dict[str, Any]:
+    """A sharded run's states by node, joined here from every replica's ``pieces`` (in rank
+    order) and what ``get_result`` said of them (``kept``: ``plain``, ``node_ids``;
+    :mod:`protocol.shard_pieces`: the coordinator keeps them as the replicas held them).
 
     Raises:
-        ClientError: the reply holds neither, or pieces that are not of one model.
+        ClientError: the pieces are not of one model.
     """
-    if isinstance(reply.result, dict) and "pieces" in reply.result:
-        kept = reply.result["pieces"]
-        try:
-            whole = joined(kept["replicas"])
-        except (PiecesMismatch, KeyError, TypeError) as exc:
-            raise ClientError(f"the sharded result's pieces cannot be joined: {exc}") from exc
+    try:
+        whole = joined(pieces)
         every = dict(kept["plain"]) | whole
         states: dict[str, Any] = _writable({node: every[node] for node in kept["node_ids"]})
-        return states
-    states = _writable(dict(result_field(reply, "states", "get_result")))
+    except (PiecesMismatch, KeyError, TypeError) as exc:
+        raise ClientError(f"the sharded result's pieces cannot be joined: {exc}") from exc
     return states
 
 

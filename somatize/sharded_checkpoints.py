@@ -5,8 +5,9 @@ replica's shards in the files torch.distributed.checkpoint (DCP) wrote of them, 
 with the ``.metadata`` that says where each shard lies, and what every replica holds alike
 (``rest``: buffers, step counts, the groups' settings, schedulers), which names the sharded
 tensors' places (``rest["split"][i]`` is the path of the tensor saved under key ``str(i)``).
-The coordinator stores them as they came and never joins them; :func:`whole_states` does, here,
-with DCP's own reader (:func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save`),
+The coordinator stores them as they came and never joins them; :func:`whole_states` fetches
+them one file at a time, each written to disk before the next, and joins them here, with
+DCP's own reader (:func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save`),
 for :meth:`somatize.jobs.Job.checkpoint`.
 
 DCP reads the ``.metadata`` with plain :mod:`pickle`, which would run whatever code a forged
@@ -21,7 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +62,11 @@ def _checked_metadata(data: bytes) -> None:
         raise ClientError(f"the checkpoint's {METADATA} is not DCP's: {exc}") from exc
 
 
-def whole_states(shards: Mapping[str, Any]) -> dict[str, Any]:
-    """Every node's state from a sharded checkpoint as the coordinator sends it (``files``:
-    the DCP files by name, ``rest``, ``plain``: the plain filters' states), its sharded
-    tensors whole.
+def whole_states(shards: Mapping[str, Any], fetch: Callable[[str], bytes]) -> dict[str, Any]:
+    """Every node's state from a sharded checkpoint as the coordinator describes it
+    (``names``: its DCP files, ``rest``, ``plain``: the plain filters' states), its sharded
+    tensors whole; ``fetch(name)`` gives a file's bytes, each written to disk here before
+    the next is fetched.
 
     Raises:
         ClientError: the files are not a checkpoint DCP can read.
@@ -73,12 +75,14 @@ def whole_states(shards: Mapping[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="somatize-shards-") as folder:
         written = Path(folder) / "dcp"
         written.mkdir()
-        for name, data in shards["files"].items():
+        for name in shards["names"]:
             if not is_plain_file_name(name):
                 raise ClientError(f"the checkpoint names a file {name!r}")
+            data = fetch(name)
             if name == METADATA:
                 _checked_metadata(data)
             (written / name).write_bytes(data)
+            del data
         whole = Path(folder) / "whole.pt"
         try:
             dcp_to_torch_save(written, whole)

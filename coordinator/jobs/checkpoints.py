@@ -92,14 +92,15 @@ class Checkpoint:
     nbytes: int
     shards: Path | None = None
 
-    def shard(self, name: str) -> bytes:
-        """The bytes of its shards' file ``name``: read, not hashed again (the store's
-        :meth:`~CheckpointStore.latest` and :meth:`~CheckpointStore.read` checked every
-        file's digest before they gave this checkpoint).
+    def shard(self, name: str, verify: bool = False) -> bytes:
+        """The bytes of its shards' file ``name``; hashed again with ``verify`` (the store's
+        :meth:`~CheckpointStore.latest` and :meth:`~CheckpointStore.read` check every file's
+        digest, unless told not to, before they give a checkpoint).
 
         Raises:
             OSError: it has no such file.
-            ValueError: the file is no longer the size its checkpoint lists.
+            ValueError: the file is no longer the size (or, with ``verify``, the digest) its
+                checkpoint lists.
         """
         listed = self.payload.get("shards", {}).get("files", {})
         if self.shards is None or name not in listed:
@@ -107,11 +108,9 @@ class Checkpoint:
         data = (self.shards / name).read_bytes()
         if len(data) != listed[name]["bytes"]:
             raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is torn")
+        if verify and hashlib.sha256(data).hexdigest() != listed[name]["sha256"]:
+            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is damaged")
         return data
-
-    def shard_files(self) -> dict[str, bytes]:
-        """Every one of its shards' files, by name (:meth:`shard`)."""
-        return {name: self.shard(name) for name in self.payload.get("shards", {}).get("files", {})}
 
 
 class CheckpointStore:
@@ -174,14 +173,16 @@ class CheckpointStore:
                 log.warning("job %s: checkpoint %s is not usable: %s", job_id, path.name, exc)
         return None
 
-    def read(self, job_id: str, seq: int) -> Checkpoint:
-        """The job's checkpoint number ``seq``.
+    def read(self, job_id: str, seq: int, verify: bool = True) -> Checkpoint:
+        """The job's checkpoint number ``seq``; without ``verify`` its shards' files are
+        checked for their sizes alone (each one read later is checked then:
+        :meth:`Checkpoint.shard`).
 
         Raises:
             OSError: there is no such checkpoint.
             ValueError, protocol.errors.FrameError: it is torn or damaged.
         """
-        return _read(self._job_dir(job_id) / f"{seq:08d}{SUFFIX}", seq, verify=True)
+        return _read(self._job_dir(job_id) / f"{seq:08d}{SUFFIX}", seq, verify=verify)
 
     def positions(self, job_id: str) -> list[tuple[int, dict[str, Any]]]:
         """``(seq, position)`` of each of the job's checkpoints that reads back, oldest first."""

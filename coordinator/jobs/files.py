@@ -181,8 +181,9 @@ class JobFiles:
                 "continue it with sharding='full' or 'gradients'",
             )
 
-    def checkpoint(self, job_id: str, seq: int | None = None) -> Checkpoint:
-        """The job's checkpoint ``seq`` (``None``: its newest that reads back).
+    def checkpoint(self, job_id: str, seq: int | None = None, verify: bool = True) -> Checkpoint:
+        """The job's checkpoint ``seq`` (``None``: its newest that reads back); ``verify``:
+        as :meth:`CheckpointStore.read`.
 
         Raises:
             RequestRefused: ``no_checkpoint``, naming the ones it has.
@@ -192,7 +193,7 @@ class JobFiles:
             found = self.checkpoints.latest(job_id)
         else:
             with contextlib.suppress(OSError, FrameError, ValueError):
-                found = self.checkpoints.read(job_id, seq)
+                found = self.checkpoints.read(job_id, seq, verify)
         if found is None:
             there = [s for s, _ in self.checkpoints.positions(job_id)]
             which = "no checkpoint" if seq is None else f"no checkpoint {seq}"

@@ -54,7 +54,7 @@ from coordinator.jobs.events import JobEvents
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
-from coordinator.jobs.result_pieces import pieces_frame, pieces_of
+from coordinator.jobs.result_pieces import answer, kept
 from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.jobs.store import (
     JobEvent,
@@ -412,9 +412,12 @@ class JobManager:
         """The job's events after ``after_seq``, live until its terminal event."""
         return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
 
-    async def result(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
-        """The states of a succeeded job (``states``; a sharded run's as its replicas' pieces,
-        ``pieces``, which the client joins), waiting up to ``wait`` seconds for it to end."""
+    async def result(
+        self, job_id: str, wait: float = 0.0, replica: int | None = None
+    ) -> dict[str, Any]:
+        """The states of a succeeded job, waiting up to ``wait`` seconds for it to end: by
+        node (``states``), or a sharded run's as its replicas hold them (``pieces``: how many
+        replicas, and each one's pieces when ``replica`` names it; the client joins them)."""
         job = self._jobs.get(job_id)
         if job is not None and wait > 0:
             try:
@@ -428,18 +431,27 @@ class JobManager:
             kind = await asyncio.to_thread(self.store.result_kind, job_id)
             blob = await asyncio.to_thread(self.store.result, job_id)
             stored = await asyncio.to_thread(decode, bytearray(blob))
-            if kind == "states":
+            if kind == "states" and replica is None:
                 return said | {"states": stored}
+            if kind == "states":
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST,
+                    f"job {job_id} ran unsharded: its result is whole, not a replica's pieces",
+                    job_id=job_id,
+                )
             files = None if self.files is None else self.files.results
-            try:  # a sharded run's: the client joins the replicas' pieces
-                pieces = await asyncio.to_thread(pieces_of, stored, files, job_id)
+            try:
+                return said | await asyncio.to_thread(answer, stored, replica, files, job_id)
+            except IndexError as exc:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, f"job {job_id}: {exc}", job_id=job_id
+                ) from exc
             except (OSError, FrameError) as exc:
                 raise RequestRefused.of(
                     ErrorCode.INTERNAL,
                     f"job {job_id} succeeded, but its sharded result cannot be read: {exc}",
                     job_id=job_id,
                 ) from exc
-            return said | {"pieces": pieces}
         if record.state.terminal:
             error = record.error or {"code": "internal", "message": "no error recorded"}
             raise RequestRefused.of(
@@ -650,21 +662,19 @@ class JobManager:
         self, job_id: str, states: dict[str, Any] | ShardedStates
     ) -> tuple[str, bytes | bytearray]:
         """The kind and frame of the result row for a run's final ``states``; a sharded run's
-        pieces written to their files first (:mod:`coordinator.jobs.result_pieces`), or kept
-        in the frame where there are no files.
+        pieces read and written to their files first, one replica at a time
+        (:mod:`coordinator.jobs.result_pieces`), or kept in the frame where there are no files.
 
         Raises:
             StrategyFailed: ``INTERNAL``: the pieces could not be written.
         """
         if not isinstance(states, ShardedStates):
             return "states", await asyncio.to_thread(encode_frame, states)
-        if self.files is not None:
-            try:
-                await asyncio.to_thread(self.files.results.save, job_id, states.pieces)
-            except OSError as exc:
-                why = f"the job trained, but its sharded result could not be written: {exc}"
-                raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
-        said = pieces_frame(states, inline=self.files is None)
+        try:
+            said = await kept(states, None if self.files is None else self.files.results, job_id)
+        except OSError as exc:
+            why = f"the job trained, but its sharded result could not be written: {exc}"
+            raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
         return "pieces", await asyncio.to_thread(encode_frame, said)
 
     async def _unpark(self, job: _Job) -> None:

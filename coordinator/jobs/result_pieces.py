@@ -2,58 +2,96 @@
 a replica, which the client joins (:mod:`protocol.shard_pieces`).
 
 A DataParallel run sharded by FSDP2 ends with every replica's rows of each parameter
-(:class:`~coordinator.strategies.base.ShardedStates`). The job's result row in the store is
-then of kind ``pieces``: a small frame (:func:`pieces_frame`) of the replicas' count, the plain
-filters' states and the nodes, while each replica's pieces go to
+(:class:`~coordinator.strategies.base.ShardedStates`). The job reads them one replica at a
+time (:func:`kept`), checks each stacks onto replica 0's, and writes it to
 ``<state_dir>/results/<job id>/<replica>.pieces`` (one :mod:`protocol.codec` frame, written
-atomically, ``0600`` in ``0700`` directories) before the job is marked succeeded. So no
-SQLite value bounds a sharded model's size, and neither the whole model nor its joining is
-ever in the coordinator's memory. A store without a state directory (a job manager in tests)
-keeps the pieces in the frame itself.
+atomically, ``0600`` in ``0700`` directories) before it reads the next; the job's result row
+in the store is then of kind ``pieces``: a small frame of the replicas' count, the plain
+filters' states and the nodes, written once every file is. So no SQLite value bounds a
+sharded model's size, and the coordinator holds one replica's share of the model at a time
+while it keeps them (the whole of it again while it sends them to a client that asks). A job
+manager without a state directory (in tests) keeps the pieces in the frame itself.
 
 The files are kept as long as the job's record (results are never dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from coordinator.errors import StrategyFailed
 from coordinator.jobs.disk import job_path, write_atomically
 from coordinator.strategies.base import ShardedStates
 from protocol.codec import decode, encode
+from protocol.errors import ErrorCode, PiecesMismatch
+from protocol.shard_pieces import Layout
 
-__all__ = ["ResultPieces", "pieces_frame", "pieces_of"]
+__all__ = ["ResultPieces", "answer", "kept"]
 
 SUFFIX = ".pieces"
 
 
-def pieces_frame(states: ShardedStates, inline: bool) -> dict[str, Any]:
-    """What the store's result row of kind ``pieces`` holds of ``states``: the replicas'
-    count, the plain filters' states, the nodes; the pieces too when ``inline`` (no files)."""
+async def kept(states: ShardedStates, files: ResultPieces | None, job_id: str) -> dict[str, Any]:
+    """Read each replica's pieces in turn, check they stack onto replica 0's
+    (:class:`~protocol.shard_pieces.Layout`) and write them to their file before the next is
+    read (without ``files``: keep them, in the frame); what the store's row of kind
+    ``pieces`` then holds: the replicas' count, the plain filters' states, the nodes (and
+    the pieces, kept in it).
+
+    Raises:
+        StrategyFailed: ``STATE_MISMATCH``: the replicas' pieces are not of one model.
+        OSError: a file could not be written.
+        coordinator.context.WorkerCallError: a replica could not be read.
+    """
+    first: Layout | None = None
+    inline: list[dict[str, Any]] = []
+    for replica in range(states.replicas):
+        pieces = await states.read(replica)
+        try:
+            layout = Layout.of(pieces)
+            first = first or layout
+            first.fits(layout, replica)
+        except (PiecesMismatch, KeyError, TypeError) as exc:
+            raise StrategyFailed(
+                ErrorCode.STATE_MISMATCH, f"the sharded model's pieces: {exc}"
+            ) from exc
+        if files is None:
+            inline.append(pieces)
+        else:
+            await asyncio.to_thread(files.save, job_id, replica, pieces)
+        del pieces  # (the next replica's are read once these are written)
     said: dict[str, Any] = {
-        "replicas": len(states.pieces),
+        "replicas": states.replicas,
         "plain": states.plain,
         "node_ids": states.node_ids,
     }
-    return said | ({"pieces": states.pieces} if inline else {})
+    return said | ({"pieces": inline} if files is None else {})
 
 
-def pieces_of(said: dict[str, Any], files: ResultPieces | None, job_id: str) -> dict[str, Any]:
-    """The result a client joins from a row of kind ``pieces`` (:func:`pieces_frame`'s
-    ``said``): every replica's pieces in rank order (``replicas``), ``plain``, ``node_ids``.
+def answer(
+    said: dict[str, Any], replica: int | None, files: ResultPieces | None, job_id: str
+) -> dict[str, Any]:
+    """What ``get_result`` answers of a row of kind ``pieces`` (:func:`kept`'s ``said``):
+    with ``replica`` ``None``, ``{"pieces": {"replicas", "plain", "node_ids"}}``; else
+    ``{"replica", "pieces"}``: that replica's pieces, read from its file (one replica's share
+    of the model in memory at a time, as the client asks for them one after another).
 
     Raises:
-        OSError: a replica's file is gone or cannot be read.
+        IndexError: no such replica.
+        OSError: its file is gone or cannot be read.
     """
-    pieces = said.get("pieces")
-    if pieces is None:
-        if files is None:
-            raise FileNotFoundError(f"job {job_id}'s pieces are kept in files, and none are here")
-        pieces = [files.read(job_id, r) for r in range(int(said["replicas"]))]
-    return {"replicas": pieces, "plain": said["plain"], "node_ids": said["node_ids"]}
+    if replica is None:
+        return {"pieces": {k: said[k] for k in ("replicas", "plain", "node_ids")}}
+    if not 0 <= replica < int(said["replicas"]):
+        raise IndexError(f"the result has the pieces of {said['replicas']} replicas, not {replica}")
+    if "pieces" in said:
+        return {"replica": replica, "pieces": said["pieces"][replica]}
+    if files is None:
+        raise FileNotFoundError(f"job {job_id}'s pieces are kept in files, and none are here")
+    return {"replica": replica, "pieces": files.read(job_id, replica)}
 
 
 class ResultPieces:
@@ -70,19 +108,15 @@ class ResultPieces:
     def _folder(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
 
-    def save(self, job_id: str, pieces: Sequence[Any]) -> int:
-        """Write replica ``r``'s ``pieces[r]``, each file whole or not at all; the bytes
-        written.
+    def save(self, job_id: str, replica: int, pieces: Any) -> int:
+        """Write replica ``replica``'s ``pieces``, whole or not at all; the bytes written.
 
         Raises:
-            OSError: a file could not be written (those written stay, unreferenced).
+            OSError: the file could not be written (those written before stay, unreferenced).
         """
         folder = self._folder(job_id)
         folder.mkdir(mode=0o700, exist_ok=True)
-        return sum(
-            write_atomically(folder / f"{r}{SUFFIX}", encode(piece))
-            for r, piece in enumerate(pieces)
-        )
+        return write_atomically(folder / f"{replica}{SUFFIX}", encode(pieces))
 
     def read(self, job_id: str, replica: int) -> Any:
         """Replica ``replica``'s pieces as :meth:`save` wrote them.

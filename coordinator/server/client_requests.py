@@ -108,7 +108,8 @@ class ClientRequests:
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
         await self._visible(channel, message.job_id)
         async with _while_open(channel):
-            return Result(result=await self.jobs.result(message.job_id, message.wait))
+            result = await self.jobs.result(message.job_id, message.wait, message.replica)
+            return Result(result=result)
 
     async def on_get_checkpoint(self, channel: Channel, message: Any) -> Any:
         await self._visible(channel, message.job_id)
@@ -117,13 +118,27 @@ class ClientRequests:
             raise RequestRefused.of(
                 ErrorCode.NO_CHECKPOINT, "this coordinator keeps no checkpoints (no --state-dir)"
             )
-        found = await asyncio.to_thread(self.jobs.files.checkpoint, message.job_id, message.seq)
+        job_id, seq, name = message.job_id, message.seq, message.file
+        if name is not None:  # one file of a sharded checkpoint, checked as it is read
+            if seq is None:
+                raise RequestRefused.of(
+                    ErrorCode.BAD_REQUEST, "a checkpoint's file is asked for with its seq"
+                )
+            found = await asyncio.to_thread(self.jobs.files.checkpoint, job_id, seq, False)
+            try:
+                data = await asyncio.to_thread(found.shard, name, True)
+            except FileNotFoundError as exc:
+                raise RequestRefused.of(ErrorCode.NO_CHECKPOINT, str(exc), job_id=job_id) from exc
+            except (OSError, ValueError) as exc:
+                raise RequestRefused.of(ErrorCode.INTERNAL, str(exc), job_id=job_id) from exc
+            return Result(result={"seq": found.seq, "file": name, "data": data})
+        found = await asyncio.to_thread(self.jobs.files.checkpoint, job_id, seq)
         payload = found.payload
         said = {"seq": found.seq, "position": found.position}
-        if "shards" in payload:  # a sharded run's: the client joins the replicas' shards
-            files = await asyncio.to_thread(found.shard_files)
+        if "shards" in payload:  # a sharded run's: the client asks for each file and joins them
             kept = payload["shards"]
-            shards = {"files": files, "rest": kept["rest"], "plain": kept["plain"]}
+            names = sorted(kept["files"])
+            shards = {"names": names, "rest": kept["rest"], "plain": kept["plain"]}
             return Result(result=said | {"shards": shards})
         # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
         # state of its differentiable nodes.

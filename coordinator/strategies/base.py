@@ -40,13 +40,15 @@ Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 @dataclass(frozen=True)
 class ShardedStates:
-    """A sharded run's final states as its replicas held them: each replica's pieces of the
-    model (its ``dist_pieces`` answer, in rank order, checked to be of one model:
-    :mod:`protocol.shard_pieces`) and the plain filters' states (``plain``), for the nodes
-    ``node_ids``. The job keeps them so and the client joins them: the whole model is never
-    in the coordinator's memory."""
+    """A sharded run's final states as its replicas hold them: ``read(r)`` reads replica
+    ``r``'s pieces of the model (its ``dist_pieces`` answer, :mod:`protocol.shard_pieces`) of
+    the ``replicas`` while the run's workers are still held, one at a time; ``plain``: the
+    plain filters' states; ``node_ids``: the nodes. The job keeps the pieces one replica at a
+    time (:mod:`coordinator.jobs.result_pieces`) and the client joins them: the whole model is
+    never in the coordinator's memory at once."""
 
-    pieces: list[dict[str, Any]]
+    replicas: int
+    read: Callable[[int], Awaitable[dict[str, Any]]]
     plain: dict[str, Any]
     node_ids: list[str]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import somatize as sz
+from protocol.messages import GetCheckpoint
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
     graph_for,
@@ -79,6 +80,13 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
             fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
             events = list(client.job(job.id).events())
             last = client.job(job.id).checkpoint()  # its end's
+            if sharding != "none":  # its files asked for one at a time: of a seq, by name
+                nameless = GetCheckpoint(job_id=job.id, file=".metadata")
+                unknown = GetCheckpoint(job_id=job.id, seq=last.seq, file="__9_0.distcp")
+                for asked, code in ((nameless, "bad_request"), (unknown, "no_checkpoint")):
+                    with pytest.raises(sz.ClientError) as refused:
+                        client._call(asked)
+                    assert refused.value.code == code
         expected = reference_training(x, y, "sgd", shuffle=True)
         for key, value in expected.items():
             torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)

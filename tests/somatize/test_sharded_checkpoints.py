@@ -31,7 +31,14 @@ def test_the_sharded_tensors_are_put_back_where_the_rest_says_beside_the_plain_s
         "split": [["states", "mlp", "weight"], ["optimizers", "mlp", "state", 0, "exp_avg"]],
     }
     plain = {"center": {"mean": np.arange(3.0)}}
-    states = whole_states({"files": files, "rest": rest, "plain": plain})
+    fetched: list[str] = []
+
+    def fetch(name: str) -> bytes:
+        fetched.append(name)
+        return files[name]
+
+    states = whole_states({"names": sorted(files), "rest": rest, "plain": plain}, fetch)
+    assert fetched == sorted(files)  # each once, in turn
     assert list(states) == ["center", "mlp"]  # graph order: the plain filters come first
     torch.testing.assert_close(states["mlp"]["weight"], weight, rtol=0, atol=0)
     assert states["mlp"]["steps"] == 3
@@ -52,10 +59,10 @@ def test_files_that_are_not_a_checkpoint_are_said_so_and_a_forged_metadata_runs_
     rest = {"states": {"mlp": {"weight": None}}, "split": [["states", "mlp", "weight"]]}
     damaged = files | {name: b"not a checkpoint" for name in files if name != ".metadata"}
     with pytest.raises(ClientError, match="shards cannot be read"):
-        whole_states({"files": damaged, "rest": rest, "plain": {}})
+        whole_states({"names": sorted(damaged), "rest": rest, "plain": {}}, damaged.__getitem__)
     forged = files | {".metadata": pickle.dumps(_Forged())}
     with pytest.raises(ClientError, match=r"may not name builtins\.print"):
-        whole_states({"files": forged, "rest": rest, "plain": {}})
+        whole_states({"names": sorted(forged), "rest": rest, "plain": {}}, forged.__getitem__)
     assert "ran the worker's code" not in capsys.readouterr().out
     with pytest.raises(ClientError, match=r"names a file '\.\./x'"):
-        whole_states({"files": {"../x": b""}, "rest": rest, "plain": {}})
+        whole_states({"names": ["../x"], "rest": rest, "plain": {}}, {"../x": b""}.__getitem__)

@@ -29,7 +29,6 @@ from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
 from protocol.rules.rows import take_rows
-from protocol.shard_pieces import PiecesMismatch, check
 
 T = TypeVar("T")
 
@@ -277,26 +276,19 @@ class Replicas:
 
     async def pieces(self) -> ShardedStates:
         """A sharded run's final states as its replicas hold them: each replica's pieces of
-        the model, read where they lie (no collective), one replica after another, checked to
-        be of one model but not joined (:mod:`protocol.shard_pieces`: the client joins them);
-        the plain filters before the torch nodes read from replica 0, which holds them as
-        every replica does.
-
-        Raises:
-            StrategyFailed: ``STATE_MISMATCH`` when the replicas' pieces are not of one model.
-        """
+        the model, to be read where they lie (no collective), one replica after another, by
+        the job that keeps them (:mod:`protocol.shard_pieces`: the client joins them); the
+        plain filters before the torch nodes read from replica 0, which holds them as every
+        replica does."""
         self.position.phase, self.position.step = "reading", None
-        replicas = range(self.ctx.num_workers())
-        pieces = [await self.ctx.call(i, DistPiecesRequest()) for i in replicas]
-        try:
-            check(pieces)
-        except PiecesMismatch as exc:
-            raise StrategyFailed(
-                ErrorCode.STATE_MISMATCH, f"the sharded model's pieces from {self.ids}: {exc}"
-            ) from exc
         plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
         states = await self.ctx.get_state(0, plain) if plain else {}
-        return ShardedStates(pieces, states, list(self.job.node_ids))
+
+        async def read(replica: int) -> dict[str, Any]:
+            pieces: dict[str, Any] = await self.ctx.call(replica, DistPiecesRequest())
+            return pieces
+
+        return ShardedStates(self.ctx.num_workers(), read, states, list(self.job.node_ids))
 
     async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
         """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""

@@ -145,7 +145,18 @@ def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_dige
     for name, data in SHARDS.items():
         assert listed[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         assert latest.shard(name) == data
-    assert latest.shard_files() == SHARDS and latest.payload["shards"]["k"] == 1
+    assert latest.payload["shards"]["k"] == 1
+    # Read alone, without every file hashed first: each is checked as it is read.
+    unverified = store.read("j", 1, verify=False)
+    name = sorted(SHARDS)[0]
+    assert unverified.shard(name, verify=True) == SHARDS[name]
+    (folder / name).write_bytes(bytes(len(SHARDS[name])))  # damaged, not torn: same size
+    assert store.read("j", 1, verify=False).shard(name) == bytes(len(SHARDS[name]))
+    with pytest.raises(ValueError, match=f"file {name} is damaged"):
+        unverified.shard(name, verify=True)
+    with pytest.raises(ValueError, match=f"file {name} is damaged"):
+        store.read("j", 1)
+    (folder / name).write_bytes(SHARDS[name])
     file_size = (tmp_path / "j" / "00000001.ckpt").stat().st_size
     assert latest.nbytes == saved.nbytes == file_size + sum(len(d) for d in SHARDS.values())
     with pytest.raises(FileNotFoundError, match="no shards' file 'other'"):

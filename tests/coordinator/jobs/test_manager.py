@@ -17,8 +17,7 @@ from coordinator.jobs.store import JobState
 from coordinator.strategies import Local, ShardedStates
 from coordinator.workers.registry import WorkerState
 from protocol.errors import ErrorCode, RequestRefused
-from protocol.messages import Result
-from somatize.jobs import result_states
+from somatize.jobs import joined_states
 from tests.coordinator.jobs.harness import (
     Boom,
     Harness,
@@ -71,8 +70,14 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
         for rows in (weight[:3], weight[3:])
     ]
 
+    read: list[int] = []
+
     async def sharded_run(self, ctx, job, emit):
-        return ShardedStates(pieces, {"c": {"mean": np.full(2, 0.5)}}, ["c", "lin"])
+        async def read_replica(r):
+            read.append(r)
+            return pieces[r]
+
+        return ShardedStates(2, read_replica, {"c": {"mean": np.full(2, 0.5)}}, ["c", "lin"])
 
     monkeypatch.setattr(Local, "run", sharded_run)
 
@@ -88,15 +93,59 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
             else:
                 assert not kept.exists()
             assert h.store.events(job_id)[-1].data == {"nodes": ["c", "lin"]}
-            return result
+            each = [await h.manager.result(job_id, replica=r) for r in (0, 1)]
+            with pytest.raises(RequestRefused, match="of 2 replicas, not 2") as past:
+                await h.manager.result(job_id, replica=2)
+            monkeypatch.undo()  # Local's own run: a whole result, no replica's pieces in it
+            whole = await h.manager.submit(submit())
+            with pytest.raises(RequestRefused, match="not a replica's pieces") as unsharded:
+                await h.manager.result(whole, wait=30 * UNIT, replica=0)
+            assert past.value.code == unsharded.value.code == ErrorCode.BAD_REQUEST
+            return result, each
 
-    result = run(main())
+    result, each = run(main())
+    assert read == [0, 1]
     assert "states" not in result and result["record"]["state"] == "succeeded"
-    states = result_states(Result(result=result))  # what the client does with it
+    assert result["pieces"] == {
+        "replicas": 2,
+        "plain": result["pieces"]["plain"],
+        "node_ids": ["c", "lin"],
+    }
+    assert [e["replica"] for e in each] == [0, 1]
+    states = joined_states(result["pieces"], [e["pieces"] for e in each])  # the client's join
     assert list(states) == ["c", "lin"]
     torch.testing.assert_close(torch.as_tensor(states["lin"]["weight"]), weight)
     torch.testing.assert_close(torch.as_tensor(states["lin"]["seen"]), torch.ones(1))
     np.testing.assert_array_equal(states["c"]["mean"], [0.5, 0.5])
+
+
+def test_sharded_pieces_not_of_one_model_fail_the_job_with_state_mismatch(tmp_path, monkeypatch):
+    split = [["states", "lin", "weight"]]
+    pieces = [
+        {"states": {"lin": {"weight": torch.ones(3, 2)}}, "split": split},
+        {"states": {"lin": {"weight": torch.ones(2, 4)}}, "split": split},  # other columns
+    ]
+
+    async def sharded_run(self, ctx, job, emit):
+        async def read_replica(r):
+            return pieces[r]
+
+        return ShardedStates(2, read_replica, {}, ["lin"])
+
+    monkeypatch.setattr(Local, "run", sharded_run)
+
+    async def main():
+        async with Harness(tmp_path, files=True) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit())
+            with pytest.raises(RequestRefused) as caught:
+                await h.manager.result(job_id, wait=30 * UNIT)
+            return caught.value.info
+
+    info = run(main())
+    assert info.code == ErrorCode.STATE_MISMATCH
+    assert "rows of states/lin/weight do not stack" in info.message
+    assert "replica 0's are ((2,), 'torch.float32'), replica 1's ((4,)" in info.message
 
 
 def test_a_filter_that_raises_fails_the_job_naming_the_worker(tmp_path):
