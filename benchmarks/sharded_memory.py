@@ -11,7 +11,10 @@ daemon's resident memory (its process group's, as ``--max-job-memory`` counts it
 Per replica, and per phase as the job's events mark them — *loading* (the filters arriving,
 until the replicas say what they hold), *training* (until the last step's progress) and
 *reading* (the checkpoint and the result, read from each replica's shards) — the peak over the
-daemon's resident memory when idle (its Python and torch, read before the job).
+daemon's resident memory when idle (its Python and torch, read before the job). And the
+coordinator's rise while it reads and keeps the result (its peak after the last step over its
+resident memory then), with ``--no-checkpoints`` (else the last checkpoint's files arrive
+then too): one replica's pieces of the model at a time, never the whole.
 
 The anchor is the arithmetic: the training state over N (weights, gradients, two moments) plus
 the activations (rows × width × layers, fp32, forward and backward: a few MiB here). The
@@ -55,9 +58,14 @@ TARGET = 0.15
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+COORDINATOR = -1
+"""The key of the coordinator's resident bytes among :func:`_groups`' process groups."""
+
+
 def _groups(skip: set[int]) -> dict[int, int]:
     """Resident bytes by process group of every process that is not the agents', the
-    coordinator's or in ``skip`` (this process's group)."""
+    coordinator's or in ``skip`` (this process's group); the coordinator's under
+    :data:`COORDINATOR`."""
     out: dict[int, int] = defaultdict(int)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -72,9 +80,10 @@ def _groups(skip: set[int]) -> dict[int, int]:
         except (OSError, ValueError, IndexError):
             continue
         group = int(stat[stat.rindex(")") + 2 :].split()[2])
-        if group in skip or b"somatize-worker" in cmd or b"somatize-coordinator" in cmd:
-            continue
-        out[group] += rss
+        if b"somatize-coordinator" in cmd:
+            out[COORDINATOR] += rss
+        elif group not in skip and b"somatize-worker" not in cmd:
+            out[group] += rss
     return out
 
 
@@ -106,9 +115,14 @@ def _model(width: int, layers: int) -> Any:
 
 
 def run(
-    replicas: Sequence[int] = REPLICAS, width: int = WIDTH, layers: int = LAYERS
+    replicas: Sequence[int] = REPLICAS,
+    width: int = WIDTH,
+    layers: int = LAYERS,
+    checkpoints: bool = True,
 ) -> dict[str, Any]:
-    """Each N's per-replica peaks by phase, over the idle daemon (module docstring).
+    """Each N's per-replica peaks by phase, over the idle daemon (module docstring); without
+    ``checkpoints`` the job saves none (``checkpoint_every=0``), so the coordinator's rise at
+    the end is the result's alone.
 
     Returns:
         ``{"width", "state_bytes", "activation_bytes", "by_n": {N: {"idle", "loading",
@@ -133,7 +147,7 @@ def run(
         "shuffle": False,
     }
     by_n: dict[int, dict[str, int]] = {}
-    with LocalCluster(job_threads=1) as c:
+    with LocalCluster(job_threads=1, heartbeat_interval=1.0, heartbeat_timeout=30.0) as c:
         c.start_coordinator()
         for k in range(max(replicas)):
             c.start_worker(f"w{k}")
@@ -142,7 +156,10 @@ def run(
                 time.sleep(1.0)  # the spare daemons settle
                 idle = _groups({os.getpgid(0)})
                 graph = sz.Graph([sz.TorchFilter(_model(width, layers), **options).named("net")])
-                strategy = sz.DataParallel(n, sharding="full", collective="torch")
+                every = None if checkpoints else 0
+                strategy = sz.DataParallel(
+                    n, sharding="full", collective="torch", checkpoint_every=every
+                )
                 marks: dict[str, float] = {}
                 with _Sampler() as sampler:
                     job = client.submit(graph, x, y, strategy=strategy)
@@ -160,6 +177,7 @@ def run(
         "state_bytes": 4 * params,
         "activation_bytes": activations,
         "by_n": by_n,
+        "checkpoints": checkpoints,
         "seconds": time.monotonic() - began,
     }
 
@@ -167,10 +185,16 @@ def run(
 def _phases(
     samples: list[tuple[float, dict[int, int]]], idle: dict[int, int], marks: dict[str, float]
 ) -> dict[str, int]:
-    """The job's daemons' largest peak above idle in each phase, and their idle memory."""
-    groups = {g for _, seen in samples for g in seen if g in idle}
+    """The job's daemons' largest peak above idle in each phase, and their idle memory; and
+    the coordinator's rise while the result is read (``coordinator_reading``: its peak then
+    over its resident memory as training ended)."""
+    trained = marks.get("trained", float("inf"))
+    before = [s.get(COORDINATOR, 0) for t, s in samples if t < trained]
+    after = [s.get(COORDINATOR, 0) for t, s in samples if t >= trained]
+    rise = max(after, default=0) - (before[-1] if before else 0)
+    groups = {g for _, seen in samples for g in seen if g in idle and g != COORDINATOR}
     busy = {g for g in groups if max(s.get(g, 0) for _, s in samples) - idle[g] > 64 << 20}
-    out = {"idle": max((idle[g] for g in busy), default=0)}
+    out = {"idle": max((idle[g] for g in busy), default=0), "coordinator_reading": max(rise, 0)}
     spans = {
         "loading": (0.0, marks.get("sharded", 0.0)),
         "training": (marks.get("sharded", 0.0), marks.get("trained", float("inf"))),
@@ -204,10 +228,19 @@ def rows(results: dict[str, Any]) -> list[Row]:
                 note=(
                     f"loading {figures['loading'] / 2**20:.0f} MiB, reading "
                     f"{figures['reading'] / 2**20:.0f} MiB, idle {figures['idle'] / 2**20:.0f} MiB"
+                    + _coordinator_note(results, figures)
                 ),
             )
         )
     return out
+
+
+def _coordinator_note(results: dict[str, Any], figures: dict[str, int]) -> str:
+    """The coordinator's rise while it keeps the result, where nothing else came then (no
+    checkpoint at the end)."""
+    if results["checkpoints"]:
+        return ""
+    return f"; the coordinator +{figures['coordinator_reading'] / 2**20:.0f} MiB keeping the result"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -217,8 +250,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--replicas", type=int, nargs="+", default=list(REPLICAS))
+    parser.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="checkpoint_every=0: the coordinator's rise at the end is the result's alone",
+    )
     args = parser.parse_args(argv)
-    results = run(args.replicas, args.width, args.layers)
+    results = run(args.replicas, args.width, args.layers, not args.no_checkpoints)
     state = results["state_bytes"]
     print(
         f"{args.layers} × Linear({args.width}, {args.width}), Adam: training state "
@@ -229,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"  {n}  {state / n / 2**20:8.0f}  {f['loading'] / 2**20:8.0f}  "
             f"{f['training'] / 2**20:8.0f}  {f['reading'] / 2**20:8.0f}   idle "
-            f"{f['idle'] / 2**20:.0f}"
+            f"{f['idle'] / 2**20:.0f}" + _coordinator_note(results, f)
         )
     print(f"took {results['seconds']:.0f} s")
 
