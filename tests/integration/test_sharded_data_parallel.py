@@ -29,7 +29,7 @@ import somatize as sz
 from coordinator.jobs.store import DB_NAME
 from tests.integration.cluster import cluster
 from tests.training_reference import FILTER, classes, evaluation, mlp, reference_fit
-from tests.utils import UNIT
+from tests.utils import UNIT, somatize_cli
 
 pytestmark = pytest.mark.integration
 
@@ -133,8 +133,11 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
             job = client.submit(graph, x, y, strategy=strategy, validation=(x_val, y_val))
             fitted = job.result(timeout=180 * UNIT)
             _close(fitted.states["mlp"], expected.state())
-            _close(job.states(timeout=0)["mlp"], expected.state())  # (somatize result --save's)
             _kept_as_pieces(c.state_dir, job.id, replicas)
+            saved = tmp_path / f"result-{replicas}.pt"  # joined by the CLI, as by the SDK
+            shown = somatize_cli(c.url, "result", job.id, "--save", str(saved))
+            assert shown.returncode == 0, shown.stderr
+            _close(torch.load(saved, weights_only=True)["states"]["mlp"], expected.state())
             val = [row["val_loss"] for row in fitted.history]
             np.testing.assert_allclose(val, [s["val_loss"] for s in seen], rtol=0, atol=1e-5)
             events = list(job.events(timeout=10 * UNIT))
