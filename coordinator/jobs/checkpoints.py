@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.jobs.disk import job_path, write_atomically
+from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
@@ -122,8 +121,7 @@ class CheckpointStore:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_directory(directory)
 
     def _job_dir(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
@@ -223,9 +221,7 @@ class CheckpointStore:
 def _read(path: Path, seq: int, verify: bool = False) -> Checkpoint:
     """The checkpoint in ``path``, its shards' files (if any) each there and of its size;
     with ``verify``, of its digest too (every byte read)."""
-    with path.open("rb") as file:
-        raw = bytearray(os.fstat(file.fileno()).st_size)
-        file.readinto(raw)
+    raw = read_whole(path)
     if len(raw) <= DIGEST_BYTES:
         raise ValueError("too short to be a checkpoint")
     body = memoryview(raw)[:-DIGEST_BYTES]

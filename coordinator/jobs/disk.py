@@ -1,5 +1,5 @@
-"""Files a coordinator keeps per job in its state directory: where they go, and how they are
-written so that a crash never leaves a torn one in their place."""
+"""Files a coordinator keeps per job in its state directory: where they go, how they are
+written so that a crash never leaves a torn one in their place, and how they are read back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,19 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["job_path", "write_atomically"]
+__all__ = ["job_path", "private_directory", "read_whole", "write_atomically"]
+
+
+def private_directory(directory: Path) -> Path:
+    """``directory``, made (with its parents) if missing and ``0700`` either way: what a
+    coordinator keeps of its jobs may be private rows.
+
+    Raises:
+        OSError: it cannot be made, or its mode changed.
+    """
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    return directory
 
 
 def job_path(directory: Path, job_id: str, suffix: str = "") -> Path:
@@ -47,3 +59,16 @@ def write_atomically(path: Path, parts: Iterable[bytes | bytearray | memoryview]
         partial.unlink(missing_ok=True)
         raise
     return nbytes
+
+
+def read_whole(path: Path) -> bytearray:
+    """Every byte of ``path``, read into one writable buffer of its size (what a frame is
+    decoded from: its arrays become views over it, no copy).
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    with path.open("rb") as file:
+        data = bytearray(os.fstat(file.fileno()).st_size)
+        file.readinto(data)
+    return data

@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
-from coordinator.jobs.disk import job_path, write_atomically
+from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
 from coordinator.strategies import Strategy
@@ -54,8 +53,7 @@ class SubmitMessages:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_directory(directory)
 
     def _path(self, job_id: str) -> Path:
         return job_path(self.directory, job_id, SUBMIT_SUFFIX)
@@ -72,10 +70,7 @@ class SubmitMessages:
             OSError: there is none, or it cannot be read.
             protocol.errors.FrameError, pydantic.ValidationError: it is not what was written.
         """
-        with self._path(job_id).open("rb") as file:
-            frame = bytearray(os.fstat(file.fileno()).st_size)
-            file.readinto(frame)
-        data = decode(frame)
+        data = decode(read_whole(self._path(job_id)))
         return Submit.model_validate(data["submit"]), str(data["owner"])
 
     def has(self, job_id: str) -> bool:

@@ -18,12 +18,11 @@ The files are kept as long as the job's record (results are never dropped).
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.disk import job_path, write_atomically
+from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
 from coordinator.strategies.base import ShardedStates
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, PiecesMismatch
@@ -102,8 +101,7 @@ class ResultPieces:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_directory(directory)
 
     def _folder(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
@@ -124,7 +122,4 @@ class ResultPieces:
         Raises:
             OSError: the file is gone or cannot be read.
         """
-        with (self._folder(job_id) / f"{replica}{SUFFIX}").open("rb") as file:
-            frame = bytearray(os.fstat(file.fileno()).st_size)
-            file.readinto(frame)
-        return decode(frame)
+        return decode(read_whole(self._folder(job_id) / f"{replica}{SUFFIX}"))

@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from coordinator.jobs.disk import private_directory, read_whole
 from coordinator.strategies import JobInputs
 from protocol.arrays import data_nbytes
 from protocol.codec import decode, encode, frame_nbytes
@@ -45,8 +46,7 @@ class QueuedInputs:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_directory(directory)
         for stale in directory.glob("*.frame*"):
             log.info("removing %s: its job ended with the previous coordinator", stale.name)
             stale.unlink(missing_ok=True)
@@ -90,10 +90,7 @@ class QueuedInputs:
             protocol.errors.FrameError: it is not the frame that was written.
         """
         path = self._path(job_id)
-        with path.open("rb") as file:
-            frame = bytearray(os.fstat(file.fileno()).st_size)
-            file.readinto(frame)
-        data = decode(frame)  # arrays are views over ``frame``, writable
+        data = decode(read_whole(path))  # arrays are views over the bytes read, writable
         path.unlink(missing_ok=True)
         return dataclasses.replace(
             parked,

@@ -536,12 +536,7 @@ class JobStore:
             NoResult: The job has not succeeded; the message says its state and error.
         """
         with self._read() as conn:
-            record = self._get(conn, job_id)
-            if record.state is not JobState.SUCCEEDED:
-                raise NoResult(record.id, record.state, record.error)
-            (rowid,) = conn.execute(
-                "SELECT rowid FROM results WHERE job_id = ?", (job_id,)
-            ).fetchone()
+            rowid, _ = self._result_row(conn, job_id)
             # Blob.read() fills one new bytes object directly; SELECT would copy it twice.
             with conn.blobopen("results", "data", rowid, readonly=True) as blob:
                 return blob.read()
@@ -554,13 +549,22 @@ class JobStore:
             NoResult: The job has not succeeded.
         """
         with self._read() as conn:
-            record = self._get(conn, job_id)
-            if record.state is not JobState.SUCCEEDED:
-                raise NoResult(record.id, record.state, record.error)
-            (kind,) = conn.execute(
-                "SELECT kind FROM results WHERE job_id = ?", (job_id,)
-            ).fetchone()
-            return str(kind)
+            return self._result_row(conn, job_id)[1]
+
+    def _result_row(self, conn: sqlite3.Connection, job_id: str) -> tuple[int, str]:
+        """The rowid and kind of a succeeded job's result.
+
+        Raises:
+            UnknownJob: No job has this id.
+            NoResult: The job has not succeeded.
+        """
+        record = self._get(conn, job_id)
+        if record.state is not JobState.SUCCEEDED:
+            raise NoResult(record.id, record.state, record.error)
+        rowid, kind = conn.execute(
+            "SELECT rowid, kind FROM results WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        return int(rowid), str(kind)
 
     def counts(self) -> dict[JobState, int]:
         """How many jobs are in each state (every state present, zeros included)."""
