@@ -5,8 +5,9 @@ Each replica of a run sharded by FSDP2 holds, of every parameter, its rows of di
 empty). At the run's end it answers ``dist_pieces`` with its states shaped as an unsharded
 replica's, each sharded parameter replaced by its rows, and the key paths of those tensors
 (``split``); what it holds whole (buffers) every replica holds alike. The coordinator keeps the
-pieces as they came, one file a replica, after :func:`check` found them of one model; the
-client that asks for the result puts the rows back together, in rank order (:func:`joined`):
+pieces as they came, one file a replica, each checked to stack onto replica 0's
+(:class:`Layout`; :func:`check` for all at once); the client that asks for the result puts the
+rows back together, in rank order (:func:`joined`):
 the states an unsharded replica would have given — while no replica, and not the coordinator,
 ever held them whole. The optimizer state never travels for it (checkpoints keep theirs as the
 replicas' own files).

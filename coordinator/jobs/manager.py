@@ -429,16 +429,16 @@ class JobManager:
         if record.state is JobState.SUCCEEDED:
             said = {"job_id": job_id, "record": record_dict(record)}
             kind = await asyncio.to_thread(self.store.result_kind, job_id)
-            blob = await asyncio.to_thread(self.store.result, job_id)
-            stored = await asyncio.to_thread(decode, bytearray(blob))
-            if kind == "states" and replica is None:
-                return said | {"states": stored}
-            if kind == "states":
+            if kind == "states" and replica is not None:
                 raise RequestRefused.of(
                     ErrorCode.BAD_REQUEST,
                     f"job {job_id} ran unsharded: its result is whole, not a replica's pieces",
                     job_id=job_id,
                 )
+            blob = await asyncio.to_thread(self.store.result, job_id)
+            stored = await asyncio.to_thread(decode, bytearray(blob))
+            if kind == "states":
+                return said | {"states": stored}
             files = None if self.files is None else self.files.results
             try:
                 return said | await asyncio.to_thread(answer, stored, replica, files, job_id)
@@ -666,7 +666,8 @@ class JobManager:
         (:mod:`coordinator.jobs.result_pieces`), or kept in the frame where there are no files.
 
         Raises:
-            StrategyFailed: ``INTERNAL``: the pieces could not be written.
+            StrategyFailed: ``INTERNAL``: the pieces could not be written; ``STATE_MISMATCH``:
+                they are not of one model.
         """
         if not isinstance(states, ShardedStates):
             return "states", await asyncio.to_thread(encode_frame, states)
