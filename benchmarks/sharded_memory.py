@@ -2,26 +2,30 @@
 next to the training state it should hold (the model's weights, gradients and Adam moments
 over N).
 
-``python -m benchmarks.sharded_memory [--width W] [--layers L] [--replicas 1 2 4]`` trains L
-W × W Linear layers (4 of 4096: 256 MiB of weights, 1 GiB of training state with Adam) as
-``sz.DataParallel(N, sharding="full", collective="torch")`` for one epoch of 2 steps (64 rows,
-32 a step; checkpointed at its end, the result read back) on a
+``python -m benchmarks.sharded_memory [--width W] [--layers L] [--replicas 1 2 4]
+[--checkpoints]`` trains L W × W Linear layers (4 of 4096: 256 MiB of weights, 1 GiB of
+training state with Adam) as ``sz.DataParallel(N, sharding="full", collective="torch")`` for
+one epoch of 2 steps (64 rows, 32 a step; the result read back; with ``--checkpoints``
+checkpointed at its end, whose snapshot — each replica's shards of the weights and moments,
+written by DCP and read into the chunk's reply — then falls in the training phase) on a
 :class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling every job
 daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20 ms.
 Per replica, and per phase as the job's events mark them — *loading* (the filters arriving,
 until the replicas say what they hold), *training* (until the last step's progress) and
-*reading* (the checkpoint and the result, read from each replica's shards) — the peak over the
-daemon's resident memory when idle (its Python and torch, read before the job). And the
-coordinator's rise while it reads and keeps the result (its peak after the last step over its
-resident memory then), with ``--no-checkpoints`` (else the last checkpoint's files arrive
-then too): one replica's pieces of the model at a time, never the whole.
+*reading* (the result, read from each replica's shards) — the peak over the daemon's resident
+memory when idle (its Python and torch, read before the job). And the coordinator's rise while
+it reads and keeps the result (its peak after the last step over its resident memory then;
+without ``--checkpoints``: else the last checkpoint's files arrive then too): one replica's
+pieces of the model at a time, never the whole.
 
-The anchor is the arithmetic: the training state over N (weights, gradients, two moments) plus
-the activations (rows × width × layers, fp32, forward and backward: a few MiB here). The
-target: the training phase's peak within 15 % of it. FSDP2's own all-gathered units (a layer,
+The anchors: the arithmetic — the training state over N (weights, gradients, two moments) plus
+the activations (rows × width × layers, fp32, forward and backward: a few MiB here), the
+training phase's peak to be within 15 % of it; and torch's own ``fully_shard`` in N plain
+processes on the same model and batches (:mod:`benchmarks.fsdp_memory_anchor`: its peak while
+it trains), within 15 % of which ours should be too. FSDP2's own all-gathered units (a layer,
 W² values, while it runs forward or backward, and its whole gradient before it is
-reduce-scattered) come on top, as does the whole model arriving pickled before it is sharded
-(the loading phase).
+reduce-scattered) come on top of the arithmetic for both, as does, for ours, the whole model
+arriving pickled before it is sharded (the loading phase).
 
 What the figures point to, on CPU: glibc's heap. Blocks under the daemon's mmap threshold
 (32 MiB, :mod:`protocol.asyncio.memory`) come from the heap and fragment it: with 16 layers of
@@ -44,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import fsdp_memory_anchor
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target
 
@@ -118,11 +123,11 @@ def run(
     replicas: Sequence[int] = REPLICAS,
     width: int = WIDTH,
     layers: int = LAYERS,
-    checkpoints: bool = True,
+    checkpoints: bool = False,
 ) -> dict[str, Any]:
     """Each N's per-replica peaks by phase, over the idle daemon (module docstring); without
-    ``checkpoints`` the job saves none (``checkpoint_every=0``), so the coordinator's rise at
-    the end is the result's alone.
+    ``checkpoints`` the job saves none (``checkpoint_every=0``): the training phase is the
+    training alone, and the coordinator's rise at the end the result's.
 
     Returns:
         ``{"width", "state_bytes", "activation_bytes", "by_n": {N: {"idle", "loading",
@@ -171,6 +176,8 @@ def run(
                             marks["trained"] = time.monotonic()
                     job.result(timeout=60)
                 by_n[n] = _phases(sampler.samples, idle, marks)
+    for n in replicas:  # the anchor, alone on the machine
+        by_n[n]["fully_shard"] = max(fsdp_memory_anchor.peaks(n, width, layers, ROWS, BATCH))
     return {
         "width": width,
         "layers": layers,
@@ -209,7 +216,8 @@ def _phases(
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
-    """Per N, the training peak per replica against the state over N plus activations."""
+    """Per N, the training peak per replica against the state over N plus activations, and
+    against torch's own ``fully_shard``'s."""
     out = []
     state, activations = results["state_bytes"], results["activation_bytes"]
     for n, figures in sorted(results["by_n"].items()):
@@ -232,6 +240,17 @@ def rows(results: dict[str, Any]) -> list[Row]:
                 ),
             )
         )
+        out.append(
+            Row(
+                bench="sharded_memory",
+                name=f"DataParallel({n}, sharding='full') peak per replica, training",
+                ours=figures["training"] / 2**20,
+                unit="MiB",
+                anchor=figures["fully_shard"] / 2**20,
+                anchor_name=f"torch fully_shard, {n} plain processes",
+                target=Target("<=", 1 + TARGET, text=f"within {TARGET:.0%} of fully_shard's"),
+            )
+        )
     return out
 
 
@@ -251,23 +270,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--replicas", type=int, nargs="+", default=list(REPLICAS))
     parser.add_argument(
-        "--no-checkpoints",
+        "--checkpoints",
         action="store_true",
-        help="checkpoint_every=0: the coordinator's rise at the end is the result's alone",
+        help="checkpoint at the end (its snapshot then counts in the training phase)",
     )
     args = parser.parse_args(argv)
-    results = run(args.replicas, args.width, args.layers, not args.no_checkpoints)
+    results = run(args.replicas, args.width, args.layers, args.checkpoints)
     state = results["state_bytes"]
     print(
         f"{args.layers} × Linear({args.width}, {args.width}), Adam: training state "
         f"{state / 2**20:.0f} MiB, activations {results['activation_bytes'] / 2**20:.1f} MiB"
     )
-    print("  N   state/N   loading  training   reading   (per replica, over idle; MiB)")
+    print(
+        "  N   state/N   loading  training   reading  fully_shard   (per replica, over idle; MiB)"
+    )
     for n, f in sorted(results["by_n"].items()):
         print(
             f"  {n}  {state / n / 2**20:8.0f}  {f['loading'] / 2**20:8.0f}  "
-            f"{f['training'] / 2**20:8.0f}  {f['reading'] / 2**20:8.0f}   idle "
-            f"{f['idle'] / 2**20:.0f}" + _coordinator_note(results, f)
+            f"{f['training'] / 2**20:8.0f}  {f['reading'] / 2**20:8.0f}  "
+            f"{f['fully_shard'] / 2**20:11.0f}   idle {f['idle'] / 2**20:.0f}"
+            + _coordinator_note(results, f)
         )
     print(f"took {results['seconds']:.0f} s")
 
