@@ -212,7 +212,7 @@ async def serve(
         _heartbeat(channel, interval, heartbeat_timeout, current_job)
     )
     link: asyncio.Future[None] = asyncio.ensure_future(
-        _watch_link(ws, interval, heartbeat_timeout, url)
+        _watch_link(ws, channel, interval, heartbeat_timeout, url)
     )
     stopped: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
     over: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(shutdown))
@@ -237,28 +237,37 @@ async def serve(
     return f"connection lost ({channel.close_reason or 'closed'})"
 
 
-async def _watch_link(ws: ClientConnection, interval: float, timeout: float, url: str) -> None:  # noqa: ASYNC109
-    """Ping the coordinator every ``interval`` seconds; raise :class:`LinkDead` once no pong
-    has come for ``timeout`` seconds.
+async def _watch_link(
+    ws: ClientConnection,
+    channel: Channel,
+    interval: float,
+    timeout: float,  # noqa: ASYNC109 - the coordinator's heartbeat timeout
+    url: str,
+) -> None:
+    """Ping the coordinator every ``interval`` seconds; raise :class:`LinkDead` once for
+    ``timeout`` seconds no pong has come and nothing went out.
 
     Heartbeats go one way, and a cut link fails no send until the kernel's buffers fill:
     with nothing to wait for, an agent would sit on a dead connection for as long as TCP
     retries (many minutes). A pong is the answer to wait for — any pong, since one
     acknowledges every ping before it (RFC 6455 §5.5.3) — under the coordinator's own
-    contract: silent for longer than the heartbeat timeout is gone.
+    contract: silent for longer than the heartbeat timeout is gone. But a ping sent while a
+    large reply streams out waits behind it, and so does its pong: the link lives as long as
+    the transport keeps taking the reply's chunks (``channel.chunk_sent_at``), which it stops
+    doing once a cut link's buffers fill. (Heartbeats do not count: a cut link takes small
+    messages into its buffers for minutes.)
     """
-    loop = asyncio.get_running_loop()
     interval = max(interval, 0.01)
-    answered = loop.time()
+    answered = time.monotonic()
 
     def on_pong(waiter: asyncio.Future[float]) -> None:
         nonlocal answered
         # exception() also marks a ping failed by the connection's end as retrieved.
         if not waiter.cancelled() and waiter.exception() is None:
-            answered = loop.time()
+            answered = time.monotonic()
 
     while True:
-        silent = loop.time() - answered
+        silent = time.monotonic() - max(answered, channel.chunk_sent_at)
         if silent > timeout:
             dead = LinkDead(
                 f"the coordinator answered no ping for {silent:.1f}s (timeout {timeout}s)"

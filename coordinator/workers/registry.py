@@ -53,6 +53,13 @@ class WorkerRecord:
     peer_address: str | None = None  # where other workers can dial it for tensors
     remote_host: str | None = None  # the address its connection came from, as seen here
 
+    def heard(self) -> float:
+        """When this worker was last heard from: its last heartbeat, or the last message (a
+        chunk of one counts) its connection brought — a worker streaming a large reply is
+        alive, though its heartbeats wait behind it."""
+        received = self.channel.received_at if self.channel is not None else 0.0
+        return max(self.last_heartbeat, received)
+
     @property
     def identity(self) -> WorkerIdentity:
         rows = {name: d.rows for name, d in self.datasets.items()}
@@ -186,14 +193,15 @@ class Registry:
         return [w for w in self._workers.values() if w.connected and w.state is WorkerState.IDLE]
 
     def reap(self, now: float | None = None) -> list[WorkerRecord]:
-        """Declare connected workers silent past the heartbeat timeout lost; returns them.
+        """Declare connected workers silent past the heartbeat timeout (not heard from:
+        :meth:`WorkerRecord.heard`) lost; returns them.
 
         The caller closes their connections (which fails their pending commands).
         """
         now = time.monotonic() if now is None else now
         lost = []
         for record in self._workers.values():
-            silent = now - record.last_heartbeat
+            silent = now - record.heard()
             if record.connected and silent > self.heartbeat_timeout:
                 record.state = WorkerState.LOST
                 record.reason = (

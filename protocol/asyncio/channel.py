@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -185,6 +186,11 @@ class Channel:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.bytes_out = 0
+        # When the last WebSocket message (a chunk counts) came in, and when the transport last
+        # took a chunk of a large message going out (once a cut link's buffers fill it takes
+        # none; small messages it takes for minutes): signs of a live link while a large
+        # message streams past the heartbeats, pings and pongs queued behind it.
+        self.received_at = self.chunk_sent_at = time.monotonic()
 
     @property
     def bytes_in(self) -> int:
@@ -261,6 +267,7 @@ class Channel:
                 # One lock per chunk, not per message: a heartbeat or reply may pass in between.
                 async with self._send_lock:
                     await self._write(chunk, last=end == size)
+                self.chunk_sent_at = time.monotonic()
         self.bytes_out += size
 
     async def _write(self, data: bytes, *, last: bool = True) -> None:
@@ -363,6 +370,7 @@ class Channel:
         """
         while True:
             payload = await self.transport.recv()
+            self.received_at = time.monotonic()
             if first:
                 check_first(payload)
             message = self._take(payload)
@@ -449,6 +457,7 @@ class Channel:
                 except Exception as exc:  # the transport's own "connection closed"
                     self.close_reason = self.close_reason or str(exc) or type(exc).__name__
                     return
+                self.received_at = time.monotonic()
                 try:
                     frame = self._frame(payload)
                     if frame is not None:

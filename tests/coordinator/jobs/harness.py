@@ -30,10 +30,12 @@ class Boom(sz.Filter):
 
 
 class FakeChannel:
-    """What the registry reads of a connection: whether it is closed."""
+    """What the registry reads of a connection: whether it is closed, when it last brought
+    a message."""
 
     def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self.received_at = 0.0
 
     def close(self) -> None:
         self.closed.set()

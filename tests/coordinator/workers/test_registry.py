@@ -15,10 +15,12 @@ CAPS = Capabilities(cpus=2, memory_bytes=1 << 30, torch="2", python="3.11", clou
 
 
 class FakeChannel:
-    """What the registry reads of a connection: whether it is closed."""
+    """What the registry reads of a connection: whether it is closed, when it last brought
+    a message."""
 
     def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self.received_at = 0.0
 
     def close(self) -> None:
         self.closed.set()
@@ -82,6 +84,19 @@ def test_a_worker_disconnecting_during_a_job_is_lost_and_an_old_connection_is_ig
     registry.detach(record, new, "connection reset")
     assert record.state is WorkerState.LOST and record.reason == "connection reset"
     assert registry.counts()[WorkerState.LOST] == 1
+
+
+def test_a_worker_whose_connection_brings_chunks_is_heard_though_its_heartbeats_wait():
+    # A large reply streams in: its heartbeats queue behind it, its chunks keep coming.
+    registry, _ = _registry(timeout=5.0)
+    channel = FakeChannel()
+    streaming = registry.attach("streaming", [], CAPS, channel)
+    base = streaming.last_heartbeat
+    channel.received_at = base + 4.0  # a chunk, no heartbeat
+    assert registry.reap(now=base + 6.5) == []
+    assert streaming.heard() == base + 4.0
+    lost = registry.reap(now=base + 9.5)  # then nothing at all
+    assert lost == [streaming] and streaming.reason == "no heartbeat for 5.5s (timeout 5.0s)"
 
 
 def test_reap_declares_silent_connected_workers_lost():

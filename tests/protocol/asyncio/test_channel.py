@@ -79,6 +79,27 @@ def test_request_reply_and_a_large_tensor_in_chunks():
     asyncio.run(main())
 
 
+def test_what_comes_in_and_the_chunks_that_go_out_set_the_channels_clocks():
+    # When the last message (a chunk counts) came in, and the last chunk of a large one went
+    # out: what the coordinator's reaper and the agent's link watch take for signs of life.
+    big = torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32)
+
+    async def handler(message):
+        return Result(result={"echo": big})
+
+    async def main():
+        server, client, reader, served = await _pair(handler)
+        try:
+            before = time.monotonic()
+            await client.request(Status(), timeout=10 * UNIT)
+            assert before < served.received_at < served.chunk_sent_at  # its reply, in chunks
+            assert client.chunk_sent_at < before < client.received_at  # a small request
+        finally:
+            await _close(server, client, reader)
+
+    asyncio.run(main())
+
+
 def test_a_stream_of_events_ends_with_an_ack():
     async def handler(message):
         channel = served[0]
