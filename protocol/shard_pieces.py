@@ -78,22 +78,13 @@ def joined(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Raises:
         PiecesMismatch: the replicas name other split paths, or their rows cannot be stacked.
     """
-    first, split = pieces[0], _split(pieces)
-    whole = {"states": _copied(first["states"])}
-    for path in split:
+    check(pieces)
+    whole = {"states": _copied(pieces[0]["states"])}
+    for path in Layout.of(pieces[0]).split:
         rows = [_at(piece, path) for piece in pieces]
-        _put(whole, path, _stacked(rows, path))
+        _put(whole, path, _stacked(rows))
     states: dict[str, Any] = whole["states"]
     return states
-
-
-def _split(pieces: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
-    """The paths of the split tensors, which every replica must name alike."""
-    split = [list(path) for path in pieces[0]["split"]]
-    for r, piece in enumerate(pieces[1:], start=1):
-        if [list(path) for path in piece["split"]] != split:
-            raise PiecesMismatch(f"replica {r} split other tensors than replica 0")
-    return split
 
 
 def _rows_kind(value: Any) -> tuple[tuple[int, ...], str] | None:
@@ -129,14 +120,10 @@ def _put(tree: dict[str, Any], path: Sequence[Any], value: Any) -> None:
     _at(tree, path[:-1])[path[-1]] = value
 
 
-def _stacked(rows: Sequence[Any], path: Sequence[Any]) -> Any:
-    """The replicas' ``rows`` of one tensor, in rank order, as the whole tensor. Rows that
-    came as torch tensors (the codec imported torch to decode them: the coordinator does not
-    import it for itself) are joined as tensors."""
+def _stacked(rows: Sequence[Any]) -> Any:
+    """The replicas' ``rows`` of one tensor (checked to stack: :class:`Layout`), in rank order,
+    as the whole tensor; rows that came as torch tensors are joined as tensors."""
     torch = sys.modules.get("torch")
-    try:
-        if torch is not None and all(isinstance(r, torch.Tensor) for r in rows):
-            return torch.cat(list(rows), dim=0)
-        return np.concatenate([np.asarray(r) for r in rows], axis=0)
-    except (RuntimeError, ValueError) as exc:
-        raise PiecesMismatch(f"the replicas' rows of {_where(path)} do not stack: {exc}") from exc
+    if torch is not None and all(isinstance(r, torch.Tensor) for r in rows):
+        return torch.cat(list(rows), dim=0)
+    return np.concatenate([np.asarray(r) for r in rows], axis=0)

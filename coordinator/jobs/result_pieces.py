@@ -112,8 +112,7 @@ class ResultPieces:
         Raises:
             OSError: the file could not be written (those written before stay, unreferenced).
         """
-        folder = self._folder(job_id)
-        folder.mkdir(mode=0o700, exist_ok=True)
+        folder = private_directory(self._folder(job_id))
         return write_atomically(folder / f"{replica}{SUFFIX}", encode(pieces))
 
     def read(self, job_id: str, replica: int) -> Any:
