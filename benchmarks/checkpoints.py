@@ -7,7 +7,8 @@
 cross-entropy on random rows, 256 per replica, global batch 512) with
 ``sz.DataParallel(2, collective="torch", checkpoint_every=K, keep_checkpoints=2)`` (with
 ``--sharding``, the model sharded so: each checkpoint every replica's shards saved with
-torch.distributed.checkpoint as the chunk ends, its files in the replies; with ``--strategy
+torch.distributed.checkpoint as the chunk ends, its files kept on the workers and read from
+there a piece at a time while training goes on; with ``--strategy
 model_parallel``, the same MLP as a pipeline of two stages, ``Linear(784, 2048)`` + ReLU on one
 worker and the rest on the other, ``sz.ModelParallel(..., micro_batches=2, transport="torch")``:
 each checkpoint every stage's states in the replies of the chunk it ends) on one

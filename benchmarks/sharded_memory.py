@@ -14,9 +14,10 @@ Per replica, and per phase as the job's events mark them — *loading* (the filt
 until the replicas say what they hold), *training* (until the last step's progress) and
 *reading* (the result, read from each replica's shards) — the peak over the daemon's resident
 memory when idle (its Python and torch, read before the job). And the coordinator's rise while
-it reads and keeps the result (its peak after the last step over its resident memory then;
-without ``--checkpoints``: else the last checkpoint's files arrive then too): one replica's
-pieces of the model at a time, never the whole.
+it reads and keeps the result (its peak after the last step over its resident memory then): one
+replica's pieces of the model at a time, never the whole; and its peak over the whole job, over
+its memory before it: the submitted model, which it holds whole for the job's life, and with
+``--checkpoints`` the checkpoints' files, which it reads from the workers a piece at a time.
 
 The anchors: the arithmetic — the training state over N (weights, gradients, two moments) plus
 the activations (rows × width × layers, fp32, forward and backward: a few MiB here), the
@@ -194,14 +195,25 @@ def _phases(
 ) -> dict[str, int]:
     """The job's daemons' largest peak above idle in each phase, and their idle memory; and
     the coordinator's rise while the result is read (``coordinator_reading``: its peak then
-    over its resident memory as training ended)."""
+    over its resident memory as training ended), while the replicas train
+    (``coordinator_training``: over its memory as they began; a checkpoint's files come then)
+    and over the whole job (``coordinator_job``: its peak over its memory before the job)."""
     trained = marks.get("trained", float("inf"))
     before = [s.get(COORDINATOR, 0) for t, s in samples if t < trained]
     after = [s.get(COORDINATOR, 0) for t, s in samples if t >= trained]
     rise = max(after, default=0) - (before[-1] if before else 0)
     groups = {g for _, seen in samples for g in seen if g in idle and g != COORDINATOR}
     busy = {g for g in groups if max(s.get(g, 0) for _, s in samples) - idle[g] > 64 << 20}
-    out = {"idle": max((idle[g] for g in busy), default=0), "coordinator_reading": max(rise, 0)}
+    peak = max((s.get(COORDINATOR, 0) for _, s in samples), default=0)
+    sharded = marks.get("sharded", 0.0)
+    loaded = [s.get(COORDINATOR, 0) for t, s in samples if t < sharded]
+    training = [s.get(COORDINATOR, 0) for t, s in samples if sharded <= t < trained]
+    out = {
+        "idle": max((idle[g] for g in busy), default=0),
+        "coordinator_reading": max(rise, 0),
+        "coordinator_training": max(max(training, default=0) - (loaded or [0])[-1], 0),
+        "coordinator_job": max(peak - idle.get(COORDINATOR, peak), 0),
+    }
     spans = {
         "loading": (0.0, marks.get("sharded", 0.0)),
         "training": (marks.get("sharded", 0.0), marks.get("trained", float("inf"))),
@@ -254,11 +266,14 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 
 def _coordinator_note(results: dict[str, Any], figures: dict[str, int]) -> str:
-    """The coordinator's rise while it keeps the result, where nothing else came then (no
-    checkpoint at the end)."""
-    if results["checkpoints"]:
-        return ""
-    return f"; the coordinator +{figures['coordinator_reading'] / 2**20:.0f} MiB keeping the result"
+    """The coordinator's rise while it keeps the result, and its peak over the job (the
+    submitted model, whole, and with checkpoints their files, read from the workers a piece
+    at a time)."""
+    return (
+        f"; the coordinator +{figures['coordinator_training'] / 2**20:.0f} MiB while they "
+        f"train, +{figures['coordinator_reading'] / 2**20:.0f} MiB keeping the result, "
+        f"+{figures['coordinator_job'] / 2**20:.0f} MiB at its peak over the job"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

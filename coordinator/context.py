@@ -43,6 +43,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.kept_files import files_at
 from protocol.options.devices import device_fits
 
 if TYPE_CHECKING:
@@ -188,6 +189,29 @@ class StrategyContext(ABC):
         the prefix of the mailbox keys each may deliver to it (a delivery from any other
         worker, or to any other key, is refused); ``{"direct", "relay"}``."""
         raise NotImplementedError(f"{type(self).__name__} has no peer links")
+
+    async def call_keeping(
+        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+    ) -> Any:
+        """:meth:`call`, the files in its result at the keys ``keep`` (``{name: bytes}``) left
+        on the worker: in their place the result holds ``{"kept": id, "files": {name: size}}``
+        for :meth:`read_kept` and :meth:`drop_kept` (:attr:`protocol.messages.Call.keep`).
+
+        Raises:
+            NotImplementedError: this context's workers keep no files.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no files on its workers")
+
+    async def read_kept(
+        self, worker_idx: int, kept: str, name: str, offset: int, length: int
+    ) -> bytes:
+        """Bytes ``[offset, offset + length)`` of file ``name`` a :meth:`call_keeping` left on
+        the worker under ``kept`` (fewer where it ends)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no files on its workers")
+
+    async def drop_kept(self, worker_idx: int, kept: str) -> None:
+        """Remove the files a :meth:`call_keeping` left on the worker under ``kept``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no files on its workers")
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Load the job's pickled filters (node id → bytes, graph order) on a worker."""
@@ -339,6 +363,7 @@ class InMemoryContext(StrategyContext):
         self._locks = [asyncio.Lock() for _ in self.workers]
         self._ids = itertools.count(1)
         self._names = itertools.count(len(self.workers))
+        self._kept: dict[tuple[str, str], dict[str, bytes]] = {}  # (worker, id) → files
 
     def lose(self, worker_idx: int, reason: str = "its connection closed") -> None:
         """The in-memory counterpart of a worker's connection closing: the call it is running
@@ -397,13 +422,43 @@ class InMemoryContext(StrategyContext):
             raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
         return reply["result"]
 
-    def _check_alive(self, worker: WorkerIdentity, request: DaemonRequest) -> None:
+    async def call_keeping(
+        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+    ) -> Any:
+        result = await self.call(worker_idx, request)
+        worker = self.workers[worker_idx]
+        try:
+            parent, files = files_at(result, keep)
+        except ValueError as exc:
+            info = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"{request.cmd}'s reply: {exc}")
+            raise WorkerCallError(worker.id, info) from None
+        kept = f"{next(self._ids)}"
+        self._kept[(worker.id, kept)] = {name: bytes(data) for name, data in files.items()}
+        parent[keep[-1]] = {"kept": kept, "files": {n: len(d) for n, d in files.items()}}
+        return result
+
+    async def read_kept(
+        self, worker_idx: int, kept: str, name: str, offset: int, length: int
+    ) -> bytes:
+        worker = self.workers[worker_idx]
+        self._check_alive(worker, "read_kept")
+        files = self._kept.get((worker.id, kept), {})
+        if name not in files:
+            info = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"no file {name!r} kept here")
+            raise WorkerCallError(worker.id, info)
+        return files[name][offset : offset + length]
+
+    async def drop_kept(self, worker_idx: int, kept: str) -> None:
+        self._kept.pop((self.workers[worker_idx].id, kept), None)
+
+    def _check_alive(self, worker: WorkerIdentity, request: DaemonRequest | str) -> None:
         if worker.id in self._gone:
             reason = self._gone[worker.id]
+            cmd = request if isinstance(request, str) else request.cmd
             info = ErrorInfo(
                 code=ErrorCode.WORKER_LOST,
-                message=f"lost during {request.cmd}: {reason}",
-                detail={"cmd": request.cmd, "reason": reason},
+                message=f"lost during {cmd}: {reason}",
+                detail={"cmd": cmd, "reason": reason},
             )
             raise WorkerCallError(worker.id, info)
 

@@ -11,7 +11,8 @@ Conversation shapes:
 
 * worker agent → coordinator: :class:`WorkerHello` → :class:`Welcome`; then :class:`Heartbeat`
   every ``heartbeat_interval``; the coordinator sends :class:`OpenJob`, :class:`Call`,
-  :class:`CloseJob` (each answered by :class:`Ack`, :class:`Result` or :class:`Error`) and
+  :class:`CloseJob`, :class:`ReadKept`, :class:`DropKept` (each answered by :class:`Ack`,
+  :class:`Result` or :class:`Error`) and
   :class:`Shutdown` when it goes away.
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
@@ -230,6 +231,13 @@ class Call(_Message):
     pipeline stage's whole schedule can so be sent at once and run back to back, with no round
     trip to the coordinator between two micro-batches. After a sequenced call fails, the later
     ones fail at once.
+
+    ``keep`` names, by the keys that lead to it, a part of the result that holds files
+    (``{name: bytes}``, a sharded checkpoint's, say): the agent writes them to its own disk and
+    replies with ``{"kept": id, "files": {name: size}}`` in their place, and the coordinator
+    reads them a piece at a time (:class:`ReadKept`) while the job goes on, then drops them
+    (:class:`DropKept`; they go with the job too). So no reply of a replica ever brings the
+    coordinator a file whole.
     """
 
     kind: Literal["call"] = "call"
@@ -240,6 +248,33 @@ class Call(_Message):
     input_field: str = "x"
     output_to: PeerRoute | None = None
     seq: int | None = Field(default=None, ge=0)
+    keep: list[str] | None = Field(default=None, min_length=1)
+
+
+MAX_KEPT_READ = 64 << 20
+"""The most bytes one :class:`ReadKept` asks for: what the agent reads into its memory."""
+
+
+class ReadKept(_Message):
+    """Bytes ``[offset, offset + length)`` of file ``name`` that a call of ``job_id`` left on
+    the worker (:attr:`Call.keep`), under the id ``kept`` its reply gave (→ :class:`Result`
+    with the bytes: fewer only where the file ends)."""
+
+    kind: Literal["read_kept"] = "read_kept"
+    job_id: str
+    kept: str
+    name: str
+    offset: int = Field(ge=0)
+    length: int = Field(gt=0, le=MAX_KEPT_READ)
+
+
+class DropKept(_Message):
+    """The files a call of ``job_id`` left on the worker under ``kept`` are read: remove them
+    (an unknown id is already gone)."""
+
+    kind: Literal["drop_kept"] = "drop_kept"
+    job_id: str
+    kept: str
 
 
 class Links(_Message):
@@ -493,6 +528,8 @@ Message = Annotated[
     | PeerHello
     | Probe
     | CloseJob
+    | ReadKept
+    | DropKept
     | Submit
     | Watch
     | JobEvent

@@ -25,7 +25,8 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   retrying cannot fix (:data:`FATAL_CODES`, or HTTP 401/403 on the upgrade) ends :meth:`run` with
   :class:`RegistrationRefused`; anything else is retried.
 * **Serve.** Requests are dispatched through a handler table (``open_job``, ``call``,
-  ``close_job``, ``links``, ``deliver``, ``probe``, ``shutdown``); each runs in a task of the
+  ``close_job``, ``links``, ``deliver``, ``probe``, ``read_kept``, ``drop_kept``,
+  ``shutdown``); each runs in a task of the
   channel's, so a long ``call`` never holds up another job, a reply or a heartbeat. Heartbeats
   go out every ``heartbeat_interval`` from their own task; daemon I/O never blocks the loop (see
   :mod:`worker.daemon.supervisor`), so they keep flowing while a filter computes.
@@ -84,6 +85,7 @@ from worker.errors import (
     UntrustedCoordinator,
 )
 from worker.job_handlers import JobHandlers
+from worker.kept_files import KeptFiles
 from worker.lifecycle import Lifecycle, Phase
 from worker.link import (
     FATAL_CODES,
@@ -156,6 +158,7 @@ class Agent:
             max_message_bytes=config.max_message_bytes,
             tls=self._ssl,
         )
+        self._kept = KeptFiles()
         self._jobs = JobHandlers(
             config,
             self._pool,
@@ -163,6 +166,7 @@ class Agent:
             self._lifecycle,
             worker_id=lambda: self._worker_id,
             coordinator=lambda: self._channel,
+            kept=self._kept,
         )
         self._peer_server = None
         if config.peer_listen:
@@ -174,6 +178,8 @@ class Agent:
             "deliver": self._jobs.deliver,
             "close_job": self._jobs.close_job,
             "probe": self._jobs.probe,
+            "read_kept": self._jobs.read_kept,
+            "drop_kept": self._jobs.drop_kept,
             "shutdown": self.on_shutdown,
         }
 
@@ -274,6 +280,7 @@ class Agent:
                 await self._peer_server.stop()
             await self._pool.close_fork_server()
             await asyncio.to_thread(self._pool.release)
+            await asyncio.to_thread(self._kept.close)
             self._lifecycle.finish()
             self._sync()
 

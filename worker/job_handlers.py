@@ -4,7 +4,9 @@ A job is one daemon (from :class:`~worker.daemon.pool.DaemonPool`) and the tasks
 ``call`` forwards one daemon command; with ``input_from`` it first waits for that mailbox key,
 with ``output_to`` its result goes, encoded, to that worker's mailbox — over a direct peer link
 (:class:`~worker.peer.PeerLinks`), or as a ``deliver`` the coordinator relays. Sequenced calls
-(``Call.seq``) take their turn through the job's :class:`~worker.peer.CallOrder`.
+(``Call.seq``) take their turn through the job's :class:`~worker.peer.CallOrder`. Files a call
+asks to keep (``Call.keep``) stay on this worker's disk (:class:`~worker.kept_files.KeptFiles`)
+for ``read_kept`` until ``drop_kept`` or the job's close.
 
 A refused request raises :class:`~protocol.errors.RequestRefused`, which the channel sends as
 the error reply; a daemon's own error keeps its code, message and detail, plus ``worker_id``
@@ -23,15 +25,18 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.daemon import LoadRequest
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
+from protocol.kept_files import files_at
 from protocol.messages import (
     Ack,
     Call,
     CloseJob,
     Deliver,
+    DropKept,
     Links,
     OpenJob,
     PeerHello,
     Probe,
+    ReadKept,
     Result,
 )
 from protocol.peer_credentials import matches
@@ -39,6 +44,7 @@ from worker.config import AgentConfig
 from worker.daemon.pool import DaemonPool
 from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonError, DeliveredTwice, MailboxDropped, MailboxFull, OutOfOrder
+from worker.kept_files import KeptFiles
 from worker.lifecycle import Lifecycle
 from worker.peer import CallOrder, Mailbox, PeerLinks
 from worker.tasks import cancelling, owned_task
@@ -75,6 +81,7 @@ class JobHandlers:
         lifecycle: whether a job may open now.
         worker_id: this worker's id, for error messages (it may change at a welcome).
         coordinator: the coordinator's channel while connected, to relay deliveries.
+        kept: where the files calls ask to keep go (``Call.keep``).
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class JobHandlers:
         lifecycle: Lifecycle,
         worker_id: Callable[[], str | None],
         coordinator: Callable[[], Channel | None],
+        kept: KeptFiles,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -92,6 +100,7 @@ class JobHandlers:
         self._lifecycle = lifecycle
         self._worker_id = worker_id
         self._coordinator = coordinator
+        self._kept = kept
         self.jobs: dict[str, _Job] = {}
         self.mailbox = Mailbox()
 
@@ -158,6 +167,7 @@ class JobHandlers:
 
     async def _close_job(self, job: _Job) -> None:
         self.mailbox.drop(job.job_id)
+        await asyncio.to_thread(self._kept.drop, job.job_id)
         await self._links.drop_job(job.job_id)
         for task in list(job.calls):
             task.cancel()  # the supervisor kills a daemon whose request is cancelled
@@ -206,7 +216,40 @@ class JobHandlers:
             return await self._deliver_output(
                 job, message.output_to.worker, message.output_to.key, result
             )
+        if message.keep is not None:
+            result = await self._keep(job, cmd, result, message.keep)
         return Result(result=result)
+
+    async def _keep(self, job: _Job, cmd: str, result: Any, keys: list[str]) -> Any:
+        """``result`` with the files at ``keys`` written here and their names and sizes in
+        their place (``Call.keep``)."""
+        try:
+            parent, files = files_at(result, keys)
+        except ValueError as exc:
+            raise RequestRefused(
+                self._job_info(job, ErrorCode.BAD_REQUEST, f"{cmd}'s reply kept: {exc}")
+            ) from exc
+        parent[keys[-1]] = await asyncio.to_thread(self._kept.keep, job.job_id, files)
+        return result
+
+    async def read_kept(self, message: ReadKept) -> Result:
+        """A piece of a file a call of the job kept here."""
+        if message.job_id not in self.jobs:
+            raise RequestRefused(self._unknown_job(message.job_id))
+        piece = await asyncio.to_thread(
+            self._kept.read,
+            message.job_id,
+            message.kept,
+            message.name,
+            message.offset,
+            message.length,
+        )
+        return Result(result=piece)
+
+    async def drop_kept(self, message: DropKept) -> Ack:
+        """Remove the files a call of the job kept here under ``message.kept``."""
+        await asyncio.to_thread(self._kept.drop, message.job_id, message.kept)
+        return Ack()
 
     async def _run_call(self, job: _Job, message: Call, cmd: str, timeout: float) -> Any:  # noqa: ASYNC109
         """Take the call's input from the mailbox if it names one, then run it on the daemon."""

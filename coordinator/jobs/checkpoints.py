@@ -6,7 +6,9 @@ what it holds (:class:`Checkpoint`). It is written to
 ``<state_dir>/checkpoints/<job id>/<seq>.ckpt`` as one :mod:`protocol.codec` frame followed by its
 SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A sharded run's
 replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
-first, as they came (never joined here), and the frame lists them with their digests. A torn
+first (never joined here): read from where the replicas left them a piece at a time
+(:class:`ShardFiles`, at most ``piece_bytes`` in memory at once), each piece written before the
+next is asked for (:class:`ShardsWriter`), and the frame lists them with their digests. A torn
 or damaged file fails its digest and is never used (the one before it is); the previous
 checkpoint is removed only once the new one is complete, and the last ``keep`` are kept.
 
@@ -36,12 +38,19 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
+from coordinator.errors import WorkerCallError
+from coordinator.jobs.disk import (
+    AtomicFile,
+    job_path,
+    private_directory,
+    read_whole,
+    write_atomically,
+)
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
@@ -54,6 +63,9 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointStore",
     "JobCheckpoints",
+    "ShardFiles",
+    "ShardsWriter",
+    "piece_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +80,16 @@ many seconds of training since the last checkpoint, whichever comes first."""
 SUFFIX = ".ckpt"
 SHARDS_SUFFIX = ".shards"
 DIGEST_BYTES = hashlib.sha256().digest_size
+PIECE_BYTES = 16 << 20
+"""The most of a sharded checkpoint's file read into the coordinator's memory at once."""
+MIN_PIECE_BYTES = 64 << 10
+
+
+def piece_bytes(room: int) -> int:
+    """How much of a sharded checkpoint's file a coordinator whose workers' replies may hold
+    ``room`` bytes together (``--max-reassembly-bytes``) reads at once: a quarter of that
+    room, the rest left to the replies of its jobs, and at most :data:`PIECE_BYTES`."""
+    return max(MIN_PIECE_BYTES, min(PIECE_BYTES, room // 4))
 
 
 @dataclass(frozen=True)
@@ -126,18 +148,30 @@ class CheckpointStore:
     def _job_dir(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
 
+    def shards_writer(self, job_id: str) -> ShardsWriter:
+        """Where the job's next checkpoint's shards' files are written, one at a time, before
+        :meth:`save` lists them (its folder made afresh).
+
+        Raises:
+            OSError: the folder could not be made.
+        """
+        folder = self._job_dir(job_id)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        seq = max(self._seqs(folder), default=0) + 1
+        return ShardsWriter(seq, folder / f"{seq:08d}{SHARDS_SUFFIX}")
+
     def save(
         self,
         job_id: str,
         position: dict[str, Any],
         payload: dict[str, Any],
         keep: int,
-        shards: Mapping[str, bytes] | None = None,
+        shards: ShardsWriter | None = None,
     ) -> Checkpoint:
         """Write the job's next checkpoint atomically and keep only its last ``keep``.
-        ``shards`` (a sharded run's files, by name) go to a folder of their own, written
-        before the checkpoint's file, which lists them with their digests: the checkpoint
-        counts once that file is whole.
+        ``shards`` (a sharded run's files, written already by :meth:`shards_writer`'s writer)
+        are listed in the checkpoint's file with their digests: the checkpoint counts once
+        that file is whole.
 
         Raises:
             OSError: it could not be written (the disk full, say); the ones before stand.
@@ -147,8 +181,10 @@ class CheckpointStore:
         seq = max(self._seqs(folder), default=0) + 1
         written = 0
         if shards is not None:
-            listed, written = _write_shards(folder / f"{seq:08d}{SHARDS_SUFFIX}", shards)
-            payload = payload | {"shards": payload.get("shards", {}) | {"files": listed}}
+            if shards.seq != seq:
+                raise OSError(f"shards written for checkpoint {shards.seq}, not {seq}")
+            written = sum(int(said["bytes"]) for said in shards.listed.values())
+            payload = payload | {"shards": payload.get("shards", {}) | {"files": shards.listed}}
         parts = encode({"position": position, "payload": payload})
         digest = hashlib.sha256()
         for part in parts:
@@ -156,7 +192,7 @@ class CheckpointStore:
         nbytes = write_atomically(folder / f"{seq:08d}{SUFFIX}", [*parts, digest.digest()])
         for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
             _remove(folder, old)
-        where = folder / f"{seq:08d}{SHARDS_SUFFIX}" if shards is not None else None
+        where = shards.folder if shards is not None else None
         return Checkpoint(seq, position, payload, nbytes + written, where)
 
     def latest(self, job_id: str) -> Checkpoint | None:
@@ -249,29 +285,96 @@ def _read(path: Path, seq: int, verify: bool = False) -> Checkpoint:
     return Checkpoint(seq, dict(data["position"]), payload, nbytes, shards)
 
 
-def _write_shards(folder: Path, shards: Mapping[str, bytes]) -> tuple[dict[str, Any], int]:
-    """Each of ``shards`` written to ``folder`` (made afresh: one left by a write that never
-    finished goes); what the checkpoint lists of them (size and digest, by name) and their
-    bytes."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(mode=0o700)
-    listed: dict[str, Any] = {}
-    try:
-        for name, data in shards.items():
-            if not is_plain_file_name(name):
-                raise OSError(f"{name!r} is not a shards' file name")
-            listed[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            write_atomically(folder / name, [data])
-    except OSError:
+class ShardsWriter:
+    """A sharded checkpoint's files being written into its folder (made afresh: one left by a
+    write that never finished goes), each whole or not at all, and what the checkpoint lists
+    of them (``listed``: size and digest by name). Its I/O blocks.
+
+    Raises:
+        OSError: the folder could not be made.
+    """
+
+    def __init__(self, seq: int, folder: Path) -> None:
+        self.seq = seq
+        self.folder = folder
+        self.listed: dict[str, Any] = {}
+        self._open: list[ShardFileWriter] = []
         shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return listed, sum(len(data) for data in shards.values())
+        folder.mkdir(mode=0o700)
+
+    def open(self, name: str) -> ShardFileWriter:
+        """File ``name`` of the shards, to be written.
+
+        Raises:
+            OSError: ``name`` is not a plain file name, is written already, or cannot be made.
+        """
+        if not is_plain_file_name(name) or name in self.listed:
+            raise OSError(f"{name!r} is not a shards' file name, or not a new one")
+        file = ShardFileWriter(name, AtomicFile(self.folder / name))
+        self._open.append(file)
+        return file
+
+    def close(self, file: ShardFileWriter) -> None:
+        """``file`` whole and listed.
+
+        Raises:
+            OSError: it could not be made so.
+        """
+        self._open.remove(file)
+        nbytes = file.file.commit()
+        self.listed[file.name] = {"bytes": nbytes, "sha256": file.digest.hexdigest()}
+
+    def abandon(self) -> None:
+        """Give the checkpoint's files up: the folder gone."""
+        for file in self._open:
+            file.file.abandon()
+        self._open.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass
+class ShardFileWriter:
+    """One file of a sharded checkpoint being written, and its digest so far."""
+
+    name: str
+    file: AtomicFile
+    digest: Any = field(default_factory=hashlib.sha256)
+
+    def write(self, piece: bytes | bytearray | memoryview) -> None:
+        """Append ``piece``.
+
+        Raises:
+            OSError: it could not be written.
+        """
+        self.file.write(piece)
+        self.digest.update(piece)
 
 
 def _remove(folder: Path, seq: int) -> None:
     """Checkpoint ``seq``'s file and its shards' folder gone."""
     (folder / f"{seq:08d}{SUFFIX}").unlink(missing_ok=True)
     shutil.rmtree(folder / f"{seq:08d}{SHARDS_SUFFIX}", ignore_errors=True)
+
+
+class ShardFiles(Protocol):
+    """A sharded checkpoint's files where its replicas left them (each worker's disk), read a
+    piece at a time (:meth:`JobCheckpoints.save`)."""
+
+    def sizes(self) -> dict[str, int]:
+        """Every file's size, by name."""
+        ...
+
+    async def read(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of file ``name``.
+
+        Raises:
+            WorkerCallError: its worker could not give them.
+        """
+        ...
+
+    async def release(self) -> None:
+        """The files are no longer needed where they were left (never raises)."""
+        ...
 
 
 @dataclass
@@ -285,6 +388,7 @@ class JobCheckpoints:
         emit: the job's event callback.
         resume: what the run starts from (``None``: the beginning).
         source: the job ``resume`` is a checkpoint of: this one, or the one it continues.
+        piece_bytes: the most of a sharded checkpoint's file read at once (:func:`piece_bytes`).
     """
 
     job_id: str
@@ -293,6 +397,7 @@ class JobCheckpoints:
     emit: Callable[[str, dict[str, Any]], Awaitable[None]]
     resume: Checkpoint | None = None
     source: str | None = None
+    piece_bytes: int = PIECE_BYTES
     _writing: asyncio.Task[bool] | None = field(default=None, repr=False)
 
     def resumed(self) -> dict[str, Any]:
@@ -306,11 +411,11 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: dict[str, Any],
-        shards: Mapping[str, bytes] | None = None,
+        shards: ShardFiles | None = None,
     ) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is
-        written), with a sharded run's ``shards`` (files by name, :meth:`CheckpointStore.save`);
-        neither must change meanwhile."""
+        written), with a sharded run's ``shards``, read where they were left a piece at a
+        time and released once written (or given up); ``payload`` must not change meanwhile."""
         await self.flush()
         self._writing = asyncio.create_task(self._write(position, payload, shards))
 
@@ -323,23 +428,52 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: dict[str, Any],
-        shards: Mapping[str, bytes] | None,
+        shards: ShardFiles | None,
     ) -> bool:
         began = time.perf_counter()
         try:
+            written = None if shards is None else await self._fetch(shards)
             saved = await asyncio.to_thread(
-                self.store.save, self.job_id, position, payload, self.keep, shards
+                self.store.save, self.job_id, position, payload, self.keep, written
             )
-        except (OSError, FrameError) as exc:
+        except (OSError, FrameError, WorkerCallError) as exc:
             log.warning("job %s: the checkpoint at %s failed: %s", self.job_id, position, exc)
             await self.emit("checkpoint_failed", position | {"error": f"{exc}"})
             return False
+        finally:
+            if shards is not None:
+                await shards.release()
         seconds = time.perf_counter() - began
         await self.emit(
             "checkpoint",
             position | {"seq": saved.seq, "bytes": saved.nbytes, "seconds": round(seconds, 4)},
         )
         return True
+
+    async def _fetch(self, shards: ShardFiles) -> ShardsWriter:
+        """``shards``' files written to the store, each read in pieces of at most
+        :attr:`piece_bytes` and written before the next is read.
+
+        Raises:
+            OSError: one could not be written, or ended short of its size.
+            WorkerCallError: one could not be read.
+        """
+        writer = await asyncio.to_thread(self.store.shards_writer, self.job_id)
+        try:
+            for name, size in shards.sizes().items():
+                file = await asyncio.to_thread(writer.open, name)
+                offset = 0
+                while offset < size:
+                    piece = await shards.read(name, offset, min(self.piece_bytes, size - offset))
+                    if not piece:
+                        raise OSError(f"shards' file {name} ended at {offset} of {size} bytes")
+                    await asyncio.to_thread(file.write, piece)
+                    offset += len(piece)
+                await asyncio.to_thread(writer.close, file)
+        except BaseException:
+            await asyncio.to_thread(writer.abandon)
+            raise
+        return writer
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["job_path", "private_directory", "read_whole", "write_atomically"]
+__all__ = ["AtomicFile", "job_path", "private_directory", "read_whole", "write_atomically"]
 
 
 def private_directory(directory: Path) -> Path:
@@ -33,32 +33,73 @@ def job_path(directory: Path, job_id: str, suffix: str = "") -> Path:
     return directory / f"{job_id}{suffix}"
 
 
+class AtomicFile:
+    """A file written whole or not at all, in as many writes as it takes: into
+    ``<path>.partial`` (``0600``), then synced and renamed over ``path``, the directory synced
+    (:meth:`commit`); :meth:`abandon` leaves ``path`` as it was and no ``.partial``. Its I/O
+    blocks.
+
+    Raises:
+        OSError: the ``.partial`` cannot be made.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._partial = path.with_suffix(path.suffix + ".partial")
+        fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._file = os.fdopen(fd, "wb")
+        self.nbytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``.
+
+        Raises:
+            OSError: it could not be written (the file is then abandoned).
+        """
+        try:
+            self.nbytes += self._file.write(data)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def commit(self) -> int:
+        """The file whole at its path; the bytes written.
+
+        Raises:
+            OSError: it could not be made so (the file is then abandoned).
+        """
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._partial, self.path)
+            folder = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+        except BaseException:
+            self.abandon()
+            raise
+        return self.nbytes
+
+    def abandon(self) -> None:
+        """Give the file up: its path as it was, no ``.partial`` left."""
+        self._file.close()
+        self._partial.unlink(missing_ok=True)
+
+
 def write_atomically(path: Path, parts: Iterable[bytes | bytearray | memoryview]) -> int:
-    """Write ``parts`` to ``path`` (``0600``) whole or not at all: into ``<path>.partial``,
-    synced, renamed over ``path``, the directory synced. Returns the bytes written.
+    """Write ``parts`` to ``path`` (``0600``) whole or not at all (:class:`AtomicFile`).
+    Returns the bytes written.
 
     Raises:
         OSError: it could not be written; ``path`` is as it was, no ``.partial`` is left.
     """
-    partial = path.with_suffix(".partial")
-    nbytes = 0
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            for part in parts:
-                nbytes += file.write(part)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return nbytes
+    file = AtomicFile(path)
+    for part in parts:
+        file.write(part)
+    return file.commit()
 
 
 def read_whole(path: Path) -> bytearray:

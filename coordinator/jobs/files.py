@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
+from coordinator.jobs.checkpoints import PIECE_BYTES, Checkpoint, CheckpointStore, JobCheckpoints
 from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
@@ -90,7 +90,8 @@ class JobFiles:
     """``<state_dir>/jobs``, ``<state_dir>/checkpoints`` and ``<state_dir>/results`` (a
     sharded job's pieces: :mod:`coordinator.jobs.result_pieces`)."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, piece_bytes: int = PIECE_BYTES) -> None:
+        self.piece_bytes = piece_bytes  # of a sharded checkpoint's file, read at once
         self.submits = SubmitMessages(state_dir / "jobs")
         self.checkpoints = CheckpointStore(state_dir / "checkpoints")
         self.results = ResultPieces(state_dir / "results")
@@ -138,7 +139,13 @@ class JobFiles:
                     f"resume_from={resume_from!r}: no checkpoint of that job reads back now",
                 )
         return JobCheckpoints(
-            job_id, self.checkpoints, strategy.keep_checkpoints, emit, latest, source=source
+            job_id,
+            self.checkpoints,
+            strategy.keep_checkpoints,
+            emit,
+            latest,
+            source=source,
+            piece_bytes=self.piece_bytes,
         )
 
     def continuable(self, source: JobRecord, strategy: Strategy) -> None:

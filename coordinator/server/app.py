@@ -46,6 +46,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from coordinator.jobs.checkpoints import piece_bytes
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager
 from coordinator.jobs.spill import QueuedInputs
@@ -150,7 +151,8 @@ class Coordinator:
     async def start(self) -> None:
         """Open the store, listen, start the scheduler and the heartbeat reaper."""
         config = self.config
-        files = await asyncio.to_thread(JobFiles, config.state_dir)
+        pieces = piece_bytes(config.max_reassembly_bytes)
+        files = await asyncio.to_thread(JobFiles, config.state_dir, pieces)
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(
             JobStore.open, config.state_dir, resumable=resumable

@@ -30,7 +30,7 @@ from protocol.asyncio.channel import Pacer
 from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
-from protocol.messages import Call, CloseJob, Links, OpenJob, PeerRoute
+from protocol.messages import Call, CloseJob, DropKept, Links, OpenJob, PeerRoute, ReadKept
 from protocol.peer_credentials import credential, link_key
 
 CLOSE_TIMEOUT = 10.0
@@ -114,6 +114,33 @@ class TransportContext(StrategyContext):
         message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)
         reply = await self._request(worker_idx, message, request.cmd, pace=pace, sink=sink)
         return reply.result
+
+    async def call_keeping(
+        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+    ) -> Any:
+        message = Call(
+            job_id=self.job_id,
+            request=command_fields(request),
+            timeout=self.timeout,
+            keep=list(keep),
+        )
+        return (await self._request(worker_idx, message, request.cmd)).result
+
+    async def read_kept(
+        self, worker_idx: int, kept: str, name: str, offset: int, length: int
+    ) -> bytes:
+        message = ReadKept(job_id=self.job_id, kept=kept, name=name, offset=offset, length=length)
+        piece = (await self._request(worker_idx, message, "read_kept")).result
+        if not isinstance(piece, bytes | bytearray | memoryview):
+            info = ErrorInfo(
+                code=ErrorCode.BAD_REQUEST,
+                message=f"read_kept of {name!r} answered {type(piece).__name__}, not bytes",
+            )
+            raise WorkerCallError(self.records[worker_idx].id, info)
+        return bytes(piece)
+
+    async def drop_kept(self, worker_idx: int, kept: str) -> None:
+        await self._request(worker_idx, DropKept(job_id=self.job_id, kept=kept), "drop_kept")
 
     async def routed(
         self,

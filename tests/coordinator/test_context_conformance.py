@@ -29,6 +29,7 @@ from coordinator.context import (
 from coordinator.server.app import Coordinator
 from coordinator.server.config import CoordinatorConfig
 from coordinator.workers.transport import TransportContext
+from protocol.daemon import GetStateRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from tests.utils import UNIT, Center
@@ -157,6 +158,41 @@ def test_set_state_is_what_later_reads_return(make_context):
     torch.testing.assert_close(got["lin"]["weight"], new["lin"]["weight"])
     torch.testing.assert_close(got["lin"]["bias"], new["lin"]["bias"])
     np.testing.assert_array_equal(got["center"]["mean"], new["center"]["mean"])
+
+
+def test_files_a_call_keeps_stay_on_the_worker_and_are_read_a_piece_at_a_time(make_context):
+    """``call_keeping``: the files in the result are left on the worker, the reply says their
+    names and sizes, pieces of them read back as they were, and once dropped they are gone; a
+    part of the result that is not files is refused, naming it, and the job goes on."""
+    graph = _graph()
+    files = {".metadata": b"where each shard lies", "__0_0.distcp": bytes(range(256)) * 40}
+
+    async def main():
+        async with make_context() as ctx:
+            await ctx.load(1, _filters(graph))
+            await ctx.set_state(1, {"center": files})
+            said = await ctx.call_keeping(1, GetStateRequest(node_ids=["center"]), ["center"])
+            kept = said["center"]
+            pieces = [
+                await ctx.read_kept(1, kept["kept"], "__0_0.distcp", at, 4096)
+                for at in range(0, 10240, 4096)
+            ]
+            whole = await ctx.read_kept(1, kept["kept"], ".metadata", 0, 1 << 20)
+            with pytest.raises(WorkerCallError, match="not files by plain name") as refused:
+                await ctx.call_keeping(1, GetStateRequest(node_ids=["lin"]), ["lin"])
+            await ctx.drop_kept(1, kept["kept"])
+            with pytest.raises(WorkerCallError, match=r"__0_0\.distcp") as gone:
+                await ctx.read_kept(1, kept["kept"], "__0_0.distcp", 0, 1)
+            state = await ctx.get_state(1, ["lin"])  # the job goes on
+            return kept, pieces, whole, refused.value, gone.value, state
+
+    kept, pieces, whole, refused, gone, state = run(main())
+    assert kept["files"] == {name: len(data) for name, data in files.items()}
+    assert [len(p) for p in pieces] == [4096, 4096, 2048]
+    assert b"".join(pieces) == files["__0_0.distcp"] and whole == files[".metadata"]
+    assert refused.code is ErrorCode.BAD_REQUEST and "lin" in str(refused)
+    assert gone.code is ErrorCode.BAD_REQUEST
+    assert set(state["lin"]) == {"weight", "bias"}
 
 
 def test_gradients_out_and_in_and_the_state_read_back_after_apply(make_context):

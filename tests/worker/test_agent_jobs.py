@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import tempfile
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 import somatize as sz
 from protocol.errors import ErrorCode, RemoteError
-from protocol.messages import Ack, CloseJob, Status
+from protocol.messages import Ack, Call, CloseJob, ReadKept, Status
 from tests.utils import UNIT, Boom, Center
 from tests.worker.standin import (
     Die,
@@ -148,6 +149,55 @@ def test_close_job_during_a_long_call_fails_the_call():
             assert info.value.info.detail["job_id"] == "j"
             assert time.monotonic() - started < 5 * UNIT
             assert gone(pid) and agent.jobs == {}
+
+    drive(main)
+
+
+def test_files_a_call_keeps_are_read_in_pieces_and_go_with_their_job_and_the_agent(
+    tmp_path, monkeypatch
+):
+    """``Call.keep``: the files stay in the agent's own folder (``0700``) until read; another
+    job cannot read them, and they go when their job closes and with the agent."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    files = {".metadata": b"where each shard lies", "__0_0.distcp": bytes(range(256)) * 4}
+    stand_in = StandIn()
+
+    async def main() -> None:
+        async with running(stand_in):
+            channel = await stand_in.next_channel()
+            await open_job(channel, "j", center=Center())
+            await open_job(channel, "other", center=Center())
+            await call(channel, "j", "set_state", states={"center": files})
+            ask = {"cmd": "get_state", "node_ids": ["center"]}
+            reply = await channel.request(
+                Call(job_id="j", request=ask, keep=["center"]), timeout=30 * UNIT
+            )
+            kept = reply.result["center"]
+            assert kept["files"] == {name: len(data) for name, data in files.items()}
+            (folder,) = tmp_path.glob("somatize-kept-*")
+            assert folder.stat().st_mode & 0o777 == 0o700
+            on_disk = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+            assert on_disk == files
+
+            def read(job_id: str, at: int) -> ReadKept:
+                return ReadKept(
+                    job_id=job_id, kept=kept["kept"], name="__0_0.distcp", offset=at, length=600
+                )
+
+            pieces = [(await channel.request(read("j", at), 10 * UNIT)).result for at in (0, 600)]
+            assert [len(p) for p in pieces] == [600, 424]
+            assert b"".join(pieces) == files["__0_0.distcp"]
+            with pytest.raises(RemoteError) as refused:  # another job's files are not its own
+                await channel.request(read("other", 0), 10 * UNIT)
+            assert refused.value.code == ErrorCode.BAD_REQUEST
+            assert isinstance(await channel.request(CloseJob(job_id="j"), 10 * UNIT), Ack)
+            assert not [p for p in folder.rglob("*") if p.is_file()]
+            with pytest.raises(RemoteError) as closed:
+                await channel.request(read("j", 0), 10 * UNIT)
+            assert closed.value.code == ErrorCode.UNKNOWN_JOB
+            await call(channel, "other", "set_state", states={"center": files})
+            await channel.request(Call(job_id="other", request=ask, keep=["center"]), 30 * UNIT)
+        assert list(tmp_path.glob("somatize-kept-*")) == []  # gone with the agent
 
     drive(main)
 

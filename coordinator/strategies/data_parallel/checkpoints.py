@@ -9,9 +9,10 @@ trains steps ``s + 1 ...`` exactly as the undisturbed run would have.
 
 A sharded run's replicas each hold a shard of the model: its checkpoint (:class:`Shards`) is the
 files torch.distributed.checkpoint wrote of each replica's shards, every replica at once as the
-chunk ended, stored as they came (the coordinator never joins them); a resumed run, sharded
-again, sends each replica its own files and the ``.metadata`` and has them all load at once,
-each reading the rows it holds (:meth:`ReplicaCheckpoints.load_shards`).
+chunk ended, kept on each replica's worker and read from there a piece at a time into the store
+while training goes on (the coordinator never joins them, nor holds one whole); a resumed run,
+sharded again, sends each replica its own files and the ``.metadata`` and has them all load at
+once, each reading the rows it holds (:meth:`ReplicaCheckpoints.load_shards`).
 
 DiLoCo's replicas stand together only at a synchronisation, and each keeps an inner optimizer
 of its own: :class:`SyncCheckpoints` saves, after a synchronisation, the global model, every
@@ -22,48 +23,82 @@ replica's inner optimizer state (by replica) and the outer optimizer's state (it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from coordinator.errors import StrategyFailed
+from coordinator.context import StrategyContext
+from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
 from protocol.shard_files import METADATA
 
-__all__ = ["ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
+__all__ = ["KEPT", "ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
+
+
+KEPT = ("snapshot", "shards")
+"""Where a sharded replica's reply to a chunk that takes a checkpoint holds its files, which its
+worker keeps (:meth:`~coordinator.context.StrategyContext.call_keeping`)."""
 
 
 @dataclass(frozen=True)
 class Shards:
-    """A sharded run's checkpoint as its replicas sent it with a chunk's replies: the files
-    torch.distributed.checkpoint wrote of each replica's shards (``files[i]``: replica
-    ``i``'s, by name), what every replica holds alike (``rest``: buffers, step counts, the
-    groups' settings, schedulers) and the plain filters' states (``plain``)."""
+    """A sharded run's checkpoint as its replicas left it with a chunk's replies: the files
+    torch.distributed.checkpoint wrote of each replica's shards, kept on its worker
+    (``kept[i]``: replica ``i``'s id there and its files' sizes, by name), what every replica
+    holds alike (``rest``: buffers, step counts, the groups' settings, schedulers) and the
+    plain filters' states (``plain``). Read a piece at a time from where they are
+    (:class:`~coordinator.jobs.checkpoints.ShardFiles`), the coordinator never holds one whole.
 
-    files: list[dict[str, bytes]]
+    Raises:
+        StrategyFailed: ``STATE_MISMATCH``: a replica's files are not as a worker keeps them,
+            or two replicas wrote files of one name.
+    """
+
+    ctx: StrategyContext
+    kept: list[dict[str, Any]]
     rest: dict[str, Any]
     plain: dict[str, Any]
+    _where: dict[str, int] = field(init=False, repr=False)  # file name → its replica
 
-    def payload(self) -> tuple[dict[str, Any], dict[str, bytes]]:
-        """What the checkpoint's file holds, and the shards' files by name.
-
-        Raises:
-            StrategyFailed: ``STATE_MISMATCH``: two replicas wrote files of one name.
-        """
-        every: dict[str, bytes] = {}
-        for i, written in enumerate(self.files):
-            for name, data in written.items():
-                if name in every:
+    def __post_init__(self) -> None:
+        where: dict[str, int] = {}
+        for i, said in enumerate(self.kept):
+            said = said if isinstance(said, dict) else {}
+            if not isinstance(said.get("kept"), str) or not isinstance(said.get("files"), dict):
+                raise StrategyFailed(
+                    ErrorCode.STATE_MISMATCH, f"replica {i}'s shards were not kept on its worker"
+                )
+            for name in said["files"]:
+                if name in where:
                     raise StrategyFailed(
                         ErrorCode.STATE_MISMATCH, f"two replicas (one: {i}) saved a file {name}"
                     )
-                every[name] = data
-        said = {"by_replica": [sorted(written) for written in self.files]}
-        return {"shards": said | {"rest": self.rest, "plain": self.plain}}, every
+                where[name] = i
+        object.__setattr__(self, "_where", where)
+
+    def payload(self) -> dict[str, Any]:
+        """What the checkpoint's file holds beside the list of the files."""
+        said = {"by_replica": [sorted(k["files"]) for k in self.kept]}
+        return {"shards": said | {"rest": self.rest, "plain": self.plain}}
+
+    def sizes(self) -> dict[str, int]:
+        return {name: int(self.kept[i]["files"][name]) for name, i in self._where.items()}
+
+    async def read(self, name: str, offset: int, length: int) -> bytes:
+        i = self._where[name]
+        return await self.ctx.read_kept(i, self.kept[i]["kept"], name, offset, length)
+
+    async def release(self) -> None:
+        async def drop(i: int) -> None:
+            with contextlib.suppress(WorkerCallError):  # gone with its worker, or its job
+                await self.ctx.drop_kept(i, self.kept[i]["kept"])
+
+        await asyncio.gather(*(drop(i) for i in range(len(self.kept))))
 
 
 Settle = Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]]
@@ -187,8 +222,7 @@ class ReplicaCheckpoints:
             "epoch": min(self.epochs, (done - 1) // per_epoch + 1),
         }
         if isinstance(snapshot, Shards):
-            payload, files = snapshot.payload()
-            await self.checkpoints.save(position, payload, files)
+            await self.checkpoints.save(position, snapshot.payload(), snapshot)
         else:
             payload = {"states": snapshot.states, "optimizers": snapshot.optimizers}
             await self.checkpoints.save(position, payload)

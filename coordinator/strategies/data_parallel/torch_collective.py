@@ -47,7 +47,7 @@ import numpy as np
 from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, concurrently
 from coordinator.strategies.chunks import Chunk, cancelled, next_chunk
-from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
+from coordinator.strategies.data_parallel.checkpoints import KEPT, ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.elastic import (
     MAX_RECOVERIES,
     RECOVERABLE,
@@ -242,11 +242,14 @@ class TorchTraining:
         what the checkpoint saves with its reply."""
         sharded = self.sharding != "none"
 
-        def request(i: int) -> DistTrainRequest:
+        def call(i: int) -> Awaitable[Any]:
             taken = snapshot and (sharded or i == 0)
-            return DistTrainRequest(start=step, stop=stop, snapshot=taken)
+            request = DistTrainRequest(start=step, stop=stop, snapshot=taken)
+            if taken and sharded:  # its files stay on its worker until the store reads them
+                return self.run.ctx.call_keeping(i, request, KEPT)
+            return self._call(i, request)
 
-        calls = {i: self._call(i, request(i)) for i in self._all()}
+        calls = {i: call(i) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
@@ -255,7 +258,8 @@ class TorchTraining:
         0's, or every sharded replica's files."""
         if self.sharding != "none":
             taken = [results[i]["snapshot"] for i in self._all()]
-            return Shards([t["shards"] for t in taken], taken[0]["rest"], taken[0]["plain"])
+            kept = [t["shards"] for t in taken]
+            return Shards(self.run.ctx, kept, taken[0]["rest"], taken[0]["plain"])
         taken = results[0]["snapshot"]
         return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 

@@ -3,6 +3,7 @@ one."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import os
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.jobs.checkpoints import CheckpointPolicy, CheckpointStore
+from coordinator.errors import WorkerCallError
+from coordinator.jobs.checkpoints import (
+    CheckpointPolicy,
+    CheckpointStore,
+    JobCheckpoints,
+    piece_bytes,
+)
+from protocol.errors import ErrorCode, ErrorInfo
 
 
 def _payload(k: float) -> dict:
@@ -72,11 +80,11 @@ def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, 
 def test_a_write_that_never_finished_leaves_the_previous_checkpoint_standing(tmp_path):
     store = CheckpointStore(tmp_path)
     store.save("j", {"step": 10}, _payload(1.0), keep=2)
-    (tmp_path / "j" / "00000002.partial").write_bytes(b"half a checkpoint")  # killed mid-write
+    (tmp_path / "j" / "00000002.ckpt.partial").write_bytes(b"half a checkpoint")  # killed mid-write
     latest = store.latest("j")
     assert latest is not None and latest.position == {"step": 10}
     again = store.save("j", {"step": 20}, _payload(2.0), keep=2)  # the next one is whole
-    assert again.seq == 2 and not (tmp_path / "j" / "00000002.partial").exists()
+    assert again.seq == 2 and not (tmp_path / "j" / "00000002.ckpt.partial").exists()
 
 
 def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(tmp_path, monkeypatch):
@@ -130,13 +138,24 @@ def test_policy_by_default_saves_every_epoch_or_after_a_minute_whichever_comes_f
 SHARDS = {".metadata": b"where each shard lies", "__0_0.distcp": b"a" * 10, "__1_0.distcp": b"b"}
 
 
+def _written(store, job_id, shards):
+    """``shards`` written as the next checkpoint's files, a few bytes at a time."""
+    writer = store.shards_writer(job_id)
+    for name, data in shards.items():
+        file = writer.open(name)
+        for at in range(0, len(data), 3):
+            file.write(data[at : at + 3])
+        writer.close(file)
+    return writer
+
+
 def _sharded(k: int) -> dict:
     return {"shards": {"by_replica": [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]], "k": k}}
 
 
 def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_digest(tmp_path):
     store = CheckpointStore(tmp_path)
-    saved = store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
+    saved = store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
     folder = tmp_path / "j" / "00000001.shards"
     assert sorted(p.name for p in folder.iterdir()) == sorted(SHARDS)
     latest = store.latest("j")
@@ -162,7 +181,7 @@ def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_dige
     with pytest.raises(FileNotFoundError, match="no shards' file 'other'"):
         latest.shard("other")
     for k in (2, 3):
-        store.save("j", {"step": 5 * k}, _sharded(k), keep=2, shards=SHARDS)
+        store.save("j", {"step": 5 * k}, _sharded(k), keep=2, shards=_written(store, "j", SHARDS))
     assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
         "00000002.ckpt",
         "00000002.shards",
@@ -179,8 +198,8 @@ def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_dige
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "gone"])
 def test_a_sharded_checkpoint_whose_shards_are_damaged_is_never_used(tmp_path, damage):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
-    store.save("j", {"step": 10}, _sharded(2), keep=2, shards=SHARDS)
+    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
+    store.save("j", {"step": 10}, _sharded(2), keep=2, shards=_written(store, "j", SHARDS))
     shard = tmp_path / "j" / "00000002.shards" / "__0_0.distcp"
     if damage == "flipped":  # same size: only its digest tells
         shard.write_bytes(b"a" * 9 + b"x")
@@ -194,11 +213,81 @@ def test_a_sharded_checkpoint_whose_shards_are_damaged_is_never_used(tmp_path, d
         store.read("j", 2)
 
 
-def test_shards_that_cannot_be_written_leave_no_folder_and_the_one_before_stands(tmp_path):
+class _Left:
+    """A sharded checkpoint's files as its workers left them: read in pieces, each read said,
+    the last ``fail_after`` reads (if set) failing as a lost worker's would."""
+
+    def __init__(self, files, fail_after=None):
+        self.files = files
+        self.reads: list[tuple[str, int, int]] = []
+        self.fail_after = fail_after
+        self.released = 0
+
+    def sizes(self):
+        return {name: len(data) for name, data in self.files.items()}
+
+    async def read(self, name, offset, length):
+        if self.fail_after is not None and len(self.reads) >= self.fail_after:
+            info = ErrorInfo(code=ErrorCode.WORKER_LOST, message="lost during read_kept")
+            raise WorkerCallError("w1", info)
+        self.reads.append((name, offset, length))
+        return self.files[name][offset : offset + length]
+
+    async def release(self):
+        self.released += 1
+
+
+def _saving(store, left, position):
+    events = []
+
+    async def emit(event, data):
+        events.append((event, data))
+
+    async def go():
+        saves = JobCheckpoints("j", store, keep=2, emit=emit, piece_bytes=4)
+        await saves.save(position, _sharded(position["step"]), left)
+        return await saves.flush()
+
+    return asyncio.run(go()), events
+
+
+def test_a_sharded_checkpoints_files_are_read_a_piece_at_a_time_into_the_store(tmp_path):
+    """The coordinator holds at most a piece of a file at once: each is read in pieces of
+    ``piece_bytes``, written before the next is asked for, and the files are released where
+    they were left once the checkpoint is whole."""
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=SHARDS)
-    with pytest.raises(OSError, match="not a shards' file name"):
-        store.save("j", {"step": 10}, _sharded(2), keep=2, shards={"../escape": b"x"})
+    left = _Left(SHARDS)
+    written, events = _saving(store, left, {"step": 5})
+    assert written is True and left.released == 1
+    assert max(length for _, _, length in left.reads) == 4
+    assert [(o, n) for name, o, n in left.reads if name == "__0_0.distcp"] == [
+        (0, 4),
+        (4, 4),
+        (8, 2),
+    ]
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 5}
+    assert {name: latest.shard(name, verify=True) for name in SHARDS} == SHARDS
+    checkpoint = [d for e, d in events if e == "checkpoint"]
+    assert checkpoint[0]["bytes"] == latest.nbytes
+
+
+@pytest.mark.parametrize("fault", ["lost", "bad name"])
+def test_shards_that_cannot_be_read_or_written_leave_no_folder_and_the_one_before_stands(
+    tmp_path, fault
+):
+    store = CheckpointStore(tmp_path)
+    assert _saving(store, _Left(SHARDS), {"step": 5})[0] is True
+    if fault == "lost":  # its worker gone in the middle of a file
+        left = _Left(SHARDS, fail_after=2)
+        said = "lost during read_kept"
+    else:
+        left = _Left({"../escape": b"x"})
+        said = "not a shards' file name"
+    written, events = _saving(store, left, {"step": 10})
+    assert written is False and left.released == 1
+    failed = [d for e, d in events if e == "checkpoint_failed"]
+    assert failed[0]["step"] == 10 and said in failed[0]["error"]
     assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
         "00000001.ckpt",
         "00000001.shards",
@@ -206,3 +295,9 @@ def test_shards_that_cannot_be_written_leave_no_folder_and_the_one_before_stands
     assert not (tmp_path / "escape").exists()
     latest = store.latest("j")
     assert latest is not None and latest.position == {"step": 5}
+
+
+def test_a_coordinator_reads_pieces_that_fit_its_room_for_replies():
+    assert piece_bytes(4 << 30) == 16 << 20  # the default room: 16 MiB pieces
+    assert piece_bytes(8 << 20) == 2 << 20  # a quarter of a small room
+    assert piece_bytes(1000) == 64 << 10  # and never under 64 KiB

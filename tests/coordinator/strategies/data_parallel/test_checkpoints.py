@@ -91,24 +91,41 @@ def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
     assert not [e for e, _ in events if e.startswith("checkpoint")]
 
 
+def _kept(*files):
+    return [
+        {"kept": f"k{i}", "files": {name: 1 for name in names}} for i, names in enumerate(files)
+    ]
+
+
 def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
     """The replicas of a run not sharded would each have to load the whole model: the run
     fails saying how to resume it, rather than load it whole."""
     x, y = dataset()
     store = CheckpointStore(tmp_path)
-    said = Shards([{".metadata": b"m", "__0_0.distcp": b"a"}, {"__1_0.distcp": b"b"}], {}, {})
-    payload, files = said.payload()
-    assert files == {".metadata": b"m", "__0_0.distcp": b"a", "__1_0.distcp": b"b"}
+    said = Shards(None, _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    assert said.sizes() == {".metadata": 1, "__0_0.distcp": 1, "__1_0.distcp": 1}
+    payload = said.payload()
     assert payload["shards"]["by_replica"] == [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]]
-    saved = store.save("job", {"step": 7, "epoch": 1}, payload, keep=2, shards=files)
+    writer = store.shards_writer("job")
+    for name in said.sizes():
+        file = writer.open(name)
+        file.write(b"x")
+        writer.close(file)
+    saved = store.save("job", {"step": 7, "epoch": 1}, payload, keep=2, shards=writer)
     strategy = DataParallel(DataParallelOptions(workers=2, collective="coordinator"))
     with pytest.raises(StrategyFailed, match="resume it with sharding='full'") as failed:
         _run(strategy, inputs(graph_for("sgd", epochs=2), x, y), store, saved)
     assert failed.value.info.code is ErrorCode.STATE_MISMATCH
 
 
-def test_two_replicas_files_of_one_name_are_refused():
-    said = Shards([{".metadata": b"m"}, {".metadata": b"n"}], {}, {})
-    with pytest.raises(StrategyFailed, match=r"saved a file \.metadata") as failed:
-        said.payload()
+@pytest.mark.parametrize(
+    ("kept", "said"),
+    [
+        (_kept([".metadata"], [".metadata"]), r"saved a file \.metadata"),
+        ([{"kept": "k0", "files": {".metadata": 1}}, {"files": {}}], "not kept on its worker"),
+    ],
+)
+def test_replicas_files_that_do_not_add_up_are_refused(kept, said):
+    with pytest.raises(StrategyFailed, match=said) as failed:
+        Shards(None, kept, {}, {})
     assert failed.value.info.code is ErrorCode.STATE_MISMATCH

@@ -1,0 +1,41 @@
+"""Files a call's result holds that its worker keeps rather than sends (``Call.keep``).
+
+A call may name, by the keys that lead to it, a part of its result holding files (``{name:
+bytes}``: a sharded replica's checkpoint as torch.distributed.checkpoint wrote it): the worker
+keeps them and puts ``{"kept": id, "files": {name: size}}`` in their place, and the coordinator
+reads them a piece at a time. This is where both ends find that part and check it; the
+worker's agent (:mod:`worker.kept_files`) and the in-process workers
+(:class:`coordinator.context.InMemoryContext`) keep them. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from protocol.shard_files import is_plain_file_name
+
+__all__ = ["files_at"]
+
+
+def files_at(result: Any, keys: Sequence[str]) -> tuple[dict[str, Any], Mapping[str, Any]]:
+    """The dict in ``result`` that holds the files at ``keys`` (whose last key is to be given
+    what is kept in their place), and the files.
+
+    Raises:
+        ValueError: ``result`` holds nothing at ``keys``, or not files by plain name.
+    """
+    parent = result
+    for key in keys[:-1]:
+        parent = parent.get(key) if isinstance(parent, dict) else None
+    if not isinstance(parent, dict) or keys[-1] not in parent:
+        raise ValueError(f"the result holds no {'.'.join(keys)}")
+    files = parent[keys[-1]]
+    if not isinstance(files, Mapping) or not all(
+        isinstance(name, str)
+        and is_plain_file_name(name)
+        and isinstance(data, bytes | bytearray | memoryview)
+        for name, data in files.items()
+    ):
+        raise ValueError(f"the result's {'.'.join(keys)} is not files by plain name")
+    return parent, files
