@@ -1,20 +1,43 @@
 """The one pair of functions that (un)pickles user filters.
 
-User filters travel as cloudpickle bytes: opaque to the coordinator (which never calls
-:func:`load_filter`) and opened only inside the filter daemon or the user's own process. Data never
-goes through here: tensors, states and gradients use :mod:`protocol.codec`.
+User filters travel as bytes: opaque to the coordinator (which never calls :func:`load_filter`)
+and opened only inside the filter daemon or the user's own process. Data never goes through
+here: rows, states and gradients use :mod:`protocol.codec`.
+
+The bytes are one :mod:`protocol.codec` frame: the filter pickled with cloudpickle, every CPU
+tensor it holds — a module's parameters and buffers — taken out of the pickle
+(``persistent_id``) and carried beside it as the frame's raw buffers (:data:`APART_BYTES` and
+up). Unpickled, each is a tensor over those bytes: over a writable frame the very bytes, else
+one copy. Pickled whole, a tensor went through ``torch.save`` into a bytes object of the pickle
+stream, and came back through a copy of that and a ``torch.load`` of the copy: a model arrived
+as three times its weights; now at most twice, and once over a writable buffer. Bytes pickled
+whole (no tensor in the process, or by an earlier version) are read as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 import sys
 import types
 from typing import Any
 
 import cloudpickle
 
+from protocol.arrays import loaded_torch, torch_dtypes
 from protocol.code_owners import is_user_module
+from protocol.codec import ALIGNMENT, decode, encode
+
+__all__ = ["APART_BYTES", "MAGIC", "dump_filter", "load_filter"]
+
+APART_BYTES = 1 << 16
+"""Tensors of this many bytes and more travel apart from the pickle (smaller ones within it)."""
+
+MAGIC = b"somatize filter, tensors apart\n".ljust(ALIGNMENT, b"\0")
+"""What the bytes of a filter whose tensors travel apart start with, then the frame: as long as
+the frame's alignment, so that its buffers stay aligned as they are in the frame. A pickle
+starts with ``0x80``: bytes pickled whole."""
 
 
 def _submodule_classes(value: Any) -> set[str]:
@@ -40,8 +63,68 @@ def _referenced_modules(obj: Any) -> set[str]:
     return names
 
 
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+    """cloudpickle, each large plain CPU tensor (or parameter) it meets put apart
+    (``apart``) and pickled as its place: ``(kind, index, requires_grad)``, the same place for
+    the same object (a tied weight stays one)."""
+
+    def __init__(self, file: io.BytesIO, torch: Any) -> None:
+        super().__init__(file, protocol=5)
+        self.apart: list[Any] = []
+        self._places: dict[int, tuple[str, int, bool]] = {}
+        self._torch = torch
+        self._dtypes = torch_dtypes()[1]
+
+    def persistent_id(self, obj: Any) -> tuple[str, int, bool] | None:
+        torch = self._torch
+        kind = {torch.Tensor: "tensor", torch.nn.Parameter: "parameter"}.get(type(obj))
+        if kind is None:
+            return None
+        place = self._places.get(id(obj))
+        if place is not None:
+            return place
+        if (
+            obj.device.type != "cpu"
+            or obj.layout != torch.strided
+            or obj.is_quantized
+            or obj.dtype not in self._dtypes
+            or obj.grad_fn is not None
+            or obj.numel() * obj.element_size() < APART_BYTES
+        ):
+            return None
+        place = (kind, len(self.apart), bool(obj.requires_grad))
+        self.apart.append(obj.detach())
+        self._places[id(obj)] = place
+        return place
+
+
+class _Unpickler(pickle.Unpickler):
+    """Unpickles what :class:`_Pickler` pickled, each place given its tensor of ``apart``
+    (the same object for the same place)."""
+
+    def __init__(self, file: io.BytesIO, apart: list[Any]) -> None:
+        super().__init__(file)
+        self._apart = apart
+        self._made: dict[int, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index, requires_grad = pid
+        made = self._made.get(index)
+        if made is None:
+            import torch  # a tensor was pickled: the filter's own unpickling needs it too
+
+            tensor = self._apart[index]
+            if kind == "parameter":
+                made = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            else:
+                made = tensor.requires_grad_(requires_grad)
+            self._made[index] = made
+        return made
+
+
 def dump_filter(obj: Any) -> bytes:
-    """Pickle a filter so that a process without the user's source files can load it.
+    """Pickle a filter so that a process without the user's source files can load it, its
+    tensors beside the pickle (module docstring).
 
     Modules of the user's own (classes and functions defined in a script or a test file) are
     pickled by value; installed packages, the standard library and somatize itself by reference.
@@ -50,13 +133,26 @@ def dump_filter(obj: Any) -> bytes:
         if is_user_module(name):
             cloudpickle.register_pickle_by_value(sys.modules[name])
     try:
-        return bytes(cloudpickle.dumps(obj, protocol=5))
+        torch = loaded_torch()
+        if torch is None:  # nothing can hold a tensor
+            return bytes(cloudpickle.dumps(obj, protocol=5))
+        stream = io.BytesIO()
+        pickler = _Pickler(stream, torch)
+        pickler.dump(obj)
+        parts = encode({"pickle": stream.getbuffer(), "apart": pickler.apart})
+        return b"".join([MAGIC, *parts])
     finally:
         for name in _referenced_modules(obj):
             if is_user_module(name):
                 cloudpickle.unregister_pickle_by_value(sys.modules[name])
 
 
-def load_filter(data: bytes) -> Any:
-    """Unpickle a filter made by :func:`dump_filter`. Runs user code: filter daemon only."""
-    return cloudpickle.loads(data)
+def load_filter(data: bytes | bytearray | memoryview) -> Any:
+    """Unpickle a filter made by :func:`dump_filter`: its tensors over ``data`` where it is
+    writable (then ``data`` must not be reused), else copies. Runs user code: filter daemon
+    (or the user's own process) only."""
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        return cloudpickle.loads(view)
+    frame = decode(view[len(MAGIC) :])
+    return _Unpickler(io.BytesIO(frame["pickle"]), frame["apart"]).load()

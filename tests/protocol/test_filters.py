@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import cloudpickle
 import torch
 
 import somatize as sz
-from protocol.filters import dump_filter, load_filter
+from protocol.filters import MAGIC, dump_filter, load_filter
 
 
 class Scale(sz.Filter):
@@ -52,3 +53,62 @@ def test_installed_packages_are_pickled_by_reference():
     assert b"torch.nn.modules.linear" in blob
     assert b"somatize.filters" in blob
     assert isinstance(load_filter(blob), sz.TorchFilter)
+
+
+class Tied(torch.nn.Module):
+    """An embedding whose weight the output layer shares, a frozen layer and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 64)
+        self.out = torch.nn.Linear(64, 300, bias=False)
+        self.out.weight = self.embed.weight
+        self.frozen = torch.nn.Linear(64, 256)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("table", torch.arange(300 * 64, dtype=torch.float64).reshape(300, 64))
+        self.small = torch.nn.Parameter(torch.ones(3))
+
+
+def test_a_models_tensors_travel_beside_its_pickle_and_come_back_as_they_were():
+    """Each large tensor leaves the pickle (it holds neither its bytes nor torch.save's) and
+    comes back the same: values, dtype, a parameter still one (frozen where it was), a tied
+    weight one tensor, a small one inside the pickle as before."""
+    torch.manual_seed(0)
+    model = Tied()
+    blob = dump_filter(sz.TorchFilter(model))
+    assert blob.startswith(MAGIC)
+    assert blob.count(model.table.numpy().tobytes()) == 1  # once: apart, not in the pickle
+    once = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}  # the tied weight once
+    assert len(blob) < sum(once.values()) + 16_384
+    back = load_filter(blob).module
+    for name, value in model.state_dict().items():
+        assert back.state_dict()[name].dtype == value.dtype
+        torch.testing.assert_close(back.state_dict()[name], value, rtol=0, atol=0)
+    assert back.out.weight is back.embed.weight
+    assert isinstance(back.embed.weight, torch.nn.Parameter) and back.embed.weight.requires_grad
+    assert not back.frozen.weight.requires_grad and isinstance(
+        back.frozen.weight, torch.nn.Parameter
+    )
+    assert back.small.requires_grad and "table" in dict(back.named_buffers())
+
+
+def test_over_a_writable_buffer_a_models_tensors_are_its_bytes_not_copies():
+    """What the filter daemon holds of a model it loads is the weights once: over a
+    ``bytearray`` the parameters are views of it; over ``bytes``, one copy each."""
+    model = Tied()
+    blob = bytearray(dump_filter(sz.TorchFilter(model)))
+    start = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
+    back = load_filter(blob).module
+    for tensor in (back.embed.weight, back.frozen.weight, back.table):
+        assert start <= tensor.data_ptr() < start + len(blob)
+    back.embed.weight.data.add_(1.0)  # writable, and the bytes it lies in with it
+    copied = load_filter(bytes(blob)).module
+    assert not start <= copied.embed.weight.data_ptr() < start + len(blob)
+    torch.testing.assert_close(copied.embed.weight, model.embed.weight + 1.0)
+
+
+def test_a_filter_pickled_whole_by_an_earlier_version_still_loads():
+    model = torch.nn.Linear(128, 128)
+    whole = cloudpickle.dumps(sz.TorchFilter(model), protocol=5)
+    back = load_filter(whole).module
+    torch.testing.assert_close(back.weight, model.weight, rtol=0, atol=0)
