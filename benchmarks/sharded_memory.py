@@ -25,8 +25,9 @@ training phase's peak to be within 15 % of it; and torch's own ``fully_shard`` i
 processes on the same model and batches (:mod:`benchmarks.fsdp_memory_anchor`: its peak while
 it trains), within 15 % of which ours should be too. FSDP2's own all-gathered units (a layer,
 W² values, while it runs forward or backward, and its whole gradient before it is
-reduce-scattered) come on top of the arithmetic for both, as does, for ours, the whole model
-arriving pickled before it is sharded (the loading phase).
+reduce-scattered) come on top of the arithmetic for both. The loading phase is what a replica
+holds of the filters as they arrive: its rows of each parameter (and, for a moment, a copy of
+them out of the message), never the whole model.
 
 What the figures point to, on CPU: glibc's heap. Blocks under the daemon's mmap threshold
 (32 MiB, :mod:`protocol.asyncio.memory`) come from the heap and fragment it: with 16 layers of

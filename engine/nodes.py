@@ -114,7 +114,7 @@ class Nodes:
         move each differentiable filter's module to the engine's device, once, for the job."""
         self._nodes = {node_id: Node(node_id, f) for node_id, f in filters.items()}
         for node in self._nodes.values():
-            if node.differentiable:
+            if node.differentiable and not holds_rows(node):  # (moved as it is sharded)
                 node.filter.module.to(self.device)
 
     @property
@@ -189,7 +189,7 @@ class Nodes:
         out: dict[str, Any] = {}
         for node in self.select(node_ids):
             if node.differentiable:
-                sd = node.filter.module.state_dict()
+                sd = _whole(node).state_dict()
                 out[node.node_id] = {k: cpu_copy(v) for k, v in sd.items()}
             else:
                 out[node.node_id] = self.state_of(node)
@@ -387,8 +387,32 @@ def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 
-def _load_module_state(node: Node, state: Any) -> None:
+def holds_rows(node: Node) -> bool:
+    """Whether ``node``'s module holds only this replica's rows of some parameter (a sharded
+    job's replica, :func:`protocol.filters.split_rows`): they are ``meta`` until it is
+    sharded."""
+    return any(p.is_meta for p in node.filter.module.parameters())
+
+
+def _whole(node: Node) -> torch.nn.Module:
+    """``node``'s module, whose state can be read or set whole.
+
+    Raises:
+        EngineError: ``BAD_REQUEST``: it holds only this replica's rows of its parameters.
+    """
+    if holds_rows(node):
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"node {node.node_id!r} holds only this replica's rows of its parameters until it "
+            "is sharded (a sharded plan): its state cannot be read or set whole",
+            {"node_id": node.node_id},
+        )
     module: torch.nn.Module = node.filter.module
+    return module
+
+
+def _load_module_state(node: Node, state: Any) -> None:
+    module = _whole(node)
     if not isinstance(state, Mapping):
         raise EngineError(
             ErrorCode.STATE_MISMATCH,

@@ -49,6 +49,7 @@ from engine.nodes import Node
 from engine.optimizers import SCHEDULER, Optimizers
 from engine.transfer import precision_of, to_cpu
 from protocol.errors import ErrorCode
+from protocol.filters import ROWS
 
 __all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 
@@ -93,6 +94,59 @@ def precision_policy(run: Sequence[Node]) -> MixedPrecisionPolicy:
     if run and all(precision_of(node.filter) == "bf16" for node in run):
         return BF16
     return MixedPrecisionPolicy()
+
+
+def _rows_held(chain: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The rows this replica holds of each parameter of ``chain`` that arrived as rows alone,
+    by name (:func:`protocol.filters.split_rows`: on the ``meta`` device until sharded).
+
+    Raises:
+        EngineError: ``BAD_REQUEST``: a ``meta`` parameter came without its rows.
+    """
+    rows: dict[str, torch.Tensor] = {}
+    for name, param in chain.named_parameters():
+        if param.is_meta:
+            held = getattr(param, ROWS, None)
+            if held is None:
+                raise EngineError(
+                    ErrorCode.BAD_REQUEST, f"parameter {name} is on the meta device, no rows held"
+                )
+            rows[name] = held
+    return rows
+
+
+def _fill(chain: torch.nn.Module, rows: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """``chain``, sharded over ``meta`` parameters, made real on ``device``: each such shard
+    filled from the rows this replica was given, every other parameter's shard and every
+    buffer as it was (``to_empty`` allocates them all afresh).
+
+    Raises:
+        EngineError: ``STATE_MISMATCH``: rows that are not this replica's shard of them.
+    """
+    kept = {
+        name: _local_of(p).detach().clone()
+        for name, p in chain.named_parameters()
+        if name not in rows
+    }
+    buffers = dict(chain.named_buffers())
+    chain.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in chain.named_parameters():
+            local, source = _local_of(param), rows.get(name, kept.get(name))
+            if source is None or source.shape != local.shape:
+                said = None if source is None else list(source.shape)
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"parameter {name}: this replica's shard has shape {list(local.shape)}, "
+                    f"the rows it was given {said}",
+                )
+            local.copy_(source)
+        for name, buffer in chain.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def _local_of(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _is_unit(module: torch.nn.Module, units: Sequence[Any]) -> bool:
@@ -208,7 +262,8 @@ class ShardedRun:
     ) -> None:
         self.chain, self.run, self.optimizers = chain, list(run), optimizers
         parts: Sequence[torch.nn.Module] = chain.parts  # type: ignore[assignment]
-        state = self._whole_optimizer_state()  # before sharding: of the plain parameters
+        rows = _rows_held(chain)  # the parameters of which this replica got its rows alone
+        state = None if rows else self._whole_optimizer_state()  # before sharding
         for part, node in zip(parts, self.run, strict=True):
             chosen = (
                 [m for m in part.modules() if _is_unit(m, units)]
@@ -219,6 +274,8 @@ class ShardedRun:
             for unit in reversed(chosen):  # inner units before those holding them
                 fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(chain, reshard_after_forward=reshard, mp_policy=precision_policy(self.run))
+        if rows:
+            _fill(chain, rows, chain.device)  # type: ignore[arg-type]
         optimizers.reset(self.run)  # made again over the sharded parameters
         made = [optimizers.optimizer(node) for node in self.run]
         if state is not None:

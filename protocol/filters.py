@@ -1,8 +1,9 @@
 """The one pair of functions that (un)pickles user filters.
 
-User filters travel as bytes: opaque to the coordinator (which never calls :func:`load_filter`)
-and opened only inside the filter daemon or the user's own process. Data never goes through
-here: rows, states and gradients use :mod:`protocol.codec`.
+User filters travel as bytes: opaque to the coordinator (which never calls :func:`load_filter`,
+and cuts them for a sharded replica with :func:`split_rows` without unpickling them) and opened
+only inside the filter daemon or the user's own process. Data never goes through here: rows,
+states and gradients use :mod:`protocol.codec`.
 
 The bytes are one :mod:`protocol.codec` frame: the filter pickled with cloudpickle, every CPU
 tensor it holds — a module's parameters and buffers — taken out of the pickle
@@ -11,7 +12,9 @@ up). Unpickled, each is a tensor over those bytes: over a writable frame the ver
 one copy. Pickled whole, a tensor went through ``torch.save`` into a bytes object of the pickle
 stream, and came back through a copy of that and a ``torch.load`` of the copy: a model arrived
 as three times its weights; now at most twice, and once over a writable buffer. Bytes pickled
-whole (no tensor in the process, or by an earlier version) are read as they are.
+whole (no tensor in the process, or by an earlier version) are read as they are. A sharded
+replica gets its rows of each parameter alone (:func:`split_rows`) and the parameter on the
+``meta`` device, its rows beside it (:data:`ROWS`), until it is sharded.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from protocol.arrays import loaded_torch, torch_dtypes
 from protocol.code_owners import is_user_module
 from protocol.codec import ALIGNMENT, decode, encode
 
-__all__ = ["APART_BYTES", "MAGIC", "dump_filter", "load_filter"]
+__all__ = ["APART_BYTES", "MAGIC", "ROWS", "dump_filter", "load_filter", "split_rows"]
 
 APART_BYTES = 1 << 16
 """Tensors of this many bytes and more travel apart from the pickle (smaller ones within it)."""
+
+ROWS = "somatize_rows"
+"""The attribute of a ``meta`` parameter of which a replica got only its rows
+(:func:`split_rows`): those rows, a tensor, until the replica shards the parameter and fills
+its shard from them."""
 
 MAGIC = b"somatize filter, tensors apart\n".ljust(ALIGNMENT, b"\0")
 """What the bytes of a filter whose tensors travel apart start with, then the frame: as long as
@@ -65,12 +73,12 @@ def _referenced_modules(obj: Any) -> set[str]:
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     """cloudpickle, each large plain CPU tensor (or parameter) it meets put apart
-    (``apart``) and pickled as its place: ``(kind, index, requires_grad)``, the same place for
-    the same object (a tied weight stays one)."""
+    (``apart``: its kind, dtype, shape and bytes) and pickled as its place: ``(kind, index,
+    requires_grad)``, the same place for the same object (a tied weight stays one)."""
 
     def __init__(self, file: io.BytesIO, torch: Any) -> None:
         super().__init__(file, protocol=5)
-        self.apart: list[Any] = []
+        self.apart: list[dict[str, Any]] = []
         self._places: dict[int, tuple[str, int, bool]] = {}
         self._torch = torch
         self._dtypes = torch_dtypes()[1]
@@ -93,16 +101,26 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
         ):
             return None
         place = (kind, len(self.apart), bool(obj.requires_grad))
-        self.apart.append(obj.detach())
+        flat = obj.detach().contiguous().reshape(-1)
+        self.apart.append(
+            {
+                "kind": kind,
+                "dtype": self._dtypes[obj.dtype],
+                "shape": list(obj.shape),
+                "bytes": flat.view(torch.uint8).numpy(),  # any dtype, bfloat16 too
+            }
+        )
         self._places[id(obj)] = place
         return place
 
 
 class _Unpickler(pickle.Unpickler):
     """Unpickles what :class:`_Pickler` pickled, each place given its tensor of ``apart``
-    (the same object for the same place)."""
+    (the same object for the same place): over its bytes where they are writable, else a copy
+    of them; a parameter of which only some rows came (:func:`split_rows`) a parameter of its
+    whole shape on the ``meta`` device, the rows beside it (:data:`ROWS`)."""
 
-    def __init__(self, file: io.BytesIO, apart: list[Any]) -> None:
+    def __init__(self, file: io.BytesIO, apart: list[dict[str, Any]]) -> None:
         super().__init__(file)
         self._apart = apart
         self._made: dict[int, Any] = {}
@@ -113,8 +131,22 @@ class _Unpickler(pickle.Unpickler):
         if made is None:
             import torch  # a tensor was pickled: the filter's own unpickling needs it too
 
-            tensor = self._apart[index]
-            if kind == "parameter":
+            entry = self._apart[index]
+            raw = entry["bytes"]
+            if not raw.flags.writeable:
+                raw = raw.copy()
+            dtype = torch_dtypes()[0][entry["dtype"]]
+            if raw.size:
+                tensor = torch.from_numpy(raw).view(dtype).reshape(entry["shape"])
+            else:  # no rows for this replica (and no view of nothing to another dtype)
+                tensor = torch.empty(entry["shape"], dtype=dtype)
+            whole = entry.get("rows_of")
+            if whole is not None:
+                made = torch.nn.Parameter(
+                    torch.empty(whole, dtype=dtype, device="meta"), requires_grad=requires_grad
+                )
+                setattr(made, ROWS, tensor)
+            elif kind == "parameter":
                 made = torch.nn.Parameter(tensor, requires_grad=requires_grad)
             else:
                 made = tensor.requires_grad_(requires_grad)
@@ -156,3 +188,33 @@ def load_filter(data: bytes | bytearray | memoryview) -> Any:
         return cloudpickle.loads(view)
     frame = decode(view[len(MAGIC) :])
     return _Unpickler(io.BytesIO(frame["pickle"]), frame["apart"]).load()
+
+
+def split_rows(data: bytes, rank: int, ranks: int) -> bytes:
+    """``data``, a filter's bytes, as replica ``rank`` of ``ranks`` that shard its parameters
+    by rows with FSDP2 needs them: each parameter apart from the pickle (of one dimension or
+    more) cut to the rows FSDP2 gives that replica (``torch.chunk`` of dim 0: ``ceil(n /
+    ranks)`` rows each, in rank order, the last ones fewer or none), its whole shape said
+    beside (``rows_of``); every other tensor whole. :func:`load_filter` makes each such
+    parameter a ``meta`` one of its whole shape, its rows beside it (:data:`ROWS`), and the
+    replica fills its shard from them. No user code runs (the coordinator may call it), no
+    tensor is copied but the replica's rows into the answer. Bytes pickled whole come back as
+    they are.
+
+    Raises:
+        protocol.errors.FrameError: ``data`` is not a filter's bytes.
+    """
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        return bytes(data)
+    frame = decode(view[len(MAGIC) :])
+    for entry in frame["apart"]:
+        shape = entry["shape"]
+        if entry["kind"] != "parameter" or not shape or shape[0] == 0:
+            continue
+        rows = -(-shape[0] // ranks)
+        start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+        width = entry["bytes"].nbytes // shape[0]
+        entry["bytes"] = entry["bytes"][start * width : stop * width]
+        entry["rows_of"], entry["shape"] = shape, [stop - start, *shape[1:]]
+    return b"".join([MAGIC, *encode(frame)])

@@ -19,6 +19,7 @@ from engine.group_member import GroupMember, interface_towards
 from engine.replica import ReplicaPlan
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
+from protocol.filters import dump_filter, load_filter, split_rows
 from protocol.rules.batching import synchronises
 
 
@@ -131,3 +132,20 @@ def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
         replica.set_plan(plan)
     assert "sharded" not in str(past.value)
     assert replica._sharded is None
+
+
+def test_a_filter_loaded_as_its_rows_alone_is_never_read_or_set_whole():
+    """A sharded replica's filter arrives as its rows of each parameter (``split_rows``): it
+    stays on the meta device until sharded, and reading or setting its state whole says so
+    rather than give or take nothing."""
+    big = sz.TorchFilter(torch.nn.Linear(4096, 8), loss="mse")
+    engine = Engine()
+    engine.load({"net": load_filter(split_rows(dump_filter(big), 1, 2))})
+    assert engine.nodes.node("net").filter.module.weight.is_meta
+    for read in (
+        lambda: engine.nodes.get_state(["net"]),
+        lambda: engine.nodes.set_state({"net": big.module.state_dict()}),
+    ):
+        with pytest.raises(EngineError, match="holds only this replica's rows") as refused:
+            read()
+        assert refused.value.code is ErrorCode.BAD_REQUEST

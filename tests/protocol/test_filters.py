@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import cloudpickle
+import pytest
 import torch
 
 import somatize as sz
-from protocol.filters import MAGIC, dump_filter, load_filter
+from protocol.filters import MAGIC, ROWS, dump_filter, load_filter, split_rows
 
 
 class Scale(sz.Filter):
@@ -112,3 +113,34 @@ def test_a_filter_pickled_whole_by_an_earlier_version_still_loads():
     whole = cloudpickle.dumps(sz.TorchFilter(model), protocol=5)
     back = load_filter(whole).module
     torch.testing.assert_close(back.weight, model.weight, rtol=0, atol=0)
+
+
+def test_a_sharded_replica_gets_its_rows_of_each_parameter_and_every_other_tensor_whole():
+    """``split_rows``: FSDP2's rows of dim 0 (torch.chunk: 7 rows over 3 replicas are 3, 3
+    and 1; 2 rows are 1, 1 and none), cut without unpickling; loaded, each such parameter is a
+    ``meta`` one of its whole shape with this replica's rows beside it, in its own dtype;
+    buffers and small tensors whole, as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 7), torch.nn.Linear(7, 2))
+    model[1].weight = torch.nn.Parameter(torch.randn(2, 32768, dtype=torch.bfloat16))
+    model.register_buffer("table", torch.randn(7, 4096))
+    blob = dump_filter(sz.TorchFilter(model))
+    got = []
+    for rank in range(3):
+        cut = split_rows(blob, rank, 3)
+        assert len(cut) < len(blob)
+        back = load_filter(cut).module
+        first, second = back[0].weight, back[1].weight
+        assert first.is_meta and first.shape == (7, 4096) and isinstance(first, torch.nn.Parameter)
+        assert second.is_meta and getattr(second, ROWS).dtype == torch.bfloat16
+        got.append((getattr(first, ROWS), getattr(second, ROWS)))
+        torch.testing.assert_close(back.table, model.table, rtol=0, atol=0)  # a buffer: whole
+        assert not back[0].bias.is_meta  # small: inside the pickle, whole
+        with pytest.raises(AttributeError):
+            getattr(back.table, ROWS)
+    assert [len(a) for a, _ in got] == [3, 3, 1] and [len(b) for _, b in got] == [1, 1, 0]
+    for k, rows in enumerate(zip(*got, strict=True)):
+        torch.testing.assert_close(torch.cat(rows), model[k].weight.detach(), rtol=0, atol=0)
+    plain = dump_filter(Scale(2.0))
+    assert split_rows(cloudpickle.dumps(Scale(2.0)), 0, 2) == cloudpickle.dumps(Scale(2.0))
+    assert load_filter(split_rows(plain, 1, 2)).factor == 2.0

@@ -124,6 +124,15 @@ class DataParallel(Strategy):
             said["replica_bytes"] = replica_bytes(shapes, self.options.workers)
         return said
 
+    def _rows_alone(self, job: JobInputs) -> bool:
+        """Whether each replica is sent only its rows of the torch nodes' parameters: when
+        they are sharded, unless the run resumes from a checkpoint of whole states (which each
+        replica loads whole before it is sharded, as it did the filters)."""
+        if self.options.sharding == "none":
+            return False
+        resume = job.checkpoints.resume if job.checkpoints is not None else None
+        return resume is None or "shards" in resume.payload
+
     async def _set_up(self, ctx: StrategyContext, job: JobInputs, emit: Emit) -> SetUp:
         torch_nodes, _, training = self._plan(job)
         n = rows_of(job.x) or 0
@@ -148,6 +157,7 @@ class DataParallel(Strategy):
             placement=self.placement().describe(),
             validation=validation_stage(job),
             sharded=self.options.sharding != "none",
+            rows_alone=self._rows_alone(job),
         )
         await run.on_all(run.set_up, replicas)
         if job.dataset is not None:

@@ -28,6 +28,7 @@ from coordinator.strategies.base import Emit, JobInputs, ShardedStates, concurre
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
+from protocol.filters import split_rows
 from protocol.rules.rows import take_rows
 
 T = TypeVar("T")
@@ -105,6 +106,7 @@ class Replicas:
     validation: StageRequest | None = None  # stages the job's validation data, if it has any
     absent: set[int] = field(default_factory=set)  # replicas dropped (DiLoCo), until one joins
     sharded: bool = False  # FSDP2 shards the torch nodes: read from every replica's pieces
+    rows_alone: bool = False  # each replica sent only its rows of the torch nodes' parameters
 
     @property
     def ids(self) -> list[str]:
@@ -193,6 +195,23 @@ class Replicas:
                 pending |= more.errors
                 unmanned = dict(more.errors)
 
+    async def _filters(self, i: int) -> Mapping[str, bytes]:
+        """The job's filters as replica ``i`` loads them: with ``rows_alone``, each torch
+        node's parameters cut to the rows FSDP2 gives that replica (``split_rows``: the
+        weights never arrive whole on a sharded replica; cut off the event loop), the rest
+        whole."""
+        if not self.rows_alone:
+            return self.job.filters
+        replicas, torch_nodes = self.ctx.num_workers(), set(self.torch_nodes)
+
+        def cut() -> dict[str, bytes]:
+            return {
+                node: split_rows(data, i, replicas) if node in torch_nodes else data
+                for node, data in self.job.filters.items()
+            }
+
+        return await asyncio.to_thread(cut)
+
     async def restore(self, i: int, snapshot: Snapshot | None) -> None:
         """Load the filters on replica ``i``'s worker, stage its rows and copy ``snapshot``."""
         if self.job.dataset is not None:  # the worker's own rows
@@ -201,7 +220,7 @@ class Replicas:
             rows = self.position.held[i]
             x, y = take_rows(self.job.x, rows), take_rows(self.job.y, rows)
             data = StageRequest(name=self.staged, x=x, y=y)
-        staged = await set_up(self.ctx, i, self.job.filters, data)
+        staged = await set_up(self.ctx, i, await self._filters(i), data)
         self.staged_rows[i] = int(staged["rows"])
         if self.validation is not None:
             await self.ctx.call(i, self.validation)
