@@ -12,8 +12,7 @@ Conversation shapes:
 * worker agent → coordinator: :class:`WorkerHello` → :class:`Welcome`; then :class:`Heartbeat`
   every ``heartbeat_interval``; the coordinator sends :class:`OpenJob`, :class:`Call`,
   :class:`CloseJob`, :class:`ReadKept`, :class:`DropKept` (each answered by :class:`Ack`,
-  :class:`Result` or :class:`Error`) and
-  :class:`Shutdown` when it goes away.
+  :class:`Result` or :class:`Error`) and :class:`Shutdown` when it goes away.
 * client → coordinator: :class:`ClientHello` → :class:`Welcome`; then :class:`Submit` (→
   :class:`Result` ``{"job_id"}``), :class:`Watch` (→ a stream of :class:`JobEvent` ending with
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the

@@ -26,8 +26,8 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   :class:`RegistrationRefused`; anything else is retried.
 * **Serve.** Requests are dispatched through a handler table (``open_job``, ``call``,
   ``close_job``, ``links``, ``deliver``, ``probe``, ``read_kept``, ``drop_kept``,
-  ``shutdown``); each runs in a task of the
-  channel's, so a long ``call`` never holds up another job, a reply or a heartbeat. Heartbeats
+  ``shutdown``); each runs in a task of the channel's, so a long ``call`` never holds up
+  another job, a reply or a heartbeat. Heartbeats
   go out every ``heartbeat_interval`` from their own task; daemon I/O never blocks the loop (see
   :mod:`worker.daemon.supervisor`), so they keep flowing while a filter computes.
 * **Pipeline tensors** (:mod:`worker.peer`). With ``peer_listen`` the agent serves ``/peer``

@@ -229,7 +229,9 @@ class JobHandlers:
             raise RequestRefused(
                 self._job_info(job, ErrorCode.BAD_REQUEST, f"{cmd}'s reply kept: {exc}")
             ) from exc
-        parent[keys[-1]] = await asyncio.to_thread(self._kept.keep, job.job_id, files)
+        parent[keys[-1]] = said = await asyncio.to_thread(self._kept.keep, job.job_id, files)
+        if self.jobs.get(job.job_id) is not job:  # closed meanwhile: its files go with it
+            await asyncio.to_thread(self._kept.drop, job.job_id, said["kept"])
         return result
 
     async def read_kept(self, message: ReadKept) -> Result:

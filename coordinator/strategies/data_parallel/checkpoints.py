@@ -213,8 +213,11 @@ class ReplicaCheckpoints:
     async def save(self, done: int, total: int, snapshot: Snapshot | Shards) -> None:
         """Save ``snapshot``, the replicas as they stood after step ``done`` (taken as a chunk
         of steps ended, sent with its reply), if a checkpoint is still due then (one due by
-        time is not, once another was saved since)."""
+        time is not, once another was saved since); shards not saved are released where they
+        were left."""
         if self.checkpoints is None or not self.policy.due(done, total):
+            if isinstance(snapshot, Shards):
+                await snapshot.release()
             return
         per_epoch = max(1, self.policy.per_epoch)
         position: dict[str, Any] = {

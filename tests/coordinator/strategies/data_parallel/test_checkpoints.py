@@ -11,8 +11,8 @@ import torch
 
 from coordinator.context import InMemoryContext
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
-from coordinator.strategies.data_parallel.checkpoints import Shards
+from coordinator.jobs.checkpoints import CheckpointPolicy, CheckpointStore, JobCheckpoints
+from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
@@ -129,3 +129,20 @@ def test_replicas_files_that_do_not_add_up_are_refused(kept, said):
     with pytest.raises(StrategyFailed, match=said) as failed:
         Shards(None, kept, {}, {})
     assert failed.value.info.code is ErrorCode.STATE_MISMATCH
+
+
+def test_shards_a_checkpoint_does_not_save_are_dropped_where_they_were_kept():
+    """A snapshot whose checkpoint is no longer due (one due by time, after another was
+    saved) is not written: its files are dropped from every replica's worker, not left there
+    for the job's life."""
+    dropped: list[tuple[int, str]] = []
+
+    class Workers:
+        async def drop_kept(self, i, kept):
+            dropped.append((i, kept))
+
+    shards = Shards(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    never = CheckpointPolicy(0, 10, lambda: 0.0)  # checkpoint_every=0: never due
+    saves = ReplicaCheckpoints(None, None, never, epochs=1)
+    asyncio.run(saves.save(5, 10, shards))
+    assert sorted(dropped) == [(0, "k0"), (1, "k1")]
