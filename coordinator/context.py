@@ -401,7 +401,7 @@ class InMemoryContext(StrategyContext):
         frame = bytearray().join(parts)
         daemon = self.daemons[worker_idx]
         async with self._locks[worker_idx]:
-            self._check_alive(worker, request)
+            self._check_alive(worker, request.cmd)
             try:
                 async with asyncio.timeout(self.timeout):
                     reply_frame = await asyncio.to_thread(self._run, daemon, frame)
@@ -411,7 +411,7 @@ class InMemoryContext(StrategyContext):
                     message=f"{request.cmd} did not finish within {self.timeout}s",
                 )
                 raise WorkerCallError(worker.id, info) from None
-            self._check_alive(worker, request)
+            self._check_alive(worker, request.cmd)
         landed: bytearray | memoryview = reply_frame
         if sink is not None:  # it lands where the caller wants it, whole
             landed = sink.buffer(len(reply_frame))
@@ -451,10 +451,9 @@ class InMemoryContext(StrategyContext):
     async def drop_kept(self, worker_idx: int, kept: str) -> None:
         self._kept.pop((self.workers[worker_idx].id, kept), None)
 
-    def _check_alive(self, worker: WorkerIdentity, request: DaemonRequest | str) -> None:
+    def _check_alive(self, worker: WorkerIdentity, cmd: str) -> None:
         if worker.id in self._gone:
             reason = self._gone[worker.id]
-            cmd = request if isinstance(request, str) else request.cmd
             info = ErrorInfo(
                 code=ErrorCode.WORKER_LOST,
                 message=f"lost during {cmd}: {reason}",

@@ -82,10 +82,11 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
         self._places: dict[int, tuple[str, int, bool]] = {}
         self._torch = torch
         self._dtypes = torch_dtypes()[1]
+        self._kinds = {torch.Tensor: "tensor", torch.nn.Parameter: "parameter"}
 
     def persistent_id(self, obj: Any) -> tuple[str, int, bool] | None:
         torch = self._torch
-        kind = {torch.Tensor: "tensor", torch.nn.Parameter: "parameter"}.get(type(obj))
+        kind = self._kinds.get(type(obj))  # every object pickled is asked: a lookup alone
         if kind is None:
             return None
         place = self._places.get(id(obj))

@@ -41,12 +41,12 @@ class KeptFiles:
         self._directory = directory
         self._sizes: dict[tuple[str, str], dict[str, int]] = {}
 
-    @property
-    def directory(self) -> Path:
-        """The folder (made ``0700`` on first use)."""
+    def _root(self) -> Path:
+        """The folder, made (``0700``) when a file is first kept."""
         if self._directory is None:
             self._directory = Path(tempfile.mkdtemp(prefix="somatize-kept-"))
-        self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        else:
+            self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._directory
 
     def keep(self, job_id: str, files: Mapping[str, bytes]) -> dict[str, Any]:
@@ -60,7 +60,7 @@ class KeptFiles:
         kept = secrets.token_hex(8)
         folder = None
         try:
-            folder = self._folder(job_id, kept)
+            folder = self._root() / _job_name(job_id) / kept
             folder.mkdir(mode=0o700, parents=True)
             for name, data in files.items():
                 fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -74,7 +74,7 @@ class KeptFiles:
                 f"job {job_id!r}: keeping {len(files)} files on the worker failed: {exc}",
                 job_id=job_id,
             ) from exc
-        sizes = {name: len(memoryview(data)) for name, data in files.items()}
+        sizes = {name: memoryview(data).nbytes for name, data in files.items()}
         self._sizes[(job_id, kept)] = sizes
         return {"kept": kept, "files": sizes}
 
@@ -101,9 +101,9 @@ class KeptFiles:
         for key in [k for k in self._sizes if k[0] == job_id and kept in (None, k[1])]:
             del self._sizes[key]
             shutil.rmtree(self._folder(*key), ignore_errors=True)
-        if kept is None:
+        if kept is None and self._directory is not None:
             with contextlib.suppress(OSError):
-                self._job_folder(job_id).rmdir()
+                (self._directory / _job_name(job_id)).rmdir()
 
     def close(self) -> None:
         """Remove every job's files and the folder."""
@@ -111,8 +111,12 @@ class KeptFiles:
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
 
-    def _job_folder(self, job_id: str) -> Path:
-        return self.directory / job_id.encode().hex()
-
     def _folder(self, job_id: str, kept: str) -> Path:
-        return self._job_folder(job_id) / kept
+        """Where a call's files lie (only asked of what :meth:`keep` wrote: the folder is)."""
+        assert self._directory is not None
+        return self._directory / _job_name(job_id) / kept
+
+
+def _job_name(job_id: str) -> str:
+    """A job's folder name: its id in hex, whatever characters the id holds."""
+    return job_id.encode().hex()
