@@ -43,7 +43,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
-from protocol.kept_files import files_at
+from protocol.kept_files import file_parts, files_at
 from protocol.options.devices import device_fits
 
 if TYPE_CHECKING:
@@ -433,7 +433,9 @@ class InMemoryContext(StrategyContext):
             info = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"{request.cmd}'s reply: {exc}")
             raise WorkerCallError(worker.id, info) from None
         kept = f"{next(self._ids)}"
-        self._kept[(worker.id, kept)] = {name: bytes(data) for name, data in files.items()}
+        self._kept[(worker.id, kept)] = {
+            name: b"".join(file_parts(data)) for name, data in files.items()
+        }
         parent[keep[-1]] = {"kept": kept, "files": {n: len(d) for n, d in files.items()}}
         return result
 

@@ -423,19 +423,29 @@ class Replica:
             "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
         }
 
-    def shard_file(self, name: str, data: bytes) -> None:
-        """Keep one file of a sharded checkpoint (:meth:`_snapshot`'s) until
-        :meth:`load_shards` reads it: the coordinator sends them one at a time, this replica's
-        own shards and the ``.metadata``.
+    def shard_file(self, name: str, data: bytes, offset: int = 0) -> None:
+        """Keep a piece of one file of a sharded checkpoint (:meth:`_snapshot`'s), ``data``
+        at ``offset``, until :meth:`load_shards` reads it: the coordinator sends them one at
+        a time, this replica's own shards and the ``.metadata``, each in pieces in order (the
+        first, at ``0``, starts the file afresh; each next one goes on where the last ended).
 
         Raises:
-            EngineError: ``BAD_REQUEST`` for a name that is not a plain file name.
+            EngineError: ``BAD_REQUEST`` for a name that is not a plain file name, or a piece
+                that does not go on where the file ends.
         """
         if not is_plain_file_name(name):
             raise EngineError(ErrorCode.BAD_REQUEST, f"{name!r} is not a checkpoint file's name")
         if self._incoming is None:
             self._incoming = tempfile.TemporaryDirectory(prefix="somatize-shards-")
-        (Path(self._incoming.name) / name).write_bytes(data)
+        path = Path(self._incoming.name) / name
+        held = path.stat().st_size if offset and path.exists() else 0
+        if offset != held:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"a piece of checkpoint file {name} at {offset}, where {held} bytes of it are here",
+            )
+        with path.open("ab" if offset else "wb") as file:
+            file.write(data)
 
     def load_shards(self, rest: dict[str, Any]) -> None:
         """Load the sharded checkpoint whose files :meth:`shard_file` kept into this replica's

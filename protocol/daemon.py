@@ -424,20 +424,24 @@ class DistEvaluateRequest(DataSource):
 
 class DistPiecesRequest(_Request):
     """A sharded replica's shards of its model, read where they lie (no collective) for the
-    job's result: ``{"states": ...}`` by node, as ``get_state`` gives them but with each
-    sharded tensor as this replica's rows of it (dim 0, in rank order), and ``"split"``: the
-    key paths of those tensors. No optimizer state."""
+    job's result, as one file for its agent to keep (``{"files": {"pieces": pieces}}``, kept
+    as the pieces' codec frame: :mod:`protocol.shard_pieces`): ``{"states": ...}`` by node, as
+    ``get_state`` gives them but with each sharded tensor as this replica's rows of it (dim 0,
+    in rank order), and ``"split"``: the key paths of those tensors. No optimizer state."""
 
     cmd: Literal["dist_pieces"] = "dist_pieces"
 
 
 class DistShardFileRequest(_Request):
-    """One file of a sharded checkpoint (a ``dist_train`` snapshot's ``shards``) for this
-    replica to keep until ``dist_load_shards``: its own shards, and the ``.metadata``."""
+    """A piece of one file of a sharded checkpoint (a ``dist_train`` snapshot's ``shards``),
+    ``data`` at ``offset``, for this replica to keep until ``dist_load_shards``: its own
+    shards, and the ``.metadata``, each sent in pieces in order (the one at ``0`` starts the
+    file afresh, each next one goes on where the file ends)."""
 
     cmd: Literal["dist_shard_file"] = "dist_shard_file"
     name: Annotated[str, Field(min_length=1, max_length=255)]
     data: StrictBytes
+    offset: NonNegativeInt = 0
 
 
 class DistLoadShardsRequest(_Request):

@@ -250,8 +250,10 @@ class Call(_Message):
     keep: list[str] | None = Field(default=None, min_length=1)
 
 
-MAX_KEPT_READ = 64 << 20
-"""The most bytes one :class:`ReadKept` asks for: what the agent reads into its memory."""
+MAX_READ_BYTES = 64 << 20
+"""The most bytes one read of a file in pieces asks for (:class:`ReadKept` of an agent,
+:class:`GetResult` and :class:`GetCheckpoint` of a coordinator): what the one answering reads
+into its memory at once."""
 
 
 class ReadKept(_Message):
@@ -264,7 +266,7 @@ class ReadKept(_Message):
     kept: str
     name: str
     offset: int = Field(ge=0)
-    length: int = Field(gt=0, le=MAX_KEPT_READ)
+    length: int = Field(gt=0, le=MAX_READ_BYTES)
 
 
 class DropKept(_Message):
@@ -445,28 +447,37 @@ class JobEvent(_Message):
 class GetResult(_Message):
     """The trained states of a finished job (``wait`` seconds for it to finish, at most):
     ``states`` by node; or, for a sharded run, ``pieces``: how many ``replicas`` hold them,
-    the plain filters' states (``plain``) and the nodes (``node_ids``). The client then asks
-    for each replica's pieces (``replica``: its rows of every parameter,
-    :mod:`protocol.shard_pieces`), one at a time, and joins them."""
+    the plain filters' states (``plain``), the nodes (``node_ids``) and the bytes of each
+    replica's file of pieces (``sizes``). The client then asks for each replica's pieces
+    (``replica``: its rows of every parameter, :mod:`protocol.shard_pieces`), one at a time,
+    and joins them: ``length`` bytes of its file from ``offset`` at a time (→ ``{"replica",
+    "offset", "data"}``, fewer bytes only where it ends; the file is one codec frame), or
+    without ``offset`` whole, decoded, in one message (→ ``{"replica", "pieces"}``)."""
 
     kind: Literal["get_result"] = "get_result"
     job_id: str
     wait: Seconds = 0.0
     replica: NonNegativeInt | None = None
+    offset: NonNegativeInt | None = None
+    length: int = Field(default=MAX_READ_BYTES, gt=0, le=MAX_READ_BYTES)
 
 
 class GetCheckpoint(_Message):
     """One of a job's checkpoints: its position and its nodes' states (``seq``: its number;
     ``None``: the newest). A sharded run's holds, for ``states``, ``shards``: the names of
-    its files (``names``: each replica's shards as torch.distributed.checkpoint wrote them),
-    what every replica holds alike (``rest``) and the plain filters' states (``plain``); the
-    client then asks for each ``file`` of checkpoint ``seq`` in turn (→ ``{"file", "data"}``)
-    and joins them."""
+    its files (``names``: each replica's shards as torch.distributed.checkpoint wrote them;
+    ``files``: each one's ``bytes`` and ``sha256``), what every replica holds alike
+    (``rest``) and the plain filters' states (``plain``); the client then asks for each
+    ``file`` of checkpoint ``seq`` in turn, ``length`` bytes from ``offset`` at a time (→
+    ``{"file", "offset", "data"}``, fewer bytes only where it ends; without ``offset``:
+    whole, checked against its digest, → ``{"file", "data"}``), and joins them."""
 
     kind: Literal["get_checkpoint"] = "get_checkpoint"
     job_id: str
     seq: Annotated[int, Field(ge=1)] | None = None
     file: Annotated[str, Field(min_length=1, max_length=255)] | None = None
+    offset: NonNegativeInt | None = None
+    length: int = Field(default=MAX_READ_BYTES, gt=0, le=MAX_READ_BYTES)
 
 
 class Cancel(_Message):

@@ -4,10 +4,11 @@ Each replica of a run sharded by FSDP2 holds, of every parameter, its rows of di
 ``r`` of ``N`` the ``r``-th of ``torch.chunk``'s ``N`` chunks (the last replicas' may be
 empty). At the run's end it answers ``dist_pieces`` with its states shaped as an unsharded
 replica's, each sharded parameter replaced by its rows, and the key paths of those tensors
-(``split``); what it holds whole (buffers) every replica holds alike. The coordinator keeps the
-pieces as they came, one file a replica, each checked to stack onto replica 0's
-(:class:`Layout`; :func:`check` for all at once); the client that asks for the result puts the
-rows back together, in rank order (:func:`joined`):
+(``split``); what it holds whole (buffers) every replica holds alike. They travel as one codec
+frame, a file (:data:`PIECES_FILE`) its worker keeps and the coordinator reads a piece at a
+time into a file of its own, a replica's each, checked to stack onto replica 0's
+(:class:`Layout`; :func:`check` for all at once); the client that asks for the result reads
+them a piece at a time too and puts the rows back together, in rank order (:func:`joined`):
 the states an unsharded replica would have given — while no replica, and not the coordinator,
 ever held them whole. The optimizer state never travels for it (checkpoints keep theirs as the
 replicas' own files).
@@ -24,7 +25,12 @@ import numpy as np
 
 from protocol.errors import PiecesMismatch
 
-__all__ = ["Layout", "PiecesMismatch", "check", "joined"]
+__all__ = ["KEPT_AT", "PIECES_FILE", "Layout", "PiecesMismatch", "check", "joined"]
+
+PIECES_FILE = "pieces"
+"""The name of the file a replica's ``dist_pieces`` answer holds its pieces in (one frame)."""
+KEPT_AT = ("files",)
+"""Where that file lies in the answer (:attr:`protocol.messages.Call.keep`)."""
 
 
 @dataclass(frozen=True)

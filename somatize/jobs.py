@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+import hashlib
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from protocol.errors import ErrorCode
-from protocol.messages import Ack, Cancel, GetCheckpoint, GetJob, GetResult, Result
+from protocol.codec import decode
+from protocol.errors import ErrorCode, FrameError
+from protocol.messages import (
+    MAX_READ_BYTES,
+    Ack,
+    Cancel,
+    GetCheckpoint,
+    GetJob,
+    GetResult,
+    Result,
+)
 from protocol.shard_pieces import PiecesMismatch, joined
 from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
@@ -228,13 +238,23 @@ class Job:
             states: dict[str, Any] = _writable(dict(result_field(reply, "states", "get_result")))
             return states
         kept = reply.result["pieces"]
-        pieces = [
-            result_field(
-                self._client._call(GetResult(job_id=self.id, replica=r)), "pieces", "get_result"
-            )
-            for r in range(int(kept["replicas"]))
-        ]
-        return joined_states(kept, pieces)
+        sizes = kept.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != int(kept["replicas"]):
+            raise ClientError(f"the coordinator's answer to get_result lists sizes {sizes!r}")
+        return joined_states(kept, [self._pieces_of(r, size) for r, size in enumerate(sizes)])
+
+    def _pieces_of(self, replica: int, size: int) -> Any:
+        """A sharded run's replica's pieces: its file read in pieces and decoded here."""
+
+        def ask(offset: int, length: int) -> Any:
+            asked = GetResult(job_id=self.id, replica=replica, offset=offset, length=length)
+            return self._client._call(asked)
+
+        frame = read_in_pieces(ask, size, "get_result", f"replica {replica}'s pieces")
+        try:
+            return decode(frame)  # (over a bytearray: writable tensors, no copy)
+        except FrameError as exc:
+            raise ClientError(f"replica {replica}'s pieces of the result: {exc}") from exc
 
     def _fetch(self, timeout: float | None) -> Result:
         if timeout is not None and timeout < 0:
@@ -275,13 +295,25 @@ class Job:
             from somatize.sharded_checkpoints import whole_states  # (torch: imported here)
 
             found = int(result_field(reply, "seq", "get_checkpoint"))
+            listed = reply.result["shards"].get("files", {})
 
-            def fetch(name: str) -> bytes:
-                asked = GetCheckpoint(job_id=self.id, seq=found, file=name)
-                data = result_field(self._client._call(asked), "data", "get_checkpoint")
-                if not isinstance(data, bytes | bytearray | memoryview):
-                    raise ClientError(f"the checkpoint's file {name} came as {type(data)}")
-                return bytes(data)
+            def fetch(name: str) -> bytes | bytearray:
+                def ask(offset: int, length: int) -> Any:
+                    asked = GetCheckpoint(
+                        job_id=self.id, seq=found, file=name, offset=offset, length=length
+                    )
+                    return self._client._call(asked)
+
+                said = listed.get(name)
+                if not isinstance(said, dict) or type(said.get("bytes")) is not int:
+                    raise ClientError(f"the checkpoint's answer lists no size of its file {name}")
+                data = read_in_pieces(ask, said["bytes"], "get_checkpoint", f"the file {name}")
+                if hashlib.sha256(data).hexdigest() != said.get("sha256"):
+                    raise ClientError(
+                        f"checkpoint {found}'s file {name} came other than it was saved (its "
+                        "SHA-256 differs)"
+                    )
+                return data
 
             states = whole_states(reply.result["shards"], fetch)
         else:
@@ -317,6 +349,32 @@ def joined_states(kept: Mapping[str, Any], pieces: Sequence[Any]) -> dict[str, A
     except (PiecesMismatch, KeyError, TypeError) as exc:
         raise ClientError(f"the sharded result's pieces cannot be joined: {exc}") from exc
     return states
+
+
+def read_in_pieces(ask: Callable[[int, int], Any], size: int, request: str, what: str) -> bytearray:
+    """The ``size`` bytes of a file the coordinator gives in pieces: ``ask(offset, length)``
+    answers ``request`` with ``{"data": ...}``, at most ``length`` bytes from ``offset``, each
+    asked for once the one before came (``what`` the file is, for the error).
+
+    Raises:
+        ClientError: a piece came as other than bytes, empty, or longer than asked for.
+    """
+    if type(size) is not int or size < 0:
+        raise ClientError(f"the coordinator's answer to {request} gives {what} {size!r} bytes")
+    data = bytearray(size)
+    offset = 0
+    while offset < size:
+        length = min(MAX_READ_BYTES, size - offset)
+        piece = result_field(ask(offset, length), "data", request)
+        if not isinstance(piece, bytes | bytearray | memoryview) or not 0 < len(piece) <= length:
+            got = len(piece) if isinstance(piece, bytes | bytearray | memoryview) else piece
+            raise ClientError(
+                f"the coordinator gave {what} at {offset} of {size} bytes as {got!r}, asked "
+                f"for {length} bytes"
+            )
+        data[offset : offset + len(piece)] = piece
+        offset += len(piece)
+    return data
 
 
 def result_field(reply: Any, key: str, request: str) -> Any:

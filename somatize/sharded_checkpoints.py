@@ -54,7 +54,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a checkpoint's {METADATA} may not name {module}.{name}")
 
 
-def _checked_metadata(data: bytes) -> None:
+def _checked_metadata(data: bytes | bytearray) -> None:
     """Raise ClientError unless ``data`` is a ``.metadata`` of DCP's own classes alone."""
     try:
         _MetadataUnpickler(io.BytesIO(data)).load()
@@ -62,7 +62,9 @@ def _checked_metadata(data: bytes) -> None:
         raise ClientError(f"the checkpoint's {METADATA} is not DCP's: {exc}") from exc
 
 
-def whole_states(shards: Mapping[str, Any], fetch: Callable[[str], bytes]) -> dict[str, Any]:
+def whole_states(
+    shards: Mapping[str, Any], fetch: Callable[[str], bytes | bytearray]
+) -> dict[str, Any]:
     """Every node's state from a sharded checkpoint as the coordinator describes it
     (``names``: its DCP files, ``rest``, ``plain``: the plain filters' states), its sharded
     tensors whole; ``fetch(name)`` gives a file's bytes, each written to disk here before

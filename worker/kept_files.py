@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import ErrorCode, RequestRefused
+from protocol.errors import ErrorCode, FrameError, RequestRefused
+from protocol.kept_files import file_parts
 
 __all__ = ["KeptFiles"]
 
@@ -49,32 +50,35 @@ class KeptFiles:
             self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._directory
 
-    def keep(self, job_id: str, files: Mapping[str, bytes]) -> dict[str, Any]:
-        """Write ``files`` (by plain name: :func:`protocol.kept_files.files_at` checked them)
+    def keep(self, job_id: str, files: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``files`` (by plain name: :func:`protocol.kept_files.files_at` checked them;
+        each bytes, or a value written as its frame: :func:`~protocol.kept_files.file_parts`)
         of a call of ``job_id`` here; what the reply says in their place: ``{"kept": id,
         "files": {name: size}}``.
 
         Raises:
-            RequestRefused: ``resource_limit``: they could not be written (the disk full).
+            RequestRefused: ``resource_limit``: they could not be written (the disk full);
+                ``bad_request``: a value a frame cannot carry.
         """
         kept = secrets.token_hex(8)
         folder = None
+        sizes: dict[str, int] = {}
         try:
             folder = self._root() / _job_name(job_id) / kept
             folder.mkdir(mode=0o700, parents=True)
             for name, data in files.items():
                 fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "wb") as file:
-                    file.write(data)
-        except OSError as exc:
+                    sizes[name] = sum(file.write(part) for part in file_parts(data))
+        except (OSError, FrameError) as exc:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+            code = ErrorCode.RESOURCE_LIMIT if isinstance(exc, OSError) else ErrorCode.BAD_REQUEST
             raise RequestRefused.of(
-                ErrorCode.RESOURCE_LIMIT,
+                code,
                 f"job {job_id!r}: keeping {len(files)} files on the worker failed: {exc}",
                 job_id=job_id,
             ) from exc
-        sizes = {name: memoryview(data).nbytes for name, data in files.items()}
         self._sizes[(job_id, kept)] = sizes
         return {"kept": kept, "files": sizes}
 

@@ -7,10 +7,11 @@ what it holds (:class:`Checkpoint`). It is written to
 SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A sharded run's
 replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
 first (never joined here): read from where the replicas left them a piece at a time
-(:class:`ShardFiles`, at most ``piece_bytes`` in memory at once), each piece written before the
-next is asked for (:class:`ShardsWriter`), and the frame lists them with their digests. A torn
-or damaged file fails its digest and is never used (the one before it is); the previous
-checkpoint is removed only once the new one is complete, and the last ``keep`` are kept.
+(:mod:`coordinator.jobs.worker_files`, at most ``piece_bytes`` in memory at once), each piece
+written before the next is asked for (:class:`ShardsWriter`), and the frame lists them with
+their digests. A torn or damaged file fails its digest and is never used (the one before it
+is); the previous checkpoint is removed only once the new one is complete, and the last
+``keep`` are kept.
 
 * :class:`CheckpointStore` — the files of every job's checkpoints; its I/O blocks: callers run
   it in a thread.
@@ -36,12 +37,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from coordinator.errors import WorkerCallError
 from coordinator.jobs.disk import (
@@ -51,6 +53,7 @@ from coordinator.jobs.disk import (
     read_whole,
     write_atomically,
 )
+from coordinator.jobs.worker_files import PIECE_BYTES, WorkerFiles, fetch
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
@@ -63,9 +66,7 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointStore",
     "JobCheckpoints",
-    "ShardFiles",
     "ShardsWriter",
-    "piece_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,16 +81,6 @@ many seconds of training since the last checkpoint, whichever comes first."""
 SUFFIX = ".ckpt"
 SHARDS_SUFFIX = ".shards"
 DIGEST_BYTES = hashlib.sha256().digest_size
-PIECE_BYTES = 16 << 20
-"""The most of a sharded checkpoint's file read into the coordinator's memory at once."""
-MIN_PIECE_BYTES = 64 << 10
-
-
-def piece_bytes(room: int) -> int:
-    """How much of a sharded checkpoint's file a coordinator whose workers' replies may hold
-    ``room`` bytes together (``--max-reassembly-bytes``) reads at once: a quarter of that
-    room, the rest left to the replies of its jobs, and at most :data:`PIECE_BYTES`."""
-    return max(MIN_PIECE_BYTES, min(PIECE_BYTES, room // 4))
 
 
 @dataclass(frozen=True)
@@ -123,15 +114,38 @@ class Checkpoint:
             ValueError: the file is no longer the size (or, with ``verify``, the digest) its
                 checkpoint lists.
         """
+        path, listed = self._shard(name)
+        data = path.read_bytes()
+        if len(data) != listed["bytes"]:
+            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is torn")
+        if verify and hashlib.sha256(data).hexdigest() != listed["sha256"]:
+            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is damaged")
+        return data
+
+    def shard_range(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of its shards' file ``name`` (fewer where it
+        ends); not hashed (the one who joins them checks the digest the checkpoint lists).
+
+        Raises:
+            OSError: it has no such file.
+            ValueError: the file is no longer the size its checkpoint lists.
+        """
+        path, listed = self._shard(name)
+        with path.open("rb") as file:
+            if os.fstat(file.fileno()).st_size != listed["bytes"]:
+                raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is torn")
+            return os.pread(file.fileno(), length, offset)
+
+    def _shard(self, name: str) -> tuple[Path, dict[str, Any]]:
+        """Where its shards' file ``name`` lies, and what the checkpoint lists of it.
+
+        Raises:
+            FileNotFoundError: it has no such file.
+        """
         listed = self.payload.get("shards", {}).get("files", {})
         if self.shards is None or name not in listed:
             raise FileNotFoundError(f"checkpoint {self.seq} has no shards' file {name!r}")
-        data = (self.shards / name).read_bytes()
-        if len(data) != listed[name]["bytes"]:
-            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is torn")
-        if verify and hashlib.sha256(data).hexdigest() != listed[name]["sha256"]:
-            raise ValueError(f"checkpoint {self.seq}'s shards' file {name} is damaged")
-        return data
+        return self.shards / name, listed[name]
 
 
 class CheckpointStore:
@@ -356,27 +370,6 @@ def _remove(folder: Path, seq: int) -> None:
     shutil.rmtree(folder / f"{seq:08d}{SHARDS_SUFFIX}", ignore_errors=True)
 
 
-class ShardFiles(Protocol):
-    """A sharded checkpoint's files where its replicas left them (each worker's disk), read a
-    piece at a time (:meth:`JobCheckpoints.save`)."""
-
-    def sizes(self) -> dict[str, int]:
-        """Every file's size, by name."""
-        ...
-
-    async def read(self, name: str, offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset + length)`` of file ``name``.
-
-        Raises:
-            WorkerCallError: its worker could not give them.
-        """
-        ...
-
-    async def release(self) -> None:
-        """The files are no longer needed where they were left (never raises)."""
-        ...
-
-
 @dataclass
 class JobCheckpoints:
     """One running job's checkpoints (see the module docstring).
@@ -388,7 +381,8 @@ class JobCheckpoints:
         emit: the job's event callback.
         resume: what the run starts from (``None``: the beginning).
         source: the job ``resume`` is a checkpoint of: this one, or the one it continues.
-        piece_bytes: the most of a sharded checkpoint's file read at once (:func:`piece_bytes`).
+        piece_bytes: the most of a sharded checkpoint's file read at once
+            (:func:`~coordinator.jobs.worker_files.piece_bytes`).
     """
 
     job_id: str
@@ -411,7 +405,7 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: dict[str, Any],
-        shards: ShardFiles | None = None,
+        shards: WorkerFiles | None = None,
     ) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is
         written), with a sharded run's ``shards``, read where they were left a piece at a
@@ -428,7 +422,7 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: dict[str, Any],
-        shards: ShardFiles | None,
+        shards: WorkerFiles | None,
     ) -> bool:
         began = time.perf_counter()
         try:
@@ -450,7 +444,7 @@ class JobCheckpoints:
         )
         return True
 
-    async def _fetch(self, shards: ShardFiles) -> ShardsWriter:
+    async def _fetch(self, shards: WorkerFiles) -> ShardsWriter:
         """``shards``' files written to the store, each read in pieces of at most
         :attr:`piece_bytes` and written before the next is read.
 
@@ -460,15 +454,9 @@ class JobCheckpoints:
         """
         writer = await asyncio.to_thread(self.store.shards_writer, self.job_id)
         try:
-            for name, size in shards.sizes().items():
+            for name in shards.sizes():
                 file = await asyncio.to_thread(writer.open, name)
-                offset = 0
-                while offset < size:
-                    piece = await shards.read(name, offset, min(self.piece_bytes, size - offset))
-                    if not piece:
-                        raise OSError(f"shards' file {name} ended at {offset} of {size} bytes")
-                    await asyncio.to_thread(file.write, piece)
-                    offset += len(piece)
+                await fetch(shards, name, file.write, self.piece_bytes)
                 await asyncio.to_thread(writer.close, file)
         except BaseException:
             await asyncio.to_thread(writer.abandon)

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import PIECE_BYTES, Checkpoint, CheckpointStore, JobCheckpoints
+from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
 from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
+from coordinator.jobs.worker_files import PIECE_BYTES
 from coordinator.strategies import Strategy
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, FrameError, RequestRefused
@@ -91,7 +92,7 @@ class JobFiles:
     sharded job's pieces: :mod:`coordinator.jobs.result_pieces`)."""
 
     def __init__(self, state_dir: Path, piece_bytes: int = PIECE_BYTES) -> None:
-        self.piece_bytes = piece_bytes  # of a sharded checkpoint's file, read at once
+        self.piece_bytes = piece_bytes  # of a file left on a worker, read at once
         self.submits = SubmitMessages(state_dir / "jobs")
         self.checkpoints = CheckpointStore(state_dir / "checkpoints")
         self.results = ResultPieces(state_dir / "results")

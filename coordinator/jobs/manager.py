@@ -71,6 +71,7 @@ from coordinator.jobs.submission import (
     summary_of,
     vetted,
 )
+from coordinator.jobs.worker_files import PIECE_BYTES
 from coordinator.strategies import (
     JobInputs,
     Placement,
@@ -83,7 +84,7 @@ from coordinator.workers.registry import Registry, WorkerRecord, WorkerState
 from coordinator.workers.transport import TransportContext
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
-from protocol.messages import StrategySpec, Submit
+from protocol.messages import MAX_READ_BYTES, StrategySpec, Submit
 
 __all__ = [
     "DEFAULT_OWNER",
@@ -413,11 +414,18 @@ class JobManager:
         return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
 
     async def result(
-        self, job_id: str, wait: float = 0.0, replica: int | None = None
+        self,
+        job_id: str,
+        wait: float = 0.0,
+        replica: int | None = None,
+        offset: int | None = None,
+        length: int = MAX_READ_BYTES,
     ) -> dict[str, Any]:
         """The states of a succeeded job, waiting up to ``wait`` seconds for it to end: by
         node (``states``), or a sharded run's as its replicas hold them (``pieces``: how many
-        replicas, and each one's pieces when ``replica`` names it; the client joins them)."""
+        replicas and the bytes of each one's file; with ``replica``, that one's pieces, or
+        with ``offset`` too, ``length`` bytes of its file from there; the client joins them:
+        :func:`~coordinator.jobs.result_pieces.answer`)."""
         job = self._jobs.get(job_id)
         if job is not None and wait > 0:
             try:
@@ -441,7 +449,9 @@ class JobManager:
                 return said | {"states": stored}
             files = None if self.files is None else self.files.results
             try:
-                return said | await asyncio.to_thread(answer, stored, replica, files, job_id)
+                return said | await asyncio.to_thread(
+                    answer, stored, replica, files, job_id, offset, length
+                )
             except IndexError as exc:
                 raise RequestRefused.of(
                     ErrorCode.BAD_REQUEST, f"job {job_id}: {exc}", job_id=job_id
@@ -672,7 +682,9 @@ class JobManager:
         if not isinstance(states, ShardedStates):
             return "states", await asyncio.to_thread(encode_frame, states)
         try:
-            said = await kept(states, None if self.files is None else self.files.results, job_id)
+            files = None if self.files is None else self.files.results
+            piece = PIECE_BYTES if self.files is None else self.files.piece_bytes
+            said = await kept(states, files, job_id, piece)
         except OSError as exc:
             why = f"the job trained, but its sharded result could not be written: {exc}"
             raise StrategyFailed(ErrorCode.INTERNAL, why) from exc

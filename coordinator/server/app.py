@@ -46,11 +46,11 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.jobs.checkpoints import piece_bytes
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager
 from coordinator.jobs.spill import QueuedInputs
 from coordinator.jobs.store import JobState, JobStore
+from coordinator.jobs.worker_files import piece_bytes
 from coordinator.server.client_requests import ClientRequests
 from coordinator.server.clients import ConnectedClients
 from coordinator.server.config import SERVER, CoordinatorConfig

@@ -108,7 +108,9 @@ class ClientRequests:
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
         await self._visible(channel, message.job_id)
         async with _while_open(channel):
-            result = await self.jobs.result(message.job_id, message.wait, message.replica)
+            result = await self.jobs.result(
+                message.job_id, message.wait, message.replica, message.offset, message.length
+            )
             return Result(result=result)
 
     async def on_get_checkpoint(self, channel: Channel, message: Any) -> Any:
@@ -125,20 +127,30 @@ class ClientRequests:
                     ErrorCode.BAD_REQUEST, "a checkpoint's file is asked for with its seq"
                 )
             found = await asyncio.to_thread(self.jobs.files.checkpoint, job_id, seq, False)
+            offset = message.offset
             try:
-                data = await asyncio.to_thread(found.shard, name, True)
+                if offset is None:  # whole, hashed again
+                    data = await asyncio.to_thread(found.shard, name, True)
+                else:  # a piece (the client checks the digest of the whole)
+                    data = await asyncio.to_thread(found.shard_range, name, offset, message.length)
             except FileNotFoundError as exc:
                 raise RequestRefused.of(ErrorCode.NO_CHECKPOINT, str(exc), job_id=job_id) from exc
             except (OSError, ValueError) as exc:
                 raise RequestRefused.of(ErrorCode.INTERNAL, str(exc), job_id=job_id) from exc
-            return Result(result={"seq": found.seq, "file": name, "data": data})
+            said = {"seq": found.seq, "file": name, "data": data}
+            return Result(result=said | ({} if offset is None else {"offset": offset}))
         found = await asyncio.to_thread(self.jobs.files.checkpoint, job_id, seq)
         payload = found.payload
         said = {"seq": found.seq, "position": found.position}
         if "shards" in payload:  # a sharded run's: the client asks for each file and joins them
             kept = payload["shards"]
             names = sorted(kept["files"])
-            shards = {"names": names, "rest": kept["rest"], "plain": kept["plain"]}
+            shards = {
+                "names": names,
+                "files": kept["files"],
+                "rest": kept["rest"],
+                "plain": kept["plain"],
+            }
             return Result(result=said | {"shards": shards})
         # A pipeline's or replicas' checkpoint holds every node's state; FedAvg's the global
         # state of its differentiable nodes.

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Self, TypeVar
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.jobs.checkpoints import JobCheckpoints
+from coordinator.jobs.worker_files import WorkerFiles
 from protocol.daemon import StageRequest
 from protocol.messages import NodeInfo
 from protocol.options import strategies as so
@@ -40,15 +41,17 @@ Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 @dataclass(frozen=True)
 class ShardedStates:
-    """A sharded run's final states as its replicas hold them: ``read(r)`` reads replica
-    ``r``'s pieces of the model (its ``dist_pieces`` answer, :mod:`protocol.shard_pieces`) of
-    the ``replicas`` while the run's workers are still held, one at a time; ``plain``: the
-    plain filters' states; ``node_ids``: the nodes. The job keeps the pieces one replica at a
-    time (:mod:`coordinator.jobs.result_pieces`) and the client joins them: the whole model is
-    never in the coordinator's memory at once."""
+    """A sharded run's final states as its replicas hold them: ``keep(r)`` has replica ``r``
+    of the ``replicas`` leave its pieces of the model on its worker's disk, while the run's
+    workers are still held: one file, :data:`~protocol.shard_pieces.PIECES_FILE` (its
+    ``dist_pieces`` answer, :mod:`protocol.shard_pieces`), to be read a piece at a time and
+    released; ``plain``: the plain filters' states; ``node_ids``: the nodes. The job keeps
+    the pieces one replica at a time (:mod:`coordinator.jobs.result_pieces`) and the client
+    joins them: the whole model is never in the coordinator's memory, nor a replica's share
+    of it."""
 
     replicas: int
-    read: Callable[[int], Awaitable[dict[str, Any]]]
+    keep: Callable[[int], Awaitable[WorkerFiles]]
     plain: dict[str, Any]
     node_ids: list[str]
 

@@ -29,6 +29,7 @@ from coordinator.context import (
 from coordinator.server.app import Coordinator
 from coordinator.server.config import CoordinatorConfig
 from coordinator.workers.transport import TransportContext
+from protocol.codec import decode
 from protocol.daemon import GetStateRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
@@ -163,7 +164,8 @@ def test_set_state_is_what_later_reads_return(make_context):
 def test_files_a_call_keeps_stay_on_the_worker_and_are_read_a_piece_at_a_time(make_context):
     """``call_keeping``: the files in the result are left on the worker, the reply says their
     names and sizes, pieces of them read back as they were, and once dropped they are gone; a
-    part of the result that is not files is refused, naming it, and the job goes on."""
+    part of the result that is not files by name is refused, naming it, and the job goes on.
+    A file that is not bytes is kept as its codec frame."""
     graph = _graph()
     files = {".metadata": b"where each shard lies", "__0_0.distcp": bytes(range(256)) * 40}
 
@@ -178,21 +180,29 @@ def test_files_a_call_keeps_stay_on_the_worker_and_are_read_a_piece_at_a_time(ma
                 for at in range(0, 10240, 4096)
             ]
             whole = await ctx.read_kept(1, kept["kept"], ".metadata", 0, 1 << 20)
+            lin = await ctx.call_keeping(1, GetStateRequest(node_ids=["lin"]), ["lin"])
+            framed = {
+                name: await ctx.read_kept(1, lin["lin"]["kept"], name, 0, 1 << 20)
+                for name in lin["lin"]["files"]
+            }
             with pytest.raises(WorkerCallError, match="not files by plain name") as refused:
-                await ctx.call_keeping(1, GetStateRequest(node_ids=["lin"]), ["lin"])
+                await ctx.call_keeping(1, GetStateRequest(node_ids=["lin"]), ["lin", "weight"])
             await ctx.drop_kept(1, kept["kept"])
             with pytest.raises(WorkerCallError, match=r"__0_0\.distcp") as gone:
                 await ctx.read_kept(1, kept["kept"], "__0_0.distcp", 0, 1)
             state = await ctx.get_state(1, ["lin"])  # the job goes on
-            return kept, pieces, whole, refused.value, gone.value, state
+            return kept, pieces, whole, refused.value, gone.value, state, framed
 
-    kept, pieces, whole, refused, gone, state = run(main())
+    kept, pieces, whole, refused, gone, state, framed = run(main())
     assert kept["files"] == {name: len(data) for name, data in files.items()}
     assert [len(p) for p in pieces] == [4096, 4096, 2048]
     assert b"".join(pieces) == files["__0_0.distcp"] and whole == files[".metadata"]
     assert refused.code is ErrorCode.BAD_REQUEST and "lin" in str(refused)
     assert gone.code is ErrorCode.BAD_REQUEST
-    assert set(state["lin"]) == {"weight", "bias"}
+    assert set(state["lin"]) == set(framed) == {"weight", "bias"}
+    for name, data in framed.items():  # each tensor its own frame
+        expected = torch.as_tensor(state["lin"][name])
+        torch.testing.assert_close(torch.as_tensor(decode(data)), expected)
 
 
 def test_gradients_out_and_in_and_the_state_read_back_after_apply(make_context):

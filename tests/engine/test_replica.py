@@ -7,6 +7,7 @@ import fcntl
 import socket
 import struct
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,6 +114,21 @@ def test_a_checkpoints_files_must_be_plain_names_and_loading_needs_a_sharded_pla
     replica.shard_file(".metadata", b"kept until dist_load_shards")
     with pytest.raises(EngineError, match="dist_load_shards loads a sharded replica"):
         replica.load_shards({"split": []})
+
+
+def test_a_checkpoints_file_comes_in_pieces_each_where_the_last_ended():
+    replica = Engine().replica
+    replica.shard_file("__0_0.distcp", b"stale", 0)
+    replica.shard_file("__0_0.distcp", b"first ", 0)  # at 0: the file afresh
+    replica.shard_file("__0_0.distcp", b"second", 6)
+    for offset in (3, 13):  # not where it ends
+        with pytest.raises(EngineError, match=f"at {offset}, where 12 bytes of it are here"):
+            replica.shard_file("__0_0.distcp", b"x", offset)
+    with pytest.raises(EngineError, match="at 4, where 0 bytes"):
+        replica.shard_file(".metadata", b"x", 4)  # a file never started
+    assert replica._incoming is not None
+    assert (Path(replica._incoming.name) / "__0_0.distcp").read_bytes() == b"first second"
+    replica._incoming.cleanup()
 
 
 def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():

@@ -8,6 +8,7 @@ path, and the client's protocol logic against a small fake coordinator (a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import threading
 import time
@@ -37,6 +38,7 @@ from protocol.messages import (
 from somatize import cli, curves, tables
 from somatize.client import client_url
 from somatize.job_files import load_job_file
+from somatize.jobs import read_in_pieces
 from tests.utils import UNIT
 
 # -- URLs and arguments ------------------------------------------------------------------------
@@ -619,3 +621,49 @@ def test_a_federated_loss_curve_counts_rounds_on_whole_number_ticks():
         import matplotlib.pyplot as plt
 
         plt.close(figure)
+
+
+def test_a_file_given_in_pieces_is_read_whole_and_a_wrong_piece_is_refused():
+    data = bytes(range(256)) * 3
+
+    def pieces_of(most: int, extra: bytes = b"") -> Callable[[int, int], Result]:
+        def ask(offset: int, length: int) -> Result:
+            assert length == len(data) - offset  # (all that is left: under MAX_READ_BYTES)
+            return Result(result={"data": data[offset : offset + min(length, most)] + extra})
+
+        return ask
+
+    assert read_in_pieces(pieces_of(100), len(data), "get_result", "f") == data  # 8 pieces
+    assert read_in_pieces(pieces_of(100), 0, "get_result", "f") == b""
+    for ask, said in (
+        (pieces_of(0), "at 0 of 768 bytes as 0"),  # none: it ended early
+        (pieces_of(len(data), b"x"), "as 769, asked for 768"),
+        (lambda o, n: Result(result={"data": "text"}), "as 'text'"),
+        (lambda o, n: Result(result={}), "has no 'data'"),
+    ):
+        with pytest.raises(sz.ClientError, match=said):
+            read_in_pieces(ask, len(data), "get_result", "f")
+    with pytest.raises(sz.ClientError, match="gives f -1 bytes"):
+        read_in_pieces(pieces_of(100), -1, "get_result", "f")
+
+
+def test_a_sharded_checkpoints_file_that_comes_other_than_saved_is_refused(fake):
+    """The coordinator gives a file in pieces without hashing it: the client checks the
+    digest the checkpoint lists once it has them all."""
+    saved = hashlib.sha256(b"good").hexdigest()
+
+    def script(channel: Channel, message: Any) -> Any:
+        assert message.kind == "get_checkpoint"
+        if message.file is None:
+            files = {".metadata": {"bytes": 4, "sha256": saved}}
+            shards = {"names": [".metadata"], "files": files, "rest": {}, "plain": {}}
+            return Result(result={"seq": 1, "position": {"step": 2}, "shards": shards})
+        assert (message.seq, message.offset, message.length) == (1, 0, 4)
+        return Result(result={"seq": 1, "file": ".metadata", "offset": 0, "data": b"bad!"})
+
+    server = fake(script)
+    with (
+        sz.connect(server.url, timeout=10 * UNIT) as client,
+        pytest.raises(sz.ClientError, match=r"file \.metadata came other than it was saved"),
+    ):
+        client.job("j1").checkpoint()

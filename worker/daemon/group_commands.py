@@ -28,6 +28,7 @@ from protocol.daemon import (
     PipeTrainRequest,
 )
 from protocol.rules.batching import global_batches
+from protocol.shard_pieces import PIECES_FILE
 
 __all__ = ["GroupCommands"]
 
@@ -106,10 +107,10 @@ class GroupCommands:
         return self.engine.replica.evaluate(req.node_ids, *self.engine.rows.of(req, lazy=True))
 
     def on_dist_pieces(self, req: DistPiecesRequest) -> dict[str, Any]:
-        return self.engine.replica.pieces()
+        return {"files": {PIECES_FILE: self.engine.replica.pieces()}}  # kept as its frame
 
     def on_dist_shard_file(self, req: DistShardFileRequest) -> None:
-        self.engine.replica.shard_file(req.name, req.data)
+        self.engine.replica.shard_file(req.name, req.data, req.offset)
 
     def on_dist_load_shards(self, req: DistLoadShardsRequest) -> None:
         self.engine.replica.load_shards(req.rest)

@@ -23,16 +23,16 @@ replica's inner optimizer state (by replica) and the outer optimizer's state (it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from coordinator.context import StrategyContext
-from coordinator.errors import StrategyFailed, WorkerCallError
+from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
+from coordinator.strategies.kept_on_worker import KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
 from protocol.shard_files import METADATA
@@ -49,56 +49,59 @@ worker keeps (:meth:`~coordinator.context.StrategyContext.call_keeping`)."""
 class Shards:
     """A sharded run's checkpoint as its replicas left it with a chunk's replies: the files
     torch.distributed.checkpoint wrote of each replica's shards, kept on its worker
-    (``kept[i]``: replica ``i``'s id there and its files' sizes, by name), what every replica
-    holds alike (``rest``: buffers, step counts, the groups' settings, schedulers) and the
-    plain filters' states (``plain``). Read a piece at a time from where they are
-    (:class:`~coordinator.jobs.checkpoints.ShardFiles`), the coordinator never holds one whole.
+    (``kept[i]``: replica ``i``'s), what every replica holds alike (``rest``: buffers, step
+    counts, the groups' settings, schedulers) and the plain filters' states (``plain``). Read
+    a piece at a time from where they are
+    (:class:`~coordinator.jobs.worker_files.WorkerFiles`), the coordinator never holds one
+    whole.
 
     Raises:
-        StrategyFailed: ``STATE_MISMATCH``: a replica's files are not as a worker keeps them,
-            or two replicas wrote files of one name.
+        StrategyFailed: ``STATE_MISMATCH``: two replicas wrote files of one name.
     """
 
-    ctx: StrategyContext
-    kept: list[dict[str, Any]]
+    kept: list[KeptOnWorker]
     rest: dict[str, Any]
     plain: dict[str, Any]
-    _where: dict[str, int] = field(init=False, repr=False)  # file name → its replica
+    _where: dict[str, KeptOnWorker] = field(init=False, repr=False)  # file name → its replica's
+
+    @classmethod
+    def of(
+        cls, ctx: StrategyContext, said: list[Any], rest: dict[str, Any], plain: dict[str, Any]
+    ) -> Self:
+        """What each replica said in place of its files (``said[i]``: replica ``i``'s).
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH``: a replica's files are not as a worker keeps
+                them, or two replicas wrote files of one name.
+        """
+        kept = [KeptOnWorker.of(ctx, i, s, "shards") for i, s in enumerate(said)]
+        return cls(kept, rest, plain)
 
     def __post_init__(self) -> None:
-        where: dict[str, int] = {}
-        for i, said in enumerate(self.kept):
-            said = said if isinstance(said, dict) else {}
-            if not isinstance(said.get("kept"), str) or not isinstance(said.get("files"), dict):
-                raise StrategyFailed(
-                    ErrorCode.STATE_MISMATCH, f"replica {i}'s shards were not kept on its worker"
-                )
-            for name in said["files"]:
+        where: dict[str, KeptOnWorker] = {}
+        for replica in self.kept:
+            for name in replica.files:
                 if name in where:
                     raise StrategyFailed(
-                        ErrorCode.STATE_MISMATCH, f"two replicas (one: {i}) saved a file {name}"
+                        ErrorCode.STATE_MISMATCH,
+                        f"two replicas (one: {replica.worker}) saved a file {name}",
                     )
-                where[name] = i
+                where[name] = replica
         object.__setattr__(self, "_where", where)
 
     def payload(self) -> dict[str, Any]:
         """What the checkpoint's file holds beside the list of the files."""
-        said = {"by_replica": [sorted(k["files"]) for k in self.kept]}
+        said = {"by_replica": [sorted(k.files) for k in self.kept]}
         return {"shards": said | {"rest": self.rest, "plain": self.plain}}
 
     def sizes(self) -> dict[str, int]:
-        return {name: int(self.kept[i]["files"][name]) for name, i in self._where.items()}
+        return {name: replica.files[name] for name, replica in self._where.items()}
 
     async def read(self, name: str, offset: int, length: int) -> bytes:
-        i = self._where[name]
-        return await self.ctx.read_kept(i, self.kept[i]["kept"], name, offset, length)
+        return await self._where[name].read(name, offset, length)
 
     async def release(self) -> None:
-        async def drop(i: int) -> None:
-            with contextlib.suppress(WorkerCallError):  # gone with its worker, or its job
-                await self.ctx.drop_kept(i, self.kept[i]["kept"])
-
-        await asyncio.gather(*(drop(i) for i in range(len(self.kept))))
+        await asyncio.gather(*(replica.release() for replica in self.kept))
 
 
 Settle = Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]]
@@ -165,9 +168,9 @@ class ReplicaCheckpoints:
     async def load_shards(self, settle: Settle) -> None:
         """Load the sharded checkpoint :meth:`restore` found into the replicas, sharded now:
         each is sent its own files and the ``.metadata`` (every file, when the checkpoint was
-        of another number of replicas), one file at a time, then all load them together
-        (``settle``), each reading the rows it holds. Nothing to do for a run that did not
-        resume from one.
+        of another number of replicas), one piece of one file at a time, then all load them
+        together (``settle``), each reading the rows it holds. Nothing to do for a run that
+        did not resume from one.
 
         Raises:
             StrategyFailed: ``STATE_MISMATCH``: a file of the checkpoint is gone or damaged.
@@ -183,15 +186,36 @@ class ReplicaCheckpoints:
         for i in replicas:
             names = sorted({*said["by_replica"][i], METADATA}) if same else everything
             for name in names:
-                try:
-                    data = await asyncio.to_thread(resume.shard, name)
-                except (OSError, ValueError) as exc:
-                    raise StrategyFailed(
-                        ErrorCode.STATE_MISMATCH, f"resuming from checkpoint {resume.seq}: {exc}"
-                    ) from exc
-                await ctx.call(i, DistShardFileRequest(name=name, data=data))
+                await self._send_file(i, resume, name)
         rest = said["rest"]
         await settle({i: ctx.call(i, DistLoadShardsRequest(rest=rest)) for i in replicas})
+
+    async def _send_file(self, replica: int, resume: Checkpoint, name: str) -> None:
+        """Send file ``name`` of ``resume`` to ``replica`` a piece at a time (at most the
+        job's ``piece_bytes`` in memory, and in a message, at once).
+
+        Raises:
+            StrategyFailed: ``STATE_MISMATCH``: the file is gone or damaged.
+        """
+        assert self.checkpoints is not None
+        size = int(resume.payload["shards"]["files"][name]["bytes"])
+        offset = 0
+        while True:
+            try:
+                data = await asyncio.to_thread(
+                    resume.shard_range, name, offset, self.checkpoints.piece_bytes
+                )
+                if not data and offset < size:
+                    raise ValueError(f"its shards' file {name} ends at {offset} of {size} bytes")
+            except (OSError, ValueError) as exc:
+                raise StrategyFailed(
+                    ErrorCode.STATE_MISMATCH, f"resuming from checkpoint {resume.seq}: {exc}"
+                ) from exc
+            piece = DistShardFileRequest(name=name, data=data, offset=offset)
+            await self.run.ctx.call(replica, piece)
+            offset += len(data)
+            if offset >= size:
+                return
 
     def start(self) -> None:
         """Training starts (or goes on, resumed) now."""

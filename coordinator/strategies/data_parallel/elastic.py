@@ -25,11 +25,13 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, ShardedStates, concurrently
+from coordinator.strategies.kept_on_worker import KeptOnWorker
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
 from protocol.filters import split_rows
 from protocol.rules.rows import take_rows
+from protocol.shard_pieces import KEPT_AT, PIECES_FILE
 
 T = TypeVar("T")
 
@@ -295,19 +297,27 @@ class Replicas:
 
     async def pieces(self) -> ShardedStates:
         """A sharded run's final states as its replicas hold them: each replica's pieces of
-        the model, to be read where they lie (no collective), one replica after another, by
-        the job that keeps them (:mod:`protocol.shard_pieces`: the client joins them); the
-        plain filters before the torch nodes read from replica 0, which holds them as every
-        replica does."""
+        the model, one file its worker keeps for the job to read a piece at a time (no
+        collective), one replica after another (:mod:`protocol.shard_pieces`: the client
+        joins them); the plain filters before the torch nodes read from replica 0, which
+        holds them as every replica does."""
         self.position.phase, self.position.step = "reading", None
         plain = [node for node in self.job.node_ids if node not in self.torch_nodes]
         states = await self.ctx.get_state(0, plain) if plain else {}
 
-        async def read(replica: int) -> dict[str, Any]:
-            pieces: dict[str, Any] = await self.ctx.call(replica, DistPiecesRequest())
-            return pieces
+        async def keep(replica: int) -> KeptOnWorker:
+            said = await self.ctx.call_keeping(replica, DistPiecesRequest(), KEPT_AT)
+            files = said.get("files") if isinstance(said, dict) else None
+            kept = KeptOnWorker.of(self.ctx, replica, files, "pieces")
+            if set(kept.files) != {PIECES_FILE}:
+                await kept.release()
+                raise StrategyFailed(
+                    ErrorCode.STATE_MISMATCH,
+                    f"replica {replica} kept {sorted(kept.files)}, not its {PIECES_FILE!r}",
+                )
+            return kept
 
-        return ShardedStates(self.ctx.num_workers(), read, states, list(self.job.node_ids))
+        return ShardedStates(self.ctx.num_workers(), keep, states, list(self.job.node_ids))
 
     async def report(self, errors: Mapping[int, WorkerCallError]) -> None:
         """A ``worker_lost`` event for each replica of ``errors``, where the run stands."""

@@ -259,7 +259,7 @@ class TorchTraining:
         if self.sharding != "none":
             taken = [results[i]["snapshot"] for i in self._all()]
             kept = [t["shards"] for t in taken]
-            return Shards(self.run.ctx, kept, taken[0]["rest"], taken[0]["plain"])
+            return Shards.of(self.run.ctx, kept, taken[0]["rest"], taken[0]["plain"])
         taken = results[0]["snapshot"]
         return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 

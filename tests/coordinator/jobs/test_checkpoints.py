@@ -17,8 +17,8 @@ from coordinator.jobs.checkpoints import (
     CheckpointPolicy,
     CheckpointStore,
     JobCheckpoints,
-    piece_bytes,
 )
+from coordinator.jobs.worker_files import piece_bytes
 from protocol.errors import ErrorCode, ErrorInfo
 
 
@@ -195,6 +195,23 @@ def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_dige
     ]
 
 
+def test_a_sharded_checkpoints_file_is_read_in_ranges_each_checked_for_its_size(tmp_path):
+    """As a client or a resumed replica is given it: a piece at a time, its size checked
+    (the digest is the reader's to check once it has them all)."""
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
+    saved = store.read("j", 1)
+    data = SHARDS[".metadata"]
+    pieces = [saved.shard_range(".metadata", at, 4) for at in range(0, len(data), 4)]
+    assert b"".join(pieces) == data and {len(p) for p in pieces[:-1]} == {4}
+    assert saved.shard_range(".metadata", len(data), 4) == b""  # past its end: nothing
+    with pytest.raises(FileNotFoundError, match="no shards' file 'other'"):
+        saved.shard_range("other", 0, 4)
+    (tmp_path / "j" / "00000001.shards" / ".metadata").write_bytes(data[:-1])
+    with pytest.raises(ValueError, match=r"file \.metadata is torn"):
+        saved.shard_range(".metadata", 0, 4)
+
+
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "gone"])
 def test_a_sharded_checkpoint_whose_shards_are_damaged_is_never_used(tmp_path, damage):
     store = CheckpointStore(tmp_path)
@@ -252,9 +269,9 @@ def _saving(store, left, position):
 
 
 def test_a_sharded_checkpoints_files_are_read_a_piece_at_a_time_into_the_store(tmp_path):
-    """The coordinator holds at most a piece of a file at once: each is read in pieces of
-    ``piece_bytes``, written before the next is asked for, and the files are released where
-    they were left once the checkpoint is whole."""
+    """The coordinator holds at most two pieces of a file at once: each is read in pieces of
+    ``piece_bytes``, written as the next is read, and the files are released where they were
+    left once the checkpoint is whole."""
     store = CheckpointStore(tmp_path)
     left = _Left(SHARDS)
     written, events = _saving(store, left, {"step": 5})

@@ -16,7 +16,9 @@ from coordinator.jobs import manager
 from coordinator.jobs.store import JobState
 from coordinator.strategies import Local, ShardedStates
 from coordinator.workers.registry import WorkerState
+from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, RequestRefused
+from protocol.shard_pieces import PIECES_FILE
 from somatize.jobs import joined_states
 from tests.coordinator.jobs.harness import (
     Boom,
@@ -57,6 +59,26 @@ def test_a_job_succeeds_with_the_states_read_back_and_its_events_stored(tmp_path
     run(main())
 
 
+class KeptPieces:
+    """A replica's pieces as its worker keeps them (:class:`ShardedStates`): one frame, read a
+    piece at a time (``reads``: the lengths asked for), then released."""
+
+    def __init__(self, pieces, released, replica, cut=0):
+        self.frame = encode_frame(pieces)
+        self.released, self.replica, self.cut, self.reads = released, replica, cut, []
+
+    def sizes(self):
+        return {PIECES_FILE: len(self.frame) + self.cut}  # cut: says more than it holds
+
+    async def read(self, name, offset, length):
+        assert name == PIECES_FILE
+        self.reads.append(length)
+        return self.frame[offset : offset + length]
+
+    async def release(self):
+        self.released.append(self.replica)
+
+
 @pytest.mark.parametrize("files", [True, False], ids=["state-dir", "no-state-dir"])
 def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_client(
     tmp_path, monkeypatch, files
@@ -69,30 +91,45 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
         {"states": {"lin": {"weight": rows, "seen": torch.ones(1)}}, "split": split}
         for rows in (weight[:3], weight[3:])
     ]
-
-    read: list[int] = []
+    released: list[int] = []
+    kept = [KeptPieces(p, released, r) for r, p in enumerate(pieces)]
 
     async def sharded_run(self, ctx, job, emit):
-        async def read_replica(r):
-            read.append(r)
-            return pieces[r]
+        async def keep(r):
+            assert released == list(range(r)), "each replica's released before the next's kept"
+            return kept[r]
 
-        return ShardedStates(2, read_replica, {"c": {"mean": np.full(2, 0.5)}}, ["c", "lin"])
+        return ShardedStates(2, keep, {"c": {"mean": np.full(2, 0.5)}}, ["c", "lin"])
 
     monkeypatch.setattr(Local, "run", sharded_run)
+    monkeypatch.setattr(manager, "PIECE_BYTES", 256)  # (a manager without files reads so)
 
     async def main():
         async with Harness(tmp_path, files=files) as h:
+            if files:
+                h.manager.files.piece_bytes = 256
             h.worker("a")
             job_id = await h.manager.submit(submit())
             result = await h.manager.result(job_id, wait=30 * UNIT)
             assert h.store.result_kind(job_id) == "pieces"
-            kept = tmp_path / "results" / job_id
+            folder = tmp_path / "results" / job_id
             if files:  # one file a replica; else in the store's row (a manager without files)
-                assert sorted(p.name for p in kept.iterdir()) == ["0.pieces", "1.pieces"]
+                assert sorted(p.name for p in folder.iterdir()) == ["0.pieces", "1.pieces"]
             else:
-                assert not kept.exists()
+                assert not folder.exists()
             assert h.store.events(job_id)[-1].data == {"nodes": ["c", "lin"]}
+
+            async def in_pieces(r, size):  # as the client reads them: 100 bytes at a time
+                data = bytearray()
+                while len(data) < size:
+                    said = await h.manager.result(job_id, replica=r, offset=len(data), length=100)
+                    assert said["replica"] == r and 0 < len(said["data"]) <= 100
+                    data += said["data"]
+                assert len(data) == size
+                return decode(data)
+
+            sizes = result["pieces"]["sizes"]
+            read = [await in_pieces(r, size) for r, size in enumerate(sizes)]
             each = [await h.manager.result(job_id, replica=r) for r in (0, 1)]
             with pytest.raises(RequestRefused, match="of 2 replicas, not 2") as past:
                 await h.manager.result(job_id, replica=2)
@@ -101,36 +138,62 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
             with pytest.raises(RequestRefused, match="not a replica's pieces") as unsharded:
                 await h.manager.result(whole, wait=30 * UNIT, replica=0)
             assert past.value.code == unsharded.value.code == ErrorCode.BAD_REQUEST
-            return result, each
+            return result, read, each
 
-    result, each = run(main())
-    assert read == [0, 1]
+    result, read, each = run(main())
+    assert released == [0, 1]
+    for k in kept:  # read in pieces of at most 256 bytes, every byte once
+        assert max(k.reads) <= 256 and sum(k.reads) == len(k.frame) and len(k.reads) > 1
     assert "states" not in result and result["record"]["state"] == "succeeded"
     assert result["pieces"] == {
         "replicas": 2,
         "plain": result["pieces"]["plain"],
         "node_ids": ["c", "lin"],
+        "sizes": [len(k.frame) for k in kept],
     }
     assert [e["replica"] for e in each] == [0, 1]
-    states = joined_states(result["pieces"], [e["pieces"] for e in each])  # the client's join
-    assert list(states) == ["c", "lin"]
-    torch.testing.assert_close(torch.as_tensor(states["lin"]["weight"]), weight)
-    torch.testing.assert_close(torch.as_tensor(states["lin"]["seen"]), torch.ones(1))
-    np.testing.assert_array_equal(states["c"]["mean"], [0.5, 0.5])
+    for joined_here in (read, [e["pieces"] for e in each]):  # the client's join
+        states = joined_states(result["pieces"], joined_here)
+        assert list(states) == ["c", "lin"]
+        torch.testing.assert_close(torch.as_tensor(states["lin"]["weight"]), weight)
+        torch.testing.assert_close(torch.as_tensor(states["lin"]["seen"]), torch.ones(1))
+        np.testing.assert_array_equal(states["c"]["mean"], [0.5, 0.5])
 
 
-def test_sharded_pieces_not_of_one_model_fail_the_job_with_state_mismatch(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("pieces", "cut", "code", "said"),
+    [
+        (  # other columns
+            [{"weight": torch.ones(3, 2)}, {"weight": torch.ones(2, 4)}],
+            0,
+            ErrorCode.STATE_MISMATCH,
+            "rows of states/lin/weight do not stack: replica 0's are ((2,), 'torch.float32'), "
+            "replica 1's ((4,)",
+        ),
+        (  # replica 1's file ends before the size its worker gave
+            [{"weight": torch.ones(3, 2)}, {"weight": torch.ones(2, 2)}],
+            8,
+            ErrorCode.INTERNAL,
+            "its sharded result could not be written: the file pieces left on a worker gave 0",
+        ),
+    ],
+    ids=["not-one-model", "torn"],
+)
+def test_sharded_pieces_not_of_one_model_or_torn_fail_the_job(
+    tmp_path, monkeypatch, pieces, cut, code, said
+):
     split = [["states", "lin", "weight"]]
-    pieces = [
-        {"states": {"lin": {"weight": torch.ones(3, 2)}}, "split": split},
-        {"states": {"lin": {"weight": torch.ones(2, 4)}}, "split": split},  # other columns
+    released: list[int] = []
+    kept = [
+        KeptPieces({"states": {"lin": p}, "split": split}, released, r, cut * r)
+        for r, p in enumerate(pieces)
     ]
 
     async def sharded_run(self, ctx, job, emit):
-        async def read_replica(r):
-            return pieces[r]
+        async def keep(r):
+            return kept[r]
 
-        return ShardedStates(2, read_replica, {}, ["lin"])
+        return ShardedStates(2, keep, {}, ["lin"])
 
     monkeypatch.setattr(Local, "run", sharded_run)
 
@@ -140,12 +203,13 @@ def test_sharded_pieces_not_of_one_model_fail_the_job_with_state_mismatch(tmp_pa
             job_id = await h.manager.submit(submit())
             with pytest.raises(RequestRefused) as caught:
                 await h.manager.result(job_id, wait=30 * UNIT)
-            return caught.value.info
+            return caught.value.info, job_id
 
-    info = run(main())
-    assert info.code == ErrorCode.STATE_MISMATCH
-    assert "rows of states/lin/weight do not stack" in info.message
-    assert "replica 0's are ((2,), 'torch.float32'), replica 1's ((4,)" in info.message
+    info, job_id = run(main())
+    assert info.code == code
+    assert said in info.message
+    assert released == [0, 1]  # released where they were kept, the failed one too
+    assert not list((tmp_path / "results" / job_id).glob("*.partial"))
 
 
 def test_a_filter_that_raises_fails_the_job_naming_the_worker(tmp_path):

@@ -102,7 +102,7 @@ def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
     fails saying how to resume it, rather than load it whole."""
     x, y = dataset()
     store = CheckpointStore(tmp_path)
-    said = Shards(None, _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    said = Shards.of(None, _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
     assert said.sizes() == {".metadata": 1, "__0_0.distcp": 1, "__1_0.distcp": 1}
     payload = said.payload()
     assert payload["shards"]["by_replica"] == [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]]
@@ -127,7 +127,7 @@ def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
 )
 def test_replicas_files_that_do_not_add_up_are_refused(kept, said):
     with pytest.raises(StrategyFailed, match=said) as failed:
-        Shards(None, kept, {}, {})
+        Shards.of(None, kept, {}, {})
     assert failed.value.info.code is ErrorCode.STATE_MISMATCH
 
 
@@ -141,7 +141,7 @@ def test_shards_a_checkpoint_does_not_save_are_dropped_where_they_were_kept():
         async def drop_kept(self, i, kept):
             dropped.append((i, kept))
 
-    shards = Shards(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    shards = Shards.of(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
     never = CheckpointPolicy(0, 10, lambda: 0.0)  # checkpoint_every=0: never due
     saves = ReplicaCheckpoints(None, None, never, epochs=1)
     asyncio.run(saves.save(5, 10, shards))
