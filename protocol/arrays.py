@@ -13,6 +13,7 @@ import functools
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,6 +29,7 @@ __all__ = [
     "LIBS",
     "NP_DTYPES",
     "TORCH_DTYPE_NAMES",
+    "Outline",
     "array_from",
     "data_nbytes",
     "loaded_torch",
@@ -154,11 +156,28 @@ def tensor_spec(tensor: torch.Tensor, add: AddBuffer) -> dict[str, Any]:
     return {"$buf": add(raw.data), "dtype": name, "shape": shape, "lib": "torch"}
 
 
+@dataclass(frozen=True)
+class Outline:
+    """A buffer of a frame as :func:`~protocol.codec.decode` outlines it (``outline=True``):
+    what it holds, not read — ``lib`` ``"np"``, ``"np_scalar"`` or ``"torch"`` for an array
+    (``dtype`` its name, ``shape``), ``"bytes"`` for bytes (``uint8``, ``(length,)``)."""
+
+    lib: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
 def array_from(
-    frame: memoryview, index: int, spec: dict[str, Any], offset: int, length: int
+    frame: memoryview,
+    index: int,
+    spec: dict[str, Any],
+    offset: int,
+    length: int,
+    outline: bool = False,
 ) -> Any:
     """The array, numpy scalar or tensor ``spec`` describes, over buffer ``index`` of ``frame``
-    (``length`` bytes at ``offset``).
+    (``length`` bytes at ``offset``); with ``outline``, its :class:`Outline` (checked all the
+    same, its bytes not read).
 
     Raises:
         Located: a spec that is malformed or does not match its buffer.
@@ -186,6 +205,8 @@ def array_from(
             f"buffer {index}: dtype {name!r} shape {shape} needs {count * itemsize} bytes, "
             f"buffer has {length}"
         )
+    if outline:
+        return Outline(lib, name, tuple(shape))
     if lib == "torch":
         return _tensor_from(frame, name, shape, count, offset, length)
     array = np.frombuffer(frame, dtype=NP_DTYPES[name], count=count, offset=offset)

@@ -83,6 +83,7 @@ import orjson
 
 from protocol.arrays import (
     NP_DTYPES,
+    Outline,
     array_from,
     loaded_torch,
     ndarray_spec,
@@ -327,10 +328,13 @@ def frame_nbytes(parts: Iterable[bytes | bytearray | memoryview]) -> int:
 class _Decoder:
     """Rebuilds a value from the header tree, viewing arrays over the frame's buffers."""
 
-    def __init__(self, frame: memoryview, offsets: list[int], lengths: list[int]) -> None:
+    def __init__(
+        self, frame: memoryview, offsets: list[int], lengths: list[int], outline: bool
+    ) -> None:
         self.frame = frame
         self.offsets = offsets
         self.lengths = lengths
+        self.outline = outline
         self.used = [False] * len(lengths)
 
     def walk(self, node: Any, depth: int) -> Any:
@@ -378,8 +382,10 @@ class _Decoder:
                 return _NON_FINITE[value]
             if tag == "$bytes":
                 index = self.claim(value)
-                offset = self.offsets[index]
-                return bytes(self.frame[offset : offset + self.lengths[index]])
+                offset, length = self.offsets[index], self.lengths[index]
+                if self.outline:
+                    return Outline("bytes", "uint8", (length,))
+                return bytes(self.frame[offset : offset + length])
         elif keys == _BUF_KEYS:
             return self.array(node)
         raise Located(f"malformed tagged value {preview(node)}")
@@ -420,6 +426,7 @@ class _Decoder:
             spec,
             self.offsets[index],
             self.lengths[index],
+            self.outline,
         )
 
 
@@ -475,13 +482,16 @@ def _plain(header: bytes) -> bool:
     return b'"$' not in header and header.count(b"[") + header.count(b"{") <= _MAX_DEPTH
 
 
-def decode(frame: bytes | bytearray | memoryview) -> Any:
+def decode(frame: bytes | bytearray | memoryview, *, outline: bool = False) -> Any:
     """Decode one frame, viewing its arrays over ``frame`` without copying them.
 
     Args:
         frame: exactly one frame. numpy arrays come back as views over it (read-only over
             ``bytes``); torch tensors are views when ``frame`` is writable (a ``bytearray``)
             and copies otherwise. Do not reuse a writable frame while its values are alive.
+        outline: give each array and bytes as its :class:`~protocol.arrays.Outline` (what it
+            holds, checked against its buffer), none of their bytes read: the shape of a
+            frame too large to hold, over a memory map, say (and no torch imported for it).
 
     Returns:
         The encoded value.
@@ -519,7 +529,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
         return header["body"]  # orjson's tree is the value: nothing tagged, nothing too deep
     lengths = header["bufs"]
     offsets = _buffer_layout(view, start, lengths)
-    decoder = _Decoder(view, offsets, lengths)
+    decoder = _Decoder(view, offsets, lengths, outline)
     try:
         value = decoder.walk(header["body"], 0)
     except Located as e:

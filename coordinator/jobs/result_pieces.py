@@ -6,12 +6,13 @@ A DataParallel run sharded by FSDP2 ends with every replica's rows of each param
 its pieces on its worker's disk, one codec frame, and reads that file a piece at a time
 (:mod:`coordinator.jobs.worker_files`) into
 ``<state_dir>/results/<job id>/<replica>.pieces`` (written atomically, ``0600`` in ``0700``
-directories), checks it stacks onto replica 0's (read over a memory map) and has the worker
-drop it before the next replica's is read (:func:`kept`); the job's result row in the store is
-then of kind ``pieces``: a small frame of the replicas' count, the plain filters' states and
-the nodes, written once every file is. So no SQLite value, no message and no memory bounds a
-sharded model's size: the coordinator holds one piece of one replica's file at a time, and
-gives the client each file in pieces too (:func:`answer`). A job manager without a state
+directories), checks it stacks onto replica 0's (its outline, read over a memory map: no
+tensor of it in memory, :func:`~protocol.codec.decode`) and has the worker drop it before the
+next replica's is read (:func:`kept`); the job's result row in the store is then of kind
+``pieces``: a small frame of the replicas' count, the plain filters' states and the nodes,
+written once every file is. So no SQLite value, no message and no memory bounds a sharded
+model's size: the coordinator holds two pieces of one replica's file at most, and gives the
+client each file in pieces too (:func:`answer`). A job manager without a state
 directory (in tests) keeps the files in the frame itself.
 
 The files are kept as long as the job's record (results are never dropped).
@@ -70,7 +71,8 @@ async def kept(
             if files is None:
                 frame = bytearray()
                 await fetch(source, PIECES_FILE, frame.extend, piece_bytes)
-                layout = await asyncio.to_thread(_layout, replica, partial(decode, frame))
+                outlined = partial(decode, frame, outline=True)
+                layout = await asyncio.to_thread(_layout, replica, outlined)
                 inline.append(bytes(frame))
             else:
                 await _fetch_into(files, job_id, replica, source, piece_bytes)
@@ -196,8 +198,8 @@ class ResultPieces:
         return AtomicFile(self._path(job_id, replica))
 
     def layout(self, job_id: str, replica: int) -> Layout:
-        """What must agree of replica ``replica``'s pieces with the others' (read over a
-        memory map: none of its tensors is read into memory).
+        """What must agree of replica ``replica``'s pieces with the others' (their frame's
+        outline over a memory map: none of its tensors read).
 
         Raises:
             OSError: the file is gone or cannot be read.
@@ -206,7 +208,7 @@ class ResultPieces:
         with self._path(job_id, replica).open("rb") as file:
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            return _layout(replica, partial(decode, memoryview(mapped)))
+            return _layout(replica, partial(decode, memoryview(mapped), outline=True))
         finally:
             with contextlib.suppress(BufferError):  # a view still held: unmapped when freed
                 mapped.close()

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol.arrays import Outline
 from protocol.codec import ALIGNMENT, decode, encode_frame
 from protocol.errors import FrameError
 from tests.protocol.codec_frames import FUZZ, TORCH_DTYPES, build, decode_or_frame_error, split
@@ -156,3 +157,18 @@ def test_deeply_nested_headers_raise_frame_error() -> None:
         header = b'{"v":1,"bufs":[],"body":' + body + b"}"
         with pytest.raises(FrameError):
             decode(struct.pack("<I", len(header)) + header)
+
+
+def test_an_outline_says_what_each_buffer_holds_without_reading_it() -> None:
+    outlined = decode(SAMPLE_FRAME, outline=True)
+    assert outlined["f32"] == Outline("np", "float32", (2, 3))
+    assert outlined["bf16"] == Outline("torch", "bfloat16", (4,))
+    assert outlined["scalar"] == Outline("np_scalar", "int16", ())
+    assert outlined["blob"] == Outline("bytes", "uint8", (3,))
+    assert outlined["empty"] == Outline("torch", "float32", (0,))
+    assert outlined[1][1] == 2**70  # what is not a buffer comes back as it is
+    # Checked all the same: a spec that does not fit its buffer is refused.
+    header, bufs = split(encode_frame({"f32": SAMPLE["f32"]}))
+    header["body"]["f32"]["shape"] = [3, 3]
+    with pytest.raises(FrameError, match=r"needs 36 bytes, buffer has 24"):
+        decode(build(header, bufs), outline=True)

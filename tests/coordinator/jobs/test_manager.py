@@ -167,7 +167,7 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
             [{"weight": torch.ones(3, 2)}, {"weight": torch.ones(2, 4)}],
             0,
             ErrorCode.STATE_MISMATCH,
-            "rows of states/lin/weight do not stack: replica 0's are ((2,), 'torch.float32'), "
+            "rows of states/lin/weight do not stack: replica 0's are ((2,), 'float32'), "
             "replica 1's ((4,)",
         ),
         (  # replica 1's file ends before the size its worker gave
