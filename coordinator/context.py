@@ -433,10 +433,9 @@ class InMemoryContext(StrategyContext):
             info = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"{request.cmd}'s reply: {exc}")
             raise WorkerCallError(worker.id, info) from None
         kept = f"{next(self._ids)}"
-        self._kept[(worker.id, kept)] = {
-            name: b"".join(file_parts(data)) for name, data in files.items()
-        }
-        parent[keep[-1]] = {"kept": kept, "files": {n: len(d) for n, d in files.items()}}
+        written = {name: b"".join(file_parts(data)) for name, data in files.items()}
+        self._kept[(worker.id, kept)] = written
+        parent[keep[-1]] = {"kept": kept, "files": {n: len(d) for n, d in written.items()}}
         return result
 
     async def read_kept(

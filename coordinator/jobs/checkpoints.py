@@ -7,8 +7,8 @@ what it holds (:class:`Checkpoint`). It is written to
 SHA-256, whole or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A sharded run's
 replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
 first (never joined here): read from where the replicas left them a piece at a time
-(:mod:`coordinator.jobs.worker_files`, at most ``piece_bytes`` in memory at once), each piece
-written before the next is asked for (:class:`ShardsWriter`), and the frame lists them with
+(:mod:`coordinator.jobs.worker_files`, pieces of ``piece_bytes``, two in memory at most),
+each piece written as the next is read (:class:`ShardsWriter`), and the frame lists them with
 their digests. A torn or damaged file fails its digest and is never used (the one before it
 is); the previous checkpoint is removed only once the new one is complete, and the last
 ``keep`` are kept.
@@ -446,7 +446,7 @@ class JobCheckpoints:
 
     async def _fetch(self, shards: WorkerFiles) -> ShardsWriter:
         """``shards``' files written to the store, each read in pieces of at most
-        :attr:`piece_bytes` and written before the next is read.
+        :attr:`piece_bytes`, each written as the next is read.
 
         Raises:
             OSError: one could not be written, or ended short of its size.

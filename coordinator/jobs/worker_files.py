@@ -20,14 +20,15 @@ from typing import Protocol
 __all__ = ["MIN_PIECE_BYTES", "PIECE_BYTES", "WorkerFiles", "fetch", "piece_bytes"]
 
 PIECE_BYTES = 16 << 20
-"""The most of a file left on a worker read into the coordinator's memory at once."""
+"""The most of a file left on a worker one read asks for (two are in memory at most)."""
 MIN_PIECE_BYTES = 64 << 10
 
 
 def piece_bytes(room: int) -> int:
     """How much of a file left on a worker a coordinator whose workers' replies may hold
-    ``room`` bytes together (``--max-reassembly-bytes``) reads at once: a quarter of that
-    room, the rest left to the replies of its jobs, and at most :data:`PIECE_BYTES`."""
+    ``room`` bytes together (``--max-reassembly-bytes``) asks for at once: a quarter of that
+    room (two are read at once: half of it), the rest left to the replies of its jobs, and at
+    most :data:`PIECE_BYTES`."""
     return max(MIN_PIECE_BYTES, min(PIECE_BYTES, room // 4))
 
 

@@ -107,6 +107,10 @@ class ClientRequests:
 
     async def on_get_result(self, channel: Channel, message: Any) -> Any:
         await self._visible(channel, message.job_id)
+        if message.offset is not None and message.replica is None:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST, "an offset reads a replica's file: name the replica too"
+            )
         async with _while_open(channel):
             result = await self.jobs.result(
                 message.job_id, message.wait, message.replica, message.offset, message.length
@@ -121,6 +125,10 @@ class ClientRequests:
                 ErrorCode.NO_CHECKPOINT, "this coordinator keeps no checkpoints (no --state-dir)"
             )
         job_id, seq, name = message.job_id, message.seq, message.file
+        if message.offset is not None and name is None:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST, "an offset reads a checkpoint's file: name the file too"
+            )
         if name is not None:  # one file of a sharded checkpoint, checked as it is read
             if seq is None:
                 raise RequestRefused.of(

@@ -191,15 +191,17 @@ def test_files_a_call_keeps_stay_on_the_worker_and_are_read_a_piece_at_a_time(ma
             with pytest.raises(WorkerCallError, match=r"__0_0\.distcp") as gone:
                 await ctx.read_kept(1, kept["kept"], "__0_0.distcp", 0, 1)
             state = await ctx.get_state(1, ["lin"])  # the job goes on
-            return kept, pieces, whole, refused.value, gone.value, state, framed
+            sizes = lin["lin"]["files"]
+            return kept, pieces, whole, refused.value, gone.value, state, framed, sizes
 
-    kept, pieces, whole, refused, gone, state, framed = run(main())
+    kept, pieces, whole, refused, gone, state, framed, lin_sizes = run(main())
     assert kept["files"] == {name: len(data) for name, data in files.items()}
     assert [len(p) for p in pieces] == [4096, 4096, 2048]
     assert b"".join(pieces) == files["__0_0.distcp"] and whole == files[".metadata"]
     assert refused.code is ErrorCode.BAD_REQUEST and "lin" in str(refused)
     assert gone.code is ErrorCode.BAD_REQUEST
     assert set(state["lin"]) == set(framed) == {"weight", "bias"}
+    assert {name: len(data) for name, data in framed.items()} == lin_sizes
     for name, data in framed.items():  # each tensor its own frame
         expected = torch.as_tensor(state["lin"][name])
         torch.testing.assert_close(torch.as_tensor(decode(data)), expected)

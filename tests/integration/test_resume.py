@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import somatize as sz
-from protocol.messages import GetCheckpoint
+from protocol.messages import GetCheckpoint, GetResult
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     dataset,
     graph_for,
@@ -83,7 +83,14 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
             if sharding != "none":  # its files asked for one at a time: of a seq, by name
                 nameless = GetCheckpoint(job_id=job.id, file=".metadata")
                 unknown = GetCheckpoint(job_id=job.id, seq=last.seq, file="__9_0.distcp")
-                for asked, code in ((nameless, "bad_request"), (unknown, "no_checkpoint")):
+                fileless = GetCheckpoint(job_id=job.id, seq=last.seq, offset=0)
+                replicaless = GetResult(job_id=job.id, offset=0)  # a range of what?
+                for asked, code in (
+                    (nameless, "bad_request"),
+                    (unknown, "no_checkpoint"),
+                    (fileless, "bad_request"),
+                    (replicaless, "bad_request"),
+                ):
                     with pytest.raises(sz.ClientError) as refused:
                         client._call(asked)
                     assert refused.value.code == code
