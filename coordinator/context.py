@@ -43,6 +43,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.filter_buffers import as_buffer
 from protocol.kept_files import file_parts, files_at
 from protocol.options.devices import device_fits
 
@@ -215,7 +216,8 @@ class StrategyContext(ABC):
 
     async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
         """Load the job's pickled filters (node id → bytes, graph order) on a worker."""
-        await self.call(worker_idx, LoadRequest(filters=dict(filters)))
+        buffers = {node: as_buffer(data) for node, data in filters.items()}
+        await self.call(worker_idx, LoadRequest(filters=buffers))
 
     async def execute_on_worker(
         self,

@@ -35,6 +35,7 @@ from pydantic import (
 
 from protocol.compressed_trees import WireCompression, is_compressed
 from protocol.errors import ErrorInfo
+from protocol.filter_buffers import FilterBuffer
 
 
 def _plain_or_compressed(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -121,10 +122,11 @@ class _Request(BaseModel):
 
 
 class LoadRequest(_Request):
-    """Replace the loaded filters: node id → cloudpickle bytes, in graph order."""
+    """Replace the loaded filters: node id → a filter's bytes (:mod:`protocol.filters`), in
+    graph order, each as it travels (:mod:`protocol.filter_buffers`)."""
 
     cmd: Literal["load"] = "load"
-    filters: dict[str, StrictBytes]
+    filters: dict[str, FilterBuffer]
 
 
 class FitRequest(_Request):

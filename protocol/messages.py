@@ -46,6 +46,7 @@ from pydantic import (
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorInfo
+from protocol.filter_buffers import FilterBuffer
 
 CHUNK_BYTES = 1 << 20
 """Frames larger than this travel as chunk messages of this size: ``websockets`` moves
@@ -195,11 +196,12 @@ class Error(_Message):
 
 
 class OpenJob(_Message):
-    """Start a filter daemon for ``job_id`` and load the job's filters into it."""
+    """Start a filter daemon for ``job_id`` and load the job's filters into it (each as it
+    travels: :mod:`protocol.filter_buffers`)."""
 
     kind: Literal["open_job"] = "open_job"
     job_id: str
-    filters: dict[str, StrictBytes]
+    filters: dict[str, FilterBuffer]
     threads: int | None = None
     peer_secret: str | None = None
     """This worker's link key in the job (:func:`protocol.peer_credentials.link_key`): a peer

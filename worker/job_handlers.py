@@ -144,7 +144,7 @@ class JobHandlers:
         )
         return Ack()
 
-    async def _open(self, job: _Job, filters: dict[str, bytes], start: bool) -> None:
+    async def _open(self, job: _Job, filters: dict[str, Any], start: bool) -> None:
         if start:
             await job.supervisor.start()
         await job.supervisor.request(LoadRequest(id=0, cmd="load", filters=filters))

@@ -30,6 +30,7 @@ from protocol.asyncio.channel import Pacer
 from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
+from protocol.filter_buffers import as_buffer
 from protocol.messages import Call, CloseJob, DropKept, Links, OpenJob, PeerRoute, ReadKept
 from protocol.peer_credentials import credential, link_key
 
@@ -92,7 +93,7 @@ class TransportContext(StrategyContext):
         """Start the job's daemon on the worker and load the filters into it."""
         message = OpenJob(
             job_id=self.job_id,
-            filters=dict(filters),
+            filters={node: as_buffer(data) for node, data in filters.items()},
             threads=self.threads
             if self.threads is not None
             else self.shares(self.records[worker_idx]),
