@@ -35,7 +35,6 @@ from tests.worker.standin import (
     presented,
     running,
 )
-from tests.worker.test_peer import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +115,7 @@ def test_requests_beyond_max_inflight_on_the_agent_are_busy_until_one_ends():
 async def _peer_endpoint(stand_in: StandIn, **options: Any) -> AsyncIterator[tuple[str, Channel]]:
     """An agent serving ``/peer`` with ``options``; yields its ``ws://`` address and the
     stand-in's channel to it."""
-    listen = f"127.0.0.1:{free_port()}"
+    listen = "127.0.0.1:0"  # the port the agent binds, announced: no port picked and then raced for
     async with running(stand_in, spare=False, peer_listen=listen, **options) as agent:
         channel = await stand_in.next_channel()
         assert agent.peer_address is not None

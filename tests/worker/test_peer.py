@@ -68,8 +68,9 @@ def free_port() -> int:
 async def two_agents(
     stand_in: StandIn, **options: Any
 ) -> AsyncIterator[tuple[Agent, Channel, Agent, Channel]]:
-    """Agents A and B, each listening for peers on a free loopback port (with ``options`` of
-    :class:`AgentConfig`), and their channels."""
+    """Agents A and B, each listening for peers on a loopback port of its own binding (with
+    ``options`` of :class:`AgentConfig`), and their channels. (A port picked free and then
+    bound by the agent could be taken meanwhile by a test in another process.)"""
     async with listening(stand_in) as url:
         agents, runs, channels = [], [], []
         try:
@@ -79,7 +80,7 @@ async def two_agents(
                     worker_id=name,
                     threads=1,
                     spare=False,
-                    peer_listen=f"127.0.0.1:{free_port()}",
+                    peer_listen="127.0.0.1:0",  # the port it binds, announced: none raced for
                     **options,
                 )
                 agent = Agent(config, backoff=Backoff(0.02 * UNIT, 0.2 * UNIT))
