@@ -207,7 +207,7 @@ def split_rows(data: bytes, rank: int, ranks: int) -> bytes:
     """
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
-        return bytes(data)
+        return data  # pickled whole: as it is, not a copy of it per replica
     frame = decode(view[len(MAGIC) :])
     for entry in frame["apart"]:
         shape = entry["shape"]
