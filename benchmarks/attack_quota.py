@@ -1,5 +1,6 @@
 """The attack of issue 14, row 8, that :mod:`benchmarks.attacks` makes: big jobs waiting in the
-queue, whose inputs the coordinator would hold in memory until a worker is free.
+queue, whose inputs the coordinator would hold in memory until a worker is free. A job's inputs
+are its submit message's file (``<state_dir>/jobs/<job id>.submit``), read over a memory map.
 
 The scenario registers itself (:func:`~benchmarks.attack_scenarios.scenario`) when this module is
 imported, after those of :mod:`benchmarks.attack_scenarios`: its row comes after theirs. Like
@@ -18,7 +19,6 @@ import somatize as sz
 from benchmarks.attack_harness import WAIT, WORKERS, Attack, Memory, Site, pid_of, rss_kib
 from benchmarks.attack_scenarios import scenario
 from benchmarks.fault_harness import sleepy_job, until
-from coordinator.jobs.spill import PARK_MIN_BYTES
 from tests.utils import Center
 
 QUEUED_JOBS = 2
@@ -55,7 +55,7 @@ def _mib(kib: int) -> str:
 @scenario
 def queued_inputs(site: Site) -> Attack:
     c = site.cluster
-    parked_dir = c.state_dir / "queued"
+    submits_dir = c.state_dir / "jobs"
     x = np.ones((ROWS, COLUMNS), np.float32)  # the same array for both: this process's memory
     queued_mb = QUEUED_JOBS * x.nbytes / 1e6
     with site.client() as client:
@@ -71,8 +71,8 @@ def queued_inputs(site: Site) -> Attack:
             started = time.perf_counter()
             jobs.append(client.submit(graph, x))
             submits.append(time.perf_counter() - started)
-        files = [parked_dir / f"{job.id}.frame" for job in jobs]
-        until(lambda: all(f.exists() for f in files), "both queued jobs' inputs parked")
+        files = [submits_dir / f"{job.id}.submit" for job in jobs]
+        until(lambda: all(f.exists() for f in files), "both queued jobs' submits kept")
         time.sleep(1.0)  # anything the submits left behind is freed, or stays, by now
         after, peak = rss_kib(pid), peak_kib(pid)
         sizes = [f.stat().st_size for f in files]
@@ -85,16 +85,17 @@ def queued_inputs(site: Site) -> Attack:
         for job in [*jobs, *busy]:
             job.cancel()
             ends.append(job.wait(timeout=WAIT).event)
-            if job in jobs and files[jobs.index(job)].exists():
-                raise AssertionError(f"job {job.id} was cancelled while queued; its file stayed")
+            if job in jobs:
+                file = files[jobs.index(job)]
+                until(lambda file=file: not file.exists(), f"job {job.id}'s file removed")
         until(lambda: all(c.worker_state(w) == "idle" for w in WORKERS), "w0 and w1 idle")
         cancelled = rss_kib(pid)
     if any(end != "cancelled" for end in ends):
         raise AssertionError(f"the jobs did not end cancelled: {ends}")
     if modes != {0o600}:
-        raise AssertionError(f"the parked files have modes {sorted(map(oct, modes))}, not 0600")
+        raise AssertionError(f"the submit files have modes {sorted(map(oct, modes))}, not 0600")
     if min(sizes) < x.nbytes:
-        raise AssertionError(f"a parked file of {min(sizes)} bytes holds less than x's {x.nbytes}")
+        raise AssertionError(f"a submit file of {min(sizes)} bytes holds less than x's {x.nbytes}")
     growth = (after - before) * 1024
     if growth >= 0.25 * QUEUED_JOBS * x.nbytes:
         raise AssertionError(
@@ -108,20 +109,21 @@ def queued_inputs(site: Site) -> Attack:
         f"meanwhile {QUEUED_JOBS} submits of a `Center` job on {x.nbytes / 1e6:.0f} MB of "
         f"float32 x each ({ROWS:,} × {COLUMNS}), which no idle worker can take; then all four "
         "cancelled, the queued ones first",
-        f"both jobs queued, their pickled filters and data (over {PARK_MIN_BYTES >> 20} MiB) "
-        "written to `<state_dir>/queued/<job id>.frame` (`0600`) before the submit was answered "
-        "and not held in the coordinator's memory (they are read back when the job is placed); "
-        "cancelled while queued, each job's file was removed; both workers idle again",
+        "both jobs queued, their pickled filters and data in their submit message's file, "
+        "`<state_dir>/jobs/<job id>.submit` (`0600`), written before the submit was answered "
+        "and read over a memory map, not held in the coordinator's memory (its pages are read "
+        "as the job sends them); cancelled while queued, each job's file was removed; both "
+        "workers idle again",
         [],
         "",
-        "test_queued_inputs.py::test_queued_jobs_inputs_are_parked_on_disk_and_read_back_when_"
-        "they_run",
+        "test_queued_inputs.py::test_jobs_inputs_wait_in_their_submit_files_and_are_read_back_"
+        "when_they_run",
         Memory("coordinator", before, after),
         [
             f"queued {queued_mb:.0f} MB of x; coordinator RSS {growth / 1e6:+.1f} MB "
             f"({100 * growth / (QUEUED_JOBS * x.nbytes):.1f}% of it), "
             f"{_mib(cancelled)} after the cancels",
-            f"parked files {', '.join(f'{s / 1e6:.1f} MB' for s in sizes)}",
+            f"submit files {', '.join(f'{s / 1e6:.1f} MB' for s in sizes)}",
             f"coordinator peak RSS (`VmHWM`) since {since}: {_mib(peak)}, "
             f"{(peak - before) / 1024:+.1f} MiB: one submit's message, held while it is "
             "received and decoded, before its inputs go to disk",

@@ -43,7 +43,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
-from protocol.filter_buffers import as_buffer
+from protocol.filter_buffers import FilterBuffer, as_buffer
 from protocol.kept_files import file_parts, files_at
 from protocol.options.devices import device_fits
 
@@ -214,7 +214,7 @@ class StrategyContext(ABC):
         """Remove the files a :meth:`call_keeping` left on the worker under ``kept``."""
         raise NotImplementedError(f"{type(self).__name__} keeps no files on its workers")
 
-    async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
+    async def load(self, worker_idx: int, filters: Mapping[str, FilterBuffer]) -> None:
         """Load the job's pickled filters (node id → bytes, graph order) on a worker."""
         buffers = {node: as_buffer(data) for node, data in filters.items()}
         await self.call(worker_idx, LoadRequest(filters=buffers))

@@ -31,6 +31,7 @@ import cloudpickle
 from protocol.arrays import loaded_torch, torch_dtypes
 from protocol.code_owners import is_user_module
 from protocol.codec import ALIGNMENT, decode, encode
+from protocol.filter_buffers import FilterBuffer
 
 __all__ = ["APART_BYTES", "MAGIC", "ROWS", "dump_filter", "load_filter", "split_rows"]
 
@@ -191,7 +192,7 @@ def load_filter(data: bytes | bytearray | memoryview) -> Any:
     return _Unpickler(io.BytesIO(frame["pickle"]), frame["apart"]).load()
 
 
-def split_rows(data: bytes, rank: int, ranks: int) -> bytes:
+def split_rows(data: FilterBuffer, rank: int, ranks: int) -> FilterBuffer:
     """``data``, a filter's bytes, as replica ``rank`` of ``ranks`` that shard its parameters
     by rows with FSDP2 needs them: each parameter apart from the pickle (of one dimension or
     more) cut to the rows FSDP2 gives that replica (``torch.chunk`` of dim 0: ``ceil(n /

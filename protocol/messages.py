@@ -386,12 +386,14 @@ NodeId = Annotated[str, Field(min_length=1, max_length=256)]
 class GraphSpec(BaseModel):
     """A graph as the coordinator sees it: node ids in order, opaque pickled filters, and what
     the client declares of each node (the coordinator never unpickles a filter); at most
-    :data:`MAX_GRAPH_NODES` nodes."""
+    :data:`MAX_GRAPH_NODES` nodes. A filter's bytes come as ``bytes`` or, from the SDK, as a
+    ``uint8`` array (:mod:`protocol.filter_buffers`): a view over the frame they came in, not
+    a copy out of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node_ids: Annotated[list[NodeId], Field(min_length=1, max_length=MAX_GRAPH_NODES)]
-    filters: Annotated[dict[NodeId, StrictBytes], Field(max_length=MAX_GRAPH_NODES)]
+    filters: Annotated[dict[NodeId, FilterBuffer], Field(max_length=MAX_GRAPH_NODES)]
     nodes: Annotated[dict[NodeId, NodeInfo], Field(max_length=MAX_GRAPH_NODES)] = Field(
         default_factory=dict
     )

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from protocol.arrays import data_nbytes
 from protocol.asyncio.channel import Channel
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
+from protocol.filter_buffers import as_buffer
 from protocol.filters import dump_filter
 from protocol.messages import (
     CHUNK_BYTES,
@@ -322,7 +323,8 @@ class Client:
         filters = {}
         for node_id, f in graph.items():
             try:
-                filters[node_id] = dump_filter(f)
+                # As an array: it comes out of the coordinator's frame as a view, not a copy.
+                filters[node_id] = as_buffer(dump_filter(f))
             except Exception as exc:
                 exc.add_note(f"while pickling the filter of node {node_id!r} for submission")
                 raise

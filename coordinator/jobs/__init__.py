@@ -7,6 +7,6 @@ back to its checkpoint; :mod:`~coordinator.jobs.events` and :mod:`~coordinator.j
 what happened; :mod:`~coordinator.jobs.store` (with :mod:`~coordinator.jobs.store_schema`) records
 every job in SQLite; :mod:`~coordinator.jobs.checkpoints` writes, reads and times what a job
 resumes from; :mod:`~coordinator.jobs.files` keeps what a restarted coordinator needs of each
-live job (its files written whole or not at all by :mod:`~coordinator.jobs.disk`), and
-:mod:`~coordinator.jobs.spill` a queued job's inputs.
+live job (its files written whole or not at all by :mod:`~coordinator.jobs.disk`): its submit
+message, which is also what the job's inputs are read from, over a memory map.
 """

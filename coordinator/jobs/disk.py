@@ -3,11 +3,19 @@ written so that a crash never leaves a torn one in their place, and how they are
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["AtomicFile", "job_path", "private_directory", "read_whole", "write_atomically"]
+__all__ = [
+    "AtomicFile",
+    "job_path",
+    "map_whole",
+    "private_directory",
+    "read_whole",
+    "write_atomically",
+]
 
 
 def private_directory(directory: Path) -> Path:
@@ -113,3 +121,20 @@ def read_whole(path: Path) -> bytearray:
         data = bytearray(os.fstat(file.fileno()).st_size)
         file.readinto(data)
     return data
+
+
+def map_whole(path: Path) -> memoryview:
+    """Every byte of ``path`` as a private, copy-on-write memory map (what a frame is decoded
+    from when its arrays should stay on disk: they become views over the map, writable, and
+    their pages are the file's cache, read when touched, until written to — which changes
+    only this process's copy, never the file). The map lasts while a view of it does, and
+    the file's may be removed meanwhile.
+
+    Raises:
+        OSError: it cannot be read or mapped.
+    """
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if not size:  # nothing to map (mmap refuses an empty file)
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY))

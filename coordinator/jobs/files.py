@@ -7,7 +7,10 @@ the client that submitted it are written to ``<state_dir>/jobs/<job id>.submit``
 :mod:`protocol.codec` frame, ``0600`` in a ``0700`` directory, synced) when the job is accepted,
 and removed when it ends. A coordinator that dies leaves the files of its live jobs behind: the
 next one on the same state directory reads them back and queues those jobs again, each from its
-last checkpoint.
+last checkpoint. The job's inputs are that file, too: once it is written the coordinator reads
+the filters and data back over a memory map of it (:meth:`SubmitMessages.load`) and drops the
+message it received, so a queued or running job's model and rows wait in the page cache, not in
+the coordinator's own memory, however long the job.
 
 :class:`JobFiles` is what the job manager calls: at submit (:meth:`JobFiles.keep`), when a run
 starts (:meth:`JobFiles.checkpoints_for`: the checkpoint to resume from and the saving of new
@@ -26,9 +29,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
-from coordinator.jobs.disk import job_path, private_directory, read_whole, write_atomically
+from coordinator.jobs.disk import job_path, map_whole, private_directory, write_atomically
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
 from coordinator.jobs.worker_files import PIECE_BYTES
@@ -65,13 +70,15 @@ class SubmitMessages:
         return write_atomically(self._path(job_id), parts)
 
     def load(self, job_id: str) -> tuple[Submit, str]:
-        """The job's submit message and owner, as :meth:`save` wrote them.
+        """The job's submit message and owner, as :meth:`save` wrote them: its arrays (the
+        filters as the SDK sends them, the data) views over a memory map of the file
+        (:func:`~coordinator.jobs.disk.map_whole`), none of it read until used.
 
         Raises:
             OSError: there is none, or it cannot be read.
             protocol.errors.FrameError, pydantic.ValidationError: it is not what was written.
         """
-        data = decode(read_whole(self._path(job_id)))
+        data = decode(map_whole(self._path(job_id)))
         return Submit.model_validate(data["submit"]), str(data["owner"])
 
     def has(self, job_id: str) -> bool:
@@ -101,13 +108,17 @@ class JobFiles:
         """The jobs a restarted coordinator can queue again (their submit message is here)."""
         return self.submits.ids()
 
-    def keep(self, job_id: str, msg: Submit, owner: str) -> None:
-        """Keep a new job's submit message; one that cannot be written is said in the log (the
-        job runs, but would not outlive a restart of the coordinator)."""
+    def keep(self, job_id: str, msg: Submit, owner: str) -> Submit:
+        """Keep a new job's submit message; the message read back over its file, for the job
+        to run from (the one received can then be dropped: :class:`SubmitMessages`). One
+        that cannot be written or read back is said in the log and given back as it is (the
+        job runs from memory, but would not outlive a restart of the coordinator)."""
         try:
             self.submits.save(job_id, msg, owner)
-        except OSError as exc:
+            return self.submits.load(job_id)[0]
+        except (OSError, FrameError, ValidationError) as exc:
             log.warning("job %s: kept in memory only, it will not resume: %s", job_id, exc)
+            return msg
 
     def load(self, job_id: str) -> tuple[Submit, str]:
         """The submit message and owner of a job to queue again (:meth:`SubmitMessages.load`)."""

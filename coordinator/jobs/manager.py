@@ -55,7 +55,6 @@ from coordinator.jobs.files import JobFiles
 from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.result_pieces import answer, kept
-from coordinator.jobs.spill import PARK_MIN_BYTES, QueuedInputs, input_bytes
 from coordinator.jobs.store import (
     JobEvent,
     JobRecord,
@@ -66,6 +65,7 @@ from coordinator.jobs.store import (
 )
 from coordinator.jobs.submission import (
     check_workers,
+    job_inputs,
     no_workers_after_wait,
     placement_of,
     summary_of,
@@ -171,7 +171,6 @@ class _Job:
     task: asyncio.Task[None] | None = None
     workers: list[WorkerRecord] = field(default_factory=list)
     stop_reason: ErrorInfo | None = None  # why the task was cancelled (client or shutdown)
-    parked: bool = False  # its filters and data wait on disk (coordinator.jobs.spill)
     spec: StrategySpec | None = None  # what the strategy was made from: remade for a restart
     restarts: int = 0  # times it went back to its last checkpoint after a fault
     restart_for: ErrorInfo | None = None  # the fault its run just ended with, to restart past
@@ -201,9 +200,9 @@ class JobManager:
         context_factory: makes the strategy context of each job placed on its workers (the
             live workers over their connections unless told otherwise).
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
-        spill: where the inputs of a job that must wait go (``None``: they wait in memory).
         files: where each live job's submit message and checkpoints are kept, so that a
-            restarted coordinator resumes it (``None``: nowhere; it would not).
+            restarted coordinator resumes it, and whose memory map of that message the job's
+            inputs are (``None``: nowhere; it would not, and its inputs stay in memory).
     """
 
     def __init__(
@@ -216,11 +215,9 @@ class JobManager:
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
-        spill: QueuedInputs | None = None,
         files: JobFiles | None = None,
     ) -> None:
         self.store = store
-        self.spill = spill
         self.files = files
         self.max_queued_jobs = max_queued_jobs
         self.registry = registry
@@ -345,8 +342,8 @@ class JobManager:
             await asyncio.to_thread(self.files.continuable, source, strategy)
         summary = summary_of(msg, placement, owner)
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
-        if self.files is not None:
-            await asyncio.to_thread(self.files.keep, record.id, msg, owner)
+        if self.files is not None:  # the inputs read back over the file: msg is dropped
+            inputs = job_inputs(await asyncio.to_thread(self.files.keep, record.id, msg, owner))
         job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
         job.resume_from = msg.resume_from
         await self._enqueue(
@@ -380,7 +377,6 @@ class JobManager:
         self, job: _Job, placement: str, data: dict[str, Any], waits: float | None
     ) -> None:
         """Queue ``job``; one that ``waits`` for workers fails after that many seconds."""
-        await self._park_if_waiting(job)
         self._jobs[job.id] = job
         self._queue.append(job.id)
         waiting = {} if waits is None else {"wait_for_workers": waits}
@@ -394,20 +390,6 @@ class JobManager:
     def _no_workers_after_wait(self, job: _Job, seconds: float) -> ErrorInfo:
         known = [w.identity for w in self.registry]
         return no_workers_after_wait(placement_of(job.strategy, job.inputs), known, seconds)
-
-    async def _park_if_waiting(self, job: _Job) -> None:
-        """Put a job's inputs on disk when it cannot start now and they are worth it."""
-        if self.spill is None or input_bytes(job.inputs) < PARK_MIN_BYTES:
-            return
-        idle = [w.identity for w in self.registry.idle()]
-        if not self._queue and placement_of(job.strategy, job.inputs).choose(idle) is not None:
-            return  # it starts at once
-        try:
-            job.inputs = await asyncio.to_thread(self.spill.park, job.id, job.inputs)
-        except OSError as exc:
-            log.warning("job %s: its inputs wait in memory: cannot park them: %s", job.id, exc)
-            return
-        job.parked = True
 
     def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, live until its terminal event."""
@@ -536,8 +518,6 @@ class JobManager:
                 job.wait_expiry.cancel()
             self._queue.remove(job.id)
             self._jobs.pop(job.id, None)
-            if job.parked and self.spill is not None:
-                await asyncio.to_thread(self.spill.drop, job.id)
             await self._end(job, info)
             return
         job.stop_reason = info
@@ -627,7 +607,6 @@ class JobManager:
         ids = [w.id for w in job.workers]
         try:
             await asyncio.to_thread(self.store.start, job.id, ids)
-            await self._unpark(job)
             if "torch" not in sys.modules:
                 # The workers will answer with tensors: import torch now, in a thread, rather
                 # than on the event loop when the first one is decoded (a second or more).
@@ -689,17 +668,6 @@ class JobManager:
             why = f"the job trained, but its sharded result could not be written: {exc}"
             raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
         return "pieces", await asyncio.to_thread(encode_frame, said)
-
-    async def _unpark(self, job: _Job) -> None:
-        """Read a parked job's inputs back before it runs."""
-        if not job.parked or self.spill is None:
-            return
-        try:
-            job.inputs = await asyncio.to_thread(self.spill.take, job.id, job.inputs)
-        except (OSError, FrameError) as exc:
-            why = f"the job's inputs, parked on disk while it was queued, cannot be read: {exc}"
-            raise StrategyFailed(ErrorCode.INTERNAL, why) from exc
-        job.parked = False
 
     async def _end_or_restart(self, job: _Job, info: ErrorInfo) -> None:
         """A fault ended the job's run: it fails, or (``max_restarts``) it is queued again to

@@ -29,6 +29,7 @@ from protocol.wording import capped, did_you_mean, listed
 __all__ = [
     "check_targets",
     "check_workers",
+    "job_inputs",
     "no_workers_after_wait",
     "placement_of",
     "rows_of",
@@ -57,7 +58,6 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             "graph.filters must hold exactly the nodes of graph.node_ids; missing "
             f"{listed(missing)}",
         )
-    filters = {n: msg.graph.filters[n] for n in msg.graph.node_ids}  # in graph order
     if msg.loader is not None and msg.dataset is None:
         raise RequestRefused.of(
             ErrorCode.BAD_REQUEST, "a loader opens a worker's dataset: name the dataset too"
@@ -68,18 +68,7 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
             "a job trains on data it sends (x, y) or on the workers' own dataset, "
             "exactly one of the two",
         )
-    inputs = JobInputs(
-        msg.graph.node_ids,
-        filters,
-        msg.x,
-        msg.y,
-        dict(msg.graph.nodes),
-        msg.dataset,
-        msg.loader,
-        x_val=msg.x_val,
-        y_val=msg.y_val,
-        val_split=msg.val_split,
-    )
+    inputs = job_inputs(msg)
     # What graph.fit would refuse of the data, refused now in its words (not on a worker).
     why = (
         None
@@ -100,6 +89,24 @@ def vetted(msg: Submit) -> tuple[Strategy, JobInputs, Placement]:
     except StrategyOptionsError as exc:
         raise RequestRefused.of(ErrorCode.BAD_REQUEST, str(exc)) from exc
     return strategy, inputs, placement_of(strategy, inputs)
+
+
+def job_inputs(msg: Submit) -> JobInputs:
+    """What a job of ``msg`` trains: its filters in graph order, its data and what the client
+    declared of each node (each a reference to ``msg``'s own: no copy). ``msg``'s graph holds
+    a filter for each node (:func:`vetted` checked it)."""
+    return JobInputs(
+        msg.graph.node_ids,
+        {n: msg.graph.filters[n] for n in msg.graph.node_ids},
+        msg.x,
+        msg.y,
+        dict(msg.graph.nodes),
+        msg.dataset,
+        msg.loader,
+        x_val=msg.x_val,
+        y_val=msg.y_val,
+        val_split=msg.val_split,
+    )
 
 
 def lone_steps_problem(inputs: JobInputs) -> str | None:

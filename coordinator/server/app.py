@@ -48,7 +48,6 @@ from websockets.exceptions import ConnectionClosed
 
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager
-from coordinator.jobs.spill import QueuedInputs
 from coordinator.jobs.store import JobState, JobStore
 from coordinator.jobs.worker_files import piece_bytes
 from coordinator.server.client_requests import ClientRequests
@@ -181,7 +180,6 @@ class Coordinator:
             job_threads=config.job_threads,
             observe=self.metrics.observe,
             max_queued_jobs=config.max_queued_jobs,
-            spill=await asyncio.to_thread(QueuedInputs, config.state_dir / "queued"),
             files=files,
         )
         for record in requeued:

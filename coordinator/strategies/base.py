@@ -15,6 +15,7 @@ from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.jobs.checkpoints import JobCheckpoints
 from coordinator.jobs.worker_files import WorkerFiles
 from protocol.daemon import StageRequest
+from protocol.filter_buffers import FilterBuffer
 from protocol.messages import NodeInfo
 from protocol.options import strategies as so
 from protocol.options.base import CheckpointOptions, RestartOptions
@@ -62,7 +63,7 @@ class JobInputs:
     node) and its data — sent along (``x``, ``y``) or each worker's own (``dataset``)."""
 
     node_ids: list[str]
-    filters: dict[str, bytes]
+    filters: dict[str, FilterBuffer]
     x: Any
     y: Any
     nodes: dict[str, NodeInfo] = field(default_factory=dict)

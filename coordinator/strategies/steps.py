@@ -15,6 +15,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyOptionsError
 from coordinator.strategies.base import JobInputs
 from protocol.daemon import ScheduleRequest, StageRequest
+from protocol.filter_buffers import FilterBuffer
 from protocol.messages import NodeInfo
 from protocol.rules import batching
 from protocol.wording import listed
@@ -204,7 +205,7 @@ def lr_schedule_request(training: TrainingSettings, steps_per_epoch: int) -> Sch
 
 
 async def set_up(
-    ctx: StrategyContext, i: int, filters: Mapping[str, bytes], data: StageRequest
+    ctx: StrategyContext, i: int, filters: Mapping[str, FilterBuffer], data: StageRequest
 ) -> dict[str, Any]:
     """Load ``filters`` on worker ``i`` (a fresh daemon), then stage its ``data`` there;
     returns what staging answered (``{"rows": n}``)."""

@@ -30,7 +30,7 @@ from protocol.asyncio.channel import Pacer
 from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
-from protocol.filter_buffers import as_buffer
+from protocol.filter_buffers import FilterBuffer, as_buffer
 from protocol.messages import Call, CloseJob, DropKept, Links, OpenJob, PeerRoute, ReadKept
 from protocol.peer_credentials import credential, link_key
 
@@ -89,7 +89,7 @@ class TransportContext(StrategyContext):
     def observe(self, cmd: str, seconds: float) -> None:
         self._observe(cmd, seconds)
 
-    async def load(self, worker_idx: int, filters: Mapping[str, bytes]) -> None:
+    async def load(self, worker_idx: int, filters: Mapping[str, FilterBuffer]) -> None:
         """Start the job's daemon on the worker and load the filters into it."""
         message = OpenJob(
             job_id=self.job_id,

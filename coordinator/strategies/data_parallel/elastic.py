@@ -29,6 +29,7 @@ from coordinator.strategies.kept_on_worker import KeptOnWorker
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
+from protocol.filter_buffers import FilterBuffer
 from protocol.filters import split_rows
 from protocol.rules.rows import take_rows
 from protocol.shard_pieces import KEPT_AT, PIECES_FILE
@@ -197,7 +198,7 @@ class Replicas:
                 pending |= more.errors
                 unmanned = dict(more.errors)
 
-    async def _filters(self, i: int) -> Mapping[str, bytes]:
+    async def _filters(self, i: int) -> Mapping[str, FilterBuffer]:
         """The job's filters as replica ``i`` loads them: with ``rows_alone``, each torch
         node's parameters cut to the rows FSDP2 gives that replica (``split_rows``: the
         weights never arrive whole on a sharded replica; cut off the event loop), the rest
@@ -206,7 +207,7 @@ class Replicas:
             return self.job.filters
         replicas, torch_nodes = self.ctx.num_workers(), set(self.torch_nodes)
 
-        def cut() -> dict[str, bytes]:
+        def cut() -> dict[str, FilterBuffer]:
             return {
                 node: split_rows(data, i, replicas) if node in torch_nodes else data
                 for node, data in self.job.filters.items()
