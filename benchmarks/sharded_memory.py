@@ -69,6 +69,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 COORDINATOR = -1
 """The key of the coordinator's resident bytes among :func:`_groups`' process groups."""
+COORDINATOR_OWN = -2
+"""The key of the coordinator's own resident bytes (anonymous memory: its resident set but the
+pages of files it maps, which the kernel may drop and read again)."""
 
 
 def _groups(skip: set[int]) -> dict[int, int]:
@@ -85,12 +88,14 @@ def _groups(skip: set[int]) -> dict[int, int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read()
             with open(f"/proc/{entry}/statm") as f:
-                rss = int(f.read().split()[1]) * _PAGE
+                _, resident, shared = (int(v) for v in f.read().split()[:3])
+                rss = resident * _PAGE
         except (OSError, ValueError, IndexError):
             continue
         group = int(stat[stat.rindex(")") + 2 :].split()[2])
         if b"somatize-coordinator" in cmd:
             out[COORDINATOR] += rss
+            out[COORDINATOR_OWN] += (resident - shared) * _PAGE
         elif group not in skip and b"somatize-worker" not in cmd:
             out[group] += rss
     return out
@@ -205,9 +210,10 @@ def _phases(
     before = [s.get(COORDINATOR, 0) for t, s in samples if t < trained]
     after = [s.get(COORDINATOR, 0) for t, s in samples if t >= trained]
     rise = max(after, default=0) - (before[-1] if before else 0)
-    groups = {g for _, seen in samples for g in seen if g in idle and g != COORDINATOR}
+    groups = {g for _, seen in samples for g in seen if g in idle and g >= 0}
     busy = {g for g in groups if max(s.get(g, 0) for _, s in samples) - idle[g] > 64 << 20}
     peak = max((s.get(COORDINATOR, 0) for _, s in samples), default=0)
+    own = max((s.get(COORDINATOR_OWN, 0) for _, s in samples), default=0)
     sharded = marks.get("sharded", 0.0)
     loaded = [s.get(COORDINATOR, 0) for t, s in samples if t < sharded]
     training = [s.get(COORDINATOR, 0) for t, s in samples if sharded <= t < trained]
@@ -216,6 +222,7 @@ def _phases(
         "coordinator_reading": max(rise, 0),
         "coordinator_training": max(max(training, default=0) - (loaded or [0])[-1], 0),
         "coordinator_job": max(peak - idle.get(COORDINATOR, peak), 0),
+        "coordinator_job_own": max(own - idle.get(COORDINATOR_OWN, own), 0),
     }
     spans = {
         "loading": (0.0, marks.get("sharded", 0.0)),
@@ -269,13 +276,15 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 
 def _coordinator_note(results: dict[str, Any], figures: dict[str, int]) -> str:
-    """The coordinator's rise while it keeps the result, and its peak over the job (the
-    submitted model, whole, and with checkpoints their files, read from the workers a piece
-    at a time)."""
+    """The coordinator's rise while it keeps the result, and its peak over the job, resident
+    and its own (the submitted model's pages are those of the file it is kept in, mapped; with
+    checkpoints their files, read from the workers a piece at a time)."""
     return (
         f"; the coordinator +{figures['coordinator_training'] / 2**20:.0f} MiB while they "
         f"train, +{figures['coordinator_reading'] / 2**20:.0f} MiB keeping the result, "
-        f"+{figures['coordinator_job'] / 2**20:.0f} MiB at its peak over the job"
+        f"+{figures['coordinator_job'] / 2**20:.0f} MiB at its peak over the job "
+        f"(+{figures['coordinator_job_own'] / 2**20:.0f} MiB of its own memory, the rest the "
+        "pages of files it maps)"
     )
 
 

@@ -203,6 +203,10 @@ class Reassembler:
         claim: asked, once a new stream has passed the limits above, for the sink it lands in
             (:data:`Claim`); its buffer replaces the reassembler's own and it is told after
             every chunk how much of the frame is in.
+        buffer_for: the reassembler's own buffer of a stream of so many bytes (default
+            :func:`frame_buffer`; the coordinator lands its clients' large messages on disk:
+            :mod:`coordinator.server.landing`). ``MemoryError`` or ``ValueError``: the stream
+            is refused, as one that cannot be reserved.
     """
 
     def __init__(
@@ -213,9 +217,11 @@ class Reassembler:
         stall_seconds: float | None = DEFAULT_STALL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         claim: Claim | None = None,
+        buffer_for: Callable[[int], memoryview] = frame_buffer,
     ) -> None:
         self.max_bytes = max_bytes
         self.claim = claim
+        self.buffer_for = buffer_for
         self.max_streams = max_streams
         self.budget = budget
         self.stall_seconds = stall_seconds
@@ -341,7 +347,7 @@ class Reassembler:
         if why is None:
             sink = None if self.claim is None else self.claim(data)
             try:
-                buffer = frame_buffer(total) if sink is None else sink.buffer(total)
+                buffer = self.buffer_for(total) if sink is None else sink.buffer(total)
             except (MemoryError, ValueError) as exc:  # it cannot be had
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:

@@ -38,6 +38,8 @@ by a key starting with ``$``:
 dtype names are numpy's: ``bool``, ``int8`` … ``int64``, ``uint8`` … ``uint64``, ``float16``,
 ``float32``, ``float64``, ``complex64``, ``complex128``, plus ``bfloat16`` for torch only.
 Non-contiguous arrays are made contiguous and big-endian ones little-endian on encode.
+A :class:`Joined` (bytes made of several buffers) is written as one ``uint8`` array of their
+bytes one after another, without joining them first, and comes back as that array.
 
 Anything else is refused with :class:`~protocol.errors.FrameError` naming its type and where it
 sits: sets, Python ``complex``, arbitrary objects; numpy object, structured, string, datetime and
@@ -95,6 +97,7 @@ from protocol.errors import FrameError, Located
 __all__ = [
     "ALIGNMENT",
     "FRAME_VERSION",
+    "Joined",
     "Part",
     "decode",
     "encode",
@@ -144,13 +147,36 @@ def _type_name(obj: object) -> str:
 # --------------------------------------------------------------------------------------- encode
 
 
+class Joined:
+    """Bytes made of ``parts`` one after another, which travel as one ``uint8`` array (decoded
+    as that array) and are never joined in this process: the frame's parts are theirs. A
+    sender that would otherwise join a cut of large buffers (a replica's rows of a model:
+    :func:`protocol.filters.split_rows`) sends them so, and the parts must not change until
+    the frame is written out.
+    """
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def tobytes(self) -> bytes:
+        """The bytes joined (a copy: for a receiver in this very process)."""
+        return b"".join(self.parts)
+
+
 class _Encoder:
-    """Turns a value into a JSON-able tree, collecting the raw buffers it refers to."""
+    """Turns a value into a JSON-able tree, collecting the raw buffers it refers to (a
+    :class:`Joined`'s parts together as one)."""
 
     def __init__(self) -> None:
-        self.buffers: list[memoryview] = []
+        self.buffers: list[memoryview | Joined] = []
 
-    def add(self, buffer: memoryview) -> int:
+    def add(self, buffer: memoryview | Joined) -> int:
         self.buffers.append(buffer)
         return len(self.buffers) - 1
 
@@ -215,6 +241,8 @@ class _Encoder:
             if isinstance(obj, np.ma.MaskedArray):
                 raise Located("unsupported type numpy.ma.MaskedArray (the mask would be lost)")
             return ndarray_spec(np.asarray(obj), self.add)
+        if isinstance(obj, Joined):
+            return {"$buf": self.add(obj), "dtype": "uint8", "shape": [obj.nbytes], "lib": "np"}
         if isinstance(obj, memoryview):
             try:
                 flat = obj.cast("B") if obj.c_contiguous else memoryview(obj.tobytes())
@@ -306,7 +334,9 @@ def encode(obj: Any) -> list[Part]:
             if pad:
                 parts.append(_ZEROS[:pad])
             end += pad
-        if buffer.nbytes:
+        if isinstance(buffer, Joined):
+            parts.extend(p for p in buffer.parts if p.nbytes)
+        elif buffer.nbytes:
             parts.append(buffer)
         end += buffer.nbytes
     return parts

@@ -6,7 +6,9 @@ and an array as a view over it. So the coordinator sends each filter's bytes as 
 which reads a frame into writable memory, unpickles the filter over it
 (:func:`~protocol.filters.load_filter`): the model's tensors are that memory, and a replica
 loads a model at once its size rather than twice. ``bytes`` are still taken
-(:data:`FilterBuffer`).
+(:data:`FilterBuffer`), and so is a :class:`~protocol.codec.Joined`, which the coordinator
+sends a sharded replica's cut of a filter as (its rows, never joined in the coordinator:
+:func:`~protocol.filters.split_rows`), and which arrives as the array.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import PlainValidator
 
+from protocol.codec import Joined
+
 __all__ = ["FilterBuffer", "as_buffer"]
 
 
-def as_buffer(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
-    """``data``, a filter's bytes, as the ``uint8`` array it travels as (a view, no copy)."""
-    if isinstance(data, np.ndarray):
+def as_buffer(data: bytes | bytearray | memoryview | np.ndarray | Joined) -> np.ndarray | Joined:
+    """``data``, a filter's bytes, as the ``uint8`` array it travels as (a view, no copy; a
+    :class:`~protocol.codec.Joined` as it is: it travels as one)."""
+    if isinstance(data, np.ndarray | Joined):
         _checked(data)
         return data
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def _checked(value: Any) -> bytes | np.ndarray:
-    if isinstance(value, bytes):
+def _checked(value: Any) -> bytes | np.ndarray | Joined:
+    if isinstance(value, bytes | Joined):
         return value
     if (
         isinstance(value, np.ndarray)
@@ -45,4 +50,4 @@ def _checked(value: Any) -> bytes | np.ndarray:
 
 FilterBuffer = Annotated[Any, PlainValidator(_checked)]
 """A message field holding a filter's bytes: ``bytes``, or a one-dimensional contiguous
-``uint8`` array of them."""
+``uint8`` array of them (or, to be sent, a :class:`~protocol.codec.Joined` of them)."""

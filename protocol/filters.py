@@ -30,7 +30,7 @@ import cloudpickle
 
 from protocol.arrays import loaded_torch, torch_dtypes
 from protocol.code_owners import is_user_module
-from protocol.codec import ALIGNMENT, decode, encode
+from protocol.codec import ALIGNMENT, Joined, decode, encode
 from protocol.filter_buffers import FilterBuffer
 
 __all__ = ["APART_BYTES", "MAGIC", "ROWS", "dump_filter", "load_filter", "split_rows"]
@@ -199,9 +199,10 @@ def split_rows(data: FilterBuffer, rank: int, ranks: int) -> FilterBuffer:
     ranks)`` rows each, in rank order, the last ones fewer or none), its whole shape said
     beside (``rows_of``); every other tensor whole. :func:`load_filter` makes each such
     parameter a ``meta`` one of its whole shape, its rows beside it (:data:`ROWS`), and the
-    replica fills its shard from them. No user code runs (the coordinator may call it), no
-    tensor is copied but the replica's rows into the answer. Bytes pickled whole come back as
-    they are.
+    replica fills its shard from them. No user code runs (the coordinator may call it), and
+    nothing is copied: the answer is a :class:`~protocol.codec.Joined` of views over ``data``
+    (the pickle, the replica's rows), which must not change until it is sent. Bytes pickled
+    whole come back as they are.
 
     Raises:
         protocol.errors.FrameError: ``data`` is not a filter's bytes.
@@ -219,4 +220,4 @@ def split_rows(data: FilterBuffer, rank: int, ranks: int) -> FilterBuffer:
         width = entry["bytes"].nbytes // shape[0]
         entry["bytes"] = entry["bytes"][start * width : stop * width]
         entry["rows_of"], entry["shape"] = shape, [stop - start, *shape[1:]]
-    return b"".join([MAGIC, *encode(frame)])
+    return Joined([MAGIC, *encode(frame)])

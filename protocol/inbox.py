@@ -8,9 +8,17 @@ connection is checked before anything else is read of it (:func:`check_first`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, Claim, Reassembler, is_chunk
+from protocol.chunking import (
+    DEFAULT_STALL_SECONDS,
+    Budget,
+    Claim,
+    Reassembler,
+    frame_buffer,
+    is_chunk,
+)
 from protocol.errors import (
     BadMessage,
     ErrorCode,
@@ -55,6 +63,8 @@ class Inbox:
         stall_seconds: how long a chunked message may wait for its next chunk.
         claim: where a message the owner claims lands, whole or chunked
             (:class:`~protocol.chunking.StreamSink`).
+        buffer_for: where any other chunked message is reassembled
+            (:class:`~protocol.chunking.Reassembler`).
     """
 
     def __init__(
@@ -63,12 +73,17 @@ class Inbox:
         budget: Budget | None = None,
         stall_seconds: float | None = DEFAULT_STALL_SECONDS,
         claim: Claim | None = None,
+        buffer_for: Callable[[int], memoryview] = frame_buffer,
     ) -> None:
         self.max_message_bytes = max_message_bytes
         self.bytes_in = 0
         self.claim = claim
         self.reassembler = Reassembler(
-            max_message_bytes, budget=budget, stall_seconds=stall_seconds, claim=claim
+            max_message_bytes,
+            budget=budget,
+            stall_seconds=stall_seconds,
+            claim=claim,
+            buffer_for=buffer_for,
         )
         """Its chunked messages in progress (the owner expires stalled ones, see
         :meth:`~protocol.chunking.Reassembler.expire`, and closes it)."""

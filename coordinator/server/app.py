@@ -25,7 +25,9 @@ WebSocket message holds at most :data:`WS_MAX_SIZE` bytes (more: closed with 100
 reassembled from chunks at most ``max_message_bytes`` (more: ``too_large``, refused from its
 first chunk), and each connection handles at most ``max_inflight`` requests at once (more:
 ``busy``); see
-:class:`~protocol.asyncio.channel.Channel`.
+:class:`~protocol.asyncio.channel.Channel`. A client's chunked message of 32 MiB or more (a
+submit's model and data) is reassembled in a file's map, not in memory
+(:mod:`coordinator.server.landing`).
 
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
 jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
@@ -54,6 +56,7 @@ from coordinator.server.client_requests import ClientRequests
 from coordinator.server.clients import ConnectedClients
 from coordinator.server.config import SERVER, CoordinatorConfig
 from coordinator.server.http import HttpEndpoints
+from coordinator.server.landing import Landing
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import PendingConnections
 from coordinator.server.reassembly_shares import ReassemblyShares
@@ -133,6 +136,9 @@ class Coordinator:
         (:mod:`coordinator.server.reassembly_shares`)."""
         self.metrics = Metrics()
         self.registry = Registry(config.heartbeat_timeout)
+        self.landing: Landing | None = None
+        """Where clients' large messages are reassembled (:mod:`coordinator.server.landing`),
+        made as the coordinator starts."""
         self.store: JobStore | None = None
         self.jobs: JobManager | None = None
         self._http: HttpEndpoints | None = None
@@ -152,6 +158,9 @@ class Coordinator:
         config = self.config
         pieces = piece_bytes(config.max_reassembly_bytes)
         files = await asyncio.to_thread(JobFiles, config.state_dir, pieces)
+        self.landing = await asyncio.to_thread(
+            Landing, config.state_dir / "incoming", self.reassembly.clients.limit
+        )
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(
             JobStore.open, config.state_dir, resumable=resumable
@@ -291,6 +300,7 @@ class Coordinator:
             budget=self.reassembly.of_worker() if is_worker else self.reassembly.clients,
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
+            landing=None if is_worker else self.landing,
         )
         self._channels.add(channel)
         try:

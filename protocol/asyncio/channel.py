@@ -42,7 +42,13 @@ from pydantic import BaseModel
 
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import as_sent, close_reason
-from protocol.chunking import DEFAULT_STALL_SECONDS, Budget, StreamSink, chunk_messages
+from protocol.chunking import (
+    DEFAULT_STALL_SECONDS,
+    Budget,
+    StreamSink,
+    chunk_messages,
+    frame_buffer,
+)
 from protocol.codec import Part, encode, frame_nbytes
 from protocol.errors import (
     BadMessage,
@@ -145,6 +151,9 @@ class Channel:
             :data:`TURN_BYTES` they start writing per turn of the event loop
             (:class:`~protocol.asyncio.turns.TurnGate`; ``None``: no bound): a model sent to
             thousands of connections at once does not keep the loop from reading theirs.
+        landing: where a chunked message that no request of ours awaits is reassembled: a
+            writable buffer of so many bytes (``None``: memory,
+            :func:`~protocol.chunking.frame_buffer`).
     """
 
     def __init__(
@@ -159,6 +168,7 @@ class Channel:
         budget: Budget | None = None,
         stall_timeout: float | None = DEFAULT_STALL_SECONDS,
         turns: TurnGate | None = None,
+        landing: Callable[[int], memoryview] | None = None,
     ) -> None:
         if max_message_bytes < 1 or max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
@@ -175,7 +185,13 @@ class Channel:
         self.session = Session(name)
         # Where the replies to some of our requests land (request id → sink), see request().
         self._sinks: dict[int, StreamSink] = {}
-        self._inbox = Inbox(max_message_bytes, budget, stall_timeout, claim=self._claim)
+        self._inbox = Inbox(
+            max_message_bytes,
+            budget,
+            stall_timeout,
+            claim=self._claim,
+            buffer_for=frame_buffer if landing is None else landing,
+        )
         self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0
         self._next_stream = 0

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from protocol.codec import ALIGNMENT, decode, encode, encode_frame, frame_nbytes
+from protocol.codec import ALIGNMENT, Joined, decode, encode, encode_frame, frame_nbytes
 from protocol.errors import FrameError
 from tests.protocol.codec_frames import (
     NP_DTYPES,
@@ -525,3 +525,19 @@ def test_a_torch_still_being_imported_by_another_thread_does_not_break_encoding(
     back = decode(encode_frame(tree))
     np.testing.assert_array_equal(back["error"]["detail"]["rows"], np.arange(3))
     assert back["error"]["detail"]["scale"] == np.float32(0.5)
+
+
+def test_joined_parts_travel_as_one_uint8_array_without_being_joined() -> None:
+    """A :class:`Joined` is one buffer of the frame, its parts one after another: the frame's
+    parts are the very buffers given (no copy), and it decodes as the array of their bytes."""
+    big = np.arange(1 << 16, dtype=np.uint8)
+    joined = Joined([b"head", memoryview(big), bytearray(b"tail")])
+    assert len(joined) == 4 + big.nbytes + 4
+    parts = encode({"filter": joined, "after": np.ones(3)})
+    assert any(isinstance(p, memoryview) and np.shares_memory(np.asarray(p), big) for p in parts)
+    back = decode(b"".join(parts))
+    assert back["filter"].dtype == np.uint8 and back["filter"].shape == (len(joined),)
+    assert back["filter"].tobytes() == b"head" + big.tobytes() + b"tail" == joined.tobytes()
+    np.testing.assert_array_equal(back["after"], np.ones(3))
+    empty = decode(encode_frame(Joined([])))
+    assert empty.shape == (0,) and empty.dtype == np.uint8

@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 
 import somatize as sz
+from protocol.codec import decode, encode_frame
 from protocol.filters import MAGIC, ROWS, dump_filter, load_filter, split_rows
 
 
@@ -125,11 +127,15 @@ def test_a_sharded_replica_gets_its_rows_of_each_parameter_and_every_other_tenso
     model[1].weight = torch.nn.Parameter(torch.randn(2, 32768, dtype=torch.bfloat16))
     model.register_buffer("table", torch.randn(7, 4096))
     blob = dump_filter(sz.TorchFilter(model))
+    start = np.frombuffer(blob, np.uint8).ctypes.data
     got = []
     for rank in range(3):
         cut = split_rows(blob, rank, 3)
         assert len(cut) < len(blob)
-        back = load_filter(cut).module
+        for part in cut.parts:  # the rows are views over the filter's bytes, not copies
+            address = np.frombuffer(part, np.uint8).ctypes.data if part.nbytes else start
+            assert part.nbytes < 4096 or start <= address < start + len(blob)
+        back = load_filter(_arrived(cut)).module
         first, second = back[0].weight, back[1].weight
         assert first.is_meta and first.shape == (7, 4096) and isinstance(first, torch.nn.Parameter)
         assert second.is_meta and getattr(second, ROWS).dtype == torch.bfloat16
@@ -143,4 +149,9 @@ def test_a_sharded_replica_gets_its_rows_of_each_parameter_and_every_other_tenso
         torch.testing.assert_close(torch.cat(rows), model[k].weight.detach(), rtol=0, atol=0)
     plain = dump_filter(Scale(2.0))
     assert split_rows(cloudpickle.dumps(Scale(2.0)), 0, 2) == cloudpickle.dumps(Scale(2.0))
-    assert load_filter(split_rows(plain, 1, 2)).factor == 2.0
+    assert load_filter(_arrived(split_rows(plain, 1, 2))).factor == 2.0
+
+
+def _arrived(cut):
+    """A filter's cut as a daemon gets it: through a frame, landed in writable memory."""
+    return decode(bytearray(encode_frame({"filter": cut})))["filter"]

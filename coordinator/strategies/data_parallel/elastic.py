@@ -201,8 +201,8 @@ class Replicas:
     async def _filters(self, i: int) -> Mapping[str, FilterBuffer]:
         """The job's filters as replica ``i`` loads them: with ``rows_alone``, each torch
         node's parameters cut to the rows FSDP2 gives that replica (``split_rows``: the
-        weights never arrive whole on a sharded replica; cut off the event loop), the rest
-        whole."""
+        weights never arrive whole on a sharded replica; cut off the event loop, each cut
+        views of the job's filters, not a copy of them), the rest whole."""
         if not self.rows_alone:
             return self.job.filters
         replicas, torch_nodes = self.ctx.num_workers(), set(self.torch_nodes)
