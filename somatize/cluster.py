@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,20 @@ T = TypeVar("T")
 
 BIN = Path(sys.executable).parent
 """Where the console scripts of this environment are."""
+
+
+_LISTENING = re.compile(r"^somatize-coordinator listening on \S+:(\d+)\s*$", re.MULTILINE)
+"""The coordinator's line saying the port it bound (:mod:`coordinator.cli`)."""
+_PEER_ADDRESS = re.compile(r"serving peer links on \S+ \(announced as (ws://\S+)\)")
+"""A worker's line saying where other workers dial it (:mod:`worker.peer_server`)."""
+
+
+def listening_port(output: str) -> int | None:
+    """The port a coordinator says it listens on in ``output`` (its log), if it said so yet:
+    started with ``--listen HOST:0`` it binds one the system gives, which no one else can
+    take between a pick and the bind."""
+    found = _LISTENING.search(output)
+    return None if found is None else int(found.group(1))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +70,8 @@ class LocalCluster:
 
     Args:
         state_dir: the coordinator's ``--state-dir`` (default: a temporary directory).
-        port: the coordinator's port (default: a free one).
+        port: the coordinator's port (default: the one it binds when first started, as it
+            says; the same one after a restart).
         heartbeat_interval, heartbeat_timeout: the coordinator's heartbeat contract.
         job_threads: torch threads of each job daemon.
         logs: where each process's output goes (default: ``<state_dir>/../logs``).
@@ -92,9 +108,7 @@ class LocalCluster:
         base = Path(self._tmp.name) if self._tmp is not None else None
         self.state_dir = state_dir if state_dir is not None else Path(str(base)) / "state"
         self.host = host
-        self.port = port if port is not None else free_port(host)
-        self._authority = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        self.url = f"ws://{self._authority}"
+        self._at(port or 0)
         self.heartbeat = (heartbeat_interval, heartbeat_timeout)
         self.worker_token = worker_token
         self.client_token = client_token
@@ -108,6 +122,12 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.peer_addresses: dict[str, str] = {}  # worker id → its /peer endpoint's ws://
+
+    def _at(self, port: int) -> None:
+        """Say the coordinator is at ``port`` (``0``: not known until it starts)."""
+        self.port = port
+        self._authority = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+        self.url = f"ws://{self._authority}"
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -140,7 +160,10 @@ class LocalCluster:
         argv += args
         tokens = {"SOMATIZE_WORKER_TOKEN": self.worker_token, "SOMATIZE_TOKEN": self.client_token}
         env = {name: value for name, value in tokens.items() if value is not None}
+        said = self._log_size("coordinator")
         self.coordinator = self._spawn("coordinator", argv, env)
+        if self.port == 0:  # it binds one and says which: no port picked here for it to race for
+            self._at(int(self._said(self.coordinator, "coordinator", said, _LISTENING)))
         self._wait(self.coordinator, "coordinator", self.healthy)
 
     def start_worker(
@@ -176,17 +199,19 @@ class LocalCluster:
         if "--sandbox" not in args:
             argv += ["--sandbox", self.sandbox]
         if peer_link:
-            port = free_port()
-            argv += ["--peer-listen", f"127.0.0.1:{port}"]
-            self.peer_addresses[worker_id] = f"ws://127.0.0.1:{port}"
+            argv += ["--peer-listen", "127.0.0.1:0"]  # it binds one, and says which
         for tag in tags:
             argv += ["--tag", tag]
         for name, path in (data or {}).items():
             argv += ["--data", f"{name}={path}"]
         argv += args
         token = {"SOMATIZE_WORKER_TOKEN": self.worker_token} if self.worker_token else None
+        said = self._log_size(f"worker-{worker_id}")
         proc = self._spawn(f"worker-{worker_id}", argv, token)
         self.workers[worker_id] = proc
+        if peer_link:
+            address = self._said(proc, f"worker-{worker_id}", said, _PEER_ADDRESS)
+            self.peer_addresses[worker_id] = address
         connected = ("idle", "busy")
         self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) in connected)
 
@@ -199,6 +224,29 @@ class LocalCluster:
             return ready()
 
         wait_for(up, self.startup, f"{name} to start (its log: {self.logs / name}.log)")
+
+    def _log_size(self, name: str) -> int:
+        """The bytes in ``name``'s log so far (a process started again appends to it)."""
+        path = self.logs / f"{name}.log"
+        return path.stat().st_size if path.exists() else 0
+
+    def _said(
+        self, proc: subprocess.Popen[bytes], name: str, start: int, line: re.Pattern[str]
+    ) -> str:
+        """What ``proc`` says in its log after byte ``start`` on a ``line`` (its first group),
+        once it says it."""
+
+        def said() -> str | None:
+            if proc.poll() is not None:
+                raise ClusterError(
+                    f"{name} exited with status {proc.returncode}; see {self.logs / name}.log"
+                )
+            with open(self.logs / f"{name}.log", "rb") as log:
+                log.seek(start)
+                found = line.search(log.read().decode(errors="replace"))
+            return None if found is None else found.group(1)
+
+        return wait_for(said, self.startup, f"{name} to say where it listens")
 
     def healthy(self) -> bool:
         """``GET /healthz`` answers 200."""

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import somatize as sz
+from somatize.cluster import listening_port, wait_for
 
 
 def timeout_unit() -> float:
@@ -56,6 +57,18 @@ def somatize_cli(url: str, *args: str, seconds: float = 60) -> subprocess.Comple
         timeout=seconds * UNIT,
         check=False,
     )
+
+
+def said_port(proc: subprocess.Popen[bytes], log: Path, seconds: float = 30) -> int:
+    """The port a coordinator started with ``--listen HOST:0`` bound, as its ``log`` says
+    (no port picked beforehand for another test to take first)."""
+
+    def said() -> int | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"the coordinator exited {proc.returncode}: see {log}")
+        return listening_port(log.read_text(errors="replace")) if log.exists() else None
+
+    return wait_for(said, seconds * UNIT, "the coordinator to say its port")
 
 
 def stop_groups(*procs: subprocess.Popen[bytes]) -> None:

@@ -14,9 +14,9 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
 
 import somatize as sz
-from somatize.cluster import free_port, wait_for
+from somatize.cluster import wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, self_signed, stop_groups
+from tests.utils import UNIT, said_port, self_signed, stop_groups
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +40,11 @@ async def _upgrade(url: str, headers: Headers) -> None:
 def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
     tmp_path, monkeypatch
 ):
-    port = free_port()
-    url = f"ws://127.0.0.1:{port}"
     coordinator = _start(
         [
             str(BIN / "somatize-coordinator"),
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--state-dir",
             str(tmp_path / "state"),
         ],
@@ -56,6 +54,8 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
     )
     procs = [coordinator]
     try:
+        port = said_port(coordinator, tmp_path / "coordinator.log")
+        url = f"ws://127.0.0.1:{port}"
         wait_for(lambda: healthy(port), 30 * UNIT, "/healthz (open without a token)")
         monkeypatch.delenv("SOMATIZE_TOKEN", raising=False)
         with pytest.raises(sz.ConnectionFailed, match=r"401: .* wants a client token and none"):
@@ -128,13 +128,11 @@ def test_the_coordinator_will_not_listen_beyond_loopback_without_tokens(tmp_path
 
 def test_tls_with_a_certificate_the_test_makes(tmp_path):
     cert, key = self_signed(tmp_path)
-    port = free_port()
-    url = f"wss://127.0.0.1:{port}"
     coordinator = _start(
         [
             str(BIN / "somatize-coordinator"),
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--state-dir",
             str(tmp_path / "state"),
             "--tls-cert",
@@ -148,6 +146,8 @@ def test_tls_with_a_certificate_the_test_makes(tmp_path):
     )
     procs = [coordinator]
     try:
+        port = said_port(coordinator, tmp_path / "coordinator.log")
+        url = f"wss://127.0.0.1:{port}"
 
         def up() -> bool:
             try:

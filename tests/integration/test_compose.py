@@ -13,6 +13,7 @@ group is killed at the end, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ import yaml
 
 import somatize as sz
 from somatize.cluster import free_port, wait_for
-from tests.utils import UNIT
+from tests.utils import UNIT, said_port
 
 pytestmark = pytest.mark.integration
 
@@ -293,8 +294,8 @@ def spawned() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
 
 def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
     found = services(compose)
-    port = free_port()
-    url = f"ws://127.0.0.1:{port}"
+    port = 0  # the coordinator binds one and says which (read below), then the rest dial it
+    url = "ws://127.0.0.1:0"
     state = tmp_path / "state"
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -305,7 +306,6 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
         "SOMATIZE_TOKEN": CLIENT_TOKEN,
         "SOMATIZE_WORKER_TOKEN": WORKER_TOKEN,
     }
-    health = healthcheck_url(found["coordinator"]).replace(":8765/", f":{port}/")
     started = time.monotonic()
 
     def log_of(name: str) -> str:
@@ -320,7 +320,11 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
                     raise AssertionError(f"{other} exited {proc.returncode}:\n{log_of(other)}")
             return ready
 
+        def up_at(health: str) -> bool:
+            return alive_and(healthy(health))
+
         servers = [name for name in order(found) if name != "job"]
+        assert servers[0] == "coordinator", servers  # the others are told its port
         for name in servers:
             argv = localise(found[name]["command"], port, state)
             with (logs / f"{name}.log").open("ab") as log:
@@ -333,7 +337,10 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
                     start_new_session=True,
                 )
             if name == "coordinator":
-                wait_for(lambda: alive_and(healthy(health)), 60 * UNIT, "/healthz")
+                port = said_port(procs[name], logs / f"{name}.log", 60)
+                url = env["SOMATIZE_COORDINATOR"] = f"ws://127.0.0.1:{port}"
+                health = healthcheck_url(found["coordinator"]).replace(":8765/", f":{port}/")
+                wait_for(functools.partial(up_at, health), 60 * UNIT, "/healthz")
         workers = [name for name in servers if name != "coordinator"]
         assert sorted(workers) == sorted(WORKERS)
         wait_for(lambda: alive_and(listed(url, workers)), 60 * UNIT, "the workers")

@@ -53,9 +53,9 @@ from protocol.messages import (
     Watch,
     WorkerHello,
 )
-from somatize.cluster import free_port, wait_for
+from somatize.cluster import wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, said_port
 
 pytestmark = pytest.mark.integration
 
@@ -79,10 +79,9 @@ CAPS = Capabilities(cpus=1, memory_bytes=1 << 30, torch="x", python="3", cloudpi
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A coordinator with small limits (its own flags), shared by the tests of this module."""
     tmp = tmp_path_factory.mktemp("limits")
-    port = free_port()
     argv = [
         str(BIN / "somatize-coordinator"),
-        *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state")),
+        *("--listen", "127.0.0.1:0", "--state-dir", str(tmp / "state")),
         *("--max-pending-connections", str(PENDING), "--handshake-timeout", str(HANDSHAKE)),
         *("--max-pending-per-address", str(PER_ADDRESS)),
         *("--max-message-bytes", str(MAX_BYTES), "--max-inflight", str(INFLIGHT)),
@@ -95,6 +94,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     try:
+        port = said_port(proc, tmp / "coordinator.log")
         wait_for(lambda: healthy(port), 30 * UNIT, "the coordinator to listen")
         yield f"ws://127.0.0.1:{port}"
         assert proc.poll() is None, "the coordinator died"

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import somatize as sz
-from somatize.cluster import free_port, wait_for
+from somatize.cluster import wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, Center, Sleepy
+from tests.utils import UNIT, Center, Sleepy, said_port
 
 pytestmark = pytest.mark.integration
 
@@ -42,19 +42,19 @@ def test_a_client_sees_and_cancels_only_its_own_jobs_and_queues_at_most_its_quot
         f"alice {tokens['alice']}\nbob {tokens['bob']}\nroot {tokens['root']} admin\n"
     )
     tokens_file.chmod(0o600)
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if "SOMATIZE_" not in k}
     worker_token = secrets.token_urlsafe(16)  # wanted beside client tokens
     env["SOMATIZE_WORKER_TOKEN"] = worker_token
-    argv = [str(BIN / "somatize-coordinator"), "--listen", f"127.0.0.1:{port}"]
+    argv = [str(BIN / "somatize-coordinator"), "--listen", "127.0.0.1:0"]
     argv += ["--state-dir", str(tmp_path / "state"), "--client-tokens-file", str(tokens_file)]
     argv += ["--max-queued-jobs", "2"]
     with (tmp_path / "coordinator.log").open("ab") as log:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    url = f"ws://127.0.0.1:{port}"
     try:
+        port = said_port(proc, tmp_path / "coordinator.log")
+        url = f"ws://127.0.0.1:{port}"
         wait_for(lambda: healthy(port), 30 * UNIT, "the coordinator to listen")
         with (
             sz.connect(url, token=tokens["alice"], timeout=10 * UNIT) as alice,
