@@ -33,7 +33,13 @@ from pydantic import ValidationError
 
 from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
-from coordinator.jobs.disk import job_path, map_whole, private_directory, write_atomically
+from coordinator.jobs.disk import (
+    job_path,
+    map_whole,
+    private_directory,
+    read_whole,
+    write_atomically,
+)
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
 from coordinator.jobs.worker_files import PIECE_BYTES
@@ -48,6 +54,10 @@ log = logging.getLogger(__name__)
 
 SUBMIT_SUFFIX = ".submit"
 """The suffix of a live job's submit message in ``<state_dir>/jobs``."""
+
+MAP_MIN_BYTES = 1 << 20
+"""Submit messages smaller than this are read into memory rather than mapped: a map holds a
+file descriptor for as long as its job lives, worth it only where the bytes are."""
 
 
 class SubmitMessages:
@@ -72,13 +82,16 @@ class SubmitMessages:
     def load(self, job_id: str) -> tuple[Submit, str]:
         """The job's submit message and owner, as :meth:`save` wrote them: its arrays (the
         filters as the SDK sends them, the data) views over a memory map of the file
-        (:func:`~coordinator.jobs.disk.map_whole`), none of it read until used.
+        (:func:`~coordinator.jobs.disk.map_whole`), none of it read until used; under
+        :data:`MAP_MIN_BYTES`, over a copy of it read into memory.
 
         Raises:
             OSError: there is none, or it cannot be read.
             protocol.errors.FrameError, pydantic.ValidationError: it is not what was written.
         """
-        data = decode(map_whole(self._path(job_id)))
+        path = self._path(job_id)
+        small = path.stat().st_size < MAP_MIN_BYTES
+        data = decode(read_whole(path) if small else map_whole(path))
         return Submit.model_validate(data["submit"]), str(data["owner"])
 
     def has(self, job_id: str) -> bool:

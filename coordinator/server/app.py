@@ -65,6 +65,7 @@ from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
+from protocol.chunking import frame_buffer
 from protocol.errors import (
     BadMessage,
     ChannelClosed,
@@ -300,7 +301,7 @@ class Coordinator:
             budget=self.reassembly.of_worker() if is_worker else self.reassembly.clients,
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
-            landing=None if is_worker else self.landing,
+            buffer_for=frame_buffer if is_worker or self.landing is None else self.landing,
         )
         self._channels.add(channel)
         try:

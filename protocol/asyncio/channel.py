@@ -151,8 +151,8 @@ class Channel:
             :data:`TURN_BYTES` they start writing per turn of the event loop
             (:class:`~protocol.asyncio.turns.TurnGate`; ``None``: no bound): a model sent to
             thousands of connections at once does not keep the loop from reading theirs.
-        landing: where a chunked message that no request of ours awaits is reassembled: a
-            writable buffer of so many bytes (``None``: memory,
+        buffer_for: where a chunked message that no request of ours awaits is reassembled: a
+            writable buffer of so many bytes (default: memory,
             :func:`~protocol.chunking.frame_buffer`).
     """
 
@@ -168,7 +168,7 @@ class Channel:
         budget: Budget | None = None,
         stall_timeout: float | None = DEFAULT_STALL_SECONDS,
         turns: TurnGate | None = None,
-        landing: Callable[[int], memoryview] | None = None,
+        buffer_for: Callable[[int], memoryview] = frame_buffer,
     ) -> None:
         if max_message_bytes < 1 or max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
@@ -190,7 +190,7 @@ class Channel:
             budget,
             stall_timeout,
             claim=self._claim,
-            buffer_for=frame_buffer if landing is None else landing,
+            buffer_for=buffer_for,
         )
         self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0

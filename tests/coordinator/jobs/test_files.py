@@ -63,11 +63,13 @@ def test_a_kept_jobs_filters_and_rows_are_views_over_its_submit_file(tmp_path):
     np.testing.assert_array_equal(again.x, x)
 
 
-def test_a_filter_sent_as_bytes_comes_back_as_those_bytes(tmp_path):
+def test_a_small_submit_is_read_into_memory_and_a_filter_sent_as_bytes_comes_back(tmp_path):
+    """Under MAP_MIN_BYTES a map is not worth the file descriptor it holds for the job's life."""
     files = JobFiles(tmp_path)
     pickled = dump_filter(Center())
     kept = files.keep("j1", _submit({"c": pickled}, np.zeros((4, 2))), "alice")
     assert bytes(kept.graph.filters["c"]) == pickled
+    assert not _mapped_from(tmp_path / "jobs" / "j1.submit")
 
 
 def test_a_submit_that_cannot_be_written_runs_from_the_message_received(tmp_path):
