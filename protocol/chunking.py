@@ -205,7 +205,7 @@ class Reassembler:
             every chunk how much of the frame is in.
         buffer_for: the reassembler's own buffer of a stream of so many bytes (default
             :func:`frame_buffer`; the coordinator lands its clients' large messages on disk:
-            :mod:`coordinator.server.landing`). ``MemoryError`` or ``ValueError``: the stream
+            :mod:`protocol.asyncio.landing`). ``MemoryError`` or ``ValueError``: the stream
             is refused, as one that cannot be reserved.
     """
 

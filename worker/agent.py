@@ -62,6 +62,8 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -69,6 +71,7 @@ from websockets.asyncio.client import ClientConnection
 
 from engine.data.datasets import summaries
 from protocol.asyncio.channel import Channel
+from protocol.asyncio.landing import Landing
 from protocol.asyncio.websocket import close_reason, tls_hint
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
@@ -159,6 +162,9 @@ class Agent:
             tls=self._ssl,
         )
         self._kept = KeptFiles()
+        # A job's filters, kept for as long as it lives (a daemon restart loads them again),
+        # wait in an unnamed file's map, not in the agent's memory (protocol.asyncio.landing).
+        self._landing = Landing(Path(tempfile.gettempdir()), 2 * config.max_message_bytes)
         self._jobs = JobHandlers(
             config,
             self._pool,
@@ -334,7 +340,8 @@ class Agent:
 
     async def _connection(self, ws: ClientConnection) -> None:
         """Hello, serve, teardown: one connection's life once the WebSocket is open."""
-        channel = channel_over(ws, f"coordinator {self.url}", self._dispatch, self.config)
+        name = f"coordinator {self.url}"
+        channel = channel_over(ws, name, self._dispatch, self.config, buffer_for=self._landing)
         self._channel = channel
         shutdown: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._shutdown = shutdown

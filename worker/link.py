@@ -23,7 +23,7 @@ from websockets.exceptions import InvalidStatus, WebSocketException
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.asyncio.websocket import client_tls, tls_hint, ws_options
-from protocol.chunking import Budget
+from protocol.chunking import Budget, frame_buffer
 from protocol.errors import ErrorCode, ErrorInfo, ProtocolError, RemoteError, UnexpectedReply
 from protocol.messages import Heartbeat, Welcome, WorkerHello
 from worker.config import AgentConfig
@@ -119,10 +119,16 @@ def describe(exc: BaseException) -> str:
 
 
 def channel_over(
-    ws: Any, name: str, handler: Handler | None, config: AgentConfig, budget: Budget | None = None
+    ws: Any,
+    name: str,
+    handler: Handler | None,
+    config: AgentConfig,
+    budget: Budget | None = None,
+    buffer_for: Callable[[int], memoryview] = frame_buffer,
 ) -> Channel:
     """A channel with the agent's limits (its chunked messages in progress also under
-    ``budget``, shared with other channels)."""
+    ``budget``, shared with other channels; reassembled where ``buffer_for`` says:
+    :mod:`protocol.asyncio.landing`)."""
     return Channel(
         ws,
         name,
@@ -131,6 +137,7 @@ def channel_over(
         config.max_inflight,
         budget=budget,
         stall_timeout=config.stall_timeout,
+        buffer_for=buffer_for,
     )
 
 

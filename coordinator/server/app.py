@@ -27,7 +27,7 @@ first chunk), and each connection handles at most ``max_inflight`` requests at o
 ``busy``); see
 :class:`~protocol.asyncio.channel.Channel`. A client's chunked message of 32 MiB or more (a
 submit's model and data) is reassembled in a file's map, not in memory
-(:mod:`coordinator.server.landing`).
+(:mod:`protocol.asyncio.landing`).
 
 Lifecycle (one shape for every daemon here): :meth:`Coordinator.start` opens the store (failing
 jobs a previous process left running), the server and the background tasks; :meth:`serve_forever`
@@ -48,6 +48,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from coordinator.jobs.disk import private_directory
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager
 from coordinator.jobs.store import JobState, JobStore
@@ -56,13 +57,13 @@ from coordinator.server.client_requests import ClientRequests
 from coordinator.server.clients import ConnectedClients
 from coordinator.server.config import SERVER, CoordinatorConfig
 from coordinator.server.http import HttpEndpoints
-from coordinator.server.landing import Landing
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import PendingConnections
 from coordinator.server.reassembly_shares import ReassemblyShares
 from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
+from protocol.asyncio.landing import Landing
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
 from protocol.chunking import frame_buffer
@@ -138,7 +139,7 @@ class Coordinator:
         self.metrics = Metrics()
         self.registry = Registry(config.heartbeat_timeout)
         self.landing: Landing | None = None
-        """Where clients' large messages are reassembled (:mod:`coordinator.server.landing`),
+        """Where clients' large messages are reassembled (:mod:`protocol.asyncio.landing`),
         made as the coordinator starts."""
         self.store: JobStore | None = None
         self.jobs: JobManager | None = None
@@ -159,9 +160,8 @@ class Coordinator:
         config = self.config
         pieces = piece_bytes(config.max_reassembly_bytes)
         files = await asyncio.to_thread(JobFiles, config.state_dir, pieces)
-        self.landing = await asyncio.to_thread(
-            Landing, config.state_dir / "incoming", self.reassembly.clients.limit
-        )
+        incoming = await asyncio.to_thread(private_directory, config.state_dir / "incoming")
+        self.landing = Landing(incoming, self.reassembly.clients.limit)
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(
             JobStore.open, config.state_dir, resumable=resumable

@@ -1,4 +1,4 @@
-"""A client's large chunked message is reassembled in an unnamed file's map, not in memory.
+"""A large chunked message is reassembled in an unnamed file's map, not in memory.
 
 Where the bytes lie is read from ``/proc/self/maps``, the kernel's account of this process's
 mappings: a file made with ``O_TMPFILE`` shows there as ``<directory>/#<inode> (deleted)``.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server.landing import Landing
+from protocol.asyncio.landing import Landing
 from protocol.chunking import chunk_messages
 from protocol.codec import encode
 from protocol.inbox import Inbox
@@ -40,34 +40,34 @@ def _received(inbox: Inbox, x: np.ndarray) -> Call:
 
 
 def test_a_large_message_lands_in_an_unnamed_file_that_leaves_nothing_behind(tmp_path):
-    landing = Landing(tmp_path / "incoming", 1 << 30, min_bytes=2 * CHUNK_BYTES)
+    landing = Landing(tmp_path, 1 << 30, min_bytes=2 * CHUNK_BYTES)
     x = np.arange(3 * CHUNK_BYTES // 8, dtype=np.float64)
     message = _received(Inbox(1 << 30, buffer_for=landing), x)
     np.testing.assert_array_equal(message.request["x"], x)
-    maps = _maps_under(tmp_path / "incoming")
+    maps = _maps_under(tmp_path)
     address = message.request["x"].ctypes.data
     assert [m for m in maps if m[0] <= address < m[1] and m[2].endswith("(deleted)")]
-    assert list((tmp_path / "incoming").iterdir()) == []  # no name: a crash leaves no file
-    assert (tmp_path / "incoming").stat().st_mode & 0o777 == 0o700
+    assert list((tmp_path).iterdir()) == []  # no name: a crash leaves no file
     assert landing.on_disk >= x.nbytes
     del message, maps
     gc.collect()
-    assert landing.on_disk == 0 and not _maps_under(tmp_path / "incoming")
+    assert landing.on_disk == 0 and not _maps_under(tmp_path)
 
 
 def test_files_in_use_hold_no_more_than_the_bound_the_rest_land_in_memory(tmp_path):
-    landing = Landing(tmp_path / "incoming", 5 * CHUNK_BYTES, min_bytes=2 * CHUNK_BYTES)
+    landing = Landing(tmp_path, 5 * CHUNK_BYTES, min_bytes=2 * CHUNK_BYTES)
     first, second = landing(3 * CHUNK_BYTES), landing(3 * CHUNK_BYTES)
-    assert len(_maps_under(tmp_path / "incoming")) == 1 and landing.on_disk == 3 * CHUNK_BYTES
+    assert len(_maps_under(tmp_path)) == 1 and landing.on_disk == 3 * CHUNK_BYTES
     assert second.nbytes == 3 * CHUNK_BYTES  # in memory: over the bound together
     del first
     gc.collect()
     third = landing(3 * CHUNK_BYTES)
-    assert len(_maps_under(tmp_path / "incoming")) == 1 and third.nbytes == 3 * CHUNK_BYTES
+    assert len(_maps_under(tmp_path)) == 1 and third.nbytes == 3 * CHUNK_BYTES
 
 
 def test_a_small_message_and_one_with_nowhere_to_land_are_received_in_memory(tmp_path, caplog):
     directory = tmp_path / "incoming"
+    directory.mkdir()
     landing = Landing(directory, 1 << 30, min_bytes=2 * CHUNK_BYTES)
     small = _received(Inbox(1 << 30, buffer_for=landing), np.ones(CHUNK_BYTES // 8))
     assert small.request["x"].sum() == CHUNK_BYTES // 8 and not _maps_under(directory)
@@ -75,7 +75,7 @@ def test_a_small_message_and_one_with_nowhere_to_land_are_received_in_memory(tmp
     directory.rmdir()
     directory.write_text("no longer a directory")
     x = np.arange(3 * CHUNK_BYTES // 8, dtype=np.float64)
-    with caplog.at_level(logging.WARNING, logger="coordinator.server.landing"):
+    with caplog.at_level(logging.WARNING, logger="protocol.asyncio.landing"):
         for _ in range(2):
             np.testing.assert_array_equal(
                 _received(Inbox(1 << 30, buffer_for=landing), x).request["x"], x

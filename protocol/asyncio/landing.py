@@ -1,19 +1,22 @@
-"""Where a client's large message is reassembled: on disk, not in the coordinator's memory.
+"""Where a large incoming message is reassembled: on disk, not in the receiver's memory.
 
-A submit carries the job's model and data, hundreds of MB or more. Reassembled in memory, each
-submit in progress would cost the coordinator its size, and a model the coordinator's memory
-could not hold could not be submitted. So a chunked message of :data:`LAND_ON_DISK_BYTES` or
-more from a client lands in a file of ``<state_dir>/incoming`` (:class:`Landing`): opened
-without a name (``O_TMPFILE``: a crash leaves nothing behind, and its blocks go when its map
-does), its space reserved at once (``fallocate``: a full disk refuses the message, rather than
-failing a write into the map later), and mapped shared. The chunks are written into the page
-cache, which the kernel writes back or keeps as it sees fit, and the decoded message's arrays
-are views over the map until the job's files have it (:mod:`coordinator.jobs.files`).
+A model travels in one message: a submit to the coordinator, and a job's filters from there to
+each worker agent, which keeps them for as long as the job lives (to load them again into a
+daemon that restarts). Reassembled in memory, each would cost its receiver the model's size
+(an agent its replica's share, for the job's life: memory its training would want). So a
+chunked message of :data:`LAND_ON_DISK_BYTES` or more lands in a file of a directory
+(:class:`Landing`): opened without a name (``O_TMPFILE``: a crash leaves nothing behind, and
+its blocks go when its map does), its space reserved at once (``fallocate``: a full disk
+refuses the message, rather than failing a write into the map later), and mapped shared. The
+chunks are written into the page cache, which the kernel writes back or keeps as it sees fit,
+and the decoded message's arrays are views over the map. The coordinator lands its clients'
+messages in ``<state_dir>/incoming`` (until the job's submit file has them:
+:mod:`coordinator.jobs.files`); an agent the coordinator's in its temporary directory.
 
 A file's space is its message's announced size, reserved before its bytes come (memory is
-committed only as they do): so the files of messages in progress together hold at most
-``max_bytes`` (the clients' reassembly pool), and a client that announces much and sends
-little holds no more of the disk than it could have of memory. Past that, where no such file
+committed only as they do): so the files alive together hold at most ``max_bytes`` (the
+coordinator's: its clients' reassembly pool), and a peer that announces much and sends little
+holds no more of the disk than it could have of memory. Past that, where no such file
 can be made (a filesystem without ``O_TMPFILE`` or ``fallocate``, a full disk), the message is
 reassembled in memory as any other (:func:`~protocol.chunking.frame_buffer`). The calls are
 the reassembler's, on the event loop: an open, a reservation of extents and a map, no data
@@ -30,7 +33,6 @@ import threading
 import weakref
 from pathlib import Path
 
-from coordinator.jobs.disk import private_directory
 from protocol.chunking import frame_buffer
 
 __all__ = ["LAND_ON_DISK_BYTES", "Landing"]
@@ -61,7 +63,8 @@ class Landing:
     memory.
 
     Args:
-        directory: where the unnamed files are made (``<state_dir>/incoming``, made ``0700``).
+        directory: where the unnamed files are made (it must exist; a file made with
+            ``O_TMPFILE`` has no name in it, and mode ``0600``).
         max_bytes: the most bytes the files whose maps are alive may hold together.
         min_bytes: the smallest message landed on disk.
     """
@@ -69,7 +72,7 @@ class Landing:
     def __init__(
         self, directory: Path, max_bytes: int, min_bytes: int = LAND_ON_DISK_BYTES
     ) -> None:
-        self.directory = private_directory(directory)
+        self.directory = directory
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
         self.on_disk = 0
@@ -105,7 +108,7 @@ class Landing:
         self._freed(nbytes)
         if not self._said:
             log.warning(
-                "clients' large messages are received in memory: no file for them in %s: %s",
+                "large messages are received in memory: no file for them in %s: %s",
                 self.directory,
                 why,
             )
