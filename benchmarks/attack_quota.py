@@ -125,8 +125,9 @@ def queued_inputs(site: Site) -> Attack:
             f"{_mib(cancelled)} after the cancels",
             f"submit files {', '.join(f'{s / 1e6:.1f} MB' for s in sizes)}",
             f"coordinator peak RSS (`VmHWM`) since {since}: {_mib(peak)}, "
-            f"{(peak - before) / 1024:+.1f} MiB: one submit's message, held while it is "
-            "received and decoded, before its inputs go to disk",
+            f"{(peak - before) / 1024:+.1f} MiB: one submit's message while it is received "
+            "and kept, the pages of the unnamed file it lands in (`<state_dir>/incoming`), "
+            "which the resident set counts",
             f"each submit answered in {', '.join(f'{s:.1f}' for s in submits)} s (this "
             "process's upload included)",
         ],
