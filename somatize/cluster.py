@@ -32,18 +32,35 @@ BIN = Path(sys.executable).parent
 """Where the console scripts of this environment are."""
 
 
-_LISTENING = re.compile(r"^somatize-coordinator listening on \S+:(\d+)\s*$", re.MULTILINE)
-"""The coordinator's line saying the port it bound (:mod:`coordinator.cli`)."""
+LISTENING = re.compile(r"^somatize-coordinator listening on \S+:(\d+)\s*$", re.MULTILINE)
+"""The coordinator's line saying the port it bound (:mod:`coordinator.cli`): started with
+``--listen HOST:0`` it binds one the system gives, which no one else can take between a pick
+and the bind."""
 _PEER_ADDRESS = re.compile(r"serving peer links on \S+ \(announced as (ws://\S+)\)")
 """A worker's line saying where other workers dial it (:mod:`worker.peer_server`)."""
 
 
-def listening_port(output: str) -> int | None:
-    """The port a coordinator says it listens on in ``output`` (its log), if it said so yet:
-    started with ``--listen HOST:0`` it binds one the system gives, which no one else can
-    take between a pick and the bind."""
-    found = _LISTENING.search(output)
-    return None if found is None else int(found.group(1))
+def said_in_log(
+    proc: subprocess.Popen[bytes], log: Path, line: re.Pattern[str], seconds: float, start: int = 0
+) -> str:
+    """What ``proc`` says in its ``log`` after byte ``start`` on a ``line`` (its first group),
+    once it says it (within ``seconds``).
+
+    Raises:
+        ClusterError: it exited first, or did not say it in time.
+    """
+
+    def said() -> str | None:
+        if proc.poll() is not None:
+            raise ClusterError(f"{log.stem} exited with status {proc.returncode}; see {log}")
+        if not log.exists():
+            return None
+        with open(log, "rb") as text:
+            text.seek(start)
+            found = line.search(text.read().decode(errors="replace"))
+        return None if found is None else found.group(1)
+
+    return wait_for(said, seconds, f"{log.stem} to say where it listens")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -163,7 +180,8 @@ class LocalCluster:
         said = self._log_size("coordinator")
         self.coordinator = self._spawn("coordinator", argv, env)
         if self.port == 0:  # it binds one and says which: no port picked here for it to race for
-            self._at(int(self._said(self.coordinator, "coordinator", said, _LISTENING)))
+            log = self.logs / "coordinator.log"
+            self._at(int(said_in_log(self.coordinator, log, LISTENING, self.startup, said)))
         self._wait(self.coordinator, "coordinator", self.healthy)
 
     def start_worker(
@@ -210,7 +228,8 @@ class LocalCluster:
         proc = self._spawn(f"worker-{worker_id}", argv, token)
         self.workers[worker_id] = proc
         if peer_link:
-            address = self._said(proc, f"worker-{worker_id}", said, _PEER_ADDRESS)
+            log = self.logs / f"worker-{worker_id}.log"
+            address = said_in_log(proc, log, _PEER_ADDRESS, self.startup, said)
             self.peer_addresses[worker_id] = address
         connected = ("idle", "busy")
         self._wait(proc, f"worker-{worker_id}", lambda: self.worker_state(worker_id) in connected)
@@ -229,24 +248,6 @@ class LocalCluster:
         """The bytes in ``name``'s log so far (a process started again appends to it)."""
         path = self.logs / f"{name}.log"
         return path.stat().st_size if path.exists() else 0
-
-    def _said(
-        self, proc: subprocess.Popen[bytes], name: str, start: int, line: re.Pattern[str]
-    ) -> str:
-        """What ``proc`` says in its log after byte ``start`` on a ``line`` (its first group),
-        once it says it."""
-
-        def said() -> str | None:
-            if proc.poll() is not None:
-                raise ClusterError(
-                    f"{name} exited with status {proc.returncode}; see {self.logs / name}.log"
-                )
-            with open(self.logs / f"{name}.log", "rb") as log:
-                log.seek(start)
-                found = line.search(log.read().decode(errors="replace"))
-            return None if found is None else found.group(1)
-
-        return wait_for(said, self.startup, f"{name} to say where it listens")
 
     def healthy(self) -> bool:
         """``GET /healthz`` answers 200."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import somatize as sz
-from somatize.cluster import listening_port, wait_for
+from somatize.cluster import LISTENING, said_in_log
 
 
 def timeout_unit() -> float:
@@ -63,12 +63,7 @@ def said_port(proc: subprocess.Popen[bytes], log: Path, seconds: float = 30) -> 
     """The port a coordinator started with ``--listen HOST:0`` bound, as its ``log`` says
     (no port picked beforehand for another test to take first)."""
 
-    def said() -> int | None:
-        if proc.poll() is not None:
-            raise AssertionError(f"the coordinator exited {proc.returncode}: see {log}")
-        return listening_port(log.read_text(errors="replace")) if log.exists() else None
-
-    return wait_for(said, seconds * UNIT, "the coordinator to say its port")
+    return int(said_in_log(proc, log, LISTENING, seconds * UNIT))
 
 
 def stop_groups(*procs: subprocess.Popen[bytes]) -> None:

@@ -138,9 +138,9 @@ class Coordinator:
         (:mod:`coordinator.server.reassembly_shares`)."""
         self.metrics = Metrics()
         self.registry = Registry(config.heartbeat_timeout)
-        self.landing: Landing | None = None
-        """Where clients' large messages are reassembled (:mod:`protocol.asyncio.landing`),
-        made as the coordinator starts."""
+        self.landing = Landing(config.state_dir / "incoming", self.reassembly.clients.limit)
+        """Where clients' large messages are reassembled (:mod:`protocol.asyncio.landing`;
+        its directory made private as the coordinator starts)."""
         self.store: JobStore | None = None
         self.jobs: JobManager | None = None
         self._http: HttpEndpoints | None = None
@@ -160,8 +160,7 @@ class Coordinator:
         config = self.config
         pieces = piece_bytes(config.max_reassembly_bytes)
         files = await asyncio.to_thread(JobFiles, config.state_dir, pieces)
-        incoming = await asyncio.to_thread(private_directory, config.state_dir / "incoming")
-        self.landing = Landing(incoming, self.reassembly.clients.limit)
+        await asyncio.to_thread(private_directory, self.landing.directory)
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(
             JobStore.open, config.state_dir, resumable=resumable
@@ -301,7 +300,7 @@ class Coordinator:
             budget=self.reassembly.of_worker() if is_worker else self.reassembly.clients,
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
-            buffer_for=frame_buffer if is_worker or self.landing is None else self.landing,
+            buffer_for=frame_buffer if is_worker else self.landing,
         )
         self._channels.add(channel)
         try:
