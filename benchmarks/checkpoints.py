@@ -33,7 +33,7 @@ round's order rotated by one), the machine let go quiet before each job
 <= :data:`TARGET`.
 
 **One checkpoint**, from its ``checkpoint`` event: its ``bytes``, the ``seconds`` the
-coordinator took to write it (a thread: encode, SHA-256, write, ``fsync``, rename), and the
+coordinator took to write it (a thread: encode, CRC-32, write, ``fsync``, rename), and the
 *stall*: the time from the progress event of its step to its own event less the write —
 replica 0's states and optimizer states come with the reply of the chunk that ends at the
 checkpoint, the next chunk already queued behind it and training, and the write runs in the

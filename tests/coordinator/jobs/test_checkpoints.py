@@ -7,6 +7,7 @@ import asyncio
 import errno
 import hashlib
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ def test_only_the_last_ones_are_kept_and_the_latest_wins(tmp_path):
     assert latest is not None and latest.position == {"step": 40}
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "checksum", "empty"])
 def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, damage):
     store = CheckpointStore(tmp_path)
     store.save("j", {"step": 10}, _payload(1.0), keep=2)
@@ -69,12 +70,41 @@ def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, 
         raw = raw[: len(raw) // 2]
     elif damage == "flipped":
         raw[len(raw) // 3] ^= 0xFF
+    elif damage == "checksum":
+        raw[-1] ^= 0x01
     else:
         raw = bytearray()
     newest.write_bytes(bytes(raw))
     latest = store.latest("j")
     assert latest is not None and latest.position == {"step": 10}
     assert store.positions("j") == [(1, {"step": 10})]
+
+
+def test_a_checkpoints_file_is_its_frame_then_a_tag_and_the_frames_crc32(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    raw = (tmp_path / "j" / "00000001.ckpt").read_bytes()
+    assert raw[-9:-4] == b"crc32"
+    assert int.from_bytes(raw[-4:], "big") == zlib.crc32(raw[:-9])
+
+
+def test_a_checkpoint_written_with_a_sha256_before_the_crc32_reads_back(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=3)
+    store.save("j", {"step": 20}, _payload(2.0), keep=3)
+    for seq in (1, 2):  # as an older coordinator wrote them: the frame, then its SHA-256
+        path = tmp_path / "j" / f"{seq:08d}.ckpt"
+        frame = path.read_bytes()[:-9]
+        path.write_bytes(frame + hashlib.sha256(frame).digest())
+    newest = tmp_path / "j" / "00000002.ckpt"
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 20}
+    torch.testing.assert_close(latest.payload["states"]["net"]["weight"], torch.full((3, 2), 2.0))
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 10}
 
 
 def test_a_write_that_never_finished_leaves_the_previous_checkpoint_standing(tmp_path):
