@@ -219,14 +219,20 @@ class CheckpointStore:
         """Write the job's next checkpoint atomically and keep only its last ``keep``.
         ``shards`` (a sharded run's files, written already by :meth:`shards_writer`'s writer)
         are listed in the checkpoint's file with their digests: the checkpoint counts once
-        that file is whole.
+        that file is whole. Where ``keep`` is 2 or more, a whole checkpoint is written over the
+        file of the oldest one it retires (:class:`~coordinator.jobs.disk.AtomicFile`'s
+        ``reuse``): the ``keep - 1`` newest stand while it is written.
 
         Raises:
-            OSError: it could not be written (the disk full, say); the ones before stand.
+            OSError: it could not be written (the disk full, say); the ones before stand, but
+                for the oldest where it was due to go.
         """
         folder = self._job_dir(job_id)
         folder.mkdir(mode=0o700, exist_ok=True)
-        seq = max(self._seqs(folder), default=0) + 1
+        seqs = sorted(self._seqs(folder))
+        seq = max(seqs, default=0) + 1
+        retiring = seqs[: max(0, len(seqs) + 1 - keep)] if keep > 1 and shards is None else []
+        reuse = folder / f"{retiring[0]:08d}{SUFFIX}" if retiring else None
         written = 0
         if shards is not None:
             if shards.seq != seq:
@@ -234,7 +240,8 @@ class CheckpointStore:
             written = sum(int(said["bytes"]) for said in shards.listed.values())
             payload = payload | {"shards": payload.get("shards", {}) | {"files": shards.listed}}
         parts = encode({"position": position, "payload": payload})
-        nbytes = write_atomically(folder / f"{seq:08d}{SUFFIX}", [*parts, _trailer(parts)])
+        path = folder / f"{seq:08d}{SUFFIX}"
+        nbytes = write_atomically(path, [*parts, _trailer(parts)], reuse)
         for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
             _remove(folder, old)
         where = shards.folder if shards is not None else None

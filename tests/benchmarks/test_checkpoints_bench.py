@@ -12,9 +12,9 @@ from benchmarks import checkpoints as ck
 
 
 def _checkpoint(
-    step: int, t: float, seconds: float = 0.1, nbytes: int = 23_300_000
+    step: int, t: float, seconds: float = 0.1, nbytes: int = 23_300_000, seq: int = 1
 ) -> dict[str, Any]:
-    return {"step": step, "epoch": 1, "seq": 1, "bytes": nbytes, "seconds": seconds, "time": t}
+    return {"step": step, "epoch": 1, "seq": seq, "bytes": nbytes, "seconds": seconds, "time": t}
 
 
 def _results(off_ms: float, default_ms: float) -> dict[str, Any]:
@@ -24,6 +24,8 @@ def _results(off_ms: float, default_ms: float) -> dict[str, Any]:
             "in_span": 4.0,
             "bytes": 23.3e6,
             "seconds": 0.1,
+            "seconds_new": 0.15,
+            "seconds_reused": 0.05,
             "stall_s": stall_s,
             "snapshot_s": stall_s - 0.1,
             "stall_per_step_s": 4 * stall_s / 48,
@@ -73,6 +75,19 @@ def test_summarize_counts_the_checkpoints_inside_the_measured_span_only() -> Non
     assert got["stall_per_step_s"] == pytest.approx((0.1 + 0.3) / 3)
     assert got["stall_s"] == pytest.approx((0.4 + 0.1 + 0.3) / 3)
     assert math.isnan(ck.summarize([{"span": (2, 5), "checkpoints": []}])["bytes"])
+
+
+def test_summarize_tells_a_jobs_first_keep_writes_new_files_from_those_after() -> None:
+    marks = [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0), (5, 4.0)]
+    written = [
+        _checkpoint(s, s - 0.5, seconds=0.3 if s <= ck.KEEP else 0.1, seq=s) for s in (1, 2, 3, 4)
+    ]
+    got = ck.summarize(
+        [{"span": ck.measured_span(marks), "checkpoints": ck.stalls(marks, written)}]
+    )
+    assert ck.KEEP == 2
+    assert got["seconds_new"] == pytest.approx(0.3) and got["seconds_reused"] == pytest.approx(0.1)
+    assert got["seconds"] == pytest.approx(0.2)
 
 
 def test_the_job_is_whole_epochs_of_10_steps_and_the_model_needs_no_optimizer_bytes() -> None:

@@ -132,6 +132,49 @@ def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(tmp_path, monk
     assert [p.name for p in (tmp_path / "j").iterdir()] == ["00000001.ckpt"]
 
 
+def test_a_new_checkpoint_is_written_over_the_file_of_the_one_it_retires(tmp_path):
+    store = CheckpointStore(tmp_path)
+    big = _payload(1.0) | {"plain": {"center": np.arange(50_000.0)}}  # longer than the next
+    store.save("j", {"step": 10}, big, keep=2)
+    store.save("j", {"step": 20}, _payload(2.0), keep=2)
+    first = os.stat(tmp_path / "j" / "00000001.ckpt")
+    store.save("j", {"step": 30}, _payload(3.0), keep=2)
+    third = os.stat(tmp_path / "j" / "00000003.ckpt")
+    assert (third.st_dev, third.st_ino) == (first.st_dev, first.st_ino)
+    assert third.st_size < first.st_size  # cut to its own length
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["00000002.ckpt", "00000003.ckpt"]
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 30}
+    np.testing.assert_array_equal(latest.payload["plain"]["center"], np.arange(4.0) * 3.0)
+
+
+def test_a_checkpoint_is_written_afresh_while_fewer_than_keep_stand(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for step in range(1, 8):
+        store.save("j", {"step": step}, _payload(step), keep=10)
+    assert [seq for seq, _ in store.positions("j")] == [1, 2, 3, 4, 5, 6, 7]
+    inodes = {os.stat(tmp_path / "j" / f"{seq:08d}.ckpt").st_ino for seq in range(1, 8)}
+    assert len(inodes) == 7
+
+
+def test_a_failed_write_over_a_retired_file_leaves_the_newest_checkpoint(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    store.save("j", {"step": 20}, _payload(2.0), keep=2)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.save("j", {"step": 30}, _payload(3.0), keep=2)
+    monkeypatch.undo()
+    assert store.positions("j") == [(2, {"step": 20})]  # the retired one went, as it was due to
+    assert [p.name for p in (tmp_path / "j").iterdir()] == ["00000002.ckpt"]
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 20}
+
+
 def test_job_ids_cannot_name_other_directories_and_drop_removes_a_jobs_checkpoints(tmp_path):
     store = CheckpointStore(tmp_path / "c")
     for bad in ("", "..", "a/b"):
