@@ -35,6 +35,7 @@ from coordinator.server.config import (
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
+from protocol.asyncio.open_files import raise_open_files_limit
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.token_file import token_file_problem
 
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = config_from(args)
     keep_freed_memory()
+    raise_open_files_limit()
     _one_maths_thread()
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import resource
 import signal
 import socket
 import sqlite3
@@ -55,7 +56,7 @@ from protocol.messages import (
 )
 from somatize.cluster import wait_for
 from tests.integration.cluster import healthy
-from tests.utils import UNIT, Center, said_port
+from tests.utils import UNIT, Center, said_port, stop_groups
 
 pytestmark = pytest.mark.integration
 
@@ -613,3 +614,27 @@ def _healthz(port: int) -> tuple[int, str]:
             return int(reply.status), reply.read().decode()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read().decode()
+
+
+def test_the_coordinator_lifts_its_open_files_limit_to_the_hard_one(tmp_path):
+    """Every live job's submit file (1 MiB or more) stays mapped, a descriptor each: started
+    from a shell whose soft limit is 64, the coordinator may hold what the hard limit allows."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+    argv = [str(BIN / "somatize-coordinator"), "--listen", "127.0.0.1:0"]
+    argv += ["--state-dir", str(tmp_path / "state")]
+    with (tmp_path / "coordinator.log").open("ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=low, start_new_session=True
+        )
+    try:
+        said_port(proc, tmp_path / "coordinator.log")
+        limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        (line,) = [row for row in limits if row.startswith("Max open files")]
+        soft = line.split()[3]
+        assert soft == (str(hard) if hard != resource.RLIM_INFINITY else str(1 << 20))
+    finally:
+        stop_groups(proc)
