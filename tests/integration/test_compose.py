@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 import somatize as sz
-from somatize.cluster import free_port, wait_for
+from somatize.cluster import wait_for
 from tests.utils import UNIT, said_port
 
 pytestmark = pytest.mark.integration
@@ -223,15 +223,14 @@ def localise(
     """A service's command with the compose names (and variables) mapped to this machine."""
     argv = []
     command = [interpolate(arg, env or {}) for arg in command]
-    peer = f"127.0.0.1:{free_port()}"  # the service's peer port, as listened on and announced
     for i, arg in enumerate(command):
         previous = command[i - 1] if i else ""
+        if arg == "--peer-advertise" or previous == "--peer-advertise":
+            continue  # a peer port of its choosing, announced as it is bound
         if previous == "--listen" and arg == "0.0.0.0:8765":
             arg = f"127.0.0.1:{port}"
-        elif (
-            previous == "--peer-listen" and arg == "0.0.0.0:9000"
-        ) or previous == "--peer-advertise":
-            arg = peer
+        elif previous == "--peer-listen" and arg == "0.0.0.0:9000":
+            arg = "127.0.0.1:0"
         arg = arg.replace("ws://coordinator:8765", f"ws://127.0.0.1:{port}")
         if arg == "/state":
             arg = str(state)

@@ -2,7 +2,8 @@
 
 Its code blocks are taken from the README itself, in order: ``my_model.py`` and ``my_job.py``
 are written as files, the shell lines start the coordinator and the two workers it says (on a
-free port instead of 8765, with ``HOME`` in the test's directory for the workers' identity keys)
+port the coordinator picks instead of 8765, with ``HOME`` in the test's directory for the
+workers' identity keys)
 and submit the job, and each Python block runs as a script in that directory. What each prints
 is checked against what the README says it shows.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import somatize as sz
-from somatize.cluster import free_port, wait_for
-from tests.utils import UNIT, stop_groups
+from somatize.cluster import wait_for
+from tests.utils import UNIT, said_port, stop_groups
 
 pytestmark = pytest.mark.integration
 
@@ -45,25 +46,31 @@ def test_the_walkthrough_has_what_it_promises():
 
 
 @contextlib.contextmanager
-def started(lines: list[str], port: int, cwd: Path, env: dict[str, str]) -> Iterator[None]:
-    """The README's background commands (``... &``), on ``port``; stopped at the end."""
-    procs = []
+def started(lines: list[str], cwd: Path, env: dict[str, str]) -> Iterator[int]:
+    """The README's background commands (``... &``): the first, the coordinator, on a port of
+    its own choosing (``0`` for 8765, read from what it prints), the others told that port;
+    stopped at the end. Yields the port."""
+    procs: list[subprocess.Popen[bytes]] = []
+    port = 0
     try:
         for i, line in enumerate(lines):
             argv = shlex.split(line.replace("127.0.0.1:8765", f"127.0.0.1:{port}").rstrip(" &"))
             argv[0] = str(BIN / argv[0])
-            with (cwd / f"process-{i}.log").open("ab") as log:
+            log = cwd / f"process-{i}.log"
+            with log.open("ab") as out:
                 procs.append(
                     subprocess.Popen(
                         argv,
                         cwd=cwd,
                         env=env,
-                        stdout=log,
+                        stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
                 )
-        yield
+            if i == 0:
+                port = said_port(procs[0], log)
+        yield port
     finally:
         stop_groups(*procs)
 
@@ -73,18 +80,18 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     (model, in_process, cluster, job, submit, load, client) = (c for _, c in walkthrough())
     (tmp_path / "my_model.py").write_text(model)
     (tmp_path / "my_job.py").write_text(job)
-    port = free_port()
     env = {
         **os.environ,
         "HOME": str(tmp_path),  # the workers' identity keys go under it
         "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-        "SOMATIZE_COORDINATOR": f"ws://127.0.0.1:{port}",
         "COLUMNS": "200",
     }
     env.pop("SOMATIZE_TOKEN", None)
+    env.pop("SOMATIZE_COORDINATOR", None)
 
     def python(code: str, seconds: float = 120) -> str:
-        code = code.replace("127.0.0.1:8765", f"127.0.0.1:{port}")
+        if "SOMATIZE_COORDINATOR" in env:
+            code = code.replace("ws://127.0.0.1:8765", env["SOMATIZE_COORDINATOR"])
         ran = subprocess.run(
             [sys.executable, "-c", code],
             cwd=tmp_path,
@@ -102,7 +109,8 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     assert accuracy > 0.9, said
     assert (tmp_path / "model.pt").is_file()
 
-    with started(cluster.strip().splitlines(), port, tmp_path, env):
+    with started(cluster.strip().splitlines(), tmp_path, env) as port:
+        env["SOMATIZE_COORDINATOR"] = f"ws://127.0.0.1:{port}"
 
         def ready() -> bool:
             try:
