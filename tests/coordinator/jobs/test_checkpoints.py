@@ -117,19 +117,27 @@ def test_a_write_that_never_finished_leaves_the_previous_checkpoint_standing(tmp
     assert again.seq == 2 and not (tmp_path / "j" / "00000002.ckpt.partial").exists()
 
 
-def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("keep", "left"), [(1, [1]), (2, [2])])
+def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(
+    tmp_path, monkeypatch, keep, left
+):
+    """All of them; but where it was written over the file of the one it retires (``keep`` of
+    2 or more), that one, which was due to go, is gone."""
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=1)
+    for step in range(1, keep + 1):
+        store.save("j", {"step": 10 * step}, _payload(step), keep=keep)
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
-        store.save("j", {"step": 20}, _payload(2.0), keep=1)
+        store.save("j", {"step": 99}, _payload(9.0), keep=keep)
     monkeypatch.undo()
-    assert store.positions("j") == [(1, {"step": 10})]
-    assert [p.name for p in (tmp_path / "j").iterdir()] == ["00000001.ckpt"]
+    assert [seq for seq, _ in store.positions("j")] == left
+    assert [p.name for p in (tmp_path / "j").iterdir()] == [f"{seq:08d}.ckpt" for seq in left]
+    latest = store.latest("j")
+    assert latest is not None and latest.position == {"step": 10 * left[-1]}
 
 
 def test_a_new_checkpoint_is_written_over_the_file_of_the_one_it_retires(tmp_path):
@@ -155,24 +163,6 @@ def test_a_checkpoint_is_written_afresh_while_fewer_than_keep_stand(tmp_path):
     assert [seq for seq, _ in store.positions("j")] == [1, 2, 3, 4, 5, 6, 7]
     inodes = {os.stat(tmp_path / "j" / f"{seq:08d}.ckpt").st_ino for seq in range(1, 8)}
     assert len(inodes) == 7
-
-
-def test_a_failed_write_over_a_retired_file_leaves_the_newest_checkpoint(tmp_path, monkeypatch):
-    store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=2)
-    store.save("j", {"step": 20}, _payload(2.0), keep=2)
-
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError, match="No space left"):
-        store.save("j", {"step": 30}, _payload(3.0), keep=2)
-    monkeypatch.undo()
-    assert store.positions("j") == [(2, {"step": 20})]  # the retired one went, as it was due to
-    assert [p.name for p in (tmp_path / "j").iterdir()] == ["00000002.ckpt"]
-    latest = store.latest("j")
-    assert latest is not None and latest.position == {"step": 20}
 
 
 def test_job_ids_cannot_name_other_directories_and_drop_removes_a_jobs_checkpoints(tmp_path):
