@@ -231,8 +231,9 @@ class CheckpointStore:
         folder.mkdir(mode=0o700, exist_ok=True)
         seqs = sorted(self._seqs(folder))
         seq = max(seqs, default=0) + 1
-        retiring = seqs[: max(0, len(seqs) + 1 - keep)] if keep > 1 and shards is None else []
-        reuse = folder / f"{retiring[0]:08d}{SUFFIX}" if retiring else None
+        retired = [*seqs, seq][:-keep] if keep > 0 else []
+        whole = keep > 1 and shards is None  # the keep - 1 newest stand while it is written
+        reuse = folder / f"{retired[0]:08d}{SUFFIX}" if retired and whole else None
         written = 0
         if shards is not None:
             if shards.seq != seq:
@@ -242,7 +243,7 @@ class CheckpointStore:
         parts = encode({"position": position, "payload": payload})
         path = folder / f"{seq:08d}{SUFFIX}"
         nbytes = write_atomically(path, [*parts, _trailer(parts)], reuse)
-        for old in sorted(self._seqs(folder))[:-keep] if keep > 0 else []:
+        for old in retired:  # (the one written over is gone already; its shards' folder not)
             _remove(folder, old)
         where = shards.folder if shards is not None else None
         return Checkpoint(seq, position, payload, nbytes + written, where)

@@ -40,7 +40,7 @@ __all__ = ["LAND_ON_DISK_BYTES", "Landing"]
 log = logging.getLogger(__name__)
 
 LAND_ON_DISK_BYTES = 32 << 20
-"""Chunked messages from clients of at least this many bytes are reassembled on disk."""
+"""Chunked messages of at least this many bytes are reassembled on disk."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -59,8 +59,8 @@ def _reserve(fd: int, nbytes: int) -> None:
 
 
 class Landing:
-    """Buffers for clients' chunked messages: a file's shared map from ``min_bytes`` up, else
-    memory.
+    """Buffers for a receiver's chunked messages: a file's shared map from ``min_bytes`` up,
+    else memory.
 
     Args:
         directory: where the unnamed files are made (it must exist; a file made with
