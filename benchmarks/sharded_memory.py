@@ -2,43 +2,45 @@
 next to the training state it should hold (the model's weights, gradients and Adam moments
 over N).
 
-``python -m benchmarks.sharded_memory [--width W] [--layers L] [--replicas 1 2 4]
-[--checkpoints]`` trains L W × W Linear layers (4 of 4096: 256 MiB of weights, 1 GiB of
-training state with Adam) as ``sz.DataParallel(N, sharding="full", collective="torch")`` for
-one epoch of 2 steps (64 rows, 32 a step; the result read back; with ``--checkpoints``
-checkpointed at its end, whose snapshot — each replica's shards of the weights and moments,
-written by DCP and read into the chunk's reply — then falls in the training phase) on a
-:class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling every job
-daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20 ms.
-Per replica, and per phase as the job's events mark them — *loading* (the filters arriving,
-until the replicas say what they hold), *training* (until the last step's progress) and
-*reading* (the result, read from each replica's shards) — the peak over the daemon's resident
-memory when idle (its Python and torch, read before the job). And the coordinator's rise while
-it reads and keeps the result (its peak after the last step over its resident memory then): two
-16 MiB pieces of one replica's file at most, whatever the model (+88 MiB for N = 2 and +91 MiB
-for N = 1, against +131 and +258 MiB when each replica's pieces came in one reply); and its
-peak over the whole job, over
-its memory before it: the submitted model, which it holds whole for the job's life, and with
-``--checkpoints`` the checkpoints' files, which it reads from the workers a piece at a time.
+``python -m benchmarks.sharded_memory [--width W --layers L] [--replicas 1 2 4]
+[--checkpoints]`` trains L W × W Linear layers as ``sz.DataParallel(N, sharding="full",
+collective="torch")`` — by default two models of the same 1 GiB of training state with Adam
+(:data:`MODELS`): 4 layers of 4096 (64 MiB units: a few large layers) and 16 of 2048 (16 MiB
+units, as a deeper model's) — for one epoch of 2 steps (64 rows, 32 a step; the result read
+back; with ``--checkpoints`` checkpointed at its end, whose snapshot — each replica's shards of
+the weights and moments, written by DCP and read into the chunk's reply — then falls in the
+training phase) on a :class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``),
+sampling every job daemon's resident memory (its process group's, as ``--max-job-memory``
+counts it) every 20 ms. Per replica, and per phase as the job's events mark them — *loading*
+(the filters arriving, until the replicas say what they hold), *training* (until the last
+step's progress) and *reading* (the result, read from each replica's shards) — the peak over
+the daemon's resident memory when idle (its Python and torch, read before the job). And the
+coordinator's rise while it reads and keeps the result (its peak after the last step over its
+resident memory then): two 16 MiB pieces of one replica's file at most, whatever the model
+(+88 MiB for N = 2 and +91 MiB for N = 1, against +131 and +258 MiB when each replica's pieces
+came in one reply); and its peak over the whole job, over its memory before it: the submitted
+model, which it holds whole for the job's life, and with ``--checkpoints`` the checkpoints'
+files, which it reads from the workers a piece at a time.
 
 The anchors: the arithmetic — the training state over N (weights, gradients, two moments) plus
 the activations (rows × width × layers, fp32, forward and backward: a few MiB here), the
 training phase's peak to be within 15 % of it; and torch's own ``fully_shard`` in N plain
-processes on the same model and batches (:mod:`benchmarks.fsdp_memory_anchor`: its peak while
-it trains), within 15 % of which ours should be too. FSDP2's own all-gathered units (a layer,
-W² values, while it runs forward or backward, and its whole gradient before it is
-reduce-scattered) come on top of the arithmetic for both. The loading phase is what a replica
-holds of the filters as they arrive: its rows of each parameter (and, for a moment, a copy of
-them out of the message), never the whole model.
+processes on the same model and batches, with glibc's default malloc settings, as ``torchrun``
+would run it (:mod:`benchmarks.fsdp_memory_anchor`: its peak while it trains), within 15 % of
+which ours should be too. FSDP2's own all-gathered units (a layer, W² values, while it runs
+forward or backward, its whole gradient before it is reduce-scattered, the next one's gathered
+ahead) come on top of the arithmetic for both: some 100 MiB for 16 MiB units, 250 MiB for
+64 MiB ones, whatever N — so the fewer and larger the units and the more the replicas, the
+further from state / N. The loading phase is what a replica holds of the filters as they
+arrive: its rows of each parameter (and, for a moment, a copy of them out of the message),
+never the whole model.
 
-What the figures point to, on CPU: glibc's heap. Blocks under the daemon's mmap threshold
-(32 MiB, :mod:`protocol.asyncio.memory`) come from the heap and fragment it: with 16 layers of
-2048 (16 MiB units) a replica of two held 2.1 GiB after two steps, for 512 MiB of state, and
-torch's own ``fully_shard`` in two plain processes does the same (1.8 GiB after four steps
-with glibc's defaults). With ``MALLOC_MMAP_THRESHOLD_=1048576`` the plain processes hold
-832 MiB (the state and a unit or two) — at twice the step time (853 against 450 ms for four
-2048-wide layers), every buffer's pages faulted in afresh. Layers over 32 MiB (the default
-model's 64 MiB) are mapped and unmapped whole, and do not fragment the heap.
+glibc's heap: from it, FSDP2's freed units and gradients fragment it (blocks under the mmap
+threshold: 32 MiB in the daemons of unsharded replicas, :mod:`protocol.asyncio.memory`): with
+16 layers of 2048 a replica of four held 1589 MiB over idle for 256 MiB of state, and torch's
+own ``fully_shard`` in plain processes does the same (1453 MiB). A sharded replica's daemon maps
+its blocks of 1 MiB and more instead (:func:`protocol.asyncio.memory.map_tensor_blocks`): 331
+MiB. Layers over 32 MiB (the 4096-wide model's 64 MiB) were mapped and unmapped whole already.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ from benchmarks import fsdp_memory_anchor
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target
 
-WIDTH = 4096
-LAYERS = 4
+MODELS = ((4096, 4), (2048, 16))
+"""``(width, layers)`` of the models measured by default: the same training state in a few
+large units and in many smaller ones."""
+WIDTH, LAYERS = MODELS[0]
 ROWS = 64
 BATCH = 32
 REPLICAS = (1, 2, 4)
@@ -242,11 +246,12 @@ def rows(results: dict[str, Any]) -> list[Row]:
     against torch's own ``fully_shard``'s."""
     out = []
     state, activations = results["state_bytes"], results["activation_bytes"]
+    model = f"{results['layers']} × Linear({results['width']})"
     for n, figures in sorted(results["by_n"].items()):
         expected = state / n + activations
         ours: dict[str, Any] = {
             "bench": "sharded_memory",
-            "name": f"DataParallel({n}, sharding='full') peak per replica, training",
+            "name": f"DataParallel({n}, sharding='full') peak per replica, training, {model}",
             "ours": figures["training"] / 2**20,
             "unit": "MiB",
         }
@@ -292,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.sharded_memory", description=__doc__
     )
-    parser.add_argument("--width", type=int, default=WIDTH)
-    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--width", type=int, help="one model's width (with --layers)")
+    parser.add_argument("--layers", type=int, help="one model's layers (with --width)")
     parser.add_argument("--replicas", type=int, nargs="+", default=list(REPLICAS))
     parser.add_argument(
         "--checkpoints",
@@ -301,11 +306,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="checkpoint at the end (its snapshot then counts in the training phase)",
     )
     args = parser.parse_args(argv)
-    results = run(args.replicas, args.width, args.layers, args.checkpoints)
+    if (args.width is None) != (args.layers is None):
+        parser.error("--width and --layers go together")
+    models = MODELS if args.width is None else ((args.width, args.layers),)
+    for width, layers in models:
+        results = run(args.replicas, width, layers, args.checkpoints)
+        _print(results)
+
+
+def _print(results: dict[str, Any]) -> None:
     state = results["state_bytes"]
     print(
-        f"{args.layers} × Linear({args.width}, {args.width}), Adam: training state "
-        f"{state / 2**20:.0f} MiB, activations {results['activation_bytes'] / 2**20:.1f} MiB"
+        f"{results['layers']} × Linear({results['width']}, {results['width']}), Adam: training "
+        f"state {state / 2**20:.0f} MiB, activations {results['activation_bytes'] / 2**20:.1f} MiB"
     )
     print(
         "  N   state/N   loading  training   reading  fully_shard   (per replica, over idle; MiB)"

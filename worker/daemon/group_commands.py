@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.replica import ReplicaPlan
+from protocol.asyncio.memory import map_tensor_blocks
 from protocol.daemon import (
     DistEvaluateRequest,
     DistJoinRequest,
@@ -96,6 +97,7 @@ class GroupCommands:
         if req.alone:
             plan = dataclasses.replace(plan, alone=True)
         if req.sharding != "none":
+            map_tensor_blocks()  # its gathered units and their gradients would fragment the heap
             units = None if req.shard_units is None else tuple(req.shard_units)
             plan = dataclasses.replace(plan, sharding=req.sharding, shard_units=units)
         return self.engine.replica.set_plan(plan)

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
 import json, resource, sys
-from protocol.asyncio.memory import keep_freed_memory
-applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+from protocol.asyncio.memory import keep_freed_memory, map_tensor_blocks
+settings = {"keep": keep_freed_memory, "map": map_tensor_blocks}.get(sys.argv[1])
+applied = settings() if settings is not None else None
 
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -52,4 +53,13 @@ def test_freed_buffers_are_reused_without_page_faults() -> None:
     # 10 rounds of 12 MiB: glibc's defaults give most of it back to the kernel each round
     # (~3,000 faults of 4 KiB a round); kept, the same memory serves every round.
     assert isinstance(default["faults"], int) and default["faults"] > 5_000
+    assert isinstance(kept["faults"], int) and kept["faults"] < 500
+
+
+def test_a_sharded_daemons_blocks_are_mapped_and_given_back_whole() -> None:
+    kept, mapped = run("keep"), run("map")
+    assert mapped["applied"] is True
+    # Blocks of 1 MiB and more are mapped anew and unmapped once freed (every round faults its
+    # 12 MiB in again: ~3,000 faults of 4 KiB), never kept in the heap to fragment it.
+    assert isinstance(mapped["faults"], int) and mapped["faults"] > 5_000
     assert isinstance(kept["faults"], int) and kept["faults"] < 500
