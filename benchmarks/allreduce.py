@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +223,15 @@ def wait_all(procs: Processes, names: list[str], deadline: float, limit: float) 
             raise RuntimeError(f"{name} exited with {code}:\n{procs.tail(name)}")
 
 
-def run_torch(procs: Processes, mode: str, args: dict[str, Any], world: int = 1) -> list[float]:
-    """Run :data:`TORCH_SCRIPT` in ``world`` processes (ranks) and return rank 0's ``times``."""
+def run_torch(
+    procs: Processes,
+    mode: str,
+    args: dict[str, Any],
+    world: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> list[float]:
+    """Run :data:`TORCH_SCRIPT` in ``world`` processes (ranks), ``env`` set for them, and
+    return rank 0's ``times``."""
     out = procs.directory / f"{mode}-{free_port()}.json"
     port = free_port()
     names = []
@@ -233,7 +240,7 @@ def run_torch(procs: Processes, mode: str, args: dict[str, Any], world: int = 1)
         spec = {"sizes": list(SIZES), "seed": SEED, **args, "rank": rank, "world": world}
         spec["port"] = port
         argv = [sys.executable, "-c", TORCH_SCRIPT, mode, json.dumps(spec), str(out)]
-        procs.spawn(name, argv)
+        procs.spawn(name, argv, env)
         names.append(name)
     wait_all(procs, names, time.monotonic() + RUN_TIMEOUT, RUN_TIMEOUT)
     times: list[float] = json.loads(out.read_text())["times"]

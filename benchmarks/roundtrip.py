@@ -44,7 +44,7 @@ import time
 import types
 import urllib.request
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +186,19 @@ class Processes:
     def log(self, name: str) -> Path:
         return self.directory / f"{name}.log"
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """``argv`` started in its own session, its output to its log; ``env``: variables set
+        for it over this process's environment."""
         with open(self.log(name), "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+                env=None if env is None else {**os.environ, **env},
             )
         self.procs[name] = proc
         return proc
