@@ -100,10 +100,11 @@ MEDIUM_LAYERS = 16
 # An idle daemon holds ~320 MiB (Python and torch); each replica's training state is 128 MiB
 # (16 MiB of each layer's weights, gradients and two moments over 2), its units 4 MiB gathered.
 # From glibc's heap the freed units and gradients fragment it: torch's fully_shard on this model
-# in two plain processes held 600 MiB over its idle memory after 8 steps with the 32 MiB mmap
-# threshold the daemon keeps for an unsharded replica, 190 MiB with its blocks of 1 MiB and more
-# mapped (what a sharded replica's daemon does: protocol.asyncio.memory.map_tensor_blocks);
-# here, from the heap, a replica's daemon was killed at 722 MiB.
+# in two plain processes held 505 MiB over its idle memory after 2 steps (600 after 8) with the
+# 32 MiB mmap threshold the daemon keeps for an unsharded replica, 190 MiB with its blocks of
+# 1 MiB and more mapped (what a sharded replica's daemon does:
+# protocol.asyncio.memory.map_tensor_blocks); here, from the heap, a replica's daemon was killed
+# at 722 MiB.
 MEDIUM_LIMIT = "700M"
 
 
@@ -114,8 +115,8 @@ def _medium_model() -> torch.nn.Module:
 
 def test_a_sharded_replica_of_many_layers_holds_its_shards_not_a_fragmented_heap(tmp_path):
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(256, MEDIUM)).astype(np.float32)
-    y = rng.integers(0, MEDIUM, size=256)
+    x = rng.normal(size=(128, MEDIUM)).astype(np.float32)  # 4 steps
+    y = rng.integers(0, MEDIUM, size=128)
     with (
         cluster(tmp_path, {}, heartbeat_timeout=HEARTBEAT_TIMEOUT * UNIT) as c,
         sz.connect(c.url, timeout=120 * UNIT) as client,
