@@ -11,8 +11,8 @@ cross-entropy, 256 rows per replica, ``shuffle=False``) on N = 2 workers:
 - *anchor*: the same model in 2 processes of 1 thread over gloo, each Linear and then the whole
   ``fully_shard``-ed, the same batches and optimizer: what a torchrun FSDP2 script does;
 - *context*: the same job unsharded (``DistributedDataParallel`` on the replicas); and the
-  anchor again with a sharded replica's malloc settings (:data:`DAEMON_MALLOC`: blocks of 1 MiB
-  and more mapped, with transparent huge pages; :mod:`protocol.asyncio.memory`), which keep
+  anchor again with a sharded replica's malloc setting (:data:`DAEMON_MALLOC`: blocks of 1 MiB
+  and more mapped; :mod:`protocol.asyncio.memory`), which keeps
   FSDP2's freed units from fragmenting the heap at the cost of faulting their pages in each
   step: the step's difference between the two anchors is that cost, the rest ours.
 
@@ -37,18 +37,14 @@ from benchmarks.data_parallel import EPOCH_STEPS, LR, PER_REPLICA, epochs_for, p
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 from protocol.asyncio.memory import TENSOR_MMAP_THRESHOLD
-from worker.daemon.environment import DEFAULTS
 
 STEPS = 24
 """Measured global steps (after the warm-up), at least; rounded up to whole epochs."""
 ROUNDS = 2
 WORKERS = 2
 TARGET = 1.1
-DAEMON_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(TENSOR_MMAP_THRESHOLD),
-    **DEFAULTS,  # GLIBC_TUNABLES
-}
-"""A sharded replica's daemon's malloc settings, as environment variables for the anchor."""
+DAEMON_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(TENSOR_MMAP_THRESHOLD)}
+"""A sharded replica's daemon's malloc setting, as an environment variable for the anchor."""
 
 
 def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:

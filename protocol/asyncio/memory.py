@@ -20,11 +20,13 @@ it until it holds several times what is live. Measured on ``fully_shard`` in 2 p
 over gloo (Adam, 4 steps and more): 64 × Linear(1024) held 2.0 GiB at its peak for 512 MiB of
 training state per rank with the 32 MiB threshold, 581 MiB with blocks of 1 MiB and more mapped;
 16 × Linear(2048), 2.0 GiB and 610 MiB. Mapped anew, a block's pages are faulted in again each
-time: with transparent huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which the agent
-sets for its daemons: :data:`worker.daemon.environment.DEFAULTS`) a fault per 2 MiB, and the
-steps took 1.35 s against 1.48 s from the heap (without them 2.2 s); on a smaller step, where
-the faults weigh more, a 5.8M-parameter MLP's took 197 ms against 158 ms from the heap
-(``python -m benchmarks.sharded``). An unsharded replica keeps
+time: a 5.8M-parameter MLP's sharded step took 262 ms against 172 ms from the heap
+(``python -m benchmarks.sharded``). Transparent huge pages make those faults cheaper (197 against
+158 ms) where the operator asks for them — ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the
+agent's environment and ``--daemon-env GLIBC_TUNABLES`` — but they are not the default: in every
+daemon they took the default checkpointed DataParallel job from 1.02–1.06× of the same job
+without checkpoints to 1.09–1.13× (``python -m benchmarks.checkpoints``), its heap's pages
+faulted in 2 MiB at a time. An unsharded replica keeps
 the heap: its parameters, gradients and moments live as long as it does, and mapping its
 activations anew each step cost DataParallel 8 % (1.01× DDP's step to 1.09×).
 """

@@ -5,22 +5,15 @@ own environment may hold its worker token (``SOMATIZE_WORKER_TOKEN``, as compose
 cloud credentials, anything its operator exported: the daemon gets none of it. It gets what
 Python, torch, CUDA, NCCL/gloo and the BLAS libraries read (:data:`ALLOWED`,
 :data:`ALLOWED_PREFIXES`), the variables the operator names with ``--daemon-env NAME``, and
-what the agent itself sets for it (the datasets, ``PYTHONPATH``; and :data:`DEFAULTS`, unless the
-operator passes their own). The tokens are refused even when named. No I/O.
+what the agent itself sets for it (the datasets, ``PYTHONPATH``). The tokens are refused even
+when named. No I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = [
-    "ALLOWED",
-    "ALLOWED_PREFIXES",
-    "DEFAULTS",
-    "NEVER",
-    "daemon_environment",
-    "refused_names",
-]
+__all__ = ["ALLOWED", "ALLOWED_PREFIXES", "NEVER", "daemon_environment", "refused_names"]
 
 ALLOWED = frozenset(
     {
@@ -49,11 +42,6 @@ ALLOWED = frozenset(
 ALLOWED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "NVIDIA_", "OMP_", "MKL_", "KMP_")
 """Prefixes of the variables a daemon inherits: locale, CUDA, the collectives, torch, BLAS."""
 
-DEFAULTS = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-"""What a daemon gets unless the operator passes its own (``--daemon-env``): glibc's malloc asks
-for transparent huge pages, so that the tensor blocks a daemon maps anew each step
-(:func:`protocol.asyncio.memory.map_tensor_blocks`) fault in 2 MiB at a time, not 4 KiB."""
-
 NEVER = frozenset({"SOMATIZE_WORKER_TOKEN", "SOMATIZE_TOKEN"})
 """Variables no daemon gets, whoever asks: the coordinator's tokens."""
 
@@ -80,4 +68,4 @@ def daemon_environment(
         if name not in NEVER
         and (name in ALLOWED or name in extra or name.startswith(ALLOWED_PREFIXES))
     }
-    return {**DEFAULTS, **inherited, **(own or {})}
+    return {**inherited, **(own or {})}
