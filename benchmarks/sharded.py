@@ -12,9 +12,9 @@ cross-entropy, 256 rows per replica, ``shuffle=False``) on N = 2 workers:
   ``fully_shard``-ed, the same batches and optimizer: what a torchrun FSDP2 script does;
 - *context*: the same job unsharded (``DistributedDataParallel`` on the replicas); and the
   anchor again with a sharded replica's malloc setting (:data:`DAEMON_MALLOC`: blocks of 1 MiB
-  and more mapped; :mod:`protocol.asyncio.memory`), which keeps
-  FSDP2's freed units from fragmenting the heap at the cost of faulting their pages in each
-  step: the step's difference between the two anchors is that cost, the rest ours.
+  and more mapped; :mod:`protocol.asyncio.memory`), which keeps FSDP2's freed units from
+  fragmenting the heap at the cost of faulting their pages in each step: the step's difference
+  between the two anchors is that cost, the rest ours.
 
 Per step as :mod:`benchmarks.data_parallel` measures it (the span of the progress marks after
 the warm-up over the steps in it; the anchor's rank 0 step ends), the median over the rounds.
@@ -103,7 +103,7 @@ def rows(results: dict[str, Any]) -> list[Row]:
             target=Target("<=", TARGET, text=f"≤ {TARGET} × FSDP2"),
             note=(
                 f"unsharded (DDP) {results['unsharded_s'] * 1e3:.0f} ms; fully_shard with a "
-                f"sharded replica's malloc settings {results['fsdp_mapped_s'] * 1e3:.0f} ms"
+                f"sharded replica's malloc setting {results['fsdp_mapped_s'] * 1e3:.0f} ms"
             ),
         )
     ]
