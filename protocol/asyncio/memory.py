@@ -26,9 +26,9 @@ time: a 5.8M-parameter MLP's sharded step took 262 ms against 172 ms from the he
 agent's environment and ``--daemon-env GLIBC_TUNABLES`` — but they are not the default: in every
 daemon they took the default checkpointed DataParallel job from 1.02–1.06× of the same job
 without checkpoints to 1.09–1.13× (``python -m benchmarks.checkpoints``), its heap's pages
-faulted in 2 MiB at a time. An unsharded replica keeps
-the heap: its parameters, gradients and moments live as long as it does, and mapping its
-activations anew each step cost DataParallel 8 % (1.01× DDP's step to 1.09×).
+faulted in 2 MiB at a time. An unsharded replica keeps the heap: its parameters, gradients and
+moments live as long as it does, and mapping its activations anew each step cost DataParallel
+8 % (1.01× DDP's step to 1.09×).
 """
 
 from __future__ import annotations
