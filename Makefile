@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup browser bubblewrap demo test lint typecheck bench flower-env clean
+.PHONY: setup browser bubblewrap tcmalloc demo test lint typecheck bench flower-env clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ bubblewrap:
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -q --no-install-recommends bubblewrap; }
+
+# Installs Debian's tcmalloc when it is missing: workers' filter daemons allocate with it
+# (worker/daemon/allocator.py; tests/integration/test_daemon_malloc.py).
+tcmalloc:
+	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends libtcmalloc-minimal4; }
 
 # The demo needs the package and its own dependencies only, not the dev extras (pytest, mypy,
 # ruff, hypothesis, opacus, tensorboard): make setup adds those to the same virtualenv.
@@ -60,7 +68,7 @@ typecheck: setup
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
-test: lint typecheck browser bubblewrap
+test: lint typecheck browser bubblewrap tcmalloc
 	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
 	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
 		$(PYTEST_ARGS)

@@ -11,10 +11,10 @@ cross-entropy, 256 rows per replica, ``shuffle=False``) on N = 2 workers:
 - *anchor*: the same model in 2 processes of 1 thread over gloo, each Linear and then the whole
   ``fully_shard``-ed, the same batches and optimizer: what a torchrun FSDP2 script does;
 - *context*: the same job unsharded (``DistributedDataParallel`` on the replicas); and the
-  anchor again with a sharded replica's malloc setting (:data:`DAEMON_MALLOC`: blocks of 1 MiB
-  and more mapped; :mod:`protocol.asyncio.memory`), which keeps FSDP2's freed units from
-  fragmenting the heap at the cost of faulting their pages in each step: the step's difference
-  between the two anchors is that cost, the rest ours.
+  anchor again with the ``malloc`` a sharded replica's daemon runs with here
+  (:func:`daemon_malloc`: tcmalloc preloaded where installed, :mod:`worker.daemon.allocator`;
+  else glibc's with blocks of 1 MiB and more mapped, :mod:`protocol.asyncio.memory`): the step's
+  difference between the two anchors is the allocator's, the rest ours.
 
 Per step as :mod:`benchmarks.data_parallel` measures it (the span of the progress marks after
 the warm-up over the steps in it; the anchor's rank 0 step ends), the median over the rounds.
@@ -37,30 +37,42 @@ from benchmarks.data_parallel import EPOCH_STEPS, LR, PER_REPLICA, epochs_for, p
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 from protocol.asyncio.memory import TENSOR_MMAP_THRESHOLD
+from worker.daemon.allocator import choose as choose_allocator
 
 STEPS = 24
 """Measured global steps (after the warm-up), at least; rounded up to whole epochs."""
 ROUNDS = 2
 WORKERS = 2
 TARGET = 1.1
-DAEMON_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(TENSOR_MMAP_THRESHOLD)}
-"""A sharded replica's daemon's malloc setting, as an environment variable for the anchor."""
+
+
+def daemon_malloc() -> dict[str, str]:
+    """The ``malloc`` a sharded replica's daemon runs with here, as the anchor's environment
+    (blocking: it may run ``ldconfig``)."""
+    allocator = choose_allocator("auto")
+    return allocator.environment() or {"MALLOC_MMAP_THRESHOLD_": str(TENSOR_MMAP_THRESHOLD)}
 
 
 def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
     """Ours sharded, the FSDP2 anchor and ours unsharded, ``rounds`` times interleaved.
 
     Returns:
-        ``{"steps", "rounds", "sharded_s", "fsdp_s", "fsdp_mapped_s", "unsharded_s", "ratio",
-        "all", "seconds"}``: the median seconds per step of each (``fsdp_mapped_s``: the
-        anchor with :data:`DAEMON_MALLOC`), ours sharded over the anchor, and every round's
-        figures (``all``).
+        ``{"steps", "rounds", "sharded_s", "fsdp_s", "fsdp_daemon_malloc_s", "unsharded_s",
+        "ratio", "all", "seconds"}``: the median seconds per step of each
+        (``fsdp_daemon_malloc_s``: the anchor with :func:`daemon_malloc`), ours sharded over the
+        anchor, and every round's figures (``all``).
     """
     began = time.monotonic()
     model = mlp()
     epochs = epochs_for(steps)
     total = epochs * EPOCH_STEPS
-    found: dict[str, list[float]] = {"sharded": [], "fsdp": [], "fsdp_mapped": [], "unsharded": []}
+    found: dict[str, list[float]] = {
+        "sharded": [],
+        "fsdp": [],
+        "fsdp_daemon_malloc": [],
+        "unsharded": [],
+    }
+    malloc = daemon_malloc()
     names = tuple(f"w{i}" for i in range(WORKERS))
     with (
         cluster(names) as c,
@@ -73,8 +85,8 @@ def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
             args = {"lr": LR, "steps": total, "threads": 1, "batch": PER_REPLICA, "fsdp": True}
             times = run_torch(procs, "train", args, WORKERS)
             found["fsdp"].append(per_step(list(enumerate(times))))
-            times = run_torch(procs, "train", args, WORKERS, DAEMON_MALLOC)
-            found["fsdp_mapped"].append(per_step(list(enumerate(times))))
+            times = run_torch(procs, "train", args, WORKERS, malloc)
+            found["fsdp_daemon_malloc"].append(per_step(list(enumerate(times))))
             found["unsharded"].append(run_job(c, model, WORKERS, "torch", epochs)["step_s"])
     median = {k: statistics.median(v) for k, v in found.items()}
     return {
@@ -82,7 +94,7 @@ def run(steps: int = STEPS, rounds: int = ROUNDS) -> dict[str, Any]:
         "rounds": rounds,
         "sharded_s": median["sharded"],
         "fsdp_s": median["fsdp"],
-        "fsdp_mapped_s": median["fsdp_mapped"],
+        "fsdp_daemon_malloc_s": median["fsdp_daemon_malloc"],
         "unsharded_s": median["unsharded"],
         "ratio": median["sharded"] / median["fsdp"],
         "all": found,
@@ -103,7 +115,7 @@ def rows(results: dict[str, Any]) -> list[Row]:
             target=Target("<=", TARGET, text=f"≤ {TARGET} × FSDP2"),
             note=(
                 f"unsharded (DDP) {results['unsharded_s'] * 1e3:.0f} ms; fully_shard with a "
-                f"sharded replica's malloc setting {results['fsdp_mapped_s'] * 1e3:.0f} ms"
+                f"sharded replica's malloc {results['fsdp_daemon_malloc_s'] * 1e3:.0f} ms"
             ),
         )
     ]
@@ -120,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"  ours, sharding='full'   {results['sharded_s'] * 1e3:8.1f} ms\n"
         f"  FSDP2 over gloo         {results['fsdp_s'] * 1e3:8.1f} ms   "
         f"ratio {results['ratio']:.2f} (target ≤ {TARGET})\n"
-        f"  FSDP2, daemon's malloc  {results['fsdp_mapped_s'] * 1e3:8.1f} ms   "
-        f"ratio {results['sharded_s'] / results['fsdp_mapped_s']:.2f}\n"
+        f"  FSDP2, daemon's malloc  {results['fsdp_daemon_malloc_s'] * 1e3:8.1f} ms   "
+        f"ratio {results['sharded_s'] / results['fsdp_daemon_malloc_s']:.2f}\n"
         f"  ours, unsharded (DDP)   {results['unsharded_s'] * 1e3:8.1f} ms\n"
         f"took {results['seconds']:.0f} s"
     )

@@ -2,25 +2,24 @@
 next to the training state it should hold (the model's weights, gradients and Adam moments
 over N).
 
-``python -m benchmarks.sharded_memory [--width W --layers L] [--replicas 1 2 4]
-[--checkpoints]`` trains L W × W Linear layers as ``sz.DataParallel(N, sharding="full",
-collective="torch")`` — by default two models of the same 1 GiB of training state with Adam
-(:data:`MODELS`): 4 layers of 4096 (64 MiB units: a few large layers) and 16 of 2048 (16 MiB
-units, as a deeper model's) — for one epoch of 2 steps (64 rows, 32 a step; the result read
-back; with ``--checkpoints`` checkpointed at its end, whose snapshot — each replica's shards of
-the weights and moments, written by DCP and read into the chunk's reply — then falls in the
-training phase) on a :class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``),
-sampling every job daemon's resident memory (its process group's, as ``--max-job-memory``
-counts it) every 20 ms. Per replica, and per phase as the job's events mark them — *loading*
-(the filters arriving, until the replicas say what they hold), *training* (until the last
-step's progress) and *reading* (the result, read from each replica's shards) — the peak over
-the daemon's resident memory when idle (its Python and torch, read before the job). And the
-coordinator's rise while it reads and keeps the result (its peak after the last step over its
-resident memory then): two 16 MiB pieces of one replica's file at most, whatever the model
-(+88 MiB for N = 2 and +91 MiB for N = 1, against +131 and +258 MiB when each replica's pieces
-came in one reply); and its peak over the whole job, over its memory before it: the submitted
-model, which it holds whole for the job's life, and with ``--checkpoints`` the checkpoints'
-files, which it reads from the workers a piece at a time.
+``python -m benchmarks.sharded_memory [--width W --layers L] [--replicas 1 2 4] [--checkpoints]
+[--daemon-malloc auto|tcmalloc|glibc]`` trains L W × W Linear layers as ``sz.DataParallel(N,
+sharding="full", collective="torch")`` — by default two models of the same 1 GiB of training state
+with Adam (:data:`MODELS`): 4 layers of 4096 (64 MiB units: a few large layers) and 16 of 2048 (16
+MiB units, as a deeper model's) — for one epoch of 2 steps (64 rows, 32 a step; the result read
+back; with ``--checkpoints`` checkpointed at its end, whose snapshot — each replica's shards of the
+weights and moments, written by DCP and read into the chunk's reply — then falls in the training
+phase) on a :class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling every
+job daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20 ms.
+Per replica, and per phase as the job's events mark them — *loading* (the filters arriving, until
+the replicas say what they hold), *training* (until the last step's progress) and *reading* (the
+result, read from each replica's shards) — the peak over the daemon's resident memory when idle
+(its Python and torch, read before the job). And the coordinator's rise while it reads and keeps
+the result (its peak after the last step over its resident memory then): two 16 MiB pieces of one
+replica's file at most, whatever the model (+88 MiB for N = 2 and +91 MiB for N = 1, against +131
+and +258 MiB when each replica's pieces came in one reply); and its peak over the whole job, over
+its memory before it: the submitted model, which it holds whole for the job's life, and with
+``--checkpoints`` the checkpoints' files, which it reads from the workers a piece at a time.
 
 The anchors: the arithmetic — the training state over N (weights, gradients, two moments) plus
 the activations (rows × width × layers, fp32, forward and backward: a few MiB here), the
@@ -38,9 +37,13 @@ never the whole model.
 glibc's heap: from it, FSDP2's freed units and gradients fragment it (blocks under the mmap
 threshold: 32 MiB in the daemons of unsharded replicas, :mod:`protocol.asyncio.memory`): with
 16 layers of 2048 a replica of four held 1589 MiB over idle for 256 MiB of state, and torch's
-own ``fully_shard`` in plain processes does the same (1453 MiB). A sharded replica's daemon maps
-its blocks of 1 MiB and more instead (:func:`protocol.asyncio.memory.map_tensor_blocks`): 331
-MiB. Layers over 32 MiB (the 4096-wide model's 64 MiB) were mapped and unmapped whole already.
+own ``fully_shard`` in plain processes does the same (1453 MiB). Under glibc's ``malloc`` a
+sharded replica's daemon maps its blocks of 1 MiB and more instead
+(:func:`protocol.asyncio.memory.map_tensor_blocks`): 331 MiB. Layers over 32 MiB (the 4096-wide
+model's 64 MiB) were mapped and unmapped whole already. The workers' daemons run tcmalloc where
+the machine has it (``--daemon-malloc``, :mod:`worker.daemon.allocator`), which reuses freed
+blocks without faulting their pages in again, for a little more memory than mapped blocks: the
+benchmark's ``--daemon-malloc`` is its workers'.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import numpy as np
 from benchmarks import fsdp_memory_anchor
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target
+from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
 
 MODELS = ((4096, 4), (2048, 16))
 """``(width, layers)`` of the models measured by default: the same training state in a few
@@ -137,15 +141,17 @@ def run(
     width: int = WIDTH,
     layers: int = LAYERS,
     checkpoints: bool = False,
+    daemon_malloc: str = "auto",
 ) -> dict[str, Any]:
     """Each N's per-replica peaks by phase, over the idle daemon (module docstring); without
     ``checkpoints`` the job saves none (``checkpoint_every=0``): the training phase is the
-    training alone, and the coordinator's rise at the end the result's.
+    training alone, and the coordinator's rise at the end the result's. ``daemon_malloc``: the
+    workers' ``--daemon-malloc``.
 
     Returns:
         ``{"width", "state_bytes", "activation_bytes", "by_n": {N: {"idle", "loading",
-        "training", "reading"}}, "seconds"}``: bytes; each phase's figure the largest over
-        the replicas of their peak above their idle resident memory.
+        "training", "reading"}}, "daemon_malloc", "seconds"}``: bytes; each phase's figure the
+        largest over the replicas of their peak above their idle resident memory.
     """
     import somatize as sz
     from somatize.cluster import LocalCluster
@@ -168,7 +174,7 @@ def run(
     with LocalCluster(job_threads=1, heartbeat_interval=1.0, heartbeat_timeout=30.0) as c:
         c.start_coordinator()
         for k in range(max(replicas)):
-            c.start_worker(f"w{k}")
+            c.start_worker(f"w{k}", args=("--daemon-malloc", daemon_malloc))
         with sz.connect(c.url, timeout=300) as client:
             for n in replicas:
                 time.sleep(1.0)  # the spare daemons settle
@@ -198,6 +204,7 @@ def run(
         "activation_bytes": activations,
         "by_n": by_n,
         "checkpoints": checkpoints,
+        "daemon_malloc": daemon_malloc,
         "seconds": time.monotonic() - began,
     }
 
@@ -305,12 +312,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="checkpoint at the end (its snapshot then counts in the training phase)",
     )
+    parser.add_argument(
+        "--daemon-malloc",
+        choices=MALLOC_LEVELS,
+        default="auto",
+        help="the workers' --daemon-malloc (default: theirs, tcmalloc where installed)",
+    )
     args = parser.parse_args(argv)
     if (args.width is None) != (args.layers is None):
         parser.error("--width and --layers go together")
     models = MODELS if args.width is None else ((args.width, args.layers),)
     for width, layers in models:
-        results = run(args.replicas, width, layers, args.checkpoints)
+        results = run(args.replicas, width, layers, args.checkpoints, args.daemon_malloc)
         _print(results)
 
 
@@ -318,7 +331,9 @@ def _print(results: dict[str, Any]) -> None:
     state = results["state_bytes"]
     print(
         f"{results['layers']} × Linear({results['width']}, {results['width']}), Adam: training "
-        f"state {state / 2**20:.0f} MiB, activations {results['activation_bytes'] / 2**20:.1f} MiB"
+        f"state {state / 2**20:.0f} MiB, activations "
+        f"{results['activation_bytes'] / 2**20:.1f} MiB; the workers' --daemon-malloc "
+        f"{results['daemon_malloc']}"
     )
     print(
         "  N   state/N   loading  training   reading  fully_shard   (per replica, over idle; MiB)"

@@ -252,6 +252,7 @@ class Agent:
             )
         else:
             log.info("job code runs sandboxed: %s", sandbox.describe())
+        log.info("filter daemons allocate with %s", self.config.daemon_malloc.describe())
         await asyncio.to_thread(self._pool.find_cgroups)
         self._pool.start_fork_server()
         if self._peer_server is not None:

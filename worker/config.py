@@ -16,6 +16,7 @@ from engine.devices import resolve_device
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
+from worker.daemon.allocator import GLIBC, Allocator
 from worker.daemon.environment import refused_names
 from worker.daemon.limits import JobLimits
 from worker.daemon.sandbox import NO_SANDBOX, Sandbox
@@ -81,6 +82,9 @@ class AgentConfig:
             (``--job-cgroups auto``; :mod:`worker.daemon.cgroup`); ``False``: a process group only.
         sandbox: what each job's daemon runs inside (``--sandbox``, chosen by
             :func:`worker.daemon.sandbox.choose`); the default runs it as the agent's user.
+        daemon_malloc: the ``malloc`` each daemon runs with (``--daemon-malloc``, chosen by
+            :func:`worker.daemon.allocator.choose`: tcmalloc where installed); the default is
+            the C library's own.
         stall_timeout: seconds a chunked message from the coordinator or a peer may wait for its
             next chunk before it is dropped and its memory freed.
         max_message_bytes: largest message accepted from the coordinator or a peer (and the
@@ -126,6 +130,7 @@ class AgentConfig:
     max_job_procs: int | None = None
     job_cgroups: bool = True
     sandbox: Sandbox = NO_SANDBOX
+    daemon_malloc: Allocator = GLIBC
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     device: str = "auto"

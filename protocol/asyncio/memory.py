@@ -13,22 +13,23 @@ from a client to a server in 1 MiB messages took 26 + 19 ms of CPU so, 6.4 + 6.0
 :func:`keep_freed_memory` fixes both thresholds, so blocks up to 32 MiB come from the heap and up
 to ``trim_threshold`` bytes of freed heap stay mapped for the next buffer.
 
-A filter daemon training a sharded replica is the other way round (:func:`map_tensor_blocks`,
-called as its plan arrives): FSDP2 allocates and frees its tensors step after step in many sizes
-(each unit's gathered parameters, their gradients, the shards), and from the heap they fragment
-it until it holds several times what is live. Measured on ``fully_shard`` in 2 plain processes
-over gloo (Adam, 4 steps and more): 64 × Linear(1024) held 2.0 GiB at its peak for 512 MiB of
-training state per rank with the 32 MiB threshold, 581 MiB with blocks of 1 MiB and more mapped;
-16 × Linear(2048), 2.0 GiB and 610 MiB. Mapped anew, a block's pages are faulted in again each
-time: a 5.8M-parameter MLP's sharded step took 262 ms against 172 ms from the heap
-(``python -m benchmarks.sharded``). Transparent huge pages make those faults cheaper (197 against
-158 ms) where the operator asks for them — ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the
-agent's environment and ``--daemon-env GLIBC_TUNABLES`` — but they are not the default: in every
-daemon they took the default checkpointed DataParallel job from 1.02–1.06× of the same job
-without checkpoints to 1.09–1.13× (``python -m benchmarks.checkpoints``), its heap's pages
-faulted in 2 MiB at a time. An unsharded replica keeps the heap: its parameters, gradients and
-moments live as long as it does, and mapping its activations anew each step cost DataParallel
-8 % (1.01× DDP's step to 1.09×).
+A filter daemon training a sharded replica under glibc's ``malloc`` is the other way round
+(:func:`map_tensor_blocks`, called as its plan arrives; a daemon runs tcmalloc instead where the
+machine has it, :mod:`worker.daemon.allocator`, and these thresholds then govern nothing): FSDP2
+allocates and frees its tensors step after step in many sizes (each unit's gathered parameters,
+their gradients, the shards), and from the heap they fragment it until it holds several times what
+is live. Measured on ``fully_shard`` in 2 plain processes over gloo (Adam, 4 steps and more): 64 ×
+Linear(1024) held 2.0 GiB at its peak for 512 MiB of training state per rank with the 32 MiB
+threshold, 581 MiB with blocks of 1 MiB and more mapped; 16 × Linear(2048), 2.0 GiB and 610 MiB.
+Mapped anew, a block's pages are faulted in again each time: a 5.8M-parameter MLP's sharded step
+took 262 ms against 172 ms from the heap (``python -m benchmarks.sharded``). Transparent huge pages
+make those faults cheaper (197 against 158 ms) where the operator asks for them —
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the agent's environment and ``--daemon-env
+GLIBC_TUNABLES`` — but they are not the default: in every daemon they took the default checkpointed
+DataParallel job from 1.02–1.06× of the same job without checkpoints to 1.09–1.13× (``python -m
+benchmarks.checkpoints``), its heap's pages faulted in 2 MiB at a time. An unsharded replica keeps
+the heap: its parameters, gradients and moments live as long as it does, and mapping its
+activations anew each step cost DataParallel 8 % (1.01× DDP's step to 1.09×).
 """
 
 from __future__ import annotations

@@ -114,16 +114,19 @@ def test_every_worker_service_serves_the_job(compose: dict[str, Any]) -> None:
     assert len(tagged) == len(workers) == options["workers"]
 
 
-def test_the_dockerfile_installs_cpu_torch_and_the_dependencies_before_the_source(
+def test_the_dockerfile_installs_tcmalloc_cpu_torch_and_the_dependencies_before_the_source(
     tmp_path: Path,
 ) -> None:
-    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    text = DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines()]
     assert f"ARG TORCH_INDEX_URL={CPU_INDEX}" in lines  # the CPU build unless told otherwise
+    assert "libtcmalloc-minimal4" in text  # the workers' daemons' malloc (--daemon-malloc auto)
     steps = [line for line in lines if line.split(" ", 1)[0] in ("COPY", "RUN")]
     source = steps.index("COPY . /app")
-    assert steps[0] == "COPY pyproject.toml constraints.txt /app/"
-    deps = steps[1]
-    assert deps.startswith("RUN ") and source > 1
+    first = steps.index("COPY pyproject.toml constraints.txt /app/")
+    assert all("apt-get" in step for step in steps[:first])  # system packages only, before
+    deps = steps[first + 1]
+    assert deps.startswith("RUN ") and source > first + 1
     assert "--no-deps" in " ".join(lines[lines.index(steps[source + 1]) :])
     # The step lists the project's dependencies from pyproject.toml alone: run its script.
     script = re.search(r'python -c "(.*?)" > /tmp/requirements.txt', deps)

@@ -102,9 +102,10 @@ MEDIUM_LAYERS = 16
 # From glibc's heap the freed units and gradients fragment it: torch's fully_shard on this model
 # in two plain processes held 505 MiB over its idle memory after 2 steps (600 after 8) with the
 # 32 MiB mmap threshold the daemon keeps for an unsharded replica, 190 MiB with its blocks of
-# 1 MiB and more mapped (what a sharded replica's daemon does:
+# 1 MiB and more mapped (what a sharded replica's daemon does under glibc:
 # protocol.asyncio.memory.map_tensor_blocks); here, from the heap, a replica's daemon was killed
-# at 722 MiB.
+# at 722 MiB. tcmalloc (the default where installed: worker.daemon.allocator) reuses the freed
+# spans without fragmenting; each allocator is run here.
 MEDIUM_LIMIT = "700M"
 
 
@@ -113,7 +114,8 @@ def _medium_model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(MEDIUM, MEDIUM) for _ in range(MEDIUM_LAYERS)])
 
 
-def test_a_sharded_replica_of_many_layers_holds_its_shards_not_a_fragmented_heap(tmp_path):
+@pytest.mark.parametrize("malloc", ["glibc", "tcmalloc"])
+def test_a_sharded_replica_of_many_layers_holds_its_shards_not_a_fragmented_heap(tmp_path, malloc):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(128, MEDIUM)).astype(np.float32)  # 4 steps
     y = rng.integers(0, MEDIUM, size=128)
@@ -122,7 +124,9 @@ def test_a_sharded_replica_of_many_layers_holds_its_shards_not_a_fragmented_heap
         sz.connect(c.url, timeout=120 * UNIT) as client,
     ):
         for worker in ("w1", "w2"):
-            c.start_worker(worker, args=("--max-job-memory", MEDIUM_LIMIT))
+            c.start_worker(
+                worker, args=("--max-job-memory", MEDIUM_LIMIT, "--daemon-malloc", malloc)
+            )
         graph = sz.Graph([sz.TorchFilter(_medium_model(), **OPTIONS).named("net")])
         strategy = sz.DataParallel(2, sharding="full", collective="torch", checkpoint_every=0)
         fitted = client.submit(graph, x, y, strategy=strategy).result(timeout=300 * UNIT)

@@ -12,7 +12,7 @@ In the agent: :mod:`~worker.daemon.supervisor` starts one daemon per job, talks 
 process and its non-blocking pipes; :mod:`~worker.daemon.forked` and
 :mod:`~worker.daemon.fork_server` fork daemons from a process that has imported torch already;
 :mod:`~worker.daemon.environment`, :mod:`~worker.daemon.limits` and :mod:`~worker.daemon.cgroup`
-decide what a daemon sees and may use.
+decide what a daemon sees and may use, :mod:`~worker.daemon.allocator` which ``malloc`` it runs.
 
 Importing this package imports nothing: the agent never imports torch through it.
 """

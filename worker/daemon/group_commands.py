@@ -97,7 +97,9 @@ class GroupCommands:
         if req.alone:
             plan = dataclasses.replace(plan, alone=True)
         if req.sharding != "none":
-            map_tensor_blocks()  # its gathered units and their gradients would fragment the heap
+            # Under glibc's malloc its gathered units and their gradients would fragment the heap;
+            # under tcmalloc (worker.daemon.allocator) glibc's thresholds govern nothing.
+            map_tensor_blocks()
             units = None if req.shard_units is None else tuple(req.shard_units)
             plan = dataclasses.replace(plan, sharding=req.sharding, shard_units=units)
         return self.engine.replica.set_plan(plan)

@@ -120,6 +120,7 @@ class DaemonPool:
             cgroups=self.cgroups,
             fork_server=self._fork_server,
             sandbox=config.sandbox,
+            allocator=config.daemon_malloc,
         )
 
     async def _fork_server(self) -> ForkServer | None:

@@ -47,6 +47,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, FrameError, RequestRefused
+from worker.daemon.allocator import GLIBC, Allocator
 from worker.daemon.cgroup import CgroupParent, JobCgroup
 from worker.daemon.environment import daemon_environment
 from worker.daemon.forked import ForkedChild, ForkServer
@@ -111,6 +112,8 @@ class DaemonSupervisor:
         fork_server: forks the daemon on a CPU worker (:mod:`worker.daemon.forked`) while it runs —
             or what gives it once it is up (the agent's, while it starts); ``None``, gone, or
             another device: the daemon starts anew.
+        allocator: the ``malloc`` the daemon runs with (:mod:`worker.daemon.allocator`; a
+            forked one, its fork server's).
 
     Use as ``async with DaemonSupervisor() as daemon:`` or call :meth:`start` and :meth:`close`.
     """
@@ -127,8 +130,10 @@ class DaemonSupervisor:
         cgroups: CgroupParent | None = None,
         fork_server: ForkServer | Callable[[], Awaitable[ForkServer | None]] | None = None,
         sandbox: Sandbox = NO_SANDBOX,
+        allocator: Allocator = GLIBC,
     ) -> None:
         self.python = python
+        self.allocator = allocator
         self.sandbox = sandbox
         self.fork_server = fork_server if sandbox.forks else None
         self.device = device
@@ -442,11 +447,12 @@ class DaemonSupervisor:
 
     def environment(self) -> dict[str, str]:
         """The daemon's environment: the allow-list of :mod:`worker.daemon.environment`, what the
-        agent sets, and this source tree on ``PYTHONPATH``."""
+        agent sets, its allocator's preload and this source tree on ``PYTHONPATH``."""
         env = daemon_environment(os.environ, self.passed_env, self.env)
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if _SOURCE_ROOT not in paths:
             env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
+        env.update(self.allocator.environment(env.get("LD_PRELOAD")))
         return env
 
     async def _watch_limits(self, child: DaemonProcess) -> None:

@@ -1,0 +1,42 @@
+"""``--daemon-malloc``: which allocator each level gets, and what a daemon's environment holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.daemon.allocator import GLIBC, Allocator, choose
+
+
+def _found(name: str) -> str | None:
+    return "libtcmalloc_minimal.so.4" if name == "tcmalloc_minimal" else None
+
+
+def _missing(name: str) -> str | None:
+    return None
+
+
+@pytest.mark.parametrize("level", ["auto", "tcmalloc"])
+def test_tcmalloc_is_taken_where_it_is_installed(level):
+    assert choose(level, _found) == Allocator("tcmalloc", "libtcmalloc_minimal.so.4")
+
+
+def test_auto_falls_back_to_glibc_where_tcmalloc_is_missing_and_glibc_is_glibc():
+    assert choose("auto", _missing) is GLIBC
+    assert choose("glibc", _found) is GLIBC
+
+
+def test_asking_for_a_missing_tcmalloc_or_an_unknown_level_says_what_to_do():
+    with pytest.raises(ValueError, match="apt-get install libtcmalloc-minimal4"):
+        choose("tcmalloc", _missing)
+    with pytest.raises(ValueError, match="one of auto, tcmalloc, glibc, not 'jemalloc'"):
+        choose("jemalloc", _found)
+
+
+def test_the_environment_preloads_tcmalloc_before_an_operators_own_preload():
+    tcmalloc = Allocator("tcmalloc", "libtcmalloc_minimal.so.4")
+    assert tcmalloc.environment()["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
+    assert tcmalloc.environment("/opt/trace.so")["LD_PRELOAD"] == (
+        "libtcmalloc_minimal.so.4 /opt/trace.so"
+    )
+    assert int(tcmalloc.environment()["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
+    assert GLIBC.environment("/opt/trace.so") == {}
