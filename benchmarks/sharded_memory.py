@@ -212,7 +212,9 @@ def run(
 def _phases(
     samples: list[tuple[float, dict[int, int]]], idle: dict[int, int], marks: dict[str, float]
 ) -> dict[str, int]:
-    """The job's daemons' largest peak above idle in each phase, and their idle memory; and
+    """The job's daemons' largest peak above idle in each phase, and their idle memory (each
+    daemon's, or the job's other daemons' if more: one still starting when the job came, as a
+    spare that replaced the previous job's daemon may be, counts from theirs); and
     the coordinator's rise while the result is read (``coordinator_reading``: its peak then
     over its resident memory as training ended), while the replicas train
     (``coordinator_training``: over its memory as they began; a checkpoint's files come then)
@@ -223,13 +225,15 @@ def _phases(
     rise = max(after, default=0) - (before[-1] if before else 0)
     groups = {g for _, seen in samples for g in seen if g in idle and g >= 0}
     busy = {g for g in groups if max(s.get(g, 0) for _, s in samples) - idle[g] > 64 << 20}
+    up = max((idle[g] for g in busy), default=0)  # the job's other daemons', if more
+    base = {g: max(idle[g], up) for g in busy}
     peak = max((s.get(COORDINATOR, 0) for _, s in samples), default=0)
     own = max((s.get(COORDINATOR_OWN, 0) for _, s in samples), default=0)
     sharded = marks.get("sharded", 0.0)
     loaded = [s.get(COORDINATOR, 0) for t, s in samples if t < sharded]
     training = [s.get(COORDINATOR, 0) for t, s in samples if sharded <= t < trained]
     out = {
-        "idle": max((idle[g] for g in busy), default=0),
+        "idle": max(base.values(), default=0),
         "coordinator_reading": max(rise, 0),
         "coordinator_training": max(max(training, default=0) - (loaded or [0])[-1], 0),
         "coordinator_job": max(peak - idle.get(COORDINATOR, peak), 0),
@@ -242,7 +246,7 @@ def _phases(
     }
     for phase, (start, stop) in spans.items():
         peaks = [
-            s.get(g, 0) - idle[g] for t, s in samples if start <= t < stop for g in busy if g in s
+            s.get(g, 0) - base[g] for t, s in samples if start <= t < stop for g in busy if g in s
         ]
         out[phase] = max(peaks, default=0)
     return out
