@@ -13,10 +13,11 @@ defaults (``python -m benchmarks.sharded``).
 tcmalloc (gperftools' ``libtcmalloc_minimal``: Debian's ``libtcmalloc-minimal4``) keeps the spans
 it frees and hands them out again, coalesced, by size. On that job the sharded step took **0.93×**
 ``fully_shard``'s (140 against 150 ms; 1.01× ``fully_shard``'s with tcmalloc too), for 2–8 % more
-memory than mapped blocks with a deep model (sixteen 2048 × 2048 layers: 1,101 / 630 / 356 MiB
-over idle at N = 1, 2, 4, against 1,081 / 584 / 338) and 5–26 % with a wide one (four 4096 × 4096
-layers: 1,238 / 833 / 637 against 1,181 / 731 / 505: a freed 64 MiB span serves smaller blocks
-before the next unit's), never near glibc's heap (``python -m benchmarks.sharded_memory``).
+memory than mapped blocks with a deep model (sixteen 2048 × 2048 layers: 1,101 / 614–630 /
+351–356 MiB over idle at N = 1, 2, 4, against 1,081 / 584 / 338) and 5–26 % with a wide one (four
+4096 × 4096 layers: 1,240 / 835 / 617–637 against 1,181 / 731 / 505: a freed 64 MiB span serves
+smaller blocks before the next unit's), never near glibc's heap (``python -m
+benchmarks.sharded_memory``).
 Unsharded jobs train as fast with either (DataParallel 1.02× DDP's step at N = 2, 1.00× at 3; the
 default checkpointed job 1.070× the same job without checkpoints, against 1.065× under glibc).
 
