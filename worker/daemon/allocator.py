@@ -38,8 +38,8 @@ __all__ = ["GLIBC", "LEVELS", "Allocator", "choose"]
 LEVELS = ("auto", "tcmalloc", "glibc")
 """What ``--daemon-malloc`` takes."""
 QUIET_LARGE_ALLOCATIONS = str(1 << 40)
-"""tcmalloc writes a line to stderr for each allocation over ``TCMALLOC_LARGE_ALLOC_REPORT_
-THRESHOLD`` (1 GiB by default), with a stack: a large model's tensors are not news."""
+"""tcmalloc's ``TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD``: it writes a line and a stack to stderr
+for every allocation over it (1 GiB by default), and a large model's tensors are not news."""
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,14 @@ def test_the_environment_preloads_tcmalloc_before_an_operators_own_preload():
     )
     assert int(tcmalloc.environment()["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
     assert GLIBC.environment("/opt/trace.so") == {}
+
+
+def test_the_agent_says_so_when_auto_finds_no_tcmalloc(monkeypatch, caplog):
+    from worker import cli
+
+    monkeypatch.setattr(cli, "choose_allocator", lambda requested: choose(requested, _missing))
+    with caplog.at_level("WARNING", logger="worker.cli"):
+        assert cli._daemon_malloc("auto") is GLIBC
+        assert cli._daemon_malloc("glibc") is GLIBC  # asked for: nothing to say
+    assert len(caplog.records) == 1
+    assert "apt-get install libtcmalloc-minimal4" in caplog.records[0].getMessage()
