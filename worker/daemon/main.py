@@ -73,6 +73,7 @@ from protocol.daemon import (
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
 from protocol.user_tracebacks import folded
+from worker.daemon.allocator import HeapBound
 from worker.daemon.group_commands import GroupCommands
 from worker.daemon.pipe import FrameReader, FrameWriter
 from worker.daemon.requests import parse_request
@@ -104,8 +105,11 @@ class Daemon:
     the pipes; tests can feed it directly.
     """
 
-    def __init__(self, engine: Engine | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, heap: HeapBound | None = None) -> None:
         self.engine = engine if engine is not None else Engine()
+        self.heap = heap if heap is not None else HeapBound(None)
+        """tcmalloc's heap limit under the job's ``--max-job-memory``: an allocation it refuses
+        fails its request as ``resource_limit`` (:mod:`worker.daemon.allocator`)."""
         self.stopping = False
         """Set by ``shutdown``: the serve loop exits after sending the reply."""
         self._filters: dict[str, Any] = {}
@@ -168,8 +172,9 @@ class Daemon:
             return _error(request_id, exc.info())
         except (Exception, SystemExit) as exc:
             # User code raised (SystemExit too: a filter calling sys.exit() is a bug to report,
-            # not a reason to take the daemon down).
-            return _error(request_id, self._filter_error(request, exc))
+            # not a reason to take the daemon down), or an allocation over the job's limit.
+            refused = self.heap.out_of_memory(exc, request.cmd)
+            return _error(request_id, refused or self._filter_error(request, exc))
         return {"id": request_id, "ok": True, "result": result}
 
     def respond(self, frame: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
@@ -518,6 +523,7 @@ def serve(channel: PipeChannel, daemon: Daemon) -> int:
             # is a copy, so a frame that carried no tensor is freed now, not after the request
             # (loading a model does not hold it twice over). Tensors view the frame and keep it.
             del frame
+            daemon.heap.update()  # what --max-job-memory leaves tcmalloc, as the job is now
             parts = daemon.respond_decoded(raw)
             del raw
         try:
@@ -584,7 +590,7 @@ def run(threads: int, device: str, shared: tuple[SharedRegion, SharedRegion] | N
     start_watchdog(os.getppid())
     torch.set_num_threads(threads)
     warm_up()
-    status = serve(channel, Daemon(Engine(device=device)))
+    status = serve(channel, Daemon(Engine(device=device), HeapBound.from_environment()))
     sys.stderr.flush()
     # os._exit: threads a filter started (non-daemon ones included) must not keep us alive.
     os._exit(status)

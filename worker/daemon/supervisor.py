@@ -452,7 +452,7 @@ class DaemonSupervisor:
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if _SOURCE_ROOT not in paths:
             env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
-        env.update(self.allocator.environment(env.get("LD_PRELOAD")))
+        env.update(self.allocator.environment(env.get("LD_PRELOAD"), self.limits.memory_bytes))
         return env
 
     async def _watch_limits(self, child: DaemonProcess) -> None:

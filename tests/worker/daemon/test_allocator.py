@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.daemon.allocator import GLIBC, Allocator, choose
+from worker.daemon.allocator import GLIBC, Allocator, HeapBound, choose, heap_limit
 
 
 def _found(name: str) -> str | None:
@@ -39,7 +39,32 @@ def test_the_environment_preloads_tcmalloc_before_an_operators_own_preload():
         "libtcmalloc_minimal.so.4 /opt/trace.so"
     )
     assert int(tcmalloc.environment()["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
-    assert GLIBC.environment("/opt/trace.so") == {}
+    assert "SOMATIZE_MAX_JOB_MEMORY" not in tcmalloc.environment()
+    assert tcmalloc.environment(None, 900 << 20)["SOMATIZE_MAX_JOB_MEMORY"] == str(900 << 20)
+    assert GLIBC.environment("/opt/trace.so", 900 << 20) == {}
+
+
+def test_the_heap_gets_what_the_limit_leaves_beside_the_rest_of_the_memory():
+    mib = 1 << 20
+    assert heap_limit(900 * mib, resident=400 * mib, heap_resident=150 * mib) == 650 * mib
+    assert heap_limit(900 * mib, resident=100 * mib, heap_resident=150 * mib) == 900 * mib
+
+
+def test_only_an_allocation_the_heap_limit_refused_is_a_resource_limit():
+    bound = HeapBound.from_environment({"SOMATIZE_MAX_JOB_MEMORY": str(900 << 20)})
+    refused = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    assert bound.out_of_memory(refused, "fit") is None  # no limit was set: not its doing
+    bound.heap_limit = 700 << 20
+    info = bound.out_of_memory(refused, "fit")
+    assert info is not None and info.code == "resource_limit"
+    assert info.message.startswith("fit could not allocate within --max-job-memory 900 MiB")
+    assert "held to 700 MiB" in info.message and "1073741824 bytes" in info.message
+    assert bound.out_of_memory(MemoryError(), "fit") is not None
+    assert bound.out_of_memory(RuntimeError("shapes do not match"), "fit") is None
+    assert HeapBound(None).update() is None
 
 
 def test_the_agent_says_so_when_auto_finds_no_tcmalloc(monkeypatch, caplog):
