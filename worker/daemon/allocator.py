@@ -44,8 +44,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ErrorCode, ErrorInfo
+from worker.daemon.limits import mib, usage_of
 
-__all__ = ["GLIBC", "LEVELS", "MEMORY_LIMIT_VARIABLE", "Allocator", "HeapBound", "choose"]
+__all__ = [
+    "GLIBC",
+    "LEVELS",
+    "MEMORY_LIMIT_VARIABLE",
+    "Allocator",
+    "HeapBound",
+    "choose",
+    "heap_share",
+]
 
 LEVELS = ("auto", "tcmalloc", "glibc")
 """What ``--daemon-malloc`` takes."""
@@ -54,7 +63,6 @@ QUIET_LARGE_ALLOCATIONS = str(1 << 40)
 for every allocation over it (1 GiB by default), and a large model's tensors are not news."""
 MEMORY_LIMIT_VARIABLE = "SOMATIZE_MAX_JOB_MEMORY"
 """The job's ``--max-job-memory`` in bytes, in a tcmalloc daemon's environment."""
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ def choose(
     return GLIBC
 
 
-def heap_limit(memory_limit: int, resident: int, heap_resident: int) -> int:
+def heap_share(memory_limit: int, resident: int, heap_resident: int) -> int:
     """The bytes tcmalloc's heap may hold so that the process stays within ``memory_limit``:
     what the limit leaves once its memory outside the heap (``resident - heap_resident``) is
     counted."""
@@ -170,16 +178,15 @@ class HeapBound:
 
     def update(self) -> int | None:
         """Set tcmalloc's heap limit from this process's memory now; the limit (bytes), or
-        ``None`` where inert. Cheap (a read of ``/proc/self/statm``): call before each request,
+        ``None`` where inert. Cheap (a read of ``/proc/<pid>/statm``): call before each request,
         as the memory outside the heap grows with the job."""
         if self._set is None or self.memory_limit is None:
             return None
-        with open("/proc/self/statm") as statm:
-            resident = int(statm.read().split()[1]) * _PAGE
+        resident = usage_of([os.getpid()]).rss_bytes
         heap = self._property(b"generic.heap_size") - self._property(
             b"tcmalloc.pageheap_unmapped_bytes"
         )
-        limit_mib = max(1, heap_limit(self.memory_limit, resident, heap) >> 20)
+        limit_mib = max(1, heap_share(self.memory_limit, resident, heap) >> 20)
         self._set(b"tcmalloc.heap_limit_mb", limit_mib)
         self.heap_limit = limit_mib << 20
         return self.heap_limit
@@ -199,10 +206,9 @@ class HeapBound:
         return ErrorInfo(
             code=ErrorCode.RESOURCE_LIMIT,
             message=(
-                f"{cmd} could not allocate within --max-job-memory "
-                f"{self.memory_limit / 2**20:.0f} MiB (tcmalloc's heap was held to "
-                f"{self.heap_limit / 2**20:.0f} MiB, what the limit leaves beside the daemon's "
-                f"other memory): {said}"
+                f"{cmd} could not allocate within --max-job-memory {mib(self.memory_limit)} "
+                f"(tcmalloc's heap was held to {mib(self.heap_limit)}, what the limit leaves "
+                f"beside the daemon's other memory): {said}"
             ),
             detail={"cmd": cmd, "heap_limit_bytes": self.heap_limit},
         )

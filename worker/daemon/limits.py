@@ -20,7 +20,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NO_LIMITS", "POLL_SECONDS", "JobLimits", "Usage", "group_usage", "over", "usage_of"]
+__all__ = [
+    "NO_LIMITS",
+    "POLL_SECONDS",
+    "JobLimits",
+    "Usage",
+    "group_usage",
+    "mib",
+    "over",
+    "usage_of",
+]
 
 POLL_SECONDS = 0.25
 """How often a limited daemon's use is read."""
@@ -94,13 +103,14 @@ def over(usage: Usage, limits: JobLimits) -> str | None:
     """Which limit ``usage`` is over, in words; ``None`` when within them."""
     if limits.memory_bytes is not None and usage.rss_bytes > limits.memory_bytes:
         return (
-            f"its processes held {_mib(usage.rss_bytes)} resident, over --max-job-memory "
-            f"{_mib(limits.memory_bytes)}"
+            f"its processes held {mib(usage.rss_bytes)} resident, over --max-job-memory "
+            f"{mib(limits.memory_bytes)}"
         )
     if limits.procs is not None and usage.procs > limits.procs:
         return f"it ran {usage.procs} processes, over --max-job-procs {limits.procs}"
     return None
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes as the limits' messages say them (``1350 MiB``)."""
     return f"{n / 2**20:.0f} MiB"

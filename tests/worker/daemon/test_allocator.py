@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.daemon.allocator import GLIBC, Allocator, HeapBound, choose, heap_limit
+from worker.daemon.allocator import GLIBC, Allocator, HeapBound, choose, heap_share
 
 
 def _found(name: str) -> str | None:
@@ -46,8 +46,8 @@ def test_the_environment_preloads_tcmalloc_before_an_operators_own_preload():
 
 def test_the_heap_gets_what_the_limit_leaves_beside_the_rest_of_the_memory():
     mib = 1 << 20
-    assert heap_limit(900 * mib, resident=400 * mib, heap_resident=150 * mib) == 650 * mib
-    assert heap_limit(900 * mib, resident=100 * mib, heap_resident=150 * mib) == 900 * mib
+    assert heap_share(900 * mib, resident=400 * mib, heap_resident=150 * mib) == 650 * mib
+    assert heap_share(900 * mib, resident=100 * mib, heap_resident=150 * mib) == 900 * mib
 
 
 def test_only_an_allocation_the_heap_limit_refused_is_a_resource_limit():
