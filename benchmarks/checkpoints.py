@@ -35,11 +35,12 @@ round's order rotated by one), the machine let go quiet before each job
 **One checkpoint**, from its ``checkpoint`` event: its ``bytes``, the ``seconds`` the
 coordinator took to write it (a thread: encode, CRC-32, write, ``fsync``, rename) — apart for
 a job's first :data:`KEEP`, written as new files, and each one after, written over the file of
-the one it retires (on this machine's ext4 a new 23 MB file took 80–110 ms of CPU to write and
-sync, 3 ms overwriting one whose pages were cached: a one-off script, a write every 0.3 s) —
-and the *stall*: the time from the progress event of its step to its own event less the write —
-replica 0's states and optimizer states come with the reply of the chunk that ends at the
-checkpoint, the next chunk already queued behind it and training, and the write runs in the
+the one it retires (through the page cache a new 23 MB file took 110–250 ms here beside
+training, 15–20 ms over a retired one's cached pages; written ``O_DIRECT``, as the store does
+now, 11–17 ms either way: :class:`coordinator.jobs.disk.DirectStaging`) — and the *stall*:
+the time from the progress event of its step to its own event less the write — replica 0's
+states and optimizer states come with the reply of the chunk that ends at the checkpoint, the
+next chunk already queued behind it and training, and the write runs in the
 background (:mod:`coordinator.jobs.checkpoints`), so what is left is joining and handing it
 over; before, training stood still while the coordinator read them with requests of its own
 (51 ms a checkpoint here, 3 ms since). The stalls inside the measured span per

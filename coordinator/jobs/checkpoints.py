@@ -5,7 +5,10 @@ state, every optimizer's state, and the position (step, epoch or round) — the 
 what it holds (:class:`Checkpoint`). It is written to
 ``<state_dir>/checkpoints/<job id>/<seq>.ckpt`` as one :mod:`protocol.codec` frame followed by its
 CRC-32 (:data:`TRAILER`; a file written before, with a SHA-256 instead, reads all the same), whole
-or not at all (:func:`~coordinator.jobs.disk.write_atomically`). A sharded run's
+or not at all (:func:`~coordinator.jobs.disk.write_atomically`), around the page cache where the
+file system allows it (:class:`~coordinator.jobs.disk.DirectStaging`: a checkpoint is read back
+rarely, and copying it into new cached pages cost more CPU beside training than the rest of
+it). A sharded run's
 replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
 first (never joined here): read from where the replicas left them a piece at a time
 (:mod:`coordinator.jobs.worker_files`, pieces of ``piece_bytes``, two in memory at most),
@@ -50,6 +53,7 @@ from typing import Any
 from coordinator.errors import WorkerCallError
 from coordinator.jobs.disk import (
     AtomicFile,
+    DirectStaging,
     job_path,
     private_directory,
     read_whole,
@@ -191,6 +195,7 @@ class CheckpointStore:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.staging = DirectStaging()  # checkpoints are written around the page cache
         private_directory(directory)
 
     def _job_dir(self, job_id: str) -> Path:
@@ -206,7 +211,7 @@ class CheckpointStore:
         folder = self._job_dir(job_id)
         folder.mkdir(mode=0o700, exist_ok=True)
         seq = max(self._seqs(folder), default=0) + 1
-        return ShardsWriter(seq, folder / f"{seq:08d}{SHARDS_SUFFIX}")
+        return ShardsWriter(seq, folder / f"{seq:08d}{SHARDS_SUFFIX}", self.staging)
 
     def save(
         self,
@@ -242,7 +247,7 @@ class CheckpointStore:
             payload = payload | {"shards": payload.get("shards", {}) | {"files": shards.listed}}
         parts = encode({"position": position, "payload": payload})
         path = folder / f"{seq:08d}{SUFFIX}"
-        nbytes = write_atomically(path, [*parts, _trailer(parts)], reuse)
+        nbytes = write_atomically(path, [*parts, _trailer(parts)], reuse, self.staging)
         for old in retired:  # (the one written over is gone already; its shards' folder not)
             _remove(folder, old)
         where = shards.folder if shards is not None else None
@@ -336,15 +341,17 @@ def _read(path: Path, seq: int, verify: bool = False) -> Checkpoint:
 class ShardsWriter:
     """A sharded checkpoint's files being written into its folder (made afresh: one left by a
     write that never finished goes), each whole or not at all, and what the checkpoint lists
-    of them (``listed``: size and digest by name). Its I/O blocks.
+    of them (``listed``: size and digest by name), around the page cache through ``staging``'s
+    buffers where it is given. Its I/O blocks.
 
     Raises:
         OSError: the folder could not be made.
     """
 
-    def __init__(self, seq: int, folder: Path) -> None:
+    def __init__(self, seq: int, folder: Path, staging: DirectStaging | None = None) -> None:
         self.seq = seq
         self.folder = folder
+        self.staging = staging
         self.listed: dict[str, Any] = {}
         self._open: list[ShardFileWriter] = []
         shutil.rmtree(folder, ignore_errors=True)
@@ -358,7 +365,7 @@ class ShardsWriter:
         """
         if not is_plain_file_name(name) or name in self.listed:
             raise OSError(f"{name!r} is not a shards' file name, or not a new one")
-        file = ShardFileWriter(name, AtomicFile(self.folder / name))
+        file = ShardFileWriter(name, AtomicFile(self.folder / name, staging=self.staging))
         self._open.append(file)
         return file
 
