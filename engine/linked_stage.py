@@ -159,7 +159,7 @@ class LinkedStage:
         if snapshot:
             trained = [n.node_id for n in self.nodes.select(plan.node_ids) if n.differentiable]
             said["snapshot"] = {
-                "states": self.nodes.get_state(plan.node_ids),
+                "states": self.nodes.get_state(plan.node_ids, live=True),
                 "optimizers": self.optimizers.get_optimizer_state(trained) if trained else {},
             }
         return said

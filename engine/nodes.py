@@ -26,7 +26,7 @@ import torch
 from engine.batches import call_module, num_rows
 from engine.errors import EngineError
 from engine.step_functions import BatchLoss, StepModel, step_of, step_result, takes_labels
-from engine.transfer import autocast, tensors_to, to_cpu, to_device
+from engine.transfer import autocast, cpu_tensor, tensors_to, to_cpu, to_device
 from protocol.errors import ErrorCode
 from protocol.rules.rows import (
     model_loss_with_labels,
@@ -183,14 +183,23 @@ class Nodes:
         node.state = node.filter.fit(x, y)
         return node.state
 
-    def get_state(self, node_ids: Sequence[str] | None = None) -> dict[str, Any]:
+    def get_state(
+        self, node_ids: Sequence[str] | None = None, live: bool = False
+    ) -> dict[str, Any]:
         """A snapshot of each node's state: a differentiable filter's ``state_dict`` (detached
-        copies of its tensors, on the CPU), a plain filter's fit result."""
+        copies of its tensors, on the CPU), a plain filter's fit result.
+
+        ``live``: the tensors on the CPU as they stand, not copied (those elsewhere copied to
+        it), for a reply encoded before the next request can step them — as the optimizers'
+        states are (:meth:`engine.optimizers.Optimizers.get_optimizer_state`): a checkpoint's
+        snapshot sent with a chunk's reply is copied once, into the reply.
+        """
         out: dict[str, Any] = {}
+        take = cpu_tensor if live else cpu_copy
         for node in self.select(node_ids):
             if node.differentiable:
                 sd = _whole(node).state_dict()
-                out[node.node_id] = {k: cpu_copy(v) for k, v in sd.items()}
+                out[node.node_id] = {k: take(v.detach()) for k, v in sd.items()}
             else:
                 out[node.node_id] = self.state_of(node)
         return out

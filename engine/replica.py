@@ -419,7 +419,7 @@ class Replica:
                 files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
             return {"shards": files, "rest": rest, "plain": self.nodes.get_state(_ids(prefix))}
         return {
-            "states": self.nodes.get_state(plan.node_ids),
+            "states": self.nodes.get_state(plan.node_ids, live=True),
             "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
         }
 

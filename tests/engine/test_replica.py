@@ -165,3 +165,21 @@ def test_a_filter_loaded_as_its_rows_alone_is_never_read_or_set_whole():
         with pytest.raises(EngineError, match="holds only this replica's rows") as refused:
             read()
         assert refused.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_a_snapshot_read_live_is_the_modules_tensors_and_any_other_read_a_copy():
+    """What a chunk's reply carries for a checkpoint (``live``: written out before the next
+    request can step it) against a state read to be kept (copied)."""
+    engine = Engine()
+    engine.load({"net": sz.TorchFilter(torch.nn.Linear(3, 2), loss="mse")})
+    module = engine.nodes.node("net").filter.module
+    before = module.weight.detach().clone()
+    live = engine.nodes.get_state(["net"], live=True)["net"]
+    kept = engine.nodes.get_state(["net"])["net"]
+    assert live["weight"].data_ptr() == module.weight.data_ptr()
+    assert kept["weight"].data_ptr() != module.weight.data_ptr()
+    assert not live["weight"].requires_grad and not kept["weight"].requires_grad
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    torch.testing.assert_close(live["weight"], before + 1.0)
+    torch.testing.assert_close(kept["weight"], before)
