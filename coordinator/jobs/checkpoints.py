@@ -8,10 +8,9 @@ CRC-32 (:data:`TRAILER`; a file written before, with a SHA-256 instead, reads al
 or not at all (:func:`~coordinator.jobs.disk.write_atomically`), around the page cache where the
 file system allows it (:class:`~coordinator.jobs.disk.DirectStaging`: a checkpoint is read back
 rarely, and copying it into new cached pages cost more CPU beside training than the rest of
-it). A sharded run's
-replicas' shards, as torch.distributed.checkpoint wrote them on each, go to ``<seq>.shards/``
-first (never joined here): read from where the replicas left them a piece at a time
-(:mod:`coordinator.jobs.worker_files`, pieces of ``piece_bytes``, two in memory at most),
+it). A sharded run's replicas' shards, as torch.distributed.checkpoint wrote them on each, go to
+``<seq>.shards/`` first (never joined here): read from where the replicas left them a piece at
+a time (:mod:`coordinator.jobs.worker_files`, pieces of ``piece_bytes``, two in memory at most),
 each piece written as the next is read (:class:`ShardsWriter`), and the frame lists them with
 their digests. A torn or damaged file fails its digest and is never used (the one before it
 is); the previous checkpoint is removed only once the new one is complete, and the last

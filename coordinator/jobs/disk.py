@@ -67,7 +67,7 @@ class DirectStaging:
     written over a retired file's cached pages 15–20 ms), and the copy came to more CPU than
     all the rest of a checkpoint (``perf``: ``copy_folio_from_iter_atomic``). Written
     ``O_DIRECT`` from a buffer that stays mapped, a file costs one copy into memory already
-    faulted in and the disk's own transfer: 10–29 ms new or not (``python -m
+    faulted in and the disk's own transfer: 10–32 ms new or not (``python -m
     benchmarks.checkpoints``). Databases and checkpointers write so (DeepSpeed's FastPersist);
     what is written is read back rarely (a resume), so it is not worth the cache either.
 
@@ -106,8 +106,9 @@ class AtomicFile:
     blocks.
 
     ``reuse``: a file that is being thrown away (``None``: none), renamed to the ``.partial``
-    and written over in place, so that the new file takes its disk blocks and its cached
-    pages instead of new ones being allocated while the old ones are freed (the coordinator
+    and written over in place, so that the new file takes its disk blocks (and, through the
+    page cache, its cached pages) instead of new ones being allocated while the old ones are
+    freed (the coordinator
     wrote a 23 MB checkpoint so in 17–20 ms, a new file in 110–160 ms, ``fsync`` included,
     through the page cache: ``python -m benchmarks.checkpoints`` on this project's machine). It
     is gone once this is made, whether the new file is written or not.
@@ -115,8 +116,8 @@ class AtomicFile:
     ``staging``: write around the page cache (``O_DIRECT``), through a buffer of these
     (:class:`DirectStaging`): whole buffers go to the disk as they fill, the last part of a page
     through the page cache (``O_DIRECT`` turned off for it). Where the file system refuses
-    ``O_DIRECT`` (at the open or a first write), the file is written through the page cache
-    all the same; :attr:`direct` says which.
+    ``O_DIRECT`` (at the open or a write), the file is written through the page cache from
+    there on all the same; :attr:`direct` says which.
 
     Raises:
         OSError: the ``.partial`` cannot be made.
