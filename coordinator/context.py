@@ -244,6 +244,14 @@ class StrategyContext(ABC):
         )
         return states
 
+    async def state_digests(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+        """The SHA-256 of each tensor of ``node_ids``' states on a worker (differentiable nodes
+        only), read over the wire now: to compare workers' states without sending them."""
+        digests: dict[str, Any] = await self.call(
+            worker_idx, GetStateRequest(node_ids=list(node_ids), digests=True)
+        )
+        return digests
+
     async def set_state(self, worker_idx: int, states: Mapping[str, Any]) -> None:
         """Load states on a worker (what a later :meth:`get_state` there returns)."""
         await self.call(worker_idx, SetStateRequest(states=dict(states)))

@@ -15,6 +15,7 @@ every filter of the run steps its own optimizer).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -204,6 +205,15 @@ class Nodes:
                 out[node.node_id] = self.state_of(node)
         return out
 
+    def state_digests(self, node_ids: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
+        """Each differentiable node's state as digests: its ``state_dict``'s tensors' SHA-256
+        (:func:`tensor_digest`) by name; plain nodes are left out."""
+        return {
+            node.node_id: {k: tensor_digest(v) for k, v in _whole(node).state_dict().items()}
+            for node in self.select(node_ids)
+            if node.differentiable
+        }
+
     def set_state(self, states: Mapping[str, Any]) -> None:
         """Load states as :meth:`get_state` returns them (tensors may also be numpy arrays)."""
         nodes = [self.node(node_id) for node_id in states]
@@ -388,6 +398,15 @@ def check_same_names(node_id: str, what: str, given: set[str], expected: set[str
                 "unexpected": sorted(given - expected),
             },
         )
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """The SHA-256 (hex) of ``tensor``'s dtype, shape and bytes: equal for equal tensors, and
+    two that differ anywhere differ."""
+    flat = cpu_tensor(tensor.detach()).contiguous().reshape(-1).view(torch.uint8)
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(flat.numpy().data)
+    return digest.hexdigest()
 
 
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:

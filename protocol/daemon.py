@@ -552,10 +552,13 @@ class CompositeForwardRequest(_Request):
 
 
 class GetStateRequest(_Request):
-    """Read the states of some nodes (``None``: all of them), as they are now."""
+    """Read the states of some nodes (``None``: all of them), as they are now; with ``digests``,
+    only each differentiable node's tensors' SHA-256 (name → hex, over dtype, shape and bytes):
+    what the replicas of a data-parallel run compare at its end, instead of sending it whole."""
 
     cmd: Literal["get_state"] = "get_state"
     node_ids: list[str] | None = None
+    digests: bool = False
 
 
 class SetStateRequest(_Request):

@@ -323,6 +323,8 @@ class Daemon:
         return self.engine.fitting.composite_forward(req.node_ids, req.x, req.states)
 
     def on_get_state(self, req: GetStateRequest) -> dict[str, Any]:
+        if req.digests:
+            return self.engine.nodes.state_digests(req.node_ids)
         return self.engine.nodes.get_state(req.node_ids)
 
     def on_set_state(self, req: SetStateRequest) -> None:

@@ -12,7 +12,10 @@ model, the result equals single-process training on the same global batches (Goy
 Data crosses the wire once per job: each replica is sent the rows it will ever see, staged in its
 filter daemon, and per step only row indices go out and gradients come back. Plain filters before
 the first TorchFilter are fitted on each replica's share of the first epoch, their states
-averaged (weighted by rows) and set everywhere before training starts.
+averaged (weighted by rows) and set everywhere before training starts. At the end the model is
+read whole from one replica and every replica's tensors compared by their SHA-256
+(:meth:`~coordinator.context.StrategyContext.state_digests`): they must agree, and the
+coordinator takes one model's bytes, not N.
 
 Over ``WorkerData`` each replica stages its own dataset instead and each step takes every
 replica's next ``batch_size`` rows of its own (:func:`protocol.rules.batching.replica_batches`, by
@@ -328,10 +331,11 @@ class SetUp:
 
 
 async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any]:
-    """4. The final states, read back over the wire from every replica: they must agree."""
-    states = await run.read_back()
-    _check_replicas_agree([run.ids[i] for i in states], list(states.values()), torch_nodes)
-    return next(iter(states.values()))
+    """4. The final states, read back over the wire from one replica, every replica's torch
+    nodes' tensors compared by their digests: they must agree."""
+    states, digests = await run.read_back(torch_nodes)
+    _check_replicas_agree([run.ids[i] for i in digests], list(digests.values()), torch_nodes)
+    return states
 
 
 def _evaluator(run: Replicas, job: JobInputs) -> Evaluate | None:
@@ -423,13 +427,13 @@ def _first_epoch(plan: GlobalBatchPlan, replicas: int) -> tuple[list[list[int]],
     return first_epoch, steps_per_epoch
 
 
-def _check_replicas_agree(ids: list[str], states: list[dict[str, Any]], nodes: list[str]) -> None:
-    """Every replica applied the same steps to the same start: their weights must be equal."""
+def _check_replicas_agree(ids: list[str], digests: list[dict[str, Any]], nodes: list[str]) -> None:
+    """Every replica applied the same steps to the same start: their weights must be equal,
+    tensor by tensor (``digests``: each replica's, :meth:`StrategyContext.state_digests`)."""
     for node in nodes:
-        for key, value in states[0][node].items():
-            reference = np.asarray(value)
-            for worker, other in zip(ids[1:], states[1:], strict=True):
-                if not np.array_equal(np.asarray(other[node][key]), reference):
+        for key, reference in digests[0][node].items():
+            for worker, other in zip(ids[1:], digests[1:], strict=True):
+                if other[node].get(key) != reference:
                     raise StrategyFailed(
                         ErrorCode.INTERNAL,
                         f"replicas diverged: node {node!r}, key {key!r} differs between "

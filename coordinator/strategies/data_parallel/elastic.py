@@ -110,6 +110,7 @@ class Replicas:
     absent: set[int] = field(default_factory=set)  # replicas dropped (DiLoCo), until one joins
     sharded: bool = False  # FSDP2 shards the torch nodes: read from every replica's pieces
     rows_alone: bool = False  # each replica sent only its rows of the torch nodes' parameters
+    _lost_reading: dict[int, WorkerCallError] = field(default_factory=dict, repr=False)
 
     @property
     def ids(self) -> list[str]:
@@ -237,16 +238,35 @@ class Replicas:
                 {"replica": i, "worker": self.ids[i], "from": snapshot.source} | self.position.at(),
             )
 
-    async def read_back(self) -> dict[int, dict[str, Any]]:
-        """Every present replica's final state; with ``elastic`` a lost one is left out."""
+    async def read_back(
+        self, compared: Sequence[str]
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The final state, read whole from one present replica, and every present replica's
+        digests of ``compared``'s tensors by replica (:meth:`StrategyContext.state_digests`):
+        the replicas are compared without each sending the model (N models' bytes through
+        the coordinator, and in its memory at once, where one is read). With ``elastic`` a
+        lost replica is left out (another survivor read whole if it was the one).
+
+        Raises:
+            StrategyFailed: ``WORKER_LOST``: every replica was lost.
+        """
         self.position.phase, self.position.step = "reading", None
-        reads = {i: self.ctx.read_back_state(i, self.job.node_ids) for i in self.present()}
+        reads = {i: self.ctx.state_digests(i, compared) for i in self.present()}
+        digests = await self._surviving(reads)
+        for i in sorted(digests):
+            whole = await self._surviving({i: self.ctx.read_back_state(i, self.job.node_ids)})
+            if i in whole:
+                return whole[i], digests
+        raise every_replica_lost(self._lost_reading, "reading the final states")
+
+    async def _surviving(self, calls: Mapping[int, Awaitable[T]]) -> dict[int, T]:
+        """:meth:`each`, the lost replicas (with ``elastic``) reported and left out of the
+        results."""
         try:
-            return await self.each(reads)
+            return await self.each(calls)
         except Lost as lost:
             await self.report(lost.errors)
-            if not lost.results:
-                raise every_replica_lost(lost.errors, "reading the final states") from None
+            self._lost_reading |= lost.errors
             return lost.results
 
     async def _replace(self, i: int, error: WorkerCallError) -> None:

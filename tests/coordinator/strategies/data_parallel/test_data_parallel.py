@@ -202,3 +202,54 @@ def test_in_process_replicas_reduce_through_the_coordinator_and_refuse_the_torch
         )
     assert failed.value.info.code == "collective_failed"
     assert "collective='torch': the workers are in-process" in str(failed.value)
+
+
+class _Reading(Daemon):
+    """A daemon that notes the state reads it answers, and (``drift``) moves its weights by
+    ``drift`` before a digest is taken: a replica that has diverged."""
+
+    def __init__(self, reads: list[tuple[int, bool]], index: int, drift: float = 0.0) -> None:
+        super().__init__()
+        self.reads, self.index, self.drift = reads, index, drift
+
+    def on_get_state(self, req):
+        self.reads.append((self.index, req.digests))
+        if req.digests and self.drift:
+            with torch.no_grad():
+                self.engine.nodes.node("mlp").filter.module[0].weight.add_(self.drift)
+        return super().on_get_state(req)
+
+
+def _run_reading(drift: float = 0.0) -> tuple[Any, list[tuple[int, bool]]]:
+    reads: list[tuple[int, bool]] = []
+    made = iter(range(3))
+
+    def make() -> Daemon:
+        i = next(made)
+        return _Reading(reads, i, drift if i == 2 else 0.0)
+
+    x, y = dataset()
+
+    async def emit(event, data):
+        pass
+
+    run = DataParallel(DataParallelOptions(workers=3)).run(
+        InMemoryContext(3, make), inputs(graph_for("sgd", epochs=1), x, y), emit
+    )
+    return asyncio.run(run), reads
+
+
+def test_the_final_states_are_read_whole_from_one_replica_and_the_others_by_their_digests():
+    """N replicas' models through the coordinator (and in its memory at once) were N times the
+    bytes of one: each replica sends its tensors' SHA-256 instead, and one sends the model."""
+    states, reads = _run_reading()
+    assert sorted(reads) == [(0, False), (0, True), (1, True), (2, True)]
+    expected = reference_training(*dataset(), "sgd", epochs=1)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(states["mlp"][key]), value, rtol=0, atol=1e-5)
+
+
+def test_a_replica_whose_weights_differ_at_the_end_fails_the_job_naming_it():
+    said = r"replicas diverged: node 'mlp', key '0\.weight' differs between 'mem-0' and 'mem-2'"
+    with pytest.raises(StrategyFailed, match=said):
+        _run_reading(drift=1e-7)
