@@ -110,7 +110,6 @@ class Replicas:
     absent: set[int] = field(default_factory=set)  # replicas dropped (DiLoCo), until one joins
     sharded: bool = False  # FSDP2 shards the torch nodes: read from every replica's pieces
     rows_alone: bool = False  # each replica sent only its rows of the torch nodes' parameters
-    _lost_reading: dict[int, WorkerCallError] = field(default_factory=dict, repr=False)
 
     @property
     def ids(self) -> list[str]:
@@ -252,22 +251,25 @@ class Replicas:
         """
         self.position.phase, self.position.step = "reading", None
         reads = {i: self.ctx.state_digests(i, compared) for i in self.present()}
-        digests = await self._surviving(reads)
+        digests, lost = await self._surviving(reads)
         for i in sorted(digests):
-            whole = await self._surviving({i: self.ctx.read_back_state(i, self.job.node_ids)})
+            read = {i: self.ctx.read_back_state(i, self.job.node_ids)}
+            whole, lost_now = await self._surviving(read)
             if i in whole:
                 return whole[i], digests
-        raise every_replica_lost(self._lost_reading, "reading the final states")
+            lost |= lost_now
+        raise every_replica_lost(lost, "reading the final states")
 
-    async def _surviving(self, calls: Mapping[int, Awaitable[T]]) -> dict[int, T]:
-        """:meth:`each`, the lost replicas (with ``elastic``) reported and left out of the
-        results."""
+    async def _surviving(
+        self, calls: Mapping[int, Awaitable[T]]
+    ) -> tuple[dict[int, T], dict[int, WorkerCallError]]:
+        """:meth:`each`'s results, and the replicas lost meanwhile (with ``elastic``; each
+        reported), left out of them."""
         try:
-            return await self.each(calls)
+            return await self.each(calls), {}
         except Lost as lost:
             await self.report(lost.errors)
-            self._lost_reading |= lost.errors
-            return lost.results
+            return lost.results, dict(lost.errors)
 
     async def _replace(self, i: int, error: WorkerCallError) -> None:
         """A worker for lost replica ``i``: the same one when only its daemon died (loading the

@@ -253,3 +253,31 @@ def test_a_replica_whose_weights_differ_at_the_end_fails_the_job_naming_it():
     said = r"replicas diverged: node 'mlp', key '0\.weight' differs between 'mem-0' and 'mem-2'"
     with pytest.raises(StrategyFailed, match=said):
         _run_reading(drift=1e-7)
+
+
+def test_an_elastic_jobs_replica_lost_as_the_model_is_read_leaves_it_to_a_survivor():
+    reads: list[tuple[int, bool]] = []
+    events: list[tuple[str, dict]] = []
+    holder: dict[str, InMemoryContext] = {}
+    made = iter(range(3))
+
+    class Lost(_Reading):
+        def on_get_state(self, req):
+            if self.index == 0 and not req.digests:  # its worker goes as it sends the model
+                holder["ctx"].lose(0)
+            return super().on_get_state(req)
+
+    async def emit(event, data):
+        events.append((event, data))
+
+    x, y = dataset()
+    ctx = holder["ctx"] = InMemoryContext(3, lambda: Lost(reads, next(made)))
+    options = DataParallelOptions(workers=3, elastic=True, collective="coordinator")
+    job = inputs(graph_for("sgd", epochs=1), x, y)
+    states = asyncio.run(DataParallel(options).run(ctx, job, emit))
+    assert sorted(reads) == [(0, False), (0, True), (1, False), (1, True), (2, True)]
+    lost = [data for event, data in events if event == "worker_lost"]
+    assert [(d["replica"], d["worker"]) for d in lost] == [(0, "mem-0")]
+    expected = reference_training(x, y, "sgd", epochs=1)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(states["mlp"][key]), value, rtol=0, atol=1e-5)
