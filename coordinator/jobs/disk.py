@@ -146,7 +146,7 @@ class AtomicFile:
         self._fd = fd
         self._file = os.fdopen(fd, "wb")
         self._staging = staging if self.direct else None
-        self._stage = staging.take() if staging is not None and self.direct else None
+        self._stage = self._staging.take() if self._staging is not None else None
         self._filled = 0  # bytes of the stage not yet written
         self.nbytes = 0
 

@@ -19,7 +19,8 @@ memory than mapped blocks with a deep model (sixteen 2048 × 2048 layers: 1,101 
 smaller blocks before the next unit's), never near glibc's heap (``python -m
 benchmarks.sharded_memory``).
 Unsharded jobs train as fast with either (DataParallel 1.02× DDP's step at N = 2, 1.00× at 3; the
-default checkpointed job 1.070× the same job without checkpoints, against 1.065× under glibc).
+default checkpointed job 1.070× the same job without checkpoints, against 1.065× under glibc,
+both measured before checkpoints were written around the page cache).
 
 The agent picks it once (``--daemon-malloc``, :func:`choose`) and a daemon gets it through
 ``LD_PRELOAD`` in its environment (:meth:`Allocator.environment`), from its very first
