@@ -29,6 +29,7 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +45,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as save_checkpoin
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from engine.dcp_metadata import CheckedReader, MetadataRefused, checked_metadata
 from engine.errors import EngineError
 from engine.nodes import Node
 from engine.optimizers import SCHEDULER, Optimizers
 from engine.transfer import precision_of, to_cpu
 from protocol.errors import ErrorCode
 from protocol.filters import ROWS
+from protocol.shard_files import METADATA
 
 __all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 
@@ -374,7 +377,14 @@ class ShardedRun:
                 ErrorCode.STATE_MISMATCH,
                 f"the checkpoint holds {len(saved)} sharded tensors, this model {len(target)}",
             )
-        load_checkpoint(target, checkpoint_id=directory)  # in place: the tensors of ``now``
+        try:  # every replica has the same file: each refuses it before the collective
+            checked_metadata((Path(directory) / METADATA).read_bytes())
+        except (MetadataRefused, OSError) as exc:
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH, f"the checkpoint's {METADATA} is refused: {exc}"
+            ) from exc
+        # In place, the tensors of ``now``; DCP's own plain unpickler never sees the file.
+        load_checkpoint(target, storage_reader=CheckedReader(directory))
         for node, held in zip(self.run, kept, strict=True):
             key = node.node_id
             held.module.load_state_dict(_filled(rest["states"][key], now["states"][key]))

@@ -11,16 +11,14 @@ DCP's own reader (:func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_
 for :meth:`somatize.jobs.Job.checkpoint`.
 
 DCP reads the ``.metadata`` with plain :mod:`pickle`, which would run whatever code a forged
-one names: it is first read here by an unpickler that builds DCP's own metadata classes and
-torch's sizes, dtypes and layouts and nothing else (:func:`_checked_metadata`), so a checkpoint
-runs no code of the workers' on the client, as a result or a saved graph does not. The shards
-themselves DCP reads with ``torch.load(weights_only=True)``.
+one names: it is first read here as :func:`engine.dcp_metadata.checked_metadata` reads it (an
+exact list of DCP's metadata classes, tensors only, plain file names), so a checkpoint runs no
+code of the workers' on the client, as a result or a saved graph does not; DCP then reads the
+same bytes. The shards themselves DCP reads with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,36 +28,19 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from engine.dcp_metadata import MetadataRefused, checked_metadata
 from protocol.shard_files import METADATA, is_plain_file_name
 from somatize.errors import ClientError
 
 __all__ = ["whole_states"]
 
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
-"""What a ``.metadata`` may name besides :mod:`torch.distributed.checkpoint.metadata`'s classes
-and torch's dtypes."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module == "torch.distributed.checkpoint.metadata" or dtype or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a checkpoint's {METADATA} may not name {module}.{name}")
-
 
 def _checked_metadata(data: bytes | bytearray) -> None:
-    """Raise ClientError unless ``data`` is a ``.metadata`` of DCP's own classes alone."""
+    """Raise ClientError unless ``data`` is a ``.metadata`` of DCP's own, of tensors alone."""
     try:
-        _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # what a forged or damaged pickle raises: say what it is not
-        raise ClientError(f"the checkpoint's {METADATA} is not DCP's: {exc}") from exc
+        checked_metadata(data)
+    except MetadataRefused as exc:
+        raise ClientError(f"the checkpoint's {METADATA} is refused: {exc}") from exc
 
 
 def whole_states(
