@@ -17,9 +17,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 
 # tcmalloc for the workers' filter daemons (worker/daemon/allocator.py): a sharded step takes
-# 0.6x of what it takes with glibc's malloc.
+# 0.6x of what it takes with glibc's malloc. bubblewrap for their sandbox
+# (worker/daemon/sandbox.py): where the container may make namespaces it is the one taken;
+# under Docker's default seccomp profile it may not, and a root worker gives each job's daemon
+# a uid of its own instead (--sandbox uid: python and the packages live in /usr/local, which
+# any uid may read).
 RUN apt-get update -q \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        libtcmalloc-minimal4 bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 # The dependencies first, from the project's list and the pins alone: an edit of the source
@@ -36,6 +41,8 @@ RUN pip install --no-deps -c constraints.txt . \
     && chown somatize:somatize /state /results
 
 # /state and /results belong to the unprivileged user, so fresh named volumes there do too.
+# The coordinator and the job run as it; docker-compose runs the workers as root, which is
+# what lets them sandbox job code (a uid per daemon, or bubblewrap's user namespace).
 USER somatize
 VOLUME ["/state", "/results"]
 EXPOSE 8765

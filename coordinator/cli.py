@@ -112,6 +112,12 @@ def _security_options(parser: argparse.ArgumentParser) -> None:
         "holder may register a new id",
     )
     parser.add_argument(
+        "--require-sandbox",
+        action="store_true",
+        help="refuse workers that run job code without a sandbox (somatize-worker --sandbox "
+        "none): every job's code then runs under bubblewrap or a uid of its own",
+    )
+    parser.add_argument(
         "--forget-worker",
         action="append",
         default=[],
@@ -310,6 +316,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             max_reassembly_bytes=args.max_reassembly_bytes,
             max_client_reassembly_bytes=args.max_client_reassembly_bytes,
             stall_timeout=args.stall_timeout,
+            require_sandbox=args.require_sandbox,
         )
     except ValueError as exc:
         raise SystemExit(f"somatize-coordinator: {exc}") from exc

@@ -78,6 +78,8 @@ class WorkerIdentity:
     datasets: Mapping[str, int | None] = field(default_factory=dict)  # name → rows (None: unknown)
     device: str = "cpu"
     host: str | None = None
+    sandbox: str = ""  # what job code runs inside there ("bwrap", "uid", "none"; "": unsaid)
+    network: bool = True  # whether job code there shares the machine's network
 
 
 @dataclass(frozen=True)

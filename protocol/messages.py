@@ -32,7 +32,7 @@ the agent forwards it to the job's daemon unchanged.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -87,6 +87,20 @@ class Capabilities(BaseModel):
     cloudpickle: str
     platform: str = ""
     sandbox: str = ""  # what a job's code runs inside there: "bwrap", "uid", "none" (or unsaid)
+    network: bool = True  # whether a job's code there shares the machine's network
+
+
+SandboxRequirement = Literal["any", "required"]
+"""What a job asks of its workers' sandbox (``Submit.sandbox``)."""
+SANDBOX_REQUIREMENTS: tuple[str, ...] = get_args(SandboxRequirement)
+
+SANDBOXES = ("bwrap", "uid")
+"""The sandboxes a job that asks for one (``sandbox="required"``) may be placed in."""
+
+
+def sandboxed(capabilities: Capabilities) -> bool:
+    """Whether a worker runs job code in a sandbox (:data:`SANDBOXES`)."""
+    return capabilities.sandbox in SANDBOXES
 
 
 class ArrayShape(BaseModel):
@@ -427,6 +441,8 @@ class Submit(_Message):
     wait_for_workers: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # for the job list
     file: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # its job file
+    # "required": placed only on workers that run job code sandboxed (bwrap or uid)
+    sandbox: SandboxRequirement = "any"
 
 
 class Watch(_Message):

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol.messages import SANDBOX_REQUIREMENTS
 from protocol.token_file import token_file_problem
 from protocol.user_tracebacks import with_source
 from somatize.curves import (
@@ -150,6 +151,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait this long for workers that can take the job (a tag or worker id no worker "
         "has yet included), then fail; by default such a job is refused at once",
+    )
+    submit.add_argument(
+        "--sandbox",
+        choices=SANDBOX_REQUIREMENTS,
+        help="required: place the job only on workers that run job code sandboxed (bwrap or "
+        "uid, as status shows), refused at once where none does; any: on any worker "
+        "(default: the job file's sandbox, else any)",
     )
     submit.add_argument(
         "--save",
@@ -319,6 +327,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
                 wait_for_workers=wait,
                 name=args.name or spec.name or Path(args.file).stem,
                 file=args.file,
+                sandbox=args.sandbox or spec.sandbox,  # argparse's choices: a requirement
             )
         except ValueError as exc:  # what the SDK refuses of the file's data, before sending
             raise UsageError(f"{args.file}: {exc}") from exc

@@ -43,12 +43,14 @@ from protocol.messages import (
     CHUNK_BYTES,
     MAX_GRAPH_NODES,
     MAX_LISTED,
+    SANDBOX_REQUIREMENTS,
     GraphSpec,
     JobEvent,
     ListJobs,
     NodeInfo,
     Ping,
     Result,
+    SandboxRequirement,
     Shutdown,
     Status,
     Submit,
@@ -261,6 +263,7 @@ class Client:
         name: str | None = None,
         file: str | None = None,
         resume_from: str | Job | None = None,
+        sandbox: SandboxRequirement = "any",
     ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
@@ -289,6 +292,10 @@ class Client:
                 the same graph and data with more epochs (rounds) equal one longer run. The
                 job must have run the same strategy and kept a checkpoint (a cancelled or
                 failed one keeps them all). Refused at submit otherwise.
+            sandbox: ``"required"``: the job is placed only on workers that run job code
+                sandboxed (``somatize-worker --sandbox`` bwrap or uid: ``status`` shows each
+                worker's), refused at submit where no registered worker does; ``"any"``
+                (default): on any worker.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -313,6 +320,11 @@ class Client:
             raise ValueError(
                 "wait_for_workers must be a positive number of seconds or None, not "
                 f"{wait_for_workers!r}"
+            )
+        if sandbox not in SANDBOX_REQUIREMENTS:
+            raise ValueError(
+                f"sandbox must be one of {', '.join(map(repr, SANDBOX_REQUIREMENTS))}, "
+                f"not {sandbox!r}"
             )
         if len(graph.node_ids) > MAX_GRAPH_NODES:
             raise ValueError(
@@ -357,6 +369,7 @@ class Client:
             name=name,
             file=file,
             resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
+            sandbox=sandbox,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         nbytes += data_nbytes(x_val) + data_nbytes(y_val)

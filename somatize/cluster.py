@@ -38,6 +38,8 @@ LISTENING = re.compile(r"^somatize-coordinator listening on \S+:(\d+)\s*$", re.M
 and the bind."""
 _PEER_ADDRESS = re.compile(r"serving peer links on \S+ \(announced as (ws://\S+)\)")
 """A worker's line saying where other workers dial it (:mod:`worker.peer_server`)."""
+NO_SANDBOX = "no sandbox for job code works here"
+"""What a worker says when ``--sandbox auto`` finds no sandbox (:mod:`worker.daemon.sandbox`)."""
 
 
 def said_in_log(
@@ -101,7 +103,10 @@ class LocalCluster:
         spare_daemons: whether each worker keeps a filter daemon started for its next job
             (``--spare-daemon``). Off, a job waits for its daemons to start (a torch import,
             about 2 s) and nothing idle holds CPU or memory: what many short clusters want.
-        sandbox: each worker's ``--sandbox`` (:mod:`worker.daemon.sandbox`).
+        sandbox: each worker's ``--sandbox`` (:mod:`worker.daemon.sandbox`). With ``"auto"``
+            (the default) on a machine where no sandbox works (no bubblewrap, not root), a
+            cluster of one's own runs its workers ``--sandbox none`` rather than none at all,
+            and says so on stderr once: the job code is the user's own.
     """
 
     def __init__(
@@ -224,8 +229,27 @@ class LocalCluster:
             argv += ["--data", f"{name}={path}"]
         argv += args
         token = {"SOMATIZE_WORKER_TOKEN": self.worker_token} if self.worker_token else None
+        try:
+            self._start_worker(worker_id, argv, token, peer_link)
+        except ClusterError:
+            log = self.logs / f"worker-{worker_id}.log"
+            refused = NO_SANDBOX in log.read_text(errors="replace")
+            if self.sandbox != "auto" or "--sandbox" in args or not refused:
+                raise
+            print(
+                f"no sandbox for job code works on this machine (see {log}): this cluster's "
+                "workers run job code as your user (--sandbox none)",
+                file=sys.stderr,
+            )
+            self.sandbox = "none"
+            argv[argv.index("--sandbox") + 1] = "none"
+            self._start_worker(worker_id, argv, token, peer_link)
+
+    def _start_worker(
+        self, worker_id: str, argv: list[str], env: Mapping[str, str] | None, peer_link: bool
+    ) -> None:
         said = self._log_size(f"worker-{worker_id}")
-        proc = self._spawn(f"worker-{worker_id}", argv, token)
+        proc = self._spawn(f"worker-{worker_id}", argv, env)
         self.workers[worker_id] = proc
         if peer_link:
             log = self.logs / f"worker-{worker_id}.log"

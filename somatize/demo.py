@@ -144,6 +144,8 @@ def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
         for i in range(workers):
             cluster.start_worker(f"worker-{i + 1}", threads=threads, peer_link=True)
         with connect(cluster.url) as client:
+            levels = {w["capabilities"].get("sandbox") or "?" for w in client.status()["workers"]}
+            console.print(f"job code's sandbox on the workers: {', '.join(sorted(levels))}")
             for label, strategy in strategies(workers):
                 console.print(f"[bold]{label}[/bold]")
                 started = time.perf_counter()

@@ -3,7 +3,8 @@
 A job file is run with :func:`runpy.run_path`; it defines ``graph`` (a :class:`~somatize.Graph`)
 and ``x``, and may define ``y``, ``strategy`` (default :class:`~somatize.Local`),
 ``validation`` (``(x_val, y_val)``, ``(x_val, None)`` or ``sz.WorkerData(name, split=...)``),
-``name`` (what the job list calls the job) and ``wait_for_workers`` (seconds), each what
+``name`` (what the job list calls the job), ``wait_for_workers`` (seconds) and ``sandbox``
+(``"required"``: sandboxed workers only), each what
 :meth:`somatize.client.Client.submit` takes of that name. Any other name is the file's own,
 except one that looks like a misspelt or misplaced one of those (``validaton``, ``x_val``): it is
 warned about, since it would otherwise be silently left out::
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol.messages import SandboxRequirement
 from protocol.user_tracebacks import folded
 from protocol.wording import did_you_mean
 from somatize.errors import UsageError
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NAMES", "JobFile", "load_job_file"]
 
-NAMES = ("graph", "x", "y", "strategy", "validation", "name", "wait_for_workers")
+NAMES = ("graph", "x", "y", "strategy", "validation", "name", "wait_for_workers", "sandbox")
 """What a job file may define for the job."""
 
 _VALIDATION_PARTS = ("x_val", "y_val", "val_x", "val_y", "x_valid", "y_valid")
@@ -54,6 +56,7 @@ class JobFile:
     validation: Any = None
     name: str | None = None
     wait_for_workers: float | None = None
+    sandbox: SandboxRequirement = "any"
     warnings: list[str] = field(default_factory=list)
 
 
@@ -111,6 +114,7 @@ def load_job_file(path: str) -> JobFile:
         validation=namespace.get("validation"),
         name=name,
         wait_for_workers=None if wait is None else float(wait),
+        sandbox=namespace.get("sandbox", "any"),  # checked by submit, as the SDK's own
         warnings=_warnings(path, namespace),
     )
 

@@ -243,11 +243,12 @@ class Agent:
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
         sandbox = self.config.sandbox
-        self._capabilities = self._capabilities.model_copy(update={"sandbox": sandbox.level})
+        announced = {"sandbox": sandbox.level, "network": sandbox.network}
+        self._capabilities = self._capabilities.model_copy(update=announced)
         if sandbox.level == "none":
             log.warning(
-                "NO SANDBOX for job code: %s. Install bubblewrap (apt-get install bubblewrap) "
-                "for --sandbox auto to use it, or run this worker as a user of its own.",
+                "NO SANDBOX for job code (--sandbox none): %s. Install bubblewrap (apt-get "
+                "install bubblewrap) for --sandbox auto to use it.",
                 sandbox.describe(),
             )
         else:
@@ -287,6 +288,7 @@ class Agent:
                 await self._peer_server.stop()
             await self._pool.close_fork_server()
             await asyncio.to_thread(self._pool.release)
+            await asyncio.to_thread(self.config.sandbox.close)
             await asyncio.to_thread(self._kept.close)
             self._lifecycle.finish()
             self._sync()

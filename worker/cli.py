@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -40,7 +41,7 @@ from worker.config import AgentConfig
 from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
 from worker.daemon.allocator import Allocator
 from worker.daemon.allocator import choose as choose_allocator
-from worker.daemon.sandbox import LEVELS, choose
+from worker.daemon.sandbox import LEVELS, Sandbox, choose
 from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
@@ -135,11 +136,21 @@ def _parser() -> argparse.ArgumentParser:
         "--sandbox",
         choices=LEVELS,
         default="auto",
-        help="what each job's filter daemon runs inside: bwrap (bubblewrap: file system "
-        "read-only, private /tmp and /dev/shm, its own /proc and PIDs, this agent's token and "
-        "identity files hidden), uid (a root agent gives each daemon an unprivileged uid of its "
-        "own; datasets must be readable by others), none (as this agent's user: job code can "
-        "read its secrets); auto (default): bwrap where it works, else none, said loudly",
+        help="what each job's filter daemon runs inside: bwrap (bubblewrap: a user namespace "
+        "with no capabilities, as an unprivileged uid of its own on a root agent; file system "
+        "read-only, private /tmp and /dev/shm counted in its memory, its own /proc and PIDs, "
+        "this agent's token, identity and TLS keys hidden), uid (a root agent gives each "
+        "daemon an unprivileged uid of its own; datasets must be readable by others), none (as "
+        "this agent's user: job code can read its secrets); auto (default): bwrap where it "
+        "works, else uid where it works, else the worker refuses to start, saying why",
+    )
+    parser.add_argument(
+        "--job-network",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): sandboxed job code shares this machine's network (the torch "
+        "collective needs it); off: each daemon gets a network of its own, loopback only "
+        "(bwrap), and jobs that need the torch collective are not placed here",
     )
     parser.add_argument(
         "--daemon-malloc",
@@ -274,11 +285,31 @@ async def _serve(agent: Agent) -> int:
 
 
 def _secret_files(args: argparse.Namespace) -> list[str]:
-    """The files a job must not read: this agent's token file and identity key."""
-    files = [args.token_file, args.identity_file]
+    """The files a job must not read: this agent's token file, identity key, peer TLS key."""
+    files = [args.token_file, args.identity_file, args.peer_tls_key]
     if args.id is not None and args.identity_file is None:
         files.append(default_identity_file(args.id))
     return [str(f) for f in files if f]
+
+
+def _secret_folders(args: argparse.Namespace) -> list[str]:
+    """The folders a job must not read: where this agent's identity key is kept (other
+    workers of this machine keep theirs there too), and the default one."""
+    folders = [default_identity_file("any").parent]
+    if args.identity_file is not None:
+        folders.append(args.identity_file.resolve().parent)
+    return [str(f) for f in dict.fromkeys(folders)]
+
+
+def _sandbox(args: argparse.Namespace, datasets: dict[str, Path]) -> Sandbox:
+    """``--sandbox``'s, as :func:`~worker.daemon.sandbox.choose` finds it here."""
+    return choose(
+        args.sandbox,
+        _secret_files(args),
+        [str(p) for p in datasets.values()],
+        _secret_folders(args),
+        network=args.job_network == "on",
+    )
 
 
 def _daemon_malloc(requested: str) -> Allocator:
@@ -311,40 +342,45 @@ def main(argv: list[str] | None = None) -> int:
         identity_key = None
         if args.id is not None:
             identity_key = load_or_create_key(args.identity_file or default_identity_file(args.id))
-        config = AgentConfig(
-            args.connect,
-            worker_id=args.id,
-            tags=args.tag,
-            threads=args.threads,
-            token=token,
-            datasets=datasets,
-            peer_listen=args.peer_listen,
-            peer_advertise=args.peer_advertise,
-            ca_file=args.ca_file,
-            peer_tls_cert=args.peer_tls_cert,
-            peer_tls_key=args.peer_tls_key,
-            daemon_env=args.daemon_env,
-            max_job_memory=args.max_job_memory,
-            max_job_procs=args.max_job_procs,
-            job_cgroups=args.job_cgroups == "auto",
-            sandbox=choose(args.sandbox, _secret_files(args), [str(p) for p in datasets.values()]),
-            daemon_malloc=_daemon_malloc(args.daemon_malloc),
-            identity_key=identity_key,
-            max_message_bytes=args.max_message_bytes,
-            max_inflight=args.max_inflight,
-            device=args.device,
-            spare=args.spare_daemon == "on",
-            fork_server=args.fork_server == "on",
-        )
-        agent = Agent(config)
+        sandbox = _sandbox(args, datasets)
     except ValueError as exc:
         parser.error(str(exc))
-    # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the
-    # first one it meets, which takes seconds: do it now, not mid-job between two heartbeats.
-    importlib.import_module("torch")
-    keep_freed_memory()
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(_serve(agent))
+    with contextlib.closing(sandbox):  # it may keep a process running (its root)
+        try:
+            config = AgentConfig(
+                args.connect,
+                worker_id=args.id,
+                tags=args.tag,
+                threads=args.threads,
+                token=token,
+                datasets=datasets,
+                peer_listen=args.peer_listen,
+                peer_advertise=args.peer_advertise,
+                ca_file=args.ca_file,
+                peer_tls_cert=args.peer_tls_cert,
+                peer_tls_key=args.peer_tls_key,
+                daemon_env=args.daemon_env,
+                max_job_memory=args.max_job_memory,
+                max_job_procs=args.max_job_procs,
+                job_cgroups=args.job_cgroups == "auto",
+                sandbox=sandbox,
+                daemon_malloc=_daemon_malloc(args.daemon_malloc),
+                identity_key=identity_key,
+                max_message_bytes=args.max_message_bytes,
+                max_inflight=args.max_inflight,
+                device=args.device,
+                spare=args.spare_daemon == "on",
+                fork_server=args.fork_server == "on",
+            )
+            agent = Agent(config)
+        except ValueError as exc:
+            parser.error(str(exc))
+        # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the
+        # first one it meets, which takes seconds: do it now, not mid-job between two heartbeats.
+        importlib.import_module("torch")
+        keep_freed_memory()
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            return runner.run(_serve(agent))
 
 
 if __name__ == "__main__":

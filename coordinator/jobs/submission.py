@@ -15,7 +15,7 @@ from coordinator.errors import StrategyOptionsError
 from coordinator.strategies import JobInputs, Placement, Strategy, strategy_from_spec
 from coordinator.workers.registry import WorkerRecord
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
-from protocol.messages import NodeInfo, Submit
+from protocol.messages import SANDBOXES, NodeInfo, Submit
 from protocol.options.devices import device_fits
 from protocol.rules.rows import (
     batch_problem,
@@ -106,6 +106,7 @@ def job_inputs(msg: Submit) -> JobInputs:
         x_val=msg.x_val,
         y_val=msg.y_val,
         val_split=msg.val_split,
+        sandboxed=msg.sandbox == "required",
     )
 
 
@@ -237,6 +238,8 @@ def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:
     """The strategy's placement, also requiring the job's dataset on every worker, or, for a
     placement by slots, on the slots that read it (:meth:`Strategy.dataset_slots`)."""
     placement = strategy.placement()
+    if inputs.sandboxed:
+        placement = dataclasses.replace(placement, sandboxed=True)
     name = inputs.dataset
     if name is None:
         return placement
@@ -299,6 +302,18 @@ def check_targets(placement: Placement, known: Sequence[WorkerIdentity]) -> None
             f"no worker has dataset {wanted_data!r}{_nearest(wanted_data, names)} (the workers "
             f"have {listed(names)})",
             dataset=wanted_data,
+        )
+    if placement.sandboxed and known and not any(w.sandbox in SANDBOXES for w in known):
+        said = ", ".join(f"{w.id} {w.sandbox or 'unsaid'}" for w in known)
+        raise _no_workers(
+            f"the job asks for sandbox='required', and no worker runs job code sandboxed "
+            f"(workers: {said}): start them with somatize-worker --sandbox auto"
+        )
+    if placement.network and known and not any(w.network for w in known):
+        raise _no_workers(
+            "the job trains on the torch collective, which dials between workers, and every "
+            "worker runs job code without network (somatize-worker --job-network off): use "
+            "collective='auto' or 'coordinator' (transport='websocket' for ModelParallel)"
         )
     devices = sorted({w.device for w in known})
     for wanted in placement.devices():

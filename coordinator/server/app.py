@@ -84,6 +84,7 @@ from protocol.messages import (
     Shutdown,
     Welcome,
     WorkerHello,
+    sandboxed,
 )
 
 __all__ = ["WS_MAX_SIZE", "Coordinator", "connection_class_counted_in"]
@@ -359,6 +360,14 @@ class Coordinator:
             message = (
                 f"{who} is not enrolled on this coordinator: its operator enrolls a worker id "
                 "with somatize-coordinator --enroll ID"
+            )
+            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
+            return
+        if self.config.require_sandbox and not sandboxed(hello.capabilities):
+            said = hello.capabilities.sandbox or "no sandbox said"
+            message = (
+                f"this coordinator runs job code sandboxed only (--require-sandbox), and this "
+                f"worker runs it with {said!r}: start it with --sandbox auto, bwrap or uid"
             )
             await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
             return

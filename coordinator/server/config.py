@@ -103,6 +103,9 @@ class CoordinatorConfig:
             (``None``: half, at least ``max_message_bytes``).
         stall_timeout: seconds a chunked message may wait for its next chunk before it is
             dropped and its memory freed.
+        require_sandbox: refuse a worker whose hello says it runs job code without a sandbox
+            (``--sandbox none``, or an agent that does not say): every job's code runs
+            sandboxed (``--require-sandbox``).
 
     Raises:
         ValueError: listening beyond loopback without both tokens, or client tokens without a
@@ -137,6 +140,7 @@ class CoordinatorConfig:
     max_reassembly_bytes: int = REASSEMBLY_BUDGET
     max_client_reassembly_bytes: int | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
+    require_sandbox: bool = False
     tls: ssl.SSLContext | None = field(default=None, init=False, repr=False)
     """The TLS context of ``tls_cert`` and ``tls_key`` (``None``: plain ``ws://``)."""
 

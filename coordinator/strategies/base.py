@@ -16,7 +16,7 @@ from coordinator.jobs.checkpoints import JobCheckpoints
 from coordinator.jobs.worker_files import WorkerFiles
 from protocol.daemon import StageRequest
 from protocol.filter_buffers import FilterBuffer
-from protocol.messages import NodeInfo
+from protocol.messages import SANDBOXES, NodeInfo
 from protocol.options import strategies as so
 from protocol.options.base import CheckpointOptions, RestartOptions
 from protocol.options.devices import device_fits
@@ -73,6 +73,7 @@ class JobInputs:
     x_val: Any = None  # validation data sent along, evaluated at each epoch's (round's) end
     y_val: Any = None
     val_split: str | None = None  # or each worker's split of its own dataset
+    sandboxed: bool = False  # placed only on workers that run job code sandboxed
 
     @property
     def validates(self) -> bool:
@@ -82,6 +83,13 @@ class JobInputs:
     def own_data(self, name: str) -> StageRequest:
         """The request that stages each worker's own dataset under ``name``."""
         return StageRequest(name=name, dataset=self.dataset, loader=self.loader)
+
+    def trained_shapes(self) -> dict[str, list[list[int]]] | None:
+        """The shapes of each differentiable node's trainable parameters, as the client
+        declared them (what a replica's gradients may hold, and no more); ``None`` when no
+        node declared any (nothing to hold a tree to)."""
+        shapes = {n: list(self.nodes[n].parameter_shapes) for n in self.differentiable()}
+        return shapes if any(shapes.values()) else None
 
     def differentiable(self) -> list[str]:
         """The nodes that train by gradient descent, in graph order."""
@@ -118,6 +126,8 @@ class Placement:
     all_matching: bool = False
     slots: tuple[Target, ...] = ()
     device: str | None = None
+    sandboxed: bool = False  # every worker runs job code sandboxed (the job asked for it)
+    network: bool = False  # every worker's job code shares its network (the torch collective)
 
     def choose(self, idle: Sequence[WorkerIdentity]) -> list[int] | None:
         """Indices into ``idle`` of the workers to take, or ``None`` when they are not there."""
@@ -141,6 +151,10 @@ class Placement:
             return False  # by slots, each slot says whether it reads the dataset
         if not device_fits(self.device, worker.device):
             return False
+        if self.sandboxed and worker.sandbox not in SANDBOXES:
+            return False
+        if self.network and not worker.network:
+            return False
         return self.tag is None or self.tag in worker.tags
 
     def devices(self) -> list[str]:
@@ -160,6 +174,10 @@ class Placement:
             what += f" with dataset {self.dataset!r}"
         if self.device is not None:
             what += f" on {self.device}"
+        if self.sandboxed:
+            what += " running job code sandboxed"
+        if self.network:
+            what += " with job network (the torch collective)"
         if self.slots:
             what += ": " + ", ".join(str(slot) for slot in self.slots)
         return what

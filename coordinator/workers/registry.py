@@ -63,7 +63,16 @@ class WorkerRecord:
     @property
     def identity(self) -> WorkerIdentity:
         rows = {name: d.rows for name, d in self.datasets.items()}
-        return WorkerIdentity(self.id, self.tags, rows, self.capabilities.device, self.host)
+        capabilities = self.capabilities
+        return WorkerIdentity(
+            self.id,
+            self.tags,
+            rows,
+            capabilities.device,
+            self.host,
+            capabilities.sandbox,
+            capabilities.network,
+        )
 
     @property
     def host(self) -> str | None:

@@ -76,7 +76,10 @@ def test_services_and_commands(compose: dict[str, Any]) -> None:
         assert all(isinstance(arg, str) for arg in command), f"{name}: quote numbers"
     assert found["coordinator"]["command"][0] == "somatize-coordinator"
     for name in WORKERS:
+        # root, to sandbox job code (a uid per daemon where bubblewrap cannot make namespaces)
+        assert found[name]["user"] == "root"
         command = found[name]["command"]
+        assert "--sandbox" not in command  # auto: the strongest the container allows
         assert command[0] == "somatize-worker"
         assert command[command.index("--connect") + 1] == "ws://coordinator:8765"
         assert command[command.index("--id") + 1] == name
@@ -121,6 +124,7 @@ def test_the_dockerfile_installs_tcmalloc_cpu_torch_and_the_dependencies_before_
     lines = [line.strip() for line in text.splitlines()]
     assert f"ARG TORCH_INDEX_URL={CPU_INDEX}" in lines  # the CPU build unless told otherwise
     assert "libtcmalloc-minimal4" in text  # the workers' daemons' malloc (--daemon-malloc auto)
+    assert "bubblewrap" in text  # their sandbox (--sandbox auto), where namespaces are allowed
     steps = [line for line in lines if line.split(" ", 1)[0] in ("COPY", "RUN")]
     source = steps.index("COPY . /app")
     first = steps.index("COPY pyproject.toml constraints.txt /app/")

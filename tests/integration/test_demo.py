@@ -55,6 +55,7 @@ def test_the_demo_trains_every_strategy_on_a_local_cluster_next_to_graph_fit():
     assert abs(held_out("ModelParallel, 2 stages, M=4") - reference) <= 0.5
     assert held_out("FedAvg, 2 workers, 10 rounds") > 50.0
     assert "somatize-worker --connect ws://COORDINATOR:8765" in out.stdout
+    assert "job code's sandbox on the workers: bwrap" in out.stdout  # root, bubblewrap: make test
     # Issue 18: every row has its time, the in-process one too; the closing hint's worker line
     # carries the tag examples/digits_job.py asks for, and says why small models run slower.
     for label in ("in-process (graph.fit)", "DataParallel, 2 workers", "FedAvg, 2 workers"):

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 import somatize as sz
-from somatize.errors import ClusterError
+from somatize.errors import ClientError, ClusterError
 from tests.integration.cluster import Cluster
 from tests.utils import UNIT
 
@@ -37,15 +38,21 @@ MARK = "6173"
 class Probe(sz.Filter):
     """A plain filter whose ``fit`` attempts each attack and reports each outcome."""
 
-    def __init__(self, secrets: list[str], agent: int, stamp: str) -> None:
+    def __init__(self, secrets: list[str], agent: int, stamp: str, root_only: str) -> None:
         self.secrets = secrets
         self.agent = agent
         self.stamp = stamp
+        self.root_only = root_only
 
     def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
+        import ctypes
         import glob
         import site
+        import socket
+        import stat
         import subprocess
+
+        libc = ctypes.CDLL(None, use_errno=True)
 
         def attempt(action: Any) -> str:
             try:
@@ -61,12 +68,51 @@ class Probe(sz.Filter):
             with open(path, "w") as f:
                 return f.write("planted")
 
+        def called(result: int) -> int:
+            if result != 0:
+                raise OSError(ctypes.get_errno(), "refused")
+            return result
+
+        def write_any(paths: list[str]) -> str:
+            written = []
+            for path in paths:
+                try:
+                    with open(path, "w") as f:
+                        f.write("0\n")
+                    written.append(path)
+                except OSError:
+                    pass
+            if not written:
+                raise PermissionError(f"none of {len(paths)}")
+            return ", ".join(written)
+
         report = {f"secret {k}": attempt(lambda p=p: read(p)) for k, p in enumerate(self.secrets)}
+        report["root-only file"] = attempt(lambda: read(self.root_only))
         report["agent /proc"] = attempt(lambda: read(f"/proc/{self.agent}/environ"))
-        procs = glob.glob("/sys/fs/cgroup/cgroup.procs") + glob.glob(
-            "/sys/fs/cgroup/*/cgroup.procs"
+        with open("/proc/self/status") as status:
+            report["CapEff"] = next(
+                line.split()[1] for line in status if line.startswith("CapEff:")
+            )
+        # The masks over the secrets: a detached unmount (umount2 MNT_DETACH) would show them.
+        report["unmount a mask"] = attempt(
+            lambda: called(libc.umount2(self.secrets[0].encode(), 2))
         )
-        report["leave cgroup"] = attempt(lambda: write(procs[0]) if procs else 1 / 0)
+        ms_remount, ms_bind = 32, 4096  # remount / read-write (MS_RDONLY cleared)
+        report["remount /"] = attempt(
+            lambda: called(libc.mount(b"none", b"/", None, ms_remount | ms_bind, None))
+        )
+        report["raw socket"] = attempt(
+            lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW).close()
+        )
+        report["block device"] = attempt(
+            lambda: os.mknod(f"/tmp/block-{self.stamp}", stat.S_IFBLK | 0o600, os.makedev(7, 0))
+        )
+        controls = sorted(
+            glob.glob("/sys/fs/cgroup/**/cgroup.procs", recursive=True)
+            + glob.glob("/sys/fs/cgroup/**/memory.max", recursive=True)
+            + glob.glob("/sys/fs/cgroup/**/pids.max", recursive=True)
+        )[:200]
+        report["write a cgroup"] = attempt(lambda: write_any(controls))
         pth = os.path.join(site.getsitepackages()[0], f"planted-{self.stamp}.pth")
         report["plant .pth"] = attempt(lambda: write(pth))
         report["/tmp"] = attempt(lambda: write(f"/tmp/left-{self.stamp}"))
@@ -76,6 +122,20 @@ class Probe(sz.Filter):
 
     def forward(self, x: Any, state: dict[str, Any]) -> Any:
         return x
+
+
+@pytest.fixture
+def root_only(tmp_path_factory) -> Any:
+    """A file only its owner may read, where any uid can reach its folder (not under the
+    test's own ``/tmp`` folder, which a sandbox hides anyway): what other workers' keys and
+    the coordinator's files are to a root agent's job."""
+    folder = Path(tempfile.mkdtemp(prefix="somatize-root-only-", dir="/var/tmp"))
+    folder.chmod(0o755)
+    secret = folder / "secret"
+    secret.write_text("only root reads this")
+    secret.chmod(0o600)
+    yield secret
+    shutil.rmtree(folder)
 
 
 def _sleeping() -> list[int]:
@@ -94,7 +154,7 @@ def _sleeping() -> list[int]:
 
 @pytest.mark.parametrize("level", ["bwrap", "uid", "none"])
 def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its_job(
-    tmp_path, level
+    tmp_path, level, root_only
 ):
     token = secrets.token_urlsafe(16)
     token_file = tmp_path / "worker-token"
@@ -113,13 +173,13 @@ def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its
             # uid wants a root agent and an interpreter any uid may run: else refused at start,
             # saying which (this machine's python may live in root's home, say).
             assert level == "uid", log
-            assert "--sandbox uid: " in log or "--sandbox uid needs the agent to run as root" in log
+            assert "--sandbox uid: " in log
             return
         agent = cluster.workers["w0"].pid
         with sz.connect(cluster.url, timeout=30 * UNIT) as client:
             worker = next(w for w in client.status()["workers"] if w["id"] == "w0")
             assert worker["capabilities"]["sandbox"] == level
-            probe = Probe([str(token_file), str(identity.resolve())], agent, stamp)
+            probe = Probe([str(token_file), str(identity.resolve())], agent, stamp, str(root_only))
             graph = sz.Graph([probe.named("probe")])
             fitted = client.submit(graph, np.zeros((2, 1), np.float32)).result(120 * UNIT)
         report = json.loads(bytes(np.asarray(fitted.states["probe"]["report"])).decode())
@@ -128,9 +188,9 @@ def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its
         cluster.close()
     left = (Path(f"/tmp/left-{stamp}"), Path(f"/dev/shm/left-{stamp}"))
     if level == "none":  # nothing stops it: the worker said so, loudly, at start
-        assert "NO SANDBOX for job code" in log
+        assert "NO SANDBOX for job code (--sandbox none)" in log
         assert report["secret 0"] == f"ok: {token!r}"
-        for path in left:
+        for path in (*left, Path(f"/tmp/block-{stamp}")):
             path.unlink(missing_ok=True)
         return
     assert f"job code runs sandboxed: {level}" in log
@@ -138,6 +198,8 @@ def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its
     # its job is gone.
     assert report.pop("/tmp") == report.pop("/dev/shm") == "ok: 7"
     assert not any(path.exists() for path in left)
+    # No capability, as a root agent's job too (issue 53: it kept 000001fffeffffff).
+    assert report.pop("CapEff") == "0000000000000000"
     # Every attack refused (the secrets, if read at all, read as empty files).
     assert {k: v for k, v in report.items() if not v.startswith("refused") and v != "ok: ''"} == {}
     deadline = time.monotonic() + 10 * UNIT
@@ -180,3 +242,175 @@ def test_sandboxed_daemons_train_data_parallel_on_their_own_data(tmp_path):
     for key, value in fits["none"].states[next(iter(fits["none"].states))].items():
         sandboxed = fits["bwrap"].states[next(iter(fits["bwrap"].states))][key]
         np.testing.assert_array_equal(np.asarray(sandboxed), np.asarray(value))
+
+
+class Fills(sz.Filter):
+    """Its fit writes ``mib`` MiB to a file in ``folder`` (its private tmpfs under bubblewrap)
+    and forks ``sleepers`` processes, holds them a while, then says how it went."""
+
+    def __init__(self, folder: str, mib: int, sleepers: int = 0) -> None:
+        self.folder, self.mib, self.sleepers = folder, mib, sleepers
+
+    def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
+        import subprocess
+
+        block = b"\xa5" * (1 << 20)
+        with open(os.path.join(self.folder, "fill"), "wb") as f:
+            for _ in range(self.mib):
+                f.write(block)
+        held = [subprocess.Popen(["sleep", "30"]) for _ in range(self.sleepers)]
+        time.sleep(3.0)  # long enough for the limits' watch to see it
+        for process in held:
+            process.kill()
+        return {"wrote": np.array(self.mib)}
+
+    def forward(self, x: Any, state: dict[str, Any]) -> Any:
+        return x
+
+
+def test_a_bwrap_daemons_files_and_processes_count_against_its_jobs_limits(tmp_path):
+    """Issue 53, Medium 1: a bubblewrap daemon is in its job's cgroup before it runs anything
+    of the job's (its processes all counted: a job ran 24 under 16), and what it writes to its
+    private /tmp and /dev/shm counts as its memory (a job held 1.76 GB under 1 GiB). Each over
+    its limit fails resource_limit, naming it; the next job on the worker runs."""
+    cluster = Cluster(tmp_path / "state", sandbox="bwrap")
+    limits = ["--max-job-memory", "700M", "--max-job-procs", "8"]
+    x = np.zeros((2, 1), np.float32)
+    try:
+        cluster.start_coordinator()
+        cluster.start_worker("w0", args=limits)
+        with sz.connect(cluster.url, timeout=30 * UNIT) as client:
+            for filler, said in (
+                (Fills("/tmp", 600), r"MiB in its /tmp and /dev/shm, over --max-job-memory 700"),
+                (Fills("/dev/shm", 600), r"in its /tmp and /dev/shm, over --max-job-memory"),
+                (Fills("/tmp", 1, sleepers=10), r"processes, over --max-job-procs 8"),
+            ):
+                job = client.submit(sz.Graph([filler.named("fill")]), x)
+                with pytest.raises(sz.JobFailed, match=said) as failed:
+                    job.result(120 * UNIT)
+                assert failed.value.code == "resource_limit"
+            fitted = client.submit(sz.Graph([Fills("/tmp", 8).named("fill")]), x).result(120 * UNIT)
+            assert int(np.asarray(fitted.states["fill"]["wrote"])) == 8
+    finally:
+        cluster.close()
+
+
+def test_a_worker_without_bubblewrap_sandboxes_with_a_uid_or_refuses_to_start_saying_why(
+    tmp_path, capsys
+):
+    """Issue 53, Medium 2: ``--sandbox auto`` never falls back to no sandbox in silence. Here
+    bubblewrap is taken off the worker's PATH: a root agent whose interpreter others may run
+    sandboxes with ``uid``; elsewhere (this machine's python lives in root's home) the worker
+    refuses to start, naming what each level lacked and the way to run unsandboxed. A
+    LocalCluster of one's own then runs its workers ``--sandbox none``, and says so."""
+    cluster = Cluster(tmp_path / "state", sandbox="auto")
+    no_bwrap = ["env", "PATH=/nonexistent"]
+    try:
+        cluster.start_coordinator()
+        try:
+            cluster.start_worker("w0", prefix=no_bwrap, args=["--sandbox", "auto"])
+        except ClusterError:
+            log = (cluster.logs / "worker-w0.log").read_text()
+            assert "no sandbox for job code works here (bwrap: bubblewrap is not installed" in log
+            assert "uid: " in log and "give --sandbox none to run job code" in log
+            cluster.start_worker("w1", prefix=no_bwrap)  # the cluster's own auto
+            assert "this cluster's workers run job code as your user" in capsys.readouterr().err
+            worker = cluster.worker("w1")
+            assert worker is not None and worker["capabilities"]["sandbox"] == "none"
+            return
+        worker = cluster.worker("w0")
+        assert worker is not None and worker["capabilities"]["sandbox"] == "uid"
+    finally:
+        cluster.close()
+
+
+class WhereAmI(sz.Filter):
+    """Its fit says the sandbox its daemon is in, as its daemon's environment shows it."""
+
+    def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
+        with open("/proc/self/status") as status:
+            uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+        return {"uid": np.array(uid)}
+
+    def forward(self, x: Any, state: dict[str, Any]) -> Any:
+        return x
+
+
+def test_a_job_or_a_coordinator_can_require_the_sandbox(tmp_path):
+    """Issue 53, Medium 2: ``sandbox="required"`` places a job only on a sandboxed worker (and
+    is refused at submit where none is), and ``--require-sandbox`` refuses a worker that would
+    run job code unsandboxed, saying why, while a sandboxed one registers."""
+    x = np.zeros((2, 1), np.float32)
+    cluster = Cluster(tmp_path / "state")
+    try:
+        cluster.start_coordinator()
+        cluster.start_worker("open", args=["--sandbox", "none"])
+        with sz.connect(cluster.url, timeout=30 * UNIT) as client:
+            graph = sz.Graph([WhereAmI().named("where")])
+            with pytest.raises(ClientError, match="sandbox='required', and no worker runs"):
+                client.submit(graph, x, sandbox="required")
+            with pytest.raises(ValueError, match="sandbox must be one of 'any', 'required'"):
+                client.submit(graph, x, sandbox="yes")  # type: ignore[arg-type]
+            cluster.start_worker("boxed", args=["--sandbox", "bwrap"])
+            for _ in range(2):  # whichever is idle first, the job goes to the sandboxed one
+                fitted = client.submit(graph, x, sandbox="required").result(120 * UNIT)
+                assert int(np.asarray(fitted.states["where"]["uid"])) >= 61000
+    finally:
+        cluster.close()
+    strict = Cluster(tmp_path / "strict")
+    try:
+        strict.start_coordinator(["--require-sandbox"])
+        with pytest.raises(ClusterError):
+            strict.start_worker("open", args=["--sandbox", "none"])
+        log = (strict.logs / "worker-open.log").read_text()
+        assert "runs job code sandboxed only (--require-sandbox)" in log
+        assert "with 'none': start it with --sandbox auto, bwrap or uid" in log
+        strict.start_worker("boxed", args=["--sandbox", "bwrap"])
+    finally:
+        strict.close()
+
+
+class Dials(sz.Filter):
+    """Its fit tries to open a TCP connection to ``port`` on loopback and says how it went."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
+        import socket
+
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=5).close()
+            said = "connected"
+        except OSError as exc:
+            said = f"refused: {type(exc).__name__}"
+        return {"said": np.frombuffer(said.encode(), dtype=np.uint8)}
+
+    def forward(self, x: Any, state: dict[str, Any]) -> Any:
+        return x
+
+
+def test_a_worker_without_job_network_keeps_job_code_off_the_network(tmp_path):
+    """``--job-network off``: a bwrap daemon has a loopback of its own (it cannot reach the
+    coordinator, or anything else), the worker says so, and a job that needs the torch
+    collective is refused at submit rather than placed where it cannot join its group."""
+    x = np.zeros((4, 1), np.float32)
+    cluster = Cluster(tmp_path / "state", sandbox="bwrap")
+    try:
+        cluster.start_coordinator()
+        cluster.start_worker("w0", args=["--job-network", "off"])
+        with sz.connect(cluster.url, timeout=30 * UNIT) as client:
+            worker = next(w for w in client.status()["workers"] if w["id"] == "w0")
+            assert worker["capabilities"]["network"] is False
+            fitted = client.submit(sz.Graph([Dials(cluster.port).named("dial")]), x).result(
+                120 * UNIT
+            )
+            said = bytes(np.asarray(fitted.states["dial"]["said"])).decode()
+            assert said.startswith("refused"), said
+            net = sz.TorchFilter(torch.nn.Linear(1, 1), loss="mse", epochs=1)
+            with pytest.raises(ClientError, match=r"without network .*--job-network off"):
+                client.submit(
+                    sz.Graph([net]), x, x, strategy=sz.DataParallel(1, collective="torch")
+                )
+    finally:
+        cluster.close()

@@ -31,10 +31,10 @@ from worker.daemon.cgroup import CgroupParent, JobCgroup
 from worker.daemon.forked import ForkedChild
 from worker.daemon.pipe import FrameReader, FrameWriter
 from worker.daemon.procfs import descendants
-from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
+from worker.daemon.sandbox import NO_SANDBOX, Launch, Sandbox, UidConfinement
 from worker.daemon.shared_memory import SharedRegion
 
-__all__ = ["DaemonProcess", "describe_exit", "reap", "shared_regions", "spawn"]
+__all__ = ["DaemonProcess", "describe_exit", "enter", "reap", "shared_regions", "spawn"]
 
 log = logging.getLogger(__name__)
 
@@ -272,29 +272,59 @@ def spawn(
     pass_fds: tuple[int, ...] = (),
     cgroups: CgroupParent | None = None,
     sandbox: Sandbox = NO_SANDBOX,
+    tmpfs_bytes: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], JobCgroup | None, UidConfinement | None]:
-    """Start the daemon process, inside ``sandbox``, and, with ``cgroups``, move it — and what
-    it started already (bubblewrap's own children) — into a new cgroup of its own before it
-    reads a request (so before any filter runs); the cgroup it is in, ``None`` without
-    ``cgroups`` or when that failed, and what a ``uid`` sandbox gave it (blocking: fork/exec;
-    run in an executor)."""
+    """Start the daemon process, inside ``sandbox`` (``tmpfs_bytes``: the most its private
+    ``/tmp`` and ``/dev/shm`` may each hold), and, with ``cgroups``, put it in a new cgroup of
+    its own before it runs anything of the job's: a sandboxed daemon waits at its gate until
+    every process of it is in (:func:`enter`); the cgroup it is in, ``None`` without
+    ``cgroups`` or when that failed, and the uid a sandbox gave it (blocking: fork/exec; run
+    in an executor)."""
     cgroup = None if cgroups is None else cgroups.new()
-    argv, env = sandbox.command(argv, env)
-    options, confinement = sandbox.process(env)
+    launch = sandbox.launch(argv, env, tmpfs_bytes)
+    gate = () if launch.gate is None else (launch.gate,)
     try:
-        popen = _popen(argv, options, pass_fds)
+        popen = _popen(launch.argv, launch.options, pass_fds + gate)
     except BaseException:
+        _close_gate(launch)
         if cgroup is not None:
             cgroup.remove()
-        if confinement is not None:
-            confinement.clear()
+        if launch.confinement is not None:
+            launch.confinement.clear()
         raise
-    if cgroup is not None and not all(
-        cgroup.add(pid) for pid in [popen.pid, *descendants(popen.pid)]
-    ):
+    if launch.gate is not None:
+        os.close(launch.gate)
+    if cgroup is not None and not enter(cgroup, popen.pid):
         cgroup.remove()
         cgroup = None
-    return popen, cgroup, confinement
+    if launch.release is not None:
+        with contextlib.suppress(OSError):  # it died already: EOF on its stdout says how
+            os.write(launch.release, b"\n")
+        os.close(launch.release)
+    return popen, cgroup, launch.confinement
+
+
+def _close_gate(launch: Launch) -> None:
+    for fd in (launch.gate, launch.release):
+        if fd is not None:
+            os.close(fd)
+
+
+def enter(cgroup: JobCgroup, pid: int) -> bool:
+    """Put ``pid`` and every process below it in ``cgroup``: ``pid`` first, so that what it
+    forks from then on is born inside, then what it had forked already, until none is left
+    outside (those wait at a gate, or are an interpreter starting: none forks meanwhile);
+    ``False`` when a move failed."""
+    if not cgroup.add(pid):
+        return False
+    while True:
+        inside = set(cgroup.pids())
+        outside = [p for p in descendants(pid) if p not in inside]
+        if not outside:
+            return True
+        for child in outside:
+            if not cgroup.add(child) and os.path.exists(f"/proc/{child}"):
+                return False
 
 
 def _popen(

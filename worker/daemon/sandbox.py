@@ -3,31 +3,44 @@
 A job's filters are code its client wrote. The levels, from the strongest (``--sandbox``):
 
 * ``bwrap`` — the daemon runs under `bubblewrap <https://github.com/containers/bubblewrap>`_
-  (Debian's ``bubblewrap``): the whole file system read-only (the project's environment too:
-  no ``.pth`` file planted for the next job), a private ``/tmp`` and ``/dev/shm`` that go with
-  the daemon, the agent's secrets (its token file, its identity key) replaced by an empty file,
-  its own PID, IPC and UTS namespaces with a ``/proc`` of its own (the agent's ``/proc/<pid>``,
-  its environment and memory, are not there to read), ``/sys`` read-only (its cgroup cannot be
-  left), a new session, and death with its parent. Each daemon is started anew in it (the fork
-  server, which would share its memory with every job, is not used).
+  (Debian's ``bubblewrap``) in a user namespace of its own, as an unprivileged uid with no
+  capability (``--unshare-user``, ``--cap-drop ALL``, no further user namespaces): on a root
+  agent bubblewrap itself is started as a uid of the daemon's own (one per daemon, from
+  :data:`UID_BASE`), so a root-only file is unreadable to it and nothing can be unmounted or
+  remounted, whatever the job tries; a non-root agent's daemons run as the agent's user, less
+  every capability. The whole file system is read-only (the project's environment too: no
+  ``.pth`` file planted for the next job), with a private ``/tmp`` and ``/dev/shm`` that go
+  with the daemon (counted in its memory: :mod:`worker.daemon.limits`; each no larger than
+  ``--max-job-memory``); the agent's secrets — its token file, its identity key and the folder
+  of such keys, its peer TLS key — are replaced by an empty file or folder; its own PID, IPC,
+  UTS and cgroup namespaces with a ``/proc`` of its own (the agent's ``/proc/<pid>`` is not
+  there to read), ``/sys`` read-only, a new session, and death with its parent; with
+  ``--job-network off``, a network namespace of its own too (loopback only). Where the
+  environment lies in a directory only root may enter (``/root``), bubblewrap starts from the
+  agent's :class:`~worker.daemon.sandbox_root.SandboxRoot`, which shows that environment and
+  nothing else of the directory. Each daemon is started anew in it (the fork server, which
+  would share its memory with every job, is not used), and held at bubblewrap's
+  ``--block-fd`` until the agent has put it in its job's cgroup: it runs nothing of the job's
+  outside it.
 * ``uid`` — a root agent starts each daemon as an unprivileged uid of its own (one per daemon,
   from :data:`UID_BASE`), no supplementary groups, ``umask 077``, with a private ``TMPDIR``: it
   cannot read the agent's files or another job's, nor write the environment, nor ``/proc`` of
   the agent. The file system is otherwise the machine's: the datasets it trains on must be
-  readable by others.
-* ``none`` — the daemon runs as the agent's user and can read what it can: the agent says so
-  at start, loudly.
+  readable by others. Where bubblewrap cannot make namespaces (a container's default seccomp
+  profile) this is the strongest there is.
+* ``none`` — the daemon runs as the agent's user and can read what it can: only when asked for
+  (``--sandbox none``), and the agent says so at start, loudly.
 
 ``auto`` (the default) takes ``bwrap`` where bubblewrap is installed and can make its
-namespaces here, else ``none``: ``uid`` changes what a job can read of the machine's data, so it
-is only taken when asked for. The agent logs which level it got and announces it in its hello
-(``status`` shows it).
+namespaces here, else ``uid`` on a root agent whose interpreter an unprivileged uid can run, else
+refuses to start, naming what each level lacked. The agent logs which level it got and
+announces it in its hello (``status`` shows it; a coordinator with ``--require-sandbox`` and a
+job asking ``sandbox="required"`` refuse ``none``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import shutil
 import signal
@@ -36,24 +49,77 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from glob import glob
 from typing import Any
 
+from worker.daemon.environment import daemon_environment
 from worker.daemon.procfs import running_as
+from worker.daemon.sandbox_root import SandboxRoot
 
-__all__ = ["LEVELS", "NO_SANDBOX", "UID_BASE", "Sandbox", "UidConfinement", "choose"]
+__all__ = [
+    "LEVELS",
+    "NO_SANDBOX",
+    "UID_BASE",
+    "Launch",
+    "Sandbox",
+    "SandboxRefused",
+    "UidConfinement",
+    "choose",
+]
 
 LEVELS = ("auto", "bwrap", "uid", "none")
 """What ``--sandbox`` takes."""
 UID_BASE = 61000
-"""The first uid a ``uid`` sandbox gives a daemon (then the next, one per daemon)."""
+"""The first uid a sandbox gives a daemon (then the next free one, one per daemon)."""
 UIDS = 1000
 """How many uids it cycles through."""
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """This source tree (on the daemon's ``PYTHONPATH``)."""
 PROBE_TIMEOUT = 10.0
 """Seconds bubblewrap may take to show it works here."""
+DEVICES = ("/dev/nvidia*", "/dev/dri")
+"""Device nodes a daemon on a GPU opens, bound into its ``/dev`` where the machine has them."""
 
-_next_uid = itertools.count()
+
+class SandboxRefused(ValueError):
+    """The sandbox asked for cannot be had here; the message says what is missing."""
+
+
+class _Uids:
+    """The uids given to daemons: the next one of the range that no process runs as (another
+    agent's daemons on the same machine use theirs)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def take(self) -> int:
+        for _ in range(UIDS):
+            uid = UID_BASE + self._next % UIDS
+            self._next += 1
+            if not running_as(uid):
+                return uid
+        return UID_BASE + self._next % UIDS  # all taken: share one (still not the agent's)
+
+
+_UIDS = _Uids()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one daemon: its command, :class:`subprocess.Popen`'s options, what a
+    sandbox gave it (cleared once it is gone), and the gate it waits at.
+
+    ``gate``: the read end of a pipe the command blocks on before it runs the daemon
+    (bubblewrap's ``--block-fd``): the starter puts every process of it in the job's cgroup,
+    then writes a byte to ``release``. ``None``: nothing waits (the process is the daemon's
+    interpreter, which starts nothing before its first request).
+    """
+
+    argv: list[str]
+    options: dict[str, Any]
+    confinement: UidConfinement | None = None
+    gate: int | None = None
+    release: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,44 +128,105 @@ class Sandbox:
 
     Args:
         level: ``"bwrap"``, ``"uid"`` or ``"none"``.
-        hidden: files a job must not read (the agent's token file, its identity key): under
-            bubblewrap an empty file stands in their place.
+        hidden: files a job must not read (the agent's token file, its identity key, its peer
+            TLS key): under bubblewrap an empty file stands in their place.
+        hidden_folders: folders a job must not read (where identity keys are kept): an empty
+            one stands in their place.
         bwrap: the bubblewrap executable.
         exposed: paths a daemon reads that may lie under ``/tmp`` (the project's environment
             and sources, the worker's datasets): bound read-only over the private ``/tmp``.
+        unprivileged: each daemon runs as an unprivileged uid of its own (a root agent).
+        network: the daemon shares the machine's network (``False``: loopback of its own).
+        root: where a root agent's bubblewrap starts from (``None``: the machine's ``/``).
     """
 
     level: str
     hidden: tuple[str, ...] = ()
+    hidden_folders: tuple[str, ...] = ()
     bwrap: str = "bwrap"
     exposed: tuple[str, ...] = ()
+    unprivileged: bool = False
+    network: bool = True
+    root: SandboxRoot | None = field(default=None, compare=False)
     forks: bool = field(init=False)
     """Whether daemons may be forked from the fork server (only without a sandbox)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forks", self.level == "none")
 
-    def command(self, argv: Sequence[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        """The daemon's command and environment, inside the sandbox."""
+    def launch(
+        self, argv: Sequence[str], env: dict[str, str], tmpfs_bytes: int | None = None
+    ) -> Launch:
+        """How to start the daemon ``argv`` with ``env`` at this level (blocking: it may read
+        ``/proc`` for a free uid); ``tmpfs_bytes``: the most its private ``/tmp`` and
+        ``/dev/shm`` may each hold (``--max-job-memory``)."""
+        if self.level == "uid":
+            return self._as_uid(list(argv), env)
         if self.level != "bwrap":
-            return list(argv), env
-        wrapped = [self.bwrap, *_BWRAP]
-        python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        for path in dict.fromkeys(os.path.realpath(p) for p in (*self.exposed, *python_path)):
-            if path.startswith("/tmp/") and os.path.exists(path):
-                wrapped += ["--ro-bind", path, path]
-        for path in self.hidden:
-            if os.path.exists(path):
-                wrapped += ["--ro-bind", "/dev/null", os.path.realpath(path)]
-        return [*wrapped, "--", *argv], env | {"TMPDIR": "/tmp", "HOME": "/tmp"}
+            return Launch(list(argv), {"env": env})
+        uid = _UIDS.take() if self.unprivileged else os.getuid()
+        gid = uid if self.unprivileged else os.getgid()
+        gate, release = os.pipe()
+        bwrap = self.bwrap_options(uid, gid, env.get("PYTHONPATH", ""), tmpfs_bytes)
+        wrapped = [*self._start_as(uid, gid), *bwrap]
+        wrapped += ["--block-fd", str(gate), "--", *argv]
+        options: dict[str, Any] = {"env": env | {"TMPDIR": "/tmp", "HOME": "/tmp"}}
+        confinement = None
+        if self.unprivileged:
+            confinement = UidConfinement(uid, None)
+            if self.root is None:  # else nsenter gives the uid, once in the root's namespace
+                options |= {"user": uid, "group": gid, "extra_groups": []}
+        return Launch(wrapped, options, confinement, gate, release)
 
-    def process(self, env: dict[str, str]) -> tuple[dict[str, Any], UidConfinement | None]:
-        """What :class:`subprocess.Popen` takes to start a daemon at this level, with its
-        environment; at ``uid``, the uid and private directory given to it (the caller clears
-        them once the daemon is gone)."""
-        if self.level != "uid":
-            return {"env": env}, None
-        uid = UID_BASE + next(_next_uid) % UIDS
+    def _start_as(self, uid: int, gid: int) -> list[str]:
+        """What starts bubblewrap as ``uid`` in the sandbox root's namespace, where it has one."""
+        return [] if self.root is None else self.root.entering(uid, gid)
+
+    def bwrap_options(
+        self, uid: int, gid: int, python_path: str = "", tmpfs_bytes: int | None = None
+    ) -> list[str]:
+        """bubblewrap's options for a daemon run as ``uid``/``gid`` with ``python_path``
+        (module docstring)."""
+        size = [] if tmpfs_bytes is None else ["--size", str(tmpfs_bytes)]
+        options = [
+            self.bwrap,
+            *("--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"),
+            *("--cap-drop", "ALL"),
+            *("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"),
+            *([] if self.network else ["--unshare-net"]),
+            *("--die-with-parent", "--new-session"),
+            *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"),
+            *size,
+            *("--tmpfs", "/tmp"),
+            *size,
+            *("--tmpfs", "/dev/shm"),
+        ]
+        for pattern in DEVICES:
+            for device in sorted(glob(pattern)):
+                options += ["--dev-bind", device, device]
+        paths = [p for p in python_path.split(os.pathsep) if p]
+        for path in dict.fromkeys(os.path.realpath(p) for p in (*self.exposed, *paths)):
+            if path.startswith(("/tmp/", "/dev/shm/")) and self._exists(path):
+                options += ["--ro-bind", path, path]
+        for folder in self.hidden_folders:
+            if self._exists(folder) and not self._holds_exposed(folder):
+                options += ["--tmpfs", os.path.realpath(folder)]
+        for path in self.hidden:
+            if self._exists(path):
+                options += ["--ro-bind", "/dev/null", os.path.realpath(path)]
+        return [*options, "--chdir", "/tmp"]
+
+    def _exists(self, path: str) -> bool:
+        """Whether ``path`` is there in what bubblewrap binds ``/`` from."""
+        real = os.path.realpath(path)
+        return os.path.exists(real if self.root is None else self.root.path(real))
+
+    def _holds_exposed(self, folder: str) -> bool:
+        real = os.path.realpath(folder).rstrip("/") + "/"
+        return any(os.path.realpath(p).startswith(real) for p in self.exposed)
+
+    def _as_uid(self, argv: list[str], env: dict[str, str]) -> Launch:
+        uid = _UIDS.take()
         private = tempfile.mkdtemp(prefix=f"somatize-job-{uid}-")
         os.chown(private, uid, uid)
         options = {
@@ -110,27 +237,38 @@ class Sandbox:
             "env": env | {"TMPDIR": private, "HOME": private},
             "cwd": private,
         }
-        return options, UidConfinement(uid, private)
+        return Launch(argv, options, UidConfinement(uid, private))
 
     def describe(self) -> str:
         """What a job's code can reach, in a few words (the agent's log, ``status``)."""
+        if self.level == "bwrap":
+            who = "an unprivileged uid of its own" if self.unprivileged else "this agent's user"
+            net = "" if self.network else ", no network"
+            return f"{_SAID['bwrap']}, as {who} with no capabilities{net}"
         return _SAID[self.level]
+
+    def close(self) -> None:
+        """End what this sandbox keeps running (the sandbox root's holder; blocking)."""
+        if self.root is not None:
+            self.root.close()
 
 
 @dataclass(frozen=True)
 class UidConfinement:
-    """The uid and private directory a ``uid`` sandbox gave one daemon."""
+    """The uid, and at ``uid``, the private directory a sandbox gave one daemon."""
 
     uid: int
-    private: str
+    private: str | None
 
     def clear(self) -> None:
         """Once the daemon is gone: SIGKILL whatever still runs as its uid (what its filters
-        forked, even out of its process group), remove its private directory and what it left
-        in ``/tmp`` and ``/dev/shm`` (blocking)."""
+        forked, even out of its process group); at ``uid``, remove its private directory and
+        what it left in ``/tmp`` and ``/dev/shm`` (blocking)."""
         for pid in running_as(self.uid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        if self.private is None:  # bubblewrap's: its /tmp and /dev/shm went with it
+            return
         shutil.rmtree(self.private, ignore_errors=True)
         for shared in ("/tmp", "/dev/shm"):  # what it left where everyone may write
             with contextlib.suppress(OSError):
@@ -151,19 +289,6 @@ def _remove(path: str) -> None:
 NO_SANDBOX = Sandbox("none")
 """Daemons as the agent's user (``--sandbox none``)."""
 
-_BWRAP = (
-    *("--ro-bind", "/", "/"),
-    *("--dev", "/dev"),
-    *("--proc", "/proc"),
-    *("--tmpfs", "/tmp"),
-    *("--tmpfs", "/dev/shm"),
-    *("--unshare-pid", "--unshare-ipc", "--unshare-uts"),
-    "--die-with-parent",
-    "--new-session",
-    *("--chdir", "/tmp"),
-)
-"""bubblewrap's options for a daemon (module docstring), its secrets hidden after them."""
-
 _SAID = {
     "bwrap": "bwrap: file system read-only, private /tmp and /dev/shm, own /proc and PIDs, "
     "the agent's secrets hidden",
@@ -172,36 +297,96 @@ _SAID = {
 }
 
 
-def choose(requested: str, hidden: Sequence[str] = (), exposed: Sequence[str] = ()) -> Sandbox:
-    """The sandbox ``--sandbox requested`` gets here (blocking: it may run bubblewrap once);
-    ``exposed``: the worker's datasets (the project's environment is added).
+def choose(
+    requested: str,
+    hidden: Sequence[str] = (),
+    exposed: Sequence[str] = (),
+    hidden_folders: Sequence[str] = (),
+    network: bool = True,
+) -> Sandbox:
+    """The sandbox ``--sandbox requested`` gets here (blocking: it may run bubblewrap and the
+    interpreter once, and start the sandbox root); ``exposed``: the worker's datasets (the
+    project's environment is added).
 
     Raises:
-        ValueError: ``bwrap`` without a bubblewrap that works here, ``uid`` without root, or
-            an unknown level; each says what is missing.
+        SandboxRefused: ``bwrap`` without a bubblewrap that works here, ``uid`` without root or
+            an interpreter others may run, ``auto`` where neither works, or an unknown level;
+            each says what is missing.
     """
     if requested not in LEVELS:
-        raise ValueError(f"--sandbox takes one of {', '.join(LEVELS)}, not {requested!r}")
-    hidden = tuple(hidden)
+        raise SandboxRefused(f"--sandbox takes one of {', '.join(LEVELS)}, not {requested!r}")
+    hidden, hidden_folders = tuple(hidden), tuple(hidden_folders)
     if requested == "none":
-        return Sandbox("none", hidden)
+        return Sandbox("none", hidden, hidden_folders)
+    problems: dict[str, str] = {}
+    if requested in ("auto", "bwrap"):
+        made = _bubblewrap(hidden, hidden_folders, tuple(map(str, exposed)), network)
+        if isinstance(made, Sandbox):
+            return made
+        problems["bwrap"] = made
+        if requested == "bwrap":
+            raise SandboxRefused(f"--sandbox bwrap: {made}")
+    problem = _uid_problem()
+    if problem is None:
+        return Sandbox("uid", hidden, hidden_folders)
     if requested == "uid":
-        if os.geteuid() != 0:
-            raise ValueError("--sandbox uid needs the agent to run as root (to give uids)")
-        problem = _runs_unprivileged(sys.executable)
-        if problem is not None:
-            raise ValueError(f"--sandbox uid: {problem}")
-        return Sandbox("uid", hidden)
+        raise SandboxRefused(f"--sandbox uid: {problem}")
+    problems["uid"] = problem
+    said = "; ".join(f"{level}: {why}" for level, why in problems.items())
+    raise SandboxRefused(
+        f"no sandbox for job code works here ({said}); give --sandbox none to run job code "
+        "as this agent's user, able to read what it can"
+    )
+
+
+def _environment() -> tuple[str, ...]:
+    """What every daemon reads: the interpreter's installation, its environment, this tree."""
+    interpreter = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    return tuple(dict.fromkeys((sys.prefix, sys.base_prefix, interpreter, _SOURCE_ROOT)))
+
+
+def _bubblewrap(
+    hidden: tuple[str, ...],
+    hidden_folders: tuple[str, ...],
+    exposed: tuple[str, ...],
+    network: bool,
+) -> Sandbox | str:
+    """The ``bwrap`` sandbox here, or why bubblewrap cannot make it."""
     found = shutil.which("bwrap")
-    problem = "bubblewrap is not installed (apt-get install bubblewrap)" if found is None else None
-    if found is not None:
-        problem = _probe(found)
-    if problem is None and found is not None:
-        environment = (sys.prefix, sys.base_prefix, _SOURCE_ROOT)
-        return Sandbox("bwrap", hidden, found, (*environment, *map(str, exposed)))
-    if requested == "bwrap":
-        raise ValueError(f"--sandbox bwrap: {problem}")
-    return Sandbox("none", hidden)
+    if found is None:
+        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    unprivileged = os.geteuid() == 0
+    environment = _environment()
+    root = None
+    if unprivileged:
+        root = SandboxRoot.needed_for((*environment, *exposed))
+        if root is not None:
+            try:
+                root.start()
+            except OSError as exc:
+                return f"the environment lies where only root may enter, and cannot be shown: {exc}"
+    sandbox = Sandbox(
+        "bwrap",
+        hidden,
+        hidden_folders,
+        found,
+        (*environment, *exposed),
+        unprivileged=unprivileged,
+        network=network,
+        root=root,
+    )
+    problem = _probe(sandbox)
+    if problem is not None:
+        sandbox.close()
+        return problem
+    return sandbox
+
+
+def _uid_problem() -> str | None:
+    """Why the ``uid`` level cannot be had here; ``None`` when it can."""
+    if os.geteuid() != 0:
+        return "it needs the agent to run as root (to give uids)"
+    return _runs_unprivileged(sys.executable)
 
 
 def _runs_unprivileged(python: str) -> str | None:
@@ -228,19 +413,31 @@ def _runs_unprivileged(python: str) -> str | None:
     return None
 
 
-def _probe(bwrap: str) -> str | None:
-    """Why bubblewrap cannot make a daemon's sandbox here; ``None`` when it can."""
+def _probe(sandbox: Sandbox) -> str | None:
+    """Why ``sandbox`` cannot start a daemon's interpreter here; ``None`` when it can."""
+    env = daemon_environment(os.environ, (), {"PYTHONPATH": _SOURCE_ROOT})
+    launch = sandbox.launch([sys.executable, "-c", "import numpy, worker"], env)
+    assert launch.gate is not None and launch.release is not None
     try:
+        os.write(launch.release, b"\n")  # nothing to put in a cgroup: go at once
+        os.close(launch.release)
         done = subprocess.run(
-            [bwrap, *_BWRAP, "--", "true"],
+            launch.argv,
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT,
             check=False,
+            pass_fds=(launch.gate,),
+            **launch.options,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap did not run: {exc}"
+    finally:
+        os.close(launch.gate)
+        if launch.confinement is not None:
+            launch.confinement.clear()
     if done.returncode != 0:
         said = done.stderr.strip().splitlines()
-        return f"bubblewrap cannot make namespaces here ({said[-1] if said else done.returncode})"
+        why = said[-1] if said else f"exit status {done.returncode}"
+        return f"bubblewrap cannot start a daemon here ({why})"
     return None

@@ -57,8 +57,8 @@ from worker.daemon.limits import (
     JobLimits,
     Usage,
     group_usage,
+    job_usage,
     over,
-    usage_of,
 )
 from worker.daemon.process import (
     REAP_SECONDS,
@@ -417,7 +417,16 @@ class DaemonSupervisor:
                 (*forked, None)
                 if forked is not None
                 else await _discarded_if_cancelled(
-                    loop.run_in_executor(None, spawn, argv, env, fds, self.cgroups, self.sandbox),
+                    loop.run_in_executor(
+                        None,
+                        spawn,
+                        argv,
+                        env,
+                        fds,
+                        self.cgroups,
+                        self.sandbox,
+                        self.limits.memory_bytes,
+                    ),
                     discard,
                 )
             )
@@ -500,5 +509,5 @@ async def _discarded_if_cancelled(making: asyncio.Future[T], discarded: Callable
 def _usage(child: DaemonProcess) -> Usage:
     """What ``child`` and what it forked hold: its cgroup's members, else its process group."""
     if child.cgroup is not None:
-        return usage_of(child.cgroup.pids())
+        return job_usage(child.cgroup.pids())
     return group_usage(child.pid)

@@ -99,7 +99,8 @@ class DataParallel(Strategy):
 
     def placement(self) -> Placement:
         o = self.options
-        return Placement(workers=o.workers, tag=o.tag, device=o.device)
+        torch = o.collective == "torch" or o.sharding != "none"  # never the coordinator path
+        return Placement(workers=o.workers, tag=o.tag, device=o.device, network=torch)
 
     def validate(self, job: JobInputs) -> None:
         self._plan(job)

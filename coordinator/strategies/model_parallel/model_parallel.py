@@ -110,7 +110,8 @@ class ModelParallel(Strategy):
     def placement(self) -> Placement:
         spare = Target(tag=self.options.spare_tag, device=self.options.device)
         slots = (*(p.target for p in self.partitions), *([spare] * self.options.spares))
-        return Placement(workers=len(slots), slots=slots)
+        network = self.options.transport == "torch"  # its stages' daemons dial each other
+        return Placement(workers=len(slots), slots=slots, network=network)
 
     def dataset_slots(self, slots: int) -> tuple[int, ...]:
         """On ``WorkerData`` the first stage reads ``x`` and the last ``y``; the others read
