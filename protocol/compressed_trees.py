@@ -28,7 +28,8 @@ tensors already.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 from protocol.errors import BadCompressedTree
@@ -132,12 +133,20 @@ class TreeCompressor:
         return wire | {"values": codes, "scales": scales}
 
 
-def decode(message: object) -> Tree:
+def decode(message: object, model: Mapping[str, Sequence[Sequence[int]]] | None = None) -> Tree:
     """The tree (float32 tensors) a compressed ``message`` stands for.
+
+    Args:
+        message: the tree as it travelled.
+        model: the trainable parameters' shapes of each node it may hold (the model's, as its
+            client declared them): its layout is checked against them before anything is
+            decoded, so a tree decodes to at most the model's size whatever it claims.
+            ``None``: any layout.
 
     Raises:
         BadCompressedTree: an unknown compression, a layout that is not a list of
-            ``[node, name, shape]``, or values (or scales) that do not match it.
+            ``[node, name, shape]`` or holds what is not a parameter of ``model``, or values
+            (or scales) that do not match it.
     """
     import torch
 
@@ -148,6 +157,8 @@ def decode(message: object) -> Tree:
         raise BadCompressedTree(f"unknown compression {kind!r}")
     layout, values = message.get("layout"), message.get("values")
     shapes = _layout(layout)
+    if model is not None:
+        _of_model(shapes, model)
     n = sum(math.prod(shape) for _, _, shape in shapes)
     if not isinstance(values, torch.Tensor) or values.dim() != 1:
         raise BadCompressedTree("'values' must be a flat tensor")
@@ -178,6 +189,23 @@ def decode(message: object) -> Tree:
         tree.setdefault(node, {})[name] = flat[offset : offset + size].reshape(shape)
         offset += size
     return tree
+
+
+def _of_model(
+    shapes: list[tuple[str, str, list[int]]], model: Mapping[str, Sequence[Sequence[int]]]
+) -> None:
+    """Refuse a layout with an entry that is not a parameter of ``model``: a node it does not
+    train, or a shape none of that node's parameters left has (each parameter once)."""
+    left = {node: Counter(tuple(shape) for shape in of_node) for node, of_node in model.items()}
+    for node, name, shape in shapes:
+        if node not in left:
+            raise BadCompressedTree(f"{node!r}/{name!r}: the model trains no node {node!r}")
+        if left[node][tuple(shape)] <= 0:
+            raise BadCompressedTree(
+                f"{node!r}/{name!r} of shape {shape} is not a parameter of the model's node "
+                f"{node!r} (each of its trainable parameters counted once)"
+            )
+        left[node][tuple(shape)] -= 1
 
 
 def _layout(layout: object) -> list[tuple[str, str, list[int]]]:

@@ -36,6 +36,7 @@ so a large state averages at memory speed.
 
 from __future__ import annotations
 
+import cmath
 import copy
 import math
 import reprlib
@@ -231,6 +232,26 @@ def numel(tree: Tree) -> int:
         elif leaf_kind(leaf) is not None:
             total += 1
     return total
+
+
+def non_finite(tree: Tree) -> Path | None:
+    """Where ``tree`` first holds a NaN or an infinity (a float or complex leaf whose sum is not
+    finite: one pass, no temporary the leaf's size; half precision summed in float32), or
+    ``None`` where it holds none. A finite float32 leaf sums to infinity only past ~1e38."""
+    for path, leaf in iter_leaves(tree):
+        kind = leaf_kind(leaf)
+        if kind not in ("float", "complex"):
+            continue
+        if _is_tensor(leaf):  # half precision summed in float32: its own sum would overflow
+            torch = sys.modules["torch"]
+            half = leaf.dtype in (torch.float16, torch.bfloat16)
+            total = complex((leaf.sum(dtype=torch.float32) if half else leaf.sum()).item())
+        else:
+            array = np.asarray(leaf)
+            total = complex(np.sum(array, dtype=np.float32 if array.dtype == np.float16 else None))
+        if not cmath.isfinite(total):
+            return path
+    return None
 
 
 def format_path(path: Path) -> str:

@@ -125,3 +125,24 @@ def test_only_float_trees_are_compressed_and_only_in_the_forms_that_travel():
     with pytest.raises(ValueError, match="not 'powersgd:4'"):
         TreeCompressor("powersgd:4")
     assert not is_compressed({"mlp": {"w": torch.ones(1)}})
+
+
+def test_a_layout_is_held_to_the_models_parameters_before_anything_is_decoded():
+    """Issue 53: a worker's tree, consistent with itself, claiming 64M values for a model of
+    40 is refused from its layout alone: the coordinator decodes at most the model's size."""
+    model = {"mlp": [[4, 8], [8]], "head": [[8]]}
+    sent = {"mlp": {"w": torch.ones(4, 8), "b": torch.ones(8)}, "head": {"b": torch.ones(8)}}
+    message = TreeCompressor("int8").encode(sent)
+    assert sorted(decode(message, model)) == ["head", "mlp"]
+    huge = dict(message)
+    huge["layout"] = [*message["layout"], ["mlp", "planted", [1 << 26]]]  # values not even sent
+    for forged, says in (
+        (huge, r"'mlp'/'planted' of shape \[67108864\] is not a parameter of the model's node"),
+        (message | {"layout": [["other", "w", [4, 8]]]}, "the model trains no node 'other'"),
+        (  # each parameter once: 'head' has one bias of 8, not two
+            message | {"layout": [*message["layout"], ["head", "b2", [8]]]},
+            r"'head'/'b2' of shape \[8\] is not a parameter",
+        ),
+    ):
+        with pytest.raises(BadCompressedTree, match=says):
+            decode(forged, model)

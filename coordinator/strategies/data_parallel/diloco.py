@@ -197,11 +197,12 @@ class CoordinatorSyncs:
         run, ctx, compression = self.run, self.run.ctx, updates.compression
         ask = DistPseudoGradientsRequest(compression=compression)
         sent = await self._on_present(lambda i: ctx.call(i, ask))
+        model = run.job.trained_shapes()
         deltas = [
-            (run.ids[i], 1.0, received(run.ids[i], "pseudo-gradients", sent[i]))
+            (run.ids[i], 1.0, received(run.ids[i], "pseudo-gradients", sent[i], model))
             for i in sorted(sent)
         ]
-        mean = average(deltas)  # Δ̄ = θ − x̄
+        mean = average(deltas, what="pseudo-gradients")  # Δ̄ = θ − x̄
         zeros = {n: {k: v.new_zeros(v.shape) for k, v in ps.items()} for n, ps in mean.items()}
         towards = {n: {k: -v for k, v in ps.items()} for n, ps in mean.items()}  # x̄ − θ
         update = DistOuterUpdateRequest(update=updates.encode(outer.step(zeros, towards)))

@@ -41,7 +41,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from coordinator.errors import StrategyFailed
-from coordinator.strategies.aggregate import AggregationError, weighted_mean
+from coordinator.strategies.aggregate import (
+    AggregationError,
+    format_path,
+    non_finite,
+    weighted_mean,
+)
 from coordinator.strategies.base import Emit
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
@@ -256,13 +261,16 @@ class StarTraining:
             mean = step.fold.result()
             assert step.fold.finished is not None
             ctx.observe("mean_streamed", step.fold.finished - step.launched)
+            sent = [(ids[i], results[i].get("gradients")) for i in step.weights]
+            finite_or_refused(mean, sent, "gradients")
         except FoldDeclined:
+            model = self.run.job.trained_shapes()
             grads = [
-                (ids[i], w, received(ids[i], "gradients", results[i]["gradients"]))
+                (ids[i], w, received(ids[i], "gradients", results[i]["gradients"], model))
                 for i, w in step.weights.items()
             ]
             # Summed in float32: a gradient mean needs no float64, and it is ~7x faster.
-            mean = average(grads, precise=False)
+            mean = average(grads, precise=False, what="gradients")
             if self._means is not None:
                 mean = self._means.encode(mean)
             step.fold.settle(mean)
@@ -345,26 +353,55 @@ async def apply_mean(run: Replicas, position: DataParallelPosition) -> None:
     position.mean = None
 
 
-def average(contributions: Sequence[tuple[str, float, Any]], precise: bool = True) -> Any:
-    """The weighted mean of ``contributions``, or the job's failure naming what disagrees."""
+def average(
+    contributions: Sequence[tuple[str, float, Any]], precise: bool = True, what: str = "states"
+) -> Any:
+    """The weighted mean of ``contributions`` (each ``what``), or the job's failure naming
+    what disagrees, or the contributor whose values are not finite."""
     try:
-        return weighted_mean(contributions, precise=precise)
+        mean = weighted_mean(contributions, precise=precise)
     except AggregationError as exc:
         raise StrategyFailed(ErrorCode.AGGREGATION_MISMATCH, str(exc)) from exc
+    finite_or_refused(mean, [(label, tree) for label, _, tree in contributions], what)
+    return mean
 
 
-def received(worker: str, what: str, tree: Any) -> Any:
+def finite_or_refused(mean: Any, contributions: Sequence[tuple[str, Any]], what: str) -> None:
+    """Refuse a mean that holds a NaN or an infinity, naming the contributors whose trees do
+    (a hostile or diverged replica): one pass over the mean, the trees read only then.
+
+    Raises:
+        StrategyFailed: ``AGGREGATION_MISMATCH`` naming the workers and where.
+    """
+    where = non_finite(mean)
+    if where is None:
+        return
+    blamed = [label for label, tree in contributions if non_finite(tree) is not None]
+    who = f"worker{'s' if len(blamed) > 1 else ''} {', '.join(map(repr, blamed))}"
+    who = who if blamed else "a worker"
+    raise StrategyFailed(
+        ErrorCode.AGGREGATION_MISMATCH,
+        f"{who} sent {what} that are not finite (NaN or infinity) at "
+        f"{format_path(where)}: refused rather than averaged into the model",
+        workers=blamed,
+    )
+
+
+def received(
+    worker: str, what: str, tree: Any, model: Mapping[str, Sequence[Sequence[int]]] | None = None
+) -> Any:
     """``tree`` (a worker's ``what``: gradients, pseudo-gradients) as the worker sent it:
-    decoded when it travelled compressed.
+    decoded when it travelled compressed, its layout checked against ``model`` (each node's
+    trainable parameters' shapes) first.
 
     Raises:
         StrategyFailed: ``AGGREGATION_MISMATCH`` naming ``worker``, for a compressed tree that
-            cannot be decoded.
+            cannot be decoded or is not of the model.
     """
     if not is_compressed(tree):
         return tree
     try:
-        return decode(tree)
+        return decode(tree, model)
     except BadCompressedTree as exc:
         raise StrategyFailed(
             ErrorCode.AGGREGATION_MISMATCH,

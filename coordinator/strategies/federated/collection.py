@@ -15,7 +15,7 @@ from typing import Any
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
-from coordinator.strategies.aggregate import AggregationError, Tree
+from coordinator.strategies.aggregate import AggregationError, Tree, format_path, non_finite
 from coordinator.strategies.federated.cohort import Cohort, DroppedWorker
 from coordinator.strategies.federated.round_fold import RoundFold
 from protocol.errors import ErrorCode
@@ -75,6 +75,12 @@ class InTheClear(Collection):
         async with self.fetch:
             states = await ctx.get_state(i, nodes)
             try:
+                where = non_finite(states)  # a NaN would make the global model NaN
+                if where is not None:
+                    raise AggregationError(
+                        f"worker {label!r} sent states that are not finite (NaN or infinity) "
+                        f"at {format_path(where)}: refused rather than averaged into the model"
+                    )
                 self.fold.add(label, fit, states)
             except AggregationError as exc:
                 raise StrategyFailed(

@@ -112,4 +112,69 @@ def test_compressed_gradients_that_cannot_be_decoded_fail_the_job_naming_the_wor
         run(options, "sgd", daemon=_Garbling)
     message = str(failed.value)
     assert "worker 'mem-0' sent gradients that cannot be decoded" in message
-    assert "'values' must be 169 values of torch.float16, not 163 of torch.float16" in message
+    # Checked against the model's parameters before anything is decoded.
+    assert "'mlp'/'0.weight' of shape [17, 6] is not a parameter of the model's node" in message
+
+
+class _Inflating(Daemon):
+    """A daemon whose int8 gradients carry, beside the model's, 4M values of a parameter the
+    model does not have, consistent with their own layout (what a hostile worker sends to make
+    the coordinator decode far more than the model)."""
+
+    def on_gradients(self, req):
+        reply = super().on_gradients(req)
+        message = reply["gradients"]
+        extra = 1 << 22
+        message["layout"].append(["mlp", "planted", [extra]])
+        message["values"] = torch.cat([message["values"], torch.ones(extra, dtype=torch.int8)])
+        chunks = -(-message["values"].numel() // 4096)
+        message["scales"] = torch.ones(chunks, dtype=torch.float32)
+        return reply
+
+
+class _NotFinite(Daemon):
+    """A daemon whose gradients hold a NaN on its third step (a hostile or diverged replica):
+    the second made of a job's, mem-1."""
+
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        type(self).made += 1
+        self.poisons = type(self).made % 2 == 0
+        self.steps = 0
+
+    def on_gradients(self, req):
+        reply = super().on_gradients(req)
+        self.steps += 1
+        if self.poisons and self.steps == 3:
+            sent = reply["gradients"]
+            if MARKER in sent:  # int8: a scale that is NaN
+                sent["scales"][0] = float("nan")
+            else:
+                next(iter(sent["mlp"].values())).view(-1)[0] = float("nan")
+        return reply
+
+
+def test_compressed_gradients_beyond_the_model_are_refused_before_they_are_decoded():
+    options = DataParallelOptions(workers=2, collective="coordinator", compression="int8")
+    with pytest.raises(StrategyFailed) as failed:
+        run(options, "sgd", daemon=_Inflating)
+    message = str(failed.value)
+    assert failed.value.info.code == "aggregation_mismatch"
+    assert "worker 'mem-0' sent gradients that cannot be decoded" in message
+    assert "'mlp'/'planted' of shape [4194304] is not a parameter" in message
+
+
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_gradients_that_are_not_finite_fail_the_job_naming_the_worker(compression):
+    """Issue 53, Medium 3: a NaN in one replica's gradients once let a job succeed with NaN
+    weights; it fails the job aggregation_mismatch, naming the replica, at that step."""
+    _NotFinite.made = 0
+    options = DataParallelOptions(workers=2, collective="coordinator", compression=compression)
+    with pytest.raises(StrategyFailed) as failed:
+        run(options, "sgd", daemon=_NotFinite)
+    assert failed.value.info.code == "aggregation_mismatch"
+    message = str(failed.value)
+    assert "worker 'mem-1' sent gradients that are not finite (NaN or infinity)" in message
+    assert "node 'mlp'" in message

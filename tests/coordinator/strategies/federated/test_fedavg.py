@@ -410,6 +410,33 @@ def test_aggregation_that_does_not_fit_fails_the_job_as_a_mismatch():
     assert failure.value.info.code is ErrorCode.AGGREGATION_MISMATCH
 
 
+def test_a_client_state_that_is_not_finite_fails_the_round_naming_the_worker():
+    """Issue 53, Medium 3: a NaN in one client's model is refused, naming it, rather than
+    averaged into a NaN global model that 'succeeds'."""
+    data = shards()
+    made = iter(range(len(data)))
+
+    class Poisoned(OwnData):
+        def __init__(self, x, y):
+            self.poisons = next(made) == 2  # mem-2
+            super().__init__(x, y)
+
+        def on_get_state(self, req):
+            states = super().on_get_state(req)
+            if self.poisons and "lin" in states:
+                states["lin"]["bias"][0] = float("inf")
+            return states
+
+    daemons = iter([Poisoned(x, y) for x, y in data])
+    ctx = InMemoryContext(len(data), lambda: next(daemons))
+    with pytest.raises(StrategyFailed) as failure:
+        run(FedAvg(FedAvgOptions(rounds=2)), ctx, job_inputs(graph()))
+    assert failure.value.info.code is ErrorCode.AGGREGATION_MISMATCH
+    assert "worker 'mem-2' sent states that are not finite (NaN or infinity) at node 'lin'" in (
+        str(failure.value)
+    )
+
+
 # -- options, validation, placement -----------------------------------------------------------
 
 
