@@ -32,7 +32,7 @@ from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
-from coordinator.strategies.kept_on_worker import KeptOnWorker
+from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
 from protocol.shard_files import METADATA
@@ -65,16 +65,28 @@ class Shards:
     _where: dict[str, KeptOnWorker] = field(init=False, repr=False)  # file name → its replica's
 
     @classmethod
-    def of(
-        cls, ctx: StrategyContext, said: list[Any], rest: dict[str, Any], plain: dict[str, Any]
+    async def of(
+        cls,
+        ctx: StrategyContext,
+        said: list[Any],
+        rest: dict[str, Any],
+        plain: dict[str, Any],
+        limit: KeptLimit,
     ) -> Self:
-        """What each replica said in place of its files (``said[i]``: replica ``i``'s).
+        """What each replica said in place of its files (``said[i]``: replica ``i``'s), held
+        to ``limit`` (what a checkpoint of the model can be) before any of them is read.
 
         Raises:
             StrategyFailed: ``STATE_MISMATCH``: a replica's files are not as a worker keeps
-                them, or two replicas wrote files of one name.
+                them, or two replicas wrote files of one name; ``RESOURCE_LIMIT``: they are
+                more or larger than ``limit`` (each worker drops them first).
         """
         kept = [KeptOnWorker.of(ctx, i, s, "shards") for i, s in enumerate(said)]
+        try:
+            limit.check(kept, "a checkpoint")
+        except StrategyFailed:
+            await asyncio.gather(*(replica.release() for replica in kept))
+            raise
         return cls(kept, rest, plain)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from coordinator.context import StrategyContext
 from coordinator.errors import NoReplacement, StrategyFailed, WorkerCallError
 from coordinator.strategies.base import Emit, JobInputs, ShardedStates, concurrently
-from coordinator.strategies.kept_on_worker import KeptOnWorker
+from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
@@ -332,6 +332,12 @@ class Replicas:
             said = await self.ctx.call_keeping(replica, DistPiecesRequest(), KEPT_AT)
             files = said.get("files") if isinstance(said, dict) else None
             kept = KeptOnWorker.of(self.ctx, replica, files, "pieces")
+            limit = KeptLimit.of(self.job.trained_shapes(), 1)
+            try:
+                limit.check([kept], f"replica {replica}'s pieces of the model")
+            except StrategyFailed:
+                await kept.release()
+                raise
             if set(kept.files) != {PIECES_FILE}:
                 await kept.release()
                 raise StrategyFailed(

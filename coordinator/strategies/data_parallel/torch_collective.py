@@ -56,6 +56,7 @@ from coordinator.strategies.data_parallel.elastic import (
     every_replica_lost,
 )
 from coordinator.strategies.history import Evaluate, History
+from coordinator.strategies.kept_on_worker import KeptLimit
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -207,7 +208,7 @@ class TorchTraining:
                 chunk = next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
                 if now.snapshot:  # taken as the chunk ended, while the next one trains
-                    await saves.save(step, total, self._snapshot(results))
+                    await saves.save(step, total, await self._snapshot(results))
         finally:
             await cancelled(ahead)
         position.step = None
@@ -253,13 +254,15 @@ class TorchTraining:
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
-    def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
+    async def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
         """The checkpoint's snapshot the replicas sent with a chunk's ``results``: replica
-        0's, or every sharded replica's files."""
+        0's, or every sharded replica's files (as many and as large as the model allows)."""
         if self.sharding != "none":
             taken = [results[i]["snapshot"] for i in self._all()]
             kept = [t["shards"] for t in taken]
-            return Shards.of(self.run.ctx, kept, taken[0]["rest"], taken[0]["plain"])
+            limit = KeptLimit.of(self.run.job.trained_shapes(), len(kept))
+            ctx = self.run.ctx
+            return await Shards.of(ctx, kept, taken[0]["rest"], taken[0]["plain"], limit)
         taken = results[0]["snapshot"]
         return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 

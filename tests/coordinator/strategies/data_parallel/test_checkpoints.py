@@ -14,6 +14,7 @@ from coordinator.errors import StrategyFailed
 from coordinator.jobs.checkpoints import CheckpointPolicy, CheckpointStore, JobCheckpoints
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
+from coordinator.strategies.kept_on_worker import KeptLimit
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
@@ -91,10 +92,19 @@ def test_the_default_saves_at_each_epochs_end_and_zero_saves_nothing(tmp_path):
     assert not [e for e, _ in events if e.startswith("checkpoint")]
 
 
-def _kept(*files):
+def _kept(*files, size=1):
     return [
-        {"kept": f"k{i}", "files": {name: 1 for name in names}} for i, names in enumerate(files)
+        {"kept": f"k{i}", "files": {name: size for name in names}} for i, names in enumerate(files)
     ]
+
+
+MODEL = {"mlp": [[16, 6], [16], [3, 16], [3]]}
+"""A model's trainable parameters' shapes (working_model's): 163 values in 4 tensors."""
+
+
+def _shards(ctx, said, limit=None):
+    limit = limit or KeptLimit.of(MODEL, len(said))
+    return asyncio.run(Shards.of(ctx, said, {}, {}, limit))
 
 
 def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
@@ -102,7 +112,7 @@ def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
     fails saying how to resume it, rather than load it whole."""
     x, y = dataset()
     store = CheckpointStore(tmp_path)
-    said = Shards.of(None, _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    said = _shards(None, _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]))
     assert said.sizes() == {".metadata": 1, "__0_0.distcp": 1, "__1_0.distcp": 1}
     payload = said.payload()
     assert payload["shards"]["by_replica"] == [[".metadata", "__0_0.distcp"], ["__1_0.distcp"]]
@@ -127,7 +137,7 @@ def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
 )
 def test_replicas_files_that_do_not_add_up_are_refused(kept, said):
     with pytest.raises(StrategyFailed, match=said) as failed:
-        Shards.of(None, kept, {}, {})
+        _shards(None, kept)
     assert failed.value.info.code is ErrorCode.STATE_MISMATCH
 
 
@@ -141,8 +151,38 @@ def test_shards_a_checkpoint_does_not_save_are_dropped_where_they_were_kept():
         async def drop_kept(self, i, kept):
             dropped.append((i, kept))
 
-    shards = Shards.of(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]), {}, {})
+    shards = _shards(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]))
     never = CheckpointPolicy(0, 10, lambda: 0.0)  # checkpoint_every=0: never due
     saves = ReplicaCheckpoints(None, None, never, epochs=1)
     asyncio.run(saves.save(5, 10, shards))
     assert sorted(dropped) == [(0, "k0"), (1, "k1")]
+
+
+def test_kept_files_beyond_what_a_checkpoint_of_the_model_can_be_are_refused_unread():
+    """Issue 53, Medium 4: a hostile replica once kept 20,000 files, 860 MB, for a checkpoint
+    of a 2.5 KB model, all read into the store. Files beyond the model's bound (their count,
+    or their bytes: its values in float64 four times over, with headers) fail the checkpoint
+    resource_limit before a byte is read, and every worker drops them."""
+    dropped: list[tuple[int, str]] = []
+
+    class Workers:
+        async def drop_kept(self, i, kept):
+            dropped.append((i, kept))
+
+    limit = KeptLimit.of(MODEL, 2)
+    assert limit.files == 9
+    assert limit.nbytes == 4 * 8 * 163 + (64 << 10) * (4 * 4 + 9)
+    many = _kept([".metadata", *(f"__0_{k}.distcp" for k in range(20_000))], ["__1_0.distcp"])
+    large = _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"], size=860 << 20)
+    for said, says in (
+        (many, "20002 files of 20002 bytes"),
+        (large, "3 files of 2705326080 bytes"),
+    ):
+        dropped.clear()
+        with pytest.raises(StrategyFailed, match=f"kept {says} for a checkpoint") as failed:
+            _shards(Workers(), said, limit)
+        assert failed.value.info.code is ErrorCode.RESOURCE_LIMIT
+        assert "none of it was read" in str(failed.value)
+        assert sorted(dropped) == [(0, "k0"), (1, "k1")]
+    fits = _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"], size=4 << 10)
+    assert _shards(Workers(), fits, limit).sizes()["__1_0.distcp"] == 4 << 10
