@@ -178,8 +178,9 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         default=REASSEMBLY_BUDGET,
         metavar="N",
         help="bytes received of chunked messages in progress on all workers' connections "
-        "together, and as many on all clients'; a chunk beyond it ends its message with busy, "
-        f"retry later (default {REASSEMBLY_BUDGET}: 4 GiB)",
+        "together (three quarters kept for the replies the coordinator awaits, each worker id "
+        "a share of both parts), and as many on all clients'; a chunk beyond it ends its "
+        f"message with busy, retry later (default {REASSEMBLY_BUDGET}: 4 GiB)",
     )
     parser.add_argument(
         "--max-client-reassembly-bytes",
@@ -187,8 +188,9 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="bytes of chunked messages in progress one client may hold over all its "
-        "connections, so that one client cannot keep another's messages out (default: half "
-        "of --max-reassembly-bytes, at least --max-message-bytes)",
+        "connections, so that one client cannot keep another's messages out (default: a third "
+        "of --max-reassembly-bytes, at least --max-message-bytes; the clients' pool holds "
+        "three such shares at least: two clients cannot fill it for a third)",
     )
     parser.add_argument(
         "--stall-timeout",

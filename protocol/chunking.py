@@ -190,7 +190,10 @@ class Reassembler:
     * with a ``budget``, each chunk's bytes are charged to it as they arrive (:class:`Budget`):
       a chunk that would take it over its limit ends its stream, refused ``busy`` (retry
       later), and what the stream held is freed; a stream larger than the budget could ever
-      hold is refused on its first chunk;
+      hold is refused on its first chunk. With a :attr:`reply_budget` too, a stream that
+      answers a request its owner awaits (:attr:`awaited` says, from the ``reply_to`` of its
+      first bytes) is charged to that one instead: what a peer sends unasked cannot take the
+      room of the replies its owner waits for;
     * a stream with no chunk for ``stall_seconds`` is dropped (its buffer freed, its later
       chunks dropped silently) at the next :meth:`add` or :meth:`expire`.
 
@@ -224,6 +227,10 @@ class Reassembler:
         self.buffer_for = buffer_for
         self.max_streams = max_streams
         self.budget = budget
+        self.reply_budget: Budget | None = None
+        """What a stream answering an awaited request is charged to (``None``: ``budget``)."""
+        self.awaited: Callable[[int], bool] = lambda reply_to: False
+        """Whether a request of that id awaits its reply (the owner's)."""
         self.stall_seconds = stall_seconds
         self.clock = clock
         self.stalled = 0
@@ -339,7 +346,9 @@ class Reassembler:
                 f"chunked message of {total} bytes refused: with the {pending} bytes of the "
                 f"{len(self._streams)} in progress it exceeds the limit of {self.max_bytes} bytes"
             )
-        elif self.budget is not None and total > (room := _least_limit(self.budget)):
+        elif (budget := self._budget_of(data)) is not None and total > (
+            room := _least_limit(budget)
+        ):
             why = (
                 f"chunked message of {total} bytes exceeds the {room} bytes its sender may "
                 "have in progress at once"
@@ -352,10 +361,20 @@ class Reassembler:
                 why = f"chunked message of {total} bytes refused: cannot reserve it: {exc}"
             else:
                 ids = peek_ids(data)
-                self._streams[stream] = _Stream(buffer, now, sink=sink, ids=ids, budget=self.budget)
+                budget = self._budget_of(data)
+                self._streams[stream] = _Stream(buffer, now, sink=sink, ids=ids, budget=budget)
                 return self._streams[stream]
         self._refuse(stream, more)
         raise MessageTooLarge(why, *peek_ids(data))
+
+    def _budget_of(self, head: memoryview) -> Budget | None:
+        """What a stream starting with ``head`` is charged to: :attr:`reply_budget` when it
+        answers an awaited request, else :attr:`budget`."""
+        if self.reply_budget is not None:
+            _, reply_to = peek_ids(head)
+            if reply_to is not None and self.awaited(reply_to):
+                return self.reply_budget
+        return self.budget
 
     def _refuse(self, stream: int, more: bool) -> None:
         """Drop the rest of ``stream``'s chunks (when ``more`` are to come) without an error."""

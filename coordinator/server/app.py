@@ -133,8 +133,9 @@ class Coordinator:
         """Who each ``/client`` connection is, from its token
         (:mod:`coordinator.server.clients`)."""
         pool = max(config.max_reassembly_bytes, config.max_message_bytes)
-        share = config.max_client_reassembly_bytes or pool // 2
-        self.reassembly = ReassemblyShares(pool, max(share, config.max_message_bytes))
+        share = config.max_client_reassembly_bytes or pool // 3
+        largest = config.max_message_bytes
+        self.reassembly = ReassemblyShares(pool, max(share, largest), largest)
         """The bytes of chunked messages in progress each side and each client may hold
         (:mod:`coordinator.server.reassembly_shares`)."""
         self.metrics = Metrics()
@@ -291,6 +292,7 @@ class Coordinator:
     async def _connection(self, ws: ServerConnection) -> None:
         path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
         is_worker = path == "/worker"
+        worker_shares = self.reassembly.of_connection() if is_worker else None
         channel = Channel(
             ws,
             f"{path[1:]} {ws.remote_address}",
@@ -298,11 +300,13 @@ class Coordinator:
             self.config.max_message_bytes,
             self.config.max_inflight,
             bulk_gate=self._bulk_gate,
-            budget=self.reassembly.of_worker() if is_worker else self.reassembly.clients,
+            budget=worker_shares.unasked if worker_shares else self.reassembly.clients,
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
             buffer_for=frame_buffer if is_worker else self.landing,
         )
+        if worker_shares is not None:
+            channel.reply_budget = worker_shares.replies
         self._channels.add(channel)
         try:
             hello = await self._hello(ws, channel, path, is_worker)
@@ -393,6 +397,8 @@ class Coordinator:
             await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
             return
         channel.name = f"worker {record.id}"
+        shares = self.reassembly.of_worker(record.id)  # over all its connections
+        channel.budget, channel.reply_budget = shares.unasked, shares.replies
         channel.handler = lambda message: self._on_worker_message(record, message)
         await channel.reply(
             hello,

@@ -95,12 +95,15 @@ class CoordinatorConfig:
         enrolled: the only worker ids that may register (``--enroll``), each binding its key at
             its first registration; empty: any id may (the first hello of an id binds it).
         max_reassembly_bytes: the bytes received of chunked messages in progress on all
-            workers' connections together, and as many on all clients' (each at least
-            ``max_message_bytes``); a chunk beyond it ends its message ``busy`` ("retry
-            later"): a few peers cannot pin the coordinator's memory, and clients cannot take
-            the room of workers' replies (:mod:`coordinator.server.reassembly_shares`).
+            workers' connections together — three quarters for the replies the coordinator
+            awaits, a quarter for what they send unasked, each worker id a share of both —
+            and as many on all clients' (each at least ``max_message_bytes``); a chunk beyond
+            it ends its message ``busy`` ("retry later"): a few peers cannot pin the
+            coordinator's memory, clients cannot take the room of workers' replies, nor
+            workers sending unasked (:mod:`coordinator.server.reassembly_shares`).
         max_client_reassembly_bytes: the part of the clients' that one client may hold
-            (``None``: half, at least ``max_message_bytes``).
+            (``None``: a third, at least ``max_message_bytes``; the clients' pool holds three
+            such shares at least).
         stall_timeout: seconds a chunked message may wait for its next chunk before it is
             dropped and its memory freed.
         require_sandbox: refuse a worker whose hello says it runs job code without a sandbox

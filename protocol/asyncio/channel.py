@@ -192,6 +192,7 @@ class Channel:
             claim=self._claim,
             buffer_for=buffer_for,
         )
+        self._inbox.reassembler.awaited = lambda reply_to: reply_to in self._waiting
         self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0
         self._next_stream = 0
@@ -222,6 +223,16 @@ class Channel:
     @budget.setter
     def budget(self, budget: Budget | None) -> None:
         self._inbox.reassembler.budget = budget
+
+    @property
+    def reply_budget(self) -> Budget | None:
+        """What the chunks of replies to this channel's own requests are charged to (``None``:
+        :attr:`budget`): room a peer's unasked messages cannot take."""
+        return self._inbox.reassembler.reply_budget
+
+    @reply_budget.setter
+    def reply_budget(self, budget: Budget | None) -> None:
+        self._inbox.reassembler.reply_budget = budget
 
     # -- sending -----------------------------------------------------------------------------
 

@@ -566,7 +566,7 @@ def test_a_closed_connections_channel_is_freed_without_the_cyclic_gc(tmp_path):
                     await asyncio.sleep(0.1)
                     served = [weakref.ref(c) for c in coordinator._channels]
                     side = coordinator.reassembly.clients if path == "/client" else None
-                    side = side or coordinator.reassembly.workers
+                    side = side or coordinator.reassembly.worker_unasked
                     assert side.used == CHUNK_BYTES  # what was received, not announced
                     await channel.close()
                     await reader

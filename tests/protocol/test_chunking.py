@@ -167,6 +167,30 @@ def test_a_budget_counts_the_bytes_received_over_every_connection_and_share_char
     assert share.used == pool.used == 0
 
 
+def test_a_reply_its_owner_awaits_is_charged_to_the_reply_budget_and_nothing_else_is():
+    """Issue 53, Medium 5: what a peer sends unasked cannot take the room of the replies its
+    owner waits for (two worker ids once made an honest worker's reply busy)."""
+    from protocol.chunking import Budget, Reassembler
+    from protocol.errors import ReassemblyFull
+    from protocol.messages import Call
+
+    unasked, replies = Budget(3 * CHUNK_BYTES, "unasked"), Budget(4 * CHUNK_BYTES, "replies")
+    reassembler = Reassembler(1 << 30, budget=unasked)
+    reassembler.reply_budget = replies
+    reassembler.awaited = lambda reply_to: reply_to == 9
+    flood = _stream(1, 2 * CHUNK_BYTES)
+    assert all(reassembler.add(chunk) is None for chunk in flood[:2])
+    assert unasked.used == 2 * CHUNK_BYTES
+    x = np.zeros(3 * CHUNK_BYTES, np.uint8)
+    reply = _chunks_of(Call(id=5, reply_to=9, job_id="j", request={"x": x}), 2)
+    assert [reassembler.add(c) is not None for c in reply][-1]  # the awaited reply, whole
+    assert replies.used == 0 and unasked.used == 2 * CHUNK_BYTES
+    stranger = _chunks_of(Call(id=6, reply_to=8, job_id="j", request={"x": x[:CHUNK_BYTES]}), 3)
+    assert reassembler.add(stranger[0]) is None  # a reply to nothing awaited: unasked's
+    with pytest.raises(ReassemblyFull, match=r"on unasked \(the budget is 3145728"):
+        reassembler.add(stranger[1])
+
+
 def test_a_claimed_stream_lands_in_its_sinks_buffer_and_is_told_each_chunk():
     from protocol.chunking import Reassembler, chunk_messages
     from protocol.codec import decode, encode
