@@ -1,13 +1,14 @@
 """The daemon as a member of a torch.distributed process group: the rendezvous and the group.
 
 The coordinator sets a group up for a job
-(:mod:`coordinator.strategies.data_parallel.torch_collective`): replica 0 opens a ``TCPStore`` on a
-free port (:meth:`GroupMember.open_store`), every member checks it can reach it (:meth:`probe`),
-then all join through it (:meth:`join`: gloo, or NCCL when every member is on CUDA) under one key
-prefix per formation of the group. Every collective after that runs under the join's timeout, never
-torch's 30-minute default; a broken group (a peer that died, a timeout) becomes
-``COLLECTIVE_FAILED`` carrying ``steps_done``, the steps this member completed, which an elastic job
-needs to bring the members back to one point.
+(:mod:`coordinator.strategies.data_parallel.torch_collective`): replica 0 opens the group's store
+on a free port (:meth:`GroupMember.open_store`: a :class:`~engine.rendezvous_store.StoreServer`
+that only holders of the rendezvous's secret can use), every member checks it can reach it
+(:meth:`probe`), then all join through it (:meth:`join`: gloo, or NCCL when every member is on
+CUDA) under one key prefix per formation of the group. Every collective after that runs under
+the join's timeout, never torch's 30-minute default; a broken group (a peer that died, a
+timeout) becomes ``COLLECTIVE_FAILED`` carrying ``steps_done``, the steps this member
+completed, which an elastic job needs to bring the members back to one point.
 
 Gloo connects every pair of members through one network interface of each. Unless the operator
 names it (``GLOO_SOCKET_IFNAME``), a member takes the interface whose address the kernel routes
@@ -30,9 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
 from engine.errors import EngineError
+from engine.rendezvous_store import AuthenticatedStore, StoreRefused, StoreServer
 from protocol.errors import ErrorCode
 
 __all__ = ["GroupMember", "interface_towards", "looks_collective"]
@@ -56,7 +58,9 @@ class GroupMember:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._store: TCPStore | None = None  # the rendezvous, on replica 0 only
+        self._server: StoreServer | None = None  # the rendezvous, on replica 0 only
+        self._store: AuthenticatedStore | None = None  # this member's connection to it
+        self._store_at: tuple[str, int] | None = None
         self._rank = 0
         self._world = 1
         self._dropped_with_group: list[Callable[[], None]] = []
@@ -78,12 +82,13 @@ class GroupMember:
         ``drop`` forgets was made for that group."""
         self._dropped_with_group.append(drop)
 
-    def open_store(self, timeout: float) -> int:
-        """Open the group's ``TCPStore`` on a free port (every interface); returns the port."""
+    def open_store(self, secret: str, address: str, timeout: float) -> int:
+        """Open the group's store on a free port of ``address`` (where it is one of this
+        machine's: the address the others dial; else every interface), for holders of
+        ``secret`` only; returns the port."""
         self.leave()
-        wait = datetime.timedelta(seconds=timeout)
-        self._store = TCPStore("127.0.0.1", 0, None, True, wait, False)
-        return int(self._store.port)
+        self._server = StoreServer(secret, address, timeout)
+        return self._server.port
 
     @staticmethod
     def probe(host: str, port: int, timeout: float) -> dict[str, Any]:
@@ -95,9 +100,18 @@ class GroupMember:
             return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
 
     def join(
-        self, host: str, port: int, prefix: str, backend: str, rank: int, world: int, timeout: float
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        prefix: str,
+        backend: str,
+        rank: int,
+        world: int,
+        timeout: float,
     ) -> dict[str, Any]:
-        """Join the group as ``rank`` of ``world`` (leaving any earlier one).
+        """Join the group as ``rank`` of ``world`` (leaving any earlier one) through the store
+        at ``host:port``, proving ``secret``.
 
         Raises:
             EngineError: ``COLLECTIVE_FAILED`` when the group does not form within ``timeout``.
@@ -108,8 +122,11 @@ class GroupMember:
             self._choose_interface(host, port)
         try:
             store = self._store
-            if store is None:
-                store = TCPStore(host, port, None, False, wait, False)
+            if store is None or self._store_at != (host, port):  # a store of another group
+                if store is not None:
+                    store.close()
+                store = self._store = AuthenticatedStore(host, port, secret, timeout)
+                self._store_at = (host, port)
             dist.init_process_group(
                 backend,
                 store=PrefixStore(prefix, store),
@@ -118,7 +135,7 @@ class GroupMember:
                 timeout=wait,
                 device_id=self.device if backend == "nccl" else None,
             )
-        except (RuntimeError, dist.DistError) as exc:
+        except (RuntimeError, dist.DistError, StoreRefused) as exc:
             raise self.broken(f"joining the group as rank {rank} of {world}", exc) from exc
         self._rank, self._world = rank, world
         return {"backend": backend}
@@ -144,9 +161,15 @@ class GroupMember:
         return self._rank, self._world
 
     def leave(self) -> None:
-        """Leave the group and close the store; nothing to leave is fine."""
+        """Leave the group and close the store (and this member's connection to it); nothing
+        to leave is fine."""
         self._left_group()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def _left_group(self) -> None:
         """What uses the group is dropped first (:meth:`on_leave`), then the group.

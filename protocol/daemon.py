@@ -256,13 +256,20 @@ class ScheduleRequest(_Request):
     max_steps: PositiveInt | None = None
 
 
+Secret = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", repr=False)]
+"""A rendezvous's secret: 32 bytes in hex, made by the coordinator for each store."""
+
+
 class DistStoreRequest(_Request):
-    """Open the rendezvous of a torch collective here (replica 0): a ``torch.distributed``
-    ``TCPStore`` on a free port of every interface, kept until ``dist_leave``. Returns
-    ``{"port": int}``."""
+    """Open the rendezvous of a torch collective here (replica 0): a store on a free port of
+    ``address`` (the address the other members dial, where it is one of this machine's; else
+    every interface) that only connections proving ``secret`` may use
+    (:mod:`engine.rendezvous_store`), kept until ``dist_leave``. Returns ``{"port": int}``."""
 
     cmd: Literal["dist_store"] = "dist_store"
     timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    secret: Secret
+    address: str = ""
 
 
 class DistProbeRequest(_Request):
@@ -284,6 +291,7 @@ class DistJoinRequest(_Request):
     cmd: Literal["dist_join"] = "dist_join"
     host: str
     port: Annotated[int, Field(gt=0, lt=65536)]
+    secret: Secret  # what the store asks every member to prove
     prefix: str
     backend: Literal["gloo", "nccl"] = "gloo"
     rank: NonNegativeInt

@@ -2,7 +2,9 @@
 that all of them must finish.
 
 The coordinator is the group's rendezvous broker, never a member: the first member's daemon
-opens a ``TCPStore`` on a free port (``dist_store``), every other member checks, within a short
+opens the group's store on a free port (``dist_store``: :mod:`engine.rendezvous_store`, usable
+only by connections that prove the secret the coordinator made for it and gives only to the
+members, over its authenticated links to their agents), every other member checks, within a short
 probe timeout, that it can open a connection to it (``dist_probe``), and then all join under a
 key prefix of their own (``dist_join``; gloo, or NCCL when every member trains on CUDA).
 :func:`rendezvous` answers where the group meets, or why it cannot (in-process workers, an
@@ -21,8 +23,9 @@ break).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coordinator.context import StrategyContext
@@ -42,6 +45,11 @@ RECOVERABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.DAEMON_CRASHED})
 """Failures that are a member gone, not a member wrong."""
 
 
+def new_secret() -> str:
+    """A fresh rendezvous secret (32 bytes, hex: :data:`protocol.daemon.Secret`)."""
+    return secrets.token_hex(32)
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where a group meets: the store on its first member, and the backend all use."""
@@ -50,6 +58,7 @@ class Rendezvous:
     port: int
     backend: Literal["gloo", "nccl"]
     reason: str  # why the group can form, in words
+    secret: str = field(repr=False)  # what every member proves to its store
 
 
 def cannot_form(ctx: StrategyContext, members: Sequence[int]) -> str | None:
@@ -80,7 +89,9 @@ async def rendezvous(
     head = members[0]
     host = ctx.workers[head].host
     assert host is not None  # cannot_form checked
-    port = int((await ctx.call(head, DistStoreRequest(timeout=limit)))["port"])
+    secret = new_secret()  # one for each store: a job's group is closed to every other
+    opened = await ctx.call(head, DistStoreRequest(timeout=limit, secret=secret, address=host))
+    port = int(opened["port"])
     others = members[1:]
     request = DistProbeRequest(host=host, port=port, timeout=probe)
     answers = await concurrently(*(ctx.call(i, request) for i in others))
@@ -98,7 +109,8 @@ async def rendezvous(
     if len(places) < len(members):
         cuda = False  # NCCL refuses two ranks on one GPU; gloo reduces CUDA tensors too
     members_said = f"every {member}" if len(members) > 1 else f"the one {member}"
-    return Rendezvous(host, port, "nccl" if cuda else "gloo", f"{members_said} reached {where}")
+    reason = f"{members_said} reached {where}"
+    return Rendezvous(host, port, "nccl" if cuda else "gloo", reason, secret)
 
 
 async def join(
@@ -118,6 +130,7 @@ async def join(
         return DistJoinRequest(
             host=meet.host,
             port=meet.port,
+            secret=meet.secret,
             prefix=prefix,
             backend=meet.backend,
             rank=rank,

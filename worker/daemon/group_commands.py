@@ -62,14 +62,21 @@ class GroupCommands:
         """The group commands by name, for the daemon's handler table."""
 
     def on_dist_store(self, req: DistStoreRequest) -> dict[str, Any]:
-        return {"port": self.engine.group.open_store(req.timeout)}
+        return {"port": self.engine.group.open_store(req.secret, req.address, req.timeout)}
 
     def on_dist_probe(self, req: DistProbeRequest) -> dict[str, Any]:
         return self.engine.group.probe(req.host, req.port, req.timeout)
 
     def on_dist_join(self, req: DistJoinRequest) -> dict[str, Any]:
         return self.engine.group.join(
-            req.host, req.port, req.prefix, req.backend, req.rank, req.world, req.timeout
+            req.host,
+            req.port,
+            req.secret,
+            req.prefix,
+            req.backend,
+            req.rank,
+            req.world,
+            req.timeout,
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> dict[str, Any] | None:

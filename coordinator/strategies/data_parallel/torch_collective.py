@@ -36,6 +36,7 @@ is still ``graph.fit``'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -88,8 +89,7 @@ class Choice:
     collective: str  # "torch" | "coordinator"
     reason: str
     backend: str | None = None
-    host: str | None = None
-    port: int | None = None
+    meet: Rendezvous | None = None  # where its group meets (``torch``)
 
     def describe(self) -> dict[str, Any]:
         """What the ``placed`` event says of it."""
@@ -114,7 +114,7 @@ async def choose(run: Replicas, wanted: str, limit: float) -> Choice:
     if isinstance(meet, Rendezvous):
         failed = await _trial_group(run, replicas, meet, limit) if wanted == "auto" else None
         if failed is None:
-            return Choice("torch", meet.reason, meet.backend, meet.host, meet.port)
+            return Choice("torch", meet.reason, meet.backend, meet)
         meet = f"{meet.reason}, but their group did not form: {failed}"
     if wanted == "torch":
         raise StrategyFailed(ErrorCode.COLLECTIVE_FAILED, f"collective='torch': {meet}")
@@ -270,14 +270,16 @@ class TorchTraining:
         """Every replica, standing at ``step``, joins the group (on a new store when
         ``fresh_store``) and takes the plan."""
         ctx, replicas = self.run.ctx, list(self._all())
-        meet = Rendezvous(self.choice.host or "", self.choice.port or 0, self._backend, "")
-        if fresh_store:
+        meet = self.choice.meet
+        if fresh_store or meet is None:
             await leave(ctx, replicas)
             probe = min(PROBE_TIMEOUT, self.timeout)
             again = await rendezvous(ctx, replicas, probe, self.timeout)
             if not isinstance(again, Rendezvous):
                 raise StrategyFailed(ErrorCode.COLLECTIVE_FAILED, f"forming the group: {again}")
-            meet = again
+            # (its backend as chosen at first: the replicas' devices have not changed)
+            meet = dataclasses.replace(again, backend=self._backend)
+            self.choice = dataclasses.replace(self.choice, meet=meet)
         self.formations += 1
         await join(ctx, replicas, meet, f"{self.token}/{self.formations}/", self.timeout)
         training = self.training
