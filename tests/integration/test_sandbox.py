@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -192,6 +193,8 @@ def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its
         assert report["secret 0"] == f"ok: {token!r}"
         for path in (*left, Path(f"/tmp/block-{stamp}")):
             path.unlink(missing_ok=True)
+        for pid in _sleeping():  # it left its cgroup too (wrote itself into another): gone now
+            os.kill(pid, signal.SIGKILL)
         return
     assert f"job code runs sandboxed: {level}" in log
     # It may write /tmp and /dev/shm (its own under bwrap), and nothing of it stays there once

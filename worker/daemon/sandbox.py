@@ -41,6 +41,7 @@ job asking ``sandbox="required"`` refuse ``none``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -85,20 +86,50 @@ class SandboxRefused(ValueError):
     """The sandbox asked for cannot be had here; the message says what is missing."""
 
 
+UID_LOCKS = ("/run/lock/somatize-uids", "/tmp/somatize-uids")
+"""Where agents on one machine mark the uids their daemons hold (the first that can be made)."""
+
+
 class _Uids:
-    """The uids given to daemons: the next one of the range that no process runs as (another
-    agent's daemons on the same machine use theirs)."""
+    """The uids given to daemons: the next one of the range that no agent of this machine holds
+    (an exclusive ``flock`` on a file named for it, held until the daemon's uid is cleared:
+    two agents starting together would otherwise take the same uid, and one's clearing kill
+    the other's daemon) and no process runs as."""
 
     def __init__(self) -> None:
         self._next = 0
 
-    def take(self) -> int:
+    def take(self) -> tuple[int, int | None]:
+        """A uid and the descriptor of its lock (``None``: no lock could be made)."""
+        folder = _lock_folder()
         for _ in range(UIDS):
             uid = UID_BASE + self._next % UIDS
             self._next += 1
-            if not running_as(uid):
-                return uid
-        return UID_BASE + self._next % UIDS  # all taken: share one (still not the agent's)
+            lock = None if folder is None else _locked(f"{folder}/{uid}")
+            if (folder is None or lock is not None) and not running_as(uid):
+                return uid, lock
+            if lock is not None:
+                os.close(lock)
+        return UID_BASE + self._next % UIDS, None  # all taken: share one (not the agent's)
+
+
+def _lock_folder() -> str | None:
+    for folder in UID_LOCKS:
+        with contextlib.suppress(OSError):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            return folder
+    return None
+
+
+def _locked(path: str) -> int | None:
+    """An exclusive ``flock`` on ``path`` (made if need be), or ``None`` when another holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 _UIDS = _Uids()
@@ -164,7 +195,7 @@ class Sandbox:
             return self._as_uid(list(argv), env)
         if self.level != "bwrap":
             return Launch(list(argv), {"env": env})
-        uid = _UIDS.take() if self.unprivileged else os.getuid()
+        uid, lock = _UIDS.take() if self.unprivileged else (os.getuid(), None)
         gid = uid if self.unprivileged else os.getgid()
         gate, release = os.pipe()
         bwrap = self.bwrap_options(uid, gid, env.get("PYTHONPATH", ""), tmpfs_bytes)
@@ -173,7 +204,7 @@ class Sandbox:
         options: dict[str, Any] = {"env": env | {"TMPDIR": "/tmp", "HOME": "/tmp"}}
         confinement = None
         if self.unprivileged:
-            confinement = UidConfinement(uid, None)
+            confinement = UidConfinement(uid, None, lock)
             if self.root is None:  # else nsenter gives the uid, once in the root's namespace
                 options |= {"user": uid, "group": gid, "extra_groups": []}
         return Launch(wrapped, options, confinement, gate, release)
@@ -226,7 +257,7 @@ class Sandbox:
         return any(os.path.realpath(p).startswith(real) for p in self.exposed)
 
     def _as_uid(self, argv: list[str], env: dict[str, str]) -> Launch:
-        uid = _UIDS.take()
+        uid, lock = _UIDS.take()
         private = tempfile.mkdtemp(prefix=f"somatize-job-{uid}-")
         os.chown(private, uid, uid)
         options = {
@@ -237,7 +268,7 @@ class Sandbox:
             "env": env | {"TMPDIR": private, "HOME": private},
             "cwd": private,
         }
-        return Launch(argv, options, UidConfinement(uid, private))
+        return Launch(argv, options, UidConfinement(uid, private, lock))
 
     def describe(self) -> str:
         """What a job's code can reach, in a few words (the agent's log, ``status``)."""
@@ -255,20 +286,29 @@ class Sandbox:
 
 @dataclass(frozen=True)
 class UidConfinement:
-    """The uid, and at ``uid``, the private directory a sandbox gave one daemon."""
+    """The uid, and at ``uid``, the private directory a sandbox gave one daemon; ``lock``: the
+    descriptor that holds the uid for it among this machine's agents."""
 
     uid: int
     private: str | None
+    lock: int | None = None
 
     def clear(self) -> None:
         """Once the daemon is gone: SIGKILL whatever still runs as its uid (what its filters
         forked, even out of its process group); at ``uid``, remove its private directory and
-        what it left in ``/tmp`` and ``/dev/shm`` (blocking)."""
+        what it left in ``/tmp`` and ``/dev/shm``; then give the uid back (blocking)."""
         for pid in running_as(self.uid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        if self.private is None:  # bubblewrap's: its /tmp and /dev/shm went with it
-            return
+        if self.private is not None:
+            self._remove_files()
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock)
+
+    def _remove_files(self) -> None:
+        """What the daemon left where it could write (bubblewrap's went with its tmpfs)."""
+        assert self.private is not None
         shutil.rmtree(self.private, ignore_errors=True)
         for shared in ("/tmp", "/dev/shm"):  # what it left where everyone may write
             with contextlib.suppress(OSError):
@@ -340,9 +380,12 @@ def choose(
 
 
 def _environment() -> tuple[str, ...]:
-    """What every daemon reads: the interpreter's installation, its environment, this tree."""
+    """What every daemon reads: the interpreter's installation, its environment, this tree,
+    and the agent's ``PYTHONPATH`` (which daemons inherit: the modules a job's filters name)."""
     interpreter = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
-    return tuple(dict.fromkeys((sys.prefix, sys.base_prefix, interpreter, _SOURCE_ROOT)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isdir(p)]
+    found = (sys.prefix, sys.base_prefix, interpreter, _SOURCE_ROOT, *paths)
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in found))
 
 
 def _bubblewrap(
