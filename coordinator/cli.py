@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from coordinator.server.config import (
     HEARTBEAT_TIMEOUT,
     MAX_PENDING_CONNECTIONS,
     MAX_PENDING_PER_ADDRESS,
+    MAX_PENDING_SOCKETS,
     REASSEMBLY_BUDGET,
     CoordinatorConfig,
 )
@@ -37,6 +39,7 @@ from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.asyncio.open_files import raise_open_files_limit
 from protocol.chunking import DEFAULT_STALL_SECONDS
+from protocol.log_lines import log_to
 from protocol.token_file import token_file_problem
 
 
@@ -105,11 +108,14 @@ def _security_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enroll",
         action="append",
+        type=_enrolment,
         default=[],
-        metavar="ID",
+        metavar="ID[=FINGERPRINT]",
         help="enrol worker ID (repeatable): once any is given, only these ids may register, "
-        "each binding its identity key at its first registration; without it any worker-token "
-        "holder may register a new id",
+        "each with its identity key (never without one): the key of FINGERPRINT (what "
+        "somatize-worker --id ID --fingerprint prints), or, with ID alone, the key it first "
+        "registers with (trust on first use: the first caller claims it); without --enroll "
+        "any worker-token holder may register a new id",
     )
     parser.add_argument(
         "--require-sandbox",
@@ -218,6 +224,16 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         f"(default {MAX_PENDING_PER_ADDRESS})",
     )
     parser.add_argument(
+        "--max-pending-sockets",
+        type=_positive_int,
+        default=MAX_PENDING_SOCKETS,
+        metavar="N",
+        help="sockets that have not sent their hello yet in all, whatever their addresses, "
+        "beyond which a new one takes the place of the oldest without a valid token, or is "
+        "closed at its accept; never more than a quarter of the open-files limit "
+        f"(default {MAX_PENDING_SOCKETS})",
+    )
+    parser.add_argument(
         "--handshake-timeout",
         type=_positive_float,
         default=HANDSHAKE_TIMEOUT,
@@ -225,6 +241,21 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         help="seconds a new connection has for the upgrade and its hello "
         f"(default {HANDSHAKE_TIMEOUT:g})",
     )
+
+
+def _enrolment(text: str) -> tuple[str, str | None]:
+    """``ID`` or ``ID=FINGERPRINT`` (the SHA-256 of the worker's public key, in hex)."""
+    worker_id, has, fingerprint = text.partition("=")
+    if not worker_id:
+        raise argparse.ArgumentTypeError(f"a worker id to enrol, not {text!r}")
+    if not has:
+        return worker_id, None
+    if not re.fullmatch(r"[0-9a-f]{64}", fingerprint):
+        raise argparse.ArgumentTypeError(
+            f"{worker_id}'s fingerprint must be the 64 hex digits somatize-worker --id "
+            f"{worker_id} --fingerprint prints, not {fingerprint!r}"
+        )
+    return worker_id, fingerprint
 
 
 def _positive_int(text: str) -> int:
@@ -304,6 +335,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             max_inflight=args.max_inflight,
             max_pending_connections=args.max_pending_connections,
             max_pending_per_address=args.max_pending_per_address,
+            max_pending_sockets=args.max_pending_sockets,
             handshake_timeout=args.handshake_timeout,
             worker_token=worker_token,
             client_token=client_token,
@@ -314,7 +346,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             public_status=args.public_status,
             max_queued_jobs=args.max_queued_jobs,
             forget_workers=args.forget_worker,
-            enrolled=args.enroll,
+            enrolled=dict(args.enroll),
             max_reassembly_bytes=args.max_reassembly_bytes,
             max_client_reassembly_bytes=args.max_client_reassembly_bytes,
             stall_timeout=args.stall_timeout,
@@ -377,11 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     raise_open_files_limit()
     _one_maths_thread()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_to(sys.stderr, args.log_level.upper())  # one line per record, whatever it quotes
     # websockets logs every connection at INFO; ours already says what matters, once.
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:

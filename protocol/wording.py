@@ -1,16 +1,28 @@
 """How error messages name many things: a few of them and how many in all, so that a message
-about a 50,000-node graph stays a line long; and the one a mistyped name was probably meant
-to be."""
+about a 50,000-node graph stays a line long; the one a mistyped name was probably meant to be;
+and text others wrote (a job's name, a filter's error) shown as what it is, never as terminal
+escape sequences or as lines of a log."""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Sequence
 
-__all__ = ["LISTED", "capped", "did_you_mean", "listed"]
+__all__ = ["LISTED", "capped", "did_you_mean", "listed", "visible"]
 
 LISTED = 8
 """The most items a message lists."""
+
+
+def visible(text: str, lines: bool = True) -> str:
+    """``text`` with each character that does not print (ESC, CR, backspace, C1 controls, a
+    right-to-left override...) written as its Python escape (``\\x1b``, ``\\u202e``): what a
+    terminal or a log shows of it is what it says. ``lines``: newlines and tabs kept (a
+    traceback); else they are escaped too, so that none can start a forged log line."""
+    if text.isprintable():
+        return text
+    kept = "\n\t" if lines else ""
+    return "".join(c if c.isprintable() or c in kept else repr(c)[1:-1] for c in text)
 
 
 def listed(items: Sequence[object], limit: int = LISTED) -> str:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from protocol.messages import SANDBOX_REQUIREMENTS
 from protocol.token_file import token_file_problem
 from protocol.user_tracebacks import with_source
+from protocol.wording import visible
 from somatize.curves import (
     HistoryWriter,
     curve_unit,
@@ -57,7 +58,6 @@ from somatize.tables import (
     jobs_table,
     placed_text,
     position_text,
-    printable,
     queued_text,
     replica_text,
     states_summary,
@@ -263,13 +263,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         return EXIT_OK
 
-    from rich.console import Console
-
     from somatize.errors import ClientError, JobFailed
+    from somatize.visible_console import VisibleConsole
 
-    err = Console(stderr=True, highlight=False)
+    err = VisibleConsole(stderr=True, highlight=False)
     try:
-        return _COMMANDS[args.command](args, Console(highlight=False), err)
+        return _COMMANDS[args.command](args, VisibleConsole(highlight=False), err)
     except UsageError as exc:
         err.print(f"somatize: {exc}", markup=False, soft_wrap=True)
     except (ClientError, TimeoutError, ValueError) as exc:
@@ -430,7 +429,7 @@ def _print_failure(err: Console, exc: Any) -> None:
 def _cancel(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _connect(args) as client:
         client.job(args.job_id).cancel()
-    out.print(f"job {printable(args.job_id)} cancelled", markup=False, soft_wrap=True)
+    out.print(f"job {visible(args.job_id)} cancelled", markup=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -461,7 +460,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     from somatize.errors import ClientError, JobFailed
 
-    title = f"job {printable(args.job_id)}"
+    title = f"job {visible(args.job_id)}"
     with _connect(args) as client:
         job = client.job(args.job_id)
         try:
@@ -500,12 +499,12 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(table)
     else:
         out.print(
-            f"{title}: {printable(states_summary(states))} (--states lists them)",
+            f"{title}: {visible(states_summary(states))} (--states lists them)",
             markup=False,
             soft_wrap=True,
         )
     if history:
-        out.print(history_table(history, f"job {printable(args.job_id)}: history"))
+        out.print(history_table(history, f"job {visible(args.job_id)}: history"))
     steps: list[tuple[float, float]] = []
     if args.plot or args.tensorboard:
         with _connect(args) as client:

@@ -85,12 +85,12 @@ def history_table(rows: Sequence[Mapping[str, Any]], title: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from somatize.tables import printable
+    from protocol.wording import visible
 
     table = Table(title=Text(title), title_justify="left")
     columns = _columns(rows)
     for column in columns:
-        table.add_column(Text(printable(column)), justify="right")
+        table.add_column(Text(visible(column)), justify="right")
     for row in rows:
         table.add_row(*(_cell(row.get(c), c) for c in columns))
     return table

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from protocol.wording import listed
+from protocol.wording import listed, visible
 from somatize.progress import event_text
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "jobs_table",
     "placed_text",
     "position_text",
-    "printable",
     "progress_text",
     "queued_text",
     "replica_text",
@@ -65,14 +64,7 @@ def cells(*values: Any) -> list[Any]:
     terminal."""
     from rich.text import Text
 
-    return [Text(printable(str(value))) for value in values]
-
-
-def printable(text: str) -> str:
-    """``text`` with each non-printable character written as its Python escape."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return [Text(visible(str(value), lines=False)) for value in values]
 
 
 def device_text(capabilities: dict[str, Any]) -> str:

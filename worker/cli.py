@@ -35,6 +35,8 @@ from engine.data.datasets import parse_data_option
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
+from protocol.identity_proof import fingerprint, public_key
+from protocol.log_lines import log_to
 from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.config import AgentConfig
@@ -58,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Connect to a somatize coordinator and run the filters of its jobs.",
     )
     parser.add_argument(
-        "--connect", metavar="URL", required=True, help="the coordinator, ws://HOST:PORT"
+        "--connect", metavar="URL", help="the coordinator, ws://HOST:PORT (required)"
     )
     parser.add_argument("--id", help="this worker's id (default: the coordinator chooses one)")
     parser.add_argument(
@@ -109,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         help="this worker's identity key, made on the first start (default: "
         "~/.local/state/somatize/worker-ID.key); the coordinator binds --id to it at the first "
         "registration and refuses that id with any other key",
+    )
+    parser.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="print the fingerprint of --id's identity key (made if need be) and exit: what "
+        "somatize-coordinator --enroll ID=FINGERPRINT binds the id to",
     )
     parser.add_argument(
         "--max-job-memory",
@@ -284,6 +292,18 @@ async def _serve(agent: Agent) -> int:
     return 0
 
 
+def _print_fingerprint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--fingerprint``: print ``--id``'s key fingerprint (its key made if need be)."""
+    if args.id is None:
+        parser.error("--fingerprint names the key of a worker id: give --id")
+    try:
+        key = load_or_create_key(args.identity_file or default_identity_file(args.id))
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(fingerprint(public_key(key)))
+    return 0
+
+
 def _secret_files(args: argparse.Namespace) -> list[str]:
     """The files a job must not read: this agent's token file, identity key, peer TLS key."""
     files = [args.token_file, args.identity_file, args.peer_tls_key]
@@ -327,15 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the agent; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.fingerprint:
+        return _print_fingerprint(parser, args)
+    if args.connect is None:
+        parser.error("the following arguments are required: --connect")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     if args.max_message_bytes < 1 or args.max_inflight < 1:
         parser.error("--max-message-bytes and --max-inflight must be at least 1")
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_to(sys.stderr, args.log_level)  # one line per record, whatever it quotes
     token = _token(parser, args.token_file)
     try:
         datasets = parse_data_option(args.data)

@@ -588,6 +588,18 @@ class JobStore:
             enrolled: str = row.fetchone()[0]
         return hmac.compare_digest(enrolled, key_sha256)
 
+    def bind(self, worker_id: str, key_sha256: str) -> bool:
+        """Enrol ``worker_id`` with ``key_sha256`` whatever it had (its operator said so:
+        ``--enroll ID=FINGERPRINT``); whether that changed its key."""
+        with self._write() as conn:
+            row = conn.execute("SELECT key_sha256 FROM workers WHERE id = ?", (worker_id,))
+            had = row.fetchone()
+            conn.execute(
+                "INSERT OR REPLACE INTO workers (id, key_sha256, enrolled) VALUES (?, ?, ?)",
+                (worker_id, key_sha256, self._clock()),
+            )
+        return had is None or had[0] != key_sha256
+
     def is_enrolled(self, worker_id: str) -> bool:
         """Whether ``worker_id`` has an identity key."""
         with self._read() as conn:

@@ -223,7 +223,7 @@ def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
         # the first ones, and how many: a record stays small however large the graph
         "node_ids": [capped(n, 64) for n in ids[:SUMMARY_NODES]],
         "nodes": len(ids),
-        "strategy": msg.strategy.model_dump(),
+        "strategy": _shortened(msg.strategy.model_dump()),
         "rows": rows_of(msg.x),
         "dataset": msg.dataset,
         "placement": placement.describe(),
@@ -232,6 +232,18 @@ def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
         "file": msg.file,
     }
     return summary | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
+
+
+def _shortened(value: Any) -> Any:
+    """``value`` (a strategy's options) with each list cut to its first :data:`SUMMARY_NODES`
+    items and a note of how many in all, each string to 64 characters: a ModelParallel job's
+    partitions name every node of its graph, and a record kept them all (1 MB a job)."""
+    if isinstance(value, dict):
+        return {k: _shortened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        kept = [_shortened(v) for v in value[:SUMMARY_NODES]]
+        return kept if len(value) <= SUMMARY_NODES else [*kept, f"... ({len(value)} in all)"]
+    return capped(value, 64) if isinstance(value, str) else value
 
 
 def placement_of(strategy: Strategy, inputs: JobInputs) -> Placement:

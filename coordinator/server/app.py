@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -125,8 +126,12 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.port = config.port
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # (raised to the hard, by the CLI)
+        sockets = config.max_pending_sockets
+        if files != resource.RLIM_INFINITY:
+            sockets = max(1, min(sockets, files // 4))
         self.pending = PendingConnections(
-            config.max_pending_connections, config.max_pending_per_address
+            config.max_pending_connections, config.max_pending_per_address, sockets
         )
         """Connections between their accept and their hello (:mod:`coordinator.server.pending`)."""
         self.clients = ConnectedClients()
@@ -184,6 +189,16 @@ class Coordinator:
                 log.warning("worker %s: identity forgotten; its next hello enrols again", worker_id)
             else:
                 log.warning("worker %s: no identity to forget", worker_id)
+        for worker_id, key in config.enrolled.items():
+            if key is None:
+                log.warning(
+                    "worker %s is enrolled without a fingerprint: the first to register under "
+                    "it with a key claims it (--enroll %s=FINGERPRINT binds its own)",
+                    worker_id,
+                    worker_id,
+                )
+            elif await asyncio.to_thread(store.bind, worker_id, key):
+                log.info("worker %s: enrolled with identity key %s", worker_id, key[:16])
         self.jobs = jobs = JobManager(
             store,
             self.registry,
@@ -434,6 +449,11 @@ class Coordinator:
             f"the coordinator once with --forget-worker {worker_id})"
         )
         if hello.public_key is None:
+            if worker_id in self.config.enrolled:  # enrolled ids prove their key, always
+                return (
+                    f"worker id {worker_id!r} is enrolled on this coordinator and proves no "
+                    "identity key: start it with --id and its --identity-file"
+                )
             enrolled = await asyncio.to_thread(self.store.is_enrolled, worker_id)
             return other_key if enrolled else None
         if (

@@ -179,7 +179,8 @@ class ClientRequests:
         return Result(result={"jobs": await visible_records(self.jobs, client, message.limit)})
 
     async def on_ping(self, channel: Channel, message: Any) -> Any:
-        """A no-op round trip: to the coordinator, or on through a worker to its daemon."""
+        """A no-op round trip: to the coordinator, or on through a worker to its daemon — a
+        worker that is idle or runs this client's job (an admin: any)."""
         if message.worker_id is None:
             return Result(result={"worker_id": None})
         record = self.registry.get(message.worker_id)
@@ -189,6 +190,18 @@ class ClientRequests:
                 ErrorCode.BAD_REQUEST,
                 f"no connected worker {message.worker_id!r} (connected: {known})",
             )
+        client = self._client(channel)
+        if record.job_id is not None and not client.admin:
+            try:
+                others = not client.may_see(await self.jobs.owner(record.job_id))
+            except RequestRefused:  # a job that just ended: the worker is free
+                others = False
+            if others:
+                raise RequestRefused.of(
+                    ErrorCode.BUSY,
+                    f"worker {record.id!r} is busy with another client's job: ping it once it "
+                    "is free",
+                )
         try:
             reply = await record.channel.request(Probe(), PROBE_TIMEOUT)
         except TimeoutError as exc:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from coordinator.server.clients import ClientTokens
-from coordinator.server.pending import MAX_PENDING_PER_ADDRESS
+from coordinator.server.pending import MAX_PENDING_PER_ADDRESS, MAX_PENDING_SOCKETS
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.websocket import server_tls
 from protocol.chunking import DEFAULT_STALL_SECONDS
@@ -29,6 +29,7 @@ __all__ = [
     "HEARTBEAT_TIMEOUT",
     "MAX_PENDING_CONNECTIONS",
     "MAX_PENDING_PER_ADDRESS",
+    "MAX_PENDING_SOCKETS",
     "REASSEMBLY_BUDGET",
     "SERVER",
     "CoordinatorConfig",
@@ -74,6 +75,9 @@ class CoordinatorConfig:
             upgrade gets ``503`` (sockets without a valid upgrade are not counted).
         max_pending_per_address: sockets from one IP address without a hello yet (token or
             not) beyond which a new one from it is closed at its accept.
+        max_pending_sockets: sockets without a hello yet in all, whatever their addresses
+            (never more than a quarter of the open-files limit), beyond which a new one takes
+            the place of the oldest that showed no valid token, or is closed at its accept.
         handshake_timeout: seconds from the TCP accept to the hello, upgrade included.
         worker_token, client_token: the bearer tokens ``/worker`` and ``/client`` connections
             must present (``Authorization: Bearer ...``), checked in constant time on the HTTP
@@ -92,8 +96,10 @@ class CoordinatorConfig:
         max_queued_jobs: jobs one client may have queued or running at once (``None``: any).
         forget_workers: worker ids whose identity key is dropped at start (their next keyed
             hello enrols again).
-        enrolled: the only worker ids that may register (``--enroll``), each binding its key at
-            its first registration; empty: any id may (the first hello of an id binds it).
+        enrolled: the only worker ids that may register (``--enroll ID[=FINGERPRINT]``), by id:
+            the fingerprint of the identity key each must prove (bound at start), or ``None``:
+            its key is bound at its first registration; an enrolled id never registers without
+            a key. Empty: any id may (the first hello of an id with a key binds it).
         max_reassembly_bytes: the bytes received of chunked messages in progress on all
             workers' connections together — three quarters for the replies the coordinator
             awaits, a quarter for what they send unasked, each worker id a share of both —
@@ -129,6 +135,7 @@ class CoordinatorConfig:
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     max_pending_connections: int = MAX_PENDING_CONNECTIONS
     max_pending_per_address: int = MAX_PENDING_PER_ADDRESS
+    max_pending_sockets: int = MAX_PENDING_SOCKETS
     handshake_timeout: float = HANDSHAKE_TIMEOUT
     worker_token: str | None = field(default=None, repr=False)
     client_token: str | None = field(default=None, repr=False)
@@ -139,7 +146,7 @@ class CoordinatorConfig:
     public_status: bool = False
     max_queued_jobs: int | None = None
     forget_workers: Sequence[str] = ()
-    enrolled: Sequence[str] = ()
+    enrolled: Mapping[str, str | None] = field(default_factory=dict)
     max_reassembly_bytes: int = REASSEMBLY_BUDGET
     max_client_reassembly_bytes: int | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
@@ -150,7 +157,7 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         object.__setattr__(self, "forget_workers", tuple(self.forget_workers))
-        object.__setattr__(self, "enrolled", frozenset(self.enrolled))
+        object.__setattr__(self, "enrolled", dict(self.enrolled))
         self._check_tokens()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
@@ -163,7 +170,7 @@ class CoordinatorConfig:
             raise ValueError("the heartbeat timeout must be longer than the heartbeat interval")
         if min(self.max_message_bytes, self.max_inflight, self.max_pending_connections) < 1:
             raise ValueError("message, in-flight and pending-connection limits must be positive")
-        if self.max_pending_per_address < 1:
+        if min(self.max_pending_per_address, self.max_pending_sockets) < 1:
             raise ValueError("pending-connection limits must be positive")
         if self.handshake_timeout <= 0:
             raise ValueError("the handshake timeout must be positive")

@@ -12,7 +12,13 @@ closes). Two limits keep pending sockets from locking anyone out:
   has shown a valid token is the new one closed at its accept, before a byte is read;
 * **admitted**: beyond ``max_admitted`` pending upgrades *whose token was checked*, a new
   upgrade is answered ``503`` (sockets without a valid upgrade are not counted there: whoever
-  holds no token cannot fill it).
+  holds no token cannot fill it);
+* **in all**: the machine holds at most ``max_sockets`` pending sockets, whatever their
+  addresses (one who holds many addresses — a subnet, loopback's 127.0.0.0/8 — is under each
+  address's share with every one of them, and once took the coordinator past its open-files
+  limit, failing a job "Too many open files"). A new one beyond that takes the place of the
+  oldest pending socket of any address that has shown no valid token; when every one has, it
+  is closed at its accept.
 
 This module holds the bookkeeping only; :mod:`coordinator.server.app` feeds it accepts and
 hellos, :mod:`coordinator.server.http` asks it whether an upgrade is admitted.
@@ -26,6 +32,9 @@ from dataclasses import dataclass
 
 MAX_PENDING_PER_ADDRESS = 32
 """Default number of pending sockets one IP address may hold (more are closed at accept)."""
+MAX_PENDING_SOCKETS = 256
+"""Default number of pending sockets in all (never more than a quarter of the open-files
+limit: :func:`coordinator.server.config`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +53,20 @@ class PendingConnections:
     Args:
         max_admitted: pending upgrades with a valid token beyond which :meth:`admit` says no.
         max_per_address: pending sockets from one address beyond which :meth:`accepted` says no.
+        max_sockets: pending sockets in all beyond which :meth:`accepted` displaces or says no.
     """
 
-    def __init__(self, max_admitted: int, max_per_address: int = MAX_PENDING_PER_ADDRESS) -> None:
-        if min(max_admitted, max_per_address) < 1:
+    def __init__(
+        self,
+        max_admitted: int,
+        max_per_address: int = MAX_PENDING_PER_ADDRESS,
+        max_sockets: int = MAX_PENDING_SOCKETS,
+    ) -> None:
+        if min(max_admitted, max_per_address, max_sockets) < 1:
             raise ValueError("pending-connection limits must be positive")
         self.max_admitted = max_admitted
         self.max_per_address = max_per_address
+        self.max_sockets = max_sockets
         self._accepted_at: dict[Hashable, float] = {}
         self._address: dict[Hashable, str | None] = {}
         # Each address's pending sockets, oldest first (a dict keeps their accept order).
@@ -70,10 +86,11 @@ class PendingConnections:
         return len(self._accepted_at)
 
     def accepted(self, connection: Hashable, address: str | None, now: float) -> Accepted:
-        """Count a socket just accepted from ``address`` (``None``: unknown, never capped). When
-        the address holds its share, the new socket takes the place of the address's oldest one
-        that has not shown a valid token (returned as ``displaced``: close it); when every one
-        of them has, the new socket is not counted (close it)."""
+        """Count a socket just accepted from ``address`` (``None``: unknown, not held to a
+        share). When the address holds its share — or all addresses together the most there may
+        be — the new socket takes the place of the oldest one (the address's, or any) that has
+        not shown a valid token (returned as ``displaced``: close it); when every one of them
+        has, the new socket is not counted (close it)."""
         displaced = None
         if address is not None:
             mine = self._by_address[address]
@@ -84,6 +101,14 @@ class PendingConnections:
                     return Accepted(counted=False)
                 self.done(displaced)
                 self.displaced += 1
+        if displaced is None and len(self._accepted_at) >= self.max_sockets:
+            displaced = next((c for c in self._accepted_at if c not in self._admitted), None)
+            if displaced is None:
+                self.refused_at_accept += 1
+                return Accepted(counted=False)
+            self.done(displaced)
+            self.displaced += 1
+        if address is not None:
             self._by_address[address][connection] = None
         self._accepted_at[connection] = now
         self._address[connection] = address

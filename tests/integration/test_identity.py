@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -22,8 +23,9 @@ import somatize as sz
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.errors import ErrorCode, RemoteError
-from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
+from protocol.identity_proof import CHALLENGE_HEADER, fingerprint, prove, public_key
 from protocol.messages import Welcome, WorkerHello
+from somatize.cluster import BIN
 from somatize.errors import ClusterError
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT, Center
@@ -118,3 +120,32 @@ def test_with_enrolled_ids_any_other_id_is_refused_at_its_first_hello(tmp_path):
             assert "w1" not in refused.info.message
         c.start_worker("w1")
         assert c.worker_state("w1") == "idle"
+
+
+def test_an_id_enrolled_with_its_fingerprint_is_refused_to_whoever_claims_it_first(tmp_path):
+    """Issue 53, a Low: ``--enroll w9`` bound the id to the first key to say hello, so
+    whoever held the worker token claimed w9 before the real worker and locked it out. With
+    ``--enroll w9=FINGERPRINT`` (what ``somatize-worker --id w9 --fingerprint`` prints) a
+    claim with another key, or none, is refused from the first, and the real w9 registers."""
+    worker_token = secrets.token_urlsafe(16)
+    tokens = {"worker_token": worker_token, "client_token": secrets.token_urlsafe(16)}
+    key_file = tmp_path / "identities" / "w9.key"
+    argv = ["--id", "w9", "--identity-file", str(key_file), "--fingerprint"]
+    printed = subprocess.run(
+        [str(BIN / "somatize-worker"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+        check=True,
+    ).stdout.strip()
+    assert printed == fingerprint(public_key(key_file.read_text().strip()))
+    with cluster(tmp_path, {}, **tokens) as c:
+        assert c.stop_coordinator() == 0
+        c.start_coordinator(args=["--enroll", f"w9={printed}"])
+        for key in (secrets.token_urlsafe(32), None):  # the claim comes first
+            refused = asyncio.run(_hello_as(c.url, worker_token, "w9", key))
+            assert refused.code == ErrorCode.UNAUTHORIZED
+            said = "enrolled with another identity key" if key else "proves no identity key"
+            assert said in refused.info.message
+        c.start_worker("w9")  # its --identity-file: the key enrolled
+        assert c.worker_state("w9") == "idle"

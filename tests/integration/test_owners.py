@@ -5,7 +5,7 @@ and ``--max-queued-jobs 2``, no worker: every job stays queued. Alice sees, watc
 only her jobs (bob's is "no job" to her, as one that does not exist, and is missing from her
 lists); root sees and cancels anyone's; a third queued job of one client is refused ``busy``
 while the other's still go in. Then a worker takes bob's job: alice's status shows it busy with
-"another client's" job, never its id.
+"another client's" job, never its id, and her ping of it is refused.
 """
 
 from __future__ import annotations
@@ -108,6 +108,12 @@ def test_a_client_sees_and_cancels_only_its_own_jobs_and_queues_at_most_its_quot
             assert wait_for(lambda: busy_worker(bob), 60 * UNIT, "w1 to run bob's job") == busy.id
             assert busy_worker(root) == busy.id
             assert busy_worker(alice) == "(another client's)"
+            # Nor may she reach into it (issue 53, a Low): a ping goes to workers that are
+            # idle or hers; bob's reaches, and the admin's.
+            with pytest.raises(sz.ClientError, match="busy with another client's job") as no:
+                alice.ping("w1")
+            assert no.value.code == "busy"
+            assert bob.ping("w1") > 0 and root.ping("w1") > 0
             busy.cancel()
     finally:
         if "worker" in locals():

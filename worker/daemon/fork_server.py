@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes select via the pipe
     send_message(sock, {"ready": os.getpid(), "threads": _threads(), "after_import": imported})
     try:
-        status = _serve(sock, wake_r, parent)
+        status = _serve(sock, (wake_r, wake_w), parent)
     except Exception:
         traceback.print_exc()
         status = 1
@@ -113,13 +113,14 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _serve(sock: socket.socket, wake: int, parent: int) -> int:
-    """Fork a daemon for each request and report each one's end, until EOF or orphaning."""
+def _serve(sock: socket.socket, wake: tuple[int, int], parent: int) -> int:
+    """Fork a daemon for each request and report each one's end, until EOF or orphaning;
+    ``wake``: the signal wake-up pipe (read end, write end)."""
     while True:
-        readable, _, _ = select.select([sock.fileno(), wake], [], [], 0.5)
-        if wake in readable:
+        readable, _, _ = select.select([sock.fileno(), wake[0]], [], [], 0.5)
+        if wake[0] in readable:
             with contextlib.suppress(BlockingIOError):
-                os.read(wake, 512)
+                os.read(wake[0], 512)
         _reap(sock)
         if os.getppid() != parent:
             return 3  # the agent is gone
@@ -136,7 +137,9 @@ def _serve(sock: socket.socket, wake: int, parent: int) -> int:
         _fork(sock, message, fds, wake)
 
 
-def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: int) -> None:
+def _fork(
+    sock: socket.socket, message: dict[str, Any], fds: list[int], wake: tuple[int, int]
+) -> None:
     seq = message.get("fork")
     threads = message.get("threads")
     if not isinstance(threads, int) or threads < 1 or len(fds) not in (2, 4):
@@ -158,14 +161,19 @@ def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int], wake: in
     send_message(sock, {"forked": seq, "pid": pid})
 
 
-def _become_daemon(sock: socket.socket, wake: int, threads: int, fds: list[int]) -> NoReturn:
-    """In the child: a session of its own, the pipes as fds 0 and 1, then serve as a daemon."""
+def _become_daemon(
+    sock: socket.socket, wake: tuple[int, int], threads: int, fds: list[int]
+) -> NoReturn:
+    """In the child: a session of its own, none of the server's descriptors (its socket to the
+    agent, both ends of its wake-up pipe: a job could write to them), the pipes as fds 0 and 1,
+    then serve as a daemon."""
     try:
         os.setsid()  # its own process group: the agent kills the daemon and what it forks
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
-        os.close(wake)
+        for end in wake:
+            os.close(end)
         os.dup2(fds[0], 0)
         os.dup2(fds[1], 1)
         os.close(fds[0])

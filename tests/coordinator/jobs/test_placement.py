@@ -413,3 +413,21 @@ def test_a_job_that_waits_for_workers_runs_when_they_come_or_fails_when_its_time
             )
 
     run(main())
+
+
+def test_a_records_summary_stays_small_however_many_nodes_its_strategy_names():
+    """Issue 53, a Low: a ModelParallel job's partitions name every node of its graph, and its
+    record kept them all (1.07 MB a job, 21 MB of /api/status for 20 jobs)."""
+    import json
+
+    from coordinator.jobs.submission import SUMMARY_NODES, summary_of
+    from coordinator.strategies.base import Placement
+    from protocol.messages import StrategySpec
+
+    ids = [f"node-{'x' * 200}-{k}" for k in range(4000)]
+    spec = StrategySpec(name="model_parallel", options={"partitions": [{"node_ids": ids}]})
+    msg = submit().model_copy(update={"strategy": spec})
+    summary = summary_of(msg, Placement(workers=1), "client")
+    said = summary["strategy"]["options"]["partitions"][0]["node_ids"]
+    assert len(said) == SUMMARY_NODES + 1 and said[-1] == "... (4000 in all)"
+    assert len(json.dumps(summary)) < 16_000

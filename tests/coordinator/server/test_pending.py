@@ -56,6 +56,26 @@ def test_only_admitted_upgrades_that_are_still_pending_count_against_the_limit()
     assert pending.admit(b)
 
 
+def test_sockets_from_many_addresses_are_held_to_the_limit_in_all():
+    """Issue 53, a Low: one holding many addresses stayed under each address's share with
+    each, and took the coordinator past its open-files limit. In all there are at most
+    ``max_sockets``: the oldest without a token makes room, whatever its address; a socket
+    that showed a token is never displaced."""
+    pending = PendingConnections(max_admitted=8, max_per_address=2, max_sockets=3)
+    flood = [Conn() for _ in range(3)]
+    for k, conn in enumerate(flood):
+        assert pending.accepted(conn, f"127.0.0.{k + 2}", float(k)) == Accepted(counted=True)
+    client = Conn()
+    assert pending.accepted(client, "10.0.0.1", 5.0) == Accepted(True, displaced=flood[0])
+    assert pending.admit(client) and len(pending) == 3
+    more = Conn()
+    assert pending.accepted(more, "127.0.0.9", 6.0) == Accepted(True, displaced=flood[1])
+    for conn in (flood[2], more):
+        pending.admit(conn)
+    assert pending.accepted(Conn(), "127.0.0.10", 7.0) == Accepted(counted=False)
+    assert (pending.displaced, pending.refused_at_accept, len(pending)) == (2, 1, 3)
+
+
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         PendingConnections(max_admitted=1, max_per_address=0)

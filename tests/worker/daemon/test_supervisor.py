@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import signal
@@ -278,6 +279,37 @@ def test_two_daemons_forked_by_one_server_draw_different_unseeded_numbers():
             assert not torch.equal(first[generator], second[generator]), generator
 
     asyncio.run(scenario())
+
+
+def test_a_forked_daemon_holds_none_of_its_servers_descriptors():
+    """Issue 53, a Low: a forked daemon kept the fork server's wake-up pipe open (a job could
+    write to it). Its descriptors are its pipes, its shared regions and what it opened."""
+
+    async def scenario() -> None:
+        server = ForkServer(sys.executable, DaemonSupervisor().environment())
+        await asyncio.to_thread(server.start)
+        try:
+            supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=server)
+            async with supervisor:
+                assert supervisor.pid is not None and server.pid is not None
+                daemon, forks = _pipes_of(supervisor.pid), _pipes_of(server.pid)
+        finally:
+            await asyncio.to_thread(server.close)
+        assert forks, "the server's own pipes and socket were not seen"
+        assert not daemon & forks, daemon & forks
+
+    asyncio.run(scenario())
+
+
+def _pipes_of(pid: int) -> set[str]:
+    """The pipes and sockets process ``pid`` holds open (``pipe:[inode]``)."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(("pipe:", "socket:")):
+                found.add(target)
+    return found
 
 
 def _parent_of(pid: int | None) -> int:
