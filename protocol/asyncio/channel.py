@@ -185,6 +185,8 @@ class Channel:
         self.session = Session(name)
         # Where the replies to some of our requests land (request id → sink), see request().
         self._sinks: dict[int, StreamSink] = {}
+        # The waiter of each request: a future for one reply, a queue for a stream of them.
+        self._waiting: dict[int, asyncio.Future[Any] | asyncio.Queue[Any]] = {}
         self._inbox = Inbox(
             max_message_bytes,
             budget,
@@ -192,12 +194,11 @@ class Channel:
             claim=self._claim,
             buffer_for=buffer_for,
         )
-        self._inbox.reassembler.awaited = lambda reply_to: reply_to in self._waiting
+        # The dict's own method, not a closure over the channel: no cycle to wait for the GC.
+        self._inbox.reassembler.awaited = self._waiting.__contains__
         self._sweeper: asyncio.Task[None] | None = None  # drops stalled chunk streams
         self._next_id = 0
         self._next_stream = 0
-        # The waiter of each request: a future for one reply, a queue for a stream of them.
-        self._waiting: dict[int, asyncio.Future[Any] | asyncio.Queue[Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()

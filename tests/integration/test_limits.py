@@ -70,6 +70,9 @@ INFLIGHT = 4
 BUDGET = 4 * CHUNK_BYTES
 """--max-reassembly-bytes: two chunked messages of 2.5 MiB do not fit at once."""
 STALL = 2.0 * UNIT
+STALLERS = 4
+"""Client connections that each hold 2 MiB of a chunked message: 8 MiB of the clients' pool of
+three 3 MiB shares (each connection a share of its own: no client tokens here)."""
 """--stall-timeout."""
 
 
@@ -291,27 +294,30 @@ def test_chunked_messages_share_one_budget_and_a_stalled_one_is_dropped_in_time(
     half = 5 * CHUNK_BYTES // 2
 
     async def main() -> None:
-        async with (
-            _raw(url, "/client", ClientHello(name="staller")) as (ws_a, a),
-            _raw(url, "/client", ClientHello(name="other")) as (_, b),
-        ):
-            readers = [asyncio.ensure_future(c.run()) for c in (a, b)]
+        async with contextlib.AsyncExitStack() as stack:
+            stallers = [
+                await stack.enter_async_context(_raw(url, "/client", ClientHello(name=f"s{k}")))
+                for k in range(STALLERS)
+            ]
+            _, b = await stack.enter_async_context(_raw(url, "/client", ClientHello(name="b")))
+            readers = [asyncio.ensure_future(c.run()) for c in (*(a for _, a in stallers), b)]
             errors: asyncio.Queue[Any] = asyncio.Queue()
-            a.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
-            # 2.5 MiB announced on one connection, 2 MiB of it sent (what counts), then nothing.
-            await ws_a.send(_chunk_head(9, 0, half) + bytes(CHUNK_BYTES))
-            await ws_a.send(_chunk_head(9, CHUNK_BYTES, half) + bytes(CHUNK_BYTES))
-            await asyncio.wait_for(a.request(Status(), 10 * UNIT), 10 * UNIT)  # it arrived
+            for ws_a, a in stallers:
+                a.on_unsolicited = errors.put_nowait  # type: ignore[method-assign]
+                # 2.5 MiB announced on each, 2 MiB of it sent (what counts), then nothing.
+                await ws_a.send(_chunk_head(9, 0, half) + bytes(CHUNK_BYTES))
+                await ws_a.send(_chunk_head(9, CHUNK_BYTES, half) + bytes(CHUNK_BYTES))
+                await asyncio.wait_for(a.request(Status(), 10 * UNIT), 10 * UNIT)  # it arrived
             stalled_at = time.monotonic()
-            # Another 2.5 MiB on another connection: 4.5 MiB received would fill the clients'
-            # pool (4 MiB); busy, retry later.
+            # Another 2.5 MiB on another connection: with the 8 MiB received it would fill the
+            # clients' pool (three shares of 3 MiB, 9 MiB); busy, retry later.
             deliver = Deliver(job_id="j", to="x", key="k", payload=bytes(half))
             with pytest.raises(
                 RemoteError, match=r"all clients' connections \(the budget is"
             ) as full:
                 await b.request(deliver, 10 * UNIT)
             assert full.value.code == ErrorCode.BUSY
-            # Once the first stalls it is dropped, and the same request goes through (to be
+            # Once the first stall they are dropped, and the same request goes through (to be
             # refused for what it is: a client sends no deliver).
             async with asyncio.timeout(STALL + 10 * UNIT):
                 while True:
@@ -324,11 +330,12 @@ def test_chunked_messages_share_one_budget_and_a_stalled_one_is_dropped_in_time(
                     await asyncio.sleep(0.1)
             waited = time.monotonic() - stalled_at
             assert STALL * 0.9 <= waited <= STALL + 5 * UNIT
-            # The rest of the stalled message is dropped without an error; its connection works.
+            # The rest of a stalled message is dropped without an error; its connection works.
+            ws_a, a = stallers[0]
             await ws_a.send(_chunk_head(9, 2 * CHUNK_BYTES, half) + bytes(half - 2 * CHUNK_BYTES))
             assert (await a.request(Status(), 10 * UNIT)).kind == "result"
             assert errors.empty()
-            for channel in (a, b):
+            for channel in (*(a for _, a in stallers), b):
                 await channel.close()
             await asyncio.gather(*readers)
 
