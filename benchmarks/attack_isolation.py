@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import shutil
 import struct
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -138,7 +140,11 @@ def job_code_against_the_worker(site: Site) -> Attack:
     stamp = secrets.token_hex(4)
     identity = (c.logs.parent / "identities" / "w0.key").resolve()
     agent = pid_of(c.workers["w0"])
-    probe = Probe([str(identity)], agent, stamp)
+    root_only = Path(tempfile.mkdtemp(prefix="somatize-root-only-", dir="/var/tmp"))
+    root_only.chmod(0o755)
+    (root_only / "secret").write_text("only root reads this")
+    (root_only / "secret").chmod(0o600)
+    probe = Probe([str(identity)], agent, stamp, str(root_only / "secret"))
     with site.client() as client:
         level = next(w for w in client.status()["workers"] if w["id"] == "w0")["capabilities"][
             "sandbox"
@@ -152,27 +158,34 @@ def job_code_against_the_worker(site: Site) -> Attack:
         fitted = job.result(timeout=WAIT)
         took = time.perf_counter() - started
     report = json.loads(bytes(np.asarray(fitted.states["probe"]["report"])).decode())
+    shutil.rmtree(root_only)
     site.settle()
     until(lambda: not _sleeping(), "the job's process to be gone with its job")
     left = [p for p in (Path(f"/tmp/left-{stamp}"), Path(f"/dev/shm/left-{stamp}")) if p.exists()]
-    got = {k: v for k, v in report.items() if k not in ("/tmp", "/dev/shm") and v[:2] == "ok"}
-    if level == "none" or got or left:
+    capabilities = report.pop("CapEff")
+    own = ("/tmp", "/dev/shm")
+    got = {k: v for k, v in report.items() if k not in own and v[:2] == "ok" and v != "ok: ''"}
+    if level == "none" or got or left or capabilities != "0000000000000000":
         raise AssertionError(f"sandbox {level!r}: the job got {got}, left {left}")
     names = {"secret 0": "identity key", "agent /proc": "agent's environ"}
     refused = ", ".join(
         f"{names.get(k, k)}: {v.removeprefix('refused: ')}"
         for k, v in report.items()
-        if k not in ("/tmp", "/dev/shm")
+        if k not in own
     )
     return Attack(
-        "High 2–3 (32)",
-        "job code reaching for the worker and the next job",
-        "a job's filter, on w0 with its default `--sandbox auto`, reads the agent's identity "
-        "key and `/proc/<agent>/environ`, writes the cgroup's `cgroup.procs` (to leave it), "
-        "plants a `.pth` file in the environment's site-packages, writes to `/tmp` and "
-        "`/dev/shm` and leaves a `setsid sleep` running",
-        f"under `{level}` every read and write was refused ({refused}); its own `/tmp` and "
-        "`/dev/shm` files and its process were gone once its job ended",
+        "High 2–3 (32); High 1 (53)",
+        "job code reaching for the worker, the machine and the next job (a root worker)",
+        "a job's filter, on w0 (an agent running as root, as the image runs it) with its "
+        "default `--sandbox auto`, reads the agent's identity key, a root-only file "
+        "(`/var/tmp`, 0600) and `/proc/<agent>/environ`, unmounts the mask over the key "
+        "(`umount2`), remounts `/` read-write, opens an `AF_PACKET` socket, makes a block "
+        "device, writes every `cgroup.procs`, `memory.max` and `pids.max` it finds, plants a "
+        "`.pth` file in the environment's site-packages, writes to `/tmp` and `/dev/shm` and "
+        "leaves a `setsid sleep` running",
+        f"under `{level}` it ran with `CapEff` {capabilities} and every read and write was "
+        f"refused ({refused}); its own `/tmp` and `/dev/shm` files and its process were gone "
+        "once its job ended",
         [],
         "",
         "test_sandbox.py::test_job_code_cannot_reach_the_agents_secrets_its_environment_or_"

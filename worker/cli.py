@@ -218,8 +218,17 @@ def _parser() -> argparse.ArgumentParser:
         "--spare-daemon",
         choices=["on", "off"],
         default="on",
-        help="keep the next job's filter daemon started ahead (default on: a job starts without "
-        "waiting for torch to import; off saves its memory, and its start's CPU during a job)",
+        help="keep the next jobs' filter daemons started ahead (default on: a job starts without "
+        "waiting for torch to import; off saves their memory, and their start's CPU during a "
+        "job)",
+    )
+    parser.add_argument(
+        "--spare-daemons",
+        type=int,
+        metavar="N",
+        help="how many filter daemons to keep started ahead (default: 1 where daemons are "
+        "forked, 2 where each starts anew in its sandbox, seconds each, so that a job right "
+        "after another finds one up; each holds ~300 MB)",
     )
     parser.add_argument(
         "--device",
@@ -353,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: --connect")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.spare_daemons is not None and args.spare_daemons < 1:
+        parser.error("--spare-daemons must be at least 1 (--spare-daemon off keeps none)")
     if args.max_message_bytes < 1 or args.max_inflight < 1:
         parser.error("--max-message-bytes and --max-inflight must be at least 1")
     log_to(sys.stderr, args.log_level)  # one line per record, whatever it quotes
@@ -390,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_inflight=args.max_inflight,
                 device=args.device,
                 spare=args.spare_daemon == "on",
+                spares=args.spare_daemons,
                 fork_server=args.fork_server == "on",
             )
             agent = Agent(config)

@@ -48,8 +48,11 @@ class AgentConfig:
         startup_timeout: seconds a daemon may take to start and load a job's filters.
         call_timeout: seconds a ``call`` without its own ``timeout`` may take.
         python: the interpreter that runs the daemons.
-        spare: keep one daemon started ahead of the next job (``open_job`` then only loads the
-            filters: importing torch in a new daemon takes seconds); it also answers ``probe``.
+        spare: keep daemons started ahead of the next jobs (``open_job`` then only loads the
+            filters: importing torch in a new daemon takes seconds); the oldest also answers
+            ``probe``.
+        spares: how many (``None``: one where daemons are forked, two where each starts anew in
+            its sandbox: :attr:`worker.daemon.pool.DaemonPool.depth`).
         fork_server: fork each daemon from a process that imported torch once
             (:mod:`worker.daemon.fork_server`): a daemon starts in milliseconds and shares that
             memory; on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
@@ -116,6 +119,7 @@ class AgentConfig:
     call_timeout: float = 3600.0
     python: str = sys.executable
     spare: bool = True
+    spares: int | None = None
     fork_server: bool = True
     datasets: Mapping[str, Path] = field(default_factory=dict)
     peer_listen: str | None = None

@@ -1,17 +1,21 @@
-"""The agent's filter daemons: every one it started, and the spare kept warm for the next job.
+"""The agent's filter daemons: every one it started, and the spares kept warm for the next jobs.
 
-Importing torch in a new daemon takes seconds. With ``fork_server`` on (a CPU worker), the pool
-runs the agent's fork server (:mod:`worker.daemon.forked`), which imported torch once: each daemon
-is a fork of it, up in milliseconds; until the server is up, or if it dies (it is started again),
-daemons start anew. With ``spare`` on, :class:`DaemonPool` starts the next job's daemon ahead of
-its ``open_job`` (off the critical path), and hands it over when the job asks for the default
-thread count; the spare also answers ``probe``. The pool knows every daemon until it is closed,
-so a forced exit can kill them all (:meth:`DaemonPool.kill_all`).
+Importing torch in a new daemon takes seconds. With ``fork_server`` on (a CPU worker, no
+sandbox), the pool runs the agent's fork server (:mod:`worker.daemon.forked`), which imported
+torch once: each daemon is a fork of it, up in milliseconds; until the server is up, or if it
+dies (it is started again), daemons start anew. With ``spare`` on, :class:`DaemonPool` starts the
+next jobs' daemons ahead of their ``open_job`` (off the critical path), one after another, up to
+``spares`` of them (:meth:`DaemonPool.depth`: one where daemons are forked, two where each starts
+anew in its sandbox, seconds each: a job that comes the moment another took a spare finds the
+next one up), and hands one over when a job asks for the default thread count; the oldest
+also answers ``probe``. The pool knows every daemon until it is closed, so a forced exit can
+kill them all (:meth:`DaemonPool.kill_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -28,7 +32,10 @@ from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonError
 from worker.tasks import owned_task
 
-__all__ = ["DaemonPool"]
+__all__ = ["SANDBOXED_SPARES", "DaemonPool"]
+
+SANDBOXED_SPARES = 2
+"""Spares a sandboxed agent keeps by default: each starts anew in its sandbox (seconds)."""
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +51,7 @@ class DaemonPool:
     def __init__(self, config: AgentConfig, accepting: Callable[[], bool]) -> None:
         self._config = config
         self._accepting = accepting
-        self._spare: asyncio.Task[DaemonSupervisor] | None = None
+        self._spares: collections.deque[asyncio.Task[DaemonSupervisor]] = collections.deque()
         self._daemons: set[DaemonSupervisor] = set()  # until closed, open or not: kill_all()
         self._forks: ForkServer | None = None
         self._starting: ForkServer | None = None  # the one being started, to stop it early
@@ -55,7 +62,18 @@ class DaemonPool:
     @property
     def has_spare(self) -> bool:
         """Whether a spare daemon is started (or starting)."""
-        return self._spare is not None
+        return bool(self._spares)
+
+    @property
+    def depth(self) -> int:
+        """How many spares the pool keeps (``spares``, or one where daemons are forked and two
+        where each starts anew; none with ``spare`` off)."""
+        config = self._config
+        if not config.spare:
+            return 0
+        if config.spares is not None:
+            return config.spares
+        return 1 if config.sandbox.forks else SANDBOXED_SPARES
 
     def start_fork_server(self) -> None:
         """Start the fork server in the background, if the agent uses one and it is not up
@@ -134,8 +152,12 @@ class DaemonPool:
         return forks if forks is not None and forks.alive else None
 
     def prewarm(self) -> None:
-        """Start the next job's daemon now, off the critical path of its ``open_job``."""
-        if not self._config.spare or self._spare is not None or not self._accepting():
+        """Start the next jobs' daemons, off the critical path of their ``open_job``: one now
+        when fewer than :attr:`depth` are kept and none is starting; the next once it is up."""
+        spares = self._spares
+        if len(spares) >= self.depth or not self._accepting():
+            return
+        if any(not task.done() for task in spares):  # one at a time: each takes the CPU
             return
         supervisor = self.new(None)
 
@@ -147,14 +169,18 @@ class DaemonPool:
                 raise
             return supervisor
 
-        self._spare = owned_task(start())
+        task = owned_task(start())
+        task.add_done_callback(lambda done: self.prewarm() if not done.cancelled() else None)
+        spares.append(task)
 
     async def take(self, threads: int | None) -> DaemonSupervisor | None:
-        """The warm daemon when it has the thread count asked for and came up; else ``None``."""
-        task = self._spare
-        if task is None or (threads or self._config.threads) != self._config.threads:
+        """A warm daemon when it has the thread count asked for and came up (one that is up
+        before one still starting); else ``None``."""
+        spares = self._spares
+        if not spares or (threads or self._config.threads) != self._config.threads:
             return None
-        self._spare = None
+        task = next((t for t in spares if t.done()), spares[0])
+        spares.remove(task)
         try:
             supervisor = await asyncio.shield(task)
         except DaemonError as exc:
@@ -173,30 +199,29 @@ class DaemonPool:
                 job starts another).
         """
         self.prewarm()
-        spare = self._spare
-        if spare is None:
+        if not self._spares:
             return None
+        spare = self._spares[0]
         try:
             supervisor = await asyncio.shield(spare)
             await supervisor.request(PingRequest(id=0, cmd="ping"), self._config.startup_timeout)
         except DaemonError:
-            if self._spare is spare:
-                self._spare = None
+            if spare in self._spares:
+                self._spares.remove(spare)
                 with contextlib.suppress(DaemonError):
                     await self.close(await asyncio.shield(spare))
             raise
         return supervisor
 
     async def close_spare(self) -> None:
-        """Close the spare daemon, if any (the connection is going)."""
-        task, self._spare = self._spare, None
-        if task is None:
-            return
-        try:
-            supervisor = await asyncio.shield(task)
-        except (DaemonError, asyncio.CancelledError):
-            return
-        await self.close(supervisor)
+        """Close the spare daemons, if any (the connection is going)."""
+        while self._spares:
+            task = self._spares.popleft()
+            try:
+                supervisor = await asyncio.shield(task)
+            except (DaemonError, asyncio.CancelledError):
+                continue
+            await self.close(supervisor)
 
     async def close(self, supervisor: DaemonSupervisor) -> None:
         """Close one daemon (within ``close_timeout``) and forget it."""
