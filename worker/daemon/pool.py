@@ -170,8 +170,14 @@ class DaemonPool:
             return supervisor
 
         task = owned_task(start())
-        task.add_done_callback(lambda done: self.prewarm() if not done.cancelled() else None)
+        task.add_done_callback(self._started)
         spares.append(task)
+
+    def _started(self, task: asyncio.Task[DaemonSupervisor]) -> None:
+        """A spare is up: start the next, unless it was taken or closed meanwhile (then
+        whoever took it says when)."""
+        if task in self._spares and not task.cancelled():
+            self.prewarm()
 
     async def take(self, threads: int | None) -> DaemonSupervisor | None:
         """A warm daemon when it has the thread count asked for and came up (one that is up

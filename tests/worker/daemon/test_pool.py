@@ -1,0 +1,90 @@
+"""worker.daemon.pool: how many spare daemons an agent keeps warm, and in what order they are
+started and handed out (the daemons themselves stand in: their start is a future the test
+completes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+from worker.config import AgentConfig
+from worker.daemon.pool import SANDBOXED_SPARES, DaemonPool
+from worker.daemon.sandbox import NO_SANDBOX, Sandbox
+
+URL = "ws://127.0.0.1:1"
+
+
+class _Daemon:
+    """A daemon whose start waits until the test says it is up."""
+
+    made: ClassVar[list[_Daemon]] = []
+
+    def __init__(self) -> None:
+        self.up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.running = False
+        self.closed = False
+        _Daemon.made.append(self)
+
+    async def start(self) -> None:
+        await self.up
+        self.running = True
+
+    async def close(self, timeout: float) -> None:  # noqa: ASYNC109 (the supervisor's)
+        self.closed = True
+
+
+def _pool(sandbox: Sandbox, **options: object) -> DaemonPool:
+    config = AgentConfig(URL, sandbox=sandbox, fork_server=False, **options)
+    pool = DaemonPool(config, accepting=lambda: True)
+    pool._supervisor = lambda threads: _Daemon()  # type: ignore[method-assign,assignment,return-value]
+    return pool
+
+
+async def _settled() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_sandboxed_agent_keeps_two_spares_started_one_after_the_other():
+    async def scenario() -> None:
+        _Daemon.made.clear()
+        pool = _pool(Sandbox("bwrap"))
+        assert pool.depth == SANDBOXED_SPARES == 2
+        pool.prewarm()
+        pool.prewarm()  # one at a time: each start takes the CPU
+        assert len(_Daemon.made) == 1
+        _Daemon.made[0].up.set_result(None)
+        await _settled()
+        assert len(_Daemon.made) == 2  # the next, once the first is up
+        _Daemon.made[1].up.set_result(None)
+        await _settled()
+        assert len(_Daemon.made) == 2  # two kept, no more
+        # A job takes one that is up, and the next is started behind it.
+        taken = await pool.take(None)
+        assert taken is _Daemon.made[0] and taken.running
+        pool.prewarm()
+        assert len(_Daemon.made) == 3
+        # A job right after finds the other one up at once.
+        assert await pool.take(None) is _Daemon.made[1]
+        _Daemon.made[2].up.set_result(None)
+        await pool.close_spare()
+        assert _Daemon.made[2].closed
+
+    asyncio.run(scenario())
+
+
+def test_a_forking_agent_keeps_one_and_none_with_spares_off():
+    async def scenario() -> None:
+        _Daemon.made.clear()
+        pool = _pool(NO_SANDBOX)
+        assert pool.depth == 1
+        pool.prewarm()
+        _Daemon.made[0].up.set_result(None)
+        await _settled()
+        assert len(_Daemon.made) == 1
+        assert _pool(Sandbox("bwrap"), spares=3).depth == 3
+        assert _pool(Sandbox("bwrap"), spare=False).depth == 0
+        await pool.close_spare()
+        assert _Daemon.made[0].closed
+
+    asyncio.run(scenario())
