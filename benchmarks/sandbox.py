@@ -4,11 +4,13 @@
 LEVEL`` for each level of :data:`LEVELS` (``bwrap`` needs Debian's bubblewrap; the anchor is
 ``none``, the same worker without a sandbox), and times, median of :data:`REPEATS`:
 
-- *start, spare warm*: submit → result of a one-step job, the worker's spare daemon up (a
-  ``ping`` first waits for it): what a job waits for its daemon when jobs are spaced;
-- *start, back to back*: the same job submitted as soon as the previous one ended: the spare
-  taken by the previous job is still starting. Sandboxed daemons are spawned (a fork server
-  would share its memory with every job), unsandboxed ones forked: this is where they differ;
+- *start, spare warm*: submit → result of a one-step job, the worker's spare daemons up (a
+  ``ping`` first waits for them): what a job waits for its daemon when jobs are spaced;
+- *start, back to back*: the same job submitted as soon as the previous one ended, the spare
+  that one took being replaced. Sandboxed daemons are spawned (a fork server would share its
+  memory with every job), unsandboxed ones forked in milliseconds: a sandboxed agent keeps two
+  spares (:data:`worker.daemon.pool.SANDBOXED_SPARES`), started nice on a root agent, so the
+  job finds the other up and shares the cores with the replacement's start;
 - *steps*: the time of :data:`STEPS` steps of a 32→256→4 MLP (a job of that many steps less
   the one-step job's time, the spare warm for both): what the sandbox costs a step.
 """

@@ -328,12 +328,12 @@ def test_a_worker_without_bubblewrap_sandboxes_with_a_uid_or_refuses_to_start_sa
 
 
 class WhereAmI(sz.Filter):
-    """Its fit says the sandbox its daemon is in, as its daemon's environment shows it."""
+    """Its fit says the uid its daemon runs as, and its niceness."""
 
     def fit(self, x: Any, y: Any = None) -> dict[str, Any]:
         with open("/proc/self/status") as status:
             uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-        return {"uid": np.array(uid)}
+        return {"uid": np.array(uid), "nice": np.array(os.nice(0))}
 
     def forward(self, x: Any, state: dict[str, Any]) -> Any:
         return x
@@ -358,6 +358,8 @@ def test_a_job_or_a_coordinator_can_require_the_sandbox(tmp_path):
             for _ in range(2):  # whichever is idle first, the job goes to the sandboxed one
                 fitted = client.submit(graph, x, sandbox="required").result(120 * UNIT)
                 assert int(np.asarray(fitted.states["where"]["uid"])) >= 61000
+                # (started nice as a spare, at the default priority once a job's)
+                assert int(np.asarray(fitted.states["where"]["nice"])) == 0
     finally:
         cluster.close()
     strict = Cluster(tmp_path / "strict")

@@ -4,11 +4,11 @@ Importing torch in a new daemon takes seconds. With ``fork_server`` on (a CPU wo
 sandbox), the pool runs the agent's fork server (:mod:`worker.daemon.forked`), which imported
 torch once: each daemon is a fork of it, up in milliseconds; until the server is up, or if it
 dies (it is started again), daemons start anew. With ``spare`` on, :class:`DaemonPool` starts the
-next jobs' daemons ahead of their ``open_job`` (off the critical path), one after another, up to
-``spares`` of them (:meth:`DaemonPool.depth`: one where daemons are forked, two where each starts
-anew in its sandbox, seconds each: a job that comes the moment another took a spare finds the
-next one up), and hands one over when a job asks for the default thread count; the oldest
-also answers ``probe``. The pool knows every daemon until it is closed, so a forced exit can
+next jobs' daemons ahead of their ``open_job`` (off the critical path), up to ``spares`` of them
+(:meth:`DaemonPool.depth`: one where daemons are forked, two where each starts anew in its
+sandbox, seconds each: a job that comes the moment another took a spare finds the other one
+up), and hands one over when a job asks for the default thread count; the oldest also answers
+``probe``. The pool knows every daemon until it is closed, so a forced exit can
 kill them all (:meth:`DaemonPool.kill_all`).
 """
 
@@ -34,6 +34,10 @@ from worker.tasks import owned_task
 
 __all__ = ["SANDBOXED_SPARES", "DaemonPool"]
 
+SPARE_NICE = 10
+"""Niceness a root agent starts a sandboxed spare with: its seconds of start yield to a
+running job's steps (a job taken the moment another was shared two cores with it), until a job
+takes it."""
 SANDBOXED_SPARES = 2
 """Spares a sandboxed agent keeps by default: each starts anew in its sandbox (seconds)."""
 
@@ -152,32 +156,24 @@ class DaemonPool:
         return forks if forks is not None and forks.alive else None
 
     def prewarm(self) -> None:
-        """Start the next jobs' daemons, off the critical path of their ``open_job``: one now
-        when fewer than :attr:`depth` are kept and none is starting; the next once it is up."""
+        """Start the next jobs' daemons, off the critical path of their ``open_job``, until
+        :attr:`depth` are kept (together: a job taken the moment another was finds the other
+        up, where daemons started one after the other left it starting)."""
         spares = self._spares
-        if len(spares) >= self.depth or not self._accepting():
-            return
-        if any(not task.done() for task in spares):  # one at a time: each takes the CPU
-            return
-        supervisor = self.new(None)
+        while len(spares) < self.depth and self._accepting():
+            supervisor = self.new(None)
+            if not self._config.sandbox.forks and os.geteuid() == 0:  # (root: undone at take)
+                supervisor.nice = SPARE_NICE
 
-        async def start() -> DaemonSupervisor:
-            try:
-                await supervisor.start()
-            except asyncio.CancelledError:  # given up (the agent stops): its process goes too
-                await self.close(supervisor)
-                raise
-            return supervisor
+            async def start(supervisor: DaemonSupervisor = supervisor) -> DaemonSupervisor:
+                try:
+                    await supervisor.start()
+                except asyncio.CancelledError:  # given up (the agent stops): its process goes
+                    await self.close(supervisor)
+                    raise
+                return supervisor
 
-        task = owned_task(start())
-        task.add_done_callback(self._started)
-        spares.append(task)
-
-    def _started(self, task: asyncio.Task[DaemonSupervisor]) -> None:
-        """A spare is up: start the next, unless it was taken or closed meanwhile (then
-        whoever took it says when)."""
-        if task in self._spares and not task.cancelled():
-            self.prewarm()
+            spares.append(owned_task(start()))
 
     async def take(self, threads: int | None) -> DaemonSupervisor | None:
         """A warm daemon when it has the thread count asked for and came up (one that is up
@@ -195,29 +191,32 @@ class DaemonPool:
         if not supervisor.running:
             await self.close(supervisor)
             return None
+        await supervisor.foreground()
         return supervisor
 
     async def ping_spare(self) -> DaemonSupervisor | None:
-        """Ping the spare daemon (starting one first); ``None`` when the pool keeps none.
+        """Ping the spare daemons once every one is up (starting them first): the worker is
+        warm for its next jobs; the oldest, or ``None`` when the pool keeps none.
 
         Raises:
-            DaemonError: the spare did not start or answer; it is dropped (the next probe or
+            DaemonError: a spare did not start or answer; it is dropped (the next probe or
                 job starts another).
         """
         self.prewarm()
         if not self._spares:
             return None
-        spare = self._spares[0]
-        try:
-            supervisor = await asyncio.shield(spare)
-            await supervisor.request(PingRequest(id=0, cmd="ping"), self._config.startup_timeout)
-        except DaemonError:
-            if spare in self._spares:
-                self._spares.remove(spare)
-                with contextlib.suppress(DaemonError):
-                    await self.close(await asyncio.shield(spare))
-            raise
-        return supervisor
+        for spare in list(self._spares):
+            try:
+                supervisor = await asyncio.shield(spare)
+                timeout = self._config.startup_timeout
+                await supervisor.request(PingRequest(id=0, cmd="ping"), timeout)
+            except DaemonError:
+                if spare in self._spares:
+                    self._spares.remove(spare)
+                    with contextlib.suppress(DaemonError):
+                        await self.close(await asyncio.shield(spare))
+                raise
+        return await asyncio.shield(self._spares[0]) if self._spares else None
 
     async def close_spare(self) -> None:
         """Close the spare daemons, if any (the connection is going)."""

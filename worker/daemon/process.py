@@ -273,13 +273,14 @@ def spawn(
     cgroups: CgroupParent | None = None,
     sandbox: Sandbox = NO_SANDBOX,
     tmpfs_bytes: int | None = None,
+    nice: int = 0,
 ) -> tuple[subprocess.Popen[bytes], JobCgroup | None, UidConfinement | None]:
     """Start the daemon process, inside ``sandbox`` (``tmpfs_bytes``: the most its private
     ``/tmp`` and ``/dev/shm`` may each hold), and, with ``cgroups``, put it in a new cgroup of
     its own before it runs anything of the job's: a sandboxed daemon waits at its gate until
-    every process of it is in (:func:`enter`); the cgroup it is in, ``None`` without
-    ``cgroups`` or when that failed, and the uid a sandbox gave it (blocking: fork/exec; run
-    in an executor)."""
+    every process of it is in (:func:`enter`); ``nice``: its niceness (and so of all it starts:
+    a spare starting beside a job). The cgroup it is in, ``None`` without ``cgroups`` or when
+    that failed, and the uid a sandbox gave it (blocking: fork/exec; run in an executor)."""
     cgroup = None if cgroups is None else cgroups.new()
     launch = sandbox.launch(argv, env, tmpfs_bytes)
     gate = () if launch.gate is None else (launch.gate,)
@@ -297,11 +298,22 @@ def spawn(
     if cgroup is not None and not enter(cgroup, popen.pid):
         cgroup.remove()
         cgroup = None
+    if nice:  # before it goes on: what it starts is as nice
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, popen.pid, nice)
     if launch.release is not None:
         with contextlib.suppress(OSError):  # it died already: EOF on its stdout says how
             os.write(launch.release, b"\n")
         os.close(launch.release)
     return popen, cgroup, launch.confinement
+
+
+def unnice(pids: list[int]) -> None:
+    """Give ``pids`` (a spare daemon's processes, now a job's) the default niceness back
+    (a root agent may; elsewhere they stay as they were)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
 
 
 def _close_gate(launch: Launch) -> None:

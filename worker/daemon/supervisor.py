@@ -67,7 +67,9 @@ from worker.daemon.process import (
     discard,
     shared_regions,
     spawn,
+    unnice,
 )
+from worker.daemon.procfs import descendants
 from worker.daemon.requests import parse_command
 from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
 from worker.errors import (
@@ -142,6 +144,8 @@ class DaemonSupervisor:
         self.passed_env = tuple(passed_env)
         self.limits = limits
         self.cgroups = cgroups
+        self.nice = 0
+        """The niceness a daemon is started with (a spare's, beside a running job)."""
         self._watch: asyncio.Task[None] | None = None
         self.default_timeout = default_timeout
         self._child: DaemonProcess | None = None
@@ -167,6 +171,20 @@ class DaemonSupervisor:
         """Bytes the current daemon and this side moved through shared memory (both ways)."""
         shared = self._child.shared if self._child is not None else None
         return sum(region.nbytes for region in shared or ())
+
+    async def foreground(self) -> None:
+        """A spare started nice is a job's now: its processes get the default niceness back
+        (a root agent's; elsewhere it was never started nice)."""
+        child = self._child
+        if not self.nice or child is None:
+            return
+        self.nice = 0
+        cgroup = child.cgroup
+
+        def members() -> list[int]:  # (blocking: /proc or the cgroup's file)
+            return cgroup.pids() if cgroup is not None else [child.pid, *descendants(child.pid)]
+
+        await asyncio.to_thread(lambda: unnice(members()))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -426,6 +444,7 @@ class DaemonSupervisor:
                         self.cgroups,
                         self.sandbox,
                         self.limits.memory_bytes,
+                        self.nice,
                     ),
                     discard,
                 )

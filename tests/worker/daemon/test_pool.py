@@ -5,10 +5,11 @@ completes)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import ClassVar
 
 from worker.config import AgentConfig
-from worker.daemon.pool import SANDBOXED_SPARES, DaemonPool
+from worker.daemon.pool import SANDBOXED_SPARES, SPARE_NICE, DaemonPool
 from worker.daemon.sandbox import NO_SANDBOX, Sandbox
 
 URL = "ws://127.0.0.1:1"
@@ -20,6 +21,7 @@ class _Daemon:
     made: ClassVar[list[_Daemon]] = []
 
     def __init__(self) -> None:
+        self.nice = 0
         self.up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.running = False
         self.closed = False
@@ -31,6 +33,9 @@ class _Daemon:
 
     async def close(self, timeout: float) -> None:  # noqa: ASYNC109 (the supervisor's)
         self.closed = True
+
+    async def foreground(self) -> None:
+        self.nice = 0
 
 
 def _pool(sandbox: Sandbox, **options: object) -> DaemonPool:
@@ -45,27 +50,27 @@ async def _settled() -> None:
         await asyncio.sleep(0)
 
 
-def test_a_sandboxed_agent_keeps_two_spares_started_one_after_the_other():
+def test_a_sandboxed_agent_keeps_two_spares_and_hands_out_one_that_is_up():
     async def scenario() -> None:
         _Daemon.made.clear()
         pool = _pool(Sandbox("bwrap"))
         assert pool.depth == SANDBOXED_SPARES == 2
         pool.prewarm()
-        pool.prewarm()  # one at a time: each start takes the CPU
-        assert len(_Daemon.made) == 1
-        _Daemon.made[0].up.set_result(None)
-        await _settled()
-        assert len(_Daemon.made) == 2  # the next, once the first is up
+        pool.prewarm()  # two kept, no more
+        assert len(_Daemon.made) == 2
         _Daemon.made[1].up.set_result(None)
         await _settled()
-        assert len(_Daemon.made) == 2  # two kept, no more
-        # A job takes one that is up, and the next is started behind it.
+        # A job takes the one that is up, though the other was started first.
         taken = await pool.take(None)
-        assert taken is _Daemon.made[0] and taken.running
+        assert taken is _Daemon.made[1] and taken.running
+        # (a root agent starts spares nice, and gives a job its daemon back at full priority)
+        assert _Daemon.made[0].nice == (SPARE_NICE if os.geteuid() == 0 else 0)
+        assert taken.nice == 0
         pool.prewarm()
         assert len(_Daemon.made) == 3
-        # A job right after finds the other one up at once.
-        assert await pool.take(None) is _Daemon.made[1]
+        # A job right after waits for the oldest still starting.
+        _Daemon.made[0].up.set_result(None)
+        assert await pool.take(None) is _Daemon.made[0]
         _Daemon.made[2].up.set_result(None)
         await pool.close_spare()
         assert _Daemon.made[2].closed
