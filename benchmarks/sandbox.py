@@ -52,7 +52,7 @@ def _timed(client: sz.Client, steps: int) -> float:
 
 
 def _level(level: str, repeats: int, steps: int) -> dict[str, float]:
-    with LocalCluster(job_threads=1, sandbox=level) as c:
+    with LocalCluster(job_threads=1, sandbox=level, spares=None) as c:  # the worker's default
         c.start_coordinator()
         c.start_worker("w0", threads=1)
         with sz.connect(c.url, timeout=60) as client:

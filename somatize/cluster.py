@@ -103,6 +103,9 @@ class LocalCluster:
         spare_daemons: whether each worker keeps a filter daemon started for its next job
             (``--spare-daemon``). Off, a job waits for its daemons to start (a torch import,
             about 2 s) and nothing idle holds CPU or memory: what many short clusters want.
+        spares: how many each worker keeps (``--spare-daemons``; default one: a cluster on one
+            machine shares its cores and memory with them; ``None``: the worker's own default,
+            two when sandboxed).
         sandbox: each worker's ``--sandbox`` (:mod:`worker.daemon.sandbox`). With ``"auto"``
             (the default) on a machine where no sandbox works (no bubblewrap, not root), a
             cluster of one's own runs its workers ``--sandbox none`` rather than none at all,
@@ -124,6 +127,7 @@ class LocalCluster:
         client_token: str | None = None,
         call_timeout: float | None = None,
         spare_daemons: bool = True,
+        spares: int | None = 1,
         sandbox: str = "auto",
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
@@ -137,6 +141,7 @@ class LocalCluster:
         self.call_timeout = call_timeout
         self.job_threads = job_threads
         self.spare_daemons = spare_daemons
+        self.spares = spares
         self.sandbox = sandbox
         self.logs = logs if logs is not None else self.state_dir.parent / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -219,6 +224,8 @@ class LocalCluster:
             argv += ["--device", device]
         if not self.spare_daemons:
             argv += ["--spare-daemon", "off"]
+        elif self.spares is not None and "--spare-daemons" not in args:
+            argv += ["--spare-daemons", str(self.spares)]
         if "--sandbox" not in args:
             argv += ["--sandbox", self.sandbox]
         if peer_link:
