@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from coordinator.jobs.manager import DEFAULT_PREEMPT_GRACE
+from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT
+from coordinator.scheduling.shares import DEFAULT_HALF_LIFE
 from coordinator.server.app import Coordinator
 from coordinator.server.clients import ClientTokens
 from coordinator.server.collector import tend
@@ -95,8 +98,44 @@ def _security_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--client-tokens-file",
         metavar="FILE",
-        help="named client tokens, a line 'NAME TOKEN' or 'NAME TOKEN admin' each (chmod 600): "
-        "a client sees and cancels only its own jobs unless it is an admin",
+        help="named client tokens, a line 'NAME TOKEN [admin] [share=W] [max_workers=N] "
+        "[max_priority=P]' each (chmod 600): a client sees and cancels only its own jobs "
+        "unless it is an admin; share weighs its fair share of the workers (default 1), "
+        "max_workers caps what its jobs hold, max_priority what priority they may ask "
+        "(default 0; an admin's: none)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        choices=("fair", "fifo"),
+        default="fair",
+        help="fair (default): jobs go by priority, then each client's fair share, then age; "
+        "a job of several workers reserves them as they free; running jobs may be preempted "
+        "(docs/scheduling.md). fifo: first come, first placed, nothing preempted",
+    )
+    parser.add_argument(
+        "--preempt-grace",
+        type=_positive_float,
+        default=DEFAULT_PREEMPT_GRACE,
+        metavar="SECONDS",
+        help="seconds a preempted job has to checkpoint at its next safe point before it is "
+        f"stopped anyway and requeued (default {DEFAULT_PREEMPT_GRACE:g})",
+    )
+    parser.add_argument(
+        "--share-wait",
+        type=_positive_float,
+        default=DEFAULT_SHARE_WAIT,
+        metavar="SECONDS",
+        help="seconds a job of a client under its fair share waits before it preempts a job "
+        f"of a client over its share (default {DEFAULT_SHARE_WAIT:g}; a higher priority "
+        "preempts at once)",
+    )
+    parser.add_argument(
+        "--usage-half-life",
+        type=_positive_float,
+        default=DEFAULT_HALF_LIFE,
+        metavar="SECONDS",
+        help="seconds after which a client's past use of worker-time counts half in its fair "
+        f"share (default {DEFAULT_HALF_LIFE:g})",
     )
     parser.add_argument(
         "--max-queued-jobs",
@@ -351,6 +390,10 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             max_client_reassembly_bytes=args.max_client_reassembly_bytes,
             stall_timeout=args.stall_timeout,
             require_sandbox=args.require_sandbox,
+            preempt_grace=args.preempt_grace,
+            share_wait=args.share_wait,
+            usage_half_life=args.usage_half_life,
+            scheduler=args.scheduler,
         )
     except ValueError as exc:
         raise SystemExit(f"somatize-coordinator: {exc}") from exc

@@ -63,6 +63,8 @@ class ErrorCode(StrEnum):
     COORDINATOR_RESTARTED = "coordinator_restarted"  # the job was running when it restarted
     COLLECTIVE_FAILED = "collective_failed"  # a torch.distributed group broke or timed out
     RESOURCE_LIMIT = "resource_limit"  # a job's daemon went over --max-job-memory/--max-job-procs
+    TIME_LIMIT = "time_limit"  # a job ran past the time_limit it was submitted with
+    PREEMPTED = "preempted"  # a job's run stopped to make room for another (it is queued again)
     INTERNAL = "internal"  # a bug on the answering side
 
 

@@ -18,9 +18,9 @@ Conversation shapes:
   the job's terminal event, then :class:`Ack`), :class:`GetResult` (→ :class:`Result` with the
   states; a sharded run's as its replicas' pieces, which the client joins),
   :class:`GetCheckpoint` (→ :class:`Result` with one checkpoint's position and states),
-  :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs` and :class:`Status`
-  (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a worker's daemon when it names
-  one).
+  :class:`Cancel` (→ :class:`Ack`), :class:`GetJob`, :class:`ListJobs`, :class:`GetQueue`
+  and :class:`Status` (→ :class:`Result`), :class:`Ping` (→ :class:`Result`, through a
+  worker's daemon when it names one).
 * a frame too large for one WebSocket message (:data:`CHUNK_BYTES`) travels as consecutive
   chunk messages (raw bytes with a fixed header, see :mod:`protocol.chunking`); other messages,
   heartbeats included, may go in between.
@@ -88,6 +88,7 @@ class Capabilities(BaseModel):
     platform: str = ""
     sandbox: str = ""  # what a job's code runs inside there: "bwrap", "uid", "none" (or unsaid)
     network: bool = True  # whether a job's code there shares the machine's network
+    slots: int = Field(default=1, ge=1)  # jobs (of one slot each) it runs at once
 
 
 SandboxRequirement = Literal["any", "required"]
@@ -443,6 +444,13 @@ class Submit(_Message):
     file: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # its job file
     # "required": placed only on workers that run job code sandboxed (bwrap or uid)
     sandbox: SandboxRequirement = "any"
+    # among the jobs that can start, the higher goes first; at most the client's ceiling
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    # False: never preempted to make room for another job (counted against the client's quota)
+    preemptible: bool = True
+    # seconds it may run, then it fails (time_limit); a declared one lets it backfill
+    time_limit: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    slots: int = Field(default=1, ge=1, le=1024)  # of each of its workers
 
 
 class Watch(_Message):
@@ -526,6 +534,14 @@ class ListJobs(_Message):
     limit: Annotated[int, Field(ge=0, le=MAX_LISTED)] = 50
 
 
+class GetQueue(_Message):
+    """Every job running or queued that the client may see, in the order they go, each queued
+    one with where it stands and why it waits (``wait``); for an admin, every client's share,
+    what it holds and has held lately (``clients``)."""
+
+    kind: Literal["get_queue"] = "get_queue"
+
+
 class Status(_Message):
     """Workers and jobs at a glance."""
 
@@ -568,6 +584,7 @@ Message = Annotated[
     | Cancel
     | GetJob
     | ListJobs
+    | GetQueue
     | Status
     | Ping,
     Field(discriminator="kind"),

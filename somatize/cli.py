@@ -6,7 +6,8 @@ Commands::
     somatize submit FILE.py [--no-wait]          submit the job FILE.py defines, follow it
     somatize cancel ID                           cancel a queued or running job
     somatize status                              workers and jobs
-    somatize jobs [--limit N]                    the newest jobs
+    somatize jobs [--limit N]                    the newest jobs (a queued one: why it waits)
+    somatize queue                               the jobs running and queued, in their order
     somatize result ID [--save PATH] [--wait S]  a finished job's states
 
 The commands that talk to a coordinator take ``--coordinator URL`` (default
@@ -54,10 +55,12 @@ from somatize.progress import Progress as JobProgress
 from somatize.progress import bar_position
 from somatize.tables import (
     cells,
+    clients_table,
     describe_state,
     jobs_table,
     placed_text,
     position_text,
+    queue_table,
     queued_text,
     replica_text,
     states_summary,
@@ -160,6 +163,34 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the job file's sandbox, else any)",
     )
     submit.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="among the jobs that can start, a higher priority goes first and may preempt a "
+        "lower one (default 0; at most your client's max_priority)",
+    )
+    submit.add_argument(
+        "--no-preempt",
+        action="store_true",
+        help="never stop this job to make room for another (it counts against your "
+        "max_workers quota, which a preemptible job may borrow past)",
+    )
+    submit.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="fail the job if a run of it takes longer; a job that declares one may start "
+        "early on workers held for a larger job (backfill)",
+    )
+    submit.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="the slots the job takes of each worker (somatize-worker --slots; default 1)",
+    )
+    submit.add_argument(
         "--save",
         metavar="PATH",
         help="once the job succeeded, write its states there (as somatize result --save)",
@@ -180,6 +211,16 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--limit", type=_positive_int, default=50, help="how many (default 50)")
     jobs.add_argument(
         "--watch", action="store_true", help="follow live (refreshed every second; Ctrl-C stops)"
+    )
+
+    sub.add_parser(
+        "queue",
+        parents=[remote],
+        help="the jobs running and queued, in the order they go, and why each waits",
+        description="Every job running or queued that you may see, in the order they go: "
+        "each queued one's place, why it waits (priority, share, workers_busy, reservation, "
+        "preempting, quota, no_worker) and when it is expected to start. An admin sees "
+        "every client's jobs, and each client's share, what it holds and has held lately.",
     )
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
@@ -327,6 +368,10 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
                 name=args.name or spec.name or Path(args.file).stem,
                 file=args.file,
                 sandbox=args.sandbox or spec.sandbox,  # argparse's choices: a requirement
+                priority=args.priority,
+                preemptible=not args.no_preempt,
+                time_limit=args.time_limit,
+                slots=args.slots,
             )
         except ValueError as exc:  # what the SDK refuses of the file's data, before sending
             raise UsageError(f"{args.file}: {exc}") from exc
@@ -454,6 +499,15 @@ def _jobs(args: argparse.Namespace, out: Console, err: Console) -> int:
                 live.update(jobs_table(client.jobs(limit=args.limit)))
 
 
+def _queue(args: argparse.Namespace, out: Console, err: Console) -> int:
+    with _connect(args) as client:
+        queue = client.queue()
+    out.print(queue_table(queue.get("jobs", [])))
+    if "clients" in queue:
+        out.print(clients_table(queue["clients"]))
+    return EXIT_OK
+
+
 def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
     from rich.text import Text
@@ -555,6 +609,7 @@ _COMMANDS = {
     "cancel": _cancel,
     "status": _status,
     "jobs": _jobs,
+    "queue": _queue,
     "result": _result,
 }
 

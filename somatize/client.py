@@ -44,6 +44,7 @@ from protocol.messages import (
     MAX_GRAPH_NODES,
     MAX_LISTED,
     SANDBOX_REQUIREMENTS,
+    GetQueue,
     GraphSpec,
     JobEvent,
     ListJobs,
@@ -264,6 +265,10 @@ class Client:
         file: str | None = None,
         resume_from: str | Job | None = None,
         sandbox: SandboxRequirement = "any",
+        priority: int = 0,
+        preemptible: bool = True,
+        time_limit: float | None = None,
+        slots: int = 1,
     ) -> Job:
         """Queue a job: train ``graph`` on ``x`` (and labels ``y``) with ``strategy``.
 
@@ -296,6 +301,18 @@ class Client:
                 sandboxed (``somatize-worker --sandbox`` bwrap or uid: ``status`` shows each
                 worker's), refused at submit where no registered worker does; ``"any"``
                 (default): on any worker.
+            priority: among the jobs that can start, a higher one goes first, and may preempt
+                a running job of a lower one; at most the client's ceiling (``max_priority``
+                in the coordinator's clients file: 0 unless it says), refused at submit above.
+            preemptible: ``False``: never stopped to make room for another job (its workers
+                count against the client's ``max_workers``, which a preemptible job may
+                borrow past while nobody else waits). A preempted job checkpoints, is queued
+                again and resumes where it stopped: its result is an undisturbed run's.
+            time_limit: seconds a run of the job may take, then it fails ``time_limit``; a
+                job that declares one may start early on workers held for a larger job that
+                it would be done before (backfill).
+            slots: the slots it takes of each worker (``somatize-worker --slots``): a worker
+                of four runs four one-slot jobs at once, each with a quarter of its threads.
 
         Returns:
             The job's handle; its :meth:`Job.result` is a :class:`FittedGraph` of ``graph``.
@@ -321,6 +338,15 @@ class Client:
                 "wait_for_workers must be a positive number of seconds or None, not "
                 f"{wait_for_workers!r}"
             )
+        if time_limit is not None and not (
+            isinstance(time_limit, int | float) and math.isfinite(time_limit) and time_limit > 0
+        ):
+            raise ValueError(
+                f"time_limit must be a positive number of seconds or None, not {time_limit!r}"
+            )
+        for what, value, least in (("priority", priority, -1000), ("slots", slots, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{what} must be an integer of at least {least}, not {value!r}")
         if sandbox not in SANDBOX_REQUIREMENTS:
             raise ValueError(
                 f"sandbox must be one of {', '.join(map(repr, SANDBOX_REQUIREMENTS))}, "
@@ -370,6 +396,10 @@ class Client:
             file=file,
             resume_from=resume_from.id if isinstance(resume_from, Job) else resume_from,
             sandbox=sandbox,
+            priority=priority,
+            preemptible=preemptible,
+            time_limit=time_limit,
+            slots=slots,
         )
         nbytes = sum(len(b) for b in filters.values()) + data_nbytes(x) + data_nbytes(y)
         nbytes += data_nbytes(x_val) + data_nbytes(y_val)
@@ -400,6 +430,19 @@ class Client:
             )
         jobs = result_field(self._call(ListJobs(limit=limit)), "jobs", "list_jobs")
         return list(jobs)
+
+    def queue(self) -> dict[str, Any]:
+        """The jobs running and queued that this client may see, in the order they go
+        (``jobs``: records; a queued one's ``wait`` says its ``position``, the ``reason`` it
+        waits — ``priority``, ``share``, ``workers_busy``, ``reservation``, ``preempting``,
+        ``quota``, ``no_worker`` — in words (``detail``) and when it is expected to start
+        (``starts_in`` seconds, ``None``: not known)); for an admin, ``clients``: each one's
+        ``share``, the workers it ``holds``, has held lately (``recent``) and its ``fair``
+        part."""
+        reply = self._call(GetQueue())
+        if not isinstance(reply, Result) or not isinstance(reply.result, dict):
+            raise ClientError(f"the coordinator answered get_queue with {reply!r}")
+        return dict(reply.result)
 
     def status(self) -> dict[str, Any]:
         """Workers (``id``, ``tags``, ``state``, ``last_heartbeat_age``, ``job_id``,

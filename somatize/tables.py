@@ -16,6 +16,7 @@ from somatize.progress import event_text
 
 __all__ = [
     "cells",
+    "clients_table",
     "describe_state",
     "device_text",
     "dtype_name",
@@ -24,9 +25,11 @@ __all__ = [
     "placed_text",
     "position_text",
     "progress_text",
+    "queue_table",
     "queued_text",
     "replica_text",
     "submitted_text",
+    "wait_text",
     "workers_table",
 ]
 
@@ -123,7 +126,11 @@ def jobs_table(records: list[dict[str, Any]]) -> Any:
         summary = r.get("summary")
         summary = summary if isinstance(summary, dict) else {}
         if state == "queued" and not text and summary.get("placement"):
-            text = f"waiting for {summary['placement']}"  # why it has not started
+            text = f"waiting for {summary['placement']}"  # what it asked for
+        if state == "queued" and isinstance(r.get("wait"), dict):
+            text = " · ".join(filter(None, [text, wait_text(r["wait"])]))  # why it waits
+        elif r.get("preempting"):
+            text = f"leaving: preempted{' · ' + text if text else ''}"
         table.add_row(
             *cells(
                 r.get("id", ""),
@@ -134,6 +141,67 @@ def jobs_table(records: list[dict[str, Any]]) -> Any:
                 text,
                 submitted_text(r.get("created"), now),
                 duration_text(r, now),
+            )
+        )
+    return table
+
+
+def wait_text(wait: dict[str, Any]) -> str:
+    """Where a queued job stands, in words: ``#2 share: 1 of clients further under their
+    share first · starts in ~40s``."""
+    said = f"#{wait.get('position', '?')} {wait.get('reason', '')}: {wait.get('detail', '')}"
+    starts_in = wait.get("starts_in")
+    if isinstance(starts_in, int | float):
+        said += f" · starts in ~{starts_in:.0f}s"
+    return said
+
+
+def queue_table(records: list[dict[str, Any]]) -> Any:
+    """The jobs running and queued as ``somatize queue`` prints them, in the order they go."""
+    from rich.table import Table
+
+    table = Table(title="queue", title_justify="left")
+    for column in ("id", "client", "name", "priority", "state", "place", "why", "starts in"):
+        table.add_column(column, no_wrap=column == "id")
+    for r in records:
+        summary: dict[str, Any] = r["summary"] if isinstance(r.get("summary"), dict) else {}
+        wait: dict[str, Any] | None = r["wait"] if isinstance(r.get("wait"), dict) else None
+        state = "leaving" if r.get("preempting") else str(r.get("state", ""))
+        starts_in = None if wait is None else wait.get("starts_in")
+        why = "" if wait is None else f"{wait.get('reason', '')}: {wait.get('detail', '')}"
+        if wait is not None and wait.get("reason") == "no_worker" and summary.get("placement"):
+            why += f" (it asks for {summary['placement']})"
+        table.add_row(
+            *cells(
+                r.get("id", ""),
+                summary.get("owner") or "",
+                summary.get("name") or "",
+                summary.get("priority", 0),
+                state,
+                "" if wait is None else f"#{wait.get('position', '?')}",
+                why,
+                f"~{starts_in:.0f}s" if isinstance(starts_in, int | float) else "",
+            )
+        )
+    return table
+
+
+def clients_table(clients: dict[str, Any]) -> Any:
+    """Each client's share of the workers, as an admin's ``somatize queue`` prints them."""
+    from rich.table import Table
+
+    table = Table(title="clients", title_justify="left")
+    for column in ("client", "share", "holds", "fair", "held lately"):
+        table.add_column(column)
+    for name, said in clients.items():
+        said = said if isinstance(said, dict) else {}
+        table.add_row(
+            *cells(
+                name,
+                said.get("share", ""),
+                said.get("holds", ""),
+                said.get("fair", ""),
+                said.get("recent", ""),
             )
         )
     return table

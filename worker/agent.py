@@ -243,7 +243,11 @@ class Agent:
             loop = asyncio.get_running_loop()
             self._capabilities = await loop.run_in_executor(None, detect, self.config.device)
         sandbox = self.config.sandbox
-        announced = {"sandbox": sandbox.level, "network": sandbox.network}
+        announced = {
+            "sandbox": sandbox.level,
+            "network": sandbox.network,
+            "slots": self.config.slots,
+        }
         self._capabilities = self._capabilities.model_copy(update=announced)
         if sandbox.level == "none":
             log.warning(

@@ -231,6 +231,15 @@ def _parser() -> argparse.ArgumentParser:
         "after another finds one up; each holds ~300 MB)",
     )
     parser.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N jobs at once, each in its own daemon and cgroup, a job of one slot "
+        "getting 1/N of the threads (default 1: one job at a time); more slots than cores "
+        "oversubscribes them",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         metavar="auto|cpu|cuda|cuda:N|mps",
@@ -362,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: --connect")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.slots < 1:
+        parser.error("--slots must be at least 1")
     if args.spare_daemons is not None and args.spare_daemons < 1:
         parser.error("--spare-daemons must be at least 1 (--spare-daemon off keeps none)")
     if args.max_message_bytes < 1 or args.max_inflight < 1:
@@ -402,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 spare=args.spare_daemon == "on",
                 spares=args.spare_daemons,
+                slots=args.slots,
                 fork_server=args.fork_server == "on",
             )
             agent = Agent(config)

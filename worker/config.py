@@ -53,6 +53,8 @@ class AgentConfig:
             ``probe``.
         spares: how many (``None``: one where daemons are forked, two where each starts anew in
             its sandbox: :attr:`worker.daemon.pool.DaemonPool.depth`).
+        slots: how many one-slot jobs it runs at once, each in its own daemon and cgroup
+            (``--slots``; the coordinator gives each its part of the threads).
         fork_server: fork each daemon from a process that imported torch once
             (:mod:`worker.daemon.fork_server`): a daemon starts in milliseconds and shares that
             memory; on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
@@ -120,6 +122,7 @@ class AgentConfig:
     python: str = sys.executable
     spare: bool = True
     spares: int | None = None
+    slots: int = 1
     fork_server: bool = True
     datasets: Mapping[str, Path] = field(default_factory=dict)
     peer_listen: str | None = None

@@ -433,6 +433,20 @@ class JobCheckpoints:
     source: str | None = None
     piece_bytes: int = PIECE_BYTES
     _writing: asyncio.Task[bool] | None = field(default=None, repr=False)
+    _asked: asyncio.Future[bool] | None = field(default=None, repr=False)
+
+    def ask(self) -> asyncio.Future[bool]:
+        """Ask the run for a checkpoint at its next safe point (a preemption does, before it
+        stops the run): its policy finds one due (:attr:`asked`) until one is saved. The
+        future says whether the next one started after this was written."""
+        if self._asked is None or self._asked.done():
+            self._asked = asyncio.get_running_loop().create_future()
+        return self._asked
+
+    @property
+    def asked(self) -> bool:
+        """Whether a checkpoint was asked for that no save has started since."""
+        return self._asked is not None and not self._asked.done()
 
     def resumed(self) -> dict[str, Any]:
         """What the ``resumed`` event says of ``resume``: its position, its number, and the
@@ -451,7 +465,8 @@ class JobCheckpoints:
         written), with a sharded run's ``shards``, read where they were left a piece at a
         time and released once written (or given up); ``payload`` must not change meanwhile."""
         await self.flush()
-        self._writing = asyncio.create_task(self._write(position, payload, shards))
+        answers, self._asked = (self._asked, None) if self.asked else (None, self._asked)
+        self._writing = asyncio.create_task(self._write(position, payload, shards, answers))
 
     async def flush(self) -> bool | None:
         """Wait for the checkpoint being written, if any; whether it was written."""
@@ -459,6 +474,18 @@ class JobCheckpoints:
         return None if task is None else await task
 
     async def _write(
+        self,
+        position: dict[str, Any],
+        payload: dict[str, Any],
+        shards: WorkerFiles | None,
+        answers: asyncio.Future[bool] | None = None,
+    ) -> bool:
+        written = await self._written(position, payload, shards)
+        if answers is not None and not answers.done():
+            answers.set_result(written)
+        return written
+
+    async def _written(
         self,
         position: dict[str, Any],
         payload: dict[str, Any],
@@ -510,16 +537,27 @@ class CheckpointPolicy:
 
     ``every`` steps (or rounds) if it is set; ``0``: never; ``None``: at the end of every epoch
     (``per_epoch`` steps; a federated round is an epoch of one step) or once ``seconds`` of
-    training have passed since the last one, whichever comes first. And at the end of the run
-    (unless never): the model's optimizer state is kept with its result, so that a job can be
-    continued exactly (``resume_from``). ``clock`` gives seconds.
+    training have passed since the last one, whichever comes first. And whenever one is
+    ``asked`` for (unless never): a preemption asks before it stops the run. And at the end of
+    the run (unless never): the model's optimizer state is kept with its result, so that a job
+    can be continued exactly (``resume_from``). ``clock`` gives seconds.
     """
 
     every: int | None
     per_epoch: int
     clock: Callable[[], float]
     seconds: float = DEFAULT_CHECKPOINT_SECONDS
+    asked: Callable[[], bool] = lambda: False  # one was asked for (:meth:`JobCheckpoints.ask`)
     _since: float | None = None
+
+    @classmethod
+    def of(
+        cls, every: int | None, per_epoch: int, checkpoints: JobCheckpoints | None
+    ) -> CheckpointPolicy:
+        """The policy of a run saving to ``checkpoints``, on the monotonic clock, that finds
+        a checkpoint due as soon as one is asked for."""
+        asked = (lambda: checkpoints.asked) if checkpoints is not None else (lambda: False)
+        return cls(every, per_epoch, time.monotonic, asked=asked)
 
     def start(self) -> None:
         """Training (re)starts now: the time since the last checkpoint counts from here."""
@@ -530,7 +568,7 @@ class CheckpointPolicy:
         never)."""
         if self.every == 0:
             return False
-        if done >= total:
+        if done >= total or self.asked():
             return True
         if self.every is not None:
             return done % self.every == 0

@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import functools
 import importlib
+import itertools
 import logging
 import sqlite3
 import sys
@@ -72,6 +73,8 @@ from coordinator.jobs.submission import (
     vetted,
 )
 from coordinator.jobs.worker_files import PIECE_BYTES
+from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT, Queued, Running, Seat, Wait, plan
+from coordinator.scheduling.shares import DEFAULT_HALF_LIFE, ClientPolicy, UsageLedger
 from coordinator.strategies import (
     JobInputs,
     Placement,
@@ -87,7 +90,9 @@ from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.messages import MAX_READ_BYTES, StrategySpec, Submit
 
 __all__ = [
+    "ADMIN_POLICY",
     "DEFAULT_OWNER",
+    "DEFAULT_PREEMPT_GRACE",
     "STORE_RETRIES",
     "ContextFactory",
     "JobManager",
@@ -104,6 +109,14 @@ without client tokens (:data:`coordinator.server.clients.EVERYONE`)."""
 
 STORE_RETRIES = (0.5, 1.0, 2.0, 4.0)
 """Seconds between the tries of a terminal write when the store fails."""
+
+DEFAULT_PREEMPT_GRACE = 60.0
+"""Seconds a preempted job has to save a checkpoint at its next safe point before its run is
+stopped anyway (it then resumes from the checkpoint before)."""
+
+ADMIN_POLICY = ClientPolicy(max_priority=None)
+"""What a client the coordinator knows nothing more of is owed: an equal share, no quota, no
+priority ceiling (everyone, where there are no client tokens, is the ``client`` admin)."""
 
 
 def record_dict(record: JobRecord) -> dict[str, Any]:
@@ -177,6 +190,17 @@ class _Job:
     # Fails it if no workers take it in time (a restart's restart_timeout, wait_for_workers).
     wait_expiry: asyncio.Task[None] | None = None
     resume_from: str | None = None  # the job whose newest checkpoint it starts from
+    priority: int = 0
+    preemptible: bool = True  # the client allows it (it is preempted only if it resumes too)
+    time_limit: float | None = None  # seconds each run may take
+    slots: int = 1  # of each of its workers
+    order: int = 0  # submission order, kept when it is queued again
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0
+    deadline: asyncio.TimerHandle | None = None  # its time limit, while it runs
+    leaving: asyncio.Task[None] | None = None  # it is being preempted
+    leave_by: float = 0.0  # when its run stops at the latest, once it is being preempted
+    preempted: ErrorInfo | None = None  # why its run was stopped to make room
 
 
 @dataclass
@@ -203,6 +227,12 @@ class JobManager:
         files: where each live job's submit message and checkpoints are kept, so that a
             restarted coordinator resumes it, and whose memory map of that message the job's
             inputs are (``None``: nowhere; it would not, and its inputs stay in memory).
+        policies: each client's share, quota and priority ceiling (by client name).
+        preempt_grace: seconds a preempted job has to checkpoint before it is stopped.
+        share_wait: seconds a job waits before it preempts for its client's fair share.
+        half_life: seconds after which a client's past use of workers counts half.
+        fifo: place jobs first come, first placed, as before fair shares (``--scheduler
+            fifo``): no priority, share, reservation, preemption or quota.
     """
 
     def __init__(
@@ -216,6 +246,11 @@ class JobManager:
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
         files: JobFiles | None = None,
+        policies: Callable[[str], ClientPolicy] = lambda client: ADMIN_POLICY,
+        preempt_grace: float = DEFAULT_PREEMPT_GRACE,
+        share_wait: float = DEFAULT_SHARE_WAIT,
+        half_life: float = DEFAULT_HALF_LIFE,
+        fifo: bool = False,
     ) -> None:
         self.store = store
         self.files = files
@@ -228,6 +263,16 @@ class JobManager:
         self._jobs: dict[str, _Job] = {}
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
+        self.policies = policies
+        self.preempt_grace = preempt_grace
+        self.share_wait = share_wait
+        self.fifo = fifo
+        self.usage = UsageLedger(half_life)
+        """Each client's decayed use of worker-time (fair share)."""
+        self.waits: dict[str, Wait] = {}
+        """Where each queued job stands, and why it waits, as the last pass found."""
+        self._reserved_for: str | None = None  # the job free workers are held for
+        self._orders = itertools.count()
         self.events = JobEvents(store)
         self.owed_ends = OwedEnds()
         """Ends the store refused, written when it can (:meth:`OwedEnds.pay_forever`)."""
@@ -261,30 +306,141 @@ class JobManager:
             self._reserve(recruit.job, [worker])
             self._recruits.remove(recruit)
             recruit.found.set_result(worker)
-        for job_id in list(self._queue):
+        now = time.monotonic()
+        running = [j for j in self._jobs.values() if j.task is not None]
+        held: dict[str, float] = {}
+        for job in running:
+            held[job.owner] = held.get(job.owner, 0.0) + sum(
+                job.slots / max(1, w.slots) for w in job.workers
+            )
+        self.usage.accrue(held, now)
+        seats = [
+            Seat(w.identity, w.slots, w.free_slots)
+            for w in self.registry
+            if w.connected and w.state in (WorkerState.IDLE, WorkerState.BUSY)
+        ]
+        decided = plan(
+            [self._queued(self._jobs[job_id], now) for job_id in self._queue],
+            [self._running(job) for job in running],
+            seats,
+            self.policies,
+            self.usage.clients(),
+            now,
+            reserved_for=self._reserved_for,
+            share_wait=self.share_wait,
+            fifo=self.fifo,
+        )
+        self._reserved_for = decided.reserved_for
+        self.waits = decided.waits
+        for job_id, worker_ids in decided.starts:
             job = self._jobs[job_id]
-            placement = placement_of(job.strategy, job.inputs)
-            idle = self.registry.idle()
-            picks = placement.choose([w.identity for w in idle])
-            if picks is None:
-                continue
-            self._reserve(job, [idle[i] for i in picks])
+            workers = [self.registry.get(w) for w in worker_ids]
+            self._reserve(job, [w for w in workers if w is not None])
             self._queue.remove(job_id)
             if job.wait_expiry is not None:
                 job.wait_expiry.cancel()
                 job.wait_expiry = None
+            job.started_at = now
             job.task = asyncio.create_task(self._run(job), name=f"job {job_id}")
+            if job.time_limit is not None:
+                job.deadline = asyncio.get_running_loop().call_later(
+                    job.time_limit, self._time_up, job
+                )
+        for victim, making_room_for in decided.preempt:
+            self._preempt(self._jobs[victim], making_room_for)
+
+    def _queued(self, job: _Job, now: float) -> Queued:
+        return Queued(
+            job.id,
+            job.owner,
+            placement_of(job.strategy, job.inputs),
+            priority=job.priority,
+            order=job.order,
+            slots=job.slots,
+            time_limit=job.time_limit,
+            preemptible=job.preemptible,
+            waited=now - job.queued_at,
+        )
+
+    def _running(self, job: _Job) -> Running:
+        ends = None if job.time_limit is None else job.started_at + job.time_limit
+        if job.leaving is not None:
+            ends = job.leave_by
+        return Running(
+            job.id,
+            job.owner,
+            tuple(w.id for w in job.workers),
+            priority=job.priority,
+            slots=job.slots,
+            started=job.started_at,
+            ends=ends,
+            preemptible=self._resumable(job),
+            leaving=job.leaving is not None,
+        )
+
+    def _resumable(self, job: _Job) -> bool:
+        """Whether ``job`` may be preempted: its client allows it, and it resumes from its
+        checkpoints where it stopped."""
+        return (
+            job.preemptible
+            and self.files is not None
+            and job.strategy.saves_checkpoints
+            and job.strategy.checkpoint_every != 0
+        )
 
     def _reserve(self, job: _Job, workers: list[WorkerRecord]) -> None:
         # By id (a list's ``in`` compares records field by field: seconds for 10,000 workers);
         # a lost worker may come back as its own replacement: it is in the job's workers once.
         held = {w.id for w in job.workers}
         for worker in workers:
-            worker.state = WorkerState.BUSY
-            worker.job_id = job.id
+            worker.take(job.id, job.slots)
             if worker.id not in held:
                 held.add(worker.id)
                 job.workers.append(worker)
+
+    # -- preemption and time limits -------------------------------------------------------------
+
+    def _preempt(self, job: _Job, making_room_for: str) -> None:
+        """Have the running ``job`` leave for ``making_room_for``: a checkpoint at its next
+        safe point (within :attr:`preempt_grace`), then its run stops and it is queued again,
+        to resume from that checkpoint."""
+        if job.leaving is not None or job.task is None:
+            return
+        job.leave_by = time.monotonic() + self.preempt_grace
+        job.leaving = asyncio.create_task(
+            self._leave(job, making_room_for), name=f"job {job.id} leaves"
+        )
+
+    async def _leave(self, job: _Job, making_room_for: str) -> None:
+        task = job.task
+        grace = self.preempt_grace
+        await self._emit(job.id, "preempting", {"for": making_room_for, "grace": grace})
+        saves = job.inputs.checkpoints
+        if saves is not None:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.shield(saves.ask())
+            except TimeoutError:
+                log.info("job %s: no checkpoint within %gs of its preemption", job.id, grace)
+        if task is None or task.done() or job.stop_reason is not None:
+            return
+        why = f"preempted to make room for job {making_room_for}"
+        job.preempted = ErrorInfo(
+            code=ErrorCode.PREEMPTED, message=why, detail={"for": making_room_for}
+        )
+        task.cancel()
+
+    def _time_up(self, job: _Job) -> None:
+        """``job`` ran past its ``time_limit``: its run stops and it fails."""
+        job.deadline = None
+        if job.task is None or job.task.done() or job.stop_reason is not None:
+            return
+        job.stop_reason = ErrorInfo(
+            code=ErrorCode.TIME_LIMIT,
+            message=f"the job ran past its time_limit of {job.time_limit:g}s",
+            detail={"time_limit": job.time_limit},
+        )
+        job.task.cancel()
 
     async def recruit(self, job_id: str, timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
         """Wait up to ``timeout`` seconds for an idle worker that matches the running job's
@@ -333,6 +489,7 @@ class JobManager:
         strategy, inputs, placement = await asyncio.to_thread(vetted, msg)
         waits = msg.wait_for_workers
         check_workers(placement, inputs, list(self.registry), waits is not None)
+        self._check_scheduling(msg, placement, owner, waits is not None)
         if msg.resume_from is not None:
             if self.files is None:
                 raise RequestRefused.of(
@@ -344,12 +501,65 @@ class JobManager:
         record = await asyncio.to_thread(self.store.create, strategy.name, summary)
         if self.files is not None:  # the inputs read back over the file: msg is dropped
             inputs = job_inputs(await asyncio.to_thread(self.files.keep, record.id, msg, owner))
-        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
-        job.resume_from = msg.resume_from
+        job = self._job(record.id, strategy, inputs, owner, msg)
         await self._enqueue(
             job, placement.describe(), {"name": msg.name} if msg.name else {}, waits
         )
         return record.id
+
+    def _job(
+        self, job_id: str, strategy: Strategy, inputs: JobInputs, owner: str, msg: Submit
+    ) -> _Job:
+        return _Job(
+            job_id,
+            strategy,
+            inputs,
+            owner,
+            spec=msg.strategy,
+            resume_from=msg.resume_from,
+            priority=msg.priority,
+            preemptible=msg.preemptible,
+            time_limit=msg.time_limit,
+            slots=msg.slots,
+            order=next(self._orders),
+        )
+
+    def _check_scheduling(self, msg: Submit, placement: Placement, owner: str, waits: bool) -> None:
+        """Refuse what the client may not ask (a priority over its ceiling), or what could
+        never start (more slots than any worker gives, more workers than its quota allows a
+        job that may not borrow).
+
+        Raises:
+            RequestRefused: ``BAD_REQUEST`` or ``NO_WORKERS`` saying which.
+        """
+        policy = self.policies(owner)
+        ceiling = policy.max_priority
+        if ceiling is not None and msg.priority > ceiling:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"priority {msg.priority} is over client {owner}'s ceiling of {ceiling} "
+                "(max_priority in the coordinator's clients file)",
+                priority=msg.priority,
+                max_priority=ceiling,
+            )
+        quota = policy.max_workers
+        if not msg.preemptible and quota is not None and placement.workers > quota:
+            raise RequestRefused.of(
+                ErrorCode.BAD_REQUEST,
+                f"the job needs {placement.workers} workers and may not be preempted, but "
+                f"client {owner} may hold {quota} (max_workers): submit it preemptible to "
+                "borrow past the quota",
+                max_workers=quota,
+            )
+        if msg.slots > 1 and not waits:
+            most = max((w.slots for w in self.registry), default=0)
+            if most < msg.slots:
+                raise RequestRefused.of(
+                    ErrorCode.NO_WORKERS,
+                    f"the job asks for {msg.slots} slots of each worker, and no registered "
+                    f"worker gives more than {most} (somatize-worker --slots)",
+                    slots=msg.slots,
+                )
 
     async def requeue(self, record: JobRecord) -> None:
         """Queue again a job a previous coordinator left live (the store made it ``queued``),
@@ -369,8 +579,7 @@ class JobManager:
             await self._record_end(record.id, info)
             return
         after = {"requeued": "the coordinator restarted"}
-        job = _Job(record.id, strategy, inputs, owner, spec=msg.strategy)
-        job.resume_from = msg.resume_from
+        job = self._job(record.id, strategy, inputs, owner, msg)
         await self._enqueue(job, placement.describe(), after, msg.wait_for_workers)
 
     async def _enqueue(
@@ -472,7 +681,7 @@ class JobManager:
         await self._stop(job, info)
 
     async def record(self, job_id: str) -> dict[str, Any]:
-        return record_dict(await self._record(job_id))
+        return self._with_wait(record_dict(await self._record(job_id)))
 
     async def owner(self, job_id: str) -> str | None:
         """The client that submitted ``job_id`` (``None``: from before owners were kept).
@@ -488,7 +697,62 @@ class JobManager:
 
     async def records(self, limit: int = 50) -> list[dict[str, Any]]:
         records = await asyncio.to_thread(self.store.list, None, limit)
-        return [record_dict(self.owed_ends.as_recorded(r)) for r in records]
+        return [self._with_wait(record_dict(self.owed_ends.as_recorded(r))) for r in records]
+
+    async def queue(self) -> list[dict[str, Any]]:
+        """Every job queued or running, in the order they go (running first, then the queued
+        by their place), each record with its ``wait`` while queued."""
+        ids = [j.id for j in self._jobs.values() if j.task is not None]
+        ids += sorted(
+            self._queue, key=lambda i: self.waits[i].position if i in self.waits else 1 << 30
+        )
+        records = [await self._record(job_id) for job_id in ids]
+        return [self._with_wait(record_dict(r)) for r in records]
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Each client with jobs live or use on record: its ``share``, the workers it
+        ``holds`` now, those it held lately (``recent``) and its ``fair`` part of the connected
+        workers among the clients with jobs live."""
+        held: dict[str, float] = {}
+        for job in self._jobs.values():
+            if job.task is not None:
+                load = sum(job.slots / max(1, w.slots) for w in job.workers)
+                held[job.owner] = held.get(job.owner, 0.0) + load
+        live = {job.owner for job in self._jobs.values()}
+        recent = self.usage.clients()
+        weights = {c: self.policies(c).share for c in live}
+        workers = sum(1 for w in self.registry if w.connected)
+        total = sum(weights.values()) or 1.0
+        return {
+            client: {
+                "share": self.policies(client).share,
+                "holds": round(held.get(client, 0.0), 3),
+                "recent": round(recent.get(client, 0.0), 3),
+                "fair": round(workers * weights[client] / total, 3) if client in live else 0.0,
+            }
+            for client in sorted(live | set(recent))
+        }
+
+    def _with_wait(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` with where its job stands in the queue and why it waits (``wait``:
+        ``position``, ``reason``, ``detail``, ``starts_in`` seconds when it can be told), or
+        with ``preempting`` while a running job is leaving for another."""
+        job = self._jobs.get(record["id"])
+        if job is None:
+            return record
+        if job.leaving is not None and job.task is not None:
+            return record | {"preempting": True}
+        wait = self.waits.get(job.id)
+        if job.task is not None or wait is None:
+            return record
+        starts_in = None if wait.start is None else max(0.0, wait.start - time.monotonic())
+        said = {
+            "position": wait.position,
+            "reason": str(wait.reason),
+            "detail": wait.detail,
+            "starts_in": None if starts_in is None else round(starts_in, 1),
+        }
+        return record | {"wait": said}
 
     async def counts(self) -> dict[JobState, int]:
         return await asyncio.to_thread(self.store.counts)
@@ -528,6 +792,14 @@ class JobManager:
         async def recruit(timeout: float) -> WorkerRecord | None:  # noqa: ASYNC109
             return await self.recruit(job.id, timeout)
 
+        def share(record: WorkerRecord) -> int | None:
+            """Its machine's threads, or its slots' part of them on a worker of several."""
+            threads = self.registry.thread_share(record)
+            if record.slots <= 1:
+                return threads
+            cpus = threads if threads is not None else record.capabilities.cpus
+            return max(1, cpus * min(job.slots, record.slots) // record.slots)
+
         placed = PlacedJob(
             job.id,
             job.workers,
@@ -535,17 +807,17 @@ class JobManager:
             self.job_threads,
             self.observe,
             recruit,
-            self.registry.thread_share,
+            share,
         )
         try:
             async with self.context_factory(placed) as ctx:
                 await self._train(job, ctx)
         finally:
+            if job.deadline is not None:
+                job.deadline.cancel()
+                job.deadline = None
             for worker in job.workers:
-                if worker.job_id == job.id:
-                    worker.job_id = None
-                    if worker.state is WorkerState.BUSY:
-                        worker.state = WorkerState.IDLE
+                worker.give_back(job.id)
             if job.restart_for is None:
                 self._jobs.pop(job.id, None)
                 job.done.set()
@@ -556,9 +828,12 @@ class JobManager:
     async def _restart(self, job: _Job, info: ErrorInfo) -> None:
         """Queue again a job whose run the fault ``info`` ended (its workers are free now), or
         end it if that cannot be stored or it is stopped meanwhile."""
+        preempted = info.code is ErrorCode.PREEMPTED
         try:
             failure = await _failure_after_retries(job.id, self.store.requeue, job.id)
-            if failure is None:
+            if failure is None and preempted:
+                await self._emit(job.id, "preempted", {"reason": info.message} | info.detail)
+            elif failure is None:
                 await self._emit(
                     job.id, "restarting", restarting_event(info, job.strategy, job.restarts)
                 )
@@ -582,9 +857,15 @@ class JobManager:
         job.restart_for = None
         job.task = None
         job.workers = []
+        job.leaving = None
+        job.preempted = None
+        job.queued_at = time.monotonic()
         if job.spec is not None:
             job.strategy = strategy_from_spec(job.spec.name, job.spec.options)
         self._queue.insert(0, job.id)
+        if info.code is ErrorCode.PREEMPTED:
+            return  # it waits its turn again, for as long as that takes
+        self._reserved_for = job.id  # a fault's restart goes first: free workers are its
         why = functools.partial(no_workers_for_restart, info, job.strategy, job.restarts)
         job.wait_expiry = self._expire(job, job.strategy.restart_timeout, why)
 
@@ -636,6 +917,11 @@ class JobManager:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # handled here: the job ends, the task returns normally
+            if job.stop_reason is None and job.preempted is not None and self.accepting:
+                if job.inputs.checkpoints is not None:
+                    await job.inputs.checkpoints.flush()
+                job.restart_for = job.preempted  # queued again once its workers are freed
+                return
             await self._end(job, job.stop_reason or _internal("the job's task was cancelled"))
         except WorkerCallError as exc:
             log.info("job %s failed: %s", job.id, exc)

@@ -230,6 +230,10 @@ def summary_of(msg: Submit, placement: Placement, owner: str) -> dict[str, Any]:
         "owner": owner,
         "name": msg.name,
         "file": msg.file,
+        "priority": msg.priority,
+        "preemptible": msg.preemptible,
+        "slots": msg.slots,
+        "time_limit": msg.time_limit,
     }
     return summary | ({"resume_from": msg.resume_from} if msg.resume_from is not None else {})
 

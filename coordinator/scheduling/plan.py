@@ -306,7 +306,7 @@ def plan(
             out.waits[job.id] = Wait(position, WaitReason.QUOTA, detail, start)
             continue
         if job.placement.choose([s.identity for s in seats]) is None:
-            detail = f"no connected worker matches: it needs {job.placement.describe()}"
+            detail = "no connected worker matches it"
             out.waits[job.id] = Wait(position, WaitReason.NO_WORKER, detail, None)
             continue
         if reservation is None:

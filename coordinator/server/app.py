@@ -207,6 +207,11 @@ class Coordinator:
             observe=self.metrics.observe,
             max_queued_jobs=config.max_queued_jobs,
             files=files,
+            policies=config.policy,
+            preempt_grace=config.preempt_grace,
+            share_wait=config.share_wait,
+            half_life=config.usage_half_life,
+            fifo=config.scheduler == "fifo",
         )
         for record in requeued:
             await jobs.requeue(record)
@@ -487,13 +492,13 @@ class Coordinator:
                 of it, or the target refused it or did not answer within ``RELAY_TIMEOUT``.
         """
         job_id = message.job_id
-        if sender.job_id != job_id:
+        if job_id not in sender.jobs:
             raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,
                 f"worker {sender.id} is not on job {job_id!r}: nothing is relayed for it",
             )
         target = self.registry.get(message.to)
-        if target is None or target.job_id != job_id or target.channel is None:
+        if target is None or job_id not in target.jobs or target.channel is None:
             raise RequestRefused.of(
                 ErrorCode.WORKER_LOST,
                 f"relay for job {job_id!r}: worker {message.to!r} is not a connected worker "

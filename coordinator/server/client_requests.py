@@ -1,9 +1,9 @@
 """What a connected client asks the coordinator, answered on behalf of who it is.
 
 Each request of a ``/client`` connection (``submit``, ``watch``, ``get_result``, ``cancel``,
-``get_job``, ``list_jobs``, ``status``, ``ping``) is one method here. The client is who its
-token says (:mod:`coordinator.server.clients`): it submits as itself, and sees only its own jobs
-unless it is an admin — another's job is ``unknown_job``, as one that does not exist.
+``get_job``, ``list_jobs``, ``get_queue``, ``status``, ``ping``) is one method here. The client
+is who its token says (:mod:`coordinator.server.clients`): it submits as itself, and sees only
+its own jobs unless it is an admin — another's job is ``unknown_job``, as one that does not exist.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from coordinator.jobs.manager import JobManager
 from coordinator.server.clients import ClientIdentity, ConnectedClients
-from coordinator.server.status import status_snapshot, visible_records
+from coordinator.server.status import compact, status_snapshot, visible_records
 from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
 from protocol.errors import ChannelClosed, ErrorCode, RequestRefused
@@ -48,6 +48,7 @@ class ClientRequests:
             "cancel": self.on_cancel,
             "get_job": self.on_get_job,
             "list_jobs": self.on_list_jobs,
+            "get_queue": self.on_get_queue,
             "status": self.on_status,
             "ping": self.on_ping,
         }
@@ -177,6 +178,14 @@ class ClientRequests:
     async def on_list_jobs(self, channel: Channel, message: Any) -> Any:
         client = self._client(channel)
         return Result(result={"jobs": await visible_records(self.jobs, client, message.limit)})
+
+    async def on_get_queue(self, channel: Channel, message: Any) -> Any:
+        client = self._client(channel)
+        jobs = [r for r in await self.jobs.queue() if client.may_see(r["summary"].get("owner"))]
+        said: dict[str, Any] = {"jobs": [compact(r) for r in jobs]}
+        if client.admin:
+            said["clients"] = self.jobs.shares()
+        return Result(result=said)
 
     async def on_ping(self, channel: Channel, message: Any) -> Any:
         """A no-op round trip: to the coordinator, or on through a worker to its daemon — a

@@ -1,7 +1,10 @@
 """Who a client is: the name its token stands for, and whether it administers the coordinator.
 
 A coordinator takes one client token (``--client-token-file``: its holder is the ``client``
-admin) or several named ones (``--client-tokens-file``, a line ``NAME TOKEN [admin]`` each).
+admin) or several named ones (``--client-tokens-file``, a line ``NAME TOKEN [admin]
+[share=W] [max_workers=N] [max_priority=P]`` each: what the client is owed of the workers,
+:class:`~coordinator.scheduling.shares.ClientPolicy`; an admin's priority has no ceiling unless
+one is given).
 A job belongs to the client that submitted it: a client sees, watches, fetches and cancels only
 its own jobs — another's is "no job" to it, as one that does not exist — unless it is an admin.
 Without client tokens (loopback, or ``--insecure``) everyone is the ``client`` admin. The
@@ -16,9 +19,10 @@ import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from coordinator.jobs.manager import DEFAULT_OWNER
+from coordinator.jobs.manager import ADMIN_POLICY, DEFAULT_OWNER
+from coordinator.scheduling.shares import DEFAULT_POLICY, ClientPolicy
 
-__all__ = ["EVERYONE", "ClientIdentity", "ClientTokens", "ConnectedClients"]
+__all__ = ["EVERYONE", "POLICY_FIELDS", "ClientIdentity", "ClientTokens", "ConnectedClients"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class ClientIdentity:
 
     name: str
     admin: bool = False
+    policy: ClientPolicy = DEFAULT_POLICY
 
     def may_see(self, owner: str | None) -> bool:
         """Whether a job of ``owner`` (``None``: from before owners were kept) is this
@@ -34,7 +39,7 @@ class ClientIdentity:
         return self.admin or owner == self.name
 
 
-EVERYONE = ClientIdentity(DEFAULT_OWNER, admin=True)
+EVERYONE = ClientIdentity(DEFAULT_OWNER, admin=True, policy=ADMIN_POLICY)
 """Whoever connects without client tokens, or with the single ``--client-token-file`` one."""
 
 
@@ -63,8 +68,9 @@ class ClientTokens:
 
     @classmethod
     def parse(cls, text: str, where: str) -> ClientTokens:
-        """The tokens of a ``--client-tokens-file``: per line ``NAME TOKEN`` or
-        ``NAME TOKEN admin``; blank lines and ``#`` comments are skipped.
+        """The tokens of a ``--client-tokens-file``: per line ``NAME TOKEN``, then ``admin``
+        and ``share=W``, ``max_workers=N``, ``max_priority=P`` if they apply; blank lines and
+        ``#`` comments are skipped.
 
         Raises:
             ValueError: a line that is not one of those (naming ``where`` and its number).
@@ -74,17 +80,26 @@ class ClientTokens:
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            if len(fields) not in (2, 3) or (len(fields) == 3 and fields[2] != "admin"):
+            here = f"{where}, line {number}"
+            if len(fields) < 2:
                 raise ValueError(
-                    f"{where}, line {number}: expected 'NAME TOKEN' or 'NAME TOKEN admin'"
+                    f"{here}: expected 'NAME TOKEN [admin] [share=W] [max_workers=N] "
+                    "[max_priority=P]'"
                 )
             if fields[1] in tokens:
-                raise ValueError(f"{where}, line {number}: a token given twice")
-            tokens[fields[1]] = ClientIdentity(fields[0], admin=len(fields) == 3)
+                raise ValueError(f"{here}: a token given twice")
+            admin = "admin" in fields[2:]
+            settings = [f for f in fields[2:] if f != "admin"]
+            policy = _policy(settings, admin, here)
+            tokens[fields[1]] = ClientIdentity(fields[0], admin=admin, policy=policy)
         try:
             return cls(tokens)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+
+    def policies(self) -> dict[str, ClientPolicy]:
+        """Each client's policy, by name."""
+        return {identity.name: identity.policy for identity in self._tokens.values()}
 
     def merged(self, other: ClientTokens) -> ClientTokens:
         """These tokens and ``other``'s."""
@@ -106,6 +121,34 @@ class ClientTokens:
             if hmac.compare_digest(token, offered):
                 found = identity
         return found
+
+
+POLICY_FIELDS = {"share": float, "max_workers": int, "max_priority": int}
+"""What a clients file line may set of its client's :class:`ClientPolicy`, and as what."""
+
+
+def _policy(settings: list[str], admin: bool, here: str) -> ClientPolicy:
+    """The policy ``settings`` (``KEY=VALUE`` each) give; an admin's priority has no ceiling
+    unless one is set.
+
+    Raises:
+        ValueError: a setting that is not one of :data:`POLICY_FIELDS`, or a bad value.
+    """
+    values: dict[str, float | int | None] = {"max_priority": None} if admin else {}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        kind = POLICY_FIELDS.get(key)
+        if kind is None or not value:
+            known = ", ".join(f"{k}=" for k in POLICY_FIELDS)
+            raise ValueError(f"{here}: {setting!r} is not 'admin' or one of {known}")
+        try:
+            values[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"{here}: {key} must be a {kind.__name__}, not {value!r}") from None
+    try:
+        return ClientPolicy(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{here}: {exc}") from None
 
 
 class ConnectedClients:

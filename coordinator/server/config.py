@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from coordinator.jobs.manager import ADMIN_POLICY, DEFAULT_OWNER, DEFAULT_PREEMPT_GRACE
+from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT
+from coordinator.scheduling.shares import DEFAULT_HALF_LIFE, DEFAULT_POLICY, ClientPolicy
 from coordinator.server.clients import ClientTokens
 from coordinator.server.pending import MAX_PENDING_PER_ADDRESS, MAX_PENDING_SOCKETS
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
@@ -112,6 +115,13 @@ class CoordinatorConfig:
             such shares at least).
         stall_timeout: seconds a chunked message may wait for its next chunk before it is
             dropped and its memory freed.
+        preempt_grace: seconds a preempted job has to save a checkpoint at its next safe point
+            before its run is stopped anyway (:mod:`coordinator.scheduling`).
+        share_wait: seconds a job of a client under its fair share waits before it preempts a
+            job of a client over its share.
+        usage_half_life: seconds after which a client's past use of worker-time counts half.
+        scheduler: ``"fair"`` (fair shares, priorities, reservations, preemption) or
+            ``"fifo"`` (first come, first placed: what the coordinator did before them).
         require_sandbox: refuse a worker whose hello says it runs job code without a sandbox
             (``--sandbox none``, or an agent that does not say): every job's code runs
             sandboxed (``--require-sandbox``).
@@ -151,6 +161,10 @@ class CoordinatorConfig:
     max_client_reassembly_bytes: int | None = None
     stall_timeout: float = DEFAULT_STALL_SECONDS
     require_sandbox: bool = False
+    preempt_grace: float = DEFAULT_PREEMPT_GRACE
+    share_wait: float = DEFAULT_SHARE_WAIT
+    usage_half_life: float = DEFAULT_HALF_LIFE
+    scheduler: str = "fair"
     tls: ssl.SSLContext | None = field(default=None, init=False, repr=False)
     """The TLS context of ``tls_cert`` and ``tls_key`` (``None``: plain ``ws://``)."""
 
@@ -212,6 +226,18 @@ class CoordinatorConfig:
             return self.client_tokens
         single = ClientTokens.single(self.client_token)
         return single if self.client_tokens is None else single.merged(self.client_tokens)
+
+    def policy(self, client: str) -> ClientPolicy:
+        """What ``client`` is owed of the workers (its line of the clients file; the
+        ``client`` admin, and everyone without client tokens, an equal share and no ceiling)."""
+        found = self._policies.get(client)
+        if found is not None:
+            return found
+        return ADMIN_POLICY if client == DEFAULT_OWNER else DEFAULT_POLICY
+
+    @cached_property
+    def _policies(self) -> dict[str, ClientPolicy]:
+        return {} if self.clients is None else self.clients.policies()
 
     @property
     def scheme(self) -> str:

@@ -22,7 +22,6 @@ middle, which any :class:`RoundHooks` may run: a pipeline's global batches over 
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,7 +130,7 @@ class RoundCheckpoints:
 
     @classmethod
     def of(cls, job: JobInputs, every: int | None, rounds: int) -> RoundCheckpoints:
-        return cls(job.checkpoints, CheckpointPolicy(every, 1, time.monotonic), rounds)
+        return cls(job.checkpoints, CheckpointPolicy.of(every, 1, job.checkpoints), rounds)
 
     def start(self) -> None:
         """The rounds start (or go on, resumed) now."""

@@ -30,7 +30,7 @@ __all__ = ["DuplicateWorker", "Registry", "WorkerRecord", "WorkerState"]
 
 class WorkerState(StrEnum):
     IDLE = "idle"  # connected, no job
-    BUSY = "busy"  # connected, running a job
+    BUSY = "busy"  # connected, running a job (or several, one per slot it gives)
     LOST = "lost"  # stopped heartbeating, or its connection broke during a job
     OFFLINE = "offline"  # disconnected cleanly
 
@@ -46,7 +46,7 @@ class WorkerRecord:
     state: WorkerState = WorkerState.IDLE
     last_heartbeat: float = field(default_factory=time.monotonic)
     connected_at: float = field(default_factory=time.time)
-    job_id: str | None = None
+    jobs: dict[str, int] = field(default_factory=dict)  # job id → the slots it holds here
     reason: str = ""  # why it is lost or offline
     connections: int = 1
     datasets: dict[str, DatasetSummary] = field(default_factory=dict)
@@ -59,6 +59,35 @@ class WorkerRecord:
         alive, though its heartbeats wait behind it."""
         received = self.channel.received_at if self.channel is not None else 0.0
         return max(self.last_heartbeat, received)
+
+    @property
+    def job_id(self) -> str | None:
+        """The job it runs (the first placed, when it runs several); ``None``: none."""
+        return next(iter(self.jobs), None)
+
+    @property
+    def slots(self) -> int:
+        """How many one-slot jobs it runs at once (``--slots``)."""
+        return self.capabilities.slots
+
+    @property
+    def free_slots(self) -> int:
+        """The slots a job may take now: none unless it is idle or busy with jobs of its own
+        (lost, offline or held otherwise: none)."""
+        if self.state is WorkerState.IDLE or (self.state is WorkerState.BUSY and self.jobs):
+            return max(0, self.slots - sum(self.jobs.values()))
+        return 0
+
+    def take(self, job_id: str, slots: int) -> None:
+        """``job_id`` holds ``slots`` of this worker."""
+        self.jobs[job_id] = slots
+        self.state = WorkerState.BUSY
+
+    def give_back(self, job_id: str) -> None:
+        """``job_id`` ended here: its slots are free (and the worker idle once none runs)."""
+        ended = self.jobs.pop(job_id, None) is not None
+        if ended and not self.jobs and self.state is WorkerState.BUSY:
+            self.state = WorkerState.IDLE
 
     @property
     def identity(self) -> WorkerIdentity:
@@ -95,6 +124,8 @@ class WorkerRecord:
             "state": str(self.state),
             "last_heartbeat_age": round(now - self.last_heartbeat, 3),
             "job_id": self.job_id,
+            "jobs": sorted(self.jobs),
+            "slots": self.slots,
             "reason": self.reason,
             "connections": self.connections,
             "datasets": {name: d.model_dump() for name, d in self.datasets.items()},
@@ -159,7 +190,7 @@ class Registry:
         record.peer_address = peer_address
         record.remote_host = remote_host
         record.state = WorkerState.IDLE
-        record.job_id = None
+        record.jobs = {}
         record.reason = ""
         record.last_heartbeat = time.monotonic()
         self.on_change()
@@ -174,7 +205,7 @@ class Registry:
             return
         record.channel = None
         if record.state is not WorkerState.LOST:
-            record.state = WorkerState.LOST if record.job_id else WorkerState.OFFLINE
+            record.state = WorkerState.LOST if record.jobs else WorkerState.OFFLINE
             record.reason = reason
         self.on_change()
 

@@ -378,6 +378,14 @@ def test_a_job_waiting_for_workers_says_what_it_waits_for(live, client, tmp_path
         listed = _somatize(live, "jobs", seconds=30)
         row = next(line for line in listed.stdout.splitlines() if job_id in line)
         assert "queued" in row and "waiting for 1 worker tagged 'gpu'" in row, row
+        # the queue in the order jobs go: its place, and why it waits (issue 54)
+        queue = _somatize(live, "queue", seconds=30)
+        assert queue.returncode == 0, queue.stderr
+        row = next(line for line in queue.stdout.splitlines() if job_id in line)
+        assert "#1" in row and "no_worker" in row, queue.stdout
+        assert "clients" in queue.stdout  # the admin's view: each client's share and use
+        wait = next(r for r in client.queue()["jobs"] if r["id"] == job_id)["wait"]
+        assert (wait["position"], wait["reason"]) == (1, "no_worker")
     finally:
         client.job(job_id).cancel()
 

@@ -57,6 +57,7 @@ from protocol.messages import (
     Deliver,
     Error,
     GetJob,
+    GetQueue,
     GetResult,
     GraphSpec,
     Heartbeat,
@@ -250,6 +251,7 @@ def _message_strategies() -> list[st.SearchStrategy[BaseModel]]:
         st.builds(Cancel, job_id=job_ids),
         st.builds(GetJob, job_id=job_ids),
         st.builds(ListJobs, limit=st.integers(0, 1000)),
+        st.builds(GetQueue),
         st.builds(Status),
         st.builds(Ping, worker_id=worker_ids),
     ]

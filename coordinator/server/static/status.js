@@ -97,6 +97,14 @@ function jobProgressText(p, state) {
   return p.phase ? state + " while " + p.phase : state;
 }
 
+// Where a queued job stands and why it waits, as `somatize jobs` says it (somatize/tables.py
+// wait_text): `#2 share: 1 of clients further under their share first · starts in ~40s`.
+function waitText(w) {
+  let text = "#" + w.position + " " + w.reason + ": " + w.detail;
+  if (typeof w.starts_in === "number") text += " \u00b7 starts in ~" + Math.round(w.starts_in) + "s";
+  return text;
+}
+
 function fraction(p, state) {
   if (state === "succeeded") return 1;
   for (const [done, total] of [["step", "steps"], ["round", "rounds"], ["epoch", "epochs"]]) {
@@ -172,7 +180,7 @@ function renderJobs(jobs, now) {
     if (summary.name) id.appendChild(el("span", summary.name, "name"));
     cell(tr, job.strategy);
     cell(tr, pill(job.state));
-    const prog = cell(tr, jobProgressText(p, job.state), "wrap progress");
+    const prog = cell(tr, job.wait ? waitText(job.wait) : jobProgressText(p, job.state), "wrap progress");
     const f = fraction(p, job.state);
     if (f !== null) {
       const bar = el("div", undefined, job.state === "succeeded" ? "bar done" : "bar");

@@ -23,7 +23,6 @@ replica's inner optimizer state (by replica) and the outer optimizer's state (it
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -133,7 +132,7 @@ class ReplicaCheckpoints:
 
     @classmethod
     def of(cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int) -> Self:
-        policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
+        policy = CheckpointPolicy.of(every, steps_per_epoch, run.job.checkpoints)
         return cls(run, run.job.checkpoints, policy, epochs)
 
     async def restore(self) -> int:

@@ -18,7 +18,6 @@ to the start instead.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +82,7 @@ class StageCheckpoints:
         emit: Emit,
         history: History | None = None,
     ) -> StageCheckpoints:
-        policy = CheckpointPolicy(every, steps_per_epoch, time.monotonic)
+        policy = CheckpointPolicy.of(every, steps_per_epoch, checkpoints)
         return cls(ctx, stages, pipeline, torch_nodes, checkpoints, policy, epochs, emit, history)
 
     @property

@@ -79,7 +79,7 @@ def test_a_worker_disconnecting_during_a_job_is_lost_and_an_old_connection_is_ig
     registry.detach(record, old, "late news of the old connection")
     assert record.channel is new and record.state is WorkerState.IDLE
 
-    record.state, record.job_id = WorkerState.BUSY, "j1"
+    record.take("j1", 1)
     new.close()
     registry.detach(record, new, "connection reset")
     assert record.state is WorkerState.LOST and record.reason == "connection reset"
@@ -154,6 +154,8 @@ def test_summary_is_what_status_shows():
         "state": "idle",
         "last_heartbeat_age": 1.25,
         "job_id": None,
+        "jobs": [],
+        "slots": 1,
         "reason": "",
         "connections": 1,
         "datasets": {
@@ -183,3 +185,18 @@ def test_workers_sharing_a_host_share_its_cores_as_their_default_threads():
     assert registry.thread_share(elsewhere) == 4
     registry.detach(e, gone, "closed")
     assert registry.thread_share(elsewhere) is None  # only connected workers share
+
+
+def test_a_worker_of_several_slots_takes_jobs_until_they_are_spent():
+    registry, _ = _registry()
+    record = registry.attach("a", [], CAPS.model_copy(update={"slots": 4}), FakeChannel())
+    record.take("j1", 1)
+    record.take("j2", 2)
+    assert record.state is WorkerState.BUSY and record.free_slots == 1
+    assert record.job_id == "j1" and record.summary()["jobs"] == ["j1", "j2"]
+    record.give_back("j1")
+    assert record.state is WorkerState.BUSY and record.free_slots == 2
+    record.give_back("j2")
+    assert record.state is WorkerState.IDLE and record.free_slots == 4
+    record.state = WorkerState.BUSY  # held otherwise, with no job of its own: nothing free
+    assert record.free_slots == 0
