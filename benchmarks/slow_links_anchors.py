@@ -15,11 +15,12 @@ over gloo, one process per rank, each the way its paper or torch's documentation
   ``op.preamble.length <= op.nbytes``) — the settings ``sz.DataParallel(compression=
   "powersgd:R")`` uses.
 * ``diloco``: DiLoCo (Douillard et al. 2023, Algorithm 1), no DDP: every rank takes inner AdamW
-  steps on its own slice; after every ``H``-th step of an epoch and after an epoch's last step
-  the pseudo-gradients Δ = θ_global − θ_local are all-reduced (summed, in flat buckets of at
-  most 25 MB, then divided by the world), set as the global weights' gradients, and an outer
-  SGD step (Nesterov momentum) moves the global weights, which every rank copies into its
-  model; the inner optimizer keeps its state across rounds.
+  steps on its own slice; after every ``H``-th step of the run and after each epoch's last
+  step (the run validates there, as ``sz.DiLoCo`` then synchronises) the pseudo-gradients
+  Δ = θ_global − θ_local are all-reduced (summed, in flat buckets of at most 25 MB, then
+  divided by the world), set as the global weights' gradients, and an outer SGD step
+  (Nesterov momentum) moves the global weights, which every rank copies into its model; the
+  inner optimizer keeps its state across rounds.
 
 Every rank builds the same data (:func:`benchmarks.char_lm.train_and_validation` with ``--seed``)
 and the same model (:func:`benchmarks.char_lm.model` with ``--seed``), and walks the same global
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import time
@@ -256,9 +258,10 @@ def _train(config: Config) -> None:
     x, y, val_x, val_y = char_lm.train_and_validation(config.rows, config.val_rows, config.seed)
     model = char_lm.model(config.seed)
     plan = list(global_batches(config.rows, world, config.epochs, config.batch, True, config.seed))
+    # H over the run, and at each epoch's end: the run validates there (as sz.DiLoCo does)
     per_epoch = Counter(epoch for epoch, _, _ in plan)
-    epoch_steps = [per_epoch[epoch] for epoch, _, _ in plan]
-    syncs = synchronises([k for _, k, _ in plan], epoch_steps, config.sync_every)
+    ends = list(itertools.accumulate(per_epoch[e] for e in sorted(per_epoch)))
+    syncs = synchronises(len(plan), config.sync_every, ends)
 
     # --- the method: DDP's wrapper (which broadcasts rank 0's weights) or DiLoCo's global weights
     net: torch.nn.Module

@@ -199,15 +199,10 @@ def _reset_inner(plan: ReplicaPlan, inner: list[torch.optim.Optimizer]) -> None:
 
 
 def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> list[bool]:
-    """Per step (``(epoch, step in epoch)``), whether DiLoCo synchronises after it; nothing
-    without ``outer``."""
+    """Per step of the run, whether DiLoCo synchronises after it; nothing without ``outer``."""
     if outer is None:
         return []
-    per_epoch: dict[int, int] = {}
-    for epoch, k in places:
-        per_epoch[epoch] = max(per_epoch.get(epoch, 0), k + 1)
-    in_epoch = [k for _, k in places]
-    return synchronises(in_epoch, [per_epoch[e] for e, _ in places], outer.sync_every)
+    return synchronises(len(places), outer.sync_every, outer.also)
 
 
 class _Chain(torch.nn.Module):

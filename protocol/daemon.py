@@ -333,10 +333,11 @@ class _BatchPlan(_Request):
 
 class OuterStepSpec(BaseModel):
     """DiLoCo's outer optimisation, as a replica runs it (Douillard et al. 2023, Algorithm 1):
-    after every ``sync_every`` inner steps of an epoch, and at the epoch's end, the replicas
-    average their pseudo-gradients (global weights − local weights) and take one step of SGD
-    on the global weights (``lr``, ``momentum``, Nesterov when ``nesterov``); the inner
-    optimizer's state is kept across synchronisations, or dropped at each (``reset``)."""
+    after every ``sync_every`` inner steps counted over the run, after its last, and after each
+    step of ``also`` (:func:`protocol.rules.batching.synchronises`), the replicas average their
+    pseudo-gradients (global weights − local weights) and take one step of SGD on the global
+    weights (``lr``, ``momentum``, Nesterov when ``nesterov``); the inner optimizer's state is
+    kept across synchronisations, or dropped at each (``reset``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -345,6 +346,7 @@ class OuterStepSpec(BaseModel):
     momentum: Annotated[float, Field(ge=0, lt=1)]
     nesterov: bool
     inner_state: Literal["keep", "reset"] = "keep"
+    also: list[PositiveInt] = Field(default_factory=list)  # steps (from 1) a sync also follows
 
 
 class DistPlanRequest(_BatchPlan):

@@ -108,6 +108,7 @@ class DiLoCo(Strategy, strategies.DiLoCoOptions):
         "compression",
         "sharding",
         "shard_units",
+        "sync_at_epoch_end",
     )
 
 

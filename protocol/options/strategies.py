@@ -18,7 +18,7 @@ for any CUDA device (:func:`protocol.options.devices.device_fits`)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
@@ -452,10 +452,13 @@ class DiLoCoOptions(DataParallelOptions):
     Each replica takes its slice of every global batch, as in ``DataParallel``, but steps on
     its own slice's gradient with the TorchFilter's own optimizer (the *inner* optimizer, kept
     across synchronisations: AdamW in the paper) and sends nothing. After every ``sync_every``
-    steps of an epoch, and at the epoch's end, the replicas average their pseudo-gradients
+    steps counted over the run (as the paper and torchft count H: an epoch's end does not
+    restart the count) and after the run's last, the replicas average their pseudo-gradients
     (global weights − local weights, one bucketed all-reduce) and take one *outer* step of SGD
     on the global weights — ``outer_lr``, ``outer_momentum``, Nesterov's momentum by default —
-    from which the next inner steps start. A step's progress is the replicas' inner losses,
+    from which the next inner steps start. They also synchronise where the global model is
+    read: where the job validates (each epoch's end, and ``validate_every``), and at each
+    epoch's end when ``sync_at_epoch_end``. A step's progress is the replicas' inner losses,
     weighted by rows; validation and the result see the global model.
 
     With ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and an inner SGD this is
@@ -492,6 +495,9 @@ class DiLoCoOptions(DataParallelOptions):
         nesterov: Nesterov's momentum for the outer step (default ``True``, as the paper).
         inner_state: ``"keep"`` (default) the inner optimizer's state across synchronisations,
             or ``"reset"`` it at each.
+        sync_at_epoch_end: also synchronise at each epoch's end (default ``False``: only
+            where the job validates there), as this project did before H was counted over the
+            run.
         (the rest as ``DataParallel``.)
 
     Raises:
@@ -508,6 +514,7 @@ class DiLoCoOptions(DataParallelOptions):
     outer_momentum: float = 0.9
     nesterov: bool = True
     inner_state: InnerState = "keep"
+    sync_at_epoch_end: bool = False
     checkpoint_every: int | None = 0
 
     @classmethod
@@ -521,6 +528,7 @@ class DiLoCoOptions(DataParallelOptions):
         if not is_finite(momentum) or not 0 <= momentum < 1:
             raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
         boolean("nesterov", cls._given(fields, "nesterov"))
+        boolean("sync_at_epoch_end", cls._given(fields, "sync_at_epoch_end"))
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
         if cls._given(fields, "sharding") != "none":
             raise ValueError(
@@ -544,7 +552,14 @@ class DiLoCoOptions(DataParallelOptions):
 
     def to_wire(self) -> dict[str, Any]:
         defaults = type(self).model_fields
-        own = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "inner_state")
+        own = (
+            "sync_every",
+            "outer_lr",
+            "outer_momentum",
+            "nesterov",
+            "inner_state",
+            "sync_at_epoch_end",
+        )
         given = {k: getattr(self, k) for k in own if getattr(self, k) != defaults[k].default}
         return super().to_wire() | given
 
@@ -563,14 +578,16 @@ class DiLoCoOptions(DataParallelOptions):
         ``max_restarts``), in words; ``""`` for none."""
         return self._keeps(dict(self))
 
-    def outer_step(self) -> OuterStepSpec:
-        """The outer step as a replica runs it."""
+    def outer_step(self, also: Sequence[int] = ()) -> OuterStepSpec:
+        """The outer step as a replica runs it, synchronising also after the steps ``also``
+        (where the model is read)."""
         return OuterStepSpec(
             sync_every=self.sync_every,
             lr=self.outer_lr,
             momentum=self.outer_momentum,
             nesterov=self.nesterov,
             inner_state=self.inner_state,
+            also=list(also),
         )
 
 

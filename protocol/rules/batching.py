@@ -12,7 +12,7 @@ Over data that lives on the workers (``WorkerData``) there is no one dataset to 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -119,9 +119,11 @@ def replica_seed(seed: int, replica: int, step: int) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
 
 
-def synchronises(in_epoch: Sequence[int], epoch_steps: Sequence[int], every: int) -> list[bool]:
-    """Per global step, whether DiLoCo's replicas synchronise after it: after every
-    ``every``-th step of an epoch and after its last (``in_epoch[g]``: step ``g``'s place in
-    its epoch, ``epoch_steps[g]``: its epoch's steps) — so an epoch's validation and its
-    checkpoint see the global model."""
-    return [(k + 1) % every == 0 or k + 1 == n for k, n in zip(in_epoch, epoch_steps, strict=True)]
+def synchronises(steps: int, every: int, also: Iterable[int] = ()) -> list[bool]:
+    """Per step of a run of ``steps``, whether DiLoCo's replicas synchronise after it: after
+    every ``every``-th step counted over the run (as the paper and torchft count H: an epoch's
+    end does not restart the count), after the run's last, and after each step of ``also``
+    (counted from 1: where the global model is read — an evaluation — or where the job asks
+    for a synchronisation at each epoch's end)."""
+    extra = {s for s in also if 0 < s <= steps}
+    return [(g + 1) % every == 0 or g + 1 == steps or g + 1 in extra for g in range(steps)]

@@ -77,13 +77,17 @@ def test_shuffled_plans_cover_each_epoch_once():
         assert sorted(seen.tolist()) == list(range(rows))
 
 
-def test_diloco_synchronises_every_h_steps_of_an_epoch_and_at_its_end():
-    # 10 rows in batches of 3 over 2 replicas: 4 steps an epoch, 2 epochs; H = 3.
+def test_diloco_synchronises_every_h_steps_of_the_run_at_its_end_and_where_read():
+    # 10 rows in batches of 3 over 2 replicas: 4 steps an epoch, 2 epochs; H = 3 over the run.
     outer = OuterStepSpec(sync_every=3, lr=0.7, momentum=0.9, nesterov=True)
     plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=outer)
-    assert plan.syncs == [False, False, True, True] * 2
-    assert synchronises([0, 1, 2, 3, 4], [5] * 5, 2) == [False, True, False, True, True]
-    assert synchronises([0, 1, 2], [3] * 3, 1) == [True, True, True]
+    assert plan.syncs == [False, False, True, False, False, True, False, True]
+    read = outer.model_copy(update={"also": [4]})  # the model is read after the first epoch
+    plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=read)
+    assert plan.syncs == [False, False, True, True, False, True, False, True]
+    assert synchronises(5, 2) == [False, True, False, True, True]
+    assert synchronises(3, 1) == [True, True, True]
+    assert synchronises(4, 5, also=[2, 9]) == [False, True, False, True]
     # On the replicas' own datasets (WorkerData): 5 and 6 rows, batches of 2: 3 steps an epoch.
     own = ReplicaPlan.of("t", ["n"], [], 0, 2, 0, 1, 2, False, 0, sizes=[5, 6], outer=outer)
     assert own.syncs == [False, False, True]

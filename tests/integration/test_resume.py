@@ -127,7 +127,7 @@ def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed
         with sz.connect(c.url) as client:
             job = client.submit(graph, x, y, strategy=strategy)
             saved = _checkpointed_at(job, 10)
-            assert saved.data["step"] in (10, 13, 14, 17, 20)  # a synchronisation's step
+            assert saved.data["step"] in (12, 15, 21)  # a sync's (3, 6, ... over the run)
         assert c.stop_coordinator(signal.SIGKILL) != 0
         c.start_coordinator()
         with sz.connect(c.url) as client:

@@ -311,11 +311,15 @@ class SyncCheckpoints(ReplicaCheckpoints):
 
     def due(self, done: int, total: int) -> bool:
         """Whether to save after the synchronisation that ends step ``done``: when the policy
-        says so, or when a multiple of ``checkpoint_every`` was passed since the last one."""
+        says so, or when a multiple of ``checkpoint_every`` was passed since the last one —
+        without it, an epoch's end (a synchronisation seldom falls on one: H counts over the
+        run)."""
         if self.checkpoints is None:
             return False
         every = self.policy.every
-        passed = bool(every) and done // every > self.last // every  # type: ignore[operator]
+        if every is None:
+            every = self.policy.per_epoch
+        passed = bool(every) and done // every > self.last // every
         return passed or self.policy.due(done, total)
 
     async def after_sync(

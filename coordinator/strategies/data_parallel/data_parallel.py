@@ -256,7 +256,7 @@ class DataParallel(Strategy):
             o.sync_batchnorm,
             phase.history,
             phase.evaluate,
-            self._outer_step(),
+            self._outer_step(phase),
             o.compression,
             o.sharding,
             o.shard_units,
@@ -287,7 +287,7 @@ class DataParallel(Strategy):
         """The collective the run trains on (:func:`.torch_collective.choose`)."""
         return await choose(run, self.options.collective, self.options.collective_timeout)
 
-    def _outer_step(self) -> OuterStepSpec | None:
+    def _outer_step(self, phase: TrainingPhase) -> OuterStepSpec | None:
         """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
         step's gradients are reduced."""
         return None

@@ -19,9 +19,12 @@ needs no weights: η (−Δ̄ + β m)) and sends that update encoded (int8 with 
 feedback), which each replica adds to its weights of the last synchronisation
 (:class:`engine.outer_step.SyncPoint`).
 
-Either way the synchronisations fall after every ``sync_every`` steps of an epoch and at its end
-(:func:`protocol.rules.batching.synchronises`), so the epoch's validation, its history row and the
-result see the global model, which every replica holds alike.
+Either way the synchronisations fall after every ``sync_every`` steps counted over the run, as the
+paper and torchft count H, and after the run's last (:func:`protocol.rules.batching.synchronises`);
+and wherever the model is read — an epoch's validation, ``validate_every`` — or, with
+``sync_at_epoch_end``, at every epoch's end (:meth:`DiLoCo.reads`), so validation and the result
+see the global model, which every replica holds alike. An epoch's history row without validation
+needs no synchronisation: it is the replicas' inner losses.
 
 What outlives a replica is kept where the global model is: through the coordinator. So a DiLoCo
 job that is ``elastic``, saves checkpoints or may restart trains through the coordinator (``auto``
@@ -87,8 +90,21 @@ class DiLoCo(DataParallel):
     options: DiLoCoOptions
     checkpoints_kind = SyncCheckpoints
 
-    def _outer_step(self) -> OuterStepSpec:
-        return self.options.outer_step()
+    def _outer_step(self, phase: TrainingPhase) -> OuterStepSpec:
+        return self.options.outer_step(self.reads(phase))
+
+    def reads(self, phase: TrainingPhase) -> list[int]:
+        """The steps (from 1) after which the global model is read, so that the replicas
+        synchronise there too: where the run validates, and every epoch's end with
+        ``sync_at_epoch_end``."""
+        bounds = phase.training.boundaries(phase.setup.steps_per_epoch)
+        validates = phase.evaluate is not None
+        at_ends = self.options.sync_at_epoch_end
+        return [
+            s
+            for s in range(1, bounds.total + 1)
+            if (validates and bounds.reads_after(s)) or (at_ends and bounds.ends_epoch(s))
+        ]
 
     def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
         """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
@@ -119,6 +135,7 @@ class DiLoCo(DataParallel):
             phase.history,
             phase.evaluate,
             phase.saves,
+            self.reads(phase),
         )
         await syncs.train(phase.total, phase.start)
 
@@ -136,6 +153,7 @@ class CoordinatorSyncs:
     history: History
     evaluate: Evaluate | None
     saves: SyncCheckpoints
+    reads: list[int]  # the steps after which the global model is read: a sync falls there
     lost: dict[int, WorkerCallError] = field(default_factory=dict)  # dropped, and why
 
     async def train(self, total: int, start: int) -> None:
@@ -286,7 +304,7 @@ class CoordinatorSyncs:
             held=[],
             rows=0,
             **self.training.batch_plan(),
-            outer=self.options.outer_step(),
+            outer=self.options.outer_step(self.reads),
             alone=True,
             world=world,
             compression=self.options.compression,
@@ -296,11 +314,7 @@ class CoordinatorSyncs:
 
     def _rounds(self, total: int) -> list[int]:
         """The steps after which the replicas synchronise, as ``stop`` bounds."""
-        per_epoch = self.steps_per_epoch
-        in_epoch = [g % per_epoch for g in range(total)]
-        # An epoch's steps: all of them, but the last epoch's that max_steps cuts short.
-        epoch_steps = [min(per_epoch, total - g // per_epoch * per_epoch) for g in range(total)]
-        ends = synchronises(in_epoch, epoch_steps, self.options.sync_every)
+        ends = synchronises(total, self.options.sync_every, self.reads)
         return [g + 1 for g in range(total) if ends[g]]
 
 

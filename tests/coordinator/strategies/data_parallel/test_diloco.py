@@ -26,7 +26,7 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
 )
 from worker.daemon.main import Daemon
 
-STEPS = 3 * 7  # 3 epochs of ceil(203 / 32) steps; with sync_every=3: syncs after 3, 6, 7, 10...
+STEPS = 3 * 7  # 3 epochs of ceil(203 / 32) steps; with sync_every=3: syncs after 3, 6, 9, 12...
 
 
 def diloco_by_hand(
@@ -45,14 +45,16 @@ def diloco_by_hand(
     compression: str | None = None,
     through: str = "torch",
     max_steps: int | None = None,
+    sync_at_epoch_end: bool = False,
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
     optimizer of its own (kept), its loss weighted by its share of the global batch; after every
-    ``sync_every`` steps of an epoch and at its end the mean of θ_global − θ_local is the
-    gradient of one outer Nesterov-SGD step, and every replica starts again from θ_global.
-    With ``validation`` (centred as the training rows), also the global model's loss on it
-    at each epoch's end.
+    ``sync_every`` steps counted over the run (an epoch's end does not restart the count) and
+    after the run's last, the mean of θ_global − θ_local is the gradient of one outer
+    Nesterov-SGD step, and every replica starts again from θ_global. With ``validation``
+    (centred as the training rows), also a synchronisation at each epoch's end and the global
+    model's loss on it there; with ``sync_at_epoch_end``, the synchronisation alone.
 
     ``absent``: by round (from 0), the replicas that take no part in it (lost: no steps, not in
     the average). One that is back in the next round starts it from θ_global with a copy of the
@@ -79,6 +81,8 @@ def diloco_by_hand(
     inner = [make(net.parameters()) for net in nets]
     order = torch.Generator().manual_seed(11)
     steps = -(-len(xt) // batch_size)
+    total = epochs * steps if max_steps is None else min(epochs * steps, max_steps)
+    at_ends = validation is not None or sync_at_epoch_end
     val_losses = []
     round_, taken = 0, 0
     for _ in range(epochs):
@@ -96,7 +100,7 @@ def diloco_by_hand(
                 loss = torch.nn.functional.cross_entropy(nets[r](xt[part]), yt[part])
                 (loss * (len(part) * replicas / len(batch))).backward()
                 inner[r].step()
-            if (step + 1) % sync_every and step + 1 != steps and taken != max_steps:
+            if taken % sync_every and taken != total and not (at_ends and step + 1 == steps):
                 continue
             with torch.no_grad():
                 flat_global = torch.cat([g.reshape(-1) for g in global_net.parameters()])
@@ -219,12 +223,13 @@ def test_checkpoints_fall_on_synchronisations_and_a_resumed_run_ends_as_the_undi
     )
     straight, events = _run(options, "adam", store=store)
     saved = [data for event, data in events if event == "checkpoint"]
-    # The first synchronisation at or after each multiple of 5 (syncs: 3 6 7 10 13 14 17 20 21).
-    assert [c["step"] for c in saved] == [6, 10, 17, 20, 21]
+    # The first synchronisation at or after each multiple of 5 (syncs: 3 6 9 12 15 18 21: H
+    # counts over the run, and the run's end).
+    assert [c["step"] for c in saved] == [6, 12, 15, 21]
     expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
     _assert_states(straight, expected)
 
-    for seq, position in store.positions("job")[1:4]:  # from steps 10, 17 and 20
+    for seq, position in store.positions("job")[:3]:  # from steps 6, 12 and 15
         checkpoint = store.read("job", seq)
         resumed, events = _run(
             DiLoCoOptions(workers=2, sync_every=3, checkpoint_every=5),
@@ -249,7 +254,7 @@ def test_a_replica_lost_between_syncs_is_dropped_from_that_average_and_its_place
     x, y = dataset()
     options = DiLoCoOptions(workers=2, sync_every=3, elastic=True)
     states, events = _run(options, "adam", spares=spares, losing={3: [1]})
-    rounds = 9  # syncs after 3 6 7 | 10 13 14 | 17 20 21
+    rounds = 7  # syncs after 3 6 9 12 15 18 21
     absent = {1: {1}} if spares else {r: {1} for r in range(1, rounds)}
     expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent)
     _assert_states(states, expected)
@@ -259,7 +264,7 @@ def test_a_replica_lost_between_syncs_is_dropped_from_that_average_and_its_place
     assert (lost["worker"], lost["step"]) == ("mem-1", 4)
     assert (dropped["replica"], dropped["worker"], dropped["replicas"]) == (1, "mem-1", 1)
     steps = [d["step"] for k, d in events if k == "progress" and d["phase"] == "training"]
-    assert steps == [3, 6, 7, 10, 13, 14, 17, 20, 21]  # every round once, none waited for
+    assert steps == [3, 6, 9, 12, 15, 18, 21]  # every round once, none waited for
     if spares:
         joined = events[kinds.index("worker_joined")][1]
         assert (joined["replica"], joined["lost"], joined["worker"], joined["from"]) == (
@@ -323,3 +328,26 @@ def test_max_steps_stops_mid_epoch_after_a_synchronisation_as_the_hand_loop():
     _assert_states(states, expected)
     trained = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
     assert (trained["step"], trained["epochs"], len(trained["history"])) == (16, 3, 3)
+
+
+def test_h_counts_over_the_run_and_epoch_ends_sync_only_when_asked():
+    """7 steps an epoch, H = 3: the synchronisations fall after steps 3, 6, 9, ... of the run
+    (as the paper and torchft count H), not after 3, 6, 7, 10: the hand loop on that schedule.
+    ``sync_at_epoch_end`` adds each epoch's end (the schedule before), which the hand loop
+    with it equals, and which is another model. (In memory, through the coordinator; the
+    torch group's schedule is the same list, sent in the replicas' plan: test_far_apart_live.)"""
+    x, y = dataset()
+    collective = "coordinator"
+    over_run, events = _run(DiLoCoOptions(workers=2, sync_every=3, collective=collective), "adam")
+    _assert_states(over_run, diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)[0])
+    at_ends, _ = _run(
+        DiLoCoOptions(workers=2, sync_every=3, collective=collective, sync_at_epoch_end=True),
+        "adam",
+    )
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, sync_at_epoch_end=True)
+    _assert_states(at_ends, expected)
+    assert not torch.allclose(
+        torch.as_tensor(over_run["mlp"]["2.weight"]), expected["2.weight"], rtol=0, atol=1e-6
+    )
+    history = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
+    assert len(history["history"]) == 3  # a row an epoch, synchronised there or not
