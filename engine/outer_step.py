@@ -22,8 +22,8 @@ replica's loss is weighted by its share of the global batch (:mod:`engine.replic
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -32,6 +32,7 @@ from engine.errors import EngineError
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
 from protocol.errors import BadCompressedTree, ErrorCode
+from protocol.rules.fragments import blocking_steps, fragment_groups
 from protocol.rules.traffic import buckets
 
 __all__ = ["OuterStep", "SyncPoint"]
@@ -39,32 +40,94 @@ __all__ = ["OuterStep", "SyncPoint"]
 
 class OuterStep:
     """The global weights of ``params`` and their outer optimizer, over the default process
-    group (module docstring)."""
+    group (module docstring), in fragments (Streaming DiLoCo: :class:`_Fragment`); ``steps``
+    is the run's length, after whose last step nothing is left in flight."""
 
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
         spec: OuterStepSpec,
         compression: str | None = None,
+        steps: int = 0,
     ) -> None:
         self.spec = spec
-        self.pseudo_gradients = CompressedMean(compression)
         self.params = list(params)
-        self.global_params = [p.detach().clone() for p in self.params]
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        try:
+            groups = fragment_groups(sizes, spec.fragments)
+        except ValueError as exc:
+            raise EngineError(ErrorCode.BAD_REQUEST, f"Streaming DiLoCo: {exc}") from exc
+        self.fragments = [
+            _Fragment([self.params[k] for k in group], spec, compression) for group in groups
+        ]
+        self.closing = blocking_steps(steps, spec.also)
+        # One thread runs the exchanges that overlap inner steps, in the order they start: the
+        # replicas' collectives then come in the same order on each.
+        self._exchanges = (
+            ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange") if spec.overlap else None
+        )
+        self._in_flight: dict[int, tuple[int, list[torch.Tensor], Future[None]]] = {}
+
+    def after(
+        self, step: int, syncing: Sequence[int], inner: Sequence[torch.optim.Optimizer]
+    ) -> None:
+        """After global step ``step`` (from 0): land the exchanges due now (started ``overlap``
+        steps ago), then synchronise the fragments ``syncing`` — their exchange started, to
+        land ``overlap`` steps on, or done now (no overlap, or a blocking step: every exchange
+        in flight lands first).
+
+        Raises:
+            RuntimeError: the group broke (torch.distributed's own error).
+        """
+        done = step + 1
+        closing = done in self.closing
+        for p, (due, deltas, exchange) in sorted(self._in_flight.items()):
+            if closing or due == done:
+                del self._in_flight[p]
+                exchange.result()
+                self.fragments[p].land(deltas, inner, 0.0 if closing else self.spec.mixing)
+        for p in syncing:
+            fragment = self.fragments[p]
+            deltas = fragment.deltas()
+            if self._exchanges is not None and not closing:
+                exchange = self._exchanges.submit(fragment.exchange, deltas)
+                self._in_flight[p] = (done + self.spec.overlap, deltas, exchange)
+            else:
+                fragment.exchange(deltas)
+                fragment.land(deltas, inner, 0.0 if closing else self.spec.mixing)
+
+    def close(self) -> None:
+        """Stop the exchange thread (a plan replaced or the replica gone)."""
+        if self._exchanges is not None:
+            self._exchanges.shutdown(wait=False, cancel_futures=True)
+
+
+class _Fragment:
+    """Some of the model's parameters, in order, with their global weights, outer optimizer
+    and compressed mean (its int8 residuals its own): one of Streaming DiLoCo's fragments, or
+    the whole model with one."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], spec: OuterStepSpec, compression: str | None
+    ) -> None:
+        self.spec = spec
+        self.params = params
+        self.global_params = [p.detach().clone() for p in params]
+        self.pseudo_gradients = CompressedMean(compression)
         nesterov = spec.nesterov and spec.momentum > 0  # Nesterov's step needs a momentum
         self.optimizer = torch.optim.SGD(
             self.global_params, lr=spec.lr, momentum=spec.momentum, nesterov=nesterov
         )
 
-    def sync(self, inner: Sequence[torch.optim.Optimizer]) -> None:
-        """Average the pseudo-gradients over the group, step the global weights, and set the
-        local weights to them; drop the ``inner`` optimizers' state when the spec says so.
-
-        Raises:
-            RuntimeError: the group broke (torch.distributed's own error).
-        """
+    def deltas(self) -> list[torch.Tensor]:
+        """This replica's pseudo-gradients now: global weights − local weights."""
         with torch.no_grad():
-            deltas = [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
+            return [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
+
+    def exchange(self, deltas: list[torch.Tensor]) -> None:
+        """Replace ``deltas`` by their mean over the group, in buckets (on the exchange thread
+        when it overlaps inner steps: it touches nothing else)."""
+        with torch.no_grad():
             sizes = [d.numel() * d.element_size() for d in deltas]
             for k, run in enumerate(buckets(sizes)):  # (protocol.rules.traffic counts them so)
                 bucket = [deltas[j] for j in run]
@@ -74,15 +137,29 @@ class OuterStep:
                 for d in bucket:
                     d.copy_(flat[offset : offset + d.numel()].view_as(d))
                     offset += d.numel()
-            for g, delta in zip(self.global_params, deltas, strict=True):
+
+    def land(
+        self, mean: list[torch.Tensor], inner: Sequence[torch.optim.Optimizer], alpha: float
+    ) -> None:
+        """The outer step on the global weights with the mean pseudo-gradients ``mean``, then
+        the local weights set to them — or, mixing, to ``alpha``·local + (1 − ``alpha``)·global
+        (local having trained on meanwhile; a blocking synchronisation does not mix: every
+        replica then holds the global model); the ``inner`` optimizers' state of these
+        parameters dropped when the spec says so."""
+        with torch.no_grad():
+            for g, delta in zip(self.global_params, mean, strict=True):
                 g.grad = delta
             self.optimizer.step()
             for g, p in zip(self.global_params, self.params, strict=True):
-                p.copy_(g)
+                if alpha:
+                    p.lerp_(g, 1.0 - alpha)
+                else:
+                    p.copy_(g)
                 g.grad = None
         if self.spec.inner_state == "reset":
             for optimizer in inner:
-                optimizer.state = defaultdict(dict)
+                for p in self.params:
+                    optimizer.state.pop(p, None)
 
 
 class SyncPoint:

@@ -69,12 +69,8 @@ from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
-from protocol.rules.batching import (
-    global_batches,
-    replica_batches,
-    replica_seed,
-    synchronises,
-)
+from protocol.rules.batching import global_batches, replica_batches, replica_seed
+from protocol.rules.fragments import fragment_syncs
 from protocol.rules.row_means import RowMeans
 from protocol.shard_files import is_plain_file_name
 
@@ -102,7 +98,8 @@ class ReplicaPlan:
     rank: int = 0  # this replica's place, and the replicas there are
     world: int = 1
     compression: str | None = None  # the gradients (DiLoCo's: pseudo-gradients) as they travel
-    syncs: list[bool] = field(default_factory=list)  # per step, with ``outer``: a sync after it
+    # per step, with ``outer``: the fragments that synchronise after it (``(0,)``: the model)
+    syncs: list[tuple[int, ...]] = field(default_factory=list)
     sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.sharding)
     shard_units: tuple[str, ...] | None = None  # the classes sharded as one unit each
 
@@ -132,12 +129,11 @@ class ReplicaPlan:
             )
             steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
-            places = [(e, k) for e, k, _ in own]
         else:
-            steps, least, places = _slices(
+            steps, least = _slices(
                 held, rank, world, rows, epochs, batch_size, shuffle, seed, max_steps
             )
-        rounds = _rounds(places, outer)
+        rounds = _rounds(len(steps), outer)
         return cls(
             data,
             list(node_ids),
@@ -161,19 +157,18 @@ def _slices(
     shuffle: bool,
     seed: int,
     max_steps: int | None = None,
-) -> tuple[list[tuple[np.ndarray[Any, Any], int]], list[int], list[tuple[int, int]]]:
+) -> tuple[list[tuple[np.ndarray[Any, Any], int]], list[int]]:
     """Replica ``rank``'s slice of every global batch (the first ``max_steps``), as positions
     among the rows ``held`` here, with the batch's size; the fewest rows a replica has per
-    step; each step's epoch and place in it.
+    step.
 
     Raises:
         EngineError: ``BAD_REQUEST`` for a slice with rows that were not staged here.
     """
     staged = np.asarray(held, dtype=np.int64)
-    steps, least, places = [], [], []
+    steps, least = [], []
     batches = global_batches(rows, world, epochs, batch_size, shuffle, seed)
-    for epoch, k, slices in itertools.islice(batches, max_steps):
-        places.append((epoch, k))
+    for _, _, slices in itertools.islice(batches, max_steps):
         least.append(min(len(s) for s in slices))
         mine = slices[rank]
         local = np.searchsorted(staged, mine)
@@ -183,7 +178,7 @@ def _slices(
                 f"replica {rank}'s slice of a step has rows that were not staged here",
             )
         steps.append((local, sum(len(s) for s in slices)))
-    return steps, least, places
+    return steps, least
 
 
 def _ids(nodes: Sequence[Node]) -> list[str]:
@@ -198,11 +193,12 @@ def _reset_inner(plan: ReplicaPlan, inner: list[torch.optim.Optimizer]) -> None:
             optimizer.state = defaultdict(dict)
 
 
-def _rounds(places: Sequence[tuple[int, int]], outer: OuterStepSpec | None) -> list[bool]:
-    """Per step of the run, whether DiLoCo synchronises after it; nothing without ``outer``."""
+def _rounds(steps: int, outer: OuterStepSpec | None) -> list[tuple[int, ...]]:
+    """Per step of a run of ``steps``, the fragments DiLoCo synchronises after it; nothing
+    without ``outer``."""
     if outer is None:
         return []
-    return synchronises(len(places), outer.sync_every, outer.also)
+    return fragment_syncs(steps, outer.sync_every, outer.fragments, outer.also)
 
 
 class _Chain(torch.nn.Module):
@@ -312,10 +308,10 @@ class Replica:
                 raise self.group.broken("wrapping the model in DDP", exc) from exc
             raise
         self._plan = plan
-        self._outer = None
+        self._drop_outer()
         if plan.outer is not None:  # the global weights: replica 0's, as DDP broadcast them
             trained = [p for p in self._ddp.module.parameters() if p.requires_grad]
-            self._outer = OuterStep(trained, plan.outer, plan.compression)
+            self._outer = OuterStep(trained, plan.outer, plan.compression, len(plan.steps))
         return None
 
     def _shard(self, chain: _Chain, run: list[Node], plan: ReplicaPlan) -> dict[str, int]:
@@ -376,8 +372,8 @@ class Replica:
                 if looks_collective(exc):
                     raise self.group.broken(f"step {step + 1}", exc, steps_done=step) from exc
                 raise
-            if self._outer is not None and plan.syncs[step]:
-                self._synchronise(self._outer, optimizers, step)
+            if self._outer is not None:  # (exchanges in flight may land after any step)
+                self._synchronise(self._outer, optimizers, step, plan.syncs[step])
             elif plan.alone and plan.syncs and plan.syncs[step]:  # the coordinator's outer step
                 _reset_inner(plan, optimizers)
             losses.append(loss)
@@ -543,10 +539,17 @@ class Replica:
             )
         return self._sync_point
 
-    def _synchronise(self, outer: OuterStep, inner: list[torch.optim.Optimizer], step: int) -> None:
-        """DiLoCo's synchronisation after global step ``step`` (:mod:`engine.outer_step`)."""
+    def _synchronise(
+        self,
+        outer: OuterStep,
+        inner: list[torch.optim.Optimizer],
+        step: int,
+        fragments: tuple[int, ...],
+    ) -> None:
+        """DiLoCo's synchronisation of ``fragments`` after global step ``step``, and the
+        exchanges that land there (:mod:`engine.outer_step`)."""
         try:
-            outer.sync(inner)
+            outer.after(step, fragments, inner)
         except RuntimeError as exc:
             if looks_collective(exc):
                 where = f"synchronising after step {step + 1}"
@@ -653,8 +656,14 @@ class Replica:
             self._incoming = None
         self._ddp = None
         self._plan = None
-        self._outer = None
+        self._drop_outer()
         self._sync_point = None
+
+    def _drop_outer(self) -> None:
+        """The outer step of the plan before goes (its exchange thread with it)."""
+        if self._outer is not None:
+            self._outer.close()
+        self._outer = None
 
     def _prefix_and_run(self, node_ids: Sequence[str]) -> tuple[list[Node], list[Node]]:
         """The plain filters before the differentiable run, and the run.

@@ -334,7 +334,7 @@ class _BatchPlan(_Request):
 class OuterStepSpec(BaseModel):
     """DiLoCo's outer optimisation, as a replica runs it (Douillard et al. 2023, Algorithm 1):
     after every ``sync_every`` inner steps counted over the run, after its last, and after each
-    step of ``also`` (:func:`protocol.rules.batching.synchronises`), the replicas average their
+    step of ``also`` (:func:`protocol.rules.fragments.fragment_syncs`), the replicas average their
     pseudo-gradients (global weights − local weights) and take one step of SGD on the global
     weights (``lr``, ``momentum``, Nesterov when ``nesterov``); the inner optimizer's state is
     kept across synchronisations, or dropped at each (``reset``)."""
@@ -347,6 +347,12 @@ class OuterStepSpec(BaseModel):
     nesterov: bool
     inner_state: Literal["keep", "reset"] = "keep"
     also: list[PositiveInt] = Field(default_factory=list)  # steps (from 1) a sync also follows
+    # Streaming DiLoCo (protocol.rules.fragments): the model in fragments synchronised at
+    # staggered steps, each exchange landing ``overlap`` steps after it starts, the local
+    # weights then mixed with the global ones (α·local + (1 − α)·global)
+    fragments: PositiveInt = 1
+    overlap: NonNegativeInt = 0
+    mixing: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
 
 class DistPlanRequest(_BatchPlan):

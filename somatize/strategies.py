@@ -109,6 +109,9 @@ class DiLoCo(Strategy, strategies.DiLoCoOptions):
         "sharding",
         "shard_units",
         "sync_at_epoch_end",
+        "fragments",
+        "overlap",
+        "mixing",
     )
 
 

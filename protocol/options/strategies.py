@@ -461,6 +461,18 @@ class DiLoCoOptions(DataParallelOptions):
     epoch's end when ``sync_at_epoch_end``. A step's progress is the replicas' inner losses,
     weighted by rows; validation and the result see the global model.
 
+    Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
+    communication"): with ``fragments`` F the model is cut into F runs of parameters of about
+    equal bytes, each synchronised every ``sync_every`` steps at its own offset (fragment p
+    after steps ≡ p·H/F mod H), so a synchronisation moves 1/F of the model; with ``overlap``
+    τ a fragment's exchange runs while the next τ inner steps train and lands after them, the
+    local weights then set to ``mixing`` α·local + (1 − α)·global. At the run's end and where
+    the model is read every fragment synchronises at once, nothing in flight and nothing
+    mixed: every replica then holds the global model. With F = 1,
+    τ = 0, α = 0 it is DiLoCo. It runs on the torch collective (refused through the
+    coordinator, and with elastic, checkpoints or max_restarts, which need it); ``overlap``
+    needs a model without buffers (DDP broadcasts them before each forward).
+
     With ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and an inner SGD this is
     ``DataParallel`` (each replica's loss is weighted by its share of the global batch, so the
     average of the replicas' steps is the global batch's).
@@ -498,6 +510,11 @@ class DiLoCoOptions(DataParallelOptions):
         sync_at_epoch_end: also synchronise at each epoch's end (default ``False``: only
             where the job validates there), as this project did before H was counted over the
             run.
+        fragments: Streaming DiLoCo's fragments F (1 to ``sync_every``; default 1).
+        overlap: the inner steps τ a fragment's exchange overlaps (0 to ``sync_every`` − 1;
+            default 0).
+        mixing: α in [0, 1): what the local weights keep of themselves when an exchange
+            lands (default 0: they become the global weights).
         (the rest as ``DataParallel``.)
 
     Raises:
@@ -515,6 +532,9 @@ class DiLoCoOptions(DataParallelOptions):
     nesterov: bool = True
     inner_state: InnerState = "keep"
     sync_at_epoch_end: bool = False
+    fragments: int = 1
+    overlap: int = 0
+    mixing: float = 0.0
     checkpoint_every: int | None = 0
 
     @classmethod
@@ -529,6 +549,28 @@ class DiLoCoOptions(DataParallelOptions):
             raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
         boolean("nesterov", cls._given(fields, "nesterov"))
         boolean("sync_at_epoch_end", cls._given(fields, "sync_at_epoch_end"))
+        every = positive_int("sync_every", cls._given(fields, "sync_every"))
+        fragments = positive_int("fragments", cls._given(fields, "fragments"))
+        if fragments > every:
+            raise ValueError(
+                f"fragments must be at most sync_every ({every}): each synchronises at its own "
+                f"step of the {every}, not {fragments}"
+            )
+        overlap = cls._given(fields, "overlap")
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < every:
+            raise ValueError(
+                f"overlap must be a whole number of steps from 0 to sync_every - 1 "
+                f"({every - 1}), not {overlap!r}"
+            )
+        mixing = cls._given(fields, "mixing")
+        if not is_finite(mixing) or not 0 <= mixing < 1:
+            raise ValueError(f"mixing must be a number in [0, 1), not {mixing!r}")
+        streaming = cls._streaming(fields)
+        if streaming and cls._given(fields, "collective") == "coordinator":
+            raise ValueError(
+                f"Streaming DiLoCo ({streaming}) runs on the torch collective; "
+                "collective='coordinator' cannot stream: use 'auto' or 'torch'"
+            )
         _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
         if cls._given(fields, "sharding") != "none":
             raise ValueError(
@@ -542,6 +584,11 @@ class DiLoCoOptions(DataParallelOptions):
                 "pseudo-gradients travel as 'fp16', 'bf16' or 'int8'"
             )
         keeps = cls._keeps(fields)
+        if keeps and streaming:
+            raise ValueError(
+                f"DiLoCo with {keeps} trains through the coordinator, which cannot stream: "
+                f"Streaming DiLoCo ({streaming}) runs on the torch collective"
+            )
         if keeps and cls._given(fields, "collective") == "torch":
             raise ValueError(
                 f"DiLoCo with {keeps} trains through the coordinator, which keeps the global "
@@ -559,9 +606,26 @@ class DiLoCoOptions(DataParallelOptions):
             "nesterov",
             "inner_state",
             "sync_at_epoch_end",
+            "fragments",
+            "overlap",
+            "mixing",
         )
         given = {k: getattr(self, k) for k in own if getattr(self, k) != defaults[k].default}
         return super().to_wire() | given
+
+    @classmethod
+    def _streaming(cls, fields: dict[str, Any]) -> str:
+        """What of ``fields`` makes the run Streaming DiLoCo ("" for nothing)."""
+        asked = {
+            f"fragments={cls._given(fields, 'fragments')}": cls._given(fields, "fragments") != 1,
+            f"overlap={cls._given(fields, 'overlap')}": cls._given(fields, "overlap") != 0,
+            f"mixing={cls._given(fields, 'mixing')}": cls._given(fields, "mixing") != 0,
+        }
+        return ", ".join(option for option, on in asked.items() if on)
+
+    def streaming(self) -> str:
+        """What makes this run Streaming DiLoCo ("" for nothing)."""
+        return self._streaming(self.model_dump())
 
     @classmethod
     def _keeps(cls, fields: dict[str, Any]) -> str:
@@ -588,6 +652,9 @@ class DiLoCoOptions(DataParallelOptions):
             nesterov=self.nesterov,
             inner_state=self.inner_state,
             also=list(also),
+            fragments=self.fragments,
+            overlap=self.overlap,
+            mixing=self.mixing,
         )
 
 

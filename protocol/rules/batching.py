@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from protocol.rules.fragments import fragment_syncs
+
 if TYPE_CHECKING:  # imported when a generator is made: the coordinator may never need torch
     import torch
 
@@ -124,6 +126,6 @@ def synchronises(steps: int, every: int, also: Iterable[int] = ()) -> list[bool]
     every ``every``-th step counted over the run (as the paper and torchft count H: an epoch's
     end does not restart the count), after the run's last, and after each step of ``also``
     (counted from 1: where the global model is read — an evaluation — or where the job asks
-    for a synchronisation at each epoch's end)."""
-    extra = {s for s in also if 0 < s <= steps}
-    return [(g + 1) % every == 0 or g + 1 == steps or g + 1 in extra for g in range(steps)]
+    for a synchronisation at each epoch's end). Streaming DiLoCo's schedule of one fragment
+    (:func:`protocol.rules.fragments.fragment_syncs`)."""
+    return [bool(f) for f in fragment_syncs(steps, every, 1, also)]

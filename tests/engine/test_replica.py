@@ -81,16 +81,22 @@ def test_diloco_synchronises_every_h_steps_of_the_run_at_its_end_and_where_read(
     # 10 rows in batches of 3 over 2 replicas: 4 steps an epoch, 2 epochs; H = 3 over the run.
     outer = OuterStepSpec(sync_every=3, lr=0.7, momentum=0.9, nesterov=True)
     plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=outer)
-    assert plan.syncs == [False, False, True, False, False, True, False, True]
+    whole = (0,)  # the model: one fragment
+    assert plan.syncs == [(), (), whole, (), (), whole, (), whole]
     read = outer.model_copy(update={"also": [4]})  # the model is read after the first epoch
     plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=read)
-    assert plan.syncs == [False, False, True, True, False, True, False, True]
+    assert plan.syncs == [(), (), whole, whole, (), whole, (), whole]
+    # Streaming, two fragments: fragment 0 after steps 3, 6; fragment 1 (offset 1) after 1, 4,
+    # 7; both after the last
+    two = outer.model_copy(update={"fragments": 2})
+    plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=two)
+    assert plan.syncs == [(1,), (), (0,), (1,), (), (0,), (1,), (0, 1)]
     assert synchronises(5, 2) == [False, True, False, True, True]
     assert synchronises(3, 1) == [True, True, True]
     assert synchronises(4, 5, also=[2, 9]) == [False, True, False, True]
     # On the replicas' own datasets (WorkerData): 5 and 6 rows, batches of 2: 3 steps an epoch.
     own = ReplicaPlan.of("t", ["n"], [], 0, 2, 0, 1, 2, False, 0, sizes=[5, 6], outer=outer)
-    assert own.syncs == [False, False, True]
+    assert own.syncs == [(), (), whole]
     assert ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0).syncs == []
 
 

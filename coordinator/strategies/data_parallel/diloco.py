@@ -40,12 +40,20 @@ synchronisation: the global model, every replica's inner optimizer state and the
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
-from coordinator.errors import NoReplacement, WorkerCallError
+from coordinator.errors import (
+    NoReplacement,
+    StrategyFailed,
+    StrategyOptionsError,
+    WorkerCallError,
+)
+from coordinator.strategies.base import JobInputs, Placement
 from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
 from coordinator.strategies.data_parallel.elastic import (
@@ -76,6 +84,7 @@ from protocol.errors import ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
 from protocol.options.strategies import DiLoCoOptions
 from protocol.rules.batching import synchronises
+from protocol.rules.fragments import fragment_groups
 from protocol.rules.traffic import sync_bytes
 
 __all__ = ["CoordinatorSyncs", "DiLoCo"]
@@ -106,13 +115,49 @@ class DiLoCo(DataParallel):
             if (validates and bounds.reads_after(s)) or (at_ends and bounds.ends_epoch(s))
         ]
 
+    def placement(self) -> Placement:
+        placement = super().placement()
+        if self.options.streaming():  # only on the torch collective
+            return dataclasses.replace(placement, network=True)
+        return placement
+
+    def validate(self, job: JobInputs) -> None:
+        """As DataParallel's, and a Streaming DiLoCo the model allows: no more fragments than
+        trainable parameters, no buffers when exchanges overlap (module docstring)."""
+        super().validate(job)
+        o = self.options
+        nodes = self._plan(job)[0]
+        shapes = [shape for n in nodes for shape in job.nodes[n].parameter_shapes]
+        if o.fragments > 1 and shapes and len(shapes) < o.fragments:
+            raise StrategyOptionsError(
+                f"fragments={o.fragments}: the model has {len(shapes)} trainable parameters, "
+                "and a fragment holds one at least"
+            )
+        if o.overlap and any(job.nodes[n].buffers for n in nodes):
+            raise StrategyOptionsError(
+                f"overlap={o.overlap}: the model has buffers, which DDP broadcasts before each "
+                "forward while an exchange would be in flight; use overlap=0"
+            )
+
     def _traffic(self, shapes: list[list[int]]) -> dict[str, Any]:
-        """A synchronisation's pseudo-gradients, every ``sync_every`` steps."""
-        said = sync_bytes(shapes, self.options.compression)
-        return {"sync_bytes": said, "sync_every": self.options.sync_every}
+        """A synchronisation's pseudo-gradients, every ``sync_every`` steps: the largest
+        fragment's, streaming (``sync_bytes`` is the peak a synchronisation moves)."""
+        o = self.options
+        compression = o.compression
+        said: dict[str, Any] = {"sync_every": o.sync_every}
+        if o.fragments > 1 and len(shapes) >= o.fragments:
+            sizes = [4 * math.prod(shape) for shape in shapes]
+            groups = fragment_groups(sizes, o.fragments)
+            peak = max(sync_bytes([shapes[k] for k in g], compression) for g in groups)
+            said |= {"fragments": o.fragments, "model_sync_bytes": sync_bytes(shapes, compression)}
+        else:
+            peak = sync_bytes(shapes, compression)
+        said["sync_bytes"] = peak
+        return said | ({"overlap": o.overlap} if o.overlap else {})
 
     async def _choose(self, run: Replicas) -> Choice:
-        """Through the coordinator when the run must outlive a replica (module docstring)."""
+        """Through the coordinator when the run must outlive a replica (module docstring);
+        a Streaming DiLoCo only on the torch collective."""
         keeps = self.options.keeps_state()
         if keeps:
             return Choice(
@@ -120,7 +165,15 @@ class DiLoCo(DataParallel):
                 f"DiLoCo with {keeps} synchronises through the coordinator, which keeps the "
                 "global model and the outer momentum",
             )
-        return await super()._choose(run)
+        choice = await super()._choose(run)
+        streaming = self.options.streaming()
+        if streaming and choice.collective != "torch":
+            raise StrategyFailed(
+                ErrorCode.COLLECTIVE_FAILED,
+                f"Streaming DiLoCo ({streaming}) runs on the torch collective, and the "
+                f"replicas' group cannot: {choice.reason}",
+            )
+        return choice
 
     async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. DiLoCo through the coordinator (module docstring)."""

@@ -138,6 +138,10 @@ def test_a_command_travels_without_id_and_with_only_the_fields_set():
         "momentum": 0.9,
         "nesterov": True,
         "inner_state": "keep",
+        "also": [],
+        "fragments": 1,
+        "overlap": 0,
+        "mixing": 0.0,
     }
     assert request_fields(plan)["outer"] == sent["outer"]
     assert DistPlanRequest.model_validate(sent).outer == outer
@@ -355,6 +359,10 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
         "momentum": 0.9,
         "nesterov": True,
         "inner_state": "keep",
+        "also": [],
+        "fragments": 1,
+        "overlap": 0,
+        "mixing": 0.0,
     }
     refusals = {
         "sync_every must be a positive integer, not 0": {"sync_every": 0},
@@ -371,6 +379,18 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
             "max_restarts": 1,
             "collective": "torch",
         },
+        r"fragments must be at most sync_every \(50\)": {"fragments": 51},
+        "fragments must be a positive integer, not 0": {"fragments": 0},
+        r"overlap must be a whole number of steps from 0 to sync_every - 1 \(49\)": {"overlap": 50},
+        r"mixing must be a number in \[0, 1\), not 1": {"mixing": 1},
+        r"Streaming DiLoCo \(fragments=2\) runs on the torch collective": {
+            "fragments": 2,
+            "collective": "coordinator",
+        },
+        r"DiLoCo with elastic=True trains through the coordinator, which cannot stream": {
+            "overlap": 1,
+            "elastic": True,
+        },
     }
     for words, bad in refusals.items():
         with pytest.raises(ValueError, match=f"^DiLoCo: {words}"):
@@ -378,6 +398,8 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
     kept = sz.DiLoCo(2, elastic=True, checkpoint_every=10, max_restarts=1)
     assert kept.keeps_state() == "elastic=True, checkpoints, max_restarts"
     assert sz.DiLoCo(2).keeps_state() == ""
+    assert sz.DiLoCo(2, 8, fragments=4, overlap=2).streaming() == "fragments=4, overlap=2"
+    assert sz.DiLoCo(2).streaming() == "" and "fragments" not in sz.DiLoCo(2).to_wire()
     with pytest.raises(StrategyOptionsError, match=r"^diloco: sync_every must be"):
         strategy_from_spec("diloco", {"workers": 2, "sync_every": -1})
 

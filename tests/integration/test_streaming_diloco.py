@@ -1,0 +1,168 @@
+"""Streaming DiLoCo on live workers over their torch group (issue 55, item 3): the model in
+fragments synchronised at staggered steps, each exchange overlapping the next inner steps and
+mixed in when it lands, equals a plain-torch loop doing the same fragment schedule; with one
+fragment, no overlap and no mixing the loop is DiLoCo's own."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import somatize as sz
+from tests.coordinator.strategies.data_parallel.test_data_parallel import (
+    dataset,
+    graph_for,
+    model,
+)
+from tests.coordinator.strategies.data_parallel.test_diloco import diloco_by_hand
+from tests.integration.cluster import Cluster, cluster
+from tests.utils import UNIT
+
+pytestmark = pytest.mark.integration
+
+FRAGMENTS_OF_THE_MLP = [["0.weight"], ["0.bias", "2.weight", "2.bias"]]
+"""The MLP's parameters (6·16, 16, 16·3, 3 values) cut in two runs of about equal bytes: the
+first weight alone (384 bytes) holds more than half of the 652."""
+
+
+def streaming_by_hand(
+    x,
+    y,
+    replicas: int,
+    every: int,
+    fragments: list[list[str]],
+    overlap: int,
+    mixing: float,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    epochs: int = 3,
+    batch_size: int = 32,
+):
+    """Streaming DiLoCo (Douillard et al. 2025) in plain torch, on ``graph.fit``'s shuffled
+    global batches split over ``replicas`` as DiLoCo's are, Adam inner steps: fragment ``p``
+    (its parameter names) synchronises after each step ``s`` (counted over the run, from 1)
+    with ``s % every == p * every // len(fragments)``, every fragment after the last step. A
+    synchronisation takes the mean over replicas of θ_global − θ_local for the fragment's
+    parameters; ``overlap`` steps later (at once after the last step, where what is in flight
+    lands first) the fragment's own Nesterov SGD steps θ_global with it, and each replica's
+    parameters become ``mixing``·local + (1 − ``mixing``)·global — θ_global itself after the
+    last step, so that every replica ends with the global model."""
+    xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
+    global_net = copy.deepcopy(model())
+    named = dict(global_net.named_parameters())
+    outers = [
+        torch.optim.SGD(
+            [named[n] for n in names], lr=outer_lr, momentum=outer_momentum, nesterov=True
+        )
+        for names in fragments
+    ]
+    nets = [copy.deepcopy(global_net) for _ in range(replicas)]
+    inner = [torch.optim.Adam(net.parameters(), lr=1e-2) for net in nets]
+    order = torch.Generator().manual_seed(11)
+    steps = -(-len(xt) // batch_size)
+    total = epochs * steps
+    offsets = [p * every // len(fragments) for p in range(len(fragments))]
+    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def land(p: int, mean: dict[str, torch.Tensor], alpha: float) -> None:
+        for name in fragments[p]:
+            named[name].grad = mean[name].clone()
+        outers[p].step()
+        with torch.no_grad():
+            for net in nets:
+                local = dict(net.named_parameters())
+                for name in fragments[p]:
+                    local[name].copy_(alpha * local[name] + (1 - alpha) * named[name])
+                    named[name].grad = None
+
+    s = 0
+    for _ in range(epochs):
+        rows = torch.randperm(len(xt), generator=order)
+        for step in range(steps):
+            s += 1
+            batch = rows[step * batch_size : (step + 1) * batch_size].numpy()
+            for r, part in enumerate(np.array_split(batch, replicas)):
+                inner[r].zero_grad()
+                loss = torch.nn.functional.cross_entropy(nets[r](xt[part]), yt[part])
+                (loss * (len(part) * replicas / len(batch))).backward()
+                inner[r].step()
+            closing = s == total
+            for p in sorted(in_flight):
+                due, mean = in_flight[p]
+                if closing or due == s:
+                    del in_flight[p]
+                    land(p, mean, 0.0 if closing else mixing)
+            syncing = (
+                range(len(fragments))
+                if closing
+                else [p for p, o in enumerate(offsets) if s % every == o % every]
+            )
+            for p in syncing:
+                with torch.no_grad():
+                    mean = {
+                        name: torch.stack(
+                            [named[name] - dict(net.named_parameters())[name] for net in nets]
+                        ).mean(0)
+                        for name in fragments[p]
+                    }
+                if overlap and not closing:
+                    in_flight[p] = (s + overlap, mean)
+                else:
+                    land(p, mean, 0.0 if closing else mixing)
+    return global_net.state_dict()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> Iterator[tuple[Cluster, sz.Client]]:
+    directory = tmp_path_factory.mktemp("streaming")
+    with cluster(directory, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as connected:
+        yield c, connected
+
+
+def test_one_fragment_without_overlap_is_diloco_in_the_hand_loops_too():
+    x, y = dataset()
+    streamed = streaming_by_hand(x, y, 2, 3, [[n for n, _ in model().named_parameters()]], 0, 0.0)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    for key, value in expected.items():
+        torch.testing.assert_close(streamed[key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("overlap", "mixing"), [(0, 0.0), (1, 0.5)])
+def test_fragments_synced_at_staggered_steps_equal_the_hand_loop(live, overlap, mixing):
+    """Two fragments, H = 4: fragment 0 after steps 4, 8, ...; fragment 1 after 2, 6, ...;
+    with overlap 1 and mixing 0.5 each exchange lands a step later, mixed; both equal the loop,
+    and neither is DiLoCo's model. The placed event's peak bytes are the larger fragment's."""
+    _, client = live
+    x, y = dataset()
+    strategy = sz.DiLoCo(
+        2, 4, 0.7, 0.9, collective="torch", fragments=2, overlap=overlap, mixing=mixing
+    )
+    job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
+    fitted = job.result(timeout=120 * UNIT)
+    placed = next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
+    expected = streaming_by_hand(x, y, 2, 4, FRAGMENTS_OF_THE_MLP, overlap, mixing)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 4, 0.7, 0.9)
+    assert not torch.allclose(plain["0.weight"], expected["0.weight"], rtol=0, atol=1e-5)
+    assert placed.data["collective"] == "torch"
+    assert placed.data["fragments"] == 2 and placed.data["sync_bytes"] == 4 * 6 * 16
+    assert placed.data["model_sync_bytes"] == 4 * (6 * 16 + 16 + 16 * 3 + 3)
+
+
+def test_streaming_is_refused_where_it_cannot_run(live):
+    _, client = live
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True)
+    with pytest.raises(ValueError, match="runs on the torch collective"):
+        sz.DiLoCo(2, 4, fragments=2, collective="coordinator")
+    with pytest.raises(ValueError, match="cannot stream"):
+        sz.DiLoCo(2, 4, fragments=2, elastic=True)
+    with pytest.raises(ValueError, match="fragments must be at most sync_every"):
+        sz.DiLoCo(2, 4, fragments=5)
+    with pytest.raises(sz.ClientError, match="fragments=5: the model has 4 trainable"):
+        client.submit(graph, x, y, strategy=sz.DiLoCo(2, 8, fragments=5))
