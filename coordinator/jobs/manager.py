@@ -32,6 +32,7 @@ it failed at its next start, ``coordinator_restarted``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -113,6 +114,14 @@ STORE_RETRIES = (0.5, 1.0, 2.0, 4.0)
 DEFAULT_PREEMPT_GRACE = 60.0
 """Seconds a preempted job has to save a checkpoint at its next safe point before its run is
 stopped anyway (it then resumes from the checkpoint before)."""
+
+PASS_EVERY = 5.0
+"""Seconds between two placement passes when nothing else calls one: a job's wait for its
+share (``share_wait``) and the estimates in the queue move with the clock."""
+
+FINISHING = 1.0
+"""Seconds a preempted run is given to end on its own once its checkpoint is written: the
+checkpoint of its last step is followed by its end, not by a requeue."""
 
 ADMIN_POLICY = ClientPolicy(max_priority=None)
 """What a client the coordinator knows nothing more of is owed: an equal share, no quota, no
@@ -286,9 +295,12 @@ class JobManager:
         self._wake.set()
 
     async def place_forever(self) -> None:
-        """Place queued jobs whenever workers or jobs change."""
+        """Place queued jobs whenever workers or jobs change, and every :data:`PASS_EVERY`
+        seconds."""
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(PASS_EVERY):
+                    await self._wake.wait()
             self._wake.clear()
             self._place()
 
@@ -308,12 +320,7 @@ class JobManager:
             recruit.found.set_result(worker)
         now = time.monotonic()
         running = [j for j in self._jobs.values() if j.task is not None]
-        held: dict[str, float] = {}
-        for job in running:
-            held[job.owner] = held.get(job.owner, 0.0) + sum(
-                job.slots / max(1, w.slots) for w in job.workers
-            )
-        self.usage.accrue(held, now)
+        self._accrue(now)
         seats = [
             Seat(w.identity, w.slots, w.free_slots)
             for w in self.registry
@@ -348,6 +355,19 @@ class JobManager:
                 )
         for victim, making_room_for in decided.preempt:
             self._preempt(self._jobs[victim], making_room_for)
+
+    def _held(self) -> dict[str, float]:
+        """The workers each client's running jobs hold (a slot of four: ¼)."""
+        held: dict[str, float] = {}
+        for job in self._jobs.values():
+            if job.task is not None:
+                load = sum(job.slots / max(1, w.slots) for w in job.workers)
+                held[job.owner] = held.get(job.owner, 0.0) + load
+        return held
+
+    def _accrue(self, now: float) -> None:
+        """Charge each client's ledger what its jobs held since the last charge."""
+        self.usage.accrue(self._held(), now)
 
     def _queued(self, job: _Job, now: float) -> Queued:
         return Queued(
@@ -422,6 +442,8 @@ class JobManager:
                     await asyncio.shield(saves.ask())
             except TimeoutError:
                 log.info("job %s: no checkpoint within %gs of its preemption", job.id, grace)
+        if task is not None and not task.done():  # its last checkpoint: the run ends itself
+            await asyncio.wait({task}, timeout=FINISHING)
         if task is None or task.done() or job.stop_reason is not None:
             return
         why = f"preempted to make room for job {making_room_for}"
@@ -713,11 +735,7 @@ class JobManager:
         """Each client with jobs live or use on record: its ``share``, the workers it
         ``holds`` now, those it held lately (``recent``) and its ``fair`` part of the connected
         workers among the clients with jobs live."""
-        held: dict[str, float] = {}
-        for job in self._jobs.values():
-            if job.task is not None:
-                load = sum(job.slots / max(1, w.slots) for w in job.workers)
-                held[job.owner] = held.get(job.owner, 0.0) + load
+        held = self._held()
         live = {job.owner for job in self._jobs.values()}
         recent = self.usage.clients()
         weights = {c: self.policies(c).share for c in live}
@@ -816,6 +834,7 @@ class JobManager:
             if job.deadline is not None:
                 job.deadline.cancel()
                 job.deadline = None
+            self._accrue(time.monotonic())  # its last stretch, while it still holds them
             for worker in job.workers:
                 worker.give_back(job.id)
             if job.restart_for is None:

@@ -3,10 +3,12 @@ others wait: one pass over the queue, pure logic (no I/O; the clock is the calle
 
 The order. Among the jobs that can start, the higher ``priority`` goes first; among equals, the
 client furthest under its fair share (what it holds now and has held lately, over its share:
-:mod:`coordinator.scheduling.shares`), then the older job. The order is taken again after every
-job that starts — a client that was just given a worker is further from its share for the
-next — so two clients with equal shares and full queues alternate, and one client's long queue
-never holds another's job behind it.
+:mod:`coordinator.scheduling.shares`); among one client's jobs of one priority, the one expected
+to end soonest — its ``time_limit`` (:data:`UNDECLARED` without one) less the time it has
+waited, so that none waits for ever behind shorter ones — then the older. The order is taken
+again after every job that starts — a client that was just given a worker is further from its
+share for the next — so two clients with equal shares and full queues alternate, and one
+client's long queue never holds another's job behind it.
 
 Gangs. A job that cannot start for want of free workers does not hold up the jobs after it that
 can — except the first of them (in the order above): the free workers it would take are
@@ -18,10 +20,11 @@ one pass to the next (``reserved_for``) until it starts.
 
 Preemption. The reserved job may make room by preempting running jobs that allow it (they
 resume from their checkpoints, and did not opt out): of a lower priority; or, once it has waited
-``share_wait`` seconds, of a client over its fair share when its own client is under it (and
-each stays on its side of its share after); or that borrow past their client's
-``max_workers``. The fewest are chosen, the lowest priority and furthest over share first, then
-the newest; those already leaving count as room coming.
+``share_wait`` seconds, of a client over its fair share when its own client is under it (the
+one preempted staying at its share at least, the order still putting the waiting client
+first, and the job preempted having run ``share_wait`` itself: none comes straight back); or
+that borrow past their client's ``max_workers``. The fewest are chosen, the lowest priority
+and furthest over share first, then the newest; those already leaving count as room coming.
 
 Quotas. A client's jobs hold at most its ``max_workers`` at once; a preemptible job may borrow
 past it while no other client's job is queued.
@@ -44,6 +47,7 @@ from coordinator.strategies.base import Placement
 
 __all__ = [
     "DEFAULT_SHARE_WAIT",
+    "UNDECLARED",
     "Plan",
     "Queued",
     "Running",
@@ -52,6 +56,9 @@ __all__ = [
     "WaitReason",
     "plan",
 ]
+
+UNDECLARED = 3600.0
+"""What a job that declares no ``time_limit`` counts as in its client's own order: an hour."""
 
 DEFAULT_SHARE_WAIT = 120.0
 """Seconds a job of a client under its share waits before it may preempt a job of one over its
@@ -174,9 +181,12 @@ class _Pass:
         """The workers ``slots`` of each of ``workers`` come to (a lost worker's: 1 each)."""
         return sum(slots / self.seats[w].slots if w in self.seats else 1.0 for w in workers)
 
-    def key(self, client: str) -> float:
-        """How far ``client`` is from its share: what it holds and held lately, per share."""
-        held = self.held[client] + self.ahead[client] + self.recent.get(client, 0.0)
+    def key(self, client: str, change: float | None = None) -> float:
+        """How far ``client`` is from its share: what it holds and held lately, per share;
+        the queued jobs given a place before counted as held (:attr:`ahead`), unless
+        ``change`` says what it would hold more instead."""
+        more = self.ahead[client] if change is None else change
+        held = self.held[client] + more + self.recent.get(client, 0.0)
         return held / self.policies(client).share
 
     def available(self, slots: int, leave_out: frozenset[str] = frozenset()) -> list[Seat]:
@@ -233,7 +243,7 @@ def plan(
 
     queues: dict[str, deque[Queued]] = defaultdict(deque)
     sticky: Queued | None = None
-    for waiting in sorted(queued, key=lambda j: (-j.priority, j.order)):
+    for waiting in sorted(queued, key=_own_order):
         if waiting.id == reserved_for:
             sticky = waiting
         else:
@@ -314,7 +324,7 @@ def plan(
             reserved = _reserve(job, state)
             reservation_start = start
             out.reserved_for = job.id
-            victims = _victims(job, state, running, share_wait)
+            victims = _victims(job, state, running, share_wait, now)
             out.preempt.extend((victim, job.id) for victim in victims)
             if victims or any(r.leaving and _touches(job, r, state) for r in running):
                 detail = "running jobs are leaving to make room for it"
@@ -335,6 +345,12 @@ def plan(
             reason, detail = WaitReason.WORKERS_BUSY, "the workers it matches are all taken"
         out.waits[job.id] = Wait(position, reason, detail, start)
     return out
+
+
+def _own_order(job: Queued) -> tuple[int, float, int]:
+    """Where ``job`` stands among its client's own (module docstring)."""
+    expected = UNDECLARED if job.time_limit is None else job.time_limit
+    return (-job.priority, expected - job.waited, job.order)
 
 
 def _first_come(queued: Sequence[Queued], seats: Sequence[Seat]) -> Plan:
@@ -393,7 +409,9 @@ def _estimate(job: Queued, state: _Pass, running: Sequence[Running]) -> float | 
     return ends[need - 1]
 
 
-def _victims(job: Queued, state: _Pass, running: Sequence[Running], share_wait: float) -> list[str]:
+def _victims(
+    job: Queued, state: _Pass, running: Sequence[Running], share_wait: float, now: float
+) -> list[str]:
     """The running jobs to preempt so that ``job`` can start (module docstring), or none when
     those it may preempt would not make room enough."""
 
@@ -410,12 +428,15 @@ def _victims(job: Queued, state: _Pass, running: Sequence[Running], share_wait: 
             return False
         if borrowing(r.owner):
             return True
-        if job.waited < share_wait:
-            return False
+        if job.waited < share_wait or now - r.started < share_wait:
+            return False  # (nor a job that started lately: it would come straight back)
         need = job.placement.workers * 1.0
-        mine = state.held[job.owner] + need <= state.fair.get(job.owner, 0.0) + EPSILON
-        theirs = state.held[r.owner] - state.weight(r.workers, r.slots)
-        return mine and theirs >= state.fair.get(r.owner, 0.0) - EPSILON
+        freed = state.weight(r.workers, r.slots)
+        mine = state.held[job.owner] < state.fair.get(job.owner, 0.0) - EPSILON
+        theirs = state.held[r.owner] - freed >= state.fair.get(r.owner, 0.0) - EPSILON
+        # and, once swapped, the order would still put the waiting client first
+        after = state.key(job.owner, need) <= state.key(r.owner, -freed) + EPSILON
+        return mine and theirs and after
 
     free = dict(state.free)
     for r in running:

@@ -3,6 +3,7 @@ with backfill, and the preemptions it asks for."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -133,17 +134,26 @@ def test_priority_preempts_the_lowest_newest_job_that_makes_room() -> None:
 
 
 def test_equal_priority_preempts_only_for_share_after_waiting() -> None:
-    running = [Running(f"b{i}", "bob", (f"w{i}",), preemptible=True) for i in range(4)]
+    running = [
+        Running(f"b{i}", "bob", (f"w{i}",), preemptible=True, started=-100.0) for i in range(4)
+    ]
     queued = [job("a", "alice", waited=10.0)]
     p = plan(queued, running, seats(4, busy=4), equal, {}, 10.0, share_wait=60.0)
     assert p.preempt == []
     queued = [job("a", "alice", waited=61.0)]
     p = plan(queued, running, seats(4, busy=4), equal, {}, 10.0, share_wait=60.0)
     assert len(p.preempt) == 1
+    # nor a job that started within share_wait: it would come straight back
+    lately = [dataclasses.replace(r, started=0.0) for r in running]
+    p = plan(queued, lately, seats(4, busy=4), equal, {}, 10.0, share_wait=60.0)
+    assert p.preempt == []
+    # nor where, once swapped, bob would go first again (alice held much lately)
+    p = plan(queued, running, seats(4, busy=4), equal, {"alice": 4.0}, 10.0, share_wait=60.0)
+    assert p.preempt == []
     # bob at his share (2 of 4 with alice holding 2): no preemption
     running = [
-        Running("b0", "bob", ("w0",), preemptible=True),
-        Running("b1", "bob", ("w1",), preemptible=True),
+        Running("b0", "bob", ("w0",), preemptible=True, started=-100.0),
+        Running("b1", "bob", ("w1",), preemptible=True, started=-100.0),
         Running("a0", "alice", ("w2",)),
         Running("a1", "alice", ("w3",)),
     ]
@@ -189,3 +199,16 @@ def test_a_policy_refuses_nonsense() -> None:
         ClientPolicy(share=0)
     with pytest.raises(ValueError, match="max_workers"):
         ClientPolicy(max_workers=0)
+
+
+def test_a_clients_own_jobs_go_shortest_first_until_the_longer_has_waited_its_difference():
+    queued = [
+        job("long", "alice", order=0, time_limit=600.0),
+        job("unsaid", "alice", order=1),
+        job("short", "alice", order=2, time_limit=5.0),
+    ]
+    p = plan(queued, [], seats(1), equal, {}, 0.0)
+    assert started(p) == ["short"] and p.waits["long"].position < p.waits["unsaid"].position
+    waited = [dataclasses.replace(queued[0], waited=600.0), *queued[1:]]
+    p = plan(waited, [], seats(1), equal, {}, 0.0)
+    assert started(p) == ["long"]  # it waited as long as it lasts: its turn
