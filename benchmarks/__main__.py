@@ -66,6 +66,7 @@ EXTRA = (
     "sandbox",
     "sharded",
     "sharded_memory",
+    "scheduling",
 )
 """Benchmarks that run only when named (not part of the suite's table)."""
 
@@ -95,6 +96,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "sandbox": {"repeats": 1, "steps": 16},
     "sharded": {"steps": 4, "rounds": 1},
     "sharded_memory": {"replicas": (1, 2), "width": 1024},
+    "scheduling": {"day": 20.0, "workers": 10},
 }
 """``run()`` arguments of ``--quick``: every code path, a fraction of the time."""
 
