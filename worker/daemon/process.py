@@ -30,7 +30,7 @@ from protocol.errors import FrameError
 from worker.daemon.cgroup import CgroupParent, JobCgroup
 from worker.daemon.forked import ForkedChild
 from worker.daemon.pipe import FrameReader, FrameWriter
-from worker.daemon.procfs import descendants
+from worker.daemon.procfs import descendants, exited
 from worker.daemon.sandbox import NO_SANDBOX, Launch, Sandbox, UidConfinement
 from worker.daemon.shared_memory import SharedRegion
 
@@ -48,6 +48,9 @@ faster."""
 
 REAP_SECONDS = 5.0
 """How long a daemon that closed its stdout gets to exit before it is killed."""
+
+ENTER_SECONDS = 10.0
+"""How long the processes of a starting daemon get to all be in its cgroup (:func:`enter`)."""
 
 
 class DaemonProcess:
@@ -322,20 +325,29 @@ def _close_gate(launch: Launch) -> None:
             os.close(fd)
 
 
-def enter(cgroup: JobCgroup, pid: int) -> bool:
+def enter(cgroup: JobCgroup, pid: int, seconds: float = ENTER_SECONDS) -> bool:
     """Put ``pid`` and every process below it in ``cgroup``: ``pid`` first, so that what it
     forks from then on is born inside, then what it had forked already, until none is left
     outside (those wait at a gate, or are an interpreter starting: none forks meanwhile);
-    ``False`` when a move failed."""
+    ``False`` when a move failed, or when some were still outside after ``seconds``.
+
+    A zombie is left out: it cannot be moved (the kernel takes the write and moves nothing),
+    and its parent may reap it only once past the gate this opens — waiting for it to show
+    inside spun for ever, and a test's event loop, joining its executor's threads at its end,
+    hung with it."""
     if not cgroup.add(pid):
         return False
+    deadline = time.monotonic() + seconds
     while True:
         inside = set(cgroup.pids())
-        outside = [p for p in descendants(pid) if p not in inside]
+        outside = [p for p in descendants(pid) if p not in inside and not exited(p)]
         if not outside:
             return True
+        if time.monotonic() > deadline:
+            log.warning("processes %s would not move into %s", outside, cgroup.path)
+            return False
         for child in outside:
-            if not cgroup.add(child) and os.path.exists(f"/proc/{child}"):
+            if not cgroup.add(child) and not exited(child):
                 return False
 
 

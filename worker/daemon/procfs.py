@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["descendants", "running_as"]
+__all__ = ["descendants", "exited", "running_as"]
 
 
 def _parent(entry: os.DirEntry[str]) -> int | None:
@@ -15,6 +15,16 @@ def _parent(entry: os.DirEntry[str]) -> int | None:
             return int(stat.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def exited(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (exited, not yet reaped: it can no longer be moved
+    into a cgroup, and a write of it to ``cgroup.procs`` succeeds without moving it)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _uid(entry: os.DirEntry[str]) -> int | None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
 
 from worker.daemon.cgroup import CgroupParent
 from worker.daemon.process import enter
-from worker.daemon.procfs import descendants
+from worker.daemon.procfs import descendants, exited
 from worker.daemon.sandbox import Sandbox, SandboxRefused, choose
 from worker.daemon.sandbox_root import Cover, plan, script
 
@@ -91,6 +92,48 @@ def test_a_launch_waits_at_bubblewraps_gate_and_a_uid_launch_needs_none():
 def test_an_unknown_level_is_refused_naming_the_levels():
     with pytest.raises(SandboxRefused, match="--sandbox takes one of auto, bwrap, uid, none"):
         choose("chroot")
+
+
+ZOMBIE_PARENT = """
+import os, sys, time
+child = os.fork()
+if child == 0:
+    os._exit(0)  # exits at once; never reaped while the parent waits at its gate
+print(child, flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_zombie_below_the_process_is_left_out_not_waited_for():
+    """A child that exited and waits for its parent to reap it can never be moved (the
+    kernel takes the write and moves nothing): ``enter`` returns, the parent inside, rather
+    than waiting for it for ever (a daemon's parent reaps only once past the gate)."""
+    found = CgroupParent.find()
+    assert not isinstance(found, str), found
+    cgroup = found.new()
+    assert cgroup is not None
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE_PARENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        zombie = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not exited(zombie) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exited(zombie) and zombie in descendants(parent.pid)
+        began = time.monotonic()
+        assert enter(cgroup, parent.pid, seconds=30)
+        assert time.monotonic() - began < 5  # not the 30 s of waiting for the zombie
+        assert cgroup.pids() == [parent.pid]
+    finally:
+        parent.kill()
+        parent.communicate(timeout=10)  # reaped, its pipe closed
+        cgroup.remove()
+        found.remove()
 
 
 def test_a_process_and_what_it_forked_already_are_put_in_the_cgroup_whole():
