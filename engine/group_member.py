@@ -188,15 +188,21 @@ class GroupMember:
             dist.destroy_process_group()
             self._last_left = left  # (the one before it goes now)
 
-    def broken(self, where: str, exc: BaseException, steps_done: int = 0) -> EngineError:
+    def broken(
+        self,
+        where: str,
+        exc: BaseException,
+        steps_done: int = 0,
+        detail: dict[str, Any] | None = None,
+    ) -> EngineError:
         """``COLLECTIVE_FAILED`` at ``where``, with ``steps_done``: the steps this member
         completed in the group's current work, which an elastic job brings the members back
-        to."""
+        to; and what else the member says of where it stands (``detail``)."""
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         return EngineError(
             ErrorCode.COLLECTIVE_FAILED,
             f"the torch collective broke at {where}: {type(exc).__name__}: {first_line}",
-            {"steps_done": steps_done},
+            {"steps_done": steps_done} | (detail or {}),
         )
 
 

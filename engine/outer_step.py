@@ -96,6 +96,22 @@ class OuterStep:
                 fragment.exchange(deltas)
                 fragment.land(deltas, inner, 0.0 if closing else self.spec.mixing)
 
+    def momenta(self) -> list[torch.Tensor | None]:
+        """The outer momentum of each parameter, in order (``None`` where there is none yet:
+        before the first synchronisation, or without momentum)."""
+        held: list[torch.Tensor | None] = []
+        for fragment in self.fragments:
+            held.extend(fragment.momenta())
+        return held
+
+    def load_momenta(self, momenta: Sequence[torch.Tensor | None]) -> None:
+        """Set the outer momentum of each parameter, in order, as :meth:`momenta` gives it (a
+        replica joining at a synchronisation, a run resumed)."""
+        at = 0
+        for fragment in self.fragments:
+            fragment.load_momenta(momenta[at : at + len(fragment.params)])
+            at += len(fragment.params)
+
     def close(self) -> None:
         """Stop the exchange thread (a plan replaced or the replica gone)."""
         if self._exchanges is not None:
@@ -124,9 +140,33 @@ class _Fragment:
         with torch.no_grad():
             return [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
 
+    def momenta(self) -> list[torch.Tensor | None]:
+        """Each parameter's outer momentum buffer (torch SGD's), or ``None``."""
+        state = self.optimizer.state
+        return [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+
+    def load_momenta(self, momenta: Sequence[torch.Tensor | None]) -> None:
+        """Each parameter's outer momentum buffer set (or dropped, for ``None``)."""
+        for g, momentum in zip(self.global_params, momenta, strict=True):
+            if momentum is None:
+                self.optimizer.state.pop(g, None)
+            else:
+                buffer = momentum.detach().to(g.device, g.dtype, copy=True)
+                self.optimizer.state[g] = {"momentum_buffer": buffer}
+
     def exchange(self, deltas: list[torch.Tensor]) -> None:
         """Replace ``deltas`` by their mean over the group, in buckets (on the exchange thread
-        when it overlaps inner steps: it touches nothing else)."""
+        when it overlaps inner steps: it touches nothing else). When the group breaks, the
+        int8 residuals are as they were: the exchange can be made again, in a group formed
+        anew."""
+        before = dict(self.pseudo_gradients.residuals)
+        try:
+            self._exchange(deltas)
+        except RuntimeError:
+            self.pseudo_gradients.residuals = before
+            raise
+
+    def _exchange(self, deltas: list[torch.Tensor]) -> None:
         with torch.no_grad():
             sizes = [d.numel() * d.element_size() for d in deltas]
             for k, run in enumerate(buckets(sizes)):  # (protocol.rules.traffic counts them so)

@@ -34,6 +34,12 @@ between synchronisations and the coordinator averages the replicas' weights and 
 step (:mod:`coordinator.strategies.data_parallel.diloco`).
 
 A broken group raises ``COLLECTIVE_FAILED`` carrying the steps this replica has completed.
+DiLoCo's group that breaks in a synchronisation leaves the replica as it stood before it — its
+local weights, global weights, outer momentum and int8 residuals — owing that synchronisation
+(``sync_pending`` in the error, with the losses of the chunk's steps so far): an elastic run
+forms the group again with the replicas left (a plan that ``regroup``s keeps all of it, and
+DDP broadcasts nothing) and the replica makes the synchronisation first when next told to
+train on.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class ReplicaPlan:
     syncs: list[tuple[int, ...]] = field(default_factory=list)
     sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.sharding)
     shard_units: tuple[str, ...] | None = None  # the classes sharded as one unit each
+    regroup: bool = False  # DiLoCo's group formed anew: what the replica holds carries over
 
     @classmethod
     def of(
@@ -266,6 +273,8 @@ class Replica:
         self._plan: ReplicaPlan | None = None
         self._ddp: Wrapped | None = None
         self._outer: OuterStep | None = None
+        self._kept: OuterStep | None = None  # the outer step of a group left, for a regroup
+        self._pending: int | None = None  # the step whose synchronisation the group broke in
         self._sync_point: SyncPoint | None = None  # a plan alone: its last synchronisation
         self._sharded: ShardedRun | None = None  # a plan with sharding: the run's shards
         self._incoming: tempfile.TemporaryDirectory[str] | None = None  # shard_file's files
@@ -285,6 +294,7 @@ class Replica:
         self.rows.held(plan.data, lazy=True)  # staged (not read: a dataset on disk stays there)
         self._ddp = None
         if plan.alone:
+            self._drop_kept()
             self._ddp, self._plan, self._outer = _Alone(_Chain(run, self.nodes.device)), plan, None
             self._sync_point = None  # (the coordinator reads the weights themselves)
             if plan.compression is not None:  # the pseudo-gradients travel compressed
@@ -300,7 +310,9 @@ class Replica:
                 _synced_batchnorm(chain)
             ids = [device.index] if device.type == "cuda" else None
             buckets = bucketing(plan.compression)
-            self._ddp = DistributedDataParallel(chain, device_ids=ids, **buckets)
+            # (regrouped, the replicas' local weights differ between synchronisations)
+            init = not plan.regroup
+            self._ddp = DistributedDataParallel(chain, device_ids=ids, init_sync=init, **buckets)
             if plan.compression is not None and plan.outer is None:  # (DiLoCo's: at a sync)
                 compress(self._ddp, plan.compression, plan.seed)
         except RuntimeError as exc:
@@ -311,8 +323,26 @@ class Replica:
         self._drop_outer()
         if plan.outer is not None:  # the global weights: replica 0's, as DDP broadcast them
             trained = [p for p in self._ddp.module.parameters() if p.requires_grad]
-            self._outer = OuterStep(trained, plan.outer, plan.compression, len(plan.steps))
+            self._outer = self._kept_for(plan, trained) or OuterStep(
+                trained, plan.outer, plan.compression, len(plan.steps)
+            )
+        self._drop_kept()
+        if not plan.regroup:
+            self._pending = None
         return None
+
+    def _kept_for(self, plan: ReplicaPlan, trained: list[torch.nn.Parameter]) -> OuterStep | None:
+        """The outer step of the group this replica left, when ``plan`` regroups over the same
+        parameters with the same outer step (then taken: no longer kept)."""
+        kept = self._kept
+        if not plan.regroup or kept is None or kept.spec != plan.outer:
+            return None
+        if len(kept.params) != len(trained) or any(
+            a is not b for a, b in zip(kept.params, trained, strict=True)
+        ):
+            return None
+        self._kept = None
+        return kept
 
     def _shard(self, chain: _Chain, run: list[Node], plan: ReplicaPlan) -> dict[str, int]:
         """The run sharded by FSDP2 over the group (:mod:`engine.sharding`), its optimizers
@@ -337,6 +367,60 @@ class Replica:
             )
         self._sharded = None
 
+    def outer_momentum(self) -> dict[str, dict[str, torch.Tensor]]:
+        """DiLoCo's outer momentum on this replica (torch SGD's buffers of the global
+        weights), node → name → tensor; empty where there is none yet.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a replica whose plan has no outer step.
+        """
+        outer, names = self._outer_and_names()
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for (node, name), momentum in zip(names, outer.momenta(), strict=True):
+            if momentum is not None:
+                held.setdefault(node, {})[name] = momentum.detach().clone()
+        return held
+
+    def set_outer_momentum(self, momentum: dict[str, dict[str, Any]]) -> None:
+        """Set DiLoCo's outer momentum (as :meth:`outer_momentum` gives it; a parameter left
+        out has none).
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a replica whose plan has no outer step;
+                ``STATE_MISMATCH`` for momentum of parameters it does not have, or in another
+                shape.
+        """
+        outer, names = self._outer_and_names()
+        given = {(n, k) for n, named in momentum.items() for k in named}
+        unknown = given - set(names)
+        if unknown:
+            raise EngineError(
+                ErrorCode.STATE_MISMATCH, f"outer momentum of unknown parameters {sorted(unknown)}"
+            )
+        momenta: list[torch.Tensor | None] = []
+        for (node, name), p in zip(names, outer.params, strict=True):
+            value = momentum.get(node, {}).get(name)
+            tensor = None if value is None else torch.as_tensor(value)
+            if tensor is not None and tuple(tensor.shape) != tuple(p.shape):
+                raise EngineError(
+                    ErrorCode.STATE_MISMATCH,
+                    f"outer momentum of {node}.{name} has shape {tuple(tensor.shape)}, the "
+                    f"parameter {tuple(p.shape)}",
+                )
+            momenta.append(tensor)
+        outer.load_momenta(momenta)
+
+    def _outer_and_names(self) -> tuple[OuterStep, list[tuple[str, str]]]:
+        """The outer step, and each of its parameters' node and name, in its order."""
+        plan = self._plan
+        if self._outer is None or plan is None:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST, "the outer state is a DiLoCo replica's, in a torch group"
+            )
+        _, run = self._prefix_and_run(plan.node_ids)
+        named = {id(p): (node.node_id, k) for node in run for k, p in trainable(node).items()}
+        return self._outer, [named[id(p)] for p in self._outer.params]
+
     def train(self, start: int, stop: int, snapshot: bool = False) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
         rows, learning rate and (from a step function) metrics per step. With ``snapshot``,
@@ -360,6 +444,9 @@ class Replica:
             local = plan.steps[step][0]
             return self.rows.held(plan.data, local if len(local) else ONE_ROW)
 
+        said: dict[str, Any] = {"losses": losses, "rows": rows, "lrs": lrs}
+        if self._pending is not None:  # its group broke in that synchronisation: made now
+            self._owed(start, optimizers, said)
         from_disk = on_disk(self.rows.held(plan.data, lazy=True)[0])
         steps = range(start, stop)
         for step, (x, y) in zip(steps, read_ahead(read, steps, 1 if from_disk else 0), strict=True):
@@ -372,19 +459,18 @@ class Replica:
                 if looks_collective(exc):
                     raise self.group.broken(f"step {step + 1}", exc, steps_done=step) from exc
                 raise
-            if self._outer is not None:  # (exchanges in flight may land after any step)
-                self._synchronise(self._outer, optimizers, step, plan.syncs[step])
-            elif plan.alone and plan.syncs and plan.syncs[step]:  # the coordinator's outer step
-                _reset_inner(plan, optimizers)
             losses.append(loss)
             rows.append(len(plan.steps[step][0]))
             lrs.append(lr)
             metrics.append(figures)
+            if self._outer is not None:  # (exchanges in flight may land after any step)
+                self._synchronise(self._outer, optimizers, step, plan.syncs[step], said)
+            elif plan.alone and plan.syncs and plan.syncs[step]:  # the coordinator's outer step
+                _reset_inner(plan, optimizers)
         if stop == len(plan.steps) and isinstance(ddp, DistributedDataParallel):
             self._broadcast_buffers(ddp, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
-        said = {"losses": losses, "rows": rows, "lrs": lrs}
         if snapshot:
             said["snapshot"] = self._snapshot(plan, prefix, run, stop)
         return said | ({"metrics": metrics} if any(metrics) else {})
@@ -409,10 +495,11 @@ class Replica:
                     raise self.group.broken(where, exc, steps_done=done) from exc
                 files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
             return {"shards": files, "rest": rest, "plain": self.nodes.get_state(_ids(prefix))}
-        return {
+        taken = {
             "states": self.nodes.get_state(plan.node_ids, live=True),
             "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
         }
+        return taken | ({"outer": self.outer_momentum()} if self._outer is not None else {})
 
     def shard_file(self, name: str, data: bytes, offset: int = 0) -> None:
         """Keep a piece of one file of a sharded checkpoint (:meth:`_snapshot`'s), ``data``
@@ -545,16 +632,38 @@ class Replica:
         inner: list[torch.optim.Optimizer],
         step: int,
         fragments: tuple[int, ...],
+        said: dict[str, Any],
     ) -> None:
         """DiLoCo's synchronisation of ``fragments`` after global step ``step``, and the
-        exchanges that land there (:mod:`engine.outer_step`)."""
+        exchanges that land there (:mod:`engine.outer_step`). When the group breaks in it, the
+        replica owes it (module docstring): the error says so, with the chunk's results so
+        far (``said``)."""
         try:
             outer.after(step, fragments, inner)
         except RuntimeError as exc:
             if looks_collective(exc):
+                self._pending = step
                 where = f"synchronising after step {step + 1}"
-                raise self.group.broken(where, exc, steps_done=step) from exc
+                owed = {"sync_pending": step + 1, "results": said}
+                raise self.group.broken(where, exc, step + 1, owed) from exc
             raise
+
+    def _owed(self, start: int, inner: list[torch.optim.Optimizer], said: dict[str, Any]) -> None:
+        """The synchronisation this replica owes, made before training on from ``start``.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` when ``start`` is not where it was owed.
+        """
+        plan, outer, owed = self._plan, self._outer, self._pending
+        assert plan is not None and owed is not None
+        if outer is None or start != owed + 1:
+            raise EngineError(
+                ErrorCode.BAD_REQUEST,
+                f"this replica owes the synchronisation after step {owed + 1}, and was told to "
+                f"train from step {start + 1}",
+            )
+        self._synchronise(outer, inner, owed, plan.syncs[owed], said)
+        self._pending = None
 
     def _planned(self, stop: int) -> tuple[ReplicaPlan, Wrapped]:
         """The plan and the DDP wrapper, when the plan goes as far as ``stop``."""
@@ -656,7 +765,9 @@ class Replica:
             self._incoming = None
         self._ddp = None
         self._plan = None
-        self._drop_outer()
+        if self._outer is not None:  # kept: a regroup carries it over
+            self._drop_kept()
+            self._kept, self._outer = self._outer, None
         self._sync_point = None
 
     def _drop_outer(self) -> None:
@@ -664,6 +775,12 @@ class Replica:
         if self._outer is not None:
             self._outer.close()
         self._outer = None
+
+    def _drop_kept(self) -> None:
+        """The outer step kept from a group left goes."""
+        if self._kept is not None:
+            self._kept.close()
+        self._kept = None
 
     def _prefix_and_run(self, node_ids: Sequence[str]) -> tuple[list[Node], list[Node]]:
         """The plain filters before the differentiable run, and the run.

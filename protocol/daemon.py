@@ -60,6 +60,7 @@ __all__ = [
     "DistJoinRequest",
     "DistLeaveRequest",
     "DistLoadShardsRequest",
+    "DistOuterStateRequest",
     "DistOuterUpdateRequest",
     "DistPiecesRequest",
     "DistPlanRequest",
@@ -380,6 +381,12 @@ class DistPlanRequest(_BatchPlan):
     alone: bool = False
     rank: NonNegativeInt = 0
     world: PositiveInt = 1
+    # DiLoCo's group formed again (replicas dropped or joined at a sync): the replica's place
+    # is ``rank`` among ``world`` replicas (not its rank in the group); its local weights stay
+    # as they are (no broadcast), and its global weights, outer momentum and a synchronisation
+    # its group broke in carry over from the group before (a joiner's global weights are its
+    # weights, its outer momentum what ``dist_outer_state`` gives it).
+    regroup: bool = False
 
 
 class PipePlanRequest(_BatchPlan):
@@ -487,6 +494,16 @@ class DistOuterUpdateRequest(_Request):
 
     cmd: Literal["dist_outer_update"] = "dist_outer_update"
     update: dict[str, Any]
+
+
+class DistOuterStateRequest(_Request):
+    """DiLoCo's outer optimizer on a replica of a torch group: with ``momentum`` absent, what
+    it holds (``{"momentum": node → name → tensor}``, torch SGD's momentum buffers of the
+    global weights; empty before the first synchronisation or without momentum); with it,
+    those buffers set (a replica joining at a synchronisation, a run resumed)."""
+
+    cmd: Literal["dist_outer_state"] = "dist_outer_state"
+    momentum: dict[str, dict[str, Any]] | None = None
 
 
 class DistLeaveRequest(_Request):
@@ -679,6 +696,7 @@ DaemonRequest = Annotated[
     | DistLoadShardsRequest
     | DistPseudoGradientsRequest
     | DistOuterUpdateRequest
+    | DistOuterStateRequest
     | PipePlanRequest
     | PipeTrainRequest
     | DistLeaveRequest

@@ -1,17 +1,32 @@
 """A replica alone's synchronisation point (DiLoCo through the coordinator, compressed): its
 pseudo-gradients are the weights of the last synchronisation minus its weights now, and the
-coordinator's update lands on those weights; an update of another model is refused whole."""
+coordinator's update lands on those weights; an update of another model is refused whole.
+A replica's outer step on a group (one-rank gloo): its outer momentum read and set as torch
+SGD's buffers, and a synchronisation whose exchange breaks leaves it as it was."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.engine import Engine
 from engine.errors import EngineError
-from engine.outer_step import SyncPoint
+from engine.outer_step import OuterStep, SyncPoint
 from protocol.compressed_trees import TreeCompressor, decode
+from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
+from tests.gloo_group import one_rank_gloo_group
+
+SPEC = OuterStepSpec(sync_every=2, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    with one_rank_gloo_group():
+        yield
 
 
 def point() -> tuple[torch.nn.Linear, SyncPoint]:
@@ -55,3 +70,80 @@ def test_a_replica_not_planned_alone_has_no_pseudo_gradients_to_give():
         Engine().replica.pseudo_gradients("int8")
     assert refused.value.code is ErrorCode.BAD_REQUEST
     assert "for a replica planned alone, with compression" in str(refused.value)
+
+
+def _stepped(net: torch.nn.Linear, by: float) -> None:
+    """An inner step stand-in: every weight moved by ``by``."""
+    with torch.no_grad():
+        for p in net.parameters():
+            p.sub_(by)
+
+
+def test_outer_momentum_is_torch_sgds_buffer_and_setting_it_resumes_the_outer_step(group):
+    """One rank: the mean pseudo-gradient is the replica's own (θ_global − θ_local = 0.25
+    everywhere after the inner steps), so the first outer step's buffer is 0.25; a fresh outer
+    step given that buffer (a joiner, a resumed run) takes the next step as the first one."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    outer = OuterStep(list(net.parameters()), SPEC, steps=4)
+    assert outer.momenta() == [None, None]  # none before the first synchronisation
+    _stepped(net, 0.25)
+    outer.after(1, (0,), [])  # after step 2: sync_every=2
+    for momentum in outer.momenta():
+        torch.testing.assert_close(momentum, torch.full_like(momentum, 0.25))
+    twin = torch.nn.Linear(3, 2)
+    twin.load_state_dict(net.state_dict())
+    again = OuterStep(list(twin.parameters()), SPEC, steps=4)
+    again.load_momenta(outer.momenta())
+    for stepped in (net, twin):
+        _stepped(stepped, 0.5)
+    outer.after(3, (0,), [])
+    again.after(3, (0,), [])
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Nesterov by hand: buffer 0.9·0.25 + 0.5; the weights move by −0.7·(0.5 + 0.9·buffer)
+    for momentum in again.momenta():
+        torch.testing.assert_close(momentum, torch.full_like(momentum, 0.9 * 0.25 + 0.5))
+
+
+def test_a_synchronisation_whose_exchange_breaks_leaves_the_replica_as_it_was(group, monkeypatch):
+    """int8 pseudo-gradients: the gather breaks (as when a peer is lost) after the residual
+    was computed; the local and global weights, the momentum and the residual are as before,
+    and making the synchronisation again gives what an unbroken one gives."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(40, 30)
+    twin = torch.nn.Linear(40, 30)
+    twin.load_state_dict(net.state_dict())
+    outers = [
+        OuterStep(list(m.parameters()), SPEC, compression="int8", steps=4) for m in (net, twin)
+    ]
+    for m, outer in zip((net, twin), outers, strict=True):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(0.97)
+        outer.after(1, (0,), [])
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.013)
+    broken, unbroken = outers
+    before = [p.detach().clone() for p in net.parameters()]
+    residuals = dict(broken.fragments[0].pseudo_gradients.residuals)
+    assert residuals  # the first synchronisation left one
+    real_gather = dist.all_gather
+
+    def gather_breaks(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+
+    monkeypatch.setattr(dist, "all_gather", gather_breaks)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        broken.after(3, (0,), [])
+    assert broken.fragments[0].pseudo_gradients.residuals == residuals
+    for p, was in zip(net.parameters(), before, strict=True):
+        torch.testing.assert_close(p.detach(), was, rtol=0, atol=0)
+    monkeypatch.setattr(dist, "all_gather", real_gather)
+    broken.after(3, (0,), [])
+    unbroken.after(3, (0,), [])
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(broken.momenta(), unbroken.momenta(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -17,6 +17,7 @@ from protocol.daemon import (
     DistJoinRequest,
     DistLeaveRequest,
     DistLoadShardsRequest,
+    DistOuterStateRequest,
     DistOuterUpdateRequest,
     DistPiecesRequest,
     DistPlanRequest,
@@ -37,9 +38,9 @@ __all__ = ["GroupCommands"]
 class GroupCommands:
     """``dist_store``, ``dist_probe``, ``dist_join``, ``dist_plan``, ``dist_train``,
     ``dist_evaluate``, ``dist_pieces``, ``dist_shard_file``, ``dist_load_shards``,
-    ``dist_pseudo_gradients``, ``dist_outer_update``, ``pipe_plan``, ``pipe_train`` and
-    ``dist_leave``, each onto one method of ``engine``'s group membership, replica or linked
-    stage."""
+    ``dist_pseudo_gradients``, ``dist_outer_update``, ``dist_outer_state``, ``pipe_plan``,
+    ``pipe_train`` and ``dist_leave``, each onto one method of ``engine``'s group membership,
+    replica or linked stage."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -55,6 +56,7 @@ class GroupCommands:
             "dist_load_shards": self.on_dist_load_shards,
             "dist_pseudo_gradients": self.on_dist_pseudo_gradients,
             "dist_outer_update": self.on_dist_outer_update,
+            "dist_outer_state": self.on_dist_outer_state,
             "pipe_plan": self.on_pipe_plan,
             "pipe_train": self.on_pipe_train,
             "dist_leave": self.on_dist_leave,
@@ -80,7 +82,8 @@ class GroupCommands:
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> dict[str, Any] | None:
-        rank, world = (req.rank, req.world) if req.alone else self.engine.group.place()
+        placed = req.alone or req.regroup  # its place among the replicas, not in the group
+        rank, world = (req.rank, req.world) if placed else self.engine.group.place()
         plan = ReplicaPlan.of(
             req.data,
             req.node_ids,
@@ -103,6 +106,8 @@ class GroupCommands:
             plan = dataclasses.replace(plan, compression=req.compression)
         if req.alone:
             plan = dataclasses.replace(plan, alone=True)
+        if req.regroup:
+            plan = dataclasses.replace(plan, regroup=True)
         if req.sharding != "none":
             # Under glibc's malloc its gathered units and their gradients would fragment the heap;
             # under tcmalloc (worker.daemon.allocator) glibc's thresholds govern nothing.
@@ -131,6 +136,12 @@ class GroupCommands:
 
     def on_dist_outer_update(self, req: DistOuterUpdateRequest) -> None:
         self.engine.replica.outer_update(req.update)
+
+    def on_dist_outer_state(self, req: DistOuterStateRequest) -> dict[str, Any] | None:
+        if req.momentum is None:
+            return {"momentum": self.engine.replica.outer_momentum()}
+        self.engine.replica.set_outer_momentum(req.momentum)
+        return None
 
     def on_pipe_plan(self, req: PipePlanRequest) -> None:
         plan = global_batches(
