@@ -151,19 +151,22 @@ async def leave(ctx: StrategyContext, members: Sequence[int]) -> None:
 
 
 class Broken(Exception):
-    """Work that did not complete on every member: each one's error, and the steps each member
-    that answered (or only saw the group break) has completed."""
+    """Work that did not complete on every member: each one's error, the steps each member
+    that answered (or only saw the group break) has completed, and the answers of those that
+    completed it."""
 
     def __init__(
         self,
         errors: dict[int, WorkerCallError],
         done: dict[int, int],
         stopped: frozenset[int] = frozenset(),
+        results: dict[int, Any] | None = None,
     ) -> None:
         super().__init__(", ".join(str(e) for e in errors.values()))
         self.errors = errors
         self.done = done
         self.stopped = stopped  # members whose call was cancelled here (their daemon stopped)
+        self.results = results or {}
 
     def blame(self) -> WorkerCallError:
         """The failure that explains the others: a lost worker over a survivor that only saw
@@ -233,7 +236,7 @@ async def settle(
         else:
             raise exc
     if errors:
-        raise Broken(errors, done_steps | {i: completed for i in results}, stopped)
+        raise Broken(errors, done_steps | {i: completed for i in results}, stopped, results)
     return results
 
 

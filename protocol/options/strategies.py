@@ -470,8 +470,9 @@ class DiLoCoOptions(DataParallelOptions):
     the model is read every fragment synchronises at once, nothing in flight and nothing
     mixed: every replica then holds the global model. With F = 1,
     τ = 0, α = 0 it is DiLoCo. It runs on the torch collective (refused through the
-    coordinator, and with elastic, checkpoints or max_restarts, which need it); ``overlap``
-    needs a model without buffers (DDP broadcasts them before each forward).
+    coordinator) and does not take elastic, checkpoints or max_restarts (the model is never
+    whole on every replica while exchanges are in flight); ``overlap`` needs a model without
+    buffers (DDP broadcasts them before each forward).
 
     With ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and an inner SGD this is
     ``DataParallel`` (each replica's loss is weighted by its share of the global batch, so the
@@ -485,13 +486,15 @@ class DiLoCoOptions(DataParallelOptions):
     ``coordinator``. Either gives the same result.
 
     What must outlive a replica — the global model, the outer momentum, every replica's inner
-    optimizer state — is kept by the coordinator, so a job that is ``elastic``, saves
-    checkpoints (``checkpoint_every`` not 0; DiLoCo's default is 0) or has ``max_restarts``
-    trains through the coordinator (``auto`` picks it and says why; ``torch`` is refused).
+    optimizer state — is kept by the replicas on the torch collective and by the coordinator
+    through it; either path is ``elastic``, saves checkpoints (``checkpoint_every`` not 0;
+    DiLoCo's default is 0) and restarts (``max_restarts``). An elastic model with buffers (DDP
+    broadcasts them at every inner step) trains through the coordinator (``auto`` picks it).
     ``elastic``: a replica whose worker is lost during a round is dropped from that round's
-    average and the others go on without waiting; at a later synchronisation an idle worker
-    takes its place, set to the global model and a survivor's inner optimizer state (the job's
-    events ``worker_dropped`` and ``worker_joined`` say who). A checkpoint is taken after a
+    average and the others go on without waiting (on the torch group they form it again
+    without it to synchronise); after that synchronisation an idle worker takes its place,
+    set to the global model, a survivor's inner optimizer state and the outer momentum (the
+    job's events ``worker_dropped`` and ``worker_joined`` say who). A checkpoint is taken after a
     synchronisation (the first at or after every ``checkpoint_every`` steps; ``None``: at each
     epoch's end or after 60 s); a job resumed from one trains on exactly as it would have.
     ``compression`` (``"fp16"``, ``"bf16"``, ``"int8"``) is what the pseudo-gradients travel as
@@ -586,14 +589,9 @@ class DiLoCoOptions(DataParallelOptions):
         keeps = cls._keeps(fields)
         if keeps and streaming:
             raise ValueError(
-                f"DiLoCo with {keeps} trains through the coordinator, which cannot stream: "
-                f"Streaming DiLoCo ({streaming}) runs on the torch collective"
-            )
-        if keeps and cls._given(fields, "collective") == "torch":
-            raise ValueError(
-                f"DiLoCo with {keeps} trains through the coordinator, which keeps the global "
-                "model and the outer momentum; collective='torch' keeps them on the replicas: "
-                "use collective='auto' or 'coordinator'"
+                f"Streaming DiLoCo ({streaming}) keeps fragments' exchanges in flight between "
+                f"synchronisations, where the model is never whole on every replica: it does "
+                f"not take {keeps}; use DiLoCo (fragments=1, overlap=0, mixing=0)"
             )
         return fields
 

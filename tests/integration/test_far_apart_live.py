@@ -6,6 +6,7 @@ workers in network namespaces that cannot reach each other train through the coo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from tests.coordinator.strategies.data_parallel.test_star_compression import (
 )
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.integration.netns import Netns, NetnsUnavailable
+from tests.integration.test_data_parallel_live import daemons_of
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
@@ -221,14 +223,20 @@ class Slow(torch.nn.Sequential):
         return super().forward(x)
 
 
-def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(tmp_path):
+@pytest.mark.parametrize("collective", ["auto", "coordinator"])
+def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
+    tmp_path, collective
+):
     """Elastic DiLoCo on two replicas and a spare: replica w2's agent SIGKILLed during a round
     is dropped from that round's average while w1 goes on without waiting; at the round's
-    synchronisation the spare takes its place with the global model and w1's inner Adam
-    state. The result is the hand-written loop's with w2 missing from that round."""
+    synchronisation the spare takes its place with the global model, w1's inner Adam state
+    (and, on the torch group, w1's outer momentum). The result is the hand-written loop's
+    with w2 missing from that round — on the replicas' torch group (``auto``: re-formed with
+    the survivor for the round's synchronisation, then with the spare) as through the
+    coordinator."""
     x, y = dataset()
     graph = graph_for("adam", shuffle=True, module=Slow(*model()))
-    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, elastic=True)
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, elastic=True, collective=collective)
     with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(graph, x, y, strategy=strategy)
         wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 3, 60 * UNIT, "3")
@@ -236,8 +244,7 @@ def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
         fitted = job.result(timeout=120 * UNIT)
         events = list(job.events(timeout=30 * UNIT))
     placed = next(e for e in events if e.event == "placed")
-    assert placed.data["collective"] == "coordinator"
-    assert placed.data["collective_reason"].startswith("DiLoCo with elastic=True synchronises")
+    assert placed.data["collective"] == ("torch" if collective == "auto" else "coordinator")
     lost = next(e for e in events if e.event == "worker_lost")
     dropped = next(e for e in events if e.event == "worker_dropped")
     joined = next(e for e in events if e.event == "worker_joined")
@@ -253,6 +260,54 @@ def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
     training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
     assert [e.data["step"] for e in training] == syncs  # each round once, none waited for
+
+
+def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_stays_empty(
+    tmp_path,
+):
+    """Elastic DiLoCo on the replicas' torch group, two workers and no spare: one replica's
+    daemon SIGKILLed mid-round is dropped from that round's synchronisation (the group formed
+    again with the survivor to make it) and its own worker, with a fresh daemon, takes its
+    place after it with the survivor's global model, inner Adam state and outer momentum;
+    later the other replica's worker is SIGKILLed (with its daemon) and nobody can take its
+    place: the survivor trains alone to the end. The hand loop with those replicas missing
+    from those rounds gives the same model."""
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, module=Slow(*model()))
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, elastic=True, collective="torch")
+    syncs = [3, 6, 9, 12, 15, 18, 21]
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 3, 60 * UNIT, "3")
+        for pid in daemons_of(c.workers["w2"]):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 12, 60 * UNIT, "12")
+        daemons = daemons_of(c.workers["w1"])
+        c.send_signal(c.workers["w1"], signal.SIGKILL)
+        for pid in daemons:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = list(job.events(timeout=30 * UNIT))
+    assert next(e for e in events if e.event == "placed").data["collective"] == "torch"
+    crashed, lost = [e for e in events if e.event == "worker_lost"]
+    assert (crashed.data["worker"], crashed.data["code"]) == ("w2", "daemon_crashed")
+    assert (lost.data["worker"], lost.data["code"]) == ("w1", "worker_lost")
+    joined = [e for e in events if e.event == "worker_joined"]
+    assert [(e.data["lost"], e.data["worker"], e.data["from"]) for e in joined] == [
+        ("w2", "w2", "w1")
+    ]
+    dropped = [e.data["replicas"] for e in events if e.event == "worker_dropped"]
+    assert dropped == [1, 1]
+    first = next(r for r, end in enumerate(syncs) if crashed.data["step"] <= end)
+    last = next(r for r, end in enumerate(syncs) if lost.data["step"] <= end)
+    r1, r2 = lost.data["replica"], crashed.data["replica"]
+    absent = {first: {r2}} | {r: {r1} for r in range(last, len(syncs))}
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
+    assert [e.data["step"] for e in training] == syncs  # each round once
 
 
 def test_auto_trains_through_the_coordinator_for_workers_in_namespaces_that_cannot_meet(

@@ -16,6 +16,7 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     graph_for,
     reference_training,
 )
+from tests.coordinator.strategies.data_parallel.test_diloco import diloco_by_hand
 from tests.coordinator.strategies.federated.test_fedavg import (
     HandAdam,
     assert_model,
@@ -88,6 +89,31 @@ def test_a_replica_sigkilled_restarts_the_job_from_its_checkpoint_on_a_spare_wor
     assert kinds.index("restarting") < kinds.index("resumed") and kinds[-1] == "succeeded"
     assert kinds.count("placed") == 2
     assert victim not in record["workers"] and spare in record["workers"]
+
+
+def test_diloco_on_the_torch_group_restarts_from_its_checkpoint_as_the_hand_loop(tmp_path):
+    """DiLoCo(2, max_restarts=1) on the replicas' torch group: a replica's worker SIGKILLed
+    after the checkpoint at a synchronisation, the job restarts on the survivor and the idle
+    worker from it — the global model, each replica's inner Adam state and the outer momentum
+    the replicas sent with that chunk — and ends as the plain-torch DiLoCo loop."""
+    x, y = dataset()
+    graph = graph_for("adam", epochs=EPOCHS, shuffle=True, module=paced())
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, checkpoint_every=5, max_restarts=1, collective="torch")
+    with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
+        job = client.submit(graph, x, y, strategy=strategy)
+        _checkpointed_at(job, 10)
+        victim = _replica_worker(job)
+        c.send_signal(c.workers[victim], signal.SIGKILL)
+        fitted = job.result(timeout=120 * UNIT)
+        events = list(job.events())
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, epochs=EPOCHS)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)
+    kinds = [e.event for e in events]
+    assert [e.data["collective"] for e in events if e.event == "placed"] == ["torch", "torch"]
+    resumed = next(e for e in events if e.event == "resumed")
+    assert resumed.data["step"] >= 10 and kinds.index("restarting") < kinds.index("resumed")
+    assert kinds[-1] == "succeeded"
 
 
 def test_a_restart_waits_for_the_lost_worker_and_the_next_fault_past_max_restarts_fails(

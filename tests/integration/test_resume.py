@@ -116,13 +116,18 @@ def test_a_data_parallel_job_outlives_a_sigkilled_coordinator_and_equals_an_undi
             assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
-def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(tmp_path):
-    """DiLoCo with checkpoints (through the coordinator, which keeps the global model and the
-    outer momentum): SIGKILLed after its checkpoint at a synchronisation, resumed by the next
-    coordinator with every replica's own inner Adam state, it ends as the hand-written loop."""
+@pytest.mark.parametrize(("collective", "atol"), [("torch", 1e-6), ("coordinator", 1e-5)])
+def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed_run(
+    tmp_path, collective, atol
+):
+    """DiLoCo with checkpoints: SIGKILLed after its checkpoint at a synchronisation, resumed
+    by the next coordinator with every replica's own inner Adam state and the outer momentum,
+    it ends as the hand-written loop. On the torch group the replicas keep the global model
+    and the outer momentum and send them with the chunk that ends at the checkpoint's
+    synchronisation; through the coordinator, the coordinator keeps them."""
     x, y = dataset()
     graph = graph_for("adam", shuffle=True, module=paced())
-    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, checkpoint_every=5)
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, checkpoint_every=5, collective=collective)
     with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
         with sz.connect(c.url) as client:
             job = client.submit(graph, x, y, strategy=strategy)
@@ -135,10 +140,14 @@ def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed
             events = list(client.job(job.id).events())
     expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
     for key, value in expected.items():
-        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=atol)
+    placed = [e.data["collective"] for e in events if e.event == "placed"]
+    assert placed == [collective, collective]  # the first run's and the resumed one's
     resumed = next(e for e in events if e.event == "resumed")
     assert resumed.data["step"] >= 10
     assert [e.event for e in events].count("queued") == 2
+    saved_at = [e.data["step"] for e in events if e.event == "checkpoint"]
+    assert set(saved_at) <= {6, 12, 15, 21}  # the first sync at or after each multiple of 5
 
 
 def test_a_job_that_fails_or_is_cancelled_ends_in_its_event_stream_and_keeps_its_checkpoints(

@@ -17,7 +17,10 @@ once, each reading the rows it holds (:meth:`ReplicaCheckpoints.load_shards`).
 DiLoCo's replicas stand together only at a synchronisation, and each keeps an inner optimizer
 of its own: :class:`SyncCheckpoints` saves, after a synchronisation, the global model, every
 replica's inner optimizer state (by replica) and the outer optimizer's state (its momentum).
-``checkpoint_every`` steps then means the first synchronisation at or after each multiple.
+``checkpoint_every`` steps then means the first synchronisation at or after each multiple. On
+the torch group the replicas send it with the chunk that ends at that synchronisation
+(:attr:`SyncCheckpoints.syncs` says where chunks may end), and the next chunk trains while it
+is written.
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ class SyncCheckpoints(ReplicaCheckpoints):
 
     outer: Any = None
     last: int = 0  # the step of the last checkpoint saved (or resumed from)
+    syncs: list[int] = field(default_factory=list)  # the steps synchronisations follow (torch)
 
     async def restore(self) -> int:
         """Every replica set to the checkpoint's global model and its own inner optimizer
@@ -307,7 +311,12 @@ class SyncCheckpoints(ReplicaCheckpoints):
         return self.last
 
     def stop_at(self, done: int, total: int) -> int:
-        return total  # saved where a synchronisation falls, not where a count does
+        """The first synchronisation after ``done`` a checkpoint falls due at by its count
+        (:attr:`syncs`); ``total`` when none does, or the synchronisations are not known (the
+        coordinator's rounds end at each)."""
+        if self.checkpoints is None:
+            return total
+        return next((s for s in self.syncs if s > done and self._passed(s)), total)
 
     def due(self, done: int, total: int) -> bool:
         """Whether to save after the synchronisation that ends step ``done``: when the policy
@@ -316,11 +325,19 @@ class SyncCheckpoints(ReplicaCheckpoints):
         run)."""
         if self.checkpoints is None:
             return False
+        return self._passed(done) or self.policy.due(done, total)
+
+    def _passed(self, done: int) -> bool:
+        """Whether a multiple of ``checkpoint_every`` (or of an epoch) lies after the last
+        checkpoint — with :attr:`syncs` known, after the synchronisation before ``done`` —
+        and at or before ``done``."""
         every = self.policy.every
         if every is None:
             every = self.policy.per_epoch
-        passed = bool(every) and done // every > self.last // every
-        return passed or self.policy.due(done, total)
+        since = self.last
+        if self.syncs:
+            since = max([since] + [s for s in self.syncs if s < done])
+        return bool(every) and done // every > since // every
 
     async def after_sync(
         self, done: int, global_state: Any, optimizers: dict[int, Any], outer: Any

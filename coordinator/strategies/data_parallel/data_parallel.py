@@ -88,6 +88,7 @@ class DataParallel(Strategy):
     options: DataParallelOptions
     saves_checkpoints = True
     checkpoints_kind: type[ReplicaCheckpoints] = ReplicaCheckpoints
+    torch_training_kind: type[TorchTraining] = TorchTraining  # its training on a torch group
 
     def __init__(self, options: DataParallelOptions) -> None:
         super().__init__(options)
@@ -245,7 +246,7 @@ class DataParallel(Strategy):
         """3. Synchronous SGD on torch.distributed: the replicas train, the coordinator only
         keeps time (:mod:`.torch_collective`)."""
         setup, o = phase.setup, self.options
-        training = TorchTraining(
+        training = self.torch_training_kind(
             setup.run,
             setup.choice,
             phase.training,

@@ -26,9 +26,12 @@ and wherever the model is read — an epoch's validation, ``validate_every`` —
 see the global model, which every replica holds alike. An epoch's history row without validation
 needs no synchronisation: it is the replicas' inner losses.
 
-What outlives a replica is kept where the global model is: through the coordinator. So a DiLoCo
-job that is ``elastic``, saves checkpoints or may restart trains through the coordinator (``auto``
-picks it and says why; ``torch`` is refused at submit). There, with ``elastic``, a replica whose
+On the torch group a DiLoCo job that is ``elastic``, saves checkpoints or may restart keeps what
+outlives a replica on the replicas (:mod:`.diloco_torch`): checkpoints come with the chunk that
+ends at a synchronisation, and a lost replica is dropped from its round's synchronisation, the
+group formed again without it and its place taken after. An elastic model with buffers (which
+DDP broadcasts at every inner step) trains through the coordinator instead. There, with
+``elastic``, a replica whose
 worker or daemon is lost during a round is *dropped* from that round's average (``worker_lost``,
 then ``worker_dropped``) and the others go on at once, without waiting; at each synchronisation
 that follows, a lost replica's place is taken by a worker that is idle then — its own worker
@@ -48,7 +51,6 @@ from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
 from coordinator.errors import (
-    NoReplacement,
     StrategyFailed,
     StrategyOptionsError,
     WorkerCallError,
@@ -56,6 +58,7 @@ from coordinator.errors import (
 from coordinator.strategies.base import JobInputs, Placement
 from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
+from coordinator.strategies.data_parallel.diloco_torch import SyncsOnTorch
 from coordinator.strategies.data_parallel.elastic import (
     RECOVERABLE,
     Lost,
@@ -98,6 +101,7 @@ class DiLoCo(DataParallel):
     options_model = DiLoCoOptions
     options: DiLoCoOptions
     checkpoints_kind = SyncCheckpoints
+    torch_training_kind = SyncsOnTorch  # checkpointed and elastic on the group
 
     def _outer_step(self, phase: TrainingPhase) -> OuterStepSpec:
         return self.options.outer_step(self.reads(phase))
@@ -156,14 +160,14 @@ class DiLoCo(DataParallel):
         return said | ({"overlap": o.overlap} if o.overlap else {})
 
     async def _choose(self, run: Replicas) -> Choice:
-        """Through the coordinator when the run must outlive a replica (module docstring);
-        a Streaming DiLoCo only on the torch collective."""
-        keeps = self.options.keeps_state()
-        if keeps:
+        """Through the coordinator when an elastic run's model has buffers (module
+        docstring); a Streaming DiLoCo only on the torch collective."""
+        buffers = [n for n in run.torch_nodes if run.job.nodes[n].buffers]
+        if self.options.elastic and buffers:
             return Choice(
                 "coordinator",
-                f"DiLoCo with {keeps} synchronises through the coordinator, which keeps the "
-                "global model and the outer momentum",
+                f"elastic DiLoCo on a model with buffers ({buffers}), which DDP broadcasts at "
+                "every inner step, synchronises through the coordinator",
             )
         choice = await super()._choose(run)
         streaming = self.options.streaming()
@@ -325,11 +329,8 @@ class CoordinatorSyncs:
         snapshot: Snapshot | None = None
         for i, error in sorted(self.lost.items()):
             old = run.ids[i]
-            if error.code is not ErrorCode.DAEMON_CRASHED:
-                try:
-                    await ctx.replace(i, 0.0)
-                except NoReplacement:
-                    continue
+            if not await run.idle_worker(i, error):
+                continue
             try:
                 if snapshot is None:  # (the plain filters' states with the global model)
                     snapshot = await run.snapshot(source)

@@ -271,6 +271,18 @@ class Replicas:
             await self.report(lost.errors)
             return lost.results, dict(lost.errors)
 
+    async def idle_worker(self, i: int, error: WorkerCallError) -> bool:
+        """A worker for dropped replica ``i`` (DiLoCo's elastic rounds), without waiting: its
+        own when only its daemon died (loading the job again starts a fresh one), else one
+        idle now; ``False`` when none is."""
+        if error.code is ErrorCode.DAEMON_CRASHED:
+            return True
+        try:
+            await self.ctx.replace(i, 0.0)
+        except NoReplacement:
+            return False
+        return True
+
     async def _replace(self, i: int, error: WorkerCallError) -> None:
         """A worker for lost replica ``i``: the same one when only its daemon died (loading the
         job again starts a fresh one), else a replacement, waited for."""

@@ -208,7 +208,8 @@ class TorchTraining:
                 chunk = next_chunk(chunk, now.stop - step, landed - began)
                 step = now.stop
                 if now.snapshot:  # taken as the chunk ended, while the next one trains
-                    await saves.save(step, total, await self._snapshot(results))
+                    await self._save(saves, step, total, results)
+                await self._after_chunk(step)
         finally:
             await cancelled(ahead)
         position.step = None
@@ -244,7 +245,7 @@ class TorchTraining:
         sharded = self.sharding != "none"
 
         def call(i: int) -> Awaitable[Any]:
-            taken = snapshot and (sharded or i == 0)
+            taken = snapshot and self._snapshots(i)
             request = DistTrainRequest(start=step, stop=stop, snapshot=taken)
             if taken and sharded:  # its files stay on its worker until the store reads them
                 return self.run.ctx.call_keeping(i, request, KEPT)
@@ -253,6 +254,21 @@ class TorchTraining:
         calls = {i: call(i) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
+
+    def _snapshots(self, i: int) -> bool:
+        """Whether replica ``i`` sends a snapshot with a chunk a checkpoint follows: replica
+        0, or every replica of a sharded run."""
+        return self.sharding != "none" or i == 0
+
+    async def _save(
+        self, saves: ReplicaCheckpoints, step: int, total: int, results: Mapping[int, Any]
+    ) -> None:
+        """Save the checkpoint due after step ``step`` from the chunk's ``results``."""
+        await saves.save(step, total, await self._snapshot(results))
+
+    async def _after_chunk(self, step: int) -> None:
+        """What follows a chunk that ended at ``step``, its progress and checkpoint done
+        (nothing here)."""
 
     async def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
         """The checkpoint's snapshot the replicas sent with a chunk's ``results``: replica
@@ -266,9 +282,10 @@ class TorchTraining:
         taken = results[0]["snapshot"]
         return Snapshot(self.run.ids[0], taken["states"], taken["optimizers"])
 
-    async def _form(self, fresh_store: bool, step: int) -> None:
+    async def _form(self, fresh_store: bool, step: int, regroup: bool = False) -> None:
         """Every replica, standing at ``step``, joins the group (on a new store when
-        ``fresh_store``) and takes the plan."""
+        ``fresh_store``) and takes the plan; ``regroup``: DiLoCo's replicas carry over what
+        they hold, each at its place among them (:class:`~protocol.daemon.DistPlanRequest`)."""
         ctx, replicas = self.run.ctx, list(self._all())
         meet = self.choice.meet
         if fresh_store or meet is None:
@@ -298,9 +315,15 @@ class TorchTraining:
         )
 
         plan = replica_plans(self.run, shared, self.rows)
+        world = self.run.ctx.num_workers()
+
+        def placed(i: int) -> DistPlanRequest:
+            if not regroup:
+                return plan(i)
+            return plan(i).model_copy(update={"regroup": True, "rank": i, "world": world})
 
         try:
-            planned = await self._settle({i: self._call(i, plan(i)) for i in replicas}, step)
+            planned = await self._settle({i: self._call(i, placed(i)) for i in replicas}, step)
         except Broken as broken:
             raise broken.blame() from None
         if self.sharding != "none":  # what each replica holds of the model, as it says
@@ -361,8 +384,9 @@ class TorchTraining:
             self.evaluate,
         )
 
-    def _all(self) -> range:
-        return range(self.run.ctx.num_workers())
+    def _all(self) -> list[int]:
+        """The replicas taking part (all but those DiLoCo's elastic rounds dropped)."""
+        return self.run.present()
 
     def _call(self, i: int, request: Any) -> Awaitable[Any]:
         return self.run.ctx.call(i, request)

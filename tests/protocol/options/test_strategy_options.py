@@ -342,7 +342,7 @@ def test_a_pipelines_spares_travel_and_are_placed_after_its_stages():
         sz.ModelParallel(partitions, spare_tag="spare")
 
 
-def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
+def test_diloco_takes_its_outer_step_and_keeps_state_on_either_path():
     d = sz.DiLoCo(2, 10, outer_lr=0.5)
     assert (d.workers, d.sync_every, d.outer_lr, d.outer_momentum, d.nesterov) == (
         2,
@@ -370,15 +370,6 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
         r"outer_momentum must be a number in \[0, 1\), not 1": {"outer_momentum": 1},
         "nesterov must be True or False, not 'yes'": {"nesterov": "yes"},
         "inner_state must be one of 'keep', 'reset', not 'fresh'": {"inner_state": "fresh"},
-        "DiLoCo with elastic=True trains through the coordinator": {
-            "elastic": True,
-            "collective": "torch",
-        },
-        "DiLoCo with checkpoints, max_restarts trains through the coordinator, which keeps": {
-            "checkpoint_every": None,
-            "max_restarts": 1,
-            "collective": "torch",
-        },
         r"fragments must be at most sync_every \(50\)": {"fragments": 51},
         "fragments must be a positive integer, not 0": {"fragments": 0},
         r"overlap must be a whole number of steps from 0 to sync_every - 1 \(49\)": {"overlap": 50},
@@ -387,14 +378,17 @@ def test_diloco_takes_its_outer_step_and_keeps_state_through_the_coordinator():
             "fragments": 2,
             "collective": "coordinator",
         },
-        r"DiLoCo with elastic=True trains through the coordinator, which cannot stream": {
+        r"Streaming DiLoCo \(overlap=1\) keeps .* it does not take elastic=True, checkpoints": {
             "overlap": 1,
             "elastic": True,
+            "checkpoint_every": 5,
         },
     }
     for words, bad in refusals.items():
         with pytest.raises(ValueError, match=f"^DiLoCo: {words}"):
             sz.DiLoCo(2, **bad)
+    for collective in ("torch", "auto", "coordinator"):  # either path keeps what outlives one
+        sz.DiLoCo(2, elastic=True, checkpoint_every=5, max_restarts=1, collective=collective)
     kept = sz.DiLoCo(2, elastic=True, checkpoint_every=10, max_restarts=1)
     assert kept.keeps_state() == "elastic=True, checkpoints, max_restarts"
     assert sz.DiLoCo(2).keeps_state() == ""
