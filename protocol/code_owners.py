@@ -8,6 +8,7 @@ folded).
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 from pathlib import Path
@@ -38,9 +39,16 @@ def is_user_module(name: str) -> bool:
         return False
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)
-    if module is None or file is None:
+    if module is None or not isinstance(file, str):
         return False
-    return not str(Path(file).resolve()).startswith(_INSTALLED)
+    return not _installed(file)
+
+
+@functools.lru_cache(maxsize=8192)
+def _installed(file: str) -> bool:
+    """Whether ``file`` lies in the standard library's or an installed package's folder (asked
+    of every loaded module each time a filter is pickled: the answer does not change)."""
+    return str(Path(file).resolve()).startswith(_INSTALLED)
 
 
 def file_owner(filename: str) -> str | None:

@@ -19,7 +19,6 @@ replica gets its rows of each parameter alone (:func:`split_rows`) and the param
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
 import sys
@@ -33,7 +32,15 @@ from protocol.code_owners import is_user_module
 from protocol.codec import ALIGNMENT, Joined, decode, encode
 from protocol.filter_buffers import FilterBuffer
 
-__all__ = ["APART_BYTES", "MAGIC", "ROWS", "dump_filter", "load_filter", "split_rows"]
+__all__ = [
+    "APART_BYTES",
+    "MAGIC",
+    "ROWS",
+    "dump_filter",
+    "load_filter",
+    "split_rows",
+    "user_modules",
+]
 
 APART_BYTES = 1 << 16
 """Tensors of this many bytes and more travel apart from the pickle (smaller ones within it)."""
@@ -49,27 +56,39 @@ the frame's alignment, so that its buffers stay aligned as they are in the frame
 starts with ``0x80``: bytes pickled whole."""
 
 
-def _submodule_classes(value: Any) -> set[str]:
-    """Modules of the classes inside a ``torch.nn.Module`` (duck-typed: anything with
-    ``modules()``), so a user's layer class is shipped with the model that uses it."""
-    modules = getattr(value, "modules", None)
-    if isinstance(value, type) or not callable(modules):
-        return set()
-    with contextlib.suppress(TypeError):
-        return {type(m).__module__ for m in modules()}
-    return set()
+def user_modules() -> list[types.ModuleType]:
+    """Every module this process has loaded from the user's own files
+    (:func:`~protocol.code_owners.is_user_module`): what a filter's code may reach — its class's
+    module, the layers it holds, a helper module its forward calls, a function imported from
+    one — travels by value with it, so a worker needs none of the user's files. Asked again
+    with the same modules loaded (a graph's every filter), the same answer, not sought
+    again."""
+    loaded = list(sys.modules)
+    if _USER_MODULES and _USER_MODULES[0] == loaded:
+        return list(_USER_MODULES[1])
+    found = [
+        module
+        for name, module in list(sys.modules.items())
+        if isinstance(module, types.ModuleType)
+        and getattr(module, "__name__", None) == name  # (cloudpickle finds it by its name)
+        and is_user_module(name)
+        and _in_user_package(name)
+    ]
+    _USER_MODULES[:] = [loaded, found]
+    return list(found)
 
 
-def _referenced_modules(obj: Any) -> set[str]:
-    """Names of the modules defining ``obj``'s class and the classes/functions it holds."""
-    names = {type(obj).__module__} | _submodule_classes(obj)
-    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(value, types.FunctionType | type):
-            names.add(value.__module__)
-        else:
-            names.add(type(value).__module__)
-            names |= _submodule_classes(value)
-    return names
+_USER_MODULES: list[Any] = []
+"""The modules loaded when :func:`user_modules` last looked, and what it found then."""
+
+
+def _in_user_package(name: str) -> bool:
+    """Whether the package at the top of module ``name`` is the user's too (``torch.ops`` has
+    a file of no path, but ``torch`` is installed), or has no file to say (a namespace
+    package)."""
+    top = name.split(".")[0]
+    module = sys.modules.get(top)
+    return top == name or getattr(module, "__file__", None) is None or is_user_module(top)
 
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
@@ -160,12 +179,13 @@ def dump_filter(obj: Any) -> bytes:
     """Pickle a filter so that a process without the user's source files can load it, its
     tensors beside the pickle (module docstring).
 
-    Modules of the user's own (classes and functions defined in a script or a test file) are
-    pickled by value; installed packages, the standard library and somatize itself by reference.
+    Modules of the user's own (classes and functions defined in a script, a helper module it
+    imports, a test file: :func:`user_modules`) are pickled by value, as far as the filter
+    reaches them; installed packages, the standard library and somatize itself by reference.
     """
-    for name in _referenced_modules(obj):
-        if is_user_module(name):
-            cloudpickle.register_pickle_by_value(sys.modules[name])
+    shipped = user_modules()
+    for module in shipped:
+        cloudpickle.register_pickle_by_value(module)
     try:
         torch = loaded_torch()
         if torch is None:  # nothing can hold a tensor
@@ -176,9 +196,8 @@ def dump_filter(obj: Any) -> bytes:
         parts = encode({"pickle": stream.getbuffer(), "apart": pickler.apart})
         return b"".join([MAGIC, *parts])
     finally:
-        for name in _referenced_modules(obj):
-            if is_user_module(name):
-                cloudpickle.unregister_pickle_by_value(sys.modules[name])
+        for module in shipped:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def load_filter(data: bytes | bytearray | memoryview) -> Any:

@@ -6,10 +6,15 @@ plain torch loop written in the tests (FedAvg on a dict batch: in process, in
 
 from __future__ import annotations
 
+import importlib
+import sys
+import uuid
+
 import pytest
 import torch
 
 import somatize as sz
+from tests.coordinator.strategies.data_parallel.test_data_parallel import dataset, graph_for
 from tests.coordinator.strategies.test_own_model import Pooled, Whole, head
 from tests.integration.cluster import cluster
 from tests.somatize.own_models import (
@@ -92,3 +97,76 @@ def test_live_max_steps_and_validate_every_on_the_torch_collective(client):
     for key, value in fits["coordinator"].states["mlp"].items():
         want = torch.as_tensor(value)
         torch.testing.assert_close(torch.as_tensor(fits["torch"].states["mlp"][key]), want)
+
+
+HELPERS = """
+def halve(x):
+    return x * 0.5
+"""
+
+HELPED = """
+import torch
+
+import {helpers}
+from {helpers} import halve
+
+
+class Helped(torch.nn.Sequential):
+    \"\"\"The tests' MLP, its input and output halved by the user's own helper module, called
+    both as a module's attribute and as a name imported from it.\"\"\"
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return {helpers}.halve(super().forward(halve(x)))
+
+
+class Lazy(Helped):
+    \"\"\"One that imports a module of the user's only when it runs: nothing carries it.\"\"\"
+
+    def forward(self, x):
+        import {lazy}
+
+        return super().forward(x) + {lazy}.SHIFT
+"""
+
+
+@pytest.fixture
+def own_files(tmp_path):
+    """The user's own model file and the helper modules it imports, in a folder on this
+    process's path only (the workers' daemons have none of it): the model's module."""
+    tag = uuid.uuid4().hex[:8]
+    names = {"helpers": f"helpers_{tag}", "lazy": f"lazy_{tag}"}
+    (tmp_path / f"{names['helpers']}.py").write_text(HELPERS)
+    (tmp_path / f"{names['lazy']}.py").write_text("SHIFT = 0.0\n")
+    (tmp_path / f"model_{tag}.py").write_text(HELPED.format(**names))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield importlib.import_module(f"model_{tag}"), names
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [*names.values(), f"model_{tag}"]:
+            sys.modules.pop(name, None)
+
+
+def test_the_users_own_helper_modules_travel_with_the_job(client, own_files):
+    """A forward that calls the user's helper module (imported at the top of the model's
+    file) trains on live workers that do not have the file, equal to graph.fit; one that
+    imports a module of the user's only inside forward fails naming it and the remedy."""
+    model, names = own_files
+    x, y = dataset()
+    graph = graph_for("adam", module=model.Helped())
+    fitted = client.submit(graph, x, y, strategy=sz.DataParallel(2)).result(timeout=120 * UNIT)
+    expected = graph_for("adam", module=model.Helped()).fit(x, y)
+    for key, value in expected.states["mlp"].items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    lazy = graph_for("adam", module=model.Lazy())
+    lazy.fit(x, y)  # here, where the module is on the path, it runs
+    with pytest.raises(sz.JobFailed) as failed:
+        client.submit(lazy, x, y, strategy=sz.DataParallel(2)).result(timeout=120 * UNIT)
+    message = str(failed.value)
+    assert f"No module named '{names['lazy']}'" in message
+    assert f"module '{names['lazy']}' is not installed where this worker runs" in message
+    assert "import it there" not in message and f"so import '{names['lazy']}' there" in message

@@ -413,13 +413,29 @@ def _request_id(raw: Any) -> int:
 def _exception_info(exc: BaseException, what: str, cmd: str) -> ErrorInfo:
     return ErrorInfo(
         code=ErrorCode.FILTER_ERROR,
-        message=f"{what}: {type(exc).__name__}: {exc}",
+        message=f"{what}: {type(exc).__name__}: {exc}{_remedy(exc)}",
         detail={
             "type": type(exc).__name__,
             "traceback": folded(exc),  # the user's frames; ours and torch's folded
             "full_traceback": "".join(traceback.format_exception(exc)),
             "cmd": cmd,
         },
+    )
+
+
+def _remedy(exc: BaseException) -> str:
+    """What to do about ``exc``, where it is a module this worker lacks ("" for others)."""
+    missing = next(
+        (e for e in (exc, exc.__cause__, exc.__context__) if isinstance(e, ModuleNotFoundError)),
+        None,
+    )
+    if missing is None or not missing.name:
+        return ""
+    return (
+        f" — module {missing.name!r} is not installed where this worker runs, and did not "
+        "travel with the job: the modules of your own files that the submitting process has "
+        f"imported travel with it, so import {missing.name!r} there (at the top of your "
+        "model's file, not inside a function), or install it on the workers"
     )
 
 
