@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -139,6 +140,21 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("file", metavar="FILE.py", help="the job file")
     submit.add_argument(
         "--no-wait", action="store_true", help="print the job id and return at once"
+    )
+    submit.add_argument(
+        "--resume-from",
+        metavar="JOB",
+        help="continue job JOB (one that failed, was cancelled or succeeded, of the same graph "
+        "and strategy) from its newest checkpoint",
+    )
+    submit.add_argument(
+        "--progress-every",
+        type=_positive_float,
+        default=PLAIN_PROGRESS_EVERY,
+        metavar="SECONDS",
+        help="without a terminal (piped, redirected, CI), print the job's progress as a plain "
+        f"line at most this often (default {PLAIN_PROGRESS_EVERY:g}); where it is placed, a "
+        "worker lost and how it ends are printed as they come",
     )
     submit.add_argument(
         "--tensorboard",
@@ -372,6 +388,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
                 preemptible=not args.no_preempt,
                 time_limit=args.time_limit,
                 slots=args.slots,
+                resume_from=args.resume_from,
             )
         except ValueError as exc:  # what the SDK refuses of the file's data, before sending
             raise UsageError(f"{args.file}: {exc}") from exc
@@ -387,7 +404,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
                 if args.no_wait:
                     return EXIT_OK
                 board = HistoryWriter(args.tensorboard) if args.tensorboard else None
-                end = follow(job, err, line, board)
+                end = follow(job, err, line, board, args.progress_every)
         except KeyboardInterrupt as stop:
             when_stopped(job, stop, args.cancel_on_exit, err)
             return EXIT_INTERRUPTED
@@ -403,6 +420,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             from somatize.jobs import failure_of
 
             _print_failure(err, failure_of(job.id, end))
+            _offer_checkpoint(err, job, f"somatize submit {args.file} --resume-from {job.id}")
             return EXIT_JOB_FAILED
         how = f": {line.final}" if line.final else ""
         err.print(
@@ -416,14 +434,21 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def follow(
-    job: Job, err: Console, line: JobProgress | None = None, board: HistoryWriter | None = None
+    job: Job,
+    err: Console,
+    line: JobProgress | None = None,
+    board: HistoryWriter | None = None,
+    every: float = 10.0,
 ) -> Any:
     """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
     given); its terminal event (``None``: no end). Each epoch's (round's) row goes to
-    ``board`` as it comes."""
+    ``board`` as it comes. Without a terminal, plain lines instead (:func:`follow_in_lines`,
+    at most one of progress each ``every`` seconds)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     line = JobProgress() if line is None else line
+    if not err.is_terminal:  # a bar would show nothing until the job ended
+        return follow_in_lines(job, err, line, board, every)
 
     columns = (
         TextColumn("{task.description}"),
@@ -443,13 +468,7 @@ def follow(
                 if total:
                     progress.update(task, total=total, completed=min(done, total))
                 progress.update(task, info=line.add(event.time, event.data))
-                row = row_of(event.data)
-                if board is not None and row is not None:
-                    board.add(row)
-                elif board is not None and event.data.get("phase") == "validation":
-                    board.add_validations([event.data])
-                elif board is not None and isinstance(event.data.get("step"), int):
-                    board.add_steps(loss_curve([event]))
+                _to_board(board, event)
             elif event.event in ("worker_lost", "worker_replaced"):
                 progress.update(task, info=replica_text(event.event, event.data))
             elif event.terminal:
@@ -459,6 +478,71 @@ def follow(
                 progress.update(task, info=event.event)
                 return event
     return None
+
+
+PLAIN_PROGRESS_EVERY = 10.0
+"""Seconds between two plain progress lines of ``somatize submit`` without a terminal."""
+
+
+def follow_in_lines(
+    job: Job, err: Console, line: JobProgress, board: HistoryWriter | None, every: float
+) -> Any:
+    """:func:`follow` for a log a person or CI reads: a line when the job is queued, placed,
+    loses a worker or ends, and its progress in words at most once each ``every`` seconds
+    (and the last one before it ends); its terminal event (``None``: no end)."""
+    said, shown, last = "", "", -math.inf
+
+    def say(text: str) -> None:
+        err.print(f"job {job.id}: {text}", markup=False, soft_wrap=True)
+
+    for event in job.events():
+        if event.event == "progress":
+            said = line.add(event.time, event.data)
+            _to_board(board, event)
+            if said != shown and time.monotonic() - last >= every:
+                say(said)
+                shown, last = said, time.monotonic()
+            continue
+        if event.terminal and said != shown:
+            say(said)  # where it stood as it ended
+        if event.event == "queued":
+            say(queued_text(event.data))
+        elif event.event == "placed":
+            say(placed_text(event.data))
+        elif event.event in ("worker_lost", "worker_replaced"):
+            say(replica_text(event.event, event.data))
+        elif event.terminal:
+            say(event.event)
+            return event
+    return None
+
+
+def _to_board(board: HistoryWriter | None, event: Any) -> None:
+    """What TensorBoard takes of a progress event: an epoch's (round's) row, a validation,
+    or a chunk's steps."""
+    if board is None:
+        return
+    row = row_of(event.data)
+    if row is not None:
+        board.add(row)
+    elif event.data.get("phase") == "validation":
+        board.add_validations([event.data])
+    elif isinstance(event.data.get("step"), int):
+        board.add_steps(loss_curve([event]))
+
+
+def _offer_checkpoint(err: Console, job: Job, command: str) -> None:
+    """Say a failed job's newest checkpoint and ``command``, which takes it up; nothing where
+    it kept none."""
+    from somatize.errors import ClientError
+
+    with contextlib.suppress(ClientError):  # none kept: nothing to offer
+        saved = job.checkpoint()
+        err.print(
+            f"its newest checkpoint is {saved.seq}, at {position_text(saved.position)}: {command}",
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def _print_failure(err: Console, exc: Any) -> None:
@@ -512,7 +596,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from somatize.errors import ClientError, JobFailed
+    from somatize.errors import JobFailed
 
     title = f"job {visible(args.job_id)}"
     with _connect(args) as client:
@@ -532,14 +616,7 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
             return EXIT_JOB_FAILED
         except JobFailed as exc:
             _print_failure(err, exc)
-            with contextlib.suppress(ClientError):  # none kept: nothing to offer
-                saved = job.checkpoint()
-                err.print(
-                    f"its newest checkpoint is {saved.seq}, at {position_text(saved.position)}: "
-                    f"somatize result {args.job_id} --checkpoint latest",
-                    markup=False,
-                    soft_wrap=True,
-                )
+            _offer_checkpoint(err, job, f"somatize result {args.job_id} --checkpoint latest")
             return EXIT_JOB_FAILED
     if args.states:
         table = Table(title=Text(title), title_justify="left")
@@ -559,6 +636,8 @@ def _result(args: argparse.Namespace, out: Console, err: Console) -> int:
         )
     if history:
         out.print(history_table(history, f"job {visible(args.job_id)}: history"))
+    if validations:  # validate_every's, between epoch ends
+        out.print(history_table(validations, f"job {visible(args.job_id)}: validations"))
     steps: list[tuple[float, float]] = []
     if args.plot or args.tensorboard:
         with _connect(args) as client:

@@ -74,13 +74,14 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     unit, seen = unit_of(rows), []
     for row in rows:
         seen += [k for k in row if k not in seen and k != unit]
-    ordered: list[str] = [k for k in ("loss", "val_loss") if k in seen]
-    ordered += [k for k in seen if k not in ("loss", "val_loss", "lr")]
+    ordered: list[str] = [k for k in ("step", "loss", "val_loss") if k in seen]
+    ordered += [k for k in seen if k not in ("step", "loss", "val_loss", "lr")]
     return [unit, *ordered, *(["lr"] if "lr" in seen else [])]
 
 
 def history_table(rows: Sequence[Mapping[str, Any]], title: str) -> Any:
-    """The rows as a ``rich`` table: the unit, ``loss``, ``val_loss``, each metric, ``lr``
+    """The rows as a ``rich`` table: the unit, ``step`` (a validation's), ``loss``,
+    ``val_loss``, each metric, ``lr``
     (a metric's name is a filter's: shown as text, its escape sequences written out)."""
     from rich.table import Table
     from rich.text import Text
@@ -100,7 +101,7 @@ def _cell(value: Any, column: str) -> str:
     number = _number(value)
     if number is None:
         return ""
-    if column in UNITS:
+    if column in UNITS or column == "step":
         return str(int(number))
     return f"{number:.3g}" if column == "lr" else f"{number:.4f}"
 

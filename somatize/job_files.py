@@ -6,8 +6,10 @@ and ``x``, and may define ``y``, ``strategy`` (default :class:`~somatize.Local`)
 ``name`` (what the job list calls the job), ``wait_for_workers`` (seconds) and ``sandbox``
 (``"required"``: sandboxed workers only), each what
 :meth:`somatize.client.Client.submit` takes of that name. Any other name is the file's own,
-except one that looks like a misspelt or misplaced one of those (``validaton``, ``x_val``): it is
-warned about, since it would otherwise be silently left out::
+except one that looks like a misspelt one of those that the file does not define (``stratgy``):
+the file is refused, since the job would otherwise run without it (``Local`` on one worker for
+a misspelt ``strategy``, and "succeed"); and validation data under a name of its own
+(``x_val``) with no ``validation`` is warned about::
 
     import numpy as np, torch, somatize as sz
 
@@ -72,16 +74,10 @@ def load_job_file(path: str) -> JobFile:
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"{path}: no such file")
-    folder = str(file.resolve().parent)
-    sys.path.insert(0, folder)  # the file's own helper modules, as `python FILE` would see them
-    try:
-        namespace = runpy.run_path(str(file), run_name="__somatize_job__")
-    except Exception as exc:
-        trace = folded(exc).rstrip()  # the file's frames; runpy's folded
-        raise UsageError(f"{path} raised {type(exc).__name__} while loading:\n{trace}") from exc
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
+    namespace = _run(path, file)
+    misspelt = _misspelt(path, namespace)
+    if misspelt:
+        raise UsageError("\n".join(misspelt))
     missing = [name for name in ("graph", "x") if name not in namespace]
     if missing:
         raise UsageError(
@@ -119,23 +115,53 @@ def load_job_file(path: str) -> JobFile:
     )
 
 
-def _warnings(path: str, namespace: dict[str, Any]) -> list[str]:
-    """A line for each name of ``namespace`` that looks meant for the job but is not read."""
+def _run(path: str, file: Path) -> dict[str, Any]:
+    """The names the job file defines, run as ``python FILE`` would run it.
+
+    Raises:
+        UsageError: the file raised.
+    """
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)  # the file's own helper modules, as `python FILE` would see them
+    try:
+        return runpy.run_path(str(file), run_name="__somatize_job__")
+    except Exception as exc:
+        trace = folded(exc).rstrip()  # the file's frames; runpy's folded
+        raise UsageError(f"{path} raised {type(exc).__name__} while loading:\n{trace}") from exc
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _misspelt(path: str, namespace: dict[str, Any]) -> list[str]:
+    """A line for each name of ``namespace`` that is not read and is near one the job reads
+    that the file does not define."""
     out = []
     for defined, value in namespace.items():
-        if defined in NAMES or defined.startswith("_") or _is_code(value):
+        if _own(defined, value) or defined in _VALIDATION_PARTS or len(defined) <= 3:
             continue
-        if defined in _VALIDATION_PARTS:
-            if "validation" not in namespace:
-                out.append(
-                    f"{path} defines {defined!r} and no validation: the job evaluates "
-                    "nothing (say validation = (x_val, y_val))"
-                )
-            continue
-        near = did_you_mean(defined, NAMES)
-        if near and len(defined) > 3:
-            out.append(f"{path} defines {defined!r}, which the job does not read{near}")
+        near = did_you_mean(defined, [n for n in NAMES if n not in namespace])
+        if near:
+            out.append(
+                f"{path} defines {defined!r}, which the job does not read{near}: the job would "
+                "run without it; name it as the job reads it, or otherwise"
+            )
     return out
+
+
+def _warnings(path: str, namespace: dict[str, Any]) -> list[str]:
+    """A line for each name of validation data with no ``validation``."""
+    return [
+        f"{path} defines {defined!r} and no validation: the job evaluates nothing (say "
+        "validation = (x_val, y_val))"
+        for defined in namespace
+        if defined in _VALIDATION_PARTS and "validation" not in namespace
+    ]
+
+
+def _own(defined: str, value: Any) -> bool:
+    """Whether a name is the job's, private or code (the file's imports and helpers)."""
+    return defined in NAMES or defined.startswith("_") or _is_code(value)
 
 
 def _is_code(value: Any) -> bool:

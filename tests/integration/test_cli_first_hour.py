@@ -307,6 +307,66 @@ def _mlp_job(x_rows: int = 256, y_rows: int = 256, strategy: str = "sz.DataParal
     )
 
 
+def test_piped_submit_prints_its_progress_as_plain_lines(live, tmp_path):
+    """Without a terminal (as in CI or ``| tee log``) the bar would show nothing until the
+    end: each stage and the progress come as plain lines, the progress at most once each
+    ``--progress-every`` seconds, and where the job stood as it ended."""
+    job_file = _job_file(tmp_path, _mlp_job(strategy="sz.DataParallel(2, collective='torch')"))
+    submitted = _somatize(live, "submit", "--progress-every", "0.2", job_file)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    lines = submitted.stderr.splitlines()
+    said = [line.split(": ", 1)[1] for line in lines if line.startswith(f"job {job_id}: ")]
+    stages = [line.split(" ")[0].rstrip(":") for line in said]
+    stages = [stage for stage in stages if stage in ("queued", "placed", "succeeded")]
+    assert stages in (["queued", "placed", "succeeded"], ["placed", "succeeded"]), lines
+    progress = [line for line in said if line.startswith("epoch ")]
+    assert progress and progress[-1].startswith("epoch 2/2 · step 8/8"), lines
+    assert "\x1b" not in submitted.stderr and "━" not in submitted.stderr  # no bar, no colour
+    assert lines[-1].startswith(f"job {job_id} succeeded in ")
+
+
+FLAKY_JOB = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import somatize as sz
+
+    class Flaky(torch.nn.Linear):
+        calls = 0  # in each daemon that loads the job: a resumed job loads it afresh
+
+        def forward(self, x):
+            type(self).calls += 1
+            if type(self).calls == 7:
+                raise RuntimeError("the 7th step fails")
+            return super().forward(x)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = rng.integers(0, 2, size=256)
+    torch.manual_seed(0)
+    net = sz.TorchFilter(Flaky(8, 2), loss="cross_entropy", batch_size=32, epochs=1)
+    graph = sz.Graph([net.named("net")])
+    strategy = sz.DataParallel(2, checkpoint_every=3, collective="coordinator")
+    """
+)
+
+
+def test_a_failed_submit_names_its_checkpoint_and_submit_resume_from_goes_on(live, tmp_path):
+    """The job fails at its 7th step, after its checkpoint at step 6: the failure says so and
+    the command that continues it; that command trains the last 2 steps and succeeds."""
+    job_file = _job_file(tmp_path, FLAKY_JOB)
+    failed = _somatize(live, "submit", job_file)
+    assert failed.returncode == 1, failed.stderr
+    job_id = failed.stdout.strip()
+    assert "the 7th step fails" in failed.stderr
+    command = f"somatize submit {job_file} --resume-from {job_id}"
+    assert f"its newest checkpoint is 2, at step 6 (epoch 1): {command}" in failed.stderr
+    resumed = _somatize(live, *command.split()[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "epoch 1/1 · step 8/8" in resumed.stderr
+
+
 def test_x_and_y_of_different_lengths_are_refused_at_submit(live, client, tmp_path):
     before = [r["id"] for r in client.jobs(limit=50)]
     job_file = _job_file(tmp_path, _mlp_job(256, 200, 'sz.DataParallel(2, tag="dp")'))

@@ -216,24 +216,29 @@ def test_job_file_defaults(tmp_path):
         load_job_file(str(tmp_path / "missing.py"))
 
 
-def test_a_job_file_says_validation_and_name_and_is_warned_of_what_it_misspells(tmp_path):
+def test_a_job_file_says_validation_and_name_and_is_refused_what_it_misspells(tmp_path):
     extra = (
         "graph = sz.Graph([Double()])\n"
         "validation = (x[:2], None)\n"
         "name = 'doubling'\n"
         "wait_for_workers = 5\n"
-        "stratgey = sz.DataParallel(2)\n"
         "y_val = x[:2]\n"
         "helper = 3\n"
+        "strategies = [sz.Local()]\n"  # near 'strategy', but the file defines that too
+        "strategy = strategies[0]\n"
     )
     spec = load_job_file(_job_file(tmp_path, extra))
     assert spec.name == "doubling" and spec.wait_for_workers == 5.0
     assert spec.validation[0].shape == (2, 2) and spec.validation[1] is None
-    assert len(spec.warnings) == 1  # y_val sits beside validation; helper is the file's own
-    assert (
-        "defines 'stratgey', which the job does not read (did you mean 'strategy'?)"
-        in (spec.warnings[0])
-    )
+    assert spec.warnings == []  # y_val sits beside validation; helper is the file's own
+    misspelt = "graph = sz.Graph([Double()])\nstratgey = sz.DataParallel(2)\nvalidaton = None\n"
+    with pytest.raises(cli.UsageError) as refused:
+        load_job_file(_job_file(tmp_path, misspelt))
+    assert str(refused.value).splitlines() == [
+        f"{tmp_path / 'job.py'} defines {name!r}, which the job does not read (did you mean "
+        f"{meant!r}?): the job would run without it; name it as the job reads it, or otherwise"
+        for name, meant in (("stratgey", "strategy"), ("validaton", "validation"))
+    ]
     alone = load_job_file(_job_file(tmp_path, "graph = sz.Graph([Double()])\nx_val = x"))
     assert alone.warnings == [
         f"{tmp_path / 'job.py'} defines 'x_val' and no validation: the job evaluates nothing "

@@ -98,3 +98,24 @@ def test_the_table_and_the_rows_of_events():
     console.print(history_table(hostile, "job: history"))
     text = console.export_text()
     assert "[red]x\\x1b[2J" in text and "\x1b" not in text
+
+
+def test_the_validations_table_says_each_validations_step():
+    """``somatize result`` prints validate_every's rows under the history: each one's epoch,
+    its step (a whole number) and its figures."""
+    validations = [
+        {"epoch": 1, "step": 5, "val_loss": 0.71234, "accuracy": 0.5},
+        {"epoch": 2, "step": 10, "val_loss": 0.5, "accuracy": 0.75},
+    ]
+    console = Console(record=True, width=120)
+    console.print(history_table(validations, "job: validations"))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "val_loss" in line)
+    assert [c.strip() for c in header.strip("┃ ").split("┃")] == [
+        "epoch",
+        "step",
+        "val_loss",
+        "accuracy",
+    ]
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in lines if "│" in line]
+    assert rows == [["1", "5", "0.7123", "0.5000"], ["2", "10", "0.5000", "0.7500"]]
