@@ -149,7 +149,7 @@ def steps_limits_problem(strategy: str, inputs: JobInputs) -> str | None:
             return f"node {node_id!r} has max_steps={info.max_steps}: " + _NO_MAX_STEPS.get(
                 strategy, f"{strategy} does not honour it yet (Local and DataParallel do)"
             )
-        if info.validate_every is not None and strategy not in {"local", "data_parallel"}:
+        if info.validate_every is not None and strategy not in VALIDATE_EVERY:
             return f"node {node_id!r} has validate_every={info.validate_every}: " + (
                 _NO_VALIDATE_EVERY.get(
                     strategy,
@@ -165,12 +165,10 @@ _FEDERATED_STEPS = (
     "give rounds= and epochs= instead"
 )
 _NO_MAX_STEPS = {name: _FEDERATED_STEPS for name in ("fedavg", "fedprox", "qfedavg")}
-_NO_VALIDATE_EVERY = _NO_MAX_STEPS | {
-    "diloco": (
-        "DiLoCo's replicas hold the global model only where they synchronise, so it validates "
-        "at each epoch's end (DataParallel validates between them)"
-    ),
-}
+_NO_VALIDATE_EVERY = _NO_MAX_STEPS
+VALIDATE_EVERY = frozenset({"local", "data_parallel", "diloco"})
+"""The strategies that validate every ``validate_every`` steps (DiLoCo's replicas synchronise
+there, to hold the global model)."""
 
 
 def check_validation(msg: Submit, inputs: JobInputs) -> None:

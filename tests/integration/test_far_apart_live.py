@@ -98,6 +98,29 @@ def test_diloco_equals_a_plain_torch_diloco_loop_and_data_parallel_when_it_syncs
     assert not torch.allclose(apart["2.weight"], expected["2.weight"], atol=1e-4)
 
 
+def test_diloco_validates_the_global_model_every_n_steps_on_the_torch_group(client):
+    """validate_every=5 with H = 3 on the replicas' group: they also synchronise after steps
+    5, 10, 15 and 20, and each validation is the global model's loss there, as the hand loop
+    that synchronises and evaluates alike."""
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, validate_every=5)
+    strategy = sz.DiLoCo(2, 3, 0.7, 0.9, collective="torch")
+    job = client.submit(graph, x, y, strategy=strategy, validation=(x[:64], y[:64]))
+    fitted = job.result(timeout=120 * UNIT)
+    validations: list = []
+    centred = (x[:64] - x.mean(0), y[:64])  # the Center filter's fitted mean
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, 0.7, 0.9, validation=centred, validate_every=5, validations=validations
+    )
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    assert [v["step"] for v in fitted.validations] == [5, 10, 15, 20]
+    assert [v["val_loss"] for v in fitted.validations] == pytest.approx(
+        [loss for _, loss in validations], abs=1e-5
+    )
+    assert placed_event(job).data["collective"] == "torch"
+
+
 def placed_event(job: sz.Job):
     return next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
 

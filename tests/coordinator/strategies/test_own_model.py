@@ -271,7 +271,7 @@ def test_steps_limits_are_refused_where_a_strategy_cannot_keep_them():
     every = inputs(sz.Graph([sz.TorchFilter(MaskedPool(), validate_every=3)]), x, y)
     for name in ("local", "data_parallel", "diloco"):
         assert steps_limits_problem(name, stopped) is None
-    for name in ("local", "data_parallel"):
+    for name in ("local", "data_parallel", "diloco"):  # DiLoCo synchronises there
         assert steps_limits_problem(name, every) is None
     assert steps_limits_problem("fedavg", stopped) == (
         "node 'masked_pool' has max_steps=7: a federated job's horizon is its rounds (each "
@@ -280,6 +280,7 @@ def test_steps_limits_are_refused_where_a_strategy_cannot_keep_them():
     assert "model_parallel does not honour it yet" in str(
         steps_limits_problem("model_parallel", stopped)
     )
-    assert "DiLoCo's replicas hold the global model only where they synchronise" in str(
-        steps_limits_problem("diloco", every)
+    assert steps_limits_problem("fedavg", every) == (
+        "node 'masked_pool' has validate_every=3: a federated job's horizon is its rounds (each "
+        "client trains its epochs every round): give rounds= and epochs= instead"
     )

@@ -46,6 +46,8 @@ def diloco_by_hand(
     through: str = "torch",
     max_steps: int | None = None,
     sync_at_epoch_end: bool = False,
+    validate_every: int | None = None,
+    validations: list | None = None,
 ):
     """DiLoCo (Douillard et al. 2023, Algorithm 1) in plain torch, on the global batches
     ``graph.fit`` takes: each replica steps on its ``numpy.array_split`` slice with an inner
@@ -67,7 +69,9 @@ def diloco_by_hand(
     float64 (m ← βm − Δ̄, u = η(−Δ̄ + βm)) and sends ``u`` down as :func:`travelled` has it, with
     an error feedback of its own; each replica adds it to θ_global (DoubleSqueeze's two legs).
     A replica that joins starts with no residual. ``max_steps``: the run stops after that many
-    steps, mid-epoch, with a synchronisation (its epoch's end)."""
+    steps, mid-epoch, with a synchronisation (its epoch's end). ``validate_every``: also a
+    synchronisation after every that many steps of the run, the global model's loss on
+    ``validation`` appended there to ``validations`` as ``(step, loss)``."""
     absent = absent or {}
     residuals: dict[object, torch.Tensor] = {}
     momentum = None
@@ -100,7 +104,9 @@ def diloco_by_hand(
                 loss = torch.nn.functional.cross_entropy(nets[r](xt[part]), yt[part])
                 (loss * (len(part) * replicas / len(batch))).backward()
                 inner[r].step()
-            if taken % sync_every and taken != total and not (at_ends and step + 1 == steps):
+            validates = validate_every is not None and taken % validate_every == 0
+            ends = at_ends and step + 1 == steps
+            if taken % sync_every and taken != total and not ends and not validates:
                 continue
             with torch.no_grad():
                 flat_global = torch.cat([g.reshape(-1) for g in global_net.parameters()])
@@ -139,6 +145,11 @@ def diloco_by_hand(
                 residuals.pop(r, None)
             for net in nets:
                 net.load_state_dict(global_net.state_dict())
+            if validates and validations is not None:
+                xv, yv = (torch.as_tensor(a) for a in validation)
+                with torch.no_grad():
+                    loss = torch.nn.functional.cross_entropy(global_net(xv), yv)
+                validations.append((taken, float(loss)))
         if validation is not None:
             xv, yv = (torch.as_tensor(a) for a in validation)
             with torch.no_grad():
@@ -183,12 +194,17 @@ def _run(
     store=None,
     resume=None,
     max_steps=None,
+    validation=None,
+    validate_every=None,
 ):
     """Train ``graph_for(optimizer, shuffle=True)`` with DiLoCo in memory (2 workers); lose the
     replicas ``losing[step]`` right after the progress event of that step (their next call
     fails with ``worker_lost``)."""
     x, y = dataset()
-    job = inputs(graph_for(optimizer, shuffle=True, max_steps=max_steps), x, y)
+    settings = {"validate_every": validate_every} if validate_every else {}
+    job = inputs(graph_for(optimizer, shuffle=True, max_steps=max_steps, **settings), x, y)
+    if validation is not None:
+        job = dataclasses.replace(job, x_val=validation[0], y_val=validation[1])
     ctx = InMemoryContext(2, Daemon, spares=spares)
     losing = dict(losing or {})
     events: list[tuple[str, dict]] = []
@@ -351,3 +367,36 @@ def test_h_counts_over_the_run_and_epoch_ends_sync_only_when_asked():
     )
     history = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
     assert len(history["history"]) == 3  # a row an epoch, synchronised there or not
+
+
+def test_validate_every_synchronises_there_and_validates_the_global_model():
+    """validate_every=5 with H = 3: the replicas also synchronise after steps 5, 10, 15 and
+    20 (and each epoch's end, where the model is validated too), and each validation is the
+    global model's loss there: the hand loop that synchronises and evaluates alike gives the
+    same losses and the same model."""
+    x, y = dataset()
+    xv, yv = x[:64], y[:64]
+    options = DiLoCoOptions(workers=2, sync_every=3, collective="coordinator")  # (live: torch)
+    states, events = _run(options, "adam", validation=(xv, yv), validate_every=5)
+    trained = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
+    centred = (xv - x.mean(0), yv)  # the Center filter's fitted mean
+    validations: list = []
+    expected, at_ends = diloco_by_hand(
+        x,
+        y,
+        "adam",
+        2,
+        3,
+        0.7,
+        0.9,
+        validation=centred,
+        validate_every=5,
+        validations=validations,
+    )
+    _assert_states(states, expected)
+    said = trained["validations"]
+    assert [v["step"] for v in said] == [step for step, _ in validations] == [5, 10, 15, 20]
+    assert [v["val_loss"] for v in said] == pytest.approx(
+        [loss for _, loss in validations], abs=1e-5
+    )
+    assert [row["val_loss"] for row in trained["history"]] == pytest.approx(at_ends, abs=1e-5)
