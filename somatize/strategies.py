@@ -52,7 +52,13 @@ __all__ = [
     "WorkerData",
 ]
 
-RESUMING = ("checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout")
+RESUMING = (
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
+    "restart_timeout",
+    "keep_on_success",
+)
 """The checkpoint and restart arguments, in the order the strategies that take them take them."""
 
 

@@ -230,12 +230,15 @@ class JobFiles:
             )
         return found
 
-    def ended(self, job_id: str, succeeded: bool) -> None:
-        """A job ended: its submit message goes; if it succeeded, its checkpoints but the
-        newest (its end: what continues it, ``resume_from``)."""
+    def ended(self, job_id: str, succeeded: bool, keep: str = "newest") -> None:
+        """A job ended: its submit message goes; if it succeeded, its checkpoints as ``keep``
+        says (``keep_on_success``): all but the newest (its end: what continues it,
+        ``resume_from``), none, or all."""
         self.submits.drop(job_id)
-        if succeeded:
+        if succeeded and keep == "newest":
             self.checkpoints.keep_newest(job_id)
+        elif succeeded and keep == "none":
+            self.checkpoints.drop(job_id)
 
     def forget_others(self, live: Iterable[str]) -> None:
         """Remove the submit messages of jobs not ``live`` (ended under a coordinator that died

@@ -931,7 +931,7 @@ class JobManager:
                 raise StrategyFailed(ErrorCode.INTERNAL, why)
             nodes = states.node_ids if isinstance(states, ShardedStates) else states
             await self._emit(job.id, "succeeded", {"nodes": sorted(nodes)})
-            await self._forget(job.id, succeeded=True)
+            await self._forget(job.id, succeeded=True, keep=job.strategy.keep_on_success)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -1009,11 +1009,11 @@ class JobManager:
         await self._emit(job_id, event, data)
         await self._forget(job_id, succeeded=False)
 
-    async def _forget(self, job_id: str, succeeded: bool) -> None:
+    async def _forget(self, job_id: str, succeeded: bool, keep: str = "newest") -> None:
         """A job ended: what was kept to resume it goes (its checkpoints stay unless it
-        succeeded)."""
+        succeeded; then as ``keep`` says: ``keep_on_success``)."""
         if self.files is not None:
-            await asyncio.to_thread(self.files.ended, job_id, succeeded)
+            await asyncio.to_thread(self.files.ended, job_id, succeeded, keep)
 
     async def _emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
         await self.events.emit(job_id, event, data)

@@ -233,6 +233,12 @@ class Strategy(ABC):
         return so.DEFAULT_KEEP_CHECKPOINTS
 
     @property
+    def keep_on_success(self) -> str:
+        """Which checkpoints stay once the job succeeded: ``"newest"``, ``"all"``, ``"none"``."""
+        options = self.options
+        return options.keep_on_success if isinstance(options, CheckpointOptions) else "newest"
+
+    @property
     def max_restarts(self) -> int:
         """How many times a job that a lost worker, a crashed daemon or a broken collective
         would fail is queued again instead, to resume from its last checkpoint

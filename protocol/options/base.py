@@ -29,6 +29,7 @@ from protocol.options.devices import is_device
 __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_RESTART_TIMEOUT",
+    "KEEP_ON_SUCCESS",
     "Caller",
     "CheckpointOptions",
     "Form",
@@ -369,6 +370,8 @@ def part(
 # -- what strategies that restart, or save checkpoints, take -------------------------------------
 
 DEFAULT_KEEP_CHECKPOINTS = 2
+KEEP_ON_SUCCESS = ("newest", "all", "none")
+"""What of a job's checkpoints stays once it succeeded (``keep_on_success``)."""
 """Checkpoints kept per job unless its strategy is told otherwise."""
 
 DEFAULT_RESTART_TIMEOUT = 60.0
@@ -410,10 +413,15 @@ class CheckpointOptions(RestartOptions):
             the end of every epoch or after 60 s of training, whichever comes first (every
             round, for a federated strategy); ``0``: never.
         keep_checkpoints: how many checkpoints of the job are kept (at least 1).
+        keep_on_success: which of them stay once the job succeeded: ``"newest"`` (its end,
+            what ``resume_from`` continues; the default), ``"all"`` (every one kept, to
+            evaluate or continue from) or ``"none"``. A job that fails or is cancelled keeps
+            them all.
     """
 
     checkpoint_every: int | None = None
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    keep_on_success: str = "newest"
 
     @classmethod
     def _check_checkpoints(cls, fields: dict[str, Any]) -> None:
@@ -423,6 +431,12 @@ class CheckpointOptions(RestartOptions):
                 f"checkpoint_every must be None or an integer >= 0 (0: never), not {every!r}"
             )
         positive_int("keep_checkpoints", cls._given(fields, "keep_checkpoints"))
+        kept = cls._given(fields, "keep_on_success")
+        if kept not in KEEP_ON_SUCCESS:
+            raise ValueError(
+                f"keep_on_success must be one of {', '.join(map(repr, KEEP_ON_SUCCESS))}, "
+                f"not {kept!r}"
+            )
         cls._check_restarts(fields)
 
     def _checkpoints_wire(self) -> dict[str, Any]:
@@ -431,4 +445,6 @@ class CheckpointOptions(RestartOptions):
             options["checkpoint_every"] = self.checkpoint_every
         if self.keep_checkpoints != DEFAULT_KEEP_CHECKPOINTS:
             options["keep_checkpoints"] = self.keep_checkpoints
+        if self.keep_on_success != "newest":
+            options["keep_on_success"] = self.keep_on_success
         return options | self._restarts_wire()

@@ -150,6 +150,28 @@ def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed
     assert set(saved_at) <= {6, 12, 15, 21}  # the first sync at or after each multiple of 5
 
 
+def test_a_succeeded_job_keeps_its_checkpoints_as_it_asks(tmp_path):
+    """keep_on_success: the newest (its end, what resume_from continues: the default), every
+    one kept (keep_checkpoints), or none; each still readable while it stands."""
+    x, y = dataset()
+    graph = graph_for("sgd")
+    kept = {}
+    with cluster(tmp_path, {"w1": (), "w2": ()}) as c, sz.connect(c.url) as client:
+        for keep in ("newest", "all", "none"):
+            strategy = sz.DataParallel(
+                2, checkpoint_every=5, keep_checkpoints=10, keep_on_success=keep
+            )
+            job = client.submit(graph, x, y, strategy=strategy)
+            job.result(timeout=120 * UNIT)
+            folder = c.state_dir / "checkpoints" / job.id
+            kept[keep] = sorted(int(p.stem) for p in folder.glob("*.ckpt"))
+            saved = [e.data["seq"] for e in job.events() if e.event == "checkpoint"]
+            if kept[keep]:
+                assert client.job(job.id).checkpoint(kept[keep][0]).seq == kept[keep][0]
+    assert len(saved) == 5  # steps 5, 10, 15, 20 and the end, 21
+    assert kept == {"newest": saved[-1:], "all": saved, "none": []}
+
+
 def test_a_job_that_fails_or_is_cancelled_ends_in_its_event_stream_and_keeps_its_checkpoints(
     tmp_path,
 ):
