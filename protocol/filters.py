@@ -19,11 +19,12 @@ replica gets its rows of each parameter alone (:func:`split_rows`) and the param
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import sys
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -91,7 +92,28 @@ def _in_user_package(name: str) -> bool:
     return top == name or getattr(module, "__file__", None) is None or is_user_module(top)
 
 
-class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+def _code_with_its_file(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
+    """cloudpickle's reduction of a code object with the file it came from kept: cloudpickle
+    writes ``<dynamic-code>`` there, and a filter's traceback from a worker then named no file
+    of the user's (``File "<dynamic-code>", line 15``)."""
+    make, args = _CLOUDPICKLE_CODE_REDUCE(code)
+    at = args.index(_DYNAMIC_CODE)
+    return make, (*args[:at], code.co_filename, *args[at + 1 :])
+
+
+_CLOUDPICKLE_CODE_REDUCE = cloudpickle.CloudPickler._dispatch_table[types.CodeType]
+_DYNAMIC_CODE = "<dynamic-code>"
+
+
+class _FilePickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+    """cloudpickle, each code object pickled with its file's name (:func:`_code_with_its_file`)."""
+
+    dispatch_table: ClassVar[collections.ChainMap[Any, Any]] = collections.ChainMap(
+        {types.CodeType: _code_with_its_file}, cloudpickle.CloudPickler.dispatch_table
+    )
+
+
+class _Pickler(_FilePickler):
     """cloudpickle, each large plain CPU tensor (or parameter) it meets put apart
     (``apart``: its kind, dtype, shape and bytes) and pickled as its place: ``(kind, index,
     requires_grad)``, the same place for the same object (a tied weight stays one)."""
@@ -189,7 +211,9 @@ def dump_filter(obj: Any) -> bytes:
     try:
         torch = loaded_torch()
         if torch is None:  # nothing can hold a tensor
-            return bytes(cloudpickle.dumps(obj, protocol=5))
+            whole = io.BytesIO()
+            _FilePickler(whole, protocol=5).dump(obj)
+            return whole.getvalue()
         stream = io.BytesIO()
         pickler = _Pickler(stream, torch)
         pickler.dump(obj)

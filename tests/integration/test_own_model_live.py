@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +124,11 @@ class Helped(torch.nn.Sequential):
         return {helpers}.halve(super().forward(halve(x)))
 
 
+class Raising(Helped):
+    def forward(self, x):
+        raise ValueError("the user's own error")
+
+
 class Lazy(Helped):
     \"\"\"One that imports a module of the user's only when it runs: nothing carries it.\"\"\"
 
@@ -170,3 +176,21 @@ def test_the_users_own_helper_modules_travel_with_the_job(client, own_files):
     assert f"No module named '{names['lazy']}'" in message
     assert f"module '{names['lazy']}' is not installed where this worker runs" in message
     assert "import it there" not in message and f"so import '{names['lazy']}' there" in message
+
+
+def test_a_failing_filters_traceback_names_the_users_own_file_and_line(client, own_files):
+    """The traceback a worker sends back has the user's file and line (cloudpickle writes
+    ``<dynamic-code>`` there), so the client can show the line from the file."""
+    model, _ = own_files
+    x, y = dataset()
+    with pytest.raises(sz.JobFailed) as failed:
+        client.submit(graph_for("adam", module=model.Raising()), x, y).result(timeout=60 * UNIT)
+    source = model.__file__
+    line = (
+        Path(source)
+        .read_text()
+        .splitlines()
+        .index('        raise ValueError("the user\'s own error")')
+    )
+    assert f'File "{source}", line {line + 1}, in forward' in failed.value.traceback
+    assert "<dynamic-code>" not in failed.value.traceback
