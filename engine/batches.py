@@ -12,6 +12,7 @@ keywords, ``"one"`` passes the batch as one argument.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +171,39 @@ def arguments(inputs: str, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def call_module(f: Any, x: Any, module: Callable[..., Any] | None = None) -> Any:
     """``f``'s module (or ``module``, standing for it) called on the batch ``x`` as ``f``'s
-    ``inputs`` says."""
+    ``inputs`` says; a call its ``forward`` cannot take refused with what to give instead.
+
+    Raises:
+        TypeError: the module's own; where its ``forward`` does not take a batch of several
+            arrays spread over its arguments, saying so and ``inputs="one"``.
+    """
     args, kwargs = arguments(getattr(f, "inputs", "auto"), x)
-    return (module if module is not None else f.module)(*args, **kwargs)
+    called = module if module is not None else f.module
+    try:
+        return called(*args, **kwargs)
+    except TypeError as exc:
+        hint = _spread_hint(called, args, kwargs)
+        if hint is None:
+            raise
+        raise TypeError(f"{exc} — {hint}") from exc
+
+
+def _spread_hint(called: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why ``called``'s ``forward`` could not take a batch spread over its arguments, and
+    what to give instead; ``None`` where it can (the error was the forward's own)."""
+    if len(args) == 1 and not kwargs:
+        return None  # the batch whole: nothing was spread
+    forward = getattr(called, "forward", called)
+    try:
+        inspect.signature(forward).bind(*args, **kwargs)
+    except TypeError:
+        pass
+    except ValueError:  # no signature to read
+        return None
+    else:
+        return None
+    spread = f"module(**batch) with its keys {sorted(kwargs)}" if kwargs else "module(*batch)"
+    return (
+        f"the batch holds several arrays, so the module is called as {spread}; give the "
+        'TorchFilter inputs="one" for its forward to take the batch as one argument'
+    )

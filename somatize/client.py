@@ -61,6 +61,7 @@ from protocol.rules.equivalence import data_parallel_notes
 from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
 from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
+from somatize.keywords import suggesting
 from somatize.strategies import DataParallel, Local, Strategy, WorkerData
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ _MIN_UPLOAD_RATE = 1e6
 by its size divided by this."""
 
 
+@suggesting
 def connect(
     url: str, token: str | None = None, *, timeout: float = 30.0, ca_file: str | None = None
 ) -> Client:
@@ -252,6 +254,7 @@ class Client:
 
     # -- requests ----------------------------------------------------------------------------
 
+    @suggesting
     def submit(
         self,
         graph: Graph,

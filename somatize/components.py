@@ -13,6 +13,7 @@ import inspect
 from typing import Any, ClassVar
 
 from protocol.options.base import NamedOptions, Options, build, prefixed
+from somatize.keywords import with_suggestion
 
 __all__ = ["Component", "SdkOptions"]
 
@@ -38,7 +39,8 @@ class SdkOptions(Options):
         try:
             bound = cls.__signature__.bind(*args, **kwargs)
         except TypeError as exc:  # as a call's: a missing argument, one it does not take
-            raise prefixed(cls.__name__, exc) from None
+            named = cls.__signature__.parameters
+            raise prefixed(cls.__name__, with_suggestion(exc, named)) from None
         try:
             values = cls._from_python(dict(bound.arguments))
         except ValueError as refusal:

@@ -27,6 +27,7 @@ from engine.stepping import check_schedule, made_scheduler, named_scheduler
 from engine.transfer import PRECISIONS
 from protocol.rules.rows import map_leaves
 from protocol.wording import did_you_mean
+from somatize.keywords import suggesting
 
 if TYPE_CHECKING:
     from somatize.graph import Graph
@@ -206,6 +207,7 @@ class TorchFilter(Filter):
 
     differentiable = True
 
+    @suggesting
     def __init__(
         self,
         module: torch.nn.Module,

@@ -24,6 +24,7 @@ from engine.engine import Engine, FitSettings
 from protocol.rules.rows import batch_problem, rows_of
 from somatize.errors import GraphError
 from somatize.filters import Filter
+from somatize.keywords import suggesting
 
 
 class Graph:
@@ -71,6 +72,7 @@ class Graph:
     def __repr__(self) -> str:
         return " >> ".join(self._ids) or "Graph([])"
 
+    @suggesting
     def fit(
         self,
         x: Any,
