@@ -19,7 +19,7 @@ import platform
 from engine.devices import describe_device, has_nvidia_driver
 from protocol.messages import Capabilities
 
-__all__ = ["detect"]
+__all__ = ["detect", "memory_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def detect(device: str = "cpu") -> Capabilities:
     name, memory = describe_device(device)
     return Capabilities(
         cpus=_cpus(),
-        memory_bytes=_memory_bytes(),
+        memory_bytes=memory_bytes(),
         torch=_version("torch"),
         cuda_devices=_cuda_devices(),
         python=platform.python_version(),
@@ -49,7 +49,8 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _memory_bytes() -> int:
+def memory_bytes() -> int:
+    """The machine's physical memory in bytes (0 where the platform cannot say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # a platform without these names

@@ -39,6 +39,7 @@ from protocol.identity_proof import fingerprint, public_key
 from protocol.log_lines import log_to
 from protocol.token_file import token_file_problem
 from worker.agent import Agent
+from worker.capabilities import memory_bytes
 from worker.config import AgentConfig
 from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
 from worker.daemon.allocator import Allocator
@@ -50,6 +51,26 @@ from worker.identity import default_identity_file, load_or_create_key
 __all__ = ["main"]
 
 log = logging.getLogger("worker.cli")
+
+SPARE_MEMORY_FLOOR = 4 << 30
+"""Under this much memory ``--spare-daemon auto`` keeps no daemon started ahead: each holds
+~300 MB, a large share of a small machine's memory for a job's start a few seconds sooner."""
+
+
+def _spare(choice: str, memory: int) -> bool:
+    """Whether the agent keeps daemons started ahead: as asked, or (``auto``) where the
+    machine's ``memory`` (bytes; 0: unknown) is not under :data:`SPARE_MEMORY_FLOOR`."""
+    if choice != "auto":
+        return choice == "on"
+    if 0 < memory < SPARE_MEMORY_FLOOR:
+        log.info(
+            "no spare filter daemon: this machine has %.1f GiB (under %d GiB); "
+            "--spare-daemon on keeps one",
+            memory / (1 << 30),
+            SPARE_MEMORY_FLOOR >> 30,
+        )
+        return False
+    return True
 
 TOKEN_ENV = "SOMATIZE_WORKER_TOKEN"
 
@@ -216,11 +237,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--spare-daemon",
-        choices=["on", "off"],
-        default="on",
-        help="keep the next jobs' filter daemons started ahead (default on: a job starts without "
-        "waiting for torch to import; off saves their memory, and their start's CPU during a "
-        "job)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="keep the next jobs' filter daemons started ahead (on: a job starts without "
+        "waiting for torch to import; off saves their memory, ~300 MB each, and their start's "
+        f"CPU during a job; default auto: on, off on a machine of less than "
+        f"{SPARE_MEMORY_FLOOR >> 30} GiB)",
     )
     parser.add_argument(
         "--spare-daemons",
@@ -411,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_message_bytes=args.max_message_bytes,
                 max_inflight=args.max_inflight,
                 device=args.device,
-                spare=args.spare_daemon == "on",
+                spare=_spare(args.spare_daemon, memory_bytes()),
                 spares=args.spare_daemons,
                 slots=args.slots,
                 fork_server=args.fork_server == "on",

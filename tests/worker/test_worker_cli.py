@@ -161,3 +161,16 @@ def test_a_shard_that_disagrees_with_the_others_stops_the_worker_at_start_naming
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60 * UNIT)
     assert done.returncode == 2
     assert "shard s1 holds float64 rows of shape (2,)" in done.stderr
+
+
+def test_spare_daemon_auto_keeps_none_on_a_small_machine(caplog):
+    """``--spare-daemon auto`` (the default): a spare on a machine of 4 GiB or more, or whose
+    memory is unknown; none under it, which the log says; on and off as asked."""
+    from worker.cli import _spare
+
+    gib = 1 << 30
+    assert _spare("auto", 24 * gib) and _spare("auto", 4 * gib) and _spare("auto", 0)
+    with caplog.at_level("INFO", logger="worker.cli"):
+        assert not _spare("auto", 2 * gib)
+    assert "no spare filter daemon: this machine has 2.0 GiB (under 4 GiB)" in caplog.text
+    assert _spare("on", 2 * gib) and not _spare("off", 24 * gib)
