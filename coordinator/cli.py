@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.jobs.manager import DEFAULT_PREEMPT_GRACE
+from coordinator.jobs.retention import Retention
 from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT
 from coordinator.scheduling.shares import DEFAULT_HALF_LIFE
 from coordinator.server.app import Coordinator
@@ -43,6 +44,7 @@ from protocol.asyncio.memory import keep_freed_memory
 from protocol.asyncio.open_files import raise_open_files_limit
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.log_lines import log_to
+from protocol.quantities import byte_count, seconds
 from protocol.token_file import token_file_problem
 
 
@@ -111,6 +113,25 @@ def _security_options(parser: argparse.ArgumentParser) -> None:
         help="fair (default): jobs go by priority, then each client's fair share, then age; "
         "a job of several workers reserves them as they free; running jobs may be preempted "
         "(docs/scheduling.md). fifo: first come, first placed, nothing preempted",
+    )
+    parser.add_argument(
+        "--retain-age",
+        type=seconds,
+        metavar="SECONDS",
+        help="remove ended jobs (record, events, result, checkpoints) this long after they "
+        "ended (a number of seconds, or 30d, 12h, 90m); checked every minute",
+    )
+    parser.add_argument(
+        "--retain-jobs",
+        type=int,
+        metavar="N",
+        help="keep only the N newest ended jobs",
+    )
+    parser.add_argument(
+        "--retain-bytes",
+        type=byte_count,
+        metavar="SIZE",
+        help="remove the oldest ended jobs until the rest hold at most SIZE (bytes, or 500M, 20G)",
     )
     parser.add_argument(
         "--preempt-grace",
@@ -394,6 +415,7 @@ def config_from(args: argparse.Namespace) -> CoordinatorConfig:
             share_wait=args.share_wait,
             usage_half_life=args.usage_half_life,
             scheduler=args.scheduler,
+            retention=Retention(args.retain_age, args.retain_jobs, args.retain_bytes),
         )
     except ValueError as exc:
         raise SystemExit(f"somatize-coordinator: {exc}") from exc

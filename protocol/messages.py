@@ -542,6 +542,23 @@ class GetQueue(_Message):
     kind: Literal["get_queue"] = "get_queue"
 
 
+class PruneJobs(_Message):
+    """Remove ended jobs — record, events, result, checkpoints — from the coordinator: those
+    that ended more than ``older_than`` seconds ago, all but the ``keep`` newest, as many of
+    the oldest as leave ``max_bytes``, and those of ``job_ids``; the client's own (an admin's:
+    anyone's). Returns what was removed (``dry_run``: would be): ``{"jobs", "bytes",
+    "kept"}`` (``kept``: ids asked for that are not an ended job of the client's)."""
+
+    kind: Literal["prune_jobs"] = "prune_jobs"
+    older_than: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    keep: NonNegativeInt | None = None
+    max_bytes: NonNegativeInt | None = None
+    job_ids: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=10_000
+    )
+    dry_run: bool = False
+
+
 class Status(_Message):
     """Workers and jobs at a glance."""
 
@@ -585,6 +602,7 @@ Message = Annotated[
     | GetJob
     | ListJobs
     | GetQueue
+    | PruneJobs
     | Status
     | Ping,
     Field(discriminator="kind"),

@@ -9,6 +9,7 @@ Commands::
     somatize jobs [--limit N]                    the newest jobs (a queued one: why it waits)
     somatize queue                               the jobs running and queued, in their order
     somatize result ID [--save PATH] [--wait S]  a finished job's states
+    somatize prune [ID...] [--older-than AGE]    remove ended jobs (--keep N, --max-bytes SIZE)
 
 The commands that talk to a coordinator take ``--coordinator URL`` (default
 ``$SOMATIZE_COORDINATOR``, else ``ws://127.0.0.1:8765``), ``--token`` (default
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.messages import SANDBOX_REQUIREMENTS
+from protocol.quantities import byte_count, seconds
 from protocol.token_file import token_file_problem
 from protocol.user_tracebacks import with_source
 from protocol.wording import visible
@@ -237,6 +239,33 @@ def _parser() -> argparse.ArgumentParser:
         "each queued one's place, why it waits (priority, share, workers_busy, reservation, "
         "preempting, quota, no_worker) and when it is expected to start. An admin sees "
         "every client's jobs, and each client's share, what it holds and has held lately.",
+    )
+
+    prune = sub.add_parser(
+        "prune",
+        parents=[remote],
+        help="remove ended jobs (record, events, result, checkpoints) from the coordinator",
+        description="Remove your ended jobs (an admin: anyone's) from the coordinator's state "
+        "directory: those named, those that ended longer ago than --older-than, all but the "
+        "--keep newest, and the oldest until the rest hold --max-bytes. A running or queued "
+        "job is never removed.",
+    )
+    prune.add_argument("job_ids", metavar="ID", nargs="*", help="jobs to remove")
+    prune.add_argument(
+        "--older-than",
+        type=seconds,
+        metavar="AGE",
+        help="jobs that ended longer ago than this (seconds, or 30d, 12h, 90m)",
+    )
+    prune.add_argument("--keep", type=int, metavar="N", help="all but the N newest")
+    prune.add_argument(
+        "--max-bytes",
+        type=byte_count,
+        metavar="SIZE",
+        help="the oldest until the rest hold at most SIZE (bytes, or 500M, 20G)",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed, remove nothing"
     )
 
     result = sub.add_parser("result", parents=[remote], help="show (and save) a job's states")
@@ -567,6 +596,12 @@ def _status(args: argparse.Namespace, out: Console, err: Console) -> int:
         status = client.status()
     out.print(workers_table(status.get("workers", [])))
     out.print(jobs_table(status.get("jobs", [])))
+    held = status.get("state_bytes")
+    if isinstance(held, int):  # an admin's: the coordinator's state directory
+        out.print(
+            f"state directory: {held / 1e6:.1f} MB (somatize prune removes ended jobs)",
+            markup=False,
+        )
     return EXIT_OK
 
 
@@ -589,6 +624,34 @@ def _queue(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(queue_table(queue.get("jobs", [])))
     if "clients" in queue:
         out.print(clients_table(queue["clients"]))
+    return EXIT_OK
+
+
+def _prune(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if not (args.job_ids or args.older_than is not None or args.keep is not None) and (
+        args.max_bytes is None
+    ):
+        raise UsageError("somatize prune: name jobs, or give --older-than, --keep or --max-bytes")
+    with _connect(args) as client:
+        said = client.prune(
+            args.job_ids,
+            older_than=args.older_than,
+            keep=args.keep,
+            max_bytes=args.max_bytes,
+            dry_run=args.dry_run,
+        )
+    verb = "would remove" if args.dry_run else "removed"
+    jobs = said.get("jobs", [])
+    out.print(
+        f"{verb} {len(jobs)} ended jobs, {said.get('bytes', 0) / 1e6:.1f} MB"
+        + (f": {' '.join(map(visible, jobs))}" if jobs else ""),
+        markup=False,
+        soft_wrap=True,
+    )
+    for job_id in said.get("kept", []):
+        err.print(
+            f"{visible(job_id)}: not an ended job of yours here: kept", markup=False, soft_wrap=True
+        )
     return EXIT_OK
 
 
@@ -689,6 +752,7 @@ _COMMANDS = {
     "status": _status,
     "jobs": _jobs,
     "queue": _queue,
+    "prune": _prune,
     "result": _result,
 }
 

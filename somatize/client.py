@@ -28,7 +28,7 @@ import math
 import os
 import ssl
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ from protocol.messages import (
     ListJobs,
     NodeInfo,
     Ping,
+    PruneJobs,
     Result,
     SandboxRequirement,
     Shutdown,
@@ -445,6 +446,34 @@ class Client:
         reply = self._call(GetQueue())
         if not isinstance(reply, Result) or not isinstance(reply.result, dict):
             raise ClientError(f"the coordinator answered get_queue with {reply!r}")
+        return dict(reply.result)
+
+    @suggesting
+    def prune(
+        self,
+        job_ids: Sequence[str] = (),
+        *,
+        older_than: float | None = None,
+        keep: int | None = None,
+        max_bytes: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        """Remove ended jobs of this client's (an admin's: anyone's) from the coordinator —
+        record, events, result, checkpoints: ``job_ids``, those that ended more than
+        ``older_than`` seconds ago, all but the ``keep`` newest, and the oldest until the
+        rest hold ``max_bytes``. A live job is never removed. Returns ``{"jobs": [...],
+        "bytes": N, "kept": [...]}``: the ids removed (``dry_run``: that would be), the bytes
+        they held, and the ids asked for that are not an ended job of this client's."""
+        ask = PruneJobs(
+            job_ids=list(job_ids),
+            older_than=older_than,
+            keep=keep,
+            max_bytes=max_bytes,
+            dry_run=dry_run,
+        )
+        reply = self._call(ask)
+        if not isinstance(reply, Result) or not isinstance(reply.result, dict):
+            raise ClientError(f"the coordinator answered prune_jobs with {reply!r}")
         return dict(reply.result)
 
     def status(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.identity_proof import fingerprint, public_key
 from protocol.log_lines import log_to
+from protocol.quantities import byte_count
 from protocol.token_file import token_file_problem
 from worker.agent import Agent
 from worker.capabilities import memory_bytes
@@ -71,6 +72,7 @@ def _spare(choice: str, memory: int) -> bool:
         )
         return False
     return True
+
 
 TOKEN_ENV = "SOMATIZE_WORKER_TOKEN"
 
@@ -141,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-job-memory",
-        type=_bytes,
+        type=byte_count,
         metavar="BYTES",
         help="resident memory a job's filter daemon may hold, with what it forks (e.g. 8G); "
         "over it the daemon is killed and its job fails resource_limit (default: no limit)",
@@ -276,20 +278,6 @@ def _parser() -> argparse.ArgumentParser:
         help="log verbosity (default: INFO)",
     )
     return parser
-
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def _bytes(text: str) -> int:
-    """``8G``, ``512M``, ``1073741824``: a byte count (suffixes in powers of 1024)."""
-    number, unit = text.strip().upper().rstrip("IB"), ""
-    if number and number[-1] in _UNITS:
-        number, unit = number[:-1], number[-1]
-    try:
-        return int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8G, 512M)") from None
 
 
 def _token(parser: argparse.ArgumentParser, token_file: str | None) -> str | None:

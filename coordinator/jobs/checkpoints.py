@@ -200,6 +200,10 @@ class CheckpointStore:
     def _job_dir(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
 
+    def folder(self, job_id: str) -> Path:
+        """Where the job's checkpoints are (it may not exist)."""
+        return self._job_dir(job_id)
+
     def shards_writer(self, job_id: str) -> ShardsWriter:
         """Where the job's next checkpoint's shards' files are written, one at a time, before
         :meth:`save` lists them (its folder made afresh).

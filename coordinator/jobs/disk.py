@@ -19,6 +19,7 @@ __all__ = [
     "map_whole",
     "private_directory",
     "read_whole",
+    "tree_bytes",
     "write_atomically",
 ]
 
@@ -239,6 +240,13 @@ class AtomicFile:
         self._give_back()
         self._file.close()
         self._partial.unlink(missing_ok=True)
+
+
+def tree_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (0 where there is none)."""
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def write_atomically(

@@ -38,6 +38,7 @@ from coordinator.jobs.disk import (
     map_whole,
     private_directory,
     read_whole,
+    tree_bytes,
     write_atomically,
 )
 from coordinator.jobs.result_pieces import ResultPieces
@@ -239,6 +240,21 @@ class JobFiles:
             self.checkpoints.keep_newest(job_id)
         elif succeeded and keep == "none":
             self.checkpoints.drop(job_id)
+
+    def bytes_of(self, job_id: str) -> int:
+        """What a job holds here apart from the store: its checkpoints and its result's
+        pieces, in bytes."""
+        return sum(
+            tree_bytes(folder)
+            for folder in (self.checkpoints.folder(job_id), self.results.folder(job_id))
+        )
+
+    def delete(self, job_id: str) -> None:
+        """Remove what a job holds here: its submit message, checkpoints and result's
+        pieces."""
+        self.submits.drop(job_id)
+        self.checkpoints.drop(job_id)
+        self.results.drop(job_id)
 
     def forget_others(self, live: Iterable[str]) -> None:
         """Remove the submit messages of jobs not ``live`` (ended under a coordinator that died

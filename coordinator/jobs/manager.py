@@ -55,6 +55,7 @@ from coordinator.errors import StoreError
 from coordinator.jobs.events import JobEvents
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.owed_ends import OwedEnds
+from coordinator.jobs.pruning import Pruning
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.result_pieces import answer, kept
 from coordinator.jobs.store import (
@@ -283,6 +284,7 @@ class JobManager:
         self._reserved_for: str | None = None  # the job free workers are held for
         self._orders = itertools.count()
         self.events = JobEvents(store)
+        self.pruning = Pruning(store, files)  # ended jobs removed (somatize prune, retention)
         self.owed_ends = OwedEnds()
         """Ends the store refused, written when it can (:meth:`OwedEnds.pay_forever`)."""
         self._wake = asyncio.Event()

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import mmap
 import os
+import shutil
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -183,6 +184,14 @@ class ResultPieces:
 
     def _folder(self, job_id: str) -> Path:
         return job_path(self.directory, job_id)
+
+    def folder(self, job_id: str) -> Path:
+        """Where the job's result's pieces are (it may not exist)."""
+        return self._folder(job_id)
+
+    def drop(self, job_id: str) -> None:
+        """Remove the job's result's pieces."""
+        shutil.rmtree(self._folder(job_id), ignore_errors=True)
 
     def _path(self, job_id: str, replica: int) -> Path:
         return self._folder(job_id) / f"{replica}{SUFFIX}"

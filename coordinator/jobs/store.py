@@ -566,6 +566,34 @@ class JobStore:
         ).fetchone()
         return int(rowid), str(kind)
 
+    def ended(self) -> builtins.list[tuple[str, float, str | None, int]]:
+        """Every ended job, the oldest end first: its id, when it ended, its owner and the
+        bytes of its stored result (0 without one)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT jobs.id, jobs.finished, json_extract(jobs.summary, '$.owner'), "
+                "COALESCE(length(results.data), 0) FROM jobs "
+                "LEFT JOIN results ON results.job_id = jobs.id "
+                "WHERE jobs.state IN ('succeeded', 'failed', 'cancelled') "
+                "ORDER BY jobs.finished, jobs.pk"
+            ).fetchall()
+        return [(str(i), float(f or 0.0), o, int(n)) for i, f, o, n in rows]
+
+    def delete(self, job_ids: Iterable[str]) -> builtins.list[str]:
+        """Remove ended jobs — their records, event logs and results — in one transaction;
+        those removed (a live job, or one not here, stays)."""
+        removed = []
+        with self._write() as conn:
+            for job_id in job_ids:
+                row = conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                if row is None or not JobState(row[0]).terminal:
+                    continue
+                for table, column in (("results", "job_id"), ("events", "job_id")):
+                    conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (job_id,))
+                conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                removed.append(job_id)
+        return removed
+
     def counts(self) -> dict[JobState, int]:
         """How many jobs are in each state (every state present, zeros included)."""
         with self._read() as conn:

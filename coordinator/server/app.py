@@ -246,6 +246,7 @@ class Coordinator:
             asyncio.create_task(jobs.place_forever(), name="job placement"),
             asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
             asyncio.create_task(jobs.owed_ends.pay_forever(), name="owed job ends"),
+            asyncio.create_task(jobs.pruning.retain_forever(config.retention), name="retention"),
         ]
         log.info(
             "coordinator listening on ws://%s:%d (state in %s)",

@@ -1,7 +1,8 @@
 """What a connected client asks the coordinator, answered on behalf of who it is.
 
 Each request of a ``/client`` connection (``submit``, ``watch``, ``get_result``, ``cancel``,
-``get_job``, ``list_jobs``, ``get_queue``, ``status``, ``ping``) is one method here. The client
+``get_job``, ``list_jobs``, ``get_queue``, ``prune_jobs``, ``status``, ``ping``) is one method
+here. The client
 is who its token says (:mod:`coordinator.server.clients`): it submits as itself, and sees only
 its own jobs unless it is an admin — another's job is ``unknown_job``, as one that does not exist.
 """
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from coordinator.jobs.manager import JobManager
+from coordinator.jobs.retention import Retention
 from coordinator.server.clients import ClientIdentity, ConnectedClients
 from coordinator.server.status import compact, status_snapshot, visible_records
 from coordinator.workers.registry import Registry
@@ -49,6 +51,7 @@ class ClientRequests:
             "get_job": self.on_get_job,
             "list_jobs": self.on_list_jobs,
             "get_queue": self.on_get_queue,
+            "prune_jobs": self.on_prune_jobs,
             "status": self.on_status,
             "ping": self.on_ping,
         }
@@ -185,6 +188,14 @@ class ClientRequests:
         said: dict[str, Any] = {"jobs": [compact(r) for r in jobs]}
         if client.admin:
             said["clients"] = self.jobs.shares()
+        return Result(result=said)
+
+    async def on_prune_jobs(self, channel: Channel, message: Any) -> Any:
+        """Remove the client's ended jobs that the message says (an admin's: anyone's)."""
+        client = self._client(channel)
+        retention = Retention(message.older_than, message.keep, message.max_bytes)
+        owner = None if client.admin else client.name
+        said = await self.jobs.pruning.prune(retention, message.job_ids, owner, message.dry_run)
         return Result(result=said)
 
     async def on_ping(self, channel: Channel, message: Any) -> Any:

@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 
 from coordinator.jobs.manager import ADMIN_POLICY, DEFAULT_OWNER, DEFAULT_PREEMPT_GRACE
+from coordinator.jobs.retention import Retention
 from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT
 from coordinator.scheduling.shares import DEFAULT_HALF_LIFE, DEFAULT_POLICY, ClientPolicy
 from coordinator.server.clients import ClientTokens
@@ -165,6 +166,7 @@ class CoordinatorConfig:
     share_wait: float = DEFAULT_SHARE_WAIT
     usage_half_life: float = DEFAULT_HALF_LIFE
     scheduler: str = "fair"
+    retention: Retention = field(default_factory=Retention)
     tls: ssl.SSLContext | None = field(default=None, init=False, repr=False)
     """The TLS context of ``tls_cert`` and ``tls_key`` (``None``: plain ``ws://``)."""
 

@@ -131,12 +131,13 @@ async def status_snapshot(
         if summary["job_id"] is not None and not await _sees(jobs, client, summary["job_id"]):
             summary["job_id"] = OTHERS  # busy, and whose job is not this client's business
         workers.append(summary)
+    held = jobs.pruning.held  # (an admin's business: the whole state directory)
     return {
         "server": SERVER,
         "time": time.time(),
         "workers": workers,
         "jobs": await visible_records(jobs, client, STATUS_JOBS),
-    }
+    } | ({"state_bytes": held} if client.admin and held is not None else {})
 
 
 OTHERS = "(another client's)"

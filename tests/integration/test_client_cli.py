@@ -397,3 +397,47 @@ def _open_connections(live: Cluster) -> int:
         text = response.read().decode()
     line = next(x for x in text.splitlines() if x.startswith("somatize_connections "))
     return int(line.split()[1])
+
+
+def test_prune_removes_ended_jobs_and_the_retention_keeps_the_newest(tmp_path):
+    """Three ended jobs: ``somatize prune --keep 2 --dry-run`` names the oldest and removes
+    nothing; ``somatize prune ID`` removes it (record, events, checkpoints: ``unknown_job``
+    then) and a running one is kept; status says the state directory's size; a coordinator
+    started with ``--retain-jobs 1`` removes all but the newest at once."""
+    from tests.utils import Center, Sleepy
+
+    c = Cluster(tmp_path / "state")
+    try:
+        c.start_coordinator()
+        c.start_worker("w1")
+        c.start_worker("w2")
+        with c.client(timeout=30 * UNIT) as client:
+            graph = sz.Graph([Center().named("c")])
+            ended = [client.submit(graph, np.ones((4, 2), np.float32)) for _ in range(3)]
+            for job in ended:
+                job.result(timeout=60 * UNIT)
+            running = client.submit(sz.Graph([Sleepy().named("s")]), np.ones((4, 2)))
+            wait_for(lambda: running.status()["state"] == "running", 60 * UNIT, "it to run")
+            dry = _somatize(c, "prune", "--keep", "2", "--dry-run")
+            assert dry.returncode == 0, dry.stderr
+            assert dry.stdout.startswith("would remove 1 ended jobs") and ended[0].id in dry.stdout
+            assert ended[0].status()["state"] == "succeeded"
+            pruned = _somatize(c, "prune", ended[0].id, running.id)
+            assert pruned.returncode == 0, pruned.stderr
+            assert pruned.stdout.startswith("removed 1 ended jobs") and ended[0].id in pruned.stdout
+            assert f"{running.id}: not an ended job of yours here: kept" in pruned.stderr
+            with pytest.raises(sz.ClientError) as gone:
+                ended[0].status()
+            assert gone.value.code == "unknown_job"
+            wait_for(lambda: "state_bytes" in client.status(), 30 * UNIT, "the state's size")
+            status = _somatize(c, "status")
+            assert "state directory: " in status.stdout and " MB (somatize prune " in status.stdout
+            running.cancel()
+            wait_for(lambda: running.status()["state"] == "cancelled", 30 * UNIT, "cancelled")
+        c.stop_coordinator()
+        c.start_coordinator(["--retain-jobs", "1"])
+        with c.client(timeout=30 * UNIT) as client:
+            newest = running.id  # cancelled last
+            wait_for(lambda: [j["id"] for j in client.jobs()] == [newest], 30 * UNIT, "retention")
+    finally:
+        c.close()
