@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import gc
 import os
 import socket
 import struct
@@ -65,6 +66,7 @@ class GroupMember:
         self._world = 1
         self._dropped_with_group: list[Callable[[], None]] = []
         self._last_left: object | None = None  # the group left last, kept: see _left_group
+        self._broken = False  # a group that broke here, to close (release_broken)
         self._chose_interface = False  # GLOO_SOCKET_IFNAME is this member's choice, not set
 
     @property
@@ -187,6 +189,25 @@ class GroupMember:
             left = dist.group.WORLD
             dist.destroy_process_group()
             self._last_left = left  # (the one before it goes now)
+
+    def break_off(self) -> None:
+        """Have the group this member saw break closed once the request that saw it has
+        answered (:meth:`release_broken`): gloo tells a member that a peer died only where it
+        talks to that peer, so the others of a ring wait out the collective timeout (60 s)
+        unless the members that saw it close their connections too. For a group without a
+        communication hook only (see :meth:`_left_group`)."""
+        self._broken = True
+
+    def release_broken(self) -> None:
+        """Close a group :meth:`break_off` marked: what uses it dropped, the group left and its
+        last reference dropped now, which closes its connections (every peer's wait on this
+        member then fails at once)."""
+        if not self._broken:
+            return
+        self._broken = False
+        self._left_group()
+        self._last_left = None
+        gc.collect()  # what the failure's frames held of the group, in cycles
 
     def broken(
         self,

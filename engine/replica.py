@@ -643,6 +643,7 @@ class Replica:
         except RuntimeError as exc:
             if looks_collective(exc):
                 self._pending = step
+                self.group.break_off()  # (no communication hook on a DiLoCo replica)
                 where = f"synchronising after step {step + 1}"
                 owed = {"sync_pending": step + 1, "results": said}
                 raise self.group.broken(where, exc, step + 1, owed) from exc

@@ -285,6 +285,16 @@ def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
     assert [e.data["step"] for e in training] == syncs  # each round once, none waited for
 
 
+def _kill_with_its_daemons(c: Cluster, worker: str) -> None:
+    """SIGKILL a worker's agent and its filter daemons (which would otherwise see it gone only
+    at their watchdog's next look, and might take part in one more synchronisation)."""
+    daemons = daemons_of(c.workers[worker])
+    c.send_signal(c.workers[worker], signal.SIGKILL)
+    for pid in daemons:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_stays_empty(
     tmp_path,
 ):
@@ -305,11 +315,7 @@ def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_st
         for pid in daemons_of(c.workers["w2"]):
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 12, 60 * UNIT, "12")
-        daemons = daemons_of(c.workers["w1"])
-        c.send_signal(c.workers["w1"], signal.SIGKILL)
-        for pid in daemons:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_with_its_daemons(c, "w1")
         fitted = job.result(timeout=120 * UNIT)
         events = list(job.events(timeout=30 * UNIT))
     assert next(e for e in events if e.event == "placed").data["collective"] == "torch"
@@ -331,6 +337,39 @@ def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_st
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
     training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
     assert [e.data["step"] for e in training] == syncs  # each round once
+
+
+def test_four_replicas_go_on_at_once_when_one_dies_in_their_ring(tmp_path):
+    """Four replicas on the torch group, the fourth's worker SIGKILLed (its daemon too) during
+    a round: in gloo's ring only its two neighbours see it die, and the replica across from
+    it would wait out the collective timeout (60 s) in a receive; the members that saw it
+    close their group at once, so that one fails too and the round's synchronisation is made
+    by the three survivors within seconds — none is stopped as hung. As the hand loop with
+    the fourth missing from that round on."""
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, module=Slow(*model()))
+    strategy = sz.DiLoCo(4, 3, 0.7, 0.9, elastic=True, collective="torch")
+    syncs = [3, 6, 9, 12, 15, 18, 21]
+    with (
+        cluster(tmp_path, {"w1": (), "w2": (), "w3": (), "w4": ()}) as c,
+        sz.connect(c.url) as client,
+    ):
+        job = client.submit(graph, x, y, strategy=strategy)
+        wait_for(lambda: (job.status()["progress"] or {}).get("step", 0) >= 3, 60 * UNIT, "3")
+        _kill_with_its_daemons(c, "w4")
+        fitted = job.result(timeout=120 * UNIT)
+        events = list(job.events(timeout=30 * UNIT))
+    lost = [e for e in events if e.event == "worker_lost"]
+    assert [(e.data["worker"], e.data["code"]) for e in lost] == [("w4", "worker_lost")]
+    dropped = next(e for e in events if e.event == "worker_dropped")
+    after = next(e for e in events if e.event == "progress" and e.time > dropped.time)
+    assert after.time - lost[0].time < 20 * UNIT  # not the collective timeout
+    first = next(r for r, end in enumerate(syncs) if lost[0].data["step"] <= end)
+    gone = lost[0].data["replica"]
+    absent = {r: {gone} for r in range(first, len(syncs))}
+    expected, _ = diloco_by_hand(x, y, "adam", 4, 3, 0.7, 0.9, absent=absent)
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
 
 
 def test_auto_trains_through_the_coordinator_for_workers_in_namespaces_that_cannot_meet(

@@ -548,6 +548,8 @@ def serve(channel: PipeChannel, daemon: Daemon) -> int:
             channel.write_frame(parts)
         except BrokenPipeError:
             return 0  # the agent is gone; nobody is left to answer
+        del parts
+        daemon.engine.group.release_broken()  # a group that broke, closed once it was said
     return 0
 
 
