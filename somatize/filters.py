@@ -336,8 +336,9 @@ class TorchFilter(Filter):
             return self.loss(output, y)
         if self.loss == MODEL_LOSS:
             return model_loss(output, self.name or self.default_name())
-        if self.loss in _CLASS_LOSSES and output.dim() > 2 and output.dim() == y.dim() + 1:
-            # Sequence logits (B, T, V) against (B, T) targets: every token a row.
+        if self.loss in _CLASS_LOSSES and output.dim() > 2 and output.shape[:-1] == y.shape:
+            # Sequence logits (B, T, V) against (B, T) targets: every token a row. (torch's own
+            # layout, (B, V, T), goes to cross_entropy as it is.)
             output, y = output.reshape(-1, output.shape[-1]), y.reshape(-1)
         if self.loss in _REGRESSION_LOSSES:
             # The weights' dtype, not a bf16/fp16 autocast output's: labels are not rounded.

@@ -288,3 +288,18 @@ def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
     close(fitted.states["mlp"], model)
     with pytest.raises(ValueError, match="max_steps is a whole number of steps"):
         sz.TorchFilter(mlp(), max_steps=0)
+
+
+def test_cross_entropy_takes_sequence_logits_in_either_layout():
+    """(B, T, V) logits against (B, T) targets, every token a row; torch's own (B, V, T) as
+    cross_entropy takes it (a char LM of benchmarks.char_lm returns that). Equal to
+    torch.nn.functional.cross_entropy by hand, each way."""
+    gen = torch.Generator().manual_seed(0)
+    b, t, v = 4, 5, 7
+    logits = torch.randn(b, t, v, generator=gen)
+    targets = torch.randint(0, v, (b, t), generator=gen)
+    net = sz.TorchFilter(torch.nn.Identity(), loss="cross_entropy")
+    by_hand = torch.nn.functional.cross_entropy(logits.reshape(-1, v), targets.reshape(-1))
+    torch.testing.assert_close(net.compute_loss(logits, targets), by_hand)
+    channels_second = logits.transpose(1, 2)  # (B, V, T)
+    torch.testing.assert_close(net.compute_loss(channels_second, targets), by_hand)
