@@ -42,6 +42,10 @@ ours with ``compression`` ``None``, ``"fp16"``, ``"int8"`` and ``"powersgd:4"``,
 (fp32 and int8), each against ``DataParallel`` uncompressed in the same run: none may cost more
 than 1.1×; and DDP and DDP + PowerSGD on loopback too, for what torch's own hook costs there.
 
+**Churn and streaming.** ``--churn [--link-bound]``: DiLoCo checkpointed, elastic through a
+worker's loss and a newcomer, and streaming, against DDP and a DDP restarted from its
+checkpoint (:mod:`benchmarks.slow_links_churn`).
+
 Every process started here is stopped at the end, and the namespaces removed (also on Ctrl-C).
 """
 
@@ -127,14 +131,17 @@ class Curve:
 
 @dataclass(frozen=True)
 class Workload:
-    """The data every run trains on, for ``workers`` replicas."""
+    """The data every run trains on, for ``workers`` replicas: ``per_replica`` windows each a
+    step, on a :class:`~benchmarks.char_lm.CharLM` of ``size``."""
 
     workers: int
     epochs: int
+    per_replica: int = PER_REPLICA
+    size: char_lm.Size = char_lm.SIZE
 
     @property
     def batch(self) -> int:
-        return PER_REPLICA * self.workers
+        return self.per_replica * self.workers
 
     @property
     def rows(self) -> int:
@@ -145,7 +152,7 @@ class Workload:
 
     def graph(self) -> sz.Graph:
         net = sz.TorchFilter(
-            char_lm.model(SEED),
+            char_lm.model(SEED, self.size),
             loss="cross_entropy",
             optimizer="adamw",
             lr=LR,
@@ -165,41 +172,85 @@ def anchor(sites: Sites | None, method: str, work: Workload, directory: Path) ->
     (on loopback with no ``sites``)."""
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{method}-{work.workers}.jsonl"
+    finish_anchor(start_anchor(sites, method, work, out), out)
+    return anchor_curve(method, anchor_lines(out))
+
+
+def start_anchor(
+    sites: Sites | None, method: str, work: Workload, out: Path, more: Sequence[str] = ()
+) -> list[subprocess.Popen[bytes]]:
+    """The ranks of ``method`` on ``work``, started (rank 0 writing ``out``, rank ``r`` logging
+    to ``<out's stem>-<r>.log`` beside it), with ``more`` arguments of
+    :mod:`benchmarks.slow_links_anchors`; each rank in its site, or on loopback."""
     port = random.randint(20000, 40000)
     master = sites.address(0) if sites is not None else "127.0.0.1"
-    procs = []
-    for rank in range(work.workers):
-        argv = [
-            *(sites.prefix(rank) if sites is not None else []),
-            sys.executable,
-            "-m",
-            "benchmarks.slow_links_anchors",
-            *("--method", method, "--rank", str(rank), "--world", str(work.workers)),
-            *("--master", f"{master}:{port}"),
-            *("--ifname", sites.interface(rank) if sites is not None else "lo"),
-            *("--rows", str(work.rows), "--val-rows", str(VAL_ROWS), "--batch", str(work.batch)),
-            *("--epochs", str(work.epochs), "--lr", str(LR), "--sync-every", str(SYNC_EVERY)),
-            *("--seed", str(SEED), "--threads", "1", "--out", str(out)),
-        ]
-        log = open(directory / f"{method}-{work.workers}-{rank}.log", "wb")  # noqa: SIM115
-        procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
+    size = work.size
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        for proc, log in procs:
+        for rank in range(work.workers):
+            argv = [
+                *(sites.prefix(rank) if sites is not None else []),
+                sys.executable,
+                "-m",
+                "benchmarks.slow_links_anchors",
+                *("--method", method, "--rank", str(rank), "--world", str(work.workers)),
+                *("--master", f"{master}:{port}"),
+                *("--ifname", sites.interface(rank) if sites is not None else "lo"),
+                *("--rows", str(work.rows), "--val-rows", str(VAL_ROWS)),
+                *("--batch", str(work.batch), "--epochs", str(work.epochs), "--lr", str(LR)),
+                *("--sync-every", str(SYNC_EVERY), "--seed", str(SEED), "--threads", "1"),
+                *("--d-model", str(size.d_model), "--layers", str(size.layers)),
+                *("--heads", str(size.heads), "--ff", str(size.ff)),
+                *("--out", str(out), *more),
+            ]
+            # The child keeps its own copy of the log's descriptor: ours closes at once.
+            with open(out.parent / f"{out.stem}-{rank}.log", "wb") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+    except BaseException:
+        stop_ranks(procs)
+        raise
+    return procs
+
+
+def finish_anchor(procs: Sequence[subprocess.Popen[bytes]], out: Path) -> None:
+    """Wait for the ranks writing ``out`` to end; every one still running is killed when one
+    fails (or on Ctrl-C).
+
+    Raises:
+        RuntimeError: a rank failed (rank 0's log tail in the message).
+    """
+    try:
+        for proc in procs:
             if proc.wait(timeout=EVENT_TIMEOUT) != 0:
-                tail = (directory / f"{method}-{work.workers}-0.log").read_text()[-3000:]
-                raise RuntimeError(f"the {method} anchor failed:\n{tail}")
-            log.close()
+                tail = (out.parent / f"{out.stem}-0.log").read_text()[-3000:]
+                raise RuntimeError(f"the anchor writing {out.name} failed:\n{tail}")
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        stop_ranks(procs)
+
+
+def stop_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kill every rank still running, and reap them all."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
+def anchor_lines(out: Path) -> list[dict[str, Any]]:
+    """What an anchor's rank 0 wrote: its settings, then one object per epoch."""
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def anchor_curve(method: str, lines: Sequence[dict[str, Any]]) -> Curve:
+    """The curve of an anchor's ``lines`` (:func:`anchor_lines`): each epoch's seconds less
+    the evaluations before it (rank 0's, the others wait)."""
     head, epochs = lines[0], lines[1:]
     points, evaluating = [], 0.0
-    for e in epochs:  # the clock without the evaluations before (rank 0's, the others wait)
+    for e in epochs:
         points.append((e["step"], e["seconds"] - evaluating, e["val_loss"]))
         evaluating += e["eval_seconds"]
-    return Curve(method, points, head)
+    return Curve(method, points, dict(head))
 
 
 # -- ours ----------------------------------------------------------------------------------------
@@ -222,8 +273,7 @@ def our_cluster(sites: Sites | None, workers: int, directory: Path) -> Iterator[
             if sites is None:
                 c.start_worker(f"w{i}", threads=1)
             else:
-                url = f"ws://{sites.gateway(i)}:{c.port}"
-                c.start_worker(f"site{i}", threads=1, prefix=sites.prefix(i), connect=url)
+                start_in_site(c, sites, f"site{i}", i)
         yield c
     except BaseException:
         c.print_log_tails()
@@ -232,19 +282,43 @@ def our_cluster(sites: Sites | None, workers: int, directory: Path) -> Iterator[
         c.close()
 
 
+def start_in_site(c: LocalCluster, sites: Sites, worker_id: str, i: int) -> None:
+    """Worker ``worker_id`` (one thread) in site ``i``, dialing ``c``'s coordinator through
+    the site's link; back once the coordinator lists it."""
+    url = f"ws://{sites.gateway(i)}:{c.port}"
+    c.start_worker(worker_id, threads=1, prefix=sites.prefix(i), connect=url)
+
+
 def ours(c: LocalCluster, method: str, strategy: Any, work: Workload) -> Curve:
     """``strategy`` on ``work`` through cluster ``c``: its validation curve."""
+    return our_curve(method, our_events(c, strategy, work))
+
+
+def our_events(c: LocalCluster, strategy: Any, work: Workload) -> list[sz.JobEventInfo]:
+    """The events of ``strategy`` on ``work``, validated at each epoch's end, through cluster
+    ``c``, once the job succeeded."""
     x, y, val_x, val_y = work.arrays()
     with c.client(timeout=60) as client:
         job = client.submit(work.graph(), x, y, strategy=strategy, validation=(val_x, val_y))
         job.result(timeout=EVENT_TIMEOUT)
-        events = list(job.events(timeout=60))
+        return list(job.events(timeout=60))
+
+
+def our_curve(method: str, events: Sequence[sz.JobEventInfo], began: float | None = None) -> Curve:
+    """The validation curve of a job of ours from its ``events``, its clock from ``began``
+    (Unix seconds; by default its first training event less its steps at the run's pace);
+    what its placement said, with the job's ``wall`` time, its ``setup`` before training,
+    ``began`` and ``pace`` (wall seconds per step between its first and last training
+    events)."""
     first = next(k for k, e in enumerate(events) if _training(e))
     marks = [(e.data["step"], e.time) for e in events if _training(e)]
     (s0, t0), (s1, t1) = marks[0], marks[-1]
-    began = t0 - s0 * (t1 - t0) / (s1 - s0)  # the first chunk's steps at the run's pace
-    placed = next(e.data for e in events if e.event == "placed")
+    pace = (t1 - t0) / (s1 - s0)
+    if began is None:
+        began = t0 - s0 * pace  # the first chunk's steps at the run's pace
+    placed = dict(next(e.data for e in events if e.event == "placed"))  # (a copy: ours to add to)
     placed |= {"wall": events[-1].time - events[0].time, "setup": began - events[0].time}
+    placed |= {"began": began, "pace": pace}
     points, evaluating, ended = [], 0.0, began
     for e in events[first:]:
         if _training(e):
@@ -341,19 +415,9 @@ def report(shape: LinkShape, runs: Sequence[dict[str, Any]], flat: dict[str, flo
         lines += [
             f"**{n} workers.** DDP's validation loss after {ddp.last[0]} steps: {target:.4f}.",
             "",
-            "| run | steps | seconds | val loss | time to DDP's loss | steps to it | × DDP |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            *table(curves, target, ddp.last[1]),
+            "",
         ]
-        for name, curve in curves.items():
-            steps, seconds, loss = curve.last
-            reached = curve.reaches(target)
-            to = f"{reached[1]:.1f} s" if reached else "not reached"
-            at = str(reached[0]) if reached else "-"
-            ratio = f"{reached[1] / ddp.last[1]:.3f}" if reached else "-"
-            lines.append(
-                f"| {name} | {steps} | {seconds:.1f} | {loss:.4f} | {to} | {at} | {ratio} |"
-            )
-        lines.append("")
         for name, curve in curves.items():
             if not name.startswith("ours: DiLoCo"):
                 continue
@@ -396,19 +460,42 @@ def report(shape: LinkShape, runs: Sequence[dict[str, Any]], flat: dict[str, flo
     return "\n".join(lines) + "\n"
 
 
+def table(curves: dict[str, Curve], target: float, base: float) -> list[str]:
+    """The markdown table of ``curves``: each one's end, and its time and steps to ``target``
+    (× ``base`` seconds, DDP's)."""
+    lines = [
+        "| run | steps | seconds | val loss | time to DDP's loss | steps to it | × DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, curve in curves.items():
+        steps, seconds, loss = curve.last
+        reached = curve.reaches(target)
+        to = f"{reached[1]:.1f} s" if reached else "not reached"
+        at = str(reached[0]) if reached else "-"
+        ratio = f"{reached[1] / base:.3f}" if reached else "-"
+        lines.append(f"| {name} | {steps} | {seconds:.1f} | {loss:.4f} | {to} | {at} | {ratio} |")
+    return lines
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def _header(command: str, seconds: float) -> str:
+def _header(
+    command: str,
+    seconds: float,
+    title: str = "Workers far apart",
+    module: str = "slow_links",
+    flags: str = "",
+) -> str:
     m = machine()
     return "\n".join(
         [
-            "## Workers far apart",
+            f"## {title}",
             "",
-            "Written by `python -m benchmarks.slow_links --write` (see `benchmarks/slow_links.py`"
-            " for what is compared and how); every anchor runs in the same run, on the same "
-            "links.",
+            f"Written by `python -m benchmarks.slow_links {flags}--write` (see "
+            f"`benchmarks/{module}.py` for what is compared and how); every anchor runs in the "
+            "same run, on the same links.",
             "",
             f"- **date**: {now()}",
             f"- **machine**: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
@@ -434,25 +521,55 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.slow_links", description=__doc__)
     p.add_argument("--rate", default="100mbit", help="each site's link rate (tc units)")
     p.add_argument("--delay", default="10ms", help="one-way delay of each link (e.g. 10ms)")
-    p.add_argument("--workers", default="2,4", help="the numbers of workers, comma-separated")
-    p.add_argument("--quick", action="store_true", help="leave out our plain DataParallel")
+    p.add_argument(
+        "--workers",
+        default=None,
+        help="the numbers of workers, comma-separated (default 2,4); with --churn one (4)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="leave out our plain DataParallel; with --churn, fewer epochs (a smoke test)",
+    )
     p.add_argument("--no-unshaped", action="store_true", help="leave out the loopback part")
+    p.add_argument(
+        "--churn",
+        action="store_true",
+        help="checkpoints, a worker lost and a newcomer, streaming (benchmarks.slow_links_churn)",
+    )
+    p.add_argument(
+        "--link-bound",
+        action="store_true",
+        help="with --churn: a wider model, one window per replica a step (less compute a byte)",
+    )
     p.add_argument("--write", action="store_true", help="into docs/benchmarks.md, its section")
     args = p.parse_args(argv)
     delay = args.delay.removesuffix("ms")
     shape = LinkShape(args.rate, float(delay) / 1000)
     cloudpickle.register_pickle_by_value(char_lm)  # the workers need not import benchmarks
+    given = list(argv) if argv is not None else sys.argv[1:]
+    if args.churn:
+        # (imported here: the churn module builds on this one)
+        from benchmarks import slow_links_churn
+
+        if args.workers is not None and not args.workers.isdigit():
+            p.error(f"--churn runs on one number of workers, not {args.workers!r}")
+        workers = int(args.workers or slow_links_churn.WORKERS)
+        plan = slow_links_churn.Plan(shape, workers, args.link_bound, args.quick)
+        slow_links_churn.main(plan, given, write=args.write)
+        return
+    if args.link_bound:
+        p.error("--link-bound is a workload of --churn")
     started = time.monotonic()
     directory = Path(tempfile.mkdtemp(prefix="slow-links-"))
     print(f"logs: {directory}", flush=True)
     runs = []
-    for n in args.workers.split(","):
+    for n in (args.workers or "2,4").split(","):
         runs.append(shaped(shape, int(n), args.quick, directory / f"n{n}"))
         print(report(shape, runs[-1:], {}), flush=True)  # each as it comes: a later one may fail
         _save(directory / "runs.json", runs)
     flat = {} if args.no_unshaped else unshaped(2, directory)
     seconds = time.monotonic() - started
-    given = list(argv) if argv is not None else sys.argv[1:]
     command = shlex.join(["python", "-m", "benchmarks.slow_links", *given])
     written = _header(command, seconds) + report(shape, runs, flat)
     print(written)

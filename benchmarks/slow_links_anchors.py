@@ -4,7 +4,8 @@ over gloo, one process per rank, each the way its paper or torch's documentation
 ``python -m benchmarks.slow_links_anchors --method ddp|powersgd|diloco --rank R --world W
 --master HOST:PORT [--ifname IF] --rows ROWS --val-rows VR --batch B --epochs E --lr LR
 --sync-every H --outer-lr 0.7 --outer-momentum 0.9 --powersgd-rank 4 --seed S --threads 1
---out FILE``
+[--d-model 256 --layers 4 --heads 4 --ff 1024] [--checkpoint FILE --checkpoint-every K]
+[--resume] [--progress FILE] [--stop-loss LOSS] --out FILE``
 
 * ``ddp``: ``DistributedDataParallel`` (CPU, gloo, its default buckets) and AdamW, one step per
   global batch.
@@ -41,12 +42,26 @@ all-reduces, float32 — and ``initial_val_loss``), then one line per epoch::
      "val_loss": v, "train_loss": rank 0's last step's slice loss}
 
 ``seconds`` is the wall time from the start of training (every rank has its data, its model,
-and DDP's wrapper or DiLoCo's global weights; a barrier, then the clock starts) to the end of
-that epoch's last step (after its synchronisation, for DiLoCo), the earlier epochs' evaluations
-included; ``eval_seconds`` is that epoch's evaluation (the mean cross-entropy of every token of
-the validation windows, in batches of 256 rows, no gradient), which only rank 0 runs while the
-others wait at a barrier (the process group's ``--timeout``), so the ranks start the next epoch
-together.
+and DDP's wrapper or DiLoCo's global weights; a barrier, then the clock starts: the settings
+line says when, ``started``, in Unix seconds) to the end of that epoch's last step (after its
+synchronisation, for DiLoCo), the earlier epochs' evaluations included; ``eval_seconds`` is
+that epoch's evaluation (the mean cross-entropy of every token of the validation windows, in
+batches of 256 rows, no gradient), which only rank 0 runs while the others wait at a barrier
+(the process group's ``--timeout``), so the ranks start the next epoch together. With
+``--stop-loss`` the run ends at the first epoch whose validation loss is at most that (rank 0
+decides, and a broadcast in place of the barrier tells the others).
+
+**Checkpoints and restarts** (``ddp`` only: a torchrun job's way, :mod:`benchmarks.slow_links_churn`
+restarts one). With ``--checkpoint-every K`` rank 0 saves to ``--checkpoint`` after every
+``K``-th global step, inside the clock: the model's and AdamW's state, the steps done (the
+position in the plan: the plan is the same on every run, so the next step's batch is known)
+and torch's RNG state, with ``torch.save`` to a file beside it then renamed over it (a rank
+killed mid-save leaves the last whole checkpoint). ``--resume`` loads it on every rank before
+the group's clock starts (no initial evaluation then: ``initial_val_loss`` is ``null``) and
+trains on from the step after it: the same batches in the same order as a run never stopped
+(``resumed_from`` in the settings line says from where; with no checkpoint yet, from the
+start). ``--progress`` has rank 0 append ``{"step": s, "time": t}`` after each step, for a
+harness that must kill a rank at a given step.
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ import argparse
 import datetime
 import itertools
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -73,7 +89,16 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks import char_lm
 from protocol.rules.batching import global_batches, synchronises
 
-__all__ = ["METHODS", "Config", "PseudoGradientSync", "main", "parse", "train"]
+__all__ = [
+    "METHODS",
+    "Config",
+    "PseudoGradientSync",
+    "load_checkpoint",
+    "main",
+    "parse",
+    "save_checkpoint",
+    "train",
+]
 
 METHODS = ("ddp", "powersgd", "diloco")
 ONE_BUCKET_MB = 1 << 20
@@ -109,6 +134,25 @@ class Config:
     seed: int = 0
     threads: int = 1
     timeout: float = 600.0
+    d_model: int = char_lm.SIZE.d_model
+    layers: int = char_lm.SIZE.layers
+    heads: int = char_lm.SIZE.heads
+    ff: int = char_lm.SIZE.ff
+    checkpoint: Path | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    progress: Path | None = None
+    stop_loss: float | None = None
+
+    @property
+    def size(self) -> char_lm.Size:
+        """The model's shape."""
+        return char_lm.Size(d_model=self.d_model, layers=self.layers, heads=self.heads, ff=self.ff)
+
+    @property
+    def plan_key(self) -> dict[str, int]:
+        """What fixes the plan and the model: a checkpoint resumes only a run of the same."""
+        return {"rows": self.rows, "world": self.world, "batch": self.batch, "seed": self.seed}
 
 
 def parse(argv: Sequence[str] | None = None) -> Config:
@@ -137,7 +181,27 @@ def parse(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--timeout", type=float, default=defaults.timeout, help="seconds")
+    p.add_argument("--d-model", type=int, default=defaults.d_model)
+    p.add_argument("--layers", type=int, default=defaults.layers)
+    p.add_argument("--heads", type=int, default=defaults.heads)
+    p.add_argument("--ff", type=int, default=defaults.ff)
+    p.add_argument("--checkpoint", type=Path, default=None, help="ddp: rank 0's checkpoint file")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="ddp: save after every K steps (0: never)"
+    )
+    p.add_argument("--resume", action="store_true", help="ddp: train on from --checkpoint")
+    p.add_argument("--progress", type=Path, default=None, help="rank 0's steps, one a line")
+    p.add_argument("--stop-loss", type=float, default=None, help="end once val loss <= this")
     args = p.parse_args(argv)
+    keeps = args.checkpoint_every or args.resume
+    if keeps and args.method != "ddp":
+        p.error(f"--checkpoint-every and --resume are ddp's, not {args.method}'s")
+    if keeps and args.checkpoint is None:
+        p.error("--checkpoint-every and --resume need --checkpoint FILE")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every is a number of steps >= 0, not {args.checkpoint_every}")
+    if args.stop_loss is not None and not math.isfinite(args.stop_loss):
+        p.error(f"--stop-loss is a finite loss, not {args.stop_loss}")
     return Config(**vars(args))
 
 
@@ -206,7 +270,9 @@ def powersgd_bytes(params: Sequence[torch.Tensor], rank: int) -> int:
     return FP32 * total
 
 
-def _settings(config: Config, model: torch.nn.Module, initial_val_loss: float) -> dict[str, Any]:
+def _settings(
+    config: Config, model: torch.nn.Module, initial_val_loss: float | None
+) -> dict[str, Any]:
     """The first line of ``--out``."""
     params = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
@@ -218,8 +284,9 @@ def _settings(config: Config, model: torch.nn.Module, initial_val_loss: float) -
     else:
         line["bytes_per_sync"] = FP32 * count
     settings = asdict(config)
-    for own in ("method", "rank", "world", "master", "out", "ifname", "threads", "timeout"):
-        settings.pop(own)
+    own = ("method", "rank", "world", "master", "out", "ifname", "threads", "timeout")
+    for key in (*own, "checkpoint", "progress"):
+        settings.pop(key)
     return {**line, **settings, "initial_val_loss": initial_val_loss}
 
 
@@ -227,6 +294,45 @@ def _optimizer(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=config.lr)
     return torch.optim.AdamW(model.parameters(), lr=config.lr)
+
+
+def save_checkpoint(
+    path: Path,
+    config: Config,
+    steps: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """``model`` and ``optimizer`` after ``steps`` global steps of ``config``'s plan, and
+    torch's RNG state, saved to ``path`` atomically (written beside it, then renamed)."""
+    state = {
+        "steps": steps,
+        "plan": config.plan_key,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def load_checkpoint(
+    path: Path, config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Set ``model``, ``optimizer`` and torch's RNG to the checkpoint at ``path``; the global
+    steps it was taken after.
+
+    Raises:
+        ValueError: it is of another plan (rows, world, batch or seed).
+    """
+    state = torch.load(path, weights_only=True)
+    if state["plan"] != config.plan_key:
+        raise ValueError(f"{path} is of the plan {state['plan']}, not {config.plan_key}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["steps"])
 
 
 def train(config: Config) -> None:
@@ -256,7 +362,7 @@ def _train(config: Config) -> None:
     rank, world = config.rank, config.world
     # --- the same data, model and plan on every rank
     x, y, val_x, val_y = char_lm.train_and_validation(config.rows, config.val_rows, config.seed)
-    model = char_lm.model(config.seed)
+    model = char_lm.model(config.seed, config.size)
     plan = list(global_batches(config.rows, world, config.epochs, config.batch, True, config.seed))
     # H over the run, and at each epoch's end: the run validates there (as sz.DiLoCo does)
     per_epoch = Counter(epoch for epoch, _, _ in plan)
@@ -287,19 +393,29 @@ def _train(config: Config) -> None:
     else:
         net = DistributedDataParallel(model)
     optimizer = _optimizer(config, model)
+    # --- a restart: every rank loads the same weights (in place: DDP holds these parameters),
+    # AdamW's moments and the position in the plan
+    done = 0
+    if config.resume and config.checkpoint is not None and config.checkpoint.exists():
+        done = load_checkpoint(config.checkpoint, config, model, optimizer)
 
-    out = None
+    out = progress = None
+    head: dict[str, Any] = {}
     if rank == 0:
         out = config.out.open("w")
-        initial = char_lm.evaluate(model, val_x, val_y, EVAL_BATCH)
-        _write(out, _settings(config, model, initial))
+        progress = config.progress.open("a") if config.progress is not None else None
+        initial = None if config.resume else char_lm.evaluate(model, val_x, val_y, EVAL_BATCH)
+        head = _settings(config, model, initial) | {"resumed_from": done}
     dist.barrier()
 
     # --- training: one global batch a step, this rank's slice of it
     start = time.perf_counter()
+    if out is not None:
+        _write(out, head | {"started": time.time()})
     try:
         loss = 0.0
-        for g, (epoch, _, slices) in enumerate(plan):
+        for g in range(done, len(plan)):
+            epoch, _, slices = plan[g]
             local, batch = slices[rank], sum(len(s) for s in slices)
             net.train()
             optimizer.zero_grad(set_to_none=True)
@@ -307,19 +423,37 @@ def _train(config: Config) -> None:
             optimizer.step()
             if outer is not None and syncs[g]:
                 outer()
+            if rank == 0 and config.checkpoint_every and (g + 1) % config.checkpoint_every == 0:
+                assert config.checkpoint is not None  # (parse() refuses one without the other)
+                save_checkpoint(config.checkpoint, config, g + 1, model, optimizer)
+            if progress is not None:
+                _write(progress, {"step": g + 1, "time": time.time()})
             if g + 1 < len(plan) and plan[g + 1][0] == epoch:
                 continue
             # --- the epoch's end: rank 0 evaluates, the others wait for it
             seconds = time.perf_counter() - start
+            reached = False
             if out is not None:
                 val_loss = char_lm.evaluate(model, val_x, val_y, EVAL_BATCH)
                 line = {"epoch": epoch, "step": g + 1, "seconds": seconds}
                 line["eval_seconds"] = time.perf_counter() - start - seconds
                 _write(out, {**line, "val_loss": val_loss, "train_loss": loss})
-            dist.barrier()
+                reached = config.stop_loss is not None and val_loss <= config.stop_loss
+            if config.stop_loss is None:
+                dist.barrier()
+            elif _agreed(reached):
+                break
     finally:
-        if out is not None:
-            out.close()
+        for opened in (out, progress):
+            if opened is not None:
+                opened.close()
+
+
+def _agreed(reached: bool) -> bool:
+    """Rank 0's word (``reached``) on every rank: whether the run ends here."""
+    flag = torch.tensor([1 if reached else 0])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def _backward(
