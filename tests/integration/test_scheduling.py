@@ -76,8 +76,6 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
     clients, tokens = _clients(tmp_path, {"alice": "", "bob": ""})
     c = _cluster(tmp_path, clients)
     try:
-        c.start_worker("w1")
-        c.start_worker("w2")
         graph = sz.Graph([Nap(0.4 * UNIT).named("nap")])
         with (
             sz.connect(c.url, token=tokens["alice"]) as alice,
@@ -90,11 +88,14 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
                     jobs[name].append(client.submit(graph, X, name=f"{name}-{k}"))
             queue = root.queue()
             waiting = [r for r in queue["jobs"] if r["state"] == "queued"]
-            assert waiting and all(r["wait"]["reason"] for r in waiting)
+            assert len(waiting) == 16 and all(r["wait"]["reason"] for r in waiting)
             mine = bob.queue()["jobs"]  # bob sees his own, and no clients' table
             assert {r["summary"]["owner"] for r in mine} <= {"bob"} and "clients" not in (
                 bob.queue()
             )
+            # the workers come once both queues are full: whoever submitted first, they alternate
+            c.start_worker("w1")
+            c.start_worker("w2")
             ran = {
                 name: [job.result(timeout=120 * UNIT).states["nap"] for job in js]
                 for name, js in jobs.items()
@@ -113,9 +114,20 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
         for n, v in spans.items()
     }
     alice_part = held["alice"] / sum(held.values())
-    assert 0.4 <= alice_part <= 0.6, (alice_part, spans)
+    # (first come, first served: 1.0; the spans are the naps alone, without each job's start
+    # and finish, which the scheduler also counts: a ratio of 1:2 at worst, 0.38 seen under load)
+    assert 1 / 3 <= alice_part <= 2 / 3, (alice_part, spans)
+    # in the order they started, until either had started all eight, neither got four ahead
+    # (first come, first served: eight; fair by worker-time, which counts more than the naps)
+    starts = [name for _, name in sorted((b, n) for n, v in spans.items() for b, _ in v)]
+    counts = {"alice": 0, "bob": 0}
+    for name in starts:
+        counts[name] += 1
+        assert abs(counts["alice"] - counts["bob"]) <= 3, (starts, spans)
+        if max(counts.values()) == len(spans[name]):
+            break
     # bob's first job did not wait for alice's eight: it ran among her first
-    assert spans["bob"][0][0] < sorted(b for b, _ in spans["alice"])[2]
+    assert min(b for b, _ in spans["bob"]) < sorted(b for b, _ in spans["alice"])[2]
     assert shares["alice"]["share"] == 1.0 and shares["alice"]["recent"] > 0
 
 

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -134,14 +135,19 @@ def test_the_page_and_its_json_are_what_somatize_status_shows(tmp_path):
         page = body.decode()
         assert "api/status" in page and "<table" in page
         assert "http://" not in page and "https://" not in page  # nothing loaded from elsewhere
-        _, headers, body = get(url + "/api/status", auth)
-        assert headers.get_all("Content-Type") == ["application/json"]
-        snapshot = orjson.loads(body)
+        # the state directory is counted just after the start: both sides show it from then on
+        deadline = time.monotonic() + 10 * UNIT
+        while True:
+            _, headers, body = get(url + "/api/status", auth)
+            assert headers.get_all("Content-Type") == ["application/json"]
+            snapshot = orjson.loads(body)
+            if "state_bytes" in snapshot or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         with sz.connect(url.replace("http", "ws"), token=CLIENT, timeout=10 * UNIT) as client:
             shown = client.status()
-        # (state_bytes once the state directory was counted, just after the start)
-        keys = {"server", "time", "workers", "jobs"}
-        assert keys <= snapshot.keys() == shown.keys() <= keys | {"state_bytes"}
+        keys = {"server", "time", "workers", "jobs", "state_bytes"}
+        assert snapshot.keys() == shown.keys() == keys
         assert snapshot["workers"] == shown["workers"] == []
         assert snapshot["jobs"] == shown["jobs"] == []
         assert snapshot["server"].startswith("somatize-coordinator/")
