@@ -76,6 +76,8 @@ CANCELLED = "cancelled"  # error code recorded with a cancelled job's reason
 
 # Seconds a write waits for another connection (a tool reading the file, say) to let go.
 _BUSY_TIMEOUT = 10.0
+_INCREMENTAL = 2
+"""``PRAGMA auto_vacuum`` of a store that gives removed jobs' pages back (``INCREMENTAL``)."""
 
 
 class JobState(StrEnum):
@@ -219,6 +221,9 @@ class JobStore:
             raise StoreError(f"cannot open the job store {self.path}: {exc}") from exc
         self._conn: sqlite3.Connection | None = conn
         try:
+            # Pages freed by a removal go back to the file system (delete): set before the
+            # first table of a new store; an older store is rewritten once to take it.
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
@@ -226,6 +231,8 @@ class JobStore:
             conn.execute("PRAGMA journal_size_limit = 67108864")
             migrate(conn, self.path)
             check_integrity(conn, self.path)
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != _INCREMENTAL:
+                conn.execute("VACUUM")
         except BaseException as exc:
             conn.close()
             self._conn = None
@@ -592,7 +599,18 @@ class JobStore:
                     conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (job_id,))
                 conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
                 removed.append(job_id)
+        if removed:
+            self._shrink()
         return removed
+
+    def _shrink(self) -> None:
+        """Give the free pages back and cut the WAL: what a removal freed leaves the disk now.
+        (A reader in the way of the checkpoint: at the next one.)"""
+        with self._lock:
+            conn = self._connection()
+            # run to its end: stepped once, as execute() does, it frees a single page
+            conn.executescript("PRAGMA incremental_vacuum;")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def counts(self) -> dict[JobState, int]:
         """How many jobs are in each state (every state present, zeros included)."""

@@ -105,3 +105,30 @@ def test_pruning_removes_ended_jobs_whole_and_keeps_live_and_others(tmp_path):
         said = asyncio.run(pruning.prune(Retention(), [bobs, live]))  # an admin's: anyone's
         assert said["jobs"] == [bobs] and said["kept"] == [live]
         assert {j.id for j in store.list()} == {new, live}
+
+
+def test_removed_jobs_leave_the_disk_and_an_older_store_is_converted(tmp_path):
+    with JobStore(tmp_path) as store:
+        jobs = [running_job(store, owner="alice").id for _ in range(20)]
+        for job_id in jobs:
+            store.succeed(job_id, b"r" * 200_000)
+        path = store.path
+    with sqlite3.connect(path, isolation_level=None) as db:  # as stores were made before
+        db.execute("PRAGMA auto_vacuum = NONE")
+        db.execute("VACUUM")
+        assert db.execute("PRAGMA auto_vacuum").fetchone() == (0,)
+    full = path.stat().st_size + _wal(path)
+    with JobStore(tmp_path) as store:  # reopened: rewritten to give pages back from now on
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA auto_vacuum").fetchone() == (2,)
+        assert asyncio.run(Pruning(store, None).prune(Retention(jobs=2)))["jobs"] == jobs[:18]
+        left = path.stat().st_size + _wal(path)
+        assert {j.id for j in store.list()} == set(jobs[18:])
+        assert store.result(jobs[19]) == b"r" * 200_000
+    # 20 results of 200 kB, 18 removed: under a fifth of the size is left
+    assert full > 20 * 200_000 and left < full / 5, (full, left)
+
+
+def _wal(path) -> int:
+    wal = path.with_name(path.name + "-wal")
+    return wal.stat().st_size if wal.exists() else 0
