@@ -278,11 +278,27 @@ def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
     syncs = [3, 6, 9, 12, 15, 18, 21]  # every 3 steps of the run (3 epochs of 7)
     round_ = next(r for r, end in enumerate(syncs) if lost.data["step"] <= end)
     assert round_ >= 1 and joined.data["step"] == lost.data["step"]
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent={round_: {1}})
-    for key, value in expected.items():
-        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    _as_one_of(
+        fitted.states["mlp"],
+        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent={round_: {1}})[0],
+        # killed just after its part in that round's synchronisation, it is missing from none:
+        # the spare takes its place as the next round begins
+        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, replaced={round_ + 1: {1}})[0],
+    )
     training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
     assert [e.data["step"] for e in training] == syncs  # each round once, none waited for
+
+
+def _as_one_of(states: dict, expected: dict, *made_it: dict) -> None:
+    """``states`` are ``expected`` (1e-5), or one of ``made_it``: a replica is killed once it
+    is seen past a synchronisation, within a round of three short steps; on a loaded machine
+    the kill can come after its part in the round's synchronisation, and then it is missing
+    from the round after (the synchronisation it made counts it) — as the hand loop has it."""
+    for candidate in (expected, *made_it):
+        if all(torch.allclose(states[k], v, rtol=0, atol=1e-5) for k, v in candidate.items()):
+            return
+    for key, value in expected.items():  # (the first one's difference, said)
+        torch.testing.assert_close(states[key], value, rtol=0, atol=1e-5)
 
 
 def _kill_with_its_daemons(c: Cluster, worker: str) -> None:
@@ -331,10 +347,13 @@ def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_st
     first = next(r for r, end in enumerate(syncs) if crashed.data["step"] <= end)
     last = next(r for r, end in enumerate(syncs) if lost.data["step"] <= end)
     r1, r2 = lost.data["replica"], crashed.data["replica"]
-    absent = {first: {r2}} | {r: {r1} for r in range(last, len(syncs))}
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent)
-    for key, value in expected.items():
-        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    candidates = [
+        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent, replaced=replaced)[0]
+        for replaced, crash in (({}, {first: {r2}}), ({first + 1: {r2}}, {}))
+        for end in (last, last + 1)
+        for absent in [crash | {r: {r1} for r in range(end, len(syncs))}]
+    ]
+    _as_one_of(fitted.states["mlp"], *candidates)
     training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
     assert [e.data["step"] for e in training] == syncs  # each round once
 
@@ -366,10 +385,14 @@ def test_four_replicas_go_on_at_once_when_one_dies_in_their_ring(tmp_path):
     assert after.time - lost[0].time < 20 * UNIT  # not the collective timeout
     first = next(r for r, end in enumerate(syncs) if lost[0].data["step"] <= end)
     gone = lost[0].data["replica"]
-    absent = {r: {gone} for r in range(first, len(syncs))}
-    expected, _ = diloco_by_hand(x, y, "adam", 4, 3, 0.7, 0.9, absent=absent)
-    for key, value in expected.items():
-        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    _as_one_of(
+        fitted.states["mlp"],
+        *(
+            diloco_by_hand(x, y, "adam", 4, 3, 0.7, 0.9, absent=absent)[0]
+            for start in (first, first + 1)
+            for absent in [{r: {gone} for r in range(start, len(syncs))}]
+        ),
+    )
 
 
 def test_auto_trains_through_the_coordinator_for_workers_in_namespaces_that_cannot_meet(

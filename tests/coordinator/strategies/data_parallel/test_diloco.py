@@ -42,6 +42,7 @@ def diloco_by_hand(
     shuffle: bool = True,
     validation=None,
     absent: dict[int, set[int]] | None = None,
+    replaced: dict[int, set[int]] | None = None,
     compression: str | None = None,
     through: str = "torch",
     max_steps: int | None = None,
@@ -61,6 +62,8 @@ def diloco_by_hand(
     ``absent``: by round (from 0), the replicas that take no part in it (lost: no steps, not in
     the average). One that is back in the next round starts it from θ_global with a copy of the
     first present replica's inner optimizer state, as a worker joining at a synchronisation.
+    ``replaced``: by round, the replicas whose worker is replaced as it begins (lost just after
+    its part in the synchronisation before): the same copy, though they took part in that one.
 
     ``compression``: the pseudo-gradients travel as ``"fp16"`` (each replica's share rounded
     to half precision, summed in it) or ``"int8"`` (:func:`int8_by_hand`). ``through=
@@ -140,6 +143,7 @@ def diloco_by_hand(
                 outer.step()
             round_ += 1
             back = [r for r in range(replicas) if r not in here and r not in absent.get(round_, ())]
+            back += [r for r in (replaced or {}).get(round_, ()) if r in here]
             for r in back:  # joins: the first present replica's inner state, copied
                 inner[r].load_state_dict(copy.deepcopy(inner[here[0]].state_dict()))
                 residuals.pop(r, None)
