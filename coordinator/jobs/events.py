@@ -67,7 +67,10 @@ class JobEvents:
                     return
         finally:
             if live:
-                self._watchers.get(job_id, set()).discard(queue)
+                watchers = self._watchers.get(job_id, set())
+                watchers.discard(queue)
+                if not watchers:  # (kept, it would be one more entry for every job ever watched)
+                    self._watchers.pop(job_id, None)
 
     async def emit(self, job_id: str, event: str, data: dict[str, Any]) -> None:
         """Store a job's event and hand it to its watchers. A terminal event the store cannot

@@ -531,7 +531,7 @@ def test_a_clients_waits_end_with_its_connection(tmp_path):
             waiting.cancel()
             # Both handlers ended with the connection.
             await _eventually(
-                lambda: not (served.inflight or coordinator.jobs.events._watchers[job_id])
+                lambda: not (served.inflight or coordinator.jobs.events._watchers.get(job_id))
             )
         finally:
             await coordinator.stop(1.0)
