@@ -915,8 +915,9 @@ class JobManager:
                 await asyncio.to_thread(importlib.import_module, "torch")
             devices = [w.capabilities.device for w in job.workers]
 
-            async def emit(event: str, data: dict[str, Any]) -> None:
-                await self._emit(job.id, event, data)
+            # (not a closure over job: the job's inputs keep it, and job → inputs → emit → job
+            # would be a cycle that only the rare full collection frees — with the job's data)
+            emit = functools.partial(self._emit, job.id)
 
             if self.files is not None:
                 saves = await self.files.checkpoints_for(
