@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocol.messages import SANDBOX_REQUIREMENTS
 from protocol.quantities import byte_count, seconds
@@ -757,5 +758,22 @@ _COMMANDS = {
 }
 
 
+def run() -> NoReturn:
+    """The ``somatize`` command: :func:`main`, then out at once — with what is written flushed,
+    and without the interpreter's teardown of torch and the user's libraries (a second or more
+    after a job with transformers loaded, spent after the job's end was said)."""
+    try:
+        code = main()
+    except SystemExit as stop:  # (argparse's usage errors and --help)
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
