@@ -221,7 +221,9 @@ def test_a_three_worker_job_starts_while_one_worker_jobs_keep_coming(tmp_path):
         stop.set()
         c.close()
     # the gang waited for the running ones to end (each 1 s), not for bob's stream to dry up
-    assert waited <= 6 * UNIT, waited
+    # (which never happens while the feeder runs: wait_for above would time out at 30 s);
+    # 6.2 s seen on a loaded 2-core CI run, placement and start of three daemons included
+    assert waited <= 12 * UNIT, waited
     assert len(ran) >= 4
 
 
