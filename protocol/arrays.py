@@ -30,6 +30,7 @@ __all__ = [
     "NP_DTYPES",
     "TORCH_DTYPE_NAMES",
     "Outline",
+    "RelayedTensor",
     "array_from",
     "data_nbytes",
     "loaded_torch",
@@ -167,6 +168,24 @@ class Outline:
     shape: tuple[int, ...]
 
 
+class RelayedTensor:
+    """A torch tensor of a frame that this process only passes on (``decode(..., relay=True)``):
+    its dtype's name, its shape and its bytes, a view over the frame, encoded again as the same
+    tensor. A worker agent relays every tensor between the coordinator and its daemons and
+    computes on none: so it never imports torch (220 MiB) for them. (Not a dataclass: pydantic
+    would dump one into a dict on the way out, as it leaves a tensor as it is.)"""
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: memoryview) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"RelayedTensor({self.dtype}, {list(self.shape)})"
+
+
 def array_from(
     frame: memoryview,
     index: int,
@@ -174,10 +193,11 @@ def array_from(
     offset: int,
     length: int,
     outline: bool = False,
+    relay: bool = False,
 ) -> Any:
     """The array, numpy scalar or tensor ``spec`` describes, over buffer ``index`` of ``frame``
     (``length`` bytes at ``offset``); with ``outline``, its :class:`Outline` (checked all the
-    same, its bytes not read).
+    same, its bytes not read); with ``relay``, a tensor as its :class:`RelayedTensor`.
 
     Raises:
         Located: a spec that is malformed or does not match its buffer.
@@ -207,6 +227,8 @@ def array_from(
         )
     if outline:
         return Outline(lib, name, tuple(shape))
+    if lib == "torch" and relay:
+        return RelayedTensor(name, tuple(shape), frame[offset : offset + length])
     if lib == "torch":
         return _tensor_from(frame, name, shape, count, offset, length)
     array = np.frombuffer(frame, dtype=NP_DTYPES[name], count=count, offset=offset)

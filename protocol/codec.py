@@ -86,6 +86,7 @@ import orjson
 from protocol.arrays import (
     NP_DTYPES,
     Outline,
+    RelayedTensor,
     array_from,
     loaded_torch,
     ndarray_spec,
@@ -227,6 +228,9 @@ class _Encoder:
             raise
 
     def walk_other(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, RelayedTensor):
+            shape = list(obj.shape)
+            return {"$buf": self.add(obj.data), "dtype": obj.dtype, "shape": shape, "lib": "torch"}
         torch = loaded_torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             return tensor_spec(obj, self.add)
@@ -359,12 +363,18 @@ class _Decoder:
     """Rebuilds a value from the header tree, viewing arrays over the frame's buffers."""
 
     def __init__(
-        self, frame: memoryview, offsets: list[int], lengths: list[int], outline: bool
+        self,
+        frame: memoryview,
+        offsets: list[int],
+        lengths: list[int],
+        outline: bool,
+        relay: bool = False,
     ) -> None:
         self.frame = frame
         self.offsets = offsets
         self.lengths = lengths
         self.outline = outline
+        self.relay = relay
         self.used = [False] * len(lengths)
 
     def walk(self, node: Any, depth: int) -> Any:
@@ -457,6 +467,7 @@ class _Decoder:
             self.offsets[index],
             self.lengths[index],
             self.outline,
+            self.relay,
         )
 
 
@@ -512,7 +523,9 @@ def _plain(header: bytes) -> bool:
     return b'"$' not in header and header.count(b"[") + header.count(b"{") <= _MAX_DEPTH
 
 
-def decode(frame: bytes | bytearray | memoryview, *, outline: bool = False) -> Any:
+def decode(
+    frame: bytes | bytearray | memoryview, *, outline: bool = False, relay: bool = False
+) -> Any:
     """Decode one frame, viewing its arrays over ``frame`` without copying them.
 
     Args:
@@ -522,6 +535,9 @@ def decode(frame: bytes | bytearray | memoryview, *, outline: bool = False) -> A
         outline: give each array and bytes as its :class:`~protocol.arrays.Outline` (what it
             holds, checked against its buffer), none of their bytes read: the shape of a
             frame too large to hold, over a memory map, say (and no torch imported for it).
+        relay: give each torch tensor as its :class:`~protocol.arrays.RelayedTensor`, which
+            :func:`encode` writes back as the tensor: what a process that passes tensors on
+            without computing on them reads (no torch imported for it).
 
     Returns:
         The encoded value.
@@ -559,7 +575,7 @@ def decode(frame: bytes | bytearray | memoryview, *, outline: bool = False) -> A
         return header["body"]  # orjson's tree is the value: nothing tagged, nothing too deep
     lengths = header["bufs"]
     offsets = _buffer_layout(view, start, lengths)
-    decoder = _Decoder(view, offsets, lengths, outline)
+    decoder = _Decoder(view, offsets, lengths, outline, relay)
     try:
         value = decoder.walk(header["body"], 0)
     except Located as e:

@@ -85,14 +85,15 @@ def message_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def parse(payload: bytes | bytearray | memoryview) -> Any:
-    """Decode and validate one frame into a message.
+def parse(payload: bytes | bytearray | memoryview, relay: bool = False) -> Any:
+    """Decode and validate one frame into a message (with ``relay``, its tensors as
+    :class:`~protocol.arrays.RelayedTensor`: see :func:`~protocol.codec.decode`).
 
     Raises:
         BadMessage: with the error reply to send (``reply_to`` when the id could be read).
     """
     try:
-        raw = decode(payload)
+        raw = decode(payload, relay=relay)
     except FrameError as exc:
         raise BadMessage(ErrorInfo(code=ErrorCode.BAD_FRAME, message=str(exc)), None) from exc
     reply_to = message_id(raw.get("id")) if isinstance(raw, dict) else None

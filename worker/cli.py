@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -429,9 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             agent = Agent(config)
         except ValueError as exc:
             parser.error(str(exc))
-        # The agent decodes its daemon's tensors on its event loop. The codec imports torch at the
-        # first one it meets, which takes seconds: do it now, not mid-job between two heartbeats.
-        importlib.import_module("torch")
+        # (torch is not imported here: the agent relays tensors as bytes, RelayedTensor)
         keep_freed_memory()
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(_serve(agent))

@@ -259,7 +259,7 @@ class JobHandlers:
         if message.input_from is not None:
             payload = await self._take_input(job, message.input_from, timeout, cmd)
             # A bytearray: the tensors decode zero-copy over it and stay writable.
-            request = {**request, message.input_field: decode(bytearray(payload))}
+            request = {**request, message.input_field: decode(bytearray(payload), relay=True)}
         task = owned_task(job.supervisor.request_dict(request, timeout))
         job.calls.add(task)
         task.add_done_callback(job.calls.discard)

@@ -138,6 +138,7 @@ def channel_over(
         budget=budget,
         stall_timeout=config.stall_timeout,
         buffer_for=buffer_for,
+        relay_tensors=True,  # between the coordinator and the daemons: no torch in the agent
     )
 
 

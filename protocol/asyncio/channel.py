@@ -154,6 +154,8 @@ class Channel:
         buffer_for: where a chunked message that no request of ours awaits is reassembled: a
             writable buffer of so many bytes (default: memory,
             :func:`~protocol.chunking.frame_buffer`).
+        relay_tensors: its messages' tensors are only passed on (a worker agent's): read as
+            :class:`~protocol.arrays.RelayedTensor`, torch never imported for them.
     """
 
     def __init__(
@@ -169,6 +171,7 @@ class Channel:
         stall_timeout: float | None = DEFAULT_STALL_SECONDS,
         turns: TurnGate | None = None,
         buffer_for: Callable[[int], memoryview] = frame_buffer,
+        relay_tensors: bool = False,
     ) -> None:
         if max_message_bytes < 1 or max_inflight < 1:
             raise ValueError("max_message_bytes and max_inflight must be positive")
@@ -180,6 +183,7 @@ class Channel:
         self.max_message_bytes = max_message_bytes
         self.max_inflight = max_inflight
         self.reply_timeout = reply_timeout
+        self.relay_tensors = relay_tensors
         self.inflight = 0
         self.refused_busy = 0
         self.session = Session(name)
@@ -412,7 +416,7 @@ class Channel:
             BadMessage: with the error reply to send.
         """
         frame = self._frame(payload)
-        return None if frame is None else parse(frame)
+        return None if frame is None else parse(frame, self.relay_tensors)
 
     async def _parsed(self, frame: Any) -> Any:
         """The message of ``frame``: decoded and validated on the loop when small, in a thread
@@ -424,8 +428,8 @@ class Channel:
             BadMessage: not a valid message.
         """
         if len(frame) <= PARSE_ON_LOOP_BYTES:
-            return parse(frame)
-        return await asyncio.to_thread(parse, frame)
+            return parse(frame, self.relay_tensors)
+        return await asyncio.to_thread(parse, frame, self.relay_tensors)
 
     def _frame(self, payload: Any) -> Any:
         """The frame ``payload`` completes, or ``None``; a refused reply fails its request.

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from protocol.arrays import RelayedTensor
 from protocol.codec import ALIGNMENT, Joined, decode, encode, encode_frame, frame_nbytes
 from protocol.errors import FrameError
 from tests.protocol.codec_frames import (
@@ -212,6 +213,24 @@ def test_round_trip_of_torch_tensors(tensor: torch.Tensor) -> None:
     for got in round_trip(tensor):
         assert type(got) is torch.Tensor
         assert_same(got, tensor)
+
+
+@SETTINGS
+@given(st.dictionaries(st.text(max_size=5), numpy_arrays() | torch_tensors() | trees, max_size=5))
+def test_relayed_tensors_are_encoded_again_to_the_same_frame(tree: dict[str, Any]) -> None:
+    """A relay (a worker agent) reads tensors as RelayedTensor and writes them back: the frame
+    it sends on is byte for byte the one it got, and decodes to the tensors sent."""
+    frame = bytes(encode_frame(tree))
+    for source in (frame, bytearray(frame)):
+        relayed = decode(source, relay=True)
+        assert bytes(encode_frame(relayed)) == frame
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            assert type(relayed[key]) is RelayedTensor
+            assert relayed[key].shape == tuple(value.shape)
+    for key, value in decode(frame).items():
+        if isinstance(value, torch.Tensor):
+            assert_same(value, tree[key].detach().cpu())
 
 
 @SETTINGS
@@ -469,6 +488,8 @@ mean = weighted_mean([("a", 1, back), ("b", 3, {"w": back["w"] + 4})])
 assert np.array_equal(mean["w"], np.arange(6, dtype=np.float32).reshape(2, 3) + 3)
 assert "torch" not in sys.modules, "torch was imported"
 frame = open(sys.argv[1], "rb").read()
+relayed = decode(bytearray(frame), relay=True)  # an agent passes it on: still no torch
+assert encode_frame(relayed) == frame and "torch" not in sys.modules, "torch was imported"
 tensor = decode(bytearray(frame))["t"]  # the first torch buffer imports torch now
 import torch
 assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16

@@ -143,6 +143,7 @@ class DaemonPool:
             fork_server=self._fork_server,
             sandbox=config.sandbox,
             allocator=config.daemon_malloc,
+            relay_tensors=True,  # the agent passes its daemons' tensors on, computing on none
         )
 
     async def _fork_server(self) -> ForkServer | None:

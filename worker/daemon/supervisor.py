@@ -133,8 +133,12 @@ class DaemonSupervisor:
         fork_server: ForkServer | Callable[[], Awaitable[ForkServer | None]] | None = None,
         sandbox: Sandbox = NO_SANDBOX,
         allocator: Allocator = GLIBC,
+        relay_tensors: bool = False,
     ) -> None:
         self.python = python
+        self.relay_tensors = relay_tensors
+        """Its replies' tensors read as :class:`~protocol.arrays.RelayedTensor` (an agent's,
+        which passes them on: no torch imported for them)."""
         self.allocator = allocator
         self.sandbox = sandbox
         self.fork_server = fork_server if sandbox.forks else None
@@ -351,7 +355,7 @@ class DaemonSupervisor:
         if child.killed:
             return  # whatever it says now answers nothing: its request already failed
         try:
-            reply = reply_adapter.validate_python(decode(frame))
+            reply = reply_adapter.validate_python(decode(frame, relay=self.relay_tensors))
         except (FrameError, ValidationError) as exc:
             self._protocol_violation(child, f"unreadable reply: {exc}")
             return

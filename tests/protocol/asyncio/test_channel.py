@@ -412,11 +412,11 @@ def test_a_large_message_is_parsed_in_a_thread_and_the_loop_keeps_running(monkey
     threads: list[tuple[int, bool]] = []
     real_parse = channel_module.parse
 
-    def watched_parse(frame):
+    def watched_parse(frame, relay=False):
         threads.append((len(frame), threading.current_thread() is threading.main_thread()))
         if len(frame) > CHUNK_BYTES:
             time.sleep(0.3)  # a slow validation: the loop must not wait for it
-        return real_parse(frame)
+        return real_parse(frame, relay)
 
     monkeypatch.setattr(channel_module, "parse", watched_parse)
     seen: list[str] = []
