@@ -413,9 +413,10 @@ def test_prune_removes_ended_jobs_and_the_retention_keeps_the_newest(tmp_path):
         c.start_worker("w2")
         with c.client(timeout=30 * UNIT) as client:
             graph = sz.Graph([Center().named("c")])
-            ended = [client.submit(graph, np.ones((4, 2), np.float32)) for _ in range(3)]
-            for job in ended:
-                job.result(timeout=60 * UNIT)
+            ended = []  # one after the other: the oldest to end is the first (on two workers
+            for _ in range(3):  # the second could end before it)
+                ended.append(client.submit(graph, np.ones((4, 2), np.float32)))
+                ended[-1].result(timeout=60 * UNIT)
             running = client.submit(sz.Graph([Sleepy().named("s")]), np.ones((4, 2)))
             wait_for(lambda: running.status()["state"] == "running", 60 * UNIT, "it to run")
             dry = _somatize(c, "prune", "--keep", "2", "--dry-run")
