@@ -73,12 +73,13 @@ from engine.sharding import Sharded, ShardedRun, unit_classes
 from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
-from protocol.daemon import OuterStepSpec
+from protocol.codec import encode_frame
+from protocol.daemon import KeptSnapshot, OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 from protocol.rules.fragments import fragment_syncs
 from protocol.rules.row_means import RowMeans
-from protocol.shard_files import is_plain_file_name
+from protocol.shard_files import SNAPSHOT_FILE, is_plain_file_name
 
 __all__ = ["Replica", "ReplicaPlan"]
 
@@ -421,10 +422,13 @@ class Replica:
         named = {id(p): (node.node_id, k) for node in run for k, p in trainable(node).items()}
         return self._outer, [named[id(p)] for p in self._outer.params]
 
-    def train(self, start: int, stop: int, snapshot: bool = False) -> dict[str, Any]:
+    def train(
+        self, start: int, stop: int, snapshot: bool = False, keep: KeptSnapshot | None = None
+    ) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
         rows, learning rate and (from a step function) metrics per step. With ``snapshot``,
-        also what a checkpoint saves of it now (:meth:`_snapshot`).
+        also what a checkpoint saves of it now (:meth:`_snapshot`), as a file for its worker
+        to keep with ``keep`` (:class:`~protocol.daemon.DistTrainRequest`'s).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
@@ -472,18 +476,26 @@ class Replica:
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
         if snapshot:
-            said["snapshot"] = self._snapshot(plan, prefix, run, stop)
+            said["snapshot"] = self._snapshot(plan, prefix, run, stop, keep)
         return said | ({"metrics": metrics} if any(metrics) else {})
 
     def _snapshot(
-        self, plan: ReplicaPlan, prefix: list[Node], run: list[Node], done: int
+        self,
+        plan: ReplicaPlan,
+        prefix: list[Node],
+        run: list[Node],
+        done: int,
+        keep: KeptSnapshot | None = None,
     ) -> dict[str, Any]:
         """What a checkpoint saves of this replica as its chunk ends, sent in the chunk's own
-        reply: its states and its run's optimizer states; sharded, its shards saved with
-        torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`: every replica at once)
-        as the files it wrote (``shards``: name → bytes; replica 0's include the
-        ``.metadata``), what every replica holds alike (``rest``) and its plain filters'
-        states (``plain``). ``done``: the steps taken."""
+        reply: its states and its run's optimizer states (and a DiLoCo replica's outer
+        momentum); sharded, its shards saved with torch.distributed.checkpoint
+        (:meth:`ShardedRun.save_shards`: every replica at once) as the files it wrote
+        (``shards``: name → bytes; replica 0's include the ``.metadata``), what every replica
+        holds alike (``rest``) and its plain filters' states (``plain``). With ``keep``, one
+        file of it for the worker to keep (``{"shards": {SNAPSHOT_FILE: frame}}``): all of
+        it (``"whole"``) or its optimizer states alone (``"inner"``). ``done``: the steps
+        taken."""
         if self._sharded is not None:
             with tempfile.TemporaryDirectory(prefix="somatize-shards-") as folder:
                 try:
@@ -495,11 +507,12 @@ class Replica:
                     raise self.group.broken(where, exc, steps_done=done) from exc
                 files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
             return {"shards": files, "rest": rest, "plain": self.nodes.get_state(_ids(prefix))}
-        taken = {
-            "states": self.nodes.get_state(plan.node_ids, live=True),
-            "optimizers": self.optimizers.get_optimizer_state(_ids(run)),
-        }
-        return taken | ({"outer": self.outer_momentum()} if self._outer is not None else {})
+        taken = {"optimizers": self.optimizers.get_optimizer_state(_ids(run))}
+        if keep != "inner":
+            taken["states"] = self.nodes.get_state(plan.node_ids, live=True)
+            if self._outer is not None:
+                taken["outer"] = self.outer_momentum()
+        return taken if keep is None else {"shards": {SNAPSHOT_FILE: encode_frame(taken)}}
 
     def shard_file(self, name: str, data: bytes, offset: int = 0) -> None:
         """Keep a piece of one file of a sharded checkpoint (:meth:`_snapshot`'s), ``data``

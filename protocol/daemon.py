@@ -77,6 +77,7 @@ __all__ = [
     "GetOptimizerStateRequest",
     "GetStateRequest",
     "GradientsRequest",
+    "KeptSnapshot",
     "LoadRequest",
     "OkReply",
     "OuterStepSpec",
@@ -418,6 +419,11 @@ class PipeTrainRequest(_Steps):
     snapshot: bool = False
 
 
+KeptSnapshot = Literal["whole", "inner"]
+"""What of a DiLoCo replica's checkpoint snapshot its worker keeps (:class:`DistTrainRequest`'s
+``keep``)."""
+
+
 class DistTrainRequest(_Steps):
     """Train global steps ``[start, stop)`` of the data-parallel plan: per step this replica's
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
@@ -428,10 +434,19 @@ class DistTrainRequest(_Steps):
     ``"shards"``: the files torch.distributed.checkpoint wrote of its shards (name → bytes),
     ``"rest"``: what every replica holds alike, and the plain filters' states under
     ``"plain"`` — read in the chunk's own reply, while the next chunk trains, not by a
-    request queued behind it."""
+    request queued behind it.
+
+    With ``keep`` (a DiLoCo replica's, on the torch group) the snapshot comes as one file for
+    its worker to keep, ``{"shards": {SNAPSHOT_FILE: frame}}``
+    (:data:`protocol.shard_files.SNAPSHOT_FILE`; the :mod:`protocol.codec` frame of what the
+    reply would have held), which the coordinator reads while the next chunk trains:
+    ``"whole"``, its states, inner optimizer state and outer momentum; ``"inner"``, its inner
+    optimizer state only (the global model and the outer momentum being alike on every
+    replica, one replica's suffice)."""
 
     cmd: Literal["dist_train"] = "dist_train"
     snapshot: bool = False
+    keep: KeptSnapshot | None = None
 
 
 class DistEvaluateRequest(DataSource):

@@ -4,17 +4,24 @@ A sharded run's replicas write their shards with torch.distributed.checkpoint; t
 from each replica to the coordinator's store, from the store back to the replicas that resume,
 and to a client that asks for the result. Each hop takes a name from the other end, so each
 refuses one that is not a plain file name before it writes anything.
+
+A DiLoCo replica on the torch group leaves its checkpoint's part on its worker the same way, as
+one file (:data:`SNAPSHOT_FILE`), which the coordinator reads while the next chunk trains.
 """
 
 from __future__ import annotations
 
 from pathlib import PurePath
 
-__all__ = ["METADATA", "is_plain_file_name"]
+__all__ = ["METADATA", "SNAPSHOT_FILE", "is_plain_file_name"]
 
 METADATA = ".metadata"
 """torch.distributed.checkpoint's file that says where each shard lies (replica 0 writes it);
 every reader of the shards needs it."""
+SNAPSHOT_FILE = "snapshot.frame"
+"""A DiLoCo replica's part of a checkpoint, left on its worker: the :mod:`protocol.codec` frame
+of what its chunk's reply would have held (:class:`protocol.daemon.DistTrainRequest`'s
+``keep``)."""
 
 
 def is_plain_file_name(name: str) -> bool:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.errors import WorkerCallError
+from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.jobs.disk import (
     AtomicFile,
     DirectStaging,
@@ -58,7 +58,7 @@ from coordinator.jobs.disk import (
     read_whole,
     write_atomically,
 )
-from coordinator.jobs.worker_files import PIECE_BYTES, WorkerFiles, fetch
+from coordinator.jobs.worker_files import PIECE_BYTES, WHOLE_BYTES, WorkerFiles, fetch
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
@@ -71,6 +71,7 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointStore",
     "JobCheckpoints",
+    "Payload",
     "ShardsWriter",
 ]
 
@@ -93,6 +94,11 @@ a cryptographic digest, which cost a SHA-256 of the whole model each checkpoint 
 23 MB on this project's 2-core machine, against 3 ms for a CRC-32) beside training."""
 LEGACY_DIGEST_BYTES = hashlib.sha256().digest_size
 """A file written before :data:`TRAILER` ends with its frame's SHA-256 instead."""
+
+
+Payload = dict[str, Any] | Callable[[], Awaitable[dict[str, Any]]]
+"""What a checkpoint holds beside its position: as it is, or what a coroutine function gives
+once the write starts."""
 
 
 def _trailer(parts: list[bytes | memoryview]) -> bytes:
@@ -427,6 +433,8 @@ class JobCheckpoints:
         source: the job ``resume`` is a checkpoint of: this one, or the one it continues.
         piece_bytes: the most of a sharded checkpoint's file read at once
             (:func:`~coordinator.jobs.worker_files.piece_bytes`).
+        whole_bytes: the most of a file left on a worker that is read whole into memory (a
+            DiLoCo replica's snapshot): what one worker's reply may hold.
     """
 
     job_id: str
@@ -436,6 +444,7 @@ class JobCheckpoints:
     resume: Checkpoint | None = None
     source: str | None = None
     piece_bytes: int = PIECE_BYTES
+    whole_bytes: int = WHOLE_BYTES
     _writing: asyncio.Task[bool] | None = field(default=None, repr=False)
     _asked: asyncio.Future[bool] | None = field(default=None, repr=False)
 
@@ -462,12 +471,14 @@ class JobCheckpoints:
     async def save(
         self,
         position: dict[str, Any],
-        payload: dict[str, Any],
+        payload: Payload,
         shards: WorkerFiles | None = None,
     ) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is
         written), with a sharded run's ``shards``, read where they were left a piece at a
-        time and released once written (or given up); ``payload`` must not change meanwhile."""
+        time and released once written (or given up); ``payload`` must not change meanwhile,
+        or is what a coroutine function gives when the write starts (it may read what the
+        replicas left on their workers)."""
         await self.flush()
         answers, self._asked = (self._asked, None) if self.asked else (None, self._asked)
         self._writing = asyncio.create_task(self._write(position, payload, shards, answers))
@@ -480,7 +491,7 @@ class JobCheckpoints:
     async def _write(
         self,
         position: dict[str, Any],
-        payload: dict[str, Any],
+        payload: Payload,
         shards: WorkerFiles | None,
         answers: asyncio.Future[bool] | None = None,
     ) -> bool:
@@ -492,16 +503,18 @@ class JobCheckpoints:
     async def _written(
         self,
         position: dict[str, Any],
-        payload: dict[str, Any],
+        payload: Payload,
         shards: WorkerFiles | None,
     ) -> bool:
         began = time.perf_counter()
         try:
+            if callable(payload):
+                payload = await payload()
             written = None if shards is None else await self._fetch(shards)
             saved = await asyncio.to_thread(
                 self.store.save, self.job_id, position, payload, self.keep, written
             )
-        except (OSError, FrameError, WorkerCallError) as exc:
+        except (OSError, FrameError, WorkerCallError, StrategyFailed) as exc:
             log.warning("job %s: the checkpoint at %s failed: %s", self.job_id, position, exc)
             await self.emit("checkpoint_failed", position | {"error": f"{exc}"})
             return False

@@ -43,7 +43,7 @@ from coordinator.jobs.disk import (
 )
 from coordinator.jobs.result_pieces import ResultPieces
 from coordinator.jobs.store import JobRecord
-from coordinator.jobs.worker_files import PIECE_BYTES
+from coordinator.jobs.worker_files import PIECE_BYTES, WHOLE_BYTES
 from coordinator.strategies import Strategy
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, FrameError, RequestRefused
@@ -112,8 +112,11 @@ class JobFiles:
     """``<state_dir>/jobs``, ``<state_dir>/checkpoints`` and ``<state_dir>/results`` (a
     sharded job's pieces: :mod:`coordinator.jobs.result_pieces`)."""
 
-    def __init__(self, state_dir: Path, piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(
+        self, state_dir: Path, piece_bytes: int = PIECE_BYTES, whole_bytes: int = WHOLE_BYTES
+    ) -> None:
         self.piece_bytes = piece_bytes  # of a file left on a worker, read at once
+        self.whole_bytes = whole_bytes  # of a file left on a worker, read whole
         self.submits = SubmitMessages(state_dir / "jobs")
         self.checkpoints = CheckpointStore(state_dir / "checkpoints")
         self.results = ResultPieces(state_dir / "results")
@@ -172,6 +175,7 @@ class JobFiles:
             latest,
             source=source,
             piece_bytes=self.piece_bytes,
+            whole_bytes=self.whole_bytes,
         )
 
     def continuable(self, source: JobRecord, strategy: Strategy) -> None:

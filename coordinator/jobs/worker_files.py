@@ -17,11 +17,15 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["MIN_PIECE_BYTES", "PIECE_BYTES", "WorkerFiles", "fetch", "piece_bytes"]
+__all__ = ["MIN_PIECE_BYTES", "PIECE_BYTES", "WHOLE_BYTES", "WorkerFiles", "fetch", "piece_bytes"]
 
 PIECE_BYTES = 16 << 20
 """The most of a file left on a worker one read asks for (two are in memory at most)."""
 MIN_PIECE_BYTES = 64 << 10
+WHOLE_BYTES = 1 << 30
+"""The most of a file left on a worker the coordinator reads whole into memory, where it is not
+told otherwise (it is: a worker's share of the replies' reassembly pool,
+:class:`~coordinator.server.reassembly_shares.ReassemblyShares`)."""
 
 
 def piece_bytes(room: int) -> int:

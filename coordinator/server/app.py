@@ -166,7 +166,8 @@ class Coordinator:
         """Open the store, listen, start the scheduler and the heartbeat reaper."""
         config = self.config
         pieces = piece_bytes(config.max_reassembly_bytes)
-        files = await asyncio.to_thread(JobFiles, config.state_dir, pieces)
+        whole = self.reassembly.reply_share
+        files = await asyncio.to_thread(JobFiles, config.state_dir, pieces, whole)
         await asyncio.to_thread(private_directory, self.landing.directory)
         resumable = await asyncio.to_thread(files.resumable)
         store, recovered = await asyncio.to_thread(

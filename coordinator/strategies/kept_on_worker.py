@@ -20,6 +20,7 @@ from typing import Any, Self
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
+from coordinator.jobs.worker_files import fetch
 from protocol.errors import ErrorCode
 
 __all__ = ["KeptLimit", "KeptOnWorker"]
@@ -115,6 +116,17 @@ class KeptOnWorker:
 
     async def read(self, name: str, offset: int, length: int) -> bytes:
         return await self.ctx.read_kept(self.worker, self.kept, name, offset, length)
+
+    async def whole(self, name: str, piece_bytes: int) -> bytearray:
+        """File ``name`` read whole, in pieces of at most ``piece_bytes``.
+
+        Raises:
+            OSError: it ended short of its size.
+            WorkerCallError: a piece could not be read.
+        """
+        data = bytearray()
+        await fetch(self, name, data.extend, piece_bytes)
+        return data
 
     async def release(self) -> None:
         with contextlib.suppress(WorkerCallError):  # gone with its worker, or its job

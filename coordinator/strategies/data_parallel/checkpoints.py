@@ -18,9 +18,9 @@ DiLoCo's replicas stand together only at a synchronisation, and each keeps an in
 of its own: :class:`SyncCheckpoints` saves, after a synchronisation, the global model, every
 replica's inner optimizer state (by replica) and the outer optimizer's state (its momentum).
 ``checkpoint_every`` steps then means the first synchronisation at or after each multiple. On
-the torch group the replicas send it with the chunk that ends at that synchronisation
-(:attr:`SyncCheckpoints.syncs` says where chunks may end), and the next chunk trains while it
-is written.
+the torch group the replicas leave it on their workers as the chunk that ends at that
+synchronisation ends (:attr:`SyncCheckpoints.syncs` says where chunks may end), and the next
+chunk trains while the coordinator reads and writes it.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any, Self
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints
+from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints, Payload
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
 from protocol.shard_files import METADATA
 
-__all__ = ["KEPT", "ReplicaCheckpoints", "Shards", "SyncCheckpoints"]
+__all__ = ["KEPT", "ReplicaCheckpoints", "Shards", "SyncCheckpoints", "sync_payload"]
 
 
 KEPT = ("snapshot", "shards")
@@ -339,23 +339,26 @@ class SyncCheckpoints(ReplicaCheckpoints):
             since = max([since] + [s for s in self.syncs if s < done])
         return bool(every) and done // every > since // every
 
-    async def after_sync(
-        self, done: int, global_state: Any, optimizers: dict[int, Any], outer: Any
-    ) -> None:
+    async def after_sync(self, done: int, payload: Payload) -> None:
         """Save the run as it stands after the synchronisation that ends step ``done``:
-        ``global_state``, the inner ``optimizers`` of the replicas present (by replica) and the
-        ``outer`` optimizer's state. Call it when :meth:`due`."""
+        ``payload`` (:func:`sync_payload`'s, or what a coroutine function gives it as the write
+        starts). Call it when :meth:`due`."""
         assert self.checkpoints is not None
         per_epoch = max(1, self.policy.per_epoch)
         position: dict[str, Any] = {
             "step": done,
             "epoch": min(self.epochs, (done - 1) // per_epoch + 1),
         }
-        payload = {
-            "states": global_state,
-            "optimizers": {str(i): state for i, state in optimizers.items()},
-            "outer": outer,
-        }
         await self.checkpoints.save(position, payload)
         self.policy.saved()
         self.last = done
+
+
+def sync_payload(global_state: Any, optimizers: Mapping[int, Any], outer: Any) -> dict[str, Any]:
+    """What a DiLoCo checkpoint holds of the run: ``global_state``, the inner ``optimizers`` of
+    the replicas present (by replica) and the ``outer`` optimizer's state."""
+    return {
+        "states": global_state,
+        "optimizers": {str(i): state for i, state in optimizers.items()},
+        "outer": outer,
+    }

@@ -27,9 +27,10 @@ see the global model, which every replica holds alike. An epoch's history row wi
 needs no synchronisation: it is the replicas' inner losses.
 
 On the torch group a DiLoCo job that is ``elastic``, saves checkpoints or may restart keeps what
-outlives a replica on the replicas (:mod:`.diloco_torch`): checkpoints come with the chunk that
-ends at a synchronisation, and a lost replica is dropped from its round's synchronisation, the
-group formed again without it and its place taken after. An elastic model with buffers (which
+outlives a replica on the replicas (:mod:`.diloco_torch`): checkpoints are left on the workers
+by the chunk that ends at a synchronisation and read while the next trains, and a lost replica
+is dropped from its round's synchronisation, the group formed again without it and its place
+taken after. An elastic model with buffers (which
 DDP broadcasts at every inner step) trains through the coordinator instead. There, with
 ``elastic``, a replica whose
 worker or daemon is lost during a round is *dropped* from that round's average (``worker_lost``,
@@ -56,7 +57,7 @@ from coordinator.errors import (
     WorkerCallError,
 )
 from coordinator.strategies.base import JobInputs, Placement
-from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints
+from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints, sync_payload
 from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
 from coordinator.strategies.data_parallel.diloco_torch import SyncsOnTorch
 from coordinator.strategies.data_parallel.elastic import (
@@ -292,7 +293,7 @@ class CoordinatorSyncs:
         prefix = [n for n in run.job.node_ids if n not in run.torch_nodes]
         optimizers = await self._on_present(_get_optimizers(ctx, run.torch_nodes))
         fitted = await ctx.get_state(run.present()[0], prefix) if prefix else {}
-        await self.saves.after_sync(done, fitted | global_state, optimizers, outer)
+        await self.saves.after_sync(done, sync_payload(fitted | global_state, optimizers, outer))
 
     async def _on_present(self, call: Callable[[int], Awaitable[T]]) -> dict[int, T]:
         """``call(i)`` on every replica present; their results by replica. With ``elastic`` a

@@ -68,7 +68,7 @@ from coordinator.strategies.process_group import (
     settle,
 )
 from coordinator.strategies.steps import StepBoundaries, TrainingSettings
-from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec
+from protocol.daemon import DistPlanRequest, DistTrainRequest, KeptSnapshot, OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.options.strategies import Sharding
 
@@ -246,8 +246,9 @@ class TorchTraining:
 
         def call(i: int) -> Awaitable[Any]:
             taken = snapshot and self._snapshots(i)
-            request = DistTrainRequest(start=step, stop=stop, snapshot=taken)
-            if taken and sharded:  # its files stay on its worker until the store reads them
+            keep = self._keeps(i) if taken else None
+            request = DistTrainRequest(start=step, stop=stop, snapshot=taken, keep=keep)
+            if taken and (sharded or keep):  # its files stay on its worker until read
                 return self.run.ctx.call_keeping(i, request, KEPT)
             return self._call(i, request)
 
@@ -259,6 +260,11 @@ class TorchTraining:
         """Whether replica ``i`` sends a snapshot with a chunk a checkpoint follows: replica
         0, or every replica of a sharded run."""
         return self.sharding != "none" or i == 0
+
+    def _keeps(self, i: int) -> KeptSnapshot | None:
+        """What of its snapshot replica ``i`` leaves on its worker as one file (none here:
+        the reply carries it)."""
+        return None
 
     async def _save(
         self, saves: ReplicaCheckpoints, step: int, total: int, results: Mapping[int, Any]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.errors import WorkerCallError
+from coordinator.errors import StrategyFailed, WorkerCallError
 from coordinator.jobs.checkpoints import (
     CheckpointPolicy,
     CheckpointStore,
@@ -381,3 +381,46 @@ def test_a_coordinator_reads_pieces_that_fit_its_room_for_replies():
     assert piece_bytes(4 << 30) == 16 << 20  # the default room: 16 MiB pieces
     assert piece_bytes(8 << 20) == 2 << 20  # a quarter of a small room
     assert piece_bytes(1000) == 64 << 10  # and never under 64 KiB
+
+
+@pytest.mark.parametrize("fault", [None, "lost", "refused"])
+def test_a_payload_read_as_the_write_starts_is_saved_or_its_failure_said(tmp_path, fault):
+    """A payload given as a coroutine function (a DiLoCo checkpoint read from the workers the
+    replicas left it on) is awaited once the write starts, after the caller went on: saved
+    as it came, or, when its worker was lost or its part refused, ``checkpoint_failed`` says
+    why and the checkpoint before stands."""
+    store = CheckpointStore(tmp_path)
+    events = []
+    reads = []
+
+    async def emit(event, data):
+        events.append((event, data))
+
+    async def payload():
+        reads.append("read")
+        if fault == "lost":
+            raise WorkerCallError("w1", ErrorInfo(code=ErrorCode.WORKER_LOST, message="gone"))
+        if fault == "refused":
+            raise StrategyFailed(ErrorCode.STATE_MISMATCH, "replica 1's part lacks its state")
+        return _payload(2.0)
+
+    async def go():
+        saves = JobCheckpoints("j", store, keep=2, emit=emit)
+        await saves.save({"step": 1}, _payload(1.0))
+        await saves.save({"step": 2}, payload)
+        went_on = list(reads)  # (save returned before the payload was read)
+        return went_on, await saves.flush()
+
+    went_on, written = asyncio.run(go())
+    assert went_on == [] and reads == ["read"]
+    assert written is (fault is None)
+    latest = store.latest("j")
+    assert latest is not None
+    if fault is None:
+        assert latest.position == {"step": 2}
+        torch.testing.assert_close(latest.payload["states"], _payload(2.0)["states"])
+    else:
+        assert latest.position == {"step": 1}
+        failed = [d for e, d in events if e == "checkpoint_failed"]
+        said = "gone" if fault == "lost" else "lacks its state"
+        assert failed[0]["step"] == 2 and said in failed[0]["error"]
