@@ -112,6 +112,7 @@ from benchmarks.slow_links import (
     stop_ranks,
     table,
 )
+from protocol.rules.traffic import FP32
 from somatize.cluster import LocalCluster
 
 __all__ = [
@@ -590,12 +591,12 @@ def report(plan: Plan, result: dict[str, Any]) -> str:
         cost = time_ratio(curves[name], diloco, target)
         said = f"{cost:.3f}× undisturbed DiLoCo's" if cost is not None else "not reached"
         lines.append(f"  (the churn's cost: its time to target {said})")
-    stream_bytes = streaming.said["sync_bytes"] / diloco.said["sync_bytes"]
+    peak, whole = streaming.said["sync_bytes"], diloco.said["sync_bytes"]
+    share = -(-whole // (FP32 * FRAGMENTS)) * FP32  # 1/F of the model's fp32 values, rounded up
     lines += [
         f"- Streaming DiLoCo (F={FRAGMENTS}, τ={OVERLAP}): a synchronisation's peak "
-        f"{streaming.said['sync_bytes'] / 1e6:.2f} MB against DiLoCo's "
-        f"{diloco.said['sync_bytes'] / 1e6:.2f} MB: **{stream_bytes:.3f}×** (target ≤ "
-        f"1/{FRAGMENTS}: {_verdict(stream_bytes <= 1 / FRAGMENTS)})",
+        f"{peak:,} bytes against DiLoCo's {whole:,}: **{peak / whole:.4f}×** (target ≤ "
+        f"1/{FRAGMENTS}, to a whole value: {share:,} bytes: {_verdict(peak <= share)})",
         _figure(
             "Streaming DiLoCo",
             time_ratio(streaming, diloco, target),

@@ -22,6 +22,7 @@ replica's loss is weighted by its share of the global batch (:mod:`engine.replic
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,7 +33,7 @@ from engine.errors import EngineError
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
 from protocol.errors import BadCompressedTree, ErrorCode
-from protocol.rules.fragments import blocking_steps, fragment_groups
+from protocol.rules.fragments import Piece, blocking_steps, fragment_pieces
 from protocol.rules.traffic import buckets
 
 __all__ = ["OuterStep", "SyncPoint"]
@@ -52,14 +53,11 @@ class OuterStep:
     ) -> None:
         self.spec = spec
         self.params = list(params)
-        sizes = [p.numel() * p.element_size() for p in self.params]
         try:
-            groups = fragment_groups(sizes, spec.fragments)
+            cut = fragment_pieces([p.numel() for p in self.params], spec.fragments)
         except ValueError as exc:
             raise EngineError(ErrorCode.BAD_REQUEST, f"Streaming DiLoCo: {exc}") from exc
-        self.fragments = [
-            _Fragment([self.params[k] for k in group], spec, compression) for group in groups
-        ]
+        self.fragments = [_Fragment(self.params, pieces, spec, compression) for pieces in cut]
         self.closing = blocking_steps(steps, spec.also)
         # One thread runs the exchanges that overlap inner steps, in the order they start: the
         # replicas' collectives then come in the same order on each.
@@ -98,19 +96,40 @@ class OuterStep:
 
     def momenta(self) -> list[torch.Tensor | None]:
         """The outer momentum of each parameter, in order (``None`` where there is none yet:
-        before the first synchronisation, or without momentum)."""
-        held: list[torch.Tensor | None] = []
+        before the first synchronisation, or without momentum). A parameter cut between
+        fragments of which some synchronised has zeros where the others would have theirs
+        (what torch's SGD, without dampening, steps alike: its first buffer is the
+        gradient)."""
+        parts: dict[int, list[tuple[int, int, torch.Tensor | None]]] = defaultdict(list)
         for fragment in self.fragments:
-            held.extend(fragment.momenta())
+            for (k, start, stop), buffer in zip(fragment.pieces, fragment.momenta(), strict=True):
+                parts[k].append((start, stop, buffer))
+        held: list[torch.Tensor | None] = []
+        for k, param in enumerate(self.params):
+            pieces = sorted(parts[k], key=lambda part: part[0])
+            if all(buffer is None for _, _, buffer in pieces):
+                held.append(None)
+                continue
+            flat = [
+                torch.zeros(stop - start, dtype=param.dtype, device=param.device)
+                if buffer is None
+                else buffer
+                for start, stop, buffer in pieces
+            ]
+            held.append(torch.cat(flat).view_as(param))
         return held
 
     def load_momenta(self, momenta: Sequence[torch.Tensor | None]) -> None:
         """Set the outer momentum of each parameter, in order, as :meth:`momenta` gives it (a
         replica joining at a synchronisation, a run resumed)."""
-        at = 0
+        flat = [None if momentum is None else momentum.reshape(-1) for momentum in momenta]
         for fragment in self.fragments:
-            fragment.load_momenta(momenta[at : at + len(fragment.params)])
-            at += len(fragment.params)
+            fragment.load_momenta(
+                [
+                    None if (values := flat[k]) is None else values[start:stop]
+                    for k, start, stop in fragment.pieces
+                ]
+            )
 
     def close(self) -> None:
         """Stop the exchange thread (a plan replaced or the replica gone)."""
@@ -119,39 +138,49 @@ class OuterStep:
 
 
 class _Fragment:
-    """Some of the model's parameters, in order, with their global weights, outer optimizer
+    """Pieces of the model's parameters, in order, with their global weights, outer optimizer
     and compressed mean (its int8 residuals its own): one of Streaming DiLoCo's fragments, or
-    the whole model with one."""
+    the whole model with one (each piece then a whole parameter)."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], spec: OuterStepSpec, compression: str | None
+        self,
+        params: Sequence[torch.nn.Parameter],
+        pieces: list[Piece],
+        spec: OuterStepSpec,
+        compression: str | None,
     ) -> None:
         self.spec = spec
-        self.params = params
-        self.global_params = [p.detach().clone() for p in params]
+        self.pieces = pieces
+        self.model = params
+        self.params = [params[k] for k in dict.fromkeys(k for k, _, _ in pieces)]
+        self.global_params = [v.clone() for v in self.local()]
         self.pseudo_gradients = CompressedMean(compression)
         nesterov = spec.nesterov and spec.momentum > 0  # Nesterov's step needs a momentum
         self.optimizer = torch.optim.SGD(
             self.global_params, lr=spec.lr, momentum=spec.momentum, nesterov=nesterov
         )
 
+    def local(self) -> list[torch.Tensor]:
+        """The local weights of each piece, as they stand (views, written through)."""
+        return [_values(self.model[k], start, stop) for k, start, stop in self.pieces]
+
     def deltas(self) -> list[torch.Tensor]:
         """This replica's pseudo-gradients now: global weights − local weights."""
         with torch.no_grad():
-            return [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
+            return [g - v for g, v in zip(self.global_params, self.local(), strict=True)]
 
     def momenta(self) -> list[torch.Tensor | None]:
-        """Each parameter's outer momentum buffer (torch SGD's), or ``None``."""
+        """Each piece's outer momentum buffer (torch SGD's), or ``None``."""
         state = self.optimizer.state
         return [state.get(g, {}).get("momentum_buffer") for g in self.global_params]
 
     def load_momenta(self, momenta: Sequence[torch.Tensor | None]) -> None:
-        """Each parameter's outer momentum buffer set (or dropped, for ``None``)."""
+        """Each piece's outer momentum buffer set (or dropped, for ``None``)."""
         for g, momentum in zip(self.global_params, momenta, strict=True):
             if momentum is None:
                 self.optimizer.state.pop(g, None)
             else:
-                buffer = momentum.detach().to(g.device, g.dtype, copy=True)
+                buffer = momentum.detach().reshape(g.shape).to(g.device, g.dtype, copy=True)
                 self.optimizer.state[g] = {"momentum_buffer": buffer}
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
@@ -190,16 +219,37 @@ class _Fragment:
             for g, delta in zip(self.global_params, mean, strict=True):
                 g.grad = delta
             self.optimizer.step()
-            for g, p in zip(self.global_params, self.params, strict=True):
+            for g, v in zip(self.global_params, self.local(), strict=True):
                 if alpha:
-                    p.lerp_(g, 1.0 - alpha)
+                    v.lerp_(g, 1.0 - alpha)
                 else:
-                    p.copy_(g)
+                    v.copy_(g)
                 g.grad = None
-        if self.spec.inner_state == "reset":
+        if self.spec.inner_state == "reset":  # (of every parameter a piece of it holds)
             for optimizer in inner:
                 for p in self.params:
                     optimizer.state.pop(p, None)
+
+
+def _values(param: torch.nn.Parameter, start: int, stop: int) -> torch.Tensor:
+    """Values ``[start, stop)`` of ``param``, flattened: a view of it (written through), or
+    the parameter itself when the piece is all of it (so a whole parameter keeps its shape,
+    and one fragment is DiLoCo's own step, tensor for tensor).
+
+    Raises:
+        EngineError: ``BAD_REQUEST`` for a parameter cut between fragments that is not
+            contiguous in memory (a view of its values could not be written through).
+    """
+    values = param.detach()
+    if start == 0 and stop == param.numel():
+        return values
+    if not values.is_contiguous():
+        raise EngineError(
+            ErrorCode.BAD_REQUEST,
+            f"Streaming DiLoCo: a parameter of shape {list(param.shape)} cut between fragments "
+            "is not contiguous in memory",
+        )
+    return values.view(-1)[start:stop]
 
 
 class SyncPoint:

@@ -462,17 +462,17 @@ class DiLoCoOptions(DataParallelOptions):
     weighted by rows; validation and the result see the global model.
 
     Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
-    communication"): with ``fragments`` F the model is cut into F runs of parameters of about
-    equal bytes, each synchronised every ``sync_every`` steps at its own offset (fragment p
-    after steps ≡ p·H/F mod H), so a synchronisation moves 1/F of the model; with ``overlap``
-    τ a fragment's exchange runs while the next τ inner steps train and lands after them, the
-    local weights then set to ``mixing`` α·local + (1 − α)·global. At the run's end and where
-    the model is read every fragment synchronises at once, nothing in flight and nothing
-    mixed: every replica then holds the global model. With F = 1,
-    τ = 0, α = 0 it is DiLoCo. It runs on the torch collective (refused through the
-    coordinator) and does not take elastic, checkpoints or max_restarts (the model is never
-    whole on every replica while exchanges are in flight); ``overlap`` needs a model without
-    buffers (DDP broadcasts them before each forward).
+    communication"): with ``fragments`` F the model's parameters, end to end, are cut into F
+    runs of equal numbers of values (:mod:`protocol.rules.fragments`), each synchronised every
+    ``sync_every`` steps at its own offset (fragment p after steps ≡ p·H/F mod H), so a
+    synchronisation moves 1/F of the model; with ``overlap`` τ a fragment's exchange runs
+    while the next τ inner steps train and lands after them, the local weights then set to
+    ``mixing`` α·local + (1 − α)·global. At the run's end and where the model is read every
+    fragment synchronises at once, nothing in flight and nothing mixed: every replica then
+    holds the global model. With F = 1, τ = 0, α = 0 it is DiLoCo. It runs on the torch
+    collective (refused through the coordinator) and does not take elastic, checkpoints or
+    max_restarts (the model is never whole on every replica while exchanges are in flight);
+    ``overlap`` needs a model without buffers (DDP broadcasts them before each forward).
 
     With ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and an inner SGD this is
     ``DataParallel`` (each replica's loss is weighted by its share of the global batch, so the

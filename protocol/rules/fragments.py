@@ -4,8 +4,11 @@ communication"): which parameters each fragment holds, and after which steps eac
 Shared by the replicas (:mod:`engine.outer_step`), the coordinator (the ``placed`` event's peak
 bytes) and the tests' hand-written loops, so all three cut and schedule alike. Pure functions.
 
-* :func:`fragment_groups` cuts a model's parameters, in their order, into ``fragments``
-  contiguous runs of about equal bytes (a parameter is never split).
+* :func:`fragment_pieces` cuts a model's parameters, flattened and laid end to end in their
+  order, into ``fragments`` contiguous runs of equal numbers of values (within one): a
+  parameter may be cut between two fragments, so that no fragment's exchange is larger than
+  ``1 / fragments`` of the model's (whole parameters overshot it by up to the largest: 0.306
+  of a 3.2 M-parameter char LM in four fragments, against 0.25).
 * :func:`fragment_syncs` says, per step of a run, which fragments synchronise after it:
   fragment ``p`` every ``every`` steps counted over the run, at its own offset
   ``p * every // fragments`` (fragment 0 after steps ``every``, ``2 every``, ...: with one
@@ -17,38 +20,42 @@ bytes) and the tests' hand-written loops, so all three cut and schedule alike. P
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
-__all__ = ["blocking_steps", "fragment_groups", "fragment_syncs"]
+__all__ = ["Piece", "blocking_steps", "fragment_pieces", "fragment_syncs"]
+
+Piece = tuple[int, int, int]
+"""Values ``[start, stop)`` of parameter ``index`` (flattened), as ``(index, start, stop)``."""
 
 
-def fragment_groups(nbytes: Sequence[int], fragments: int) -> list[list[int]]:
-    """The indices of the parameters of ``nbytes`` bytes each, in order, cut into
-    ``fragments`` contiguous non-empty runs of about ``sum / fragments`` bytes each.
+def fragment_pieces(numels: Sequence[int], fragments: int) -> list[list[Piece]]:
+    """The parameters of ``numels`` values each, flattened and laid end to end in order, cut
+    into ``fragments`` contiguous runs of ``total * (p + 1) // fragments - total * p //
+    fragments`` values (run ``p``): each run's pieces of parameters, in order.
 
     Raises:
-        ValueError: fewer parameters than fragments, or fewer than one fragment.
+        ValueError: fewer values than fragments, or fewer than one fragment.
     """
     if fragments < 1:
         raise ValueError(f"fragments must be at least 1, not {fragments}")
-    if len(nbytes) < fragments:
+    total = sum(numels)
+    if total < fragments:
         raise ValueError(
-            f"{fragments} fragments need at least as many parameters; the model has {len(nbytes)}"
+            f"{fragments} fragments need at least as many trainable values; the model has {total}"
         )
-    total = sum(nbytes)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    done = 0
-    for k, n in enumerate(nbytes):
-        current.append(k)
-        done += n
-        after = fragments - len(groups) - 1  # fragments still to fill after this one
-        left = len(nbytes) - k - 1  # parameters still to place
-        if after and (done * fragments >= (len(groups) + 1) * total or left == after):
-            groups.append(current)
-            current = []
-    groups.append(current)
-    return groups
+    cuts = [total * p // fragments for p in range(fragments + 1)]
+    runs: list[list[Piece]] = []
+    for begin, end in itertools.pairwise(cuts):
+        run: list[Piece] = []
+        at = 0  # where parameter k's values begin
+        for k, n in enumerate(numels):
+            start, stop = max(begin, at), min(end, at + n)
+            if start < stop:
+                run.append((k, start - at, stop - at))
+            at += n
+        runs.append(run)
+    return runs
 
 
 def fragment_syncs(

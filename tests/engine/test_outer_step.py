@@ -79,6 +79,18 @@ def _stepped(net: torch.nn.Linear, by: float) -> None:
             p.sub_(by)
 
 
+def _joiner(
+    net: torch.nn.Linear, outer: OuterStep, spec: OuterStepSpec, steps: int
+) -> tuple[torch.nn.Linear, OuterStep]:
+    """A replica joining at a synchronisation: ``net``'s weights, and a fresh outer step set
+    to ``outer``'s momentum."""
+    twin = torch.nn.Linear(3, 2)
+    twin.load_state_dict(net.state_dict())
+    again = OuterStep(list(twin.parameters()), spec, steps=steps)
+    again.load_momenta(outer.momenta())
+    return twin, again
+
+
 def test_outer_momentum_is_torch_sgds_buffer_and_setting_it_resumes_the_outer_step(group):
     """One rank: the mean pseudo-gradient is the replica's own (θ_global − θ_local = 0.25
     everywhere after the inner steps), so the first outer step's buffer is 0.25; a fresh outer
@@ -91,10 +103,7 @@ def test_outer_momentum_is_torch_sgds_buffer_and_setting_it_resumes_the_outer_st
     outer.after(1, (0,), [])  # after step 2: sync_every=2
     for momentum in outer.momenta():
         torch.testing.assert_close(momentum, torch.full_like(momentum, 0.25))
-    twin = torch.nn.Linear(3, 2)
-    twin.load_state_dict(net.state_dict())
-    again = OuterStep(list(twin.parameters()), SPEC, steps=4)
-    again.load_momenta(outer.momenta())
+    twin, again = _joiner(net, outer, SPEC, steps=4)
     for stepped in (net, twin):
         _stepped(stepped, 0.5)
     outer.after(3, (0,), [])
@@ -104,6 +113,40 @@ def test_outer_momentum_is_torch_sgds_buffer_and_setting_it_resumes_the_outer_st
     # Nesterov by hand: buffer 0.9·0.25 + 0.5; the weights move by −0.7·(0.5 + 0.9·buffer)
     for momentum in again.momenta():
         torch.testing.assert_close(momentum, torch.full_like(momentum, 0.9 * 0.25 + 0.5))
+
+
+def test_a_parameter_cut_between_fragments_steps_each_piece_with_its_fragment(group):
+    """Linear(3, 2): 6 + 2 values, two fragments of 4: the weight is cut in the middle. After
+    fragment 0 synchronises alone, only the weight's first 4 values are global again and have
+    a momentum (0.25; zeros for the rest). Once fragment 1 has too, the momentum, read whole
+    and set on a fresh outer step (a joiner), steps both fragments as the first one does."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    spec = SPEC.model_copy(update={"fragments": 2})
+    outer = OuterStep(list(net.parameters()), spec, steps=8)
+    start = [p.detach().clone() for p in net.parameters()]
+    _stepped(net, 0.25)
+    outer.after(0, (0,), [])  # fragment 0: the weight's values 0..3
+    weight, bias = (p.detach() for p in net.parameters())
+    # Nesterov by hand on the first 4 values: θ − 0.7·(0.25 + 0.9·0.25) from θ = start
+    moved = start[0].reshape(-1)[:4] - 0.7 * (0.25 + 0.9 * 0.25)
+    torch.testing.assert_close(weight.reshape(-1)[:4], moved)
+    torch.testing.assert_close(weight.reshape(-1)[4:], start[0].reshape(-1)[4:] - 0.25)
+    torch.testing.assert_close(bias, start[1] - 0.25)
+    momentum, none = outer.momenta()
+    assert none is None and momentum.shape == (2, 3)
+    torch.testing.assert_close(momentum.reshape(-1), torch.tensor([0.25] * 4 + [0.0] * 2))
+    outer.after(1, (1,), [])  # fragment 1: the weight's values 4, 5 and the bias
+    for momentum in outer.momenta():
+        torch.testing.assert_close(momentum, torch.full_like(momentum, 0.25))
+    twin, again = _joiner(net, outer, spec, steps=8)
+    for stepped in (net, twin):
+        _stepped(stepped, 0.5)
+    for step in (2, 3):  # fragment 0, then fragment 1
+        outer.after(step, (step % 2,), [])
+        again.after(step, (step % 2,), [])
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_synchronisation_whose_exchange_breaks_leaves_the_replica_as_it_was(group, monkeypatch):

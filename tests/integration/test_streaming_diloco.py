@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import somatize as sz
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (
@@ -24,9 +25,9 @@ from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
-FRAGMENTS_OF_THE_MLP = [["0.weight"], ["0.bias", "2.weight", "2.bias"]]
-"""The MLP's parameters (6·16, 16, 16·3, 3 values) cut in two runs of about equal bytes: the
-first weight alone (384 bytes) holds more than half of the 652."""
+FRAGMENTS_OF_THE_MLP = [(0, 81), (81, 163)]
+"""The MLP's parameters (6·16, 16, 16·3, 3 values: 163), flattened end to end, cut in two runs
+of 81 and 82 values: the first weight's 96 values fall in both."""
 
 
 def streaming_by_hand(
@@ -34,7 +35,7 @@ def streaming_by_hand(
     y,
     replicas: int,
     every: int,
-    fragments: list[list[str]],
+    fragments: list[tuple[int, int]],
     overlap: int,
     mixing: float,
     outer_lr: float = 0.7,
@@ -43,22 +44,22 @@ def streaming_by_hand(
     batch_size: int = 32,
 ):
     """Streaming DiLoCo (Douillard et al. 2025) in plain torch, on ``graph.fit``'s shuffled
-    global batches split over ``replicas`` as DiLoCo's are, Adam inner steps: fragment ``p``
-    (its parameter names) synchronises after each step ``s`` (counted over the run, from 1)
-    with ``s % every == p * every // len(fragments)``, every fragment after the last step. A
-    synchronisation takes the mean over replicas of θ_global − θ_local for the fragment's
-    parameters; ``overlap`` steps later (at once after the last step, where what is in flight
-    lands first) the fragment's own Nesterov SGD steps θ_global with it, and each replica's
-    parameters become ``mixing``·local + (1 − ``mixing``)·global — θ_global itself after the
-    last step, so that every replica ends with the global model."""
+    global batches split over ``replicas`` as DiLoCo's are, Adam inner steps. The model's
+    parameters laid end to end in one vector (``parameters_to_vector``), fragment ``p`` holds
+    its values ``fragments[p] = (begin, end)`` and synchronises after each step ``s``
+    (counted over the run, from 1) with ``s % every == p * every // len(fragments)``, every
+    fragment after the last step. A synchronisation takes the mean over replicas of
+    θ_global − θ_local for the fragment's values; ``overlap`` steps later (at once after the
+    last step, where what is in flight lands first) the fragment's own Nesterov SGD steps its
+    θ_global with it, and each replica's values become ``mixing``·local + (1 −
+    ``mixing``)·global — θ_global itself after the last step, so that every replica ends
+    with the global model."""
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     global_net = copy.deepcopy(model())
-    named = dict(global_net.named_parameters())
+    start = parameters_to_vector(global_net.parameters()).detach()
+    held = [start[begin:end].clone() for begin, end in fragments]  # each fragment's θ_global
     outers = [
-        torch.optim.SGD(
-            [named[n] for n in names], lr=outer_lr, momentum=outer_momentum, nesterov=True
-        )
-        for names in fragments
+        torch.optim.SGD([g], lr=outer_lr, momentum=outer_momentum, nesterov=True) for g in held
     ]
     nets = [copy.deepcopy(global_net) for _ in range(replicas)]
     inner = [torch.optim.Adam(net.parameters(), lr=1e-2) for net in nets]
@@ -66,18 +67,24 @@ def streaming_by_hand(
     steps = -(-len(xt) // batch_size)
     total = epochs * steps
     offsets = [p * every // len(fragments) for p in range(len(fragments))]
-    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+    in_flight: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def land(p: int, mean: dict[str, torch.Tensor], alpha: float) -> None:
-        for name in fragments[p]:
-            named[name].grad = mean[name].clone()
+    def land(p: int, mean: torch.Tensor, alpha: float) -> None:
+        begin, end = fragments[p]
+        held[p].grad = mean.clone()
         outers[p].step()
+        held[p].grad = None
         with torch.no_grad():
             for net in nets:
-                local = dict(net.named_parameters())
-                for name in fragments[p]:
-                    local[name].copy_(alpha * local[name] + (1 - alpha) * named[name])
-                    named[name].grad = None
+                local = parameters_to_vector(net.parameters())
+                local[begin:end] = alpha * local[begin:end] + (1 - alpha) * held[p]
+                vector_to_parameters(local, net.parameters())
+
+    def mean_of(p: int) -> torch.Tensor:
+        begin, end = fragments[p]
+        with torch.no_grad():
+            deltas = [held[p] - parameters_to_vector(net.parameters())[begin:end] for net in nets]
+            return torch.stack(deltas).mean(0)
 
     s = 0
     for _ in range(epochs):
@@ -102,17 +109,11 @@ def streaming_by_hand(
                 else [p for p, o in enumerate(offsets) if s % every == o % every]
             )
             for p in syncing:
-                with torch.no_grad():
-                    mean = {
-                        name: torch.stack(
-                            [named[name] - dict(net.named_parameters())[name] for net in nets]
-                        ).mean(0)
-                        for name in fragments[p]
-                    }
                 if overlap and not closing:
-                    in_flight[p] = (s + overlap, mean)
+                    in_flight[p] = (s + overlap, mean_of(p))
                 else:
-                    land(p, mean, 0.0 if closing else mixing)
+                    land(p, mean_of(p), 0.0 if closing else mixing)
+    vector_to_parameters(torch.cat(held), global_net.parameters())
     return global_net.state_dict()
 
 
@@ -125,7 +126,7 @@ def live(tmp_path_factory) -> Iterator[tuple[Cluster, sz.Client]]:
 
 def test_one_fragment_without_overlap_is_diloco_in_the_hand_loops_too():
     x, y = dataset()
-    streamed = streaming_by_hand(x, y, 2, 3, [[n for n, _ in model().named_parameters()]], 0, 0.0)
+    streamed = streaming_by_hand(x, y, 2, 3, [(0, 163)], 0, 0.0)
     expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
     for key, value in expected.items():
         torch.testing.assert_close(streamed[key], value, rtol=0, atol=1e-6)
@@ -135,7 +136,8 @@ def test_one_fragment_without_overlap_is_diloco_in_the_hand_loops_too():
 def test_fragments_synced_at_staggered_steps_equal_the_hand_loop(live, overlap, mixing):
     """Two fragments, H = 4: fragment 0 after steps 4, 8, ...; fragment 1 after 2, 6, ...;
     with overlap 1 and mixing 0.5 each exchange lands a step later, mixed; both equal the loop,
-    and neither is DiLoCo's model. The placed event's peak bytes are the larger fragment's."""
+    and neither is DiLoCo's model. The first weight is cut between the fragments; the placed
+    event's peak bytes are the larger fragment's, half the model's within a value."""
     _, client = live
     x, y = dataset()
     strategy = sz.DiLoCo(
@@ -150,7 +152,7 @@ def test_fragments_synced_at_staggered_steps_equal_the_hand_loop(live, overlap, 
     plain, _ = diloco_by_hand(x, y, "adam", 2, 4, 0.7, 0.9)
     assert not torch.allclose(plain["0.weight"], expected["0.weight"], rtol=0, atol=1e-5)
     assert placed.data["collective"] == "torch"
-    assert placed.data["fragments"] == 2 and placed.data["sync_bytes"] == 4 * 6 * 16
+    assert placed.data["fragments"] == 2 and placed.data["sync_bytes"] == 4 * 82
     assert placed.data["model_sync_bytes"] == 4 * (6 * 16 + 16 + 16 * 3 + 3)
 
 
@@ -164,5 +166,5 @@ def test_streaming_is_refused_where_it_cannot_run(live):
         sz.DiLoCo(2, 4, fragments=2, elastic=True)
     with pytest.raises(ValueError, match="fragments must be at most sync_every"):
         sz.DiLoCo(2, 4, fragments=5)
-    with pytest.raises(sz.ClientError, match="fragments=5: the model has 4 trainable"):
-        client.submit(graph, x, y, strategy=sz.DiLoCo(2, 8, fragments=5))
+    with pytest.raises(sz.ClientError, match="fragments=164: the model has 163 trainable"):
+        client.submit(graph, x, y, strategy=sz.DiLoCo(2, 200, fragments=164))

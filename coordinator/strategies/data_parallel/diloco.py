@@ -88,7 +88,7 @@ from protocol.errors import ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
 from protocol.options.strategies import DiLoCoOptions
 from protocol.rules.batching import synchronises
-from protocol.rules.fragments import fragment_groups
+from protocol.rules.fragments import fragment_pieces
 from protocol.rules.traffic import sync_bytes
 
 __all__ = ["CoordinatorSyncs", "DiLoCo"]
@@ -128,15 +128,16 @@ class DiLoCo(DataParallel):
 
     def validate(self, job: JobInputs) -> None:
         """As DataParallel's, and a Streaming DiLoCo the model allows: no more fragments than
-        trainable parameters, no buffers when exchanges overlap (module docstring)."""
+        trainable values, no buffers when exchanges overlap (module docstring)."""
         super().validate(job)
         o = self.options
         nodes = self._plan(job)[0]
         shapes = [shape for n in nodes for shape in job.nodes[n].parameter_shapes]
-        if o.fragments > 1 and shapes and len(shapes) < o.fragments:
+        values = sum(math.prod(shape) for shape in shapes)
+        if o.fragments > 1 and shapes and values < o.fragments:
             raise StrategyOptionsError(
-                f"fragments={o.fragments}: the model has {len(shapes)} trainable parameters, "
-                "and a fragment holds one at least"
+                f"fragments={o.fragments}: the model has {values} trainable values, and a "
+                "fragment holds one at least"
             )
         if o.overlap and any(job.nodes[n].buffers for n in nodes):
             raise StrategyOptionsError(
@@ -150,10 +151,10 @@ class DiLoCo(DataParallel):
         o = self.options
         compression = o.compression
         said: dict[str, Any] = {"sync_every": o.sync_every}
-        if o.fragments > 1 and len(shapes) >= o.fragments:
-            sizes = [4 * math.prod(shape) for shape in shapes]
-            groups = fragment_groups(sizes, o.fragments)
-            peak = max(sync_bytes([shapes[k] for k in g], compression) for g in groups)
+        numels = [math.prod(shape) for shape in shapes]
+        if o.fragments > 1 and sum(numels) >= o.fragments:
+            cut = fragment_pieces(numels, o.fragments)
+            peak = max(sync_bytes([[b - a] for _, a, b in p], compression) for p in cut)
             said |= {"fragments": o.fragments, "model_sync_bytes": sync_bytes(shapes, compression)}
         else:
             peak = sync_bytes(shapes, compression)
