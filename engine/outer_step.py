@@ -22,8 +22,9 @@ replica's loss is weighted by its share of the global batch (:mod:`engine.replic
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -130,6 +131,25 @@ class OuterStep:
                     for k, start, stop in fragment.pieces
                 ]
             )
+
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """The model's weights set to the global weights while the block runs (the global
+        model, read where a Streaming DiLoCo run validates: every replica holds it alike,
+        each fragment's as its last synchronisation that landed left it), then back to the
+        local weights. Exchanges in flight touch neither."""
+        local = [[v.clone() for v in fragment.local()] for fragment in self.fragments]
+        try:
+            with torch.no_grad():
+                for fragment in self.fragments:
+                    for v, g in zip(fragment.local(), fragment.global_params, strict=True):
+                        v.copy_(g)
+            yield
+        finally:
+            with torch.no_grad():
+                for fragment, held in zip(self.fragments, local, strict=True):
+                    for v, kept in zip(fragment.local(), held, strict=True):
+                        v.copy_(kept)
 
     def close(self) -> None:
         """Stop the exchange thread (a plan replaced or the replica gone)."""

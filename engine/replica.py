@@ -411,6 +411,12 @@ class Replica:
             momenta.append(tensor)
         outer.load_momenta(momenta)
 
+    def global_weights(self) -> contextlib.AbstractContextManager[None]:
+        """A DiLoCo replica's weights set to the global model while the block runs (what a
+        read of the model sees: a Streaming DiLoCo replica does not synchronise there;
+        :meth:`OuterStep.global_weights`); nothing for another replica."""
+        return contextlib.nullcontext() if self._outer is None else self._outer.global_weights()
+
     def _outer_and_names(self) -> tuple[OuterStep, list[tuple[str, str]]]:
         """The outer step, and each of its parameters' node and name, in its order."""
         plan = self._plan

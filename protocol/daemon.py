@@ -356,6 +356,11 @@ class OuterStepSpec(BaseModel):
     overlap: NonNegativeInt = 0
     mixing: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
+    def streams(self) -> bool:
+        """Whether this is Streaming DiLoCo (fragments, an overlap or mixing): the replicas
+        hold the global model whole only after the blocking synchronisations."""
+        return self.fragments > 1 or self.overlap > 0 or self.mixing > 0
+
 
 class DistPlanRequest(_BatchPlan):
     """A data-parallel replica's plan, once joined: train ``node_ids`` on its slice of every

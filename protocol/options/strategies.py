@@ -467,7 +467,8 @@ class DiLoCoOptions(DataParallelOptions):
     ``sync_every`` steps at its own offset (fragment p after steps ≡ p·H/F mod H), so a
     synchronisation moves 1/F of the model; with ``overlap`` τ a fragment's exchange runs
     while the next τ inner steps train and lands after them, the local weights then set to
-    ``mixing`` α·local + (1 − α)·global. At the run's end and where the model is read every
+    ``mixing`` α·local + (1 − α)·global. Validation evaluates the global model as the
+    fragments' last synchronisations left it, without synchronising; at the run's end every
     fragment synchronises at once, nothing in flight and nothing mixed: every replica then
     holds the global model. With F = 1, τ = 0, α = 0 it is DiLoCo. It runs on the torch
     collective (refused through the coordinator) and does not take elastic, checkpoints or

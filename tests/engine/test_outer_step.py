@@ -149,6 +149,26 @@ def test_a_parameter_cut_between_fragments_steps_each_piece_with_its_fragment(gr
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_global_weights_stand_in_for_the_local_ones_while_the_model_is_read(group):
+    """Two fragments, fragment 0 synchronised: inside the block the model holds the global
+    weights (fragment 0's stepped, fragment 1's as they started), after it its local ones."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    spec = SPEC.model_copy(update={"fragments": 2, "mixing": 0.5})
+    outer = OuterStep(list(net.parameters()), spec, steps=8)
+    start = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+    _stepped(net, 0.25)
+    outer.after(0, (0,), [])
+    local = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+    stepped = start[:4] - 0.7 * (0.25 + 0.9 * 0.25)  # fragment 0's global, Nesterov by hand
+    with outer.global_weights():
+        read = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        torch.testing.assert_close(read, torch.cat([stepped, start[4:]]))
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), local)
+    # (mixing 0.5: the local weights are halfway between what they were and the global ones)
+    torch.testing.assert_close(local[:4], 0.5 * (start[:4] - 0.25) + 0.5 * stepped)
+
+
 def test_a_synchronisation_whose_exchange_breaks_leaves_the_replica_as_it_was(group, monkeypatch):
     """int8 pseudo-gradients: the gather breaks (as when a peer is lost) after the residual
     was computed; the local and global weights, the momentum and the residual are as before,

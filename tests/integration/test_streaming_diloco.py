@@ -42,6 +42,9 @@ def streaming_by_hand(
     outer_momentum: float = 0.9,
     epochs: int = 3,
     batch_size: int = 32,
+    validation=None,
+    reads: tuple[int, ...] = (),
+    validations: list | None = None,
 ):
     """Streaming DiLoCo (Douillard et al. 2025) in plain torch, on ``graph.fit``'s shuffled
     global batches split over ``replicas`` as DiLoCo's are, Adam inner steps. The model's
@@ -53,7 +56,9 @@ def streaming_by_hand(
     last step, where what is in flight lands first) the fragment's own Nesterov SGD steps its
     θ_global with it, and each replica's values become ``mixing``·local + (1 −
     ``mixing``)·global — θ_global itself after the last step, so that every replica ends
-    with the global model."""
+    with the global model. After each step of ``reads`` the global model (every fragment's
+    θ_global as it stands, nothing synchronised for it) is evaluated on ``validation``: its
+    ``(step, loss)`` appended to ``validations``."""
     xt, yt = torch.as_tensor(x - x.mean(0)), torch.as_tensor(y)
     global_net = copy.deepcopy(model())
     start = parameters_to_vector(global_net.parameters()).detach()
@@ -113,6 +118,13 @@ def streaming_by_hand(
                     in_flight[p] = (s + overlap, mean_of(p))
                 else:
                     land(p, mean_of(p), 0.0 if closing else mixing)
+            if s in reads and validations is not None:
+                read = copy.deepcopy(global_net)
+                vector_to_parameters(torch.cat(held), read.parameters())
+                xv, yv = (torch.as_tensor(a) for a in validation)
+                with torch.no_grad():
+                    loss = torch.nn.functional.cross_entropy(read(xv), yv)
+                validations.append((s, float(loss)))
     vector_to_parameters(torch.cat(held), global_net.parameters())
     return global_net.state_dict()
 
@@ -154,6 +166,48 @@ def test_fragments_synced_at_staggered_steps_equal_the_hand_loop(live, overlap, 
     assert placed.data["collective"] == "torch"
     assert placed.data["fragments"] == 2 and placed.data["sync_bytes"] == 4 * 82
     assert placed.data["model_sync_bytes"] == 4 * (6 * 16 + 16 + 16 * 3 + 3)
+
+
+def test_validation_reads_the_global_model_without_synchronising(live):
+    """validate_every=5 and a validation set (so also each epoch's end, 7, 14 and 21): the
+    fragments synchronise on their own schedule only, and each validation is the loss of the
+    global model its fragments hold then, as the hand loop that evaluates it and synchronises
+    nothing for it; the model is the loop's."""
+    _, client = live
+    x, y = dataset()
+    graph = graph_for("adam", shuffle=True, validate_every=5)
+    strategy = sz.DiLoCo(2, 4, 0.7, 0.9, collective="torch", fragments=2, overlap=1, mixing=0.5)
+    job = client.submit(graph, x, y, strategy=strategy, validation=(x[:64], y[:64]))
+    fitted = job.result(timeout=120 * UNIT)
+    validations: list = []
+    centred = (x[:64] - x.mean(0), y[:64])  # the Center filter's fitted mean
+    reads = (5, 7, 10, 14, 15, 20, 21)
+    expected = streaming_by_hand(
+        x,
+        y,
+        2,
+        4,
+        FRAGMENTS_OF_THE_MLP,
+        1,
+        0.5,
+        validation=centred,
+        reads=reads,
+        validations=validations,
+    )
+    for key, value in expected.items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
+    by_step = dict(validations)
+    assert [v["step"] for v in fitted.validations] == [5, 10, 15, 20]
+    assert [v["val_loss"] for v in fitted.validations] == pytest.approx(
+        [by_step[s] for s in (5, 10, 15, 20)], abs=1e-5
+    )
+    assert [row["val_loss"] for row in fitted.history] == pytest.approx(
+        [by_step[s] for s in (7, 14, 21)], abs=1e-5
+    )
+    # The reads synchronised nothing: the same job without validation ends the same
+    unread = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
+    for key, value in unread.result(timeout=120 * UNIT).states["mlp"].items():
+        torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)
 
 
 def test_streaming_is_refused_where_it_cannot_run(live):

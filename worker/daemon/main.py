@@ -295,7 +295,10 @@ class Daemon:
         return reply
 
     def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
-        return self.engine.evaluation.evaluate(req.node_ids, *self.engine.rows.of(req, lazy=True))
+        with self.engine.replica.global_weights():  # (a DiLoCo replica's: the global model)
+            return self.engine.evaluation.evaluate(
+                req.node_ids, *self.engine.rows.of(req, lazy=True)
+            )
 
     def on_schedule(self, req: ScheduleRequest) -> None:
         self.engine.optimizers.set_horizon(Horizon(req.steps_per_epoch, req.epochs, req.max_steps))

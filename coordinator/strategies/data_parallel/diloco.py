@@ -24,7 +24,9 @@ paper and torchft count H, and after the run's last (:func:`protocol.rules.batch
 and wherever the model is read — an epoch's validation, ``validate_every`` — or, with
 ``sync_at_epoch_end``, at every epoch's end (:meth:`DiLoCo.reads`), so validation and the result
 see the global model, which every replica holds alike. An epoch's history row without validation
-needs no synchronisation: it is the replicas' inner losses.
+needs no synchronisation: it is the replicas' inner losses. Streaming DiLoCo's validation needs
+none either: a replica evaluates the global model its fragments hold
+(:meth:`engine.outer_step.OuterStep.global_weights`).
 
 On the torch group a DiLoCo job that is ``elastic``, saves checkpoints or may restart keeps what
 outlives a replica on the replicas (:mod:`.diloco_torch`): checkpoints are left on the workers
@@ -110,9 +112,11 @@ class DiLoCo(DataParallel):
     def reads(self, phase: TrainingPhase) -> list[int]:
         """The steps (from 1) after which the global model is read, so that the replicas
         synchronise there too: where the run validates, and every epoch's end with
-        ``sync_at_epoch_end``."""
+        ``sync_at_epoch_end``. A Streaming DiLoCo run's validations read the global model as
+        its fragments' last synchronisations left it, on a replica (every one holds it),
+        without synchronising."""
         bounds = phase.training.boundaries(phase.setup.steps_per_epoch)
-        validates = phase.evaluate is not None
+        validates = phase.evaluate is not None and not self.options.streaming()
         at_ends = self.options.sync_at_epoch_end
         return [
             s

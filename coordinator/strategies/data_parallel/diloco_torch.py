@@ -98,7 +98,12 @@ class SyncsOnTorch(TorchTraining):
 
     def _stop(self, step: int, chunk: int, total: int, saves: ReplicaCheckpoints) -> int:
         """Where a chunk ends: at a synchronisation (the first at or after where
-        DataParallel's would end); elastic, at the next one."""
+        DataParallel's would end); elastic, at the next one. Streaming DiLoCo's where
+        DataParallel's would: its reads are no synchronisations (the global model is read
+        where it stands), and it keeps nothing that needs the model whole."""
+        assert self.outer is not None
+        if self.outer.streams():
+            return super()._stop(step, chunk, total, saves)
         stop = step + 1 if self.run.elastic else super()._stop(step, chunk, total, saves)
         return self.sync_stops[bisect.bisect_left(self.sync_stops, stop)]
 
