@@ -601,8 +601,8 @@ def report(plan: Plan, result: dict[str, Any]) -> str:
             "Streaming DiLoCo",
             time_ratio(streaming, diloco, target),
             STREAMING_TARGET,
-            "× DiLoCo's time to target (every read, each epoch's end, synchronises every "
-            "fragment at once)",
+            "× DiLoCo's time to target (each epoch's validation reads the global model where "
+            "it stands: no fragment synchronises for it)",
         ),
     ]
     p_d, p_s, p_c = paces["DiLoCo"], paces["Streaming DiLoCo"], paces["DiLoCo on loopback"]
