@@ -56,3 +56,39 @@ def test_the_two_commands_stay_two() -> None:
     (block,) = re.findall(r"```sh\n(.*?)```", section, re.DOTALL)
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert commands == ["make demo", "make test"]
+
+
+PACKAGES = ("protocol", "engine", "worker", "coordinator", "somatize")
+MAP = ROOT / "docs" / "architecture.md"
+NOT_MAPPED = {"__init__.py", "__main__.py"}
+"""Files a package holds that the map does not name: they say only that it is one."""
+
+
+def mapped_modules() -> set[str]:
+    """The modules ``docs/architecture.md``'s package map names, as paths from the root: each
+    ``### `package/``` section's table names its modules in its first column, and a row whose
+    first column names a folder (``options/``) names that folder's modules in its second."""
+    named: set[str] = set()
+    text = MAP.read_text()
+    for package, body in re.findall(r"^### `([\w/]+/)`[^\n]*\n(.*?)(?=^#)", text, re.M | re.S):
+        for first, second in re.findall(r"^\| ([^|]+) \| ([^\n]+) \|$", body, re.M):
+            for name in re.findall(r"`([\w/.]+)`", first):
+                if name.endswith("/"):
+                    named |= {package + name + m for m in re.findall(r"`(\w+\.py)`", second)}
+                elif name.endswith(".py"):
+                    named.add(package + name)
+    return named
+
+
+def test_the_map_names_every_module_and_no_module_that_is_not_there() -> None:
+    """docs/architecture.md is the one map of the code: a module missing from it, or one it
+    names that is gone, fails here."""
+    named = mapped_modules()
+    modules = {
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if path.name not in NOT_MAPPED
+    }
+    assert sorted(named - modules) == [], "named by the map, not in the tree"
+    assert sorted(modules - named) == [], "in the tree, not on the map"
