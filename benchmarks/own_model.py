@@ -51,7 +51,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -63,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target, machine, now, with_section
 from somatize.job_files import JobFile, load_job_file
 from worker.daemon.procfs import descendants
@@ -525,24 +525,19 @@ class Peaks:
     def __init__(self, root: int, role: str, *, counted: bool = True) -> None:
         self.root = root
         self.seen: dict[int, Seen] = {root: Seen(root, role, counted=counted)}
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peaks", daemon=True)
+        self._ticks = 0
+        self._periodic = Periodic(self._tick, POLL, "peaks")
 
     def __enter__(self) -> Peaks:
-        self._thread.start()
+        self._periodic.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+        self._periodic.__exit__(*exc)
 
-    def _run(self) -> None:
-        tick = 0
-        while True:
-            self.poll(pss=tick % PSS_EVERY == 0)
-            tick += 1
-            if self._done.wait(POLL):
-                return
+    def _tick(self) -> None:
+        self.poll(pss=self._ticks % PSS_EVERY == 0)
+        self._ticks += 1
 
     def poll(self, pss: bool = True) -> None:
         """Read every process of the tree once: a new one's role, each one's peaks."""
