@@ -37,11 +37,11 @@ coordinator took to write it (a thread: encode, CRC-32, write, ``fsync``, rename
 a job's first :data:`KEEP`, written as new files, and each one after, written over the file of
 the one it retires (through the page cache a new 23 MB file took 110–250 ms here beside
 training, 15–20 ms over a retired one's cached pages; written ``O_DIRECT``, as the store does
-now, 11–17 ms either way: :class:`coordinator.jobs.disk.DirectStaging`) — and the *stall*:
+now, 11–17 ms either way: :class:`coordinator.storage.disk.DirectStaging`) — and the *stall*:
 the time from the progress event of its step to its own event less the write — replica 0's
 states and optimizer states come with the reply of the chunk that ends at the checkpoint, the
 next chunk already queued behind it and training, and the write runs in the
-background (:mod:`coordinator.jobs.checkpoints`), so what is left is joining and handing it
+background (:mod:`coordinator.storage.checkpoints`), so what is left is joining and handing it
 over; before, training stood still while the coordinator read them with requests of its own
 (51 ms a checkpoint here, 3 ms since). The stalls inside the measured span per
 measured step, over the anchor's step, are the overhead the events account for; a stall over
@@ -94,7 +94,7 @@ STEPS = 40
 ROUNDS = 2
 KEEP = 2
 """Checkpoints kept: a job's first ``KEEP`` are written as new files, each one after over the
-file of the one it retires (:class:`coordinator.jobs.checkpoints.CheckpointStore`)."""
+file of the one it retires (:class:`coordinator.storage.checkpoints.CheckpointStore`)."""
 TARGET = 1.03
 """Default interval / no checkpoints, per step, at most: issue 33's "within 3 %" (an earlier
 issue's bound was 5 %)."""

@@ -4,7 +4,7 @@ Exception tree::
 
     CoordinatorError             root of everything raised by :mod:`coordinator`
     ├── StoreError               the job store refused a request or cannot be used
-    │   │                        (raised by :mod:`coordinator.jobs.store`)
+    │   │                        (raised by :mod:`coordinator.storage.store`)
     │   ├── UnknownJob           no job has that id (also a :class:`KeyError`)
     │   ├── DuplicateJob         a job with that id already exists
     │   ├── InvalidTransition    the job's state does not allow the request (a terminal job
@@ -78,7 +78,7 @@ class StrategyFailed(CoordinatorError):
         self.info = ErrorInfo(code=code, message=message, detail=detail)
 
 
-# -- the job store's (coordinator.jobs.store) ------------------------------------------------------
+# -- the job store's (coordinator.storage.store) ---------------------------------------------------
 
 
 class StoreError(CoordinatorError):

@@ -4,9 +4,7 @@
 :mod:`~coordinator.jobs.manager` queues, places, runs, restarts and ends jobs (a placed job's
 strategy context is made there), :mod:`~coordinator.jobs.restarts` decides when a failed job goes
 back to its checkpoint; :mod:`~coordinator.jobs.events` and :mod:`~coordinator.jobs.log` say
-what happened; :mod:`~coordinator.jobs.store` (with :mod:`~coordinator.jobs.store_schema`) records
-every job in SQLite; :mod:`~coordinator.jobs.checkpoints` writes, reads and times what a job
-resumes from; :mod:`~coordinator.jobs.files` keeps what a restarted coordinator needs of each
-live job (its files written whole or not at all by :mod:`~coordinator.jobs.disk`): its submit
-message, which is also what the job's inputs are read from, over a memory map.
+what happened; :mod:`~coordinator.jobs.files` keeps what a restarted coordinator needs of each
+live job: its submit message, which is also what the job's inputs are read from, over a memory
+map. What they record and resume from is kept in :mod:`coordinator.storage`.
 """

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.jobs.log import life_line
-from coordinator.jobs.store import JobEvent, JobStore, StoreError, UnknownJob
+from coordinator.storage.store import JobEvent, JobStore, StoreError, UnknownJob
 from protocol.errors import ErrorCode, RequestRefused
 
 __all__ = ["TERMINAL_EVENTS", "JobEvents"]

@@ -1,6 +1,7 @@
 """What the coordinator keeps on disk of each live job so that a restart loses nothing: its
-submit message (:class:`SubmitMessages`) and its checkpoints (:mod:`coordinator.jobs.checkpoints`);
-and of a sharded job, its result's pieces (:mod:`coordinator.jobs.result_pieces`).
+submit message (:class:`SubmitMessages`) and its checkpoints
+(:mod:`coordinator.storage.checkpoints`); and of a sharded job, its result's pieces
+(:mod:`coordinator.jobs.result_pieces`).
 
 A job's submit message (its graph's pickled filters, its data or dataset name, its strategy) and
 the client that submitted it are written to ``<state_dir>/jobs/<job id>.submit`` (one
@@ -32,8 +33,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
-from coordinator.jobs.disk import (
+from coordinator.jobs.result_pieces import ResultPieces
+from coordinator.storage.checkpoints import Checkpoint, CheckpointStore, JobCheckpoints
+from coordinator.storage.disk import (
     job_path,
     map_whole,
     private_directory,
@@ -41,9 +43,8 @@ from coordinator.jobs.disk import (
     tree_bytes,
     write_atomically,
 )
-from coordinator.jobs.result_pieces import ResultPieces
-from coordinator.jobs.store import JobRecord
-from coordinator.jobs.worker_files import PIECE_BYTES, WHOLE_BYTES
+from coordinator.storage.kept_files import PIECE_BYTES, WHOLE_BYTES
+from coordinator.storage.store import JobRecord
 from coordinator.strategies import Strategy
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, FrameError, RequestRefused
@@ -83,7 +84,7 @@ class SubmitMessages:
     def load(self, job_id: str) -> tuple[Submit, str]:
         """The job's submit message and owner, as :meth:`save` wrote them: its arrays (the
         filters as the SDK sends them, the data) views over a memory map of the file
-        (:func:`~coordinator.jobs.disk.map_whole`), none of it read until used; under
+        (:func:`~coordinator.storage.disk.map_whole`), none of it read until used; under
         :data:`MAP_MIN_BYTES`, over a copy of it read into memory.
 
         Raises:

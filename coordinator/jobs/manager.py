@@ -58,14 +58,6 @@ from coordinator.jobs.owed_ends import OwedEnds
 from coordinator.jobs.pruning import Pruning
 from coordinator.jobs.restarts import no_workers_for_restart, restarting_event, should_restart
 from coordinator.jobs.result_pieces import answer, kept
-from coordinator.jobs.store import (
-    JobEvent,
-    JobRecord,
-    JobState,
-    JobStore,
-    UnknownJob,
-    error_record,
-)
 from coordinator.jobs.submission import (
     check_workers,
     job_inputs,
@@ -74,9 +66,17 @@ from coordinator.jobs.submission import (
     summary_of,
     vetted,
 )
-from coordinator.jobs.worker_files import PIECE_BYTES
 from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT, Queued, Running, Seat, Wait, plan
 from coordinator.scheduling.shares import DEFAULT_HALF_LIFE, ClientPolicy, UsageLedger
+from coordinator.storage.kept_files import PIECE_BYTES
+from coordinator.storage.store import (
+    JobEvent,
+    JobRecord,
+    JobState,
+    JobStore,
+    UnknownJob,
+    error_record,
+)
 from coordinator.strategies import (
     JobInputs,
     Placement,

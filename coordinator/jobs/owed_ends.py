@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.errors import InvalidTransition, StoreError, UnknownJob
-from coordinator.jobs.store import JobRecord, JobState
+from coordinator.storage.store import JobRecord, JobState
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.jobs.disk import tree_bytes
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.retention import Ended, Retention, expired
-from coordinator.jobs.store import JobStore
+from coordinator.storage.disk import tree_bytes
+from coordinator.storage.store import JobStore
 
 __all__ = ["RETAIN_EVERY", "Pruning"]
 

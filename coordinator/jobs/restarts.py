@@ -4,7 +4,7 @@ its events say about it.
 A fault of the cluster — a worker lost, a daemon crashed, a collective broken or timed out, a
 round short of workers — may not happen again on other workers or after a reconnect, so a job
 whose strategy allows restarts is queued again, ahead of the others, and resumes from its last
-checkpoint (:mod:`coordinator.jobs.checkpoints`). A fault of the job itself (a filter that
+checkpoint (:mod:`coordinator.storage.checkpoints`). A fault of the job itself (a filter that
 raised, a model that does not fit) would happen again: it fails the job at once, restarts or
 not. The :class:`~coordinator.jobs.manager.JobManager` does the queueing; this module decides and
 words.

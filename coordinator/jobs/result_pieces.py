@@ -4,7 +4,7 @@ a replica, which the client reads a piece at a time and joins (:mod:`protocol.sh
 A DataParallel run sharded by FSDP2 ends with every replica's rows of each parameter
 (:class:`~coordinator.strategies.base.ShardedStates`). The job has each replica in turn leave
 its pieces on its worker's disk, one codec frame, and reads that file a piece at a time
-(:mod:`coordinator.jobs.worker_files`) into
+(:mod:`coordinator.storage.kept_files`) into
 ``<state_dir>/results/<job id>/<replica>.pieces`` (written atomically, ``0600`` in ``0700``
 directories), checks it stacks onto replica 0's (its outline, read over a memory map: no
 tensor of it in memory, :func:`~protocol.codec.decode`) and has the worker drop it before the
@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.disk import (
+from coordinator.storage.disk import (
     AtomicFile,
     job_path,
     private_directory,
     read_whole,
 )
-from coordinator.jobs.worker_files import WorkerFiles, fetch
+from coordinator.storage.kept_files import KeptFileSource, fetch
 from coordinator.strategies.base import ShardedStates
 from protocol.codec import decode
 from protocol.errors import ErrorCode, FrameError, PiecesMismatch
@@ -96,7 +96,7 @@ async def kept(
 
 
 async def _fetch_into(
-    files: ResultPieces, job_id: str, replica: int, source: WorkerFiles, piece_bytes: int
+    files: ResultPieces, job_id: str, replica: int, source: KeptFileSource, piece_bytes: int
 ) -> None:
     """Replica ``replica``'s file read from ``source`` into its own, whole or not at all."""
     file = await asyncio.to_thread(files.writer, job_id, replica)

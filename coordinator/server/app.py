@@ -49,11 +49,8 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.jobs.disk import private_directory
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager
-from coordinator.jobs.store import JobState, JobStore
-from coordinator.jobs.worker_files import piece_bytes
 from coordinator.server.client_requests import ClientRequests
 from coordinator.server.clients import ConnectedClients
 from coordinator.server.config import SERVER, CoordinatorConfig
@@ -61,6 +58,9 @@ from coordinator.server.http import HttpEndpoints
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import PendingConnections
 from coordinator.server.reassembly_shares import ReassemblyShares
+from coordinator.storage.disk import private_directory
+from coordinator.storage.kept_files import piece_bytes
+from coordinator.storage.store import JobState, JobStore
 from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello

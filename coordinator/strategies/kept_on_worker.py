@@ -1,6 +1,6 @@
 """Files one call left on its worker's disk (:meth:`StrategyContext.call_keeping
 <coordinator.context.StrategyContext.call_keeping>`), as the coordinator reads them a piece at
-a time (:class:`~coordinator.jobs.worker_files.WorkerFiles`), and how many and how large they
+a time (:class:`~coordinator.storage.kept_files.KeptFileSource`), and how many and how large they
 may be (:class:`KeptLimit`).
 
 What a replica keeps is what its daemon — the job's code — wrote: a hostile one once kept
@@ -20,7 +20,7 @@ from typing import Any, Self
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed, WorkerCallError
-from coordinator.jobs.worker_files import fetch
+from coordinator.storage.kept_files import fetch
 from protocol.errors import ErrorCode
 
 __all__ = ["KeptLimit", "KeptOnWorker"]

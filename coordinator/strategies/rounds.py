@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from coordinator.context import StrategyContext
-from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.base import Emit, JobInputs, Strategy
 
 __all__ = ["RoundCheckpoints", "RoundHooks", "RoundRun", "RoundStrategy", "run_rounds"]

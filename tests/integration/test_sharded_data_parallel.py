@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import somatize as sz
-from coordinator.jobs.store import DB_NAME
+from coordinator.storage.store import DB_NAME
 from tests.integration.cluster import cluster
 from tests.training_reference import FILTER, classes, evaluation, mlp, reference_fit
 from tests.utils import UNIT, somatize_cli

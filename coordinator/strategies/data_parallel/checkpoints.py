@@ -32,7 +32,7 @@ from typing import Any, Self
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints, Payload
+from coordinator.storage.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints, Payload
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
@@ -54,7 +54,7 @@ class Shards:
     (``kept[i]``: replica ``i``'s), what every replica holds alike (``rest``: buffers, step
     counts, the groups' settings, schedulers) and the plain filters' states (``plain``). Read
     a piece at a time from where they are
-    (:class:`~coordinator.jobs.worker_files.WorkerFiles`), the coordinator never holds one
+    (:class:`~coordinator.storage.kept_files.KeptFileSource`), the coordinator never holds one
     whole.
 
     Raises:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.context import StrategyContext
-from coordinator.jobs.checkpoints import CheckpointPolicy, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointPolicy, JobCheckpoints
 from coordinator.strategies.base import Emit, concurrently
 from coordinator.strategies.history import History
 

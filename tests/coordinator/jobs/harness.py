@@ -13,7 +13,7 @@ import somatize as sz
 from coordinator.context import InMemoryContext, NoReplacement
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager, PlacedJob
-from coordinator.jobs.store import JobStore
+from coordinator.storage.store import JobStore
 from coordinator.workers.registry import Registry
 from protocol.filters import dump_filter
 from protocol.messages import Capabilities, DatasetSummary, GraphSpec, StrategySpec, Submit

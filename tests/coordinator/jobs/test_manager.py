@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coordinator.jobs import manager
-from coordinator.jobs.store import JobState
+from coordinator.storage.store import JobState
 from coordinator.strategies import Local, ShardedStates
 from coordinator.workers.registry import WorkerState
 from protocol.codec import decode, encode_frame

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.jobs.events import JobEvents
-from coordinator.jobs.store import JobStore
-from tests.coordinator.jobs.store_utils import running_job
+from coordinator.storage.store import JobStore
+from tests.coordinator.storage.store_utils import running_job
 
 
 def test_the_progress_of_a_running_job_keeps_its_last_epochs_figures(tmp_path):

@@ -13,9 +13,9 @@ import pytest
 from coordinator.jobs.files import JobFiles
 from coordinator.jobs.pruning import Pruning
 from coordinator.jobs.retention import Ended, Retention, expired
-from coordinator.jobs.store import JobStore, UnknownJob
+from coordinator.storage.store import JobStore, UnknownJob
 from protocol.quantities import byte_count, seconds
-from tests.coordinator.jobs.store_utils import Clock, running_job
+from tests.coordinator.storage.store_utils import Clock, running_job
 
 ENDED = [  # ended at 100, 200, ... 500; 10, 20, ... 50 bytes
     Ended(f"j{k}", 100.0 * k, 10 * k) for k in (3, 1, 5, 2, 4)

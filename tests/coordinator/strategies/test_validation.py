@@ -12,7 +12,7 @@ import torch
 
 import somatize as sz
 from coordinator.context import InMemoryContext, WorkerIdentity
-from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import DataParallel, FedAvg, JobInputs, Local, ModelParallel
 from protocol.filters import dump_filter
 from protocol.options.strategies import (

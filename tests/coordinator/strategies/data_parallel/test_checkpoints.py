@@ -11,7 +11,7 @@ import torch
 
 from coordinator.context import InMemoryContext
 from coordinator.errors import StrategyFailed
-from coordinator.jobs.checkpoints import CheckpointPolicy, CheckpointStore, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointPolicy, CheckpointStore, JobCheckpoints
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints, Shards
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from coordinator.strategies.kept_on_worker import KeptLimit

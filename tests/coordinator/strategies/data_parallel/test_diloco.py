@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from coordinator.context import InMemoryContext
-from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies.data_parallel.diloco import DiLoCo
 from protocol.options.strategies import DiLoCoOptions
 from tests.coordinator.strategies.data_parallel.test_data_parallel import (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.context import InMemoryContext, WorkerIdentity
-from coordinator.jobs.checkpoints import CheckpointStore, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointStore, JobCheckpoints
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter

@@ -8,7 +8,7 @@ the store, one call at a time.
 
 The file is ``<state_dir>/jobs.sqlite3`` (WAL, ``synchronous=NORMAL``; ``FULL`` for the writes that
 end a job, so a job reported finished stays finished across a power cut); its tables are drawn
-in :mod:`coordinator.jobs.store_schema`.
+in :mod:`coordinator.storage.schema`.
 
 Invariants, enforced by the code and again by the schema (triggers, the deferred foreign key):
 a job in a terminal state (succeeded, failed, cancelled) never changes; a result row exists
@@ -52,7 +52,7 @@ from coordinator.errors import (
     StoreInUse,
     UnknownJob,
 )
-from coordinator.jobs.store_schema import LOCK_NAME, DirLock, check_integrity, make_private, migrate
+from coordinator.storage.schema import LOCK_NAME, DirLock, check_integrity, make_private, migrate
 from protocol.wording import capped
 
 __all__ = [

@@ -5,12 +5,12 @@ state, every optimizer's state, and the position (step, epoch or round) — the 
 what it holds (:class:`Checkpoint`). It is written to
 ``<state_dir>/checkpoints/<job id>/<seq>.ckpt`` as one :mod:`protocol.codec` frame followed by its
 CRC-32 (:data:`TRAILER`; a file written before, with a SHA-256 instead, reads all the same), whole
-or not at all (:func:`~coordinator.jobs.disk.write_atomically`), around the page cache where the
-file system allows it (:class:`~coordinator.jobs.disk.DirectStaging`: a checkpoint is read back
+or not at all (:func:`~coordinator.storage.disk.write_atomically`), around the page cache where the
+file system allows it (:class:`~coordinator.storage.disk.DirectStaging`: a checkpoint is read back
 rarely, and copying it into new cached pages cost more CPU beside training than the rest of
 it). A sharded run's replicas' shards, as torch.distributed.checkpoint wrote them on each, go to
 ``<seq>.shards/`` first (never joined here): read from where the replicas left them a piece at
-a time (:mod:`coordinator.jobs.worker_files`, pieces of ``piece_bytes``, two in memory at most),
+a time (:mod:`coordinator.storage.kept_files`, pieces of ``piece_bytes``, two in memory at most),
 each piece written as the next is read (:class:`ShardsWriter`), and the frame lists them with
 their digests. A torn or damaged file fails its digest and is never used (the one before it
 is); the previous checkpoint is removed only once the new one is complete, and the last
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import StrategyFailed, WorkerCallError
-from coordinator.jobs.disk import (
+from coordinator.storage.disk import (
     AtomicFile,
     DirectStaging,
     job_path,
@@ -58,7 +58,7 @@ from coordinator.jobs.disk import (
     read_whole,
     write_atomically,
 )
-from coordinator.jobs.worker_files import PIECE_BYTES, WHOLE_BYTES, WorkerFiles, fetch
+from coordinator.storage.kept_files import PIECE_BYTES, WHOLE_BYTES, KeptFileSource, fetch
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
@@ -234,7 +234,7 @@ class CheckpointStore:
         ``shards`` (a sharded run's files, written already by :meth:`shards_writer`'s writer)
         are listed in the checkpoint's file with their digests: the checkpoint counts once
         that file is whole. Where ``keep`` is 2 or more, a whole checkpoint is written over the
-        file of the oldest one it retires (:class:`~coordinator.jobs.disk.AtomicFile`'s
+        file of the oldest one it retires (:class:`~coordinator.storage.disk.AtomicFile`'s
         ``reuse``): the ``keep - 1`` newest stand while it is written.
 
         Raises:
@@ -432,7 +432,7 @@ class JobCheckpoints:
         resume: what the run starts from (``None``: the beginning).
         source: the job ``resume`` is a checkpoint of: this one, or the one it continues.
         piece_bytes: the most of a sharded checkpoint's file read at once
-            (:func:`~coordinator.jobs.worker_files.piece_bytes`).
+            (:func:`~coordinator.storage.kept_files.piece_bytes`).
         whole_bytes: the most of a file left on a worker that is read whole into memory (a
             DiLoCo replica's snapshot): what one worker's reply may hold.
     """
@@ -472,7 +472,7 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: Payload,
-        shards: WorkerFiles | None = None,
+        shards: KeptFileSource | None = None,
     ) -> None:
         """Start writing a checkpoint of the run at ``position`` (once the one before is
         written), with a sharded run's ``shards``, read where they were left a piece at a
@@ -492,7 +492,7 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: Payload,
-        shards: WorkerFiles | None,
+        shards: KeptFileSource | None,
         answers: asyncio.Future[bool] | None = None,
     ) -> bool:
         written = await self._written(position, payload, shards)
@@ -504,7 +504,7 @@ class JobCheckpoints:
         self,
         position: dict[str, Any],
         payload: Payload,
-        shards: WorkerFiles | None,
+        shards: KeptFileSource | None,
     ) -> bool:
         began = time.perf_counter()
         try:
@@ -528,7 +528,7 @@ class JobCheckpoints:
         )
         return True
 
-    async def _fetch(self, shards: WorkerFiles) -> ShardsWriter:
+    async def _fetch(self, shards: KeptFileSource) -> ShardsWriter:
         """``shards``' files written to the store, each read in pieces of at most
         :attr:`piece_bytes`, each written as the next is read.
 

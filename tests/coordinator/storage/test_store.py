@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coordinator.errors import CoordinatorError
-from coordinator.jobs.store import (
+from coordinator.storage.store import (
     DB_NAME,
     TERMINAL_STATES,
     DuplicateJob,
@@ -30,7 +30,7 @@ from coordinator.jobs.store import (
     StoreError,
     UnknownJob,
 )
-from tests.coordinator.jobs.store_utils import Clock, job_in_state, running_job
+from tests.coordinator.storage.store_utils import Clock, job_in_state, running_job
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""coordinator.jobs.checkpoints: atomic, verified checkpoint files, and when a run saves
+"""coordinator.storage.checkpoints: atomic, verified checkpoint files, and when a run saves
 one."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from coordinator.errors import StrategyFailed, WorkerCallError
-from coordinator.jobs.checkpoints import (
+from coordinator.storage.checkpoints import (
     CheckpointPolicy,
     CheckpointStore,
     JobCheckpoints,
 )
-from coordinator.jobs.worker_files import piece_bytes
+from coordinator.storage.kept_files import piece_bytes
 from protocol.errors import ErrorCode, ErrorInfo
 
 

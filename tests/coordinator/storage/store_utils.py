@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from coordinator.jobs.store import JobRecord, JobState, JobStore
+from coordinator.storage.store import JobRecord, JobState, JobStore
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from coordinator.jobs.worker_files import fetch
+from coordinator.storage.kept_files import fetch
 
 
 class Left:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.jobs.store import (
+from coordinator.storage.store import (
     DB_NAME,
     RESTARTED,
     TERMINAL_STATES,
@@ -21,7 +21,7 @@ from coordinator.jobs.store import (
     NoResult,
     StoreInUse,
 )
-from tests.coordinator.jobs.store_utils import job_in_state, run_child, running_job
+from tests.coordinator.storage.store_utils import job_in_state, run_child, running_job
 
 # -- restarts, recovery, crashes --------------------------------------------------------------
 
@@ -59,7 +59,7 @@ def test_a_second_coordinator_on_the_same_directory_is_refused(tmp_path: Path) -
 
 RECOVERY_CHILD = """
     import json, os, sys
-    from coordinator.jobs.store import JobState, JobStore
+    from coordinator.storage.store import JobState, JobStore
 
     store, _ = JobStore.open(sys.argv[1])
     ids = {}
@@ -160,7 +160,7 @@ RESULT_SIZE = 4 * 2**20
 # starts with PREFIX begins; "never" waits for the test's SIGKILL.
 SUCCEED_CHILD = """
     import os, signal, sys
-    from coordinator.jobs.store import JobState, JobStore
+    from coordinator.storage.store import JobState, JobStore
 
     directory, first, size, die_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 

@@ -1,4 +1,4 @@
-"""coordinator.jobs.disk: files written whole or not at all, around the page cache through
+"""coordinator.storage.disk: files written whole or not at all, around the page cache through
 staging buffers where the file system allows it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from coordinator.jobs import disk
-from coordinator.jobs.disk import (
+from coordinator.storage import disk
+from coordinator.storage.disk import (
     DIRECT_ALIGNMENT,
     AtomicFile,
     DirectStaging,

@@ -6,7 +6,7 @@ A replica's share of a sharded model may be larger than any message the coordina
 (``--max-message-bytes``), and all of them together larger than its memory. So a call that
 produces such files asks its worker to keep them
 (:meth:`~coordinator.context.StrategyContext.call_keeping`), and the coordinator reads each
-(:class:`WorkerFiles`) in pieces of at most ``piece_bytes``, each handed on (written to the
+(:class:`KeptFileSource`) in pieces of at most ``piece_bytes``, each handed on (written to the
 store's file) as the next is read (:func:`fetch`): never more than two pieces of one file in
 its memory.
 """
@@ -17,7 +17,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["MIN_PIECE_BYTES", "PIECE_BYTES", "WHOLE_BYTES", "WorkerFiles", "fetch", "piece_bytes"]
+__all__ = [
+    "MIN_PIECE_BYTES",
+    "PIECE_BYTES",
+    "WHOLE_BYTES",
+    "KeptFileSource",
+    "fetch",
+    "piece_bytes",
+]
 
 PIECE_BYTES = 16 << 20
 """The most of a file left on a worker one read asks for (two are in memory at most)."""
@@ -36,7 +43,7 @@ def piece_bytes(room: int) -> int:
     return max(MIN_PIECE_BYTES, min(PIECE_BYTES, room // 4))
 
 
-class WorkerFiles(Protocol):
+class KeptFileSource(Protocol):
     """Files a call left on a worker's disk (or on several: a sharded checkpoint's), read a
     piece at a time."""
 
@@ -58,7 +65,7 @@ class WorkerFiles(Protocol):
 
 
 async def fetch(
-    files: WorkerFiles, name: str, write: Callable[[bytes], object], piece_bytes: int
+    files: KeptFileSource, name: str, write: Callable[[bytes], object], piece_bytes: int
 ) -> int:
     """File ``name`` of ``files`` read in pieces of at most ``piece_bytes``, each passed to
     ``write`` (called in a thread: it may block on disk) in order, the next piece asked for
