@@ -27,6 +27,9 @@ their execution).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from coordinator.strategies.base import (
     Emit,
     JobInputs,
@@ -35,7 +38,6 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyFailed,
     StrategyOptionsError,
-    strategy_from_spec,
 )
 from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from coordinator.strategies.data_parallel.diloco import DiLoCo
@@ -48,6 +50,22 @@ from coordinator.strategies.model_parallel.model_parallel import ModelParallel
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Local, DataParallel, DiLoCo, FedAvg, FedProx, QFedAvg, ModelParallel)
 }
+
+
+def strategy_from_spec(name: str, options: Mapping[str, Any]) -> Strategy:
+    """The strategy a client asked for, validated.
+
+    Raises:
+        StrategyOptionsError: no strategy of that name, or an option it cannot take.
+    """
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise StrategyOptionsError(
+            f"unknown strategy {name!r}; this coordinator runs {sorted(STRATEGIES)}"
+        ) from None
+    return cls.from_options(options)
+
 
 __all__ = [
     "STRATEGIES",

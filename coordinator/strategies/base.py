@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from coordinator.context import StrategyContext, Target, WorkerIdentity
 from coordinator.errors import StrategyFailed, StrategyOptionsError
-from coordinator.jobs.checkpoints import JobCheckpoints
-from coordinator.jobs.worker_files import WorkerFiles
+from coordinator.storage.checkpoints import JobCheckpoints
+from coordinator.storage.kept_files import KeptFileSource
 from protocol.daemon import StageRequest
 from protocol.filter_buffers import FilterBuffer
 from protocol.messages import SANDBOXES, NodeInfo
@@ -33,7 +33,6 @@ __all__ = [
     "StrategyOptionsError",
     "concurrently",
     "parse_options",
-    "strategy_from_spec",
 ]
 
 Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -52,7 +51,7 @@ class ShardedStates:
     of it."""
 
     replicas: int
-    keep: Callable[[int], Awaitable[WorkerFiles]]
+    keep: Callable[[int], Awaitable[KeptFileSource]]
     plain: dict[str, Any]
     node_ids: list[str]
 
@@ -327,16 +326,3 @@ def parse_options(model: type[so.T], options: Mapping[str, Any]) -> so.T:
         return so.parse(model, options, so.Caller.WIRE)
     except ValueError as exc:
         raise StrategyOptionsError(str(exc)) from None
-
-
-def strategy_from_spec(name: str, options: Mapping[str, Any]) -> Strategy:
-    """The strategy a client asked for, validated."""
-    from coordinator.strategies import STRATEGIES
-
-    try:
-        cls = STRATEGIES[name]
-    except KeyError:
-        raise StrategyOptionsError(
-            f"unknown strategy {name!r}; this coordinator runs {sorted(STRATEGIES)}"
-        ) from None
-    return cls.from_options(options)
