@@ -1,6 +1,6 @@
-"""The README's "Your own model" runs as written: its Python blocks, in order, in one namespace
-(a dict batch, a step function, a Hugging Face model on its dataset), each printing what it
-says."""
+"""docs/sdk.md's "Your own model" runs as written: its Python blocks, in order, in one
+namespace (a dict batch, a step function, a Hugging Face model on its dataset), each printing
+what it says."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ SECTION = "## Your own model"
 
 
 def blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "sdk.md").read_text()
     section = text[text.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
     return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
@@ -28,7 +28,7 @@ def test_the_sections_blocks_run_and_print_what_they_say():
     for block in code:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(compile(block, "README.md", "exec"), namespace)
+            exec(compile(block, "docs/sdk.md", "exec"), namespace)
         printed.append(out.getvalue().strip())
     dict_batch, step, hugging_face = printed
     assert "'val_loss'" in dict_batch and "'epoch': 3" in dict_batch
