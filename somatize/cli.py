@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -48,25 +47,21 @@ from somatize.curves import (
     loss_curve,
     plot_history,
     plot_loss,
-    row_of,
     unit_of,
     validations_of,
 )
 from somatize.errors import UsageError
+from somatize.following import PLAIN_PROGRESS_EVERY, follow
 from somatize.interrupt import exit_signals, when_stopped
 from somatize.job_files import load_job_file
 from somatize.progress import Progress as JobProgress
-from somatize.progress import bar_position
 from somatize.tables import (
     cells,
     clients_table,
     describe_state,
     jobs_table,
-    placed_text,
     position_text,
     queue_table,
-    queued_text,
-    replica_text,
     states_summary,
     workers_table,
 )
@@ -461,104 +456,6 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
         if args.save:
             _save(job.states(timeout=0), args.save, err, history_of(job.status()))
         return EXIT_OK
-
-
-def follow(
-    job: Job,
-    err: Console,
-    line: JobProgress | None = None,
-    board: HistoryWriter | None = None,
-    every: float = 10.0,
-) -> Any:
-    """Follow ``job``'s events with a progress bar, its progress in words (``line``'s, when
-    given); its terminal event (``None``: no end). Each epoch's (round's) row goes to
-    ``board`` as it comes. Without a terminal, plain lines instead (:func:`follow_in_lines`,
-    at most one of progress each ``every`` seconds)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    line = JobProgress() if line is None else line
-    if not err.is_terminal:  # a bar would show nothing until the job ended
-        return follow_in_lines(job, err, line, board, every)
-
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=err, transient=False) as progress:
-        task = progress.add_task(f"job {job.id}", total=None, info="submitted")
-        for event in job.events():
-            if event.event == "queued":
-                progress.update(task, info=queued_text(event.data))
-            elif event.event == "placed":
-                progress.update(task, info=placed_text(event.data))
-            elif event.event == "progress":
-                done, total = bar_position(event.data)
-                if total:
-                    progress.update(task, total=total, completed=min(done, total))
-                progress.update(task, info=line.add(event.time, event.data))
-                _to_board(board, event)
-            elif event.event in ("worker_lost", "worker_replaced"):
-                progress.update(task, info=replica_text(event.event, event.data))
-            elif event.terminal:
-                if event.event == "succeeded":
-                    end = progress.tasks[0].total or 1
-                    progress.update(task, total=end, completed=end)
-                progress.update(task, info=event.event)
-                return event
-    return None
-
-
-PLAIN_PROGRESS_EVERY = 10.0
-"""Seconds between two plain progress lines of ``somatize submit`` without a terminal."""
-
-
-def follow_in_lines(
-    job: Job, err: Console, line: JobProgress, board: HistoryWriter | None, every: float
-) -> Any:
-    """:func:`follow` for a log a person or CI reads: a line when the job is queued, placed,
-    loses a worker or ends, and its progress in words at most once each ``every`` seconds
-    (and the last one before it ends); its terminal event (``None``: no end)."""
-    said, shown, last = "", "", -math.inf
-
-    def say(text: str) -> None:
-        err.print(f"job {job.id}: {text}", markup=False, soft_wrap=True)
-
-    for event in job.events():
-        if event.event == "progress":
-            said = line.add(event.time, event.data)
-            _to_board(board, event)
-            if said != shown and time.monotonic() - last >= every:
-                say(said)
-                shown, last = said, time.monotonic()
-            continue
-        if event.terminal and said != shown:
-            say(said)  # where it stood as it ended
-        if event.event == "queued":
-            say(queued_text(event.data))
-        elif event.event == "placed":
-            say(placed_text(event.data))
-        elif event.event in ("worker_lost", "worker_replaced"):
-            say(replica_text(event.event, event.data))
-        elif event.terminal:
-            say(event.event)
-            return event
-    return None
-
-
-def _to_board(board: HistoryWriter | None, event: Any) -> None:
-    """What TensorBoard takes of a progress event: an epoch's (round's) row, a validation,
-    or a chunk's steps."""
-    if board is None:
-        return
-    row = row_of(event.data)
-    if row is not None:
-        board.add(row)
-    elif event.data.get("phase") == "validation":
-        board.add_validations([event.data])
-    elif isinstance(event.data.get("step"), int):
-        board.add_steps(loss_curve([event]))
 
 
 def _offer_checkpoint(err: Console, job: Job, command: str) -> None:

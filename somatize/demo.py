@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from somatize.filters import Filter, TorchFilter
-from somatize.graph import Graph
+from somatize.filters import TorchFilter
+from somatize.graph import Filter, Graph
 from somatize.strategies import Strategy
 
 
@@ -120,9 +120,9 @@ def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
     """
     from rich.console import Console
 
-    from somatize.cli import follow
     from somatize.client import connect
     from somatize.cluster import LocalCluster
+    from somatize.following import follow
 
     if workers < 2:
         raise ValueError("the demo needs at least 2 workers")
