@@ -48,22 +48,21 @@ from somatize.strategies import (
 
 if TYPE_CHECKING:
     from somatize.client import Client, connect
-    from somatize.filters import Filter, TorchFilter
-    from somatize.graph import FittedGraph, Graph
+    from somatize.filters import TorchFilter
+    from somatize.graph import Filter, FittedGraph, Graph, load
     from somatize.jobs import Job, JobCheckpoint, JobEventInfo
-    from somatize.saved import load
 
 _LAZY = {
     "Client": "somatize.client",
     "connect": "somatize.client",
-    "Filter": "somatize.filters",
+    "Filter": "somatize.graph",
     "TorchFilter": "somatize.filters",
     "FittedGraph": "somatize.graph",
     "Graph": "somatize.graph",
     "Job": "somatize.jobs",
     "JobCheckpoint": "somatize.jobs",
     "JobEventInfo": "somatize.jobs",
-    "load": "somatize.saved",
+    "load": "somatize.graph",
 }
 """What imports torch, imported on first use: ``somatize status`` and the other commands that
 only talk to a coordinator start without it (importing torch takes seconds)."""

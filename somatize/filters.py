@@ -1,20 +1,17 @@
-"""Filters: the unit a graph is made of.
+"""The filter that learns by gradient descent: :class:`TorchFilter`.
 
-A :class:`Filter` learns in ``fit(x, y=None) -> state`` and applies what it learned in
-``forward(x, state) -> output``. Its state is *returned*, never kept on ``self``, so the same filter
-object can be shipped to a worker, fitted there, and its state carried back and forth on the wire.
-
-A :class:`TorchFilter` wraps a ``torch.nn.Module`` and learns by gradient descent; its state is the
-module's ``state_dict`` (tensors). It is trained by :class:`engine.engine.Engine`, the one training
-loop used in-process and in the filter daemon.
+A filter (:class:`somatize.graph.Filter`, the unit a graph is made of) learns in ``fit(x,
+y=None) -> state`` and applies what it learned in ``forward(x, state) -> output``. A
+:class:`TorchFilter` wraps a ``torch.nn.Module`` and learns by gradient descent; its state is
+the module's ``state_dict`` (tensors). It is trained by :class:`engine.engine.Engine`, the one
+training loop used in-process and in the filter daemon.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +24,8 @@ from engine.stepping import check_schedule, made_scheduler, named_scheduler
 from engine.transfer import PRECISIONS
 from protocol.rules.rows import map_leaves
 from protocol.wording import did_you_mean
+from somatize.graph import Filter, Graph, snake_case
 from somatize.keywords import suggesting
-
-if TYPE_CHECKING:
-    from somatize.graph import Graph
 
 LossSpec = str | Callable[[Any, torch.Tensor], torch.Tensor]
 StepSpec = Callable[[Any, Any], Any]
@@ -93,47 +88,6 @@ def layer_kinds(module: Any) -> dict[str, Any]:
 def _draws(module: torch.nn.Module) -> bool:
     """Whether a dropout layer draws anything in training: not with ``p=0``."""
     return float(getattr(module, "p", 1.0)) > 0
-
-
-def snake_case(name: str) -> str:
-    """``StandardScaler`` -> ``standard_scaler``; the default node id of a filter class."""
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
-
-
-class Filter:
-    """A unit of a graph: ``fit`` learns a state, ``forward`` applies it.
-
-    Subclass and override both. The defaults make an identity filter with an empty state.
-    """
-
-    #: The node id chosen with :meth:`named`; ``None`` lets the graph derive one.
-    name: str | None = None
-    #: Trained by gradient descent by the engine (see :class:`TorchFilter`).
-    differentiable: bool = False
-
-    def fit(self, x: Any, y: Any = None) -> Any:
-        """Learn from ``x`` (and labels ``y``) and return the state ``forward`` needs."""
-        return {}
-
-    def forward(self, x: Any, state: Any) -> Any:
-        """Apply the learned ``state`` to ``x``."""
-        return x
-
-    def named(self, name: str) -> Self:
-        """Choose this filter's node id in a graph (default: its class name in snake case)."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a node id is a non-empty string, not {name!r}")
-        self.name = name
-        return self
-
-    def default_name(self) -> str:
-        """The node id used when none was chosen with :meth:`named`."""
-        return snake_case(type(self).__name__)
-
-    def __rshift__(self, other: Filter | Graph) -> Graph:
-        from somatize.graph import Graph
-
-        return Graph([self]) >> other
 
 
 class TorchFilter(Filter):
@@ -390,8 +344,6 @@ class TorchFilter(Filter):
 
     def fit(self, x: Any, y: Any = None) -> Any:
         """Train a copy of this filter alone, as a one-node graph, and return its state."""
-        from somatize.graph import Graph
-
         graph = Graph([self])
         return graph.fit(x, y).states[graph.node_ids[0]]
 

@@ -1,4 +1,10 @@
-"""Graphs of filters: built with ``a >> b``, fitted in-process with :meth:`Graph.fit`.
+"""Filters and graphs of them: built with ``a >> b``, fitted in-process with :meth:`Graph.fit`.
+
+A :class:`Filter` learns in ``fit(x, y=None) -> state`` and applies what it learned in
+``forward(x, state) -> output``. Its state is *returned*, never kept on ``self``, so the same
+filter object can be shipped to a worker, fitted there, and its state carried back and forth on
+the wire. The filter that learns by gradient descent, :class:`~somatize.filters.TorchFilter`, is
+in :mod:`somatize.filters`.
 
 A graph is a chain of filters with stable node ids: the id a filter was given with
 ``Filter.named``, else its default name (snake case of its class, or of its module's class for a
@@ -15,16 +21,56 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Self, overload
 
 from engine.data.dataset_rows import dataset_rows, is_map_dataset
 from engine.devices import resolve_device
 from engine.engine import Engine, FitSettings
 from protocol.rules.rows import batch_problem, rows_of
 from somatize.errors import GraphError
-from somatize.filters import Filter
 from somatize.keywords import suggesting
+from somatize.saved import read, save
+
+
+def snake_case(name: str) -> str:
+    """``StandardScaler`` -> ``standard_scaler``; the default node id of a filter class."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+class Filter:
+    """A unit of a graph: ``fit`` learns a state, ``forward`` applies it.
+
+    Subclass and override both. The defaults make an identity filter with an empty state.
+    """
+
+    #: The node id chosen with :meth:`named`; ``None`` lets the graph derive one.
+    name: str | None = None
+    #: Trained by gradient descent by the engine (see :class:`TorchFilter`).
+    differentiable: bool = False
+
+    def fit(self, x: Any, y: Any = None) -> Any:
+        """Learn from ``x`` (and labels ``y``) and return the state ``forward`` needs."""
+        return {}
+
+    def forward(self, x: Any, state: Any) -> Any:
+        """Apply the learned ``state`` to ``x``."""
+        return x
+
+    def named(self, name: str) -> Self:
+        """Choose this filter's node id in a graph (default: its class name in snake case)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a node id is a non-empty string, not {name!r}")
+        self.name = name
+        return self
+
+    def default_name(self) -> str:
+        """The node id used when none was chosen with :meth:`named`."""
+        return snake_case(type(self).__name__)
+
+    def __rshift__(self, other: Filter | Graph) -> Graph:
+        return Graph([self]) >> other
 
 
 class Graph:
@@ -168,8 +214,6 @@ class FittedGraph:
         Raises:
             GraphError: a state holds something that cannot be saved without pickle.
         """
-        from somatize.saved import save
-
         save(path, self.states, self.graph.node_ids, self.epoch_losses, self.history)
 
     def __repr__(self) -> str:
@@ -238,3 +282,33 @@ def _assign_ids(filters: list[Filter]) -> list[str]:
         taken.add(candidate)
         ids.append(candidate)
     return ids
+
+
+@overload
+def load(path: str | os.PathLike[str]) -> dict[str, Any]: ...
+@overload
+def load(path: str | os.PathLike[str], graph: Graph) -> FittedGraph: ...
+def load(path: str | os.PathLike[str], graph: Graph | None = None) -> Any:
+    """Read a file :meth:`FittedGraph.save` (or ``somatize result --save``) wrote
+    (:mod:`somatize.saved` has its layout).
+
+    Args:
+        path: the file.
+        graph: the graph the states are for (built again as it was to train).
+
+    Returns:
+        With ``graph``, the :class:`FittedGraph` (``forward`` it to predict); without, the
+        states by node id, as they were saved.
+
+    Raises:
+        GraphError: the file is not one of these, or ``graph`` has other nodes than it.
+    """
+    saved = read(path)
+    if graph is None:
+        return saved.states
+    if graph.node_ids != saved.node_ids:
+        raise GraphError(
+            f"{os.fspath(path)} holds the states of the nodes {saved.node_ids}, and the graph "
+            f"has {graph.node_ids}: build the graph that was trained"
+        )
+    return FittedGraph(graph, saved.states, history=saved.history)

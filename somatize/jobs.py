@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,13 +32,31 @@ from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 
 if TYPE_CHECKING:
-    from somatize.client import Client
+    from pydantic import BaseModel
+
+    from somatize.connection import LoopThread
     from somatize.graph import FittedGraph, Graph
 
 T = TypeVar("T")
 
 TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
 """The events that end a job (and its event stream)."""
+
+
+class JobsConnection(Protocol):
+    """What a :class:`Job` asks of the connection it follows its job over (a
+    :class:`~somatize.client.Client`'s)."""
+
+    timeout: float
+    _loop: LoopThread
+
+    def _call(
+        self, message: BaseModel, timeout: float | None = None, allowance: float = 0.0
+    ) -> Any: ...
+
+    def _watch(self, job_id: str, after_seq: int) -> AsyncGenerator[JobEventInfo, None]: ...
+
+    async def _until_end(self, job_id: str, timeout: float | None) -> JobEventInfo | None: ...  # noqa: ASYNC109
 
 
 @dataclass(frozen=True)
@@ -114,7 +132,7 @@ class Job:
 
     def __init__(
         self,
-        client: Client,
+        client: JobsConnection,
         job_id: str,
         graph: Graph | None = None,
         notes: list[str] | None = None,

@@ -1,4 +1,5 @@
-"""A fitted graph's states on disk, without pickle: :meth:`FittedGraph.save` and :func:`load`.
+"""A fitted graph's states on disk, without pickle: :func:`save` and :func:`read`, behind
+:meth:`FittedGraph.save <somatize.graph.FittedGraph.save>` and :func:`somatize.graph.load`.
 
 A file is what ``torch.save`` writes of plain containers and tensors, so
 ``torch.load(path, weights_only=True)`` reads it: torch's restricted unpickler, which builds
@@ -14,8 +15,9 @@ file runs no code of theirs. Its layout::
      "epoch_losses": [...],        # the training's mean loss per epoch, when it trained one
      "history": [{...}, ...]}      # its rows per epoch (round): loss, lr, val_loss, metrics
 
-:func:`load` gives the states back as they were (numpy leaves as numpy again) and, with the
-graph that made them, the :class:`~somatize.graph.FittedGraph` itself. The graph is code, so it
+:func:`read` gives the states back as they were (numpy leaves as numpy again);
+:func:`somatize.graph.load` makes, with the graph that made them, the
+:class:`~somatize.graph.FittedGraph` itself. The graph is code, so it
 is not in the file: build it again as you built it to train, then ``sz.load(path, graph)``.
 
 A state may hold tensors, numpy arrays and scalars (of a dtype torch has), numbers, strings,
@@ -27,17 +29,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from somatize.errors import GraphError
 
-if TYPE_CHECKING:
-    from somatize.graph import FittedGraph, Graph
-
-__all__ = ["FORMAT", "VERSION", "load", "save"]
+__all__ = ["FORMAT", "VERSION", "Saved", "read", "save"]
 
 FORMAT = "somatize.fitted"
 VERSION = 1
@@ -81,23 +81,23 @@ def save(
     )
 
 
-@overload
-def load(path: str | os.PathLike[str]) -> dict[str, Any]: ...
-@overload
-def load(path: str | os.PathLike[str], graph: Graph) -> FittedGraph: ...
-def load(path: str | os.PathLike[str], graph: Graph | None = None) -> Any:
+@dataclass(frozen=True)
+class Saved:
+    """What a file :func:`save` wrote holds."""
+
+    states: dict[str, Any]
+    """The states by node id, numpy leaves numpy again."""
+    node_ids: list[str]
+    """The nodes they are for, in graph order."""
+    history: list[dict[str, Any]]
+    """The training's rows per epoch (round)."""
+
+
+def read(path: str | os.PathLike[str]) -> Saved:
     """Read a file :meth:`FittedGraph.save` (or ``somatize result --save``) wrote.
 
-    Args:
-        path: the file.
-        graph: the graph the states are for (built again as it was to train).
-
-    Returns:
-        With ``graph``, the :class:`~somatize.graph.FittedGraph` (``forward`` it to predict);
-        without, the states by node id, as they were saved.
-
     Raises:
-        GraphError: the file is not one of these, or ``graph`` has other nodes than it.
+        GraphError: the file is not one of these.
     """
     try:
         saved = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
@@ -115,20 +115,10 @@ def load(path: str | os.PathLike[str], graph: Graph | None = None) -> Any:
     states = saved["states"]
     for kind, where in saved["numpy"]:
         _put(states, where, _to_numpy(_get(states, where), kind))
-    if graph is None:
-        return states
-    from somatize.graph import FittedGraph
-
-    node_ids = list(saved["node_ids"])
-    if graph.node_ids != node_ids:
-        raise GraphError(
-            f"{os.fspath(path)} holds the states of the nodes {node_ids}, and the graph has "
-            f"{graph.node_ids}: build the graph that was trained"
-        )
     history = saved.get("history")
     if history is None:  # written before histories: its losses are all there is
         history = [{"epoch": e, "loss": v} for e, v in enumerate(saved["epoch_losses"], 1)]
-    return FittedGraph(graph, states, history=history)
+    return Saved(states, list(saved["node_ids"]), history)
 
 
 def _plain_figure(value: Any) -> Any:
