@@ -7,7 +7,7 @@ Exception tree::
     │   │                        (raised by :mod:`coordinator.storage.store`)
     │   ├── UnknownJob           no job has that id (also a :class:`KeyError`)
     │   ├── DuplicateJob         a job with that id already exists
-    │   ├── InvalidTransition    the job's state does not allow the request (a terminal job
+    │   ├── InvalidJobTransition    the job's state does not allow the request (a terminal job
     │   │                        never changes again)
     │   ├── NoResult             the job has no result: it did not succeed (yet)
     │   ├── ResultTooLarge       a result larger than SQLite can store in one value
@@ -105,7 +105,7 @@ class DuplicateJob(StoreError):
         self.job_id = job_id
 
 
-class InvalidTransition(StoreError):
+class InvalidJobTransition(StoreError):
     """The job's state does not allow the request; a terminal job never changes again.
 
     Args:

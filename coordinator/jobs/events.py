@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.jobs.log import life_line
-from coordinator.storage.store import JobEvent, JobStore, StoreError, UnknownJob
+from coordinator.storage.store import EventRecord, JobStore, StoreError, UnknownJob
 from protocol.errors import ErrorCode, RequestRefused
 
 __all__ = ["TERMINAL_EVENTS", "JobEvents"]
@@ -31,15 +31,15 @@ class JobEvents:
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
-        self._watchers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        self._watchers: dict[str, set[asyncio.Queue[EventRecord]]] = {}
         self._last_seq: dict[str, int] = {}  # of each live job's last event, for emit
         self._metrics: dict[str, dict[str, Any]] = {}  # each live job's last epoch's figures
         self._placed: dict[str, float] = {}  # when each running job was placed, for the log
 
-    async def watch(self, job_id: str, after_seq: int, live: bool) -> AsyncIterator[JobEvent]:
+    async def watch(self, job_id: str, after_seq: int, live: bool) -> AsyncIterator[EventRecord]:
         """The job's events after ``after_seq``, until its terminal event if it is ``live``
         (else its history is all there is)."""
-        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        queue: asyncio.Queue[EventRecord] = asyncio.Queue()
         if live:  # subscribe before reading the history, so nothing falls in between
             self._watchers.setdefault(job_id, set()).add(queue)
         try:
@@ -94,7 +94,7 @@ class JobEvents:
                 "job %s: its %s event could not be stored; told to its watchers", job_id, event
             )
             seq = self._last_seq.get(job_id, 0) + 1
-            recorded = JobEvent(job_id, seq, time.time(), event, data)
+            recorded = EventRecord(job_id, seq, time.time(), event, data)
         self._last_seq[job_id] = recorded.seq
         if event == "placed":
             self._placed[job_id] = time.monotonic()

@@ -70,7 +70,7 @@ from coordinator.scheduling.plan import DEFAULT_SHARE_WAIT, Queued, Running, Sea
 from coordinator.scheduling.shares import DEFAULT_HALF_LIFE, ClientPolicy, UsageLedger
 from coordinator.storage.kept_files import PIECE_BYTES
 from coordinator.storage.store import (
-    JobEvent,
+    EventRecord,
     JobRecord,
     JobState,
     JobStore,
@@ -624,7 +624,7 @@ class JobManager:
         known = [w.identity for w in self.registry]
         return no_workers_after_wait(placement_of(job.strategy, job.inputs), known, seconds)
 
-    def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[JobEvent]:
+    def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[EventRecord]:
         """The job's events after ``after_seq``, live until its terminal event."""
         return self.events.watch(job_id, after_seq, live=job_id in self._jobs)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.errors import InvalidTransition, StoreError, UnknownJob
+from coordinator.errors import InvalidJobTransition, StoreError, UnknownJob
 from coordinator.storage.store import JobRecord, JobState
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class OwedEnds:
         for job_id, end in list(self._ends.items()):
             try:
                 await asyncio.to_thread(end.write)
-            except (InvalidTransition, UnknownJob) as exc:  # ended or gone another way
+            except (InvalidJobTransition, UnknownJob) as exc:  # ended or gone another way
                 log.warning("job %s: its %s end is not stored: %s", job_id, end.state, exc)
             except (sqlite3.Error, StoreError, OSError) as exc:
                 log.warning("job %s: its end is still not stored: %s", job_id, exc)

@@ -45,7 +45,7 @@ from typing import Any
 
 from coordinator.errors import (
     DuplicateJob,
-    InvalidTransition,
+    InvalidJobTransition,
     NoResult,
     ResultTooLarge,
     StoreError,
@@ -58,8 +58,8 @@ from protocol.wording import capped
 __all__ = [
     "TERMINAL_STATES",
     "DuplicateJob",
-    "InvalidTransition",
-    "JobEvent",
+    "EventRecord",
+    "InvalidJobTransition",
     "JobRecord",
     "JobState",
     "JobStore",
@@ -130,7 +130,7 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
-class JobEvent:
+class EventRecord:
     """One entry of a job's event log; ``seq`` counts from 1 per job."""
 
     job_id: str
@@ -342,7 +342,7 @@ class JobStore:
         allowed, target = _TRANSITIONS[transition]
         record = self._get(conn, job_id)
         if record.state not in allowed:
-            raise InvalidTransition(job_id, record.state, transition, _allowed(transition))
+            raise InvalidJobTransition(job_id, record.state, transition, _allowed(transition))
         columns["state"] = str(target)
         assignments = ", ".join(f"{name} = ?" for name in columns)
         conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*columns.values(), job_id))
@@ -415,16 +415,16 @@ class JobStore:
         """Replace the job's progress (round, step, loss, ...).
 
         Raises:
-            InvalidTransition: The job is terminal: its last progress stays as it was.
+            InvalidJobTransition: The job is terminal: its last progress stays as it was.
         """
         progress_json = _dumps(progress)
         with self._write() as conn:
             record = self._get(conn, job_id)
             if record.state.terminal:
-                raise InvalidTransition(job_id, record.state, "progress", _allowed("progress"))
+                raise InvalidJobTransition(job_id, record.state, "progress", _allowed("progress"))
             conn.execute("UPDATE jobs SET progress = ? WHERE id = ?", (progress_json, job_id))
 
-    def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> JobEvent:
+    def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> EventRecord:
         """Append an event to the job's log; any state, so a terminal job can log its end."""
         with self._write() as conn:
             self._get(conn, job_id)
@@ -432,20 +432,20 @@ class JobStore:
 
     def _append_event(
         self, conn: sqlite3.Connection, job_id: str, kind: str, data: dict[str, Any]
-    ) -> JobEvent:
+    ) -> EventRecord:
         data_json = _dumps(data)
         # Under BEGIN IMMEDIATE no other writer can take the same seq between these two.
         (last,) = conn.execute(
             "SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)
         ).fetchone()
-        event = JobEvent(job_id, last + 1, self._clock(), kind, json.loads(data_json))
+        event = EventRecord(job_id, last + 1, self._clock(), kind, json.loads(data_json))
         conn.execute(
             "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
             (job_id, event.seq, event.time, kind, data_json),
         )
         return event
 
-    def events(self, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
+    def events(self, job_id: str, after_seq: int = 0) -> builtins.list[EventRecord]:
         """The job's events with ``seq > after_seq``, in order."""
         with self._read() as conn:
             self._get(conn, job_id)
@@ -454,7 +454,7 @@ class JobStore:
                 "ORDER BY seq",
                 (job_id, after_seq),
             ).fetchall()
-        return [JobEvent(job_id, seq, t, kind, json.loads(data)) for seq, t, kind, data in rows]
+        return [EventRecord(job_id, seq, t, kind, json.loads(data)) for seq, t, kind, data in rows]
 
     def succeed(
         self, job_id: str, result: bytes | bytearray | memoryview, kind: str = "states"
@@ -463,7 +463,7 @@ class JobStore:
         in the same transaction.
 
         Raises:
-            InvalidTransition: The job is not running.
+            InvalidJobTransition: The job is not running.
             ResultTooLarge: SQLite cannot hold ``result`` in one value; the job is unchanged.
         """
         with (
@@ -473,7 +473,7 @@ class JobStore:
         ):
             record = self._get(conn, job_id)
             if record.state not in _TRANSITIONS["succeed"][0]:
-                raise InvalidTransition(job_id, record.state, "succeed", _allowed("succeed"))
+                raise InvalidJobTransition(job_id, record.state, "succeed", _allowed("succeed"))
             limit = conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
             if view.nbytes > limit:
                 raise ResultTooLarge(

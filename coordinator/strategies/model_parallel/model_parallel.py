@@ -45,7 +45,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 @dataclass(frozen=True)
-class PipelineStage:
+class StagePlacement:
     """A stage of the pipeline as it is placed: its nodes (a partition's) and the worker it
     asks for (id or tag, and device: the partition's, else the pipeline's)."""
 
@@ -53,7 +53,7 @@ class PipelineStage:
     target: Target
 
 
-def check_partitions(node_ids: Sequence[str], partitions: Sequence[PipelineStage]) -> None:
+def check_partitions(node_ids: Sequence[str], partitions: Sequence[StagePlacement]) -> None:
     """Refuse partitions that do not tile the graph, naming the node and partitions involved.
 
     Linear in the nodes, so that a graph of tens of thousands is checked at once."""
@@ -102,7 +102,7 @@ class ModelParallel(Strategy):
     def __init__(self, options: ModelParallelOptions) -> None:
         super().__init__(options)
         self.partitions = [
-            PipelineStage(p.node_ids, Target(id=p.worker, tag=p.tag, device=options.device_of(i)))
+            StagePlacement(p.node_ids, Target(id=p.worker, tag=p.tag, device=options.device_of(i)))
             for i, p in enumerate(options.partitions)
         ]
         """The stages, placed: each partition's nodes and the worker it asks for."""
@@ -236,7 +236,7 @@ def _lost(stage: int, worker: str, failed: StrategyFailed) -> dict[str, Any]:
     }
 
 
-def own_data_checks(partitions: Sequence[PipelineStage], torch_nodes: Sequence[str]) -> None:
+def own_data_checks(partitions: Sequence[StagePlacement], torch_nodes: Sequence[str]) -> None:
     """What ModelParallel on ``WorkerData`` needs: a first partition that trains (the output of
     plain filters alone would travel through the coordinator).
 
@@ -250,4 +250,4 @@ def own_data_checks(partitions: Sequence[PipelineStage], torch_nodes: Sequence[s
         )
 
 
-__all__ = ["ModelParallel", "PipelineStage", "check_partitions", "own_data_checks"]
+__all__ = ["ModelParallel", "StagePlacement", "check_partitions", "own_data_checks"]

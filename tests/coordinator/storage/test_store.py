@@ -20,8 +20,8 @@ from coordinator.storage.store import (
     DB_NAME,
     TERMINAL_STATES,
     DuplicateJob,
-    InvalidTransition,
-    JobEvent,
+    EventRecord,
+    InvalidJobTransition,
     JobRecord,
     JobState,
     JobStore,
@@ -142,7 +142,7 @@ def test_events_are_numbered_per_job_and_read_after_a_seq(store: JobStore) -> No
     # A finished job still takes events: the coordinator logs its end after the state change.
     store.succeed(a, b"r")
     event = store.add_event(a, "done", {"ok": True})
-    assert event == JobEvent(a, 6, event.time, "done", {"ok": True})
+    assert event == EventRecord(a, 6, event.time, "done", {"ok": True})
     assert store.events(a, after_seq=5) == [event]
 
 
@@ -243,7 +243,7 @@ def test_illegal_transitions_are_refused_and_change_nothing(
         "cancel": lambda: store.cancel(job.id),
         "progress": lambda: store.progress(job.id, {"step": 99}),
     }[transition]
-    with pytest.raises(InvalidTransition) as info:
+    with pytest.raises(InvalidJobTransition) as info:
         attempt()
     error = info.value
     assert (error.job_id, error.state, error.transition) == (job.id, state, transition)

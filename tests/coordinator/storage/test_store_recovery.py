@@ -15,7 +15,7 @@ from coordinator.storage.store import (
     DB_NAME,
     RESTARTED,
     TERMINAL_STATES,
-    InvalidTransition,
+    InvalidJobTransition,
     JobState,
     JobStore,
     NoResult,
@@ -145,7 +145,7 @@ def test_a_store_left_open_in_this_process_is_recovered_by_the_next(tmp_path: Pa
     with store, crashed:
         assert {job.id for job in recovered} == {running, queued}
         # The old process, were it still alive, could not succeed a job it lost.
-        with pytest.raises(InvalidTransition, match="it is failed"):
+        with pytest.raises(InvalidJobTransition, match="it is failed"):
             crashed.succeed(running, b"late")
         with pytest.raises(NoResult, match=RESTARTED):
             store.result(running)

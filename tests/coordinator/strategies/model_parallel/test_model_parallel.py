@@ -13,7 +13,7 @@ import torch
 import somatize as sz
 from coordinator.context import InMemoryContext, Target, WorkerIdentity
 from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed, StrategyOptionsError
-from coordinator.strategies.model_parallel.model_parallel import PipelineStage, check_partitions
+from coordinator.strategies.model_parallel.model_parallel import StagePlacement, check_partitions
 from protocol.filters import dump_filter
 from protocol.options.strategies import ModelParallelOptions, PartitionOptions
 from somatize.client import graph_info
@@ -132,7 +132,7 @@ def test_1f1b_and_adam_and_uneven_micro_batches_also_equal_the_unsplit_model():
     ],
 )
 def test_invalid_partitions_are_refused_naming_the_node_and_partitions(partitions, message):
-    parts = [PipelineStage(tuple(nodes), Target(tag="t")) for nodes in partitions]
+    parts = [StagePlacement(tuple(nodes), Target(tag="t")) for nodes in partitions]
     with pytest.raises(StrategyOptionsError, match=message):
         check_partitions(["a", "b", "c"], parts)
 
