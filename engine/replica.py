@@ -74,7 +74,7 @@ from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.codec import encode_frame
-from protocol.daemon import KeptSnapshot, OuterStepSpec
+from protocol.daemon import OuterStepSpec, SnapshotWay
 from protocol.errors import ErrorCode
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 from protocol.rules.fragments import fragment_syncs
@@ -428,13 +428,11 @@ class Replica:
         named = {id(p): (node.node_id, k) for node in run for k, p in trainable(node).items()}
         return self._outer, [named[id(p)] for p in self._outer.params]
 
-    def train(
-        self, start: int, stop: int, snapshot: bool = False, keep: KeptSnapshot | None = None
-    ) -> dict[str, Any]:
+    def train(self, start: int, stop: int, snapshot: SnapshotWay | None = None) -> dict[str, Any]:
         """Global steps ``[start, stop)`` of the plan (module docstring); this replica's loss,
         rows, learning rate and (from a step function) metrics per step. With ``snapshot``,
-        also what a checkpoint saves of it now (:meth:`_snapshot`), as a file for its worker
-        to keep with ``keep`` (:class:`~protocol.daemon.DistTrainRequest`'s).
+        also what a checkpoint saves of it now (:meth:`_snapshot`), in the reply or as a file
+        for its worker to keep (:class:`~protocol.daemon.DistTrainRequest`'s).
 
         Raises:
             EngineError: ``BAD_REQUEST`` before a plan or for steps outside it;
@@ -481,8 +479,8 @@ class Replica:
             self._broadcast_buffers(ddp, steps_done=stop)
         if from_disk and stop < len(plan.steps):  # the next chunk's first rows, read meanwhile
             self.rows.read_next(plan.data, plan.steps[stop][0])
-        if snapshot:
-            said["snapshot"] = self._snapshot(plan, prefix, run, stop, keep)
+        if snapshot is not None:
+            said["snapshot"] = self._snapshot(plan, prefix, run, stop, snapshot)
         return said | ({"metrics": metrics} if any(metrics) else {})
 
     def _snapshot(
@@ -491,16 +489,16 @@ class Replica:
         prefix: list[Node],
         run: list[Node],
         done: int,
-        keep: KeptSnapshot | None = None,
+        snapshot: SnapshotWay = "in_reply",
     ) -> dict[str, Any]:
         """What a checkpoint saves of this replica as its chunk ends, sent in the chunk's own
         reply: its states and its run's optimizer states (and a DiLoCo replica's outer
         momentum); sharded, its shards saved with torch.distributed.checkpoint
         (:meth:`ShardedRun.save_shards`: every replica at once) as the files it wrote
         (``shards``: name → bytes; replica 0's include the ``.metadata``), what every replica
-        holds alike (``rest``) and its plain filters' states (``plain``). With ``keep``, one
-        file of it for the worker to keep (``{"shards": {SNAPSHOT_FILE: frame}}``): all of
-        it (``"whole"``) or its optimizer states alone (``"inner"``). ``done``: the steps
+        holds alike (``rest``) and its plain filters' states (``plain``). Kept, one file of it
+        for the worker to keep (``{"shards": {SNAPSHOT_FILE: frame}}``): all of it
+        (``"kept_whole"``) or its optimizer states alone (``"kept_inner"``). ``done``: the steps
         taken."""
         if self._sharded is not None:
             with tempfile.TemporaryDirectory(prefix="somatize-shards-") as folder:
@@ -514,11 +512,13 @@ class Replica:
                 files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
             return {"shards": files, "rest": rest, "plain": self.nodes.get_state(_ids(prefix))}
         taken = {"optimizers": self.optimizers.get_optimizer_state(_ids(run))}
-        if keep != "inner":
+        if snapshot != "kept_inner":
             taken["states"] = self.nodes.get_state(plan.node_ids, live=True)
             if self._outer is not None:
                 taken["outer"] = self.outer_momentum()
-        return taken if keep is None else {"shards": {SNAPSHOT_FILE: encode_frame(taken)}}
+        if snapshot == "in_reply":
+            return taken
+        return {"shards": {SNAPSHOT_FILE: encode_frame(taken)}}
 
     def shard_file(self, name: str, data: bytes, offset: int = 0) -> None:
         """Keep a piece of one file of a sharded checkpoint (:meth:`_snapshot`'s), ``data``

@@ -77,7 +77,6 @@ __all__ = [
     "GetOptimizerStateRequest",
     "GetStateRequest",
     "GradientsRequest",
-    "KeptSnapshot",
     "LoadRequest",
     "OkReply",
     "OuterStepSpec",
@@ -90,6 +89,7 @@ __all__ = [
     "SetStateRequest",
     "Sharding",
     "ShutdownRequest",
+    "SnapshotWay",
     "StageBackwardRequest",
     "StageForwardRequest",
     "StageNormRequest",
@@ -424,9 +424,10 @@ class PipeTrainRequest(_Steps):
     snapshot: bool = False
 
 
-KeptSnapshot = Literal["whole", "inner"]
-"""What of a DiLoCo replica's checkpoint snapshot its worker keeps (:class:`DistTrainRequest`'s
-``keep``)."""
+SnapshotWay = Literal["in_reply", "kept_whole", "kept_inner"]
+"""What a replica gives of a checkpoint due after its chunk (:class:`DistTrainRequest`'s
+``snapshot``): in the chunk's reply; or as one file for its worker to keep (a DiLoCo replica's,
+on the torch group), all of it or its inner optimizer state alone."""
 
 
 class DistTrainRequest(_Steps):
@@ -434,24 +435,23 @@ class DistTrainRequest(_Steps):
     slice, forward, loss and backward, gradients all-reduced (weighted by rows) during the
     backward, one optimizer step. Returns ``{"losses": [...], "rows": [...]}``: this replica's,
     per step. With ``snapshot`` the reply also carries, under ``"snapshot"``, what a
-    checkpoint saves of the replica as the chunk ends: ``{"states", "optimizers"}`` as
-    ``get_state`` and ``get_optimizer_state`` give them, or, sharded (every replica at once),
-    ``"shards"``: the files torch.distributed.checkpoint wrote of its shards (name → bytes),
-    ``"rest"``: what every replica holds alike, and the plain filters' states under
-    ``"plain"`` — read in the chunk's own reply, while the next chunk trains, not by a
+    checkpoint saves of the replica as the chunk ends. ``"in_reply"``: ``{"states",
+    "optimizers"}`` as ``get_state`` and ``get_optimizer_state`` give them, or, sharded (every
+    replica at once), ``"shards"``: the files torch.distributed.checkpoint wrote of its shards
+    (name → bytes), ``"rest"``: what every replica holds alike, and the plain filters' states
+    under ``"plain"`` — read in the chunk's own reply, while the next chunk trains, not by a
     request queued behind it.
 
-    With ``keep`` (a DiLoCo replica's, on the torch group) the snapshot comes as one file for
-    its worker to keep, ``{"shards": {SNAPSHOT_FILE: frame}}``
+    ``"kept_whole"`` or ``"kept_inner"`` (a DiLoCo replica's, on the torch group): the snapshot
+    comes as one file for its worker to keep, ``{"shards": {SNAPSHOT_FILE: frame}}``
     (:data:`protocol.shard_files.SNAPSHOT_FILE`; the :mod:`protocol.codec` frame of what the
     reply would have held), which the coordinator reads while the next chunk trains:
-    ``"whole"``, its states, inner optimizer state and outer momentum; ``"inner"``, its inner
-    optimizer state only (the global model and the outer momentum being alike on every
+    ``"kept_whole"``, its states, inner optimizer state and outer momentum; ``"kept_inner"``,
+    its inner optimizer state only (the global model and the outer momentum being alike on every
     replica, one replica's suffice)."""
 
     cmd: Literal["dist_train"] = "dist_train"
-    snapshot: bool = False
-    keep: KeptSnapshot | None = None
+    snapshot: SnapshotWay | None = None
 
 
 class DistEvaluateRequest(DataSource):

@@ -117,7 +117,7 @@ class GroupCommands:
         return self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:
-        return self.engine.replica.train(req.start, req.stop, snapshot=req.snapshot, keep=req.keep)
+        return self.engine.replica.train(req.start, req.stop, snapshot=req.snapshot)
 
     def on_dist_evaluate(self, req: DistEvaluateRequest) -> dict[str, Any]:
         return self.engine.replica.evaluate(req.node_ids, *self.engine.rows.of(req, lazy=True))

@@ -61,7 +61,7 @@ from coordinator.strategies.data_parallel.torch_collective import TorchTraining
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from coordinator.strategies.process_group import Broken
 from protocol.codec import decode
-from protocol.daemon import DistOuterStateRequest, DistTrainRequest, KeptSnapshot
+from protocol.daemon import DistOuterStateRequest, DistTrainRequest, SnapshotWay
 from protocol.errors import ErrorCode
 from protocol.rules.batching import synchronises
 from protocol.shard_files import SNAPSHOT_FILE
@@ -107,13 +107,11 @@ class SyncsOnTorch(TorchTraining):
         stop = step + 1 if self.run.elastic else super()._stop(step, chunk, total, saves)
         return self.sync_stops[bisect.bisect_left(self.sync_stops, stop)]
 
-    def _snapshots(self, i: int) -> bool:
-        return True  # every replica's inner optimizer state
-
-    def _keeps(self, i: int) -> KeptSnapshot | None:
-        """The first replica present leaves the global model and the outer momentum (alike on
-        every replica) with its inner optimizer state, each other its inner optimizer state."""
-        return "whole" if i == min(self._all()) else "inner"
+    def _snapshot_of(self, i: int) -> SnapshotWay | None:
+        """Every replica leaves its part on its worker: the first present the global model and
+        the outer momentum (alike on every replica) with its inner optimizer state, each other
+        its inner optimizer state."""
+        return "kept_whole" if i == min(self._all()) else "kept_inner"
 
     async def _save(
         self, saves: ReplicaCheckpoints, step: int, total: int, results: Mapping[int, Any]

@@ -68,7 +68,7 @@ from coordinator.strategies.process_group import (
     settle,
 )
 from coordinator.strategies.steps import StepBoundaries, TrainingSettings
-from protocol.daemon import DistPlanRequest, DistTrainRequest, KeptSnapshot, OuterStepSpec
+from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec, SnapshotWay
 from protocol.errors import ErrorCode
 from protocol.options.strategies import Sharding
 
@@ -245,26 +245,20 @@ class TorchTraining:
         sharded = self.sharding != "none"
 
         def call(i: int) -> Awaitable[Any]:
-            taken = snapshot and self._snapshots(i)
-            keep = self._keeps(i) if taken else None
-            request = DistTrainRequest(start=step, stop=stop, snapshot=taken, keep=keep)
-            if taken and (sharded or keep):  # its files stay on its worker until read
-                return self.run.ctx.call_keeping(i, request, KEPT)
+            taken = self._snapshot_of(i) if snapshot else None
+            request = DistTrainRequest(start=step, stop=stop, snapshot=taken)
+            if taken is not None and (sharded or taken != "in_reply"):
+                return self.run.ctx.call_keeping(i, request, KEPT)  # files stay until read
             return self._call(i, request)
 
         calls = {i: call(i) for i in self._all()}
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 
-    def _snapshots(self, i: int) -> bool:
-        """Whether replica ``i`` sends a snapshot with a chunk a checkpoint follows: replica
-        0, or every replica of a sharded run."""
-        return self.sharding != "none" or i == 0
-
-    def _keeps(self, i: int) -> KeptSnapshot | None:
-        """What of its snapshot replica ``i`` leaves on its worker as one file (none here:
-        the reply carries it)."""
-        return None
+    def _snapshot_of(self, i: int) -> SnapshotWay | None:
+        """What replica ``i`` gives of a checkpoint due after its chunk: replica 0, or every
+        replica of a sharded run, in its reply; the others nothing."""
+        return "in_reply" if self.sharding != "none" or i == 0 else None
 
     async def _save(
         self, saves: ReplicaCheckpoints, step: int, total: int, results: Mapping[int, Any]
