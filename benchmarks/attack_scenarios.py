@@ -57,7 +57,6 @@ from protocol.asyncio.handshake import send_hello
 from protocol.codec import encode, encode_frame, frame_nbytes
 from protocol.errors import ErrorCode, RemoteError
 from protocol.filters import dump_filter
-from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
 from protocol.messages import (
     MAX_GRAPH_NODES,
     Ack,
@@ -70,6 +69,7 @@ from protocol.messages import (
     WorkerHello,
 )
 from protocol.parsing import dump
+from protocol.security.identity_proof import CHALLENGE_HEADER, prove, public_key
 from somatize.client import graph_info
 from somatize.connection import client_url, dial, handshake
 from tests.utils import Center

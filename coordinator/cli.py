@@ -43,9 +43,9 @@ from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
 from protocol.asyncio.open_files import raise_open_files_limit
 from protocol.chunking import DEFAULT_STALL_SECONDS
-from protocol.log_lines import log_to
-from protocol.quantities import byte_count, seconds
-from protocol.token_file import token_file_problem
+from protocol.security.token_file import token_file_problem
+from protocol.text.log_lines import log_to
+from protocol.text.quantities import byte_count, seconds
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -43,8 +43,8 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, ErrorInfo
+from protocol.files.kept_files import file_parts, files_at
 from protocol.filter_buffers import FilterBuffer, as_buffer
-from protocol.kept_files import file_parts, files_at
 from protocol.options.devices import device_fits
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from protocol.shard_files import METADATA, is_plain_file_name
+from protocol.files.shard_files import METADATA, is_plain_file_name
 
 __all__ = ["CheckedReader", "MetadataRefused", "checked_metadata"]
 

@@ -76,10 +76,10 @@ from engine.transfer import autocast
 from protocol.codec import encode_frame
 from protocol.daemon import OuterStepSpec, SnapshotWay
 from protocol.errors import ErrorCode
+from protocol.files.shard_files import SNAPSHOT_FILE, is_plain_file_name
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 from protocol.rules.fragments import fragment_syncs
 from protocol.rules.row_means import RowMeans
-from protocol.shard_files import SNAPSHOT_FILE, is_plain_file_name
 
 __all__ = ["Replica", "ReplicaPlan"]
 

@@ -15,7 +15,7 @@ filter of ``precision="bf16"`` has its units gathered and run in bf16 through FS
 The coordinator reads a sharded replica's model where its shards lie for the job's result
 (:meth:`ShardedRun.pieces`: no collective, nothing gathered, no optimizer state): each
 parameter's rows held here, and which of what it sends are such rows; it keeps the replicas'
-pieces as they came and the client joins them (:mod:`protocol.shard_pieces`), so no replica,
+pieces as they came and the client joins them (:mod:`protocol.files.shard_pieces`), so no replica,
 and not the coordinator, ever holds the whole model for it; a checkpoint is each replica's
 shards saved with torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`,
 :meth:`ShardedRun.load_shards`); an evaluation runs through the sharded chain
@@ -51,8 +51,8 @@ from engine.nodes import Node
 from engine.optimizers import SCHEDULER, Optimizers
 from engine.transfer import precision_of, to_cpu
 from protocol.errors import ErrorCode
+from protocol.files.shard_files import METADATA
 from protocol.filters import ROWS
-from protocol.shard_files import METADATA
 
 __all__ = ["BF16", "Sharded", "ShardedRun", "precision_policy", "unit_classes"]
 

@@ -444,7 +444,7 @@ class DistTrainRequest(_Steps):
 
     ``"kept_whole"`` or ``"kept_inner"`` (a DiLoCo replica's, on the torch group): the snapshot
     comes as one file for its worker to keep, ``{"shards": {SNAPSHOT_FILE: frame}}``
-    (:data:`protocol.shard_files.SNAPSHOT_FILE`; the :mod:`protocol.codec` frame of what the
+    (:data:`protocol.files.shard_files.SNAPSHOT_FILE`; the :mod:`protocol.codec` frame of what the
     reply would have held), which the coordinator reads while the next chunk trains:
     ``"kept_whole"``, its states, inner optimizer state and outer momentum; ``"kept_inner"``,
     its inner optimizer state only (the global model and the outer momentum being alike on every
@@ -470,7 +470,7 @@ class DistEvaluateRequest(DataSource):
 class DistPiecesRequest(_Request):
     """A sharded replica's shards of its model, read where they lie (no collective) for the
     job's result, as one file for its agent to keep (``{"files": {"pieces": pieces}}``, kept
-    as the pieces' codec frame: :mod:`protocol.shard_pieces`): ``{"states": ...}`` by node, as
+    as the pieces' codec frame: :mod:`protocol.files.shard_pieces`): ``{"states": ...}`` by node, as
     ``get_state`` gives them but with each sharded tensor as this replica's rows of it (dim 0,
     in rank order), and ``"split"``: the key paths of those tensors. No optimizer state."""
 

@@ -9,7 +9,7 @@ Exception tree::
     ├── Located              inside the codec only: a failure deep in a value, with its path
     ├── BadMessage           an incoming message that is not a frame or not a valid message
     ├── BadCompressedTree    a compressed tree (protocol.compressed_trees) that cannot be decoded
-    ├── PiecesMismatch       a sharded run's pieces (protocol.shard_pieces) not of one model
+    ├── PiecesMismatch       a sharded run's pieces (protocol.files.shard_pieces) not of one model
     ├── VersionMismatch      the peer speaks another protocol version
     ├── UnexpectedReply      the peer answered with a kind of message this side did not ask for
     ├── ChannelClosed        the connection closed before the reply came
@@ -134,7 +134,7 @@ class BadCompressedTree(ProtocolError):
 
 
 class PiecesMismatch(ProtocolError):
-    """A sharded run's replicas' pieces (:mod:`protocol.shard_pieces`) that are not of one
+    """A sharded run's replicas' pieces (:mod:`protocol.files.shard_pieces`) that are not of one
     model: their split paths or their rows' shapes differ. Which, and where."""
 
 

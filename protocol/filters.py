@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 import cloudpickle
 
 from protocol.arrays import loaded_torch, torch_dtypes
-from protocol.code_owners import is_user_module
 from protocol.codec import ALIGNMENT, Joined, decode, encode
 from protocol.filter_buffers import FilterBuffer
+from protocol.text.code_owners import is_user_module
 
 __all__ = [
     "APART_BYTES",
@@ -59,8 +59,8 @@ starts with ``0x80``: bytes pickled whole."""
 
 def user_modules() -> list[types.ModuleType]:
     """Every module this process has loaded from the user's own files
-    (:func:`~protocol.code_owners.is_user_module`): what a filter's code may reach — its class's
-    module, the layers it holds, a helper module its forward calls, a function imported from
+    (:func:`~protocol.text.code_owners.is_user_module`): what a filter's code may reach — its
+    class's module, the layers it holds, a helper module its forward calls, a function imported from
     one — travels by value with it, so a worker needs none of the user's files. Asked again
     with the same modules loaded (a graph's every filter), the same answer, not sought
     again."""

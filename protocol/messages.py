@@ -146,8 +146,8 @@ class WorkerHello(_Message):
     datasets: dict[str, DatasetSummary] = Field(default_factory=dict)  # its own, by name
     public_key: str | None = None
     """With an id its operator chose, the agent's public identity key
-    (:mod:`protocol.identity_proof`): the first such hello enrols the id; a later hello for an
-    enrolled id is refused unless it proves the same key."""
+    (:mod:`protocol.security.identity_proof`): the first such hello enrols the id; a later hello for
+    an enrolled id is refused unless it proves the same key."""
     proof: str | None = None
     """The agent's signature of its connection's challenge and its id, by that key."""
 
@@ -219,8 +219,8 @@ class OpenJob(_Message):
     filters: dict[str, FilterBuffer]
     threads: int | None = None
     peer_secret: str | None = None
-    """This worker's link key in the job (:func:`protocol.peer_credentials.link_key`): a peer
-    link for the job is accepted only from a worker that presents its credential made from it
+    """This worker's link key in the job (:func:`protocol.security.peer_credentials.link_key`): a
+    peer link for the job is accepted only from a worker that presents its credential made from it
     (``None``: none is)."""
 
 
@@ -310,7 +310,7 @@ class Links(_Message):
     expects: dict[str, str] = Field(default_factory=dict)
     credentials: dict[str, str] = Field(default_factory=dict)
     """Peer id → what this worker presents to it when it dials it
-    (:func:`protocol.peer_credentials.credential`)."""
+    (:func:`protocol.security.peer_credentials.credential`)."""
 
 
 class Deliver(_Message):
@@ -330,7 +330,7 @@ class Deliver(_Message):
 class PeerHello(_Message):
     """First message on a peer link: which worker dials, for which job, and its credential to
     the receiver (:attr:`Links.credentials`), which the receiver checks against the id claimed,
-    in constant time (:mod:`protocol.peer_credentials`). A link serves that one job."""
+    in constant time (:mod:`protocol.security.peer_credentials`). A link serves that one job."""
 
     kind: Literal["peer_hello"] = "peer_hello"
     worker_id: str
@@ -477,7 +477,7 @@ class GetResult(_Message):
     ``states`` by node; or, for a sharded run, ``pieces``: how many ``replicas`` hold them,
     the plain filters' states (``plain``), the nodes (``node_ids``) and the bytes of each
     replica's file of pieces (``sizes``). The client then asks for each replica's pieces
-    (``replica``: its rows of every parameter, :mod:`protocol.shard_pieces`), one at a time,
+    (``replica``: its rows of every parameter, :mod:`protocol.files.shard_pieces`), one at a time,
     and joins them: ``length`` bytes of its file from ``offset`` at a time (→ ``{"replica",
     "offset", "data"}``, fewer bytes only where it ends; the file is one codec frame), or
     without ``offset`` whole, decoded, in one message (→ ``{"replica", "pieces"}``)."""

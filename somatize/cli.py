@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocol.messages import SANDBOX_REQUIREMENTS
-from protocol.quantities import byte_count, seconds
-from protocol.token_file import token_file_problem
-from protocol.user_tracebacks import with_source
-from protocol.wording import visible
+from protocol.security.token_file import token_file_problem
+from protocol.text.quantities import byte_count, seconds
+from protocol.text.user_tracebacks import with_source
+from protocol.text.wording import visible
 from somatize.curves import (
     HistoryWriter,
     curve_unit,

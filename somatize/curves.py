@@ -86,7 +86,7 @@ def history_table(rows: Sequence[Mapping[str, Any]], title: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from protocol.wording import visible
+    from protocol.text.wording import visible
 
     table = Table(title=Text(title), title_justify="left")
     columns = _columns(rows)

@@ -23,7 +23,7 @@ from engine.step_functions import model_loss
 from engine.stepping import check_schedule, made_scheduler, named_scheduler
 from engine.transfer import PRECISIONS
 from protocol.rules.rows import map_leaves
-from protocol.wording import did_you_mean
+from protocol.text.wording import did_you_mean
 from somatize.graph import Filter, Graph, snake_case
 from somatize.keywords import suggesting
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.messages import SandboxRequirement
-from protocol.user_tracebacks import folded
-from protocol.wording import did_you_mean
+from protocol.text.user_tracebacks import folded
+from protocol.text.wording import did_you_mean
 from somatize.errors import UsageError
 
 if TYPE_CHECKING:

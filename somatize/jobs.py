@@ -18,6 +18,7 @@ import numpy as np
 
 from protocol.codec import decode
 from protocol.errors import ErrorCode, FrameError
+from protocol.files.shard_pieces import PiecesMismatch, joined
 from protocol.messages import (
     MAX_READ_BYTES,
     Ack,
@@ -27,7 +28,6 @@ from protocol.messages import (
     GetResult,
     Result,
 )
-from protocol.shard_pieces import PiecesMismatch, joined
 from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
 
@@ -355,7 +355,7 @@ class Job:
 def joined_states(kept: Mapping[str, Any], pieces: Sequence[Any]) -> dict[str, Any]:
     """A sharded run's states by node, joined here from every replica's ``pieces`` (in rank
     order) and what ``get_result`` said of them (``kept``: ``plain``, ``node_ids``;
-    :mod:`protocol.shard_pieces`: the coordinator keeps them as the replicas held them).
+    :mod:`protocol.files.shard_pieces`: the coordinator keeps them as the replicas held them).
 
     Raises:
         ClientError: the pieces are not of one model.

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
-from protocol.wording import did_you_mean
+from protocol.text.wording import did_you_mean
 
 __all__ = ["suggesting", "with_suggestion"]
 

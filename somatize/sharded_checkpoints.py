@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from engine.dcp_metadata import MetadataRefused, checked_metadata
-from protocol.shard_files import METADATA, is_plain_file_name
+from protocol.files.shard_files import METADATA, is_plain_file_name
 from somatize.errors import ClientError
 
 __all__ = ["whole_states"]

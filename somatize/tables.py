@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from protocol.wording import listed, visible
+from protocol.text.wording import listed, visible
 from somatize.progress import event_text
 
 __all__ = [

@@ -4,7 +4,7 @@ What ``somatize`` prints comes largely from others: a job's name, a filter's err
 traceback, another client's job in the list. A filter that raises with an escape sequence in its
 message once rewrote the terminal of whoever ran ``somatize result``. :class:`VisibleConsole`
 writes the control characters of every string it prints as ``\\xNN``
-(:func:`protocol.wording.visible`; lines and tabs kept). Imported when a command runs (rich
+(:func:`protocol.text.wording.visible`; lines and tabs kept). Imported when a command runs (rich
 takes a moment to import).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-from protocol.wording import visible
+from protocol.text.wording import visible
 
 __all__ = ["VisibleConsole"]
 

@@ -46,8 +46,10 @@ ORDERS = {
     "protocol": [
         ["protocol.asyncio"],
         ["protocol.rules"],
+        ["protocol.files", "protocol.security"],
         ["protocol.options"],
         ["protocol"],
+        ["protocol.text"],
     ],
     "engine": [
         ["engine"],

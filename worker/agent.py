@@ -74,8 +74,8 @@ from protocol.asyncio.channel import Channel
 from protocol.asyncio.landing import Landing
 from protocol.asyncio.websocket import close_reason, tls_hint
 from protocol.errors import ErrorCode, RequestRefused
-from protocol.identity_proof import CHALLENGE_HEADER, prove, public_key
 from protocol.messages import Shutdown, WorkerHello
+from protocol.security.identity_proof import CHALLENGE_HEADER, prove, public_key
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
 from worker.daemon.pool import DaemonPool
@@ -413,9 +413,10 @@ class Agent:
 
     def _hello(self, channel: Channel, issued: str | None) -> WorkerHello:
         """This agent's hello; with an id its operator chose, its public identity key and its
-        proof of it for the coordinator's challenge ``issued`` (:mod:`protocol.identity_proof`):
-        the key itself never leaves the agent. (An id the coordinator assigned may be handed to
-        another agent after a coordinator restart: it is bound to no key.)"""
+        proof of it for the coordinator's challenge ``issued``
+        (:mod:`protocol.security.identity_proof`): the key itself never leaves the agent. (An id the
+        coordinator assigned may be handed to another agent after a coordinator restart: it is bound
+        to no key.)"""
         assert self._capabilities is not None
         secret, worker_id = self.config.identity_key, self.config.worker_id
         proven = secret is not None and worker_id is not None

@@ -34,10 +34,10 @@ from engine.data.datasets import parse_data_option
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.asyncio.loop import loop_factory
 from protocol.asyncio.memory import keep_freed_memory
-from protocol.identity_proof import fingerprint, public_key
-from protocol.log_lines import log_to
-from protocol.quantities import byte_count
-from protocol.token_file import token_file_problem
+from protocol.security.identity_proof import fingerprint, public_key
+from protocol.security.token_file import token_file_problem
+from protocol.text.log_lines import log_to
+from protocol.text.quantities import byte_count
 from worker.agent import Agent
 from worker.capabilities import memory_bytes
 from worker.config import AgentConfig

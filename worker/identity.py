@@ -4,7 +4,7 @@ The coordinator binds a worker id to the key of the first agent that registers w
 chosen with ``--id``); a later registration of that id with another key — someone holding the
 worker token, not the machine — is refused. The key never leaves the agent: its hello carries
 the public half of a key pair derived from it and a signature of the connection's challenge
-(:mod:`protocol.identity_proof`). The key lives
+(:mod:`protocol.security.identity_proof`). The key lives
 in ``--identity-file`` (by default ``~/.local/state/somatize/worker-<ID>.key``), created
 ``0600`` on the first start; a file that others can read is refused like a token file.
 """
@@ -15,7 +15,7 @@ import os
 import secrets
 from pathlib import Path
 
-from protocol.token_file import token_file_problem
+from protocol.security.token_file import token_file_problem
 
 __all__ = ["default_identity_file", "load_or_create_key"]
 

@@ -25,7 +25,7 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.daemon import LoadRequest
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError, RequestRefused
-from protocol.kept_files import files_at
+from protocol.files.kept_files import files_at
 from protocol.messages import (
     Ack,
     Call,
@@ -39,7 +39,7 @@ from protocol.messages import (
     ReadKept,
     Result,
 )
-from protocol.peer_credentials import matches
+from protocol.security.peer_credentials import matches
 from worker.config import AgentConfig
 from worker.daemon.pool import DaemonPool
 from worker.daemon.supervisor import DaemonSupervisor
@@ -338,8 +338,8 @@ class JobHandlers:
 
     def admit_peer(self, hello: PeerHello) -> None:
         """Whether a peer link may open: ``hello`` names a job open here and presents the
-        credential of the worker it claims to be (:mod:`protocol.peer_credentials`, compared in
-        constant time; a job unknown here is refused the same way).
+        credential of the worker it claims to be (:mod:`protocol.security.peer_credentials`,
+        compared in constant time; a job unknown here is refused the same way).
 
         Raises:
             RequestRefused: ``unauthorized``, naming only the job the hello named.

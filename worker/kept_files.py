@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import ErrorCode, FrameError, RequestRefused
-from protocol.kept_files import file_parts
+from protocol.files.kept_files import file_parts
 
 __all__ = ["KeptFiles"]
 
@@ -51,8 +51,8 @@ class KeptFiles:
         return self._directory
 
     def keep(self, job_id: str, files: Mapping[str, Any]) -> dict[str, Any]:
-        """Write ``files`` (by plain name: :func:`protocol.kept_files.files_at` checked them;
-        each bytes, or a value written as its frame: :func:`~protocol.kept_files.file_parts`)
+        """Write ``files`` (by plain name: :func:`protocol.files.kept_files.files_at` checked them;
+        each bytes, or a value written as its frame: :func:`~protocol.files.kept_files.file_parts`)
         of a call of ``job_id`` here; what the reply says in their place: ``{"kept": id,
         "files": {name: size}}``.
 

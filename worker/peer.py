@@ -252,7 +252,7 @@ class PeerLinks:
     async def connect(self, job_id: str, secret: str, worker_id: str, address: str) -> bool:
         """Open (or keep) a link to ``worker_id`` at ``address`` (``ws://`` or ``wss://``
         ``HOST:PORT``) for ``job_id``, presenting ``secret``: this worker's credential to it
-        (:mod:`protocol.peer_credentials`).
+        (:mod:`protocol.security.peer_credentials`).
 
         Returns ``False``, never raises, when the peer cannot be reached or refuses the hello
         within ``open_timeout``.

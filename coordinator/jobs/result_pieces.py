@@ -1,5 +1,5 @@
 """A sharded run's result as its replicas held it: each replica's pieces of the model, one file
-a replica, which the client reads a piece at a time and joins (:mod:`protocol.shard_pieces`).
+a replica, which the client reads a piece at a time and joins (:mod:`protocol.files.shard_pieces`).
 
 A DataParallel run sharded by FSDP2 ends with every replica's rows of each parameter
 (:class:`~coordinator.strategies.base.ShardedStates`). The job has each replica in turn leave
@@ -41,8 +41,8 @@ from coordinator.storage.kept_files import KeptFileSource, fetch
 from coordinator.strategies.base import ShardedStates
 from protocol.codec import decode
 from protocol.errors import ErrorCode, FrameError, PiecesMismatch
+from protocol.files.shard_pieces import PIECES_FILE, Layout
 from protocol.messages import MAX_READ_BYTES
-from protocol.shard_pieces import PIECES_FILE, Layout
 
 __all__ = ["ResultPieces", "answer", "kept"]
 
@@ -54,7 +54,7 @@ async def kept(
 ) -> dict[str, Any]:
     """Have each replica in turn leave its pieces on its worker, read them there
     ``piece_bytes`` at a time into their file (without ``files``: into the frame), check they
-    stack onto replica 0's (:class:`~protocol.shard_pieces.Layout`) and release them before
+    stack onto replica 0's (:class:`~protocol.files.shard_pieces.Layout`) and release them before
     the next replica's are read; what the store's row of kind ``pieces`` then holds: the
     replicas' count, the plain filters' states, the nodes (and the pieces' frames, kept in
     it).

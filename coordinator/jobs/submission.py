@@ -24,7 +24,7 @@ from protocol.rules.rows import (
     rows_of,
     step_not_alone,
 )
-from protocol.wording import capped, did_you_mean, listed
+from protocol.text.wording import capped, did_you_mean, listed
 
 __all__ = [
     "check_targets",

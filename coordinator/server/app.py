@@ -77,7 +77,6 @@ from protocol.errors import (
     UnexpectedHello,
     VersionMismatch,
 )
-from protocol.identity_proof import fingerprint, verified
 from protocol.messages import (
     Ack,
     ClientHello,
@@ -87,6 +86,7 @@ from protocol.messages import (
     WorkerHello,
     sandboxed,
 )
+from protocol.security.identity_proof import fingerprint, verified
 
 __all__ = ["WS_MAX_SIZE", "Coordinator", "connection_class_counted_in"]
 
@@ -446,8 +446,8 @@ class Coordinator:
     async def _identity_problem(self, hello: WorkerHello, issued: str | None) -> str | None:
         """Why a hello for an id its operator chose may not register (``None``: it may): it
         proves no key or another than the id enrolled with, or its proof does not verify
-        against its connection's challenge ``issued`` (:mod:`protocol.identity_proof`). An id
-        not enrolled yet is enrolled now with the key it proves (trust on first use)."""
+        against its connection's challenge ``issued`` (:mod:`protocol.security.identity_proof`). An
+        id not enrolled yet is enrolled now with the key it proves (trust on first use)."""
         assert self.store is not None and hello.worker_id is not None
         worker_id = hello.worker_id
         other_key = (

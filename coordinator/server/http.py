@@ -46,7 +46,7 @@ from coordinator.server.status import (
 )
 from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
-from protocol.identity_proof import CHALLENGE_HEADER, challenge
+from protocol.security.identity_proof import CHALLENGE_HEADER, challenge
 
 __all__ = ["HttpEndpoints", "authorized", "offered"]
 
@@ -99,7 +99,7 @@ class HttpEndpoints:
         self, connection: ServerConnection, request: Request, response: Response
     ) -> Response:
         """A ``/worker`` upgrade's answer carries a fresh challenge the worker's hello signs
-        (:mod:`protocol.identity_proof`), kept for its connection; ``websockets``'
+        (:mod:`protocol.security.identity_proof`), kept for its connection; ``websockets``'
         ``process_response`` hook."""
         if response.status_code == http.HTTPStatus.SWITCHING_PROTOCOLS and (
             request.path.split("?", 1)[0] == "/worker"

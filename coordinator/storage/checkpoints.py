@@ -61,8 +61,8 @@ from coordinator.storage.disk import (
 from coordinator.storage.kept_files import PIECE_BYTES, WHOLE_BYTES, KeptFileSource, fetch
 from protocol.codec import decode, encode
 from protocol.errors import FrameError
+from protocol.files.shard_files import is_plain_file_name
 from protocol.options.strategies import DEFAULT_KEEP_CHECKPOINTS
-from protocol.shard_files import is_plain_file_name
 
 __all__ = [
     "DEFAULT_CHECKPOINT_SECONDS",

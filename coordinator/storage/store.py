@@ -53,7 +53,7 @@ from coordinator.errors import (
     UnknownJob,
 )
 from coordinator.storage.schema import LOCK_NAME, DirLock, check_integrity, make_private, migrate
-from protocol.wording import capped
+from protocol.text.wording import capped
 
 __all__ = [
     "TERMINAL_STATES",

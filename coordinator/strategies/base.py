@@ -43,8 +43,8 @@ Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 class ShardedStates:
     """A sharded run's final states as its replicas hold them: ``keep(r)`` has replica ``r``
     of the ``replicas`` leave its pieces of the model on its worker's disk, while the run's
-    workers are still held: one file, :data:`~protocol.shard_pieces.PIECES_FILE` (its
-    ``dist_pieces`` answer, :mod:`protocol.shard_pieces`), to be read a piece at a time and
+    workers are still held: one file, :data:`~protocol.files.shard_pieces.PIECES_FILE` (its
+    ``dist_pieces`` answer, :mod:`protocol.files.shard_pieces`), to be read a piece at a time and
     released; ``plain``: the plain filters' states; ``node_ids``: the nodes. The job keeps
     the pieces one replica at a time (:mod:`coordinator.jobs.result_pieces`) and the client
     joins them: the whole model is never in the coordinator's memory, nor a replica's share

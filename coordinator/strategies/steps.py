@@ -18,7 +18,7 @@ from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.filter_buffers import FilterBuffer
 from protocol.messages import NodeInfo
 from protocol.rules import batching
-from protocol.wording import listed
+from protocol.text.wording import listed
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from protocol.daemon import DaemonRequest, command_fields
 from protocol.errors import ChannelClosed, ErrorCode, ErrorInfo, RemoteError
 from protocol.filter_buffers import FilterBuffer, as_buffer
 from protocol.messages import Call, CloseJob, DropKept, Links, OpenJob, PeerRoute, ReadKept
-from protocol.peer_credentials import credential, link_key
+from protocol.security.peer_credentials import credential, link_key
 
 CLOSE_TIMEOUT = 10.0
 """Seconds to wait for an agent to stop a job's daemon before giving up on it."""
@@ -81,7 +81,7 @@ class TransportContext(StrategyContext):
         self.replaced: list[WorkerRecord] = []  # the records of lost workers, for close()
         self.peer_secret = secrets.token_urlsafe(32)
         """The job's secret its workers' link keys are made from (never sent:
-        :mod:`protocol.peer_credentials`)."""
+        :mod:`protocol.security.peer_credentials`)."""
         self._loss: asyncio.Task[WorkerRecord] | None = None
         """Completes with the first of :attr:`records` whose connection closes
         (:meth:`_first_loss`)."""

@@ -58,7 +58,7 @@ from protocol.options.server_optimizers import (
     ServerOptions,
     server_options,
 )
-from protocol.wording import listed
+from protocol.text.wording import listed
 
 __all__ = [
     "COLLECTIVES",

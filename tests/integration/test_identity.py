@@ -23,8 +23,8 @@ import somatize as sz
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import send_hello
 from protocol.errors import ErrorCode, RemoteError
-from protocol.identity_proof import CHALLENGE_HEADER, fingerprint, prove, public_key
 from protocol.messages import Welcome, WorkerHello
+from protocol.security.identity_proof import CHALLENGE_HEADER, fingerprint, prove, public_key
 from somatize.cluster import BIN
 from somatize.errors import ClusterError
 from tests.integration.cluster import cluster, wait_for

@@ -174,7 +174,7 @@ PEER_SECRET = "the-job-peer-secret"
 
 def presented(sender: str, key: str = PEER_SECRET) -> str:
     """What worker ``sender`` presents on a peer link to the worker holding ``key``."""
-    from protocol.peer_credentials import credential
+    from protocol.security.peer_credentials import credential
 
     return credential(key, sender)
 

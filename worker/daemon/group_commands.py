@@ -29,8 +29,8 @@ from protocol.daemon import (
     PipePlanRequest,
     PipeTrainRequest,
 )
+from protocol.files.shard_pieces import PIECES_FILE
 from protocol.rules.batching import global_batches
-from protocol.shard_pieces import PIECES_FILE
 
 __all__ = ["GroupCommands"]
 

@@ -72,7 +72,7 @@ from protocol.daemon import (
 )
 from protocol.errors import ErrorCode, ErrorInfo, FrameError, RequestRefused
 from protocol.filters import load_filter
-from protocol.user_tracebacks import folded
+from protocol.text.user_tracebacks import folded
 from worker.daemon.allocator import HeapBound
 from worker.daemon.group_commands import GroupCommands
 from worker.daemon.pipe import FrameReader, FrameWriter

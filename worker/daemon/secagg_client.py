@@ -24,9 +24,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from engine.errors import EngineError
 from engine.nodes import Nodes
-from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode
+from protocol.security import secagg
 
 
 @dataclass

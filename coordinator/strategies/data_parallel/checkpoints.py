@@ -37,7 +37,7 @@ from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
 from protocol.errors import ErrorCode
-from protocol.shard_files import METADATA
+from protocol.files.shard_files import METADATA
 
 __all__ = ["KEPT", "ReplicaCheckpoints", "Shards", "SyncCheckpoints", "sync_payload"]
 

@@ -63,8 +63,8 @@ from coordinator.strategies.process_group import Broken
 from protocol.codec import decode
 from protocol.daemon import DistOuterStateRequest, DistTrainRequest, SnapshotWay
 from protocol.errors import ErrorCode
+from protocol.files.shard_files import SNAPSHOT_FILE
 from protocol.rules.batching import synchronises
-from protocol.shard_files import SNAPSHOT_FILE
 
 __all__ = [
     "SyncsOnTorch",

@@ -29,10 +29,10 @@ from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from coordinator.strategies.steps import OwnData, set_up
 from protocol.daemon import DistPiecesRequest, ScheduleRequest, StageRequest
 from protocol.errors import ErrorCode
+from protocol.files.shard_pieces import KEPT_AT, PIECES_FILE
 from protocol.filter_buffers import FilterBuffer
 from protocol.filters import split_rows
 from protocol.rules.rows import take_rows
-from protocol.shard_pieces import KEPT_AT, PIECES_FILE
 
 T = TypeVar("T")
 
@@ -333,7 +333,7 @@ class Replicas:
     async def pieces(self) -> ShardedStates:
         """A sharded run's final states as its replicas hold them: each replica's pieces of
         the model, one file its worker keeps for the job to read a piece at a time (no
-        collective), one replica after another (:mod:`protocol.shard_pieces`: the client
+        collective), one replica after another (:mod:`protocol.files.shard_pieces`: the client
         joins them); the plain filters before the torch nodes read from replica 0, which
         holds them as every replica does."""
         self.position.phase, self.position.step = "reading", None

@@ -2,7 +2,7 @@
 sum of the selected clients' weighted models, never one client's (Bonawitz et al. 2017,
 "Practical Secure Aggregation for Privacy-Preserving Machine Learning", Figure 4; over the
 sparse graph of SecAgg+, Bell et al. 2020). The clients' side is ``worker.daemon.secagg_client``;
-the primitives are :mod:`protocol.secagg`'s.
+the primitives are :mod:`protocol.security.secagg`'s.
 
 :class:`SecureRound` holds one round's state and makes each step's requests; the strategy runs
 them (:func:`each_client`), in this order::
@@ -15,7 +15,7 @@ them (:func:`each_client`), in this order::
 and :meth:`SecureRound.result` rebuilds each b_v and each dropped s_v (Shamir, from the
 threshold's number of shares), takes the self-masks and the dropped clients' pairwise masks off
 Σ y_u, and is left with Σ_{u∈U3} x_u: Σ n_u w_u and Σ n_u, the row-weighted mean of the
-survivors' models to within the quantization error (see :mod:`protocol.secagg`). A dropped
+survivors' models to within the quantization error (see :mod:`protocol.security.secagg`). A dropped
 client whose neighbours cannot rebuild its key, or a survivor whose self-mask they cannot,
 fails the round. Each client's example count n_u is known to the coordinator (its training's
 reply), its model is not.
@@ -44,10 +44,10 @@ from coordinator.strategies.aggregate import Tree, leaf_kind, like
 from coordinator.strategies.base import concurrently
 from coordinator.strategies.federated.cohort import Cohort, DroppedWorker, reasons
 from coordinator.strategies.federated.collection import Collection
-from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode
 from protocol.options.secure_aggregation import SecAggOptions
+from protocol.security import secagg
 
 
 @dataclass

@@ -39,7 +39,7 @@ from coordinator.strategies.steps import TrainingSettings, plain_prefix
 from protocol.errors import ErrorCode
 from protocol.options.devices import device_fits
 from protocol.options.strategies import ModelParallelOptions
-from protocol.wording import listed
+from protocol.text.wording import listed
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 

@@ -20,7 +20,7 @@ from coordinator.strategies import Local, ShardedStates
 from coordinator.workers.registry import WorkerState
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, RequestRefused
-from protocol.shard_pieces import PIECES_FILE
+from protocol.files.shard_pieces import PIECES_FILE
 from somatize.jobs import joined_states
 from tests.coordinator.jobs.harness import (
     Boom,

@@ -14,7 +14,7 @@ from coordinator.jobs.files import JobFiles
 from coordinator.jobs.pruning import Pruning
 from coordinator.jobs.retention import Ended, Retention, expired
 from coordinator.storage.store import JobStore, UnknownJob
-from protocol.quantities import byte_count, seconds
+from protocol.text.quantities import byte_count, seconds
 from tests.coordinator.storage.store_utils import Clock, running_job
 
 ENDED = [  # ended at 100, 200, ... 500; 10, 20, ... 50 bytes

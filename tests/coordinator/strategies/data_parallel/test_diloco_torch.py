@@ -23,8 +23,8 @@ from coordinator.strategies.data_parallel.diloco_torch import (
 from coordinator.strategies.federated.server_optimizers import FedAvgM
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode
+from protocol.files.shard_files import SNAPSHOT_FILE
 from protocol.options.server_optimizers import FedAvgMOptions
-from protocol.shard_files import SNAPSHOT_FILE
 
 
 def test_torch_sgds_buffers_are_saved_as_the_coordinators_outer_momentum_and_back():

@@ -15,11 +15,11 @@ from coordinator.context import InMemoryContext, WorkerCallError
 from coordinator.strategies import FedAvg, StrategyFailed, StrategyOptionsError, strategy_from_spec
 from engine.engine import Engine
 from engine.errors import EngineError
-from protocol import secagg
 from protocol.daemon import SecAggRequest
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.options.secure_aggregation import SecAggOptions
 from protocol.options.strategies import FedAvgOptions
+from protocol.security import secagg
 from tests.coordinator.strategies.federated.test_fedavg import LR, D, OwnData, job_inputs, run
 from tests.coordinator.strategies.federated.test_privacy import client_data, private_graph
 from tests.utils import Center

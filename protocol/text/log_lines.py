@@ -5,7 +5,7 @@ A coordinator's log quotes what clients and workers sent it — a job's name, a 
 and a newline or an escape sequence there once wrote lines that looked like the coordinator's
 own (``2026-12-05 ... INFO worker w9 connected``) or rewrote the terminal showing them. Each
 record's message is written with its control characters escaped
-(:func:`protocol.wording.visible`, newlines included); a traceback logged with it keeps its
+(:func:`protocol.text.wording.visible`, newlines included); a traceback logged with it keeps its
 lines.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TextIO
 
-from protocol.wording import visible
+from protocol.text.wording import visible
 
 __all__ = ["FORMAT", "OneLineFormatter", "log_to"]
 

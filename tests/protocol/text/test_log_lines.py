@@ -1,4 +1,4 @@
-"""protocol.log_lines: a log record is one line, whatever it quotes (issue 53: a job's name
+"""protocol.text.log_lines: a log record is one line, whatever it quotes (issue 53: a job's name
 and an error text forged coordinator log lines, escape codes included)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import logging
 
-from protocol.log_lines import FORMAT, OneLineFormatter
+from protocol.text.log_lines import FORMAT, OneLineFormatter
 
 
 def test_a_record_quoting_a_forged_line_and_escapes_stays_one_visible_line():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.shard_pieces import PiecesMismatch, check, joined
+from protocol.files.shard_pieces import PiecesMismatch, check, joined
 
 
 def _rows(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:

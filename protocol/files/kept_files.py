@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protocol.codec import encode
-from protocol.shard_files import is_plain_file_name
+from protocol.files.shard_files import is_plain_file_name
 
 __all__ = ["file_parts", "files_at"]
 

@@ -14,7 +14,7 @@ import linecache
 import re
 import traceback
 
-from protocol.code_owners import file_owner
+from protocol.text.code_owners import file_owner
 
 __all__ = ["folded", "with_source"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.shard_files import METADATA, is_plain_file_name
+from protocol.files.shard_files import METADATA, is_plain_file_name
 
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", METADATA, "a.b", "shard-1"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import somatize as sz
-from protocol.user_tracebacks import folded, with_source
+from protocol.text.user_tracebacks import folded, with_source
 
 
 class Picky(torch.nn.Module):

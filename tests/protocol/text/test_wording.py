@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocol.wording import LISTED, listed
+from protocol.text.wording import LISTED, listed
 
 
 def test_a_short_list_is_shown_whole_and_a_long_one_cut_with_its_count():
@@ -16,7 +16,7 @@ def test_a_short_list_is_shown_whole_and_a_long_one_cut_with_its_count():
 
 
 def test_text_others_wrote_shows_what_it_says():
-    from protocol.wording import visible
+    from protocol.text.wording import visible
 
     sent = "bad\x1b[2J\x1b]0;owned\x07 \u202eexe.txt\rnext\tline\nline two"
     assert visible(sent) == ("bad\\x1b[2J\\x1b]0;owned\\x07 \\u202eexe.txt\\rnext\tline\nline two")

@@ -2,7 +2,7 @@
 installed package's.
 
 Two things ask: :mod:`protocol.filters` (a user's own modules are pickled by value, everything
-else by reference) and :mod:`protocol.user_tracebacks` (a user's frames are shown, the others
+else by reference) and :mod:`protocol.text.user_tracebacks` (a user's frames are shown, the others
 folded).
 """
 
@@ -17,7 +17,7 @@ __all__ = ["OUR_PACKAGES", "file_owner", "is_user_module"]
 
 # This project's top-level packages: installed on every worker, never the user's.
 OUR_PACKAGES = ("protocol", "engine", "worker", "coordinator", "somatize")
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 # The standard library's and the installed packages' folders, longest first: site-packages may
 # lie inside the standard library's folder.
 _INSTALLED = tuple(

@@ -7,7 +7,7 @@ import base64
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from protocol.identity_proof import challenge, fingerprint, prove, public_key, verified
+from protocol.security.identity_proof import challenge, fingerprint, prove, public_key, verified
 
 SECRET = "an agent's identity secret"
 
