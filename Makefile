@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Debian's chromium: the status page's test drives it (tests/integration/test_status_page.py).
+# Debian's chromium: the status page's test drives it
+# (tests/integration/user_facing/test_status_page.py).
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -24,7 +25,7 @@ browser:
 			apt-get install -y -q --no-install-recommends chromium; }
 
 # Installs Debian's bubblewrap when it is missing: workers sandbox job code with it
-# (worker/daemon/sandbox.py; tests/integration/test_sandbox.py).
+# (worker/daemon/sandbox.py; tests/integration/security/test_sandbox.py).
 bubblewrap:
 	@command -v bwrap >/dev/null || { \
 		$(SUDO) apt-get update -q && \
@@ -32,7 +33,7 @@ bubblewrap:
 			apt-get install -y -q --no-install-recommends bubblewrap; }
 
 # Installs Debian's tcmalloc when it is missing: workers' filter daemons allocate with it
-# (worker/daemon/allocator.py; tests/integration/test_daemon_malloc.py).
+# (worker/daemon/allocator.py; tests/integration/resources/test_daemon_malloc.py).
 tcmalloc:
 	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { \
 		$(SUDO) apt-get update -q && \

@@ -39,7 +39,7 @@ from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC
 from protocol.messages import CHUNK_BYTES, ClientHello, Status
 from somatize.connection import client_url
-from tests.integration.test_sandbox import Probe, _sleeping
+from tests.integration.security.test_sandbox import Probe, _sleeping
 
 ANNOUNCED = 2 << 30
 """Bytes each trickled message announces (the attack's 2 GiB)."""

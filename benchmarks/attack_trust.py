@@ -45,7 +45,7 @@ from tests.coordinator.strategies.data_parallel.test_star_compression import (
     run,
 )
 from tests.engine.test_dcp_metadata import dotted_call
-from tests.integration.test_sandbox import Fills
+from tests.integration.security.test_sandbox import Fills
 
 FLOODS = 2
 """Worker ids flooding the coordinator with unasked messages (the attack's two)."""

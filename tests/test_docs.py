@@ -2,8 +2,8 @@
 link between them points at a file or a heading that is not there (pure: reads files only).
 
 The README's walk from the demo to one's own model is run by
-``tests/integration/test_readme.py``; the generated pages (benchmarks, reliability, security)
-are checked by ``tests/benchmarks/``.
+``tests/integration/user_facing/test_readme.py``; the generated pages (benchmarks, reliability,
+security) are checked by ``tests/benchmarks/``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class Cluster(LocalCluster):
     torch import and a warm-up, about 3 s of CPU, and most tests run one job and stop. Its
     workers run ``--sandbox none`` unless asked: a sandboxed daemon is started anew for each
     job (2-3 s of CPU, where the fork server forks one in milliseconds);
-    :mod:`tests.integration.test_sandbox` runs them sandboxed."""
+    :mod:`tests.integration.security.test_sandbox` runs them sandboxed."""
 
     def __init__(
         self,

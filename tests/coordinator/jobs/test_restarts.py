@@ -1,6 +1,6 @@
 """``max_restarts`` in the job manager: which faults restart a job, that a restart goes to the
 head of the queue on the workers there are, and how one ends when none come or it is cancelled
-while it waits. (Resuming from the checkpoint, live: tests/integration/test_restarts.py.)"""
+while it waits. (Resuming from the checkpoint, live: tests/integration/faults/test_restarts.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """worker.daemon.sandbox and sandbox_root, the logic: which directories a root agent covers so
 that an unprivileged uid reaches the environment, what bubblewrap is told, and a daemon's
 process tree put in its cgroup whole (the sandbox itself, on live workers:
-tests/integration/test_sandbox.py)."""
+tests/integration/security/test_sandbox.py)."""
 
 from __future__ import annotations
 

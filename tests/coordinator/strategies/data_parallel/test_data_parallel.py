@@ -1,5 +1,5 @@
 """DataParallel against an independent plain-torch loop: in-memory workers here, live ones in
-tests/integration/test_strategies.py. Both use :func:`reference_training`."""
+tests/integration/strategies/test_data_parallel_live.py. Both use :func:`reference_training`."""
 
 from __future__ import annotations
 

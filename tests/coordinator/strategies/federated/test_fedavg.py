@@ -1,7 +1,7 @@
 """FedAvg and FedProx on in-memory workers, against independent plain-torch local trainings and
 a hand-written weighted average (McMahan et al. 2017, Algorithm 1), server update (Reddi et al.
 2021) and proximal term (Li et al. 2020). The live counterpart is
-tests/integration/test_fedavg_live.py; both use :func:`reference_rounds`."""
+tests/integration/strategies/test_fedavg_live.py; both use :func:`reference_rounds`."""
 
 from __future__ import annotations
 

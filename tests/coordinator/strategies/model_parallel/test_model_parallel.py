@@ -1,5 +1,5 @@
 """ModelParallel against single-process training of the unsplit model (a plain torch loop here),
-on in-memory stages; live stages are in tests/integration/test_model_parallel_live.py."""
+on in-memory stages; live stages are in tests/integration/strategies/test_model_parallel_live.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 
 import somatize as sz
 from tests.integration.cluster import cluster
-from tests.integration.test_data_parallel_live import daemons_of
+from tests.integration.strategies.test_data_parallel_live import daemons_of
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration

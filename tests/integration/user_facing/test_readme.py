@@ -27,7 +27,7 @@ from tests.utils import UNIT, said_port, stop_groups
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 SECTION = "## From the demo to your own model"
 

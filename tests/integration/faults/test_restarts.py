@@ -25,8 +25,8 @@ from tests.coordinator.strategies.federated.test_fedavg import (
 )
 from tests.coordinator.strategies.federated.test_fedavg import graph as fedavg_graph
 from tests.integration.cluster import cluster, wait_for
-from tests.integration.test_fedavg_live import Pause
-from tests.integration.test_resume import _checkpointed_at, paced
+from tests.integration.faults.test_resume import _checkpointed_at, paced
+from tests.integration.strategies.test_fedavg_live import Pause
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from tests.utils import UNIT
 pytestmark = pytest.mark.integration
 
 ROWS, D = 90, 5
-EXAMPLE = Path(__file__).parents[2] / "examples" / "csv_loader_job.py"
+EXAMPLE = Path(__file__).parents[3] / "examples" / "csv_loader_job.py"
 
 
 class Notes(torch.utils.data.Dataset):

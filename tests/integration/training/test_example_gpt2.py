@@ -25,7 +25,7 @@ from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt2_job.py"
+EXAMPLE = Path(__file__).parents[3] / "examples" / "gpt2_job.py"
 BIN = Path(sys.executable).parent
 SIZES = {"GPT2_STEPS": "3", "GPT2_ROWS": "80", "GPT2_VAL_ROWS": "16", "GPT2_VALIDATE_EVERY": "1"}
 

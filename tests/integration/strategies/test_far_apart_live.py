@@ -30,7 +30,7 @@ from tests.coordinator.strategies.data_parallel.test_star_compression import (
 )
 from tests.integration.cluster import Cluster, cluster, wait_for
 from tests.integration.netns import Netns, NetnsUnavailable
-from tests.integration.test_data_parallel_live import daemons_of
+from tests.integration.strategies.test_data_parallel_live import daemons_of
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration

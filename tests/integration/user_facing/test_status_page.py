@@ -33,7 +33,7 @@ from tests.utils import UNIT, Sleepy
 
 pytestmark = pytest.mark.integration
 
-ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "status-page.png"
+ARTIFACT = Path(__file__).resolve().parents[3] / "artifacts" / "status-page.png"
 TABLES = """(() => {
   const connection = document.getElementById("conn-text");
   if (connection === null) return null;  // still about:blank, or not our page

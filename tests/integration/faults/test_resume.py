@@ -27,7 +27,7 @@ from tests.coordinator.strategies.federated.test_fedavg import (
 )
 from tests.coordinator.strategies.federated.test_fedavg import graph as fedavg_graph
 from tests.integration.cluster import cluster, wait_for
-from tests.integration.test_fedavg_live import Pause
+from tests.integration.strategies.test_fedavg_live import Pause
 from tests.utils import UNIT
 
 pytestmark = pytest.mark.integration

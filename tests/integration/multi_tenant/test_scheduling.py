@@ -29,7 +29,7 @@ from tests.coordinator.strategies.data_parallel.test_data_parallel import (
     reference_training,
 )
 from tests.integration.cluster import Cluster, cluster, wait_for
-from tests.integration.test_resume import _checkpointed_at, paced
+from tests.integration.faults.test_resume import _checkpointed_at, paced
 from tests.utils import UNIT, Sleepy
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from tests.coordinator.strategies.model_parallel.test_model_parallel import (
     reference,
 )
 from tests.integration.cluster import cluster
-from tests.integration.test_resume import _checkpointed_at
+from tests.integration.faults.test_resume import _checkpointed_at
 from tests.utils import UNIT, Center
 
 pytestmark = pytest.mark.integration
