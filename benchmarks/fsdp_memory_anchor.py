@@ -3,9 +3,9 @@ processes over gloo, on the same model, optimizer and batches, without a coordin
 worker or a daemon: what FSDP2 itself holds per rank while it trains.
 
 Each rank builds the L × Linear(W, W) model whole (seeded), shards every layer and then the
-whole as the daemons do (:class:`engine.sharding.ShardedRun`'s default units), makes Adam over
-the shards, and trains the same global batches (``rows`` rows, ``batch`` a step, each rank its
-``batch / N`` rows of each). Its peak resident memory is read from ``VmHWM`` — reset once the
+whole as the daemons do (:class:`engine.data_parallel.sharding.ShardedRun`'s default units), makes
+Adam over the shards, and trains the same global batches (``rows`` rows, ``batch`` a step, each rank
+its ``batch / N`` rows of each). Its peak resident memory is read from ``VmHWM`` — reset once the
 model is sharded (``/proc/self/clear_refs``), so the whole model it was built from does not
 count, as the daemons' loading phase is apart from their training — over its resident memory
 before the model was built (its Python, torch and gloo), as the daemons' figure is over their

@@ -13,10 +13,10 @@ training loop exists anywhere.
 * :mod:`engine.evaluation`, :mod:`engine.metrics` — validation loss and metrics;
 * :mod:`engine.gradients` — reading and applying gradients;
 * :mod:`engine.stepping` — learning-rate schedules, clipping, accumulation;
-* :mod:`engine.replica` — a data-parallel replica in a torch.distributed group, and the loop
-  it runs;
-* :mod:`engine.stage`, :mod:`engine.linked_stage` — a pipeline stage, driven by calls or
-  running its own schedule over torch.distributed (the loop a linked stage runs);
+* :mod:`engine.data_parallel` — a data-parallel replica in a torch.distributed group and the
+  loop it runs, its FSDP2 shards, DiLoCo's outer step, its gradients' compression;
+* :mod:`engine.pipeline` — a pipeline stage, driven by calls or running its own schedule over
+  torch.distributed (the loop a linked stage runs);
 * :mod:`engine.group_member` — joining a torch.distributed group;
 * :mod:`engine.transfer` — devices and precision;
 * :mod:`engine.data` — datasets and the row readers behind them.

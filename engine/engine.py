@@ -17,11 +17,11 @@ each a class of its own that is handed the collaborators it uses:
   training loop (:mod:`engine.fitting`, :mod:`engine.training`);
 * :attr:`Engine.gradients` — reading and applying gradients (:mod:`engine.gradients`);
 * :attr:`Engine.stage` — the nodes as one stage of a pipeline, driven by calls
-  (:mod:`engine.stage`);
+  (:mod:`engine.pipeline.stage`);
 * :attr:`Engine.group` — membership of a torch.distributed group (:mod:`engine.group_member`),
   which two parts train over: :attr:`Engine.replica`, one replica of a data-parallel group
-  (:mod:`engine.replica`), and :attr:`Engine.linked_stage`, a pipeline stage running its own
-  schedule (:mod:`engine.linked_stage`).
+  (:mod:`engine.data_parallel.replica`), and :attr:`Engine.linked_stage`, a pipeline stage running
+  its own schedule (:mod:`engine.pipeline.linked_stage`).
 
 An engine trains on one device (``Engine(device="cuda:0")``; default the CPU): modules move there
 when loaded and stay, batches move there once each, and everything the engine hands out is on the
@@ -36,16 +36,16 @@ from typing import Any
 import torch
 
 from engine.batches import num_rows
+from engine.data_parallel.replica import Replica
 from engine.evaluation import Evaluation
 from engine.fitting import FitResult, FitSettings, Fitting
 from engine.gradients import Gradients
 from engine.group_member import GroupMember
 from engine.held_rows import HeldRows
-from engine.linked_stage import LinkedStage
 from engine.nodes import DifferentiableFilter, Nodes, is_differentiable
 from engine.optimizers import Optimizers
-from engine.replica import Replica
-from engine.stage import PipelineStage
+from engine.pipeline.linked_stage import LinkedStage
+from engine.pipeline.stage import PipelineStage
 from engine.transfer import engine_device
 
 __all__ = [

@@ -15,8 +15,8 @@ names it (``GLOO_SOCKET_IFNAME``), a member takes the interface whose address th
 to the rendezvous from (:func:`interface_towards`), never the one its host name resolves to: a
 host name that resolves to 127.0.0.1 would have it offer the others a loopback address.
 
-What a group is used for lives apart: data-parallel training (:mod:`engine.replica`) and
-pipeline stages sending activations to each other (:mod:`engine.linked_stage`).
+What a group is used for lives apart: data-parallel training (:mod:`engine.data_parallel.replica`)
+and pipeline stages sending activations to each other (:mod:`engine.pipeline.linked_stage`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ SIOCGIFADDR = 0x8915
 class GroupMember:
     """The rendezvous (on replica 0) and the process group of this daemon.
 
-    What trains over the group — a replica's plan (:mod:`engine.replica`), a linked stage's
-    (:mod:`engine.linked_stage`) — is dropped with it: each registers with :meth:`on_leave`.
+    What trains over the group — a replica's plan (:mod:`engine.data_parallel.replica`), a linked
+    stage's (:mod:`engine.pipeline.linked_stage`) — is dropped with it: each registers with
+    :meth:`on_leave`.
 
     Args:
         device: the engine's device (NCCL binds the group to it).

@@ -11,9 +11,9 @@ DCP's own reader (:func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_
 for :meth:`somatize.jobs.Job.checkpoint`.
 
 DCP reads the ``.metadata`` with plain :mod:`pickle`, which would run whatever code a forged
-one names: it is first read here as :func:`engine.dcp_metadata.checked_metadata` reads it (an
-exact list of DCP's metadata classes, tensors only, plain file names), so a checkpoint runs no
-code of the workers' on the client, as a result or a saved graph does not; DCP then reads the
+one names: it is first read here as :func:`engine.data_parallel.dcp_metadata.checked_metadata` reads
+it (an exact list of DCP's metadata classes, tensors only, plain file names), so a checkpoint runs
+no code of the workers' on the client, as a result or a saved graph does not; DCP then reads the
 same bytes. The shards themselves DCP reads with ``torch.load(weights_only=True)``.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from engine.dcp_metadata import MetadataRefused, checked_metadata
+from engine.data_parallel.dcp_metadata import MetadataRefused, checked_metadata
 from protocol.files.shard_files import METADATA, is_plain_file_name
 from somatize.errors import ClientError
 

@@ -52,7 +52,9 @@ ORDERS = {
         ["protocol.text"],
     ],
     "engine": [
-        ["engine"],
+        ["engine.engine"],  # the parts wired together
+        ["engine.data_parallel", "engine.pipeline"],
+        ["engine"],  # the training core: nodes, optimizers, the loop, a group to train in
         ["engine.data"],
         ["engine.errors"],
     ],

@@ -1,8 +1,9 @@
 """Streaming DiLoCo's fragments (Douillard et al. 2025, "Streaming DiLoCo with overlapping
 communication"): which parameters each fragment holds, and after which steps each synchronises.
 
-Shared by the replicas (:mod:`engine.outer_step`), the coordinator (the ``placed`` event's peak
-bytes) and the tests' hand-written loops, so all three cut and schedule alike. Pure functions.
+Shared by the replicas (:mod:`engine.data_parallel.outer_step`), the coordinator (the ``placed``
+event's peak bytes) and the tests' hand-written loops, so all three cut and schedule alike. Pure
+functions.
 
 * :func:`fragment_pieces` cuts a model's parameters, flattened and laid end to end in their
   order, into ``fragments`` contiguous runs of equal numbers of values (within one): a

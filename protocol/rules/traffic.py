@@ -72,7 +72,8 @@ def sync_bytes(shapes: Sequence[Sequence[int]], compression: str | None = None) 
 def buckets(nbytes: Sequence[int]) -> list[list[int]]:
     """The tensors of ``nbytes`` bytes each, in order, cut in runs of at most
     :data:`BUCKET_BYTES` (a larger one alone): each run's indices. DiLoCo's synchronisation
-    all-reduces one run at a time (``engine.outer_step``), and its bytes are counted so."""
+    all-reduces one run at a time (``engine.data_parallel.outer_step``), and its bytes are counted
+    so."""
     runs: list[list[int]] = []
     size = 0
     for k, n in enumerate(nbytes):

@@ -9,8 +9,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from engine.data_parallel.replica import ReplicaPlan
 from engine.engine import Engine
-from engine.replica import ReplicaPlan
 from protocol.asyncio.memory import map_tensor_blocks
 from protocol.daemon import (
     DistEvaluateRequest,

@@ -3,12 +3,13 @@ stepping alone between synchronisations and an outer step at each.
 
 On the torch collective the coordinator's part is DataParallel's (it is the rendezvous and the
 clock, and never touches a weight): the replicas are told the outer step with their plan
-(:class:`~protocol.daemon.OuterStepSpec`) and run it themselves (:mod:`engine.outer_step`).
+(:class:`~protocol.daemon.OuterStepSpec`) and run it themselves
+(:mod:`engine.data_parallel.outer_step`).
 
 Through the coordinator — workers that cannot reach each other, behind NAT — each replica trains
-``alone`` (no group: :mod:`engine.replica`) from one synchronisation to the next, and at each
-the coordinator reads every replica's weights, averages them (x̄, the mean of the replicas' local
-models) and takes the outer step on the global weights it keeps: Nesterov SGD on the
+``alone`` (no group: :mod:`engine.data_parallel.replica`) from one synchronisation to the next, and
+at each the coordinator reads every replica's weights, averages them (x̄, the mean of the replicas'
+local models) and takes the outer step on the global weights it keeps: Nesterov SGD on the
 pseudo-gradient x − x̄ is :class:`~coordinator.strategies.federated.server_optimizers.FedAvgM`
 with ``nesterov`` (x + η (Δ + β m), Δ = x̄ − x), the same maths the replicas run over a group.
 It then sets every replica to the new global weights. Each replica keeps its inner optimizer.
@@ -17,7 +18,7 @@ With ``compression`` the weights do not travel: each replica sends its pseudo-gr
 the coordinator averages them into Δ̄, takes the outer step on −Δ̄ alone (Nesterov's update
 needs no weights: η (−Δ̄ + β m)) and sends that update encoded (int8 with its own error
 feedback), which each replica adds to its weights of the last synchronisation
-(:class:`engine.outer_step.SyncPoint`).
+(:class:`engine.data_parallel.outer_step.SyncPoint`).
 
 Either way the synchronisations fall after every ``sync_every`` steps counted over the run, as the
 paper and torchft count H, and after the run's last (:func:`protocol.rules.batching.synchronises`);
@@ -26,7 +27,7 @@ and wherever the model is read — an epoch's validation, ``validate_every`` —
 see the global model, which every replica holds alike. An epoch's history row without validation
 needs no synchronisation: it is the replicas' inner losses. Streaming DiLoCo's validation needs
 none either: a replica evaluates the global model its fragments hold
-(:meth:`engine.outer_step.OuterStep.global_weights`).
+(:meth:`engine.data_parallel.outer_step.OuterStep.global_weights`).
 
 On the torch group a DiLoCo job that is ``elastic``, saves checkpoints or may restart keeps what
 outlives a replica on the replicas (:mod:`.diloco_torch`): checkpoints are left on the workers

@@ -2,9 +2,10 @@
 synchronisation, and elastic rounds — the coordinator the quorum keeper (torchft's Lighthouse),
 the tensors never through it.
 
-The replicas keep the global model and the outer momentum themselves (:mod:`engine.outer_step`),
-so what a checkpoint or a joiner needs is on them. Chunks end at synchronisations
-(:func:`protocol.rules.batching.synchronises`), where every replica holds the global model.
+The replicas keep the global model and the outer momentum themselves
+(:mod:`engine.data_parallel.outer_step`), so what a checkpoint or a joiner needs is on them. Chunks
+end at synchronisations (:func:`protocol.rules.batching.synchronises`), where every replica holds
+the global model.
 
 **Checkpoints.** The chunk that ends at the synchronisation a checkpoint falls due at
 (:class:`~.checkpoints.SyncCheckpoints`) has every replica leave its inner optimizer state on
@@ -22,11 +23,11 @@ the plan is taken.
 **Elastic** (one round a chunk). A replica whose worker or daemon is lost mid-round takes no
 further part: the others train the round out alone (nothing crosses the network between
 synchronisations) and the group breaks in its synchronisation. Each survivor stands as before
-it, owing it (:mod:`engine.replica`); the coordinator reports the lost (``worker_lost``,
-``worker_dropped``), forms the group again with the survivors — each keeping its local weights,
-global weights and outer momentum, its place among the replicas unchanged — and has them make
-the synchronisation: the round's average is the survivors'. Then each lost replica's place is
-taken by a worker idle now (its own, with a fresh daemon, when only the daemon died), set to a
+it, owing it (:mod:`engine.data_parallel.replica`); the coordinator reports the lost
+(``worker_lost``, ``worker_dropped``), forms the group again with the survivors — each keeping its
+local weights, global weights and outer momentum, its place among the replicas unchanged — and has
+them make the synchronisation: the round's average is the survivors'. Then each lost replica's place
+is taken by a worker idle now (its own, with a fresh daemon, when only the daemon died), set to a
 survivor's states (the global model), inner optimizer state and outer momentum, and the group is
 formed once more with it (``worker_joined``): it trains from the next round. A place nobody takes
 stays empty, tried again at each synchronisation. A model with buffers, which DDP broadcasts at

@@ -12,8 +12,8 @@ reason says why either way.
 :class:`TorchTraining` then runs the training phase. Every replica joins one process group
 through that store (gloo, NCCL when every replica is on CUDA) with the plan they all walk, and
 is told to train a *chunk* of global steps at a time: per step its slice, forward, backward with
-DDP's bucketed all-reduce, one optimizer step (:mod:`engine.replica`). The coordinator never
-touches a gradient; per chunk it receives each replica's losses and emits one progress event
+DDP's bucketed all-reduce, one optimizer step (:mod:`engine.data_parallel.replica`). The coordinator
+never touches a gradient; per chunk it receives each replica's losses and emits one progress event
 (``step``: the steps done, ``losses``: each step's of the chunk); the chunks grow and are
 sent ahead as :mod:`coordinator.strategies.chunks` says — the next while one trains — except
 where the coordinator reads the replicas in between (an epoch's evaluation) or could have to
@@ -21,8 +21,8 @@ undo it (``elastic``). A checkpoint does not stop it: the
 chunk that ends where one falls due carries it in its reply (``snapshot``: replica 0's states
 and optimizer states, a sharded run's every replica's shards as torch.distributed.checkpoint
 saved them), so training goes on while the snapshot travels and is written.
-The loop over steps is the replicas' own (``engine.replica``); the coordinator's, over chunks
-that end where a checkpoint falls due, has no round to configure or aggregate.
+The loop over steps is the replicas' own (``engine.data_parallel.replica``); the coordinator's, over
+chunks that end where a checkpoint falls due, has no round to configure or aggregate.
 
 Faults. When a call of a chunk fails, the others are given the collective timeout to end and
 are cancelled after it (:func:`~coordinator.strategies.process_group.settle`). Without
@@ -162,7 +162,8 @@ class TorchTraining:
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     outer: OuterStepSpec | None = None  # DiLoCo's: the replicas step alone, synchronising
     compression: str | None = None  # what the gradients travel as (DDP's communication hooks)
-    sharding: Sharding = "none"  # FSDP2 on the replicas: "full" or "gradients" (engine.sharding)
+    # FSDP2 on the replicas: "full" or "gradients" (engine.data_parallel.sharding)
+    sharding: Sharding = "none"
     shard_units: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -10,14 +10,14 @@ CPU, so the group is gloo's even on CUDA workers.
 the pipeline), the last stage is sent the labels once, and each stage takes its plan: the
 micro-batches of every global batch — cut as the WebSocket path cuts them — and its own
 actions of the schedule (:mod:`~coordinator.strategies.model_parallel.schedule`, GPipe or 1F1B).
-Then every stage is told to train a chunk of global batches at a time (:mod:`engine.linked_stage`):
-one call per stage per chunk, one progress event per chunk with each batch's loss, the chunks
-growing and the next sent while one trains (:mod:`coordinator.strategies.chunks`) except where
-an epoch's evaluation reads the model between them. A checkpoint does not stop it: the chunk
-that ends where one falls due carries every stage's states and optimizer states in its replies
-(``snapshot``), saved while the next chunk trains. A stage lost mid-chunk breaks the group, its
-neighbours' receives fail at once, and the job fails naming the lost stage and worker — never a
-hang.
+Then every stage is told to train a chunk of global batches at a time
+(:mod:`engine.pipeline.linked_stage`): one call per stage per chunk, one progress event per chunk
+with each batch's loss, the chunks growing and the next sent while one trains
+(:mod:`coordinator.strategies.chunks`) except where an epoch's evaluation reads the model between
+them. A checkpoint does not stop it: the chunk that ends where one falls due carries every stage's
+states and optimizer states in its replies (``snapshot``), saved while the next chunk trains. A
+stage lost mid-chunk breaks the group, its neighbours' receives fail at once, and the job fails
+naming the lost stage and worker — never a hang.
 """
 
 from __future__ import annotations

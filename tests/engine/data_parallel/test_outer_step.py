@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.data_parallel.outer_step import OuterStep, SyncPoint
 from engine.engine import Engine
 from engine.errors import EngineError
-from engine.outer_step import OuterStep, SyncPoint
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import somatize as sz
+from engine.data_parallel.replica import ReplicaPlan
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.group_member import GroupMember, interface_towards
-from engine.replica import ReplicaPlan
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter, load_filter, split_rows

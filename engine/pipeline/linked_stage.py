@@ -9,7 +9,7 @@ they are told (:meth:`LinkedStage.train`, the loop a linked stage runs), as
 ``torch.distributed.pipelining`` does: per
 action a forward (input from the staged rows, or received from the stage before; output sent on) or
 a backward (the output's gradient received from the stage after; the input's sent back), through
-the very :meth:`~engine.stage.PipelineStage.stage_forward` and ``stage_backward`` the
+the very :meth:`~engine.pipeline.stage.PipelineStage.stage_forward` and ``stage_backward`` the
 WebSocket path uses, then one optimizer step. Sends are asynchronous and waited for at the end
 of the batch, so a stage never blocks on a neighbour that is itself waiting to receive.
 
@@ -37,7 +37,7 @@ from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
 from engine.nodes import Nodes
 from engine.optimizers import Optimizers
-from engine.stage import PipelineStage
+from engine.pipeline.stage import PipelineStage
 from engine.stepping import current_lr
 from protocol.errors import ErrorCode
 from protocol.rules.clipping import clip_coefficient

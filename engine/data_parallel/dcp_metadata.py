@@ -12,8 +12,8 @@ it, so each of them reads it here first, with :func:`checked_metadata`:
   allowed module, attribute by attribute: a dotted name is refused whatever its module);
 * then the object it built is checked as DCP will use it: tensors only (DCP reads a
   ``BytesStorageMetadata`` item with ``torch.load(weights_only=False)``, which would run code;
-  :meth:`engine.sharding.ShardedRun.save_shards` never writes one), every storage item in a
-  plain file name of the same folder at a non-negative offset and length, and no stream
+  :meth:`engine.data_parallel.sharding.ShardedRun.save_shards` never writes one), every storage item
+  in a plain file name of the same folder at a non-negative offset and length, and no stream
   transforms (none is written here).
 
 :class:`CheckedReader` is DCP's file-system reader with that read in place of its own, so a

@@ -14,14 +14,14 @@ slice's mean loss by ``rows · world / batch`` first, and the average is the gra
 global batch's mean loss. A replica with no rows in a step still takes part (every all-reduce
 needs every rank): it runs one held row through the model with its loss times zero.
 
-A plan with an ``outer`` step is DiLoCo's (:mod:`engine.outer_step`): the same loop with no
-all-reduce in the backward (DDP's ``no_sync``), each replica stepping on its own slice's
+A plan with an ``outer`` step is DiLoCo's (:mod:`engine.data_parallel.outer_step`): the same loop
+with no all-reduce in the backward (DDP's ``no_sync``), each replica stepping on its own slice's
 gradient, and after the steps that end a round the replicas' pseudo-gradients averaged and one
 outer step taken on the global weights.
 
 A plan with ``sharding`` shards the run with FSDP2 instead of wrapping it in DDP
-(:mod:`engine.sharding`): the same loop, each replica holding a shard of every parameter,
-gradient and optimizer moment. A checkpoint saves every replica's shards with
+(:mod:`engine.data_parallel.sharding`): the same loop, each replica holding a shard of every
+parameter, gradient and optimizer moment. A checkpoint saves every replica's shards with
 torch.distributed.checkpoint, as files the chunk's reply carries, and a resumed run loads them
 back, each replica the rows it holds (:meth:`Replica.load_shards`); the coordinator reads each
 replica's shards of the model where they lie for the result (:meth:`Replica.pieces`), and
@@ -60,16 +60,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.batches import call_module, num_rows, on_disk, part_of
-from engine.compression import bucketing, compress
 from engine.data.read_ahead import read_ahead
+from engine.data_parallel.compression import bucketing, compress
+from engine.data_parallel.outer_step import OuterStep, SyncPoint
+from engine.data_parallel.sharding import Sharded, ShardedRun, unit_classes
 from engine.errors import EngineError
 from engine.evaluation import Evaluation
 from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
 from engine.nodes import Node, Nodes, run_setting, trainable
 from engine.optimizers import Optimizers
-from engine.outer_step import OuterStep, SyncPoint
-from engine.sharding import Sharded, ShardedRun, unit_classes
 from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
@@ -107,7 +107,7 @@ class ReplicaPlan:
     compression: str | None = None  # the gradients (DiLoCo's: pseudo-gradients) as they travel
     # per step, with ``outer``: the fragments that synchronise after it (``(0,)``: the model)
     syncs: list[tuple[int, ...]] = field(default_factory=list)
-    sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.sharding)
+    sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.data_parallel.sharding)
     shard_units: tuple[str, ...] | None = None  # the classes sharded as one unit each
     regroup: bool = False  # DiLoCo's group formed anew: what the replica holds carries over
 
@@ -346,8 +346,8 @@ class Replica:
         return kept
 
     def _shard(self, chain: _Chain, run: list[Node], plan: ReplicaPlan) -> dict[str, int]:
-        """The run sharded by FSDP2 over the group (:mod:`engine.sharding`), its optimizers
-        made over the shards: what :meth:`train` steps; what this replica holds of it."""
+        """The run sharded by FSDP2 over the group (:mod:`engine.data_parallel.sharding`), its
+        optimizers made over the shards: what :meth:`train` steps; what this replica holds of it."""
         units = None if plan.shard_units is None else unit_classes(plan.shard_units)
         self._sharded = ShardedRun(chain, run, self.optimizers, plan.sharding == "full", units)
         self._ddp, self._plan, self._outer = self._sharded.wrapped, plan, None
@@ -620,7 +620,7 @@ class Replica:
 
     def pseudo_gradients(self, compression: str) -> dict[str, Any]:
         """A replica ``alone`` at a synchronisation: its pseudo-gradients as ``compression``
-        has them travel (:class:`~engine.outer_step.SyncPoint`).
+        has them travel (:class:`~engine.data_parallel.outer_step.SyncPoint`).
 
         Raises:
             EngineError: ``BAD_REQUEST`` without a plan ``alone``.
@@ -654,8 +654,8 @@ class Replica:
         said: dict[str, Any],
     ) -> None:
         """DiLoCo's synchronisation of ``fragments`` after global step ``step``, and the
-        exchanges that land there (:mod:`engine.outer_step`). When the group breaks in it, the
-        replica owes it (module docstring): the error says so, with the chunk's results so
+        exchanges that land there (:mod:`engine.data_parallel.outer_step`). When the group breaks in
+        it, the replica owes it (module docstring): the error says so, with the chunk's results so
         far (``said``)."""
         try:
             outer.after(step, fragments, inner)

@@ -1,5 +1,6 @@
-"""engine.dcp_metadata: a sharded checkpoint's ``.metadata``, written by a worker, read without
-running anything it names — on a replica that resumes from it, through DCP's own load."""
+"""engine.data_parallel.dcp_metadata: a sharded checkpoint's ``.metadata``, written by a worker,
+read without running anything it names — on a replica that resumes from it, through DCP's own
+load."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict_saver import save
 
 import somatize as sz
-from engine.dcp_metadata import CheckedReader, MetadataRefused, checked_metadata
+from engine.data_parallel.dcp_metadata import CheckedReader, MetadataRefused, checked_metadata
+from engine.data_parallel.replica import _Chain
+from engine.data_parallel.sharding import ShardedRun
 from engine.engine import Engine
 from engine.errors import EngineError
-from engine.replica import _Chain
-from engine.sharding import ShardedRun
 from protocol.errors import ErrorCode
 from tests.gloo_group import one_rank_gloo_group
 

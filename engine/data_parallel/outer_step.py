@@ -7,8 +7,8 @@ synchronisation the replicas all-reduce their *pseudo-gradients* Δ = θ_global 
 over the group, in buckets), and each takes the same outer step on the global weights it keeps —
 SGD with momentum, Nesterov's by default (``torch.optim.SGD``, whose update with Δ as the
 gradient is the paper's outer optimiser); they travel in fp32 or compressed
-(:class:`engine.compression.CompressedMean`) — and starts its next inner steps from them. Every
-replica holds the same global weights and outer momentum, so none of it travels.
+(:class:`engine.data_parallel.compression.CompressedMean`) — and starts its next inner steps from
+them. Every replica holds the same global weights and outer momentum, so none of it travels.
 
 A replica ``alone`` (DiLoCo through the coordinator, with compression) holds a
 :class:`SyncPoint` instead: the weights of its last synchronisation, from which its
@@ -17,7 +17,7 @@ step the coordinator took, compressed too — is added.
 
 With ``sync_every=1``, an outer SGD of ``lr=1`` and no momentum, one synchronisation averages the
 replicas' weights after one step each: with an inner SGD that is DataParallel's step, since each
-replica's loss is weighted by its share of the global batch (:mod:`engine.replica`).
+replica's loss is weighted by its share of the global batch (:mod:`engine.data_parallel.replica`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.compression import CompressedMean
+from engine.data_parallel.compression import CompressedMean
 from engine.errors import EngineError
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec

@@ -1,5 +1,5 @@
-"""Compressed gradients (:mod:`engine.compression`) against their documented bounds, in a
-one-rank gloo group: fp16 is each gradient rounded to half precision and back; PowerSGD sends a
+"""Compressed gradients (:mod:`engine.data_parallel.compression`) against their documented bounds,
+in a one-rank gloo group: fp16 is each gradient rounded to half precision and back; PowerSGD sends a
 matrix's gradient exactly when its rank is at most the factorisation's, and with error feedback
 what it leaves out of one step is sent with the next; int8 keeps every value within half its
 quantisation step; DiLoCo's pseudo-gradients lose nothing over synchronisations."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.compression import CompressedMean, bucketing, compress
+from engine.data_parallel.compression import CompressedMean, bucketing, compress
 from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
 from tests.gloo_group import one_rank_gloo_group
 

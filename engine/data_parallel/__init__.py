@@ -1,0 +1,8 @@
+"""A data-parallel replica in a torch.distributed group: the loop it runs
+(:mod:`~engine.data_parallel.replica`), its model sharded by FSDP2
+(:mod:`~engine.data_parallel.sharding`, with :mod:`~engine.data_parallel.dcp_metadata`: a
+sharded checkpoint's index read without trusting its writer), DiLoCo's outer step
+(:mod:`~engine.data_parallel.outer_step`), and what its gradients travel as
+(:mod:`~engine.data_parallel.compression`). The coordinator's side is
+:mod:`coordinator.strategies.data_parallel`.
+"""
