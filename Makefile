@@ -45,7 +45,7 @@ tcmalloc:
 DEMO_STAMP := $(VENV)/.installed-demo
 
 # The demo's workers sandbox job code with bubblewrap: installed here where apt-get can, else
-# the demo says its workers run job code as your user (somatize/cluster.py).
+# the demo says its workers run job code as your user (somatize/cli/cluster.py).
 demo: $(DEMO_STAMP)
 	@command -v bwrap >/dev/null || $(MAKE) --no-print-directory bubblewrap \
 		|| echo "bubblewrap could not be installed: the demo runs job code unsandboxed"

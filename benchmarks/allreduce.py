@@ -4,7 +4,7 @@
 tensors, 5.8M parameters, 23.3 MB) of 2 contributors, measured piece by piece and end to end:
 
 - *ours, end to end*: a real ``somatize-coordinator`` and 2 real ``somatize-worker`` processes
-  (:class:`somatize.cluster.LocalCluster`, ``--threads 1``, job threads 1) run a
+  (:class:`somatize.cli.cluster.LocalCluster`, ``--threads 1``, job threads 1) run a
   ``sz.DataParallel(2)`` job of that MLP with a global batch of 2 rows (1 per replica), so the
   compute is almost nothing but every step still moves the full gradients: with
   ``collective="coordinator"`` each replica's 23 MB go daemon → agent → coordinator, are
@@ -58,7 +58,7 @@ import somatize as sz
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, cpu_seconds, free_port, port_open
 from coordinator.strategies.aggregate import weighted_mean
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 from worker.daemon.procfs import descendants
 
 SIZES = (784, 2048, 2048, 10)

@@ -29,7 +29,7 @@ from benchmarks.fault_harness import Skipped, largest_difference, progressed, un
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Capabilities
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 from tests.coordinator.strategies.model_parallel.test_model_parallel import (
     dataset,
     graph,

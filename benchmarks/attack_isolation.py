@@ -38,7 +38,7 @@ from benchmarks.fault_harness import until
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC
 from protocol.messages import CHUNK_BYTES, ClientHello, Status
-from somatize.connection import client_url
+from somatize.remote.connection import client_url
 from tests.integration.security.test_sandbox import Probe, _sleeping
 
 ANNOUNCED = 2 << 30

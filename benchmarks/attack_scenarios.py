@@ -70,8 +70,8 @@ from protocol.messages import (
 )
 from protocol.parsing import dump
 from protocol.security.identity_proof import CHALLENGE_HEADER, prove, public_key
-from somatize.client import graph_info
-from somatize.connection import client_url, dial, handshake
+from somatize.remote.client import graph_info
+from somatize.remote.connection import client_url, dial, handshake
 from tests.utils import Center
 from tests.worker.standin import drive, open_job, presented
 from tests.worker.test_peer import RelayStandIn, two_agents

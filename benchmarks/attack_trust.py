@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import websockets
+from tests.engine.test_dcp_metadata import dotted_call
 from torch.distributed.checkpoint.state_dict_saver import save
 
 import somatize as sz
@@ -38,13 +39,12 @@ from protocol.chunking import CHUNK_MAGIC
 from protocol.messages import CHUNK_BYTES, Heartbeat, WorkerHello
 from protocol.options.strategies import DataParallelOptions
 from somatize.errors import ClientError, ClusterError
-from somatize.sharded_checkpoints import whole_states
+from somatize.remote.sharded_checkpoints import whole_states
 from tests.coordinator.strategies.data_parallel.test_star_compression import (
     _Inflating,
     _NotFinite,
     run,
 )
-from tests.engine.test_dcp_metadata import dotted_call
 from tests.integration.security.test_sandbox import Fills
 
 FLOODS = 2

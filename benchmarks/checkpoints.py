@@ -12,7 +12,7 @@ there a piece at a time while training goes on; with ``--strategy
 model_parallel``, the same MLP as a pipeline of two stages, ``Linear(784, 2048)`` + ReLU on one
 worker and the rest on the other, ``sz.ModelParallel(..., micro_batches=2, transport="torch")``:
 each checkpoint every stage's states in the replies of the chunk it ends) on one
-:class:`somatize.cluster.LocalCluster`: a real coordinator, its ``--state-dir`` on the machine's
+:class:`somatize.cli.cluster.LocalCluster`: a real coordinator, its ``--state-dir`` on the machine's
 disk, job threads 1, and two ``somatize-worker --threads 1 --spare-daemon off`` (a spare daemon
 importing torch as a job starts would take CPU from the timed one). The data is
 :data:`EPOCH_STEPS` = 10 global batches, so that the default interval saves several times in a
@@ -83,7 +83,7 @@ from benchmarks.allreduce import (
 from benchmarks.data_parallel import LR, PER_REPLICA, per_step
 from benchmarks.report import Row, Target
 from benchmarks.worker_data_io import pytest_running, wait_quiet
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 WORKERS = 2
 EPOCH_STEPS = 10

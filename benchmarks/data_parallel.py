@@ -9,7 +9,7 @@ least ``steps + 2`` global steps, the first 2 being warm-up (``steps`` 40 by def
 collective's chunks of steps have room to grow). ``--quick`` leaves out N = 4, the slowest on
 2 cores; ``--steps`` and ``--rounds`` set the measured steps and the rounds.
 
-- *ours, torch*: a :class:`somatize.cluster.LocalCluster` (a real ``somatize-coordinator``, job
+- *ours, torch*: a :class:`somatize.cli.cluster.LocalCluster` (a real ``somatize-coordinator``, job
   threads 1, and max(N) real ``somatize-worker --threads 1``) runs
   ``TorchFilter(mlp, loss="cross_entropy", optimizer="sgd", lr=0.01, batch_size=256 · N,
   epochs=E, shuffle=False)`` with ``sz.DataParallel(N, collective="torch", checkpoint_every=0)``
@@ -100,7 +100,7 @@ from benchmarks.allreduce import (
 )
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 STEPS = 40
 """Measured global steps (after :data:`WARMUP`), at least; rounded up to whole epochs."""

@@ -34,7 +34,7 @@ from benchmarks.fault_harness import (
 )
 from benchmarks.fault_resume import came_back
 from benchmarks.fault_scenarios import scenario
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 ROUNDS = 8
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import somatize as sz
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 from tests.integration.netns import Netns, NetnsUnavailable
 from tests.utils import Center
 

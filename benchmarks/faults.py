@@ -1,7 +1,7 @@
 """Faults survived: each fault injected on a real local cluster, its detection and recovery timed.
 
 ``python -m benchmarks.faults [--out docs/reliability.md] [SCENARIO ...]`` runs every scenario
-below (or the named ones) on a :class:`somatize.cluster.LocalCluster` — a real
+below (or the named ones) on a :class:`somatize.cli.cluster.LocalCluster` — a real
 ``somatize-coordinator`` and real ``somatize-worker --threads 1`` processes — with heartbeats every
 :data:`HEARTBEAT_INTERVAL` s and a :data:`HEARTBEAT_TIMEOUT` s timeout, then writes the table of
 ``docs/reliability.md``: the fault, how it was injected, what the system did, and two times:

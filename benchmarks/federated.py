@@ -2,7 +2,7 @@
 differential privacy cost a round.
 
 ``python -m benchmarks.federated [--clients N] [--rounds R] [--quick] [--json PATH]
-[--flower-python PATH]`` starts one :class:`somatize.cluster.LocalCluster`: a real coordinator
+[--flower-python PATH]`` starts one :class:`somatize.cli.cluster.LocalCluster`: a real coordinator
 and :data:`WORKERS` = 2 ``somatize-worker --threads 1 --spare-daemon off``, each serving a
 dataset ``fl`` of its own (an ``.npz`` of ``K ×`` :data:`ROWS` rows, :data:`DIM` features, a
 linear target). Every job trains the small model ``Linear(DIM, 2)`` (mse, SGD lr :data:`LR`,
@@ -62,7 +62,7 @@ import somatize as sz
 from benchmarks import flower_anchor
 from benchmarks.federated_partition import client_rows
 from benchmarks.report import Row, Target
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 WORKERS = 2
 DIM = 20

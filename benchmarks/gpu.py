@@ -5,7 +5,7 @@ then two TorchFilters: Linear 16-64 + ReLU, Linear 64-4; SGD with momentum, cros
 ``shuffle=False``, fixed seeds) on random data:
 
 1. ``graph.fit(device=D)``: the baseline, in this process;
-2. ``sz.Local(device=D)`` on a :class:`somatize.cluster.LocalCluster` whose 2 workers run
+2. ``sz.Local(device=D)`` on a :class:`somatize.cli.cluster.LocalCluster` whose 2 workers run
    ``somatize-worker --device D``;
 3. ``sz.FedAvg(device=D)``, against the same FedAvg job on 2 workers with ``--device cpu``
    (FedAvg does not train what ``graph.fit`` trains; the device must not change it);
@@ -38,7 +38,7 @@ import torch
 
 import somatize as sz
 from engine.devices import resolve_device
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 from worker.daemon.sandbox import LEVELS
 
 TOLERANCE = 1e-4

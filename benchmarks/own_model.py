@@ -12,10 +12,11 @@ default :data:`STEPS` = 60 of 64 rows, one epoch, validated every N/3;
 a process of its own that this one starts (none of them sees another's pages):
 
 - *ours, sz.connect*: a process loads the job file as ``somatize submit`` does
-  (:func:`somatize.job_files.load_job_file`), starts a :class:`~somatize.cluster.LocalCluster`
-  (a real coordinator and 2 real workers, ``--threads 1`` each, each keeping a spare filter
-  daemon), waits until they are idle, connects and submits the file's graph, data, validation
-  and strategy; the time is the client's, submit to result. That process is the client.
+  (:func:`somatize.cli.job_files.load_job_file`), starts a
+  :class:`~somatize.cli.cluster.LocalCluster` (a real coordinator and 2 real workers, ``--threads
+  1`` each, each keeping a spare filter daemon), waits until they are idle, connects and submits the
+  file's graph, data, validation and strategy; the time is the client's, submit to result. That
+  process is the client.
 - *ours, somatize submit*: a process starts the same cluster, waits until it is idle and runs
   ``somatize submit FILE --coordinator URL``; the time is that command's, start to exit (its
   interpreter, imports and the file's loading included). The command is the client; the
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target, machine, now, with_section
-from somatize.job_files import JobFile, load_job_file
+from somatize.cli.job_files import JobFile, load_job_file
 from worker.daemon.procfs import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +304,7 @@ def _train_here(spec: JobFile, part: tuple[int, int], model: torch.nn.Module) ->
 def _cluster() -> Iterator[Any]:
     """A coordinator and 2 workers of 1 thread, each keeping a spare daemon, once they are
     idle: as a cluster stands when its user submits (not still warming its spares up)."""
-    from somatize.cluster import LocalCluster
+    from somatize.cli.cluster import LocalCluster
 
     with LocalCluster(job_threads=1, heartbeat_interval=1.0, heartbeat_timeout=30.0) as cluster:
         cluster.start_coordinator()
@@ -356,8 +357,8 @@ def _way_connect(example: Example) -> dict[str, Any]:
 
 def _way_cli(example: Example) -> dict[str, Any]:
     import somatize as sz
-    from somatize.cluster import BIN
-    from somatize.curves import history_of, validations_of
+    from somatize.cli.cluster import BIN
+    from somatize.cli.curves import history_of, validations_of
 
     with _cluster() as cluster:
         argv = [str(BIN / "somatize"), "submit", str(example.path), "--coordinator", cluster.url]

@@ -2,7 +2,7 @@
 the step next to ``torch.distributed.pipelining``.
 
 ``python -m benchmarks.pipeline [--quick]`` runs ``sz.ModelParallel`` jobs on a
-:class:`somatize.cluster.LocalCluster` (a real ``somatize-coordinator``, job threads 1, and 4
+:class:`somatize.cli.cluster.LocalCluster` (a real ``somatize-coordinator``, job threads 1, and 4
 real ``somatize-worker --threads 1``: ``d0``, ``d1`` started with ``--peer-listen`` so their
 stages exchange activations and gradients worker to worker, ``r0``, ``r1`` without, so the
 coordinator relays them). Parts 1 and 2 run with ``transport="websocket"`` (every micro-batch's
@@ -84,7 +84,7 @@ from benchmarks.allreduce import (
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 from coordinator.strategies.model_parallel.schedule import gpipe, one_f_one_b
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 ACT_SIZES = (16, 4096, 10)
 ACT_BATCH = 1024

@@ -9,10 +9,10 @@ after a warm-up of 200), so that a slow spell of the machine hits every path ali
   filter daemon (pipes) → and back;
 - *b. coordinator only*: ``Ping()``: client → coordinator → client;
 
-each measured two ways: *SDK*, the synchronous ``client.ping()`` of :mod:`somatize.client` (what a
-user sees, including the hand-off to and from the SDK's event-loop thread), and *wire*, an asyncio
-program on uvloop driving a :class:`protocol.asyncio.channel.Channel` over its own ``websockets``
-connection (``await channel.request(Ping(...))``).
+each measured two ways: *SDK*, the synchronous ``client.ping()`` of :mod:`somatize.remote.client`
+(what a user sees, including the hand-off to and from the SDK's event-loop thread), and *wire*, an
+asyncio program on uvloop driving a :class:`protocol.asyncio.channel.Channel` over its own
+``websockets`` connection (``await channel.request(Ping(...))``).
 
 The anchors are timed in the same run, interleaved with ours, by the same kind of client (uvloop,
 ``websockets``), against bare ``websockets`` processes on uvloop: no codec, no pydantic, no daemon

@@ -26,7 +26,7 @@ import torch
 
 import somatize as sz
 from benchmarks.report import Row
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 LEVELS = ("bwrap", "none")
 REPEATS = 3

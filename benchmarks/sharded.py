@@ -5,7 +5,7 @@
 cross-entropy, 256 rows per replica, ``shuffle=False``) on N = 2 workers:
 
 - *ours*: ``sz.DataParallel(2, collective="torch", sharding="full", checkpoint_every=0)`` on a
-  :class:`somatize.cluster.LocalCluster` (a real coordinator and two ``somatize-worker
+  :class:`somatize.cli.cluster.LocalCluster` (a real coordinator and two ``somatize-worker
   --threads 1``): each replica's daemon shards the model with ``fully_shard`` (each Linear a
   unit, then the whole) and trains its chunks of steps itself;
 - *anchor*: the same model in 2 processes of 1 thread over gloo, each Linear and then the whole

@@ -9,11 +9,11 @@ with Adam (:data:`MODELS`): 4 layers of 4096 (64 MiB units: a few large layers) 
 MiB units, as a deeper model's) — for one epoch of 2 steps (64 rows, 32 a step; the result read
 back; with ``--checkpoints`` checkpointed at its end, whose snapshot — each replica's shards of the
 weights and moments, written by DCP and read into the chunk's reply — then falls in the training
-phase) on a :class:`somatize.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling every
-job daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20 ms.
-Per replica, and per phase as the job's events mark them — *loading* (the filters arriving, until
-the replicas say what they hold), *training* (until the last step's progress) and *reading* (the
-result, read from each replica's shards) — the peak over the daemon's resident memory when idle
+phase) on a :class:`somatize.cli.cluster.LocalCluster` of 4 workers (``--threads 1``), sampling
+every job daemon's resident memory (its process group's, as ``--max-job-memory`` counts it) every 20
+ms. Per replica, and per phase as the job's events mark them — *loading* (the filters arriving,
+until the replicas say what they hold), *training* (until the last step's progress) and *reading*
+(the result, read from each replica's shards) — the peak over the daemon's resident memory when idle
 (its Python and torch, read before the job). And the coordinator's rise while it reads and keeps
 the result (its peak after the last step over its resident memory then): two 16 MiB pieces of one
 replica's file at most, whatever the model (+88 MiB for N = 2 and +91 MiB for N = 1, against +131
@@ -154,7 +154,7 @@ def run(
         largest over the replicas of their peak above their idle resident memory.
     """
     import somatize as sz
-    from somatize.cluster import LocalCluster
+    from somatize.cli.cluster import LocalCluster
 
     began = time.monotonic()
     params = layers * (width * width + width) * 4

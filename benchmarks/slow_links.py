@@ -72,7 +72,7 @@ import somatize as sz
 from benchmarks import char_lm
 from benchmarks.links import LinkShape, Sites
 from benchmarks.report import machine, now, with_section
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 PER_REPLICA = 8
 """Windows each replica trains a step (a global batch is N of these)."""

@@ -113,7 +113,7 @@ from benchmarks.slow_links import (
     table,
 )
 from protocol.rules.traffic import FP32
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 __all__ = [
     "Churn",

@@ -5,7 +5,7 @@
 workers, ``G`` GiB (default :data:`GIB`, 4) of float32 rows of :data:`WIDTH` features (16 KiB a
 row; 262,144 rows at 4 GiB) with int64 labels, twice: as a directory of ``x.npy``/``y.npy`` and
 as an uncompressed ``.npz`` holding the same two ``.npy`` files (byte for byte). One
-:class:`somatize.cluster.LocalCluster` (a real coordinator, two real ``somatize-worker
+:class:`somatize.cli.cluster.LocalCluster` (a real coordinator, two real ``somatize-worker
 --threads 1 --spare-daemon off``, job threads 1) serves both on each worker: ``--data disk=DIR
 --data mem=NPZ``. No spare daemon: one would start, importing torch, as each job starts, and take
 its first seconds' CPU from it (the anchor's staging hid that, the disk jobs' did not); each job
@@ -88,7 +88,7 @@ from benchmarks.worker_data_io import (
     write_npz,
     write_worker_data,
 )
-from somatize.cluster import LocalCluster
+from somatize.cli.cluster import LocalCluster
 
 GIB = 4.0
 """GiB of ``x`` rows per worker."""

@@ -8,7 +8,7 @@ Submit it to a coordinator (``docker compose up`` runs it as the ``job`` service
 """
 
 import somatize
-from somatize.demo import digits_graph, load_digits
+from somatize.cli.demo import digits_graph, load_digits
 
 data = load_digits()
 

@@ -25,10 +25,10 @@ The SDK's surface::
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from somatize.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed, SomatizeError
-from somatize.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
-from somatize.strategies import (
+from somatize.options.aggregators import Aggregator, Bulyan, FedMedian, Krum, TrimmedMean
+from somatize.options.privacy import AdaptiveClipping, FixedClipping, PrivacyMechanism, SecAgg
+from somatize.options.strategies import (
     DataParallel,
     DiLoCo,
     FedAdagrad,
@@ -47,21 +47,21 @@ from somatize.strategies import (
 )
 
 if TYPE_CHECKING:
-    from somatize.client import Client, connect
     from somatize.filters import TorchFilter
     from somatize.graph import Filter, FittedGraph, Graph, load
-    from somatize.jobs import Job, JobCheckpoint, JobEventInfo
+    from somatize.remote.client import Client, connect
+    from somatize.remote.jobs import Job, JobCheckpoint, JobEventInfo
 
 _LAZY = {
-    "Client": "somatize.client",
-    "connect": "somatize.client",
+    "Client": "somatize.remote.client",
+    "connect": "somatize.remote.client",
     "Filter": "somatize.graph",
     "TorchFilter": "somatize.filters",
     "FittedGraph": "somatize.graph",
     "Graph": "somatize.graph",
-    "Job": "somatize.jobs",
-    "JobCheckpoint": "somatize.jobs",
-    "JobEventInfo": "somatize.jobs",
+    "Job": "somatize.remote.jobs",
+    "JobCheckpoint": "somatize.remote.jobs",
+    "JobEventInfo": "somatize.remote.jobs",
     "load": "somatize.graph",
 }
 """What imports torch, imported on first use: ``somatize status`` and the other commands that

@@ -9,9 +9,10 @@ Exception tree::
     │                        connection was lost (also a :class:`ConnectionError`)
     ├── JobFailed            a job failed or was cancelled (``job_id``, ``code``, ``message``,
     │                        ``detail``: what the coordinator recorded)
-    ├── UsageError           a ``somatize`` command that cannot run as asked (:mod:`somatize.cli`:
-    │                        one line, exit code 2)
-    └── ClusterError         a process of a :class:`~somatize.cluster.LocalCluster` did not start
+    ├── UsageError           a ``somatize`` command that cannot run as asked
+    (:mod:`somatize.cli.main`: │                        one line, exit code 2)
+    └── ClusterError         a process of a :class:`~somatize.cli.cluster.LocalCluster` did not
+    start
 
 A request or a job that does not answer within the time given raises the built-in
 :class:`TimeoutError`. Errors raised while a graph trains in-process come from the engine

@@ -58,6 +58,14 @@ ORDERS = {
         ["engine.data"],
         ["engine.errors"],
     ],
+    "somatize": [
+        ["somatize.__init__"],  # the public names, imported on first use
+        ["somatize.cli"],
+        ["somatize.remote"],
+        ["somatize.options"],
+        ["somatize"],  # graphs of filters, fitted in-process; saved; keywords
+        ["somatize.errors"],
+    ],
     "worker": [
         ["worker"],
         ["worker.daemon"],  # the daemon, and the agent's side of it (pool, supervisor, ...)

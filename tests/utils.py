@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import somatize as sz
-from somatize.cluster import LISTENING, said_in_log
+from somatize.cli.cluster import LISTENING, said_in_log
 
 
 def timeout_unit() -> float:

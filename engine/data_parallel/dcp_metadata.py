@@ -3,7 +3,7 @@
 torch.distributed.checkpoint (DCP) writes where each shard lies into a ``.metadata`` file as a
 plain :mod:`pickle`, and its own reader loads it with :func:`pickle.load`: a forged one runs
 whatever its pickle names. Replica 0 of a sharded run writes that file, and it is read again
-by the client (:meth:`somatize.jobs.Job.checkpoint`) and by every replica that resumes from
+by the client (:meth:`somatize.remote.jobs.Job.checkpoint`) and by every replica that resumes from
 it, so each of them reads it here first, with :func:`checked_metadata`:
 
 * an unpickler that builds only the classes a ``.metadata`` of this project holds — an exact

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import federated as fl
 from benchmarks import flower_anchor
-from somatize.jobs import JobEventInfo
+from somatize.remote.jobs import JobEventInfo
 
 
 def event(seq: int, t: float, phase: str) -> JobEventInfo:

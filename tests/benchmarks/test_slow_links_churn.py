@@ -28,8 +28,8 @@ from benchmarks.slow_links_churn import (
     steady_curve,
     time_ratio,
 )
-from somatize.cluster import free_port
-from somatize.jobs import JobEventInfo
+from somatize.cli.cluster import free_port
+from somatize.remote.jobs import JobEventInfo
 from tests.utils import UNIT
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 from websockets.sync.client import ClientConnection, connect
 
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLAGS = [

@@ -1,4 +1,4 @@
-"""The integration tests' cluster: :class:`somatize.cluster.LocalCluster`, time-scaled."""
+"""The integration tests' cluster: :class:`somatize.cli.cluster.LocalCluster`, time-scaled."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from somatize.cluster import LocalCluster, wait_for
+from somatize.cli.cluster import LocalCluster, wait_for
 from tests.utils import UNIT
 
 __all__ = ["Cluster", "cluster", "healthy", "wait_for"]

@@ -15,7 +15,7 @@ import somatize as sz
 from coordinator.context import InMemoryContext
 from coordinator.strategies import DataParallel
 from protocol.options.strategies import DataParallelOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.coordinator.strategies.test_training_options import run
 from tests.somatize.own_models import plain_loop
 from tests.somatize.test_own_model import SETTINGS, close

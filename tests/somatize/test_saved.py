@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import somatize as sz
-from somatize.demo import digits_graph
+from somatize.cli.demo import digits_graph
+from somatize.cli.tables import describe_state, dtype_name
 from somatize.saved import save
-from somatize.tables import describe_state, dtype_name
 
 
 def _digits_like(n: int = 120) -> tuple[np.ndarray, np.ndarray]:

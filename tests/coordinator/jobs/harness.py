@@ -17,7 +17,7 @@ from coordinator.storage.store import JobStore
 from coordinator.workers.registry import Registry
 from protocol.filters import dump_filter
 from protocol.messages import Capabilities, DatasetSummary, GraphSpec, StrategySpec, Submit
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.utils import UNIT, Center
 from worker.daemon.main import Daemon
 

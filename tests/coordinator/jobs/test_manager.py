@@ -21,7 +21,7 @@ from coordinator.workers.registry import WorkerState
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorCode, RequestRefused
 from protocol.files.shard_pieces import PIECES_FILE
-from somatize.jobs import joined_states
+from somatize.remote.jobs import joined_states
 from tests.coordinator.jobs.harness import (
     Boom,
     Harness,

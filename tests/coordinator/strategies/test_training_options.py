@@ -25,7 +25,7 @@ from protocol.options.strategies import (
     ModelParallelOptions,
     PartitionOptions,
 )
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.training_reference import FILTER, classes, mlp, reference_fit
 from worker.daemon.main import Daemon
 

@@ -22,7 +22,7 @@ from protocol.options.strategies import (
     ModelParallelOptions,
     PartitionOptions,
 )
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.coordinator.strategies.model_parallel.test_checkpoints import LosesAStage
 from tests.coordinator.strategies.test_training_options import OPTIONS
 from tests.training_reference import classes, evaluation, mlp, reference_fit

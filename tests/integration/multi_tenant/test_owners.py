@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import somatize as sz
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 from tests.integration.cluster import healthy
 from tests.utils import UNIT, Center, Sleepy, said_port
 

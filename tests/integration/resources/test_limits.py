@@ -54,7 +54,7 @@ from protocol.messages import (
     Watch,
     WorkerHello,
 )
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 from tests.integration.cluster import healthy
 from tests.utils import UNIT, Center, said_port, stop_groups
 

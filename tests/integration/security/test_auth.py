@@ -14,7 +14,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
 
 import somatize as sz
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 from tests.integration.cluster import healthy
 from tests.utils import UNIT, said_port, self_signed, stop_groups
 

@@ -25,7 +25,7 @@ from protocol.asyncio.handshake import send_hello
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Welcome, WorkerHello
 from protocol.security.identity_proof import CHALLENGE_HEADER, fingerprint, prove, public_key
-from somatize.cluster import BIN
+from somatize.cli.cluster import BIN
 from somatize.errors import ClusterError
 from tests.integration.cluster import cluster, wait_for
 from tests.utils import UNIT, Center

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import somatize as sz
-from somatize.curves import history_of, validations_of
+from somatize.cli.curves import history_of, validations_of
 from tests.integration.cluster import cluster
 from tests.utils import UNIT
 

@@ -386,7 +386,7 @@ def test_x_and_y_of_different_lengths_are_refused_at_submit(live, client, tmp_pa
 PIPELINE_JOB = textwrap.dedent(
     """
     import numpy as np
-    from somatize.demo import digits_graph
+    from somatize.cli.demo import digits_graph
     import somatize as sz
 
     rng = np.random.default_rng(3)
@@ -411,7 +411,7 @@ def test_a_pipeline_whose_first_stage_is_a_plain_filter_trains_like_graph_fit(
     job_id = submitted.stdout.strip()
     assert f"job {job_id} succeeded" in submitted.stderr
 
-    from somatize.job_files import load_job_file
+    from somatize.cli.job_files import load_job_file
 
     spec = load_job_file(job_file)
     graph, x, y = spec.graph, spec.x, spec.y
@@ -465,7 +465,7 @@ def test_a_result_saved_by_the_cli_loads_without_pickle_and_predicts(live, clien
     raw = torch.load(saved, weights_only=True)  # what a user tries first
     assert sorted(raw["states"]) == ["linear", "scale"]
 
-    from somatize.job_files import load_job_file
+    from somatize.cli.job_files import load_job_file
 
     spec = load_job_file(job_file)
     graph, x = spec.graph, spec.x
@@ -520,7 +520,7 @@ def test_submit_ends_with_the_epoch_mean_loss_and_jobs_lists_name_file_and_time(
     # graph.fit reports as its last epoch loss (DataParallel trains what it trains).
     found = re.search(r"epoch 2/2 · step 8/8 · loss ([\d.]+) \(epoch mean\) · [\d,]+ rows/s$", said)
     assert found, said
-    from somatize.job_files import load_job_file
+    from somatize.cli.job_files import load_job_file
 
     spec = load_job_file(job_file)
     graph, x, y = spec.graph, spec.x, spec.y

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 import somatize as sz
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 from tests.utils import UNIT, said_port
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_the_job_file_is_mounted_and_its_result_lands_on_a_volume(compose: dict[
 
 def test_every_worker_service_serves_the_job(compose: dict[str, Any]) -> None:
     """No service that nothing uses: the example job's strategy takes every worker."""
-    from somatize.job_files import load_job_file
+    from somatize.cli.job_files import load_job_file
 
     strategy = load_job_file(str(ROOT / "examples" / "digits_job.py")).strategy
     options = strategy.spec().options
@@ -379,7 +379,7 @@ def test_topology_runs_the_job(compose: dict[str, Any], tmp_path: Path) -> None:
         assert rows and "succeeded" in rows[0], table
         assert "data_parallel" in rows[0], table
         # The result, where the results volume is: it loads without pickle, as the graph.
-        from somatize.job_files import load_job_file
+        from somatize.cli.job_files import load_job_file
 
         graph = load_job_file(str(ROOT / "examples" / "digits_job.py")).graph
         fitted = sz.load(state.parent / "results" / "states.pt", graph)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import somatize as sz
-from somatize.cluster import wait_for
+from somatize.cli.cluster import wait_for
 from tests.utils import UNIT, said_port, stop_groups
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 import somatize as sz
-from somatize.cli import loss_curve
-from somatize.progress import event_text
-from somatize.tables import datasets_text, device_text, placed_text, queued_text
+from somatize.cli.main import loss_curve
+from somatize.cli.progress import event_text
+from somatize.cli.tables import datasets_text, device_text, placed_text, queued_text
 from tests.coordinator.server.test_http import running
 from tests.coordinator.strategies.data_parallel.test_data_parallel import dataset, graph_for
 from tests.coordinator.strategies.model_parallel.test_model_parallel import dataset as pipeline_data

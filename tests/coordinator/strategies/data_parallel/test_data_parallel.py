@@ -18,7 +18,7 @@ from coordinator.strategies.steps import TrainingSettings
 from coordinator.strategies.steps import global_batches as schedule
 from protocol.filters import dump_filter
 from protocol.options.strategies import DataParallelOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
 

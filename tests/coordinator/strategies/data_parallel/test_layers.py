@@ -18,7 +18,7 @@ from coordinator.context import InMemoryContext
 from coordinator.strategies import DataParallel, JobInputs
 from protocol.filters import dump_filter
 from protocol.options.strategies import DataParallelOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.training_reference import classes
 from worker.daemon.main import Daemon
 

@@ -28,7 +28,7 @@ from coordinator.strategies.federated.cohort import DroppedWorker
 from protocol.errors import ErrorCode, ErrorInfo
 from protocol.filters import dump_filter
 from protocol.options.strategies import FedAvgOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
 

@@ -17,7 +17,7 @@ from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
 from protocol.options.strategies import ModelParallelOptions, PartitionOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.coordinator.strategies.model_parallel.test_model_parallel import (
     dataset,
     graph,

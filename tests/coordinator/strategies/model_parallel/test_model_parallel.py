@@ -16,7 +16,7 @@ from coordinator.strategies import JobInputs, ModelParallel, StrategyFailed, Str
 from coordinator.strategies.model_parallel.model_parallel import StagePlacement, check_partitions
 from protocol.filters import dump_filter
 from protocol.options.strategies import ModelParallelOptions, PartitionOptions
-from somatize.client import graph_info
+from somatize.remote.client import graph_info
 from tests.utils import Center
 from worker.daemon.main import Daemon
 

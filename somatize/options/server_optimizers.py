@@ -11,7 +11,7 @@ their defaults, their checks and their documentation), taking its arguments posi
 from __future__ import annotations
 
 from protocol.options import server_optimizers as options
-from somatize.components import Component, SdkOptions
+from somatize.options.components import Component, SdkOptions
 
 __all__ = ["FedAdagrad", "FedAdam", "FedAvgM", "FedYogi", "ServerOptimizer"]
 

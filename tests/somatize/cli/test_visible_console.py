@@ -1,11 +1,11 @@
-"""somatize.visible_console: what ``somatize`` prints of others' text shows as what it says
+"""somatize.cli.visible_console: what ``somatize`` prints of others' text shows as what it says
 (issue 53: ``somatize result`` printed a filter's escape sequences raw)."""
 
 from __future__ import annotations
 
 import io
 
-from somatize.visible_console import VisibleConsole
+from somatize.cli.visible_console import VisibleConsole
 
 
 def test_a_filters_escape_sequences_are_printed_as_text_and_its_traceback_keeps_its_lines():

@@ -1,5 +1,5 @@
-"""somatize.sharded_checkpoints: a sharded run's checkpoint, as the coordinator sends it, made
-whole on the client from files torch.distributed.checkpoint itself wrote."""
+"""somatize.remote.sharded_checkpoints: a sharded run's checkpoint, as the coordinator sends it,
+made whole on the client from files torch.distributed.checkpoint itself wrote."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from somatize.errors import ClientError
-from somatize.sharded_checkpoints import whole_states
+from somatize.remote.sharded_checkpoints import whole_states
 
 
 def _files(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from protocol.options import privacy as options
 from protocol.options.secure_aggregation import SecAggOptions
-from somatize.components import Component, SdkOptions
+from somatize.options.components import Component, SdkOptions
 
 __all__ = ["AdaptiveClipping", "FixedClipping", "PrivacyMechanism", "SecAgg"]
 

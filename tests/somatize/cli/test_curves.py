@@ -8,7 +8,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import somatize as sz
-from somatize.curves import HistoryWriter, history_table, plot_history, row_of
+from somatize.cli.curves import HistoryWriter, history_table, plot_history, row_of
 from tests.somatize.test_validation import net
 from tests.training_reference import classes
 

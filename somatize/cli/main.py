@@ -17,9 +17,9 @@ The commands that talk to a coordinator take ``--coordinator URL`` (default
 
 Exit codes: 0 success; 1 the job failed, was cancelled or has no result yet; 2 a usage error or
 a coordinator that cannot be reached (one line on stderr, no traceback); 130 interrupted.
-Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.interrupt`).
+Interrupted, ``somatize submit`` asks whether to cancel its job too (:mod:`somatize.cli.interrupt`).
 
-A job file (:mod:`somatize.job_files`) is a Python file that defines ``graph`` and ``x``, and
+A job file (:mod:`somatize.cli.job_files`) is a Python file that defines ``graph`` and ``x``, and
 may define ``y``, ``strategy``, ``validation``, ``name`` and ``wait_for_workers``.
 """
 
@@ -39,7 +39,7 @@ from protocol.security.token_file import token_file_problem
 from protocol.text.quantities import byte_count, seconds
 from protocol.text.user_tracebacks import with_source
 from protocol.text.wording import visible
-from somatize.curves import (
+from somatize.cli.curves import (
     HistoryWriter,
     curve_unit,
     history_of,
@@ -50,12 +50,11 @@ from somatize.curves import (
     unit_of,
     validations_of,
 )
-from somatize.errors import UsageError
-from somatize.following import PLAIN_PROGRESS_EVERY, follow
-from somatize.interrupt import exit_signals, when_stopped
-from somatize.job_files import load_job_file
-from somatize.progress import Progress as JobProgress
-from somatize.tables import (
+from somatize.cli.following import PLAIN_PROGRESS_EVERY, follow
+from somatize.cli.interrupt import exit_signals, when_stopped
+from somatize.cli.job_files import load_job_file
+from somatize.cli.progress import Progress as JobProgress
+from somatize.cli.tables import (
     cells,
     clients_table,
     describe_state,
@@ -65,12 +64,13 @@ from somatize.tables import (
     states_summary,
     workers_table,
 )
+from somatize.errors import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from somatize.client import Client
-    from somatize.jobs import Job
+    from somatize.remote.client import Client
+    from somatize.remote.jobs import Job
 
 DEFAULT_COORDINATOR = "ws://127.0.0.1:8765"
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``somatize`` command line; returns the exit code."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from somatize.demo import run, run_local
+        from somatize.cli.demo import run, run_local
 
         try:
             if args.in_process:
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         return EXIT_OK
 
+    from somatize.cli.visible_console import VisibleConsole
     from somatize.errors import ClientError, JobFailed
-    from somatize.visible_console import VisibleConsole
 
     err = VisibleConsole(stderr=True, highlight=False)
     try:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _connect(args: argparse.Namespace) -> Client:
-    from somatize.client import connect
+    from somatize.remote.client import connect
 
     return connect(args.coordinator, _token(args), timeout=args.timeout, ca_file=args.ca_file)
 
@@ -442,7 +442,7 @@ def _submit(args: argparse.Namespace, out: Console, err: Console) -> int:
             )
             return EXIT_USAGE
         if end.event != "succeeded":
-            from somatize.jobs import failure_of
+            from somatize.remote.jobs import failure_of
 
             _print_failure(err, failure_of(job.id, end))
             _offer_checkpoint(err, job, f"somatize submit {args.file} --resume-from {job.id}")

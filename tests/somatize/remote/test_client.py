@@ -35,10 +35,11 @@ from protocol.messages import (
     Result,
     Welcome,
 )
-from somatize import cli, curves, tables
-from somatize.client import client_url
-from somatize.job_files import load_job_file
-from somatize.jobs import read_in_pieces
+from somatize.cli import curves, tables
+from somatize.cli import main as cli
+from somatize.cli.job_files import load_job_file
+from somatize.remote.client import client_url
+from somatize.remote.jobs import read_in_pieces
 from tests.utils import UNIT
 
 # -- URLs and arguments ------------------------------------------------------------------------

@@ -28,14 +28,14 @@ from protocol.messages import (
     GetResult,
     Result,
 )
-from somatize.connection import MARGIN
 from somatize.errors import ClientError, ConnectionFailed, GraphError, JobFailed
+from somatize.remote.connection import MARGIN
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from somatize.connection import LoopThread
     from somatize.graph import FittedGraph, Graph
+    from somatize.remote.connection import LoopThread
 
 T = TypeVar("T")
 
@@ -45,7 +45,7 @@ TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled"})
 
 class JobsConnection(Protocol):
     """What a :class:`Job` asks of the connection it follows its job over (a
-    :class:`~somatize.client.Client`'s)."""
+    :class:`~somatize.remote.client.Client`'s)."""
 
     timeout: float
     _loop: LoopThread
@@ -310,7 +310,7 @@ class Job:
         reply = self._client._call(GetCheckpoint(job_id=self.id, seq=seq))
         sharded = isinstance(reply, Result) and isinstance(reply.result, dict)
         if sharded and "shards" in reply.result:  # a sharded run's: its shards joined here
-            from somatize.sharded_checkpoints import whole_states  # (torch: imported here)
+            from somatize.remote.sharded_checkpoints import whole_states  # (torch: imported here)
 
             found = int(result_field(reply, "seq", "get_checkpoint"))
             listed = reply.result["shards"].get("files", {})

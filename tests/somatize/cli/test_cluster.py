@@ -3,7 +3,7 @@ with ``--listen HOST:0``, so no port is picked for another process to take first
 
 from __future__ import annotations
 
-from somatize.cluster import LISTENING
+from somatize.cli.cluster import LISTENING
 
 
 def _port(log: str) -> int | None:

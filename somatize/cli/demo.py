@@ -23,7 +23,7 @@ import torch
 
 from somatize.filters import TorchFilter
 from somatize.graph import Filter, Graph
-from somatize.strategies import Strategy
+from somatize.options.strategies import Strategy
 
 
 class Standardize(Filter):
@@ -96,7 +96,7 @@ def digits_graph(epochs: int = 10, seed: int = 0) -> Graph:
 
 def strategies(workers: int) -> list[tuple[str, Strategy]]:
     """What the demo runs on the cluster, with how it is shown."""
-    from somatize.strategies import DataParallel, FedAvg, ModelParallel, Partition
+    from somatize.options.strategies import DataParallel, FedAvg, ModelParallel, Partition
 
     stages = [
         Partition(["standardize", "hidden"], worker="worker-1"),
@@ -120,9 +120,9 @@ def run(workers: int = 2, epochs: int = 10) -> dict[str, float]:
     """
     from rich.console import Console
 
-    from somatize.client import connect
-    from somatize.cluster import LocalCluster
-    from somatize.following import follow
+    from somatize.cli.cluster import LocalCluster
+    from somatize.cli.following import follow
+    from somatize.remote.client import connect
 
     if workers < 2:
         raise ValueError("the demo needs at least 2 workers")

@@ -3,7 +3,7 @@ out by hand here from the events' rows, losses and times."""
 
 from __future__ import annotations
 
-from somatize.progress import Progress, bar_position, clock, event_text
+from somatize.cli.progress import Progress, bar_position, clock, event_text
 
 
 def _step(step, epoch, loss, rows, steps=6, epochs=2):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from somatize.demo import ELSEWHERE, EXAMPLE_JOB
-from somatize.job_files import load_job_file
+from somatize.cli.demo import ELSEWHERE, EXAMPLE_JOB
+from somatize.cli.job_files import load_job_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_closing_hint_starts_workers_the_example_job_can_run_on():

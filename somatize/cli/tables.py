@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from protocol.text.wording import listed, visible
-from somatize.progress import event_text
+from somatize.cli.progress import event_text
 
 __all__ = [
     "cells",
@@ -257,7 +257,7 @@ def position_text(position: dict[str, Any]) -> str:
 
 
 def progress_text(data: dict[str, Any]) -> str:
-    """A job's last progress event in words (:func:`somatize.progress.event_text`): ``epoch
+    """A job's last progress event in words (:func:`somatize.cli.progress.event_text`): ``epoch
     2/5 · step 7/12 · loss 0.5 (last step)``."""
     return event_text(data)
 

@@ -1,8 +1,8 @@
 """Following a job on a console: a progress bar on a terminal, plain lines in a log.
 
 What ``somatize submit`` and ``somatize demo`` show while a job runs: each event of the job
-(:meth:`~somatize.jobs.Job.events`) in the words of :mod:`somatize.progress` and
-:mod:`somatize.tables`, each epoch's (round's) row handed to TensorBoard as it comes.
+(:meth:`~somatize.remote.jobs.Job.events`) in the words of :mod:`somatize.cli.progress` and
+:mod:`somatize.cli.tables`, each epoch's (round's) row handed to TensorBoard as it comes.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from somatize.curves import HistoryWriter, loss_curve, row_of
-from somatize.progress import Progress as JobProgress
-from somatize.progress import bar_position
-from somatize.tables import placed_text, queued_text, replica_text
+from somatize.cli.curves import HistoryWriter, loss_curve, row_of
+from somatize.cli.progress import Progress as JobProgress
+from somatize.cli.progress import bar_position
+from somatize.cli.tables import placed_text, queued_text, replica_text
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from somatize.jobs import Job
+    from somatize.remote.jobs import Job
 
 __all__ = ["PLAIN_PROGRESS_EVERY", "follow", "follow_in_lines", "to_board"]
 

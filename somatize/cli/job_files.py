@@ -5,7 +5,7 @@ and ``x``, and may define ``y``, ``strategy`` (default :class:`~somatize.Local`)
 ``validation`` (``(x_val, y_val)``, ``(x_val, None)`` or ``sz.WorkerData(name, split=...)``),
 ``name`` (what the job list calls the job), ``wait_for_workers`` (seconds) and ``sandbox``
 (``"required"``: sandboxed workers only), each what
-:meth:`somatize.client.Client.submit` takes of that name. Any other name is the file's own,
+:meth:`somatize.remote.client.Client.submit` takes of that name. Any other name is the file's own,
 except one that looks like a misspelt one of those that the file does not define (``stratgy``):
 the file is refused, since the job would otherwise run without it (``Local`` on one worker for
 a misspelt ``strategy``, and "succeed"); and validation data under a name of its own
@@ -36,7 +36,7 @@ from somatize.errors import UsageError
 
 if TYPE_CHECKING:
     from somatize.graph import Graph
-    from somatize.strategies import Strategy
+    from somatize.options.strategies import Strategy
 
 __all__ = ["NAMES", "JobFile", "load_job_file"]
 
@@ -69,7 +69,7 @@ def load_job_file(path: str) -> JobFile:
         UsageError: no such file, the file raised, or it lacks a name or defines a wrong one.
     """
     from somatize.graph import Graph
-    from somatize.strategies import Local, Strategy
+    from somatize.options.strategies import Local, Strategy
 
     file = Path(path)
     if not file.is_file():

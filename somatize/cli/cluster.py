@@ -23,8 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TextIO, TypeVar
 
-from somatize.client import Client, connect
 from somatize.errors import ClusterError
+from somatize.remote.client import Client, connect
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ checks and their documentation), taking its arguments positionally too. A rule t
 from __future__ import annotations
 
 from protocol.options import aggregators as options
-from somatize.components import Component, SdkOptions
+from somatize.options.components import Component, SdkOptions
 
 __all__ = ["Aggregator", "Bulyan", "FedMedian", "Krum", "TrimmedMean"]
 

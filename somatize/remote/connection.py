@@ -1,6 +1,6 @@
 """The client's connection: its URL, its event loop thread, dialling and the hello handshake.
 
-A :class:`~somatize.client.Client` owns one :class:`LoopThread` (uvloop when it is installed)
+A :class:`~somatize.remote.client.Client` owns one :class:`LoopThread` (uvloop when it is installed)
 that runs the connection's :class:`~protocol.asyncio.channel.Channel`; the synchronous methods hand
 coroutines to it and wait for them.
 """

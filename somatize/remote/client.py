@@ -11,12 +11,12 @@ A synchronous API for scripts and notebooks over the coordinator's ``/client`` W
         fitted = job.result()               # a FittedGraph, as graph.fit(x, y) returns
 
 Under the sync surface, one background thread per :class:`Client` runs an event loop
-(:mod:`somatize.connection`) that owns the connection and its
+(:mod:`somatize.remote.connection`) that owns the connection and its
 :class:`~protocol.asyncio.channel.Channel`; each method hands a coroutine to that loop and waits for
-it; a job's handle and its events are in :mod:`somatize.jobs`. Every wait is bounded: a request by
-the client's ``timeout`` (stretched for uploading a large submission, and while a large reply keeps
-arriving); an event stream or a job's end by the caller's ``timeout`` and, when that is ``None``, by
-the connection's keepalive pings, so a coordinator that dies or goes silent surfaces as
+it; a job's handle and its events are in :mod:`somatize.remote.jobs`. Every wait is bounded: a
+request by the client's ``timeout`` (stretched for uploading a large submission, and while a large
+reply keeps arriving); an event stream or a job's end by the caller's ``timeout`` and, when that is
+``None``, by the connection's keepalive pings, so a coordinator that dies or goes silent surfaces as
 :class:`~somatize.errors.ConnectionFailed` instead of a hang.
 """
 
@@ -59,11 +59,11 @@ from protocol.messages import (
     Watch,
 )
 from protocol.rules.equivalence import data_parallel_notes
-from somatize.connection import MARGIN, LoopThread, client_url, dial, handshake
 from somatize.errors import ClientError, ConnectionFailed
-from somatize.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 from somatize.keywords import suggesting
-from somatize.strategies import DataParallel, Local, Strategy, WorkerData
+from somatize.options.strategies import DataParallel, Local, Strategy, WorkerData
+from somatize.remote.connection import MARGIN, LoopThread, client_url, dial, handshake
+from somatize.remote.jobs import TERMINAL_EVENTS, Job, JobEventInfo, failure_of, result_field
 
 if TYPE_CHECKING:
     from somatize.graph import Graph

@@ -25,8 +25,8 @@ from protocol.messages import StrategySpec
 from protocol.options import federated, strategies
 from protocol.options.base import StrategyOptions
 from protocol.options.client_config import client_configs
-from somatize.components import KEYWORD_ONLY, SdkOptions
-from somatize.server_optimizers import (
+from somatize.options.components import KEYWORD_ONLY, SdkOptions
+from somatize.options.server_optimizers import (
     FedAdagrad,
     FedAdam,
     FedAvgM,

@@ -8,7 +8,7 @@ tensors' places (``rest["split"][i]`` is the path of the tensor saved under key 
 The coordinator stores them as they came and never joins them; :func:`whole_states` fetches
 them one file at a time, each written to disk before the next, and joins them here, with
 DCP's own reader (:func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save`),
-for :meth:`somatize.jobs.Job.checkpoint`.
+for :meth:`somatize.remote.jobs.Job.checkpoint`.
 
 DCP reads the ``.metadata`` with plain :mod:`pickle`, which would run whatever code a forged
 one names: it is first read here as :func:`engine.data_parallel.dcp_metadata.checked_metadata` reads

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from somatize.jobs import Job
+    from somatize.remote.jobs import Job
 
 __all__ = ["Stopped", "exit_signals", "wants_cancel", "when_stopped"]
 
@@ -60,7 +60,7 @@ def wants_cancel(answer: str | None) -> bool:
 
 
 def when_stopped(job: Job, stop: KeyboardInterrupt, cancel_on_exit: bool, err: Console) -> None:
-    """Cancel ``job`` or leave it running, as :mod:`this module <somatize.interrupt>` says,
+    """Cancel ``job`` or leave it running, as :mod:`this module <somatize.cli.interrupt>` says,
     after ``stop`` interrupted the following; tells ``err`` which."""
     how = f"stopped by {stop.args[0]}" if isinstance(stop, Stopped) else "interrupted"
     if cancel_on_exit:
