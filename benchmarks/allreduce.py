@@ -59,7 +59,7 @@ from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes, cpu_seconds, free_port, port_open
 from coordinator.strategies.aggregate import weighted_mean
 from somatize.cli.cluster import LocalCluster
-from worker.daemon.procfs import descendants
+from worker.confinement.procfs import descendants
 
 SIZES = (784, 2048, 2048, 10)
 """The MLP's layer widths: Linear 784→2048, ReLU, Linear 2048→2048, ReLU, Linear 2048→10."""

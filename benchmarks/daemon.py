@@ -1,7 +1,7 @@
 """How fast the agent talks to its filter daemon, through the real supervisor and daemon.
 
 ``python -m benchmarks.daemon`` starts one daemon with
-:class:`worker.daemon.supervisor.DaemonSupervisor` on a uvloop event loop and measures:
+:class:`worker.supervision.supervisor.DaemonSupervisor` on a uvloop event loop and measures:
 
 - *ping*: the round trip of a no-op command (``ping``), 2,000 times after a warm-up: p50, p99 and
   mean. This is the fixed cost every command pays (framing, two pipe hops, validation, dispatch).
@@ -27,7 +27,7 @@ import uvloop
 from benchmarks.report import Row
 from protocol.filters import dump_filter
 from somatize import TorchFilter
-from worker.daemon.supervisor import DaemonSupervisor
+from worker.supervision.supervisor import DaemonSupervisor
 
 PINGS = 2_000
 WARMUP = 200

@@ -39,7 +39,7 @@ import torch
 import somatize as sz
 from engine.devices import resolve_device
 from somatize.cli.cluster import LocalCluster
-from worker.daemon.sandbox import LEVELS
+from worker.confinement.sandbox import LEVELS
 
 TOLERANCE = 1e-4
 SEED = 0

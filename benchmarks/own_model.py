@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target, machine, now, with_section
 from somatize.cli.job_files import JobFile, load_job_file
-from worker.daemon.procfs import descendants
+from worker.confinement.procfs import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENT = ROOT / "docs" / "benchmarks.md"

@@ -9,7 +9,7 @@ LEVEL`` for each level of :data:`LEVELS` (``bwrap`` needs Debian's bubblewrap; t
 - *start, back to back*: the same job submitted as soon as the previous one ended, the spare
   that one took being replaced. Sandboxed daemons are spawned (a fork server would share its
   memory with every job), unsandboxed ones forked in milliseconds: a sandboxed agent keeps two
-  spares (:data:`worker.daemon.pool.SANDBOXED_SPARES`), started nice on a root agent, so the
+  spares (:data:`worker.supervision.pool.SANDBOXED_SPARES`), started nice on a root agent, so the
   job finds the other up and shares the cores with the replacement's start;
 - *steps*: the time of :data:`STEPS` steps of a 32→256→4 MLP (a job of that many steps less
   the one-step job's time, the spare warm for both): what the sandbox costs a step.

@@ -67,19 +67,12 @@ ORDERS = {
         ["somatize.errors"],
     ],
     "worker": [
-        ["worker"],
-        ["worker.daemon"],  # the daemon, and the agent's side of it (pool, supervisor, ...)
+        ["worker"],  # the agent: its link, its jobs, its peers
+        ["worker.supervision"],  # its filter daemons: started, kept, talked to, survived
         ["worker.config"],
-        [
-            "worker.daemon.allocator",
-            "worker.daemon.environment",
-            "worker.daemon.limits",
-            "worker.daemon.procfs",
-            "worker.daemon.sandbox",
-            "worker.daemon.sandbox_root",
-            "worker.errors",
-            "worker.tasks",
-        ],
+        ["worker.daemon"],  # the daemon process, and the pipes both ends speak
+        ["worker.confinement"],  # what a daemon runs inside: sandbox, cgroup, limits
+        ["worker.errors", "worker.tasks"],
     ],
 }
 """Each package's rooms from the top down: a module may import its own room and the rooms below

@@ -1,8 +1,8 @@
 """The worker agent: one WebSocket to the coordinator, one filter daemon per open job.
 
 The agent dials out (so it works behind NAT), registers, heartbeats, and runs what the
-coordinator asks for in filter daemons (:class:`~worker.daemon.supervisor.DaemonSupervisor`). The
-conversation itself is
+coordinator asks for in filter daemons (:class:`~worker.supervision.supervisor.DaemonSupervisor`).
+The conversation itself is
 :class:`~protocol.asyncio.channel.Channel`'s; :class:`Agent` composes the rooms
 that do the rest:
 
@@ -10,7 +10,7 @@ that do the rest:
 * :mod:`worker.lifecycle`: where the agent is (connecting, registered, draining, ...), no I/O;
 * :mod:`worker.link`: the steps of one connection (dial, hello, heartbeats, ping watch, backoff);
 * :mod:`worker.job_handlers`: the jobs' requests and the mailbox input/output of calls;
-* :mod:`worker.daemon.pool`: the daemons, and the spare one kept warm;
+* :mod:`worker.supervision.pool`: the daemons, and the spare one kept warm;
 * :mod:`worker.peer_server` and :mod:`worker.peer`: the ``/peer`` endpoint and the outgoing links.
 
 Lifecycle of :meth:`Agent.run`, one turn per connection::
@@ -29,7 +29,7 @@ Lifecycle of :meth:`Agent.run`, one turn per connection::
   ``shutdown``); each runs in a task of the channel's, so a long ``call`` never holds up
   another job, a reply or a heartbeat. Heartbeats
   go out every ``heartbeat_interval`` from their own task; daemon I/O never blocks the loop (see
-  :mod:`worker.daemon.supervisor`), so they keep flowing while a filter computes.
+  :mod:`worker.supervision.supervisor`), so they keep flowing while a filter computes.
 * **Pipeline tensors** (:mod:`worker.peer`). With ``peer_listen`` the agent serves ``/peer``
   and announces it in the hello; ``links`` makes it dial the job's peers. A ``call`` with
   ``output_to`` sends its result, encoded, to that worker's mailbox — over the direct link, or
@@ -78,8 +78,6 @@ from protocol.messages import Shutdown, WorkerHello
 from protocol.security.identity_proof import CHALLENGE_HEADER, prove, public_key
 from worker.capabilities import detect
 from worker.config import AgentConfig, worker_url
-from worker.daemon.pool import DaemonPool
-from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import (
     AgentError,
     HandshakeFailed,
@@ -103,6 +101,8 @@ from worker.link import (
 )
 from worker.peer import Mailbox, PeerLinks
 from worker.peer_server import PeerServer
+from worker.supervision.pool import DaemonPool
+from worker.supervision.supervisor import DaemonSupervisor
 
 __all__ = [
     "FATAL_CODES",
@@ -124,7 +124,7 @@ class Agent:
 
     A composition: :class:`~worker.lifecycle.Lifecycle` says where it is, :mod:`worker.link`
     runs each connection's steps, :class:`~worker.job_handlers.JobHandlers` answers the jobs'
-    requests, :class:`~worker.daemon.pool.DaemonPool` holds the daemons and
+    requests, :class:`~worker.supervision.pool.DaemonPool` holds the daemons and
     :class:`~worker.peer_server.PeerServer` the ``/peer`` endpoint.
 
     Args:

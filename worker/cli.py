@@ -41,10 +41,10 @@ from protocol.text.quantities import byte_count
 from worker.agent import Agent
 from worker.capabilities import memory_bytes
 from worker.config import AgentConfig
+from worker.confinement.sandbox import LEVELS, Sandbox, choose
 from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
 from worker.daemon.allocator import Allocator
 from worker.daemon.allocator import choose as choose_allocator
-from worker.daemon.sandbox import LEVELS, Sandbox, choose
 from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
@@ -349,7 +349,7 @@ def _secret_folders(args: argparse.Namespace) -> list[str]:
 
 
 def _sandbox(args: argparse.Namespace, datasets: dict[str, Path]) -> Sandbox:
-    """``--sandbox``'s, as :func:`~worker.daemon.sandbox.choose` finds it here."""
+    """``--sandbox``'s, as :func:`~worker.confinement.sandbox.choose` finds it here."""
     return choose(
         args.sandbox,
         _secret_files(args),

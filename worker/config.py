@@ -16,10 +16,10 @@ from engine.devices import resolve_device
 from protocol.asyncio.channel import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_MESSAGE_BYTES
 from protocol.chunking import DEFAULT_STALL_SECONDS
 from protocol.messages import Capabilities
+from worker.confinement.environment import refused_names
+from worker.confinement.limits import JobLimits
+from worker.confinement.sandbox import NO_SANDBOX, Sandbox
 from worker.daemon.allocator import GLIBC, Allocator
-from worker.daemon.environment import refused_names
-from worker.daemon.limits import JobLimits
-from worker.daemon.sandbox import NO_SANDBOX, Sandbox
 
 __all__ = ["AgentConfig", "split_host_port", "worker_url"]
 
@@ -52,7 +52,7 @@ class AgentConfig:
             filters: importing torch in a new daemon takes seconds); the oldest also answers
             ``probe``.
         spares: how many (``None``: one where daemons are forked, two where each starts anew in
-            its sandbox: :attr:`worker.daemon.pool.DaemonPool.depth`).
+            its sandbox: :attr:`worker.supervision.pool.DaemonPool.depth`).
         slots: how many one-slot jobs it runs at once, each in its own daemon and cgroup
             (``--slots``; the coordinator gives each its part of the threads).
         fork_server: fork each daemon from a process that imported torch once
@@ -77,16 +77,17 @@ class AgentConfig:
             :mod:`worker.identity`): presented with ``worker_id``, which the coordinator binds
             to it at the first registration; ``None``: the id is not bound.
         daemon_env: names of more variables of the agent's environment its daemons get
-            (``--daemon-env``), beyond :mod:`worker.daemon.environment`'s allow-list; the tokens
-            never.
+            (``--daemon-env``), beyond :mod:`worker.confinement.environment`'s allow-list; the
+            tokens never.
         max_job_memory: resident bytes a job's daemon, with what it forked, may hold
             (``--max-job-memory``); ``None``: any.
         max_job_procs: processes a job's daemon may run, itself included (``--max-job-procs``);
             ``None``: any.
         job_cgroups: give each job's daemon a cgroup v2 of its own where the agent may make one
-            (``--job-cgroups auto``; :mod:`worker.daemon.cgroup`); ``False``: a process group only.
+            (``--job-cgroups auto``; :mod:`worker.confinement.cgroup`); ``False``: a process group
+            only.
         sandbox: what each job's daemon runs inside (``--sandbox``, chosen by
-            :func:`worker.daemon.sandbox.choose`); the default runs it as the agent's user.
+            :func:`worker.confinement.sandbox.choose`); the default runs it as the agent's user.
         daemon_malloc: the ``malloc`` each daemon runs with (``--daemon-malloc``, chosen by
             :func:`worker.daemon.allocator.choose`: tcmalloc where installed); the default is
             the C library's own.

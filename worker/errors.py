@@ -132,5 +132,5 @@ class DaemonNotRunning(DaemonError):
 
 
 class DaemonAlreadyRunning(WorkerError, RuntimeError):
-    """:meth:`~worker.daemon.supervisor.DaemonSupervisor.start` while its daemon runs (use
+    """:meth:`~worker.supervision.supervisor.DaemonSupervisor.start` while its daemon runs (use
     restart)."""

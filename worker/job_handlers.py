@@ -1,7 +1,7 @@
 """The agent's job requests: ``open_job``, ``call``, ``links``, ``deliver``, ``close_job``, ...
 
-A job is one daemon (from :class:`~worker.daemon.pool.DaemonPool`) and the tasks working on it. A
-``call`` forwards one daemon command; with ``input_from`` it first waits for that mailbox key,
+A job is one daemon (from :class:`~worker.supervision.pool.DaemonPool`) and the tasks working on it.
+A ``call`` forwards one daemon command; with ``input_from`` it first waits for that mailbox key,
 with ``output_to`` its result goes, encoded, to that worker's mailbox — over a direct peer link
 (:class:`~worker.peer.PeerLinks`), or as a ``deliver`` the coordinator relays. Sequenced calls
 (``Call.seq``) take their turn through the job's :class:`~worker.peer.CallOrder`. Files a call
@@ -41,12 +41,12 @@ from protocol.messages import (
 )
 from protocol.security.peer_credentials import matches
 from worker.config import AgentConfig
-from worker.daemon.pool import DaemonPool
-from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonError, DeliveredTwice, MailboxDropped, MailboxFull, OutOfOrder
 from worker.kept_files import KeptFiles
 from worker.lifecycle import Lifecycle
 from worker.peer import CallOrder, Mailbox, PeerLinks
+from worker.supervision.pool import DaemonPool
+from worker.supervision.supervisor import DaemonSupervisor
 from worker.tasks import cancelling, owned_task
 
 __all__ = ["JobHandlers"]

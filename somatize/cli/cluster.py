@@ -39,7 +39,8 @@ and the bind."""
 _PEER_ADDRESS = re.compile(r"serving peer links on \S+ \(announced as (ws://\S+)\)")
 """A worker's line saying where other workers dial it (:mod:`worker.peer_server`)."""
 NO_SANDBOX = "no sandbox for job code works here"
-"""What a worker says when ``--sandbox auto`` finds no sandbox (:mod:`worker.daemon.sandbox`)."""
+"""What a worker says when ``--sandbox auto`` finds no sandbox
+(:mod:`worker.confinement.sandbox`)."""
 
 
 def said_in_log(
@@ -106,7 +107,7 @@ class LocalCluster:
         spares: how many each worker keeps (``--spare-daemons``; default one: a cluster on one
             machine shares its cores and memory with them; ``None``: the worker's own default,
             two when sandboxed).
-        sandbox: each worker's ``--sandbox`` (:mod:`worker.daemon.sandbox`). With ``"auto"``
+        sandbox: each worker's ``--sandbox`` (:mod:`worker.confinement.sandbox`). With ``"auto"``
             (the default) on a machine where no sandbox works (no bubblewrap, not root), a
             cluster of one's own runs its workers ``--sandbox none`` rather than none at all,
             and says so on stderr once: the job code is the user's own.

@@ -19,7 +19,7 @@ from tests.utils import Center
 from worker import cli
 from worker.capabilities import detect
 from worker.config import AgentConfig
-from worker.daemon.pool import DaemonPool
+from worker.supervision.pool import DaemonPool
 
 URL = "ws://127.0.0.1:1"
 

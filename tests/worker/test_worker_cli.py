@@ -22,7 +22,7 @@ from tests.worker.standin import (
     no_process_left,
     open_job,
 )
-from worker.daemon.pool import SANDBOXED_SPARES
+from worker.supervision.pool import SANDBOXED_SPARES
 
 pytestmark = pytest.mark.integration
 

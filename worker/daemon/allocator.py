@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ErrorCode, ErrorInfo
-from worker.daemon.limits import mib, usage_of
+from worker.confinement.limits import mib, usage_of
 
 __all__ = [
     "GLIBC",

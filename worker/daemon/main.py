@@ -1,7 +1,7 @@
 """The filter daemon: ``python -m worker.daemon [--threads N] [--device DEVICE]``.
 
 One daemon runs the user filters of one job for the worker agent (through
-:class:`worker.daemon.supervisor.DaemonSupervisor`), so that user code — which may hang, crash,
+:class:`worker.supervision.supervisor.DaemonSupervisor`), so that user code — which may hang, crash,
 print or leak — lives in its own process. It reads requests (:mod:`protocol.daemon`) from its stdin
 and writes replies to its stdout, one at a time, each a length-prefixed :mod:`protocol.codec` frame,
 and maps each command onto one method of one part of one :class:`~engine.engine.Engine`.
@@ -598,7 +598,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def warm_up() -> None:
     """Make (and drop) an optimizer: the first one a process makes imports what torch imports
     lazily for it (``torch._dynamo``, sympy: over a second of CPU). A daemon started ahead of its
-    job (:mod:`worker.daemon.pool`) pays that while it waits, not in the job's first step."""
+    job (:mod:`worker.supervision.pool`) pays that while it waits, not in the job's first step."""
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 

@@ -20,7 +20,7 @@ import pytest
 import somatize as sz
 from tests.integration.cluster import cluster
 from tests.utils import UNIT
-from worker.daemon.environment import daemon_environment
+from worker.confinement.environment import daemon_environment
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,5 @@
-"""Filter daemons under a real :class:`~worker.daemon.supervisor.DaemonSupervisor`, for the tests.
+"""Filter daemons under a real :class:`~worker.supervision.supervisor.DaemonSupervisor`, for the
+tests.
 
 A test module keeps one long-lived supervisor (:func:`driving` in a module-scoped fixture) to
 keep the number of (torch-importing, ~1 s) spawns down; the filters here are pickled by value
@@ -26,8 +27,8 @@ import uvloop
 
 from protocol.filters import dump_filter
 from tests.utils import UNIT
-from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonError
+from worker.supervision.supervisor import DaemonSupervisor
 
 # -- filters (pickled by value into the daemon) --------------------------------------------------
 

@@ -32,8 +32,8 @@ from tests.worker.standin import (
     open_job,
     running,
 )
-from worker.daemon.cgroup import CgroupParent
-from worker.daemon.limits import JobLimits, Usage, group_usage, over, usage_of
+from worker.confinement.cgroup import CgroupParent
+from worker.confinement.limits import JobLimits, Usage, group_usage, over, usage_of
 
 pytestmark = pytest.mark.integration
 __all__ = ["no_process_left"]

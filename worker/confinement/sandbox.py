@@ -10,14 +10,14 @@ A job's filters are code its client wrote. The levels, from the strongest (``--s
   remounted, whatever the job tries; a non-root agent's daemons run as the agent's user, less
   every capability. The whole file system is read-only (the project's environment too: no
   ``.pth`` file planted for the next job), with a private ``/tmp`` and ``/dev/shm`` that go
-  with the daemon (counted in its memory: :mod:`worker.daemon.limits`; each no larger than
+  with the daemon (counted in its memory: :mod:`worker.confinement.limits`; each no larger than
   ``--max-job-memory``); the agent's secrets — its token file, its identity key and the folder
   of such keys, its peer TLS key — are replaced by an empty file or folder; its own PID, IPC,
   UTS and cgroup namespaces with a ``/proc`` of its own (the agent's ``/proc/<pid>`` is not
   there to read), ``/sys`` read-only, a new session, and death with its parent; with
   ``--job-network off``, a network namespace of its own too (loopback only). Where the
   environment lies in a directory only root may enter (``/root``), bubblewrap starts from the
-  agent's :class:`~worker.daemon.sandbox_root.SandboxRoot`, which shows that environment and
+  agent's :class:`~worker.confinement.sandbox_root.SandboxRoot`, which shows that environment and
   nothing else of the directory. Each daemon is started anew in it (the fork server, which
   would share its memory with every job, is not used), and held at bubblewrap's
   ``--block-fd`` until the agent has put it in its job's cgroup: it runs nothing of the job's
@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 from glob import glob
 from typing import Any
 
-from worker.daemon.environment import daemon_environment
-from worker.daemon.procfs import running_as
-from worker.daemon.sandbox_root import SandboxRoot
+from worker.confinement.environment import daemon_environment
+from worker.confinement.procfs import running_as
+from worker.confinement.sandbox_root import SandboxRoot
 
 __all__ = [
     "LEVELS",

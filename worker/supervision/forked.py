@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from worker.daemon.cgroup import CgroupParent, JobCgroup
+from worker.confinement.cgroup import CgroupParent, JobCgroup
 from worker.daemon.fork_server import recv_message, send_message
 
 __all__ = ["ForkServer", "ForkedChild"]
@@ -91,7 +91,7 @@ class ForkServer:
 
     Args:
         python: the interpreter its daemons run on.
-        env: a daemon's environment (:func:`worker.daemon.environment.daemon_environment`).
+        env: a daemon's environment (:func:`worker.confinement.environment.daemon_environment`).
     """
 
     def __init__(self, python: str, env: Mapping[str, str]) -> None:

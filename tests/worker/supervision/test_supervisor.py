@@ -31,9 +31,9 @@ from tests.worker.daemon.supervised import (
     gone,
     wait_gone,
 )
-from worker.daemon.forked import ForkServer
-from worker.daemon.supervisor import DaemonSupervisor
 from worker.errors import DaemonCrashed, DaemonNotRunning, DaemonTimeout
+from worker.supervision.forked import ForkServer
+from worker.supervision.supervisor import DaemonSupervisor
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module", params=["spawned", "forked"])
 def crashing(request: pytest.FixtureRequest) -> Iterator[Driver]:
     """One daemon the destructive tests kill, hang and restart in turn (each test starts by
-    making sure it runs): started anew, or forked by a fork server (worker.daemon.forked)."""
+    making sure it runs): started anew, or forked by a fork server (worker.supervision.forked)."""
     if request.param == "spawned":
         with driving() as driver:
             yield driver
@@ -156,8 +156,8 @@ _ORPHANING_PARENT = textwrap.dedent(
     from pathlib import Path
 
     from protocol.filters import dump_filter
-    from worker.daemon.forked import ForkServer
-    from worker.daemon.supervisor import DaemonSupervisor
+    from worker.supervision.forked import ForkServer
+    from worker.supervision.supervisor import DaemonSupervisor
 
     class Hang:
         def __init__(self, marker):

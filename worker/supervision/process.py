@@ -1,9 +1,9 @@
 """One filter daemon process and the non-blocking I/O on its two pipes.
 
 :class:`DaemonProcess` moves frames between the event loop and the daemon's stdin/stdout; what
-the frames mean is the supervisor's business (:mod:`worker.daemon.supervisor`), told through three
-callbacks. Both ends are non-blocking and driven by ``loop.add_reader``/``add_writer``, a bounded
-amount of bytes per callback. A reply is read straight into a writable buffer of its own (so
+the frames mean is the supervisor's business (:mod:`worker.supervision.supervisor`), told through
+three callbacks. Both ends are non-blocking and driven by ``loop.add_reader``/``add_writer``, a
+bounded amount of bytes per callback. A reply is read straight into a writable buffer of its own (so
 decoded tensors are zero-copy views over it), and a request is written with ``os.writev`` from
 the codec's memoryviews (tensor bytes go from their own memory into the pipe, never joined).
 Frames of 256 KiB to 32 MiB go through two shared-memory regions instead
@@ -27,12 +27,12 @@ from typing import Any
 
 from protocol.daemon import ErrorReply, OkReply
 from protocol.errors import FrameError
-from worker.daemon.cgroup import CgroupParent, JobCgroup
-from worker.daemon.forked import ForkedChild
+from worker.confinement.cgroup import CgroupParent, JobCgroup
+from worker.confinement.procfs import descendants, exited
+from worker.confinement.sandbox import NO_SANDBOX, Launch, Sandbox, UidConfinement
 from worker.daemon.pipe import FrameReader, FrameWriter
-from worker.daemon.procfs import descendants, exited
-from worker.daemon.sandbox import NO_SANDBOX, Launch, Sandbox, UidConfinement
 from worker.daemon.shared_memory import SharedRegion
+from worker.supervision.forked import ForkedChild
 
 __all__ = ["DaemonProcess", "describe_exit", "enter", "reap", "shared_regions", "spawn"]
 
@@ -80,7 +80,8 @@ class DaemonProcess:
         self.confinement = confinement
         """What a ``uid`` sandbox gave the daemon (cleared once it is reaped), or ``None``."""
         self.cgroup = cgroup
-        """The daemon's own cgroup (:mod:`worker.daemon.cgroup`), or ``None``: its process group."""
+        """The daemon's own cgroup (:mod:`worker.confinement.cgroup`), or ``None``: its process
+        group."""
         self._on_frame = on_frame
         self._on_broken = on_broken
         self._on_exit = on_exit

@@ -1,7 +1,7 @@
 """The agent's filter daemons: every one it started, and the spares kept warm for the next jobs.
 
 Importing torch in a new daemon takes seconds. With ``fork_server`` on (a CPU worker, no
-sandbox), the pool runs the agent's fork server (:mod:`worker.daemon.forked`), which imported
+sandbox), the pool runs the agent's fork server (:mod:`worker.supervision.forked`), which imported
 torch once: each daemon is a fork of it, up in milliseconds; until the server is up, or if it
 dies (it is started again), daemons start anew. With ``spare`` on, :class:`DaemonPool` starts the
 next jobs' daemons ahead of their ``open_job`` (off the critical path), up to ``spares`` of them
@@ -25,11 +25,11 @@ from collections.abc import Callable
 from engine.data.datasets import environment as dataset_environment
 from protocol.daemon import PingRequest
 from worker.config import AgentConfig
-from worker.daemon.cgroup import CgroupParent
-from worker.daemon.forked import ForkServer
-from worker.daemon.limits import JobLimits
-from worker.daemon.supervisor import DaemonSupervisor
+from worker.confinement.cgroup import CgroupParent
+from worker.confinement.limits import JobLimits
 from worker.errors import DaemonError
+from worker.supervision.forked import ForkServer
+from worker.supervision.supervisor import DaemonSupervisor
 from worker.tasks import owned_task
 
 __all__ = ["SANDBOXED_SPARES", "DaemonPool"]

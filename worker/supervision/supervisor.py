@@ -16,7 +16,7 @@ never a silent success:
 :meth:`DaemonSupervisor.restart` brings a fresh daemon up and replays the last successful ``load``.
 
 The event loop never blocks on the daemon: its process and pipes are a
-:class:`~worker.daemon.process.DaemonProcess`, which moves frames without blocking; this module
+:class:`~worker.supervision.process.DaemonProcess`, which moves frames without blocking; this module
 decides what they mean.
 """
 
@@ -47,11 +47,9 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, FrameError, RequestRefused
-from worker.daemon.allocator import GLIBC, Allocator
-from worker.daemon.cgroup import CgroupParent, JobCgroup
-from worker.daemon.environment import daemon_environment
-from worker.daemon.forked import ForkedChild, ForkServer
-from worker.daemon.limits import (
+from worker.confinement.cgroup import CgroupParent, JobCgroup
+from worker.confinement.environment import daemon_environment
+from worker.confinement.limits import (
     NO_LIMITS,
     POLL_SECONDS,
     JobLimits,
@@ -60,7 +58,19 @@ from worker.daemon.limits import (
     job_usage,
     over,
 )
-from worker.daemon.process import (
+from worker.confinement.procfs import descendants
+from worker.confinement.sandbox import NO_SANDBOX, Sandbox, UidConfinement
+from worker.daemon.allocator import GLIBC, Allocator
+from worker.daemon.requests import parse_command
+from worker.errors import (
+    DaemonAlreadyRunning,
+    DaemonCrashed,
+    DaemonError,
+    DaemonNotRunning,
+    DaemonTimeout,
+)
+from worker.supervision.forked import ForkedChild, ForkServer
+from worker.supervision.process import (
     REAP_SECONDS,
     DaemonProcess,
     describe_exit,
@@ -68,16 +78,6 @@ from worker.daemon.process import (
     shared_regions,
     spawn,
     unnice,
-)
-from worker.daemon.procfs import descendants
-from worker.daemon.requests import parse_command
-from worker.daemon.sandbox import NO_SANDBOX, Sandbox, UidConfinement
-from worker.errors import (
-    DaemonAlreadyRunning,
-    DaemonCrashed,
-    DaemonError,
-    DaemonNotRunning,
-    DaemonTimeout,
 )
 
 __all__ = ["DaemonSupervisor"]
@@ -101,17 +101,19 @@ class DaemonSupervisor:
         python: the interpreter that runs the daemon (a job's own venv, for instance).
         threads: torch threads of the daemon, its share of the machine (default: all cores).
         env: what the agent sets for the daemon (its datasets), over what it inherits: only
-            the allow-list of :mod:`worker.daemon.environment` (never a token) and ``passed_env``.
+            the allow-list of :mod:`worker.confinement.environment` (never a token) and
+            ``passed_env``.
         passed_env: more variables of the agent's environment to pass on (``--daemon-env``).
         limits: what the daemon's process group may hold (``--max-job-memory``,
             ``--max-job-procs``); over them it is killed, its request failing
             ``resource_limit``.
-        cgroups: where each daemon gets a cgroup of its own (:mod:`worker.daemon.cgroup`);
+        cgroups: where each daemon gets a cgroup of its own (:mod:`worker.confinement.cgroup`);
             ``None``: a process group only.
         default_timeout: seconds a request (and the startup) may take when no timeout is given.
         device: the resolved device the daemon trains on (``--device``): ``"cpu"``,
             ``"cuda:N"`` or ``"mps"``.
-        fork_server: forks the daemon on a CPU worker (:mod:`worker.daemon.forked`) while it runs —
+        fork_server: forks the daemon on a CPU worker (:mod:`worker.supervision.forked`) while it
+        runs —
             or what gives it once it is up (the agent's, while it starts); ``None``, gone, or
             another device: the daemon starts anew.
         allocator: the ``malloc`` the daemon runs with (:mod:`worker.daemon.allocator`; a
@@ -478,8 +480,8 @@ class DaemonSupervisor:
         await self._request(_PING, self.default_timeout)
 
     def environment(self) -> dict[str, str]:
-        """The daemon's environment: the allow-list of :mod:`worker.daemon.environment`, what the
-        agent sets, its allocator's preload and this source tree on ``PYTHONPATH``."""
+        """The daemon's environment: the allow-list of :mod:`worker.confinement.environment`, what
+        the agent sets, its allocator's preload and this source tree on ``PYTHONPATH``."""
         env = daemon_environment(os.environ, self.passed_env, self.env)
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if _SOURCE_ROOT not in paths:

@@ -2,7 +2,7 @@
 namespace of the agent's where an unprivileged uid can reach the environment.
 
 A root agent runs bubblewrap as an unprivileged uid of the daemon's own
-(:mod:`worker.daemon.sandbox`): bubblewrap then makes a user namespace in which that uid holds
+(:mod:`worker.confinement.sandbox`): bubblewrap then makes a user namespace in which that uid holds
 no capability over anything outside it, so a root-only file stays unreadable and nothing can be
 remounted. But bubblewrap resolves what it binds as that uid too, and the environment a root
 agent runs from often lies where only root may enter (``/root/.pyenv``, a virtualenv in

@@ -13,8 +13,8 @@ v1 only, not Linux) the agent says so once and isolates daemons by process group
 
 Only membership, counting and killing are used: kernel limits (``memory.max``, ``pids.max``)
 need controllers delegated to the agent's cgroup, which machines rarely give; the limits are
-enforced by :mod:`worker.daemon.limits`' watch either way. File I/O here blocks: call it off the
-event loop.
+enforced by :mod:`worker.confinement.limits`' watch either way. File I/O here blocks: call it off
+the event loop.
 """
 
 from __future__ import annotations

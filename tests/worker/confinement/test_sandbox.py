@@ -1,4 +1,4 @@
-"""worker.daemon.sandbox and sandbox_root, the logic: which directories a root agent covers so
+"""worker.confinement.sandbox and sandbox_root, the logic: which directories a root agent covers so
 that an unprivileged uid reaches the environment, what bubblewrap is told, and a daemon's
 process tree put in its cgroup whole (the sandbox itself, on live workers:
 tests/integration/security/test_sandbox.py)."""
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from worker.daemon.cgroup import CgroupParent
-from worker.daemon.process import enter
-from worker.daemon.procfs import descendants, exited
-from worker.daemon.sandbox import Sandbox, SandboxRefused, choose
-from worker.daemon.sandbox_root import Cover, plan, script
+from worker.confinement.cgroup import CgroupParent
+from worker.confinement.procfs import descendants, exited
+from worker.confinement.sandbox import Sandbox, SandboxRefused, choose
+from worker.confinement.sandbox_root import Cover, plan, script
+from worker.supervision.process import enter
 
 
 def test_only_directories_others_cannot_enter_are_covered_each_keeping_its_paths():

@@ -4,12 +4,12 @@ process group.
 Each daemon leads a process group of its own (it starts a session), and whatever its filters
 fork stays in that group unless it leaves on purpose (``setsid``); where the machine lets the
 agent make cgroups, the daemon also has a cgroup of its own, which nothing leaves
-(:mod:`worker.daemon.cgroup`). The agent kills both when the job closes. With ``--max-job-memory``
-or ``--max-job-procs`` the supervisor also reads the job's use every :data:`POLL_SECONDS` (from
-``/proc``: :func:`job_usage` of the cgroup's members, else :func:`group_usage`; a sandbox's
-private ``/tmp`` and ``/dev/shm`` count too) and kills the job's processes once they are over
-(:func:`over`), failing the request in flight with ``resource_limit``. A limit
-on the address space (``RLIMIT_AS``) would not do: torch and CUDA reserve far more virtual
+(:mod:`worker.confinement.cgroup`). The agent kills both when the job closes. With
+``--max-job-memory`` or ``--max-job-procs`` the supervisor also reads the job's use every
+:data:`POLL_SECONDS` (from ``/proc``: :func:`job_usage` of the cgroup's members, else
+:func:`group_usage`; a sandbox's private ``/tmp`` and ``/dev/shm`` count too) and kills the job's
+processes once they are over (:func:`over`), failing the request in flight with ``resource_limit``.
+A limit on the address space (``RLIMIT_AS``) would not do: torch and CUDA reserve far more virtual
 memory than they use, and ``RLIMIT_NPROC`` counts every process of the user, not the job's.
 """
 

@@ -1,4 +1,4 @@
-"""worker.daemon.pool: how many spare daemons an agent keeps warm, and in what order they are
+"""worker.supervision.pool: how many spare daemons an agent keeps warm, and in what order they are
 started and handed out (the daemons themselves stand in: their start is a future the test
 completes)."""
 
@@ -9,8 +9,8 @@ import os
 from typing import ClassVar
 
 from worker.config import AgentConfig
-from worker.daemon.pool import SANDBOXED_SPARES, SPARE_NICE, DaemonPool
-from worker.daemon.sandbox import NO_SANDBOX, Sandbox
+from worker.confinement.sandbox import NO_SANDBOX, Sandbox
+from worker.supervision.pool import SANDBOXED_SPARES, SPARE_NICE, DaemonPool
 
 URL = "ws://127.0.0.1:1"
 
