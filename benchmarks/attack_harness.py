@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 import somatize as sz
-from benchmarks.fault_harness import Skipped, largest_difference, progressed, until
+from benchmarks.faults.harness import Skipped, largest_difference, progressed, until
 from protocol.codec import encode_frame
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import CHUNK_BYTES, Capabilities

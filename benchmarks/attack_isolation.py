@@ -34,7 +34,7 @@ import websockets
 import somatize as sz
 from benchmarks.attack_harness import WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
 from benchmarks.attack_scenarios import scenario
-from benchmarks.fault_harness import until
+from benchmarks.faults.harness import until
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC
 from protocol.messages import CHUNK_BYTES, ClientHello, Status

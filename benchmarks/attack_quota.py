@@ -18,7 +18,7 @@ import numpy as np
 import somatize as sz
 from benchmarks.attack_harness import WAIT, WORKERS, Attack, Memory, Site, pid_of, rss_kib
 from benchmarks.attack_scenarios import scenario
-from benchmarks.fault_harness import sleepy_job, until
+from benchmarks.faults.harness import sleepy_job, until
 from tests.utils import Center
 
 QUEUED_JOBS = 2

@@ -46,7 +46,7 @@ from benchmarks.attack_harness import (
     spread,
     timed_refusals,
 )
-from benchmarks.fault_harness import until
+from benchmarks.faults.harness import until
 from coordinator.server.config import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_CONNECTIONS,

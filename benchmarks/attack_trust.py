@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 import somatize as sz
 from benchmarks.attack_harness import CAPS, WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
 from benchmarks.attack_scenarios import scenario
-from benchmarks.fault_harness import until
+from benchmarks.faults.harness import until
 from coordinator.errors import StrategyFailed
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC

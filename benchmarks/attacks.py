@@ -38,8 +38,8 @@ import benchmarks.attack_quota  # (registers row 8's scenario)
 import benchmarks.attack_trust  # noqa: F401  (registers issue 53's scenarios)
 from benchmarks.attack_harness import ATTEMPTS, Attack, Memory, Site
 from benchmarks.attack_scenarios import SCENARIOS
-from benchmarks.fault_harness import Skipped
-from benchmarks.faults import _cpu
+from benchmarks.faults.bench import _cpu
+from benchmarks.faults.harness import Skipped
 from benchmarks.scenario_cli import scenario_main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"

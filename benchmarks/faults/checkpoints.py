@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import somatize as sz
-from benchmarks.fault_harness import (
+from benchmarks.faults.harness import (
     ELASTIC_DELAY,
     ELASTIC_MATCH,
     WAIT,
@@ -32,8 +32,8 @@ from benchmarks.fault_harness import (
     largest_difference,
     until,
 )
-from benchmarks.fault_resume import came_back
-from benchmarks.fault_scenarios import scenario
+from benchmarks.faults.resume import came_back
+from benchmarks.faults.scenarios import scenario
 from somatize.cli.cluster import LocalCluster
 
 ROUNDS = 8

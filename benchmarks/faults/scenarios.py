@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import somatize as sz
-from benchmarks.fault_harness import (
+from benchmarks.faults.harness import (
     BLIP,
     CALL_TIMEOUT,
     KINDS,

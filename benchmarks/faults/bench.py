@@ -37,13 +37,12 @@ import contextlib
 import datetime as dt
 import os
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import fault_checkpoints, fault_resume  # noqa: F401 - register their scenarios
-from benchmarks.fault_harness import (
+from benchmarks.faults import checkpoints, resume  # noqa: F401 - register their scenarios
+from benchmarks.faults.harness import (
     CALL_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -52,10 +51,10 @@ from benchmarks.fault_harness import (
     Site,
     Skipped,
 )
-from benchmarks.fault_scenarios import SCENARIOS
+from benchmarks.faults.scenarios import SCENARIOS
 from benchmarks.scenario_cli import scenario_main
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -205,7 +204,3 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         "keep the clusters' state and logs in DIR",
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

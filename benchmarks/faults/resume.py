@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import somatize as sz
-from benchmarks.fault_harness import (
+from benchmarks.faults.harness import (
     ELASTIC_MATCH,
     WAIT,
     Outcome,
@@ -23,7 +23,7 @@ from benchmarks.fault_harness import (
     largest_difference,
     until,
 )
-from benchmarks.fault_scenarios import scenario
+from benchmarks.faults.scenarios import scenario
 
 CHECKPOINT_EVERY = 5
 """Steps between the checkpoints of these jobs (of :func:`elastic_graph`'s 30)."""
