@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from benchmarks.attack_harness import Attack, Memory
-from benchmarks.attacks import memory, refusal_times, render
+from benchmarks.attacks.bench import memory, refusal_times, render
+from benchmarks.attacks.harness import Attack, Memory
 
 BEGAN = dt.datetime(2025, 1, 2, 3, 4, tzinfo=dt.UTC)
 

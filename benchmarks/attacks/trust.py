@@ -3,7 +3,7 @@ really run — a job over its limits in its sandbox, a worker that could give jo
 bytes a worker made reaching a client's unpickler or the coordinator's decoder, worker ids
 crowding an honest worker's replies, another job reading a rendezvous, a forged log line.
 
-Live rows run on the shared cluster (:class:`~benchmarks.attack_harness.Site`) or start a
+Live rows run on the shared cluster (:class:`~benchmarks.attacks.harness.Site`) or start a
 worker of their own beside it; rows marked *in process* drive the code a hostile worker's bytes
 reach (the client's checkpoint reader, the coordinator's strategy over in-memory daemons) in
 this process, as their tests do. Each asserts what the system must do, as its test does.
@@ -30,8 +30,8 @@ from tests.engine.test_dcp_metadata import dotted_call
 from torch.distributed.checkpoint.state_dict_saver import save
 
 import somatize as sz
-from benchmarks.attack_harness import CAPS, WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
-from benchmarks.attack_scenarios import scenario
+from benchmarks.attacks.harness import CAPS, WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
+from benchmarks.attacks.scenarios import scenario
 from benchmarks.faults.harness import until
 from coordinator.errors import StrategyFailed
 from protocol.asyncio.channel import Channel

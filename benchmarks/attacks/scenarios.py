@@ -1,6 +1,6 @@
 """The attacks :mod:`benchmarks.attacks` makes (issue 14). Each scenario is one function of a
-:class:`~benchmarks.attack_harness.Site` returning its row (an
-:class:`~benchmarks.attack_harness.Attack`), registered by :func:`scenario`; like its test (named
+:class:`~benchmarks.attacks.harness.Site` returning its row (an
+:class:`~benchmarks.attacks.harness.Attack`), registered by :func:`scenario`; like its test (named
 in the row) it asserts what the system must do, and fails the run otherwise. A scenario leaves
 the shared cluster as it found it: a killed worker restarted, both workers idle.
 """
@@ -26,7 +26,7 @@ import torch
 import websockets
 
 import somatize as sz
-from benchmarks.attack_harness import (
+from benchmarks.attacks.harness import (
     ATTEMPTS,
     CAPS,
     HEALTH_POLL,

@@ -2,7 +2,7 @@
 did, how fast it refused and what it cost the attacked process.
 
 ``python -m benchmarks.attacks [--out docs/security.md] [SCENARIO ...]`` runs every scenario of
-:mod:`benchmarks.attack_scenarios` (or the named ones) and writes the table of
+:mod:`benchmarks.attacks.scenarios` (or the named ones) and writes the table of
 ``docs/security.md``: the issue's row, how the attack was made, what the system did, and the
 figures:
 
@@ -13,7 +13,7 @@ figures:
 - other figures where the row has them (the ``/healthz`` latency during a big submit, a valid
   client's connect time while idle sockets are held).
 
-The live scenarios share one cluster (:class:`~benchmarks.attack_harness.Site`): a
+The live scenarios share one cluster (:class:`~benchmarks.attacks.harness.Site`): a
 ``somatize-coordinator`` with a worker token and a client token (two different secrets) and
 its default limits, and two ``somatize-worker --threads 1`` agents listening for peer links.
 The mailbox row runs in this process, two real agents against a stand-in coordinator, as its
@@ -28,21 +28,20 @@ import datetime as dt
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import benchmarks.attack_isolation  # (registers issue 32's scenarios)
-import benchmarks.attack_quota  # (registers row 8's scenario)
-import benchmarks.attack_trust  # noqa: F401  (registers issue 53's scenarios)
-from benchmarks.attack_harness import ATTEMPTS, Attack, Memory, Site
-from benchmarks.attack_scenarios import SCENARIOS
+import benchmarks.attacks.isolation  # (registers issue 32's scenarios)
+import benchmarks.attacks.quota  # (registers row 8's scenario)
+import benchmarks.attacks.trust  # noqa: F401  (registers issue 53's scenarios)
+from benchmarks.attacks.harness import ATTEMPTS, Attack, Memory, Site
+from benchmarks.attacks.scenarios import SCENARIOS
 from benchmarks.faults.bench import _cpu
 from benchmarks.faults.harness import Skipped
 from benchmarks.scenario_cli import scenario_main
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -164,7 +163,3 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         "keep the cluster's state and logs in DIR",
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

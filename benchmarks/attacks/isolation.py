@@ -10,8 +10,8 @@ for each other's jobs, and job code reaching for the worker.
   environment, to leave its cgroup, plant a ``.pth`` file in the environment, leave files in
   ``/tmp`` and ``/dev/shm`` and a process behind; every attempt must fail or leave nothing.
 
-The scenarios register themselves (:func:`~benchmarks.attack_scenarios.scenario`) when this
-module is imported, after those of :mod:`benchmarks.attack_scenarios`; like them they leave the
+The scenarios register themselves (:func:`~benchmarks.attacks.scenarios.scenario`) when this
+module is imported, after those of :mod:`benchmarks.attacks.scenarios`; like them they leave the
 shared cluster as they found it, both workers idle.
 """
 
@@ -32,8 +32,8 @@ import torch
 import websockets
 
 import somatize as sz
-from benchmarks.attack_harness import WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
-from benchmarks.attack_scenarios import scenario
+from benchmarks.attacks.harness import WAIT, WS_OPTIONS, Attack, Memory, Site, pid_of, rss_kib
+from benchmarks.attacks.scenarios import scenario
 from benchmarks.faults.harness import until
 from protocol.asyncio.channel import Channel
 from protocol.chunking import CHUNK_MAGIC

@@ -2,8 +2,8 @@
 queue, whose inputs the coordinator would hold in memory until a worker is free. A job's inputs
 are its submit message's file (``<state_dir>/jobs/<job id>.submit``), read over a memory map.
 
-The scenario registers itself (:func:`~benchmarks.attack_scenarios.scenario`) when this module is
-imported, after those of :mod:`benchmarks.attack_scenarios`: its row comes after theirs. Like
+The scenario registers itself (:func:`~benchmarks.attacks.scenarios.scenario`) when this module is
+imported, after those of :mod:`benchmarks.attacks.scenarios`: its row comes after theirs. Like
 them it leaves the shared cluster as it found it, both workers idle.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 import somatize as sz
-from benchmarks.attack_harness import WAIT, WORKERS, Attack, Memory, Site, pid_of, rss_kib
-from benchmarks.attack_scenarios import scenario
+from benchmarks.attacks.harness import WAIT, WORKERS, Attack, Memory, Site, pid_of, rss_kib
+from benchmarks.attacks.scenarios import scenario
 from benchmarks.faults.harness import sleepy_job, until
 from tests.utils import Center
 
