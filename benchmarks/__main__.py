@@ -70,6 +70,12 @@ EXTRA = (
 )
 """Benchmarks that run only when named (not part of the suite's table)."""
 
+MODULES = {name: f"benchmarks.{name}" for name in (*SUITE, *EXTRA)} | {
+    "fleet": "benchmarks.fleet.bench",
+}
+"""The module of each benchmark, its ``run()`` and ``rows()``: ``benchmarks.NAME``, or the
+``bench.py`` of a benchmark that is a folder (whose ``python -m benchmarks.NAME`` runs it too)."""
+
 SUITE_ARGS: dict[str, dict[str, Any]] = {
     "transport": {"repeats": 5},
     "allreduce": {"steps": 10, "reps": 10, "rounds": 1},
@@ -127,7 +133,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def run_one(name: str, quick: bool) -> tuple[list[Row], dict[str, Any]]:
     """Run benchmark ``name``; its rows and its full results."""
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(MODULES[name])
     results = module.run(**(QUICK if quick else SUITE_ARGS).get(name, {}))
     return list(module.rows(results)), results
 

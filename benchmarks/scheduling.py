@@ -30,7 +30,7 @@ backfill needs). The day's length scales the arrivals only; jobs keep their leng
 *The stand-in agents* (:class:`TimedFleet`): :data:`WORKERS` simulated agents on this
 process's event loop, each a real WebSocket connection presenting the worker token, saying
 hello (``sim-<i>``, tag ``sim``, a dataset ``sim``) and heartbeating every 2 s, answering the
-coordinator's job messages from memory as :class:`benchmarks.fleet_sim.SimAgent` does; the
+coordinator's job messages from memory as :class:`benchmarks.fleet.sim.SimAgent` does; the
 one difference (:class:`TimedAgent`): a ``batched_fit`` takes ``epochs`` ×
 :data:`EPOCH_SECONDS` of sleep (``local_epochs`` of the job carries its length), cut short by
 the job's ``close_job`` (a preemption), as a daemon stopped mid-fit. The model is a
@@ -79,7 +79,7 @@ import uvloop
 from websockets.asyncio.client import connect
 
 import somatize as sz
-from benchmarks.fleet_sim import DATASET, NODE, Fleet, SimAgent, side
+from benchmarks.fleet.sim import DATASET, NODE, Fleet, SimAgent, side
 from benchmarks.report import Row, Target, load_average, machine, now, with_section
 from benchmarks.roundtrip import MAX_SIZE, Processes, free_port
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
@@ -431,7 +431,7 @@ class Work:
 class TimedAgent(SimAgent):
     """A stand-in whose training takes time: ``batched_fit`` sleeps ``epochs`` ×
     :data:`EPOCH_SECONDS` (never blocking the loop) before answering as a
-    :class:`~benchmarks.fleet_sim.SimAgent` does; the job's ``close_job`` ends the sleep and
+    :class:`~benchmarks.fleet.sim.SimAgent` does; the job's ``close_job`` ends the sleep and
     the fit fails, as a daemon stopped mid-fit."""
 
     def __init__(

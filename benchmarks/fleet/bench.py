@@ -55,7 +55,7 @@ import uvloop
 from websockets.asyncio.client import connect
 
 import somatize as sz
-from benchmarks.fleet_measure import (
+from benchmarks.fleet.measure import (
     FANOUT,
     PROBE,
     RssSampler,
@@ -64,7 +64,7 @@ from benchmarks.fleet_measure import (
     probe_samples,
     raise_fd_limit,
 )
-from benchmarks.fleet_sim import (
+from benchmarks.fleet.sim import (
     DATASET,
     HEARTBEAT_INTERVAL,
     NODE,
@@ -495,7 +495,3 @@ def main(argv: list[str] | None = None) -> None:
     )
     for line in results["log_problems"]:
         print(f"  ! coordinator log: {line}")
-
-
-if __name__ == "__main__":
-    main()
