@@ -292,7 +292,7 @@ def test_max_steps_stops_mid_epoch_and_validate_every_scores_between_epochs():
 
 def test_cross_entropy_takes_sequence_logits_in_either_layout():
     """(B, T, V) logits against (B, T) targets, every token a row; torch's own (B, V, T) as
-    cross_entropy takes it (a char LM of benchmarks.char_lm returns that). Equal to
+    cross_entropy takes it (a char LM of benchmarks.slow_links.char_lm returns that). Equal to
     torch.nn.functional.cross_entropy by hand, each way."""
     gen = torch.Generator().manual_seed(0)
     b, t, v = 4, 5, 7

@@ -8,14 +8,14 @@ held to a given rate and one-way delay.
                                 <══ delay ══ rate ══
 
 Each link is a pair of TUN devices, one left here and one moved into the site's namespace, with a
-*delay line* between them: a process of its own (``python -m benchmarks.links --serve``) that
-reads every packet the kernel sends out of either end and writes it into the other end
-:attr:`LinkShape.delay` seconds later, in order. This kernel has no ``sch_netem``, so the delay
-cannot come from ``tc``; a process of its own keeps the copying off the caller's GIL. The rate is
-an HTB class on the egress of both ends (here: towards the site; in the namespace: from it), so a
-packet waits for the rate first and then crosses the delay. Site-to-site traffic is routed
-through this namespace (``net.ipv4.ip_forward=1``, no NAT) and crosses both sites' links: twice
-the delay each way, and the smaller of the two rates.
+*delay line* between them: a process of its own (``python -m benchmarks.slow_links.links
+--serve``) that reads every packet the kernel sends out of either end and writes it into the other
+end :attr:`LinkShape.delay` seconds later, in order. This kernel has no ``sch_netem``, so the delay
+cannot come from ``tc``; a process of its own keeps the copying off the caller's GIL. The rate is an
+HTB class on the egress of both ends (here: towards the site; in the namespace: from it), so a
+packet waits for the rate first and then crosses the delay. Site-to-site traffic is routed through
+this namespace (``net.ipv4.ip_forward=1``, no NAT) and crosses both sites' links: twice the delay
+each way, and the smaller of the two rates.
 
 Both ends have a 9,000-byte MTU (:data:`MTU`, jumbo frames): at 100 Mbit/s that is ~1,400
 packets a second for the delay line to copy, ~10% of a core. (A 65,000-byte MTU would be ~200
@@ -36,7 +36,7 @@ Needs root (``CAP_NET_ADMIN``), iproute2 (``ip``, and ``tc`` for a rate) and ``/
 
 Self-check (2 sites; round trips and 20 MB transfers, printed next to what the shape implies)::
 
-    python -m benchmarks.links --check --rate 100mbit --delay 0.01
+    python -m benchmarks.slow_links.links --check --rate 100mbit --delay 0.01
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ MTU = 9000
 MAX_SITES = 127
 """Sites per run: each takes two addresses of the run's /24."""
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 _TUN = "/dev/net/tun"
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
@@ -427,7 +427,7 @@ class Sites:
                 fds += [_open_tun(link.host_if), _open_tun(link.site_if)]
             pairs = ",".join(f"{fds[k]}:{fds[k + 1]}" for k in range(0, len(fds), 2))
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(_python_path())}
-            argv = [sys.executable, "-m", "benchmarks.links", "--serve"]
+            argv = [sys.executable, "-m", "benchmarks.slow_links.links", "--serve"]
             argv += ["--delay", repr(self.shape.delay), "--pairs", pairs]
             argv += ["--lifeline", str(lifeline_r)]
             self._process = subprocess.Popen(
@@ -616,7 +616,7 @@ def _stdout(process: subprocess.Popen[bytes]) -> IO[bytes]:
 
 
 def _module(*args: str) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.links", *args]
+    return [sys.executable, "-m", "benchmarks.slow_links.links", *args]
 
 
 def _cpu_seconds(pid: int | None) -> float:
@@ -680,7 +680,7 @@ def _probe(
 def main(argv: Sequence[str] | None = None) -> None:
     """``--check`` (the self-check), or the helpers it and :class:`Sites` start."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.links",
+        prog="python -m benchmarks.slow_links.links",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,9 +1,9 @@
-"""benchmarks.links: the names, commands and delay queue by hand; then real sites (root, TUN,
-``tc``), held to their rate and delay, and gone afterwards, also after their owner was killed.
+"""benchmarks.slow_links.links: the names, commands and delay queue by hand; then real sites (root,
+TUN, ``tc``), held to their rate and delay, and gone afterwards, also after their owner was killed.
 
 Timings are lower bounds only: a slow machine makes a link slower, never faster. Without root
-the real-site tests fail with :class:`benchmarks.links.LinkUnavailable`'s message: a benchmark
-that needs slow links must not pass without them.
+the real-site tests fail with :class:`benchmarks.slow_links.links.LinkUnavailable`'s message: a
+benchmark that needs slow links must not pass without them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import links
-from benchmarks.links import (
+from benchmarks.slow_links import links
+from benchmarks.slow_links.links import (
     MTU,
     DelayQueue,
     LinkShape,
@@ -30,7 +30,7 @@ from benchmarks.links import (
     shaping_commands,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")])),
@@ -236,7 +236,7 @@ def test_sites_are_held_to_their_rate_and_delay_and_removed_after(unit):
 
 OWNER = """
 import sys, time
-from benchmarks.links import LinkShape, Sites
+from benchmarks.slow_links.links import LinkShape, Sites
 sites = Sites(2, LinkShape(rate="10mbit", delay=0.01))
 sites.create()
 print(sites.number, sites.delay_line_pid, flush=True)

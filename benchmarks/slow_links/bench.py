@@ -2,13 +2,13 @@
 to their anchors in the same run.
 
 ``python -m benchmarks.slow_links [--rate 100mbit] [--delay 10ms] [--workers 2,4] [--quick]``
-builds one network namespace per worker (:mod:`benchmarks.links`: each namespace's only link is
-held to ``--rate`` by HTB and delayed ``--delay`` each way by a delay line of its own, this kernel
-having no ``sch_netem``; site to site crosses two links), needs root and fails, never skips,
-without it. On the same model and data it trains:
+builds one network namespace per worker (:mod:`benchmarks.slow_links.links`: each namespace's
+only link is held to ``--rate`` by HTB and delayed ``--delay`` each way by a delay line of its
+own, this kernel having no ``sch_netem``; site to site crosses two links), needs root and fails,
+never skips, without it. On the same model and data it trains:
 
 - the anchors, plain torch over gloo, one process per rank in the sites
-  (:mod:`benchmarks.slow_links_anchors`): ``DDP``, ``DDP + PowerSGD`` (rank 4, torch's
+  (:mod:`benchmarks.slow_links.anchors`): ``DDP``, ``DDP + PowerSGD`` (rank 4, torch's
   ``powerSGD_hook``) and DiLoCo written by hand (Douillard et al. 2023: AdamW inner steps, an
   outer Nesterov SGD of lr 0.7, momentum 0.9);
 - ours: a ``somatize-coordinator`` here and one ``somatize-worker --threads 1`` in each site,
@@ -19,10 +19,10 @@ without it. On the same model and data it trains:
   anchors save nothing (a DataParallel job's default checkpoint at each epoch's end sends the
   model and its AdamW state up the link, ~39 MB here).
 
-The workload is :mod:`benchmarks.char_lm`: a character-level transformer language model (3.2 M
-parameters, 12.9 MB of fp32 gradients; context 64) on the Python standard library's sources,
-AdamW (lr 3e-3), :data:`PER_REPLICA` windows a replica a step, epochs of :data:`EPOCH_STEPS`
-global steps, the validation loss of :data:`VAL_ROWS` held-out windows at each epoch's end.
+The workload is :mod:`benchmarks.slow_links.char_lm`: a character-level transformer language model
+(3.2 M parameters, 12.9 MB of fp32 gradients; context 64) on the Python standard library's sources,
+AdamW (lr 3e-3), :data:`PER_REPLICA` windows a replica a step, epochs of :data:`EPOCH_STEPS` global
+steps, the validation loss of :data:`VAL_ROWS` held-out windows at each epoch's end.
 
 **What is compared.** Every clock runs without the evaluations (the anchors' rank 0 times its
 own; ours are the gaps between an epoch's last training event and its validation row). DDP
@@ -44,7 +44,7 @@ than 1.1×; and DDP and DDP + PowerSGD on loopback too, for what torch's own hoo
 
 **Churn and streaming.** ``--churn [--link-bound]``: DiLoCo checkpointed, elastic through a
 worker's loss and a newcomer, and streaming, against DDP and a DDP restarted from its
-checkpoint (:mod:`benchmarks.slow_links_churn`).
+checkpoint (:mod:`benchmarks.slow_links.churn`).
 
 Every process started here is stopped at the end, and the namespaces removed (also on Ctrl-C).
 """
@@ -69,9 +69,9 @@ import cloudpickle
 import numpy as np
 
 import somatize as sz
-from benchmarks import char_lm
-from benchmarks.links import LinkShape, Sites
 from benchmarks.report import machine, now, with_section
+from benchmarks.slow_links import char_lm
+from benchmarks.slow_links.links import LinkShape, Sites
 from somatize.cli.cluster import LocalCluster
 
 PER_REPLICA = 8
@@ -98,7 +98,7 @@ EVENT_TIMEOUT = 3600.0
 DILOCO_TARGET = 0.25
 POWERSGD_TARGET = 1.1
 UNSHAPED_TARGET = 1.1
-DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 WORKER_TOKEN, CLIENT_TOKEN = "slow-links-worker-token-0", "slow-links-client-token-0"
 
 
@@ -132,7 +132,7 @@ class Curve:
 @dataclass(frozen=True)
 class Workload:
     """The data every run trains on, for ``workers`` replicas: ``per_replica`` windows each a
-    step, on a :class:`~benchmarks.char_lm.CharLM` of ``size``."""
+    step, on a :class:`~benchmarks.slow_links.char_lm.CharLM` of ``size``."""
 
     workers: int
     epochs: int
@@ -168,7 +168,7 @@ class Workload:
 
 
 def anchor(sites: Sites | None, method: str, work: Workload, directory: Path) -> Curve:
-    """``method`` of :mod:`benchmarks.slow_links_anchors` on ``work``, rank ``i`` in site ``i``
+    """``method`` of :mod:`benchmarks.slow_links.anchors` on ``work``, rank ``i`` in site ``i``
     (on loopback with no ``sites``)."""
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{method}-{work.workers}.jsonl"
@@ -181,7 +181,7 @@ def start_anchor(
 ) -> list[subprocess.Popen[bytes]]:
     """The ranks of ``method`` on ``work``, started (rank 0 writing ``out``, rank ``r`` logging
     to ``<out's stem>-<r>.log`` beside it), with ``more`` arguments of
-    :mod:`benchmarks.slow_links_anchors`; each rank in its site, or on loopback."""
+    :mod:`benchmarks.slow_links.anchors`; each rank in its site, or on loopback."""
     port = random.randint(20000, 40000)
     master = sites.address(0) if sites is not None else "127.0.0.1"
     size = work.size
@@ -192,7 +192,7 @@ def start_anchor(
                 *(sites.prefix(rank) if sites is not None else []),
                 sys.executable,
                 "-m",
-                "benchmarks.slow_links_anchors",
+                "benchmarks.slow_links.anchors",
                 *("--method", method, "--rank", str(rank), "--world", str(work.workers)),
                 *("--master", f"{master}:{port}"),
                 *("--ifname", sites.interface(rank) if sites is not None else "lo"),
@@ -485,7 +485,7 @@ def _header(
     command: str,
     seconds: float,
     title: str = "Workers far apart",
-    module: str = "slow_links",
+    module: str = "bench",
     flags: str = "",
 ) -> str:
     m = machine()
@@ -494,8 +494,8 @@ def _header(
             f"## {title}",
             "",
             f"Written by `python -m benchmarks.slow_links {flags}--write` (see "
-            f"`benchmarks/{module}.py` for what is compared and how); every anchor runs in the "
-            "same run, on the same links.",
+            f"`benchmarks/slow_links/{module}.py` for what is compared and how); every anchor "
+            "runs in the same run, on the same links.",
             "",
             f"- **date**: {now()}",
             f"- **machine**: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
@@ -535,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--churn",
         action="store_true",
-        help="checkpoints, a worker lost and a newcomer, streaming (benchmarks.slow_links_churn)",
+        help="checkpoints, a worker lost and a newcomer, streaming (benchmarks.slow_links.churn)",
     )
     p.add_argument(
         "--link-bound",
@@ -550,13 +550,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     given = list(argv) if argv is not None else sys.argv[1:]
     if args.churn:
         # (imported here: the churn module builds on this one)
-        from benchmarks import slow_links_churn
+        from benchmarks.slow_links import churn
 
         if args.workers is not None and not args.workers.isdigit():
             p.error(f"--churn runs on one number of workers, not {args.workers!r}")
-        workers = int(args.workers or slow_links_churn.WORKERS)
-        plan = slow_links_churn.Plan(shape, workers, args.link_bound, args.quick)
-        slow_links_churn.main(plan, given, write=args.write)
+        workers = int(args.workers or churn.WORKERS)
+        plan = churn.Plan(shape, workers, args.link_bound, args.quick)
+        churn.main(plan, given, write=args.write)
         return
     if args.link_bound:
         p.error("--link-bound is a workload of --churn")
@@ -576,7 +576,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.write:
         DOCUMENT.write_text(with_section(DOCUMENT.read_text(), "slow_links", written))
         print(f"wrote its section of {DOCUMENT}")
-
-
-if __name__ == "__main__":
-    main()

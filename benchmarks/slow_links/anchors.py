@@ -1,7 +1,8 @@
-"""The anchors of :mod:`benchmarks.slow_links`: :mod:`benchmarks.char_lm` trained by plain torch
-over gloo, one process per rank, each the way its paper or torch's documentation writes it.
+"""The anchors of :mod:`benchmarks.slow_links`: :mod:`benchmarks.slow_links.char_lm` trained by
+plain torch over gloo, one process per rank, each the way its paper or torch's documentation
+writes it.
 
-``python -m benchmarks.slow_links_anchors --method ddp|powersgd|diloco --rank R --world W
+``python -m benchmarks.slow_links.anchors --method ddp|powersgd|diloco --rank R --world W
 --master HOST:PORT [--ifname IF] --rows ROWS --val-rows VR --batch B --epochs E --lr LR
 --sync-every H --outer-lr 0.7 --outer-momentum 0.9 --powersgd-rank 4 --seed S --threads 1
 [--d-model 256 --layers 4 --heads 4 --ff 1024] [--checkpoint FILE --checkpoint-every K]
@@ -23,15 +24,15 @@ over gloo, one process per rank, each the way its paper or torch's documentation
   (Nesterov momentum) moves the global weights, which every rank copies into its model; the
   inner optimizer keeps its state across rounds.
 
-Every rank builds the same data (:func:`benchmarks.char_lm.train_and_validation` with ``--seed``)
-and the same model (:func:`benchmarks.char_lm.model` with ``--seed``), and walks the same global
-batches as the project (``protocol.rules.batching.global_batches(rows, W, epochs, B,
-shuffle=True, seed=S)``: a global batch of ``B`` rows split by ``numpy.array_split`` into ``W``
-slices, rank ``R`` training slice ``R``). Each rank's loss is its slice's mean cross-entropy
-times ``len(slice) · W / len(batch)``, so DDP's mean of the gradients is the gradient of the
-global batch's mean loss, uneven slices too — and DiLoCo with ``H = 1``, an outer SGD of lr 1
-and no momentum is DDP exactly when the inner optimizer is SGD (``--optimizer sgd``; with
-AdamW, averaging the weights after one Adam step each is not Adam on the averaged gradient).
+Every rank builds the same data (:func:`benchmarks.slow_links.char_lm.train_and_validation` with
+``--seed``) and the same model (:func:`benchmarks.slow_links.char_lm.model` with ``--seed``), and
+walks the same global batches as the project (``protocol.rules.batching.global_batches(rows, W,
+epochs, B, shuffle=True, seed=S)``: a global batch of ``B`` rows split by ``numpy.array_split`` into
+``W`` slices, rank ``R`` training slice ``R``). Each rank's loss is its slice's mean cross-entropy
+times ``len(slice) · W / len(batch)``, so DDP's mean of the gradients is the gradient of the global
+batch's mean loss, uneven slices too — and DiLoCo with ``H = 1``, an outer SGD of lr 1 and no
+momentum is DDP exactly when the inner optimizer is SGD (``--optimizer sgd``; with AdamW, averaging
+the weights after one Adam step each is not Adam on the averaged gradient).
 
 Rank 0 writes ``--out``, one JSON object a line, flushed as written: first the run's settings
 (``method``, ``world``, ``params``, ``bytes_per_step`` for ``ddp``/``powersgd`` or
@@ -51,7 +52,7 @@ batches of 256 rows, no gradient), which only rank 0 runs while the others wait 
 ``--stop-loss`` the run ends at the first epoch whose validation loss is at most that (rank 0
 decides, and a broadcast in place of the barrier tells the others).
 
-**Checkpoints and restarts** (``ddp`` only: a torchrun job's way, :mod:`benchmarks.slow_links_churn`
+**Checkpoints and restarts** (``ddp`` only: a torchrun job's way, :mod:`benchmarks.slow_links.churn`
 restarts one). With ``--checkpoint-every K`` rank 0 saves to ``--checkpoint`` after every
 ``K``-th global step, inside the clock: the model's and AdamW's state, the steps done (the
 position in the plan: the plan is the same on every run, so the next step's batch is known)
@@ -86,7 +87,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks import char_lm
+from benchmarks.slow_links import char_lm
 from protocol.rules.batching import global_batches, synchronises
 
 __all__ = [
@@ -159,7 +160,7 @@ def parse(argv: Sequence[str] | None = None) -> Config:
     """The :class:`Config` of a command line."""
     defaults = Config("ddp", 0, 1, "", Path())
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.slow_links_anchors",
+        prog="python -m benchmarks.slow_links.anchors",
         description="One rank of a torch anchor of benchmarks.slow_links.",
     )
     p.add_argument("--method", choices=METHODS, required=True)

@@ -1,4 +1,4 @@
-"""benchmarks.slow_links_churn's arithmetic on hand-made curves and events, and the DDP
+"""benchmarks.slow_links.churn's arithmetic on hand-made curves and events, and the DDP
 anchor's checkpoint: saved and loaded whole, and a run resumed from one trains on exactly as
 one never stopped (real processes, one rank on loopback)."""
 
@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import char_lm, slow_links_anchors
-from benchmarks.links import LinkShape
-from benchmarks.slow_links import Curve
-from benchmarks.slow_links_churn import (
+from benchmarks.slow_links import anchors, char_lm
+from benchmarks.slow_links.bench import Curve
+from benchmarks.slow_links.churn import (
     Plan,
     _steps_done,
     churn_steps,
@@ -28,11 +27,12 @@ from benchmarks.slow_links_churn import (
     steady_curve,
     time_ratio,
 )
+from benchmarks.slow_links.links import LinkShape
 from somatize.cli.cluster import free_port
 from somatize.remote.jobs import JobEventInfo
 from tests.utils import UNIT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--ff", "64"]
 
 
@@ -164,44 +164,44 @@ def test_the_link_bound_workload_computes_less_per_byte() -> None:
 def test_a_checkpoint_restores_the_model_the_optimizer_and_the_rng(tmp_path: Path) -> None:
     given = ["--method", "ddp", "--rank", "0", "--world", "1", "--master", "x:1", "--out", "o"]
     saving = ["--checkpoint", str(tmp_path / "c.pt"), "--checkpoint-every", "5"]
-    config = slow_links_anchors.parse([*given, *saving, *TINY])
+    config = anchors.parse([*given, *saving, *TINY])
     assert config.checkpoint is not None
     model = char_lm.model(0, config.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randint(0, char_lm.VOCAB_SIZE, (2, char_lm.CONTEXT))
     char_lm.loss(model, x, x).backward()
     optimizer.step()
-    slow_links_anchors.save_checkpoint(config.checkpoint, config, 7, model, optimizer)
+    anchors.save_checkpoint(config.checkpoint, config, 7, model, optimizer)
     draw = torch.rand(3)
     other = char_lm.model(1, config.size)
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    steps = slow_links_anchors.load_checkpoint(config.checkpoint, config, other, other_optimizer)
+    steps = anchors.load_checkpoint(config.checkpoint, config, other, other_optimizer)
     assert steps == 7
     for mine, theirs in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs)
     moments = other_optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(moments, optimizer.state_dict()["state"][0]["exp_avg"])
     assert torch.equal(torch.rand(3), draw)  # the RNG as it was when saved
-    elsewhere = slow_links_anchors.parse(
+    elsewhere = anchors.parse(
         ["--method", "ddp", "--rank", "0", "--world", "2", "--master", "x:1", "--out", "o"]
     )
     with pytest.raises(ValueError, match="plan"):
-        slow_links_anchors.load_checkpoint(config.checkpoint, elsewhere, other, other_optimizer)
+        anchors.load_checkpoint(config.checkpoint, elsewhere, other, other_optimizer)
 
 
 def test_only_ddp_checkpoints_and_only_into_a_file() -> None:
     given = ["--rank", "0", "--world", "1", "--master", "x:1", "--out", "o"]
     with pytest.raises(SystemExit):
-        slow_links_anchors.parse(["--method", "diloco", *given, "--resume", "--checkpoint", "c"])
+        anchors.parse(["--method", "diloco", *given, "--resume", "--checkpoint", "c"])
     with pytest.raises(SystemExit):
-        slow_links_anchors.parse(["--method", "ddp", *given, "--checkpoint-every", "5"])
+        anchors.parse(["--method", "ddp", *given, "--checkpoint-every", "5"])
 
 
 def _ddp(tmp_path: Path, name: str, *more: str) -> list[dict[str, object]]:
     """One rank of the DDP anchor on loopback, 2 epochs of 4 steps on a tiny model: what rank
     0 wrote."""
     out = tmp_path / f"{name}.jsonl"
-    argv = [sys.executable, "-m", "benchmarks.slow_links_anchors", "--method", "ddp"]
+    argv = [sys.executable, "-m", "benchmarks.slow_links.anchors", "--method", "ddp"]
     argv += ["--rank", "0", "--world", "1", "--master", f"127.0.0.1:{free_port()}"]
     argv += ["--ifname", "lo", "--rows", "32", "--val-rows", "16", "--batch", "8"]
     argv += ["--epochs", "2", "--lr", "1e-2", "--out", str(out), *TINY, *more]

@@ -1,4 +1,5 @@
-"""benchmarks.char_lm, the workload of benchmarks.slow_links: its vocabulary, windows and model."""
+"""benchmarks.slow_links.char_lm, the workload of benchmarks.slow_links: its vocabulary, windows
+and model."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks import char_lm
-from benchmarks.slow_links_anchors import powersgd_bytes
+from benchmarks.slow_links import char_lm
+from benchmarks.slow_links.anchors import powersgd_bytes
 from protocol.rules.traffic import step_bytes
 
 TINY = char_lm.Size(d_model=32, layers=1, heads=2, ff=64, context=16)

@@ -3,16 +3,17 @@ and the arrival of a new one, and Streaming DiLoCo, next to DDP and to a DDP tha
 its checkpoint, all in one run on the links of :mod:`benchmarks.slow_links`.
 
 ``python -m benchmarks.slow_links --churn [--workers 4] [--link-bound] [--quick] [--rate 100mbit]
-[--delay 10ms] [--write]`` builds one network namespace per worker (:mod:`benchmarks.links`: each
-site's only link held to ``--rate`` by HTB and delayed ``--delay`` each way), needs root and
-fails, never skips, without it. On :mod:`benchmarks.slow_links`'s workload and clocks (its
-:class:`~benchmarks.slow_links.Workload`, anchors and jobs; every clock without the
-evaluations; a job of ours, whose first progress event comes after a whole round of steps,
-started at the median pace of its rounds that no worker's loss or arrival slowed,
-:func:`steady_began`) it runs, in this order:
+[--delay 10ms] [--write]`` builds one network namespace per worker
+(:mod:`benchmarks.slow_links.links`: each site's only link held to ``--rate`` by HTB and delayed
+``--delay`` each way), needs root and fails, never skips, without it. On
+:mod:`benchmarks.slow_links`'s workload and clocks (its
+:class:`~benchmarks.slow_links.bench.Workload`, anchors and jobs; every clock without the
+evaluations; a job of ours, whose first progress event comes after a whole round of steps, started
+at the median pace of its rounds that no worker's loss or arrival slowed, :func:`steady_began`) it
+runs, in this order:
 
-1. ``DDP``, the anchor (:mod:`benchmarks.slow_links_anchors`), over the budget
-   (:data:`~benchmarks.slow_links.BUDGET_EPOCHS`): its last validation loss is the *target*.
+1. ``DDP``, the anchor (:mod:`benchmarks.slow_links.anchors`), over the budget
+   (:data:`~benchmarks.slow_links.bench.BUDGET_EPOCHS`): its last validation loss is the *target*.
 2. ``DDP with restart``: the same DDP, rank 0 saving a checkpoint every ``K`` steps
    (:data:`CHECKPOINT_EVERY`: each epoch's end, where DDP validates; model, AdamW state, steps
    done and RNG, atomically, inside the clock). When it has done :data:`KILL_AT` of the budget's
@@ -25,8 +26,9 @@ started at the median pace of its rounds that no worker's loss or arrival slowed
    **Assumed, in DDP's favour:** a replacement machine is there at once and nothing waits for a
    timeout to notice the loss (torchrun's rendezvous would), the checkpoint is on a disk every
    rank reads, and the restart costs only what this machine takes to start the ranks again.
-3. ``ours: DiLoCo`` (``sz.DiLoCo(N, sync_every=H)``, :data:`~benchmarks.slow_links.DILOCO_EPOCHS`):
-   ``S``, its steps to the target (all its steps if it never gets there), and its time.
+3. ``ours: DiLoCo`` (``sz.DiLoCo(N, sync_every=H)``,
+   :data:`~benchmarks.slow_links.bench.DILOCO_EPOCHS`): ``S``, its steps to the target (all its
+   steps if it never gets there), and its time.
 4. ``ours: DiLoCo checkpointed``: the same with ``checkpoint_every=H``, a checkpoint after every
    synchronisation. Figure: its time to the target ÷ DiLoCo's (target ≤
    :data:`CHECKPOINT_TARGET`).
@@ -38,7 +40,7 @@ started at the median pace of its rounds that no worker's loss or arrival slowed
    of the fragments' own exchanges in the round: the validated runs cost Streaming DiLoCo that.
 6. The exchange hidden behind compute, measured where only H's synchronisations happen (no
    validation, :data:`PACE_EPOCHS` epochs; the wall seconds per step from a job's first training
-   event to its last, :func:`benchmarks.slow_links.per_step`): ``p_d``, DiLoCo on the links;
+   event to its last, :func:`benchmarks.slow_links.bench.per_step`): ``p_d``, DiLoCo on the links;
    ``p_s``, Streaming DiLoCo on the links; ``p_c``, DiLoCo on loopback — the same workers,
    threads and placement, its synchronisations a copy in memory: the compute. The links' share
    of DiLoCo's time is ``(p_d − p_c) / p_d`` (is the run compute- or link-bound?); the share of
@@ -84,10 +86,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import somatize as sz
-from benchmarks import char_lm
-from benchmarks.links import LinkShape, Sites
 from benchmarks.report import with_section
-from benchmarks.slow_links import (
+from benchmarks.slow_links import char_lm
+from benchmarks.slow_links.bench import (
     BUDGET_EPOCHS,
     DILOCO_EPOCHS,
     DOCUMENT,
@@ -112,6 +113,7 @@ from benchmarks.slow_links import (
     stop_ranks,
     table,
 )
+from benchmarks.slow_links.links import LinkShape, Sites
 from protocol.rules.traffic import FP32
 from somatize.cli.cluster import LocalCluster
 
@@ -274,7 +276,7 @@ def restarted(
     killed_at: float,
     killed_step: int,
 ) -> Curve:
-    """DDP with restart's curve from its two lives' lines (:func:`~benchmarks.slow_links.
+    """DDP with restart's curve from its two lives' lines (:func:`~benchmarks.slow_links.bench.
     anchor_lines`): the first's points, then the second's after the first's training up to
     the kill (``killed_at``, Unix seconds; its evaluations left out) and the restart (from the
     kill to the new group's clock starting)."""
@@ -299,7 +301,7 @@ def steady_began(events: Sequence[sz.JobEventInfo]) -> float | None:
     median pace of its undisturbed chunks (each chunk's wall seconds per step, the evaluation
     after it left out; a chunk is disturbed when a :data:`DISTURBANCES` event came during it,
     and all count if every one was). A job slowed by churn would start too early at its
-    average pace, the way :func:`~benchmarks.slow_links.our_curve` takes it (its chunks are
+    average pace, the way :func:`~benchmarks.slow_links.bench.our_curve` takes it (its chunks are
     whole rounds here, 25 steps the first). ``None`` with fewer than two chunks."""
     marks: list[tuple[int, float, float, bool]] = []  # (steps, time, evaluated after, disturbed)
     for e in events:
@@ -686,7 +688,7 @@ def main(plan: Plan, given: Sequence[str], write: bool = False) -> None:
     command = shlex.join(["python", "-m", "benchmarks.slow_links", *given])
     flags = "--churn --link-bound " if plan.link_bound else "--churn "
     title = "Workers far apart: churn and streaming"
-    written = _header(command, seconds, title, "slow_links_churn", flags) + report(plan, result)
+    written = _header(command, seconds, title, "churn", flags) + report(plan, result)
     print(written)
     if write:
         DOCUMENT.write_text(with_section(DOCUMENT.read_text(), plan.section, written))

@@ -1,7 +1,7 @@
 """The workload of :mod:`benchmarks.slow_links`: a character-level transformer language model on
 the Python standard library's own sources.
 
-The same arrays and the same seeded model feed the anchors (:mod:`benchmarks.slow_links_anchors`:
+The same arrays and the same seeded model feed the anchors (:mod:`benchmarks.slow_links.anchors`:
 torch DDP, DDP + PowerSGD, a hand-written DiLoCo) and the project's ``sz.DataParallel`` /
 ``sz.DiLoCo`` jobs, so their validation losses can be set side by side.
 
@@ -24,7 +24,7 @@ has 3,226,210 parameters, 12.9 MB of float32 gradients: a ring all-reduce puts 1
 workers) or 19.4 MB (4) of each worker's on a 100 Mbit/s link, 1.0 s or 1.5 s, while a forward,
 backward and AdamW step of 16 or 32 rows takes about 0.3 s or 0.6 s on one CPU thread —
 communication dominates, which is what the benchmark is about (``python -m
-benchmarks.char_lm`` prints the size, the step times and a short run's validation loss).
+benchmarks.slow_links.char_lm`` prints the size, the step times and a short run's validation loss).
 """
 
 from __future__ import annotations
