@@ -86,7 +86,7 @@ bench: setup
 FLOWER_VENV ?= .flower-venv
 
 flower-env:
-	PYTHON=$(PYTHON) benchmarks/flower_env.sh $(FLOWER_VENV)
+	PYTHON=$(PYTHON) benchmarks/federated/flower_env.sh $(FLOWER_VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

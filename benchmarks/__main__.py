@@ -72,6 +72,7 @@ EXTRA = (
 
 MODULES = {name: f"benchmarks.{name}" for name in (*SUITE, *EXTRA)} | {
     "fleet": "benchmarks.fleet.bench",
+    "federated": "benchmarks.federated.bench",
 }
 """The module of each benchmark, its ``run()`` and ``rows()``: ``benchmarks.NAME``, or the
 ``bench.py`` of a benchmark that is a folder (whose ``python -m benchmarks.NAME`` runs it too)."""

@@ -1,6 +1,6 @@
 """Flower's simulation engine as the anchor of ``benchmarks.federated``'s big round, run in
-Flower's own environment: a separate virtualenv (``benchmarks/flower_env.sh``, ``make
-flower-env``) whose Python runs :mod:`benchmarks.flower_sim` as a subprocess, so that
+Flower's own environment: a separate virtualenv (``benchmarks/federated/flower_env.sh``, ``make
+flower-env``) whose Python runs :mod:`benchmarks.federated.flower_sim` as a subprocess, so that
 ``flwr[simulation]`` (Ray) never moves this environment's pins (it would, of ``rich`` and
 ``pycryptodome``).
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "SOMATIZE_FLOWER_PYTHON"
 """The environment variable naming Flower's Python (as ``--flower-python`` does)."""
 SETUP = (
-    "`make flower-env` (benchmarks/flower_env.sh: a separate virtualenv .flower-venv/ with "
-    f"flwr[simulation]), then --flower-python .flower-venv/bin/python or "
+    "`make flower-env` (benchmarks/federated/flower_env.sh: a separate virtualenv .flower-venv/ "
+    f"with flwr[simulation]), then --flower-python .flower-venv/bin/python or "
     f"{PYTHON_ENV}=.flower-venv/bin/python"
 )
 HOW_TO = f"not run: {SETUP}"
@@ -87,7 +87,7 @@ def run_flower(
     }
     (directory / "spec.json").write_text(json.dumps(spec, indent=1))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_TELEMETRY_ENABLED": "0"}
-    command = [str(python), "-m", "benchmarks.flower_sim", str(directory / "spec.json")]
+    command = [str(python), "-m", "benchmarks.federated.flower_sim", str(directory / "spec.json")]
     try:
         done = subprocess.run(
             command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout

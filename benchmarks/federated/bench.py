@@ -9,7 +9,7 @@ linear target). Every job trains the small model ``Linear(DIM, 2)`` (mse, SGD lr
 batch :data:`ROWS`: one step per client and epoch) with ``sz.FedAvg(rounds=R,
 clients_per_worker=K)``, K = N / 2: each worker trains its K virtual clients in turn, client
 ``i·K + j`` on the ``j``-th contiguous part of worker ``i``'s rows
-(:func:`benchmarks.federated_partition.client_rows`). The time of a round is the
+(:func:`benchmarks.federated.partition.client_rows`). The time of a round is the
 coordinator's, from its events: the ``staged`` event to the first ``round`` event, then
 ``round`` to ``round``; the median over the R rounds, each cluster's first job (one round) a
 warm-up. Measured:
@@ -20,16 +20,15 @@ warm-up. Measured:
     and their row-weighted mean in a plain loop in this process: the floor of the work, with
     no process, wire or coordinator;
   - Flower's simulation engine (``flwr[simulation]`` 1.42, Ray) on the same clients, data
-    files, initial weights and training, in the same run (:mod:`benchmarks.flower_sim`: its
-    FedAvg over all N clients, one ClientApp per CPU; the median of its R rounds after a
-    warm-up round; Ray's start-up reported apart). It runs in Flower's own virtualenv, never
-    this one (Ray would move the pins of ``rich`` and ``pycryptodome``): make it with ``make
-    flower-env`` (``benchmarks/flower_env.sh``), then pass ``--flower-python
-    .flower-venv/bin/python`` or set ``SOMATIZE_FLOWER_PYTHON``. Without it the row says
-    how, and is not measured. With it, the final weights of both must agree within
-    :data:`benchmarks.flower_anchor.TOLERANCE` (the same data, initial weights and steps;
-    only the order and precision of the sums differ): the row shows the largest difference
-    and fails (MISSED, exit status 1) past it.
+    files, initial weights and training, in the same run (:mod:`benchmarks.federated.flower_sim`:
+    its FedAvg over all N clients, one ClientApp per CPU; the median of its R rounds after a warm-up
+    round; Ray's start-up reported apart). It runs in Flower's own virtualenv, never this one (Ray
+    would move the pins of ``rich`` and ``pycryptodome``): make it with ``make flower-env``
+    (``benchmarks/federated/flower_env.sh``), then pass ``--flower-python .flower-venv/bin/python``
+    or set ``SOMATIZE_FLOWER_PYTHON``. Without it the row says how, and is not measured. With it,
+    the final weights of both must agree within :data:`benchmarks.federated.flower_anchor.TOLERANCE`
+    (the same data, initial weights and steps; only the order and precision of the sums differ): the
+    row shows the largest difference and fails (MISSED, exit status 1) past it.
 
 - *secure aggregation* — ``secure_aggregation=sz.SecAgg()`` (k = 16 neighbours) against the
   same job without, at 10 and 100 clients: the overhead per round (keys, sealed shares, masks,
@@ -59,8 +58,8 @@ import numpy as np
 import torch
 
 import somatize as sz
-from benchmarks import flower_anchor
-from benchmarks.federated_partition import client_rows
+from benchmarks.federated import flower_anchor
+from benchmarks.federated.partition import client_rows
 from benchmarks.report import Row, Target
 from somatize.cli.cluster import LocalCluster
 
@@ -378,7 +377,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"Flower's simulation trained other weights: max |Δ| {diff:.3g} > "
             f"{flower_anchor.TOLERANCE:g} (see the row above)"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks import federated as fl
-from benchmarks import flower_anchor
+from benchmarks.federated import bench as fl
+from benchmarks.federated import flower_anchor
 from somatize.remote.jobs import JobEventInfo
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.federated_partition import client_rows
+from benchmarks.federated.partition import client_rows
 from coordinator.strategies.federated.cohort import Cohort
 
 

@@ -1,13 +1,13 @@
 """The Flower side of ``benchmarks.federated``: the same FedAvg rounds in Flower's simulation
-engine, run with the Python of Flower's own environment (``benchmarks/flower_env.sh``).
+engine, run with the Python of Flower's own environment (``benchmarks/federated/flower_env.sh``).
 
-``python -m benchmarks.flower_sim SPEC.json`` (``benchmarks.flower_anchor`` writes the spec and
-starts it; nothing of ``flwr`` or ``ray`` is ever imported in the project's environment, nor
-anything of ours here but :mod:`benchmarks.federated_partition`) runs
-``flwr.simulation.run_simulation`` with one virtual SuperNode a client (partition-id ``c`` =
-our client ``c``, see :func:`~benchmarks.federated_partition.client_rows`), on Flower's Ray
-backend with ``init_args.num_cpus`` = the spec's CPUs and ``client_resources.num_cpus`` = 1
-(Flower's advice for small clients: as many ClientApps at a time as CPUs):
+``python -m benchmarks.federated.flower_sim SPEC.json`` (``benchmarks.federated.flower_anchor``
+writes the spec and starts it; nothing of ``flwr`` or ``ray`` is ever imported in the project's
+environment, nor anything of ours here but :mod:`benchmarks.federated.partition`) runs
+``flwr.simulation.run_simulation`` with one virtual SuperNode a client (partition-id ``c`` = our
+client ``c``, see :func:`~benchmarks.federated.partition.client_rows`), on Flower's Ray backend with
+``init_args.num_cpus`` = the spec's CPUs and ``client_resources.num_cpus`` = 1 (Flower's advice for
+small clients: as many ClientApps at a time as CPUs):
 
 - the ServerApp runs Flower's message-API ``flwr.serverapp.strategy.FedAvg`` (1.42's name for
   the old ``fraction_fit`` is ``fraction_train``: 1.0, every client each round; no federated
@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.federated_partition import client_rows
+from benchmarks.federated.partition import client_rows
 
 
 @dataclass(frozen=True)
 class Spec:
-    """What ``benchmarks.flower_anchor`` asks for (the JSON file's keys)."""
+    """What ``benchmarks.federated.flower_anchor`` asks for (the JSON file's keys)."""
 
     data: tuple[str, ...]  # each worker's .npz (x, y), in the order of the workers
     per_worker: int  # K: the clients of each worker
@@ -215,7 +215,7 @@ def simulate(spec: Spec) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m benchmarks.flower_sim SPEC.json")
+        raise SystemExit("usage: python -m benchmarks.federated.flower_sim SPEC.json")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     spec = Spec.read(Path(args[0]))
     Path(spec.out).write_text(json.dumps(simulate(spec), indent=1))
@@ -224,6 +224,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     # Run under its importable name, so that Ray's actors find worker_data's cache by
     # reference instead of receiving a copy of this __main__ with every message.
-    from benchmarks.flower_sim import main as _main
+    from benchmarks.federated.flower_sim import main as _main
 
     _main()

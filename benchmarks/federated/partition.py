@@ -1,12 +1,13 @@
 """Which rows of which worker's dataset a virtual client trains on, for both sides of
-``benchmarks.federated``: our plain-loop anchor and Flower's simulation (``benchmarks.flower_sim``,
-run in Flower's own environment, so this module imports nothing of ours).
+``benchmarks.federated``: our plain-loop anchor and Flower's simulation
+(``benchmarks.federated.flower_sim``, run in Flower's own environment, so this module imports
+nothing of ours).
 
 It restates :meth:`coordinator.strategies.federated.cohort.Cohort.partition` (the coordinator is not
 importable from Flower's environment): with ``sz.FedAvg(clients_per_worker=K)`` worker ``i``
 trains clients ``i·K, ..., i·K + K − 1``, client ``i·K + j`` on the ``j``-th of ``K`` contiguous
 parts of the worker's rows as ``numpy.array_split`` cuts them (the first ``rows mod K`` parts
-one row longer). ``tests/benchmarks/test_federated_partition.py`` holds the two to each other.
+one row longer). ``tests/benchmarks/federated/test_partition.py`` holds the two to each other.
 """
 
 from __future__ import annotations
