@@ -34,7 +34,7 @@ the median interval between those events (their recorded times), without the fir
    batches done and ``chunk`` how many the event covers), each job :data:`PIPE_STEPS` global
    batches so the chunks grow; the anchor is ``torch.distributed.pipelining``
    (``ScheduleGPipe`` / ``Schedule1F1B``) on gloo in 2 processes of 1 thread
-   (:mod:`benchmarks.pipelining_anchor`), same M, stepping once per global batch. Per step,
+   (:mod:`benchmarks.anchors.pipelining`), same M, stepping once per global batch. Per step,
    ours: each pair of consecutive progress events after warm-up (the first event at or past
    global batch :data:`PIPE_WARMUP`, then every later one) gives ``(time between the events) /
    (difference of their step)`` for each batch between them; the figure is the median of those
@@ -42,7 +42,7 @@ the median interval between those events (their recorded times), without the fir
    same span, training wall time / batches, is printed beside it). The anchor: the median
    interval between global batches' ends on rank 0, after the same :data:`PIPE_WARMUP` batches.
    The rows' ratio is ours / anchor, held to ``<= 1.1``. Both train the same rows (with
-   learnable labels, :func:`benchmarks.pipelining_anchor.data`) from the same initial
+   learnable labels, :func:`benchmarks.anchors.pipelining.data`) from the same initial
    parameters: the anchor's loss must fall (checked), ours must have run on torch (its
    ``linked`` event says ``transport: torch``, checked), and the largest difference between the
    two runs' per-batch losses is printed.
@@ -69,7 +69,6 @@ from typing import Any
 import torch
 
 import somatize as sz
-from benchmarks import pipelining_anchor
 from benchmarks.allreduce import (
     SEED,
     WARMUP,
@@ -81,6 +80,7 @@ from benchmarks.allreduce import (
     run_torch,
     time_websockets,
 )
+from benchmarks.anchors import pipelining
 from benchmarks.report import Row, Target
 from benchmarks.roundtrip import Processes
 from coordinator.strategies.model_parallel.schedule import gpipe, one_f_one_b
@@ -137,8 +137,8 @@ def cluster() -> Iterator[LocalCluster]:
 
 def data(sizes: tuple[int, ...], batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the right shapes for ``steps`` global batches of ``batch``, with learnable labels
-    (:func:`benchmarks.pipelining_anchor.data`: the anchor trains on the same)."""
-    return pipelining_anchor.data(sizes, batch, steps, SEED)
+    (:func:`benchmarks.anchors.pipelining.data`: the anchor trains on the same)."""
+    return pipelining.data(sizes, batch, steps, SEED)
 
 
 def run_pipeline(
@@ -244,9 +244,7 @@ def run_against_torch(
         return run_pipeline(c, MLP_SIZES, MLP_BATCH, micro, DIRECT, x, y, schedule, "torch")
 
     def anchor() -> dict[str, Any]:
-        return pipelining_anchor.run_anchor(
-            procs, MLP_SIZES, MLP_BATCH, micro, schedule, steps, SEED, LR
-        )
+        return pipelining.run_anchor(procs, MLP_SIZES, MLP_BATCH, micro, schedule, steps, SEED, LR)
 
     if anchor_first:
         theirs, job = anchor(), ours()

@@ -25,7 +25,7 @@ The anchors: the arithmetic — the training state over N (weights, gradients, t
 the activations (rows × width × layers, fp32, forward and backward: a few MiB here), the
 training phase's peak to be within 15 % of it; and torch's own ``fully_shard`` in N plain
 processes on the same model and batches, with glibc's default malloc settings, as ``torchrun``
-would run it (:mod:`benchmarks.fsdp_memory_anchor`: its peak while it trains), within 15 % of
+would run it (:mod:`benchmarks.anchors.fsdp_memory`: its peak while it trains), within 15 % of
 which ours should be too. FSDP2's own all-gathered units (a layer, W² values, while it runs
 forward or backward, its whole gradient before it is reduce-scattered, the next one's gathered
 ahead) come on top of the arithmetic for both: some 100 MiB for 16 MiB units, 250 MiB for
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import fsdp_memory_anchor
+from benchmarks.anchors import fsdp_memory
 from benchmarks.periodic import Periodic
 from benchmarks.report import Row, Target
 from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
@@ -196,7 +196,7 @@ def run(
                     job.result(timeout=60)
                 by_n[n] = _phases(sampler.samples, idle, marks)
     for n in replicas:  # the anchor, alone on the machine
-        by_n[n]["fully_shard"] = max(fsdp_memory_anchor.peaks(n, width, layers, ROWS, BATCH))
+        by_n[n]["fully_shard"] = max(fsdp_memory.peaks(n, width, layers, ROWS, BATCH))
     return {
         "width": width,
         "layers": layers,

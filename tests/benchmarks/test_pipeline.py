@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import pipelining_anchor
 from benchmarks.allreduce import mlp
+from benchmarks.anchors import pipelining
 from benchmarks.pipeline import MLP_SIZES, chunk_steps, falls, rows
 from benchmarks.roundtrip import Processes
 
@@ -36,17 +36,17 @@ def test_a_loss_falls_when_its_last_values_are_below_its_first() -> None:
 
 
 def test_the_anchor_builds_and_splits_the_model_as_ours() -> None:
-    ours, theirs = mlp(MLP_SIZES), pipelining_anchor.build(MLP_SIZES, 0)
+    ours, theirs = mlp(MLP_SIZES), pipelining.build(MLP_SIZES, 0)
     for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    head, tail = pipelining_anchor.split(theirs)
+    head, tail = pipelining.split(theirs)
     assert [type(m) for m in head] == [torch.nn.Linear, torch.nn.ReLU]
     assert head[0].out_features == tail[0].in_features == MLP_SIZES[1]
 
 
 def test_the_data_are_reproducible_and_labelled_by_their_first_features() -> None:
-    x, y = pipelining_anchor.data((16, 8, 10), 4, 3, seed=0)
-    x2, y2 = pipelining_anchor.data((16, 8, 10), 4, 3, seed=0)
+    x, y = pipelining.data((16, 8, 10), 4, 3, seed=0)
+    x2, y2 = pipelining.data((16, 8, 10), 4, 3, seed=0)
     assert x.shape == (12, 16) and y.shape == (12,)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(y, x[:, :10].argmax(dim=1))
@@ -67,18 +67,18 @@ def test_rows_hold_ours_on_torch_to_the_anchor() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule", pipelining_anchor.SCHEDULES)
+@pytest.mark.parametrize("schedule", pipelining.SCHEDULES)
 def test_the_anchor_trains_in_two_processes(tmp_path: Path, schedule: str) -> None:
     sizes, steps = (12, 32, 16, 4), 6
     with Processes(tmp_path) as procs:
-        result = pipelining_anchor.run_anchor(procs, sizes, 16, 4, schedule, steps, 0, 0.5)
+        result = pipelining.run_anchor(procs, sizes, 16, 4, schedule, steps, 0, 0.5)
         assert all(proc.poll() is not None for proc in procs.procs.values())
     assert len(result["times"]) == steps + 1
     assert result["times"] == sorted(result["times"])
     assert len(result["losses"]) == steps
     # the same SGD in one process: equal losses, step for step
-    model = pipelining_anchor.build(sizes, 0)
-    x, y = pipelining_anchor.data(sizes, 16, steps, 0)
+    model = pipelining.build(sizes, 0)
+    x, y = pipelining.data(sizes, 16, steps, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step, loss in enumerate(result["losses"]):
         opt.zero_grad()

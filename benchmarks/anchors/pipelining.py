@@ -18,7 +18,7 @@ them), same rows and labels (:func:`data`, which :mod:`benchmarks.pipeline` uses
 in the same order: the anchor's losses are ours, up to floating-point rounding.
 
 The processes are :class:`benchmarks.roundtrip.Processes`' (own sessions, logs, all killed when
-it closes); a process is run as ``python -m benchmarks.pipelining_anchor RANK JSON OUT``. This
+it closes); a process is run as ``python -m benchmarks.anchors.pipelining RANK JSON OUT``. This
 module imports only torch and the standard library at its top, so a stage process starts fast.
 """
 
@@ -141,7 +141,7 @@ def run_anchor(
     for rank in range(2):
         name = f"pipelining-{schedule}-m{micro}-rank{rank}-{port}"
         out = procs.directory / f"{name}.json"
-        argv = [sys.executable, "-m", "benchmarks.pipelining_anchor", str(rank)]
+        argv = [sys.executable, "-m", "benchmarks.anchors.pipelining", str(rank)]
         procs.spawn(name, [*argv, json.dumps(spec), str(out)])
         names.append(name)
         outs.append(out)
