@@ -18,7 +18,7 @@ WORKDIR /app
 
 # tcmalloc for the workers' filter daemons (worker/daemon/allocator.py): a sharded step takes
 # 0.6x of what it takes with glibc's malloc. bubblewrap for their sandbox
-# (worker/daemon/sandbox.py): where the container may make namespaces it is the one taken;
+# (worker/confinement/sandbox.py): where the container may make namespaces it is the one taken;
 # under Docker's default seccomp profile it may not, and a root worker gives each job's daemon
 # a uid of its own instead (--sandbox uid: python and the packages live in /usr/local, which
 # any uid may read).

@@ -25,7 +25,7 @@ browser:
 			apt-get install -y -q --no-install-recommends chromium; }
 
 # Installs Debian's bubblewrap when it is missing: workers sandbox job code with it
-# (worker/daemon/sandbox.py; tests/integration/security/test_sandbox.py).
+# (worker/confinement/sandbox.py; tests/integration/security/test_sandbox.py).
 bubblewrap:
 	@command -v bwrap >/dev/null || { \
 		$(SUDO) apt-get update -q && \
