@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 import websockets
-from tests.engine.test_dcp_metadata import dotted_call
 from torch.distributed.checkpoint.state_dict_saver import save
 
 import somatize as sz
@@ -45,6 +44,7 @@ from tests.coordinator.strategies.data_parallel.test_star_compression import (
     _NotFinite,
     run,
 )
+from tests.engine.data_parallel.test_dcp_metadata import dotted_call
 from tests.integration.security.test_sandbox import Fills
 
 FLOODS = 2
