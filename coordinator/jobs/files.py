@@ -76,13 +76,13 @@ class SubmitMessages:
     def _path(self, job_id: str) -> Path:
         return job_path(self.directory, job_id, SUBMIT_SUFFIX)
 
-    def save(self, job_id: str, msg: Submit, owner: str) -> int:
+    def write(self, job_id: str, msg: Submit, owner: str) -> int:
         """Write the job's submit message and owner (atomically, synced); the bytes written."""
         parts = encode({"owner": owner, "submit": msg.model_dump()})
         return write_atomically(self._path(job_id), parts)
 
     def load(self, job_id: str) -> tuple[Submit, str]:
-        """The job's submit message and owner, as :meth:`save` wrote them: its arrays (the
+        """The job's submit message and owner, as :meth:`write` wrote them: its arrays (the
         filters as the SDK sends them, the data) views over a memory map of the file
         (:func:`~coordinator.storage.disk.map_whole`), none of it read until used; under
         :data:`MAP_MIN_BYTES`, over a copy of it read into memory.
@@ -132,7 +132,7 @@ class JobFiles:
         that cannot be written or read back is said in the log and given back as it is (the
         job runs from memory, but would not outlive a restart of the coordinator)."""
         try:
-            self.submits.save(job_id, msg, owner)
+            self.submits.write(job_id, msg, owner)
             return self.submits.load(job_id)[0]
         except (OSError, FrameError, ValidationError) as exc:
             log.warning("job %s: kept in memory only, it will not resume: %s", job_id, exc)

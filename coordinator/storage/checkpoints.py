@@ -212,7 +212,7 @@ class CheckpointStore:
 
     def shards_writer(self, job_id: str) -> ShardsWriter:
         """Where the job's next checkpoint's shards' files are written, one at a time, before
-        :meth:`save` lists them (its folder made afresh).
+        :meth:`write` lists them (its folder made afresh).
 
         Raises:
             OSError: the folder could not be made.
@@ -222,7 +222,7 @@ class CheckpointStore:
         seq = max(self._seqs(folder), default=0) + 1
         return ShardsWriter(seq, folder / f"{seq:08d}{SHARDS_SUFFIX}", self.staging)
 
-    def save(
+    def write(
         self,
         job_id: str,
         position: dict[str, Any],
@@ -512,7 +512,7 @@ class JobCheckpoints:
                 payload = await payload()
             written = None if shards is None else await self._fetch(shards)
             saved = await asyncio.to_thread(
-                self.store.save, self.job_id, position, payload, self.keep, written
+                self.store.write, self.job_id, position, payload, self.keep, written
             )
         except (OSError, FrameError, WorkerCallError, StrategyFailed) as exc:
             log.warning("job %s: the checkpoint at %s failed: %s", self.job_id, position, exc)

@@ -81,7 +81,7 @@ def test_pruning_removes_ended_jobs_whole_and_keeps_live_and_others(tmp_path):
         bobs = _ended(store, "bob")
         live = running_job(store, owner="alice").id
         for job_id in (old, failed):
-            files.checkpoints.save(job_id, {"step": 1}, {"states": {}}, keep=2)
+            files.checkpoints.write(job_id, {"step": 1}, {"states": {}}, keep=2)
         pruning = Pruning(store, files, clock=lambda: clock.now)
 
         said = asyncio.run(pruning.prune(Retention(jobs=1), owner="alice", dry_run=True))

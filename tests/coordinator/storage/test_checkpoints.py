@@ -33,7 +33,7 @@ def _payload(k: float) -> dict:
 
 def test_a_checkpoint_reads_back_as_it_was_saved(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints")
-    saved = store.save("job1", {"step": 40, "epoch": 2}, _payload(1.5), keep=2)
+    saved = store.write("job1", {"step": 40, "epoch": 2}, _payload(1.5), keep=2)
     latest = store.latest("job1")
     assert latest is not None and latest.seq == saved.seq == 1
     assert latest.position == {"step": 40, "epoch": 2}
@@ -53,7 +53,7 @@ def test_a_checkpoint_reads_back_as_it_was_saved(tmp_path):
 def test_only_the_last_ones_are_kept_and_the_latest_wins(tmp_path):
     store = CheckpointStore(tmp_path)
     for step in (10, 20, 30, 40):
-        store.save("j", {"step": step}, _payload(step), keep=2)
+        store.write("j", {"step": step}, _payload(step), keep=2)
     assert store.positions("j") == [(3, {"step": 30}), (4, {"step": 40})]
     latest = store.latest("j")
     assert latest is not None and latest.position == {"step": 40}
@@ -62,8 +62,8 @@ def test_only_the_last_ones_are_kept_and_the_latest_wins(tmp_path):
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "checksum", "empty"])
 def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, damage):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=2)
-    store.save("j", {"step": 20}, _payload(2.0), keep=2)
+    store.write("j", {"step": 10}, _payload(1.0), keep=2)
+    store.write("j", {"step": 20}, _payload(2.0), keep=2)
     newest = tmp_path / "j" / "00000002.ckpt"
     raw = bytearray(newest.read_bytes())
     if damage == "truncated":
@@ -82,7 +82,7 @@ def test_a_torn_or_damaged_checkpoint_is_never_used_the_one_before_is(tmp_path, 
 
 def test_a_checkpoints_file_is_its_frame_then_a_tag_and_the_frames_crc32(tmp_path):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    store.write("j", {"step": 10}, _payload(1.0), keep=2)
     raw = (tmp_path / "j" / "00000001.ckpt").read_bytes()
     assert raw[-9:-4] == b"crc32"
     assert int.from_bytes(raw[-4:], "big") == zlib.crc32(raw[:-9])
@@ -90,8 +90,8 @@ def test_a_checkpoints_file_is_its_frame_then_a_tag_and_the_frames_crc32(tmp_pat
 
 def test_a_checkpoint_written_with_a_sha256_before_the_crc32_reads_back(tmp_path):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=3)
-    store.save("j", {"step": 20}, _payload(2.0), keep=3)
+    store.write("j", {"step": 10}, _payload(1.0), keep=3)
+    store.write("j", {"step": 20}, _payload(2.0), keep=3)
     for seq in (1, 2):  # as an older coordinator wrote them: the frame, then its SHA-256
         path = tmp_path / "j" / f"{seq:08d}.ckpt"
         frame = path.read_bytes()[:-9]
@@ -109,11 +109,11 @@ def test_a_checkpoint_written_with_a_sha256_before_the_crc32_reads_back(tmp_path
 
 def test_a_write_that_never_finished_leaves_the_previous_checkpoint_standing(tmp_path):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 10}, _payload(1.0), keep=2)
+    store.write("j", {"step": 10}, _payload(1.0), keep=2)
     (tmp_path / "j" / "00000002.ckpt.partial").write_bytes(b"half a checkpoint")  # killed mid-write
     latest = store.latest("j")
     assert latest is not None and latest.position == {"step": 10}
-    again = store.save("j", {"step": 20}, _payload(2.0), keep=2)  # the next one is whole
+    again = store.write("j", {"step": 20}, _payload(2.0), keep=2)  # the next one is whole
     assert again.seq == 2 and not (tmp_path / "j" / "00000002.ckpt.partial").exists()
 
 
@@ -125,14 +125,14 @@ def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(
     2 or more), that one, which was due to go, is gone."""
     store = CheckpointStore(tmp_path)
     for step in range(1, keep + 1):
-        store.save("j", {"step": 10 * step}, _payload(step), keep=keep)
+        store.write("j", {"step": 10 * step}, _payload(step), keep=keep)
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
-        store.save("j", {"step": 99}, _payload(9.0), keep=keep)
+        store.write("j", {"step": 99}, _payload(9.0), keep=keep)
     monkeypatch.undo()
     assert [seq for seq, _ in store.positions("j")] == left
     assert [p.name for p in (tmp_path / "j").iterdir()] == [f"{seq:08d}.ckpt" for seq in left]
@@ -143,10 +143,10 @@ def test_a_write_the_disk_refuses_keeps_the_checkpoints_before_it(
 def test_a_new_checkpoint_is_written_over_the_file_of_the_one_it_retires(tmp_path):
     store = CheckpointStore(tmp_path)
     big = _payload(1.0) | {"plain": {"center": np.arange(50_000.0)}}  # longer than the next
-    store.save("j", {"step": 10}, big, keep=2)
-    store.save("j", {"step": 20}, _payload(2.0), keep=2)
+    store.write("j", {"step": 10}, big, keep=2)
+    store.write("j", {"step": 20}, _payload(2.0), keep=2)
     first = os.stat(tmp_path / "j" / "00000001.ckpt")
-    store.save("j", {"step": 30}, _payload(3.0), keep=2)
+    store.write("j", {"step": 30}, _payload(3.0), keep=2)
     third = os.stat(tmp_path / "j" / "00000003.ckpt")
     assert (third.st_dev, third.st_ino) == (first.st_dev, first.st_ino)
     assert third.st_size < first.st_size  # cut to its own length
@@ -159,7 +159,7 @@ def test_a_new_checkpoint_is_written_over_the_file_of_the_one_it_retires(tmp_pat
 def test_a_checkpoint_is_written_afresh_while_fewer_than_keep_stand(tmp_path):
     store = CheckpointStore(tmp_path)
     for step in range(1, 8):
-        store.save("j", {"step": step}, _payload(step), keep=10)
+        store.write("j", {"step": step}, _payload(step), keep=10)
     assert [seq for seq, _ in store.positions("j")] == [1, 2, 3, 4, 5, 6, 7]
     inodes = {os.stat(tmp_path / "j" / f"{seq:08d}.ckpt").st_ino for seq in range(1, 8)}
     assert len(inodes) == 7
@@ -169,8 +169,8 @@ def test_job_ids_cannot_name_other_directories_and_drop_removes_a_jobs_checkpoin
     store = CheckpointStore(tmp_path / "c")
     for bad in ("", "..", "a/b"):
         with pytest.raises(ValueError, match="not a job id"):
-            store.save(bad, {}, {}, keep=1)
-    store.save("j", {"step": 1}, {}, keep=1)
+            store.write(bad, {}, {}, keep=1)
+    store.write("j", {"step": 1}, {}, keep=1)
     store.drop("j")
     assert store.latest("j") is None and not (tmp_path / "c" / "j").exists()
 
@@ -218,7 +218,7 @@ def _sharded(k: int) -> dict:
 
 def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_digest(tmp_path):
     store = CheckpointStore(tmp_path)
-    saved = store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
+    saved = store.write("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
     folder = tmp_path / "j" / "00000001.shards"
     assert sorted(p.name for p in folder.iterdir()) == sorted(SHARDS)
     latest = store.latest("j")
@@ -244,7 +244,7 @@ def test_a_sharded_checkpoint_keeps_each_replicas_files_beside_it_listed_by_dige
     with pytest.raises(FileNotFoundError, match="no shards' file 'other'"):
         latest.shard("other")
     for k in (2, 3):
-        store.save("j", {"step": 5 * k}, _sharded(k), keep=2, shards=_written(store, "j", SHARDS))
+        store.write("j", {"step": 5 * k}, _sharded(k), keep=2, shards=_written(store, "j", SHARDS))
     assert sorted(p.name for p in (tmp_path / "j").iterdir()) == [
         "00000002.ckpt",
         "00000002.shards",
@@ -262,7 +262,7 @@ def test_a_sharded_checkpoints_file_is_read_in_ranges_each_checked_for_its_size(
     """As a client or a resumed replica is given it: a piece at a time, its size checked
     (the digest is the reader's to check once it has them all)."""
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
+    store.write("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
     saved = store.read("j", 1)
     data = SHARDS[".metadata"]
     pieces = [saved.shard_range(".metadata", at, 4) for at in range(0, len(data), 4)]
@@ -278,8 +278,8 @@ def test_a_sharded_checkpoints_file_is_read_in_ranges_each_checked_for_its_size(
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "gone"])
 def test_a_sharded_checkpoint_whose_shards_are_damaged_is_never_used(tmp_path, damage):
     store = CheckpointStore(tmp_path)
-    store.save("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
-    store.save("j", {"step": 10}, _sharded(2), keep=2, shards=_written(store, "j", SHARDS))
+    store.write("j", {"step": 5}, _sharded(1), keep=2, shards=_written(store, "j", SHARDS))
+    store.write("j", {"step": 10}, _sharded(2), keep=2, shards=_written(store, "j", SHARDS))
     shard = tmp_path / "j" / "00000002.shards" / "__0_0.distcp"
     if damage == "flipped":  # same size: only its digest tells
         shard.write_bytes(b"a" * 9 + b"x")

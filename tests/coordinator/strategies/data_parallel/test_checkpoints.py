@@ -121,7 +121,7 @@ def test_a_sharded_checkpoint_is_refused_by_a_run_that_is_not_sharded(tmp_path):
         file = writer.open(name)
         file.write(b"x")
         writer.close(file)
-    saved = store.save("job", {"step": 7, "epoch": 1}, payload, keep=2, shards=writer)
+    saved = store.write("job", {"step": 7, "epoch": 1}, payload, keep=2, shards=writer)
     strategy = DataParallel(DataParallelOptions(workers=2, collective="coordinator"))
     with pytest.raises(StrategyFailed, match="resume it with sharding='full'") as failed:
         _run(strategy, inputs(graph_for("sgd", epochs=2), x, y), store, saved)
