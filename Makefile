@@ -69,14 +69,20 @@ typecheck: setup
 # then loads it instead of compiling each module again (PYTHONDONTWRITEBYTECODE keeps processes
 # from writing it themselves). A test process that dies ends the run, failed, rather than being
 # replaced (xdist's replacement had left the run waiting forever). The slowest tests are listed
-# at the end; PYTEST_ARGS adds to them.
+# at the end; PYTEST_ARGS adds to them. The type check runs beside the tests (it takes half a
+# core for half a minute, while the tests leave more than that idle) and fails the run after
+# them, its report printed then.
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
-test: lint typecheck browser bubblewrap tcmalloc
+test: lint browser bubblewrap tcmalloc
 	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
+	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typing=$$!; \
 	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
-		$(PYTEST_ARGS)
+		$(PYTEST_ARGS); tested=$$?; \
+	wait $$typing; typed=$$?; \
+	echo "mypy:"; cat $(VENV)/typecheck.log; \
+	test $$tested -eq 0 && test $$typed -eq 0
 
 bench: setup
 	$(BIN)/python -m benchmarks
