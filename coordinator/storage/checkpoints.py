@@ -72,6 +72,7 @@ __all__ = [
     "CheckpointStore",
     "JobCheckpoints",
     "Payload",
+    "RunCheckpoints",
     "ShardsWriter",
 ]
 
@@ -606,3 +607,35 @@ class CheckpointPolicy:
         elif self.every is None and self.per_epoch:
             step = min(step, (done // self.per_epoch + 1) * self.per_epoch)
         return step
+
+
+@dataclass
+class RunCheckpoints:
+    """What every run's checkpoints share, whatever a run saves: the job's checkpoints
+    (``None``: it keeps none, and nothing is ever due) and when one is due. A strategy's own
+    (:class:`~coordinator.strategies.data_parallel.checkpoints.ReplicaCheckpoints`,
+    :class:`~coordinator.strategies.model_parallel.checkpoints.StageCheckpoints`,
+    :class:`~coordinator.strategies.rounds.RoundCheckpoints`) says what goes in one."""
+
+    checkpoints: JobCheckpoints | None
+    policy: CheckpointPolicy
+
+    def start(self) -> None:
+        """Training starts (or goes on, resumed) now."""
+        self.policy.start()
+
+    def stop_at(self, done: int, total: int) -> int:
+        """The step a chunk of training that starts after ``done`` should end at, at most: the
+        next a checkpoint falls due at by count."""
+        if self.checkpoints is None:
+            return total
+        return self.policy.next_due(done, total)
+
+    def due(self, done: int, total: int) -> bool:
+        """Whether a checkpoint falls due after step (round) ``done`` of ``total``."""
+        return self.checkpoints is not None and self.policy.due(done, total)
+
+    async def flush(self) -> None:
+        """Wait for the last checkpoint's write (before the run returns)."""
+        if self.checkpoints is not None:
+            await self.checkpoints.flush()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from coordinator.context import StrategyContext
-from coordinator.storage.checkpoints import CheckpointPolicy, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointPolicy, RunCheckpoints
 from coordinator.strategies.base import Emit, JobInputs, Strategy
 
 __all__ = ["RoundCheckpoints", "RoundHooks", "RoundRun", "RoundStrategy", "run_rounds"]
@@ -119,22 +119,17 @@ class RoundStrategy(Strategy, Generic[R, W]):
 
 
 @dataclass
-class RoundCheckpoints:
+class RoundCheckpoints(RunCheckpoints):
     """A round strategy's checkpoints: one after every ``every`` rounds (``None``: each round;
     ``0``: never), holding what :meth:`save` is given and the round; nothing when the job keeps
     none (``checkpoints`` ``None``)."""
 
-    checkpoints: JobCheckpoints | None
-    policy: CheckpointPolicy
     rounds: int
 
     @classmethod
     def of(cls, job: JobInputs, every: int | None, rounds: int) -> RoundCheckpoints:
-        return cls(job.checkpoints, CheckpointPolicy.of(every, 1, job.checkpoints), rounds)
-
-    def start(self) -> None:
-        """The rounds start (or go on, resumed) now."""
-        self.policy.start()
+        policy = CheckpointPolicy.of(every, 1, job.checkpoints)
+        return cls(checkpoints=job.checkpoints, policy=policy, rounds=rounds)
 
     @property
     def resume(self) -> tuple[int, Mapping[str, Any]] | None:
@@ -150,17 +145,8 @@ class RoundCheckpoints:
         assert self.checkpoints is not None
         return self.checkpoints.resumed()
 
-    def due(self, t: int) -> bool:
-        """Whether a checkpoint falls due after round ``t``."""
-        return self.checkpoints is not None and self.policy.due(t, self.rounds)
-
     async def save(self, t: int, payload: dict[str, Any]) -> None:
         """Save ``payload`` as the checkpoint after round ``t`` (when :meth:`due`)."""
         assert self.checkpoints is not None
         await self.checkpoints.save({"round": t}, payload)
         self.policy.saved()
-
-    async def flush(self) -> None:
-        """Wait for the last checkpoint's write."""
-        if self.checkpoints is not None:
-            await self.checkpoints.flush()

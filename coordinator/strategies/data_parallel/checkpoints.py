@@ -32,7 +32,12 @@ from typing import Any, Self
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
-from coordinator.storage.checkpoints import Checkpoint, CheckpointPolicy, JobCheckpoints, Payload
+from coordinator.storage.checkpoints import (
+    Checkpoint,
+    CheckpointPolicy,
+    Payload,
+    RunCheckpoints,
+)
 from coordinator.strategies.data_parallel.elastic import Replicas, Snapshot
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from protocol.daemon import DistLoadShardsRequest, DistShardFileRequest
@@ -123,20 +128,19 @@ Settle = Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]]
 
 
 @dataclass
-class ReplicaCheckpoints:
+class ReplicaCheckpoints(RunCheckpoints):
     """A DataParallel run's checkpoints (module docstring); with ``checkpoints`` ``None``
     (``checkpoint_every=0``, or none kept) it saves nothing and resumes from nothing."""
 
     run: Replicas
-    checkpoints: JobCheckpoints | None
-    policy: CheckpointPolicy
     epochs: int
     shards_to_load: Checkpoint | None = field(default=None, repr=False)  # once sharded
 
     @classmethod
     def of(cls, run: Replicas, every: int | None, steps_per_epoch: int, epochs: int) -> Self:
-        policy = CheckpointPolicy.of(every, steps_per_epoch, run.job.checkpoints)
-        return cls(run, run.job.checkpoints, policy, epochs)
+        checkpoints = run.job.checkpoints
+        policy = CheckpointPolicy.of(every, steps_per_epoch, checkpoints)
+        return cls(checkpoints=checkpoints, policy=policy, run=run, epochs=epochs)
 
     async def restore(self) -> int:
         """Set every replica to the checkpoint the job resumes from, say so (``resumed``);
@@ -231,16 +235,6 @@ class ReplicaCheckpoints:
             if offset >= size:
                 return
 
-    def start(self) -> None:
-        """Training starts (or goes on, resumed) now."""
-        self.policy.start()
-
-    def stop_at(self, done: int, total: int) -> int:
-        """The step a chunk of training that starts after ``done`` should end at, at most."""
-        if self.checkpoints is None:
-            return total
-        return self.policy.next_due(done, total)
-
     async def after(self, done: int, total: int) -> None:
         """Save a checkpoint after step ``done`` if one is due (every replica has applied that
         step's update), read from the replicas now."""
@@ -268,15 +262,6 @@ class ReplicaCheckpoints:
             payload = {"states": snapshot.states, "optimizers": snapshot.optimizers}
             await self.checkpoints.save(position, payload)
         self.policy.saved()
-
-    async def finish(self) -> None:
-        """Wait for the last checkpoint's write (before the run returns)."""
-        if self.checkpoints is not None:
-            await self.checkpoints.flush()
-
-    def due(self, done: int, total: int) -> bool:
-        """Whether :meth:`after` would save after step ``done``."""
-        return self.checkpoints is not None and self.policy.due(done, total)
 
 
 @dataclass

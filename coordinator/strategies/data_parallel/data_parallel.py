@@ -236,7 +236,7 @@ class DataParallel(Strategy):
             await self._on_torch(phase)
         else:
             await self._through_coordinator(phase)
-        await saves.finish()
+        await saves.flush()
         await history.finish(ended(bounds.epochs_run, total_steps))
         if run.sharded:  # kept as the replicas hold it: the client joins the pieces
             return await run.pieces()

@@ -319,7 +319,7 @@ class FedAvg(RoundStrategy[FederatedRun, FederatedRound]):
     async def checkpoint_round(self, run: FederatedRun, work: FederatedRound) -> None:
         # w_{t+1}, the server optimizer's moments (and the privacy spent): all a resumed run
         # needs, round t drawing its clients with default_rng(seed + t).
-        if run.checkpoints.due(work.t):
+        if run.checkpoints.due(work.t, self.rounds):
             at = run.position
             state = {"global_state": at.global_state, "server": at.server.state_dict()}
             if at.privacy is not None:

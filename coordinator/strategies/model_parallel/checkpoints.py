@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.context import StrategyContext
-from coordinator.storage.checkpoints import CheckpointPolicy, JobCheckpoints
+from coordinator.storage.checkpoints import CheckpointPolicy, JobCheckpoints, RunCheckpoints
 from coordinator.strategies.base import Emit, concurrently
 from coordinator.strategies.history import History
 
@@ -34,7 +34,7 @@ Guard = Callable[..., Awaitable[Any]]
 
 
 @dataclass
-class StageCheckpoints:
+class StageCheckpoints(RunCheckpoints):
     """A ModelParallel run's checkpoints (module docstring).
 
     Args:
@@ -42,8 +42,6 @@ class StageCheckpoints:
         stages: each stage's nodes.
         pipeline: the stages that train, in order.
         torch_nodes: the differentiable nodes (those with optimizers).
-        checkpoints: the job's (``None``: it keeps none).
-        policy: when one is due.
         epochs: of the run, for the position's epoch.
         emit: the job's events.
         history: the run's rows per epoch, saved with each checkpoint and set back with it.
@@ -53,8 +51,6 @@ class StageCheckpoints:
     stages: list[list[str]]
     pipeline: list[int]
     torch_nodes: Sequence[str]
-    checkpoints: JobCheckpoints | None
-    policy: CheckpointPolicy
     epochs: int
     emit: Emit
     history: History | None = None
@@ -83,7 +79,17 @@ class StageCheckpoints:
         history: History | None = None,
     ) -> StageCheckpoints:
         policy = CheckpointPolicy.of(every, steps_per_epoch, checkpoints)
-        return cls(ctx, stages, pipeline, torch_nodes, checkpoints, policy, epochs, emit, history)
+        return cls(
+            checkpoints=checkpoints,
+            policy=policy,
+            ctx=ctx,
+            stages=stages,
+            pipeline=pipeline,
+            torch_nodes=torch_nodes,
+            epochs=epochs,
+            emit=emit,
+            history=history,
+        )
 
     @property
     def states(self) -> dict[str, Any] | None:
@@ -113,20 +119,6 @@ class StageCheckpoints:
         await concurrently(*(put(s) for s in self.pipeline))
         await self.emit("resumed", said)
         return int(position["step"])
-
-    def start(self) -> None:
-        """Training starts (or goes on, restored) now."""
-        self.policy.start()
-
-    def stop_at(self, done: int, total: int) -> int:
-        """The global batch a chunk of training that starts after ``done`` should end at."""
-        if self.checkpoints is None:
-            return total
-        return self.policy.next_due(done, total)
-
-    def due(self, done: int, total: int) -> bool:
-        """Whether a checkpoint falls due after global batch ``done``."""
-        return self.checkpoints is not None and self.policy.due(done, total)
 
     async def after(self, done: int, total: int, guard: Guard) -> None:
         """Save a checkpoint after global batch ``done`` if one is due (every stage stepped),
@@ -159,11 +151,6 @@ class StageCheckpoints:
         await self.checkpoints.save(position, payload)
         self.newest = (position, payload, position)
         self.policy.saved()
-
-    async def finish(self) -> None:
-        """Wait for the last checkpoint's write."""
-        if self.checkpoints is not None:
-            await self.checkpoints.flush()
 
     async def _read(self, s: int, guard: Guard) -> tuple[dict[str, Any], dict[str, Any]]:
         states = await guard(self.ctx.get_state(s, self.stages[s]), stage=s)

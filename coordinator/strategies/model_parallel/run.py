@@ -190,7 +190,7 @@ class PipelineRun:
             how = (plan, micro_batches, evaluate)
             labels = None if own_rows is None else LABELS
             await self._over_websockets(guard, pipeline, how, meet, count, labels, saves)
-        await saves.finish()
+        await saves.flush()
         total = steps_per_epoch * self.training.epochs
         await self.history.finish(ended(self.training.epochs, total))
         return await _read_back(ctx, guard, stages)

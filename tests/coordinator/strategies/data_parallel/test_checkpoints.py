@@ -153,7 +153,7 @@ def test_shards_a_checkpoint_does_not_save_are_dropped_where_they_were_kept():
 
     shards = _shards(Workers(), _kept([".metadata", "__0_0.distcp"], ["__1_0.distcp"]))
     never = CheckpointPolicy(0, 10, lambda: 0.0)  # checkpoint_every=0: never due
-    saves = ReplicaCheckpoints(None, None, never, epochs=1)
+    saves = ReplicaCheckpoints(checkpoints=None, policy=never, run=None, epochs=1)
     asyncio.run(saves.save(5, 10, shards))
     assert sorted(dropped) == [(0, "k0"), (1, "k1")]
 
