@@ -24,6 +24,7 @@ from engine.optimizers import Optimizers
 from engine.transfer import to_cpu
 from protocol.compressed_trees import TreeCompressor, decode, is_compressed
 from protocol.errors import BadCompressedTree, ErrorCode
+from protocol.options.compression import Compression
 
 __all__ = ["Gradients"]
 
@@ -37,7 +38,9 @@ class Gradients:
         self.optimizers = optimizers
         self._sent: TreeCompressor | None = None  # what the gradients last travelled as
 
-    def sent(self, gradients: dict[str, dict[str, Any]], compression: str) -> dict[str, Any]:
+    def sent(
+        self, gradients: dict[str, dict[str, Any]], compression: Compression
+    ) -> dict[str, Any]:
         """``gradients`` as they travel under ``compression``, the int8 residual of the last
         ones added (and this one's kept)."""
         if self._sent is None or self._sent.compression != compression:

@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any
 
 from protocol.errors import BadCompressedTree
+from protocol.options.compression import TREE_KINDS, Compression
 
 if TYPE_CHECKING:
     import torch
@@ -40,9 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INT8_CHUNK",
     "MARKER",
-    "WIRE_COMPRESSIONS",
     "TreeCompressor",
-    "WireCompression",
     "decode",
     "dequantize_int8",
     "is_compressed",
@@ -54,11 +53,6 @@ INT8_CHUNK = 4096
 
 MARKER = "$compressed"
 """The key that makes a message dict a compressed tree (node ids never start with ``$``)."""
-
-WireCompression = Literal["fp16", "bf16", "int8"]
-"""What a tree can travel as through the coordinator."""
-
-WIRE_COMPRESSIONS: tuple[str, ...] = get_args(WireCompression)
 
 Tree = dict[str, dict[str, Any]]
 """Node id → parameter name → tensor."""
@@ -94,14 +88,14 @@ def is_compressed(message: object) -> bool:
 class TreeCompressor:
     """Encodes trees as ``compression`` has them travel, keeping the int8 residual from one
     tree to the next (module docstring). One per sender and stream of like trees: a replica's
-    gradients, the coordinator's means."""
+    gradients, the coordinator's means.
 
-    def __init__(self, compression: str) -> None:
-        if compression not in WIRE_COMPRESSIONS:
-            raise ValueError(
-                f"a tree travels as one of {', '.join(WIRE_COMPRESSIONS)}, not {compression!r}"
-            )
-        self.compression = cast(WireCompression, compression)
+    Raises:
+        ValueError: a compression no tree travels as (PowerSGD).
+    """
+
+    def __init__(self, compression: Compression) -> None:
+        self.compression = compression.as_tree()
         self.residual: torch.Tensor | None = None
 
     def encode(self, tree: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -121,10 +115,11 @@ class TreeCompressor:
                 layout.append([node, name, list(tensor.shape)])
                 flats.append(tensor.reshape(-1).to("cpu", torch.float32))
         flat = torch.cat(flats) if flats else torch.zeros(0)
-        wire: dict[str, Any] = {MARKER: self.compression, "layout": layout}
-        if self.compression == "fp16":
+        kind = self.compression.kind
+        wire: dict[str, Any] = {MARKER: kind, "layout": layout}
+        if kind == "fp16":
             return wire | {"values": flat.to(torch.float16)}
-        if self.compression == "bf16":
+        if kind == "bf16":
             return wire | {"values": flat.to(torch.bfloat16)}
         if self.residual is not None and self.residual.shape == flat.shape:
             flat = flat + self.residual
@@ -153,7 +148,7 @@ def decode(message: object, model: Mapping[str, Sequence[Sequence[int]]] | None 
     if not isinstance(message, Mapping):
         raise BadCompressedTree(f"a compressed tree is a dict, not {type(message).__name__}")
     kind = message.get(MARKER)
-    if kind not in WIRE_COMPRESSIONS:
+    if kind not in TREE_KINDS:
         raise BadCompressedTree(f"unknown compression {kind!r}")
     layout, values = message.get("layout"), message.get("values")
     shapes = _layout(layout)

@@ -33,9 +33,10 @@ from pydantic import (
     model_validator,
 )
 
-from protocol.compressed_trees import WireCompression, is_compressed
+from protocol.compressed_trees import is_compressed
 from protocol.errors import ErrorInfo
 from protocol.filter_buffers import FilterBuffer
+from protocol.options.compression import Compression, TreeCompression
 
 
 def _plain_or_compressed(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -234,7 +235,7 @@ class GradientsRequest(DataSource):
     buffers: dict[str, dict[str, Any]] | None = None
     return_buffers: bool = False
     # The gradients travel back compressed (protocol.compressed_trees, with error feedback).
-    compression: WireCompression | None = None
+    compression: TreeCompression | None = None
 
 
 class EvaluateRequest(DataSource):
@@ -378,7 +379,7 @@ class DistPlanRequest(_BatchPlan):
     position: NonNegativeInt = 0
     sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
     outer: OuterStepSpec | None = None  # DiLoCo: local inner steps, an outer step at each sync
-    compression: str | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
+    compression: Compression | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
     # FSDP2: what the replicas shard ("full" / "gradients"), and the module classes (qualified
     # names) sharded as one unit each (None: each TorchFilter module's children).
     sharding: Sharding = "none"
@@ -505,7 +506,7 @@ class DistPseudoGradientsRequest(_Request):
     feedback)."""
 
     cmd: Literal["dist_pseudo_gradients"] = "dist_pseudo_gradients"
-    compression: WireCompression
+    compression: TreeCompression
 
 
 class DistOuterUpdateRequest(_Request):

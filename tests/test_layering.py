@@ -49,6 +49,7 @@ ORDERS = {
         ["protocol.files", "protocol.security"],
         ["protocol.options"],
         ["protocol"],
+        ["protocol.options.compression"],  # option values the wire itself carries
         ["protocol.text"],
     ],
     "engine": [

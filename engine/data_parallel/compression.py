@@ -37,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from protocol.compressed_trees import dequantize_int8, quantize_int8
-from protocol.options.strategies import powersgd_rank
+from protocol.options.compression import Compression
 
 __all__ = ["ONE_BUCKET_MB", "CompressedMean", "bucketing", "compress"]
 
@@ -46,33 +46,27 @@ ONE_BUCKET_MB = 1 << 20
 """DDP's ``bucket_cap_mb`` that puts every gradient in one bucket (1 TiB)."""
 
 
-def bucketing(compression: str | None) -> dict[str, Any]:
+def bucketing(compression: Compression | None) -> dict[str, Any]:
     """The DDP arguments ``compression`` needs: one bucket for PowerSGD, else DDP's own."""
-    return {"bucket_cap_mb": ONE_BUCKET_MB} if powersgd_rank(compression) else {}
+    powersgd = compression is not None and compression.kind == "powersgd"
+    return {"bucket_cap_mb": ONE_BUCKET_MB} if powersgd else {}
 
 
-def compress(ddp: DistributedDataParallel, compression: str, seed: int) -> None:
+def compress(ddp: DistributedDataParallel, compression: Compression, seed: int) -> None:
     """Register the communication hook of ``compression`` on ``ddp`` (its random projections,
-    for PowerSGD, drawn from ``seed``: the same on every replica).
-
-    Raises:
-        ValueError: a compression that is not one of the forms above.
-    """
-    if compression == "fp16":
+    for PowerSGD, drawn from ``seed``: the same on every replica)."""
+    if compression.kind == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return
-    if compression == "bf16":
+    if compression.kind == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return
-    if compression == "int8":
-        ddp.register_comm_hook(CompressedMean("int8"), _mean_hook)
+    if compression.kind == "int8":
+        ddp.register_comm_hook(CompressedMean(compression), _mean_hook)
         return
-    rank = powersgd_rank(compression)
-    if rank is None:
-        raise ValueError(f"no such compression: {compression!r}")
     state = powerSGD_hook.PowerSGDState(
         process_group=None,
-        matrix_approximation_rank=rank,
+        matrix_approximation_rank=compression.rank,
         start_powerSGD_iter=2,
         use_error_feedback=True,
         warm_start=True,
@@ -96,8 +90,8 @@ class CompressedMean:
     ``compression`` has them travel (module docstring); the int8 residuals (error feedback) by
     bucket."""
 
-    def __init__(self, compression: str | None) -> None:
-        if compression not in (None, "fp16", "bf16", "int8"):
+    def __init__(self, compression: Compression | None) -> None:
+        if compression is not None and not compression.travels_as_tree:
             raise ValueError(f"no compressed mean is {compression!r}")
         self.compression = compression
         self.residuals: dict[int, torch.Tensor] = {}
@@ -113,9 +107,9 @@ class CompressedMean:
         if self.compression is None:
             dist.all_reduce(flat)
             flat.div_(world)
-        elif self.compression in ("fp16", "bf16"):
+        elif self.compression.half:
             half = (flat / world).to(
-                torch.float16 if self.compression == "fp16" else torch.bfloat16
+                torch.float16 if self.compression.kind == "fp16" else torch.bfloat16
             )
             dist.all_reduce(half)
             flat.copy_(half)

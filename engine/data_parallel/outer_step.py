@@ -34,6 +34,7 @@ from engine.errors import EngineError
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
 from protocol.errors import BadCompressedTree, ErrorCode
+from protocol.options.compression import Compression
 from protocol.rules.fragments import Piece, blocking_steps, fragment_pieces
 from protocol.rules.traffic import buckets
 
@@ -49,7 +50,7 @@ class OuterStep:
         self,
         params: Sequence[torch.nn.Parameter],
         spec: OuterStepSpec,
-        compression: str | None = None,
+        compression: Compression | None = None,
         steps: int = 0,
     ) -> None:
         self.spec = spec
@@ -167,7 +168,7 @@ class _Fragment:
         params: Sequence[torch.nn.Parameter],
         pieces: list[Piece],
         spec: OuterStepSpec,
-        compression: str | None,
+        compression: Compression | None,
     ) -> None:
         self.spec = spec
         self.pieces = pieces
@@ -285,7 +286,7 @@ class SyncPoint:
         }
         self._sent: TreeCompressor | None = None
 
-    def pseudo_gradients(self, compression: str) -> dict[str, object]:
+    def pseudo_gradients(self, compression: Compression) -> dict[str, object]:
         """θ_sync − θ_now, as ``compression`` has it travel (int8: the residual of the last
         synchronisation added, this one's kept)."""
         if self._sent is None or self._sent.compression != compression:

@@ -77,6 +77,7 @@ from protocol.codec import encode_frame
 from protocol.daemon import OuterStepSpec, SnapshotWay
 from protocol.errors import ErrorCode
 from protocol.files.shard_files import SNAPSHOT_FILE, is_plain_file_name
+from protocol.options.compression import Compression
 from protocol.rules.batching import global_batches, replica_batches, replica_seed
 from protocol.rules.fragments import fragment_syncs
 from protocol.rules.row_means import RowMeans
@@ -104,7 +105,7 @@ class ReplicaPlan:
     alone: bool = False  # no group: the coordinator takes DiLoCo's outer step
     rank: int = 0  # this replica's place, and the replicas there are
     world: int = 1
-    compression: str | None = None  # the gradients (DiLoCo's: pseudo-gradients) as they travel
+    compression: Compression | None = None  # the gradients (DiLoCo's: pseudo-gradients)
     # per step, with ``outer``: the fragments that synchronise after it (``(0,)``: the model)
     syncs: list[tuple[int, ...]] = field(default_factory=list)
     sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.data_parallel.sharding)
@@ -618,7 +619,7 @@ class Replica:
             )
         return self._sharded.pieces()
 
-    def pseudo_gradients(self, compression: str) -> dict[str, Any]:
+    def pseudo_gradients(self, compression: Compression) -> dict[str, Any]:
         """A replica ``alone`` at a synchronisation: its pseudo-gradients as ``compression``
         has them travel (:class:`~engine.data_parallel.outer_step.SyncPoint`).
 

@@ -10,4 +10,7 @@ models (``somatize`` subclasses them for positional arguments and ``spec()``), t
 their :meth:`~protocol.options.base.Options.to_wire` form, the coordinator's strategies take them
 whole. :mod:`~protocol.options.base` holds the machinery, the rules options share and the one
 formatter of refusals; :mod:`~protocol.options.devices` the devices a job may ask for.
+
+:mod:`~protocol.options.compression` holds a value the wire itself carries (a daemon command's
+``compression``), parsed once where it enters: it sits below the wire, which imports it.
 """

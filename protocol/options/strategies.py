@@ -44,6 +44,7 @@ from protocol.options.base import (
     seconds,
     selector,
 )
+from protocol.options.compression import Compression
 from protocol.options.devices import DEVICES, device_fits, is_device
 from protocol.options.federated import FedAvgOptions, FedProxOptions, QFedAvgOptions
 from protocol.options.server_optimizers import (
@@ -98,7 +99,6 @@ __all__ = [
     "device_fits",
     "is_device",
     "parse",
-    "powersgd_rank",
     "server_options",
 ]
 
@@ -291,7 +291,7 @@ class DataParallelOptions(CheckpointOptions):
     collective: Collective = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     sync_batchnorm: bool = False
-    compression: str | None = None
+    compression: Compression | None = None
     sharding: Sharding = "none"
     shard_units: tuple[str, ...] | None = None
 
@@ -333,34 +333,21 @@ class DataParallelOptions(CheckpointOptions):
         return options | self._checkpoints_wire()
 
 
-def powersgd_rank(compression: object) -> int | None:
-    """RANK of ``"powersgd:RANK"`` (a positive integer); ``None`` for anything else."""
-    if not isinstance(compression, str) or not compression.startswith("powersgd:"):
-        return None
-    rank = compression.removeprefix("powersgd:")
-    return int(rank) if rank.isdigit() and rank.isascii() and int(rank) > 0 else None
-
-
 def _check_compression(fields: dict[str, Any]) -> None:
-    """``compression``: unset, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"powersgd:RANK"``; bf16
-    on the torch collective over CUDA only, PowerSGD on the torch collective only."""
-    compression = fields.get("compression")
+    """``compression``: unset or a :class:`Compression` (parsed here, where it enters); bf16 on
+    the torch collective over CUDA only, PowerSGD on the torch collective only."""
+    compression = fields["compression"] = Compression.parse(fields.get("compression"))
     if compression is None:
         return
-    if compression not in ("fp16", "bf16", "int8") and powersgd_rank(compression) is None:
-        raise ValueError(
-            "compression must be None, 'fp16', 'bf16', 'int8' or 'powersgd:RANK' (RANK a "
-            f"positive integer), not {compression!r}"
-        )
     on, collective = fields.get("device"), fields.get("collective")
     cuda = isinstance(on, str) and on.startswith("cuda")
-    if compression == "bf16" and not cuda and collective != "coordinator":
+    if compression.kind == "bf16" and not cuda and collective != "coordinator":
         raise ValueError(
             "compression='bf16' needs device='cuda' (or 'cuda:N') on the torch collective: "
             f"torch's bf16 hook runs on NCCL; device is {on!r} ('fp16' runs everywhere, and "
             "'bf16' with collective='coordinator')"
         )
-    if powersgd_rank(compression) is not None and collective == "coordinator":
+    if not compression.travels_as_tree and collective == "coordinator":
         raise ValueError(
             f"compression={compression!r} runs on the torch collective (collective='auto' or "
             "'torch'); through the coordinator gradients travel as 'fp16', 'bf16' or 'int8'"
@@ -581,8 +568,8 @@ class DiLoCoOptions(DataParallelOptions):
                 "DiLoCo's replicas each keep a whole model between synchronisations: sharding "
                 "is for DataParallel"
             )
-        compression = fields.get("compression")
-        if powersgd_rank(compression) is not None:
+        compression = fields["compression"]
+        if compression is not None and not compression.travels_as_tree:
             raise ValueError(
                 f"compression={compression!r} factorises DataParallel's gradients; DiLoCo's "
                 "pseudo-gradients travel as 'fp16', 'bf16' or 'int8'"

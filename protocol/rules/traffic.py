@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from protocol.compressed_trees import INT8_CHUNK
-from protocol.options.strategies import powersgd_rank
+from protocol.options.compression import Compression
 
 __all__ = ["BUCKET_BYTES", "FP32", "INT8_CHUNK", "buckets", "step_bytes", "sync_bytes"]
 
@@ -33,16 +33,13 @@ MIN_COMPRESSION_RATE = 2
 """PowerSGD compresses a matrix only when that makes it this many times smaller (torch's)."""
 
 
-def step_bytes(shapes: Sequence[Sequence[int]], compression: str | None) -> int:
-    """The bytes of one replica's gradients in one DataParallel step under ``compression``
-    (int8: as :func:`sync_bytes`, a byte a value and a 4-byte scale a chunk of each bucket)."""
-    if compression in ("fp16", "bf16"):
-        return HALF * _values(shapes)
-    if compression == "int8":
+def step_bytes(shapes: Sequence[Sequence[int]], compression: Compression | None) -> int:
+    """The bytes of one replica's gradients in one DataParallel step under ``compression``:
+    PowerSGD's factors (module docstring), or as :func:`sync_bytes` counts the others (int8: a
+    byte a value and a 4-byte scale a chunk of each bucket)."""
+    if compression is None or compression.rank is None:
         return sync_bytes(shapes, compression)
-    rank = powersgd_rank(compression)
-    if rank is None:
-        return FP32 * _values(shapes)
+    rank = compression.rank
     total = 0
     for shape in shapes:
         n = shape[0] if shape else 1
@@ -53,13 +50,15 @@ def step_bytes(shapes: Sequence[Sequence[int]], compression: str | None) -> int:
     return total
 
 
-def sync_bytes(shapes: Sequence[Sequence[int]], compression: str | None = None) -> int:
+def sync_bytes(shapes: Sequence[Sequence[int]], compression: Compression | None = None) -> int:
     """The bytes of one replica's pseudo-gradients in one DiLoCo synchronisation under
     ``compression`` (int8: a byte a value and a 4-byte scale per :data:`INT8_CHUNK` values of
     each 25 MiB bucket)."""
-    if compression in ("fp16", "bf16"):
+    if compression is None:
+        return FP32 * _values(shapes)
+    if compression.half:
         return HALF * _values(shapes)
-    if compression == "int8":
+    if compression.kind == "int8":
         total = 0
         sizes = [math.prod(shape) for shape in shapes]
         for bucket in buckets([FP32 * size for size in sizes]):

@@ -15,6 +15,7 @@ from protocol.compressed_trees import (
     is_compressed,
 )
 from protocol.errors import BadCompressedTree
+from protocol.options.compression import Compression
 
 
 def tree(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -37,7 +38,7 @@ def test_half_precision_keeps_each_value_within_its_relative_rounding():
     bf16: 2⁻⁸ (float32's range)."""
     sent = tree()
     for compression, bound, floor in (("fp16", 2**-11, 2**-25), ("bf16", 2**-8, 0.0)):
-        message = TreeCompressor(compression).encode(sent)
+        message = TreeCompressor(Compression(compression)).encode(sent)
         assert is_compressed(message) and message[MARKER] == compression
         assert message["values"].element_size() == 2
         back = decode(message)
@@ -54,7 +55,7 @@ def test_int8_keeps_each_value_within_its_chunks_step_and_loses_nothing_over_mes
     """Each value within max|chunk| / 254 of what was sent (chunks of 4,096 values across the
     tree's tensors laid end to end); over ten messages the decoded sum is the sent sum less the
     last residual, which is within one step."""
-    compressor = TreeCompressor("int8")
+    compressor = TreeCompressor(Compression("int8"))
     first = tree()
     message = compressor.encode(first)
     assert message["values"].dtype == torch.int8 and message["scales"].numel() == 2
@@ -74,13 +75,13 @@ def test_int8_keeps_each_value_within_its_chunks_step_and_loses_nothing_over_mes
 
 
 def test_a_compressed_tree_crosses_the_codec():
-    message = TreeCompressor("int8").encode(tree())
+    message = TreeCompressor(Compression("int8")).encode(tree())
     again = decode(codec.decode(codec.encode_frame(message)))
     torch.testing.assert_close(flat(again), flat(decode(message)), atol=0, rtol=0)
 
 
 def good() -> dict:
-    return TreeCompressor("fp16").encode({"n": {"w": torch.ones(3, 2)}})
+    return TreeCompressor(Compression("fp16")).encode({"n": {"w": torch.ones(3, 2)}})
 
 
 @pytest.mark.parametrize(
@@ -121,9 +122,9 @@ def test_what_is_not_a_compressed_tree_is_refused_saying_why(broken, says):
 
 def test_only_float_trees_are_compressed_and_only_in_the_forms_that_travel():
     with pytest.raises(ValueError, match=r"torch\.int64: only floats"):
-        TreeCompressor("int8").encode({"n": {"steps": torch.tensor([3])}})
+        TreeCompressor(Compression("int8")).encode({"n": {"steps": torch.tensor([3])}})
     with pytest.raises(ValueError, match="not 'powersgd:4'"):
-        TreeCompressor("powersgd:4")
+        TreeCompressor(Compression("powersgd:4"))
     assert not is_compressed({"mlp": {"w": torch.ones(1)}})
 
 
@@ -132,7 +133,7 @@ def test_a_layout_is_held_to_the_models_parameters_before_anything_is_decoded():
     40 is refused from its layout alone: the coordinator decodes at most the model's size."""
     model = {"mlp": [[4, 8], [8]], "head": [[8]]}
     sent = {"mlp": {"w": torch.ones(4, 8), "b": torch.ones(8)}, "head": {"b": torch.ones(8)}}
-    message = TreeCompressor("int8").encode(sent)
+    message = TreeCompressor(Compression("int8")).encode(sent)
     assert sorted(decode(message, model)) == ["head", "mlp"]
     huge = dict(message)
     huge["layout"] = [*message["layout"], ["mlp", "planted", [1 << 26]]]  # values not even sent

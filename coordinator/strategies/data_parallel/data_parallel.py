@@ -67,7 +67,7 @@ from protocol.daemon import (
     OuterStepSpec,
 )
 from protocol.errors import ErrorCode
-from protocol.options.strategies import DataParallelOptions, powersgd_rank
+from protocol.options.strategies import DataParallelOptions
 from protocol.rules.equivalence import data_parallel_notes
 from protocol.rules.replica_memory import replica_bytes
 from protocol.rules.rows import rows_of
@@ -180,7 +180,8 @@ class DataParallel(Strategy):
         await run.on_all(tell, replicas)
         choice = await self._choose(run)
         compression = self.options.compression
-        if powersgd_rank(compression) is not None and choice.collective != "torch":
+        factorised = compression is not None and not compression.travels_as_tree  # PowerSGD
+        if factorised and choice.collective != "torch":
             raise StrategyFailed(
                 ErrorCode.COLLECTIVE_FAILED,
                 f"compression={compression!r} runs on the torch collective, and "

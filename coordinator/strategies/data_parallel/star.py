@@ -60,6 +60,7 @@ from protocol.compressed_trees import (
 )
 from protocol.daemon import ApplyGradientsRequest, GradientsRequest
 from protocol.errors import BadCompressedTree, ErrorCode
+from protocol.options.compression import Compression
 from protocol.rules.batching import replica_seed
 
 __all__ = ["GlobalBatchPlan", "StarTraining", "apply_mean", "average", "received"]
@@ -117,7 +118,7 @@ class StarTraining:
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     pool: FoldBuffers = field(default_factory=FoldBuffers)
-    compression: str | None = None  # what gradients and means travel as
+    compression: Compression | None = None  # what gradients and means travel as
     bounds: StepBoundaries | None = None  # where validate_every evaluates between epoch ends
     _total: int = 0
     _means: TreeCompressor | None = None  # the coordinator's, with its int8 residual

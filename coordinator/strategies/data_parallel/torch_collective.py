@@ -70,6 +70,7 @@ from coordinator.strategies.process_group import (
 from coordinator.strategies.steps import StepBoundaries, TrainingSettings
 from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec, SnapshotWay
 from protocol.errors import ErrorCode
+from protocol.options.compression import Compression
 from protocol.options.strategies import Sharding
 
 __all__ = [
@@ -161,7 +162,7 @@ class TorchTraining:
     history: History | None = None  # the rows of the run's epochs
     evaluate: Evaluate | None = None  # the model's figures on the validation data, now
     outer: OuterStepSpec | None = None  # DiLoCo's: the replicas step alone, synchronising
-    compression: str | None = None  # what the gradients travel as (DDP's communication hooks)
+    compression: Compression | None = None  # what the gradients travel as (DDP's hooks)
     # FSDP2 on the replicas: "full" or "gradients" (engine.data_parallel.sharding)
     sharding: Sharding = "none"
     shard_units: tuple[str, ...] | None = None

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from benchmarks.slow_links import char_lm
 from benchmarks.slow_links.anchors import powersgd_bytes
+from protocol.options.compression import Compression
 from protocol.rules.traffic import step_bytes
 
 TINY = char_lm.Size(d_model=32, layers=1, heads=2, ff=64, context=16)
@@ -100,5 +101,5 @@ def test_the_anchors_powersgd_bytes_are_the_projects() -> None:
     params = list(char_lm.model(0).parameters())
     shapes = [list(p.shape) for p in params]
     for rank in (1, 4, 32):
-        assert powersgd_bytes(params, rank) == step_bytes(shapes, f"powersgd:{rank}")
+        assert powersgd_bytes(params, rank) == step_bytes(shapes, Compression(f"powersgd:{rank}"))
     assert step_bytes(shapes, None) == 4 * 3_226_210

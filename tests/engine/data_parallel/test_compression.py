@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.data_parallel.compression import CompressedMean, bucketing, compress
 from protocol.compressed_trees import INT8_CHUNK, dequantize_int8, quantize_int8
+from protocol.options.compression import Compression
 from tests.gloo_group import one_rank_gloo_group
 
 
@@ -30,8 +31,8 @@ def gradients(compression: str, batches: list[torch.Tensor]) -> list[tuple[torch
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32, bias=False)
     plain = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, **bucketing(compression))
-    compress(ddp, compression, seed=0)
+    ddp = DistributedDataParallel(model, **bucketing(Compression(compression)))
+    compress(ddp, Compression(compression), seed=0)
     out = []
     for x in batches:
         ddp.zero_grad()
@@ -104,7 +105,7 @@ def test_pseudo_gradients_lose_nothing_over_synchronisations(group, compression)
     synchronisation left out is sent with the next, so the sum of what was sent is the sum of
     the pseudo-gradients less the last residual, which stays within one step."""
     torch.manual_seed(1)
-    codec = CompressedMean(compression)
+    codec = CompressedMean(Compression(compression))
     deltas = [torch.randn(5000) * 0.01 for _ in range(6)]
     sent = []
     for delta in deltas:
@@ -120,7 +121,7 @@ def test_pseudo_gradients_lose_nothing_over_synchronisations(group, compression)
     assert residual.abs().max() <= (deltas[-1] + residual).abs().max() / 254 + 1e-6
     assert not torch.equal(sent[0], deltas[0])
     with pytest.raises(ValueError, match="no compressed mean is 'powersgd:2'"):
-        CompressedMean("powersgd:2")
+        CompressedMean(Compression("powersgd:2"))
 
 
 def test_int8_takes_ddps_buckets_rebuilt_after_the_first_step(group):
@@ -130,7 +131,7 @@ def test_int8_takes_ddps_buckets_rebuilt_after_the_first_step(group):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     plain = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # a bucket or so a layer
-    compress(ddp, "int8", seed=0)
+    compress(ddp, Compression("int8"), seed=0)
     for _ in range(3):
         x = torch.randn(8, 64)
         ddp.zero_grad()

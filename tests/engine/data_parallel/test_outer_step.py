@@ -18,9 +18,11 @@ from engine.errors import EngineError
 from protocol.compressed_trees import TreeCompressor, decode
 from protocol.daemon import OuterStepSpec
 from protocol.errors import ErrorCode
+from protocol.options.compression import Compression
 from tests.gloo_group import one_rank_gloo_group
 
 SPEC = OuterStepSpec(sync_every=2, lr=0.7, momentum=0.9, nesterov=True)
+FP16 = Compression("fp16")
 
 
 @pytest.fixture
@@ -41,20 +43,20 @@ def test_pseudo_gradients_are_the_synchronised_weights_less_the_weights_now():
     with torch.no_grad():
         net.weight.sub_(0.25)
         net.bias.add_(0.5)
-    sent = decode(sync.pseudo_gradients("fp16"))
+    sent = decode(sync.pseudo_gradients(FP16))
     torch.testing.assert_close(sent["net"]["weight"], torch.full((2, 3), 0.25))
     torch.testing.assert_close(sent["net"]["bias"], torch.full((2,), -0.5))
     update = {"net": {"weight": torch.ones(2, 3), "bias": torch.full((2,), 2.0)}}
-    sync.update(TreeCompressor("fp16").encode(update))
+    sync.update(TreeCompressor(FP16).encode(update))
     torch.testing.assert_close(net.weight.detach(), before["weight"] + 1)
     torch.testing.assert_close(net.bias.detach(), before["bias"] + 2)
-    assert not decode(sync.pseudo_gradients("fp16"))["net"]["weight"].any()  # synchronised
+    assert not decode(sync.pseudo_gradients(FP16))["net"]["weight"].any()  # synchronised
 
 
 def test_an_update_of_another_model_is_refused_and_changes_nothing():
     net, sync = point()
     before = net.weight.detach().clone()
-    wrong = TreeCompressor("int8").encode({"net": {"weight": torch.ones(3, 2)}})
+    wrong = TreeCompressor(Compression("int8")).encode({"net": {"weight": torch.ones(3, 2)}})
     with pytest.raises(EngineError) as refused:
         sync.update(wrong)
     assert refused.value.code is ErrorCode.GRADIENT_MISMATCH
@@ -67,7 +69,7 @@ def test_an_update_of_another_model_is_refused_and_changes_nothing():
 
 def test_a_replica_not_planned_alone_has_no_pseudo_gradients_to_give():
     with pytest.raises(EngineError) as refused:
-        Engine().replica.pseudo_gradients("int8")
+        Engine().replica.pseudo_gradients(Compression("int8"))
     assert refused.value.code is ErrorCode.BAD_REQUEST
     assert "for a replica planned alone, with compression" in str(refused.value)
 
@@ -178,7 +180,8 @@ def test_a_synchronisation_whose_exchange_breaks_leaves_the_replica_as_it_was(gr
     twin = torch.nn.Linear(40, 30)
     twin.load_state_dict(net.state_dict())
     outers = [
-        OuterStep(list(m.parameters()), SPEC, compression="int8", steps=4) for m in (net, twin)
+        OuterStep(list(m.parameters()), SPEC, compression=Compression("int8"), steps=4)
+        for m in (net, twin)
     ]
     for m, outer in zip((net, twin), outers, strict=True):
         with torch.no_grad():
