@@ -65,14 +65,14 @@ class Batches:
         lazy = on_disk(x)
         xt, yt = (x, y) if lazy else (first.prepare_input(x), last.prepare_target(y))
         n = num_rows(xt)
-        return cls(xt, yt, n, batch_size or last.batch_size or n, lazy, first, last)
+        return cls(xt, yt, n, batch_size or last.training.batch_size or n, lazy, first, last)
 
     @classmethod
     def evaluated(cls, run: Sequence[Any], x: Any, y: Any, batch_size: int | None) -> Batches:
         """The rows a run is evaluated on (or forwarded), in batches of ``batch_size`` or its
         last filter's ``eval_batch_size`` (default its ``batch_size``)."""
         last = run[-1].filter
-        size = batch_size or getattr(last, "eval_batch_size", None) or last.batch_size
+        size = batch_size or getattr(last, "eval_batch_size", None) or last.training.batch_size
         return cls.of(run, x, y, size)
 
     def steps_per_epoch(self, every: int) -> int:

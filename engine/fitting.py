@@ -21,7 +21,7 @@ import torch
 
 from engine.batches import concat, num_rows, on_disk, part_of, whole
 from engine.evaluation import Evaluation
-from engine.nodes import Node, Nodes, run_setting, segments
+from engine.nodes import Node, Nodes, run_training, segments
 from engine.optimizers import Optimizers
 from engine.stepping import backward
 from engine.training import FitSettings, TrainingLoop
@@ -133,7 +133,7 @@ class Fitting:
         metrics: dict[str, float] = {}
         for segment in segments(nodes):
             if segment[0].differentiable:
-                parts = int(run_setting(segment, "accumulate", 1) or 1)
+                parts = run_training(segment).accumulate
                 out, loss, metrics = self._backward_run(segment, out, y, parts)
             else:
                 node = segment[0]

@@ -29,6 +29,7 @@ from engine.errors import EngineError
 from engine.step_functions import BatchLoss, StepModel, step_of, step_result, takes_labels
 from engine.transfer import autocast, cpu_tensor, tensors_to, to_cpu, to_device
 from protocol.errors import ErrorCode
+from protocol.options.training import TrainingOptions
 from protocol.rules.rows import (
     model_loss_with_labels,
     needs_labels,
@@ -46,10 +47,7 @@ class DifferentiableFilter(Protocol):
 
     differentiable: bool
     module: torch.nn.Module
-    epochs: int
-    batch_size: int | None
-    shuffle: bool
-    seed: int
+    training: TrainingOptions  # how a chain it ends trains
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer: ...
 
@@ -360,10 +358,10 @@ def segments(nodes: list[Node]) -> Iterator[list[Node]]:
             yield from ([n] for n in group)
 
 
-def run_setting(run: Sequence[Node], name: str, default: Any = None) -> Any:
-    """A training setting of a run: its last filter's (``clip_grad_norm``, ``accumulate``...),
-    as ``batch_size`` and ``epochs`` are."""
-    return getattr(run[-1].filter, name, default)
+def run_training(run: Sequence[Node]) -> TrainingOptions:
+    """How a run trains: its last filter's training options."""
+    training: TrainingOptions = run[-1].filter.training
+    return training
 
 
 def trainable(node: Node) -> dict[str, torch.nn.Parameter]:

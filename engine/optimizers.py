@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.errors import EngineError
-from engine.nodes import Node, Nodes, check_trains, run_setting, trainable
+from engine.nodes import Node, Nodes, check_trains, run_training, trainable
 from engine.stepping import Horizon, current_lr
 from engine.transfer import scaler_for, to_cpu
 from protocol.errors import ErrorCode
@@ -138,8 +138,8 @@ class Optimizers:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(coefficient)
-        elif clip and run_setting(run, "clip_grad_norm") is not None:
-            torch.nn.utils.clip_grad_norm_(params, run_setting(run, "clip_grad_norm"))
+        elif clip and (norm := run_training(run).clip_grad_norm) is not None:
+            torch.nn.utils.clip_grad_norm_(params, norm)
         for opt in optimizers:
             if scaler is None:
                 opt.step()

@@ -18,7 +18,7 @@ import torch
 
 from engine.batches import Batches
 from engine.data.read_ahead import read_ahead
-from engine.nodes import Node, Nodes, run_setting, trainable
+from engine.nodes import Node, Nodes, run_training, trainable
 from engine.optimizers import Optimizers
 from engine.stepping import Horizon, backward, fast_forward
 from protocol.rules.batching import batch_len, generator
@@ -98,11 +98,11 @@ class TrainingLoop:
         self.run = run
         self.settings = settings
         self.scores = scores
-        self.last = run[-1].filter
-        self.epochs: int = self.last.epochs if settings.epochs is None else settings.epochs
-        self.every = max(1, int(run_setting(run, "accumulate", 1) or 1))  # batches per step
-        self.max_steps: int | None = run_setting(run, "max_steps")
-        self.validate_every: int | None = run_setting(run, "validate_every")
+        self.training = training = run_training(run)
+        self.epochs: int = training.epochs if settings.epochs is None else settings.epochs
+        self.every = training.accumulate  # batches per step
+        self.max_steps = training.max_steps
+        self.validate_every = training.validate_every
         self.steps = 0  # optimizer steps taken
         self.step_scores: list[dict[str, Any]] = []  # validate_every's rows
         self._number = 0  # the epoch under way
@@ -122,14 +122,14 @@ class TrainingLoop:
         # Seeded, and without touching the caller's global RNG: dropout and friends inside the
         # modules draw from the forked default generator.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.last.seed)
-            order = generator(self.last.seed)
+            torch.manual_seed(self.training.seed)
+            order = generator(self.training.seed)
             history = []
             for number in range(1, self.epochs + 1):
                 if self.max_steps is not None and self.steps >= self.max_steps:
                     break
                 self._number = number
-                epoch = data.epoch(order if self.last.shuffle else None)
+                epoch = data.epoch(order if self.training.shuffle else None)
                 if self.max_steps is not None:  # the batches of the steps left, at most
                     epoch = epoch[: (self.max_steps - self.steps) * self.every]
                 loss, lr, metrics = self._epoch(data, epoch, optimizers, scaler, penalty)

@@ -32,6 +32,7 @@ the agent forwards it to the job's daemon unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -39,14 +40,18 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeInt,
+    SerializerFunctionWrapHandler,
     StrictBytes,
     StrictInt,
     TypeAdapter,
+    model_serializer,
+    model_validator,
 )
 
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorInfo
 from protocol.filter_buffers import FilterBuffer
+from protocol.options.training import TrainingOptions
 
 CHUNK_BYTES = 1 << 20
 """Frames larger than this travel as chunk messages of this size: ``websockets`` moves
@@ -356,26 +361,20 @@ class CloseJob(_Message):
 
 class NodeInfo(BaseModel):
     """What the coordinator may know of a node without unpickling it: whether it trains by
-    gradient descent, and then its training settings (those of a ``TorchFilter``): batches of
-    ``batch_size`` rows, ``accumulate`` of them an optimizer step, the gradient clipped to
-    ``clip_grad_norm``."""
+    gradient descent, and then how (``training``: its TorchFilter's :class:`TrainingOptions`).
+
+    On the wire the training options are keys of the node's object beside the others, as they
+    always were (``{"differentiable": true, "epochs": 2, "batch_size": 32, ...}``); they are
+    gathered into ``training`` when it is read, and a plain filter has none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     differentiable: bool = False
-    epochs: int | None = None
-    batch_size: int | None = None
-    shuffle: bool | None = None
-    seed: int | None = None
-    accumulate: Annotated[int, Field(ge=1)] | None = None
-    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    training: TrainingOptions | None = None
     # Its loss needs labels y (not a model that computes its own, loss="model", nor a step=
     # function); it has a step= function (which trains it alone: no TorchFilter beside it).
     labels: bool = True
     step: bool = False
-    # Optimizer steps after which training stops; validation every so many steps.
-    max_steps: Annotated[int, Field(ge=1)] | None = None
-    validate_every: Annotated[int, Field(ge=1)] | None = None
     # What makes replicas of it differ from one process training it (DataParallel's notes):
     buffers: bool = False  # the module holds buffers (replica 0's are broadcast each step)
     normalization: list[Annotated[str, Field(max_length=128)]] = Field(
@@ -388,6 +387,25 @@ class NodeInfo(BaseModel):
     parameter_shapes: list[Annotated[list[NonNegativeInt], Field(max_length=16)]] = Field(
         default_factory=list, max_length=1 << 16
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_training(cls, data: Any) -> Any:
+        """The training options as the wire has them, keys beside the others, in ``training``
+        (a differentiable node's defaults where it gives none)."""
+        if not isinstance(data, Mapping) or "training" in data:
+            return data
+        keys = TrainingOptions.model_fields.keys()
+        rest = {k: v for k, v in data.items() if k not in keys}
+        given = {k: v for k, v in data.items() if k in keys}
+        return rest | {"training": given if data.get("differentiable") else None}
+
+    @model_serializer(mode="wrap")
+    def _training_as_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The node as the wire has it: the training options as keys beside the others."""
+        data: dict[str, Any] = handler(self)
+        training = data.pop("training", None) or {}
+        return data | training
 
 
 MAX_GRAPH_NODES = 4096

@@ -22,6 +22,7 @@ from engine.metrics import METRICS, check_metrics, metric_name
 from engine.step_functions import model_loss
 from engine.stepping import check_schedule, made_scheduler, named_scheduler
 from engine.transfer import PRECISIONS
+from protocol.options.training import TrainingOptions
 from protocol.rules.rows import map_leaves
 from protocol.text.wording import did_you_mean
 from somatize.graph import Filter, Graph, snake_case
@@ -49,6 +50,9 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
 }
 
+
+DEFAULT_TRAINING = TrainingOptions()
+"""The training options of a TorchFilter given none: its keyword arguments' defaults."""
 
 _NORM = (
     torch.nn.BatchNorm1d,
@@ -155,8 +159,11 @@ class TorchFilter(Filter):
             and DataParallel; the other strategies refuse it at submit.
 
     Training settings (``batch_size``, ``epochs``, ``shuffle``, ``seed``, ``clip_grad_norm``,
-    ``accumulate``, ``metrics``) are those of the last TorchFilter of a chain; each filter keeps
-    its own optimizer, ``lr`` and scheduler.
+    ``accumulate``, ``max_steps``, ``validate_every``, and ``metrics``) are those of the last
+    TorchFilter of a chain; each filter keeps its own optimizer, ``lr`` and scheduler. The
+    filter holds the first eight as one value, :attr:`training`
+    (:class:`~protocol.options.training.TrainingOptions`: their rules and defaults, what a job
+    carries to the coordinator); each reads as an attribute too (``net.batch_size``).
     """
 
     differentiable = True
@@ -169,23 +176,23 @@ class TorchFilter(Filter):
         loss: LossSpec = "mse",
         optimizer: OptimizerSpec = "sgd",
         lr: float = 0.01,
-        batch_size: int | None = 32,
-        epochs: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
+        batch_size: int | None = DEFAULT_TRAINING.batch_size,
+        epochs: int = DEFAULT_TRAINING.epochs,
+        shuffle: bool = DEFAULT_TRAINING.shuffle,
+        seed: int = DEFAULT_TRAINING.seed,
         optimizer_options: Mapping[str, Any] | None = None,
         precision: str = "fp32",
         scheduler: SchedulerSpec | None = None,
         scheduler_interval: str = "step",
         scheduler_options: Mapping[str, Any] | None = None,
-        clip_grad_norm: float | None = None,
-        accumulate: int = 1,
+        clip_grad_norm: float | None = DEFAULT_TRAINING.clip_grad_norm,
+        accumulate: int = DEFAULT_TRAINING.accumulate,
         metrics: Sequence[str | Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
         step: StepSpec | None = None,
         inputs: str = "auto",
         eval_batch_size: int | None = None,
-        max_steps: int | None = None,
-        validate_every: int | None = None,
+        max_steps: int | None = DEFAULT_TRAINING.max_steps,
+        validate_every: int | None = DEFAULT_TRAINING.validate_every,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchFilter wraps a torch.nn.Module, not {type(module).__name__}")
@@ -203,11 +210,6 @@ class TorchFilter(Filter):
             )
         if inputs not in INPUTS:
             raise ValueError(f"inputs is one of {list(INPUTS)}, not {inputs!r}")
-        for name, value in (("max_steps", max_steps), ("validate_every", validate_every)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name} is a whole number of steps >= 1, not {value!r}")
         if eval_batch_size is not None and (
             isinstance(eval_batch_size, bool)
             or not isinstance(eval_batch_size, int)
@@ -219,43 +221,34 @@ class TorchFilter(Filter):
                 f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)} "
                 "or a callable" + did_you_mean(optimizer, _OPTIMIZERS)
             )
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        if epochs < 0:
-            raise ValueError(f"epochs must not be negative, not {epochs}")
+        training = TrainingOptions.checked(
+            epochs=epochs,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
+            max_steps=max_steps,
+            validate_every=validate_every,
+        )
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
         schedule_options = check_schedule(scheduler, scheduler_interval, scheduler_options)
         checked_metrics = check_metrics(metrics)
-        if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, int | float) and 0 < clip_grad_norm < float("inf")
-        ):
-            raise ValueError(f"clip_grad_norm must be a positive number, not {clip_grad_norm!r}")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(
-                f"accumulate must be a whole number of batches >= 1, not {accumulate!r}"
-            )
         self.module = module
         self.loss = loss
         self.optimizer = optimizer
         self.lr = lr
-        self.batch_size = batch_size
-        self.epochs = epochs
-        self.shuffle = shuffle
-        self.seed = seed
+        self.training = training
         self.optimizer_options = dict(optimizer_options or {})
         self.precision = precision
         self.scheduler = scheduler
         self.scheduler_interval = scheduler_interval
         self.scheduler_options = schedule_options
-        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
-        self.accumulate = accumulate
         self.metrics = checked_metrics
         self.step = step
         self.inputs = inputs
         self.eval_batch_size = eval_batch_size
-        self.max_steps = max_steps
-        self.validate_every = validate_every
 
     def default_name(self) -> str:
         return snake_case(type(self.module).__name__)
@@ -352,3 +345,11 @@ class TorchFilter(Filter):
             if p.is_floating_point():
                 return p.dtype
         return None
+
+
+def _training_option(name: str) -> property:
+    return property(lambda f: getattr(f.training, name), doc=f"``training.{name}``")
+
+
+for _name in TrainingOptions.model_fields:  # each training option reads as the filter's own
+    setattr(TorchFilter, _name, _training_option(_name))

@@ -49,7 +49,8 @@ ORDERS = {
         ["protocol.files", "protocol.security"],
         ["protocol.options"],
         ["protocol"],
-        ["protocol.options.compression"],  # option values the wire itself carries
+        # what the wire itself carries, parsed, and how its refusals are worded
+        ["protocol.options.compression", "protocol.options.refusals", "protocol.options.training"],
         ["protocol.text"],
     ],
     "engine": [

@@ -17,6 +17,7 @@ from coordinator.workers.registry import WorkerRecord
 from protocol.errors import ErrorCode, ErrorInfo, RequestRefused
 from protocol.messages import SANDBOXES, NodeInfo, Submit
 from protocol.options.devices import device_fits
+from protocol.options.training import TrainingOptions
 from protocol.rules.rows import (
     batch_problem,
     inline_data_problem,
@@ -144,13 +145,13 @@ def steps_limits_problem(strategy: str, inputs: JobInputs) -> str | None:
     the federated strategies count rounds, not steps; ModelParallel does neither yet.
     """
     for node_id in inputs.differentiable():
-        info = inputs.nodes.get(node_id, NodeInfo())
-        if info.max_steps is not None and strategy not in {"local", "data_parallel", "diloco"}:
-            return f"node {node_id!r} has max_steps={info.max_steps}: " + _NO_MAX_STEPS.get(
+        training = inputs.nodes.get(node_id, NodeInfo()).training or TrainingOptions()
+        if training.max_steps is not None and strategy not in {"local", "data_parallel", "diloco"}:
+            return f"node {node_id!r} has max_steps={training.max_steps}: " + _NO_MAX_STEPS.get(
                 strategy, f"{strategy} does not honour it yet (Local and DataParallel do)"
             )
-        if info.validate_every is not None and strategy not in VALIDATE_EVERY:
-            return f"node {node_id!r} has validate_every={info.validate_every}: " + (
+        if training.validate_every is not None and strategy not in VALIDATE_EVERY:
+            return f"node {node_id!r} has validate_every={training.validate_every}: " + (
                 _NO_VALIDATE_EVERY.get(
                     strategy,
                     f"{strategy} validates at each epoch's (round's) end only; Local and "

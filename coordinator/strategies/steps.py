@@ -17,50 +17,31 @@ from coordinator.strategies.base import JobInputs
 from protocol.daemon import ScheduleRequest, StageRequest
 from protocol.filter_buffers import FilterBuffer
 from protocol.messages import NodeInfo
+from protocol.options.training import TrainingOptions
 from protocol.rules import batching
 from protocol.text.wording import listed
 
 
-@dataclass(frozen=True)
-class TrainingSettings:
-    """The training settings of a run (those of its last TorchFilter).
+class TrainingSettings(TrainingOptions):
+    """The training options of a run (its last TorchFilter's, :class:`TrainingOptions`), and
+    how the coordinator cuts the run into global batches by them.
 
-    ``batch_size`` is the rows of one optimizer step: the filter's ``batch_size`` times its
-    ``accumulate`` (the batches of an epoch are one permutation cut in order, so ``accumulate``
-    consecutive batches are exactly one batch that many times larger). A replica or a stage
-    then computes its part of such a step in ``accumulate`` slices.
-
-    ``max_steps`` stops the run after that many optimizer steps, mid-epoch if need be (the
-    epoch it stops in ends there); ``validate_every`` evaluates the model every that many
-    steps besides each epoch's end (``graph.fit``'s meanings).
+    A global batch is the rows of one optimizer step (:attr:`~TrainingOptions.step_rows`: the
+    filter's ``batch_size`` times its ``accumulate``); a replica or a stage computes its part
+    of such a step in ``accumulate`` slices. ``max_steps`` stops the run after that many
+    optimizer steps, mid-epoch if need be (the epoch it stops in ends there);
+    ``validate_every`` evaluates the model every that many steps besides each epoch's end
+    (``graph.fit``'s meanings).
     """
-
-    epochs: int
-    batch_size: int | None
-    shuffle: bool
-    seed: int
-    accumulate: int = 1
-    clip_grad_norm: float | None = None
-    max_steps: int | None = None
-    validate_every: int | None = None
 
     @classmethod
     def of(cls, info: NodeInfo) -> TrainingSettings:
-        accumulate = info.accumulate or 1
-        return cls(
-            epochs=info.epochs if info.epochs is not None else 1,
-            batch_size=info.batch_size * accumulate if info.batch_size else None,
-            shuffle=bool(info.shuffle),
-            seed=info.seed or 0,
-            accumulate=accumulate,
-            clip_grad_norm=info.clip_grad_norm,
-            max_steps=info.max_steps,
-            validate_every=info.validate_every,
-        )
+        """The settings of a run whose last TorchFilter ``info`` describes."""
+        return cls(**dict(info.training or TrainingOptions()))
 
     def steps_per_epoch(self, rows: int) -> int:
         """Optimizer steps in an epoch over ``rows`` rows."""
-        return -(-rows // (self.batch_size or rows)) if rows else 0
+        return -(-rows // (self.step_rows or rows)) if rows else 0
 
     def batch_plan(self) -> dict[str, Any]:
         """How every member of a run cuts its global batches: the fields of a plan request
@@ -68,7 +49,7 @@ class TrainingSettings:
         but the rows."""
         return {
             "epochs": self.epochs,
-            "batch_size": self.batch_size,
+            "batch_size": self.step_rows,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "max_steps": self.max_steps,
@@ -134,7 +115,7 @@ def global_batches(
     """``(epoch, step, slices)`` of every step of ``training`` over ``rows`` rows in ``parts``
     slices (:func:`protocol.rules.batching.global_batches`)."""
     return batching.global_batches(
-        rows, parts, training.epochs, training.batch_size, training.shuffle, training.seed
+        rows, parts, training.epochs, training.step_rows, training.shuffle, training.seed
     )
 
 
@@ -166,7 +147,7 @@ class OwnData:
     def batches(self, training: TrainingSettings) -> Iterator[tuple[int, int, list[Any]]]:
         """``(epoch, step, slices)`` of every step, the slices by replica (rows of its own)."""
         for epoch, step, slices in batching.replica_batches(
-            self.in_order, training.epochs, training.batch_size, training.shuffle, training.seed
+            self.in_order, training.epochs, training.step_rows, training.shuffle, training.seed
         ):
             yield epoch, step, [slices[place] for place in self.places]
 

@@ -68,7 +68,7 @@ from engine.errors import EngineError
 from engine.evaluation import Evaluation
 from engine.group_member import GroupMember, looks_collective
 from engine.held_rows import HeldRows
-from engine.nodes import Node, Nodes, run_setting, trainable
+from engine.nodes import Node, Nodes, run_training, trainable
 from engine.optimizers import Optimizers
 from engine.step_functions import step_of
 from engine.stepping import backward
@@ -443,7 +443,7 @@ class Replica:
         prefix, run = self._prefix_and_run(plan.node_ids)
         optimizers = [self.optimizers.optimizer(node) for node in run]
         scaler = self.optimizers.scaler(run[-1])
-        accumulate = max(1, int(run_setting(run, "accumulate", 1) or 1))
+        accumulate = run_training(run).accumulate
         losses: list[float] = []
         rows: list[int] = []
         lrs: list[float] = []

@@ -11,6 +11,8 @@ their :meth:`~protocol.options.base.Options.to_wire` form, the coordinator's str
 whole. :mod:`~protocol.options.base` holds the machinery, the rules options share and the one
 formatter of refusals; :mod:`~protocol.options.devices` the devices a job may ask for.
 
-:mod:`~protocol.options.compression` holds a value the wire itself carries (a daemon command's
-``compression``), parsed once where it enters: it sits below the wire, which imports it.
+What the wire itself carries sits below it, parsed once where it enters:
+:mod:`~protocol.options.compression` (what gradients travel as, a daemon command's
+``compression``) and :mod:`~protocol.options.training` (how a chain of TorchFilters trains, a
+graph node's ``training``), worded by :mod:`~protocol.options.refusals`.
 """

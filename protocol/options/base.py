@@ -1,5 +1,5 @@
-"""The machinery of option models: the base model, the rules options share, and how a refusal is
-worded and named.
+"""The machinery of option models: the base model, the rules options share, and whose name a
+refusal carries (its words: :mod:`protocol.options.refusals`).
 
 Every option a job may ask for is a field of one frozen pydantic model (:class:`Options`), the
 one definition the SDK builds (``somatize`` subclasses the models), the wire carries and the
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, mod
 from pydantic_core import PydanticUndefined
 
 from protocol.options.devices import is_device
+from protocol.options.refusals import named_by, prefixed
 
 __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
@@ -221,22 +222,6 @@ class Options(BaseModel):
 T = TypeVar("T", bound=Options)
 
 
-def prefixed(owner: str, refusal: Exception) -> Exception:
-    """``refusal``, of the same class, with ``owner``'s name in front: the one place a
-    refusal's words are given a name (``DataParallel: ...``, ``data_parallel: ...``)."""
-    return type(refusal)(f"{owner}: {refusal}")
-
-
-def named_by(owner: str, exc: ValidationError) -> Exception:
-    """The first rule that refused (a ``ValueError`` in its own words), named for ``owner``."""
-    first = exc.errors()[0]
-    error = (first.get("ctx") or {}).get("error")
-    if isinstance(error, ValueError):
-        return prefixed(owner, error)
-    where = ".".join(str(part) for part in first.get("loc", ()))
-    return ValueError(f"{owner}: {where + ': ' if where else ''}{first.get('msg', exc)}")
-
-
 def _owner(cls: type[Options], caller: Caller) -> str:
     return cls.sdk_name if caller is Caller.SDK else cls.wire_name
 
@@ -257,7 +242,7 @@ def parse(cls: type[T], data: Mapping[str, Any], caller: Caller = Caller.WIRE) -
     try:
         return cls.model_validate(data, context={_FORM: Form.WIRE})
     except ValidationError as exc:
-        raise named_by(_owner(cls, caller), exc) from None
+        raise named_by(_owner(cls, caller), exc, cls) from None
 
 
 def build(model: Options, values: Mapping[str, Any]) -> None:
@@ -269,7 +254,7 @@ def build(model: Options, values: Mapping[str, Any]) -> None:
             dict(values), self_instance=model, context={_FORM: Form.PYTHON}
         )
     except ValidationError as exc:
-        raise named_by(cls.sdk_name, exc) from None
+        raise named_by(cls.sdk_name, exc, cls) from None
     except TypeError as exc:  # a rule's own (pydantic passes them on): an argument not callable
         raise prefixed(cls.sdk_name, exc) from None
 
@@ -322,7 +307,7 @@ def named(
     try:
         return cls.model_validate(dict(parameters), context={_FORM: Form.WIRE})
     except ValidationError as exc:
-        raise named_by(_owner(cls, caller), exc) from None
+        raise named_by(_owner(cls, caller), exc, cls) from None
 
 
 def from_spec(

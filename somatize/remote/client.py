@@ -535,24 +535,17 @@ def graph_info(graph: Graph) -> dict[str, NodeInfo]:
     """What the coordinator is told of each node (it never unpickles the filters): whether it
     trains by gradient descent, and then its training settings."""
     from engine.step_functions import step_of, takes_labels
-    from somatize.filters import layer_kinds  # (torch: imported when a job is submitted)
+    from somatize.filters import TorchFilter, layer_kinds  # (torch: imported at a submit)
 
     info = {}
     for node_id, f in graph.items():
-        if getattr(f, "differentiable", False):
+        if isinstance(f, TorchFilter):
             info[node_id] = NodeInfo(
                 differentiable=True,
-                epochs=getattr(f, "epochs", None),
-                batch_size=getattr(f, "batch_size", None),
-                shuffle=getattr(f, "shuffle", None),
-                seed=getattr(f, "seed", None),
-                accumulate=getattr(f, "accumulate", None),
-                clip_grad_norm=getattr(f, "clip_grad_norm", None),
+                training=f.training,
                 labels=takes_labels(f),
                 step=step_of(f) is not None,
-                max_steps=getattr(f, "max_steps", None),
-                validate_every=getattr(f, "validate_every", None),
-                **layer_kinds(getattr(f, "module", None)),
+                **layer_kinds(f.module),
             )
         else:
             info[node_id] = NodeInfo()

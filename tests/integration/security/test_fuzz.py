@@ -158,13 +158,13 @@ def submits(draw: st.DrawFn) -> Submit:
     node_id = st.text(min_size=1, max_size=12)  # a node id is never empty
     node_ids = draw(st.lists(node_id, min_size=1, max_size=3))
     names = node_ids if draw(st.booleans()) else draw(st.lists(node_id, max_size=3))
-    nodes = st.builds(
+    nodes = st.builds(  # (a TorchFilter's training options within their rules, or a plain node)
         NodeInfo,
         differentiable=st.booleans(),
-        epochs=st.none() | ints,
-        batch_size=st.none() | ints,
-        shuffle=st.none() | st.booleans(),
-        seed=st.none() | ints,
+        epochs=st.integers(0, 2**63 - 1),
+        batch_size=st.none() | st.integers(1, 2**63 - 1),
+        shuffle=st.booleans(),
+        seed=ints,
     )
     return Submit(
         graph=GraphSpec(
