@@ -182,6 +182,10 @@ class Options(BaseModel):
     wire_name: ClassVar[str]
     sdk_name: ClassVar[str]
 
+    #: The defaults this model gives options it inherits (DiLoCo's ``checkpoint_every=0``), so
+    #: that each option stays declared once, in the model that first takes it.
+    defaults: ClassVar[Mapping[str, Any]] = {}
+
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
@@ -192,7 +196,7 @@ class Options(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _validate(cls, data: Any, info: ValidationInfo) -> dict[str, Any]:
-        return cls._check(_fields(data), _form(info))
+        return cls._check(dict(cls.defaults) | _fields(data), _form(info))
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
@@ -202,9 +206,14 @@ class Options(BaseModel):
 
     @classmethod
     def _given(cls, fields: Mapping[str, Any], key: str) -> Any:
-        """``key`` as given, or its default (``None`` for a required one not given)."""
-        if key in fields:
-            return fields[key]
+        """``key`` as given, or its default (:meth:`default`)."""
+        return fields[key] if key in fields else cls.default(key)
+
+    @classmethod
+    def default(cls, key: str) -> Any:
+        """Option ``key``'s default here (``None`` for a required one)."""
+        if key in cls.defaults:
+            return cls.defaults[key]
         default = cls.model_fields[key].default
         return None if default is PydanticUndefined else default
 

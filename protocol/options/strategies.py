@@ -19,7 +19,7 @@ for any CUDA device (:func:`protocol.options.devices.device_fits`)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import ValidationError
 
@@ -526,7 +526,8 @@ class DiLoCoOptions(DataParallelOptions):
     fragments: int = 1
     overlap: int = 0
     mixing: float = 0.0
-    checkpoint_every: int | None = 0
+    # (checkpoint_every: 0, never, unless asked: its replicas synchronise to save one)
+    defaults: ClassVar[Mapping[str, Any]] = {"checkpoint_every": 0}
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def _signature(cls: type[SdkOptions]) -> inspect.Signature:
             kind = inspect.Parameter.KEYWORD_ONLY
             continue
         field = cls.model_fields[name]
-        default = inspect.Parameter.empty if field.is_required() else field.default
+        default = inspect.Parameter.empty if field.is_required() else cls.default(name)
         parameters.append(
             inspect.Parameter(name, kind, default=default, annotation=field.annotation)
         )
