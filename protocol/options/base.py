@@ -21,7 +21,14 @@ from dataclasses import FrozenInstanceError
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticUndefined
 
 from protocol.options.devices import is_device
@@ -218,8 +225,9 @@ class Options(BaseModel):
         return None if default is PydanticUndefined else default
 
     def to_wire(self) -> dict[str, Any]:
-        """The options as a client sends them (JSON values; unset options left out)."""
-        return self.model_dump(exclude_none=True)
+        """The options as a client sends them: JSON values, those at their defaults left out
+        (the coordinator's model gives them again)."""
+        return self.model_dump(mode="json", exclude_defaults=True)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenInstanceError(f"cannot assign to field {name!r}: options are frozen")
@@ -285,10 +293,12 @@ class NamedOptions(Options):
 
     def parameters(self) -> dict[str, Any]:
         """The parameters by name (all of them, unset ones ``None``)."""
-        return self.model_dump()
+        return {key: getattr(self, key) for key in type(self).model_fields}
 
-    def to_wire(self) -> dict[str, Any]:
-        """``{"name": ..., parameter: value, ...}``, as a strategy sends it."""
+    @model_serializer
+    def _as_part(self) -> dict[str, Any]:
+        """``{"name": ..., parameter: value, ...}``, every parameter, as a strategy sends it
+        (alone, :meth:`to_wire`, or as one of its options)."""
         return {"name": self.name, **self.parameters()}
 
 
@@ -392,11 +402,6 @@ class RestartOptions(StrategyOptions):
             raise ValueError(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
         seconds("restart_timeout", cls._given(fields, "restart_timeout"))
 
-    def _restarts_wire(self) -> dict[str, Any]:
-        if not self.max_restarts:
-            return {}
-        return {"max_restarts": self.max_restarts, "restart_timeout": self.restart_timeout}
-
 
 class CheckpointOptions(RestartOptions):
     """What a strategy that saves checkpoints of its runs takes, and the restart options
@@ -432,13 +437,3 @@ class CheckpointOptions(RestartOptions):
                 f"not {kept!r}"
             )
         cls._check_restarts(fields)
-
-    def _checkpoints_wire(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
-        if self.checkpoint_every is not None:
-            options["checkpoint_every"] = self.checkpoint_every
-        if self.keep_checkpoints != DEFAULT_KEEP_CHECKPOINTS:
-            options["keep_checkpoints"] = self.keep_checkpoints
-        if self.keep_on_success != "newest":
-            options["keep_on_success"] = self.keep_on_success
-        return options | self._restarts_wire()

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import SerializeAsAny, field_serializer
+from pydantic import SerializeAsAny
 
 from protocol.options import aggregators, privacy, secure_aggregation, server_optimizers
 from protocol.options.aggregators import RobustRuleOptions, check_round_size
 from protocol.options.base import (
     CheckpointOptions,
     Form,
-    NamedOptions,
     device,
     is_finite,
     part,
@@ -195,18 +194,6 @@ class FedAvgOptions(CheckpointOptions):
         parts = {"server": server, "aggregator": aggregator, "privacy": mechanism}
         return fields | parts | {"secure_aggregation": secure}
 
-    @field_serializer("server", "aggregator", "privacy", "secure_aggregation")
-    def _part(self, part: NamedOptions | None) -> dict[str, Any] | None:
-        return part.to_wire() if part is not None else None
-
-    def to_wire(self) -> dict[str, Any]:
-        unset = {"checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout"}
-        if not self.evaluate_fraction:
-            unset.add("evaluate_fraction")
-        if self.clients_per_worker == 1:
-            unset.add("clients_per_worker")
-        return self.model_dump(exclude_none=True, exclude=unset) | self._checkpoints_wire()
-
     def server_optimizer(self) -> ServerOptimizerOptions:
         """The server optimizer asked for (plain averaging when none is)."""
         return self.server if self.server is not None else PlainAveragingOptions()
@@ -255,9 +242,6 @@ class FedProxOptions(FedAvgOptions):
             raise ValueError(f"mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)")
         return super()._check(fields, form)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"mu": self.mu, **super().to_wire()}
-
 
 class QFedAvgOptions(FedAvgOptions):
     """q-FedAvg (Li et al. 2020, "Fair Resource Allocation in Federated Learning"): FedAvg's
@@ -298,6 +282,3 @@ class QFedAvgOptions(FedAvgOptions):
                     f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"
                 )
         return super()._check(fields, form)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"q": self.q, "lipschitz": self.lipschitz, **super().to_wire()}

@@ -6,7 +6,7 @@ The SDK's classes (``somatize.Local``, ``somatize.DataParallel``...) are these m
 Python arguments; the coordinator (``coordinator.strategies``) parses the JSON options of a
 :class:`~protocol.messages.StrategySpec` into the same model (:func:`parse`) and takes it whole.
 A model's :meth:`~protocol.options.base.Options.to_wire` is the options dict a client sends
-(unset options left out). Each rule is worded once; a refusal names the SDK class
+(options at their defaults left out). Each rule is worded once; a refusal names the SDK class
 (``FedAvg: rounds must be ...``) or the strategy as it travels (``fedavg: rounds must be ...``).
 
 Every strategy (and each pipeline partition) takes ``device``: ``None`` for any worker, else a
@@ -181,11 +181,6 @@ class LocalOptions(RestartOptions):
         cls._check_restarts(fields)
         return fields
 
-    def to_wire(self) -> dict[str, Any]:
-        pinned = {k: v for k, v in (("worker", self.worker), ("tag", self.tag)) if v is not None}
-        on = {"device": self.device} if self.device is not None else {}
-        return pinned | on | self._restarts_wire()
-
 
 class DataParallelOptions(CheckpointOptions):
     """Synchronous data-parallel SGD over ``workers`` replicas (gradient all-reduce).
@@ -309,28 +304,6 @@ class DataParallelOptions(CheckpointOptions):
         seconds("elastic_timeout", cls._given(fields, "elastic_timeout"))
         cls._check_checkpoints(fields)
         return fields
-
-    def to_wire(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"workers": self.workers}
-        if self.tag is not None:
-            options["tag"] = self.tag
-        if self.elastic:
-            options |= {"elastic": True, "elastic_timeout": self.elastic_timeout}
-        if self.device is not None:
-            options["device"] = self.device
-        if self.collective != "auto":
-            options["collective"] = self.collective
-        if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
-            options["collective_timeout"] = self.collective_timeout
-        if self.sync_batchnorm:
-            options["sync_batchnorm"] = True
-        if self.compression is not None:
-            options["compression"] = self.compression
-        if self.sharding != "none":
-            options["sharding"] = self.sharding
-        if self.shard_units is not None:
-            options["shard_units"] = list(self.shard_units)
-        return options | self._checkpoints_wire()
 
 
 def _check_compression(fields: dict[str, Any]) -> None:
@@ -584,22 +557,6 @@ class DiLoCoOptions(DataParallelOptions):
             )
         return fields
 
-    def to_wire(self) -> dict[str, Any]:
-        defaults = type(self).model_fields
-        own = (
-            "sync_every",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-            "inner_state",
-            "sync_at_epoch_end",
-            "fragments",
-            "overlap",
-            "mixing",
-        )
-        given = {k: getattr(self, k) for k in own if getattr(self, k) != defaults[k].default}
-        return super().to_wire() | given
-
     @classmethod
     def _streaming(cls, fields: dict[str, Any]) -> str:
         """What of ``fields`` makes the run Streaming DiLoCo ("" for nothing)."""
@@ -710,11 +667,6 @@ class PartitionOptions(Options):
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
         return _check_partition(fields, "partition")
 
-    def to_wire(self) -> dict[str, Any]:
-        pinned = {"worker": self.worker} if self.worker is not None else {"tag": self.tag}
-        on = {"device": self.device} if self.device is not None else {}
-        return {"node_ids": list(self.node_ids), **pinned, **on}
-
 
 def _check_partition(fields: dict[str, Any], label: str) -> dict[str, Any]:
     ids = fields.get("node_ids")
@@ -809,24 +761,6 @@ class ModelParallelOptions(CheckpointOptions):
             raise ValueError("spare_tag names the spares' tag: give spares=N (N >= 1) too")
         cls._check_checkpoints(fields)
         return {**fields, "partitions": tuple(partitions)}
-
-    def to_wire(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "partitions": [p.to_wire() for p in self.partitions],
-            "micro_batches": self.micro_batches,
-            "schedule": self.schedule,
-        }
-        if self.device is not None:
-            options["device"] = self.device
-        if self.transport != "auto":
-            options["transport"] = self.transport
-        if self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
-            options["collective_timeout"] = self.collective_timeout
-        if self.spares:
-            options["spares"] = self.spares
-        if self.spare_tag is not None:
-            options["spare_tag"] = self.spare_tag
-        return options | self._checkpoints_wire()
 
     def device_of(self, partition: int) -> str | None:
         """Where partition ``partition`` runs: its own device, else the pipeline's."""

@@ -67,7 +67,7 @@ class SdkOptions(Options):
             yield name, getattr(self, name)
 
     def options(self) -> dict[str, Any]:
-        """The options sent to the coordinator (JSON values; unset options left out)."""
+        """The options sent to the coordinator (JSON values; those at their defaults left out)."""
         return self.to_wire()
 
 
