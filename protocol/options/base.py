@@ -193,6 +193,12 @@ class Options(BaseModel):
     #: that each option stays declared once, in the model that first takes it.
     defaults: ClassVar[Mapping[str, Any]] = {}
 
+    #: Where the options a model inherits come in the order its options are given as
+    #: arguments (the SDK's positional order): after this option of its own, set on the model
+    #: itself; unset, before its own ones (the order of its fields). Options added to a model
+    #: later are declared after it, so the arguments already taken keep their places.
+    inherited_after: ClassVar[str | None] = None
+
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
@@ -420,6 +426,7 @@ class CheckpointOptions(RestartOptions):
 
     checkpoint_every: int | None = None
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    inherited_after = "keep_checkpoints"
     keep_on_success: str = "newest"
 
     @classmethod

@@ -117,6 +117,7 @@ class FedAvgOptions(CheckpointOptions):
     seed: int = 0
     device: str | None = None
     evaluate_fraction: float = 0.0
+    inherited_after = "evaluate_fraction"
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
@@ -234,6 +235,7 @@ class FedProxOptions(FedAvgOptions):
     sdk_name = "FedProx"
 
     mu: float
+    inherited_after = "mu"
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:

@@ -167,6 +167,7 @@ class LocalOptions(RestartOptions):
     worker: str | None = None
     tag: str | None = None
     device: str | None = None
+    inherited_after = "device"
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
@@ -285,6 +286,7 @@ class DataParallelOptions(CheckpointOptions):
     device: str | None = None
     collective: Collective = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    inherited_after = "collective_timeout"
     sync_batchnorm: bool = False
     compression: Compression | None = None
     sharding: Sharding = "none"
@@ -740,6 +742,7 @@ class ModelParallelOptions(CheckpointOptions):
     device: str | None = None
     transport: Transport = "auto"
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    inherited_after = "collective_timeout"
     spares: int = 0
     spare_tag: str | None = None
 

@@ -15,24 +15,22 @@ from typing import Any, ClassVar
 from protocol.options.base import NamedOptions, Options, build, prefixed
 from somatize.keywords import with_suggestion
 
-__all__ = ["Component", "SdkOptions"]
-
-KEYWORD_ONLY = "*"
-"""In :attr:`SdkOptions.positional`: the arguments after it are keyword-only."""
+__all__ = ["Component", "SdkOptions", "argument_order"]
 
 
 class SdkOptions(Options):
     """An option model built from Python arguments: ``Cls(a, b, c=...)`` binds them to the
-    model's fields in the order of :attr:`positional`, the model's rules check them, and a
-    refusal is a ``ValueError`` naming the class (``DataParallel: workers must be ...``).
+    model's fields in the model's order (:func:`argument_order`, after :attr:`positional`), the
+    model's rules check them, and a refusal is a ``ValueError`` naming the class
+    (``DataParallel: workers must be ...``).
 
     Each SDK class says ``__init__ = SdkOptions.__init__``: type checkers give every pydantic
     model a keyword-only ``__init__`` of its own unless its class names one.
     """
 
     positional: ClassVar[tuple[str, ...]] = ()
-    """The order the arguments are taken in, where it is not the model's field order (``"*"``:
-    the ones after it are keyword-only); every field exactly once."""
+    """The arguments taken first, in this order, where the model's order
+    (:func:`argument_order`) cannot say it; the others follow in the model's order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cls = type(self)
@@ -71,23 +69,40 @@ class SdkOptions(Options):
         return self.to_wire()
 
 
-def _signature(cls: type[SdkOptions]) -> inspect.Signature:
-    """The parameters of ``cls``: its model's fields, in :attr:`~SdkOptions.positional`'s order
-    (else the fields'), with their defaults and types."""
-    order = cls.positional or tuple(cls.model_fields)
-    named = [name for name in order if name != KEYWORD_ONLY]
-    if sorted(named) != sorted(cls.model_fields):
-        raise TypeError(
-            f"{cls.__name__}.positional {list(order)} must name each of its fields "
-            f"{list(cls.model_fields)} once"
-        )
-    kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    parameters = []
-    for name in order:
-        if name == KEYWORD_ONLY:
-            kind = inspect.Parameter.KEYWORD_ONLY
+def argument_order(cls: type[Options]) -> list[str]:
+    """The fields of ``cls`` in the order its arguments are taken: each model's own fields in
+    the order they are declared, those it inherits before them or after its own
+    :attr:`~protocol.options.base.Options.inherited_after`."""
+    order: list[str] = []
+    for model in reversed(cls.__mro__):  # the bases first
+        if not (isinstance(model, type) and issubclass(model, Options)):
             continue
+        inherited = {name for base in model.__bases__ for name in getattr(base, "model_fields", {})}
+        own = [name for name in model.model_fields if name not in inherited]
+        after = vars(model).get("inherited_after")
+        cut = own.index(after) + 1 if after is not None else 0
+        order = own[:cut] + order + own[cut:]
+    return order
+
+
+def _signature(cls: type[SdkOptions]) -> inspect.Signature:
+    """The parameters of ``cls``: its model's fields, :attr:`~SdkOptions.positional` first and
+    the others in :func:`argument_order`, with their defaults and types; a required one after
+    one with a default is keyword-only, and so are those after it (as Python takes them)."""
+    first = list(cls.positional)
+    if len(set(first)) != len(first) or not set(first) <= set(cls.model_fields):
+        raise TypeError(
+            f"{cls.__name__}.positional {first} must name some of its fields "
+            f"{list(cls.model_fields)}, each once"
+        )
+    order = first + [name for name in argument_order(cls) if name not in first]
+    kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters, defaulted = [], False
+    for name in order:
         field = cls.model_fields[name]
+        if field.is_required() and defaulted:
+            kind = inspect.Parameter.KEYWORD_ONLY
+        defaulted = defaulted or not field.is_required()
         default = inspect.Parameter.empty if field.is_required() else cls.default(name)
         parameters.append(
             inspect.Parameter(name, kind, default=default, annotation=field.annotation)

@@ -24,19 +24,12 @@ class PrivacyMechanism(Component, options.PrivacyMechanismOptions):
 
 class FixedClipping(PrivacyMechanism, options.FixedClippingOptions):
     __init__ = SdkOptions.__init__
-    positional = ("clip_norm", "noise_multiplier", "side", "delta")
+    positional = ("clip_norm", "noise_multiplier", "side")
 
 
 class AdaptiveClipping(PrivacyMechanism, options.AdaptiveClippingOptions):
     __init__ = SdkOptions.__init__
-    positional = (
-        "noise_multiplier",
-        "initial_clip",
-        "target_quantile",
-        "clip_lr",
-        "count_stddev",
-        "delta",
-    )
+    positional = ("noise_multiplier", "initial_clip", "target_quantile", "clip_lr", "count_stddev")
 
 
 class SecAgg(Component, SecAggOptions):

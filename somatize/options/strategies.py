@@ -19,13 +19,13 @@ device no worker has is refused when it is submitted, naming the devices there a
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from protocol.messages import StrategySpec
 from protocol.options import federated, strategies
 from protocol.options.base import StrategyOptions
 from protocol.options.client_config import client_configs
-from somatize.options.components import KEYWORD_ONLY, SdkOptions
+from somatize.options.components import SdkOptions
 from somatize.options.server_optimizers import (
     FedAdagrad,
     FedAdam,
@@ -52,15 +52,6 @@ __all__ = [
     "WorkerData",
 ]
 
-RESUMING = (
-    "checkpoint_every",
-    "keep_checkpoints",
-    "max_restarts",
-    "restart_timeout",
-    "keep_on_success",
-)
-"""The checkpoint and restart arguments, in the order the strategies that take them take them."""
-
 
 class Strategy(SdkOptions, StrategyOptions):
     """Base of the strategies: a name the coordinator knows (``name``) and the options it takes
@@ -73,30 +64,15 @@ class Strategy(SdkOptions, StrategyOptions):
 
 class Local(Strategy, strategies.LocalOptions):
     __init__ = SdkOptions.__init__
-    positional = ("worker", "tag", "device", "max_restarts", "restart_timeout")
 
 
 class DataParallel(Strategy, strategies.DataParallelOptions):
     __init__ = SdkOptions.__init__
-    positional = (
-        "workers",
-        "tag",
-        "elastic",
-        "elastic_timeout",
-        "device",
-        "collective",
-        "collective_timeout",
-        *RESUMING,
-        "sync_batchnorm",
-        "compression",
-        "sharding",
-        "shard_units",
-    )
 
 
 class DiLoCo(Strategy, strategies.DiLoCoOptions):
     __init__ = SdkOptions.__init__
-    positional = (
+    positional = (  # (its own options came in after workers; elastic after collective)
         "workers",
         "sync_every",
         "outer_lr",
@@ -109,15 +85,6 @@ class DiLoCo(Strategy, strategies.DiLoCoOptions):
         "collective_timeout",
         "elastic",
         "elastic_timeout",
-        *RESUMING,
-        "sync_batchnorm",
-        "compression",
-        "sharding",
-        "shard_units",
-        "sync_at_epoch_end",
-        "fragments",
-        "overlap",
-        "mixing",
     )
 
 
@@ -139,24 +106,6 @@ def _per_round(values: dict[str, Any]) -> dict[str, Any]:
 
 class FedAvg(Strategy, federated.FedAvgOptions):
     __init__ = SdkOptions.__init__
-    positional: ClassVar[tuple[str, ...]] = (
-        "rounds",
-        "local_epochs",
-        "fraction",
-        "min_workers",
-        "workers",
-        "tag",
-        "server",
-        "aggregator",
-        "client_config",
-        "clients_per_worker",
-        "privacy",
-        "secure_aggregation",
-        "seed",
-        "device",
-        "evaluate_fraction",
-        *RESUMING,
-    )
 
     @classmethod
     def _from_python(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +114,6 @@ class FedAvg(Strategy, federated.FedAvgOptions):
 
 class FedProx(Strategy, federated.FedProxOptions):
     __init__ = SdkOptions.__init__
-    positional = ("mu", *FedAvg.positional)
 
     @classmethod
     def _from_python(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +122,6 @@ class FedProx(Strategy, federated.FedProxOptions):
 
 class QFedAvg(FedAvg, federated.QFedAvgOptions):
     __init__ = SdkOptions.__init__
-    positional = (*FedAvg.positional, KEYWORD_ONLY, "q", "lipschitz")
 
 
 # -- pipelines ----------------------------------------------------------------------------------
@@ -190,14 +137,3 @@ class Partition(SdkOptions, strategies.PartitionOptions):
 
 class ModelParallel(Strategy, strategies.ModelParallelOptions):
     __init__ = SdkOptions.__init__
-    positional = (
-        "partitions",
-        "micro_batches",
-        "schedule",
-        "device",
-        "transport",
-        "collective_timeout",
-        *RESUMING,
-        "spares",
-        "spare_tag",
-    )
