@@ -57,6 +57,9 @@ __all__ = [
     "DaemonReply",
     "DaemonRequest",
     "DataSource",
+    "DdpSpec",
+    "DiLoCoAloneSpec",
+    "DiLoCoGroupSpec",
     "DistEvaluateRequest",
     "DistJoinRequest",
     "DistLeaveRequest",
@@ -84,10 +87,13 @@ __all__ = [
     "PingRequest",
     "PipePlanRequest",
     "PipeTrainRequest",
+    "ReplicaModeSpec",
+    "ReplicaPlace",
     "ScheduleRequest",
     "SecAggRequest",
     "SetOptimizerStateRequest",
     "SetStateRequest",
+    "ShardedSpec",
     "Sharding",
     "ShutdownRequest",
     "SnapshotWay",
@@ -363,13 +369,106 @@ class OuterStepSpec(BaseModel):
         return self.fragments > 1 or self.overlap > 0 or self.mixing > 0
 
 
+class ReplicaPlace(BaseModel):
+    """A replica's place among a run's replicas where its group does not say it: ``rank`` of
+    ``world`` (it has no group, or its group was formed anew with fewer or other members)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: NonNegativeInt
+    world: PositiveInt
+
+
+class _ModeSpec(BaseModel):
+    """What every replica mode says of the plan: by default, that the group gives the
+    replica its place and that no outer step is taken. Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def given_place(self) -> ReplicaPlace | None:
+        """The replica's place among the replicas, where the coordinator gives it rather than
+        the group."""
+        return None
+
+    def outer_step(self) -> OuterStepSpec | None:
+        """DiLoCo's outer step, for a mode that takes one."""
+        return None
+
+
+class DdpSpec(_ModeSpec):
+    """DataParallel on the torch group: the run wrapped in ``DistributedDataParallel``, every
+    step's gradients all-reduced during its backward; ``sync_batchnorm``: BatchNorm layers as
+    ``torch.nn.SyncBatchNorm`` (CUDA)."""
+
+    kind: Literal["ddp"] = "ddp"
+    sync_batchnorm: bool = False
+
+
+class DiLoCoGroupSpec(_ModeSpec):
+    """DiLoCo over the torch group: inner steps on the replica's own slices (DDP's wrapper, no
+    all-reduce), and at each synchronisation the ``outer`` step the replicas take together.
+
+    ``regroup``: the group formed again (replicas dropped or joined at a sync); the replica's
+    place is then the one given (not its rank in the group), its local weights stay as they are
+    (no broadcast), and its global weights, outer momentum and a synchronisation its group broke
+    in carry over from the group before (a joiner's global weights are its weights, its outer
+    momentum what ``dist_outer_state`` gives it)."""
+
+    kind: Literal["diloco_group"] = "diloco_group"
+    outer: OuterStepSpec
+    sync_batchnorm: bool = False
+    regroup: ReplicaPlace | None = None
+
+    def given_place(self) -> ReplicaPlace | None:
+        return self.regroup
+
+    def outer_step(self) -> OuterStepSpec:
+        return self.outer
+
+
+class DiLoCoAloneSpec(_ModeSpec):
+    """DiLoCo through the coordinator: a replica with no group, at ``place`` among the
+    replicas, training its slices between synchronisations; the coordinator takes the
+    ``outer`` step (its ``sync_every``, ``also`` and ``inner_state`` say where, and whether the
+    inner optimizer's state is dropped there)."""
+
+    kind: Literal["diloco_alone"] = "diloco_alone"
+    outer: OuterStepSpec
+    place: ReplicaPlace
+
+    def given_place(self) -> ReplicaPlace:
+        return self.place
+
+    def outer_step(self) -> OuterStepSpec:
+        return self.outer
+
+
+class ShardedSpec(_ModeSpec):
+    """DataParallel with FSDP2 on the torch group: what the replicas shard (``sharding``:
+    ``"full"`` or ``"gradients"``), and the module classes (qualified names) sharded as one unit
+    each (``shard_units``; ``None``: each TorchFilter module's children)."""
+
+    kind: Literal["sharded"] = "sharded"
+    sharding: Literal["full", "gradients"]
+    shard_units: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = None
+
+
+ReplicaModeSpec = Annotated[
+    DdpSpec | DiLoCoGroupSpec | DiLoCoAloneSpec | ShardedSpec, Field(discriminator="kind")
+]
+"""How a data-parallel replica trains, chosen once with its plan (:class:`DistPlanRequest`) and
+told apart by ``kind``: each mode holds only what it uses."""
+
+
 class DistPlanRequest(_BatchPlan):
     """A data-parallel replica's plan, once joined: train ``node_ids`` on its slice of every
-    global batch, the slices cut over the group's ranks; ``held`` are the global row ids staged
-    here under ``data`` (sorted). With ``sizes`` the replicas train on their own datasets
+    global batch, the slices cut over the replicas' places; ``held`` are the global row ids
+    staged here under ``data`` (sorted). With ``sizes`` the replicas train on their own datasets
     instead (``WorkerData``): ``sizes`` are their rows in the order of their worker ids, this
     replica the one at ``position``, the steps those of
-    :func:`protocol.rules.batching.replica_batches` (``rows`` and ``held`` are not used)."""
+    :func:`protocol.rules.batching.replica_batches` (``rows`` and ``held`` are not used).
+    ``mode``: DDP, DiLoCo over the group or through the coordinator, or FSDP2's shards
+    (:data:`ReplicaModeSpec`)."""
 
     cmd: Literal["dist_plan"] = "dist_plan"
     node_ids: Annotated[list[str], Field(min_length=1)]
@@ -377,23 +476,8 @@ class DistPlanRequest(_BatchPlan):
     held: list[int]
     sizes: list[NonNegativeInt] | None = None
     position: NonNegativeInt = 0
-    sync_batchnorm: bool = False  # BatchNorm layers as torch.nn.SyncBatchNorm (CUDA)
-    outer: OuterStepSpec | None = None  # DiLoCo: local inner steps, an outer step at each sync
+    mode: ReplicaModeSpec
     compression: Compression | None = None  # the gradients as "fp16", "bf16" or "powersgd:RANK"
-    # FSDP2: what the replicas shard ("full" / "gradients"), and the module classes (qualified
-    # names) sharded as one unit each (None: each TorchFilter module's children).
-    sharding: Sharding = "none"
-    shard_units: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = None
-    # A replica with no group (DiLoCo through the coordinator): its place and the replicas.
-    alone: bool = False
-    rank: NonNegativeInt = 0
-    world: PositiveInt = 1
-    # DiLoCo's group formed again (replicas dropped or joined at a sync): the replica's place
-    # is ``rank`` among ``world`` replicas (not its rank in the group); its local weights stay
-    # as they are (no broadcast), and its global weights, outer momentum and a synchronisation
-    # its group broke in carry over from the group before (a joiner's global weights are its
-    # weights, its outer momentum what ``dist_outer_state`` gives it).
-    regroup: bool = False
 
 
 class PipePlanRequest(_BatchPlan):
@@ -760,7 +844,7 @@ def request_fields(request: BaseModel) -> dict[str, Any]:
 
     Shallow on purpose: ``model_dump`` would rebuild every dict and list under the ``Any`` fields,
     and the values there are tensors the codec sends as they are. A field that is a model itself
-    (:class:`OuterStepSpec`) is dumped.
+    (a replica's mode, with its :class:`OuterStepSpec`) is dumped.
     """
     return {name: _plain(getattr(request, name)) for name in type(request).model_fields}
 

@@ -48,7 +48,7 @@ import contextlib
 import itertools
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,16 @@ from engine.step_functions import step_of
 from engine.stepping import backward
 from engine.transfer import autocast
 from protocol.codec import encode_frame
-from protocol.daemon import OuterStepSpec, SnapshotWay
+from protocol.daemon import (
+    DdpSpec,
+    DiLoCoAloneSpec,
+    DiLoCoGroupSpec,
+    DistPlanRequest,
+    OuterStepSpec,
+    ReplicaModeSpec,
+    ShardedSpec,
+    SnapshotWay,
+)
 from protocol.errors import ErrorCode
 from protocol.files.shard_files import SNAPSHOT_FILE, is_plain_file_name
 from protocol.options.compression import Compression
@@ -88,96 +97,94 @@ ONE_ROW = np.zeros(1, dtype=np.int64)
 """The held row a replica runs through, loss times zero, on a step it has no rows of."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaPlan:
     """What a replica walks: per global step the positions of its slice in the rows staged
     under ``data``, and the global batch's size; and per step the fewest rows a replica has
     (``least``: every replica runs as many forwards a step, each of which broadcasts buffers,
-    so a step is cut in at most that many ``accumulate`` slices)."""
+    so a step is cut in at most that many ``accumulate`` slices); how it trains (``mode``)."""
 
     data: str
     node_ids: list[str]
     steps: list[tuple[np.ndarray[Any, Any], int]]
     least: list[int] = field(default_factory=list)
     seed: int = 0  # with the rank and the step, torch's generator's (dropout masks)
-    sync_batchnorm: bool = False  # BatchNorm layers normalise with the global batch's statistics
-    outer: OuterStepSpec | None = None  # DiLoCo: inner steps, an outer step at each sync
-    alone: bool = False  # no group: the coordinator takes DiLoCo's outer step
     rank: int = 0  # this replica's place, and the replicas there are
     world: int = 1
-    compression: Compression | None = None  # the gradients (DiLoCo's: pseudo-gradients)
-    # per step, with ``outer``: the fragments that synchronise after it (``(0,)``: the model)
+    mode: ReplicaModeSpec
+    # the gradients (DiLoCo's: pseudo-gradients) as they travel
+    compression: Compression | None = None
+    # per step, with DiLoCo's outer step: the fragments that synchronise after it (``(0,)``: the
+    # model)
     syncs: list[tuple[int, ...]] = field(default_factory=list)
-    sharding: str = "none"  # FSDP2: "full" or "gradients" (engine.data_parallel.sharding)
-    shard_units: tuple[str, ...] | None = None  # the classes sharded as one unit each
-    regroup: bool = False  # DiLoCo's group formed anew: what the replica holds carries over
 
     @classmethod
-    def of(
-        cls,
-        data: str,
-        node_ids: Sequence[str],
-        held: Sequence[int],
-        rank: int,
-        world: int,
-        rows: int,
-        epochs: int,
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        sizes: Sequence[int] | None = None,
-        position: int = 0,
-        outer: OuterStepSpec | None = None,
-        max_steps: int | None = None,
-    ) -> ReplicaPlan:
-        if sizes is not None:  # each replica on its own dataset
-            own = list(
-                itertools.islice(
-                    replica_batches(sizes, epochs, batch_size, shuffle, seed), max_steps
-                )
-            )
-            steps = [(s[position], sum(len(p) for p in s)) for _, _, s in own]
+    def of(cls, request: DistPlanRequest, *, rank: int, world: int) -> ReplicaPlan:
+        """The plan ``request`` says, for the replica at ``rank`` of ``world``.
+
+        Raises:
+            EngineError: ``BAD_REQUEST`` for a slice with rows that were not staged here.
+        """
+        r = request
+        batches = (r.epochs, r.batch_size, r.shuffle, r.seed)
+        if r.sizes is not None:  # each replica on its own dataset
+            own = list(itertools.islice(replica_batches(r.sizes, *batches), r.max_steps))
+            steps = [(s[r.position], sum(len(p) for p in s)) for _, _, s in own]
             least = [min(len(p) for p in s) for _, _, s in own]
         else:
-            steps, least = _slices(
-                held, rank, world, rows, epochs, batch_size, shuffle, seed, max_steps
-            )
-        rounds = _rounds(len(steps), outer)
+            in_order = global_batches(r.rows, world, *batches)
+            steps, least = _slices(r.held, rank, itertools.islice(in_order, r.max_steps))
         return cls(
-            data,
-            list(node_ids),
-            steps,
-            least,
-            seed,
-            outer=outer,
-            syncs=rounds,
+            data=r.data,
+            node_ids=list(r.node_ids),
+            steps=steps,
+            least=least,
+            seed=r.seed,
             rank=rank,
             world=world,
+            mode=r.mode,
+            compression=r.compression,
+            syncs=_rounds(len(steps), r.mode.outer_step()),
         )
+
+    @property
+    def outer(self) -> OuterStepSpec | None:
+        return self.mode.outer_step()
+
+    @property
+    def alone(self) -> bool:
+        return isinstance(self.mode, DiLoCoAloneSpec)
+
+    @property
+    def regroup(self) -> bool:
+        return isinstance(self.mode, DiLoCoGroupSpec) and self.mode.regroup is not None
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        return isinstance(self.mode, DdpSpec | DiLoCoGroupSpec) and self.mode.sync_batchnorm
+
+    @property
+    def sharding(self) -> str:
+        return self.mode.sharding if isinstance(self.mode, ShardedSpec) else "none"
+
+    @property
+    def shard_units(self) -> tuple[str, ...] | None:
+        units = self.mode.shard_units if isinstance(self.mode, ShardedSpec) else None
+        return None if units is None else tuple(units)
 
 
 def _slices(
-    held: Sequence[int],
-    rank: int,
-    world: int,
-    rows: int,
-    epochs: int,
-    batch_size: int | None,
-    shuffle: bool,
-    seed: int,
-    max_steps: int | None = None,
+    held: Sequence[int], rank: int, batches: Iterable[tuple[int, int, list[np.ndarray[Any, Any]]]]
 ) -> tuple[list[tuple[np.ndarray[Any, Any], int]], list[int]]:
-    """Replica ``rank``'s slice of every global batch (the first ``max_steps``), as positions
-    among the rows ``held`` here, with the batch's size; the fewest rows a replica has per
-    step.
+    """Replica ``rank``'s slice of every global batch of ``batches``, as positions among the
+    rows ``held`` here, with the batch's size; the fewest rows a replica has per step.
 
     Raises:
         EngineError: ``BAD_REQUEST`` for a slice with rows that were not staged here.
     """
     staged = np.asarray(held, dtype=np.int64)
     steps, least = [], []
-    batches = global_batches(rows, world, epochs, batch_size, shuffle, seed)
-    for _, _, slices in itertools.islice(batches, max_steps):
+    for _, _, slices in batches:
         least.append(min(len(s) for s in slices))
         mine = slices[rank]
         local = np.searchsorted(staged, mine)

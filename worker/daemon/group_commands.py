@@ -5,7 +5,6 @@ over its engine and takes its :attr:`~GroupCommands.handlers` into its own table
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from protocol.daemon import (
     DistTrainRequest,
     PipePlanRequest,
     PipeTrainRequest,
+    ShardedSpec,
 )
 from protocol.files.shard_pieces import PIECES_FILE
 from protocol.rules.batching import global_batches
@@ -82,38 +82,13 @@ class GroupCommands:
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> dict[str, Any] | None:
-        placed = req.alone or req.regroup  # its place among the replicas, not in the group
-        rank, world = (req.rank, req.world) if placed else self.engine.group.place()
-        plan = ReplicaPlan.of(
-            req.data,
-            req.node_ids,
-            req.held,
-            rank,
-            world,
-            req.rows,
-            req.epochs,
-            req.batch_size,
-            req.shuffle,
-            req.seed,
-            req.sizes,
-            req.position,
-            req.outer,
-            req.max_steps,
-        )
-        if req.sync_batchnorm:
-            plan = dataclasses.replace(plan, sync_batchnorm=True)
-        if req.compression is not None:
-            plan = dataclasses.replace(plan, compression=req.compression)
-        if req.alone:
-            plan = dataclasses.replace(plan, alone=True)
-        if req.regroup:
-            plan = dataclasses.replace(plan, regroup=True)
-        if req.sharding != "none":
+        given = req.mode.given_place()  # its place among the replicas, not in the group
+        rank, world = (given.rank, given.world) if given else self.engine.group.place()
+        plan = ReplicaPlan.of(req, rank=rank, world=world)
+        if isinstance(req.mode, ShardedSpec):
             # Under glibc's malloc its gathered units and their gradients would fragment the heap;
             # under tcmalloc (worker.daemon.allocator) glibc's thresholds govern nothing.
             map_tensor_blocks()
-            units = None if req.shard_units is None else tuple(req.shard_units)
-            plan = dataclasses.replace(plan, sharding=req.sharding, shard_units=units)
         return self.engine.replica.set_plan(plan)
 
     def on_dist_train(self, req: DistTrainRequest) -> dict[str, Any]:

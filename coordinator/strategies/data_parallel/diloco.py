@@ -81,11 +81,13 @@ from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.steps import TrainingSettings
 from protocol.compressed_trees import TreeCompressor
 from protocol.daemon import (
+    DiLoCoAloneSpec,
     DistOuterUpdateRequest,
     DistPlanRequest,
     DistPseudoGradientsRequest,
     DistTrainRequest,
     OuterStepSpec,
+    ReplicaPlace,
 )
 from protocol.errors import ErrorCode
 from protocol.options.server_optimizers import FedAvgMOptions
@@ -359,19 +361,22 @@ class CoordinatorSyncs:
     def _plans(self) -> Callable[[int], DistPlanRequest]:
         """Each replica's plan: its rows, its place among the replicas, no group."""
         world = self.run.ctx.num_workers()
+        outer = self.options.outer_step(self.reads)
+
+        def alone(i: int) -> DiLoCoAloneSpec:
+            return DiLoCoAloneSpec(outer=outer, place=ReplicaPlace(rank=i, world=world))
+
         shared = DistPlanRequest(
             node_ids=self.run.job.node_ids,
             data=self.run.staged,
             held=[],
             rows=0,
             **self.training.batch_plan(),
-            outer=self.options.outer_step(self.reads),
-            alone=True,
-            world=world,
+            mode=alone(0),
             compression=self.options.compression,
         )
         plan = replica_plans(self.run, shared, self.rows)
-        return lambda i: plan(i).model_copy(update={"rank": i})
+        return lambda i: plan(i).model_copy(update={"mode": alone(i)})
 
     def _rounds(self, total: int) -> list[int]:
         """The steps after which the replicas synchronise, as ``stop`` bounds."""

@@ -62,7 +62,14 @@ from coordinator.strategies.data_parallel.torch_collective import TorchTraining
 from coordinator.strategies.kept_on_worker import KeptLimit, KeptOnWorker
 from coordinator.strategies.process_group import Broken
 from protocol.codec import decode
-from protocol.daemon import DistOuterStateRequest, DistTrainRequest, SnapshotWay
+from protocol.daemon import (
+    DiLoCoGroupSpec,
+    DistOuterStateRequest,
+    DistTrainRequest,
+    ReplicaModeSpec,
+    ReplicaPlace,
+    SnapshotWay,
+)
 from protocol.errors import ErrorCode
 from protocol.files.shard_files import SNAPSHOT_FILE
 from protocol.rules.batching import synchronises
@@ -132,6 +139,14 @@ class SyncsOnTorch(TorchTraining):
             return snapshot_payload({k.worker: t for k, t in zip(kept, taken, strict=True)})
 
         await saves.after_sync(step, payload)
+
+    def _mode(self, regroup: ReplicaPlace | None) -> ReplicaModeSpec:
+        """DiLoCo over the group; ``regroup``: the group formed again, the replica's place
+        among the replicas as given."""
+        assert self.outer is not None
+        return DiLoCoGroupSpec(
+            outer=self.outer, sync_batchnorm=self.sync_batchnorm, regroup=regroup
+        )
 
     async def _form(self, fresh_store: bool, step: int, regroup: bool = False) -> None:
         await super()._form(fresh_store, step, regroup)

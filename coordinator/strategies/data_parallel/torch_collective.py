@@ -68,7 +68,16 @@ from coordinator.strategies.process_group import (
     settle,
 )
 from coordinator.strategies.steps import StepBoundaries, TrainingSettings
-from protocol.daemon import DistPlanRequest, DistTrainRequest, OuterStepSpec, SnapshotWay
+from protocol.daemon import (
+    DdpSpec,
+    DistPlanRequest,
+    DistTrainRequest,
+    OuterStepSpec,
+    ReplicaModeSpec,
+    ReplicaPlace,
+    ShardedSpec,
+    SnapshotWay,
+)
 from protocol.errors import ErrorCode
 from protocol.options.compression import Compression
 from protocol.options.strategies import Sharding
@@ -309,11 +318,8 @@ class TorchTraining:
             held=[],
             rows=0,
             **training.batch_plan(),
-            sync_batchnorm=self.sync_batchnorm,
-            outer=self.outer,
+            mode=self._mode(None),
             compression=self.compression,
-            sharding=self.sharding,
-            shard_units=None if self.shard_units is None else list(self.shard_units),
         )
 
         plan = replica_plans(self.run, shared, self.rows)
@@ -322,7 +328,8 @@ class TorchTraining:
         def placed(i: int) -> DistPlanRequest:
             if not regroup:
                 return plan(i)
-            return plan(i).model_copy(update={"regroup": True, "rank": i, "world": world})
+            mode = self._mode(ReplicaPlace(rank=i, world=world))
+            return plan(i).model_copy(update={"mode": mode})
 
         try:
             planned = await self._settle({i: self._call(i, placed(i)) for i in replicas}, step)
@@ -331,6 +338,14 @@ class TorchTraining:
         if self.sharding != "none":  # what each replica holds of the model, as it says
             held = {self.run.ids[i]: planned[i] for i in sorted(planned)}
             await self.emit("progress", {"phase": "sharded", "sharding": self.sharding} | held)
+
+    def _mode(self, regroup: ReplicaPlace | None) -> ReplicaModeSpec:
+        """How the replicas train: DDP, or sharded by FSDP2; ``regroup`` is DiLoCo's
+        (:class:`~.diloco_torch.SyncsOnTorch`)."""
+        if self.sharding != "none":
+            units = None if self.shard_units is None else list(self.shard_units)
+            return ShardedSpec(sharding=self.sharding, shard_units=units)
+        return DdpSpec(sync_batchnorm=self.sync_batchnorm)
 
     @property
     def _backend(self) -> Literal["gloo", "nccl"]:

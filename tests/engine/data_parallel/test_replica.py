@@ -18,17 +18,47 @@ from engine.data_parallel.replica import ReplicaPlan
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.group_member import GroupMember, interface_towards
-from protocol.daemon import OuterStepSpec
+from protocol.daemon import DdpSpec, DiLoCoGroupSpec, DistPlanRequest, OuterStepSpec
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter, load_filter, split_rows
 from protocol.rules.batching import synchronises
+
+
+def plan_of(
+    data: str,
+    node_ids: list[str],
+    held: list[int],
+    place: tuple[int, int],
+    rows: int,
+    batches: tuple[int, int, bool, int],
+    *,
+    outer: OuterStepSpec | None = None,
+    sizes: list[int] | None = None,
+) -> ReplicaPlan:
+    """The plan of the replica at ``place`` (rank, world) over ``rows`` rows in ``batches``
+    (epochs, batch_size, shuffle, seed): DDP's, or with ``outer`` DiLoCo's over the group."""
+    epochs, batch_size, shuffle, seed = batches
+    request = DistPlanRequest(
+        node_ids=node_ids,
+        data=data,
+        held=held,
+        rows=rows,
+        epochs=epochs,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        sizes=sizes,
+        mode=DdpSpec() if outer is None else DiLoCoGroupSpec(outer=outer),
+    )
+    rank, world = place
+    return ReplicaPlan.of(request, rank=rank, world=world)
 
 
 def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_holds():
     # 10 rows, batches of 4 in order, 3 replicas: array_split gives slices of 2/1/1, then 1/1/0.
     held = {0: [0, 1, 4, 5, 8], 1: [2, 6, 9], 2: [3, 7]}
     plans = {
-        rank: ReplicaPlan.of("train", ["net"], rows, rank, 3, 10, 1, 4, False, 0)
+        rank: plan_of("train", ["net"], rows, (rank, 3), 10, (1, 4, False, 0))
         for rank, rows in held.items()
     }
     batches = [4, 4, 2]
@@ -46,7 +76,7 @@ def test_each_replica_finds_its_slice_of_every_global_batch_among_the_rows_it_ho
 
 def test_a_plan_over_rows_that_were_not_staged_here_is_refused():
     with pytest.raises(EngineError) as refused:
-        ReplicaPlan.of("train", ["net"], [0, 1], 1, 2, 8, 1, 4, False, 0)
+        plan_of("train", ["net"], [0, 1], (1, 2), 8, (1, 4, False, 0))
     assert refused.value.code is ErrorCode.BAD_REQUEST
     assert "replica 1's slice of a step has rows that were not staged here" in str(refused.value)
 
@@ -70,7 +100,7 @@ def test_training_before_joining_a_group_is_refused():
 def test_shuffled_plans_cover_each_epoch_once():
     rows = 23
     held = [list(range(rows))] * 2
-    plans = [ReplicaPlan.of("t", ["n"], held[r], r, 2, rows, 3, 5, True, 7) for r in range(2)]
+    plans = [plan_of("t", ["n"], held[r], (r, 2), rows, (3, 5, True, 7)) for r in range(2)]
     for epoch in range(3):
         steps = range(epoch * 5, epoch * 5 + 5)
         seen = np.concatenate([plans[r].steps[s][0] for r in range(2) for s in steps])
@@ -80,24 +110,24 @@ def test_shuffled_plans_cover_each_epoch_once():
 def test_diloco_synchronises_every_h_steps_of_the_run_at_its_end_and_where_read():
     # 10 rows in batches of 3 over 2 replicas: 4 steps an epoch, 2 epochs; H = 3 over the run.
     outer = OuterStepSpec(sync_every=3, lr=0.7, momentum=0.9, nesterov=True)
-    plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=outer)
+    plan = plan_of("t", ["n"], list(range(10)), (0, 2), 10, (2, 3, True, 0), outer=outer)
     whole = (0,)  # the model: one fragment
     assert plan.syncs == [(), (), whole, (), (), whole, (), whole]
     read = outer.model_copy(update={"also": [4]})  # the model is read after the first epoch
-    plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=read)
+    plan = plan_of("t", ["n"], list(range(10)), (0, 2), 10, (2, 3, True, 0), outer=read)
     assert plan.syncs == [(), (), whole, whole, (), whole, (), whole]
     # Streaming, two fragments: fragment 0 after steps 3, 6; fragment 1 (offset 1) after 1, 4,
     # 7; both after the last
     two = outer.model_copy(update={"fragments": 2})
-    plan = ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0, outer=two)
+    plan = plan_of("t", ["n"], list(range(10)), (0, 2), 10, (2, 3, True, 0), outer=two)
     assert plan.syncs == [(1,), (), (0,), (1,), (), (0,), (1,), (0, 1)]
     assert synchronises(5, 2) == [False, True, False, True, True]
     assert synchronises(3, 1) == [True, True, True]
     assert synchronises(4, 5, also=[2, 9]) == [False, True, False, True]
     # On the replicas' own datasets (WorkerData): 5 and 6 rows, batches of 2: 3 steps an epoch.
-    own = ReplicaPlan.of("t", ["n"], [], 0, 2, 0, 1, 2, False, 0, sizes=[5, 6], outer=outer)
+    own = plan_of("t", ["n"], [], (0, 2), 0, (1, 2, False, 0), sizes=[5, 6], outer=outer)
     assert own.syncs == [(), (), whole]
-    assert ReplicaPlan.of("t", ["n"], list(range(10)), 0, 2, 10, 2, 3, True, 0).syncs == []
+    assert plan_of("t", ["n"], list(range(10)), (0, 2), 10, (2, 3, True, 0)).syncs == []
 
 
 def test_gloo_connects_through_the_interface_that_routes_to_the_rendezvous():
@@ -149,7 +179,7 @@ def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
     replica = engine.replica
     # as _shard leaves it:
     replica._sharded = types.SimpleNamespace(run=engine.nodes.select(["net"]))
-    plan = ReplicaPlan.of("train", ["net"], [0, 1], 0, 1, 2, 1, 2, False, 0)
+    plan = plan_of("train", ["net"], [0, 1], (0, 1), 2, (1, 2, False, 0))
     with pytest.raises(EngineError, match="sharded over a group that is gone") as refused:
         replica.set_plan(plan)
     assert refused.value.code is ErrorCode.BAD_REQUEST

@@ -9,6 +9,7 @@ import pytest
 import somatize as sz
 from coordinator.strategies import STRATEGIES, StrategyOptionsError, strategy_from_spec
 from protocol.daemon import (
+    DiLoCoGroupSpec,
     DistPlanRequest,
     GetStateRequest,
     OuterStepSpec,
@@ -130,9 +131,10 @@ def test_a_command_travels_without_id_and_with_only_the_fields_set():
     assert request_fields(GetStateRequest())["cmd"] == "get_state"
     # A field that is a model (DiLoCo's outer step) travels as its dict, and is read back.
     outer = OuterStepSpec(sync_every=5, lr=0.7, momentum=0.9, nesterov=True)
-    plan = DistPlanRequest(node_ids=["n"], data="t", held=[0], rows=1, epochs=1, outer=outer)
+    mode = DiLoCoGroupSpec(outer=outer)
+    plan = DistPlanRequest(node_ids=["n"], data="t", held=[0], rows=1, epochs=1, mode=mode)
     sent = command_fields(plan)
-    assert sent["outer"] == {
+    assert sent["mode"]["outer"] == {
         "sync_every": 5,
         "lr": 0.7,
         "momentum": 0.9,
@@ -143,8 +145,8 @@ def test_a_command_travels_without_id_and_with_only_the_fields_set():
         "overlap": 0,
         "mixing": 0.0,
     }
-    assert request_fields(plan)["outer"] == sent["outer"]
-    assert DistPlanRequest.model_validate(sent).outer == outer
+    assert request_fields(plan)["mode"] == sent["mode"]
+    assert DistPlanRequest.model_validate(sent).mode == mode
 
 
 # -- devices -----------------------------------------------------------------------------------
