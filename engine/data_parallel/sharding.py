@@ -19,8 +19,8 @@ pieces as they came and the client joins them (:mod:`protocol.files.shard_pieces
 and not the coordinator, ever holds the whole model for it; a checkpoint is each replica's
 shards saved with torch.distributed.checkpoint (:meth:`ShardedRun.save_shards`,
 :meth:`ShardedRun.load_shards`); an evaluation runs through the sharded chain
-(:meth:`engine.data_parallel.replica.Replica.evaluate`). A replica whose nodes arrive with an
-optimizer state has it moved onto the sharded parameters.
+(:meth:`engine.data_parallel.modes.sharded.ShardedMode.evaluate`). A replica whose nodes arrive
+with an optimizer state has it moved onto the sharded parameters.
 """
 
 from __future__ import annotations

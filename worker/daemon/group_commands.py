@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.data_parallel.replica import ReplicaPlan
+from engine.data_parallel.plan import ReplicaPlan
 from engine.engine import Engine
 from protocol.asyncio.memory import map_tensor_blocks
 from protocol.daemon import (

@@ -7,11 +7,12 @@ clock, and never touches a weight): the replicas are told the outer step with th
 (:mod:`engine.data_parallel.outer_step`).
 
 Through the coordinator — workers that cannot reach each other, behind NAT — each replica trains
-``alone`` (no group: :mod:`engine.data_parallel.replica`) from one synchronisation to the next, and
-at each the coordinator reads every replica's weights, averages them (x̄, the mean of the replicas'
-local models) and takes the outer step on the global weights it keeps: Nesterov SGD on the
-pseudo-gradient x − x̄ is :class:`~coordinator.strategies.federated.server_optimizers.FedAvgM`
-with ``nesterov`` (x + η (Δ + β m), Δ = x̄ − x), the same maths the replicas run over a group.
+``alone`` (no group: :mod:`engine.data_parallel.modes.diloco_alone`) from one synchronisation to
+the next, and at each the coordinator reads every replica's weights, averages them (x̄, the mean
+of the replicas' local models) and takes the outer step on the global weights it keeps: Nesterov
+SGD on the pseudo-gradient x − x̄ is
+:class:`~coordinator.strategies.federated.server_optimizers.FedAvgM` with ``nesterov``
+(x + η (Δ + β m), Δ = x̄ − x), the same maths the replicas run over a group.
 It then sets every replica to the new global weights. Each replica keeps its inner optimizer.
 With ``compression`` the weights do not travel: each replica sends its pseudo-gradient
 θ_sync − θ_local encoded (:mod:`protocol.compressed_trees`; int8 with its own error feedback),

@@ -23,7 +23,7 @@ the plan is taken.
 **Elastic** (one round a chunk). A replica whose worker or daemon is lost mid-round takes no
 further part: the others train the round out alone (nothing crosses the network between
 synchronisations) and the group breaks in its synchronisation. Each survivor stands as before
-it, owing it (:mod:`engine.data_parallel.replica`); the coordinator reports the lost
+it, owing it (:mod:`engine.data_parallel.modes.diloco_group`); the coordinator reports the lost
 (``worker_lost``, ``worker_dropped``), forms the group again with the survivors — each keeping its
 local weights, global weights and outer momentum, its place among the replicas unchanged — and has
 them make the synchronisation: the round's average is the survivors'. Then each lost replica's place

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict_saver import save
 
 import somatize as sz
+from engine.data_parallel.chain import Chain
 from engine.data_parallel.dcp_metadata import CheckedReader, MetadataRefused, checked_metadata
-from engine.data_parallel.replica import _Chain
 from engine.data_parallel.sharding import ShardedRun
 from engine.engine import Engine
 from engine.errors import EngineError
@@ -108,7 +108,7 @@ def test_a_resuming_sharded_replica_refuses_a_forged_metadata_and_loads_a_genuin
     engine.load({"net": sz.TorchFilter(torch.nn.Linear(3, 2), loss="mse")})
     run = engine.nodes.select(["net"])
     with one_rank_gloo_group():
-        sharded = ShardedRun(_Chain(run, torch.device("cpu")), run, engine.optimizers, True, None)
+        sharded = ShardedRun(Chain(run, torch.device("cpu")), run, engine.optimizers, True, None)
         folder = tmp_path / "dcp"
         rest = sharded.save_shards(str(folder))
         saved = {k: v.full_tensor().clone() for k, v in sharded.chain.state_dict().items()}

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import somatize as sz
-from engine.data_parallel.replica import ReplicaPlan
+from engine.data_parallel.modes.mode import Unplanned
+from engine.data_parallel.modes.sharded import ShardsLeft
+from engine.data_parallel.plan import ReplicaPlan
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.group_member import GroupMember, interface_towards
@@ -166,9 +168,9 @@ def test_a_checkpoints_file_comes_in_pieces_each_where_the_last_ended():
             replica.shard_file("__0_0.distcp", b"x", offset)
     with pytest.raises(EngineError, match="at 4, where 0 bytes"):
         replica.shard_file(".metadata", b"x", 4)  # a file never started
-    assert replica._incoming is not None
-    assert (Path(replica._incoming.name) / "__0_0.distcp").read_bytes() == b"first second"
-    replica._incoming.cleanup()
+    assert replica._incoming.folder is not None
+    assert (Path(replica._incoming.folder.name) / "__0_0.distcp").read_bytes() == b"first second"
+    replica._incoming.drop()
 
 
 def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
@@ -177,8 +179,8 @@ def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
     engine = Engine()
     engine.load({"net": sz.TorchFilter(torch.nn.Linear(2, 2), loss="mse")})
     replica = engine.replica
-    # as _shard leaves it:
-    replica._sharded = types.SimpleNamespace(run=engine.nodes.select(["net"]))
+    # as a sharded mode leaves it:
+    replica._mode = ShardsLeft(types.SimpleNamespace(run=engine.nodes.select(["net"])), None)
     plan = plan_of("train", ["net"], [0, 1], (0, 1), 2, (1, 2, False, 0))
     with pytest.raises(EngineError, match="sharded over a group that is gone") as refused:
         replica.set_plan(plan)
@@ -187,7 +189,7 @@ def test_nodes_left_sharded_take_no_new_plan_until_they_are_loaded_again():
     with pytest.raises(EngineError) as past:  # past that check: the rows were never staged
         replica.set_plan(plan)
     assert "sharded" not in str(past.value)
-    assert replica._sharded is None
+    assert isinstance(replica._mode, Unplanned)
 
 
 def test_a_filter_loaded_as_its_rows_alone_is_never_read_or_set_whole():
