@@ -203,7 +203,15 @@ class Fitting:
         states = self.nodes.get_state(node_ids)
         epoch_losses = [row["loss"] for row in history]
         return FitResult(
-            to_cpu(out), states, loss, rows, epoch_losses, first_loss, clipped, history, step_scores
+            output=to_cpu(out),
+            states=states,
+            loss=loss,
+            rows=rows,
+            epoch_losses=epoch_losses,
+            start_loss=first_loss,
+            clipped=clipped,
+            history=history,
+            step_scores=step_scores,
         )
 
     # -- forward ------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,8 +42,9 @@ from coordinator.errors import StrategyFailed, StrategyOptionsError
 from coordinator.strategies.base import Emit, JobInputs, Placement, ShardedStates, Strategy
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
+from coordinator.strategies.data_parallel.phase import Choice, SetUp, TrainingPhase
 from coordinator.strategies.data_parallel.star import GlobalBatchPlan, StarTraining, average
-from coordinator.strategies.data_parallel.torch_collective import Choice, TorchTraining, choose
+from coordinator.strategies.data_parallel.torch_collective import TorchTraining, choose
 from coordinator.strategies.history import (
     VALIDATION,
     Evaluate,
@@ -60,12 +60,7 @@ from coordinator.strategies.steps import (
     lr_schedule_request,
     plain_prefix,
 )
-from protocol.daemon import (
-    CompositeFitRequest,
-    DistEvaluateRequest,
-    EvaluateRequest,
-    OuterStepSpec,
-)
+from protocol.daemon import CompositeFitRequest, DistEvaluateRequest, EvaluateRequest
 from protocol.errors import ErrorCode
 from protocol.options.strategies import DataParallelOptions
 from protocol.rules.equivalence import data_parallel_notes
@@ -88,7 +83,6 @@ class DataParallel(Strategy):
     options: DataParallelOptions
     saves_checkpoints = True
     checkpoints_kind: type[ReplicaCheckpoints] = ReplicaCheckpoints
-    torch_training_kind: type[TorchTraining] = TorchTraining  # its training on a torch group
 
     def __init__(self, options: DataParallelOptions) -> None:
         super().__init__(options)
@@ -230,7 +224,14 @@ class DataParallel(Strategy):
         total_steps = bounds.total
         history = History(emit)
         phase = TrainingPhase(
-            setup, training, n, history, _evaluator(run, job), total_steps, start, saves
+            setup=setup,
+            training=training,
+            rows=n,
+            history=history,
+            evaluate=_evaluator(run, job),
+            total=total_steps,
+            start=start,
+            saves=saves,
         )
         saves.start()
         if setup.choice.collective == "torch":
@@ -246,53 +247,27 @@ class DataParallel(Strategy):
     async def _on_torch(self, phase: TrainingPhase) -> None:
         """3. Synchronous SGD on torch.distributed: the replicas train, the coordinator only
         keeps time (:mod:`.torch_collective`)."""
-        setup, o = phase.setup, self.options
-        training = self.torch_training_kind(
-            setup.run,
-            setup.choice,
-            phase.training,
-            phase.rows,
-            setup.steps_per_epoch,
-            o.collective_timeout,
-            setup.run.emit,
-            o.sync_batchnorm,
-            phase.history,
-            phase.evaluate,
-            self._outer_step(phase),
-            o.compression,
-            o.sharding,
-            o.shard_units,
-        )
-        await training.train(phase.total, phase.start, phase.saves)
+        await self._torch_training(phase).train(phase.total, phase.start, phase.saves)
+
+    def _torch_training(self, phase: TrainingPhase) -> TorchTraining:
+        """The training phase on the torch group: every step's gradients reduced (DDP), or
+        FSDP2's shards."""
+        return TorchTraining(phase=phase, options=self.options)
 
     async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. Synchronous SGD (Goyal et al. 2017) through the coordinator: each slice's
         gradient, their weighted mean, one step everywhere; streamed, a step's mean going out
         with the next step's requests as it folds (:mod:`.star`)."""
-        run = phase.setup.run
+        run = phase.run
         syncs = any(run.job.nodes[node].buffers for node in run.torch_nodes)
         star = StarTraining(
-            run,
-            phase.training,
-            phase.rows,
-            STAGED,
-            run.emit,
-            syncs,
-            phase.history,
-            phase.evaluate,
-            compression=self.options.compression,
-            bounds=phase.training.boundaries(phase.setup.steps_per_epoch),
+            phase=phase, staged=STAGED, syncs_buffers=syncs, compression=self.options.compression
         )
         await star.train(phase.total, phase.start, phase.saves)
 
     async def _choose(self, run: Replicas) -> Choice:
         """The collective the run trains on (:func:`.torch_collective.choose`)."""
         return await choose(run, self.options.collective, self.options.collective_timeout)
-
-    def _outer_step(self, phase: TrainingPhase) -> OuterStepSpec | None:
-        """DiLoCo's outer step (:mod:`~coordinator.strategies.data_parallel.diloco`); none: every
-        step's gradients are reduced."""
-        return None
 
     def _plan(self, job: JobInputs) -> tuple[list[str], list[str], TrainingSettings]:
         """The torch nodes, the plain prefix and the training settings; or why not."""
@@ -306,31 +281,6 @@ class DataParallel(Strategy):
         if missing is not None:
             raise StrategyOptionsError(missing)
         return torch_nodes, prefix, TrainingSettings.of(job.nodes[torch_nodes[-1]])
-
-
-@dataclass(frozen=True)
-class TrainingPhase:
-    """What step 3 of a run, the training, works with: the replicas set up, the settings, the
-    rows sent, the history and evaluation, the steps ``[start, total)`` and the checkpoints."""
-
-    setup: SetUp
-    training: TrainingSettings
-    rows: int
-    history: History
-    evaluate: Evaluate | None
-    total: int
-    start: int
-    saves: ReplicaCheckpoints
-
-
-@dataclass(frozen=True)
-class SetUp:
-    """A run whose replicas hold the filters and their rows, and the collective chosen."""
-
-    run: Replicas
-    first_epoch: list[list[int]]
-    steps_per_epoch: int
-    choice: Choice
 
 
 async def _agreed_states(run: Replicas, torch_nodes: list[str]) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from coordinator.errors import (
 )
 from coordinator.strategies.base import JobInputs, Placement
 from coordinator.strategies.data_parallel.checkpoints import SyncCheckpoints, sync_payload
-from coordinator.strategies.data_parallel.data_parallel import DataParallel, TrainingPhase
+from coordinator.strategies.data_parallel.data_parallel import DataParallel
 from coordinator.strategies.data_parallel.diloco_torch import SyncsOnTorch
 from coordinator.strategies.data_parallel.elastic import (
     RECOVERABLE,
@@ -71,15 +71,10 @@ from coordinator.strategies.data_parallel.elastic import (
     Snapshot,
     every_replica_lost,
 )
+from coordinator.strategies.data_parallel.phase import Choice, TrainingPhase
 from coordinator.strategies.data_parallel.star import average, received
-from coordinator.strategies.data_parallel.torch_collective import (
-    Choice,
-    chunk_progress,
-    replica_plans,
-)
+from coordinator.strategies.data_parallel.torch_collective import chunk_progress, replica_plans
 from coordinator.strategies.federated.server_optimizers import FedAvgM
-from coordinator.strategies.history import Evaluate, History
-from coordinator.strategies.steps import TrainingSettings
 from protocol.compressed_trees import TreeCompressor
 from protocol.daemon import (
     DiLoCoAloneSpec,
@@ -87,7 +82,6 @@ from protocol.daemon import (
     DistPlanRequest,
     DistPseudoGradientsRequest,
     DistTrainRequest,
-    OuterStepSpec,
     ReplicaPlace,
 )
 from protocol.errors import ErrorCode
@@ -108,10 +102,12 @@ class DiLoCo(DataParallel):
     options_model = DiLoCoOptions
     options: DiLoCoOptions
     checkpoints_kind = SyncCheckpoints
-    torch_training_kind = SyncsOnTorch  # checkpointed and elastic on the group
 
-    def _outer_step(self, phase: TrainingPhase) -> OuterStepSpec:
-        return self.options.outer_step(self.reads(phase))
+    def _torch_training(self, phase: TrainingPhase) -> SyncsOnTorch:
+        """The replicas step alone and take the outer step together, checkpointed and
+        elastic on the group (:mod:`.diloco_torch`)."""
+        outer = self.options.outer_step(self.reads(phase))
+        return SyncsOnTorch(phase=phase, options=self.options, outer=outer)
 
     def reads(self, phase: TrainingPhase) -> list[int]:
         """The steps (from 1) after which the global model is read, so that the replicas
@@ -191,37 +187,30 @@ class DiLoCo(DataParallel):
 
     async def _through_coordinator(self, phase: TrainingPhase) -> None:
         """3. DiLoCo through the coordinator (module docstring)."""
-        setup = phase.setup
         assert isinstance(phase.saves, SyncCheckpoints)
         syncs = CoordinatorSyncs(
-            setup.run,
-            phase.training,
-            phase.rows,
-            setup.steps_per_epoch,
-            self.options,
-            phase.history,
-            phase.evaluate,
-            phase.saves,
-            self.reads(phase),
+            phase=phase, options=self.options, saves=phase.saves, reads=self.reads(phase)
         )
         await syncs.train(phase.total, phase.start)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CoordinatorSyncs:
     """DiLoCo's training phase with the coordinator taking the outer steps (module
-    docstring)."""
+    docstring): the ``phase`` whole, the run's ``options``, its checkpoints (``saves``) and
+    ``reads``, the steps after which the global model is read (a sync falls there)."""
 
-    run: Replicas
-    training: TrainingSettings
-    rows: int
-    steps_per_epoch: int
+    phase: TrainingPhase
     options: DiLoCoOptions
-    history: History
-    evaluate: Evaluate | None
     saves: SyncCheckpoints
-    reads: list[int]  # the steps after which the global model is read: a sync falls there
+    reads: list[int]
     lost: dict[int, WorkerCallError] = field(default_factory=dict)  # dropped, and why
+
+    def __post_init__(self) -> None:
+        phase = self.phase
+        self.run, self.training, self.rows = phase.run, phase.training, phase.rows
+        self.steps_per_epoch = phase.setup.steps_per_epoch
+        self.history, self.evaluate = phase.history, phase.evaluate
 
     async def train(self, total: int, start: int) -> None:
         """Global steps ``[start, total)``: each round's inner steps on every replica present,

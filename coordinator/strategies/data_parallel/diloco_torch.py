@@ -66,6 +66,7 @@ from protocol.daemon import (
     DiLoCoGroupSpec,
     DistOuterStateRequest,
     DistTrainRequest,
+    OuterStepSpec,
     ReplicaModeSpec,
     ReplicaPlace,
     SnapshotWay,
@@ -83,11 +84,12 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SyncsOnTorch(TorchTraining):
     """DiLoCo's training phase on the torch group, checkpointed and elastic (module
-    docstring)."""
+    docstring): the replicas step alone and take the ``outer`` step together."""
 
+    outer: OuterStepSpec
     lost: dict[int, WorkerCallError] = field(default_factory=dict)  # dropped, and why
 
     def __post_init__(self) -> None:
@@ -96,7 +98,7 @@ class SyncsOnTorch(TorchTraining):
         self.momentum: dict[str, dict[str, Any]] | None = None  # a resumed run's, to set
 
     async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
-        assert isinstance(saves, SyncCheckpoints) and self.outer is not None
+        assert isinstance(saves, SyncCheckpoints)
         ends = synchronises(total, self.outer.sync_every, self.outer.also)
         self.sync_stops = [g + 1 for g in range(total) if ends[g]]
         saves.syncs = self.sync_stops
@@ -109,7 +111,6 @@ class SyncsOnTorch(TorchTraining):
         DataParallel's would end); elastic, at the next one. Streaming DiLoCo's where
         DataParallel's would: its reads are no synchronisations (the global model is read
         where it stands), and it keeps nothing that needs the model whole."""
-        assert self.outer is not None
         if self.outer.streams():
             return super()._stop(step, chunk, total, saves)
         stop = step + 1 if self.run.elastic else super()._stop(step, chunk, total, saves)
@@ -143,10 +144,8 @@ class SyncsOnTorch(TorchTraining):
     def _mode(self, regroup: ReplicaPlace | None) -> ReplicaModeSpec:
         """DiLoCo over the group; ``regroup``: the group formed again, the replica's place
         among the replicas as given."""
-        assert self.outer is not None
-        return DiLoCoGroupSpec(
-            outer=self.outer, sync_batchnorm=self.sync_batchnorm, regroup=regroup
-        )
+        sync_batchnorm = self.options.sync_batchnorm
+        return DiLoCoGroupSpec(outer=self.outer, sync_batchnorm=sync_batchnorm, regroup=regroup)
 
     async def _form(self, fresh_store: bool, step: int, regroup: bool = False) -> None:
         await super()._form(fresh_store, step, regroup)

@@ -47,12 +47,11 @@ from coordinator.strategies.aggregate import (
     non_finite,
     weighted_mean,
 )
-from coordinator.strategies.base import Emit
 from coordinator.strategies.data_parallel.checkpoints import ReplicaCheckpoints
 from coordinator.strategies.data_parallel.elastic import DataParallelPosition, Replicas
 from coordinator.strategies.data_parallel.mean_fold import FoldBuffers, FoldDeclined, StreamedMean
-from coordinator.strategies.history import Evaluate, History
-from coordinator.strategies.steps import StepBoundaries, TrainingSettings, global_batches
+from coordinator.strategies.data_parallel.phase import TrainingPhase
+from coordinator.strategies.steps import global_batches
 from protocol.compressed_trees import (
     TreeCompressor,
     decode,
@@ -71,7 +70,7 @@ GlobalBatchPlan = Iterable[tuple[int, int, list[Any]]]
 """``(epoch, step, slices by replica)`` of every step of a run."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Step:
     """One global step in flight: its calls, and the fold its gradients land in."""
 
@@ -97,33 +96,33 @@ class _Prior:
     buffers: asyncio.Future[Any] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StarTraining:
     """The training phase of a DataParallel run through the coordinator (module docstring).
 
     Args:
-        run: the replicas, set up (rows staged; the plain prefix fitted or a checkpoint set).
-        training: the last TorchFilter's settings (batches, epochs).
-        rows: rows of the client's data (``0`` over WorkerData: each replica's own).
+        phase: the replicas, set up (rows staged; the plain prefix fitted or a checkpoint
+            set), the last TorchFilter's settings (batches, epochs), the rows of the client's
+            data (``0`` over WorkerData: each replica's own), the history and the evaluation.
         staged: the name each replica's rows are staged under.
-        emit: the job's events.
+        syncs_buffers: the model has buffers: replica 0's are broadcast each step.
+        compression: what gradients and means travel as.
     """
 
-    run: Replicas
-    training: TrainingSettings
-    rows: int
+    phase: TrainingPhase
     staged: str
-    emit: Emit
-    syncs_buffers: bool = False  # the model has buffers: replica 0's are broadcast each step
-    history: History | None = None  # the rows of the run's epochs
-    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
+    syncs_buffers: bool = False
+    compression: Compression | None = None
     pool: FoldBuffers = field(default_factory=FoldBuffers)
-    compression: Compression | None = None  # what gradients and means travel as
-    bounds: StepBoundaries | None = None  # where validate_every evaluates between epoch ends
     _total: int = 0
     _means: TreeCompressor | None = None  # the coordinator's, with its int8 residual
 
     def __post_init__(self) -> None:
+        phase = self.phase
+        self.run, self.training, self.rows = phase.run, phase.training, phase.rows
+        self.emit = self.run.emit
+        self.history, self.evaluate = phase.history, phase.evaluate
+        self.bounds = phase.bounds  # where validate_every evaluates between epoch ends
         if self.compression is not None:
             self._means = TreeCompressor(self.compression)
 
@@ -204,7 +203,17 @@ class StarTraining:
         calls = asyncio.ensure_future(self.run.on_all(call, targets))
         launched = time.monotonic()
         ends = after is None or after[0] != epoch
-        return _Step(done, epoch, weights, fold, prior.mean, calls, launched, ends, buffers)
+        return _Step(
+            done=done,
+            epoch=epoch,
+            weights=weights,
+            fold=fold,
+            previous=prior.mean,
+            calls=calls,
+            launched=launched,
+            ends_epoch=ends,
+            buffers=buffers,
+        )
 
     def _call(
         self,
@@ -281,7 +290,7 @@ class StarTraining:
             self.run.position.buffers = step.buffers.result()
         weights = step.weights
         losses = [w * float(results[i]["loss"]) for i, w in weights.items()]
-        epochs = self.bounds.epochs_run if self.bounds is not None else self.training.epochs
+        epochs = self.bounds.epochs_run
         progress = {"phase": "training", "epoch": step.epoch + 1, "epochs": epochs}
         progress |= {"step": step.done, "steps": self._total, "rows": sum(weights.values())}
         loss, lr = sum(losses) / sum(weights.values()), results[min(weights)].get("lr")
@@ -305,7 +314,7 @@ class StarTraining:
     def _evaluates(self, step: _Step) -> bool:
         """Whether the model is evaluated after ``step``, in a run with validation data: it
         ends an epoch, or ``validate_every`` falls there."""
-        validates = self.bounds is not None and self.bounds.validates_after(step.done)
+        validates = self.bounds.validates_after(step.done)
         return self.evaluate is not None and (step.ends_epoch or validates)
 
     async def _validate(self, step: _Step) -> None:

@@ -56,6 +56,7 @@ from coordinator.strategies.data_parallel.elastic import (
     Snapshot,
     every_replica_lost,
 )
+from coordinator.strategies.data_parallel.phase import Choice, TrainingPhase
 from coordinator.strategies.history import Evaluate, History
 from coordinator.strategies.kept_on_worker import KeptLimit
 from coordinator.strategies.process_group import (
@@ -72,39 +73,21 @@ from protocol.daemon import (
     DdpSpec,
     DistPlanRequest,
     DistTrainRequest,
-    OuterStepSpec,
     ReplicaModeSpec,
     ReplicaPlace,
     ShardedSpec,
     SnapshotWay,
 )
 from protocol.errors import ErrorCode
-from protocol.options.compression import Compression
-from protocol.options.strategies import Sharding
+from protocol.options.strategies import DataParallelOptions
 
 __all__ = [
     "TRIAL_TIMEOUT",
-    "Choice",
     "TorchTraining",
     "choose",
     "chunk_progress",
     "replica_plans",
 ]
-
-
-@dataclass(frozen=True)
-class Choice:
-    """How a run reduces its gradients, and why; for ``torch``, where the group meets."""
-
-    collective: str  # "torch" | "coordinator"
-    reason: str
-    backend: str | None = None
-    meet: Rendezvous | None = None  # where its group meets (``torch``)
-
-    def describe(self) -> dict[str, Any]:
-        """What the ``placed`` event says of it."""
-        said: dict[str, Any] = {"collective": self.collective, "collective_reason": self.reason}
-        return said | ({"backend": self.backend} if self.backend else {})
 
 
 async def choose(run: Replicas, wanted: str, limit: float) -> Choice:
@@ -156,27 +139,26 @@ async def _trial_group(
     return None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TorchTraining:
-    """The training phase of a DataParallel run on a torch group (module docstring)."""
+    """The training phase of a DataParallel run on a torch group (module docstring): the
+    ``phase`` whole, and the run's ``options`` (its collective timeout, ``sync_batchnorm``,
+    ``compression``, ``sharding`` and ``shard_units``)."""
 
-    run: Replicas
-    choice: Choice
-    training: TrainingSettings
-    rows: int
-    steps_per_epoch: int
-    timeout: float
-    emit: Emit
-    sync_batchnorm: bool = False
-    history: History | None = None  # the rows of the run's epochs
-    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
-    outer: OuterStepSpec | None = None  # DiLoCo's: the replicas step alone, synchronising
-    compression: Compression | None = None  # what the gradients travel as (DDP's hooks)
-    # FSDP2 on the replicas: "full" or "gradients" (engine.data_parallel.sharding)
-    sharding: Sharding = "none"
-    shard_units: tuple[str, ...] | None = None
+    phase: TrainingPhase
+    options: DataParallelOptions
 
     def __post_init__(self) -> None:
+        phase, setup = self.phase, self.phase.setup
+        self.run, self.choice = setup.run, setup.choice  # (the choice's store: made anew)
+        self.training, self.rows, self.steps_per_epoch = (
+            phase.training,
+            phase.rows,
+            setup.steps_per_epoch,
+        )
+        self.history: History | None = phase.history  # the rows of the run's epochs
+        self.evaluate = phase.evaluate  # the model's figures on the validation data, now
+        self.emit, self.timeout = self.run.emit, self.options.collective_timeout
         self.token = secrets.token_hex(4)
         self.formations = 0
         self.breaks: Counter[int] = Counter()  # times the group broke, by the step resumed from
@@ -253,7 +235,7 @@ class TorchTraining:
         one at a time, so a chunk sent early waits behind the one before). With
         ``snapshot`` (a checkpoint due after it) replica 0 — sharded: every replica — sends
         what the checkpoint saves with its reply."""
-        sharded = self.sharding != "none"
+        sharded = self.options.sharding != "none"
 
         def call(i: int) -> Awaitable[Any]:
             taken = self._snapshot_of(i) if snapshot else None
@@ -269,7 +251,7 @@ class TorchTraining:
     def _snapshot_of(self, i: int) -> SnapshotWay | None:
         """What replica ``i`` gives of a checkpoint due after its chunk: replica 0, or every
         replica of a sharded run, in its reply; the others nothing."""
-        return "in_reply" if self.sharding != "none" or i == 0 else None
+        return "in_reply" if self.options.sharding != "none" or i == 0 else None
 
     async def _save(
         self, saves: ReplicaCheckpoints, step: int, total: int, results: Mapping[int, Any]
@@ -284,7 +266,7 @@ class TorchTraining:
     async def _snapshot(self, results: Mapping[int, Any]) -> Snapshot | Shards:
         """The checkpoint's snapshot the replicas sent with a chunk's ``results``: replica
         0's, or every sharded replica's files (as many and as large as the model allows)."""
-        if self.sharding != "none":
+        if self.options.sharding != "none":
             taken = [results[i]["snapshot"] for i in self._all()]
             kept = [t["shards"] for t in taken]
             limit = KeptLimit.of(self.run.job.trained_shapes(), len(kept))
@@ -319,7 +301,7 @@ class TorchTraining:
             rows=0,
             **training.batch_plan(),
             mode=self._mode(None),
-            compression=self.compression,
+            compression=self.options.compression,
         )
 
         plan = replica_plans(self.run, shared, self.rows)
@@ -335,17 +317,19 @@ class TorchTraining:
             planned = await self._settle({i: self._call(i, placed(i)) for i in replicas}, step)
         except Broken as broken:
             raise broken.blame() from None
-        if self.sharding != "none":  # what each replica holds of the model, as it says
+        sharding = self.options.sharding
+        if sharding != "none":  # what each replica holds of the model, as it says
             held = {self.run.ids[i]: planned[i] for i in sorted(planned)}
-            await self.emit("progress", {"phase": "sharded", "sharding": self.sharding} | held)
+            await self.emit("progress", {"phase": "sharded", "sharding": sharding} | held)
 
     def _mode(self, regroup: ReplicaPlace | None) -> ReplicaModeSpec:
         """How the replicas train: DDP, or sharded by FSDP2; ``regroup`` is DiLoCo's
         (:class:`~.diloco_torch.SyncsOnTorch`)."""
-        if self.sharding != "none":
-            units = None if self.shard_units is None else list(self.shard_units)
-            return ShardedSpec(sharding=self.sharding, shard_units=units)
-        return DdpSpec(sync_batchnorm=self.sync_batchnorm)
+        o = self.options
+        if o.sharding != "none":
+            units = None if o.shard_units is None else list(o.shard_units)
+            return ShardedSpec(sharding=o.sharding, shard_units=units)
+        return DdpSpec(sync_batchnorm=o.sync_batchnorm)
 
     @property
     def _backend(self) -> Literal["gloo", "nccl"]:

@@ -94,7 +94,7 @@ STAGED = "local"
 """The name a worker's training data is staged under in its daemon."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FederatedRun:
     """One run of a federated strategy: where it stands (:class:`FederatedPosition`, what a
     checkpoint saves) and what it runs with."""
@@ -237,7 +237,15 @@ class FedAvg(RoundStrategy[FederatedRun, FederatedRound]):
         evaluation = RoundEvaluation(job, share, self.options.seed)
         history = History(emit, "round")
         return FederatedRun(
-            ctx, job, emit, torch_nodes, shards, position, evaluation, history, checkpoints
+            ctx=ctx,
+            job=job,
+            emit=emit,
+            torch_nodes=torch_nodes,
+            shards=shards,
+            position=position,
+            evaluation=evaluation,
+            history=history,
+            checkpoints=checkpoints,
         )
 
     async def configure_round(self, run: FederatedRun, t: int) -> FederatedRound:

@@ -68,6 +68,7 @@ class StageCheckpoints(RunCheckpoints):
     def of(
         cls,
         ctx: StrategyContext,
+        *,
         stages: list[list[str]],
         pipeline: list[int],
         torch_nodes: Sequence[str],

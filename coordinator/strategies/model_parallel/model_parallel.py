@@ -34,14 +34,11 @@ from coordinator.strategies.data_parallel.elastic import MAX_RECOVERIES, RECOVER
 from coordinator.strategies.history import History
 from coordinator.strategies.model_parallel.checkpoints import StageCheckpoints
 from coordinator.strategies.model_parallel.run import PipelineRun
-from coordinator.strategies.model_parallel.schedule import gpipe, one_f_one_b
 from coordinator.strategies.steps import TrainingSettings, plain_prefix
 from protocol.errors import ErrorCode
 from protocol.options.devices import device_fits
 from protocol.options.strategies import ModelParallelOptions
 from protocol.text.wording import listed
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 @dataclass(frozen=True)
@@ -155,32 +152,29 @@ class ModelParallel(Strategy):
                 saves.append(
                     StageCheckpoints.of(
                         ctx,
-                        stages,
-                        pipeline,
-                        torch_nodes,
-                        job.checkpoints,
-                        self.options.checkpoint_every,
-                        steps_per_epoch,
-                        training.epochs,
-                        emit,
-                        history,
+                        stages=stages,
+                        pipeline=pipeline,
+                        torch_nodes=torch_nodes,
+                        checkpoints=job.checkpoints,
+                        every=self.options.checkpoint_every,
+                        steps_per_epoch=steps_per_epoch,
+                        epochs=training.epochs,
+                        emit=emit,
+                        history=history,
                     )
                 )
             return saves[0]
 
         attempt = PipelineRun(
-            ctx,
-            job,
-            stages,
-            torch_nodes,
-            training,
-            SCHEDULES[self.options.schedule],
-            self.options.micro_batches,
-            self.options.transport,
-            self.options.collective_timeout,
-            emit,
-            make_saves,
-            history,
+            ctx=ctx,
+            job=job,
+            options=self.options,
+            stages=stages,
+            torch_nodes=torch_nodes,
+            training=training,
+            emit=emit,
+            make_saves=make_saves,
+            history=history,
         )
         crashes = 0
         while True:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
@@ -43,7 +43,8 @@ from coordinator.strategies.model_parallel.executor import (
     expects,
     run_schedule,
 )
-from coordinator.strategies.model_parallel.schedule import Schedule
+from coordinator.strategies.model_parallel.phase import PipelinePhase
+from coordinator.strategies.model_parallel.schedule import SCHEDULES
 from coordinator.strategies.model_parallel.torch_transport import (
     LABELS,
     TorchPipeline,
@@ -62,6 +63,7 @@ from protocol.daemon import (
     StageStepRequest,
 )
 from protocol.errors import ErrorCode
+from protocol.options.strategies import ModelParallelOptions
 from protocol.rules.clipping import clip_coefficient
 from protocol.rules.rows import rows_of
 
@@ -70,20 +72,18 @@ __all__ = ["Guard", "PipelineRun"]
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineRun:
     """One run of the pipeline (module docstring).
 
     Args:
         ctx: the job's workers, stage ``s`` on worker ``s``.
         job: the job's inputs.
+        options: the strategy's (the schedule, micro-batches, transport asked for, collective
+            timeout).
         stages: each stage's nodes.
         torch_nodes: the differentiable nodes.
         training: the last TorchFilter's settings.
-        schedule: builds the schedule for a number of training stages and micro-batches.
-        micro_batches: per global batch.
-        transport: asked for (``auto``, ``torch``, ``websocket``).
-        timeout: the collective timeout.
         emit: the job's events.
         make_saves: the run's checkpoints, once it knows its training stages and batches per
             epoch (the same object across runs: it keeps the newest checkpoint).
@@ -93,13 +93,10 @@ class PipelineRun:
 
     ctx: StrategyContext
     job: JobInputs
+    options: ModelParallelOptions
     stages: list[list[str]]
     torch_nodes: list[str]
     training: TrainingSettings
-    schedule: Callable[[int, int], Schedule]
-    micro_batches: int
-    transport: str
-    timeout: float
     emit: Emit
     make_saves: Callable[[list[int], int], StageCheckpoints]
     history: History
@@ -151,17 +148,31 @@ class PipelineRun:
             await self._train_alone(guard, first, source)
             return await _read_back(ctx, guard, stages)
         # accumulate=k: a global batch is k batches, so k times the micro-batches of one.
-        micro_batches = self.micro_batches * self.training.accumulate
-        plan = self.schedule(len(pipeline), micro_batches)
+        micro_batches = self.options.micro_batches * self.training.accumulate
+        schedule = SCHEDULES[self.options.schedule](len(pipeline), micro_batches)
         # The schedules' horizon, before a checkpoint's schedulers are set back.
         told = lr_schedule_request(self.training, steps_per_epoch)
         await guard(concurrently(*(ctx.call(s, told) for s in pipeline)))
         evaluate = _evaluator(ctx, guard, stages, pipeline, job) if job.validates else None
-        meet = await guard(choose_transport(ctx, pipeline, self.transport, self.timeout))
+        timeout = self.options.collective_timeout
+        meet = await guard(choose_transport(ctx, pipeline, self.options.transport, timeout))
         if own_rows is None:
             await guard(ctx.call(first, StageRequest(name=STAGED, x=x)), stage=first)
         else:
             await self._stage_own_labels(guard, pipeline[-1], own_rows)
+        phase = PipelinePhase(
+            ctx=ctx,
+            guard=guard,
+            stages=stages,
+            pipeline=pipeline,
+            schedule=schedule,
+            micro_batches=micro_batches,
+            training=self.training,
+            rows=count,
+            emit=self.emit,
+            history=self.history,
+            evaluate=evaluate,
+        )
         if isinstance(meet, Rendezvous):
             # 3. Training on torch.distributed: the stages run the schedule themselves.
             await self.emit(
@@ -170,26 +181,11 @@ class PipelineRun:
             if own_rows is None:
                 sent = StageRequest(name=LABELS, x=job.y)
                 await guard(ctx.call(pipeline[-1], sent), stage=pipeline[-1])
-            pipe = TorchPipeline(
-                ctx,
-                guard,
-                pipeline,
-                stages,
-                plan,
-                self.training,
-                count,
-                micro_batches,
-                STAGED,
-                self.timeout,
-                self.emit,
-                self.history,
-                evaluate,
-            )
+            pipe = TorchPipeline(phase=phase, data=STAGED, timeout=timeout)
             await pipe.train(meet, steps_per_epoch, saves)
         else:
-            how = (plan, micro_batches, evaluate)
             labels = None if own_rows is None else LABELS
-            await self._over_websockets(guard, pipeline, how, meet, count, labels, saves)
+            await self._over_websockets(phase, meet, labels, saves)
         await saves.flush()
         total = steps_per_epoch * self.training.epochs
         await self.history.finish(ended(self.training.epochs, total))
@@ -248,23 +244,14 @@ class PipelineRun:
             await self.emit("progress", trained | {"epoch_losses": losses})
 
     async def _over_websockets(
-        self,
-        guard: Guard,
-        pipeline: list[int],
-        how: tuple[Schedule, int, Evaluate | None],
-        reason: str,
-        count: int,
-        labels: str | None,
-        saves: StageCheckpoints,
+        self, phase: PipelinePhase, reason: str, labels: str | None, saves: StageCheckpoints
     ) -> None:
         """3. Training (GPipe / 1F1B), every action a call from here: each global batch's
-        micro-batches through the schedule (``how``: the schedule, micro-batches per global
-        batch, the evaluation at an epoch's end), gradients accumulated, one step on every
-        stage (the gradient of them all clipped as one); from the newest checkpoint's batch
-        on. The first stage holds its ``count`` rows staged; the last takes the job's ``y``, or the
-        labels it staged under ``labels``."""
-        ctx, stages, training, history = self.ctx, self.stages, self.training, self.history
-        plan, micro_batches, evaluate = how
+        micro-batches through the schedule, gradients accumulated, one step on every stage
+        (the gradient of them all clipped as one); from the newest checkpoint's batch on. The
+        first stage holds its rows staged; the last takes the job's ``y``, or the labels it
+        staged under ``labels``."""
+        ctx, pipeline, guard = phase.ctx, phase.pipeline, phase.guard
         linked = ctx.supports_peer_links and len(pipeline) > 1
         if linked:
             # Neighbours dial each other; without a peer address the coordinator relays. A
@@ -279,23 +266,9 @@ class PipelineRun:
             )
         start = await saves.restore(guard)
         saves.start()
-        batches = list(global_batches(count, micro_batches, training))
+        batches = list(global_batches(phase.rows, phase.micro_batches, phase.training))
         steps = GlobalBatchSteps(
-            ctx,
-            guard,
-            pipeline,
-            stages,
-            plan,
-            batches,
-            training.steps_per_epoch(count),
-            y=self.job.y,
-            labels=labels,
-            linked=linked,
-            training=training,
-            evaluate=evaluate,
-            emit=self.emit,
-            history=history,
-            saves=saves,
+            phase=phase, batches=batches, y=self.job.y, labels=labels, linked=linked, saves=saves
         )
         # Each global batch a round of the loop (coordinator.strategies.rounds): its
         # micro-batches through the schedule, one step on every stage, its row, a checkpoint.
@@ -323,29 +296,26 @@ class _Batch:
     scores: dict[str, Any] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GlobalBatchSteps:
     """A pipeline's global batches as rounds of the loop (:func:`run_rounds`), every action a
     call from the coordinator: configure (the micro-batches), train (the schedule), aggregate
     (the gradient clipped as one, one step on every stage), evaluate (at an epoch's end),
     record (its progress, the history's row), checkpoint."""
 
-    ctx: StrategyContext
-    guard: Guard
-    pipeline: list[int]
-    stages: list[list[str]]
-    plan: Schedule
+    phase: PipelinePhase
     batches: list[tuple[int, int, list[Any]]]  # (epoch, step, micro-batches' rows) of each
-    per_epoch: int
-    _: KW_ONLY
     y: Any  # the job's labels (None: the last stage's own, staged under ``labels``)
     labels: str | None
     linked: bool  # the workers pass tensors to each other; else through the coordinator
-    training: TrainingSettings
-    evaluate: Evaluate | None
-    emit: Emit
-    history: History
     saves: StageCheckpoints
+
+    def __post_init__(self) -> None:
+        phase = self.phase
+        self.ctx, self.guard, self.pipeline = phase.ctx, phase.guard, phase.pipeline
+        self.stages, self.plan, self.per_epoch = phase.stages, phase.schedule, phase.steps_per_epoch
+        self.training, self.evaluate = phase.training, phase.evaluate
+        self.emit, self.history = phase.emit, phase.history
 
     async def configure_round(self, run: _Trained, t: int) -> _Batch:
         epoch, _, micro = self.batches[t - 1]
@@ -415,7 +385,7 @@ def _evaluator(
 
 async def _clipping(
     ctx: StrategyContext,
-    guard: Guard,
+    guard: Callable[..., Awaitable[Any]],
     pipeline: list[int],
     stages: list[list[str]],
     clip: float | None,

@@ -57,6 +57,7 @@ from typing import Literal
 from coordinator.errors import CoordinatorError
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "Schedule",
     "ScheduleError",
@@ -221,6 +222,10 @@ def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
         actions += [Action("B", m) for m in range(micro_batches - warmup, micro_batches)]
         per_stage.append(tuple(actions))
     return Schedule(stages, micro_batches, tuple(per_stage), name="1f1b")
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+"""The schedules by the name ModelParallel's ``schedule`` option gives."""
 
 
 def validate(schedule: Schedule) -> None:

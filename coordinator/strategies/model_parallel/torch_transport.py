@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from coordinator.context import StrategyContext
 from coordinator.errors import StrategyFailed
-from coordinator.strategies.base import Emit
 from coordinator.strategies.chunks import Chunk, cancelled, next_chunk
-from coordinator.strategies.history import Evaluate, History
+from coordinator.strategies.history import History
 from coordinator.strategies.model_parallel.checkpoints import StageCheckpoints
-from coordinator.strategies.model_parallel.schedule import Schedule
+from coordinator.strategies.model_parallel.phase import PipelinePhase
 from coordinator.strategies.process_group import (
     PROBE_TIMEOUT,
     Broken,
@@ -43,7 +42,6 @@ from coordinator.strategies.process_group import (
     rendezvous,
     settle,
 )
-from coordinator.strategies.steps import TrainingSettings
 from protocol.daemon import PipePlanRequest, PipeTrainRequest
 from protocol.errors import ErrorCode
 
@@ -72,26 +70,27 @@ async def choose_transport(
     return meet
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TorchPipeline:
-    """The training phase of a ModelParallel run on a torch group (module docstring).
+    """The training phase of a ModelParallel run on a torch group (module docstring): the
+    ``phase`` whole, what the first stage's rows are staged under (``data``) and the
+    collective ``timeout``."""
 
-    ``guard`` turns a worker's failure into the job's, naming its stage.
-    """
-
-    ctx: StrategyContext
-    guard: Callable[[Awaitable[Any]], Awaitable[Any]]
-    pipeline: list[int]  # the stages that train, by worker index, in order
-    stages: list[list[str]]  # every stage's nodes
-    schedule: Schedule
-    training: TrainingSettings
-    rows: int
-    micro_batches: int
-    data: str  # what the first stage's rows are staged under
+    phase: PipelinePhase
+    data: str
     timeout: float
-    emit: Emit
-    history: History | None = None  # the rows of the run's epochs
-    evaluate: Evaluate | None = None  # the model's figures on the validation data, now
+
+    def __post_init__(self) -> None:
+        phase = self.phase
+        self.ctx, self.guard, self.pipeline = phase.ctx, phase.guard, phase.pipeline
+        self.stages, self.schedule, self.micro_batches = (
+            phase.stages,
+            phase.schedule,
+            phase.micro_batches,
+        )
+        self.training, self.rows, self.emit = phase.training, phase.rows, phase.emit
+        self.history: History | None = phase.history  # the rows of the run's epochs
+        self.evaluate = phase.evaluate  # the model's figures on the validation data, now
 
     async def train(self, meet: Rendezvous, steps_per_epoch: int, saves: StageCheckpoints) -> None:
         """Every global batch of the run through the pipeline — from the newest checkpoint's on,
