@@ -108,6 +108,7 @@ class GroupMember:
         port: int,
         secret: str,
         prefix: str,
+        *,
         backend: str,
         rank: int,
         world: int,

@@ -192,6 +192,7 @@ def array_from(
     spec: dict[str, Any],
     offset: int,
     length: int,
+    *,
     outline: bool = False,
     relay: bool = False,
 ) -> Any:

@@ -215,6 +215,7 @@ class Reassembler:
     def __init__(
         self,
         max_bytes: int,
+        *,
         max_streams: int = MAX_OPEN_STREAMS,
         budget: Budget | None = None,
         stall_seconds: float | None = DEFAULT_STALL_SECONDS,

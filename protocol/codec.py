@@ -466,8 +466,8 @@ class _Decoder:
             spec,
             self.offsets[index],
             self.lengths[index],
-            self.outline,
-            self.relay,
+            outline=self.outline,
+            relay=self.relay,
         )
 
 

@@ -90,6 +90,7 @@ class JobHandlers:
         pool: DaemonPool,
         links: PeerLinks,
         lifecycle: Lifecycle,
+        *,
         worker_id: Callable[[], str | None],
         coordinator: Callable[[], Channel | None],
         kept: KeptFiles,

@@ -271,7 +271,9 @@ class PeerLinks:
                     **client_tls(url, self.tls),
                     **ws_options(open_timeout=self.open_timeout, close_timeout=self.open_timeout),
                 )
-                channel = Channel(ws, f"peer {worker_id}", None, self.max_message_bytes)
+                channel = Channel(
+                    ws, f"peer {worker_id}", None, max_message_bytes=self.max_message_bytes
+                )
                 reader = asyncio.ensure_future(channel.run())
                 reply = await channel.request(hello, self.open_timeout)
             expect_reply(reply, Ack)

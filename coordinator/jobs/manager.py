@@ -99,6 +99,7 @@ __all__ = [
     "ContextFactory",
     "JobManager",
     "PlacedJob",
+    "Sharing",
     "record_dict",
     "transport_context",
 ]
@@ -134,6 +135,26 @@ def record_dict(record: JobRecord) -> dict[str, Any]:
     out = dataclasses.asdict(record)
     out["state"] = str(record.state)
     return out
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How the manager shares the workers between clients.
+
+    Args:
+        policies: each client's share, quota and priority ceiling (by client name).
+        preempt_grace: seconds a preempted job has to checkpoint before it is stopped.
+        share_wait: seconds a job waits before it preempts for its client's fair share.
+        half_life: seconds after which a client's past use of workers counts half.
+        fifo: place jobs first come, first placed, as before fair shares (``--scheduler
+            fifo``): no priority, share, reservation, preemption or quota.
+    """
+
+    policies: Callable[[str], ClientPolicy] = lambda client: ADMIN_POLICY
+    preempt_grace: float = DEFAULT_PREEMPT_GRACE
+    share_wait: float = DEFAULT_SHARE_WAIT
+    half_life: float = DEFAULT_HALF_LIFE
+    fifo: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,7 +194,7 @@ async def transport_context(job: PlacedJob) -> AsyncIterator[StrategyContext]:
         job.job_id,
         job.workers,
         job.timeout,
-        job.threads,
+        threads=job.threads,
         observe=job.observe,
         recruit=job.recruit,
         shares=job.shares,
@@ -237,12 +258,7 @@ class JobManager:
         files: where each live job's submit message and checkpoints are kept, so that a
             restarted coordinator resumes it, and whose memory map of that message the job's
             inputs are (``None``: nowhere; it would not, and its inputs stay in memory).
-        policies: each client's share, quota and priority ceiling (by client name).
-        preempt_grace: seconds a preempted job has to checkpoint before it is stopped.
-        share_wait: seconds a job waits before it preempts for its client's fair share.
-        half_life: seconds after which a client's past use of workers counts half.
-        fifo: place jobs first come, first placed, as before fair shares (``--scheduler
-            fifo``): no priority, share, reservation, preemption or quota.
+        sharing: how the workers are shared between clients (:class:`Sharing`).
     """
 
     def __init__(
@@ -256,11 +272,7 @@ class JobManager:
         context_factory: ContextFactory = transport_context,
         max_queued_jobs: int | None = None,
         files: JobFiles | None = None,
-        policies: Callable[[str], ClientPolicy] = lambda client: ADMIN_POLICY,
-        preempt_grace: float = DEFAULT_PREEMPT_GRACE,
-        share_wait: float = DEFAULT_SHARE_WAIT,
-        half_life: float = DEFAULT_HALF_LIFE,
-        fifo: bool = False,
+        sharing: Sharing = Sharing(),
     ) -> None:
         self.store = store
         self.files = files
@@ -273,11 +285,11 @@ class JobManager:
         self._jobs: dict[str, _Job] = {}
         self._queue: list[str] = []
         self._recruits: list[_Recruit] = []  # served before the queue
-        self.policies = policies
-        self.preempt_grace = preempt_grace
-        self.share_wait = share_wait
-        self.fifo = fifo
-        self.usage = UsageLedger(half_life)
+        self.policies = sharing.policies
+        self.preempt_grace = sharing.preempt_grace
+        self.share_wait = sharing.share_wait
+        self.fifo = sharing.fifo
+        self.usage = UsageLedger(sharing.half_life)
         """Each client's decayed use of worker-time (fair share)."""
         self.waits: dict[str, Wait] = {}
         """Where each queued job stands, and why it waits, as the last pass found."""

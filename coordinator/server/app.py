@@ -50,7 +50,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.jobs.files import JobFiles
-from coordinator.jobs.manager import JobManager
+from coordinator.jobs.manager import JobManager, Sharing
 from coordinator.server.client_requests import ClientRequests
 from coordinator.server.clients import ConnectedClients
 from coordinator.server.config import SERVER, CoordinatorConfig
@@ -208,11 +208,13 @@ class Coordinator:
             observe=self.metrics.observe,
             max_queued_jobs=config.max_queued_jobs,
             files=files,
-            policies=config.policy,
-            preempt_grace=config.preempt_grace,
-            share_wait=config.share_wait,
-            half_life=config.usage_half_life,
-            fifo=config.scheduler == "fifo",
+            sharing=Sharing(
+                policies=config.policy,
+                preempt_grace=config.preempt_grace,
+                share_wait=config.share_wait,
+                half_life=config.usage_half_life,
+                fifo=config.scheduler == "fifo",
+            ),
         )
         for record in requeued:
             await jobs.requeue(record)
@@ -319,8 +321,8 @@ class Coordinator:
             ws,
             f"{path[1:]} {ws.remote_address}",
             None,
-            self.config.max_message_bytes,
-            self.config.max_inflight,
+            max_message_bytes=self.config.max_message_bytes,
+            max_inflight=self.config.max_inflight,
             bulk_gate=self._bulk_gate,
             budget=worker_shares.unasked if worker_shares else self.reassembly.clients,
             turns=self._turns,
@@ -412,8 +414,8 @@ class Coordinator:
                 hello.capabilities,
                 channel,
                 hello.datasets,
-                hello.peer_address,
-                _remote_host(channel.transport),
+                peer_address=hello.peer_address,
+                remote_host=_remote_host(channel.transport),
             )
         except DuplicateWorker as exc:
             await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]

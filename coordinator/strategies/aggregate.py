@@ -492,7 +492,7 @@ class _MeanLeaf(_Node):
         self.native = False  # summing in the leaf's own dtype (an Accumulator not precise)
 
     def check(self, path: Path, label: str, value: Tree, first: str) -> None:
-        _check_leaf(path, label, value, first, self.first, self.kind, self.shape)
+        _check_leaf(path, label, value, first, self.first, kind=self.kind, shape=self.shape)
 
     def fold(self, value: Tree, weight: float, acc: Accumulator) -> None:
         flat = to_numpy(value).reshape(-1)
@@ -545,7 +545,7 @@ class _SameLeaf(_Node):
         self.shape = leaf_shape(first)
 
     def check(self, path: Path, label: str, value: Tree, first: str) -> None:
-        _check_leaf(path, label, value, first, self.first, self.kind, self.shape)
+        _check_leaf(path, label, value, first, self.first, kind=self.kind, shape=self.shape)
         if self.kind is None:
             if not _equal(value, self.first):
                 raise AggregationError.at(
@@ -580,6 +580,7 @@ def _check_leaf(
     value: Any,
     first: str,
     first_value: Any,
+    *,
     kind: LeafKind | None,
     shape: tuple[int, ...],
 ) -> None:

@@ -135,6 +135,7 @@ class History:
         rows: Sequence[int],
         lrs: Sequence[float],
         bounds: StepBoundaries,
+        *,
         evaluate: Evaluate | None = None,
         metrics: Sequence[Sequence[tuple[Mapping[str, float], int]]] = (),
     ) -> None:

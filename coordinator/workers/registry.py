@@ -162,6 +162,7 @@ class Registry:
         capabilities: Capabilities,
         channel: Channel,
         datasets: Mapping[str, DatasetSummary] | None = None,
+        *,
         peer_address: str | None = None,
         remote_host: str | None = None,
     ) -> WorkerRecord:

@@ -66,6 +66,7 @@ class TransportContext(StrategyContext):
         job_id: str,
         workers: Sequence[WorkerRecord],
         timeout: float = DEFAULT_CALL_TIMEOUT,
+        *,
         threads: int | None = None,
         observe: Callable[[str, float], None] = lambda cmd, seconds: None,
         recruit: Callable[[float], Awaitable[WorkerRecord | None]] | None = None,

@@ -163,6 +163,7 @@ class Channel:
         transport: Transport,
         name: str,
         handler: Handler | None = None,
+        *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         reply_timeout: float = ERROR_REPLY_TIMEOUT,

@@ -113,7 +113,8 @@ class LocalCluster:
             and says so on stderr once: the job code is the user's own.
     """
 
-    def __init__(
+    # The SDK's public keyword API: each argument a documented keyword of its own.
+    def __init__(  # noqa: PLR0913
         self,
         state_dir: Path | None = None,
         *,

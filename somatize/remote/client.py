@@ -255,8 +255,9 @@ class Client:
 
     # -- requests ----------------------------------------------------------------------------
 
+    # The SDK's public keyword API: each argument a documented keyword of its own.
     @suggesting
-    def submit(
+    def submit(  # noqa: PLR0913
         self,
         graph: Graph,
         x: Any,

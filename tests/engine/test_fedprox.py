@@ -34,7 +34,7 @@ def _engine(module: torch.nn.Module, **options) -> Engine:
     return engine
 
 
-def _by_hand(module, x, y, mu: float, lr: float = 0.1, batch: int = 6, momentum: float = 0.0):
+def _by_hand(module, x, y, mu: float, lr: float = 0.1, batch: int = 6, *, momentum: float = 0.0):
     """One epoch of SGD on mse + mu/2 ||w - w0||^2, w0 the weights it starts from."""
     net = copy.deepcopy(module)
     w0 = [p.detach().clone() for p in net.parameters()]

@@ -21,7 +21,9 @@ member = GroupMember(torch.device("cpu"))
 secret = "ab" * 32
 for formation in range({LEAVES}):
     port = member.open_store(secret, "127.0.0.1", 10.0)
-    member.join("127.0.0.1", port, secret, f"{{formation}}/", "gloo", 0, 1, 10.0)
+    member.join(
+        "127.0.0.1", port, secret, f"{{formation}}/", backend="gloo", rank=0, world=1, timeout=10.0
+    )
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
     ddp = DistributedDataParallel(model)
     state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)

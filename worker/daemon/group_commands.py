@@ -75,10 +75,10 @@ class GroupCommands:
             req.port,
             req.secret,
             req.prefix,
-            req.backend,
-            req.rank,
-            req.world,
-            req.timeout,
+            backend=req.backend,
+            rank=req.rank,
+            world=req.world,
+            timeout=req.timeout,
         )
 
     def on_dist_plan(self, req: DistPlanRequest) -> dict[str, Any] | None:

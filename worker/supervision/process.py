@@ -273,6 +273,7 @@ def _exited(pid: int) -> bool:
 def spawn(
     argv: list[str],
     env: dict[str, str],
+    *,
     pass_fds: tuple[int, ...] = (),
     cgroups: CgroupParent | None = None,
     sandbox: Sandbox = NO_SANDBOX,

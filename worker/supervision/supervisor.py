@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import subprocess
@@ -125,6 +126,7 @@ class DaemonSupervisor:
     def __init__(
         self,
         python: str = sys.executable,
+        *,
         threads: int | None = None,
         env: Mapping[str, str] | None = None,
         default_timeout: float = 60.0,
@@ -443,14 +445,16 @@ class DaemonSupervisor:
                 else await _discarded_if_cancelled(
                     loop.run_in_executor(
                         None,
-                        spawn,
-                        argv,
-                        env,
-                        fds,
-                        self.cgroups,
-                        self.sandbox,
-                        self.limits.memory_bytes,
-                        self.nice,
+                        functools.partial(
+                            spawn,
+                            argv,
+                            env,
+                            pass_fds=fds,
+                            cgroups=self.cgroups,
+                            sandbox=self.sandbox,
+                            tmpfs_bytes=self.limits.memory_bytes,
+                            nice=self.nice,
+                        ),
                     ),
                     discard,
                 )

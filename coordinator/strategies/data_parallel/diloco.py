@@ -256,8 +256,8 @@ class CoordinatorSyncs:
                 self.steps_per_epoch,
                 (step, stop),
                 results,
-                self.history,
-                self.evaluate,
+                history=self.history,
+                evaluate=self.evaluate,
             )
             step = stop
         run.position.step = None

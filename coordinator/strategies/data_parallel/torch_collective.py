@@ -381,8 +381,8 @@ class TorchTraining:
             self.steps_per_epoch,
             (start, stop),
             results,
-            self.history,
-            self.evaluate,
+            history=self.history,
+            evaluate=self.evaluate,
         )
 
     def _all(self) -> list[int]:
@@ -417,6 +417,7 @@ async def chunk_progress(
     per_epoch: int,
     steps: tuple[int, int],
     results: Mapping[int, Any],
+    *,
     history: History | None,
     evaluate: Evaluate | None,
 ) -> None:
@@ -453,4 +454,6 @@ async def chunk_progress(
         | ({"lr": lrs[-1], "lrs": lrs} if lrs else {}),
     )
     if history is not None:
-        await history.steps(start, losses, batch_rows, lrs, bounds, evaluate, metrics)
+        await history.steps(
+            start, losses, batch_rows, lrs, bounds, evaluate=evaluate, metrics=metrics
+        )

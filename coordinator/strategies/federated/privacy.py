@@ -66,6 +66,7 @@ class DPFold(RoundFold):
         start: Tree,
         nodes: Sequence[str],
         clip: float,
+        *,
         update_noise: float,
         count_noise: float,
         selected: int,
@@ -156,7 +157,15 @@ class Privacy:
             count_noise = options.count_noise(selected)
         else:
             update_noise, count_noise = options.noise_multiplier, 0.0
-        return DPFold(start, nodes, self.clip, update_noise, count_noise, selected, self.rng)
+        return DPFold(
+            start,
+            nodes,
+            self.clip,
+            update_noise=update_noise,
+            count_noise=count_noise,
+            selected=selected,
+            rng=self.rng,
+        )
 
     def spent(self, fold: DPFold, selected: int, population: int) -> dict[str, Any]:
         """Close a round: the next clip (adaptive), the round's sampling rate into the

@@ -203,4 +203,4 @@ class TorchPipeline:
             rows = [sum(r) for r in last["rows"]]
             lrs = last.get("lrs") or []
             bounds = self.training.boundaries(steps_per_epoch)
-            await self.history.steps(start, losses, rows, lrs, bounds, self.evaluate)
+            await self.history.steps(start, losses, rows, lrs, bounds, evaluate=self.evaluate)

@@ -36,7 +36,7 @@ def test_attach_gives_an_id_and_keeps_it_across_reconnects():
     registry, changes = _registry()
     first = FakeChannel()
     mnist = {"mnist": DatasetSummary(rows=60)}
-    record = registry.attach(None, ["a", "b"], CAPS, first, mnist, "ws://h:1")
+    record = registry.attach(None, ["a", "b"], CAPS, first, mnist, peer_address="ws://h:1")
     assert record.id.startswith("w-") and len(record.id) == len("w-") + 6
     # Where other workers reach it: its announced peer address's host.
     assert record.identity == WorkerIdentity(

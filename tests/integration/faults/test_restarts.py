@@ -106,7 +106,9 @@ def test_diloco_on_the_torch_group_restarts_from_its_checkpoint_as_the_hand_loop
         c.send_signal(c.workers[victim], signal.SIGKILL)
         fitted = job.result(timeout=120 * UNIT)
         events = list(job.events())
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, epochs=EPOCHS)
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, epochs=EPOCHS
+    )
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-6)
     kinds = [e.event for e in events]

@@ -138,7 +138,7 @@ def test_a_diloco_job_outlives_a_sigkilled_coordinator_and_equals_an_undisturbed
         with sz.connect(c.url) as client:
             fitted = client.job(job.id, graph).result(timeout=120 * UNIT)
             events = list(client.job(job.id).events())
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=atol)
     placed = [e.data["collective"] for e in events if e.event == "placed"]

@@ -56,7 +56,7 @@ def _encoder() -> torch.nn.Module:
     )
 
 
-def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float, seen=None):
+def _adam_reference(module, x, y, epochs: int, batch_size: int, lr: float, *, seen=None):
     """Adam on cross-entropy over the batches in order: the plain loop; ``seen`` (an
     :func:`tests.training_reference.evaluation`) sees the model after each epoch."""
     net = copy.deepcopy(module)
@@ -223,7 +223,7 @@ def test_sharded_replicas_train_what_the_plain_loop_trains(tmp_path):
         assert {v["units"] for k, v in sharded.items() if k.startswith("w")} == {3}  # 2 layers
         seen_val: list[dict[str, float]] = []
         reference = _adam_reference(
-            _encoder(), xs, ys, 2, 16, 1e-2, evaluation(xs_val, ys_val, seen_val)
+            _encoder(), xs, ys, 2, 16, 1e-2, seen=evaluation(xs_val, ys_val, seen_val)
         )
         got = [row["val_loss"] for row in fitted.history]
         np.testing.assert_allclose(got, [s["val_loss"] for s in seen_val], rtol=0, atol=1e-5)

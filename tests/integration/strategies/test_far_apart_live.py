@@ -110,7 +110,16 @@ def test_diloco_validates_the_global_model_every_n_steps_on_the_torch_group(clie
     validations: list = []
     centred = (x[:64] - x.mean(0), y[:64])  # the Center filter's fitted mean
     expected, _ = diloco_by_hand(
-        x, y, "adam", 2, 3, 0.7, 0.9, validation=centred, validate_every=5, validations=validations
+        x,
+        y,
+        "adam",
+        2,
+        3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        validation=centred,
+        validate_every=5,
+        validations=validations,
     )
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
@@ -167,10 +176,12 @@ def test_diloco_compressed_pseudo_gradients_equal_the_hand_loop_compressing_alik
     strategy = sz.DiLoCo(2, 3, 0.7, 0.9, collective="torch", compression=compression)
     job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
     fitted = job.result(timeout=120 * UNIT)
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, compression=compression)
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, compression=compression
+    )
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
-    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     assert not torch.allclose(plain["2.weight"], expected["2.weight"], rtol=0, atol=1e-7)
     values = 6 * 16 + 16 + 16 * 3 + 3
     placed = placed_event(job)
@@ -194,7 +205,15 @@ def test_through_the_coordinator_both_legs_compressed_equal_the_hand_loops(clien
         fitted = star.result(timeout=120 * UNIT).states["mlp"][key]
         torch.testing.assert_close(torch.as_tensor(fitted), value, rtol=0, atol=1e-7)
     expected, _ = diloco_by_hand(
-        x, y, "adam", 2, 3, 0.7, 0.9, compression="int8", through="coordinator"
+        x,
+        y,
+        "adam",
+        2,
+        3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        compression="int8",
+        through="coordinator",
     )
     for key, value in expected.items():
         fitted = synced.result(timeout=120 * UNIT).states["mlp"][key]
@@ -280,10 +299,14 @@ def test_a_worker_killed_between_syncs_is_dropped_and_a_spare_joins_at_the_next(
     assert round_ >= 1 and joined.data["step"] == lost.data["step"]
     _as_one_of(
         fitted.states["mlp"],
-        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent={round_: {1}})[0],
+        diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, absent={round_: {1}})[
+            0
+        ],
         # killed just after its part in that round's synchronisation, it is missing from none:
         # the spare takes its place as the next round begins
-        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, replaced={round_ + 1: {1}})[0],
+        diloco_by_hand(
+            x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, replaced={round_ + 1: {1}}
+        )[0],
     )
     training = [e for e in events if e.event == "progress" and e.data["phase"] == "training"]
     assert [e.data["step"] for e in training] == syncs  # each round once, none waited for
@@ -348,7 +371,9 @@ def test_on_the_torch_group_a_crashed_daemon_rejoins_and_a_place_nobody_takes_st
     last = next(r for r, end in enumerate(syncs) if lost.data["step"] <= end)
     r1, r2 = lost.data["replica"], crashed.data["replica"]
     candidates = [
-        diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent, replaced=replaced)[0]
+        diloco_by_hand(
+            x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, absent=absent, replaced=replaced
+        )[0]
         for replaced, crash in (({}, {first: {r2}}), ({first + 1: {r2}}, {}))
         for end in (last, last + 1)
         for absent in [crash | {r: {r1} for r in range(end, len(syncs))}]
@@ -388,7 +413,7 @@ def test_four_replicas_go_on_at_once_when_one_dies_in_their_ring(tmp_path):
     _as_one_of(
         fitted.states["mlp"],
         *(
-            diloco_by_hand(x, y, "adam", 4, 3, 0.7, 0.9, absent=absent)[0]
+            diloco_by_hand(x, y, "adam", 4, 3, outer_lr=0.7, outer_momentum=0.9, absent=absent)[0]
             for start in (first, first + 1)
             for absent in [{r: {gone} for r in range(start, len(syncs))}]
         ),
@@ -427,6 +452,6 @@ def test_auto_trains_through_the_coordinator_for_workers_in_namespaces_that_cann
             ns.delete()
     assert placed.data["collective"] == "coordinator", placed.data
     assert "rendezvous" in placed.data["collective_reason"], placed.data
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)

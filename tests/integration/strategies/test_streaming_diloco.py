@@ -30,12 +30,14 @@ FRAGMENTS_OF_THE_MLP = [(0, 81), (81, 163)]
 of 81 and 82 values: the first weight's 96 values fall in both."""
 
 
-def streaming_by_hand(
+# A keyword of its own for each of Streaming DiLoCo's options.
+def streaming_by_hand(  # noqa: PLR0913
     x,
     y,
     replicas: int,
     every: int,
     fragments: list[tuple[int, int]],
+    *,
     overlap: int,
     mixing: float,
     outer_lr: float = 0.7,
@@ -138,8 +140,8 @@ def live(tmp_path_factory) -> Iterator[tuple[Cluster, sz.Client]]:
 
 def test_one_fragment_without_overlap_is_diloco_in_the_hand_loops_too():
     x, y = dataset()
-    streamed = streaming_by_hand(x, y, 2, 3, [(0, 163)], 0, 0.0)
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    streamed = streaming_by_hand(x, y, 2, 3, [(0, 163)], overlap=0, mixing=0.0)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     for key, value in expected.items():
         torch.testing.assert_close(streamed[key], value, rtol=0, atol=1e-6)
 
@@ -158,10 +160,10 @@ def test_fragments_synced_at_staggered_steps_equal_the_hand_loop(live, overlap, 
     job = client.submit(graph_for("adam", shuffle=True), x, y, strategy=strategy)
     fitted = job.result(timeout=120 * UNIT)
     placed = next(e for e in job.events(timeout=30 * UNIT) if e.event == "placed")
-    expected = streaming_by_hand(x, y, 2, 4, FRAGMENTS_OF_THE_MLP, overlap, mixing)
+    expected = streaming_by_hand(x, y, 2, 4, FRAGMENTS_OF_THE_MLP, overlap=overlap, mixing=mixing)
     for key, value in expected.items():
         torch.testing.assert_close(fitted.states["mlp"][key], value, rtol=0, atol=1e-5)
-    plain, _ = diloco_by_hand(x, y, "adam", 2, 4, 0.7, 0.9)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 4, outer_lr=0.7, outer_momentum=0.9)
     assert not torch.allclose(plain["0.weight"], expected["0.weight"], rtol=0, atol=1e-5)
     assert placed.data["collective"] == "torch"
     assert placed.data["fragments"] == 2 and placed.data["sync_bytes"] == 4 * 82
@@ -188,8 +190,8 @@ def test_validation_reads_the_global_model_without_synchronising(live):
         2,
         4,
         FRAGMENTS_OF_THE_MLP,
-        1,
-        0.5,
+        overlap=1,
+        mixing=0.5,
         validation=centred,
         reads=reads,
         validations=validations,

@@ -74,6 +74,7 @@ def reference_training(
     epochs: int = 3,
     batch_size: int = 32,
     shuffle: bool = False,
+    *,
     module: torch.nn.Module | None = None,
 ):
     """Single-process SGD on the global batches: ``batch_size`` rows at a time, in order or

@@ -29,12 +29,14 @@ from worker.daemon.main import Daemon
 STEPS = 3 * 7  # 3 epochs of ceil(203 / 32) steps; with sync_every=3: syncs after 3, 6, 9, 12...
 
 
-def diloco_by_hand(
+# A keyword of its own for each of DiLoCo's options and the faults a test plays.
+def diloco_by_hand(  # noqa: PLR0913
     x,
     y,
     optimizer: str,
     replicas: int,
     sync_every: int,
+    *,
     outer_lr: float,
     outer_momentum: float,
     epochs: int = 3,
@@ -246,7 +248,7 @@ def test_checkpoints_fall_on_synchronisations_and_a_resumed_run_ends_as_the_undi
     # The first synchronisation at or after each multiple of 5 (syncs: 3 6 9 12 15 18 21: H
     # counts over the run, and the run's end).
     assert [c["step"] for c in saved] == [6, 12, 15, 21]
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     _assert_states(straight, expected)
 
     for seq, position in store.positions("job")[:3]:  # from steps 6, 12 and 15
@@ -276,7 +278,9 @@ def test_a_replica_lost_between_syncs_is_dropped_from_that_average_and_its_place
     states, events = _run(options, "adam", spares=spares, losing={3: [1]})
     rounds = 7  # syncs after 3 6 9 12 15 18 21
     absent = {1: {1}} if spares else {r: {1} for r in range(1, rounds)}
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, absent=absent)
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, absent=absent
+    )
     _assert_states(states, expected)
     kinds = [kind for kind, _ in events]
     lost = events[kinds.index("worker_lost")][1]
@@ -318,10 +322,18 @@ def test_through_the_coordinator_compressed_pseudo_gradients_and_updates_equal_t
     )
     states, _ = _run(options, "adam")
     expected, _ = diloco_by_hand(
-        x, y, "adam", 2, 3, 0.7, 0.9, compression=compression, through="coordinator"
+        x,
+        y,
+        "adam",
+        2,
+        3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        compression=compression,
+        through="coordinator",
     )
     _assert_states(states, expected)
-    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)
+    plain, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)
     assert not torch.allclose(plain["2.weight"], expected["2.weight"], rtol=0, atol=1e-7)
 
 
@@ -332,7 +344,16 @@ def test_compressed_and_elastic_a_joining_replica_starts_with_no_residual():
     options = DiLoCoOptions(workers=2, sync_every=3, elastic=True, compression="int8")
     states, events = _run(options, "adam", spares=1, losing={3: [1]})
     expected, _ = diloco_by_hand(
-        x, y, "adam", 2, 3, 0.7, 0.9, absent={1: {1}}, compression="int8", through="coordinator"
+        x,
+        y,
+        "adam",
+        2,
+        3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        absent={1: {1}},
+        compression="int8",
+        through="coordinator",
     )
     _assert_states(states, expected)
     assert "worker_joined" in [kind for kind, _ in events]
@@ -344,7 +365,7 @@ def test_max_steps_stops_mid_epoch_after_a_synchronisation_as_the_hand_loop():
     x, y = dataset()
     options = DiLoCoOptions(workers=2, sync_every=3, collective="coordinator")
     states, events = _run(options, "adam", max_steps=16)
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, max_steps=16)
+    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, max_steps=16)
     _assert_states(states, expected)
     trained = next(d for e, d in events if e == "progress" and d.get("phase") == "trained")
     assert (trained["step"], trained["epochs"], len(trained["history"])) == (16, 3, 3)
@@ -359,12 +380,16 @@ def test_h_counts_over_the_run_and_epoch_ends_sync_only_when_asked():
     x, y = dataset()
     collective = "coordinator"
     over_run, events = _run(DiLoCoOptions(workers=2, sync_every=3, collective=collective), "adam")
-    _assert_states(over_run, diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9)[0])
+    _assert_states(
+        over_run, diloco_by_hand(x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9)[0]
+    )
     at_ends, _ = _run(
         DiLoCoOptions(workers=2, sync_every=3, collective=collective, sync_at_epoch_end=True),
         "adam",
     )
-    expected, _ = diloco_by_hand(x, y, "adam", 2, 3, 0.7, 0.9, sync_at_epoch_end=True)
+    expected, _ = diloco_by_hand(
+        x, y, "adam", 2, 3, outer_lr=0.7, outer_momentum=0.9, sync_at_epoch_end=True
+    )
     _assert_states(at_ends, expected)
     assert not torch.allclose(
         torch.as_tensor(over_run["mlp"]["2.weight"]), expected["2.weight"], rtol=0, atol=1e-6
@@ -391,8 +416,8 @@ def test_validate_every_synchronises_there_and_validates_the_global_model():
         "adam",
         2,
         3,
-        0.7,
-        0.9,
+        outer_lr=0.7,
+        outer_momentum=0.9,
         validation=centred,
         validate_every=5,
         validations=validations,

@@ -139,7 +139,7 @@ class HandAdam:
         return out
 
 
-def reference_rounds(data, rounds, epochs, select=None, server=None, mu=0.0, momentum=0.0):
+def reference_rounds(data, rounds, epochs, *, select=None, server=None, mu=0.0, momentum=0.0):
     """``[(w_r, loss_r, chosen_r)]`` for r = 1..rounds: each round, independent local trainings
     of the chosen workers from w_{r-1}, their row-weighted average, then ``server`` if any."""
     w = {k: v.detach().clone() for k, v in model().state_dict().items()}

@@ -158,7 +158,9 @@ def test_adaptive_clipping_splits_the_noise_between_update_and_count():
 def test_the_noise_is_gaussian_with_sigma_z_s_over_m():
     d, m, z, s = 40_000, 4, 1.5, 0.4
     start = {"lin": {"w": np.zeros(d, dtype=np.float64)}}
-    fold = DPFold(start, ["lin"], s, z, 0.0, m, np.random.default_rng(0))
+    fold = DPFold(
+        start, ["lin"], s, update_noise=z, count_noise=0.0, selected=m, rng=np.random.default_rng(0)
+    )
     for k in range(m):  # updates of zero: what comes out is the noise alone, over m
         fold.add(f"c{k}", {"rows": 1}, {"lin": {"w": np.zeros(d)}})
     noise = np.asarray(fold.result()[0]["lin"]["w"])
