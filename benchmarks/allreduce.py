@@ -298,6 +298,7 @@ def run_job(
     x: torch.Tensor,
     y: torch.Tensor,
     batch_size: int,
+    *,
     on_training: Callable[[dict[str, list[int]]], None] | None = None,
     collective: str = "coordinator",
 ) -> dict[str, Any]:

@@ -147,6 +147,7 @@ def run_pipeline(
     batch: int,
     micro: int,
     workers: tuple[str, str],
+    *,
     x: torch.Tensor,
     y: torch.Tensor,
     schedule: str = "gpipe",
@@ -224,6 +225,7 @@ def run_against_torch(
     micro: int,
     x: torch.Tensor,
     y: torch.Tensor,
+    *,
     steps: int,
     anchor_first: bool,
 ) -> dict[str, Any]:
@@ -241,10 +243,14 @@ def run_against_torch(
     """
 
     def ours() -> dict[str, Any]:
-        return run_pipeline(c, MLP_SIZES, MLP_BATCH, micro, DIRECT, x, y, schedule, "torch")
+        return run_pipeline(
+            c, MLP_SIZES, MLP_BATCH, micro, DIRECT, x=x, y=y, schedule=schedule, transport="torch"
+        )
 
     def anchor() -> dict[str, Any]:
-        return pipelining.run_anchor(procs, MLP_SIZES, MLP_BATCH, micro, schedule, steps, SEED, LR)
+        return pipelining.run_anchor(
+            procs, MLP_SIZES, MLP_BATCH, micro, schedule, steps, seed=SEED, lr=LR
+        )
 
     if anchor_first:
         theirs, job = anchor(), ours()
@@ -308,7 +314,7 @@ def run(
     ):
         for r in range(rounds):
             for path, workers in (("direct", DIRECT), ("relay", RELAY)):
-                job = run_pipeline(c, ACT_SIZES, ACT_BATCH, 1, workers, act_x, act_y)
+                job = run_pipeline(c, ACT_SIZES, ACT_BATCH, 1, workers, x=act_x, y=act_y)
                 times[f"act_{path}"] += intervals(job["stamps"])
                 linked[path] = job["linked"]
             single = {"sizes": list(ACT_SIZES), "threads": 1, "batch": ACT_BATCH}
@@ -316,7 +322,7 @@ def run(
             times["act_single"] += intervals(run_torch(procs, "train", single)[1:])
             times["act_ws"] += time_websockets(procs, act_bytes, reps)["ws_1_client"]
             for m in MICRO_BATCHES:
-                job = run_pipeline(c, MLP_SIZES, MLP_BATCH, m, DIRECT, mlp_x, mlp_y)
+                job = run_pipeline(c, MLP_SIZES, MLP_BATCH, m, DIRECT, x=mlp_x, y=mlp_y)
                 times[f"mlp_m{m}"] += intervals(job["stamps"])
             single = {"sizes": list(MLP_SIZES), "threads": 1, "batch": MLP_BATCH}
             single |= {"steps": total, "lr": LR}
@@ -325,7 +331,14 @@ def run(
                 (s, m) for s in SCHEDULES for m in TORCH_MICRO_BATCHES
             ):
                 pair = run_against_torch(
-                    c, procs, schedule, m, pipe_x, pipe_y, pipe_steps, (k + r) % 2 == 1
+                    c,
+                    procs,
+                    schedule,
+                    m,
+                    pipe_x,
+                    pipe_y,
+                    steps=pipe_steps,
+                    anchor_first=(k + r) % 2 == 1,
                 )
                 against[(schedule, m)].append(pair)
     foreign = foreign_cores(start, cpu_snapshot())

@@ -32,6 +32,7 @@ def scenario_main(
     scenarios: Mapping[str, Any],
     run: Run,
     render: Render,
+    *,
     argv: list[str] | None,
     keep_help: str,
 ) -> int:

@@ -119,6 +119,7 @@ def run_anchor(
     micro: int,
     schedule: str,
     steps: int,
+    *,
     seed: int,
     lr: float,
 ) -> dict[str, Any]:

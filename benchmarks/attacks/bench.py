@@ -160,6 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         SCENARIOS,
         run,
         render,
-        argv,
-        "keep the cluster's state and logs in DIR",
+        argv=argv,
+        keep_help="keep the cluster's state and logs in DIR",
     )

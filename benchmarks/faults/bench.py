@@ -201,6 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         SCENARIOS,
         run,
         _render,
-        argv,
-        "keep the clusters' state and logs in DIR",
+        argv=argv,
+        keep_help="keep the clusters' state and logs in DIR",
     )

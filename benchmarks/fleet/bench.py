@@ -156,6 +156,7 @@ async def _coordinator_side(
     pid: int,
     n: int,
     batch: int,
+    *,
     hold: float,
     state_bytes: int,
     heartbeat: float = HEARTBEAT_INTERVAL,
@@ -260,6 +261,7 @@ async def _anchor_side(
     n: int,
     batch: int,
     hold: float,
+    *,
     state_bytes: int,
     heartbeat: float = HEARTBEAT_INTERVAL,
 ) -> dict[str, Any]:
@@ -346,7 +348,15 @@ def run(
             client.ping()
             results["coordinator"] = uvloop.run(
                 _coordinator_side(
-                    procs, client, url, coordinator.pid, n, batch, hold, state_bytes, heartbeat
+                    procs,
+                    client,
+                    url,
+                    coordinator.pid,
+                    n,
+                    batch,
+                    hold=hold,
+                    state_bytes=state_bytes,
+                    heartbeat=heartbeat,
                 )
             )
         if (code := coordinator.poll()) is not None:
@@ -360,7 +370,13 @@ def run(
         procs.wait_for(lambda: port_open(anchor_port), 30, "the anchor to listen")
         results["anchor"] = uvloop.run(
             _anchor_side(
-                f"ws://127.0.0.1:{anchor_port}", anchor.pid, n, batch, hold, state_bytes, heartbeat
+                f"ws://127.0.0.1:{anchor_port}",
+                anchor.pid,
+                n,
+                batch,
+                hold,
+                state_bytes=state_bytes,
+                heartbeat=heartbeat,
             )
         )
     return results

@@ -446,6 +446,7 @@ def churned(
     strategy: Any,
     work: Workload,
     churn: Churn,
+    *,
     homes: dict[str, int],
 ) -> Curve:
     """``strategy`` on ``work`` through ``c``, its last replica's worker SIGKILLed and a new
@@ -532,7 +533,7 @@ def run(plan: Plan, directory: Path) -> dict[str, Any]:
                 elastic = sz.DiLoCo(n, sync_every=SYNC_EVERY, elastic=True, collective=collective)
                 churn = Churn(kill, join, joiner, said["pace"], said["setup"])
                 name = f"ours: DiLoCo elastic ({collective})"
-                curves[name] = churned(c, sites, name, elastic, longer, churn, homes)
+                curves[name] = churned(c, sites, name, elastic, longer, churn, homes=homes)
         sites.ensure_running()
     with our_cluster(None, n, directory / "loopback") as c:
         paces["DiLoCo on loopback"] = per_step(c, diloco, plan.pace)

@@ -71,7 +71,7 @@ def test_rows_hold_ours_on_torch_to_the_anchor() -> None:
 def test_the_anchor_trains_in_two_processes(tmp_path: Path, schedule: str) -> None:
     sizes, steps = (12, 32, 16, 4), 6
     with Processes(tmp_path) as procs:
-        result = pipelining.run_anchor(procs, sizes, 16, 4, schedule, steps, 0, 0.5)
+        result = pipelining.run_anchor(procs, sizes, 16, 4, schedule, steps, seed=0, lr=0.5)
         assert all(proc.poll() is not None for proc in procs.procs.values())
     assert len(result["times"]) == steps + 1
     assert result["times"] == sorted(result["times"])
