@@ -16,6 +16,8 @@ each a class of its own that is handed the collaborators it uses:
 * :attr:`Engine.fitting` — fit, forward, and ``batched_fit``, which trains a chain with the one
   training loop (:mod:`engine.fitting`, :mod:`engine.training`);
 * :attr:`Engine.gradients` — reading and applying gradients (:mod:`engine.gradients`);
+* :attr:`Engine.star_replica` — a data-parallel replica's step when the coordinator averages
+  the gradients (:mod:`engine.data_parallel.star_replica`);
 * :attr:`Engine.stage` — the nodes as one stage of a pipeline, driven by calls
   (:mod:`engine.pipeline.stage`);
 * :attr:`Engine.group` — membership of a torch.distributed group (:mod:`engine.group_member`),
@@ -37,6 +39,7 @@ import torch
 
 from engine.batches import num_rows
 from engine.data_parallel.replica import Replica
+from engine.data_parallel.star_replica import StarReplica
 from engine.evaluation import Evaluation
 from engine.fitting import FitResult, FitSettings, Fitting
 from engine.gradients import Gradients
@@ -79,6 +82,9 @@ class Engine:
         self.stage = PipelineStage(self.nodes, self.optimizers)
         self.group = GroupMember(self.device)
         self.replica = Replica(self.nodes, self.optimizers, self.rows, self.group)
+        self.star_replica = StarReplica(
+            self.nodes, self.optimizers, self.rows, self.fitting, self.gradients
+        )
         self.linked_stage = LinkedStage(
             self.nodes, self.optimizers, self.rows, self.stage, self.group
         )

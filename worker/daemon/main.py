@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from engine.data.datasets import load_dataset
 from engine.devices import resolve_device
-from engine.engine import Engine, FitSettings, is_differentiable
+from engine.engine import Engine, FitSettings
 from engine.errors import EngineError
 from engine.stepping import Horizon
 from protocol.asyncio.memory import keep_freed_memory
@@ -269,30 +269,7 @@ class Daemon:
         return {"rows": self.engine.rows.hold(req.name, x, y)}
 
     def on_gradients(self, req: GradientsRequest) -> dict[str, Any]:
-        if req.apply is not None:  # finish the previous step first: one round trip per step
-            self.engine.gradients.apply_gradients(req.apply, epoch_end=req.apply_ends_epoch)
-        if req.buffers is not None:  # replica 0's, as DDP broadcasts them before a forward
-            self.engine.nodes.set_buffers(req.buffers)
-        x, y = self.engine.rows.of(req)
-        result = self.engine.fitting.gradient_pass(req.node_ids, x, y, seed=req.seed)
-        if req.data is not None and req.read_next is not None:  # read while the mean is made
-            self.engine.rows.read_next(req.data, req.read_next)
-        torch_nodes = [n for n in req.node_ids if is_differentiable(self.engine.nodes.filter(n))]
-        gradients: dict[str, Any] = self.engine.gradients.get_gradients(torch_nodes)
-        if req.compression is not None:  # (with this replica's int8 residual)
-            gradients = self.engine.gradients.sent(gradients, req.compression)
-        reply = {
-            "loss": result.loss,
-            "rows": result.rows,
-            # what this step's update will take
-            "lr": self.engine.optimizers.learning_rate(torch_nodes),
-            "gradients": gradients,
-        }
-        if result.metrics:  # a step function's, each the mean over this replica's rows
-            reply["metrics"] = result.metrics
-        if req.return_buffers:
-            reply["buffers"] = self.engine.nodes.get_buffers(torch_nodes)
-        return reply
+        return self.engine.star_replica.step(req)
 
     def on_evaluate(self, req: EvaluateRequest) -> dict[str, Any]:
         with self.engine.replica.global_weights():  # (a DiLoCo replica's: the global model)

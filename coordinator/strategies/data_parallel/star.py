@@ -4,7 +4,9 @@ The path for replicas that cannot reach each other (behind NAT, across sites), w
 the only way: per step each replica computes the gradient of its slice, the coordinator takes
 their mean weighted by slice size (Goyal et al. 2017: the gradient of the global batch's mean
 loss), and every replica applies that mean with its own persistent optimizer. A step's mean
-travels with the next step's request, so a step is one round trip.
+travels with the next step's request, so a step is one round trip. A replica's half of a step —
+the mean applied, forward, loss, backward, its gradients read — is
+:meth:`engine.data_parallel.star_replica.StarReplica.step`.
 
 The exchange is streamed, not stored and forwarded
 (:mod:`~coordinator.strategies.data_parallel.mean_fold`): the mean is folded range by range as the
