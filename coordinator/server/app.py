@@ -10,9 +10,12 @@
 makes its collaborators: the workers (:class:`~coordinator.workers.registry.Registry`), the jobs
 (:class:`~coordinator.jobs.manager.JobManager`, over the store it opens at
 :meth:`Coordinator.start`), the HTTP side (:class:`~coordinator.server.http.HttpEndpoints`) and
-the clients' requests (:class:`~coordinator.server.client_requests.ClientRequests`), each given
-what it uses. What runs when a worker connects is here: its hello read, its identity key checked,
-its record attached in the registry, its heartbeats and relayed tensors served.
+the workers' sessions (:class:`~coordinator.server.worker_sessions.WorkerSessions`) and the
+clients' requests (:class:`~coordinator.server.client_requests.ClientRequests`), each given what
+it uses. Here each connection is read up to its hello and routed: a ``/worker`` one to its
+session (:mod:`coordinator.server.worker_sessions`: its identity key checked, its record attached
+in the registry, its heartbeats and relayed tensors served), a ``/client`` one to the clients'
+requests.
 
 Limits (each breach is a typed error reply or a refusal with its reason, never a stuck loop or
 an unbounded buffer): a connection is *pending* from its TCP accept until its hello is read; it
@@ -34,7 +37,8 @@ jobs a previous process left running), the server and the background tasks; :met
 waits; :meth:`stop` drains — it stops accepting jobs, gives running jobs a grace period, fails what
 is left with the reason, tells workers it is going, closes connections and the store.
 
-This module and :mod:`coordinator.server.http` are the only ones of the coordinator that import
+This module, :mod:`coordinator.server.http` and :mod:`coordinator.server.worker_sessions` (whose
+challenge a ``/worker`` upgrade's answer carries) are the only ones of the coordinator that import
 ``websockets``; the rest sees :class:`~protocol.asyncio.channel.Channel` objects.
 """
 
@@ -58,42 +62,24 @@ from coordinator.server.http import HttpEndpoints
 from coordinator.server.metrics import Metrics
 from coordinator.server.pending import PendingConnections
 from coordinator.server.reassembly_shares import ReassemblyShares
+from coordinator.server.worker_sessions import WorkerSessions
 from coordinator.storage.disk import private_directory
 from coordinator.storage.kept_files import piece_bytes
 from coordinator.storage.store import JobState, JobStore
-from coordinator.workers.registry import DuplicateWorker, Registry, WorkerRecord
+from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
 from protocol.asyncio.handshake import receive_hello, refuse_hello
 from protocol.asyncio.landing import Landing
 from protocol.asyncio.turns import TurnGate
 from protocol.asyncio.websocket import WS_MAX_SIZE, ws_options
 from protocol.chunking import frame_buffer
-from protocol.errors import (
-    BadMessage,
-    ChannelClosed,
-    ErrorCode,
-    RemoteError,
-    RequestRefused,
-    UnexpectedHello,
-    VersionMismatch,
-)
-from protocol.messages import (
-    Ack,
-    ClientHello,
-    Deliver,
-    Shutdown,
-    Welcome,
-    WorkerHello,
-    sandboxed,
-)
-from protocol.security.identity_proof import fingerprint, verified
+from protocol.errors import BadMessage, ChannelClosed, ErrorCode, UnexpectedHello, VersionMismatch
+from protocol.messages import ClientHello, Shutdown, Welcome, WorkerHello
 
 __all__ = ["WS_MAX_SIZE", "Coordinator", "connection_class_counted_in"]
 
 log = logging.getLogger(__name__)
 
-RELAY_TIMEOUT = 60.0
-"""Seconds a worker has to take a relayed tensor into its mailbox."""
 SENDS_PER_TURN = 32
 """Messages over 16 KiB the coordinator starts sending per turn of its event loop, over all its
 connections (:class:`~protocol.asyncio.turns.TurnGate`): a round's model sent to 10,000 workers
@@ -108,11 +94,6 @@ keeps ~16 MB in send buffers, not 1 GB, and heartbeats and pings do not wait beh
 class Coordinator:
     """The coordinator daemon, configured by ``config`` (see
     :class:`~coordinator.server.config.CoordinatorConfig`).
-
-    A worker's hello for an id its operator chose carries the agent's identity key: the first
-    one enrols the id (the store keeps the key's SHA-256), and a later hello for that id with
-    another key, or none, is refused ``unauthorized`` — a worker token alone cannot take over
-    another worker's id.
 
     Attributes:
         config: the settings it was made with.
@@ -151,11 +132,11 @@ class Coordinator:
         self.store: JobStore | None = None
         self.jobs: JobManager | None = None
         self._http: HttpEndpoints | None = None
+        self._worker_sessions: WorkerSessions | None = None
         self._client_requests: ClientRequests | None = None
         self._server: Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: set[Channel] = set()
-        self._closing: set[asyncio.Task[None]] = set()  # connections of reaped workers
         self._bulk_gate = asyncio.Semaphore(BULK_SENDS)
         self._turns = TurnGate(SENDS_PER_TURN)
         self._stopped = asyncio.Event()
@@ -229,13 +210,20 @@ class Coordinator:
             clients=self.clients,
             channels=self._channels,
         )
+        self._worker_sessions = worker_sessions = WorkerSessions(
+            config,
+            registry=self.registry,
+            store=store,
+            metrics=self.metrics,
+            reassembly=self.reassembly,
+        )
         self._server = await serve(
             self._connection,
             config.host,
             self.port,
             ssl=config.tls,
             process_request=self._http.process_request,
-            process_response=self._http.process_response,
+            process_response=worker_sessions.process_response,  # a /worker upgrade's challenge
             create_connection=connection_class_counted_in(self.pending),
             server_header=SERVER,
             **ws_options(
@@ -247,7 +235,7 @@ class Coordinator:
         self.port = self._server.sockets[0].getsockname()[1] if self.port == 0 else self.port
         self._tasks = [
             asyncio.create_task(jobs.place_forever(), name="job placement"),
-            asyncio.create_task(self._reap_forever(), name="heartbeat reaper"),
+            asyncio.create_task(worker_sessions.reap_forever(), name="heartbeat reaper"),
             asyncio.create_task(jobs.owed_ends.pay_forever(), name="owed job ends"),
             asyncio.create_task(jobs.pruning.retain_forever(config.retention), name="retention"),
         ]
@@ -292,25 +280,6 @@ class Coordinator:
         self._stopped.set()
         log.info("coordinator stopped")
 
-    async def _reap_forever(self) -> None:
-        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
-        loop = asyncio.get_running_loop()
-        while True:
-            woke = loop.time() + period
-            await asyncio.sleep(period)
-            if loop.time() - woke > period:
-                # The loop itself was held up (importing torch for a first job, a long fold):
-                # the heartbeats that waited meanwhile are read before anyone is judged silent.
-                continue
-            for record in self.registry.reap():
-                log.warning("worker %s lost: %s", record.id, record.reason)
-                if record.channel is not None:
-                    # Not awaited: over a dead link the closing handshake takes its whole
-                    # timeout, and the next silent worker must not wait for it to be reaped.
-                    task = asyncio.ensure_future(record.channel.close(4000, "heartbeat timeout"))
-                    self._closing.add(task)
-                    task.add_done_callback(self._closing.discard)
-
     # -- connections ---------------------------------------------------------------------------
 
     async def _connection(self, ws: ServerConnection) -> None:
@@ -337,7 +306,8 @@ class Coordinator:
             if hello is None:
                 return
             if isinstance(hello, WorkerHello):
-                await self._serve_worker(channel, hello)
+                assert self._worker_sessions is not None  # made by start(), before any connection
+                await self._worker_sessions.serve(channel, hello)
             else:
                 await self._serve_client(channel, hello)
         except (ConnectionClosed, ChannelClosed) as exc:  # the peer went: nothing to answer
@@ -380,151 +350,6 @@ class Coordinator:
     async def _refuse(self, ws: ServerConnection, code: ErrorCode, message: str) -> None:
         log.info("refused %s: %s", ws.remote_address, message)
         await refuse_hello(ws, code, message, self.config.handshake_timeout)
-
-    async def _serve_worker(self, channel: Channel, hello: WorkerHello) -> None:
-        enrolled = self.config.enrolled
-        if enrolled and hello.worker_id not in enrolled:
-            who = "a worker without --id" if hello.worker_id is None else f"{hello.worker_id!r}"
-            message = (
-                f"{who} is not enrolled on this coordinator: its operator enrolls a worker id "
-                "with somatize-coordinator --enroll ID"
-            )
-            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
-            return
-        if self.config.require_sandbox and not sandboxed(hello.capabilities):
-            said = hello.capabilities.sandbox or "no sandbox said"
-            message = (
-                f"this coordinator runs job code sandboxed only (--require-sandbox), and this "
-                f"worker runs it with {said!r}: start it with --sandbox auto, bwrap or uid"
-            )
-            await self._refuse(channel.transport, ErrorCode.UNAUTHORIZED, message)  # type: ignore[arg-type]
-            return
-        if hello.worker_id is not None:
-            assert self._http is not None  # made by start(), before any connection
-            transport: Any = channel.transport
-            issued: str | None = self._http.challenges.pop(transport, None)
-            problem = await self._identity_problem(hello, issued)
-            if problem is not None:
-                await self._refuse(transport, ErrorCode.UNAUTHORIZED, problem)
-                return
-        try:
-            record = self.registry.attach(
-                hello.worker_id,
-                hello.tags,
-                hello.capabilities,
-                channel,
-                hello.datasets,
-                peer_address=hello.peer_address,
-                remote_host=_remote_host(channel.transport),
-            )
-        except DuplicateWorker as exc:
-            await self._refuse(channel.transport, ErrorCode.BAD_REQUEST, str(exc))  # type: ignore[arg-type]
-            return
-        channel.name = f"worker {record.id}"
-        shares = self.reassembly.of_worker(record.id)  # over all its connections
-        channel.budget, channel.reply_budget = shares.unasked, shares.replies
-        channel.handler = lambda message: self._on_worker_message(record, message)
-        await channel.reply(
-            hello,
-            Welcome(
-                worker_id=record.id,
-                heartbeat_interval=self.config.heartbeat_interval,
-                heartbeat_timeout=self.config.heartbeat_timeout,
-                server=SERVER,
-            ),
-        )
-        log.info(
-            "worker %s connected (tags %s, %s cpus)",
-            record.id,
-            sorted(record.tags),
-            record.capabilities.cpus,
-        )
-        try:
-            await channel.run()
-        finally:
-            self.registry.detach(record, channel, channel.close_reason or "disconnected")
-            log.info("worker %s disconnected: %s", record.id, channel.close_reason)
-
-    async def _identity_problem(self, hello: WorkerHello, issued: str | None) -> str | None:
-        """Why a hello for an id its operator chose may not register (``None``: it may): it
-        proves no key or another than the id enrolled with, or its proof does not verify
-        against its connection's challenge ``issued`` (:mod:`protocol.security.identity_proof`). An
-        id not enrolled yet is enrolled now with the key it proves (trust on first use)."""
-        assert self.store is not None and hello.worker_id is not None
-        worker_id = hello.worker_id
-        other_key = (
-            f"worker id {worker_id!r} is enrolled with another identity key: a worker "
-            "registers only under its own id (if that machine lost its --identity-file, run "
-            f"the coordinator once with --forget-worker {worker_id})"
-        )
-        if hello.public_key is None:
-            if worker_id in self.config.enrolled:  # enrolled ids prove their key, always
-                return (
-                    f"worker id {worker_id!r} is enrolled on this coordinator and proves no "
-                    "identity key: start it with --id and its --identity-file"
-                )
-            enrolled = await asyncio.to_thread(self.store.is_enrolled, worker_id)
-            return other_key if enrolled else None
-        if (
-            issued is None
-            or hello.proof is None
-            or not verified(hello.public_key, hello.proof, issued, worker_id)
-        ):
-            return f"worker id {worker_id!r}: its hello does not prove its identity key"
-        known = await asyncio.to_thread(
-            self.store.identify, worker_id, fingerprint(hello.public_key)
-        )
-        return None if known else other_key
-
-    async def _on_worker_message(self, record: WorkerRecord, message: Any) -> Any:
-        if message.kind == "heartbeat":
-            self.registry.heartbeat(record)
-            return None
-        if message.kind == "deliver":
-            return await self._relay(record, message)
-        raise RequestRefused.of(
-            ErrorCode.BAD_REQUEST, f"the coordinator takes no {message.kind!r} from a worker"
-        )
-
-    async def _relay(self, sender: WorkerRecord, message: Deliver) -> Ack:
-        """Forward a tensor between two workers of the same job with no direct link: the payload
-        stays an opaque frame (its tensors are not decoded here), and the receiver learns who
-        sent it from the connection it came on, not from the message.
-
-        Raises:
-            RequestRefused: the sender is not on that job, the target is not a connected worker
-                of it, or the target refused it or did not answer within ``RELAY_TIMEOUT``.
-        """
-        job_id = message.job_id
-        if job_id not in sender.jobs:
-            raise RequestRefused.of(
-                ErrorCode.BAD_REQUEST,
-                f"worker {sender.id} is not on job {job_id!r}: nothing is relayed for it",
-            )
-        target = self.registry.get(message.to)
-        if target is None or job_id not in target.jobs or target.channel is None:
-            raise RequestRefused.of(
-                ErrorCode.WORKER_LOST,
-                f"relay for job {job_id!r}: worker {message.to!r} is not a connected worker "
-                "of the job",
-                job_id=job_id,
-                to=message.to,
-            )
-        forwarded = message.model_copy(update={"sender": sender.id})
-        try:
-            await target.channel.request(forwarded, RELAY_TIMEOUT)  # request() gives it a new id
-        except RemoteError as exc:
-            raise RequestRefused(exc.info) from None
-        except (ChannelClosed, TimeoutError) as exc:
-            why = "its connection closed" if isinstance(exc, ChannelClosed) else "no answer"
-            raise RequestRefused.of(
-                ErrorCode.WORKER_LOST,
-                f"relay of {message.key!r} to worker {message.to} for job {job_id!r} failed: {why}",
-                job_id=job_id,
-                to=message.to,
-            ) from None
-        self.metrics.relayed += len(message.payload)
-        return Ack()
 
     async def _serve_client(self, channel: Channel, hello: ClientHello) -> None:
         channel.name = f"client {hello.name or channel.name}"
@@ -580,11 +405,3 @@ def connection_class_counted_in(pending: PendingConnections) -> type[ServerConne
             super().connection_lost(exc)
 
     return Counted
-
-
-def _remote_host(transport: object) -> str | None:
-    """The address a connection came from (``None`` when the transport does not say)."""
-    address = getattr(transport, "remote_address", None)
-    if isinstance(address, tuple) and address and isinstance(address[0], str):
-        return address[0]
-    return None

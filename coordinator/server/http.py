@@ -9,7 +9,9 @@
   ``public_status`` (a cancel always does);
 * an upgrade to ``/worker`` or ``/client`` is checked here before any message is read: its bearer
   token (in constant time) first, then ``503`` beyond ``max_pending_connections`` upgrades with
-  a valid token still waiting for their hello (sockets without one lock nobody out).
+  a valid token still waiting for their hello (sockets without one lock nobody out). A
+  ``/worker`` upgrade's answer then carries the challenge its hello signs: that, and the rest
+  of a worker's session, is :mod:`coordinator.server.worker_sessions`.
 
 :class:`HttpEndpoints` takes what it reads: the settings, the workers, the jobs, the counters,
 the pending connections, the clients by connection and the open channels.
@@ -23,7 +25,6 @@ import hmac
 import http
 import logging
 import math
-import weakref
 from collections.abc import Set
 from typing import Any
 
@@ -46,7 +47,6 @@ from coordinator.server.status import (
 )
 from coordinator.workers.registry import Registry
 from protocol.asyncio.channel import Channel
-from protocol.security.identity_proof import CHALLENGE_HEADER, challenge
 
 __all__ = ["HttpEndpoints", "authorized", "offered"]
 
@@ -90,24 +90,6 @@ class HttpEndpoints:
         self.channels = channels
         self._worker_token = config.worker_token
         self._client_tokens = config.clients
-        self.challenges: weakref.WeakKeyDictionary[ServerConnection, str] = (
-            weakref.WeakKeyDictionary()
-        )
-        """The challenge each ``/worker`` connection's hello must sign."""
-
-    def process_response(
-        self, connection: ServerConnection, request: Request, response: Response
-    ) -> Response:
-        """A ``/worker`` upgrade's answer carries a fresh challenge the worker's hello signs
-        (:mod:`protocol.security.identity_proof`), kept for its connection; ``websockets``'
-        ``process_response`` hook."""
-        if response.status_code == http.HTTPStatus.SWITCHING_PROTOCOLS and (
-            request.path.split("?", 1)[0] == "/worker"
-        ):
-            issued = challenge()
-            self.challenges[connection] = issued
-            response.headers[CHALLENGE_HEADER] = issued
-        return response
 
     async def process_request(
         self, connection: ServerConnection, request: Request

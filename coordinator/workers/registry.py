@@ -5,9 +5,10 @@ coordinator gave it the first time. A record outlives its connection (state ``lo
 ``offline``) so that a worker coming back is the same worker, and ``somatize status`` can show
 what happened to it.
 
-Liveness is the heartbeat: :meth:`Registry.reap` (called periodically by the server) declares a
-worker silent for longer than the heartbeat timeout ``lost`` and closes its connection, which
-fails every command waiting on it — so a job learns within the timeout, not never.
+Liveness is the heartbeat: :meth:`Registry.reap` (called periodically by the server,
+:meth:`~coordinator.server.worker_sessions.WorkerSessions.reap_forever`) declares a worker
+silent for longer than the heartbeat timeout ``lost``, and the server closes its connection,
+which fails every command waiting on it — so a job learns within the timeout, not never.
 """
 
 from __future__ import annotations
