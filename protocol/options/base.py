@@ -3,10 +3,15 @@ refusal carries (its words: :mod:`protocol.options.refusals`).
 
 Every option a job may ask for is a field of one frozen pydantic model (:class:`Options`), the
 one definition the SDK builds (``somatize`` subclasses the models), the wire carries and the
-coordinator reads. A model's rules live in its ``_check``, which gets the raw fields and raises a
-``ValueError`` in the rule's own words (``tag must be a non-empty string or None, not 3``);
-whoever asked (:class:`Caller`) only decides whose name prefixes it: the SDK class's
-(``Local: tag must ...``) or the strategy's as it travels (``local: tag must ...``).
+coordinator reads. Each option's rule is declared on its field (:class:`Rule`, or one of the
+annotated types built with it: :data:`PositiveInt`, :data:`Seconds`, :data:`Selector`...) and
+gets the value as given, before pydantic's own validation, so that nothing is coerced (``"3"``
+is not 3, ``1`` is not ``True``); what spans several options is a model validator of the model
+that takes them (``model_validator(mode="after")``: it sees the options once each has passed
+its rule). A rule raises a ``ValueError`` in its own words (``tag must be a non-empty string or
+None, not 3``); whoever asked (:class:`Caller`) only decides whose name prefixes it: the SDK
+class's (``Local: tag must ...``) or the strategy's as it travels (``local: tag must ...``).
+Where several options are wrong, the first in the model's field order is refused.
 
 The parts a strategy takes by name — a server optimizer, a robust aggregator, a privacy
 mechanism, secure aggregation — are models too (:class:`NamedOptions`): in Python the model
@@ -16,20 +21,21 @@ itself, on the wire ``{"name": ..., parameter: value}`` (:func:`part`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import FrozenInstanceError
 from enum import StrEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    GetCoreSchemaHandler,
     ValidationError,
     ValidationInfo,
     model_serializer,
     model_validator,
 )
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined, core_schema
 
 from protocol.options.devices import is_device
 from protocol.options.refusals import named_by, prefixed
@@ -38,12 +44,21 @@ __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_RESTART_TIMEOUT",
     "KEEP_ON_SUCCESS",
+    "AboveZero",
+    "Boolean",
     "Caller",
     "CheckpointOptions",
+    "Decay",
+    "DeviceName",
     "Form",
     "NamedOptions",
     "Options",
+    "Part",
+    "PositiveInt",
     "RestartOptions",
+    "Rule",
+    "Seconds",
+    "Selector",
     "StrategyOptions",
     "T",
     "above_zero",
@@ -52,15 +67,21 @@ __all__ = [
     "count",
     "decay",
     "device",
+    "finite_positive",
+    "form_of",
     "from_spec",
+    "integer",
     "is_finite",
     "named",
     "named_by",
+    "number_in",
+    "one_of",
     "parse",
     "part",
     "positive_int",
     "prefixed",
     "real",
+    "real_in",
     "seconds",
     "selector",
 ]
@@ -84,11 +105,15 @@ _FORM = "form"
 """The validation context's key for the :class:`Form`."""
 
 
-def _form(info: ValidationInfo) -> Form:
+def form_of(info: ValidationInfo) -> Form:
+    """How the options being validated are given (:class:`Form`; the wire unless told)."""
     return Form((info.context or {}).get(_FORM, Form.WIRE))
 
 
 # -- the rules every model may use ---------------------------------------------------------------
+#
+# Each is ``rule(key, value, *args)``: ``value`` as the field holds it, or a ``ValueError`` in
+# the rule's words, naming the option ``key``. A field declares its rule with :class:`Rule`.
 
 
 def selector(key: str, value: object) -> str | None:
@@ -106,22 +131,30 @@ def device(key: str, value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _integer(value: object) -> bool:
+def integer(value: object) -> bool:
+    """Whether ``value`` is an integer (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def positive_int(key: str, value: object) -> int:
     """An integer >= 1 (not a bool)."""
-    if not _integer(value) or value < 1:  # type: ignore[operator]
+    if not integer(value) or value < 1:  # type: ignore[operator]
         raise ValueError(f"{key} must be a positive integer, not {value!r}")
     return value  # type: ignore[return-value]
 
 
 def count(key: str, value: object, least: int) -> int:
     """An integer >= ``least`` (not a bool)."""
-    if not _integer(value) or value < least:  # type: ignore[operator]
+    if not integer(value) or value < least:  # type: ignore[operator]
         raise ValueError(f"{key} must be an integer >= {least}, not {value!r}")
     return value  # type: ignore[return-value]
+
+
+def one_of(key: str, value: object, choices: tuple[str, ...]) -> str:
+    """One of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+    return value
 
 
 def is_finite(value: object) -> bool:
@@ -133,6 +166,36 @@ def real(key: str, value: object) -> float:
     """``value`` as a float, if it is a finite real number (not a bool)."""
     if not is_finite(value):
         raise ValueError(f"{key} must be a finite number, not {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _within(number: float, interval: str) -> bool:
+    """Whether ``number`` lies in ``interval``, written as a refusal shows it: ``"[0, 1)"``."""
+    low, high = (float(end) for end in interval[1:-1].split(","))
+    above = number >= low if interval.startswith("[") else number > low
+    below = number <= high if interval.endswith("]") else number < high
+    return above and below
+
+
+def number_in(key: str, value: object, interval: str) -> float:
+    """A finite number in ``interval`` (``"(0, 1]"``: brackets closed, parentheses open)."""
+    if not is_finite(value) or not _within(value, interval):  # type: ignore[arg-type]
+        raise ValueError(f"{key} must be a number in {interval}, not {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def real_in(key: str, value: object, interval: str) -> float:
+    """A finite number (:func:`real`), then one in ``interval`` (as :func:`number_in`)."""
+    if not _within(real(key, value), interval):
+        raise ValueError(f"{key} must be in {interval}, not {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def finite_positive(key: str, value: object, why: str = "") -> float:
+    """A finite number > 0; ``why`` says, after the value, what the limit means."""
+    if not is_finite(value) or value <= 0:  # type: ignore[operator]
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{key} must be a finite number > 0, not {value!r}{because}")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -167,6 +230,61 @@ def decay(key: str, value: object) -> float:
     if not 0 <= float(value) < 1:  # type: ignore[arg-type]
         raise ValueError(f"{key} must be in [0, 1), got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+class Rule:
+    """A field's rule, declared on the field: ``check(key, value, *args, **kwargs)`` (one of
+    the rules above, or a model's own) gets the value as given, before pydantic's own
+    validation of the field's type (which then only confirms it: nothing is coerced), and
+    returns it as the field holds it, or raises a ``ValueError`` in its words, ``key`` being
+    the field's name (:meth:`key`)::
+
+        spares: Annotated[int, Rule(count, 0)] = 0
+        workers: PositiveInt | None = None  # (a rule inside ``| None``: not run on None)
+    """
+
+    __slots__ = ("args", "check", "kwargs")
+
+    def __init__(self, check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.check, self.args, self.kwargs = check, args, kwargs
+
+    def key(self, info: ValidationInfo) -> str:
+        """What the refusal calls the field: its name."""
+        return str(info.field_name)
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.with_info_before_validator_function(self._validate, handler(source))
+
+    def _validate(self, value: Any, info: ValidationInfo) -> Any:
+        return self.check(self.key(info), value, *self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        given = [*map(repr, self.args), *(f"{k}={v!r}" for k, v in self.kwargs.items())]
+        return f"Rule({', '.join([self.check.__name__, *given])})"
+
+
+PositiveInt = Annotated[int, Rule(positive_int)]
+"""An integer >= 1 (not a bool)."""
+
+Seconds = Annotated[float, Rule(seconds)]
+"""A timeout: a finite number of seconds > 0."""
+
+Boolean = Annotated[bool, Rule(boolean)]
+"""``True`` or ``False`` (not 1, not ``"yes"``)."""
+
+Selector = Annotated[str | None, Rule(selector)]
+"""A worker id or tag: a non-empty string, or unset."""
+
+DeviceName = Annotated[str | None, Rule(device)]
+"""A device a job may ask for (:data:`~protocol.options.devices.DEVICES`), or unset."""
+
+AboveZero = Annotated[float, Rule(above_zero)]
+"""A part's parameter: a finite number > 0."""
+
+Decay = Annotated[float, Rule(decay)]
+"""A part's decay rate: a finite number in [0, 1)."""
 
 
 # -- the models ----------------------------------------------------------------------------------
@@ -208,8 +326,14 @@ class Options(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _validate(cls, data: Any, info: ValidationInfo) -> dict[str, Any]:
-        return cls._check(dict(cls.defaults) | _fields(data), _form(info))
+    def _as_given(cls, data: Any, info: ValidationInfo) -> dict[str, Any]:
+        """The options given, with the defaults this model gives those it inherits
+        (:attr:`defaults`), and ``None`` for a required one not given: its rule then says what
+        it must be (``rounds must be a positive integer, not None``)."""
+        fields = dict(cls.defaults) | _fields(data)
+        required = (key for key, field in cls.model_fields.items() if field.is_required())
+        missing = {key: None for key in required if key not in fields}
+        return cls._check(missing | fields, form_of(info))
 
     @classmethod
     def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
@@ -377,15 +501,54 @@ def part(
     )
 
 
+class Part:
+    """A field that holds a part (:func:`part`): one of ``registry``'s models, or on the wire
+    its spec, made the model here; ``what`` and ``forms`` name the kind and its SDK classes in
+    refusals::
+
+        server: Annotated[ServerOptimizerOptions | None, Part(SERVER_OPTIMIZERS, ...)] = None
+    """
+
+    __slots__ = ("forms", "registry", "what")
+
+    def __init__(self, registry: Mapping[str, type[NamedOptions]], what: str, forms: str) -> None:
+        self.registry, self.what, self.forms = registry, what, forms
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.with_info_before_validator_function(self._validate, handler(source))
+
+    def _validate(self, value: Any, info: ValidationInfo) -> NamedOptions | None:
+        option = str(info.field_name)
+        return part(self.registry, option, self.what, self.forms, value, form_of(info))
+
+    def __repr__(self) -> str:
+        return f"Part({self.what!r})"
+
+
 # -- what strategies that restart, or save checkpoints, take -------------------------------------
 
 DEFAULT_KEEP_CHECKPOINTS = 2
+"""Checkpoints kept per job unless its strategy is told otherwise."""
+
 KEEP_ON_SUCCESS = ("newest", "all", "none")
 """What of a job's checkpoints stays once it succeeded (``keep_on_success``)."""
-"""Checkpoints kept per job unless its strategy is told otherwise."""
 
 DEFAULT_RESTART_TIMEOUT = 60.0
 """Seconds a job restarting after a fault waits for workers, unless told otherwise."""
+
+
+def _restarts(key: str, value: object) -> int:
+    if not integer(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{key} must be an integer >= 0 (0: never), not {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _every(key: str, value: object) -> int | None:
+    if value is not None and (not integer(value) or value < 0):  # type: ignore[operator]
+        raise ValueError(f"{key} must be None or an integer >= 0 (0: never), not {value!r}")
+    return value  # type: ignore[return-value]
 
 
 class RestartOptions(StrategyOptions):
@@ -398,15 +561,8 @@ class RestartOptions(StrategyOptions):
         restart_timeout: seconds each restart waits for workers to take the job.
     """
 
-    max_restarts: int = 0
-    restart_timeout: float = DEFAULT_RESTART_TIMEOUT
-
-    @classmethod
-    def _check_restarts(cls, fields: dict[str, Any]) -> None:
-        restarts = cls._given(fields, "max_restarts")
-        if not _integer(restarts) or restarts < 0:
-            raise ValueError(f"max_restarts must be an integer >= 0 (0: never), not {restarts!r}")
-        seconds("restart_timeout", cls._given(fields, "restart_timeout"))
+    max_restarts: Annotated[int, Rule(_restarts)] = 0
+    restart_timeout: Seconds = DEFAULT_RESTART_TIMEOUT
 
 
 class CheckpointOptions(RestartOptions):
@@ -424,23 +580,7 @@ class CheckpointOptions(RestartOptions):
             them all.
     """
 
-    checkpoint_every: int | None = None
-    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    checkpoint_every: Annotated[int | None, Rule(_every)] = None
+    keep_checkpoints: PositiveInt = DEFAULT_KEEP_CHECKPOINTS
     inherited_after = "keep_checkpoints"
-    keep_on_success: str = "newest"
-
-    @classmethod
-    def _check_checkpoints(cls, fields: dict[str, Any]) -> None:
-        every = cls._given(fields, "checkpoint_every")
-        if every is not None and (not _integer(every) or every < 0):
-            raise ValueError(
-                f"checkpoint_every must be None or an integer >= 0 (0: never), not {every!r}"
-            )
-        positive_int("keep_checkpoints", cls._given(fields, "keep_checkpoints"))
-        kept = cls._given(fields, "keep_on_success")
-        if kept not in KEEP_ON_SUCCESS:
-            raise ValueError(
-                f"keep_on_success must be one of {', '.join(map(repr, KEEP_ON_SUCCESS))}, "
-                f"not {kept!r}"
-            )
-        cls._check_restarts(fields)
+    keep_on_success: Annotated[str, Rule(one_of, KEEP_ON_SUCCESS)] = "newest"

@@ -191,7 +191,6 @@ class FedAvgOptions(CheckpointOptions):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
         device("device", fields.get("device"))
-        cls._check_checkpoints(fields)
         parts = {"server": server, "aggregator": aggregator, "privacy": mechanism}
         return fields | parts | {"secure_aggregation": secure}
 

@@ -179,7 +179,6 @@ class LocalOptions(RestartOptions):
                 f"(worker={worker!r}, tag={tag!r})"
             )
         device("device", fields.get("device"))
-        cls._check_restarts(fields)
         return fields
 
 
@@ -304,7 +303,6 @@ class DataParallelOptions(CheckpointOptions):
         device("device", fields.get("device"))
         boolean("elastic", cls._given(fields, "elastic"))
         seconds("elastic_timeout", cls._given(fields, "elastic_timeout"))
-        cls._check_checkpoints(fields)
         return fields
 
 
@@ -762,7 +760,6 @@ class ModelParallelOptions(CheckpointOptions):
         spares = count("spares", cls._given(fields, "spares"), 0)
         if selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
             raise ValueError("spare_tag names the spares' tag: give spares=N (N >= 1) too")
-        cls._check_checkpoints(fields)
         return {**fields, "partitions": tuple(partitions)}
 
     def device_of(self, partition: int) -> str | None:
