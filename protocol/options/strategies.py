@@ -19,34 +19,47 @@ for any CUDA device (:func:`protocol.options.devices.device_fits`)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
-from pydantic import ValidationError
+from pydantic import (
+    BeforeValidator,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from protocol.daemon import OuterStepSpec, Sharding
 from protocol.options.base import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_RESTART_TIMEOUT,
+    Boolean,
     Caller,
     CheckpointOptions,
+    DeviceName,
     Form,
     Options,
+    PositiveInt,
     RestartOptions,
+    Rule,
+    Seconds,
+    Selector,
     StrategyOptions,
     T,
-    boolean,
     count,
     device,
-    is_finite,
-    named_by,
+    finite_positive,
+    form_of,
+    integer,
+    number_in,
+    one_of,
     parse,
-    positive_int,
-    seconds,
-    selector,
+    prefixed,
 )
 from protocol.options.compression import Compression
 from protocol.options.devices import DEVICES, device_fits, is_device
 from protocol.options.federated import FedAvgOptions, FedProxOptions, QFedAvgOptions
+from protocol.options.refusals import refused
 from protocol.options.server_optimizers import (
     SERVER_OPTIMIZERS,
     AdaptiveOptions,
@@ -133,11 +146,6 @@ DEFAULT_ELASTIC_TIMEOUT = 60.0
 """Seconds an elastic DataParallel job waits for a replacement worker unless told otherwise."""
 
 
-def _one_of(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}, not {value!r}")
-
-
 # -- single-worker and data-parallel ------------------------------------------------------------
 
 
@@ -164,22 +172,56 @@ class LocalOptions(RestartOptions):
     name = "local"
     sdk_name = "Local"
 
-    worker: str | None = None
-    tag: str | None = None
-    device: str | None = None
+    worker: Selector = None
+    tag: Selector = None
+    device: DeviceName = None
     inherited_after = "device"
 
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        worker = selector("worker", fields.get("worker"))
-        tag = selector("tag", fields.get("tag"))
-        if worker is not None and tag is not None:
+    @model_validator(mode="after")
+    def _pinned_once(self) -> Self:
+        if self.worker is not None and self.tag is not None:
             raise ValueError(
                 "pin a Local job to a worker or to a tag, not both "
-                f"(worker={worker!r}, tag={tag!r})"
+                f"(worker={self.worker!r}, tag={self.tag!r})"
             )
-        device("device", fields.get("device"))
-        return fields
+        return self
+
+
+# (the rules of DataParallel's own options, declared before it: its fields name them)
+
+
+def _on_cuda(device: str | None) -> bool:
+    return device is not None and device.startswith("cuda")
+
+
+def _shard_units(key: str, units: object) -> tuple[str, ...] | None:
+    """Module classes or their qualified names, made names (:func:`_qualified_name`)."""
+    if units is None:
+        return None
+    if isinstance(units, (str, type)) or not isinstance(units, (list, tuple)) or not units:
+        raise ValueError(
+            f"{key} must be a non-empty list of module classes or their qualified names, "
+            f"not {units!r}"
+        )
+    return tuple(_qualified_name(unit) for unit in units)
+
+
+def _qualified_name(unit: object) -> str:
+    """``module.QualName`` of a module class, or a name given as such.
+
+    Raises:
+        ValueError: ``unit`` is neither a class of ``torch.nn.Module`` nor a dotted name.
+    """
+    if isinstance(unit, type):
+        if not any(k.__module__ == "torch.nn.modules.module" for k in unit.__mro__):
+            raise ValueError(f"shard_units takes torch.nn.Module classes, not {unit!r}")
+        return f"{unit.__module__}.{unit.__qualname__}"
+    if isinstance(unit, str) and "." in unit.strip(".") and unit.isascii():
+        return unit
+    raise ValueError(
+        "shard_units takes module classes or their qualified names (such as "
+        f"'torch.nn.TransformerEncoderLayer'), not {unit!r}"
+    )
 
 
 class DataParallelOptions(CheckpointOptions):
@@ -278,125 +320,81 @@ class DataParallelOptions(CheckpointOptions):
     name = "data_parallel"
     sdk_name = "DataParallel"
 
-    workers: int
-    tag: str | None = None
-    elastic: bool = False
-    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
-    device: str | None = None
-    collective: Collective = "auto"
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    workers: PositiveInt
+    tag: Selector = None
+    elastic: Boolean = False
+    elastic_timeout: Seconds = DEFAULT_ELASTIC_TIMEOUT
+    device: DeviceName = None
+    collective: Annotated[Collective, Rule(one_of, COLLECTIVES)] = "auto"
+    collective_timeout: Seconds = DEFAULT_COLLECTIVE_TIMEOUT
     inherited_after = "collective_timeout"
-    sync_batchnorm: bool = False
-    compression: Compression | None = None
-    sharding: Sharding = "none"
-    shard_units: tuple[str, ...] | None = None
+    sync_batchnorm: Boolean = False
+    compression: Compression | None = None  # (its type parses it, refusing in its words)
+    sharding: Annotated[Sharding, Rule(one_of, SHARDINGS)] = "none"
+    shard_units: Annotated[tuple[str, ...] | None, Rule(_shard_units)] = None
 
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        positive_int("workers", fields.get("workers"))
-        _check_sync_batchnorm(cls, fields)
-        _check_compression(fields)
-        _check_sharding(cls, fields)
-        _one_of("collective", cls._given(fields, "collective"), COLLECTIVES)
-        seconds("collective_timeout", cls._given(fields, "collective_timeout"))
-        selector("tag", fields.get("tag"))
-        device("device", fields.get("device"))
-        boolean("elastic", cls._given(fields, "elastic"))
-        seconds("elastic_timeout", cls._given(fields, "elastic_timeout"))
-        return fields
-
-
-def _check_compression(fields: dict[str, Any]) -> None:
-    """``compression``: unset or a :class:`Compression` (parsed here, where it enters); bf16 on
-    the torch collective over CUDA only, PowerSGD on the torch collective only."""
-    compression = fields["compression"] = Compression.parse(fields.get("compression"))
-    if compression is None:
-        return
-    on, collective = fields.get("device"), fields.get("collective")
-    cuda = isinstance(on, str) and on.startswith("cuda")
-    if compression.kind == "bf16" and not cuda and collective != "coordinator":
-        raise ValueError(
-            "compression='bf16' needs device='cuda' (or 'cuda:N') on the torch collective: "
-            f"torch's bf16 hook runs on NCCL; device is {on!r} ('fp16' runs everywhere, and "
-            "'bf16' with collective='coordinator')"
-        )
-    if not compression.travels_as_tree and collective == "coordinator":
-        raise ValueError(
-            f"compression={compression!r} runs on the torch collective (collective='auto' or "
-            "'torch'); through the coordinator gradients travel as 'fp16', 'bf16' or 'int8'"
-        )
-
-
-def _check_sharding(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
-    """``sharding``: one of :data:`SHARDINGS`, on the torch collective, not ``elastic`` nor
-    compressed; ``shard_units``: module classes or their qualified names (made names here)."""
-    sharding = cls._given(fields, "sharding")
-    _one_of("sharding", sharding, SHARDINGS)
-    units = fields.get("shard_units")
-    if units is not None:
-        if isinstance(units, (str, type)) or not isinstance(units, (list, tuple)) or not units:
+    @model_validator(mode="after")
+    def _sync_batchnorm_on_cuda_over_torch(self) -> Self:
+        """torch's SyncBatchNorm runs on CUDA over a torch group only."""
+        if not self.sync_batchnorm:
+            return self
+        if not _on_cuda(self.device):
             raise ValueError(
-                "shard_units must be a non-empty list of module classes or their qualified "
-                f"names, not {units!r}"
+                "sync_batchnorm=True needs device='cuda' (or 'cuda:N'): torch.nn.SyncBatchNorm "
+                f"normalises over a group of CUDA workers; device is {self.device!r}"
             )
-        fields["shard_units"] = tuple(_qualified_name(unit) for unit in units)
+        if self.collective == "coordinator":
+            raise ValueError(
+                "sync_batchnorm=True needs the torch collective (collective='auto' or 'torch'), "
+                "not 'coordinator'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compression_fits_the_collective(self) -> Self:
+        """bf16 on the torch collective over CUDA only, PowerSGD on the torch collective only."""
+        compression, collective = self.compression, self.collective
+        if compression is None:
+            return self
+        if compression.kind == "bf16" and not _on_cuda(self.device) and collective != "coordinator":
+            raise ValueError(
+                "compression='bf16' needs device='cuda' (or 'cuda:N') on the torch collective: "
+                f"torch's bf16 hook runs on NCCL; device is {self.device!r} ('fp16' runs "
+                "everywhere, and 'bf16' with collective='coordinator')"
+            )
+        if not compression.travels_as_tree and collective == "coordinator":
+            raise ValueError(
+                f"compression={compression!r} runs on the torch collective (collective='auto' or "
+                "'torch'); through the coordinator gradients travel as 'fp16', 'bf16' or 'int8'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_on_torch_alone(self) -> Self:
+        """``shard_units`` for a sharded model only; sharding on the torch collective, not
+        ``elastic``, compressed or with SyncBatchNorm."""
+        sharding = self.sharding
         if sharding == "none":
-            raise ValueError("shard_units is for sharding='full' or 'gradients'")
-    if sharding == "none":
-        return
-    refused = [
-        (
-            fields.get("collective") == "coordinator",
-            "collective='coordinator' (FSDP2 runs on "
-            "the torch collective: collective='auto' or 'torch')",
-        ),
-        (
-            bool(cls._given(fields, "elastic")),
-            "elastic=True (a replacement would need every replica's shard)",
-        ),
-        (
-            fields.get("compression") is not None,
-            "compression (FSDP2 reduce-scatters the gradients as they are)",
-        ),
-        (bool(cls._given(fields, "sync_batchnorm")), "sync_batchnorm=True"),
-    ]
-    for cannot, what in refused:
-        if cannot:
-            raise ValueError(f"sharding={sharding!r} does not go with {what}")
-
-
-def _qualified_name(unit: object) -> str:
-    """``module.QualName`` of a module class, or a name given as such.
-
-    Raises:
-        ValueError: ``unit`` is neither a class of ``torch.nn.Module`` nor a dotted name.
-    """
-    if isinstance(unit, type):
-        if not any(k.__module__ == "torch.nn.modules.module" for k in unit.__mro__):
-            raise ValueError(f"shard_units takes torch.nn.Module classes, not {unit!r}")
-        return f"{unit.__module__}.{unit.__qualname__}"
-    if isinstance(unit, str) and "." in unit.strip(".") and unit.isascii():
-        return unit
-    raise ValueError(
-        "shard_units takes module classes or their qualified names (such as "
-        f"'torch.nn.TransformerEncoderLayer'), not {unit!r}"
-    )
-
-
-def _check_sync_batchnorm(cls: type[DataParallelOptions], fields: dict[str, Any]) -> None:
-    """``sync_batchnorm``: a bool; torch's SyncBatchNorm runs on CUDA over a torch group only."""
-    sync = boolean("sync_batchnorm", cls._given(fields, "sync_batchnorm"))
-    on = fields.get("device")
-    if sync and not (isinstance(on, str) and on.startswith("cuda")):
-        raise ValueError(
-            "sync_batchnorm=True needs device='cuda' (or 'cuda:N'): torch.nn.SyncBatchNorm "
-            f"normalises over a group of CUDA workers; device is {on!r}"
-        )
-    if sync and fields.get("collective") == "coordinator":
-        raise ValueError(
-            "sync_batchnorm=True needs the torch collective (collective='auto' or 'torch'), "
-            "not 'coordinator'"
-        )
+            if self.shard_units is not None:
+                raise ValueError("shard_units is for sharding='full' or 'gradients'")
+            return self
+        refused = [
+            (
+                self.collective == "coordinator",
+                "collective='coordinator' (FSDP2 runs on "
+                "the torch collective: collective='auto' or 'torch')",
+            ),
+            (self.elastic, "elastic=True (a replacement would need every replica's shard)"),
+            (
+                self.compression is not None,
+                "compression (FSDP2 reduce-scatters the gradients as they are)",
+            ),
+            (self.sync_batchnorm, "sync_batchnorm=True"),
+        ]
+        for cannot, what in refused:
+            if cannot:
+                raise ValueError(f"sharding={sharding!r} does not go with {what}")
+        return self
 
 
 InnerState = Literal["keep", "reset"]
@@ -490,101 +488,87 @@ class DiLoCoOptions(DataParallelOptions):
     name = "diloco"
     sdk_name = "DiLoCo"
 
-    sync_every: int = 50
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    inner_state: InnerState = "keep"
-    sync_at_epoch_end: bool = False
-    fragments: int = 1
-    overlap: int = 0
-    mixing: float = 0.0
+    sync_every: PositiveInt = 50
+    outer_lr: Annotated[float, Rule(finite_positive)] = 0.7
+    outer_momentum: Annotated[float, Rule(number_in, "[0, 1)")] = 0.9
+    nesterov: Boolean = True
+    inner_state: Annotated[InnerState, Rule(one_of, INNER_STATES)] = "keep"
+    sync_at_epoch_end: Boolean = False
+    fragments: PositiveInt = 1
+    overlap: int = 0  # (its rule names sync_every: _overlap_within_sync_every)
+    mixing: Annotated[float, Rule(number_in, "[0, 1)")] = 0.0
     # (checkpoint_every: 0, never, unless asked: its replicas synchronise to save one)
     defaults: ClassVar[Mapping[str, Any]] = {"checkpoint_every": 0}
 
+    @field_validator("overlap", mode="before")
     @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        fields = super()._check(fields, form)
-        positive_int("sync_every", cls._given(fields, "sync_every"))
-        lr = cls._given(fields, "outer_lr")
-        if not is_finite(lr) or lr <= 0:
-            raise ValueError(f"outer_lr must be a finite number > 0, not {lr!r}")
-        momentum = cls._given(fields, "outer_momentum")
-        if not is_finite(momentum) or not 0 <= momentum < 1:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), not {momentum!r}")
-        boolean("nesterov", cls._given(fields, "nesterov"))
-        boolean("sync_at_epoch_end", cls._given(fields, "sync_at_epoch_end"))
-        every = positive_int("sync_every", cls._given(fields, "sync_every"))
-        fragments = positive_int("fragments", cls._given(fields, "fragments"))
+    def _overlap_within_sync_every(cls, overlap: object, info: ValidationInfo) -> object:
+        """``overlap``: a whole number of steps below ``sync_every`` (declared, and so checked,
+        before it: where it was refused, that refusal comes first)."""
+        every = info.data.get("sync_every")
+        if every is None:
+            return overlap
+        if not integer(overlap) or not 0 <= overlap < every:  # type: ignore[operator]
+            raise ValueError(
+                f"overlap must be a whole number of steps from 0 to sync_every - 1 "
+                f"({every - 1}), not {overlap!r}"
+            )
+        return overlap
+
+    @model_validator(mode="after")
+    def _streams_on_torch_and_keeps_nothing(self) -> Self:
+        """Each fragment at its own step of ``sync_every``; Streaming DiLoCo on the torch
+        collective and keeping nothing of a replica; whole models, compressed as trees."""
+        every, fragments = self.sync_every, self.fragments
         if fragments > every:
             raise ValueError(
                 f"fragments must be at most sync_every ({every}): each synchronises at its own "
                 f"step of the {every}, not {fragments}"
             )
-        overlap = cls._given(fields, "overlap")
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < every:
-            raise ValueError(
-                f"overlap must be a whole number of steps from 0 to sync_every - 1 "
-                f"({every - 1}), not {overlap!r}"
-            )
-        mixing = cls._given(fields, "mixing")
-        if not is_finite(mixing) or not 0 <= mixing < 1:
-            raise ValueError(f"mixing must be a number in [0, 1), not {mixing!r}")
-        streaming = cls._streaming(fields)
-        if streaming and cls._given(fields, "collective") == "coordinator":
+        streaming = self.streaming()
+        if streaming and self.collective == "coordinator":
             raise ValueError(
                 f"Streaming DiLoCo ({streaming}) runs on the torch collective; "
                 "collective='coordinator' cannot stream: use 'auto' or 'torch'"
             )
-        _one_of("inner_state", cls._given(fields, "inner_state"), INNER_STATES)
-        if cls._given(fields, "sharding") != "none":
+        if self.sharding != "none":
             raise ValueError(
                 "DiLoCo's replicas each keep a whole model between synchronisations: sharding "
                 "is for DataParallel"
             )
-        compression = fields["compression"]
+        compression = self.compression
         if compression is not None and not compression.travels_as_tree:
             raise ValueError(
                 f"compression={compression!r} factorises DataParallel's gradients; DiLoCo's "
                 "pseudo-gradients travel as 'fp16', 'bf16' or 'int8'"
             )
-        keeps = cls._keeps(fields)
+        keeps = self.keeps_state()
         if keeps and streaming:
             raise ValueError(
                 f"Streaming DiLoCo ({streaming}) keeps fragments' exchanges in flight between "
                 f"synchronisations, where the model is never whole on every replica: it does "
                 f"not take {keeps}; use DiLoCo (fragments=1, overlap=0, mixing=0)"
             )
-        return fields
-
-    @classmethod
-    def _streaming(cls, fields: dict[str, Any]) -> str:
-        """What of ``fields`` makes the run Streaming DiLoCo ("" for nothing)."""
-        asked = {
-            f"fragments={cls._given(fields, 'fragments')}": cls._given(fields, "fragments") != 1,
-            f"overlap={cls._given(fields, 'overlap')}": cls._given(fields, "overlap") != 0,
-            f"mixing={cls._given(fields, 'mixing')}": cls._given(fields, "mixing") != 0,
-        }
-        return ", ".join(option for option, on in asked.items() if on)
+        return self
 
     def streaming(self) -> str:
         """What makes this run Streaming DiLoCo ("" for nothing)."""
-        return self._streaming(self.model_dump())
-
-    @classmethod
-    def _keeps(cls, fields: dict[str, Any]) -> str:
-        """What of ``fields`` asks the run to outlive a replica ("" for nothing)."""
         asked = {
-            "elastic=True": cls._given(fields, "elastic") is True,
-            "checkpoints": cls._given(fields, "checkpoint_every") != 0,
-            "max_restarts": bool(cls._given(fields, "max_restarts")),
+            f"fragments={self.fragments}": self.fragments != 1,
+            f"overlap={self.overlap}": self.overlap != 0,
+            f"mixing={self.mixing}": self.mixing != 0,
         }
         return ", ".join(option for option, on in asked.items() if on)
 
     def keeps_state(self) -> str:
         """What of these options asks the run to outlive a replica (``elastic``, checkpoints,
         ``max_restarts``), in words; ``""`` for none."""
-        return self._keeps(dict(self))
+        asked = {
+            "elastic=True": self.elastic,
+            "checkpoints": self.checkpoint_every != 0,
+            "max_restarts": bool(self.max_restarts),
+        }
+        return ", ".join(option for option, on in asked.items() if on)
 
     def outer_step(self, also: Sequence[int] = ()) -> OuterStepSpec:
         """The outer step as a replica runs it, synchronising also after the steps ``also``
@@ -600,6 +584,22 @@ class DiLoCoOptions(DataParallelOptions):
             overlap=self.overlap,
             mixing=self.mixing,
         )
+
+
+def _loader(key: str, loader: object) -> Any:
+    """A function of the dataset's path, or unset (a ``TypeError``: a bug of the caller's)."""
+    if loader is not None and not callable(loader):
+        raise TypeError(
+            f"{key} must be a function of the dataset's path, not {type(loader).__name__}"
+        )
+    return loader
+
+
+def _split(key: str, split: object) -> str | None:
+    """The name of a split of the dataset (``"val"``), or unset."""
+    if split is not None and (not isinstance(split, str) or not split.isidentifier()):
+        raise ValueError(f"a {key} is a name like 'val', not {split!r}")
+    return split
 
 
 class WorkerDataOptions(Options):
@@ -629,25 +629,45 @@ class WorkerDataOptions(Options):
     wire_name = "worker_data"
     sdk_name = "WorkerData"
 
-    name: str | None
-    loader: Any = None  # a function of the dataset's path (pickled by the client)
-    split: str | None = None
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        selector("name", fields.get("name"))
-        split = fields.get("split")
-        if split is not None and (not isinstance(split, str) or not split.isidentifier()):
-            raise ValueError(f"a split is a name like 'val', not {split!r}")
-        loader = fields.get("loader")
-        if loader is not None and not callable(loader):
-            raise TypeError(
-                f"loader must be a function of the dataset's path, not {type(loader).__name__}"
-            )
-        return fields
+    name: Selector
+    loader: Annotated[Any, Rule(_loader)] = None  # (pickled by the client)
+    split: Annotated[str | None, Rule(_split)] = None
 
 
 # -- pipelines (GPipe, 1F1B) --------------------------------------------------------------------
+
+
+_PLACE = "place"
+"""The validation context's key for where a partition is in its pipeline (``partition 1``)."""
+
+
+def _place(info: ValidationInfo) -> str:
+    return str((info.context or {}).get(_PLACE, "partition"))
+
+
+class _Placed(Rule):
+    """A partition's rule whose refusal names the partition by its place in the pipeline
+    (``partition 1: device must be ...``), ``partition`` where it stands alone."""
+
+    def key(self, info: ValidationInfo) -> str:
+        return f"{_place(info)}: {info.field_name}"
+
+
+def _node_ids(key: str, ids: object) -> tuple[str, ...]:
+    """One or more node ids (non-empty strings), as a tuple."""
+    if (
+        not isinstance(ids, list | tuple)
+        or not ids
+        or not all(isinstance(n, str) and n for n in ids)
+    ):
+        shown = listed(ids) if isinstance(ids, list | tuple) else repr(ids)
+        raise ValueError(f"{key} must be one or more node ids, not {shown}")
+    return tuple(ids)
+
+
+_StageDevice = Annotated[str | None, _Placed(device)]
+"""A partition's device (:func:`~protocol.options.base.device`), refused naming the partition.
+(An alias: in the class body ``device`` is the field's default.)"""
 
 
 class PartitionOptions(Options):
@@ -658,34 +678,51 @@ class PartitionOptions(Options):
     wire_name = "partition"
     sdk_name = "Partition"
 
-    node_ids: tuple[str, ...]
-    worker: str | None = None
-    tag: str | None = None
-    device: str | None = None
+    node_ids: Annotated[tuple[str, ...], _Placed(_node_ids)]
+    worker: Selector = None
+    tag: Selector = None
+    device: _StageDevice = None
 
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        return _check_partition(fields, "partition")
+    @model_validator(mode="after")
+    def _pinned_once(self, info: ValidationInfo) -> Self:
+        if (self.worker is None) == (self.tag is None):
+            raise ValueError(
+                f"{_place(info)} {listed(self.node_ids)} must be pinned to a worker id or a "
+                f"tag, exactly one (worker={self.worker!r}, tag={self.tag!r})"
+            )
+        return self
 
 
-def _check_partition(fields: dict[str, Any], label: str) -> dict[str, Any]:
-    ids = fields.get("node_ids")
-    if (
-        not isinstance(ids, list | tuple)
-        or not ids
-        or not all(isinstance(n, str) and n for n in ids)
-    ):
-        shown = listed(ids) if isinstance(ids, list | tuple) else repr(ids)
-        raise ValueError(f"{label}: node_ids must be one or more node ids, not {shown}")
-    worker = selector("worker", fields.get("worker"))
-    tag = selector("tag", fields.get("tag"))
-    if (worker is None) == (tag is None):
+def _partition(p: int, item: object, form: Form) -> PartitionOptions:
+    """Partition ``p`` as given: a :class:`PartitionOptions`, or on the wire its object."""
+    place = f"partition {p}"
+    if isinstance(item, PartitionOptions):
+        return item
+    if not isinstance(item, Mapping) or form is not Form.WIRE:
         raise ValueError(
-            f"{label} {listed(ids)} must be pinned to a worker id or a tag, exactly one "
-            f"(worker={worker!r}, tag={tag!r})"
+            f"{place} must be a Partition(...) (on the wire: an object with node_ids and a "
+            f"worker or a tag), not {item!r}"
         )
-    device(f"{label}: device", fields.get("device"))
-    return {**fields, "node_ids": tuple(ids)}
+    try:
+        return PartitionOptions.model_validate(item, context={_PLACE: place})
+    except ValidationError as exc:
+        refusal = refused(exc, PartitionOptions)
+        if exc.errors()[0]["type"] != "value_error":  # pydantic's words: name the partition
+            refusal = prefixed(place, refusal)
+        raise refusal from None
+
+
+def _partitions(raw: object, info: ValidationInfo) -> tuple[PartitionOptions, ...]:
+    """The stages as given: one or more partitions (:func:`_partition`)."""
+    if not isinstance(raw, list | tuple) or not raw:
+        raise ValueError(f"partitions must be a non-empty list of partitions, not {raw!r}")
+    return tuple(_partition(p, item, form_of(info)) for p, item in enumerate(raw))
+
+
+def _schedule(key: str, schedule: object) -> str:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{key} must be one of {sorted(SCHEDULES)}, not {schedule!r}")
+    return schedule
 
 
 class ModelParallelOptions(CheckpointOptions):
@@ -734,52 +771,23 @@ class ModelParallelOptions(CheckpointOptions):
     name = "model_parallel"
     sdk_name = "ModelParallel"
 
-    partitions: tuple[PartitionOptions, ...]
-    micro_batches: int = 1
-    schedule: PipelineSchedule = "gpipe"
-    device: str | None = None
-    transport: Transport = "auto"
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    partitions: Annotated[tuple[PartitionOptions, ...], BeforeValidator(_partitions)]
+    micro_batches: PositiveInt = 1
+    schedule: Annotated[PipelineSchedule, Rule(_schedule)] = "gpipe"
+    device: DeviceName = None
+    transport: Annotated[Transport, Rule(one_of, TRANSPORTS)] = "auto"
+    collective_timeout: Seconds = DEFAULT_COLLECTIVE_TIMEOUT
     inherited_after = "collective_timeout"
-    spares: int = 0
-    spare_tag: str | None = None
+    spares: Annotated[int, Rule(count, 0)] = 0
+    spare_tag: Selector = None
 
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        raw = fields.get("partitions")
-        if not isinstance(raw, list | tuple) or not raw:
-            raise ValueError(f"partitions must be a non-empty list of partitions, not {raw!r}")
-        partitions = [_partition(p, item, form) for p, item in enumerate(raw)]
-        positive_int("micro_batches", cls._given(fields, "micro_batches"))
-        schedule = cls._given(fields, "schedule")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
-        device("device", fields.get("device"))
-        _one_of("transport", cls._given(fields, "transport"), TRANSPORTS)
-        seconds("collective_timeout", cls._given(fields, "collective_timeout"))
-        spares = count("spares", cls._given(fields, "spares"), 0)
-        if selector("spare_tag", fields.get("spare_tag")) is not None and not spares:
+    @model_validator(mode="after")
+    def _spare_tag_with_spares(self) -> Self:
+        if self.spare_tag is not None and not self.spares:
             raise ValueError("spare_tag names the spares' tag: give spares=N (N >= 1) too")
-        return {**fields, "partitions": tuple(partitions)}
+        return self
 
     def device_of(self, partition: int) -> str | None:
         """Where partition ``partition`` runs: its own device, else the pipeline's."""
         own = self.partitions[partition].device
         return own if own is not None else self.device
-
-
-def _partition(p: int, item: object, form: Form) -> PartitionOptions:
-    """Partition ``p`` as given: a :class:`PartitionOptions`, or on the wire its object."""
-    label = f"partition {p}"
-    if isinstance(item, PartitionOptions):
-        return item
-    if not isinstance(item, Mapping) or form is not Form.WIRE:
-        raise ValueError(
-            f"{label} must be a Partition(...) (on the wire: an object with node_ids and a "
-            f"worker or a tag), not {item!r}"
-        )
-    fields = _check_partition(dict(item), label)  # its rules, naming it by its place
-    try:
-        return PartitionOptions.model_validate(fields)
-    except ValidationError as exc:
-        raise ValueError(str(named_by(label, exc))) from None
