@@ -15,16 +15,9 @@ clients for: a round goes on with as few as ``min_workers`` answers (times
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from protocol.options.base import (
-    Caller,
-    Form,
-    NamedOptions,
-    count,
-    from_spec,
-    real,
-)
+from protocol.options.base import Caller, NamedOptions, Rule, count, from_spec, real_in
 
 __all__ = [
     "AGGREGATORS",
@@ -85,14 +78,7 @@ class TrimmedMeanOptions(RobustRuleOptions):
     name = "trimmed_mean"
     sdk_name = "TrimmedMean"
 
-    beta: float
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        beta = cls._given(fields, "beta")
-        if not 0 <= real("beta", beta) < 0.5:
-            raise ValueError(f"beta must be in [0, 0.5), not {beta!r}")
-        return fields
+    beta: Annotated[float, Rule(real_in, "[0, 0.5)")]
 
 
 class KrumOptions(RobustRuleOptions):
@@ -107,14 +93,8 @@ class KrumOptions(RobustRuleOptions):
     name = "krum"
     sdk_name = "Krum"
 
-    byzantine: int
-    keep: int = 1
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        count("byzantine", cls._given(fields, "byzantine"), 0)
-        count("keep", cls._given(fields, "keep"), 1)
-        return fields
+    byzantine: Annotated[int, Rule(count, 0)]
+    keep: Annotated[int, Rule(count, 1)] = 1
 
     def least_clients(self) -> int:
         return krum_least_clients(self.byzantine, self.keep)
@@ -136,12 +116,7 @@ class BulyanOptions(RobustRuleOptions):
     name = "bulyan"
     sdk_name = "Bulyan"
 
-    byzantine: int
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        count("byzantine", cls._given(fields, "byzantine"), 0)
-        return fields
+    byzantine: Annotated[int, Rule(count, 0)]
 
     def least_clients(self) -> int:
         return bulyan_least_clients(self.byzantine)

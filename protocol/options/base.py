@@ -241,6 +241,9 @@ class Rule:
 
         spares: Annotated[int, Rule(count, 0)] = 0
         workers: PositiveInt | None = None  # (a rule inside ``| None``: not run on None)
+
+    A rule named like a field (``device``) is that field's default inside the class body:
+    declare it through a module-level alias (:data:`DeviceName`).
     """
 
     __slots__ = ("args", "check", "kwargs")
@@ -297,8 +300,9 @@ def _fields(data: Any) -> dict[str, Any]:
 
 
 class Options(BaseModel):
-    """A frozen set of options: the schema (the fields), the rules (:meth:`_check`) and the wire
-    form (:meth:`to_wire`)."""
+    """A frozen set of options: the schema (the fields, each with its rule: :class:`Rule`), the
+    rules that span several options (a subclass's ``model_validator(mode="after")``) and the
+    wire form (:meth:`to_wire`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -332,19 +336,7 @@ class Options(BaseModel):
         it must be (``rounds must be a positive integer, not None``)."""
         fields = dict(cls.defaults) | _fields(data)
         required = (key for key, field in cls.model_fields.items() if field.is_required())
-        missing = {key: None for key in required if key not in fields}
-        return cls._check(missing | fields, form_of(info))
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        """``fields`` checked, in the order a person would fix them (the first fault raised as
-        a ``ValueError`` in the rule's words), parts made models (:func:`part`)."""
-        return fields
-
-    @classmethod
-    def _given(cls, fields: Mapping[str, Any], key: str) -> Any:
-        """``key`` as given, or its default (:meth:`default`)."""
-        return fields[key] if key in fields else cls.default(key)
+        return {key: None for key in required if key not in fields} | fields
 
     @classmethod
     def default(cls, key: str) -> Any:

@@ -6,21 +6,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Self
 
-from pydantic import SerializeAsAny
+from pydantic import SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from protocol.options import aggregators, privacy, secure_aggregation, server_optimizers
 from protocol.options.aggregators import RobustRuleOptions, check_round_size
 from protocol.options.base import (
     CheckpointOptions,
-    Form,
-    device,
-    is_finite,
-    part,
-    positive_int,
+    DeviceName,
+    Part,
+    PositiveInt,
+    Rule,
+    Selector,
+    finite_positive,
+    integer,
+    number_in,
     real,
-    selector,
 )
 from protocol.options.client_config import check_client_config
 from protocol.options.privacy import PrivacyMechanismOptions, check_privacy
@@ -32,6 +34,30 @@ from protocol.options.server_optimizers import (
 )
 
 __all__ = ["FedAvgOptions", "FedProxOptions", "QFedAvgOptions"]
+
+# The parts FedAvg takes by name: a model of their registry, or on the wire its spec (Part).
+ServerPart = Annotated[
+    SerializeAsAny[ServerOptimizerOptions] | None,
+    Part(SERVER_OPTIMIZERS, "server optimizer", server_optimizers.FORMS),
+]
+AggregatorPart = Annotated[
+    SerializeAsAny[RobustRuleOptions] | None,
+    Part(aggregators.AGGREGATORS, "aggregator", aggregators.FORMS),
+]
+PrivacyPart = Annotated[
+    SerializeAsAny[PrivacyMechanismOptions] | None,
+    Part(privacy.PRIVACY, "privacy", privacy.FORMS),
+]
+SecAggPart = Annotated[
+    SecAggOptions | None,
+    Part(secure_aggregation.SECAGG, "secure aggregation", secure_aggregation.FORMS),
+]
+
+
+def _seed(key: str, seed: object) -> int:
+    if not integer(seed) or seed < 0:  # type: ignore[operator]
+        raise ValueError(f"{key} must be a non-negative integer, not {seed!r}")
+    return seed  # type: ignore[return-value]
 
 
 class FedAvgOptions(CheckpointOptions):
@@ -102,56 +128,45 @@ class FedAvgOptions(CheckpointOptions):
     name = "fedavg"
     sdk_name = "FedAvg"
 
-    rounds: int
-    local_epochs: int = 1
-    fraction: float = 1.0
-    min_workers: int = 1
-    workers: int | None = None
-    tag: str | None = None
-    server: SerializeAsAny[ServerOptimizerOptions] | None = None
-    aggregator: SerializeAsAny[RobustRuleOptions] | None = None
-    client_config: list[dict[str, Any]] | None = None  # one dict per round
-    clients_per_worker: int = 1
-    privacy: SerializeAsAny[PrivacyMechanismOptions] | None = None
-    secure_aggregation: SecAggOptions | None = None
-    seed: int = 0
-    device: str | None = None
-    evaluate_fraction: float = 0.0
+    rounds: PositiveInt
+    local_epochs: PositiveInt = 1
+    fraction: Annotated[float, Rule(number_in, "(0, 1]")] = 1.0
+    min_workers: PositiveInt = 1
+    workers: PositiveInt | None = None
+    tag: Selector = None
+    server: ServerPart = None
+    aggregator: AggregatorPart = None
+    client_config: list[dict[str, Any]] | None = None  # one dict per round (_one_per_round)
+    clients_per_worker: PositiveInt = 1
+    privacy: PrivacyPart = None
+    secure_aggregation: SecAggPart = None
+    seed: Annotated[int, Rule(_seed)] = 0
+    device: DeviceName = None
+    evaluate_fraction: Annotated[float, Rule(number_in, "[0, 1]")] = 0.0
     inherited_after = "evaluate_fraction"
 
+    @field_validator("client_config", mode="before")
     @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        rounds = positive_int("rounds", fields.get("rounds"))
-        share = cls._given(fields, "evaluate_fraction")
-        if not is_finite(share) or not 0 <= share <= 1:
-            raise ValueError(f"evaluate_fraction must be a number in [0, 1], not {share!r}")
-        positive_int("local_epochs", cls._given(fields, "local_epochs"))
-        min_workers = positive_int("min_workers", cls._given(fields, "min_workers"))
-        fraction = cls._given(fields, "fraction")
-        if not is_finite(fraction) or not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be a number in (0, 1], not {fraction!r}")
-        workers = fields.get("workers")
-        if workers is not None and positive_int("workers", workers) < min_workers:
-            raise ValueError(f"workers ({workers}) must be at least min_workers ({min_workers})")
-        selector("tag", fields.get("tag"))
-        server = part(
-            SERVER_OPTIMIZERS,
-            "server",
-            "server optimizer",
-            server_optimizers.FORMS,
-            fields.get("server"),
-            form,
-        )
-        per_worker = positive_int("clients_per_worker", cls._given(fields, "clients_per_worker"))
-        least = min_workers * per_worker  # the fewest clients a round may go on with
-        aggregator = part(
-            aggregators.AGGREGATORS,
-            "aggregator",
-            "aggregator",
-            aggregators.FORMS,
-            fields.get("aggregator"),
-            form,
-        )
+    def _one_per_round(cls, config: object, info: ValidationInfo) -> object:
+        """``client_config``: one checked dict per round (its words count ``rounds``, declared,
+        and so checked, before it: where it was refused, that refusal comes first)."""
+        rounds = info.data.get("rounds")
+        if config is not None and rounds is not None:
+            check_client_config(config, rounds)
+        return config
+
+    @model_validator(mode="after")
+    def _rounds_hold_their_parts(self) -> Self:
+        """Enough workers for ``min_workers``; a round's fewest clients enough for the robust
+        aggregator or the privacy mechanism; privacy, secure aggregation and a robust
+        aggregator one at a time."""
+        min_workers, per_worker = self.min_workers, self.clients_per_worker
+        if self.workers is not None and self.workers < min_workers:
+            raise ValueError(
+                f"workers ({self.workers}) must be at least min_workers ({min_workers})"
+            )
+        least = self.min_clients  # the fewest clients a round may go on with
+        aggregator, mechanism = self.aggregator, self.privacy
         if aggregator is not None:
             counted = f"min_workers is {min_workers}: raise it"
             if per_worker > 1:
@@ -159,9 +174,6 @@ class FedAvgOptions(CheckpointOptions):
                     f"min_workers {min_workers} × clients_per_worker {per_worker}: raise either"
                 )
             check_round_size(aggregator, least, counted)
-        mechanism = part(
-            privacy.PRIVACY, "privacy", "privacy", privacy.FORMS, fields.get("privacy"), form
-        )
         if mechanism is not None:
             if aggregator is not None:
                 raise ValueError(
@@ -169,30 +181,14 @@ class FedAvgOptions(CheckpointOptions):
                     "sized for the sum of clipped updates"
                 )
             check_privacy(mechanism, least)
-        secure = part(
-            secure_aggregation.SECAGG,
-            "secure_aggregation",
-            "secure aggregation",
-            secure_aggregation.FORMS,
-            fields.get("secure_aggregation"),
-            form,
-        )
-        if secure is not None:
+        if self.secure_aggregation is not None:
             if aggregator is not None or mechanism is not None:
                 raise ValueError(
                     "secure_aggregation gives the coordinator the sum alone: a robust aggregator "
                     "or privacy, which need each client's model, cannot go with it"
                 )
             check_secagg(min_workers, per_worker)
-        config = fields.get("client_config")
-        if config is not None:
-            check_client_config(config, rounds)
-        seed = cls._given(fields, "seed")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
-        device("device", fields.get("device"))
-        parts = {"server": server, "aggregator": aggregator, "privacy": mechanism}
-        return fields | parts | {"secure_aggregation": secure}
+        return self
 
     def server_optimizer(self) -> ServerOptimizerOptions:
         """The server optimizer asked for (plain averaging when none is)."""
@@ -233,15 +229,22 @@ class FedProxOptions(FedAvgOptions):
     name = "fedprox"
     sdk_name = "FedProx"
 
-    mu: float
+    mu: Annotated[float, Rule(finite_positive, "mu = 0 is FedAvg")]
     inherited_after = "mu"
 
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        mu = cls._given(fields, "mu")
-        if not is_finite(mu) or mu <= 0:
-            raise ValueError(f"mu must be a finite number > 0, not {mu!r} (mu = 0 is FedAvg)")
-        return super()._check(fields, form)
+
+def _q(key: str, value: object) -> float:
+    q = real(key, value)
+    if q < 0:
+        raise ValueError(f"{key} must be >= 0, not {value!r}")
+    return q
+
+
+def _lipschitz(key: str, value: object) -> float:
+    lipschitz = real(key, value)
+    if lipschitz <= 0:
+        raise ValueError(f"{key} must be > 0 (the paper takes 1/lr), not {value!r}")
+    return lipschitz
 
 
 class QFedAvgOptions(FedAvgOptions):
@@ -266,20 +269,16 @@ class QFedAvgOptions(FedAvgOptions):
     name = "qfedavg"
     sdk_name = "QFedAvg"
 
-    q: float
-    lipschitz: float
+    q: Annotated[float, Rule(_q)]
+    lipschitz: Annotated[float, Rule(_lipschitz)]
 
+    @field_validator("server", "aggregator", "privacy", "secure_aggregation", mode="before")
     @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        q = fields.get("q")
-        if real("q", q) < 0:
-            raise ValueError(f"q must be >= 0, not {q!r}")
-        lipschitz = fields.get("lipschitz")
-        if real("lipschitz", lipschitz) <= 0:
-            raise ValueError(f"lipschitz must be > 0 (the paper takes 1/lr), not {lipschitz!r}")
-        for key in ("server", "aggregator", "privacy", "secure_aggregation"):
-            if fields.get(key) is not None:
-                raise ValueError(
-                    f"{key} must be None: q-FedAvg's server update is its own, not {fields[key]!r}"
-                )
-        return super()._check(fields, form)
+    def _its_own_update(cls, value: object, info: ValidationInfo) -> object:
+        """FedAvg's parts, none of which q-FedAvg takes (run before their own rule)."""
+        if value is not None:
+            raise ValueError(
+                f"{info.field_name} must be None: q-FedAvg's server update is its own, "
+                f"not {value!r}"
+            )
+        return value

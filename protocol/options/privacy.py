@@ -22,15 +22,16 @@ refused at submit) and takes no robust aggregator; a server optimizer steps on t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from protocol.options.base import (
+    AboveZero,
     Caller,
-    Form,
     NamedOptions,
+    Rule,
     above_zero,
     from_spec,
-    real,
+    real_in,
 )
 
 __all__ = [
@@ -48,18 +49,21 @@ Side = Literal["server", "client"]
 SIDES: tuple[str, ...] = get_args(Side)
 
 
+def _side(key: str, side: object) -> str:
+    if side not in SIDES:
+        raise ValueError(f"{key} must be 'server' or 'client', not {side!r}")
+    return side
+
+
+Noise = Annotated[float, Rule(above_zero, zero=True)]
+"""A noise multiplier or standard deviation: a finite number >= 0."""
+
+
 class PrivacyMechanismOptions(NamedOptions):
     """A privacy mechanism: its noise multiplier z and the δ at which ε is reported."""
 
-    noise_multiplier: float
-    delta: float = 1e-5
-
-    @classmethod
-    def _check_common(cls, fields: dict[str, Any]) -> None:
-        above_zero("noise_multiplier", cls._given(fields, "noise_multiplier"), zero=True)
-        delta = cls._given(fields, "delta")
-        if not 0 < real("delta", delta) < 1:
-            raise ValueError(f"delta must be in (0, 1), not {delta!r}")
+    noise_multiplier: Noise
+    delta: Annotated[float, Rule(real_in, "(0, 1)")] = 1e-5
 
 
 class FixedClippingOptions(PrivacyMechanismOptions):
@@ -79,17 +83,8 @@ class FixedClippingOptions(PrivacyMechanismOptions):
     name = "fixed_clipping"
     sdk_name = "FixedClipping"
 
-    clip_norm: float
-    side: Side = "server"
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        above_zero("clip_norm", cls._given(fields, "clip_norm"))
-        cls._check_common(fields)
-        side = cls._given(fields, "side")
-        if side not in SIDES:
-            raise ValueError(f"side must be 'server' or 'client', not {side!r}")
-        return fields
+    clip_norm: AboveZero
+    side: Annotated[Side, Rule(_side)] = "server"
 
 
 class AdaptiveClippingOptions(PrivacyMechanismOptions):
@@ -110,22 +105,10 @@ class AdaptiveClippingOptions(PrivacyMechanismOptions):
     name = "adaptive_clipping"
     sdk_name = "AdaptiveClipping"
 
-    initial_clip: float = 0.1
-    target_quantile: float = 0.5
-    clip_lr: float = 0.2
-    count_stddev: float | None = None
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        above_zero("initial_clip", cls._given(fields, "initial_clip"))
-        quantile = cls._given(fields, "target_quantile")
-        if not 0 <= real("target_quantile", quantile) <= 1:
-            raise ValueError(f"target_quantile must be in [0, 1], not {quantile!r}")
-        above_zero("clip_lr", cls._given(fields, "clip_lr"))
-        if fields.get("count_stddev") is not None:
-            above_zero("count_stddev", fields["count_stddev"], zero=True)
-        cls._check_common(fields)
-        return fields
+    initial_clip: AboveZero = 0.1
+    target_quantile: Annotated[float, Rule(real_in, "[0, 1]")] = 0.5
+    clip_lr: AboveZero = 0.2
+    count_stddev: Noise | None = None
 
     def count_noise(self, clients: int) -> float:
         """σ_b for a round of ``clients`` selected clients: as given, or m/20 (Andrew et al.'s

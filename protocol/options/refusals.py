@@ -1,8 +1,9 @@
 """How a refused option is worded and named: the rule's own words, with whose option it is in
 front.
 
-A rule written as code raises a ``ValueError`` in its own words (``tag must be a non-empty
-string or None, not 3``). A rule written as a field's constraints (``Field(ge=1)``) is worded by
+A rule written as code (an option model's field declares it: :class:`~protocol.options.base.
+Rule`) raises a ``ValueError`` in its own words (``tag must be a non-empty string or None, not
+3``). A rule written as a field's constraints (``Field(ge=1)``) is worded by
 the :class:`Refusal` beside them::
 
     max_steps: Annotated[int | None, Field(ge=1), Refusal("is a whole number of steps >= 1")]
@@ -30,8 +31,8 @@ class Refusal:
 
 
 def refused(exc: ValidationError, model: type[BaseModel] | None = None) -> Exception:
-    """The first rule ``exc`` says a value broke, in its words (a field of ``model`` worded by
-    its :class:`Refusal`)."""
+    """The first rule ``exc`` says a value broke (the first field, in the model's order, where
+    several did), in its words (a field of ``model`` worded by its :class:`Refusal`)."""
     first = exc.errors()[0]
     error = (first.get("ctx") or {}).get("error")
     if isinstance(error, ValueError):

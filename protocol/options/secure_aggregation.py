@@ -18,18 +18,17 @@ Bell et al. 2020)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from protocol.options.base import (
-    Caller,
-    Form,
-    NamedOptions,
-    count,
-    from_spec,
-    real,
-)
+from protocol.options.base import Caller, NamedOptions, Rule, count, from_spec, integer, real_in
 
 __all__ = ["FORMS", "SECAGG", "SecAggOptions", "check_secagg", "secagg_options"]
+
+
+def _scale_bits(key: str, f: object) -> int:
+    if not integer(f) or not 8 <= f <= 40:  # type: ignore[operator]
+        raise ValueError(f"{key} must be an integer in [8, 40], not {f!r}")
+    return f  # type: ignore[return-value]
 
 
 class SecAggOptions(NamedOptions):
@@ -52,20 +51,9 @@ class SecAggOptions(NamedOptions):
     name = "secagg"
     sdk_name = "SecAgg"
 
-    neighbours: int = 16
-    threshold: float = 2 / 3
-    scale_bits: int = 24
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        count("neighbours", cls._given(fields, "neighbours"), 2)
-        t = cls._given(fields, "threshold")
-        if not 0.5 < real("threshold", t) <= 1:
-            raise ValueError(f"threshold must be in (0.5, 1], not {t!r}")
-        f = cls._given(fields, "scale_bits")
-        if not isinstance(f, int) or isinstance(f, bool) or not 8 <= f <= 40:
-            raise ValueError(f"scale_bits must be an integer in [8, 40], not {f!r}")
-        return fields
+    neighbours: Annotated[int, Rule(count, 2)] = 16
+    threshold: Annotated[float, Rule(real_in, "(0.5, 1]")] = 2 / 3
+    scale_bits: Annotated[int, Rule(_scale_bits)] = 24
 
 
 SECAGG = {SecAggOptions.name: SecAggOptions}

@@ -11,15 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from protocol.options.base import (
-    Caller,
-    Form,
-    NamedOptions,
-    above_zero,
-    boolean,
-    decay,
-    named,
-)
+from protocol.options.base import AboveZero, Boolean, Caller, Decay, NamedOptions, named
 
 __all__ = [
     "FORMS",
@@ -68,33 +60,17 @@ class FedAvgMOptions(ServerOptimizerOptions):
     name = "fedavgm"
     sdk_name = "FedAvgM"
 
-    lr: float = 1.0
-    momentum: float = 0.9
-    nesterov: bool = False
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        above_zero("lr", cls._given(fields, "lr"))
-        decay("momentum", cls._given(fields, "momentum"))
-        boolean("nesterov", cls._given(fields, "nesterov"))
-        return fields
+    lr: AboveZero = 1.0
+    momentum: Decay = 0.9
+    nesterov: Boolean = False
 
 
 class _MomentOptions(ServerOptimizerOptions):
     """What the adaptive server optimizers share (Reddi et al. 2021, Algorithm 2): ``lr`` > 0,
     ``beta1`` in [0, 1), and where they take them ``beta2`` in [0, 1) and ``tau`` > 0."""
 
-    lr: float = 0.01
-    beta1: float = 0.9
-
-    @classmethod
-    def _check(cls, fields: dict[str, Any], form: Form) -> dict[str, Any]:
-        above_zero("lr", cls._given(fields, "lr"))
-        decay("beta1", cls._given(fields, "beta1"))
-        if "beta2" in cls.model_fields:
-            decay("beta2", cls._given(fields, "beta2"))
-        above_zero("tau", cls._given(fields, "tau"))
-        return fields
+    lr: AboveZero = 0.01
+    beta1: Decay = 0.9
 
 
 class FedAdagradOptions(_MomentOptions):
@@ -111,7 +87,7 @@ class FedAdagradOptions(_MomentOptions):
     name = "fedadagrad"
     sdk_name = "FedAdagrad"
 
-    tau: float = 1e-3
+    tau: AboveZero = 1e-3
 
 
 class AdaptiveOptions(_MomentOptions):
@@ -125,8 +101,8 @@ class AdaptiveOptions(_MomentOptions):
         tau: τ, the adaptivity (> 0).
     """
 
-    beta2: float = 0.99
-    tau: float = 1e-3
+    beta2: Decay = 0.99
+    tau: AboveZero = 1e-3
 
 
 class FedAdamOptions(AdaptiveOptions):
