@@ -52,7 +52,8 @@ def allocate_fast(nbytes: int) -> memoryview:
 class SharedRegion:
     """One direction's shared memory between the agent and its daemon: a memfd both map.
 
-    The supervisor creates one per direction (:meth:`create`) and hands the daemon their file
+    The agent creates one per direction (:meth:`create`) as it starts the daemon
+    (:func:`worker.supervision.start.shared_regions`) and hands the daemon their file
     descriptors. The region only grows (sealed against shrinking, so the other process cannot
     make our mapping fault), to the largest frame sent so far, rounded up to a MiB; its pages
     stay allocated for the next frame. :attr:`frames` and :attr:`nbytes` count what went through.

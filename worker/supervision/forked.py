@@ -9,7 +9,7 @@ the child is the server's, not the agent's, so its exit status comes as a messag
 :meth:`ForkedChild.reap` replaces the waiting on it. When the server dies its children are
 re-parented and end by their own watchdog; each one's end is then seen as its pid going.
 
-Every method here blocks (a process start, a socket round trip): the supervisor runs them in an
+Every method here blocks (a process start, a socket round trip): their callers run them in an
 executor.
 """
 

@@ -1,4 +1,4 @@
-"""One filter daemon process and the non-blocking I/O on its two pipes.
+"""One running filter daemon process and the non-blocking I/O on its two pipes.
 
 :class:`DaemonProcess` moves frames between the event loop and the daemon's stdin/stdout; what
 the frames mean is the supervisor's business (:mod:`worker.supervision.supervisor`), told through
@@ -7,9 +7,9 @@ bounded amount of bytes per callback. A reply is read straight into a writable b
 decoded tensors are zero-copy views over it), and a request is written with ``os.writev`` from
 the codec's memoryviews (tensor bytes go from their own memory into the pipe, never joined).
 Frames of 256 KiB to 32 MiB go through two shared-memory regions instead
-(:class:`~worker.daemon.shared_memory.SharedRegion`, one per direction, created by the supervisor
-and inherited by the daemon): one copy in, one copy out, no kernel pipe pages. Only process creation
-and reaping, which can block, run in the default executor.
+(:class:`~worker.daemon.shared_memory.SharedRegion`, one per direction, created when the daemon
+was started, :mod:`worker.supervision.start`, and inherited by it): one copy in, one copy out, no
+kernel pipe pages. Only reaping, which can block, runs in the default executor.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from typing import Any
 
 from protocol.daemon import ErrorReply, OkReply
 from protocol.errors import FrameError
-from worker.confinement.cgroup import CgroupParent, JobCgroup
-from worker.confinement.procfs import descendants, exited
-from worker.confinement.sandbox import NO_SANDBOX, Launch, Sandbox, UidConfinement
+from worker.confinement.cgroup import JobCgroup
+from worker.confinement.sandbox import UidConfinement
 from worker.daemon.pipe import FrameReader, FrameWriter
 from worker.daemon.shared_memory import SharedRegion
 from worker.supervision.forked import ForkedChild
 
-__all__ = ["DaemonProcess", "describe_exit", "enter", "reap", "shared_regions", "spawn"]
+__all__ = ["DaemonProcess", "describe_exit", "reap"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +47,6 @@ faster."""
 
 REAP_SECONDS = 5.0
 """How long a daemon that closed its stdout gets to exit before it is killed."""
-
-ENTER_SECONDS = 10.0
-"""How long the processes of a starting daemon get to all be in its cgroup (:func:`enter`)."""
 
 
 class DaemonProcess:
@@ -243,24 +239,6 @@ def reap(
     return popen.wait()
 
 
-def discard(
-    started: tuple[subprocess.Popen[bytes] | ForkedChild, JobCgroup | None, UidConfinement | None],
-) -> None:
-    """Kill and reap a daemon whose start was given up before it was looked after (its
-    starter was cancelled while the process was being made): its pipes closed, what it
-    started, its cgroup and its uid's files gone. Blocking: run it in an executor."""
-    child, cgroup, confinement = started
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
-    for stream in (child.stdin, child.stdout):
-        if stream is not None:
-            stream.close()
-    if isinstance(child, ForkedChild):
-        child.reap(cgroup, REAP_SECONDS)
-    else:
-        reap(child, cgroup, confinement)
-
-
 def _exited(pid: int) -> bool:
     """Whether ``pid`` (a child) has exited, leaving it unreaped."""
     try:
@@ -268,118 +246,6 @@ def _exited(pid: int) -> bool:
     except ChildProcessError:  # reaped already
         return True
     return found is not None
-
-
-def spawn(
-    argv: list[str],
-    env: dict[str, str],
-    *,
-    pass_fds: tuple[int, ...] = (),
-    cgroups: CgroupParent | None = None,
-    sandbox: Sandbox = NO_SANDBOX,
-    tmpfs_bytes: int | None = None,
-    nice: int = 0,
-) -> tuple[subprocess.Popen[bytes], JobCgroup | None, UidConfinement | None]:
-    """Start the daemon process, inside ``sandbox`` (``tmpfs_bytes``: the most its private
-    ``/tmp`` and ``/dev/shm`` may each hold), and, with ``cgroups``, put it in a new cgroup of
-    its own before it runs anything of the job's: a sandboxed daemon waits at its gate until
-    every process of it is in (:func:`enter`); ``nice``: its niceness (and so of all it starts:
-    a spare starting beside a job). The cgroup it is in, ``None`` without ``cgroups`` or when
-    that failed, and the uid a sandbox gave it (blocking: fork/exec; run in an executor)."""
-    cgroup = None if cgroups is None else cgroups.new()
-    launch = sandbox.launch(argv, env, tmpfs_bytes)
-    gate = () if launch.gate is None else (launch.gate,)
-    try:
-        popen = _popen(launch.argv, launch.options, pass_fds + gate)
-    except BaseException:
-        _close_gate(launch)
-        if cgroup is not None:
-            cgroup.remove()
-        if launch.confinement is not None:
-            launch.confinement.clear()
-        raise
-    if launch.gate is not None:
-        os.close(launch.gate)
-    if cgroup is not None and not enter(cgroup, popen.pid):
-        cgroup.remove()
-        cgroup = None
-    if nice:  # before it goes on: what it starts is as nice
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, popen.pid, nice)
-    if launch.release is not None:
-        with contextlib.suppress(OSError):  # it died already: EOF on its stdout says how
-            os.write(launch.release, b"\n")
-        os.close(launch.release)
-    return popen, cgroup, launch.confinement
-
-
-def unnice(pids: list[int]) -> None:
-    """Give ``pids`` (a spare daemon's processes, now a job's) the default niceness back
-    (a root agent may; elsewhere they stay as they were)."""
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, 0)
-
-
-def _close_gate(launch: Launch) -> None:
-    for fd in (launch.gate, launch.release):
-        if fd is not None:
-            os.close(fd)
-
-
-def enter(cgroup: JobCgroup, pid: int, seconds: float = ENTER_SECONDS) -> bool:
-    """Put ``pid`` and every process below it in ``cgroup``: ``pid`` first, so that what it
-    forks from then on is born inside, then what it had forked already, until none is left
-    outside (those wait at a gate, or are an interpreter starting: none forks meanwhile);
-    ``False`` when a move failed, or when some were still outside after ``seconds``.
-
-    A zombie is left out: it cannot be moved (the kernel takes the write and moves nothing),
-    and its parent may reap it only once past the gate this opens — waiting for it to show
-    inside spun for ever, and a test's event loop, joining its executor's threads at its end,
-    hung with it."""
-    if not cgroup.add(pid):
-        return False
-    deadline = time.monotonic() + seconds
-    while True:
-        inside = set(cgroup.pids())
-        outside = [p for p in descendants(pid) if p not in inside and not exited(p)]
-        if not outside:
-            return True
-        if time.monotonic() > deadline:
-            log.warning("processes %s would not move into %s", outside, cgroup.path)
-            return False
-        for child in outside:
-            if not cgroup.add(child) and not exited(child):
-                return False
-
-
-def _popen(
-    argv: list[str], options: dict[str, Any], pass_fds: tuple[int, ...]
-) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=None,  # inherited: user prints and tracebacks go to the worker's log
-        close_fds=True,
-        pass_fds=pass_fds,
-        # Its own session: a Ctrl-C meant for the agent must not hit the daemon mid-request;
-        # the agent decides when it stops (and the daemon's watchdog follows the agent).
-        start_new_session=True,
-        **options,
-    )
-
-
-def shared_regions() -> tuple[SharedRegion, SharedRegion] | None:
-    """The two regions of a new daemon (to it, from it), or ``None`` without memfds."""
-    to_daemon = SharedRegion.create("somatize-to-daemon")
-    from_daemon = SharedRegion.create("somatize-from-daemon")
-    if to_daemon is None or from_daemon is None:
-        for region in (to_daemon, from_daemon):
-            if region is not None:
-                region.close()
-        return None
-    return to_daemon, from_daemon
 
 
 def describe_exit(returncode: int) -> tuple[str, dict[str, Any]]:

@@ -1,9 +1,10 @@
-"""The agent's side of the filter daemon: spawn it, talk to it, and survive it.
+"""The agent's side of the filter daemon: start it, talk to it, and survive it.
 
-:class:`DaemonSupervisor` runs ``python -m worker.daemon`` as a child process and sends it one
-request at a time (:mod:`protocol.daemon`), with an id and a timeout, from an asyncio (uvloop)
-event loop. User code runs in the daemon, so every way it can fail becomes an exception here and
-never a silent success:
+:class:`DaemonSupervisor` runs ``python -m worker.daemon`` as a child process (made, forked or
+fresh, by :func:`~worker.supervision.start.start_daemon`) and sends it one request at a time
+(:mod:`protocol.daemon`), with an id and a timeout, from an asyncio (uvloop) event loop. User
+code runs in the daemon, so every way it can fail becomes an exception here and never a silent
+success:
 
 * the filter raised → :class:`~worker.errors.DaemonError` carrying the daemon's error (code,
   message, traceback); the daemon is still up;
@@ -24,15 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from pydantic import ValidationError
 
@@ -48,8 +46,7 @@ from protocol.daemon import (
     request_fields,
 )
 from protocol.errors import ErrorCode, FrameError, RequestRefused
-from worker.confinement.cgroup import CgroupParent, JobCgroup
-from worker.confinement.environment import daemon_environment
+from worker.confinement.cgroup import CgroupParent
 from worker.confinement.limits import (
     NO_LIMITS,
     POLL_SECONDS,
@@ -60,7 +57,7 @@ from worker.confinement.limits import (
     over,
 )
 from worker.confinement.procfs import descendants
-from worker.confinement.sandbox import NO_SANDBOX, Sandbox, UidConfinement
+from worker.confinement.sandbox import NO_SANDBOX, Sandbox
 from worker.daemon.allocator import GLIBC, Allocator
 from worker.daemon.requests import parse_command
 from worker.errors import (
@@ -70,26 +67,13 @@ from worker.errors import (
     DaemonNotRunning,
     DaemonTimeout,
 )
-from worker.supervision.forked import ForkedChild, ForkServer
-from worker.supervision.process import (
-    REAP_SECONDS,
-    DaemonProcess,
-    describe_exit,
-    discard,
-    shared_regions,
-    spawn,
-    unnice,
-)
+from worker.supervision.forked import ForkServer
+from worker.supervision.process import REAP_SECONDS, DaemonProcess, describe_exit
+from worker.supervision.start import environment, start_daemon, unnice
 
 __all__ = ["DaemonSupervisor"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-# The directory holding the ``worker`` and ``protocol`` packages: put on the child's PYTHONPATH so
-# ``python -m worker.daemon`` imports this very code whatever the cwd and the interpreter.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 _PING = PingRequest(id=0, cmd="ping")
 _SHUTDOWN = ShutdownRequest(id=0, cmd="shutdown")
@@ -197,7 +181,8 @@ class DaemonSupervisor:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the daemon and wait until it answers a ``ping`` (torch imported, ready).
+        """Start the daemon (:func:`~worker.supervision.start.start_daemon`) and wait until it
+        answers a ``ping`` (torch imported, ready).
 
         Raises:
             DaemonAlreadyRunning: a daemon is already running (use :meth:`restart`).
@@ -414,84 +399,36 @@ class DaemonSupervisor:
     async def _start(self) -> None:
         if self._child is not None and self._child.alive:
             raise DaemonAlreadyRunning("the filter daemon is already running; use restart()")
-        argv = [self.python, "-m", "worker.daemon", "--threads", str(self.threads)]
-        argv += ["--device", self.device]
-        shared = shared_regions()
-        fds: tuple[int, ...] = ()
-        if shared is not None:
-            fds = (shared[0].fd, shared[1].fd)
-            argv += ["--shared", f"{fds[0]},{fds[1]}"]
-        env = self.environment()
-        loop = asyncio.get_running_loop()
-        forks = self.fork_server
-        if callable(forks):
-            forks = await forks()
-        forked: tuple[ForkedChild, JobCgroup | None] | None = None
-        if forks is not None and forks.alive and self.device == "cpu":
-            try:
-                forked = await _discarded_if_cancelled(
-                    loop.run_in_executor(None, forks.fork, self.threads, fds, self.cgroups),
-                    lambda made: discard((*made, None)),
-                )
-                argv = [f"(forked by fork server {forks.pid})", "--threads", str(self.threads)]
-            except OSError as exc:
-                log.warning("the fork server could not start a daemon (%s): starting one anew", exc)
-        try:
-            started: tuple[
-                subprocess.Popen[bytes] | ForkedChild, JobCgroup | None, UidConfinement | None
-            ] = (
-                (*forked, None)
-                if forked is not None
-                else await _discarded_if_cancelled(
-                    loop.run_in_executor(
-                        None,
-                        functools.partial(
-                            spawn,
-                            argv,
-                            env,
-                            pass_fds=fds,
-                            cgroups=self.cgroups,
-                            sandbox=self.sandbox,
-                            tmpfs_bytes=self.limits.memory_bytes,
-                            nice=self.nice,
-                        ),
-                    ),
-                    discard,
-                )
-            )
-        except OSError as exc:
-            for region in shared or ():
-                region.close()
-            raise DaemonCrashed(
-                ErrorCode.DAEMON_CRASHED,
-                f"cannot start the filter daemon with {self.python}: {exc}",
-                {"argv": argv},
-            ) from exc
-        popen, cgroup, confinement = started
+        started = await start_daemon(
+            self.python,
+            self.environment(),
+            threads=self.threads,
+            device=self.device,
+            fork_server=self.fork_server,
+            cgroups=self.cgroups,
+            sandbox=self.sandbox,
+            tmpfs_bytes=self.limits.memory_bytes,
+            nice=self.nice,
+        )
         self._child = DaemonProcess(
-            popen,
+            started.process,
             on_frame=self._on_frame,
             on_broken=self._protocol_violation,
             on_exit=self._on_exit,
-            shared=shared,
-            cgroup=cgroup,
-            confinement=confinement,
+            shared=started.shared,
+            cgroup=started.cgroup,
+            confinement=started.confinement,
         )
         self._last_exit = {}
-        log.info("filter daemon %d started (%s)", popen.pid, " ".join(argv))
+        log.info("filter daemon %d started (%s)", started.process.pid, " ".join(started.argv))
         if self.limits.any:
             self._watch = asyncio.ensure_future(self._watch_limits(self._child))
         await self._request(_PING, self.default_timeout)
 
     def environment(self) -> dict[str, str]:
-        """The daemon's environment: the allow-list of :mod:`worker.confinement.environment`, what
-        the agent sets, its allocator's preload and this source tree on ``PYTHONPATH``."""
-        env = daemon_environment(os.environ, self.passed_env, self.env)
-        paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-        if _SOURCE_ROOT not in paths:
-            env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
-        env.update(self.allocator.environment(env.get("LD_PRELOAD"), self.limits.memory_bytes))
-        return env
+        """The daemon's environment (:func:`worker.supervision.start.environment`): the
+        allow-list, what the agent sets, its allocator's preload and this source tree."""
+        return environment(self.env, self.passed_env, self.allocator, self.limits.memory_bytes)
 
     async def _watch_limits(self, child: DaemonProcess) -> None:
         """Kill ``child``'s process group once it holds more than :attr:`limits` allow."""
@@ -513,26 +450,6 @@ class DaemonSupervisor:
                 await asyncio.wait_for(asyncio.shield(child.exited), REAP_SECONDS * 2)
             except TimeoutError:
                 log.error("filter daemon %d could not be reaped after SIGKILL", child.pid)
-
-
-async def _discarded_if_cancelled(making: asyncio.Future[T], discarded: Callable[[T], None]) -> T:
-    """What ``making`` (a process being made in an executor) makes; when the caller is
-    cancelled first, ``discarded(it)`` runs in an executor once it is made, so that no process
-    is left without an owner (a spare daemon's start cancelled by the agent's close)."""
-    try:
-        return await asyncio.shield(making)
-    except asyncio.CancelledError:
-
-        def discard_when_made(made: asyncio.Future[T]) -> None:
-            if made.cancelled() or made.exception() is not None:
-                return
-            try:
-                asyncio.get_running_loop().run_in_executor(None, discarded, made.result())
-            except RuntimeError:  # the loop is closing: discard it here, now
-                discarded(made.result())
-
-        making.add_done_callback(discard_when_made)
-        raise
 
 
 def _usage(child: DaemonProcess) -> Usage:

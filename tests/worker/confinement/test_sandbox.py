@@ -16,7 +16,7 @@ from worker.confinement.cgroup import CgroupParent
 from worker.confinement.procfs import descendants, exited
 from worker.confinement.sandbox import Sandbox, SandboxRefused, choose
 from worker.confinement.sandbox_root import Cover, plan, script
-from worker.supervision.process import enter
+from worker.supervision.start import enter
 
 
 def test_only_directories_others_cannot_enter_are_covered_each_keeping_its_paths():
