@@ -114,13 +114,9 @@ class JobHandlers:
             log.info("job %s: opened again; closing its previous daemon", message.job_id)
             await self._close_job(previous)
         self._refuse_unless_accepting(message.job_id)  # stop() may have come meanwhile
-        supervisor = await self._pool.take(message.threads)
-        fresh = supervisor is None
-        if supervisor is None:
-            supervisor = self._pool.new(message.threads)
-        self._pool.prewarm()
+        supervisor, started = await self._pool.for_job(message.threads)
         job = _Job(message.job_id, supervisor, peer_secret=message.peer_secret)
-        job.opening = owned_task(self._open(job, message.filters, start=fresh))
+        job.opening = owned_task(self._open(job, message.filters, start=not started))
         self.jobs[job.job_id] = job
         try:
             # Shielded: the job owns the opening (see _close_job), this handler only waits.

@@ -122,6 +122,17 @@ class DaemonPool:
         if forks is not None:
             await asyncio.to_thread(forks.close)
 
+    async def for_job(self, threads: int | None) -> tuple[DaemonSupervisor, bool]:
+        """The daemon for a job that asks for ``threads`` (``None``: the agent's default), and
+        whether it is started: a spare that is up (:meth:`take`), else a new one for the job to
+        start (:meth:`new`); then the spares are made up again (:meth:`prewarm`)."""
+        supervisor = await self.take(threads)
+        started = supervisor is not None
+        if supervisor is None:
+            supervisor = self.new(threads)
+        self.prewarm()
+        return supervisor, started
+
     def new(self, threads: int | None) -> DaemonSupervisor:
         """A daemon for a job (not started yet); ``threads`` ``None``: the agent's default."""
         self.start_fork_server()  # again, if it died

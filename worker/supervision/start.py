@@ -2,17 +2,17 @@
 sandbox, in a cgroup of its own, with its two shared-memory regions.
 
 The chain above this module is one call each: the coordinator's ``OpenJob`` reaches
-:meth:`~worker.job_handlers.JobHandlers.open_job`, which takes a daemon from
-:class:`~worker.supervision.pool.DaemonPool` (a spare already up, or a new one);
-:meth:`DaemonSupervisor.start <worker.supervision.supervisor.DaemonSupervisor.start>` calls
-:func:`start_daemon` here, then waits for its first ``ping``. What runs is
+:meth:`~worker.job_handlers.JobHandlers.open_job`, which takes its daemon from
+:meth:`DaemonPool.for_job <worker.supervision.pool.DaemonPool.for_job>` (a spare already up, or a
+new one); :meth:`DaemonSupervisor.start <worker.supervision.supervisor.DaemonSupervisor.start>`
+calls :func:`start_daemon` here, then waits for its first ``ping``. What runs is
 :mod:`worker.daemon.main`.
 
 :func:`start_daemon` chooses in one place how the process is made:
 
 * **forked** — on a CPU worker whose sandbox allows it, by the agent's fork server
-  (:mod:`worker.supervision.forked`, which imported torch once): in milliseconds, its cgroup
-  joined by the server's child;
+  (:mod:`worker.supervision.forked`, which imported torch once): in milliseconds, then moved
+  into its cgroup;
 * **fresh** — otherwise, or when the fork server is gone or refuses: :func:`spawn` runs
   ``python -m worker.daemon`` as the sandbox's command line
   (:meth:`~worker.confinement.sandbox.Sandbox.launch`), and puts it and what it forked in its

@@ -93,3 +93,22 @@ def test_a_forking_agent_keeps_one_and_none_with_spares_off():
         assert _Daemon.made[0].closed
 
     asyncio.run(scenario())
+
+
+def test_a_job_gets_a_spare_that_is_up_else_a_new_daemon_and_the_spares_are_made_up():
+    async def scenario() -> None:
+        _Daemon.made.clear()
+        pool = _pool(NO_SANDBOX)
+        pool.prewarm()
+        _Daemon.made[0].up.set_result(None)
+        await _settled()
+        # The spare, started: the pool starts the next one.
+        daemon, started = await pool.for_job(None)
+        assert daemon is _Daemon.made[0] and started and len(_Daemon.made) == 2
+        # Other threads than the spare's: a new daemon, for the job to start; the spare is kept.
+        daemon, started = await pool.for_job(3)
+        assert daemon is _Daemon.made[2] and not started and pool.has_spare
+        _Daemon.made[1].up.set_result(None)
+        await pool.close_spare()
+
+    asyncio.run(scenario())
