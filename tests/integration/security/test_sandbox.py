@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import site
 import tempfile
 import time
 from pathlib import Path
@@ -191,7 +192,8 @@ def test_job_code_cannot_reach_the_agents_secrets_its_environment_or_outlive_its
     if level == "none":  # nothing stops it: the worker said so, loudly, at start
         assert "NO SANDBOX for job code (--sandbox none)" in log
         assert report["secret 0"] == f"ok: {token!r}"
-        for path in (*left, Path(f"/tmp/block-{stamp}")):
+        planted = Path(site.getsitepackages()[0], f"planted-{stamp}.pth")  # it wrote that too
+        for path in (*left, Path(f"/tmp/block-{stamp}"), planted):
             path.unlink(missing_ok=True)
         for pid in _sleeping():  # it left its cgroup too (wrote itself into another): gone now
             os.kill(pid, signal.SIGKILL)
