@@ -237,6 +237,15 @@ def _parser() -> argparse.ArgumentParser:
         "each anew",
     )
     parser.add_argument(
+        "--fork-server-share",
+        type=Path,
+        metavar="DIR",
+        help="share the fork server's imports with the other workers you start on this machine "
+        "with the same DIR (a folder only you can open): the first starts a server that "
+        "listens there, the others fork their daemons from siblings of it, each worker's "
+        "daemons still its own (a local cluster's workers; default: a server of its own)",
+    )
+    parser.add_argument(
         "--spare-daemon",
         choices=["auto", "on", "off"],
         default="auto",
@@ -424,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 spares=args.spare_daemons,
                 slots=args.slots,
                 fork_server=args.fork_server == "on",
+                fork_server_share=args.fork_server_share,
             )
             agent = Agent(config)
         except ValueError as exc:

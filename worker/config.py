@@ -58,6 +58,10 @@ class AgentConfig:
         fork_server: fork each daemon from a process that imported torch once
             (:mod:`worker.daemon.fork_server`): a daemon starts in milliseconds and shares that
             memory; on a CPU worker (a CUDA context does not survive a fork), else each starts anew.
+        fork_server_share: a folder where the agents one user starts on this machine share one
+            fork server's imports (``--fork-server-share``; a local cluster's workers): the
+            agent forks its daemons from a sibling of the server listening there for its
+            daemons' environment, or starts that server (:mod:`worker.daemon.fork_server`).
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
             readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
@@ -125,6 +129,7 @@ class AgentConfig:
     spares: int | None = None
     slots: int = 1
     fork_server: bool = True
+    fork_server_share: Path | None = None
     datasets: Mapping[str, Path] = field(default_factory=dict)
     peer_listen: str | None = None
     peer_advertise: str | None = None

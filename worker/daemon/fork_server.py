@@ -17,6 +17,17 @@ messages with file descriptors beside them (``SCM_RIGHTS``):
   :attr:`subprocess.Popen.returncode` gives it), once its process group is killed — what its
   filters forked — and it is reaped.
 
+Workers started side by side on one machine by one user (a local cluster: ``somatize demo``,
+the tests) may share the imports (``--share PATH``, the agent's ``--fork-server-share DIR``): the
+server also listens on a Unix socket at ``PATH``, named for its daemons' environment, and an
+agent whose daemons would start with that same environment connects there instead of starting a
+server of its own. For each such agent it forks a *sibling*: a fork server of the same imports,
+serving that agent over the connection (``{"agent": pid}`` with the agent's log as the one
+descriptor beside it, answered ``{"ready": pid}``), with the same messages as above. A sibling is
+in a session of its own, ends when its agent closes the connection or dies, and outlives the
+server it was forked from (whose agent a fault may kill); only a connection from the server's own
+user is served.
+
 The server forks only while it runs no thread of its own beyond what importing torch starts
 (as every ``DataLoader`` worker forked after ``import torch`` does), and has not used a CUDA
 device or an OpenMP pool (its torch runs one thread and never computes): what a fork cannot
@@ -33,9 +44,10 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 __all__ = ["MAX_FDS", "recv_message", "send_message"]
@@ -79,10 +91,15 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         prog="python -m worker.daemon.fork_server", description=__doc__
     )
     parser.add_argument("--socket", type=int, required=True, help="the agent's socket (an fd)")
+    parser.add_argument(
+        "--share", metavar="PATH", help="also fork sibling servers for agents connecting here"
+    )
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.socket)
     os.set_inheritable(sock.fileno(), False)
     parent = os.getppid()
+    # Listening before the imports: an agent that comes meanwhile waits for them, not again.
+    listener = _listen(args.share) if args.share else None
 
     # What every daemon needs, once: the allocator's settings, torch, the first optimizer.
     from protocol.asyncio.memory import keep_freed_memory
@@ -99,31 +116,74 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes select via the pipe
-    send_message(sock, {"ready": os.getpid(), "threads": _threads(), "after_import": imported})
+    ready = {"ready": os.getpid(), "threads": _threads(), "after_import": imported}
+    send_message(sock, ready)
     try:
-        status = _serve(sock, (wake_r, wake_w), parent)
+        status = _serve(sock, (wake_r, wake_w), lambda: os.getppid() == parent, listener)
     except Exception:
         traceback.print_exc()
         status = 1
+    if listener is not None:  # no agent comes to a server that is gone
+        with contextlib.suppress(OSError):
+            os.unlink(args.share)
     sys.stderr.flush()
     os._exit(status)
+
+
+def _listen(path: str) -> socket.socket | None:
+    """A socket listening at ``path`` for the agents that share this server's imports, only its
+    user able to open it; ``None`` where another server listens there already."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with contextlib.suppress(FileNotFoundError):
+        if not _answers(path):
+            os.unlink(path)  # a server that died left it
+    try:
+        listener.bind(path)
+    except OSError as exc:
+        print(f"fork server: not shared at {path}: {exc}", file=sys.stderr, flush=True)
+        listener.close()
+        return None
+    os.chmod(path, 0o600)
+    listener.listen(8)
+    return listener
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
 
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _serve(sock: socket.socket, wake: tuple[int, int], parent: int) -> int:
-    """Fork a daemon for each request and report each one's end, until EOF or orphaning;
-    ``wake``: the signal wake-up pipe (read end, write end)."""
+def _serve(
+    sock: socket.socket,
+    wake: tuple[int, int],
+    agent_alive: Callable[[], bool],
+    listener: socket.socket | None = None,
+) -> int:
+    """Fork a daemon for each request and report each one's end, until EOF or the agent is gone
+    (``agent_alive`` says); ``wake``: the signal wake-up pipe (read end, write end);
+    ``listener``: where the agents sharing this server connect, each given a sibling."""
+    siblings: set[int] = set()
     while True:
-        readable, _, _ = select.select([sock.fileno(), wake[0]], [], [], 0.5)
+        watched = [sock.fileno(), wake[0], *([listener.fileno()] if listener else [])]
+        readable, _, _ = select.select(watched, [], [], 0.5)
         if wake[0] in readable:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake[0], 512)
-        _reap(sock)
-        if os.getppid() != parent:
+        _reap(sock, siblings)
+        if not agent_alive():
             return 3  # the agent is gone
+        if listener is not None and listener.fileno() in readable:
+            sibling = _sibling(listener, sock, wake)
+            if sibling is not None:
+                siblings.add(sibling)
         if sock.fileno() not in readable:
             continue
         try:
@@ -204,9 +264,88 @@ def _reseed() -> None:
         numpy.random.seed(seed % 2**32)
 
 
-def _reap(sock: socket.socket) -> None:
+def _sibling(listener: socket.socket, sock: socket.socket, wake: tuple[int, int]) -> int | None:
+    """Accept one agent at the shared socket and fork it a sibling server; its pid, or ``None``
+    where the connection is not one to serve (another user's, a bad hello, a failed fork)."""
+    conn, _ = listener.accept()
+    with conn:
+        uid = _peer_uid(conn)
+        try:
+            conn.settimeout(5.0)
+            hello = recv_message(conn)
+        except (OSError, ValueError):
+            hello = None
+        fds = hello[1] if hello is not None else []
+        agent = hello[0].get("agent") if hello is not None else None
+        if uid != os.getuid() or not isinstance(agent, int) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(fds[0])
+            print(f"fork server: no sibling: {exc}", file=sys.stderr, flush=True)
+            return None
+        if pid == 0:
+            conn.settimeout(None)
+            _become_sibling(conn, agent, fds[0], (listener, sock), wake)
+        os.close(fds[0])
+        return pid
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def _become_sibling(
+    conn: socket.socket,
+    agent: int,
+    log: int,
+    theirs: tuple[socket.socket, socket.socket],
+    wake: tuple[int, int],
+) -> NoReturn:
+    """In the child: a fork server of ``agent``'s on ``conn``, its output in the agent's
+    ``log``, none of the server's descriptors, in a session of its own."""
+    status = 1
+    try:
+        os.setsid()
+        for held in theirs:
+            held.close()
+        for end in wake:
+            os.close(end)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        send_message(
+            conn, {"ready": os.getpid(), "threads": _threads(), "after_import": _threads()}
+        )
+        status = _serve(conn, (wake_r, wake_w), lambda: _alive(agent))
+    except BaseException:
+        traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(sock: socket.socket, siblings: set[int] | None = None) -> None:
     """Report every child that ended: its process group killed first (what its filters forked
-    dies with it), then reaped, so its pid — the group's id — is not reused meanwhile."""
+    dies with it), then reaped, so its pid — the group's id — is not reused meanwhile. A
+    sibling server is only reaped: its daemons go on without it, and its agent hears of it on
+    its own connection."""
     while True:
         try:
             found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -214,6 +353,10 @@ def _reap(sock: socket.socket) -> None:
             return
         if found is None:
             return
+        if siblings is not None and found.si_pid in siblings:
+            siblings.discard(found.si_pid)
+            os.waitpid(found.si_pid, 0)
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(found.si_pid, signal.SIGKILL)
         _, status = os.waitpid(found.si_pid, 0)

@@ -9,6 +9,11 @@ the child is the server's, not the agent's, so its exit status comes as a messag
 :meth:`ForkedChild.reap` replaces the waiting on it. When the server dies its children are
 re-parented and end by their own watchdog; each one's end is then seen as its pid going.
 
+Agents that one user starts side by side (a local cluster's) may share the imports: given a
+folder (``--fork-server-share``), an agent joins the server listening there for its daemons'
+environment and is served by a sibling of it, forked in milliseconds; where none listens it
+starts the server, which listens there for the next.
+
 Every method here blocks (a process start, a socket round trip): their callers run them in an
 executor.
 """
@@ -16,6 +21,8 @@ executor.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import queue
@@ -26,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from worker.confinement.cgroup import CgroupParent, JobCgroup
@@ -92,11 +100,16 @@ class ForkServer:
     Args:
         python: the interpreter its daemons run on.
         env: a daemon's environment (:func:`worker.confinement.environment.daemon_environment`).
+        share: a folder where the agents of one machine and user share one server's imports
+            (``--fork-server-share``): the agent joins the server listening there for its
+            daemons' environment, getting a sibling of it (:mod:`worker.daemon.fork_server`),
+            or starts one that listens there.
     """
 
-    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+    def __init__(self, python: str, env: Mapping[str, str], share: Path | None = None) -> None:
         self.python = python
         self.env = dict(env)
+        self.shared_at = None if share is None else share / f"{_environment_key(python, env)}.sock"
         self.pid: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -119,6 +132,8 @@ class ForkServer:
         Raises:
             OSError: it could not start, or died or said nothing within :data:`START_SECONDS`.
         """
+        if self.shared_at is not None and self._join(self.shared_at):
+            return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [
@@ -128,6 +143,8 @@ class ForkServer:
                 "--socket",
                 str(theirs.fileno()),
             ]
+            if self.shared_at is not None:
+                argv += ["--share", str(self.shared_at)]
             self._process = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
@@ -150,9 +167,30 @@ class ForkServer:
         if ready is None or "ready" not in ready[0]:
             self._stop(mine)
             raise OSError(f"the fork server did not start: it said {ready!r}")
-        mine.settimeout(None)
-        self._sock, self.pid = mine, int(ready[0]["ready"])
-        said = ready[0]
+        self._ready(mine, ready[0])
+        log.info("fork server %d ready (%s)", self.pid, self.python)
+
+    def _join(self, path: Path) -> bool:
+        """Take a sibling of the server shared at ``path`` (blocking); ``False`` where none
+        answers there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(START_SECONDS)  # a server that has just started imports first
+            sock.connect(str(path))
+            send_message(sock, {"agent": os.getpid()}, [sys.stderr.fileno()])
+            ready = recv_message(sock)
+        except (OSError, ValueError):
+            ready = None
+        if ready is None or "ready" not in ready[0]:
+            sock.close()
+            return False
+        self._ready(sock, ready[0])
+        log.info("fork server %d ready, shared at %s (%s)", self.pid, path, self.python)
+        return True
+
+    def _ready(self, sock: socket.socket, said: dict[str, Any]) -> None:
+        sock.settimeout(None)
+        self._sock, self.pid = sock, int(said["ready"])
         if said.get("threads") != said.get("after_import"):
             log.warning(
                 "fork server %d started threads of its own (%s): forks may not be safe",
@@ -160,7 +198,6 @@ class ForkServer:
                 said,
             )
         threading.Thread(target=self._read, name="fork-server", daemon=True).start()
-        log.info("fork server %d ready (%s)", self.pid, self.python)
 
     def fork(
         self, threads: int, shared: Sequence[int] = (), cgroups: CgroupParent | None = None
@@ -222,6 +259,9 @@ class ForkServer:
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+        elif self.pid is not None:  # a sibling: its shared server's child, not ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Stop the server (its children, re-parented, end by their watchdogs)."""
@@ -238,6 +278,9 @@ class ForkServer:
                 process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
+        elif self.pid is not None:  # a sibling: its shared server reaps it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def _read(self) -> None:
         """The reader thread: replies to whoever forks, ends to their children."""
@@ -283,3 +326,23 @@ class ForkServer:
             child.ended(-signal.SIGKILL)
 
         threading.Thread(target=watch, name=f"gone-{child.pid}", daemon=True).start()
+
+
+def _environment_key(python: str, env: Mapping[str, str]) -> str:
+    """The name a shared server's socket takes: its interpreter, its daemons' environment, and
+    the namespaces and cgroup it runs in (its agent's: a sibling lives where the server does, a
+    worker in a network namespace of its own reaches what that namespace reaches), so that an
+    agent joins only a server whose daemons start as its own would."""
+    described = json.dumps([python, sorted(env.items()), _place()]).encode()
+    return hashlib.sha256(described).hexdigest()[:24]
+
+
+def _place() -> list[str]:
+    """This process's namespaces and cgroup, as ``/proc/self`` names them."""
+    found = []
+    for namespace in ("net", "mnt", "pid", "user", "uts", "ipc", "cgroup"):
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(f"/proc/self/ns/{namespace}"))
+    with contextlib.suppress(OSError):
+        found.append(Path("/proc/self/cgroup").read_text())
+    return found

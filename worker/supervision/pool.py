@@ -92,7 +92,7 @@ class DaemonPool:
         if self._forks is not None and self._forks.alive:
             return
         env = self._supervisor(None).environment()
-        forks = self._starting = ForkServer(config.python, env)
+        forks = self._starting = ForkServer(config.python, env, config.fork_server_share)
 
         async def start() -> None:
             try:

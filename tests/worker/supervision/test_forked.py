@@ -1,0 +1,73 @@
+"""Agents sharing one fork server's imports (``--fork-server-share``): a sibling per agent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.filters import dump_filter
+from tests.utils import UNIT
+from tests.worker.daemon.supervised import Center, wait_gone
+from worker.supervision.forked import ForkServer
+from worker.supervision.supervisor import DaemonSupervisor
+
+pytestmark = pytest.mark.integration
+
+
+def _parent_of(pid: int | None) -> int:
+    assert pid is not None
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_agents_sharing_a_folder_fork_from_one_servers_siblings_which_outlive_it(tmp_path):
+    """The first agent starts the server; a second with the same daemons' environment gets a
+    sibling of it (the server's child: no torch imported again), whose daemons serve, write to
+    the second agent's log, and go on when the first agent's server is killed. An agent whose
+    daemons start otherwise starts a server of its own."""
+
+    async def fit(supervisor: DaemonSupervisor) -> None:
+        await supervisor.request_dict({"cmd": "load", "filters": {"c": dump_filter(Center())}})
+        fit = await supervisor.request_dict({"cmd": "fit", "node_id": "c", "x": torch.ones(3, 2)})
+        torch.testing.assert_close(fit["states"]["c"]["mean"], torch.ones(2))
+
+    async def scenario() -> None:
+        env = DaemonSupervisor().environment()
+        first = ForkServer(sys.executable, env, tmp_path)
+        second = ForkServer(sys.executable, env, tmp_path)
+        other = ForkServer(sys.executable, {**env, "OMP_NUM_THREADS": "3"}, tmp_path)
+        try:
+            await asyncio.to_thread(first.start)
+            await asyncio.to_thread(second.start)
+            await asyncio.to_thread(other.start)
+            assert _parent_of(first.pid) == os.getpid() == _parent_of(other.pid)
+            assert _parent_of(second.pid) == first.pid  # forked: the imports shared
+            assert sorted(p.suffix for p in tmp_path.iterdir()) == [".sock", ".sock"]
+            assert os.readlink(f"/proc/{second.pid}/fd/2") == os.readlink("/proc/self/fd/2")
+            supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=second)
+            async with supervisor:
+                assert _parent_of(supervisor.pid) == second.pid
+                await fit(supervisor)
+                assert first.pid is not None
+                os.kill(first.pid, signal.SIGKILL)  # the first agent's server: a fault took it
+                assert await asyncio.to_thread(wait_gone, first.pid, 10 * UNIT)
+                await asyncio.sleep(1.0)  # (the sibling's look at its agent: every 0.5 s)
+                assert second.alive and supervisor.running
+                await fit(supervisor)
+            later = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=second)
+            async with later:  # the sibling still forks
+                assert _parent_of(later.pid) == second.pid
+                await fit(later)
+            sibling = second.pid
+            await asyncio.to_thread(second.close)
+            assert await asyncio.to_thread(wait_gone, sibling, 10 * UNIT)
+        finally:
+            for server in (first, second, other):
+                await asyncio.to_thread(server.close)
+
+    asyncio.run(scenario())
