@@ -171,17 +171,52 @@ def _cmdline(pid: int) -> bytes:
 
 def agent_daemons(agent: int) -> set[int]:
     """The filter daemons of the agent ``agent``: those it started itself (``python -m
-    worker.daemon``), and those its fork server (its child, not a daemon) forked for it.
+    worker.daemon``), and those its fork server forked for it — its own server (its child), or
+    the sibling server forked for it where a local cluster's workers share one
+    (``--fork-server-share``), which is the shared server's child, not the agent's. A sibling
+    writes to its agent's log (its fd 2, passed to it), as does every daemon it forks; the
+    shared server's other children are other agents' siblings and daemons.
 
     A child is named by what it runs, not by being a child: between its fork and its exec a new
     fork server still shows the agent's command line, and must not count as a daemon."""
+    log = _stderr_of(agent)
+    servers = set()
     found = set()
     for pid in child_pids(agent):
         if is_fork_server(pid):
-            found |= child_pids(pid)
+            servers.add(pid)
         elif b"\0worker.daemon\0" in _cmdline(pid):
             found.add(pid)
+    for pid in _pids():
+        parent = _parent_of(pid)
+        if (
+            parent is not None
+            and is_fork_server(pid)
+            and is_fork_server(parent)
+            and _stderr_of(pid) == log != _stderr_of(parent)
+        ):
+            servers.add(pid)  # its sibling, forked by the server it shares
+    for server in servers:
+        found |= {pid for pid in child_pids(server) if _stderr_of(pid) == log}
     return found
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _stderr_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return None
 
 
 class RecordingSink:

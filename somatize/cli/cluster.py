@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -151,6 +152,7 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.peer_addresses: dict[str, str] = {}  # worker id → its /peer endpoint's ws://
+        self._forks: str | None = None  # where its workers share a fork server's imports
 
     def _at(self, port: int) -> None:
         """Say the coordinator is at ``port`` (``0``: not known until it starts)."""
@@ -230,6 +232,8 @@ class LocalCluster:
             argv += ["--spare-daemons", str(self.spares)]
         if "--sandbox" not in args:
             argv += ["--sandbox", self.sandbox]
+        if not {"--fork-server", "--fork-server-share"} & set(args):
+            argv += ["--fork-server-share", self._fork_server_share()]
         if peer_link:
             argv += ["--peer-listen", "127.0.0.1:0"]  # it binds one, and says which
         for tag in tags:
@@ -253,6 +257,13 @@ class LocalCluster:
             self.sandbox = "none"
             argv[argv.index("--sandbox") + 1] = "none"
             self._start_worker(worker_id, argv, token, peer_link)
+
+    def _fork_server_share(self) -> str:
+        """The folder where this cluster's workers share one fork server's imports (torch, a
+        first optimizer: seconds of CPU each worker would spend again), only this user's."""
+        if self._forks is None:
+            self._forks = tempfile.mkdtemp(prefix="somatize-forks-")
+        return self._forks
 
     def _start_worker(
         self, worker_id: str, argv: list[str], env: Mapping[str, str] | None, peer_link: bool
@@ -338,6 +349,9 @@ class LocalCluster:
                 proc.wait(timeout=timeout)
         self.workers.clear()
         self.coordinator = None
+        if self._forks is not None:
+            shutil.rmtree(self._forks, ignore_errors=True)
+            self._forks = None
         if self._tmp is not None:
             self._tmp.cleanup()
 
