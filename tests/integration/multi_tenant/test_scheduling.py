@@ -35,6 +35,9 @@ from tests.utils import UNIT, Sleepy
 pytestmark = pytest.mark.integration
 
 X = np.zeros((4, 2), np.float32)
+SLACK = 0.01
+"""How far past its bound a share measured from naps may read: a nap's own jitter (a sleep
+wakes microseconds late), not a job more or less."""
 
 
 class Nap(sz.Filter):
@@ -115,8 +118,9 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
     }
     alice_part = held["alice"] / sum(held.values())
     # (first come, first served: 1.0; the spans are the naps alone, without each job's start
-    # and finish, which the scheduler also counts: a ratio of 1:2 at worst, 0.38 seen under load)
-    assert 1 / 3 <= alice_part <= 2 / 3, (alice_part, spans)
+    # and finish, which the scheduler also counts: a ratio of 1:2 at worst, 0.38 seen under load,
+    # and 1:2 itself seen on a quiet machine, to the naps' jitter: 0.3333268)
+    assert 1 / 3 - SLACK <= alice_part <= 2 / 3 + SLACK, (alice_part, spans)
     # in the order they started, until either had started all eight, neither got four ahead
     # (first come, first served: eight; fair by worker-time, which counts more than the naps)
     starts = [name for _, name in sorted((b, n) for n, v in spans.items() for b, _ in v)]
