@@ -243,7 +243,9 @@ def _parser() -> argparse.ArgumentParser:
         help="share the fork server's imports with the other workers you start on this machine "
         "with the same DIR (a folder only you can open): the first starts a server that "
         "listens there, the others fork their daemons from siblings of it, each worker's "
-        "daemons still its own (a local cluster's workers; default: a server of its own)",
+        "daemons still its own; the server outlives its worker for the workers started "
+        "there later, for a minute after the last, or until DIR is removed (a local "
+        "cluster's workers; default: a server of its own)",
     )
     parser.add_argument(
         "--spare-daemon",

@@ -112,6 +112,11 @@ class LocalCluster:
             (the default) on a machine where no sandbox works (no bubblewrap, not root), a
             cluster of one's own runs its workers ``--sandbox none`` rather than none at all,
             and says so on stderr once: the job code is the user's own.
+        fork_server_share: a folder where this cluster's workers share fork servers' imports
+            with the workers of other clusters given the same folder (a test suite's clusters,
+            one after another: a server outlives its cluster for the next); it is the caller's
+            to remove, which ends those servers. Default: a folder of the cluster's own,
+            removed at :meth:`close`.
     """
 
     # The SDK's public keyword API: each argument a documented keyword of its own.
@@ -132,6 +137,7 @@ class LocalCluster:
         spare_daemons: bool = True,
         spares: int | None = 1,
         sandbox: str = "auto",
+        fork_server_share: Path | None = None,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
         base = Path(self._tmp.name) if self._tmp is not None else None
@@ -152,7 +158,9 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.peer_addresses: dict[str, str] = {}  # worker id → its /peer endpoint's ws://
-        self._forks: str | None = None  # where its workers share a fork server's imports
+        # Where its workers share a fork server's imports; removed at close where made here.
+        self._forks = None if fork_server_share is None else str(fork_server_share)
+        self._own_forks = fork_server_share is None
 
     def _at(self, port: int) -> None:
         """Say the coordinator is at ``port`` (``0``: not known until it starts)."""
@@ -349,7 +357,7 @@ class LocalCluster:
                 proc.wait(timeout=timeout)
         self.workers.clear()
         self.coordinator = None
-        if self._forks is not None:
+        if self._forks is not None and self._own_forks:
             shutil.rmtree(self._forks, ignore_errors=True)
             self._forks = None
         if self._tmp is not None:

@@ -26,13 +26,16 @@ serving that agent over the connection (``{"agent": pid}`` with the agent's log 
 descriptor beside it, answered ``{"ready": pid}``), with the same messages as above. A sibling is
 in a session of its own, ends when its agent closes the connection or dies, and outlives the
 server it was forked from (whose agent a fault may kill); only a connection from the server's own
-user is served.
+user is served. A shared server outlives its own agent too, for the agents that come later (the
+next cluster a test starts in the same folder): it goes on forking siblings while its socket is
+still at ``PATH`` and, once no sibling of it runs, for :data:`LINGER_SECONDS` more; removing the
+folder ends it within a second.
 
 The server forks only while it runs no thread of its own beyond what importing torch starts
 (as every ``DataLoader`` worker forked after ``import torch`` does), and has not used a CUDA
 device or an OpenMP pool (its torch runs one thread and never computes): what a fork cannot
-carry over, it never made. It exits when the agent closes the socket or dies (its parent
-changes); a child whose server is gone is re-parented, and its own watchdog ends it.
+carry over, it never made. Unshared, it exits when the agent closes the socket or dies (its
+parent changes); a child whose server is gone is re-parented, and its own watchdog ends it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -58,6 +62,11 @@ MAX_MESSAGE = 4096
 """Bytes one message takes at most."""
 EXIT_CHILD_FAILED = 70
 """A child that could not become a daemon exits with this (its traceback in the log)."""
+LINGER_SECONDS = 60.0
+"""How long a shared server whose agent is gone waits, with no sibling of it running, for the
+next agent to come."""
+POLL_SECONDS = 0.5
+"""How often the server looks at its agent, its socket's place and its idle time."""
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -99,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     os.set_inheritable(sock.fileno(), False)
     parent = os.getppid()
     # Listening before the imports: an agent that comes meanwhile waits for them, not again.
-    listener = _listen(args.share) if args.share else None
+    shared = _Shared.listen(args.share) if args.share else None
 
     # What every daemon needs, once: the allocator's settings, torch, the first optimizer.
     from protocol.asyncio.memory import keep_freed_memory
@@ -119,33 +128,70 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     ready = {"ready": os.getpid(), "threads": _threads(), "after_import": imported}
     send_message(sock, ready)
     try:
-        status = _serve(sock, (wake_r, wake_w), lambda: os.getppid() == parent, listener)
+        status = _serve(sock, (wake_r, wake_w), lambda: os.getppid() == parent, shared)
     except Exception:
         traceback.print_exc()
         status = 1
-    if listener is not None:  # no agent comes to a server that is gone
-        with contextlib.suppress(OSError):
-            os.unlink(args.share)
+    if shared is not None:  # no agent comes to a server that is gone
+        shared.leave()
     sys.stderr.flush()
     os._exit(status)
 
 
-def _listen(path: str) -> socket.socket | None:
-    """A socket listening at ``path`` for the agents that share this server's imports, only its
-    user able to open it; ``None`` where another server listens there already."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with contextlib.suppress(FileNotFoundError):
-        if not _answers(path):
-            os.unlink(path)  # a server that died left it
-    try:
-        listener.bind(path)
-    except OSError as exc:
-        print(f"fork server: not shared at {path}: {exc}", file=sys.stderr, flush=True)
-        listener.close()
-        return None
-    os.chmod(path, 0o600)
-    listener.listen(8)
-    return listener
+class _Shared:
+    """Where the agents that share this server's imports connect: a socket listening at
+    ``path``, only its user able to open it, and how long the server has had nobody to serve."""
+
+    def __init__(self, listener: socket.socket, path: str) -> None:
+        self.listener = listener
+        self.path = path
+        self._inode = os.stat(path).st_ino
+        self._idle_since: float | None = None
+
+    @classmethod
+    def listen(cls, path: str) -> _Shared | None:
+        """Listen at ``path``; ``None`` where another server listens there already."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with contextlib.suppress(FileNotFoundError):
+            if not _answers(path):
+                os.unlink(path)  # a server that died left it
+        try:
+            listener.bind(path)
+        except OSError as exc:
+            print(f"fork server: not shared at {path}: {exc}", file=sys.stderr, flush=True)
+            listener.close()
+            return None
+        os.chmod(path, 0o600)
+        listener.listen(8)
+        return cls(listener, path)
+
+    def wanted(self, serving: bool) -> bool:
+        """Whether to go on listening once the server's own agent is gone: while its socket is
+        still the one at :attr:`path` and, where it serves nobody (``serving``: a sibling of
+        it runs), for :data:`LINGER_SECONDS`."""
+        if not self._ours():
+            return False
+        if serving:
+            self._idle_since = None
+            return True
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        return now - self._idle_since < LINGER_SECONDS
+
+    def leave(self) -> None:
+        """Remove the socket, where it is still this server's."""
+        if self._ours():
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def _ours(self) -> bool:
+        """Whether the socket at :attr:`path` is still this server's (not removed with its
+        folder, nor replaced by another server's)."""
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
 
 
 def _answers(path: str) -> bool:
@@ -165,36 +211,46 @@ def _serve(
     sock: socket.socket,
     wake: tuple[int, int],
     agent_alive: Callable[[], bool],
-    listener: socket.socket | None = None,
+    shared: _Shared | None = None,
 ) -> int:
     """Fork a daemon for each request and report each one's end, until EOF or the agent is gone
     (``agent_alive`` says); ``wake``: the signal wake-up pipe (read end, write end);
-    ``listener``: where the agents sharing this server connect, each given a sibling."""
+    ``shared``: where the agents sharing this server connect, each given a sibling, for as long
+    as it is wanted there (:meth:`_Shared.wanted`), the agent gone or not."""
     siblings: set[int] = set()
-    while True:
-        watched = [sock.fileno(), wake[0], *([listener.fileno()] if listener else [])]
-        readable, _, _ = select.select(watched, [], [], 0.5)
+    agent: socket.socket | None = sock  # None once the agent is gone
+    status = 0
+    while agent is not None or (shared is not None and shared.wanted(bool(siblings))):
+        watched = [wake[0]]
+        watched += [agent.fileno()] if agent is not None else []
+        watched += [shared.listener.fileno()] if shared is not None else []
+        readable, _, _ = select.select(watched, [], [], POLL_SECONDS)
         if wake[0] in readable:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake[0], 512)
         _reap(sock, siblings)
-        if not agent_alive():
-            return 3  # the agent is gone
-        if listener is not None and listener.fileno() in readable:
-            sibling = _sibling(listener, sock, wake)
+        if shared is not None and shared.listener.fileno() in readable:
+            sibling = _sibling(shared.listener, sock, wake)
             if sibling is not None:
                 siblings.add(sibling)
-        if sock.fileno() not in readable:
+        if agent is None:
+            continue
+        if not agent_alive():
+            agent, status = None, 3  # the agent is gone
+            continue
+        if agent.fileno() not in readable:
             continue
         try:
-            received = recv_message(sock)
+            received = recv_message(agent)
         except ValueError as exc:
             print(f"fork server: {exc}", file=sys.stderr, flush=True)
             continue
         if received is None:
-            return 0  # the agent closed the socket
+            agent = None  # the agent closed the socket
+            continue
         message, fds = received
-        _fork(sock, message, fds, wake)
+        _fork(agent, message, fds, wake)
+    return status
 
 
 def _fork(

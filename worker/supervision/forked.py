@@ -264,10 +264,20 @@ class ForkServer:
                 os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        """Stop the server (its children, re-parented, end by their watchdogs)."""
+        """Stop the server (its children, re-parented, end by their watchdogs). A shared server
+        this agent started is only left: it goes on serving the agents that come there later,
+        and ends by itself (:mod:`worker.daemon.fork_server`)."""
         sock, self._sock = self._sock, None
-        if sock is not None:
-            self._stop(sock)
+        if sock is None:
+            return
+        process = self._process
+        if self.shared_at is not None and process is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # EOF, whatever the reader thread holds
+            sock.close()
+            threading.Thread(target=process.wait, name="fork-server-left", daemon=True).start()
+            return
+        self._stop(sock)
 
     def _stop(self, sock: socket.socket) -> None:
         with contextlib.suppress(OSError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 
 from protocol.filters import dump_filter
 from tests.utils import UNIT
-from tests.worker.daemon.supervised import Center, wait_gone
+from tests.worker.daemon.supervised import Center, gone, wait_gone
+from worker.daemon import fork_server
 from worker.supervision.forked import ForkServer
 from worker.supervision.supervisor import DaemonSupervisor
 
@@ -69,5 +71,68 @@ def test_agents_sharing_a_folder_fork_from_one_servers_siblings_which_outlive_it
         finally:
             for server in (first, second, other):
                 await asyncio.to_thread(server.close)
+                await asyncio.to_thread(server.kill)  # a shared one would linger otherwise
 
     asyncio.run(scenario())
+
+
+def test_a_shared_server_outlives_its_agent_for_the_next_and_ends_with_its_folder(tmp_path):
+    """The agent that started a shared server closes it, as an agent stopping does: the server
+    stays, and an agent that comes later forks from a sibling of it, no torch imported again.
+    Removing the folder ends it (a local cluster's close; the tests' process exiting)."""
+
+    async def scenario() -> None:
+        share = tmp_path / "share"
+        share.mkdir()
+        env = DaemonSupervisor().environment()
+        first = ForkServer(sys.executable, env, share)
+        later = ForkServer(sys.executable, env, share)
+        try:
+            await asyncio.to_thread(first.start)
+            server = first.pid
+            assert server is not None
+            await asyncio.to_thread(first.close)
+            await asyncio.sleep(1.0)  # (the server's look at its agent: every 0.5 s)
+            assert not gone(server)
+            await asyncio.to_thread(later.start)
+            assert _parent_of(later.pid) == server  # a sibling of the server left running
+            supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=later)
+            async with supervisor:
+                assert _parent_of(supervisor.pid) == later.pid
+                await supervisor.request_dict({"cmd": "load", "filters": {}})
+            await asyncio.to_thread(later.close)
+            shutil.rmtree(share)
+            assert await asyncio.to_thread(wait_gone, server, 10 * UNIT)
+        finally:
+            for forks in (first, later):
+                await asyncio.to_thread(forks.kill)
+
+    asyncio.run(scenario())
+
+
+def test_a_shared_server_with_nobody_to_serve_waits_a_linger_then_is_not_wanted(
+    tmp_path, monkeypatch
+):
+    """Its agent gone and no sibling of it running, a shared server listens on for
+    :data:`~worker.daemon.fork_server.LINGER_SECONDS`, counted from when it last served
+    someone; another server's socket at its place ends it at once."""
+    now = [1000.0]
+    monkeypatch.setattr(fork_server.time, "monotonic", lambda: now[0])
+    path = str(tmp_path / "forks.sock")
+    shared = fork_server._Shared.listen(path)
+    assert shared is not None
+    try:
+        assert shared.wanted(serving=False)
+        now[0] += fork_server.LINGER_SECONDS - 1
+        assert shared.wanted(serving=False)
+        assert shared.wanted(serving=True)  # a sibling came: the wait starts again after it
+        now[0] += fork_server.LINGER_SECONDS - 1
+        assert shared.wanted(serving=False)
+        now[0] += fork_server.LINGER_SECONDS
+        assert not shared.wanted(serving=False)
+        now[0] = 0.0
+        assert shared.wanted(serving=True)
+        os.unlink(path)
+        assert not shared.wanted(serving=True)  # its folder removed
+    finally:
+        shared.listener.close()
