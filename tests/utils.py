@@ -9,10 +9,14 @@ The filters are pickled by value (this module is the user's own code to
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,6 +145,16 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@functools.cache
+def shared_fork_servers() -> Path:
+    """The folder where this test process's clusters and in-process agents share fork servers
+    (``--fork-server-share``): one torch import for the tests of a process, where each cluster
+    would pay its own (about 3.5 s of CPU). Removed when the process exits, which ends them."""
+    folder = Path(tempfile.mkdtemp(prefix="somatize-test-forks-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def child_pids(parent: int) -> set[int]:
     """Live (not zombie) processes whose parent is ``parent``."""
     found = set()
@@ -162,6 +176,12 @@ def is_fork_server(pid: int) -> bool:
     return b"worker.daemon.fork_server" in _cmdline(pid)
 
 
+def is_shared_fork_server(pid: int) -> bool:
+    """Whether ``pid`` is a fork server shared in :func:`shared_fork_servers`' folder: one
+    that outlives the test whose agent started it, for the next test's."""
+    return is_fork_server(pid) and str(shared_fork_servers()).encode() in _cmdline(pid)
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -172,32 +192,38 @@ def _cmdline(pid: int) -> bytes:
 def agent_daemons(agent: int) -> set[int]:
     """The filter daemons of the agent ``agent``: those it started itself (``python -m
     worker.daemon``), and those its fork server forked for it — its own server (its child), or
-    the sibling server forked for it where a local cluster's workers share one
-    (``--fork-server-share``), which is the shared server's child, not the agent's. A sibling
-    writes to its agent's log (its fd 2, passed to it), as does every daemon it forks; the
-    shared server's other children are other agents' siblings and daemons.
+    the sibling server forked for it where workers share one (``--fork-server-share``), which is
+    the shared server's child, not the agent's. Each writes to its agent's log (fd 2): a sibling
+    is given it, and every daemon inherits it. So the agent's daemons are its own server's
+    children with its log, and its siblings' children; a sibling is a child with its log of a
+    shared server it did not start (one whose parent is not a fork server: another agent
+    started it, or an earlier one, a test or a worker gone since).
 
     A child is named by what it runs, not by being a child: between its fork and its exec a new
     fork server still shows the agent's command line, and must not count as a daemon."""
     log = _stderr_of(agent)
-    servers = set()
+
+    def logged(server: int) -> set[int]:
+        return {pid for pid in child_pids(server) if _stderr_of(pid) == log}
+
+    own = set()
     found = set()
     for pid in child_pids(agent):
         if is_fork_server(pid):
-            servers.add(pid)
+            own.add(pid)
+            found |= logged(pid)
         elif b"\0worker.daemon\0" in _cmdline(pid):
             found.add(pid)
     for pid in _pids():
         parent = _parent_of(pid)
         if (
-            parent is not None
+            pid not in own
+            and parent is not None
             and is_fork_server(pid)
-            and is_fork_server(parent)
-            and _stderr_of(pid) == log != _stderr_of(parent)
+            and not is_fork_server(parent)
         ):
-            servers.add(pid)  # its sibling, forked by the server it shares
-    for server in servers:
-        found |= {pid for pid in child_pids(server) if _stderr_of(pid) == log}
+            for sibling in logged(pid):  # a shared server's child that writes to this log
+                found |= logged(sibling)
     return found
 
 

@@ -33,7 +33,7 @@ from protocol.codec import decode
 from protocol.daemon import GetStateRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
-from tests.utils import UNIT, Center
+from tests.utils import UNIT, Center, shared_fork_servers
 from worker.daemon.main import Daemon
 
 WORKERS = [
@@ -86,7 +86,16 @@ async def _transport_context(tmp_path) -> AsyncIterator[StrategyContext]:
     await coordinator.start()
     url = f"ws://127.0.0.1:{coordinator.port}"
     agents = [
-        Agent(AgentConfig(url, worker_id=w.id, tags=sorted(w.tags), threads=1)) for w in WORKERS
+        Agent(
+            AgentConfig(
+                url,
+                worker_id=w.id,
+                tags=sorted(w.tags),
+                threads=1,
+                fork_server_share=shared_fork_servers(),
+            )
+        )
+        for w in WORKERS
     ]
     tasks = [asyncio.create_task(a.run()) for a in agents]
     try:

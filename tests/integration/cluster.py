@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from somatize.cli.cluster import LocalCluster, wait_for
-from tests.utils import UNIT
+from tests.utils import UNIT, shared_fork_servers
 
 __all__ = ["Cluster", "cluster", "healthy", "wait_for"]
 
@@ -20,7 +20,8 @@ class Cluster(LocalCluster):
     torch import and a warm-up, about 3 s of CPU, and most tests run one job and stop. Its
     workers run ``--sandbox none`` unless asked: a sandboxed daemon is started anew for each
     job (2-3 s of CPU, where the fork server forks one in milliseconds);
-    :mod:`tests.integration.security.test_sandbox` runs them sandboxed."""
+    :mod:`tests.integration.security.test_sandbox` runs them sandboxed. Its workers share fork
+    servers with every cluster of the test process (:func:`tests.utils.shared_fork_servers`)."""
 
     def __init__(
         self,
@@ -38,7 +39,7 @@ class Cluster(LocalCluster):
             spare_daemons=spare_daemons,
             sandbox=sandbox,
             startup=60 * UNIT,
-            **options,
+            **{"fork_server_share": shared_fork_servers(), **options},
         )
 
     def wait_connected(self, worker_id: str) -> dict[str, object]:

@@ -39,7 +39,7 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
-from tests.utils import UNIT
+from tests.utils import UNIT, is_shared_fork_server, shared_fork_servers
 from worker.agent import Agent, AgentConfig, Backoff
 
 HEARTBEAT = 0.25 * UNIT
@@ -145,7 +145,8 @@ async def running(stand_in: StandIn, **options: Any) -> AsyncIterator[Agent]:
     """An agent connected to ``stand_in``, stopped (and checked to stop cleanly) on exit."""
     async with listening(stand_in) as url:
         backoff = options.pop("backoff", Backoff(0.02 * UNIT, 0.2 * UNIT))
-        agent = Agent(AgentConfig(url, **{"threads": 1, **options}), backoff=backoff)
+        config = {"threads": 1, "fork_server_share": shared_fork_servers(), **options}
+        agent = Agent(AgentConfig(url, **config), backoff=backoff)
         run = asyncio.ensure_future(agent.run())
         try:
             yield agent
@@ -236,9 +237,15 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_process_left() -> Iterator[None]:
+    """No process the test started outlives it, but a fork server its agent started in the
+    process's shared folder, there for the next test's agents (:func:`shared_fork_servers`)."""
     before = children(os.getpid())
     yield
     deadline = time.monotonic() + 5 * UNIT
-    while (left := children(os.getpid()) - before) and time.monotonic() < deadline:
+    while (left := _unshared(children(os.getpid()) - before)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left behind: {left}"
+
+
+def _unshared(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if not is_shared_fork_server(pid)}

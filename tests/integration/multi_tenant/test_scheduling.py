@@ -85,6 +85,15 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
             sz.connect(c.url, token=tokens["bob"]) as bob,
             c.client() as root,
         ):
+            # The workers are busy with the admin's naps while both queues fill, and free once
+            # they are full: whoever submitted first, they alternate. Each nap is its worker's
+            # first job, whose start (the fork server's imports, seconds against a nap's
+            # half-second) is charged to the admin, not to whichever of the two came first.
+            warming = []
+            for worker_id in ("w1", "w2"):
+                c.start_worker(worker_id)
+                warming.append(root.submit(sz.Graph([Nap(3 * UNIT).named("nap")]), X))
+                wait_for(lambda: warming[-1].status()["state"] == "running", 60 * UNIT, "a nap")
             jobs = {"alice": [], "bob": []}
             for name, client in (("alice", alice), ("bob", bob)):  # all of alice's first
                 for k in range(8):
@@ -96,9 +105,8 @@ def test_two_clients_queues_alternate_on_two_workers(tmp_path):
             assert {r["summary"]["owner"] for r in mine} <= {"bob"} and "clients" not in (
                 bob.queue()
             )
-            # the workers come once both queues are full: whoever submitted first, they alternate
-            c.start_worker("w1")
-            c.start_worker("w2")
+            for job in warming:
+                job.result(timeout=60 * UNIT)
             ran = {
                 name: [job.result(timeout=120 * UNIT).states["nap"] for job in js]
                 for name, js in jobs.items()
