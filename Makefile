@@ -8,37 +8,52 @@ STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup browser bubblewrap tcmalloc demo test lint typecheck bench flower-env clean
+.PHONY: setup packages browser bubblewrap tcmalloc demo test lint typecheck bench flower-env clean
 
 setup: $(STAMP)
 
+# pip compiles what it installs on one core (80 of its 135 seconds here): it installs only, and
+# the virtualenv's packages are compiled after on every core. (Whatever does not compile, as
+# torch's few Python 3.12 test files, is left as pip leaves it: compile_dir's answer is not a
+# failure of the install.)
+INSTALL := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
+COMPILE_PACKAGES := $(BIN)/python -c "import compileall, sysconfig; \
+	compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(INSTALL) -e '.[dev]'
+	$(COMPILE_PACKAGES)
 	touch $(STAMP)
 
-# Installs chromium when it is missing (about a minute: ~115 MB of packages), else does nothing.
+# Debian's packages the tests use, each with the check that finds it installed:
+# chromium (about a minute: ~115 MB of packages): the status page's test drives it
+#   (tests/integration/user_facing/test_status_page.py);
+# bubblewrap: workers sandbox job code with it (worker/confinement/sandbox.py;
+#   tests/integration/security/test_sandbox.py);
+# tcmalloc: workers' filter daemons allocate with it (worker/daemon/allocator.py;
+#   tests/integration/resources/test_daemon_malloc.py).
+HAS_chromium := test -x $(CHROMIUM)
+HAS_bubblewrap := command -v bwrap >/dev/null
+HAS_libtcmalloc-minimal4 := /sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4
+PACKAGES := chromium bubblewrap libtcmalloc-minimal4
+
+# Installs those of PACKAGES that are missing, in one apt-get run (none: does nothing).
+packages:
+	@missing=""; \
+	$(foreach p,$(PACKAGES),$(HAS_$(p)) || missing="$$missing $(p)";) \
+	test -z "$$missing" || { \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends $$missing; }
+
+# One of them alone.
 browser:
-	@test -x $(CHROMIUM) || { \
-		$(SUDO) apt-get update -q && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -q --no-install-recommends chromium; }
-
-# Installs Debian's bubblewrap when it is missing: workers sandbox job code with it
-# (worker/confinement/sandbox.py; tests/integration/security/test_sandbox.py).
+	@$(MAKE) --no-print-directory packages PACKAGES=chromium
 bubblewrap:
-	@command -v bwrap >/dev/null || { \
-		$(SUDO) apt-get update -q && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -q --no-install-recommends bubblewrap; }
-
-# Installs Debian's tcmalloc when it is missing: workers' filter daemons allocate with it
-# (worker/daemon/allocator.py; tests/integration/resources/test_daemon_malloc.py).
+	@$(MAKE) --no-print-directory packages PACKAGES=bubblewrap
 tcmalloc:
-	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { \
-		$(SUDO) apt-get update -q && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -q --no-install-recommends libtcmalloc-minimal4; }
+	@$(MAKE) --no-print-directory packages PACKAGES=libtcmalloc-minimal4
 
 # The demo needs the package and its own dependencies only, not the dev extras (pytest, mypy,
 # ruff, hypothesis, opacus, tensorboard): make setup adds those to the same virtualenv.
@@ -53,7 +68,8 @@ demo: $(DEMO_STAMP)
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	$(INSTALL) -e .
+	$(COMPILE_PACKAGES)
 	touch $(DEMO_STAMP)
 
 lint: setup
@@ -63,6 +79,8 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# The virtualenv is installed (and linted) while apt-get installs the Debian packages: a minute
+# and more each on a new machine, the one waiting on pip, the other on the network and dpkg.
 # Two test processes, each taking whole files (a module's shared cluster stays one): most of a
 # test's time is its processes starting and waiting on one another, so two of them fill two cores.
 # The project's bytecode is written first: every coordinator, worker and daemon a test starts
@@ -75,7 +93,8 @@ typecheck: setup
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
-test: lint browser bubblewrap tcmalloc
+test:
+	@$(MAKE) --no-print-directory --jobs 2 --output-sync=target lint packages
 	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
 	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typing=$$!; \
 	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
