@@ -61,8 +61,9 @@ class AgentConfig:
         fork_server_share: a folder where the agents one user starts on this machine share one
             fork server's imports (``--fork-server-share``; a local cluster's workers): the
             agent forks its daemons from a sibling of the server listening there for its
-            daemons' environment, or starts that server, which outlives the agent for the
-            agents started there later (:mod:`worker.daemon.fork_server`).
+            daemons' environment (its datasets aside: each fork is told them), or starts that
+            server, which outlives the agent for the agents started there later
+            (:mod:`worker.daemon.fork_server`).
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
             readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline

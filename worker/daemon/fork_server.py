@@ -10,8 +10,10 @@ It talks to the agent over one ``SOCK_SEQPACKET`` socket (message boundaries kep
 messages with file descriptors beside them (``SCM_RIGHTS``):
 
 * server → agent, once: ``{"ready": pid}``;
-* agent → server: ``{"fork": seq, "threads": n}`` with the child's stdin and stdout (two pipe
-  ends) and, optionally, its two shared-memory regions; server → agent:
+* agent → server: ``{"fork": seq, "threads": n, "env": {NAME: VALUE}}`` with the child's stdin
+  and stdout (two pipe ends) and, optionally, its two shared-memory regions; ``env`` sets the
+  variables of :data:`AT_FORK` in the child (the rest of its environment is the server's);
+  server → agent:
   ``{"forked": seq, "pid": pid}`` (or ``{"failed": seq, "error": ...}``);
 * server → agent, whenever a child ends: ``{"exited": pid, "returncode": rc}`` (``rc`` as
   :attr:`subprocess.Popen.returncode` gives it), once its process group is killed — what its
@@ -20,10 +22,11 @@ messages with file descriptors beside them (``SCM_RIGHTS``):
 Workers started side by side on one machine by one user (a local cluster: ``somatize demo``,
 the tests) may share the imports (``--share PATH``, the agent's ``--fork-server-share DIR``): the
 server also listens on a Unix socket at ``PATH``, named for its daemons' environment, and an
-agent whose daemons would start with that same environment connects there instead of starting a
-server of its own. For each such agent it forks a *sibling*: a fork server of the same imports,
-serving that agent over the connection (``{"agent": pid}`` with the agent's log as the one
-descriptor beside it, answered ``{"ready": pid}``), with the same messages as above. A sibling is
+agent whose daemons would start with that same environment (but for :data:`AT_FORK`: workers
+with datasets of their own share one) connects there instead of starting a server of its own.
+For each such agent it forks a *sibling*: a fork server of the same imports, serving that agent
+over the connection (``{"agent": pid}`` with the agent's log as the one descriptor beside it,
+answered ``{"ready": pid}``), with the same messages as above. A sibling is
 in a session of its own, ends when its agent closes the connection or dies, and outlives the
 server it was forked from (whose agent a fault may kill); only a connection from the server's own
 user is served. A shared server outlives its own agent too, for the agents that come later (the
@@ -52,14 +55,20 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
-__all__ = ["MAX_FDS", "recv_message", "send_message"]
+from engine.data.datasets import ENV as DATASETS_ENV
+
+__all__ = ["AT_FORK", "MAX_FDS", "recv_message", "send_message"]
 
 MAX_FDS = 4
 """File descriptors one fork request carries at most: stdin, stdout, two shared regions."""
-MAX_MESSAGE = 4096
-"""Bytes one message takes at most."""
+MAX_MESSAGE = 65536
+"""Bytes one message takes at most (a fork request carries a worker's datasets' paths)."""
+AT_FORK: Final = frozenset({DATASETS_ENV})
+"""The variables of a daemon's environment that each fork request sets in its child, the rest
+being the server's: those a daemon reads only once it runs, never while it imports (its
+datasets, :mod:`engine.data.datasets`). Agents that differ in them alone share a server."""
 EXIT_CHILD_FAILED = 70
 """A child that could not become a daemon exits with this (its traceback in the log)."""
 LINGER_SECONDS = 60.0
@@ -70,8 +79,14 @@ POLL_SECONDS = 0.5
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """One JSON message, with ``fds`` passed along."""
+    """One JSON message, with ``fds`` passed along.
+
+    Raises:
+        OSError: the socket's, or a message over :data:`MAX_MESSAGE` bytes.
+    """
     data = json.dumps(message).encode()
+    if len(data) > MAX_MESSAGE:
+        raise OSError(f"a fork server message of {len(data)} bytes (at most {MAX_MESSAGE})")
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
@@ -258,7 +273,15 @@ def _fork(
 ) -> None:
     seq = message.get("fork")
     threads = message.get("threads")
-    if not isinstance(threads, int) or threads < 1 or len(fds) not in (2, 4):
+    env = message.get("env", {})
+    if (
+        not isinstance(threads, int)
+        or threads < 1
+        or len(fds) not in (2, 4)
+        or not isinstance(env, dict)
+        or not set(env) <= AT_FORK
+        or not all(isinstance(value, str) for value in env.values())
+    ):
         for fd in fds:
             os.close(fd)
         send_message(sock, {"failed": seq, "error": f"a bad fork request: {message}"})
@@ -271,19 +294,22 @@ def _fork(
         send_message(sock, {"failed": seq, "error": f"fork: {exc}"})
         return
     if pid == 0:
-        _become_daemon(sock, wake, threads, fds)
+        _become_daemon(sock, wake, threads, fds, env)
     for fd in fds:
         os.close(fd)
     send_message(sock, {"forked": seq, "pid": pid})
 
 
 def _become_daemon(
-    sock: socket.socket, wake: tuple[int, int], threads: int, fds: list[int]
+    sock: socket.socket, wake: tuple[int, int], threads: int, fds: list[int], env: dict[str, str]
 ) -> NoReturn:
     """In the child: a session of its own, none of the server's descriptors (its socket to the
     agent, both ends of its wake-up pipe: a job could write to them), the pipes as fds 0 and 1,
-    then serve as a daemon."""
+    the request's ``env`` for :data:`AT_FORK`, then serve as a daemon."""
     try:
+        for name in AT_FORK:
+            os.environ.pop(name, None)
+        os.environ.update(env)
         os.setsid()  # its own process group: the agent kills the daemon and what it forks
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from worker.confinement.cgroup import CgroupParent, JobCgroup
-from worker.daemon.fork_server import recv_message, send_message
+from worker.daemon.fork_server import AT_FORK, recv_message, send_message
 
 __all__ = ["ForkServer", "ForkedChild"]
 
@@ -99,7 +99,9 @@ class ForkServer:
 
     Args:
         python: the interpreter its daemons run on.
-        env: a daemon's environment (:func:`worker.confinement.environment.daemon_environment`).
+        env: a daemon's environment (:func:`worker.confinement.environment.daemon_environment`);
+            the server runs with it but for :data:`~worker.daemon.fork_server.AT_FORK`, which
+            each :meth:`fork` sets in its child.
         share: a folder where the agents of one machine and user share one server's imports
             (``--fork-server-share``): the agent joins the server listening there for its
             daemons' environment, getting a sibling of it (:mod:`worker.daemon.fork_server`),
@@ -108,8 +110,9 @@ class ForkServer:
 
     def __init__(self, python: str, env: Mapping[str, str], share: Path | None = None) -> None:
         self.python = python
-        self.env = dict(env)
-        self.shared_at = None if share is None else share / f"{_environment_key(python, env)}.sock"
+        self.env, _ = _apart(env)
+        key = _environment_key(python, self.env)
+        self.shared_at = None if share is None else share / f"{key}.sock"
         self.pid: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -200,16 +203,26 @@ class ForkServer:
         threading.Thread(target=self._read, name="fork-server", daemon=True).start()
 
     def fork(
-        self, threads: int, shared: Sequence[int] = (), cgroups: CgroupParent | None = None
+        self,
+        threads: int,
+        env: Mapping[str, str],
+        shared: Sequence[int] = (),
+        cgroups: CgroupParent | None = None,
     ) -> tuple[ForkedChild, JobCgroup | None]:
-        """A new daemon of ``threads`` torch threads, its shared-memory regions ``shared`` (two
-        fds, or none), in a cgroup of its own with ``cgroups`` (blocking).
+        """A new daemon of ``threads`` torch threads and environment ``env``, its shared-memory
+        regions ``shared`` (two fds, or none), in a cgroup of its own with ``cgroups``
+        (blocking).
 
         Raises:
-            OSError: the server is gone or refused; the caller starts the daemon otherwise.
+            OSError: the server is gone or refused, or ``env`` differs from the server's in more
+                than :data:`~worker.daemon.fork_server.AT_FORK`; the caller starts the daemon
+                otherwise.
         """
         if not self.alive:
             raise OSError("the fork server is not running")
+        servers, at_fork = _apart(env)
+        if servers != self.env:
+            raise OSError("the daemon's environment is not the fork server's")
         cgroup = None if cgroups is None else cgroups.new()
         to_child, from_agent = os.pipe()
         to_agent, from_child = os.pipe()
@@ -220,7 +233,7 @@ class ForkServer:
                 assert self._sock is not None
                 send_message(
                     self._sock,
-                    {"fork": self._seq, "threads": threads},
+                    {"fork": self._seq, "threads": threads, "env": at_fork},
                     [to_child, from_child, *shared],
                 )
                 reply = self._replies.get(timeout=REPLY_SECONDS)
@@ -338,8 +351,16 @@ class ForkServer:
         threading.Thread(target=watch, name=f"gone-{child.pid}", daemon=True).start()
 
 
+def _apart(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """A daemon's environment as the server's part and the part each fork request sets
+    (:data:`~worker.daemon.fork_server.AT_FORK`)."""
+    servers = {name: value for name, value in env.items() if name not in AT_FORK}
+    return servers, {name: value for name, value in env.items() if name in AT_FORK}
+
+
 def _environment_key(python: str, env: Mapping[str, str]) -> str:
-    """The name a shared server's socket takes: its interpreter, its daemons' environment, and
+    """The name a shared server's socket takes: its interpreter, its daemons' environment (but
+    for :data:`~worker.daemon.fork_server.AT_FORK`, which ``env`` holds no more), and
     the namespaces and cgroup it runs in (its agent's: a sibling lives where the server does, a
     worker in a network namespace of its own reaches what that namespace reaches), so that an
     agent joins only a server whose daemons start as its own would."""

@@ -122,7 +122,7 @@ async def start_daemon(
     if forks is not None and forks.alive and device == "cpu":
         try:
             forked = await _discarded_if_cancelled(
-                loop.run_in_executor(None, forks.fork, threads, fds, cgroups),
+                loop.run_in_executor(None, forks.fork, threads, env, fds, cgroups),
                 lambda made: discard((*made, None)),
             )
             argv = [f"(forked by fork server {forks.pid})", "--threads", str(threads)]

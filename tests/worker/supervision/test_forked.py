@@ -9,13 +9,16 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from engine.data.datasets import environment as dataset_environment
 from protocol.filters import dump_filter
 from tests.utils import UNIT
 from tests.worker.daemon.supervised import Center, gone, wait_gone
 from worker.daemon import fork_server
+from worker.errors import DaemonError
 from worker.supervision.forked import ForkServer
 from worker.supervision.supervisor import DaemonSupervisor
 
@@ -72,6 +75,60 @@ def test_agents_sharing_a_folder_fork_from_one_servers_siblings_which_outlive_it
             for server in (first, second, other):
                 await asyncio.to_thread(server.close)
                 await asyncio.to_thread(server.kill)  # a shared one would linger otherwise
+
+    asyncio.run(scenario())
+
+
+def test_agents_with_datasets_of_their_own_share_a_server_and_each_daemon_reads_its_own(
+    tmp_path,
+):
+    """A daemon reads its datasets' paths only once it runs: agents that differ in them alone
+    share one server (no torch imported again for the second), and each forked daemon stages
+    its own agent's datasets, not the other's."""
+    share = tmp_path / "share"
+    share.mkdir()
+    paths = {}
+    for name, rows in (("three", 3), ("five", 5)):
+        paths[name] = tmp_path / f"{name}.npz"
+        np.savez(paths[name], x=np.zeros((rows, 2), np.float32))
+
+    async def rows_staged(supervisor: DaemonSupervisor, dataset: str) -> int:
+        reply = await supervisor.request_dict({"cmd": "stage", "name": "t", "dataset": dataset})
+        return int(reply["rows"])
+
+    async def scenario() -> None:
+        envs = {
+            name: DaemonSupervisor(env=dataset_environment({name: path})).environment()
+            for name, path in paths.items()
+        }
+        assert envs["three"] != envs["five"]
+        first = ForkServer(sys.executable, envs["three"], share)
+        second = ForkServer(sys.executable, envs["five"], share)
+        try:
+            await asyncio.to_thread(first.start)
+            await asyncio.to_thread(second.start)
+            assert _parent_of(second.pid) == first.pid  # a sibling: one server's imports
+            assert len(list(share.iterdir())) == 1
+            for name, forks, rows in (("three", first, 3), ("five", second, 5)):
+                supervisor = DaemonSupervisor(
+                    threads=1,
+                    env=dataset_environment({name: paths[name]}),
+                    default_timeout=20 * UNIT,
+                    fork_server=forks,
+                )
+                async with supervisor:
+                    assert _parent_of(supervisor.pid) == forks.pid  # forked, not started anew
+                    assert await rows_staged(supervisor, name) == rows
+                    other = "five" if name == "three" else "three"
+                    with pytest.raises(DaemonError, match=f"has no dataset {other!r}"):
+                        await rows_staged(supervisor, other)
+            # A daemon whose environment differs in more than its datasets is not forked.
+            with pytest.raises(OSError, match="not the fork server's"):
+                first.fork(1, {**envs["three"], "OMP_NUM_THREADS": "3"})
+        finally:
+            for forks in (first, second):
+                await asyncio.to_thread(forks.close)
+                await asyncio.to_thread(forks.kill)
 
     asyncio.run(scenario())
 
