@@ -34,9 +34,9 @@ import torch
 from engine.batches import on_disk, part_of
 from engine.data.read_ahead import read_ahead
 from engine.data_parallel.chain import prefix_and_run
+from engine.data_parallel.incoming_shards import ShardFiles
 from engine.data_parallel.modes.choose import mode_for
 from engine.data_parallel.modes.mode import ONE_ROW, ReplicaMode, ReplicaParts, Unplanned, Wrapped
-from engine.data_parallel.modes.sharded import ShardFiles
 from engine.data_parallel.plan import ReplicaPlan
 from engine.errors import EngineError
 from engine.group_member import GroupMember, looks_collective
@@ -244,7 +244,7 @@ class Replica:
 
     def shard_file(self, name: str, data: bytes, offset: int = 0) -> None:
         """Keep a piece of one file of a sharded checkpoint until :meth:`load_shards` reads it
-        (:meth:`~engine.data_parallel.modes.sharded.ShardFiles.add`)."""
+        (:meth:`~engine.data_parallel.incoming_shards.ShardFiles.add`)."""
         self._incoming.add(name, data, offset)
 
     def load_shards(self, rest: dict[str, Any]) -> None:

@@ -1,5 +1,9 @@
 """The mode a replica's plan chooses, once, by its kind
-(:data:`protocol.daemon.ReplicaModeSpec`)."""
+(:data:`protocol.daemon.ReplicaModeSpec`).
+
+The sharded mode is imported when a plan chooses it: it imports torch.distributed.checkpoint,
+a second of CPU that a daemon which never shards does not pay (a sandboxed job's daemon, which
+starts anew, included)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from engine.data_parallel.modes.ddp import DdpMode
 from engine.data_parallel.modes.diloco_alone import DiLoCoAloneMode
 from engine.data_parallel.modes.diloco_group import DiLoCoGroupMode
 from engine.data_parallel.modes.mode import ReplicaMode, ReplicaParts
-from engine.data_parallel.modes.sharded import ShardedMode
 from engine.data_parallel.plan import ReplicaPlan
 from engine.nodes import Node
 from protocol.daemon import DdpSpec, DiLoCoAloneSpec, DiLoCoGroupSpec, ShardedSpec
@@ -35,6 +38,8 @@ def mode_for(
         case DiLoCoAloneSpec() as spec:
             return DiLoCoAloneMode(spec, plan, run, parts)
         case ShardedSpec() as spec:
+            from engine.data_parallel.modes.sharded import ShardedMode
+
             return ShardedMode(spec, plan, run, parts)
         case _:
             assert_never(plan.mode)

@@ -4,7 +4,8 @@ DDP's, the gradients reduce-scattered on each step's last accumulated slice.
 
 No replica ever holds the whole model: a checkpoint saves every replica's shards with
 torch.distributed.checkpoint, as files the chunk's reply carries, and a resumed run loads them
-back, each replica the files it is sent (:class:`ShardFiles`, then
+back, each replica the files it is sent
+(:class:`~engine.data_parallel.incoming_shards.ShardFiles`, then
 :meth:`ShardedMode.load_shards`); the coordinator reads each replica's shards of the model
 where they lie for the result (:meth:`ShardedMode.pieces`), and every replica evaluates its
 part of the validation rows through its shards (:meth:`ShardedMode.evaluate`). Once its group
@@ -40,9 +41,8 @@ from engine.group_member import GroupMember, looks_collective
 from engine.nodes import Node
 from protocol.daemon import ShardedSpec, SnapshotWay
 from protocol.errors import ErrorCode
-from protocol.files.shard_files import is_plain_file_name
 
-__all__ = ["ShardFiles", "ShardedMode", "ShardsLeft"]
+__all__ = ["ShardedMode", "ShardsLeft"]
 
 
 class ShardsLeft(ReplicaMode):
@@ -188,46 +188,3 @@ class ShardedMode(ReplicaMode):
         most = torch.tensor([batches], dtype=torch.int64, device=self.parts.nodes.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most.item())
-
-
-class ShardFiles:
-    """The files of a sharded checkpoint that ``dist_shard_file`` gives a replica, kept until
-    ``dist_load_shards`` takes them (:meth:`take`) or its group is left (:meth:`drop`)."""
-
-    def __init__(self) -> None:
-        self.folder: tempfile.TemporaryDirectory[str] | None = None
-
-    def add(self, name: str, data: bytes, offset: int = 0) -> None:
-        """Keep a piece of one file of a sharded checkpoint, ``data`` at ``offset``: the
-        coordinator sends them one at a time, this replica's own shards and the ``.metadata``,
-        each in pieces in order (the first, at ``0``, starts the file afresh; each next one
-        goes on where the last ended).
-
-        Raises:
-            EngineError: ``BAD_REQUEST`` for a name that is not a plain file name, or a piece
-                that does not go on where the file ends.
-        """
-        if not is_plain_file_name(name):
-            raise EngineError(ErrorCode.BAD_REQUEST, f"{name!r} is not a checkpoint file's name")
-        if self.folder is None:
-            self.folder = tempfile.TemporaryDirectory(prefix="somatize-shards-")
-        path = Path(self.folder.name) / name
-        held = path.stat().st_size if offset and path.exists() else 0
-        if offset != held:
-            raise EngineError(
-                ErrorCode.BAD_REQUEST,
-                f"a piece of checkpoint file {name} at {offset}, where {held} bytes of it are here",
-            )
-        with path.open("ab" if offset else "wb") as file:
-            file.write(data)
-
-    def take(self) -> tempfile.TemporaryDirectory[str] | None:
-        """The folder of the files kept, now the taker's to clean up; none kept: ``None``."""
-        folder, self.folder = self.folder, None
-        return folder
-
-    def drop(self) -> None:
-        """The files never loaded go."""
-        folder = self.take()
-        if folder is not None:
-            folder.cleanup()
