@@ -185,3 +185,23 @@ def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert set(a) == set(b)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+class Collect:
+    """Runs a full collection, then says what the collector tracks, what it leaves alone
+    (``gc.freeze``) and how much of its memory is the process's own (private pages)."""
+
+    def fit(self, x, y=None):
+        import gc
+        from pathlib import Path
+
+        import torch
+
+        gc.collect()
+        rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+        private = sum(int(line.split()[1]) for line in rollup if line.startswith("Private_"))
+        return {
+            "frozen": torch.tensor(gc.get_freeze_count()),
+            "tracked": torch.tensor(len(gc.get_objects())),
+            "private_kib": torch.tensor(private),
+        }

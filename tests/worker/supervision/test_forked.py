@@ -16,7 +16,7 @@ import torch
 from engine.data.datasets import environment as dataset_environment
 from protocol.filters import dump_filter
 from tests.utils import UNIT
-from tests.worker.daemon.supervised import Center, gone, wait_gone
+from tests.worker.daemon.supervised import Center, Collect, gone, wait_gone
 from worker.daemon import fork_server
 from worker.errors import DaemonError
 from worker.supervision.forked import ForkServer
@@ -77,6 +77,35 @@ def test_agents_sharing_a_folder_fork_from_one_servers_siblings_which_outlive_it
                 await asyncio.to_thread(server.kill)  # a shared one would linger otherwise
 
     asyncio.run(scenario())
+
+
+def test_a_forked_daemons_full_collection_leaves_the_servers_heap_shared():
+    """The server freezes what its imports made (``gc.freeze``): a daemon's full collection
+    walks only its own objects and copies none of the server's pages. Without it (measured
+    on a fork of a warmed-up process), it walked ~306,000 objects and made ~80 MiB of the heap
+    the fork's own.
+    A daemon started anew, by contrast, tracks its imports' objects itself."""
+
+    async def collected(supervisor: DaemonSupervisor) -> dict[str, int]:
+        async with supervisor:
+            await supervisor.request_dict({"cmd": "load", "filters": {"g": dump_filter(Collect())}})
+            fit = await supervisor.request_dict({"cmd": "fit", "node_id": "g", "x": torch.ones(1)})
+            return {k: int(v) for k, v in fit["states"]["g"].items()}
+
+    async def scenario() -> tuple[dict[str, int], dict[str, int]]:
+        server = ForkServer(sys.executable, DaemonSupervisor().environment())
+        try:
+            await asyncio.to_thread(server.start)
+            forked = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=server)
+            anew = DaemonSupervisor(threads=1, default_timeout=20 * UNIT)
+            return await collected(forked), await collected(anew)
+        finally:
+            await asyncio.to_thread(server.close)
+
+    forked, anew = asyncio.run(scenario())
+    assert forked["frozen"] > 100_000 and anew["frozen"] == 0
+    assert forked["tracked"] < anew["tracked"] / 4
+    assert forked["private_kib"] < 32 * 1024, forked
 
 
 def test_agents_with_datasets_of_their_own_share_a_server_and_each_daemon_reads_its_own(
