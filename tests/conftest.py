@@ -5,6 +5,11 @@ Every ``somatize-worker --id`` a test starts keeps its identity key under
 ``$XDG_STATE_HOME/somatize`` unless told otherwise: the session points that at a temporary
 directory, so that no test writes into the home of whoever runs it.
 
+Each test process, and every process it starts, runs one maths thread (``OMP_NUM_THREADS``,
+set before torch is first imported; a test or a worker's ``--threads`` may still ask for more):
+the suite runs more processes than there are cores, and OpenMP's idle threads spin while they
+wait for work, which took a fifth of the in-process tests' CPU on two cores.
+
 The files that start real processes run first: ``make test`` hands whole files to two test
 processes, and a long file handed out last would leave one of them idle while the other finishes
 it.
@@ -17,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before tests.utils imports torch
 
 from tests.utils import timeout_unit
 
