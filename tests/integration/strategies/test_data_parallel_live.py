@@ -163,19 +163,25 @@ def test_a_replica_killed_mid_training_fails_the_job_naming_it(tmp_path, collect
 # -- elastic --------------------------------------------------------------------------------------
 
 DELAY = 0.03
-"""Seconds each forward of the slow model sleeps: steps long enough to kill a worker mid-run."""
+"""Seconds each forward of the slow model sleeps unless a test says otherwise: steps long enough
+to kill a worker mid-run."""
 
 
 class SlowSequential(torch.nn.Sequential):
-    """The MLP of :func:`model` (same parameter names and maths), slowed down."""
+    """The MLP of :func:`model` (same parameter names and maths), each forward ``delay``
+    seconds slower."""
+
+    def __init__(self, *modules: torch.nn.Module, delay: float = DELAY):
+        super().__init__(*modules)
+        self.delay = delay
 
     def forward(self, x):
-        time.sleep(DELAY)
+        time.sleep(self.delay)
         return super().forward(x)
 
 
-def slow_graph(optimizer: str, epochs: int, batch_size: int) -> sz.Graph:
-    return graph_for(optimizer, epochs, batch_size, module=SlowSequential(*model()))
+def slow_graph(optimizer: str, epochs: int, batch_size: int, delay: float = DELAY) -> sz.Graph:
+    return graph_for(optimizer, epochs, batch_size, module=SlowSequential(*model(), delay=delay))
 
 
 def events_of(job) -> list:
@@ -201,7 +207,10 @@ def test_elastic_replaces_a_killed_replica_with_a_spare_and_restarts_a_crashed_d
     """2 replicas + a spare: the replica killed mid-training is replaced by the spare, a daemon
     killed later is restarted on its own worker; the result is still single-process training's."""
     x, y = dataset(n=96)
-    graph = slow_graph("adam", epochs=5, batch_size=16)  # 6 steps an epoch, 30 in all
+    # 6 steps an epoch, 30 in all, each over 0.1 s: the 20 after step 10 outlast the test's
+    # look at the progress on a busy machine (at 0.03 s, one run ended its training first and
+    # lost its daemon while the coordinator read the result)
+    graph = slow_graph("adam", epochs=5, batch_size=16, delay=0.1)
     strategy = sz.DataParallel(2, elastic=True, elastic_timeout=30 * UNIT, collective="coordinator")
     with cluster(tmp_path, {"w1": (), "w2": (), "w3": ()}) as c, sz.connect(c.url) as client:
         job = client.submit(graph, x, y, strategy=strategy)
