@@ -12,18 +12,18 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: $(STAMP)
 
-# pip compiles what it installs on one core (80 of its 135 seconds here): it installs only, and
-# the virtualenv's packages are compiled after on every core. (Whatever does not compile, as
-# torch's few Python 3.12 test files, is left as pip leaves it: compile_dir's answer is not a
-# failure of the install.)
+# pip compiles what it installs on one core (80 of its 135 seconds here), and compiling all of
+# the virtualenv after takes 39 s on two cores: most of its 16,000 modules are never imported
+# (torch's compiler, its tests). It installs only, and each module is compiled when a process
+# first imports it, its bytecode written then for every process after (WRITE_BYTECODE: where
+# PYTHONDONTWRITEBYTECODE is set, as on CI machines and in the image, every coordinator, worker
+# and daemon would compile the ~1,500 modules it imports again, ~6 s of CPU each).
 INSTALL := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
-COMPILE_PACKAGES := $(BIN)/python -c "import compileall, sysconfig; \
-	compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
+WRITE_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(INSTALL) -e '.[dev]'
-	$(COMPILE_PACKAGES)
 	touch $(STAMP)
 
 # Debian's packages the tests use, each with the check that finds it installed:
@@ -64,12 +64,11 @@ DEMO_STAMP := $(VENV)/.installed-demo
 demo: $(DEMO_STAMP)
 	@command -v bwrap >/dev/null || $(MAKE) --no-print-directory bubblewrap \
 		|| echo "bubblewrap could not be installed: the demo runs job code unsandboxed"
-	$(BIN)/somatize demo
+	$(WRITE_BYTECODE) $(BIN)/somatize demo
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(INSTALL) -e .
-	$(COMPILE_PACKAGES)
 	touch $(DEMO_STAMP)
 
 lint: setup
@@ -83,28 +82,27 @@ typecheck: setup
 # and more each on a new machine, the one waiting on pip, the other on the network and dpkg.
 # Two test processes, each taking whole files (a module's shared cluster stays one): most of a
 # test's time is its processes starting and waiting on one another, so two of them fill two cores.
-# The project's bytecode is written first: every coordinator, worker and daemon a test starts
-# then loads it instead of compiling each module again (PYTHONDONTWRITEBYTECODE keeps processes
-# from writing it themselves). A test process that dies ends the run, failed, rather than being
-# replaced (xdist's replacement had left the run waiting forever). The slowest tests are listed
-# at the end; PYTEST_ARGS adds to them. The type check runs beside the tests (it takes half a
-# core for half a minute, while the tests leave more than that idle) and fails the run after
-# them, its report printed then.
+# Each module's bytecode is written by the first process that imports it (WRITE_BYTECODE): every
+# coordinator, worker and daemon a test starts after loads it instead of compiling the module
+# again. A test process that dies ends the run, failed, rather than being replaced (xdist's
+# replacement had left the run waiting forever). The slowest tests are listed at the end;
+# PYTEST_ARGS adds to them. The type check runs beside the tests (it takes half a core for half
+# a minute, while the tests leave more than that idle) and fails the run after them, its report
+# printed then.
 TEST_PROCESSES ?= 2
 PYTEST_ARGS ?=
 
 test:
 	@$(MAKE) --no-print-directory --jobs 2 --output-sync=target lint packages
-	$(BIN)/python -m compileall -q protocol engine worker coordinator somatize benchmarks tests
 	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typing=$$!; \
-	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
+	$(WRITE_BYTECODE) $(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --max-worker-restart 0 --durations=15 \
 		$(PYTEST_ARGS); tested=$$?; \
 	wait $$typing; typed=$$?; \
 	echo "mypy:"; cat $(VENV)/typecheck.log; \
 	test $$tested -eq 0 && test $$typed -eq 0
 
 bench: setup
-	$(BIN)/python -m benchmarks
+	$(WRITE_BYTECODE) $(BIN)/python -m benchmarks
 
 # Flower's own virtualenv (flwr[simulation], Ray) for the Flower row of benchmarks.federated;
 # never the project's: Ray moves its pins. FLOWER_VENV=PATH to put it elsewhere.
