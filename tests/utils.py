@@ -173,16 +173,18 @@ def child_pids(parent: int) -> set[int]:
 
 def is_fork_server(pid: int) -> bool:
     """Whether ``pid`` is an agent's fork server (``python -m worker.daemon.fork_server``)."""
-    return b"worker.daemon.fork_server" in _cmdline(pid)
+    return b"worker.daemon.fork_server" in cmdline(pid)
 
 
 def is_shared_fork_server(pid: int) -> bool:
     """Whether ``pid`` is a fork server shared in :func:`shared_fork_servers`' folder: one
     that outlives the test whose agent started it, for the next test's."""
-    return is_fork_server(pid) and str(shared_fork_servers()).encode() in _cmdline(pid)
+    return is_fork_server(pid) and str(shared_fork_servers()).encode() in cmdline(pid)
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """Process ``pid``'s arguments as ``/proc`` has them, each ended by a NUL (``b""`` once it
+    is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
@@ -212,7 +214,7 @@ def agent_daemons(agent: int) -> set[int]:
         if is_fork_server(pid):
             own.add(pid)
             found |= logged(pid)
-        elif b"\0worker.daemon\0" in _cmdline(pid):
+        elif b"\0worker.daemon\0" in cmdline(pid):
             found.add(pid)
     for pid in _pids():
         parent = _parent_of(pid)

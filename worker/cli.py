@@ -37,7 +37,7 @@ from protocol.asyncio.memory import keep_freed_memory
 from protocol.security.identity_proof import fingerprint, public_key
 from protocol.security.token_file import token_file_problem
 from protocol.text.log_lines import log_to
-from protocol.text.quantities import byte_count
+from protocol.text.quantities import byte_count, seconds
 from worker.agent import Agent
 from worker.capabilities import memory_bytes
 from worker.config import AgentConfig
@@ -45,6 +45,7 @@ from worker.confinement.sandbox import LEVELS, Sandbox, choose
 from worker.daemon.allocator import LEVELS as MALLOC_LEVELS
 from worker.daemon.allocator import Allocator
 from worker.daemon.allocator import choose as choose_allocator
+from worker.daemon.fork_server import LINGER_SECONDS
 from worker.errors import RegistrationRefused, UntrustedCoordinator
 from worker.identity import default_identity_file, load_or_create_key
 
@@ -244,8 +245,16 @@ def _parser() -> argparse.ArgumentParser:
         "with the same DIR (a folder only you can open): the first starts a server that "
         "listens there, the others fork their daemons from siblings of it, each worker's "
         "daemons still its own; the server outlives its worker for the workers started "
-        "there later, for a minute after the last, or until DIR is removed (a local "
-        "cluster's workers; default: a server of its own)",
+        "there later, for --fork-server-linger after the last, or until DIR is removed (a "
+        "local cluster's workers; default: a server of its own)",
+    )
+    parser.add_argument(
+        "--fork-server-linger",
+        type=seconds,
+        metavar="DURATION",
+        help="how long a shared fork server this worker starts waits, serving no worker, for "
+        "the next one started with the same --fork-server-share (e.g. 10m; default "
+        f"{LINGER_SECONDS:g} s: an idle server holds its imports, ~230 MiB)",
     )
     parser.add_argument(
         "--spare-daemon",
@@ -436,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 slots=args.slots,
                 fork_server=args.fork_server == "on",
                 fork_server_share=args.fork_server_share,
+                fork_server_linger=args.fork_server_linger,
             )
             agent = Agent(config)
         except ValueError as exc:

@@ -64,6 +64,9 @@ class AgentConfig:
             daemons' environment (its datasets aside: each fork is told them), or starts that
             server, which outlives the agent for the agents started there later
             (:mod:`worker.daemon.fork_server`).
+        fork_server_linger: how long a server this agent starts in ``fork_server_share``
+            waits, serving no agent, for the next (``--fork-server-linger``; ``None``: a
+            minute, :data:`~worker.daemon.fork_server.LINGER_SECONDS`).
         datasets: local datasets by name (``--data NAME=PATH``), announced in the hello and
             readable by the job daemons (only what the job's filters return leaves this machine).
         peer_listen: ``HOST:PORT`` to serve ``/peer`` on, where other workers deliver pipeline
@@ -132,6 +135,7 @@ class AgentConfig:
     slots: int = 1
     fork_server: bool = True
     fork_server_share: Path | None = None
+    fork_server_linger: float | None = None
     datasets: Mapping[str, Path] = field(default_factory=dict)
     peer_listen: str | None = None
     peer_advertise: str | None = None

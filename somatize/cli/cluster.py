@@ -117,6 +117,8 @@ class LocalCluster:
             one after another: a server outlives its cluster for the next); it is the caller's
             to remove, which ends those servers. Default: a folder of the cluster's own,
             removed at :meth:`close`.
+        fork_server_linger: how long such a shared server waits, serving no worker, for the next
+            cluster's (``--fork-server-linger``; ``None``: the workers' default, a minute).
     """
 
     # The SDK's public keyword API: each argument a documented keyword of its own.
@@ -138,6 +140,7 @@ class LocalCluster:
         spares: int | None = 1,
         sandbox: str = "auto",
         fork_server_share: Path | None = None,
+        fork_server_linger: float | None = None,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="somatize-") if state_dir is None else None
         base = Path(self._tmp.name) if self._tmp is not None else None
@@ -161,6 +164,7 @@ class LocalCluster:
         # Where its workers share a fork server's imports; removed at close where made here.
         self._forks = None if fork_server_share is None else str(fork_server_share)
         self._own_forks = fork_server_share is None
+        self.fork_server_linger = fork_server_linger
 
     def _at(self, port: int) -> None:
         """Say the coordinator is at ``port`` (``0``: not known until it starts)."""
@@ -242,6 +246,8 @@ class LocalCluster:
             argv += ["--sandbox", self.sandbox]
         if not {"--fork-server", "--fork-server-share"} & set(args):
             argv += ["--fork-server-share", self._fork_server_share()]
+            if self.fork_server_linger is not None:
+                argv += ["--fork-server-linger", f"{self.fork_server_linger:g}"]
         if peer_link:
             argv += ["--peer-listen", "127.0.0.1:0"]  # it binds one, and says which
         for tag in tags:

@@ -4,16 +4,20 @@ cleanly, a second forces it out, and no daemon is left behind either way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.utils import UNIT, Center, agent_daemons
+from somatize.cli.cluster import wait_for
+from tests.utils import UNIT, Center, agent_daemons, cmdline, is_fork_server
+from tests.worker.daemon.supervised import wait_gone
 from tests.worker.standin import (
     StandIn,
     drive,
@@ -77,30 +81,18 @@ def test_somatize_worker_registers_and_a_sigterm_stops_it_with_no_daemon_left(tm
 
 
 def test_with_spare_daemon_off_a_job_starts_its_own_daemon_and_none_waits_for_the_next():
-    script = Path(sys.executable).parent / "somatize-worker"
     stand_in = StandIn()
 
     async def main() -> None:
-        async with listening(stand_in) as url:
-            proc = await asyncio.create_subprocess_exec(
-                str(script),
-                *("--connect", url, "--id", "lean", "--threads", "1", "--spare-daemon", "off"),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            try:
-                channel = await stand_in.next_channel()
-                assert agent_daemons(proc.pid) == set()  # nothing started before a job asks
-                await open_job(channel, "j", center=Center())
-                assert len(agent_daemons(proc.pid)) == 1  # the job's own: no spare after it
-                proc.send_signal(signal.SIGTERM)
-                async with asyncio.timeout(20 * UNIT):
-                    assert await proc.wait() == 0
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+        async with (
+            listening(stand_in) as url,
+            _quiet_worker(url, "--id", "lean", "--spare-daemon", "off") as proc,
+        ):
+            channel = await stand_in.next_channel()
+            assert agent_daemons(proc.pid) == set()  # nothing started before a job asks
+            await open_job(channel, "j", center=Center())
+            assert len(agent_daemons(proc.pid)) == 1  # the job's own: no spare after it
+            await _terminate(proc)
 
     drive(main)
 
@@ -148,6 +140,74 @@ def test_a_second_sigterm_forces_the_exit_and_kills_the_daemons():
         for pid in left:
             os.kill(pid, signal.SIGKILL)  # stopped and orphaned, it would outlive the test run
     assert daemons and not left, "the second signal kills the daemons"
+
+
+def test_a_fork_server_linger_is_how_long_the_workers_shared_server_waits_for_the_next(
+    tmp_path,
+):
+    """``--fork-server-linger``: the shared fork server a worker starts in its
+    ``--fork-server-share`` waits that long, once the worker is gone, for the next worker (here
+    a second, not the default minute), then ends, its folder still there."""
+    share = tmp_path / "share"
+    share.mkdir()
+    stand_in = StandIn()
+    servers: list[int] = []
+    told: list[bytes] = []
+    signalled: list[float] = []
+
+    async def main() -> None:
+        share_for = ("--fork-server-share", str(share), "--fork-server-linger", "1")
+        async with (
+            listening(stand_in) as url,
+            _quiet_worker(url, "--id", "lingers", "--sandbox", "none", *share_for) as proc,
+        ):
+            await stand_in.next_channel()
+            found = await asyncio.to_thread(
+                wait_for, lambda: _servers_sharing(share), 30 * UNIT, "its fork server"
+            )
+            servers.extend(found)
+            told.append(cmdline(found[0]))  # read now: it ends a second after the worker
+            signalled.append(time.monotonic())  # its wait starts once the worker is gone
+            await _terminate(proc)
+
+    drive(main)
+    (server,) = servers
+    assert told[0].endswith(b"\0--linger\0" + b"1.0\0"), told
+    assert wait_gone(server, 10 * UNIT)
+    assert time.monotonic() - signalled[0] >= 1.0  # it waited its linger, not less
+    assert share.is_dir()
+
+
+@contextlib.asynccontextmanager
+async def _quiet_worker(url: str, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``somatize-worker --connect URL --threads 1 ARGS``, its output discarded; killed on the
+    way out if it still runs."""
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "somatize-worker"),
+        *("--connect", url, "--threads", "1", *args),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _terminate(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM: the worker stops, cleanly."""
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(20 * UNIT):
+        assert await proc.wait() == 0
+
+
+def _servers_sharing(share: Path) -> list[int]:
+    """The fork servers listening in ``share``."""
+    pids = (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    return [pid for pid in pids if is_fork_server(pid) and f"{share}/".encode() in cmdline(pid)]
 
 
 def test_a_shard_that_disagrees_with_the_others_stops_the_worker_at_start_naming_it(tmp_path):

@@ -32,8 +32,8 @@ in a session of its own, ends when its agent closes the connection or dies, and 
 server it was forked from (whose agent a fault may kill); only a connection from the server's own
 user is served. A shared server outlives its own agent too, for the agents that come later (the
 next cluster a test starts in the same folder): it goes on forking siblings while its socket is
-still at ``PATH`` and, once no sibling of it runs, for :data:`LINGER_SECONDS` more; removing the
-folder ends it within a second.
+still at ``PATH`` and, once no sibling of it runs, for ``--linger`` seconds more
+(:data:`LINGER_SECONDS` unless told); removing the folder ends it within a second.
 
 The server forks only while it runs no thread of its own beyond what importing torch starts
 (as every ``DataLoader`` worker forked after ``import torch`` does), and has not used a CUDA
@@ -75,7 +75,7 @@ EXIT_CHILD_FAILED = 70
 """A child that could not become a daemon exits with this (its traceback in the log)."""
 LINGER_SECONDS = 60.0
 """How long a shared server whose agent is gone waits, with no sibling of it running, for the
-next agent to come."""
+next agent to come, unless told (``--linger``; the agent's ``--fork-server-linger``)."""
 POLL_SECONDS = 0.5
 """How often the server looks at its agent, its socket's place and its idle time."""
 
@@ -120,12 +120,20 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser.add_argument(
         "--share", metavar="PATH", help="also fork sibling servers for agents connecting here"
     )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=LINGER_SECONDS,
+        metavar="SECONDS",
+        help="how long a shared server serving nobody waits for the next agent "
+        f"(default {LINGER_SECONDS:g})",
+    )
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.socket)
     os.set_inheritable(sock.fileno(), False)
     parent = os.getppid()
     # Listening before the imports: an agent that comes meanwhile waits for them, not again.
-    shared = _Shared.listen(args.share) if args.share else None
+    shared = _Shared.listen(args.share, args.linger) if args.share else None
 
     # What every daemon needs, once: the allocator's settings, torch, the first optimizer.
     from protocol.asyncio.memory import keep_freed_memory
@@ -162,16 +170,18 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
 class _Shared:
     """Where the agents that share this server's imports connect: a socket listening at
-    ``path``, only its user able to open it, and how long the server has had nobody to serve."""
+    ``path``, only its user able to open it, how long the server has had nobody to serve, and
+    how long it waits so (``linger`` seconds)."""
 
-    def __init__(self, listener: socket.socket, path: str) -> None:
+    def __init__(self, listener: socket.socket, path: str, linger: float) -> None:
         self.listener = listener
         self.path = path
+        self.linger = linger
         self._inode = os.stat(path).st_ino
         self._idle_since: float | None = None
 
     @classmethod
-    def listen(cls, path: str) -> _Shared | None:
+    def listen(cls, path: str, linger: float = LINGER_SECONDS) -> _Shared | None:
         """Listen at ``path``; ``None`` where another server listens there already."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with contextlib.suppress(FileNotFoundError):
@@ -185,12 +195,12 @@ class _Shared:
             return None
         os.chmod(path, 0o600)
         listener.listen(8)
-        return cls(listener, path)
+        return cls(listener, path, linger)
 
     def wanted(self, serving: bool) -> bool:
         """Whether to go on listening once the server's own agent is gone: while its socket is
         still the one at :attr:`path` and, where it serves nobody (``serving``: a sibling of
-        it runs), for :data:`LINGER_SECONDS`."""
+        it runs), for :attr:`linger` seconds."""
         if not self._ours():
             return False
         if serving:
@@ -199,7 +209,7 @@ class _Shared:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
-        return now - self._idle_since < LINGER_SECONDS
+        return now - self._idle_since < self.linger
 
     def leave(self) -> None:
         """Remove the socket, where it is still this server's."""

@@ -106,10 +106,20 @@ class ForkServer:
             (``--fork-server-share``): the agent joins the server listening there for its
             daemons' environment, getting a sibling of it (:mod:`worker.daemon.fork_server`),
             or starts one that listens there.
+        linger: how long a server this agent starts there waits, serving no agent, for the
+            next (``--fork-server-linger``; ``None``: the server's own default,
+            :data:`~worker.daemon.fork_server.LINGER_SECONDS`).
     """
 
-    def __init__(self, python: str, env: Mapping[str, str], share: Path | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        env: Mapping[str, str],
+        share: Path | None = None,
+        linger: float | None = None,
+    ) -> None:
         self.python = python
+        self.linger = linger
         self.env, _ = _apart(env)
         key = _environment_key(python, self.env)
         self.shared_at = None if share is None else share / f"{key}.sock"
@@ -148,6 +158,8 @@ class ForkServer:
             ]
             if self.shared_at is not None:
                 argv += ["--share", str(self.shared_at)]
+                if self.linger is not None:
+                    argv += ["--linger", str(self.linger)]
             self._process = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -92,7 +92,9 @@ class DaemonPool:
         if self._forks is not None and self._forks.alive:
             return
         env = self._supervisor(None).environment()
-        forks = self._starting = ForkServer(config.python, env, config.fork_server_share)
+        forks = self._starting = ForkServer(
+            config.python, env, config.fork_server_share, config.fork_server_linger
+        )
 
         async def start() -> None:
             try:

@@ -196,25 +196,29 @@ def test_a_shared_server_outlives_its_agent_for_the_next_and_ends_with_its_folde
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("told", [None, 600.0])
 def test_a_shared_server_with_nobody_to_serve_waits_a_linger_then_is_not_wanted(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, told
 ):
     """Its agent gone and no sibling of it running, a shared server listens on for
-    :data:`~worker.daemon.fork_server.LINGER_SECONDS`, counted from when it last served
-    someone; another server's socket at its place ends it at once."""
+    :data:`~worker.daemon.fork_server.LINGER_SECONDS`, or the linger it was told, counted from
+    when it last served someone; another server's socket at its place ends it at once."""
     now = [1000.0]
     monkeypatch.setattr(fork_server.time, "monotonic", lambda: now[0])
     path = str(tmp_path / "forks.sock")
-    shared = fork_server._Shared.listen(path)
+    shared = (
+        fork_server._Shared.listen(path) if told is None else fork_server._Shared.listen(path, told)
+    )
+    linger = fork_server.LINGER_SECONDS if told is None else told
     assert shared is not None
     try:
         assert shared.wanted(serving=False)
-        now[0] += fork_server.LINGER_SECONDS - 1
+        now[0] += linger - 1
         assert shared.wanted(serving=False)
         assert shared.wanted(serving=True)  # a sibling came: the wait starts again after it
-        now[0] += fork_server.LINGER_SECONDS - 1
+        now[0] += linger - 1
         assert shared.wanted(serving=False)
-        now[0] += fork_server.LINGER_SECONDS
+        now[0] += linger
         assert not shared.wanted(serving=False)
         now[0] = 0.0
         assert shared.wanted(serving=True)
