@@ -22,6 +22,9 @@ pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 CLIENT, WORKER = "client-token-0123456789", "worker-token-9876543210"
+NO_JOBS = ("--threads", "1", "--spare-daemon", "off")
+"""A worker that only registers here: no spare daemon started for a job that never comes (two
+sandboxed ones by default, about 7 s of CPU)."""
 
 
 def _start(argv: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -82,7 +85,7 @@ def test_tokens_are_checked_before_any_message_and_a_worker_token_cannot_submit(
         procs.append(wrong)
         assert wrong.wait(timeout=30 * UNIT) == 1  # refused for good: no retry loop
         right = _start(
-            [str(BIN / "somatize-worker"), "--connect", url, "--id", "w1", "--threads", "1"],
+            [str(BIN / "somatize-worker"), "--connect", url, "--id", "w1", *NO_JOBS],
             tmp_path / "w1.log",
             SOMATIZE_WORKER_TOKEN=WORKER,
         )
@@ -164,8 +167,7 @@ def test_tls_with_a_certificate_the_test_makes(tmp_path):
                 url,
                 "--id",
                 "w1",
-                "--threads",
-                "1",
+                *NO_JOBS,
                 "--ca-file",
                 str(cert),
             ],
