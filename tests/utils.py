@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Final
 
 import somatize as sz
 from somatize.cli.cluster import LISTENING, said_in_log
@@ -145,13 +146,32 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+SHARED_FORK_SERVERS: Final = "SOMATIZE_TEST_FORK_SERVERS"
+"""The variable naming the run's :func:`shared_fork_servers` folder to the processes it starts."""
+
+FORK_SERVER_LINGER: Final = 300.0
+"""How long a shared fork server of the suite waits, serving no agent, for the next test's
+(``--fork-server-linger``): the tests that need a server of some environment come minutes
+apart, and a server gone after the workers' default minute is imported again (~3.5 s of CPU),
+as much as five times a run."""
+
+
 @functools.cache
 def shared_fork_servers() -> Path:
-    """The folder where this test process's clusters and in-process agents share fork servers
-    (``--fork-server-share``): one torch import for the tests of a process, where each cluster
-    would pay its own (about 3.5 s of CPU). Removed when the process exits, which ends them."""
+    """The folder where the run's clusters and in-process agents share fork servers
+    (``--fork-server-share``): one torch import for all the tests that want a server of the same
+    environment, where each cluster would pay its own (about 3.5 s of CPU).
+
+    The first process to ask makes it and names it in its environment
+    (:data:`SHARED_FORK_SERVERS`): ``pytest -n``'s test processes inherit the folder their
+    controller made at start (``tests/conftest.py``), so the two share one server where each
+    imported its own. It is removed when the process that made it exits, which ends them."""
+    given = os.environ.get(SHARED_FORK_SERVERS)
+    if given:
+        return Path(given)
     folder = Path(tempfile.mkdtemp(prefix="somatize-test-forks-"))
     atexit.register(shutil.rmtree, folder, True)
+    os.environ[SHARED_FORK_SERVERS] = str(folder)
     return folder
 
 

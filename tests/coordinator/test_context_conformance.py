@@ -33,7 +33,7 @@ from protocol.codec import decode
 from protocol.daemon import GetStateRequest
 from protocol.errors import ErrorCode
 from protocol.filters import dump_filter
-from tests.utils import UNIT, Center, shared_fork_servers
+from tests.utils import FORK_SERVER_LINGER, UNIT, Center, shared_fork_servers
 from worker.daemon.main import Daemon
 
 WORKERS = [
@@ -93,6 +93,7 @@ async def _transport_context(tmp_path) -> AsyncIterator[StrategyContext]:
                 tags=sorted(w.tags),
                 threads=1,
                 fork_server_share=shared_fork_servers(),
+                fork_server_linger=FORK_SERVER_LINGER,
             )
         )
         for w in WORKERS

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from somatize.cli.cluster import LocalCluster, wait_for
-from tests.utils import UNIT, shared_fork_servers
+from tests.utils import FORK_SERVER_LINGER, UNIT, shared_fork_servers
 
 __all__ = ["Cluster", "cluster", "healthy", "wait_for"]
 
@@ -21,7 +21,8 @@ class Cluster(LocalCluster):
     workers run ``--sandbox none`` unless asked: a sandboxed daemon is started anew for each
     job (2-3 s of CPU, where the fork server forks one in milliseconds);
     :mod:`tests.integration.security.test_sandbox` runs them sandboxed. Its workers share fork
-    servers with every cluster of the test process (:func:`tests.utils.shared_fork_servers`)."""
+    servers with every cluster of the run (:func:`tests.utils.shared_fork_servers`), each
+    server waiting :data:`~tests.utils.FORK_SERVER_LINGER` for the next."""
 
     def __init__(
         self,
@@ -39,7 +40,11 @@ class Cluster(LocalCluster):
             spare_daemons=spare_daemons,
             sandbox=sandbox,
             startup=60 * UNIT,
-            **{"fork_server_share": shared_fork_servers(), **options},
+            **{
+                "fork_server_share": shared_fork_servers(),
+                "fork_server_linger": FORK_SERVER_LINGER,
+                **options,
+            },
         )
 
     def wait_connected(self, worker_id: str) -> dict[str, object]:

@@ -39,7 +39,12 @@ from protocol.messages import (
     Welcome,
     WorkerHello,
 )
-from tests.utils import UNIT, is_shared_fork_server, shared_fork_servers
+from tests.utils import (
+    FORK_SERVER_LINGER,
+    UNIT,
+    is_shared_fork_server,
+    shared_fork_servers,
+)
 from worker.agent import Agent, AgentConfig, Backoff
 
 HEARTBEAT = 0.25 * UNIT
@@ -145,7 +150,12 @@ async def running(stand_in: StandIn, **options: Any) -> AsyncIterator[Agent]:
     """An agent connected to ``stand_in``, stopped (and checked to stop cleanly) on exit."""
     async with listening(stand_in) as url:
         backoff = options.pop("backoff", Backoff(0.02 * UNIT, 0.2 * UNIT))
-        config = {"threads": 1, "fork_server_share": shared_fork_servers(), **options}
+        config = {
+            "threads": 1,
+            "fork_server_share": shared_fork_servers(),
+            "fork_server_linger": FORK_SERVER_LINGER,
+            **options,
+        }
         agent = Agent(AgentConfig(url, **config), backoff=backoff)
         run = asyncio.ensure_future(agent.run())
         try:

@@ -20,7 +20,7 @@ from protocol.asyncio.channel import Channel
 from protocol.codec import decode, encode_frame
 from protocol.errors import ErrorInfo, RequestRefused
 from protocol.messages import Ack, Call, Deliver, Links, PeerRoute, Result
-from tests.utils import UNIT, Center, shared_fork_servers
+from tests.utils import FORK_SERVER_LINGER, UNIT, Center, shared_fork_servers
 from tests.worker.standin import (
     StandIn,
     drive,
@@ -82,6 +82,7 @@ async def two_agents(
                     spare=False,
                     peer_listen="127.0.0.1:0",  # the port it binds, announced: none raced for
                     fork_server_share=shared_fork_servers(),
+                    fork_server_linger=FORK_SERVER_LINGER,
                     **options,
                 )
                 agent = Agent(config, backoff=Backoff(0.02 * UNIT, 0.2 * UNIT))
