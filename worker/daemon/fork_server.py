@@ -182,12 +182,14 @@ class _Shared:
 
     @classmethod
     def listen(cls, path: str, linger: float = LINGER_SECONDS) -> _Shared | None:
-        """Listen at ``path``; ``None`` where another server listens there already."""
+        """Listen at ``path``; ``None`` where another server listens there already, or no
+        socket can be there (a path over the ~108 bytes of a Unix socket's address): the server
+        then serves its own agent alone, as the agents that find no server there start theirs."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with contextlib.suppress(FileNotFoundError):
-            if not _answers(path):
-                os.unlink(path)  # a server that died left it
         try:
+            with contextlib.suppress(FileNotFoundError):
+                if not _answers(path):
+                    os.unlink(path)  # a server that died left it
             listener.bind(path)
         except OSError as exc:
             print(f"fork server: not shared at {path}: {exc}", file=sys.stderr, flush=True)

@@ -226,3 +226,11 @@ def test_a_shared_server_with_nobody_to_serve_waits_a_linger_then_is_not_wanted(
         assert not shared.wanted(serving=True)  # its folder removed
     finally:
         shared.listener.close()
+
+
+def test_a_share_whose_socket_path_is_too_long_leaves_the_server_unshared(tmp_path, capsys):
+    """A Unix socket's address holds ~108 bytes: a deeper share folder gets no shared server
+    (said on its log), rather than a server that dies before its agent's first fork."""
+    path = str(tmp_path / ("d" * 120) / "forks.sock")
+    assert fork_server._Shared.listen(path) is None
+    assert f"fork server: not shared at {path}: AF_UNIX path too long" in capsys.readouterr().err
