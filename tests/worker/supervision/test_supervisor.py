@@ -38,21 +38,28 @@ from worker.supervision.supervisor import DaemonSupervisor
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(scope="module")
+def fork_server() -> Iterator[ForkServer]:
+    """The fork server of the module's forked daemons (worker.supervision.forked): its start
+    imports torch, ~3.5 s of CPU, once for them all."""
+    server = ForkServer(sys.executable, DaemonSupervisor().environment())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="module", params=["spawned", "forked"])
 def crashing(request: pytest.FixtureRequest) -> Iterator[Driver]:
     """One daemon the destructive tests kill, hang and restart in turn (each test starts by
-    making sure it runs): started anew, or forked by a fork server (worker.supervision.forked)."""
+    making sure it runs): started anew, or forked by the module's :func:`fork_server`."""
     if request.param == "spawned":
         with driving() as driver:
             yield driver
         return
-    server = ForkServer(sys.executable, DaemonSupervisor().environment())
-    server.start()
-    try:
-        with driving(fork_server=server) as driver:
-            yield driver
-    finally:
-        server.close()
+    with driving(fork_server=request.getfixturevalue("fork_server")) as driver:
+        yield driver
 
 
 # -- the daemon dying, hanging, orphaned -------------------------------------------------------
@@ -256,7 +263,7 @@ def test_a_forked_daemon_is_the_servers_child_and_outlives_nothing_of_a_dead_ser
     asyncio.run(scenario())
 
 
-def test_two_daemons_forked_by_one_server_draw_different_unseeded_numbers():
+def test_two_daemons_forked_by_one_server_draw_different_unseeded_numbers(fork_server):
     """Every forked daemon reseeds torch's and numpy's generators from the OS: two jobs'
     unseeded ``torch.rand`` differ (issue 32), as two spawned daemons' do."""
 
@@ -269,32 +276,22 @@ def test_two_daemons_forked_by_one_server_draw_different_unseeded_numbers():
             return dict(fit["states"]["d"])
 
     async def scenario() -> None:
-        server = ForkServer(sys.executable, DaemonSupervisor().environment())
-        await asyncio.to_thread(server.start)
-        try:
-            first, second = await draw(server), await draw(server)
-        finally:
-            await asyncio.to_thread(server.close)
+        first, second = await draw(fork_server), await draw(fork_server)
         for generator in ("torch", "numpy"):
             assert not torch.equal(first[generator], second[generator]), generator
 
     asyncio.run(scenario())
 
 
-def test_a_forked_daemon_holds_none_of_its_servers_descriptors():
+def test_a_forked_daemon_holds_none_of_its_servers_descriptors(fork_server):
     """Issue 53, a Low: a forked daemon kept the fork server's wake-up pipe open (a job could
     write to it). Its descriptors are its pipes, its shared regions and what it opened."""
 
     async def scenario() -> None:
-        server = ForkServer(sys.executable, DaemonSupervisor().environment())
-        await asyncio.to_thread(server.start)
-        try:
-            supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=server)
-            async with supervisor:
-                assert supervisor.pid is not None and server.pid is not None
-                daemon, forks = _pipes_of(supervisor.pid), _pipes_of(server.pid)
-        finally:
-            await asyncio.to_thread(server.close)
+        supervisor = DaemonSupervisor(threads=1, default_timeout=20 * UNIT, fork_server=fork_server)
+        async with supervisor:
+            assert supervisor.pid is not None and fork_server.pid is not None
+            daemon, forks = _pipes_of(supervisor.pid), _pipes_of(fork_server.pid)
         assert forks, "the server's own pipes and socket were not seen"
         assert not daemon & forks, daemon & forks
 
