@@ -21,6 +21,7 @@ executor.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -140,13 +141,23 @@ class ForkServer:
         return self._sock is not None and not self._dead
 
     def start(self) -> None:
-        """Start the server and wait until it has imported torch (blocking).
+        """Start the server and wait until it has imported torch (blocking). Where it is shared,
+        the agents of the folder start theirs one at a time (a lock beside the socket): one
+        that comes while another's server imports waits and takes a sibling of it, where both
+        would have found no server listening yet and imported torch twice (a local cluster's
+        workers, started together).
 
         Raises:
             OSError: it could not start, or died or said nothing within :data:`START_SECONDS`.
         """
-        if self.shared_at is not None and self._join(self.shared_at):
+        if self.shared_at is None:
+            self._start()
             return
+        with _one_at_a_time(self.shared_at.with_suffix(".lock"), START_SECONDS):
+            if not self._join(self.shared_at):
+                self._start()
+
+    def _start(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [
@@ -368,6 +379,27 @@ def _apart(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     (:data:`~worker.daemon.fork_server.AT_FORK`)."""
     servers = {name: value for name, value in env.items() if name not in AT_FORK}
     return servers, {name: value for name, value in env.items() if name in AT_FORK}
+
+
+@contextlib.contextmanager
+def _one_at_a_time(path: Path, seconds: float) -> Iterator[None]:
+    """The block run holding an exclusive lock on ``path`` (made, only its user's, where it is
+    missing), waited for at most ``seconds``: after that it runs without."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("%s: still locked after %.0f s, starting without it", path, seconds)
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def _environment_key(python: str, env: Mapping[str, str]) -> str:
