@@ -151,6 +151,7 @@ class StrategyContext(ABC):
         *,
         pace: Pacer | None = None,
         sink: StreamSink | None = None,
+        relayed: bool = False,
     ) -> Any:
         """Run one daemon command (a :mod:`protocol.daemon` request) on a worker and return
         its result.
@@ -162,6 +163,11 @@ class StrategyContext(ABC):
                 sent as they become final (:class:`~protocol.asyncio.channel.Pacer`).
             sink: where the reply's frame lands as it arrives
                 (:class:`~protocol.chunking.StreamSink`).
+            relayed: the result's tensors stay the bytes they came as
+                (:class:`~protocol.arrays.RelayedTensor`): for a result the coordinator only
+                passes on (into the job's result, a checkpoint, another worker) and never
+                computes on, so that it need not import torch (a second or more of CPU) for it.
+                Without it they are torch tensors.
 
         Raises:
             WorkerCallError: the command failed there, timed out, or the worker was lost.
@@ -194,11 +200,17 @@ class StrategyContext(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no peer links")
 
     async def call_keeping(
-        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        keep: Sequence[str],
+        *,
+        relayed: bool = False,
     ) -> Any:
         """:meth:`call`, the files in its result at the keys ``keep`` (``{name: bytes}``) left
         on the worker: in their place the result holds ``{"kept": id, "files": {name: size}}``
-        for :meth:`read_kept` and :meth:`drop_kept` (:attr:`protocol.messages.Call.keep`).
+        for :meth:`read_kept` and :meth:`drop_kept` (:attr:`protocol.messages.Call.keep`);
+        ``relayed`` as :meth:`call`'s.
 
         Raises:
             NotImplementedError: this context's workers keep no files.
@@ -239,10 +251,13 @@ class StrategyContext(ABC):
         result.pop("output", None)
         return result
 
-    async def get_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
-        """States of ``node_ids`` on a worker, read over the wire now."""
+    async def get_state(
+        self, worker_idx: int, node_ids: Sequence[str], *, relayed: bool = False
+    ) -> dict[str, Any]:
+        """States of ``node_ids`` on a worker, read over the wire now (``relayed``: to be
+        passed on only, as :meth:`call`'s)."""
         states: dict[str, Any] = await self.call(
-            worker_idx, GetStateRequest(node_ids=list(node_ids))
+            worker_idx, GetStateRequest(node_ids=list(node_ids)), relayed=relayed
         )
         return states
 
@@ -265,11 +280,13 @@ class StrategyContext(ABC):
         )
         return grads
 
-    async def get_optimizer_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
+    async def get_optimizer_state(
+        self, worker_idx: int, node_ids: Sequence[str], *, relayed: bool = False
+    ) -> dict[str, Any]:
         """The persistent optimizers of differentiable nodes on a worker, read now (node →
-        ``state_dict()``, ``None`` before the first step)."""
+        ``state_dict()``, ``None`` before the first step; ``relayed`` as :meth:`call`'s)."""
         states: dict[str, Any] = await self.call(
-            worker_idx, GetOptimizerStateRequest(node_ids=list(node_ids))
+            worker_idx, GetOptimizerStateRequest(node_ids=list(node_ids)), relayed=relayed
         )
         return states
 
@@ -290,12 +307,15 @@ class StrategyContext(ABC):
         request = ApplyGradientsRequest(gradients=dict(gradients), epoch_end=epoch_end)
         await self.call(worker_idx, request, pace=pace)
 
-    async def read_back_state(self, worker_idx: int, node_ids: Sequence[str]) -> dict[str, Any]:
-        """A worker's state read now, over the wire — never recalled from an earlier fit.
+    async def read_back_state(
+        self, worker_idx: int, node_ids: Sequence[str], *, relayed: bool = False
+    ) -> dict[str, Any]:
+        """A worker's state read now, over the wire — never recalled from an earlier fit
+        (``relayed`` as :meth:`call`'s).
 
         After ``apply_gradients`` the two differ: a recalled state would miss the last step.
         """
-        return await self.get_state(worker_idx, node_ids)
+        return await self.get_state(worker_idx, node_ids, relayed=relayed)
 
     async def execute_partition(
         self, worker_idx: int, node_ids: Sequence[str], x: Any, y: Any = None
@@ -346,8 +366,10 @@ class InMemoryContext(StrategyContext):
     """Workers that are in-process daemons: the real command handling, no processes or sockets.
 
     Each request and reply goes through the frame codec, as on the wire, so a strategy gets
-    copies, never the worker's live tensors. Commands run in threads: calls to different workers
-    overlap as they would across machines.
+    copies, never the worker's live tensors; always torch tensors (a call's ``relayed`` is
+    ignored: the daemons in this process imported torch, and what the strategy gives back is
+    the caller's result). Commands run in threads: calls to different workers overlap as they
+    would across machines.
 
     Args:
         workers: the workers' identities, or how many anonymous ones (``mem-0``, ``mem-1``...).
@@ -405,6 +427,7 @@ class InMemoryContext(StrategyContext):
         *,
         pace: Pacer | None = None,
         sink: StreamSink | None = None,
+        relayed: bool = False,
     ) -> Any:
         worker = self.workers[worker_idx]
         parts = encode({**request_fields(request), "id": next(self._ids)})
@@ -429,13 +452,18 @@ class InMemoryContext(StrategyContext):
             landed = sink.buffer(len(reply_frame))
             landed[:] = reply_frame
             sink.received(len(reply_frame))
-        reply = decode(landed)
+        reply = decode(landed)  # (never relayed: the daemons here imported torch already)
         if not reply["ok"]:
             raise WorkerCallError(worker.id, ErrorInfo.model_validate(reply["error"]))
         return reply["result"]
 
     async def call_keeping(
-        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        keep: Sequence[str],
+        *,
+        relayed: bool = False,
     ) -> Any:
         result = await self.call(worker_idx, request)
         worker = self.workers[worker_idx]

@@ -33,7 +33,9 @@ __all__ = [
     "RelayedTensor",
     "array_from",
     "data_nbytes",
+    "holds_relayed",
     "loaded_torch",
+    "materialize",
     "ndarray_spec",
     "preview",
     "tensor_spec",
@@ -184,6 +186,34 @@ class RelayedTensor:
 
     def __repr__(self) -> str:
         return f"RelayedTensor({self.dtype}, {list(self.shape)})"
+
+
+def holds_relayed(tree: Any) -> bool:
+    """Whether ``tree`` (dicts, lists and tuples of leaves) holds a :class:`RelayedTensor`."""
+    if isinstance(tree, RelayedTensor):
+        return True
+    if isinstance(tree, dict):
+        return any(holds_relayed(value) for value in tree.values())
+    if isinstance(tree, list | tuple):
+        return any(holds_relayed(value) for value in tree)
+    return False
+
+
+def materialize(tree: Any) -> Any:
+    """``tree`` with each :class:`RelayedTensor` made the torch tensor it stands for (over its
+    bytes, as :func:`~protocol.codec.decode` would have made it): for a process that computes on
+    what it was relayed. Imports torch where the tree holds one: a second or more, so call it
+    off an event loop."""
+    if isinstance(tree, RelayedTensor):
+        count = math.prod(tree.shape)
+        return _tensor_from(tree.data, tree.dtype, list(tree.shape), count, 0, tree.data.nbytes)
+    if isinstance(tree, dict):
+        return {key: materialize(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [materialize(value) for value in tree]
+    if isinstance(tree, tuple):
+        return tuple(materialize(value) for value in tree)
+    return tree
 
 
 def array_from(

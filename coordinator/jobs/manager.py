@@ -35,11 +35,9 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import importlib
 import itertools
 import logging
 import sqlite3
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -671,7 +669,8 @@ class JobManager:
                     job_id=job_id,
                 )
             blob = await asyncio.to_thread(self.store.result, job_id)
-            stored = await asyncio.to_thread(decode, bytearray(blob))
+            # (sent on as it is: its tensors relayed, never made torch's here)
+            stored = await asyncio.to_thread(decode, bytearray(blob), relay=True)
             if kind == "states":
                 return said | {"states": stored}
             files = None if self.files is None else self.files.results
@@ -921,10 +920,6 @@ class JobManager:
         ids = [w.id for w in job.workers]
         try:
             await asyncio.to_thread(self.store.start, job.id, ids)
-            if "torch" not in sys.modules:
-                # The workers will answer with tensors: import torch now, in a thread, rather
-                # than on the event loop when the first one is decoded (a second or more).
-                await asyncio.to_thread(importlib.import_module, "torch")
             devices = [w.capabilities.device for w in job.workers]
 
             # (not a closure over job: the job's inputs keep it, and job → inputs → emit → job

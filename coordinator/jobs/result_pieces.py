@@ -156,7 +156,10 @@ def answer(
             data = _files(files, job_id).read_range(job_id, replica, offset, length)
         return {"replica": replica, "offset": offset, "data": data}
     if "pieces" in said:
-        return {"replica": replica, "pieces": decode(bytearray(said["pieces"][replica]))}
+        return {
+            "replica": replica,
+            "pieces": decode(bytearray(said["pieces"][replica]), relay=True),
+        }
     return {"replica": replica, "pieces": _files(files, job_id).read(job_id, replica)}
 
 
@@ -241,10 +244,11 @@ class ResultPieces:
             return os.pread(file.fileno(), length, offset)
 
     def read(self, job_id: str, replica: int) -> Any:
-        """Replica ``replica``'s pieces, decoded whole.
+        """Replica ``replica``'s pieces, decoded whole (their tensors relayed: sent on as they
+        are).
 
         Raises:
             OSError: the file is gone or cannot be read.
             FrameError: it is not a frame.
         """
-        return decode(read_whole(self._path(job_id, replica)))
+        return decode(read_whole(self._path(job_id, replica)), relay=True)

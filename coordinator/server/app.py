@@ -297,6 +297,7 @@ class Coordinator:
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
             buffer_for=frame_buffer if is_worker else self.landing,
+            relay_tensors=is_worker,
         )
         if worker_shares is not None:
             channel.reply_budget = worker_shares.replies

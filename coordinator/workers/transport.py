@@ -26,6 +26,7 @@ from typing import Any
 from coordinator.context import DEFAULT_CALL_TIMEOUT, StrategyContext, WorkerIdentity
 from coordinator.errors import NoReplacement, WorkerCallError
 from coordinator.workers.registry import WorkerRecord
+from protocol.arrays import holds_relayed, materialize
 from protocol.asyncio.channel import Pacer
 from protocol.chunking import StreamSink
 from protocol.daemon import DaemonRequest, command_fields
@@ -112,13 +113,19 @@ class TransportContext(StrategyContext):
         *,
         pace: Pacer | None = None,
         sink: StreamSink | None = None,
+        relayed: bool = False,
     ) -> Any:
         message = Call(job_id=self.job_id, request=command_fields(request), timeout=self.timeout)
         reply = await self._request(worker_idx, message, request.cmd, pace=pace, sink=sink)
-        return reply.result
+        return reply.result if relayed else await _computable(reply.result)
 
     async def call_keeping(
-        self, worker_idx: int, request: DaemonRequest, keep: Sequence[str]
+        self,
+        worker_idx: int,
+        request: DaemonRequest,
+        keep: Sequence[str],
+        *,
+        relayed: bool = False,
     ) -> Any:
         message = Call(
             job_id=self.job_id,
@@ -126,7 +133,8 @@ class TransportContext(StrategyContext):
             timeout=self.timeout,
             keep=list(keep),
         )
-        return (await self._request(worker_idx, message, request.cmd)).result
+        result = (await self._request(worker_idx, message, request.cmd)).result
+        return result if relayed else await _computable(result)
 
     async def read_kept(
         self, worker_idx: int, kept: str, name: str, offset: int, length: int
@@ -167,12 +175,12 @@ class TransportContext(StrategyContext):
             seq=seq,
         )
         if input_from is None:
-            return (await self._request(worker_idx, message, request.cmd)).result
+            return await _computable((await self._request(worker_idx, message, request.cmd)).result)
         answer = asyncio.ensure_future(self._request(worker_idx, message, request.cmd))
         loss = self._first_loss()
         await asyncio.wait((answer, loss), return_when=asyncio.FIRST_COMPLETED)
         if answer.done() or not loss.done():
-            return (await answer).result
+            return await _computable((await answer).result)
         answer.cancel()
         with contextlib.suppress(asyncio.CancelledError, WorkerCallError):
             await answer
@@ -267,6 +275,15 @@ class TransportContext(StrategyContext):
             raise WorkerCallError(record.id, info) from None
         self.observe(cmd, time.perf_counter() - started)
         return reply
+
+
+async def _computable(result: Any) -> Any:
+    """A worker's ``result`` with its tensors, which the connection reads as the bytes they came
+    as (:class:`~protocol.arrays.RelayedTensor`), made torch tensors for a strategy to compute
+    on: in a thread, as the first of them imports torch (a second or more)."""
+    if not holds_relayed(result):
+        return result
+    return await asyncio.to_thread(materialize, result)
 
 
 async def _first_closed(records: Sequence[WorkerRecord]) -> WorkerRecord:

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from protocol.arrays import RelayedTensor
+from protocol.arrays import RelayedTensor, holds_relayed, materialize
 from protocol.codec import ALIGNMENT, Joined, decode, encode, encode_frame, frame_nbytes
 from protocol.errors import FrameError
 from tests.protocol.codec_frames import (
@@ -231,6 +231,27 @@ def test_relayed_tensors_are_encoded_again_to_the_same_frame(tree: dict[str, Any
     for key, value in decode(frame).items():
         if isinstance(value, torch.Tensor):
             assert_same(value, tree[key].detach().cpu())
+
+
+@SETTINGS
+@given(
+    st.dictionaries(
+        st.text(max_size=5),
+        numpy_arrays() | torch_tensors() | trees | st.lists(torch_tensors(), max_size=3),
+        max_size=5,
+    )
+)
+def test_relayed_tensors_materialize_as_the_tensors_decode_makes(tree: dict[str, Any]) -> None:
+    """A coordinator reads a worker's tensors relayed and makes torch tensors of those it
+    computes on: the same tensors a plain decode gives, everything else as decoded."""
+    frame = bytearray(encode_frame(tree))
+    relayed = decode(bytearray(frame), relay=True)
+    tensors = [v for v in tree.values() if isinstance(v, torch.Tensor)]
+    tensors += [t for v in tree.values() if isinstance(v, list) for t in v]
+    assert holds_relayed(relayed) == any(isinstance(t, torch.Tensor) for t in tensors)
+    made = materialize(relayed)
+    assert not holds_relayed(made)
+    assert_same(made, decode(frame))
 
 
 @SETTINGS

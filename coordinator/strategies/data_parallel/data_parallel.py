@@ -31,6 +31,7 @@ is still the one ``graph.fit`` gives.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -137,10 +138,11 @@ class DataParallel(Strategy):
         n = rows_of(job.x) or 0
         replicas = range(ctx.num_workers())
         if job.dataset is None:
-            held = _held(
-                itertools.islice(global_batches(n, len(replicas), training), training.max_steps),
-                len(replicas),
-            )
+            # Walked in threads, off the event loop: a shuffled plan is torch's generator's
+            # permutations (their first import takes a second or more), and each walk takes
+            # as long as the run has steps.
+            steps = itertools.islice(global_batches(n, len(replicas), training), training.max_steps)
+            held = await asyncio.to_thread(_held, steps, len(replicas))
             plan = global_batches(n, len(replicas), training)
         else:  # each replica's own rows: known once staged
             held = [np.arange(0) for _ in replicas]
@@ -164,7 +166,7 @@ class DataParallel(Strategy):
             run.position.own = own
             run.position.held = [np.arange(size) for size in own.sizes]
             plan = own.batches(training)
-        first_epoch, steps_per_epoch = _first_epoch(plan, len(replicas))
+        first_epoch, steps_per_epoch = await asyncio.to_thread(_first_epoch, plan, len(replicas))
         run.schedule = schedule = lr_schedule_request(training, steps_per_epoch)
 
         async def tell(i: int, fresh: bool) -> None:

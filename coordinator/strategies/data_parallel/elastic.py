@@ -253,7 +253,7 @@ class Replicas:
         reads = {i: self.ctx.state_digests(i, compared) for i in self.present()}
         digests, lost = await self._surviving(reads)
         for i in sorted(digests):
-            read = {i: self.ctx.read_back_state(i, self.job.node_ids)}
+            read = {i: self.ctx.read_back_state(i, self.job.node_ids, relayed=True)}
             whole, lost_now = await self._surviving(read)
             if i in whole:
                 return whole[i], digests
@@ -326,8 +326,9 @@ class Replicas:
         """Replica ``source``'s model and optimizer state (a sharded run's replicas hold
         theirs as shards: their checkpoints come with their chunks' replies)."""
         assert not self.sharded, "a sharded run is never elastic: no replacement copies it"
-        states = await self.ctx.get_state(source, self.job.node_ids)
-        optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes)
+        # (passed on only: into a checkpoint, to replicas that take it)
+        states = await self.ctx.get_state(source, self.job.node_ids, relayed=True)
+        optimizers = await self.ctx.get_optimizer_state(source, self.torch_nodes, relayed=True)
         return Snapshot(self.ids[source], states, optimizers)
 
     async def pieces(self) -> ShardedStates:

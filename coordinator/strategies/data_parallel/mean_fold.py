@@ -268,7 +268,7 @@ class StreamedMean:
 
     def _fold(self, k: int, start: int, stop: int, replies: list[_Reply]) -> None:
         """mean[k][start:stop] = Σ wᵢ gᵢ[k][start:stop] / Σ wᵢ, in contributor order."""
-        import torch  # the replies hold tensors: the coordinator has imported it already
+        import torch  # imported by StarTraining.train, in a thread
 
         leaf = self.leaves[k] if self.leaves else None
         assert leaf is not None

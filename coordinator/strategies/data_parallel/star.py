@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -131,6 +133,8 @@ class StarTraining:
     async def train(self, total: int, start: int, saves: ReplicaCheckpoints) -> None:
         """Train global steps ``start + 1 ... total``, saving checkpoints as ``saves`` says,
         and apply the last mean everywhere."""
+        if "torch" not in sys.modules:  # the means are torch tensors: imported off the loop
+            await asyncio.to_thread(importlib.import_module, "torch")
         position = self.run.position
         own, replicas = position.own, self.run.ctx.num_workers()
         plan: GlobalBatchPlan = (

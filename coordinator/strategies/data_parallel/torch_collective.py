@@ -241,7 +241,7 @@ class TorchTraining:
             taken = self._snapshot_of(i) if snapshot else None
             request = DistTrainRequest(start=step, stop=stop, snapshot=taken)
             if taken is not None and (sharded or taken != "in_reply"):
-                return self.run.ctx.call_keeping(i, request, KEPT)  # files stay until read
+                return self.run.ctx.call_keeping(i, request, KEPT, relayed=True)  # kept till read
             return self._call(i, request)
 
         calls = {i: call(i) for i in self._all()}
@@ -390,7 +390,9 @@ class TorchTraining:
         return self.run.present()
 
     def _call(self, i: int, request: Any) -> Awaitable[Any]:
-        return self.run.ctx.call(i, request)
+        """``request`` on replica ``i``: the replicas compute, the coordinator passes their
+        tensors on (snapshots into checkpoints, momentum to joiners): relayed."""
+        return self.run.ctx.call(i, request, relayed=True)
 
     async def _settle(self, calls: Mapping[int, Awaitable[Any]], stop: int) -> dict[int, Any]:
         return await settle(calls, self.run.ids, self.timeout, stop, patient=self.run.elastic)

@@ -154,9 +154,12 @@ class StageCheckpoints(RunCheckpoints):
         self.policy.saved()
 
     async def _read(self, s: int, guard: Guard) -> tuple[dict[str, Any], dict[str, Any]]:
-        states = await guard(self.ctx.get_state(s, self.stages[s]), stage=s)
+        """Stage ``s``'s states and optimizers, as saved (never computed on: relayed)."""
+        states = await guard(self.ctx.get_state(s, self.stages[s], relayed=True), stage=s)
         trained = [n for n in self.stages[s] if n in self.torch_nodes]
         optimizers = (
-            await guard(self.ctx.get_optimizer_state(s, trained), stage=s) if trained else {}
+            await guard(self.ctx.get_optimizer_state(s, trained, relayed=True), stage=s)
+            if trained
+            else {}
         )
         return states, optimizers

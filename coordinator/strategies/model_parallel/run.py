@@ -24,6 +24,7 @@ torch.distributed the stages run the schedule themselves
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -266,7 +267,9 @@ class PipelineRun:
             )
         start = await saves.restore(guard)
         saves.start()
-        batches = list(global_batches(phase.rows, phase.micro_batches, phase.training))
+        # (in a thread: a shuffled plan imports torch for its generator, a second or more)
+        plan = global_batches(phase.rows, phase.micro_batches, phase.training)
+        batches = await asyncio.to_thread(list, plan)
         steps = GlobalBatchSteps(
             phase=phase, batches=batches, y=self.job.y, labels=labels, linked=linked, saves=saves
         )
@@ -401,8 +404,8 @@ async def _clipping(
 
 
 async def _read_back(ctx: StrategyContext, guard: Guard, stages: list[list[str]]) -> dict[str, Any]:
-    """4. The states of every stage, read back over the wire."""
-    reads = (ctx.read_back_state(s, nodes) for s, nodes in enumerate(stages))
+    """4. The states of every stage, read back over the wire (into the job's result only)."""
+    reads = (ctx.read_back_state(s, nodes, relayed=True) for s, nodes in enumerate(stages))
     parts = await guard(concurrently(*reads))
     return {node: state for part in parts for node, state in part.items()}
 

@@ -150,7 +150,8 @@ class TorchPipeline:
         checkpoint due after it) each stage sends what the checkpoint saves of it with its
         reply."""
         request = PipeTrainRequest(start=step, stop=stop, snapshot=snapshot)
-        calls = {s: self.ctx.call(s, request) for s in self.pipeline}
+        # (their snapshots go into a checkpoint as they came: relayed)
+        calls = {s: self.ctx.call(s, request, relayed=True) for s in self.pipeline}
         settled = asyncio.ensure_future(self._settle(calls, stop))
         return Chunk(stop, settled, asyncio.get_running_loop().time(), snapshot)
 

@@ -15,6 +15,7 @@ from coordinator.jobs.files import JobFiles
 from coordinator.jobs.manager import JobManager, PlacedJob
 from coordinator.storage.store import JobStore
 from coordinator.workers.registry import Registry
+from protocol.codec import decode, encode_frame
 from protocol.filters import dump_filter
 from protocol.messages import Capabilities, DatasetSummary, GraphSpec, StrategySpec, Submit
 from somatize.remote.client import graph_info
@@ -162,6 +163,12 @@ class Harness:
             if event.kind == kind:
                 break
         return events
+
+
+def as_client_reads(said):
+    """A manager's answer as a client reads it: through the codec (the tensors the coordinator
+    passed on as bytes, RelayedTensor, are torch tensors again)."""
+    return decode(bytearray(encode_frame(said)))
 
 
 def data(n=24):

@@ -26,6 +26,7 @@ from tests.coordinator.jobs.harness import (
     Boom,
     Harness,
     RecruitingContext,
+    as_client_reads,
     data,
     graph_epochs,
     make_graph,
@@ -42,7 +43,7 @@ def test_a_job_succeeds_with_the_states_read_back_and_its_events_stored(tmp_path
         async with Harness(tmp_path) as h:
             h.worker("a")
             job_id = await h.manager.submit(submit())
-            result = await h.manager.result(job_id, wait=30 * UNIT)
+            result = as_client_reads(await h.manager.result(job_id, wait=30 * UNIT))
             x, y = data()
             expected = make_graph().fit(x, y).states
             np.testing.assert_allclose(result["states"]["c"]["mean"], expected["c"]["mean"])
@@ -139,7 +140,7 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
                 h.manager.files.piece_bytes = 256
             h.worker("a")
             job_id = await h.manager.submit(submit())
-            result = await h.manager.result(job_id, wait=30 * UNIT)
+            result = as_client_reads(await h.manager.result(job_id, wait=30 * UNIT))
             assert h.store.result_kind(job_id) == "pieces"
             folder = tmp_path / "results" / job_id
             if files:  # one file a replica; else in the store's row (a manager without files)
@@ -159,7 +160,7 @@ def test_a_sharded_result_is_kept_as_the_replicas_pieces_and_joined_by_the_clien
 
             sizes = result["pieces"]["sizes"]
             read = [await in_pieces(r, size) for r, size in enumerate(sizes)]
-            each = [await h.manager.result(job_id, replica=r) for r in (0, 1)]
+            each = [as_client_reads(await h.manager.result(job_id, replica=r)) for r in (0, 1)]
             with pytest.raises(RequestRefused, match="of 2 replicas, not 2") as past:
                 await h.manager.result(job_id, replica=2)
             monkeypatch.undo()  # Local's own run: a whole result, no replica's pieces in it
@@ -429,7 +430,7 @@ def test_an_elastic_job_gets_its_replacement_from_the_registry(tmp_path):
             )
             await h.events_until(job_id, "placed")
             spare = h.worker("c", "dp")  # idle until the job asks for it
-            result = await h.manager.result(job_id, wait=30 * UNIT)
+            result = as_client_reads(await h.manager.result(job_id, wait=30 * UNIT))
             # Recovered exactly: what one process training on the same global batches learns.
             x, y = data()
             expected = graph_epochs(3).fit(x, y).states

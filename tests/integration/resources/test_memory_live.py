@@ -1,5 +1,6 @@
 """Memory over many jobs: what the coordinator keeps of a job ends with the job, and the worker
-agent, which relays tensors between the coordinator and its daemons, never loads torch.
+agent, which relays tensors between the coordinator and its daemons, never loads torch; nor does
+the coordinator for runs whose tensors it only passes on.
 
 Each job here ships a 1 M-parameter model (4 MB) and checkpoints; the coordinator, which
 freezes what is alive every second and collects reference cycles every ten minutes
@@ -15,6 +16,11 @@ import numpy as np
 import torch
 
 import somatize as sz
+from tests.coordinator.strategies.model_parallel.test_model_parallel import (
+    dataset,
+    graph,
+    reference,
+)
 from tests.integration.cluster import cluster
 from tests.utils import UNIT
 
@@ -49,3 +55,26 @@ def test_the_coordinator_after_100_jobs_holds_what_it_held_after_10(tmp_path):
     assert resident[100] <= 1.1 * resident[10], resident
     # 100 models and their updates through it, as bytes (torch is 220 MiB of an agent's 290)
     assert "libtorch" not in agent
+
+
+def test_a_coordinator_passes_the_states_of_unshuffled_runs_on_without_torch(tmp_path):
+    """Data parallel on the torch collective and a pipeline over its stages' torch group: the
+    replicas and stages compute, the coordinator only passes their states on, into checkpoints
+    and the results, as the bytes they came as (torch would be 220 MiB of it). A shuffled run's
+    order is torch's generator: that coordinator imports torch for it."""
+    x, y = dataset()
+    two = [sz.Partition(["center", "a"], worker="w0"), sz.Partition(["b", "c"], worker="w1")]
+    strategies = [
+        sz.DataParallel(2, checkpoint_every=1),
+        sz.ModelParallel(two, 2, "1f1b", transport="torch", checkpoint_every=1),
+    ]
+    with cluster(tmp_path, {"w0": (), "w1": ()}) as c, sz.connect(c.url) as client:
+        jobs = [client.submit(graph(), x, y, strategy) for strategy in strategies]
+        results = [job.result(timeout=120 * UNIT) for job in jobs]
+        coordinator = Path(f"/proc/{c.coordinator.pid}/maps").read_text()
+    expected = reference(x, y)
+    for fitted in results:
+        for node in "abc":
+            for key, value in expected[node].items():
+                torch.testing.assert_close(fitted.states[node][key], value, rtol=0, atol=1e-5)
+    assert "libtorch" not in coordinator
