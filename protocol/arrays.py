@@ -187,6 +187,29 @@ class RelayedTensor:
     def __repr__(self) -> str:
         return f"RelayedTensor({self.dtype}, {list(self.shape)})"
 
+    @property
+    def nbytes(self) -> int:
+        """Its bytes (as :func:`data_nbytes` counts an array's)."""
+        return self.data.nbytes
+
+    def __getitem__(self, rows: slice | np.ndarray[Any, Any] | list[int]) -> RelayedTensor:
+        """Rows ``rows`` (a slice, or an index array or list) of its first dimension, as a
+        tensor's ``t[rows]`` gives them, relayed too: a coordinator cuts a client's data into
+        each worker's rows (:func:`protocol.rules.rows.take_rows`) without torch. A slice of
+        step 1 is a view, any other slice or an index array a copy.
+
+        Raises:
+            TypeError: anything else (an integer, a tuple of indices): only rows are cut here.
+        """
+        if not self.shape:
+            raise TypeError("a 0-d relayed tensor has no rows")
+        if not isinstance(rows, slice | np.ndarray | list):
+            raise TypeError(f"a relayed tensor's rows are a slice or an index array, not {rows!r}")
+        row_bytes = math.prod(self.shape[1:]) * ITEMSIZE[self.dtype]
+        table = np.frombuffer(self.data, dtype=np.uint8).reshape(self.shape[0], row_bytes)
+        taken = np.ascontiguousarray(table[rows])
+        return RelayedTensor(self.dtype, (taken.shape[0], *self.shape[1:]), taken.reshape(-1).data)
+
 
 def holds_relayed(tree: Any) -> bool:
     """Whether ``tree`` (dicts, lists and tuples of leaves) holds a :class:`RelayedTensor`."""

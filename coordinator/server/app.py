@@ -297,7 +297,9 @@ class Coordinator:
             turns=self._turns,
             stall_timeout=self.config.stall_timeout,
             buffer_for=frame_buffer if is_worker else self.landing,
-            relay_tensors=is_worker,
+            # (a worker's tensors and a client's data are passed on as their bytes, torch
+            # imported only for a strategy that computes on them: TransportContext)
+            relay_tensors=True,
         )
         if worker_shares is not None:
             channel.reply_budget = worker_shares.replies

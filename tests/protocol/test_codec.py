@@ -255,6 +255,24 @@ def test_relayed_tensors_materialize_as_the_tensors_decode_makes(tree: dict[str,
 
 
 @SETTINGS
+@given(torch_tensors().filter(lambda t: t.dim() > 0), st.data())
+def test_a_relayed_tensors_rows_are_the_tensors_rows(tensor: torch.Tensor, data: Any) -> None:
+    """A coordinator cuts a client's data into each worker's rows as bytes: the rows ``t[rows]``
+    gives, for a slice or an index array."""
+    n = tensor.shape[0]
+    bounds = st.integers(-n - 2, n + 2) | st.none()
+    slices = st.builds(slice, bounds, bounds, st.integers(1, 3))  # (torch has no negative step)
+    index = data.draw(slices | st.lists(st.integers(0, n - 1), max_size=6) if n else slices)
+    relayed = decode(bytearray(encode_frame({"t": tensor})), relay=True)["t"]
+    rows = relayed[np.asarray(index, dtype=np.int64) if isinstance(index, list) else index]
+    want = tensor.detach()[
+        torch.as_tensor(index, dtype=torch.int64) if isinstance(index, list) else index
+    ]
+    assert rows.nbytes == want.numel() * want.element_size()
+    assert_same(decode(bytearray(encode_frame({"t": rows})))["t"], want.contiguous())
+
+
+@SETTINGS
 @given(st.dictionaries(st.text(max_size=5), numpy_arrays() | torch_tensors() | trees, max_size=5))
 def test_round_trip_of_mixed_trees(tree: dict[str, Any]) -> None:
     want = {
