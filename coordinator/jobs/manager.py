@@ -705,7 +705,7 @@ class JobManager:
     async def cancel(self, job_id: str) -> None:
         """Cancel a queued or running job; it ends ``cancelled``."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or job.done.is_set():  # (ended, its run maybe still winding down)
             record = await self._record(job_id)
             raise RequestRefused.of(
                 ErrorCode.BAD_REQUEST,

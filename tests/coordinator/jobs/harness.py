@@ -96,11 +96,17 @@ class Harness:
     with ``files``, the job files of a state directory (``tmp_path`` too)."""
 
     def __init__(
-        self, tmp_path, gate_open: bool = True, context=GatedContext, files: bool = False
+        self,
+        tmp_path,
+        gate_open: bool = True,
+        context=GatedContext,
+        files: bool = False,
+        closing_open: bool = True,
     ) -> None:
         self.store = JobStore(tmp_path)
         self.registry = Registry(heartbeat_timeout=10.0)
         self.gate = Gate(gate_open)
+        self.closing = Gate(closing_open)  # a context's close waits for it (a run winding down)
         self.contexts: list[GatedContext] = []
         self.context_class = context
         self.manager = JobManager(
@@ -119,6 +125,7 @@ class Harness:
         try:
             yield ctx
         finally:
+            await self.closing.event.wait()
             ctx.closed = True
 
     def worker(self, worker_id, *tags, datasets=None, device="cpu"):
@@ -132,6 +139,7 @@ class Harness:
 
     async def __aexit__(self, *exc_info) -> None:
         self.gate.event.set()
+        self.closing.event.set()
         await self.manager.shutdown(5 * UNIT)
         assert self.scheduler is not None
         self.scheduler.cancel()

@@ -281,6 +281,25 @@ def test_cancel_a_queued_job(tmp_path):
     run(main())
 
 
+def test_a_job_ended_while_its_run_winds_down_is_not_cancelled_again(tmp_path):
+    async def main():
+        async with Harness(tmp_path, gate_open=False, closing_open=False) as h:
+            h.worker("a")
+            job_id = await h.manager.submit(submit())
+            await h.until(lambda: h.contexts and h.contexts[0].calls)  # stuck in a command
+            await h.manager.cancel(job_id)
+            assert h.store.get(job_id).state is JobState.CANCELLED
+            assert not h.contexts[0].closed  # its run still winds down
+            with pytest.raises(RequestRefused, match=r"already ended \(cancelled\)"):
+                await h.manager.cancel(job_id)
+            h.closing.event.set()
+            await h.until(lambda: h.registry.get("a").state is WorkerState.IDLE)
+            kinds = await h.kinds(job_id)
+            assert kinds[-1] == "cancelled" and kinds.count("cancelled") == 1
+
+    run(main())
+
+
 def test_cancel_a_running_job_frees_its_workers_and_closes_its_context(tmp_path):
     async def main():
         async with Harness(tmp_path, gate_open=False) as h:
