@@ -25,12 +25,14 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before tests.utils imports torch
 
+from tests import zygote
 from tests.utils import shared_fork_servers, timeout_unit
 
 _TESTS = Path(__file__).parent
 _STATE_HOME = tempfile.TemporaryDirectory(prefix="somatize-test-state-")
 os.environ["XDG_STATE_HOME"] = _STATE_HOME.name
 shared_fork_servers()  # made here, before pytest -n starts its test processes, which inherit it
+zygote.start()  # the same: one for the run (tests.zygote)
 
 
 def _weight(item: pytest.Item) -> int:

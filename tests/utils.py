@@ -23,6 +23,7 @@ from typing import Final
 
 import somatize as sz
 from somatize.cli.cluster import LISTENING, said_in_log
+from tests import zygote
 
 
 def timeout_unit() -> float:
@@ -51,16 +52,16 @@ def interruptible(argv: list[str]) -> list[str]:
 
 def somatize_cli(url: str, *args: str, seconds: float = 60) -> subprocess.CompletedProcess[str]:
     """``somatize ARGS`` against the coordinator at ``url`` (no token from the environment),
-    its output captured, within ``seconds * UNIT``."""
+    its output captured, within ``seconds * UNIT``: forked by the suite's zygote
+    (:mod:`tests.zygote`) where it can be."""
     env = {**os.environ, "SOMATIZE_COORDINATOR": url, "COLUMNS": "200"}
     env.pop("SOMATIZE_TOKEN", None)
+    argv = [str(Path(sys.executable).parent / "somatize"), *args]
+    forked = zygote.run(argv, env, seconds * UNIT)  # tests.zygote: torch imported already
+    if forked is not None:
+        return forked
     return subprocess.run(
-        [str(Path(sys.executable).parent / "somatize"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=seconds * UNIT,
-        check=False,
+        argv, capture_output=True, text=True, env=env, timeout=seconds * UNIT, check=False
     )
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from somatize.cli.cluster import LocalCluster, wait_for
+from tests import zygote
 from tests.utils import FORK_SERVER_LINGER, UNIT, shared_fork_servers
 
 __all__ = ["Cluster", "cluster", "healthy", "wait_for"]
@@ -22,7 +25,9 @@ class Cluster(LocalCluster):
     job (2-3 s of CPU, where the fork server forks one in milliseconds);
     :mod:`tests.integration.security.test_sandbox` runs them sandboxed. Its workers share fork
     servers with every cluster of the run (:func:`tests.utils.shared_fork_servers`), each
-    server waiting :data:`~tests.utils.FORK_SERVER_LINGER` for the next."""
+    server waiting :data:`~tests.utils.FORK_SERVER_LINGER` for the next. Its coordinator and
+    agents are forked by the suite's zygote (:mod:`tests.zygote`), which imported them once,
+    where it can give them what they would have been started with."""
 
     def __init__(
         self,
@@ -46,6 +51,13 @@ class Cluster(LocalCluster):
                 **options,
             },
         )
+
+    def _spawn(
+        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}.log", "ab") as log:
+            forked = zygote.spawn(argv, {**os.environ, **(env or {})}, log.fileno())
+        return forked or super()._spawn(name, argv, env)  # type: ignore[return-value]
 
     def wait_connected(self, worker_id: str) -> dict[str, object]:
         return wait_for(

@@ -8,8 +8,6 @@ schedule, clipping to 1.0, one seeded permutation an epoch cut in order."""
 from __future__ import annotations
 
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +19,11 @@ import transformers
 import somatize as sz
 from somatize.cli.curves import history_of, validations_of
 from tests.integration.cluster import cluster
-from tests.utils import UNIT
+from tests.utils import somatize_cli
 
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "gpt2_job.py"
-BIN = Path(sys.executable).parent
 SIZES = {"GPT2_STEPS": "3", "GPT2_ROWS": "80", "GPT2_VAL_ROWS": "16", "GPT2_VALIDATE_EVERY": "1"}
 
 
@@ -77,8 +74,7 @@ def test_the_gpt2_example_trains_through_somatize_submit_as_its_plain_loop(tmp_p
     job = runpy.run_path(str(EXAMPLE))
     assert job["EPOCHS"] == 3 and job["gpt2"].max_steps == 3  # max_steps ends the run
     with cluster(tmp_path, {"w1": (), "w2": ()}) as c:
-        argv = [str(BIN / "somatize"), "submit", str(EXAMPLE), "--coordinator", c.url]
-        submitted = subprocess.run(argv, capture_output=True, text=True, timeout=180 * UNIT)
+        submitted = somatize_cli(c.url, "submit", str(EXAMPLE), seconds=180)
         assert submitted.returncode == 0, submitted.stderr
         with sz.connect(c.url) as client:
             record = client.job(submitted.stdout.split()[0]).status()

@@ -26,7 +26,7 @@ import torch
 
 import somatize as sz
 from tests.integration.cluster import Cluster, wait_for
-from tests.utils import UNIT, interruptible
+from tests.utils import UNIT, interruptible, somatize_cli
 
 pytestmark = pytest.mark.integration
 
@@ -78,14 +78,7 @@ def _env(live: Cluster) -> dict[str, str]:
 
 
 def _somatize(live: Cluster, *args: str, seconds: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "somatize"), *args],
-        capture_output=True,
-        text=True,
-        env=_env(live),
-        timeout=seconds * UNIT,
-        check=False,
-    )
+    return somatize_cli(live.url, *args, seconds=seconds)
 
 
 def _job_file(tmp_path: Path, text: str, name: str = "job.py") -> str:

@@ -25,7 +25,7 @@ import torch
 
 import somatize as sz
 from tests.integration.cluster import Cluster, wait_for
-from tests.utils import UNIT, interruptible
+from tests.utils import UNIT, interruptible, somatize_cli
 
 pytestmark = pytest.mark.integration
 
@@ -220,16 +220,7 @@ FAILING_JOB_FILE = textwrap.dedent(
 
 
 def _somatize(live: Cluster, *args: str, seconds: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SOMATIZE_COORDINATOR": live.url, "COLUMNS": "200"}
-    env.pop("SOMATIZE_TOKEN", None)
-    return subprocess.run(
-        [str(BIN / "somatize"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=seconds * UNIT,
-        check=False,
-    )
+    return somatize_cli(live.url, *args, seconds=seconds)
 
 
 def test_cli_submit_jobs_and_result(live, tmp_path):
