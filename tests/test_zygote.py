@@ -46,8 +46,8 @@ def test_a_forked_processs_exit_code_and_killing_signal_come_back(tmp_path):
     assert refused.wait(timeout=30 * UNIT) == 2  # argparse's usage error
     assert "usage: somatize-worker" in (tmp_path / "usage.log").read_text()
     dialling = [str(BIN / "somatize-worker"), "--connect", "ws://127.0.0.1:9", "--threads", "1"]
-    # (what torch and OpenMP read as they load: not loaded in the agents' zygote)
-    waiting = _spawn(dialling, tmp_path / "worker.log", KMP_DUPLICATE_LIB_OK="True")
+    # (what torch and OpenMP read as they load: neither is loaded in the agents' zygote)
+    waiting = _spawn(dialling, tmp_path / "worker.log", OMP_NUM_THREADS="7")
     assert waiting is not None
     with pytest.raises(subprocess.TimeoutExpired):
         waiting.wait(timeout=0.5 * UNIT)  # it dials again and again
@@ -61,7 +61,7 @@ def test_a_forked_processs_exit_code_and_killing_signal_come_back(tmp_path):
         (["somatize-worker", "--help"], {"PYTHONFAULTHANDLER": "1"}),
         (["somatize-worker", "--help"], {"LD_PRELOAD": "libm.so.6"}),
         (["somatize", "--help"], {"TORCH_SHOW_CPP_STACKTRACES": "1"}),
-        (["somatize", "--help"], {"KMP_DUPLICATE_LIB_OK": "True"}),  # (sklearn's import sets it)
+        (["somatize-coordinator", "--help"], {"OMP_NUM_THREADS": "7"}),  # torch imported
         (["ip", "netns", "exec", "ns", "somatize-worker"], {}),
         (["python", "-c", "pass"], {}),
     ],

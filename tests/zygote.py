@@ -9,9 +9,11 @@ Forked from a process that holds those imports, each starts in milliseconds, and
 function its console script would: its own session, its stdin, stdout and stderr, working
 folder, environment and ``sys.argv`` as given; it exits through the interpreter's own shutdown.
 
-There are two zygotes (:data:`ZYGOTES`): the coordinators' and agents' imports no torch (the
-tests assert that agents, and coordinators that only pass tensors on, never map it); the
-``somatize`` command's imports torch.
+There are two zygotes (:data:`ZYGOTES`). The agents' imports no torch: the tests assert that an
+agent never maps it. The other imports torch, for the ``somatize`` commands and the
+coordinators: a coordinator imports torch (2 s of CPU) for any run it computes on, shuffles or
+reads a checkpoint of, two in three of the suite's; the tests that check what a coordinator
+imports itself start theirs exec'd (``Cluster(fork=False)``).
 
 What a fork cannot give a process is what it read as its zygote started, before its ``main``:
 the interpreter's flags and ``PYTHON*`` variables, the dynamic loader's (``LD_PRELOAD``: the
@@ -56,21 +58,22 @@ ZYGOTE = "SOMATIZE_TEST_ZYGOTE"
 _PROCESS = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES")
 """Prefixes of the variables every process reads as it starts: the interpreter's, the dynamic
 loader's, the allocator's."""
-_TORCH = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH_", "CUDA_")
-"""Those a process that imports torch reads then: OpenMP's, the BLAS', torch's. (Not
+_TORCH = ("OMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_", "CUDA_")
+"""Those a process that imports torch reads then: OpenMP's (GNU's, which this torch build
+loads: not ``KMP_*``, which sklearn's import sets), the BLAS', torch's. (Not
 ``TORCHINDUCTOR_*``: torch's compiler reads them when it is first used, and sets its cache
 folder there in the process that used it.)"""
 ZYGOTES = {
-    "servers": (("coordinator.cli", "worker.cli"), _PROCESS),
-    "commands": (("torch", "somatize.cli.main"), _PROCESS + _TORCH),
+    "agents": (("worker.cli",), _PROCESS),
+    "torch": (("torch", "coordinator.cli", "somatize.cli.main"), _PROCESS + _TORCH),
 }
 """Each zygote by name: what it imports before it forks, and the prefixes of the variables its
 imports read (:data:`_PROCESS`, :data:`_TORCH`): a request whose environment differs from the
 zygote's in one of them is exec'd."""
 ENTRY_POINTS = {
-    "somatize-coordinator": ("servers", "coordinator.cli:main"),
-    "somatize-worker": ("servers", "worker.cli:main"),
-    "somatize": ("commands", "somatize.cli.main:run"),
+    "somatize-coordinator": ("torch", "coordinator.cli:main"),
+    "somatize-worker": ("agents", "worker.cli:main"),
+    "somatize": ("torch", "somatize.cli.main:run"),
 }
 """The console scripts forked, by name: the zygote that forks each, and the function it runs."""
 _STATUS = struct.Struct("i")

@@ -26,8 +26,9 @@ class Cluster(LocalCluster):
     :mod:`tests.integration.security.test_sandbox` runs them sandboxed. Its workers share fork
     servers with every cluster of the run (:func:`tests.utils.shared_fork_servers`), each
     server waiting :data:`~tests.utils.FORK_SERVER_LINGER` for the next. Its coordinator and
-    agents are forked by the suite's zygote (:mod:`tests.zygote`), which imported them once,
-    where it can give them what they would have been started with."""
+    agents are forked by the suite's zygotes (:mod:`tests.zygote`), which imported them once
+    (the coordinators' zygote torch too), where they can give them what they would have been
+    started with; ``fork=False`` starts them as console scripts."""
 
     def __init__(
         self,
@@ -36,8 +37,10 @@ class Cluster(LocalCluster):
         heartbeat_timeout: float = 3.0,
         spare_daemons: bool = False,
         sandbox: str = "none",
+        fork: bool = True,
         **options: Any,
     ):
+        self.fork = fork
         super().__init__(
             state_dir,
             heartbeat_interval=heartbeat_interval,
@@ -55,6 +58,8 @@ class Cluster(LocalCluster):
     def _spawn(
         self, name: str, argv: list[str], env: Mapping[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
+        if not self.fork:
+            return super()._spawn(name, argv, env)
         with open(self.logs / f"{name}.log", "ab") as log:
             forked = zygote.spawn(argv, {**os.environ, **(env or {})}, log.fileno())
         return forked or super()._spawn(name, argv, env)  # type: ignore[return-value]

@@ -68,7 +68,8 @@ def test_a_coordinator_passes_the_states_of_unshuffled_runs_on_without_torch(tmp
         sz.DataParallel(2, checkpoint_every=1),
         sz.ModelParallel(two, 2, "1f1b", transport="torch", checkpoint_every=1),
     ]
-    with cluster(tmp_path, {"w0": (), "w1": ()}) as c, sz.connect(c.url) as client:
+    # Exec'd, not forked from the suite's zygote, which imported torch (tests.zygote).
+    with cluster(tmp_path, {"w0": (), "w1": ()}, fork=False) as c, sz.connect(c.url) as client:
         jobs = [client.submit(graph(), x, y, strategy) for strategy in strategies]
         results = [job.result(timeout=120 * UNIT) for job in jobs]
         coordinator = Path(f"/proc/{c.coordinator.pid}/maps").read_text()
