@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final
@@ -40,6 +40,7 @@ __all__ = [
     "preview",
     "tensor_spec",
     "torch_dtypes",
+    "tree_map",
 ]
 
 MAX_RANK: Final = 64
@@ -227,16 +228,26 @@ def materialize(tree: Any) -> Any:
     bytes, as :func:`~protocol.codec.decode` would have made it): for a process that computes on
     what it was relayed. Imports torch where the tree holds one: a second or more, so call it
     off an event loop."""
-    if isinstance(tree, RelayedTensor):
-        count = math.prod(tree.shape)
-        return _tensor_from(tree.data, tree.dtype, list(tree.shape), count, 0, tree.data.nbytes)
-    if isinstance(tree, dict):
-        return {key: materialize(value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [materialize(value) for value in tree]
+    return tree_map(_materialized, tree)
+
+
+def _materialized(leaf: Any) -> Any:
+    if not isinstance(leaf, RelayedTensor):
+        return leaf
+    count = math.prod(leaf.shape)
+    return _tensor_from(leaf.data, leaf.dtype, list(leaf.shape), count, 0, leaf.data.nbytes)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` (dicts, lists and tuples of leaves, as a message decodes) with ``fn`` applied to
+    every leaf; mappings become dicts, lists and tuples stay."""
+    if isinstance(tree, Mapping):
+        return {key: tree_map(fn, value) for key, value in tree.items()}
     if isinstance(tree, tuple):
-        return tuple(materialize(value) for value in tree)
-    return tree
+        return tuple(tree_map(fn, value) for value in tree)
+    if isinstance(tree, list):
+        return [tree_map(fn, value) for value in tree]
+    return fn(tree)
 
 
 def array_from(

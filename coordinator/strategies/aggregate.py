@@ -42,7 +42,7 @@ import math
 import reprlib
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
@@ -191,17 +191,6 @@ def copy_leaf(leaf: Any) -> Any:
     if isinstance(leaf, np.generic | str | bytes | int | float | complex | type(None)):
         return leaf
     return copy.deepcopy(leaf)
-
-
-def tree_map(fn: Callable[[Any], Any], tree: Tree) -> Tree:
-    """``tree`` with ``fn`` applied to every leaf; mappings become dicts, lists and tuples stay."""
-    if isinstance(tree, Mapping):
-        return {key: tree_map(fn, value) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_map(fn, value) for value in tree)
-    if isinstance(tree, list):
-        return [tree_map(fn, value) for value in tree]
-    return fn(tree)
 
 
 def tree_leaves(tree: Tree) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
+from protocol.arrays import tree_map
 from protocol.codec import decode
 from protocol.errors import ErrorCode, FrameError
 from protocol.files.shard_pieces import PiecesMismatch, joined
@@ -417,15 +418,13 @@ def _writable(value: Any) -> Any:
     user should behave like one ``graph.fit`` returned (writable, no torch warning on
     ``torch.as_tensor``). Torch tensors are always writable already.
     """
-    if isinstance(value, np.ndarray):
-        return value if value.flags.writeable else value.copy()
-    if isinstance(value, dict):
-        return {k: _writable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_writable(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_writable(v) for v in value)
-    return value
+    return tree_map(_writable_leaf, value)
+
+
+def _writable_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
+        return leaf.copy()
+    return leaf
 
 
 def _trained_rows(result: dict[str, Any], name: str) -> list[dict[str, Any]]:

@@ -14,9 +14,9 @@ from coordinator.strategies.aggregate import (
     AggregationError,
     numel,
     tree_leaves,
-    tree_map,
     weighted_mean,
 )
+from protocol.arrays import tree_map
 
 
 def refused(message: str):
